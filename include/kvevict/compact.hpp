@@ -1,0 +1,348 @@
+// kvevict/compact.hpp: gather the kept rows of a KV cache (the last stage of every recipe).
+//
+//   compact(be, src, kept, dst)           dense:  dst[h][j][:] = src[h][kept[h][j]][:]
+//   compact(be, src, kept_ragged, dst)    ragged: head h's kept rows packed into a ragged_view
+//                                         or into a ragged_cache (which then holds them, with
+//                                         room left for decode-time appends)
+//   compact_inplace(be, cache, kept)      same gather, overwriting the cache's first rows
+//   append(be, cache, rows)               decode-time: add rows to every head of a ragged_cache
+//
+// Out-of-place gathers accept any positions (duplicates, any order). In-place compaction needs
+// each head's positions strictly ascending (what `select` returns): then row j is read from
+// position kept[j] >= j before anything overwrites it. Nothing here allocates.
+// Element types: any trivially copyable T (float, float16, bfloat16, int8 codes...); rows are copied
+// bit-exactly. The CUDA overloads are in <kvevict/cuda/compact.cuh>.
+#pragma once
+
+#include <kvevict/backend.hpp>
+#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/parallel.hpp>
+#include <kvevict/status.hpp>
+#include <kvevict/view.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+namespace kvevict {
+namespace detail {
+
+template <class T>
+KVEVICT_HOST_DEVICE inline void copy_row(T* dst, index_t dst_stride, const T* src, index_t src_stride,
+                                         index_t dim) {
+  for (index_t d = 0; d < dim; ++d) dst[d * dst_stride] = src[d * src_stride];
+}
+
+template <class T>
+inline void copy_row_host(T* dst, index_t dst_stride, const T* src, index_t src_stride, index_t dim) {
+  if (dst_stride == 1 && src_stride == 1) {
+    if (dst != src) std::memcpy(dst, src, static_cast<std::size_t>(dim) * sizeof(T));
+  } else {
+    copy_row(dst, dst_stride, src, src_stride, dim);
+  }
+}
+
+template <class T>
+const T* row_ptr(const kv_view<const T>& v, index_t h, index_t t) {
+  return v.data_handle() + h * v.stride(0) + t * v.stride(1);
+}
+template <class T>
+T* row_ptr(const kv_view<T>& v, index_t h, index_t t) {
+  return v.data_handle() + h * v.stride(0) + t * v.stride(1);
+}
+
+/// Kept positions of one dense kept matrix: shape, range and (for in-place) strict ascent.
+inline status check_kept_matrix(const char* fn, const matrix_view<const pos_t>& kept, index_t tokens,
+                                bool ascending) {
+  for (index_t h = 0; h < kept.extent(0); ++h)
+    for (index_t j = 0; j < kept.extent(1); ++j) {
+      const pos_t p = kept(h, j);
+      if (p < 0 || p >= tokens)
+        return status::error(errc::out_of_range, "%s: kept[%lld][%lld] = %d is outside [0, %lld) tokens", fn,
+                             static_cast<long long>(h), static_cast<long long>(j), p,
+                             static_cast<long long>(tokens));
+      if (ascending && j > 0 && p <= kept(h, j - 1))
+        return status::error(errc::not_sorted,
+                             "%s: in-place compaction needs strictly ascending positions; kept[%lld][%lld] = %d "
+                             "follows %d",
+                             fn, static_cast<long long>(h), static_cast<long long>(j), p, kept(h, j - 1));
+    }
+  return {};
+}
+
+/// Head h's positions of a ragged kept list must lie in [0, tokens(h)) (and ascend if asked).
+template <class TokensOf>
+status check_kept_ragged(const char* fn, const ragged_positions& kept, TokensOf tokens, bool ascending) {
+  for (index_t h = 0; h < kept.heads; ++h) {
+    const index_t n = tokens(h);
+    for (index_t j = kept.cu[h]; j < kept.cu[h + 1]; ++j) {
+      const pos_t p = kept.pos[j];
+      if (p < 0 || p >= n)
+        return status::error(errc::out_of_range, "%s: kept position %d of head %lld is outside [0, %lld)", fn, p,
+                             static_cast<long long>(h), static_cast<long long>(n));
+      if (ascending && j > kept.cu[h] && p <= kept.pos[j - 1])
+        return status::error(errc::not_sorted,
+                             "%s: in-place compaction needs strictly ascending positions; head %lld has %d after %d",
+                             fn, static_cast<long long>(h), p, kept.pos[j - 1]);
+    }
+  }
+  return {};
+}
+
+inline status check_ragged_positions(const char* fn, const ragged_positions& kept) {
+  KVEVICT_TRY(check_offsets(fn, "kept.cu", kept.cu, kept.heads));
+  if (kept.pos == nullptr && kept.heads > 0 && kept.cu[kept.heads] > 0)
+    return status::error(errc::null_pointer, "%s: kept.pos is null but %d positions are listed", fn,
+                         kept.cu[kept.heads]);
+  return {};
+}
+
+template <class T>
+status check_ragged_rows(const char* fn, const char* name, const T* data, index_t dim, index_t row_stride,
+                         index_t rows) {
+  if (dim < 0) return status::error(errc::invalid_argument, "%s: %s.dim is negative", fn, name);
+  if (row_stride < dim || row_stride <= 0)
+    return status::error(errc::invalid_argument, "%s: %s.row_stride (%lld) must be positive and >= dim (%lld)", fn,
+                         name, static_cast<long long>(row_stride), static_cast<long long>(dim));
+  index_t total = 0;
+  if (!checked_mul(rows, row_stride, total) || !checked_mul(total, static_cast<index_t>(sizeof(T)), total))
+    return status::error(errc::size_overflow, "%s: %s rows x row_stride overflows", fn, name);
+  if (data == nullptr && rows > 0 && dim > 0)
+    return status::error(errc::null_pointer, "%s: %s.data is null but it holds %lld rows", fn, name,
+                         static_cast<long long>(rows));
+  return {};
+}
+
+template <class T>
+byte_range rows_range(const T* data, index_t rows, index_t row_stride) {
+  if (rows <= 0) return {};
+  const auto b = reinterpret_cast<std::uintptr_t>(data);
+  return {b, b + static_cast<std::uintptr_t>(rows * row_stride) * sizeof(T)};
+}
+inline byte_range positions_range(const pos_t* p, index_t n) {
+  if (n <= 0) return {};
+  const auto b = reinterpret_cast<std::uintptr_t>(p);
+  return {b, b + static_cast<std::uintptr_t>(n) * sizeof(pos_t)};
+}
+
+inline status overlap_error(const char* fn, const char* a, const char* b) {
+  return status::error(errc::overlap, "%s: %s and %s overlap in memory%s", fn, a, b,
+                       " (use compact_inplace to compact a cache onto itself)");
+}
+
+/// Shape and aliasing checks of the dense gather, shared by every backend (CUDA included: they
+/// read only extents and pointers, never device memory).
+template <class T>
+status check_compact_dense_shapes(const char* fn, const kv_view<const T>& src, const matrix_view<const pos_t>& kept,
+                                  const kv_view<T>& dst) {
+  KVEVICT_TRY(check_view(fn, "src", src));
+  KVEVICT_TRY(check_view(fn, "kept", kept));
+  KVEVICT_TRY(check_view(fn, "dst", dst));
+  if (kept.extent(0) != src.extent(0) || dst.extent(0) != src.extent(0))
+    return status::error(errc::shape_mismatch, "%s: head counts differ (src %lld, kept %lld, dst %lld)", fn,
+                         static_cast<long long>(src.extent(0)), static_cast<long long>(kept.extent(0)),
+                         static_cast<long long>(dst.extent(0)));
+  if (dst.extent(1) != kept.extent(1))
+    return status::error(errc::shape_mismatch, "%s: dst holds %lld tokens per head but kept lists %lld", fn,
+                         static_cast<long long>(dst.extent(1)), static_cast<long long>(kept.extent(1)));
+  if (dst.extent(2) != src.extent(2))
+    return status::error(errc::shape_mismatch, "%s: head dims differ (src %lld, dst %lld)", fn,
+                         static_cast<long long>(src.extent(2)), static_cast<long long>(dst.extent(2)));
+  if (kept.extent(1) > 0 && src.extent(1) == 0 && src.extent(0) > 0)
+    return status::error(errc::out_of_range, "%s: kept lists %lld tokens per head of an empty source", fn,
+                         static_cast<long long>(kept.extent(1)));
+  if (range_of(src).intersects(range_of(dst))) return overlap_error(fn, "src", "dst");
+  if (range_of(kept).intersects(range_of(dst))) return overlap_error(fn, "kept", "dst");
+  return {};
+}
+
+}  // namespace detail
+
+/// Dense gather: dst[h][j][:] = src[h][kept[h][j]][:] for every head h and j < kept.extent(1).
+/// Errors: invalid views, shape mismatches, positions outside [0, src tokens), src/dst overlap.
+template <class Backend, class S, class T>
+status compact(Backend be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_view<T> dst) {
+  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
+  constexpr const char* fn = "compact";
+  const kv_view<const T> src = src_in;
+  KVEVICT_TRY(detail::check_compact_dense_shapes(fn, src, kept, dst));
+  KVEVICT_TRY(detail::check_kept_matrix(fn, kept, src.extent(1), /*ascending=*/false));
+  const index_t k = kept.extent(1), dim = src.extent(2);
+  detail::parallel_for(be, src.extent(0) * k, [&](index_t i) {
+    const index_t h = i / k, j = i % k;
+    detail::copy_row_host(detail::row_ptr(dst, h, j), dst.stride(2), detail::row_ptr(src, h, kept(h, j)),
+                          src.stride(2), dim);
+  });
+  return {};
+}
+
+/// In place: cache[h][j][:] = cache[h][kept[h][j]][:] for j < k; rows >= k keep stale data.
+/// Each head's positions must be strictly ascending. Parallel over heads only.
+template <class Backend, class T>
+status compact_inplace(Backend be, kv_view<T> cache, matrix_view<const pos_t> kept) {
+  constexpr const char* fn = "compact_inplace";
+  KVEVICT_TRY(detail::check_view(fn, "cache", cache));
+  KVEVICT_TRY(detail::check_view(fn, "kept", kept));
+  if (kept.extent(0) != cache.extent(0))
+    return status::error(errc::shape_mismatch, "%s: kept has %lld heads, the cache %lld", fn,
+                         static_cast<long long>(kept.extent(0)), static_cast<long long>(cache.extent(0)));
+  if (detail::range_of(kept).intersects(detail::range_of(cache))) return detail::overlap_error(fn, "kept", "cache");
+  KVEVICT_TRY(detail::check_kept_matrix(fn, kept, cache.extent(1), /*ascending=*/true));
+  const index_t k = kept.extent(1), dim = cache.extent(2);
+  detail::parallel_for(be, cache.extent(0), [&](index_t h) {
+    for (index_t j = 0; j < k; ++j) {
+      const pos_t p = kept(h, j);
+      if (p != j)
+        detail::copy_row_host(detail::row_ptr(cache, h, j), cache.stride(2), detail::row_ptr(cache, h, p),
+                              cache.stride(2), dim);
+    }
+  });
+  return {};
+}
+
+/// Ragged gather: head h's kept rows (kept.pos[kept.cu[h] ..]) packed into dst's rows of head h.
+/// dst.cu_lens must equal kept.cu.
+template <class Backend, class S, class T>
+status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_view<T> dst) {
+  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
+  constexpr const char* fn = "compact";
+  const kv_view<const T> src = src_in;
+  KVEVICT_TRY(detail::check_view(fn, "src", src));
+  KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
+  if (kept.heads != src.extent(0) || dst.heads != src.extent(0))
+    return status::error(errc::shape_mismatch, "%s: head counts differ (src %lld, kept %lld, dst %lld)", fn,
+                         static_cast<long long>(src.extent(0)), static_cast<long long>(kept.heads),
+                         static_cast<long long>(dst.heads));
+  KVEVICT_TRY(detail::check_offsets(fn, "dst.cu_lens", dst.cu_lens, dst.heads));
+  for (index_t h = 0; h <= dst.heads; ++h)
+    if (dst.cu_lens[h] != kept.cu[h])
+      return status::error(errc::shape_mismatch, "%s: dst.cu_lens[%lld] = %d but kept.cu[%lld] = %d", fn,
+                           static_cast<long long>(h), dst.cu_lens[h], static_cast<long long>(h), kept.cu[h]);
+  if (dst.dim != src.extent(2))
+    return status::error(errc::shape_mismatch, "%s: head dims differ (src %lld, dst %lld)", fn,
+                         static_cast<long long>(src.extent(2)), static_cast<long long>(dst.dim));
+  KVEVICT_TRY(detail::check_ragged_rows(fn, "dst", dst.data, dst.dim, dst.row_stride, dst.total_rows()));
+  const auto dst_range = detail::rows_range(dst.data, dst.total_rows(), dst.row_stride);
+  if (detail::range_of(src).intersects(dst_range)) return detail::overlap_error(fn, "src", "dst");
+  if (detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0).intersects(dst_range))
+    return detail::overlap_error(fn, "kept", "dst");
+  KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t) { return src.extent(1); }, false));
+  const index_t dim = src.extent(2);
+  detail::parallel_for(be, dst.total_rows(), [&](index_t r) {
+    // the head of flat row r: the last h with cu[h] <= r
+    const index_t h = std::upper_bound(kept.cu, kept.cu + kept.heads + 1, r) - kept.cu - 1;
+    detail::copy_row_host(dst.data + r * dst.row_stride, 1, detail::row_ptr(src, h, kept.pos[r]), src.stride(2),
+                          dim);
+  });
+  return {};
+}
+
+/// Dense prompt cache -> ragged cache with capacity: head h receives its kept rows and
+/// lens[h] = number kept. Fails with capacity_exceeded (writing nothing) if any head lacks room.
+template <class Backend, class S, class T>
+status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_cache<T> dst) {
+  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
+  constexpr const char* fn = "compact";
+  const kv_view<const T> src = src_in;
+  KVEVICT_TRY(detail::check_view(fn, "src", src));
+  KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
+  if (kept.heads != src.extent(0) || dst.heads != src.extent(0))
+    return status::error(errc::shape_mismatch, "%s: head counts differ (src %lld, kept %lld, dst %lld)", fn,
+                         static_cast<long long>(src.extent(0)), static_cast<long long>(kept.heads),
+                         static_cast<long long>(dst.heads));
+  KVEVICT_TRY(detail::check_offsets(fn, "dst.cu_capacity", dst.cu_capacity, dst.heads));
+  if (dst.lens == nullptr && dst.heads > 0) return status::error(errc::null_pointer, "%s: dst.lens is null", fn);
+  if (dst.dim != src.extent(2))
+    return status::error(errc::shape_mismatch, "%s: head dims differ (src %lld, dst %lld)", fn,
+                         static_cast<long long>(src.extent(2)), static_cast<long long>(dst.dim));
+  const index_t rows = dst.heads > 0 ? dst.cu_capacity[dst.heads] : 0;
+  KVEVICT_TRY(detail::check_ragged_rows(fn, "dst", dst.data, dst.dim, dst.row_stride, rows));
+  for (index_t h = 0; h < dst.heads; ++h)
+    if (kept.length(h) > dst.capacity(h))
+      return status::error(errc::capacity_exceeded, "%s: head %lld keeps %lld rows but has capacity for %lld", fn,
+                           static_cast<long long>(h), static_cast<long long>(kept.length(h)),
+                           static_cast<long long>(dst.capacity(h)));
+  const auto dst_range = detail::rows_range(dst.data, rows, dst.row_stride);
+  if (detail::range_of(src).intersects(dst_range)) return detail::overlap_error(fn, "src", "dst");
+  if (detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0).intersects(dst_range))
+    return detail::overlap_error(fn, "kept", "dst");
+  KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t) { return src.extent(1); }, false));
+  const index_t dim = src.extent(2);
+  detail::parallel_for(be, dst.heads, [&](index_t h) {
+    const index_t n = kept.length(h);
+    for (index_t j = 0; j < n; ++j)
+      detail::copy_row_host(dst.row(h, j), 1, detail::row_ptr(src, h, kept.pos[kept.cu[h] + j]), src.stride(2), dim);
+    dst.lens[h] = static_cast<std::int32_t>(n);
+  });
+  return {};
+}
+
+/// In place on a ragged cache: head h keeps rows kept.pos[kept.cu[h] ..] (strictly ascending,
+/// each < lens[h]), packed to the front of its region; lens[h] becomes the number kept.
+template <class Backend, class T>
+status compact_inplace(Backend be, ragged_cache<T> cache, ragged_positions kept) {
+  constexpr const char* fn = "compact_inplace";
+  KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
+  if (kept.heads != cache.heads)
+    return status::error(errc::shape_mismatch, "%s: kept has %lld heads, the cache %lld", fn,
+                         static_cast<long long>(kept.heads), static_cast<long long>(cache.heads));
+  KVEVICT_TRY(detail::check_offsets(fn, "cache.cu_capacity", cache.cu_capacity, cache.heads));
+  if (cache.lens == nullptr && cache.heads > 0) return status::error(errc::null_pointer, "%s: cache.lens is null", fn);
+  const index_t rows = cache.heads > 0 ? cache.cu_capacity[cache.heads] : 0;
+  KVEVICT_TRY(detail::check_ragged_rows(fn, "cache", cache.data, cache.dim, cache.row_stride, rows));
+  for (index_t h = 0; h < cache.heads; ++h)
+    if (cache.lens[h] < 0 || cache.lens[h] > cache.capacity(h))
+      return status::error(errc::out_of_range, "%s: cache.lens[%lld] = %d is outside [0, %lld]", fn,
+                           static_cast<long long>(h), cache.lens[h], static_cast<long long>(cache.capacity(h)));
+  if (detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0)
+          .intersects(detail::rows_range(cache.data, rows, cache.row_stride)))
+    return detail::overlap_error(fn, "kept", "cache");
+  KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t h) { return index_t(cache.lens[h]); }, true));
+  detail::parallel_for(be, cache.heads, [&](index_t h) {
+    const index_t n = kept.length(h);
+    for (index_t j = 0; j < n; ++j) {
+      const pos_t p = kept.pos[kept.cu[h] + j];
+      if (p != j) detail::copy_row_host(cache.row(h, j), 1, cache.row(h, p), 1, cache.dim);
+    }
+    cache.lens[h] = static_cast<std::int32_t>(n);
+  });
+  return {};
+}
+
+/// Decode-time append: rows[h][i][:] becomes row lens[h] + i of head h, then lens[h] += n.
+/// Capacity is checked for every head before anything is written (all or nothing); no allocation.
+template <class Backend, class T, class S>
+status append(Backend be, ragged_cache<T> cache, kv_view<S> rows_in) {
+  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "append: cache and rows element types differ");
+  constexpr const char* fn = "append";
+  const kv_view<const T> rows = rows_in;
+  KVEVICT_TRY(detail::check_view(fn, "rows", rows));
+  KVEVICT_TRY(detail::check_offsets(fn, "cache.cu_capacity", cache.cu_capacity, cache.heads));
+  if (cache.lens == nullptr && cache.heads > 0) return status::error(errc::null_pointer, "%s: cache.lens is null", fn);
+  if (rows.extent(0) != cache.heads || rows.extent(2) != cache.dim)
+    return status::error(errc::shape_mismatch, "%s: rows are [%lld][*][%lld] but the cache has %lld heads of dim %lld",
+                         fn, static_cast<long long>(rows.extent(0)), static_cast<long long>(rows.extent(2)),
+                         static_cast<long long>(cache.heads), static_cast<long long>(cache.dim));
+  const index_t total = cache.heads > 0 ? cache.cu_capacity[cache.heads] : 0;
+  KVEVICT_TRY(detail::check_ragged_rows(fn, "cache", cache.data, cache.dim, cache.row_stride, total));
+  const index_t n = rows.extent(1);
+  for (index_t h = 0; h < cache.heads; ++h) {
+    if (cache.lens[h] < 0 || cache.lens[h] > cache.capacity(h))
+      return status::error(errc::out_of_range, "%s: cache.lens[%lld] = %d is outside [0, %lld]", fn,
+                           static_cast<long long>(h), cache.lens[h], static_cast<long long>(cache.capacity(h)));
+    if (cache.lens[h] + n > cache.capacity(h))
+      return status::error(errc::capacity_exceeded, "%s: head %lld holds %d of %lld rows; %lld more do not fit", fn,
+                           static_cast<long long>(h), cache.lens[h], static_cast<long long>(cache.capacity(h)),
+                           static_cast<long long>(n));
+  }
+  if (detail::range_of(rows).intersects(detail::rows_range(cache.data, total, cache.row_stride)))
+    return detail::overlap_error(fn, "rows", "cache");
+  detail::parallel_for(be, cache.heads, [&](index_t h) {
+    for (index_t i = 0; i < n; ++i)
+      detail::copy_row_host(cache.row(h, cache.lens[h] + i), 1, detail::row_ptr(rows, h, i), rows.stride(2), cache.dim);
+    cache.lens[h] += static_cast<std::int32_t>(n);
+  });
+  return {};
+}
+
+}  // namespace kvevict

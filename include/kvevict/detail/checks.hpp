@@ -1,0 +1,55 @@
+// Argument validation shared by every entry point: views built by hand (not through the
+// make_* factories) get the same checks, so bad input becomes a status, never UB.
+#pragma once
+
+#include <kvevict/status.hpp>
+#include <kvevict/view.hpp>
+
+#include <cstdint>
+
+namespace kvevict::detail {
+
+template <class T, class Ext>
+status check_view(const char* fn, const char* name, const cuda::std::mdspan<T, Ext, cuda::std::layout_stride>& v) {
+  constexpr std::size_t Rank = Ext::rank();
+  index_t ext[Rank], str[Rank];
+  for (std::size_t i = 0; i < Rank; ++i) {
+    ext[i] = v.extent(i);
+    str[i] = v.stride(i);
+  }
+  char what[96];
+  std::snprintf(what, sizeof what, "%s: %s", fn, name);
+  return check_extents_strides(what, ext, str, sizeof(T), v.data_handle());
+}
+
+/// Byte range [begin, end) a view touches (empty range for empty views).
+struct byte_range {
+  std::uintptr_t begin = 0, end = 0;
+  bool intersects(const byte_range& o) const { return begin < o.end && o.begin < end; }
+};
+
+template <class T, class Ext>
+byte_range range_of(const cuda::std::mdspan<T, Ext, cuda::std::layout_stride>& v) {
+  if (v.size() == 0) return {};
+  const auto b = reinterpret_cast<std::uintptr_t>(v.data_handle());
+  return {b, b + static_cast<std::uintptr_t>(v.mapping().required_span_size()) * sizeof(T)};
+}
+
+/// Checks cu[0] == 0, non-decreasing offsets, and cu[n] <= limit (when limit >= 0).
+inline status check_offsets(const char* fn, const char* name, const std::int32_t* cu, index_t n,
+                            index_t limit = -1) {
+  if (n < 0) return status::error(errc::invalid_argument, "%s: %s has a negative head count (%lld)", fn, name,
+                                  static_cast<long long>(n));
+  if (cu == nullptr) return status::error(errc::null_pointer, "%s: %s offsets are null", fn, name);
+  if (cu[0] != 0) return status::error(errc::invalid_argument, "%s: %s[0] must be 0 (got %d)", fn, name, cu[0]);
+  for (index_t h = 0; h < n; ++h)
+    if (cu[h + 1] < cu[h])
+      return status::error(errc::invalid_argument, "%s: %s decreases at head %lld (%d -> %d)", fn, name,
+                           static_cast<long long>(h), cu[h], cu[h + 1]);
+  if (limit >= 0 && cu[n] > limit)
+    return status::error(errc::out_of_range, "%s: %s ends at %d, past the %lld rows available", fn, name, cu[n],
+                         static_cast<long long>(limit));
+  return {};
+}
+
+}  // namespace kvevict::detail

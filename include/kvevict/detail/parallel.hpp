@@ -1,0 +1,40 @@
+// Host loop helpers shared by the seq and par backends.
+#pragma once
+
+#include <kvevict/backend.hpp>
+#include <kvevict/config.hpp>
+
+namespace kvevict::detail {
+
+// The par code differs with and without -fopenmp; the inline namespace gives the two versions
+// different mangled names, so mixing translation units built both ways is not an ODR violation.
+#if defined(_OPENMP)
+inline namespace par_openmp {
+#else
+inline namespace par_serial {
+#endif
+
+/// Calls f(i) for i in [0, n). seq: in order on this thread.
+template <class F>
+void parallel_for(seq_t, index_t n, F&& f) {
+  for (index_t i = 0; i < n; ++i) f(i);
+}
+
+/// par: statically scheduled OpenMP loop (deterministic partition; f must not depend on order).
+template <class F>
+void parallel_for(par_t p, index_t n, F&& f) {
+#if defined(_OPENMP)
+  if (n > 1) {
+    const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+#  pragma omp parallel for schedule(static) num_threads(threads)
+    for (index_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+#else
+  (void)p;
+#endif
+  for (index_t i = 0; i < n; ++i) f(i);
+}
+
+}  // inline namespace
+}  // namespace kvevict::detail

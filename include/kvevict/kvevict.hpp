@@ -1,0 +1,9 @@
+// kvevict/kvevict.hpp: every host-side public header. CUDA launchers are in <kvevict/cuda/*.cuh>.
+#pragma once
+
+#include <kvevict/backend.hpp>
+#include <kvevict/compact.hpp>
+#include <kvevict/config.hpp>
+#include <kvevict/numeric.hpp>
+#include <kvevict/status.hpp>
+#include <kvevict/view.hpp>

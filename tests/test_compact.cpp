@@ -1,0 +1,246 @@
+#include "support.hpp"
+
+#include <kvevict/compact.hpp>
+#include <kvevict/numeric.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+using namespace kvevict;
+using kvtest::require_error;
+using kvtest::value_of;
+
+namespace {
+
+// A cache with an arbitrary memory layout: logical [H][T][D] over a buffer padded in every stride.
+struct layout_case {
+  kv_layout layout;
+  index_t pad;  // extra elements per row (0: contiguous)
+};
+
+template <class T>
+struct test_cache {
+  std::vector<T> buf;
+  kv_view<T> view;
+  test_cache(index_t H, index_t Tn, index_t D, layout_case lc, std::mt19937_64& g) {
+    const index_t row = D + lc.pad;
+    buf.assign(static_cast<std::size_t>(std::max<index_t>(1, H * Tn * row)), T{});
+    for (auto& x : buf) x = from_float(static_cast<float>(kvtest::uniform_int(g, -1000, 1000)));
+    view = lc.layout == kv_layout::head_major ? value_of(make_kv_view(buf.data(), H, Tn, D, Tn * row, row))
+                                              : value_of(make_kv_view(buf.data(), H, Tn, D, row, H * row));
+  }
+  static T from_float(float f) {
+    if constexpr (std::is_same_v<T, float16>) return to_float16(f);
+    else return f;
+  }
+};
+
+template <class T>
+bool same_bits(const T& a, const T& b) {
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+// Random kept lists: per head, k positions in [0, T). ascending => sorted, unique.
+std::vector<pos_t> random_kept(std::mt19937_64& g, index_t H, index_t Tn, index_t k, bool ascending) {
+  std::vector<pos_t> kept(static_cast<std::size_t>(H * k));
+  for (index_t h = 0; h < H; ++h) {
+    std::vector<pos_t> all(static_cast<std::size_t>(Tn));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), g);
+    std::vector<pos_t> pick(all.begin(), all.begin() + k);
+    if (ascending) std::sort(pick.begin(), pick.end());
+    std::copy(pick.begin(), pick.end(), kept.begin() + h * k);
+  }
+  return kept;
+}
+
+const layout_case layouts[] = {{kv_layout::head_major, 0}, {kv_layout::token_major, 0}, {kv_layout::head_major, 3},
+                               {kv_layout::token_major, 5}};
+
+template <class T, class Backend>
+void dense_gather_matches_reference(Backend be, std::uint64_t seed) {
+  auto g = kvtest::rng(seed);
+  for (int trial = 0; trial < 40; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 6), Tn = kvtest::uniform_int(g, 1, 70), D = kvtest::uniform_int(g, 1, 9);
+    const index_t k = kvtest::uniform_int(g, 0, Tn);
+    const layout_case lc = layouts[trial % 4];
+    CAPTURE(seed);
+    CAPTURE(trial);
+    test_cache<T> src(H, Tn, D, lc, g);
+    const auto kept = random_kept(g, H, Tn, k, trial % 2 == 0);
+    std::vector<T> out(static_cast<std::size_t>(std::max<index_t>(1, H * k * D)));
+    auto dst = value_of(make_kv_view(out.data(), H, k, D));
+    REQUIRE(compact(be, src.view, value_of(make_matrix_view(kept.data(), H, k)), dst).ok());
+    for (index_t h = 0; h < H; ++h)
+      for (index_t j = 0; j < k; ++j)
+        for (index_t d = 0; d < D; ++d) REQUIRE(same_bits(dst(h, j, d), src.view(h, kept[h * k + j], d)));
+
+    // in place on a copy: the first k rows of every head become the gathered rows
+    test_cache<T> inplace = src;
+    inplace.view = kv_view<T>(inplace.buf.data(), src.view.mapping());
+    const auto asc = random_kept(g, H, Tn, k, true);
+    REQUIRE(compact_inplace(be, inplace.view, value_of(make_matrix_view(asc.data(), H, k))).ok());
+    for (index_t h = 0; h < H; ++h)
+      for (index_t j = 0; j < k; ++j)
+        for (index_t d = 0; d < D; ++d) REQUIRE(same_bits(inplace.view(h, j, d), src.view(h, asc[h * k + j], d)));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("compact dense: random shapes, layouts, backends and element types match the naive gather") {
+  dense_gather_matches_reference<float>(seq, 1);
+  dense_gather_matches_reference<float>(par, 2);
+  dense_gather_matches_reference<float16>(seq, 3);
+  dense_gather_matches_reference<float16>(par, 4);
+}
+
+TEST_CASE("compact ragged: per-head kept counts, into a ragged_view and into a ragged_cache") {
+  for (std::uint64_t seed = 10; seed < 30; ++seed) {
+    CAPTURE(seed);
+    auto g = kvtest::rng(seed);
+    const index_t H = kvtest::uniform_int(g, 1, 5), Tn = kvtest::uniform_int(g, 1, 40), D = kvtest::uniform_int(g, 1, 7);
+    test_cache<float> src(H, Tn, D, layouts[seed % 4], g);
+    std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1), 0);
+    std::vector<pos_t> pos;
+    for (index_t h = 0; h < H; ++h) {
+      const index_t k = kvtest::uniform_int(g, 0, Tn);  // includes empty heads and whole heads
+      const auto one = random_kept(g, 1, Tn, k, true);
+      pos.insert(pos.end(), one.begin(), one.end());
+      cu[h + 1] = cu[h] + static_cast<std::int32_t>(k);
+    }
+    ragged_positions kept{pos.data(), cu.data(), H};
+    const index_t rows = cu.back();
+
+    std::vector<float> flat(static_cast<std::size_t>(std::max<index_t>(1, rows * D)));
+    ragged_view<float> rv{flat.data(), cu.data(), H, D, D};
+    REQUIRE(compact(seq, src.view, kept, rv).ok());
+    std::vector<float> flat_par(flat.size());
+    ragged_view<float> rv_par{flat_par.data(), cu.data(), H, D, D};
+    REQUIRE(compact(par, src.view, kept, rv_par).ok());
+    CHECK(flat == flat_par);
+
+    // ragged cache with 3 spare rows per head, then an append of 2 decode tokens
+    std::vector<std::int32_t> cap(static_cast<std::size_t>(H + 1), 0), lens(static_cast<std::size_t>(H), -7);
+    for (index_t h = 0; h < H; ++h) cap[h + 1] = cap[h] + (cu[h + 1] - cu[h]) + 3;
+    const index_t row_stride = D + 1;
+    std::vector<float> store(static_cast<std::size_t>(cap.back() * row_stride), -1.f);
+    ragged_cache<float> rc{store.data(), cap.data(), lens.data(), H, D, row_stride};
+    REQUIRE(compact(par, src.view, kept, rc).ok());
+    for (index_t h = 0; h < H; ++h) {
+      REQUIRE(lens[h] == cu[h + 1] - cu[h]);
+      for (index_t j = 0; j < lens[h]; ++j)
+        for (index_t d = 0; d < D; ++d) {
+          REQUIRE(rv.row(h, j)[d] == src.view(h, pos[cu[h] + j], d));
+          REQUIRE(rc.row(h, j)[d] == rv.row(h, j)[d]);
+        }
+    }
+    test_cache<float> fresh(H, 2, D, layouts[0], g);
+    REQUIRE(append(seq, rc, fresh.view).ok());
+    for (index_t h = 0; h < H; ++h) {
+      REQUIRE(lens[h] == cu[h + 1] - cu[h] + 2);
+      for (index_t i = 0; i < 2; ++i)
+        for (index_t d = 0; d < D; ++d) REQUIRE(rc.row(h, cu[h + 1] - cu[h] + i)[d] == fresh.view(h, i, d));
+    }
+    // a third and fourth append: only one spare row is left, so the second fails and writes nothing
+    REQUIRE(append(par, rc, value_of(make_kv_view(fresh.buf.data(), H, 1, D))).ok());
+    const auto before = store;
+    const auto lens_before = lens;
+    require_error(append(par, rc, value_of(make_kv_view(fresh.buf.data(), H, 1, D))), errc::capacity_exceeded,
+                  "do not fit");
+    CHECK(store == before);
+    CHECK(lens == lens_before);
+
+    // in place on the ragged cache: keep every other row of each head
+    std::vector<std::int32_t> cu2(static_cast<std::size_t>(H + 1), 0);
+    std::vector<pos_t> pos2;
+    for (index_t h = 0; h < H; ++h) {
+      for (pos_t j = 0; j < lens[h]; j += 2) pos2.push_back(j);
+      cu2[h + 1] = static_cast<std::int32_t>(pos2.size());
+    }
+    const auto snapshot = store;
+    const auto old_lens = lens;
+    REQUIRE(compact_inplace(par, rc, ragged_positions{pos2.data(), cu2.data(), H}).ok());
+    for (index_t h = 0; h < H; ++h) {
+      REQUIRE(lens[h] == (old_lens[h] + 1) / 2);
+      for (index_t j = 0; j < lens[h]; ++j)
+        for (index_t d = 0; d < D; ++d)
+          REQUIRE(rc.row(h, j)[d] == snapshot[static_cast<std::size_t>((cap[h] + 2 * j) * row_stride + d)]);
+    }
+  }
+}
+
+TEST_CASE("compact: bad input gives specific errors and writes nothing") {
+  std::vector<float> cache(2 * 4 * 3, 1.f), out(2 * 2 * 3, 0.f);
+  auto src = value_of(make_kv_view(cache.data(), 2, 4, 3));
+  auto dst = value_of(make_kv_view(out.data(), 2, 2, 3));
+  std::vector<pos_t> kept = {0, 4, 1, 2};  // 4 is out of range
+  auto kv = value_of(make_matrix_view(kept.data(), 2, 2));
+  require_error(compact(seq, src, kv, dst), errc::out_of_range, "kept[0][1] = 4 is outside [0, 4)");
+  CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == 0.f; }));
+  kept[1] = -1;
+  require_error(compact(par, src, kv, dst), errc::out_of_range, "= -1");
+
+  kept = {0, 1, 1, 2};
+  auto wrong_dst = value_of(make_kv_view(out.data(), 2, 1, 3));
+  require_error(compact(seq, src, kv, wrong_dst), errc::shape_mismatch, "dst holds 1 tokens per head but kept lists 2");
+  auto wrong_dim = value_of(make_kv_view(out.data(), 2, 2, 2));
+  require_error(compact(seq, src, kv, wrong_dim), errc::shape_mismatch, "head dims differ");
+  auto one_head = value_of(make_matrix_view(kept.data(), 1, 2));
+  require_error(compact(seq, src, one_head, dst), errc::shape_mismatch, "head counts differ");
+
+  // src and dst sharing memory: refused out of place, allowed (ascending) in place
+  auto alias_dst = value_of(make_kv_view(cache.data() + 6, 2, 2, 3));
+  require_error(compact(seq, src, kv, alias_dst), errc::overlap, "use compact_inplace");
+  std::vector<pos_t> unsorted = {2, 1, 0, 3};
+  require_error(compact_inplace(seq, src, value_of(make_matrix_view(unsorted.data(), 2, 2))), errc::not_sorted,
+                "strictly ascending");
+  std::vector<pos_t> dup = {1, 1, 0, 3};
+  require_error(compact_inplace(seq, src, value_of(make_matrix_view(dup.data(), 2, 2))), errc::not_sorted,
+                "kept[0][1] = 1 follows 1");
+
+  // kept positions stored inside the destination would be overwritten while being read
+  std::vector<float> mixed(64);
+  auto dst_m = value_of(make_kv_view(mixed.data(), 2, 2, 3));
+  auto kept_in_dst = value_of(make_matrix_view(reinterpret_cast<const pos_t*>(mixed.data()), 2, 2));
+  require_error(compact(seq, src, kept_in_dst, dst_m), errc::overlap, "kept and dst");
+
+  // a hand-built view with null data and elements
+  using exts = cuda::std::dextents<index_t, 3>;
+  kv_view<float> null_src(nullptr, cuda::std::layout_stride::mapping<exts>(exts(2, 4, 3), cuda::std::array<index_t, 3>{12, 3, 1}));
+  require_error(compact(seq, null_src, kv, dst), errc::null_pointer, "compact: src: data is null");
+}
+
+TEST_CASE("compact ragged: bad offsets, capacity and lengths") {
+  std::vector<float> cache(2 * 4 * 2, 1.f), out(16, 0.f);
+  auto src = value_of(make_kv_view(cache.data(), 2, 4, 2));
+  const std::vector<pos_t> pos = {0, 3, 1};
+  const std::int32_t cu[] = {0, 2, 3};
+  const std::int32_t other_cu[] = {0, 1, 3};
+  ragged_positions kept{pos.data(), cu, 2};
+  require_error(compact(seq, src, kept, ragged_view<float>{out.data(), other_cu, 2, 2, 2}), errc::shape_mismatch,
+                "dst.cu_lens[1] = 1 but kept.cu[1] = 2");
+  require_error(compact(seq, src, kept, ragged_view<float>{out.data(), cu, 2, 2, 1}), errc::invalid_argument,
+                "row_stride (1) must be positive and >= dim (2)");
+  const std::int32_t bad_cu[] = {0, 2, 1};
+  require_error(compact(seq, src, ragged_positions{pos.data(), bad_cu, 2}, ragged_view<float>{out.data(), cu, 2, 2, 2}),
+                errc::invalid_argument, "decreases at head 1");
+
+  const std::int32_t small_cap[] = {0, 1, 3};
+  std::int32_t lens[2] = {0, 0};
+  require_error(compact(seq, src, kept, ragged_cache<float>{out.data(), small_cap, lens, 2, 2, 2}),
+                errc::capacity_exceeded, "head 0 keeps 2 rows but has capacity for 1");
+  const std::int32_t cap[] = {0, 3, 6};
+  ragged_cache<float> rc{out.data(), cap, lens, 2, 2, 2};
+  REQUIRE(compact(seq, src, kept, rc).ok());
+  lens[1] = 9;  // corrupted length
+  require_error(compact_inplace(seq, rc, kept), errc::out_of_range, "cache.lens[1] = 9 is outside [0, 3]");
+  lens[1] = 1;
+  const std::vector<pos_t> past_len = {0, 1, 1};  // head 1 holds 1 row: position 1 is past its length
+  require_error(compact_inplace(seq, rc, ragged_positions{past_len.data(), cu, 2}), errc::out_of_range,
+                "kept position 1 of head 1 is outside [0, 1)");
+  auto wrong_rows = value_of(make_kv_view(cache.data(), 3, 1, 2));
+  require_error(append(seq, rc, wrong_rows), errc::shape_mismatch, "cache has 2 heads");
+}

@@ -7,3 +7,4 @@
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
+#include <kvevict/workspace.hpp>

@@ -187,14 +187,20 @@ struct ragged_cache {
   KVEVICT_HOST_DEVICE T* row(index_t h, index_t j) const { return data + (cu_capacity[h] + j) * row_stride; }
 };
 
-/// Per-head lists of token positions in one flat buffer: head h's list is
-/// pos[cu[h] .. cu[h+1]). Used for kept sets of different sizes per head.
-struct ragged_positions {
-  const pos_t* pos = nullptr;
+/// Per-head lists of token positions in one flat buffer: head h's list is pos[cu[h] .. cu[h+1]).
+/// Used for kept sets of different sizes per head. `P` is `const pos_t` for inputs
+/// (`ragged_positions`) and `pos_t` for outputs a stage fills (`ragged_positions_out`).
+template <class P>
+struct basic_ragged_positions {
+  P* pos = nullptr;
   const std::int32_t* cu = nullptr;  ///< H+1 offsets
   index_t heads = 0;
 
   KVEVICT_HOST_DEVICE index_t length(index_t h) const { return cu[h + 1] - cu[h]; }
+  /// An output list is readable as an input list.
+  KVEVICT_HOST_DEVICE operator basic_ragged_positions<const P>() const { return {pos, cu, heads}; }  // NOLINT
 };
+using ragged_positions = basic_ragged_positions<const pos_t>;
+using ragged_positions_out = basic_ragged_positions<pos_t>;
 
 }  // namespace kvevict

@@ -1,0 +1,68 @@
+// kvevict/workspace.hpp: caller-provided scratch memory, the CUB two-phase way.
+//
+//   kvevict::workspace ws;                      // ws.data == nullptr: a size query
+//   st = kvevict::select_topk(be, ws, ...);     // sets ws.bytes, does no work
+//   ws.data = my_arena.allocate(ws.bytes);      // the engine owns the memory
+//   st = kvevict::select_topk(be, ws, ...);     // does the work, allocates nothing
+//
+// The size depends only on shapes and backend (for `par`, on the thread count), never on the
+// data, so one query per shape is enough and the buffer may be reused across calls. Stages that
+// need no scratch ignore the workspace. A buffer smaller than the query's answer gives
+// errc::workspace_too_small.
+#pragma once
+
+#include <kvevict/status.hpp>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvevict {
+
+struct workspace {
+  void* data = nullptr;   ///< nullptr: the call only reports the bytes it needs in `bytes`
+  std::size_t bytes = 0;  ///< size of `data` (in), or the size needed (out, on a query)
+
+  bool is_query() const noexcept { return data == nullptr; }
+};
+
+namespace detail {
+
+/// Hands out aligned sub-buffers of a workspace, computing the same layout in both phases.
+///   workspace_carver c(ws);
+///   float* a = c.take<float>(n);  int* b = c.take<int>(m);
+///   if (auto st = c.finish("fn"); !st.ok() || ws.is_query()) return st;
+class workspace_carver {
+ public:
+  explicit workspace_carver(workspace& ws) noexcept : ws_(ws) {}
+
+  template <class T>
+  T* take(std::size_t count, std::size_t align = 64) noexcept {
+    offset_ = (offset_ + align - 1) / align * align;
+    T* p = ws_.is_query() || offset_ + count * sizeof(T) > ws_.bytes
+               ? nullptr
+               : reinterpret_cast<T*>(static_cast<unsigned char*>(ws_.data) + offset_);
+    offset_ += count * sizeof(T);
+    return p;
+  }
+
+  std::size_t used() const noexcept { return offset_; }
+
+  /// On a query, stores the size needed; otherwise checks the buffer was big enough.
+  status finish(const char* fn) noexcept {
+    if (ws_.is_query()) {
+      ws_.bytes = offset_;
+      return {};
+    }
+    if (ws_.bytes < offset_)
+      return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
+                           fn, ws_.bytes, offset_);
+    return {};
+  }
+
+ private:
+  workspace& ws_;
+  std::size_t offset_ = 0;
+};
+
+}  // namespace detail
+}  // namespace kvevict

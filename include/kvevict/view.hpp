@@ -18,6 +18,7 @@
 #include <cuda/std/mdspan>
 
 #include <cstddef>
+#include <type_traits>
 
 namespace kvevict {
 
@@ -196,9 +197,14 @@ struct basic_ragged_positions {
   const std::int32_t* cu = nullptr;  ///< H+1 offsets
   index_t heads = 0;
 
+  basic_ragged_positions() = default;
+  KVEVICT_HOST_DEVICE basic_ragged_positions(P* p, const std::int32_t* c, index_t h) : pos(p), cu(c), heads(h) {}
+  /// An output list (pos_t) is readable as an input list (const pos_t).
+  template <class Q, std::enable_if_t<std::is_same_v<const Q, P> && !std::is_same_v<Q, P>, int> = 0>
+  KVEVICT_HOST_DEVICE basic_ragged_positions(const basic_ragged_positions<Q>& o)  // NOLINT(google-explicit-constructor)
+      : pos(o.pos), cu(o.cu), heads(o.heads) {}
+
   KVEVICT_HOST_DEVICE index_t length(index_t h) const { return cu[h + 1] - cu[h]; }
-  /// An output list is readable as an input list.
-  KVEVICT_HOST_DEVICE operator basic_ragged_positions<const P>() const { return {pos, cu, heads}; }  // NOLINT
 };
 using ragged_positions = basic_ragged_positions<const pos_t>;
 using ragged_positions_out = basic_ragged_positions<pos_t>;

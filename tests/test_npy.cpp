@@ -240,6 +240,9 @@ TEST_CASE("npy: malformed files give one specific line each") {
   require_format_error(npy_file("<f4", "(9223372036854775807, 2)", 0),
                        "shape 9223372036854775807x2 float32 has more bytes than fit in 64 bits");
   require_format_error(npy_file("<f4", "(4611686018427387904,)", 0), "has more bytes than fit in 64 bits");
+  // an empty array whose other dimensions overflow: its strides could not be represented
+  require_format_error(npy_file("<f4", "(0, 233790048077, 85485484)", 0),
+                       "shape 0x233790048077x85485484 float32 has more bytes than fit in 64 bits");
   // sizes both ways
   require_format_error(npy_file("<f4", "(2, 3, 4)", 80),
                        "q.npy: truncated: header says 2x3x4 float32 (96 bytes) but 80 bytes follow");

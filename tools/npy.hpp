@@ -89,12 +89,20 @@ inline std::string shape_string(const std::int64_t* shape, std::size_t rank) {
   return s;
 }
 
-/// Element count and byte size of a shape, or false if they overflow 64 bits.
+/// Byte size of a shape, or false if it overflows 64 bits. The product of the non-zero dimensions
+/// must fit too, even when another dimension is 0 (as numpy requires): otherwise the strides of
+/// an empty array could not be represented.
 inline bool shape_bytes(const std::int64_t* shape, std::size_t rank, dtype t, std::int64_t& bytes) {
   std::int64_t n = 1;
-  for (std::size_t i = 0; i < rank; ++i)
-    if (!kvevict::detail::checked_mul(n, shape[i], n)) return false;
-  return kvevict::detail::checked_mul(n, static_cast<std::int64_t>(itemsize(t)), bytes);
+  bool empty = false;
+  for (std::size_t i = 0; i < rank; ++i) {
+    if (shape[i] < 0) return false;
+    if (shape[i] == 0) empty = true;
+    else if (!kvevict::detail::checked_mul(n, shape[i], n)) return false;
+  }
+  if (!kvevict::detail::checked_mul(n, static_cast<std::int64_t>(itemsize(t)), bytes)) return false;
+  if (empty) bytes = 0;
+  return true;
 }
 
 /// What the header says.

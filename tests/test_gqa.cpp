@@ -31,8 +31,11 @@ float from_bits(std::uint32_t u) {
 // The selection order, written independently of detail/score_order.hpp: is a above b?
 bool ranks_above(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) {
-    if (std::isnan(a) && std::isnan(b)) return bits(a) > bits(b);
-    return std::isnan(b);
+    if (!std::isnan(a) || !std::isnan(b)) return std::isnan(b);
+    // two NaNs (documented in detail/score_order.hpp): sign clear below sign set; then by payload,
+    // larger higher with the sign clear, smaller higher with the sign set
+    if (std::signbit(a) != std::signbit(b)) return std::signbit(a);
+    return std::signbit(a) ? bits(a) < bits(b) : bits(a) > bits(b);
   }
   if (a == 0.f && b == 0.f) return !std::signbit(a) && std::signbit(b);  // +0 above -0
   return a > b;
@@ -61,7 +64,9 @@ float random_score(std::mt19937_64& g, bool specials) {
       case 3: return -inf;
       case 4: return -0.f;
       case 5: return 0.f;
-      case 6: return from_bits(0x7fa00001u);  // a NaN with another payload
+      case 6: return from_bits(0x7fa00001u);  // NaNs with other payloads
+      case 7: return from_bits(0xffc00010u);
+      case 8: return from_bits(0x7f800001u);
       default: break;
     }
   }

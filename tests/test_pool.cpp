@@ -28,8 +28,11 @@ std::uint32_t bits(float f) {
 // The selection order, written independently of detail/score_order.hpp: is a above b?
 bool ranks_above(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) {
-    if (std::isnan(a) && std::isnan(b)) return bits(a) > bits(b);
-    return std::isnan(b);
+    if (!std::isnan(a) || !std::isnan(b)) return std::isnan(b);
+    // two NaNs (documented in detail/score_order.hpp): sign clear below sign set; then by payload,
+    // larger higher with the sign clear, smaller higher with the sign set
+    if (std::signbit(a) != std::signbit(b)) return std::signbit(a);
+    return std::signbit(a) ? bits(a) < bits(b) : bits(a) > bits(b);
   }
   if (a == 0.f && b == 0.f) return !std::signbit(a) && std::signbit(b);
   return a > b;
@@ -75,6 +78,13 @@ float random_score(std::mt19937_64& g, bool specials, bool integers) {
       case 1: return inf;
       case 2: return -inf;
       case 3: return -0.f;
+      case 4: return -qnan;
+      case 5: {
+        const std::uint32_t payloads[] = {0x7fa00001u, 0xffc00010u, 0x7f800001u, 0xffffffffu};
+        float f;
+        std::memcpy(&f, &payloads[kvtest::uniform_int(g, 0, 3)], sizeof f);
+        return f;
+      }
       default: break;
     }
   }
@@ -278,4 +288,29 @@ TEST_CASE("pool1d: bad input gives specific errors and writes nothing") {
   using exts = cuda::std::dextents<index_t, 2>;
   matrix_view<float> null_out(nullptr, cuda::std::layout_stride::mapping<exts>(exts(2, 6), cuda::std::array<index_t, 2>{6, 1}));
   require_error(pool1d(seq, iv, null_out, pool_kind::max, 3), errc::null_pointer, "pool1d: out: data is null");
+}
+
+TEST_CASE("score order: score_key is an order-preserving bijection (the order of every max)") {
+  auto g = kvtest::rng(99);
+  std::vector<float> samples = {inf, -inf, 0.f, -0.f, qnan, -qnan, std::numeric_limits<float>::max(),
+                                std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min()};
+  for (std::uint32_t u : {0x7f800001u, 0x7fffffffu, 0xff800001u, 0xffffffffu, 0x7fc00000u, 0xffc00000u}) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    samples.push_back(f);
+  }
+  for (int i = 0; i < 200000; ++i) {
+    const std::uint32_t u = static_cast<std::uint32_t>(kvtest::uniform_int(g, 0, 0xffffffffLL));
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    samples.push_back(f);
+  }
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const float a = samples[i], b = samples[(i * 7919 + 13) % samples.size()];
+    REQUIRE(bits(detail::score_from_key(detail::score_key(a))) == bits(a));
+    REQUIRE(detail::score_greater(a, b) == ranks_above(a, b));
+    REQUIRE(bits(detail::score_max(a, b)) == bits(ranks_above(b, a) ? b : a));
+  }
+  CHECK(detail::score_key(-inf) == 0x00fffffeu);  // exactly the 2^24 - 2 NaN patterns rank below -inf
+  CHECK(detail::score_key(inf) == 0xffffffffu);
 }

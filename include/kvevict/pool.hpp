@@ -69,16 +69,34 @@ constexpr const char* pool_kind_name(pool_kind k) noexcept {
 
 namespace detail {
 
+/// Max pooling works on score keys (detail/score_order.hpp): an unsigned max, branch-free, that
+/// returns one of the inputs bit for bit. Between the passes the keys live in the output row.
+struct pool_max_traits {
+  using value = std::uint32_t;
+  static constexpr bool is_max = true;
+  KVEVICT_HOST_DEVICE static value load(float x) noexcept { return score_key(x); }
+  KVEVICT_HOST_DEVICE static value op(value a, value b) noexcept { return a > b ? a : b; }
+  KVEVICT_HOST_DEVICE static void stash(float* y, value v) noexcept { *y = bits_float(v); }
+  KVEVICT_HOST_DEVICE static value unstash(const float* y) noexcept { return float_bits(*y); }
+  KVEVICT_HOST_DEVICE static float finish(value v) noexcept { return score_from_key(v); }
+};
+/// Average pooling sums floats.
+struct pool_sum_traits {
+  using value = float;
+  static constexpr bool is_max = false;
+  KVEVICT_HOST_DEVICE static value load(float x) noexcept { return x; }
+  KVEVICT_HOST_DEVICE static value op(value a, value b) noexcept { return a + b; }
+  KVEVICT_HOST_DEVICE static void stash(float* y, value v) noexcept { *y = v; }
+  KVEVICT_HOST_DEVICE static value unstash(const float* y) noexcept { return *y; }
+  KVEVICT_HOST_DEVICE static float finish(value v) noexcept { return v; }
+};
+
 /// One row of max or avg pooling (see the header comment), in O(n) for any kernel.
 /// x: n inputs, stride sx; y: n outputs, stride sy (must not overlap x); kernel = 2r + 1 >= 1.
-KVEVICT_HOST_DEVICE inline void pool_row(pool_kind kind, avg_divisor div, const float* x, index_t sx, float* y,
-                                         index_t sy, index_t n, index_t kernel) {
-  if (n <= 0) return;
-  if (kind == pool_kind::none) {
-    for (index_t i = 0; i < n; ++i) y[i * sy] = x[i * sx];
-    return;
-  }
-  const bool is_max = kind == pool_kind::max;
+template <class Op>
+KVEVICT_HOST_DEVICE inline void pool_row_impl(avg_divisor div, const float* x, index_t sx, float* y, index_t sy,
+                                              index_t n, index_t kernel) {
+  using V = typename Op::value;
   const index_t r_full = kernel / 2;
   // a radius >= n covers the whole row from every position: clamp it (same windows, less work)
   const index_t r = r_full < n ? r_full : n;
@@ -87,26 +105,27 @@ KVEVICT_HOST_DEVICE inline void pool_row(pool_kind kind, avg_divisor div, const 
   // positions are e in [r, n + r). Blocks are [b*k, (b+1)*k); m tracks e % k without dividing.
   // Pass 1, right to left: y[e] = the suffix of e's block from e (real positions only), for e < n.
   {
-    float acc = 0.f;
+    V acc{};
     bool have = false;
     index_t e = n - 1 + r, m = e % k;
     for (; e >= 0; --e, m = m == 0 ? k - 1 : m - 1) {
       if (m == k - 1) have = false;  // e is the last position of its block: a new suffix starts
       const index_t p = e - r;
       if (p >= 0 && p < n) {
-        const float v = x[p * sx];
-        acc = !have ? v : is_max ? score_max(v, acc) : v + acc;
+        const V v = Op::load(x[p * sx]);
+        acc = have ? Op::op(v, acc) : v;
         have = true;
       }
-      if (e < n) y[e * sy] = have ? acc : 0.f;
+      if (e < n) Op::stash(y + e * sy, have ? acc : V{});
     }
   }
   // Pass 2, left to right: acc = the prefix of b's block up to b = i + k - 1 (real positions only),
-  // combined with the suffix of i's block stored in y[i].
+  // combined with the suffix of i's block stashed in y[i].
   {
-    float acc = 0.f;
+    V acc{};
     bool have = false;
     index_t block = 0;  // first position of b's block
+    const float kernel_f = static_cast<float>(kernel);
     for (index_t b = 0, m = 0; b < n + k - 1; ++b, m = m + 1 == k ? 0 : m + 1) {
       if (m == 0) {
         have = false;
@@ -114,29 +133,39 @@ KVEVICT_HOST_DEVICE inline void pool_row(pool_kind kind, avg_divisor div, const 
       }
       const index_t p = b - r;
       if (p >= 0 && p < n) {
-        const float v = x[p * sx];
-        acc = !have ? v : is_max ? score_max(acc, v) : acc + v;
+        const V v = Op::load(x[p * sx]);
+        acc = have ? Op::op(acc, v) : v;
         have = true;
       }
       const index_t i = b - (k - 1);
       if (i < 0) continue;
-      float v = y[i * sy];  // suffix of i's block: the whole window when i starts a block (m == k - 1)
-      if (m != k - 1 && have) {
-        // the left part [i, block - 1] holds a real position iff block - 1 >= r
-        if (block - 1 < r) v = acc;
-        else v = is_max ? score_max(v, acc) : v + acc;
-      }
-      if (!is_max) {
-        index_t count = kernel;  // count_include_pad: always the kernel size
+      V w = Op::unstash(y + i * sy);  // suffix of i's block: the whole window when i starts a block (m == k - 1)
+      if (m != k - 1 && have) w = block - 1 < r ? acc : Op::op(w, acc);  // left part empty iff block - 1 < r
+      float out = Op::finish(w);
+      if constexpr (!Op::is_max) {
         if (div == avg_divisor::valid) {
           const index_t lo = i - r_full < 0 ? 0 : i - r_full;
           const index_t hi = i + r_full > n - 1 ? n - 1 : i + r_full;
-          count = hi - lo + 1;
+          out = out / static_cast<float>(hi - lo + 1);
+        } else {
+          out = out / kernel_f;  // count_include_pad: always the kernel size
         }
-        v = v / static_cast<float>(count);
       }
-      y[i * sy] = v;
+      y[i * sy] = out;
     }
+  }
+}
+
+/// One row of pooling of any kind.
+KVEVICT_HOST_DEVICE inline void pool_row(pool_kind kind, avg_divisor div, const float* x, index_t sx, float* y,
+                                         index_t sy, index_t n, index_t kernel) {
+  if (n <= 0) return;
+  if (kind == pool_kind::none) {
+    for (index_t i = 0; i < n; ++i) y[i * sy] = x[i * sx];
+  } else if (kind == pool_kind::max) {
+    pool_row_impl<pool_max_traits>(div, x, sx, y, sy, n, kernel);
+  } else {
+    pool_row_impl<pool_sum_traits>(div, x, sx, y, sy, n, kernel);
   }
 }
 

@@ -4,7 +4,10 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
+#include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
+#include <kvevict/pool.hpp>
+#include <kvevict/protect.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>

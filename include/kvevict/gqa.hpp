@@ -1,0 +1,125 @@
+// kvevict/gqa.hpp: reduce per-query-head scores to one score per KV head (grouped-query attention).
+//
+//   gqa_reduce(be, in /*[H_q][T]*/, out /*[H_kv][T]*/, op)
+//       out[h][t] = op over j in [0, g) of in[h*g + j][t],   g = H_q / H_kv
+//
+// Query head q belongs to KV head q / g (consecutive groups, as in LLaMA and HF transformers).
+// One selection per KV head keeps the cache at KV-head granularity: the scores of the g query
+// heads sharing a KV head are reduced before selection (never replicate KV per query head).
+// Recipes choose whether this runs before or after pooling; the stages are independent.
+//
+// Ops (all fp32, deterministic, the same on every backend):
+//   sum   in[h*g][t] + in[h*g+1][t] + ... + in[h*g+g-1][t], added left to right (j ascending)
+//   mean  that sum divided by (float)g (one rounded division)          [kvpress: mean]
+//   max   the largest in the total score order (detail/score_order.hpp)  [LAVa: max]
+// NaN: sum and mean propagate NaN (IEEE arithmetic). max ranks NaN below everything, as
+// selection does, so a NaN of one query head does not hide the others' scores; the result is
+// NaN only when all g values are NaN. (PyTorch's max would propagate the NaN instead.)
+//
+// In place: `out` may be the first H_kv rows of `in` (same data pointer and the same strides); the
+// group of KV head h only reads rows >= h, so writing row h after reading its group is safe.
+// Any other overlap of in and out is an error. Nothing here allocates.
+#pragma once
+
+#include <kvevict/backend.hpp>
+#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/score_order.hpp>
+#include <kvevict/status.hpp>
+#include <kvevict/view.hpp>
+
+#include <algorithm>
+
+namespace kvevict {
+
+enum class gqa_op {
+  mean,  ///< arithmetic mean over the group (default of kvpress's SnapKV)
+  max,   ///< maximum in the total score order (LAVa); NaN only if the whole group is NaN
+  sum,   ///< sum over the group, j ascending
+};
+
+/// Short name of a gqa_op ("mean", "max", "sum"; "unknown" for values outside the enum).
+constexpr const char* gqa_op_name(gqa_op op) noexcept {
+  switch (op) {
+    case gqa_op::mean: return "mean";
+    case gqa_op::max: return "max";
+    case gqa_op::sum: return "sum";
+  }
+  return "unknown";
+}
+
+namespace detail {
+
+/// acc <- acc (op) x, for the j-th member of a group (j >= 1); acc starts as the member j = 0.
+KVEVICT_HOST_DEVICE inline float gqa_combine(gqa_op op, float acc, float x) noexcept {
+  return op == gqa_op::max ? score_max(acc, x) : acc + x;
+}
+/// The reduced score of a group of g members from its accumulator.
+KVEVICT_HOST_DEVICE inline float gqa_finish(gqa_op op, float acc, index_t g) noexcept {
+  return op == gqa_op::mean ? acc / static_cast<float>(g) : acc;
+}
+
+inline constexpr index_t gqa_chunk = 256;  // columns per work item (a stack accumulator)
+
+}  // namespace detail
+
+/// out[h][t] = op over the g = H_q / H_kv query heads of KV head h of in[q][t], for t < T.
+/// `in` is [H_q][T], `out` is [H_kv][T] (any strides). `out` may be the first H_kv rows of `in`
+/// (same pointer and strides): the reduction then runs in place.
+/// Errors: invalid views (invalid_argument, null_pointer, size_overflow, overlap); H_kv == 0 with
+/// H_q > 0 or H_q not a multiple of H_kv, or different T (shape_mismatch); an op outside the enum
+/// (invalid_argument); in and out overlapping other than in place (overlap).
+/// Work: H_q * T reads, H_kv * T writes; parallel over column blocks (and KV heads when not in place).
+template <class Backend>
+status gqa_reduce(Backend be, matrix_view<const float> in, matrix_view<float> out, gqa_op op) {
+  constexpr const char* fn = "gqa_reduce";
+  KVEVICT_TRY(detail::check_view(fn, "in", in));
+  KVEVICT_TRY(detail::check_view(fn, "out", out));
+  if (op != gqa_op::mean && op != gqa_op::max && op != gqa_op::sum)
+    return status::error(errc::invalid_argument, "%s: op = %d is not a gqa_op (mean, max or sum)", fn,
+                         static_cast<int>(op));
+  const index_t hq = in.extent(0), hkv = out.extent(0), T = in.extent(1);
+  if (hkv == 0 && hq > 0)
+    return status::error(errc::shape_mismatch, "%s: out has 0 KV heads but in has %lld query heads", fn,
+                         static_cast<long long>(hq));
+  if (hkv > 0 && hq % hkv != 0)
+    return status::error(errc::shape_mismatch, "%s: %lld query heads are not a multiple of %lld KV heads", fn,
+                         static_cast<long long>(hq), static_cast<long long>(hkv));
+  if (out.extent(1) != T)
+    return status::error(errc::shape_mismatch, "%s: in has %lld tokens per row but out has %lld", fn,
+                         static_cast<long long>(T), static_cast<long long>(out.extent(1)));
+  const bool in_place = in.size() > 0 && static_cast<const void*>(in.data_handle()) == out.data_handle() &&
+                        in.stride(0) == out.stride(0) && in.stride(1) == out.stride(1);
+  if (!in_place && detail::range_of(in).intersects(detail::range_of(out)))
+    return status::error(errc::overlap,
+                         "%s: in and out overlap in memory (allowed only in place: out = the first H_kv rows of in, "
+                         "same pointer and strides)",
+                         fn);
+  if (hkv == 0 || T == 0) return {};
+  const index_t g = hq / hkv, chunks = (T + detail::gqa_chunk - 1) / detail::gqa_chunk;
+  const float* ip = in.data_handle();
+  float* op_ = out.data_handle();
+  const index_t is0 = in.stride(0), is1 = in.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  // one work item: KV heads [h0, h1) of column block c (in place: all heads, ascending, per block)
+  auto run = [&](index_t h0, index_t h1, index_t c) {
+    const index_t t0 = c * detail::gqa_chunk, n = std::min(detail::gqa_chunk, T - t0);
+    float acc[detail::gqa_chunk];
+    for (index_t h = h0; h < h1; ++h) {
+      const float* row = ip + (h * g) * is0 + t0 * is1;
+      for (index_t t = 0; t < n; ++t) acc[t] = row[t * is1];
+      for (index_t j = 1; j < g; ++j) {
+        row = ip + (h * g + j) * is0 + t0 * is1;
+        for (index_t t = 0; t < n; ++t) acc[t] = detail::gqa_combine(op, acc[t], row[t * is1]);
+      }
+      float* dst = op_ + h * os0 + t0 * os1;
+      for (index_t t = 0; t < n; ++t) dst[t * os1] = detail::gqa_finish(op, acc[t], g);
+    }
+  };
+  if (in_place)
+    detail::parallel_for(be, chunks, [&](index_t c) { run(0, hkv, c); });
+  else
+    detail::parallel_for(be, hkv * chunks, [&](index_t i) { run(i / chunks, i / chunks + 1, i % chunks); });
+  return {};
+}
+
+}  // namespace kvevict

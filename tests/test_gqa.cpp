@@ -1,0 +1,240 @@
+#include "support.hpp"
+
+#include <kvevict/gqa.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+using namespace kvevict;
+using kvtest::require_error;
+using kvtest::value_of;
+
+namespace {
+
+const float inf = std::numeric_limits<float>::infinity();
+const float qnan = std::numeric_limits<float>::quiet_NaN();
+
+std::uint32_t bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+float from_bits(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// The selection order, written independently of detail/score_order.hpp: is a above b?
+bool ranks_above(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) {
+    if (!std::isnan(a) || !std::isnan(b)) return std::isnan(b);
+    // two NaNs (documented in detail/score_order.hpp): sign clear below sign set; then by payload,
+    // larger higher with the sign clear, smaller higher with the sign set
+    if (std::signbit(a) != std::signbit(b)) return std::signbit(a);
+    return std::signbit(a) ? bits(a) < bits(b) : bits(a) > bits(b);
+  }
+  if (a == 0.f && b == 0.f) return !std::signbit(a) && std::signbit(b);  // +0 above -0
+  return a > b;
+}
+
+// Naive reference: the group's scores in query-head order.
+float reference(gqa_op op, const std::vector<float>& group) {
+  if (op == gqa_op::max) {
+    float best = group[0];
+    for (float v : group)
+      if (ranks_above(v, best)) best = v;
+    return best;
+  }
+  float s = group[0];
+  for (std::size_t j = 1; j < group.size(); ++j) s += group[j];
+  return op == gqa_op::mean ? s / static_cast<float>(group.size()) : s;
+}
+
+// A random score with occasional special values.
+float random_score(std::mt19937_64& g, bool specials) {
+  if (specials) {
+    switch (kvtest::uniform_int(g, 0, 19)) {
+      case 0: return qnan;
+      case 1: return -qnan;
+      case 2: return inf;
+      case 3: return -inf;
+      case 4: return -0.f;
+      case 5: return 0.f;
+      case 6: return from_bits(0x7fa00001u);  // NaNs with other payloads
+      case 7: return from_bits(0xffc00010u);
+      case 8: return from_bits(0x7f800001u);
+      default: break;
+    }
+  }
+  return static_cast<float>(kvtest::uniform_int(g, -1000, 1000)) / 64.f;
+}
+
+// [rows][cols] in a buffer with the given layout: row-major with padding, or column-major.
+struct matrix {
+  std::vector<float> buf;
+  matrix_view<float> view;
+  matrix(index_t rows, index_t cols, bool column_major, index_t pad) {
+    buf.assign(static_cast<std::size_t>(std::max<index_t>(1, rows * cols + (rows + cols) * pad + pad)), -777.f);
+    const index_t ext[2] = {rows, cols};
+    const index_t str_rm[2] = {std::max<index_t>(1, cols + pad), 1};
+    const index_t str_cm[2] = {1, std::max<index_t>(1, rows + pad)};
+    view = value_of(detail::make_strided<float, 2>("test", buf.data(), ext, column_major ? str_cm : str_rm));
+  }
+};
+
+template <class Backend>
+void matches_reference(Backend be, std::uint64_t seed) {
+  auto g = kvtest::rng(seed);
+  for (int trial = 0; trial < 60; ++trial) {
+    const index_t hkv = kvtest::uniform_int(g, 1, 5), grp = kvtest::uniform_int(g, 1, 4), hq = hkv * grp;
+    const index_t T = trial % 10 == 0 ? 0 : kvtest::uniform_int(g, 1, 600);  // crosses 256-column blocks
+    const bool specials = trial % 3 == 0;
+    CAPTURE(seed);
+    CAPTURE(trial);
+    matrix in(hq, T, trial % 4 == 1, trial % 2), out(hkv, T, trial % 4 == 2, trial % 3);
+    for (index_t q = 0; q < hq; ++q)
+      for (index_t t = 0; t < T; ++t) in.view(q, t) = random_score(g, specials);
+    for (gqa_op op : {gqa_op::mean, gqa_op::max, gqa_op::sum}) {
+      CAPTURE(gqa_op_name(op));
+      REQUIRE(gqa_reduce(be, in.view, out.view, op).ok());
+      std::vector<float> group(static_cast<std::size_t>(grp));
+      for (index_t h = 0; h < hkv; ++h)
+        for (index_t t = 0; t < T; ++t) {
+          for (index_t j = 0; j < grp; ++j) group[j] = in.view(h * grp + j, t);
+          const float want = reference(op, group), got = out.view(h, t);
+          if (std::isnan(want)) REQUIRE(std::isnan(got));
+          else REQUIRE(bits(got) == bits(want));
+        }
+      // in place: out = the first H_kv rows of (a copy of) in
+      matrix copy = in;
+      copy.view = matrix_view<float>(copy.buf.data(), in.view.mapping());
+      const index_t ext[2] = {hkv, T};
+      const index_t str[2] = {in.view.stride(0), in.view.stride(1)};
+      auto head = value_of(detail::make_strided<float, 2>("test", copy.buf.data(), ext, str));
+      REQUIRE(gqa_reduce(be, copy.view, head, op).ok());
+      for (index_t h = 0; h < hkv; ++h)
+        for (index_t t = 0; t < T; ++t) {
+          if (std::isnan(out.view(h, t))) REQUIRE(std::isnan(head(h, t)));
+          else REQUIRE(bits(head(h, t)) == bits(out.view(h, t)));
+        }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("gqa_reduce: random shapes, layouts, ops and special values match the naive reference") {
+  matches_reference(seq, 1);
+  matches_reference(par, 2);
+  matches_reference(par_t{3}, 3);
+}
+
+TEST_CASE("gqa_reduce: seq and par are bit-identical") {
+  auto g = kvtest::rng(7);
+  const index_t hkv = 4, grp = 4, T = 3000;
+  std::vector<float> in(static_cast<std::size_t>(hkv * grp * T));
+  in = kvtest::random_floats(g, in.size());
+  for (gqa_op op : {gqa_op::mean, gqa_op::max, gqa_op::sum}) {
+    std::vector<float> a(static_cast<std::size_t>(hkv * T)), b(a.size());
+    REQUIRE(gqa_reduce(seq, value_of(make_matrix_view<const float>(in.data(), hkv * grp, T)),
+                       value_of(make_matrix_view(a.data(), hkv, T)), op)
+                .ok());
+    REQUIRE(gqa_reduce(par, value_of(make_matrix_view<const float>(in.data(), hkv * grp, T)),
+                       value_of(make_matrix_view(b.data(), hkv, T)), op)
+                .ok());
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("gqa_reduce: NaN, infinities and signed zeros by op") {
+  // 2 KV heads x 3 query heads, 4 tokens; each column of a group is one case
+  std::vector<float> in = {
+      // group 0: columns {NaN,1,2} {NaN,NaN,NaN} {+inf,-inf,0} {-0,-0,-0}
+      qnan, qnan, inf, -0.f,  //
+      1.f, qnan, -inf, -0.f,  //
+      2.f, qnan, 0.f, -0.f,   //
+      // group 1: {-inf,-inf,-inf} {NaN,-inf,-3} {-0,+0,-0} {1,2,3}
+      -inf, qnan, -0.f, 1.f,  //
+      -inf, -inf, 0.f, 2.f,   //
+      -inf, -3.f, -0.f, 3.f,
+  };
+  std::vector<float> out(8);
+  auto iv = value_of(make_matrix_view<const float>(in.data(), 6, 4));
+  auto ov = value_of(make_matrix_view(out.data(), 2, 4));
+
+  REQUIRE(gqa_reduce(seq, iv, ov, gqa_op::max).ok());
+  CHECK(out[0] == 2.f);          // NaN ranks below everything: ignored while a number is present
+  CHECK(std::isnan(out[1]));     // all NaN stays NaN
+  CHECK(out[2] == inf);
+  CHECK(bits(out[3]) == bits(-0.f));
+  CHECK(out[4] == -inf);
+  CHECK(out[5] == -3.f);         // -inf and -3 beat NaN
+  CHECK(bits(out[6]) == bits(0.f));  // +0 above -0
+  CHECK(out[7] == 3.f);
+
+  REQUIRE(gqa_reduce(seq, iv, ov, gqa_op::sum).ok());
+  CHECK(std::isnan(out[0]));  // NaN propagates through sums
+  CHECK(std::isnan(out[1]));
+  CHECK(std::isnan(out[2]));  // inf + -inf
+  CHECK(bits(out[3]) == bits(-0.f));
+  CHECK(out[4] == -inf);
+  CHECK(std::isnan(out[5]));
+  CHECK(out[7] == 6.f);
+
+  REQUIRE(gqa_reduce(seq, iv, ov, gqa_op::mean).ok());
+  CHECK(std::isnan(out[0]));
+  CHECK(out[4] == -inf);
+  CHECK(out[7] == 2.f);
+}
+
+TEST_CASE("gqa_reduce: group size 1 is a copy; empty shapes are fine") {
+  std::vector<float> in = {1.f, qnan, -0.f, inf, 5.f, 6.f}, out(6, 9.f);
+  for (gqa_op op : {gqa_op::mean, gqa_op::max, gqa_op::sum}) {
+    REQUIRE(gqa_reduce(seq, value_of(make_matrix_view<const float>(in.data(), 2, 3)),
+                       value_of(make_matrix_view(out.data(), 2, 3)), op)
+                .ok());
+    for (std::size_t i = 0; i < in.size(); ++i) CHECK(bits(out[i]) == bits(in[i]));
+  }
+  std::vector<float> one(1);
+  CHECK(gqa_reduce(seq, value_of(make_matrix_view<const float>(one.data(), 0, 3)),
+                   value_of(make_matrix_view(one.data(), 0, 3)), gqa_op::sum)
+            .ok());
+  CHECK(gqa_reduce(par, value_of(make_matrix_view<const float>(in.data(), 4, 0)),
+                   value_of(make_matrix_view(out.data(), 2, 0)), gqa_op::sum)
+            .ok());
+}
+
+TEST_CASE("gqa_reduce: bad input gives specific errors and writes nothing") {
+  std::vector<float> in(6 * 5, 1.f), out(4 * 5, 0.f);
+  auto iv = value_of(make_matrix_view<const float>(in.data(), 6, 5));
+  require_error(gqa_reduce(seq, iv, value_of(make_matrix_view(out.data(), 4, 5)), gqa_op::mean),
+                errc::shape_mismatch, "gqa_reduce: 6 query heads are not a multiple of 4 KV heads");
+  require_error(gqa_reduce(seq, iv, value_of(make_matrix_view(out.data(), 3, 4)), gqa_op::mean),
+                errc::shape_mismatch, "in has 5 tokens per row but out has 4");
+  require_error(gqa_reduce(seq, iv, value_of(make_matrix_view(out.data(), 0, 5)), gqa_op::mean),
+                errc::shape_mismatch, "out has 0 KV heads but in has 6 query heads");
+  require_error(gqa_reduce(seq, iv, value_of(make_matrix_view(out.data(), 3, 5)), static_cast<gqa_op>(7)),
+                errc::invalid_argument, "op = 7 is not a gqa_op");
+  CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == 0.f; }));
+
+  // overlap: out one row into in is refused; out = the first rows of in (same strides) is in place
+  require_error(gqa_reduce(seq, iv, value_of(make_matrix_view(in.data() + 5, 3, 5)), gqa_op::sum), errc::overlap,
+                "in and out overlap");
+  require_error(gqa_reduce(seq, iv, value_of(make_matrix_view(in.data(), 3, 5, 6)), gqa_op::sum), errc::overlap,
+                "allowed only in place");
+  REQUIRE(gqa_reduce(par, iv, value_of(make_matrix_view(in.data(), 3, 5)), gqa_op::sum).ok());
+  CHECK(in[0] == 2.f);
+  CHECK(in[14] == 2.f);
+
+  // views built by hand get the same checks
+  using exts = cuda::std::dextents<index_t, 2>;
+  matrix_view<const float> null_in(nullptr, cuda::std::layout_stride::mapping<exts>(exts(6, 5), cuda::std::array<index_t, 2>{5, 1}));
+  require_error(gqa_reduce(seq, null_in, value_of(make_matrix_view(out.data(), 3, 5)), gqa_op::sum),
+                errc::null_pointer, "gqa_reduce: in: data is null");
+  matrix_view<float> aliased(out.data(), cuda::std::layout_stride::mapping<exts>(exts(3, 5), cuda::std::array<index_t, 2>{1, 1}));
+  require_error(gqa_reduce(seq, iv, aliased, gqa_op::sum), errc::overlap, "gqa_reduce: out: strides make distinct");
+}

@@ -1,0 +1,316 @@
+#include "support.hpp"
+
+#include <kvevict/pool.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace kvevict;
+using kvtest::require_error;
+using kvtest::value_of;
+
+namespace {
+
+const float inf = std::numeric_limits<float>::infinity();
+const float qnan = std::numeric_limits<float>::quiet_NaN();
+const float sentinel = -12345.f;
+
+std::uint32_t bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// The selection order, written independently of detail/score_order.hpp: is a above b?
+bool ranks_above(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) {
+    if (!std::isnan(a) || !std::isnan(b)) return std::isnan(b);
+    // two NaNs (documented in detail/score_order.hpp): sign clear below sign set; then by payload,
+    // larger higher with the sign clear, smaller higher with the sign set
+    if (std::signbit(a) != std::signbit(b)) return std::signbit(a);
+    return std::signbit(a) ? bits(a) < bits(b) : bits(a) > bits(b);
+  }
+  if (a == 0.f && b == 0.f) return !std::signbit(a) && std::signbit(b);
+  return a > b;
+}
+
+// Naive reference for position i of a row of n values: every in-range position of the window.
+float ref_max(const std::vector<float>& x, index_t n, index_t i, index_t kernel) {
+  const index_t r = kernel / 2;
+  float best = x[i];
+  for (index_t j = std::max<index_t>(0, i - r); j <= std::min(n - 1, i + r); ++j)
+    if (ranks_above(x[j], best)) best = x[j];
+  return best;
+}
+
+// avg in double: {value, sum of |terms|, divisor}
+struct avg_ref {
+  double value, abs_sum, divisor, sum;
+  bool nan, pos_inf, neg_inf;
+};
+avg_ref ref_avg(const std::vector<float>& x, index_t n, index_t i, index_t kernel, avg_divisor div) {
+  const index_t r = kernel / 2;
+  double s = 0, a = 0;
+  index_t count = 0;
+  bool nan = false, pinf = false, ninf = false;
+  for (index_t j = std::max<index_t>(0, i - r); j <= std::min(n - 1, i + r); ++j, ++count) {
+    const float v = x[j];
+    if (std::isnan(v)) nan = true;
+    else if (v == inf) pinf = true;
+    else if (v == -inf) ninf = true;
+    else {
+      s += v;
+      a += std::fabs(v);
+    }
+  }
+  const double d = div == avg_divisor::kernel ? static_cast<double>(kernel) : static_cast<double>(count);
+  return {s / d, a / d, d, s, nan || (pinf && ninf), pinf && !ninf && !nan, ninf && !pinf && !nan};
+}
+
+float random_score(std::mt19937_64& g, bool specials, bool integers) {
+  if (specials) {
+    switch (kvtest::uniform_int(g, 0, 24)) {
+      case 0: return qnan;
+      case 1: return inf;
+      case 2: return -inf;
+      case 3: return -0.f;
+      case 4: return -qnan;
+      case 5: {
+        const std::uint32_t payloads[] = {0x7fa00001u, 0xffc00010u, 0x7f800001u, 0xffffffffu};
+        float f;
+        std::memcpy(&f, &payloads[kvtest::uniform_int(g, 0, 3)], sizeof f);
+        return f;
+      }
+      default: break;
+    }
+  }
+  if (integers) return static_cast<float>(kvtest::uniform_int(g, -50, 50));
+  return kvtest::random_floats(g, 1, -1e3f, 1e3f)[0];
+}
+
+struct matrix {
+  std::vector<float> buf;
+  matrix_view<float> view;
+  matrix(index_t rows, index_t cols, bool column_major, index_t pad, float fill) {
+    buf.assign(static_cast<std::size_t>(std::max<index_t>(1, rows * cols + (rows + cols) * pad + pad)), fill);
+    const index_t ext[2] = {rows, cols};
+    const index_t str_rm[2] = {std::max<index_t>(1, cols + pad), 1};
+    const index_t str_cm[2] = {1, std::max<index_t>(1, rows + pad)};
+    view = value_of(detail::make_strided<float, 2>("test", buf.data(), ext, column_major ? str_cm : str_rm));
+  }
+};
+
+index_t random_kernel(std::mt19937_64& g, index_t T) {
+  switch (kvtest::uniform_int(g, 0, 5)) {
+    case 0: return 1;
+    case 1: return 7;
+    case 2: return 2 * kvtest::uniform_int(g, 0, T + 2) + 1;  // up to wider than the row
+    case 3: return 1000000000001;                             // far wider than any row
+    default: return 2 * kvtest::uniform_int(g, 0, 6) + 1;
+  }
+}
+
+template <class Backend>
+void matches_reference(Backend be, std::uint64_t seed) {
+  auto g = kvtest::rng(seed);
+  for (int trial = 0; trial < 150; ++trial) {
+    const index_t R = kvtest::uniform_int(g, 1, 4), T = trial % 25 == 0 ? 0 : kvtest::uniform_int(g, 1, 90);
+    const index_t kernel = random_kernel(g, T);
+    const bool specials = trial % 3 == 0, integers = trial % 2 == 0, ragged = trial % 5 < 2;
+    CAPTURE(seed);
+    CAPTURE(trial);
+    CAPTURE(kernel);
+    matrix in(R, T, trial % 4 == 1, trial % 3, 0.f);
+    std::vector<std::vector<float>> rows(static_cast<std::size_t>(R), std::vector<float>(static_cast<std::size_t>(T)));
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(R), static_cast<std::int32_t>(T));
+    for (index_t r = 0; r < R; ++r) {
+      if (ragged) lens[r] = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, T));
+      for (index_t t = 0; t < T; ++t) in.view(r, t) = rows[r][t] = random_score(g, specials, integers);
+    }
+    for (pool_kind kind : {pool_kind::none, pool_kind::max, pool_kind::avg})
+      for (avg_divisor div : {avg_divisor::kernel, avg_divisor::valid}) {
+        const std::string kind_name = pool_kind_name(kind);
+        CAPTURE(kind_name);
+        CAPTURE(static_cast<int>(div));
+        matrix out(R, T, trial % 4 == 2, trial % 2, sentinel);
+        REQUIRE(pool1d(be, in.view, out.view, kind, kernel, ragged ? lens.data() : nullptr, pool_options{div}).ok());
+        for (index_t r = 0; r < R; ++r) {
+          const index_t n = lens[r];
+          for (index_t i = n; i < T; ++i) REQUIRE(out.view(r, i) == sentinel);  // padding is not written
+          for (index_t i = 0; i < n; ++i) {
+            CAPTURE(i);
+            const float got = out.view(r, i);
+            if (kind == pool_kind::none) {
+              REQUIRE(bits(got) == bits(rows[r][i]));
+            } else if (kind == pool_kind::max) {
+              REQUIRE(bits(got) == bits(ref_max(rows[r], n, i, kernel)));
+            } else {
+              const avg_ref want = ref_avg(rows[r], n, i, kernel, div);
+              if (want.nan) REQUIRE(std::isnan(got));
+              else if (want.pos_inf) REQUIRE(got == inf);
+              else if (want.neg_inf) REQUIRE(got == -inf);
+              else if (integers)  // small integer sums are exact: one rounding, by the float divisor
+                REQUIRE(got == static_cast<float>(want.sum) / static_cast<float>(want.divisor));
+              else REQUIRE(std::fabs(static_cast<double>(got) - want.value) <= 1e-6 * want.abs_sum + 1e-30);
+            }
+          }
+        }
+      }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("pool1d: random rows, kernels, lengths, layouts and special values match the naive reference") {
+  matches_reference(seq, 1);
+  matches_reference(par, 2);
+  matches_reference(par_t{3}, 3);
+}
+
+TEST_CASE("pool1d: worked examples (PyTorch padding semantics)") {
+  const std::vector<float> x = {1, 2, 3, 4, 5};
+  std::vector<float> y(5);
+  auto xv = value_of(make_matrix_view<const float>(x.data(), 1, 5));
+  auto yv = value_of(make_matrix_view(y.data(), 1, 5));
+  // F.avg_pool1d(x, 3, stride=1, padding=1): zero padding, divisor 3 (count_include_pad=True)
+  REQUIRE(pool1d(seq, xv, yv, pool_kind::avg, 3).ok());
+  CHECK(y == std::vector<float>{1, 2, 3, 4, 3});
+  // count_include_pad=False: divide by the in-range count at the borders
+  REQUIRE(pool1d(seq, xv, yv, pool_kind::avg, 3, nullptr, {avg_divisor::valid}).ok());
+  CHECK(y == std::vector<float>{1.5f, 2, 3, 4, 4.5f});
+  // F.max_pool1d(x, 3, stride=1, padding=1)
+  REQUIRE(pool1d(seq, xv, yv, pool_kind::max, 3).ok());
+  CHECK(y == std::vector<float>{2, 3, 4, 5, 5});
+  // max pads with -inf, not with zeros: negative rows stay negative at the borders
+  const std::vector<float> neg = {-5, -3, -9};
+  std::vector<float> z(3);
+  REQUIRE(pool1d(seq, value_of(make_matrix_view<const float>(neg.data(), 1, 3)), value_of(make_matrix_view(z.data(), 1, 3)),
+                 pool_kind::max, 3)
+              .ok());
+  CHECK(z == std::vector<float>{-3, -3, -3});
+  // kernel 5 on 5 values: avg of the whole row, / 5 in the middle
+  REQUIRE(pool1d(seq, xv, yv, pool_kind::avg, 5).ok());
+  CHECK(y == std::vector<float>{6.f / 5, 10.f / 5, 15.f / 5, 14.f / 5, 12.f / 5});
+  // kernel 1 is the identity for every kind
+  for (pool_kind k : {pool_kind::none, pool_kind::max, pool_kind::avg}) {
+    REQUIRE(pool1d(seq, xv, yv, k, 1).ok());
+    CHECK(y == x);
+  }
+}
+
+TEST_CASE("pool1d: NaN and infinities in windows") {
+  const std::vector<float> x = {1, qnan, 3, qnan, qnan, qnan, -inf, 2, inf, -inf};
+  std::vector<float> y(x.size());
+  auto xv = value_of(make_matrix_view<const float>(x.data(), 1, 10));
+  auto yv = value_of(make_matrix_view(y.data(), 1, 10));
+  REQUIRE(pool1d(seq, xv, yv, pool_kind::max, 3).ok());
+  CHECK(y[0] == 1.f);          // {1, NaN}: NaN ranks below every number
+  CHECK(y[1] == 3.f);
+  CHECK(y[3] == 3.f);
+  CHECK(std::isnan(y[4]));     // {NaN, NaN, NaN}: NaN only when the whole window is NaN
+  CHECK(y[5] == -inf);         // -inf beats NaN
+  CHECK(y[6] == 2.f);
+  CHECK(y[9] == inf);
+  REQUIRE(pool1d(seq, xv, yv, pool_kind::avg, 3).ok());
+  CHECK(y[0] != y[0]);         // NaN propagates through the sum
+  CHECK(std::isnan(y[6]));     // NaN at position 5
+  CHECK(std::isnan(y[8]));     // +inf + -inf
+  CHECK(std::isnan(y[7]));     // {-inf, 2, +inf}
+}
+
+TEST_CASE("pool1d: an inf does not poison windows that do not contain it (no running-sum drift)") {
+  std::vector<float> x(200, 0.25f), y(200);
+  x[50] = inf;
+  x[120] = 1e30f;  // a huge finite value: a running sum would lose every later small value
+  REQUIRE(pool1d(seq, value_of(make_matrix_view<const float>(x.data(), 1, 200)), value_of(make_matrix_view(y.data(), 1, 200)),
+                 pool_kind::avg, 5)
+              .ok());
+  for (index_t i = 0; i < 200; ++i) {
+    CAPTURE(i);
+    if (i >= 48 && i <= 52) CHECK(y[i] == inf);
+    else if (i >= 118 && i <= 122) CHECK(y[i] == 1e30f / 5.f);
+    else if (i >= 2 && i <= 197) CHECK(y[i] == 0.25f);
+  }
+}
+
+TEST_CASE("pool1d: seq and par are bit-identical on random rows") {
+  auto g = kvtest::rng(11);
+  const index_t R = 8, T = 5000;
+  const auto x = kvtest::random_floats(g, static_cast<std::size_t>(R * T));
+  for (pool_kind kind : {pool_kind::max, pool_kind::avg})
+    for (index_t kernel : {3, 7, 31, 12001}) {
+      std::vector<float> a(x.size()), b(x.size());
+      auto xv = value_of(make_matrix_view<const float>(x.data(), R, T));
+      REQUIRE(pool1d(seq, xv, value_of(make_matrix_view(a.data(), R, T)), kind, kernel).ok());
+      REQUIRE(pool1d(par, xv, value_of(make_matrix_view(b.data(), R, T)), kind, kernel).ok());
+      CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+    }
+}
+
+TEST_CASE("pool1d: bad input gives specific errors and writes nothing") {
+  std::vector<float> in(2 * 6, 1.f), out(2 * 6, 0.f);
+  auto iv = value_of(make_matrix_view<const float>(in.data(), 2, 6));
+  auto ov = value_of(make_matrix_view(out.data(), 2, 6));
+  require_error(pool1d(seq, iv, ov, pool_kind::max, 4), errc::invalid_argument, "pool1d: kernel = 4 is even");
+  require_error(pool1d(seq, iv, ov, pool_kind::none, 0), errc::invalid_argument, "kernel = 0 must be odd and >= 1");
+  require_error(pool1d(seq, iv, ov, pool_kind::avg, -3), errc::invalid_argument, "kernel = -3 must be odd");
+  require_error(pool1d(seq, iv, ov, static_cast<pool_kind>(9), 3), errc::invalid_argument,
+                "kind = 9 is not a pool_kind");
+  require_error(pool1d(seq, iv, ov, pool_kind::avg, 3, nullptr, {static_cast<avg_divisor>(5)}),
+                errc::invalid_argument, "options.divisor = 5 is not an avg_divisor");
+  require_error(pool1d(seq, iv, value_of(make_matrix_view(out.data(), 2, 5)), pool_kind::max, 3),
+                errc::shape_mismatch, "in is [2][6] but out is [2][5]");
+  require_error(pool1d(seq, iv, value_of(make_matrix_view(out.data(), 1, 6)), pool_kind::max, 3),
+                errc::shape_mismatch, "but out is [1][6]");
+  const std::int32_t too_long[] = {6, 7}, negative[] = {-1, 2};
+  require_error(pool1d(seq, iv, ov, pool_kind::max, 3, too_long), errc::out_of_range,
+                "row_lengths[1] = 7 is outside [0, 6]");
+  require_error(pool1d(par, iv, ov, pool_kind::max, 3, negative), errc::out_of_range, "row_lengths[0] = -1");
+  CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == 0.f; }));
+
+  // in place and partial overlap are refused; so are lengths stored inside out
+  require_error(pool1d(seq, iv, value_of(make_matrix_view(in.data(), 2, 6)), pool_kind::max, 3), errc::overlap,
+                "cannot run in place");
+  require_error(pool1d(seq, value_of(make_matrix_view<const float>(in.data(), 1, 6)),
+                       value_of(make_matrix_view(in.data() + 5, 1, 6)), pool_kind::none, 1),
+                errc::overlap, "in and out overlap");
+  std::vector<float> with_lengths(2 * 6 + 2, 0.f);
+  const std::int32_t three[2] = {3, 3};
+  std::memcpy(with_lengths.data() + 12, three, sizeof three);
+  const auto* lens_inside = reinterpret_cast<const std::int32_t*>(with_lengths.data() + 12);
+  require_error(pool1d(seq, iv, value_of(make_matrix_view(with_lengths.data(), 2, 6, 7)), pool_kind::max, 3, lens_inside),
+                errc::overlap, "row_lengths lie inside out");
+
+  using exts = cuda::std::dextents<index_t, 2>;
+  matrix_view<float> null_out(nullptr, cuda::std::layout_stride::mapping<exts>(exts(2, 6), cuda::std::array<index_t, 2>{6, 1}));
+  require_error(pool1d(seq, iv, null_out, pool_kind::max, 3), errc::null_pointer, "pool1d: out: data is null");
+}
+
+TEST_CASE("score order: score_key is an order-preserving bijection (the order of every max)") {
+  auto g = kvtest::rng(99);
+  std::vector<float> samples = {inf, -inf, 0.f, -0.f, qnan, -qnan, std::numeric_limits<float>::max(),
+                                std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min()};
+  for (std::uint32_t u : {0x7f800001u, 0x7fffffffu, 0xff800001u, 0xffffffffu, 0x7fc00000u, 0xffc00000u}) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    samples.push_back(f);
+  }
+  for (int i = 0; i < 200000; ++i) {
+    const std::uint32_t u = static_cast<std::uint32_t>(kvtest::uniform_int(g, 0, 0xffffffffLL));
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    samples.push_back(f);
+  }
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const float a = samples[i], b = samples[(i * 7919 + 13) % samples.size()];
+    REQUIRE(bits(detail::score_from_key(detail::score_key(a))) == bits(a));
+    REQUIRE(detail::score_greater(a, b) == ranks_above(a, b));
+    REQUIRE(bits(detail::score_max(a, b)) == bits(ranks_above(b, a) ? b : a));
+  }
+  CHECK(detail::score_key(-inf) == 0x00fffffeu);  // exactly the 2^24 - 2 NaN patterns rank below -inf
+  CHECK(detail::score_key(inf) == 0xffffffffu);
+}

@@ -96,6 +96,12 @@ std::int64_t streaming_closed_form(std::int64_t N, std::int64_t s, std::int64_t 
   return sink_part + rest;
 }
 
+/// The same, derived per query: query i sees min(i+1, c) keys with c = s + w.
+std::int64_t streaming_closed_form_by_query(std::int64_t N, std::int64_t s, std::int64_t w) {
+  const std::int64_t c = s + w;
+  return c >= N ? N * (N + 1) / 2 : c * (c + 1) / 2 + (N - c) * c;
+}
+
 /// Closed form of post-fill eviction: prompt P, budget B kept after the prefill, G decode tokens.
 std::int64_t post_fill_closed_form(std::int64_t P, std::int64_t B, std::int64_t G) {
   return P * (P + 1) / 2 + G * B + G * (G + 1) / 2;
@@ -179,6 +185,7 @@ TEST_CASE("footprint: StreamingLLM matches its closed form exactly") {
         REQUIRE(rec.set_streaming(0, 0, N, s, w).ok());
         const kv_usage u = measure(value_of(rec.schedule(N)));
         REQUIRE(u.resident == streaming_closed_form(N, s, w));
+        REQUIRE(u.resident == streaming_closed_form_by_query(N, s, w));
         REQUIRE(u.full == N * (N + 1) / 2);
         REQUIRE(u.peak == std::min(N, s + w));
         if (N <= 20) check_same(u, naive_kv_usage(buf, 1, N + 5, N, {{0, 0}}));
@@ -215,6 +222,8 @@ TEST_CASE("footprint: post-fill eviction matches its closed form exactly") {
     const kv_usage u = measure(s, 0, 0);
     REQUIRE(u.resident == post_fill_closed_form(P, B, G));
     REQUIRE(u.peak == std::max(P, B + G));
+    // equivalently: full attention minus the G(P - B) entries the evicted prompt keys would have used
+    REQUIRE(u.full - u.resident == G * (P - B));
     check_same(measure(s, 1, 0), naive_kv_usage(buf, 1, N, N, {{1, 0}}));
     CHECK(measure(s, 1, 0).resident == u.resident);
   }
@@ -374,6 +383,9 @@ TEST_CASE("footprint: bad schedules and recorder misuse give specific errors") {
   auto run = [&](eviction_schedule sch) { return two_phase([&](workspace& ws) { return measure_kv_usage(ws, sch, u); }); };
 
   buf[(1 * 2 + 0) * 6 + 3] = 3;  // evicted when created
+  u.resident = -7;
+  require_error(run(s), errc::out_of_range, "before the key was created");
+  CHECK(u.resident == -7);  // nothing written on failure
   require_error(run(s), errc::out_of_range, "evicted_at[1][0][3] = 3 is before the key was created (it must be > 3)");
   buf[(1 * 2 + 0) * 6 + 3] = -1;
   require_error(run(s), errc::out_of_range, "evicted_at[1][0][3] = -1 is before the key was created");
@@ -818,6 +830,14 @@ TEST_CASE("ranking metrics: errors") {
   require_error(krec({kept, cu2, 1}), errc::shape_mismatch, "kept has 1 rows, truth 2");
   const std::int32_t cu_bad[3] = {1, 1, 4};
   require_error(krec({kept, cu_bad, 2}), errc::invalid_argument, "kept.cu[0] must be 0");
+  std::vector<double> shared(4, 0.0);  // kept positions stored inside the per-row output
+  auto* shared_pos = reinterpret_cast<pos_t*>(shared.data());
+  shared_pos[0] = 0;
+  shared_pos[1] = 1;
+  require_error(two_phase([&](workspace& ws) {
+                  return kept_recall_at_k(ws, ragged_positions{shared_pos, cu2, 2}, a, 1, mean, shared.data());
+                }),
+                errc::overlap, "per_row and kept overlap");
   require_error(two_phase([&](workspace& ws) {
                   return kept_recall_at_k(ws, value_of(make_matrix_view(kept, 1, 4)), a, 1, mean);
                 }),

@@ -4,6 +4,7 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
+#include <kvevict/metrics.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>

@@ -56,6 +56,16 @@ status check_not_inside(const char* fn, const double* per_row, index_t rows,
   return {};
 }
 
+inline status check_positions_not_inside(const char* fn, const double* per_row, index_t rows, const pos_t* pos,
+                                        index_t count) {
+  if (per_row == nullptr || pos == nullptr || count <= 0) return {};
+  const auto b = reinterpret_cast<std::uintptr_t>(per_row), p = reinterpret_cast<std::uintptr_t>(pos);
+  const byte_range out{b, b + static_cast<std::uintptr_t>(rows) * sizeof(double)};
+  if (out.intersects({p, p + static_cast<std::uintptr_t>(count) * sizeof(pos_t)}))
+    return status::error(errc::overlap, "%s: per_row and kept overlap in memory", fn);
+  return {};
+}
+
 template <class T>
 status check_no_nan(const char* fn, const char* name, const matrix_view<T>& m) {
   for (index_t r = 0; r < m.extent(0); ++r)
@@ -239,6 +249,7 @@ inline status kept_recall_at_k(workspace& ws, ragged_positions kept, matrix_view
   KVEVICT_TRY(detail::check_offsets(fn, "kept.cu", kept.cu, kept.heads));
   if (kept.pos == nullptr && kept.cu[kept.heads] > 0)
     return status::error(errc::null_pointer, "%s: kept.pos is null but %d positions are listed", fn, kept.cu[kept.heads]);
+  KVEVICT_TRY(mi::check_positions_not_inside(fn, per_row, truth.extent(0), kept.pos, kept.cu[kept.heads]));
   return mi::kept_recall_rows(
       fn, ws, truth, k, mean, per_row, [&](index_t r) { return kept.length(r); },
       [&](index_t r, index_t i) { return kept.pos[kept.cu[r] + i]; });

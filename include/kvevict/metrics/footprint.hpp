@@ -211,6 +211,7 @@ class eviction_recorder {
   /// already evicted at another step, null positions with count > 0, negative count.
   status mark_evicted(index_t layer, index_t head, const pos_t* positions, index_t count, index_t step) {
     constexpr const char* fn = "eviction_recorder::mark_evicted";
+    if (positions == nullptr && count > 0) return null_list(fn, count);
     KVEVICT_TRY(check_update(fn, layer, head, positions, count, step));
     for (index_t i = 0; i < count; ++i) KVEVICT_TRY(check_evictable(fn, layer, head, positions[i], step));
     for (index_t i = 0; i < count; ++i) at_(layer, head, positions[i]) = static_cast<pos_t>(step);
@@ -238,6 +239,7 @@ class eviction_recorder {
   /// Errors: as mark_evicted, plus kept not strictly ascending, a kept key that is not resident.
   status retain_only(index_t layer, index_t head, const pos_t* kept, index_t count, index_t step) {
     constexpr const char* fn = "eviction_recorder::retain_only";
+    if (kept == nullptr && count > 0) return null_list(fn, count);
     KVEVICT_TRY(check_update(fn, layer, head, kept, count, step));
     KVEVICT_TRY(check_retained(fn, layer, head, list{kept}, count, step));
     apply_retain(layer, head, list{kept}, count, step);
@@ -307,6 +309,7 @@ class eviction_recorder {
   /// Errors: layer/head out of range, prompt outside [1, capacity], kept not ascending or >= prompt.
   status set_post_fill(index_t layer, index_t head, index_t prompt, const pos_t* kept, index_t count) {
     constexpr const char* fn = "eviction_recorder::set_post_fill";
+    if (kept == nullptr && count > 0) return null_list(fn, count);
     KVEVICT_TRY(detail::check_layer_head(fn, layer, head, layers(), heads()));
     KVEVICT_TRY(check_tokens(fn, prompt));
     KVEVICT_TRY(check_list(fn, kept, count));
@@ -331,12 +334,14 @@ class eviction_recorder {
                            static_cast<long long>(tokens), static_cast<long long>(capacity()));
     return {};
   }
+  static status null_list(const char* fn, index_t count) {
+    return status::error(errc::null_pointer, "%s: positions are null but %lld are listed", fn,
+                         static_cast<long long>(count));
+  }
   static status check_list(const char* fn, const pos_t* p, index_t count) {
     if (count < 0)
       return status::error(errc::invalid_argument, "%s: negative position count (%lld)", fn, static_cast<long long>(count));
-    if (p == nullptr && count > 0)
-      return status::error(errc::null_pointer, "%s: positions are null but %lld are listed", fn,
-                           static_cast<long long>(count));
+    if (p == nullptr && count > 0) return null_list(fn, count);
     return {};
   }
   status check_update(const char* fn, index_t layer, index_t head, const pos_t* p, index_t count, index_t step) const {

@@ -5,6 +5,7 @@
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
 #include <kvevict/gqa.hpp>
+#include <kvevict/metrics.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/protect.hpp>

@@ -241,11 +241,11 @@ status prulong_deterministic_gates(matrix_view<LA> log_alpha_in, matrix_view<T> 
 /// this equals the per-query-head mean PruLong's code takes). Summed in double, row-major order.
 /// grad (when it has rows) receives ds/dlog_alpha_ij = -P (1 - P) / (L H). Errors: invalid views,
 /// empty log_alpha, non-finite log_alpha, null s, bad params, grad shape or overlap.
-template <class LA, class T>
-status prulong_expected_sparsity(matrix_view<LA> log_alpha_in, double* s, matrix_view<T> grad = {},
-                                 const hard_concrete_params<T>& p = {}) {
-  static_assert(std::is_same_v<std::remove_const_t<LA>, T> && std::is_floating_point_v<T>,
-                "prulong_expected_sparsity: log_alpha and grad must have the same floating-point type");
+template <class LA, class T = std::remove_const_t<LA>>
+status prulong_expected_sparsity(matrix_view<LA> log_alpha_in, double* s,
+                                 matrix_view<std::remove_const_t<LA>> grad = {},
+                                 const hard_concrete_params<std::remove_const_t<LA>>& p = {}) {
+  static_assert(std::is_floating_point_v<T>, "prulong_expected_sparsity: log_alpha must be floating point");
   constexpr const char* fn = "prulong_expected_sparsity";
   const matrix_view<const T> la = log_alpha_in;
   KVEVICT_TRY(detail::check_log_alpha(fn, la, false));
@@ -276,12 +276,11 @@ status prulong_expected_sparsity(matrix_view<LA> log_alpha_in, double* s, matrix
 /// (lambda1 + 2 lambda2 (s - t)) * ds/dlog_alpha_ij (overwritten, or added with opts.accumulate).
 /// The multipliers start at 0 and take gradient *ascent* steps; log_alpha takes descent steps.
 /// Errors: as prulong_expected_sparsity, plus t outside [0, 1] and non-finite lambdas.
-template <class LA, class T>
+template <class LA, class T = std::remove_const_t<LA>>
 status prulong_lagrangian(matrix_view<LA> log_alpha_in, double target, double lambda1, double lambda2,
-                          prulong_lagrangian_result* out, matrix_view<T> grad_log_alpha = {},
-                          prulong_grad_options opts = {}, const hard_concrete_params<T>& p = {}) {
-  static_assert(std::is_same_v<std::remove_const_t<LA>, T> && std::is_floating_point_v<T>,
-                "prulong_lagrangian: log_alpha and grad_log_alpha must have the same floating-point type");
+                          prulong_lagrangian_result* out, matrix_view<std::remove_const_t<LA>> grad_log_alpha = {},
+                          prulong_grad_options opts = {}, const hard_concrete_params<std::remove_const_t<LA>>& p = {}) {
+  static_assert(std::is_floating_point_v<T>, "prulong_lagrangian: log_alpha must be floating point");
   constexpr const char* fn = "prulong_lagrangian";
   const matrix_view<const T> la = log_alpha_in;
   if (out == nullptr) return status::error(errc::null_pointer, "%s: out is null", fn);

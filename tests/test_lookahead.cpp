@@ -961,3 +961,83 @@ TEST_CASE("chain: LoRA q/k projections -> window scores -> KL loss, end-to-end g
       }
   }
 }
+
+TEST_CASE("lora_layer: owns parameters and gradients, PEFT init, same math as the free functions") {
+  auto g = kvtest::rng(1100);
+  const index_t n = 7, in = 6, out = 5, r = 3;
+  mat<float> x(n, in), w(out, in), y(n, out), y_plain(n, out), dy(3, out), dx(3, in);
+  x.fill_random(g);
+  w.fill_random(g);
+  dy.fill_random(g);
+  lora_layer<float> layer;
+  require_error(layer.forward(seq, x.v, w.v, row_range{4, 7}, y.v), errc::invalid_argument, "init() was not called");
+  REQUIRE(layer.init(in, out, r, 16.f, 3, 42).ok());
+  CHECK(layer.rank() == r);
+  CHECK(layer.in_features() == in);
+  CHECK(layer.out_features() == out);
+  // A in +-1/sqrt(in), not all equal; B = 0; deterministic per seed
+  const float bound = 1.f / std::sqrt(float(in));
+  std::vector<float> a0;
+  for (index_t i = 0; i < in; ++i)
+    for (index_t k = 0; k < r; ++k) {
+      CHECK(std::fabs(layer.a()(i, k)) <= bound);
+      a0.push_back(layer.a()(i, k));
+    }
+  CHECK(std::adjacent_find(a0.begin(), a0.end(), std::not_equal_to<float>()) != a0.end());
+  for (index_t k = 0; k < r; ++k)
+    for (index_t o = 0; o < out; ++o) CHECK(layer.b()(k, o) == 0.f);
+  lora_layer<float> same, other;
+  REQUIRE(same.init(in, out, r, 16.f, 0, 42).ok());
+  REQUIRE(other.init(in, out, r, 16.f, 0, 43).ok());
+  bool differs = false;
+  for (index_t i = 0; i < in; ++i)
+    for (index_t k = 0; k < r; ++k) {
+      CHECK(same.a()(i, k) == layer.a()(i, k));
+      differs |= other.a()(i, k) != layer.a()(i, k);
+    }
+  CHECK(differs);
+  // B = 0: the forward is the plain layer
+  const row_range rows{4, 7};
+  REQUIRE(layer.forward(seq, x.v, w.v, rows, y.v).ok());
+  REQUIRE(linear_forward(seq, x.v, w.v, y_plain.v).ok());
+  CHECK(y.buf == y_plain.buf);
+  // give B values, compare forward/backward with the free functions
+  for (index_t k = 0; k < r; ++k)
+    for (index_t o = 0; o < out; ++o) layer.b()(k, o) = 0.1f * float(k + 1) - 0.05f * float(o);
+  REQUIRE(layer.forward(par, x.v, w.v, rows, y.v).ok());
+  mat<float> y_ref(n, out), xa(3, r), da(in, r), db(r, out), dx_ref(3, in);
+  REQUIRE(lora_linear_forward(seq, x.v, w.v, layer.adapter(), rows, xa.v, y_ref.v).ok());
+  CHECK(y.buf == y_ref.buf);
+  std::fill(da.buf.begin(), da.buf.end(), 0.f);
+  std::fill(db.buf.begin(), db.buf.end(), 0.f);
+  REQUIRE(two_phase([&](workspace& ws) {
+            return lora_linear_backward(seq, ws, x.v, w.v, layer.adapter(), rows, xa.v, dy.v,
+                                        lora_adapter_grad<float>{da.v, db.v}, dx_ref.v);
+          }).ok());
+  REQUIRE(two_phase([&](workspace& ws) { return layer.backward(seq, ws, x.v, w.v, rows, dy.v, dx.v); }).ok());
+  for (index_t i = 0; i < in; ++i)
+    for (index_t k = 0; k < r; ++k) CHECK(layer.da()(i, k) == da(i, k));
+  for (index_t k = 0; k < r; ++k)
+    for (index_t o = 0; o < out; ++o) CHECK(layer.db()(k, o) == db(k, o));
+  CHECK(dx.buf == dx_ref.buf);
+  layer.zero_grad();
+  for (index_t i = 0; i < in; ++i)
+    for (index_t k = 0; k < r; ++k) CHECK(layer.da()(i, k) == 0.f);
+  // a larger block than reserved grows the saved activation; backward must use the forward's rows
+  REQUIRE(layer.forward(seq, x.v, w.v, row_range{1, 7}, y.v).ok());
+  mat<float> dy6(6, out), dx6(6, in);
+  dy6.fill_random(g);
+  require_error(two_phase([&](workspace& ws) { return layer.backward(seq, ws, x.v, w.v, rows, dy.v, dx.v); }),
+                errc::invalid_argument, "rows [4, 7) were not the last forward's lookahead rows");
+  REQUIRE(two_phase([&](workspace& ws) { return layer.backward(seq, ws, x.v, w.v, row_range{1, 7}, dy6.v, dx6.v); }).ok());
+  // errors
+  require_error(layer.forward(seq, x.v, w.v, row_range{5, 9}, y.v), errc::out_of_range, "lookahead rows [5, 9)");
+  require_error(two_phase([&](workspace& ws) { return layer.backward(seq, ws, x.v, w.v, row_range{1, 7}, dy6.v, dx6.v); }),
+                errc::invalid_argument, "were not the last forward's");  // the failed forward cleared the saved rows
+  mat<float> w_bad(out, in + 1);
+  require_error(layer.forward(seq, x.v, w_bad.v, rows, y.v), errc::shape_mismatch, "w.extent(1)");
+  lora_layer<double> bad;
+  require_error(bad.init(0, 3, 2), errc::invalid_argument, "must be >= 1");
+  require_error(bad.init(3, 3, 2, 1.0, -1), errc::invalid_argument, "max_rows is negative");
+  require_error(bad.init(3, 3, 2, NAN), errc::invalid_argument, "alpha is not finite");
+}

@@ -27,7 +27,9 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace kvevict {
 
@@ -359,6 +361,127 @@ status lora_linear_backward(Backend be, workspace& ws, matrix_view<X> x_in, matr
   }
   return {};
 }
+
+/// A Lookahead LoRA adapter that owns its parameters, their gradients and the activation saved by
+/// the forward pass: one object per adapted linear layer (q, k, v, o, w1, w2, w3 of every layer).
+/// The frozen W stays the caller's. init() allocates (once); forward/backward do not, except that
+/// the saved activation grows to the largest lookahead block seen (reserve it with max_rows).
+///
+///   kvevict::lora_layer<float> q_lora;
+///   q_lora.init(dim, dim, 8, 32.f, /*max_rows=*/32, /*seed=*/1);   // A ~ U(+-1/sqrt(in)), B = 0
+///   q_lora.forward(be, x, wq, rows, q);                            // saves x[rows] A
+///   ... q_lora.backward(be, ws, x, wq, rows, dq_rows, dx_rows);    // dA, dB accumulate
+///   optimizer step on q_lora.a() / q_lora.b() with q_lora.da() / q_lora.db(); q_lora.zero_grad();
+template <class T = float>
+class lora_layer {
+  static_assert(detail::is_real_v<T>, "lora_layer: element type must be float or double");
+
+ public:
+  /// Shapes and PEFT's initialisation: A uniform in [-1/sqrt(in), 1/sqrt(in)] (kaiming_uniform
+  /// with a = sqrt(5), as nn.Linear and PEFT do) from a SplitMix64 stream seeded with `seed`
+  /// (identical on every platform), B = 0, so the adapter starts as the identity. Gradients 0.
+  /// Errors: in, out or rank < 1, max_rows < 0, non-finite alpha.
+  status init(index_t in, index_t out, index_t rank, T alpha = T(lora_default_alpha), index_t max_rows = 0,
+              std::uint64_t seed = 0) {
+    if (in < 1 || out < 1 || rank < 1)
+      return status::error(errc::invalid_argument, "lora_layer::init: in (%lld), out (%lld) and rank (%lld) must be >= 1",
+                           static_cast<long long>(in), static_cast<long long>(out), static_cast<long long>(rank));
+    if (max_rows < 0)
+      return status::error(errc::invalid_argument, "lora_layer::init: max_rows is negative (%lld)",
+                           static_cast<long long>(max_rows));
+    if (!detail::finite_t(alpha))
+      return status::error(errc::invalid_argument, "lora_layer::init: alpha is not finite (%g)", static_cast<double>(alpha));
+    index_t na = 0, nb = 0;
+    if (!detail::checked_mul(in, rank, na) || !detail::checked_mul(rank, out, nb))
+      return status::error(errc::size_overflow, "lora_layer::init: in x rank or rank x out overflows");
+    in_ = in;
+    out_ = out;
+    rank_ = rank;
+    alpha_ = alpha;
+    a_.assign(static_cast<std::size_t>(na), T(0));
+    b_.assign(static_cast<std::size_t>(nb), T(0));
+    da_.assign(a_.size(), T(0));
+    db_.assign(b_.size(), T(0));
+    xa_.assign(static_cast<std::size_t>(max_rows * rank), T(0));
+    saved_ = {0, -1};
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    std::uint64_t state = seed;
+    for (T& v : a_) {
+      // SplitMix64 (Steele, Lea, Flood 2014), 53 bits -> [0, 1) -> [-bound, bound)
+      std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z ^= z >> 31;
+      const double u01 = static_cast<double>(z >> 11) * (1.0 / 9007199254740992.0);
+      v = static_cast<T>((2.0 * u01 - 1.0) * bound);
+    }
+    return {};
+  }
+
+  index_t in_features() const noexcept { return in_; }
+  index_t out_features() const noexcept { return out_; }
+  index_t rank() const noexcept { return rank_; }
+  T alpha() const noexcept { return alpha_; }
+  /// Trainable parameters (the optimizer updates them in place) and their gradients.
+  matrix_view<T> a() noexcept { return view(a_, in_, rank_); }
+  matrix_view<T> b() noexcept { return view(b_, rank_, out_); }
+  matrix_view<T> da() noexcept { return view(da_, in_, rank_); }
+  matrix_view<T> db() noexcept { return view(db_, rank_, out_); }
+  lora_adapter<T> adapter() const noexcept { return {cview(a_, in_, rank_), cview(b_, rank_, out_), alpha_}; }
+  lora_adapter_grad<T> grad() noexcept { return {da(), db()}; }
+  void zero_grad() noexcept {
+    for (T& v : da_) v = T(0);
+    for (T& v : db_) v = T(0);
+  }
+
+  /// lora_linear_forward with this adapter; saves x[rows] A for backward (the saved rows are
+  /// remembered: backward must use the same range). Errors: not initialised, then as
+  /// lora_linear_forward.
+  template <class Backend, class X, class W>
+  status forward(Backend be, matrix_view<X> x, matrix_view<W> w, row_range rows, matrix_view<T> y) {
+    if (rank_ == 0) return status::error(errc::invalid_argument, "lora_layer::forward: init() was not called");
+    saved_ = {0, -1};
+    if (rows.begin < 0 || rows.end < rows.begin || rows.end > x.extent(0))  // report before growing anything
+      return lora_linear_forward(be, x, w, adapter(), rows, view(xa_, 0, rank_), y);
+    const index_t m = rows.size();
+    if (static_cast<std::size_t>(m * rank_) > xa_.size()) xa_.resize(static_cast<std::size_t>(m * rank_));
+    KVEVICT_TRY(lora_linear_forward(be, x, w, adapter(), rows, view(xa_, m, rank_), y));
+    saved_ = rows;
+    return {};
+  }
+
+  /// lora_linear_backward with the activation saved by the last successful forward (same rows).
+  /// dA and dB accumulate; dx as lora_linear_backward (a view with 0 rows skips it).
+  /// Errors: no forward saved for these rows, then as lora_linear_backward.
+  template <class Backend, class X, class W, class DY>
+  status backward(Backend be, workspace& ws, matrix_view<X> x, matrix_view<W> w, row_range rows, matrix_view<DY> dy,
+                  matrix_view<T> dx, lora_backward_options opts = {}) {
+    if (rank_ == 0) return status::error(errc::invalid_argument, "lora_layer::backward: init() was not called");
+    if (saved_.end < saved_.begin || saved_.begin != rows.begin || saved_.end != rows.end)
+      return status::error(errc::invalid_argument,
+                           "lora_layer::backward: rows [%lld, %lld) were not the last forward's lookahead rows",
+                           static_cast<long long>(rows.begin), static_cast<long long>(rows.end));
+    return lora_linear_backward(be, ws, x, w, adapter(), rows, cview(xa_, rows.size(), rank_), dy, grad(), dx, opts);
+  }
+
+ private:
+  static matrix_view<T> view(std::vector<T>& v, index_t r, index_t c) noexcept {
+    using exts = cuda::std::dextents<index_t, 2>;
+    return matrix_view<T>(v.empty() ? nullptr : v.data(),
+                          cuda::std::layout_stride::mapping<exts>(exts(r, c), cuda::std::array<index_t, 2>{c > 0 ? c : 1, 1}));
+  }
+  static matrix_view<const T> cview(const std::vector<T>& v, index_t r, index_t c) noexcept {
+    using exts = cuda::std::dextents<index_t, 2>;
+    return matrix_view<const T>(
+        v.empty() ? nullptr : v.data(),
+        cuda::std::layout_stride::mapping<exts>(exts(r, c), cuda::std::array<index_t, 2>{c > 0 ? c : 1, 1}));
+  }
+
+  index_t in_ = 0, out_ = 0, rank_ = 0;
+  T alpha_ = T(lora_default_alpha);
+  std::vector<T> a_, b_, da_, db_, xa_;
+  row_range saved_{0, -1};  ///< rows of the saved activation; end < begin: nothing saved
+};
 
 namespace detail {
 

@@ -6,6 +6,7 @@
 //   linear_forward(be, x, w, y)                              y = x W^T (llama2.c layout, W [out][in])
 //   lora_linear_forward(be, x, w, adapter, rows, xa, y)      + (alpha/r)(x A) B on rows [begin, end)
 //   lora_linear_backward(be, ws, x, w, adapter, rows, xa, dy, grad, dx)
+//   lora_layer<T>                                            owns A, B, dA, dB and the saved x A
 //   lookahead_window_scores(be, ws, q, k_prefix, k_block, s)           s_j = mean_i softmax_i(.)_j
 //   lookahead_window_scores_backward(be, ws, q, k_prefix, k_block, ds, dq, dk_block)
 //   lookahead_kl_loss(be, ws, gt, est, &loss[, grad_est])    mean_rows KL(norm(gt) || norm(est))

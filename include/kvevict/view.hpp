@@ -83,7 +83,9 @@ status check_extents_strides(const char* what, const index_t (&ext)[Rank], const
       return status::error(errc::null_pointer, "%s: data is null but the view has %lld elements", what,
                            static_cast<long long>(span));
     // unique mapping (the sufficient condition layout_stride asserts): ignoring dimensions of
-    // extent 1, sorted by stride, each stride must step over the whole previous dimension
+    // extent 1, sorted by stride, each stride must step over the whole previous dimension.
+    // Rank 1 is always unique (and GCC's -Warray-bounds misreads the loops below for it).
+    if constexpr (Rank > 1) {
     std::size_t order[Rank];
     std::size_t n = 0;
     for (std::size_t i = 0; i < Rank; ++i)
@@ -99,6 +101,7 @@ status check_extents_strides(const char* what, const index_t (&ext)[Rank], const
       if (str[order[i]] < prev)
         return status::error(errc::overlap, "%s: strides make distinct elements alias (dimension %zu overlaps %zu)",
                              what, order[i], order[i - 1]);
+    }
     }
   }
   return {};

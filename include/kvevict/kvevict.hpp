@@ -5,10 +5,12 @@
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
 #include <kvevict/gqa.hpp>
+#include <kvevict/lookahead.hpp>
 #include <kvevict/metrics.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/protect.hpp>
+#include <kvevict/prulong.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>

@@ -156,12 +156,16 @@ inline status continue_generation(runner& r, kv_cache& cache, sampler& s, index_
 
 /// run.c's generation: prefill `prompt` (one block, on an empty cache) and continue_generation up
 /// to `steps` positions in all (prompt included, like run.c's -n). `out` receives the generated
-/// tokens (not the prompt). Errors: invalid_argument for an empty prompt, a non-empty cache or a
-/// prompt longer than `steps`; then those of continue_generation.
+/// tokens (not the prompt). Errors, before anything runs: invalid_argument for an empty prompt, a
+/// non-empty cache, steps above the context or a prompt longer than `steps`; then those of
+/// runner::forward, continue_generation and the hook.
 inline status generate(runner& r, kv_cache& cache, sampler& s, const std::vector<int>& prompt, index_t steps,
                        std::vector<int>& out, const decode_hook& after_decode = {}) {
   out.clear();
   if (prompt.empty()) return status::error(errc::invalid_argument, "generate: the prompt has no tokens");
+  if (steps > r.get_model().cfg().seq_len)
+    return status::error(errc::invalid_argument, "generate: steps %lld is above the context (seq_len %d)",
+                         static_cast<long long>(steps), r.get_model().cfg().seq_len);
   if (cache.next_position() != 0)
     return status::error(errc::invalid_argument, "generate: the cache is not empty (next position %d)", cache.next_position());
   if (static_cast<index_t>(prompt.size()) > steps)

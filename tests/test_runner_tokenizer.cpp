@@ -312,6 +312,8 @@ TEST_CASE("tokenizer loader: each malformed input gets its specific error") {
   REQUIRE(load(b, 3).ok());
   require_error(load(cut, 3), errc::format_error, "cut short");
   CHECK(t.vocab_size() == 3);
+  CHECK(t.max_token_length() == 4);
+  CHECK(t.longest_piece() == 2);
   CHECK(t.piece(1) == "bc");
   CHECK(t.score(2) == -2.0f);
   // files
@@ -319,6 +321,14 @@ TEST_CASE("tokenizer loader: each malformed input gets its specific error") {
                 "tokenizer: cannot open '/nonexistent/tok.bin': No such file or directory");
   require_error(tokenizer::load_file(KVEVICT_SOURCE_DIR "/models/tok512.bin", 32000, t), errc::format_error,
                 "the input holds 512 tokens but the model's vocabulary has 32000");
+}
+
+TEST_CASE("an overstated max_token_length costs nothing") {
+  // found by fuzz_tokenizer: encode used to reserve 2 x max_token_length bytes
+  const tokenizer t = load_vocab({{0, " "}, {0, "a"}, {0, "b"}, {1, " a"}}, 0x40000006);
+  CHECK(t.max_token_length() == 0x40000006);
+  CHECK(t.longest_piece() == 2);
+  CHECK(encode(t, "ab") == std::vector<int>{1, 3, 2});
 }
 
 TEST_CASE("encode errors: no dummy-prefix token, no byte fallback") {
@@ -330,4 +340,10 @@ TEST_CASE("encode errors: no dummy-prefix token, no byte fallback") {
   CHECK(encode(small, "a") == std::vector<int>{1, 3, 4});
   require_error(small.encode("ab", true, false, ids), errc::invalid_argument,
                 "byte 0x62 has no fallback token in a vocabulary of 5");
+  const tokenizer one = load_vocab({{0, " "}});
+  require_error(one.encode(" ", true, false, ids), errc::invalid_argument, "BOS (token 1) is outside the vocabulary of 1");
+  CHECK(encode(one, " ", false) == std::vector<int>{0, 0});
+  const tokenizer two = load_vocab({{0, " "}, {0, "a"}});
+  require_error(two.encode("a", false, true, ids), errc::invalid_argument, "EOS (token 2) is outside the vocabulary of 2");
+  CHECK(encode(two, "a", false) == std::vector<int>{0, 1});
 }

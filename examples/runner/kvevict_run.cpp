@@ -93,6 +93,11 @@ int main(int argc, char** argv) {
     return fail("--steps " + std::to_string(o.steps) + " is outside [1, " + std::to_string(c.seq_len) +
                 "] (the model's context)");
 
+  // Each token covers at most longest_piece() bytes (the dummy-prefix space included), so a longer
+  // prompt cannot fit; checked before encoding, whose merge loop is quadratic in the prompt length.
+  if (o.prompt.size() + 1 > static_cast<std::size_t>(c.seq_len - 1) * static_cast<std::size_t>(tok.longest_piece()))
+    return fail("the prompt of " + std::to_string(o.prompt.size()) + " bytes cannot fit in the model's context of " +
+                std::to_string(c.seq_len) + " tokens");
   std::vector<int> prompt;
   if (auto st = tok.encode(o.prompt, /*bos=*/true, /*eos=*/false, prompt); !st.ok()) return fail("", st);
   if (static_cast<int>(prompt.size()) > c.seq_len)

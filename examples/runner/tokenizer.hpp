@@ -75,6 +75,7 @@ class tokenizer {
 
     tokenizer t;
     t.max_token_length_ = max_len;
+    t.longest_ = 0;
     t.bytes_.reserve(piece_bytes);
     t.offsets_.reserve(count + 1);
     t.scores_.reserve(count);
@@ -87,6 +88,7 @@ class tokenizer {
       std::memcpy(&len, p + off + 4, 4);
       t.scores_.push_back(score);
       t.bytes_.append(reinterpret_cast<const char*>(p + off + 8), static_cast<std::size_t>(len));
+      t.longest_ = std::max(t.longest_, static_cast<int>(len));
       t.offsets_.push_back(t.bytes_.size());
       off += 8 + static_cast<std::size_t>(len);
     }
@@ -113,7 +115,10 @@ class tokenizer {
   }
 
   int vocab_size() const { return static_cast<int>(scores_.size()); }
+  /// The header's bound on token lengths (every token is at most this long).
   int max_token_length() const { return max_token_length_; }
+  /// The length of the longest token (<= max_token_length(), which a file may overstate).
+  int longest_piece() const { return longest_; }
   /// The bytes of token `id` (0 <= id < vocab_size()).
   std::string_view piece(int id) const {
     const std::size_t b = offsets_[static_cast<std::size_t>(id)], e = offsets_[static_cast<std::size_t>(id) + 1];
@@ -133,10 +138,15 @@ class tokenizer {
   /// (byte + 3); then repeatedly merge the adjacent pair whose concatenation is a token with the
   /// highest score (> -1e10; ties -> leftmost pair); optional EOS. The whole view is encoded (a NUL
   /// byte becomes <0x00>; run.c stops at it, its input being a C string).
-  /// Errors (invalid_argument): the vocabulary has no " " token for the dummy prefix, or a byte has
-  /// no fallback token (vocabularies of fewer than 259 tokens). `out` is replaced.
+  /// Errors (invalid_argument): BOS or EOS asked for but outside the vocabulary; the vocabulary has
+  /// no " " token for the dummy prefix; a byte has no fallback token (vocabularies of fewer than
+  /// 259 tokens). `out` is replaced.
   status encode(std::string_view text, bool bos, bool eos, std::vector<int>& out) const {
     out.clear();
+    if ((bos && bos_token >= vocab_size()) || (eos && eos_token >= vocab_size()))
+      return status::error(errc::invalid_argument, "tokenizer: encode: %s (token %d) is outside the vocabulary of %d",
+                           bos && bos_token >= vocab_size() ? "BOS" : "EOS", bos && bos_token >= vocab_size() ? bos_token : eos_token,
+                           vocab_size());
     if (bos) out.push_back(bos_token);
     if (!text.empty()) {
       const int space = lookup(" ");
@@ -183,6 +193,7 @@ class tokenizer {
 
  private:
   int max_token_length_ = 0;
+  int longest_ = 0;
   std::string bytes_;                  // all pieces, concatenated
   std::vector<std::size_t> offsets_;   // piece i is bytes_[offsets_[i], offsets_[i+1])
   std::vector<float> scores_;
@@ -220,7 +231,7 @@ class tokenizer {
     constexpr float no_merge = -1e10f;
     std::vector<int> pair_id;
     std::string buf;
-    buf.reserve(2 * static_cast<std::size_t>(max_token_length_));
+    buf.reserve(2 * static_cast<std::size_t>(longest_));  // not max_token_length_: a header may overstate it
     auto pair = [&](std::size_t i) {
       buf.assign(piece(tokens[i]));
       buf.append(piece(tokens[i + 1]));

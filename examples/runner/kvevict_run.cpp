@@ -41,6 +41,11 @@ int fail(const char* what, const kvevict::status& st) {
   std::fprintf(stderr, "kvevict-run: %s%s\n", what, st.message());
   return 1;
 }
+// A file's format errors name the file (open errors already do).
+int fail_file(const std::string& path, const kvevict::status& st) {
+  if (st.code() == kvevict::errc::io_error) return fail("", st);
+  return fail((path + ": ").c_str(), st);
+}
 int fail(const std::string& message) {
   std::fprintf(stderr, "kvevict-run: %s\n", message.c_str());
   return 1;
@@ -85,10 +90,10 @@ int main(int argc, char** argv) {
   if (o.seed == 0) return fail("--seed must be nonzero (the xorshift generator never leaves state 0)");
 
   kvrun::model model;
-  if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail("", st);
+  if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail_file(o.model, st);
   const kvrun::config& c = model.cfg();
   kvrun::tokenizer tok;
-  if (auto st = kvrun::tokenizer::load_file(o.tokenizer, c.vocab_size, tok); !st.ok()) return fail("", st);
+  if (auto st = kvrun::tokenizer::load_file(o.tokenizer, c.vocab_size, tok); !st.ok()) return fail_file(o.tokenizer, st);
   if (o.steps < 1 || o.steps > c.seq_len)
     return fail("--steps " + std::to_string(o.steps) + " is outside [1, " + std::to_string(c.seq_len) +
                 "] (the model's context)");

@@ -20,9 +20,11 @@ namespace kvrun::detail {
 
 using kvevict::index_t;
 
-/// Below this many multiply-adds a loop runs on the calling thread: an OpenMP region costs a few
-/// microseconds, more than a decode step of a small model (stories260K decodes on one thread).
-inline constexpr index_t parallel_threshold = index_t(1) << 18;
+/// Below this many multiply-adds (about half a millisecond on one core) a loop runs on the calling
+/// thread: an OpenMP region costs microseconds on an idle machine and milliseconds when another
+/// process holds a core the region waits for. stories260K decodes on one thread and prefills
+/// blocks of more than a few dozen tokens on all of them.
+inline constexpr index_t parallel_threshold = index_t(1) << 20;
 
 /// Calls f(i, thread) for i in [0, n); `thread` is in [0, threads). Runs in parallel (static
 /// schedule) when built with OpenMP, `threads` > 1 and `work` >= parallel_threshold.
@@ -86,6 +88,27 @@ inline void softmax(float* x, index_t size) {
     sum += x[i];
   }
   for (index_t i = 0; i < size; ++i) x[i] /= sum;
+}
+
+/// One query head's attention over `rows` cached keys/values (head_size floats each, `stride`
+/// floats apart): out = softmax(q . k_t / sqrt(head_size)) . v, with run.c's order of operations.
+/// `att` is scratch for `rows` scores; `out` must not overlap the inputs.
+inline void attend(const float* __restrict q, const float* __restrict keys, const float* __restrict values,
+                   index_t stride, index_t rows, index_t head_size, float* __restrict att, float* __restrict out) {
+  const float scale = std::sqrt(static_cast<float>(head_size));
+  for (index_t t = 0; t < rows; ++t) {
+    const float* k = keys + t * stride;
+    float score = 0.0f;
+    for (index_t e = 0; e < head_size; ++e) score += q[e] * k[e];
+    att[t] = score / scale;
+  }
+  softmax(att, rows);
+  std::fill(out, out + head_size, 0.0f);
+  for (index_t t = 0; t < rows; ++t) {
+    const float* v = values + t * stride;
+    const float a = att[t];
+    for (index_t e = 0; e < head_size; ++e) out[e] += a * v[e];
+  }
 }
 
 /// SwiGLU gate: gate[i] = silu(gate[i]) * up[i], silu(g) = g * sigmoid(g).

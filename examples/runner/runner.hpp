@@ -294,26 +294,11 @@ class runner {
       appended_epoch_[static_cast<std::size_t>(l)] = cache.layer_epoch_[static_cast<std::size_t>(l)];
       index_t visible = 0;
       for (index_t h = 0; h < Hkv; ++h) visible += base_len_[static_cast<std::size_t>(h)] + n;
-      const float scale = std::sqrt(static_cast<float>(hs));
       detail::parallel_for(threads_, n * H, n * group * visible * hs * 2, [&](index_t item, int thread) {
         const index_t i = item / H, q = item % H, g = q / group;
-        const index_t rows = base_len_[static_cast<std::size_t>(g)] + i + 1;
-        const float* qv = qkv + i * qs + q * hs;
-        float* att = att_.data() + index_t(thread) * max_rows_;
-        for (index_t t = 0; t < rows; ++t) {
-          const float* k = cache.key_row(l, g, t);
-          float score = 0.0f;
-          for (index_t e = 0; e < hs; ++e) score += qv[e] * k[e];
-          att[t] = score / scale;
-        }
-        detail::softmax(att, rows);
-        float* out = xb + i * d + q * hs;
-        std::fill(out, out + hs, 0.0f);
-        for (index_t t = 0; t < rows; ++t) {
-          const float* v = cache.value_row(l, g, t);
-          const float a = att[t];
-          for (index_t e = 0; e < hs; ++e) out[e] += a * v[e];
-        }
+        detail::attend(qkv + i * qs + q * hs, cache.key_row(l, g, 0), cache.value_row(l, g, 0), hs,
+                       base_len_[static_cast<std::size_t>(g)] + i + 1, hs, att_.data() + index_t(thread) * max_rows_,
+                       xb + i * d + q * hs);
       });
       detail::matmul(threads_, xb, d, n, d, m.wo(l), d, tmp, d);
       st = call_projection(hooks, l, projection::o, n, xb, d, d, tmp, d, d);

@@ -33,6 +33,7 @@ struct options {
   float temperature = 0.0f;
   float topp = 0.9f;
   std::uint64_t seed = 42;
+  int threads = 0;
   bool ids = false;
   bool stats = false;
 };
@@ -71,6 +72,8 @@ int main(int argc, char** argv) {
   app.add_option("--topp", o.topp, "top-p (nucleus) threshold when sampling; 0 or 1 = plain sampling")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "xorshift seed for sampling (nonzero; run.c's -s)")->capture_default_str();
+  app.add_option("--threads", o.threads, "OpenMP threads for long blocks (0 = OMP_NUM_THREADS or all cores)")
+      ->capture_default_str();
   app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
   app.add_flag("--stats", o.stats, "print prefill and decode speed on stderr");
   // Eviction options (recipe, budget, driver, chunk size) will join here.
@@ -88,6 +91,7 @@ int main(int argc, char** argv) {
     return fail("--temperature must be finite and >= 0, got " + std::to_string(o.temperature));
   if (!(o.topp >= 0.0f && o.topp <= 1.0f)) return fail("--topp must be in [0, 1], got " + std::to_string(o.topp));
   if (o.seed == 0) return fail("--seed must be nonzero (the xorshift generator never leaves state 0)");
+  if (o.threads < 0) return fail("--threads must be >= 0, got " + std::to_string(o.threads));
 
   kvrun::model model;
   if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail_file(o.model, st);
@@ -115,7 +119,7 @@ int main(int argc, char** argv) {
   kvrun::runner run;
   kvrun::kv_cache cache;
   kvrun::sampler sampler;
-  if (auto st = run.init(model, {/*max_block=*/static_cast<kvevict::index_t>(prompt.size()), /*max_rows=*/o.steps, 0});
+  if (auto st = run.init(model, {/*max_block=*/static_cast<kvevict::index_t>(prompt.size()), /*max_rows=*/o.steps, o.threads});
       !st.ok())
     return fail("", st);
   if (auto st = cache.init(c, o.steps); !st.ok()) return fail("", st);

@@ -175,7 +175,8 @@ class runner {
     return forward(cache, tokens(&token, 1), logits_mode::last, hooks);
   }
 
-  /// Logits of the last forward: row 0 for logits_mode::last, block row `row` for all.
+  /// Logits of the last forward: row 0 for logits_mode::last, block row `row` for all. The
+  /// runner owns them; the next forward overwrites them.
   const float* logits(index_t row = 0) const {
     return logits_.data() + row * static_cast<index_t>(model_->cfg().vocab_size);
   }

@@ -1010,6 +1010,14 @@ TEST_CASE("kv_cache errors") {
   kept_rows unsorted;
   for (index_t h = 0; h < 4; ++h) unsorted.add_head({3, 1});
   require_error(c.compact(1, unsorted.view()), errc::not_sorted, "strictly ascending");
+  // kept lists stored inside the cache's own memory (here: its positions) are refused up front
+  kept_rows inside;
+  for (index_t h = 0; h < 4; ++h) inside.add_head({0});
+  const pos_t* own = c.positions(2).data;
+  require_error(c.compact(1, {own, inside.cu.data(), 4}), errc::overlap, "kept lists lie inside the cache's own memory");
+  kept_rows bad_offsets = ok_rows;
+  bad_offsets.cu[0] = 1;
+  require_error(c.compact(1, bad_offsets.view()), errc::invalid_argument, "kept.cu[0] must be 0");
   // nothing changed by the failures
   for (index_t h = 0; h < 4; ++h) CHECK(c.length(1, h) == 6);
   require_error(c.dense_keys(0, 7).error(), errc::out_of_range, "7 rows requested but head 0 of layer 0 holds 6");

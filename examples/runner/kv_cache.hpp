@@ -116,9 +116,9 @@ class kv_cache {
   /// into its current rows, strictly ascending), packed to the front in that order, keys, values
   /// and positions alike. No allocation. next_position() is unchanged.
   /// Errors: out_of_range (l not a layer), shape_mismatch (kept.heads != kv_heads()),
-  /// invalid_argument (inside a rolled-back block, see runner::forward_extra), and every error of
-  /// kvevict::compact_inplace (rows out of range, not ascending, kept overlapping the cache).
-  /// Nothing is changed on error.
+  /// invalid_argument (inside a rolled-back block, see runner::forward_extra), overlap (kept lists
+  /// stored inside the cache), and every error of kvevict::compact_inplace (malformed offsets, rows
+  /// out of range, not ascending). Nothing is changed on error.
   status compact(int l, kvevict::ragged_positions kept) {
     if (l < 0 || l >= layers_)
       return status::error(errc::out_of_range, "kv_cache::compact: layer %d is outside [0, %d)", l, layers_);
@@ -128,6 +128,15 @@ class kv_cache {
     if (kept.heads != heads_)
       return status::error(errc::shape_mismatch, "kv_cache::compact: kept lists %lld heads, the cache has %lld",
                            static_cast<long long>(kept.heads), static_cast<long long>(heads_));
+    // kept lists living inside this cache's buffers would be overwritten midway: refuse them before
+    // the first gather, so that an error leaves everything unchanged
+    KVEVICT_TRY(kvevict::detail::check_ragged_positions("kv_cache::compact", kept));
+    const kvevict::detail::byte_range kept_range =
+        kvevict::detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0);
+    if (kept_range.intersects(kvevict::detail::rows_range(keys_.data(), index_t(keys_.size()), 1)) ||
+        kept_range.intersects(kvevict::detail::rows_range(values_.data(), index_t(values_.size()), 1)) ||
+        kept_range.intersects(kvevict::detail::rows_range(positions_.data(), index_t(positions_.size()), 1)))
+      return status::error(errc::overlap, "kv_cache::compact: the kept lists lie inside the cache's own memory");
     // keys, values and positions each need the current lengths while they are checked and
     // gathered: the first two gathers use a copy, the last one updates the shared lengths
     auto with_scratch = [&](auto c) {

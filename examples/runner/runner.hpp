@@ -23,7 +23,7 @@
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <vector>

@@ -1,0 +1,234 @@
+// runner/kv_cache.hpp: the runner's KV cache, one ragged cache per layer.
+//
+// Layer l, KV head h owns `capacity()` preallocated rows of keys and of values (post-RoPE keys,
+// head_size floats each) and the same number of positions; it currently holds length(l, h) of
+// them, in order of arrival. Heads may hold different numbers of rows (after AdaKV / LAVa
+// eviction). Each row remembers the ORIGINAL position of its token: RoPE was applied with it
+// when the key was computed, and it stays the token's position after eviction. New tokens get
+// the position next_position(), the length of the sequence so far, never the compacted length.
+//
+// Memory per layer is head-major: [kv_head][capacity][head_size], so a layer's keys are a
+// kvevict::ragged_cache<float> (keys(l)) and, over rows every head holds, a dense
+// kvevict::kv_view (dense_keys(l, rows)) that kvevict's stages read without copies.
+#pragma once
+
+#include <runner/model.hpp>
+
+#include <kvevict/compact.hpp>
+#include <kvevict/view.hpp>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvrun {
+
+/// What kv_cache::save() remembers, for kv_cache::rollback().
+struct cache_checkpoint {
+  std::uint64_t appended = 0;  ///< rows appended to every head before the checkpoint
+  std::uint64_t epoch = 0;     ///< compactions and clears before the checkpoint
+  pos_t next_position = 0;
+};
+
+class kv_cache {
+ public:
+  kv_cache() = default;
+
+  /// Allocates an empty cache for model config `c` with `capacity` rows per layer and KV head
+  /// (0: c.seq_len). Errors: invalid_argument for a negative capacity or one above c.seq_len
+  /// (positions are < seq_len and an extra block may repeat positions, but a head never needs
+  /// more rows than the context), size_overflow if the buffers do not fit in memory indices.
+  status init(const config& c, index_t capacity = 0) {
+    if (capacity < 0 || capacity > c.seq_len)
+      return status::error(errc::invalid_argument, "kv_cache: capacity %lld is outside [0, seq_len %d] (0 = seq_len)",
+                           static_cast<long long>(capacity), c.seq_len);
+    if (capacity == 0) capacity = c.seq_len;
+    index_t rows = 0, floats = 0;
+    if (!kvevict::detail::checked_mul(index_t(c.n_layers) * c.n_kv_heads, capacity, rows) ||
+        !kvevict::detail::checked_mul(rows, c.head_size(), floats) || capacity > INT32_MAX / (c.n_kv_heads + 1))
+      return status::error(errc::size_overflow, "kv_cache: %d layers x %d heads x %lld rows overflow", c.n_layers,
+                           c.n_kv_heads, static_cast<long long>(capacity));
+    layers_ = c.n_layers;
+    heads_ = c.n_kv_heads;
+    head_size_ = c.head_size();
+    capacity_ = capacity;
+    seq_len_ = c.seq_len;
+    keys_.assign(static_cast<std::size_t>(floats), 0.0f);
+    values_.assign(static_cast<std::size_t>(floats), 0.0f);
+    positions_.assign(static_cast<std::size_t>(rows), 0);
+    lens_.assign(static_cast<std::size_t>(index_t(layers_) * heads_), 0);
+    scratch_lens_.assign(static_cast<std::size_t>(heads_), 0);
+    cu_capacity_.resize(static_cast<std::size_t>(heads_) + 1);
+    for (index_t h = 0; h <= heads_; ++h) cu_capacity_[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * capacity);
+    layer_epoch_.assign(static_cast<std::size_t>(layers_), 0);
+    next_position_ = 0;
+    appended_ = 0;
+    ++epoch_;
+    frozen_ = false;
+    return {};
+  }
+
+  int layers() const { return layers_; }
+  index_t kv_heads() const { return heads_; }
+  index_t head_size() const { return head_size_; }
+  index_t capacity() const { return capacity_; }
+  /// Position of the next token: 1 + the largest position ever kept (0 when empty). Eviction
+  /// does not change it.
+  pos_t next_position() const { return next_position_; }
+
+  /// Rows head h of layer l holds.
+  index_t length(int l, index_t h) const { return lens_[idx(l, h)]; }
+  /// The `kv_heads()` lengths of layer l.
+  const std::int32_t* lengths(int l) const { return lens_.data() + index_t(l) * heads_; }
+  /// Rows held by all heads of all layers (the un-evicted entries of the footprint metrics).
+  index_t total_rows() const {
+    index_t t = 0;
+    for (const std::int32_t n : lens_) t += n;
+    return t;
+  }
+
+  const float* key_row(int l, index_t h, index_t j) const { return keys_.data() + row_off(l, h, j); }
+  const float* value_row(int l, index_t h, index_t j) const { return values_.data() + row_off(l, h, j); }
+  /// Original token position of row j of head h, layer l.
+  pos_t position(int l, index_t h, index_t j) const {
+    return positions_[static_cast<std::size_t>(row_off(l, h, j) / head_size_)];
+  }
+
+  /// Layer l's keys / values / positions as kvevict ragged caches (positions: dim 1). The three
+  /// share one `lens` array. They are for reading and for kvevict stages that read ragged caches;
+  /// change a cache only through compact() (compacting one of them alone would desynchronise
+  /// keys, values and positions).
+  kvevict::ragged_cache<float> keys(int l) { return {keys_.data() + layer_off(l), cu_capacity_.data(), lens_ptr(l), heads_, head_size_, head_size_}; }
+  kvevict::ragged_cache<float> values(int l) { return {values_.data() + layer_off(l), cu_capacity_.data(), lens_ptr(l), heads_, head_size_, head_size_}; }
+  kvevict::ragged_cache<pos_t> positions(int l) {
+    return {positions_.data() + layer_off(l) / head_size_, cu_capacity_.data(), lens_ptr(l), heads_, 1, 1};
+  }
+
+  /// The first `rows` rows of every head of layer l as a dense [kv_head][rows][head_size] view.
+  /// Errors: out_of_range if l is not a layer or a head holds fewer than `rows` rows.
+  kvevict::result<kvevict::kv_view<const float>> dense_keys(int l, index_t rows) const {
+    return dense(keys_, "dense_keys", l, rows);
+  }
+  kvevict::result<kvevict::kv_view<const float>> dense_values(int l, index_t rows) const {
+    return dense(values_, "dense_values", l, rows);
+  }
+
+  /// Evicts: head h of layer l keeps its rows kept.pos[kept.cu[h] .. kept.cu[h+1]) (row indices
+  /// into its current rows, strictly ascending), packed to the front in that order, keys, values
+  /// and positions alike. No allocation. next_position() is unchanged.
+  /// Errors: out_of_range (l not a layer), shape_mismatch (kept.heads != kv_heads()),
+  /// invalid_argument (inside a rolled-back block, see runner::forward_extra), overlap (kept lists
+  /// stored inside the cache), and every error of kvevict::compact_inplace (malformed offsets, rows
+  /// out of range, not ascending). Nothing is changed on error.
+  status compact(int l, kvevict::ragged_positions kept) {
+    if (l < 0 || l >= layers_)
+      return status::error(errc::out_of_range, "kv_cache::compact: layer %d is outside [0, %d)", l, layers_);
+    if (frozen_)
+      return status::error(errc::invalid_argument,
+                           "kv_cache::compact: the cache is inside a block that will be rolled back; compact after it");
+    if (kept.heads != heads_)
+      return status::error(errc::shape_mismatch, "kv_cache::compact: kept lists %lld heads, the cache has %lld",
+                           static_cast<long long>(kept.heads), static_cast<long long>(heads_));
+    // kept lists living inside this cache's buffers would be overwritten midway: refuse them before
+    // the first gather, so that an error leaves everything unchanged
+    KVEVICT_TRY(kvevict::detail::check_ragged_positions("kv_cache::compact", kept));
+    const kvevict::detail::byte_range kept_range =
+        kvevict::detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0);
+    if (kept_range.intersects(kvevict::detail::rows_range(keys_.data(), index_t(keys_.size()), 1)) ||
+        kept_range.intersects(kvevict::detail::rows_range(values_.data(), index_t(values_.size()), 1)) ||
+        kept_range.intersects(kvevict::detail::rows_range(positions_.data(), index_t(positions_.size()), 1)))
+      return status::error(errc::overlap, "kv_cache::compact: the kept lists lie inside the cache's own memory");
+    // keys, values and positions each need the current lengths while they are checked and
+    // gathered: the first two gathers use a copy, the last one updates the shared lengths
+    auto with_scratch = [&](auto c) {
+      std::copy(lengths(l), lengths(l) + heads_, scratch_lens_.begin());
+      c.lens = scratch_lens_.data();
+      return c;
+    };
+    KVEVICT_TRY(kvevict::compact_inplace(kvevict::seq, with_scratch(positions(l)), kept));
+    KVEVICT_TRY(kvevict::compact_inplace(kvevict::seq, with_scratch(values(l)), kept));
+    KVEVICT_TRY(kvevict::compact_inplace(kvevict::seq, keys(l), kept));
+    ++epoch_;
+    ++layer_epoch_[static_cast<std::size_t>(l)];
+    return {};
+  }
+
+  /// Remembers the cache's state, for rollback().
+  cache_checkpoint save() const { return {appended_, epoch_, next_position_}; }
+
+  /// Drops every row appended since `cp`, restoring lengths and next_position(); rows kept
+  /// before `cp` are untouched (appends never overwrite held rows). Errors: invalid_argument if
+  /// the cache was compacted or cleared since `cp` (the rows to drop are no longer the last ones)
+  /// or `cp` is from a later state.
+  status rollback(const cache_checkpoint& cp) {
+    if (cp.epoch != epoch_)
+      return status::error(errc::invalid_argument, "kv_cache::rollback: the cache was compacted or cleared since the checkpoint");
+    if (cp.appended > appended_)
+      return status::error(errc::invalid_argument, "kv_cache::rollback: the checkpoint is newer than the cache");
+    const auto n = static_cast<std::int32_t>(appended_ - cp.appended);
+    for (std::int32_t& len : lens_) len -= n;
+    appended_ = cp.appended;
+    next_position_ = cp.next_position;
+    return {};
+  }
+
+  /// Empties every head; next_position() becomes 0.
+  void clear() {
+    std::fill(lens_.begin(), lens_.end(), 0);
+    next_position_ = 0;
+    appended_ = 0;
+    ++epoch_;
+  }
+
+ private:
+  friend class runner;
+
+  int layers_ = 0;
+  index_t heads_ = 0, head_size_ = 0, capacity_ = 0;
+  int seq_len_ = 0;
+  std::vector<float> keys_, values_;     // [layer][kv_head][capacity][head_size]
+  std::vector<pos_t> positions_;         // [layer][kv_head][capacity]
+  std::vector<std::int32_t> lens_;       // [layer][kv_head]
+  std::vector<std::int32_t> scratch_lens_;
+  std::vector<std::int32_t> cu_capacity_;  // {0, capacity, 2 capacity, ...}: the same for every layer
+  std::vector<std::uint64_t> layer_epoch_;  // compactions per layer
+  pos_t next_position_ = 0;
+  std::uint64_t appended_ = 0;  // rows appended to every head by completed forwards
+  std::uint64_t epoch_ = 0;     // compactions + clears + inits
+  bool frozen_ = false;         // inside a block that will be rolled back
+
+  std::size_t idx(int l, index_t h) const { return static_cast<std::size_t>(index_t(l) * heads_ + h); }
+  std::int32_t* lens_ptr(int l) { return lens_.data() + index_t(l) * heads_; }
+  index_t layer_off(int l) const { return index_t(l) * heads_ * capacity_ * head_size_; }
+  index_t row_off(int l, index_t h, index_t j) const { return layer_off(l) + (h * capacity_ + j) * head_size_; }
+
+  kvevict::result<kvevict::kv_view<const float>> dense(const std::vector<float>& buf, const char* fn, int l,
+                                                        index_t rows) const {
+    if (l < 0 || l >= layers_)
+      return status::error(errc::out_of_range, "kv_cache::%s: layer %d is outside [0, %d)", fn, l, layers_);
+    for (index_t h = 0; h < heads_; ++h)
+      if (rows < 0 || rows > length(l, h))
+        return status::error(errc::out_of_range, "kv_cache::%s: %lld rows requested but head %lld of layer %d holds %lld",
+                             fn, static_cast<long long>(rows), static_cast<long long>(h), l,
+                             static_cast<long long>(length(l, h)));
+    return kvevict::make_kv_view(buf.data() + layer_off(l), heads_, rows, head_size_, capacity_ * head_size_,
+                                 head_size_);
+  }
+
+  // --- used by the runner ---
+  // Appends n rows (keys/values [n][*] with `stride` floats between tokens, head h at h*head_size)
+  // with positions pos[0..n) to every head of layer l. Capacity was checked by the caller.
+  void append_rows(int l, const float* k, const float* v, index_t stride, const pos_t* pos, index_t n) {
+    for (index_t h = 0; h < heads_; ++h) {
+      std::int32_t& len = lens_[idx(l, h)];
+      for (index_t i = 0; i < n; ++i) {
+        const index_t off = row_off(l, h, len + i);
+        std::copy(k + i * stride + h * head_size_, k + i * stride + (h + 1) * head_size_, keys_.begin() + off);
+        std::copy(v + i * stride + h * head_size_, v + i * stride + (h + 1) * head_size_, values_.begin() + off);
+        positions_[static_cast<std::size_t>(off / head_size_)] = pos[i];
+      }
+      len += static_cast<std::int32_t>(n);
+    }
+  }
+};
+
+}  // namespace kvrun

@@ -1,0 +1,359 @@
+// runner/runner.hpp: the forward pass of the reference runner, with the hooks eviction drivers
+// need.
+//
+//   runner r;  r.init(model);            // scratch for blocks of up to max_block tokens
+//   kv_cache c;  c.init(model.cfg());    // one per sequence; copyable
+//   r.forward(c, tokens(prompt));        // prefill: one block, matrix-matrix, KV appended
+//   r.forward(c, tokens(&tok, 1));       // decode: a block of one token
+//   r.forward_extra(c, block, ...);      // run a block, expose its queries, drop its KV
+//   r.logits(row)                        // [vocab] logits of the last forward
+//
+// A forward runs the block layer by layer. At layer l it computes the block's queries, keys and
+// values (post-RoPE), appends the keys and values to layer l's cache, attends each query head
+// over its KV head's rows (all rows held before the block, plus the block's rows up to its own:
+// causal inside the block), runs the FFN, then calls `hooks.after_layer` with the block's
+// queries, keys and values; that hook may compact layer l (and any other layer) before layer
+// l + 1 runs. Chunked prefill is successive forwards; eviction between them is a compact().
+#pragma once
+
+#include <runner/kv_cache.hpp>
+#include <runner/model.hpp>
+#include <runner/ops.hpp>
+
+#include <kvevict/status.hpp>
+#include <kvevict/view.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#if defined(_OPENMP)
+#  include <omp.h>
+#endif
+
+namespace kvrun {
+
+/// The input of one forward: `n` token ids or `n` input vectors (e.g. learned lookahead
+/// embeddings, [n][dim]), and optionally their RoPE positions (default: next_position() + i).
+struct block {
+  const int* tokens = nullptr;
+  const float* embeddings = nullptr;
+  const pos_t* positions = nullptr;
+  index_t n = 0;
+};
+inline block tokens(const int* ids, index_t n, const pos_t* positions = nullptr) { return {ids, nullptr, positions, n}; }
+inline block tokens(const std::vector<int>& ids, const pos_t* positions = nullptr) {
+  return {ids.data(), nullptr, positions, static_cast<index_t>(ids.size())};
+}
+inline block embeddings(const float* rows, index_t n, const pos_t* positions = nullptr) {
+  return {nullptr, rows, positions, n};
+}
+
+/// Which rows of a block get logits.
+enum class logits_mode {
+  none,  ///< no classifier (a prefill whose next token is not needed)
+  last,  ///< the block's last row (prefill, decode): runner::logits(0)
+  all,   ///< every row (teacher-forced evaluation): runner::logits(i) for block row i
+};
+
+/// What `forward_hooks::after_layer` sees once layer `layer` has processed a block.
+struct layer_event {
+  int layer = 0;
+  index_t rows = 0;                        ///< tokens in the block
+  const pos_t* positions = nullptr;        ///< their RoPE positions
+  kvevict::kv_view<const float> queries;   ///< [n_heads][rows][head_size], post-RoPE
+  kvevict::kv_view<const float> keys;      ///< [n_kv_heads][rows][head_size], post-RoPE (also in the cache)
+  kvevict::kv_view<const float> values;    ///< [n_kv_heads][rows][head_size]
+  bool rolled_back = false;                ///< true in forward_extra: the block's KV is dropped afterwards
+};
+
+/// The linear layers of a transformer block, for projection hooks.
+enum class projection { q, k, v, o, w1, w2, w3 };
+
+/// What `forward_hooks::after_projection` sees: output[r][0..out) = input[r][0..in) x W for the
+/// block's rows, before anything else uses it (q and k before RoPE, w1/w3 before SwiGLU, o and
+/// w2 before the residual add). The hook may change `output` (e.g. add a LoRA delta to some
+/// rows: LookaheadKV's adapters act on the lookahead rows only).
+struct projection_event {
+  int layer = 0;
+  projection which = projection::q;
+  index_t rows = 0;
+  const float* input = nullptr;
+  index_t input_stride = 0;  ///< floats between rows of input
+  index_t in = 0;
+  float* output = nullptr;
+  index_t output_stride = 0;
+  index_t out = 0;
+};
+
+struct forward_hooks {
+  std::function<status(const layer_event&)> after_layer;
+  std::function<status(const projection_event&)> after_projection;
+};
+
+struct runner_options {
+  index_t max_block = 0;  ///< most tokens in one forward (0: the model's seq_len)
+  index_t max_rows = 0;   ///< most rows a cache head may hold (0: seq_len); sizes attention scratch
+  int threads = 0;        ///< OpenMP threads (0: omp_get_max_threads(); 1 without OpenMP)
+};
+
+class runner {
+ public:
+  /// Binds the runner to `m` (which must outlive it) and allocates its scratch: activations for
+  /// max_block rows, logits for max_block rows, attention rows for max_rows keys per thread.
+  /// Errors: invalid_argument for negative options.
+  status init(const model& m, runner_options o = {}) {
+    const config& c = m.cfg();
+    if (o.max_block < 0 || o.max_rows < 0 || o.threads < 0)
+      return status::error(errc::invalid_argument, "runner: negative option (max_block %lld, max_rows %lld, threads %d)",
+                           static_cast<long long>(o.max_block), static_cast<long long>(o.max_rows), o.threads);
+    model_ = &m;
+    max_block_ = o.max_block > 0 ? o.max_block : c.seq_len;
+    max_rows_ = o.max_rows > 0 ? o.max_rows : c.seq_len;
+#if defined(_OPENMP)
+    threads_ = o.threads > 0 ? o.threads : omp_get_max_threads();
+#else
+    threads_ = 1;
+#endif
+    const auto B = static_cast<std::size_t>(max_block_);
+    x_.assign(B * c.dim, 0.0f);
+    xb_.assign(B * c.dim, 0.0f);
+    tmp_.assign(B * c.dim, 0.0f);
+    qkv_.assign(B * static_cast<std::size_t>(m.qkv_width()), 0.0f);
+    h13_.assign(B * 2 * static_cast<std::size_t>(c.hidden_dim), 0.0f);
+    att_.assign(static_cast<std::size_t>(threads_) * static_cast<std::size_t>(max_rows_), 0.0f);
+    logits_.assign(B * c.vocab_size, 0.0f);
+    pos_.assign(B, 0);
+    base_len_.assign(static_cast<std::size_t>(c.n_kv_heads), 0);
+    appended_epoch_.assign(static_cast<std::size_t>(c.n_layers), 0);
+    logits_rows_ = 0;
+    return {};
+  }
+
+  const model& get_model() const { return *model_; }
+  int threads() const { return threads_; }
+  index_t max_block() const { return max_block_; }
+
+  /// Runs block `b` through the model on `cache`, appending its keys and values to every layer,
+  /// and computes logits for the rows `mode` asks for. next_position() becomes
+  /// max(next_position(), last position + 1).
+  /// Errors, checked before anything changes: invalid_argument (runner not initialised, called
+  /// from inside a hook, empty block, n > max_block, both or neither of tokens/embeddings),
+  /// shape_mismatch (cache made for another model), out_of_range (a token outside the vocabulary,
+  /// a position outside [0, seq_len)), capacity_exceeded (a head lacks room for n rows, or the
+  /// cache's capacity exceeds max_rows). A hook's error stops the forward and is returned; the
+  /// block's rows are then removed again from every layer the hook did not compact.
+  status forward(kv_cache& cache, const block& b, logits_mode mode = logits_mode::last, const forward_hooks& hooks = {}) {
+    KVEVICT_TRY(check(cache, b));
+    busy_ = true;
+    const status st = run(cache, b, mode, hooks, /*rolled_back=*/false);
+    busy_ = false;
+    return st;
+  }
+
+  /// Runs `b` like forward() (the hooks see its queries, keys and values; logits are computed),
+  /// then rolls `cache` back to its state before the block: the block's rows are dropped from
+  /// every layer and next_position() is restored. For lookahead tokens, LAQ pseudo queries and the
+  /// window appended to a chunk by patched chunked prefill. The hooks must not compact the cache
+  /// (kv_cache::compact fails inside). Errors: those of forward().
+  status forward_extra(kv_cache& cache, const block& b, logits_mode mode = logits_mode::none,
+                       const forward_hooks& hooks = {}) {
+    KVEVICT_TRY(check(cache, b));
+    const cache_checkpoint cp = cache.save();
+    busy_ = true;
+    cache.frozen_ = true;
+    const status st = run(cache, b, mode, hooks, /*rolled_back=*/true);
+    cache.frozen_ = false;
+    busy_ = false;
+    if (!st.ok()) return st;  // run() already removed the block's rows
+    return cache.rollback(cp);
+  }
+
+  /// One decode step: forward of the single token `token`, logits of it in logits(0).
+  status decode(kv_cache& cache, int token, const forward_hooks& hooks = {}) {
+    return forward(cache, tokens(&token, 1), logits_mode::last, hooks);
+  }
+
+  /// Logits of the last forward: row 0 for logits_mode::last, block row `row` for all. The
+  /// runner owns them; the next forward overwrites them.
+  const float* logits(index_t row = 0) const {
+    return logits_.data() + row * static_cast<index_t>(model_->cfg().vocab_size);
+  }
+  /// Rows of logits the last forward produced (0, 1 or the block size).
+  index_t logits_rows() const { return logits_rows_; }
+
+ private:
+  const model* model_ = nullptr;
+  index_t max_block_ = 0, max_rows_ = 0;
+  int threads_ = 1;
+  bool busy_ = false;
+  // scratch, [row][...] for the block's rows
+  std::vector<float> x_, xb_, tmp_, qkv_, h13_, att_, logits_;
+  std::vector<pos_t> pos_;
+  std::vector<std::int32_t> base_len_;           // per KV head: rows held before the block
+  std::vector<std::uint64_t> appended_epoch_;    // per layer: its compaction count when the block was appended
+  index_t logits_rows_ = 0;
+
+  status check(const kv_cache& cache, const block& b) {
+    if (model_ == nullptr) return status::error(errc::invalid_argument, "runner: not initialised (call init)");
+    if (busy_) return status::error(errc::invalid_argument, "runner: forward called from inside a hook of another forward");
+    const config& c = model_->cfg();
+    if (cache.layers() != c.n_layers || cache.kv_heads() != c.n_kv_heads || cache.head_size() != c.head_size() ||
+        cache.seq_len_ != c.seq_len)
+      return status::error(errc::shape_mismatch,
+                           "runner: the cache has %d layers x %lld KV heads x head size %lld, the model %d x %d x %d "
+                           "(initialise the cache with this model's config)",
+                           cache.layers(), static_cast<long long>(cache.kv_heads()),
+                           static_cast<long long>(cache.head_size()), c.n_layers, c.n_kv_heads, c.head_size());
+    if (cache.capacity() > max_rows_)
+      return status::error(errc::capacity_exceeded, "runner: cache capacity %lld exceeds the runner's max_rows %lld",
+                           static_cast<long long>(cache.capacity()), static_cast<long long>(max_rows_));
+    if (b.n <= 0) return status::error(errc::invalid_argument, "runner: empty block (n = %lld)", static_cast<long long>(b.n));
+    if (b.n > max_block_)
+      return status::error(errc::invalid_argument, "runner: block of %lld tokens exceeds max_block %lld",
+                           static_cast<long long>(b.n), static_cast<long long>(max_block_));
+    if ((b.tokens == nullptr) == (b.embeddings == nullptr))
+      return status::error(errc::invalid_argument, "runner: a block needs exactly one of tokens and embeddings");
+    if (b.tokens != nullptr)
+      for (index_t i = 0; i < b.n; ++i)
+        if (b.tokens[i] < 0 || b.tokens[i] >= c.vocab_size)
+          return status::error(errc::out_of_range, "runner: token %d (block row %lld) is outside the vocabulary [0, %d)",
+                               b.tokens[i], static_cast<long long>(i), c.vocab_size);
+    for (index_t i = 0; i < b.n; ++i) {
+      const index_t p = b.positions != nullptr ? b.positions[i] : index_t(cache.next_position()) + i;
+      if (p < 0 || p >= c.seq_len)
+        return status::error(errc::out_of_range, "runner: position %lld (block row %lld) is outside the context [0, %d)",
+                             static_cast<long long>(p), static_cast<long long>(i), c.seq_len);
+    }
+    for (int l = 0; l < c.n_layers; ++l)
+      for (index_t h = 0; h < c.n_kv_heads; ++h)
+        if (cache.length(l, h) + b.n > cache.capacity())
+          return status::error(errc::capacity_exceeded,
+                               "runner: layer %d head %lld holds %lld of %lld rows; a block of %lld does not fit", l,
+                               static_cast<long long>(h), static_cast<long long>(cache.length(l, h)),
+                               static_cast<long long>(cache.capacity()), static_cast<long long>(b.n));
+    return {};
+  }
+
+  status call_projection(const forward_hooks& hooks, int l, projection which, index_t n, const float* in,
+                         index_t in_stride, index_t in_dim, float* out, index_t out_stride, index_t out_dim) {
+    if (!hooks.after_projection) return {};
+    return hooks.after_projection({l, which, n, in, in_stride, in_dim, out, out_stride, out_dim});
+  }
+
+  // Removes the block's rows from layers [0, upto) that were not compacted since the append.
+  void undo_append(kv_cache& cache, int upto, index_t n) {
+    for (int l = 0; l < upto; ++l)
+      if (cache.layer_epoch_[static_cast<std::size_t>(l)] == appended_epoch_[static_cast<std::size_t>(l)])
+        for (index_t h = 0; h < cache.kv_heads(); ++h) cache.lens_[cache.idx(l, h)] -= static_cast<std::int32_t>(n);
+  }
+
+  status run(kv_cache& cache, const block& b, logits_mode mode, const forward_hooks& hooks, bool rolled_back) {
+    const model& m = *model_;
+    const config& c = m.cfg();
+    const index_t n = b.n, d = c.dim, hs = c.head_size(), H = c.n_heads, Hkv = c.n_kv_heads, kvd = c.kv_dim();
+    const index_t hidden = c.hidden_dim, qs = m.qkv_width(), group = c.group_size();
+    float* x = x_.data();
+    float* xb = xb_.data();
+    float* tmp = tmp_.data();
+    float* qkv = qkv_.data();
+    float* h13 = h13_.data();
+    pos_t* pos = pos_.data();
+
+    for (index_t i = 0; i < n; ++i) {
+      pos[i] = b.positions != nullptr ? b.positions[i] : static_cast<pos_t>(cache.next_position() + i);
+      const float* e = b.tokens != nullptr ? m.embedding(b.tokens[i]) : b.embeddings + i * d;
+      std::copy(e, e + d, x + i * d);
+    }
+
+    for (int l = 0; l < c.n_layers; ++l) {
+      // attention: RMSNorm, q|k|v projections, RoPE
+      for (index_t i = 0; i < n; ++i) detail::rmsnorm(xb + i * d, x + i * d, m.attn_norm(l), d);
+      detail::matmul(threads_, xb, d, n, d, m.wqkv(l), qs, qkv, qs);
+      status st = call_projection(hooks, l, projection::q, n, xb, d, d, qkv, qs, d);
+      if (st.ok()) st = call_projection(hooks, l, projection::k, n, xb, d, d, qkv + d, qs, kvd);
+      if (st.ok()) st = call_projection(hooks, l, projection::v, n, xb, d, d, qkv + d + kvd, qs, kvd);
+      if (!st.ok()) {
+        undo_append(cache, l, n);
+        return st;
+      }
+      for (index_t i = 0; i < n; ++i) {
+        float* row = qkv + i * qs;
+        for (index_t j = 0; j < d + kvd; j += 2) {  // every query head, then every key head
+          const int pair = static_cast<int>((j % hs) / 2);
+          const float fr = m.rope_cos(pos[i], pair), fi = m.rope_sin(pos[i], pair);
+          const float v0 = row[j], v1 = row[j + 1];
+          row[j] = v0 * fr - v1 * fi;
+          row[j + 1] = v0 * fi + v1 * fr;
+        }
+      }
+
+      // append the block's keys and values, then attend
+      for (index_t h = 0; h < Hkv; ++h) base_len_[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(cache.length(l, h));
+      cache.append_rows(l, qkv + d, qkv + d + kvd, qs, pos, n);
+      appended_epoch_[static_cast<std::size_t>(l)] = cache.layer_epoch_[static_cast<std::size_t>(l)];
+      index_t visible = 0;
+      for (index_t h = 0; h < Hkv; ++h) visible += base_len_[static_cast<std::size_t>(h)] + n;
+      detail::parallel_for(threads_, n * H, n * group * visible * hs * 2, [&](index_t item, int thread) {
+        const index_t i = item / H, q = item % H, g = q / group;
+        detail::attend(qkv + i * qs + q * hs, cache.key_row(l, g, 0), cache.value_row(l, g, 0), hs,
+                       base_len_[static_cast<std::size_t>(g)] + i + 1, hs, att_.data() + index_t(thread) * max_rows_,
+                       xb + i * d + q * hs);
+      });
+      detail::matmul(threads_, xb, d, n, d, m.wo(l), d, tmp, d);
+      st = call_projection(hooks, l, projection::o, n, xb, d, d, tmp, d, d);
+      if (!st.ok()) {
+        undo_append(cache, l + 1, n);
+        return st;
+      }
+      for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
+
+      // FFN: RMSNorm, w1|w3, SwiGLU, w2
+      for (index_t i = 0; i < n; ++i) detail::rmsnorm(xb + i * d, x + i * d, m.ffn_norm(l), d);
+      detail::matmul(threads_, xb, d, n, d, m.w13(l), 2 * hidden, h13, 2 * hidden);
+      st = call_projection(hooks, l, projection::w1, n, xb, d, d, h13, 2 * hidden, hidden);
+      if (st.ok()) st = call_projection(hooks, l, projection::w3, n, xb, d, d, h13 + hidden, 2 * hidden, hidden);
+      if (!st.ok()) {
+        undo_append(cache, l + 1, n);
+        return st;
+      }
+      for (index_t i = 0; i < n; ++i) detail::swiglu(h13 + i * 2 * hidden, h13 + i * 2 * hidden + hidden, hidden);
+      detail::matmul(threads_, h13, 2 * hidden, n, hidden, m.w2(l), d, tmp, d);
+      st = call_projection(hooks, l, projection::w2, n, h13, 2 * hidden, hidden, tmp, d, d);
+      if (!st.ok()) {
+        undo_append(cache, l + 1, n);
+        return st;
+      }
+      for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
+
+      if (hooks.after_layer) {
+        layer_event ev;
+        ev.layer = l;
+        ev.rows = n;
+        ev.positions = pos;
+        ev.queries = *kvevict::make_kv_view<const float>(qkv, H, n, hs, hs, qs);
+        ev.keys = *kvevict::make_kv_view<const float>(qkv + d, Hkv, n, hs, hs, qs);
+        ev.values = *kvevict::make_kv_view<const float>(qkv + d + kvd, Hkv, n, hs, hs, qs);
+        ev.rolled_back = rolled_back;
+        st = hooks.after_layer(ev);
+        if (!st.ok()) {
+          undo_append(cache, l + 1, n);
+          return st;
+        }
+      }
+    }
+
+    // final RMSNorm and classifier for the rows that need logits
+    logits_rows_ = mode == logits_mode::none ? 0 : mode == logits_mode::last ? 1 : n;
+    const index_t first = n - logits_rows_;
+    for (index_t i = 0; i < logits_rows_; ++i) detail::rmsnorm(xb + i * d, x + (first + i) * d, m.final_norm(), d);
+    detail::matmul(threads_, xb, d, logits_rows_, d, m.classifier(), c.vocab_size, logits_.data(), c.vocab_size);
+
+    for (index_t i = 0; i < n; ++i) cache.next_position_ = std::max(cache.next_position_, static_cast<pos_t>(pos[i] + 1));
+    cache.appended_ += static_cast<std::uint64_t>(n);
+    return {};
+  }
+};
+
+}  // namespace kvrun

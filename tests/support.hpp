@@ -36,7 +36,7 @@ T value_of(const kvevict::result<T>& r) {
 
 /// Requires `st` to fail with `code` and a message containing `needle`.
 inline void require_error(const kvevict::status& st, kvevict::errc code, const std::string& needle) {
-  INFO("message: ", st.message());
+  INFO("message: ", std::string(st.message()));
   REQUIRE_FALSE(st.ok());
   CHECK(st.code() == code);
   CHECK(std::string(st.message()).find(needle) != std::string::npos);

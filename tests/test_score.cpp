@@ -309,3 +309,356 @@ TEST_CASE("attention_scores: fp16 and bf16 inputs (exactly widened) match the do
   random_trials<float, bfloat16>(400, 15);
   MESSAGE("largest error / tolerance over the randomized trials: ", worst_seen);
 }
+
+namespace {
+// Runs f(ws) with an exactly-sized workspace and returns out.
+template <class F>
+void run_ok(F&& f) {
+  REQUIRE(run_with_workspace(f).ok());
+}
+}  // namespace
+
+TEST_CASE("widening: the branch-free fp16/bf16 conversions equal to_float on every bit pattern") {
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const float16 h{static_cast<std::uint16_t>(b)};
+    const float a = to_float(h), w = detail::widen_f16_bits(b);
+    if (std::isnan(a)) REQUIRE(std::isnan(w));
+    else REQUIRE(std::memcmp(&a, &w, sizeof a) == 0);
+    const bfloat16 bb{static_cast<std::uint16_t>(b)};
+    const float c = to_float(bb), x = detail::widen_bf16_bits(b);
+    REQUIRE(std::memcmp(&c, &x, sizeof c) == 0);
+  }
+}
+
+TEST_CASE("split_window: prefix and window are sub-views of the same memory, any layout") {
+  auto g = kvtest::rng(7);
+  for (int layout = 0; layout < 4; ++layout) {
+    cache<float> k(3, 10, 5, layout, g, -1.f, 1.f);
+    for (index_t w : {0, 1, 4, 10}) {
+      const auto s = value_of(split_window(k.view, w));
+      REQUIRE(s.prefix.extent(1) == 10 - w);
+      REQUIRE(s.window.extent(1) == w);
+      for (index_t h = 0; h < 3; ++h)
+        for (index_t t = 0; t < 10; ++t)
+          for (index_t d = 0; d < 5; ++d) {
+            const float* want = &k.view(h, t, d);
+            const float* got = t < 10 - w ? &s.prefix(h, t, d) : &s.window(h, t - (10 - w), d);
+            REQUIRE(got == want);
+          }
+    }
+    require_error(split_window(k.view, 11).error(), errc::invalid_argument, "window w = 11 is outside [0, 10]");
+    require_error(split_window(k.view, -1).error(), errc::invalid_argument, "window w = -1");
+  }
+}
+
+TEST_CASE("window_scores, tova_scores, h2o_scores: the documented compositions of attention_scores") {
+  auto g = kvtest::rng(9);
+  for (int trial = 0; trial < 12; ++trial) {
+    CAPTURE(trial);
+    const index_t hkv = kvtest::uniform_int(g, 1, 2), hq = hkv * kvtest::uniform_int(g, 1, 4);
+    const index_t tn = kvtest::uniform_int(g, 1, 300), d = kvtest::uniform_int(g, 1, 70);
+    const index_t w = kvtest::uniform_int(g, 1, std::min<index_t>(tn, 40));
+    cache<float16> q(hq, tn, d, trial % 4, g, -2.f, 2.f);
+    cache<float16> k(hkv, tn, d, (trial + 1) % 4, g, -2.f, 2.f);
+    const auto qs = value_of(split_window(q.view, w));
+    const auto ks = value_of(split_window(k.view, w));
+    // window_scores == attention_scores(window queries, prefix keys, window keys); both column counts
+    for (const bool all : {false, true}) {
+      const index_t oc = all ? tn : tn - w;
+      std::vector<float> a(static_cast<std::size_t>(std::max<index_t>(1, hq * oc))), b = a;
+      run_ok([&](workspace& ws) {
+        return window_scores(seq, ws, qs.window, k.view, value_of(make_matrix_view(a.data(), hq, oc)));
+      });
+      run_ok([&](workspace& ws) {
+        return attention_scores(par, ws, qs.window, ks.prefix, ks.window, value_of(make_matrix_view(b.data(), hq, oc)));
+      });
+      REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+      score_options mean;
+      check_close(a, oc, oc, naive_scores(kv_view<const float16>(qs.window), kv_view<const float16>(ks.prefix),
+                                          kv_view<const float16>(ks.window), oc, mean),
+                  hq);
+    }
+    // TOVA: the last token's query, w = 1
+    const auto last = value_of(split_window(q.view, 1));
+    for (const index_t oc : {tn - 1, tn}) {
+      std::vector<float> t(static_cast<std::size_t>(std::max<index_t>(1, hq * oc)));
+      run_ok([&](workspace& ws) { return tova_scores(seq, ws, last.window, k.view, value_of(make_matrix_view(t.data(), hq, oc))); });
+      const auto k1 = value_of(split_window(k.view, 1));
+      score_options sum;
+      sum.reduce = score_reduce::sum;
+      check_close(t, oc, oc, naive_scores(kv_view<const float16>(last.window), kv_view<const float16>(k1.prefix),
+                                          kv_view<const float16>(k1.window), oc, sum),
+                  hq);
+    }
+    // H2O: the whole prompt as the block (P = 0), sum and normalised
+    if (tn <= 120) {
+      std::vector<float> hs(static_cast<std::size_t>(hq * tn)), hn = hs;
+      for (const bool normalised : {false, true}) {
+        std::vector<float>& h = normalised ? hn : hs;
+        run_ok([&](workspace& ws) {
+          return h2o_scores(par, ws, q.view, k.view, value_of(make_matrix_view(h.data(), hq, tn)), normalised);
+        });
+        const auto none = value_of(split_window(k.view, tn));
+        score_options o;
+        o.reduce = normalised ? score_reduce::mean_visible : score_reduce::sum;
+        check_close(h, tn, tn,
+                    naive_scores(kv_view<const float16>(q.view), kv_view<const float16>(none.prefix),
+                                 kv_view<const float16>(k.view), tn, o),
+                    hq);
+      }
+      // normalised H2O divides key j's sum by the T - j queries that see it
+      for (index_t x = 0; x < hq; ++x)
+        for (index_t j = 0; j < tn; ++j) {
+          const std::size_t i = static_cast<std::size_t>(x * tn + j);
+          REQUIRE(hn[i] == hs[i] / static_cast<float>(tn - j));
+        }
+    }
+  }
+}
+
+TEST_CASE("attention_scores: special inputs") {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  auto g = kvtest::rng(5);
+  SUBCASE("identical keys: every visible column gets exactly 1/visible per row") {
+    const index_t p = 37, w = 5, d = 8;
+    std::vector<float> q(2 * w * d), k((p + w) * d, 0.3f), out(2 * (p + w));
+    for (auto& x : q) x = kvtest::random_floats(g, 1, -1.f, 1.f)[0];
+    auto kv = value_of(make_kv_view(k.data(), 1, p + w, d));
+    const auto s = value_of(split_window(kv, w));
+    score_options sum;
+    sum.reduce = score_reduce::sum;
+    run_ok([&](workspace& ws) {
+      return attention_scores(seq, ws, value_of(make_kv_view(q.data(), 2, w, d)), s.prefix, s.window,
+                              value_of(make_matrix_view(out.data(), 2, p + w)), sum);
+    });
+    for (index_t h = 0; h < 2; ++h)
+      for (index_t j = 0; j < p + w; ++j) {
+        double want = 0;
+        for (index_t i = 0; i < w; ++i)
+          if (j < p + i + 1) want += 1.0 / static_cast<double>(p + i + 1);
+        CHECK(out[static_cast<std::size_t>(h * (p + w) + j)] == doctest::Approx(want).epsilon(1e-6));
+      }
+  }
+  SUBCASE("huge logits: max subtraction keeps everything finite and exact") {
+    const index_t p = 300, w = 4, d = 16;
+    cache<float> q(2, w, d, 0, g, -1.f, 1.f), k(1, p + w, d, 1, g, -1.f, 1.f);
+    for (auto& x : q.buf) x *= 3000.f;  // logits ~ 1e6: e^logit overflows without max subtraction
+    const auto s = value_of(split_window(k.view, w));
+    std::vector<float> out(2 * p);
+    run_ok([&](workspace& ws) {
+      return attention_scores(par, ws, q.view, s.prefix, s.window, value_of(make_matrix_view(out.data(), 2, p)));
+    });
+    for (float x : out) REQUIRE(std::isfinite(x));
+    check_close(out, p, p, naive_scores(kv_view<const float>(q.view), kv_view<const float>(s.prefix),
+                                        kv_view<const float>(s.window), p, score_options{}),
+                2);
+  }
+  SUBCASE("NaN in a query row poisons that head's columns only; NaN in a key poisons its GQA group") {
+    const index_t p = 50, w = 3, d = 6;
+    cache<float> q(4, w, d, 0, g, -1.f, 1.f), k(2, p + w, d, 0, g, -1.f, 1.f);
+    const auto s = value_of(split_window(k.view, w));
+    std::vector<float> out(4 * (p + w));
+    auto run = [&] {
+      run_ok([&](workspace& ws) {
+        return attention_scores(seq, ws, q.view, s.prefix, s.window, value_of(make_matrix_view(out.data(), 4, p + w)));
+      });
+    };
+    q.view(1, 2, 3) = nan;  // head 1, last row: sees every column
+    run();
+    for (index_t h = 0; h < 4; ++h)
+      for (index_t j = 0; j < p + w; ++j) CHECK(std::isnan(out[static_cast<std::size_t>(h * (p + w) + j)]) == (h == 1));
+    q.view(1, 2, 3) = 0.5f;
+    q.view(2, 0, 0) = nan;  // head 2, first row: sees the prefix and block key 0 only
+    run();
+    for (index_t h = 0; h < 4; ++h)
+      for (index_t j = 0; j < p + w; ++j)
+        CHECK(std::isnan(out[static_cast<std::size_t>(h * (p + w) + j)]) == (h == 2 && j <= p));
+    q.view(2, 0, 0) = 0.5f;
+    k.view(1, 7, 2) = nan;  // prefix key 7 of KV head 1 (query heads 2, 3): every row sees it
+    run();
+    for (index_t h = 0; h < 4; ++h)
+      for (index_t j = 0; j < p + w; ++j) CHECK(std::isnan(out[static_cast<std::size_t>(h * (p + w) + j)]) == (h >= 2));
+  }
+  SUBCASE("-inf logits are masked; +inf logits make the row NaN; a row of only -inf is NaN") {
+    const index_t p = 5, w = 1, d = 2;
+    std::vector<float> q = {1.f, 0.5f}, k(p * d, 0.25f), out(p);
+    auto qv = value_of(make_kv_view(q.data(), 1, w, d));
+    auto kv = value_of(make_kv_view(k.data(), 1, p, d));
+    auto ov = value_of(make_matrix_view(out.data(), 1, p));
+    k[2 * d] = -inf;  // key 2: logit -inf (1 * -inf + 0.5 * 0.25)
+    run_ok([&](workspace& ws) { return attention_scores(seq, ws, qv, kv, kv_view<float>{}, ov); });
+    CHECK(out[2] == 0.f);
+    for (int j : {0, 1, 3, 4}) CHECK(out[static_cast<std::size_t>(j)] == doctest::Approx(0.25));
+    k[2 * d] = inf;  // logit +inf: inf - inf = NaN
+    run_ok([&](workspace& ws) { return attention_scores(seq, ws, qv, kv, kv_view<float>{}, ov); });
+    for (float x : out) CHECK(std::isnan(x));
+    std::fill(k.begin(), k.end(), 0.f);
+    for (index_t j = 0; j < p; ++j) k[static_cast<std::size_t>(j * d)] = -inf;  // every logit -inf
+    run_ok([&](workspace& ws) { return attention_scores(seq, ws, qv, kv, kv_view<float>{}, ov); });
+    for (float x : out) CHECK(std::isnan(x));
+  }
+  SUBCASE("CAKE: w = 1 has zero variance (unbiased); biased divides by w") {
+    const index_t p = 9, d = 4;
+    cache<float> q(1, 2, d, 0, g, -1.f, 1.f), k(1, p + 2, d, 0, g, -1.f, 1.f);
+    const auto s = value_of(split_window(k.view, 2));
+    const auto one = value_of(split_window(q.view, 1));
+    score_options cake;
+    cake.reduce = score_reduce::mean_plus_variance;
+    std::vector<float> a(p + 1), b(p + 1);
+    const auto k1 = value_of(split_window(k.view, 1));
+    run_ok([&](workspace& ws) {
+      return attention_scores(seq, ws, one.window, k1.prefix, k1.window, value_of(make_matrix_view(a.data(), 1, p + 1)), cake);
+    });
+    score_options mean;
+    run_ok([&](workspace& ws) {
+      return attention_scores(seq, ws, one.window, k1.prefix, k1.window, value_of(make_matrix_view(b.data(), 1, p + 1)), mean);
+    });
+    for (index_t j = 0; j <= p; ++j) CHECK(a[static_cast<std::size_t>(j)] == doctest::Approx(b[static_cast<std::size_t>(j)]).epsilon(1e-6));
+    cake.variance = variance_estimator::biased;
+    std::vector<float> c(p);
+    run_ok([&](workspace& ws) {
+      return attention_scores(seq, ws, q.view, s.prefix, s.window, value_of(make_matrix_view(c.data(), 1, p)), cake);
+    });
+    check_close(c, p, p, naive_scores(kv_view<const float>(q.view), kv_view<const float>(s.prefix),
+                                      kv_view<const float>(s.window), p, cake),
+                1);
+  }
+}
+
+TEST_CASE("attention_scores: panel and tile boundaries (P around multiples of 1024 and 48)") {
+  auto g = kvtest::rng(77);
+  for (const index_t p : {1023, 1024, 1025, 2047, 2048, 2049, 47, 48, 49, 3071}) {
+    CAPTURE(p);
+    const index_t w = 3 + p % 5, d = 5 + p % 7, hq = 2;
+    cache<float> q(hq, w, d, static_cast<int>(p % 4), g, -2.f, 2.f), k(1, p + w, d, static_cast<int>((p + 1) % 4), g, -2.f, 2.f);
+    const auto s = value_of(split_window(k.view, w));
+    score_options opt;
+    opt.reduce = static_cast<score_reduce>(p % 4);
+    std::vector<float> out(static_cast<std::size_t>(hq * (p + w)));
+    run_ok([&](workspace& ws) {
+      return attention_scores(seq, ws, q.view, s.prefix, s.window, value_of(make_matrix_view(out.data(), hq, p + w)), opt);
+    });
+    check_close(out, p + w, p + w,
+                naive_scores(kv_view<const float>(q.view), kv_view<const float>(s.prefix), kv_view<const float>(s.window),
+                             p + w, opt),
+                hq);
+  }
+}
+
+TEST_CASE("key_norm_scores: -||k||_2 per token, any layout and element type; NaN stays NaN") {
+  auto g = kvtest::rng(3);
+  for (int trial = 0; trial < 20; ++trial) {
+    const index_t h = kvtest::uniform_int(g, 1, 4), tn = kvtest::uniform_int(g, 0, 90), d = kvtest::uniform_int(g, 1, 130);
+    cache<bfloat16> k(h, tn, d, trial % 4, g, -3.f, 3.f);
+    std::vector<float> a(static_cast<std::size_t>(std::max<index_t>(1, h * tn))), b = a;
+    REQUIRE(key_norm_scores(seq, k.view, value_of(make_matrix_view(a.data(), h, tn))).ok());
+    REQUIRE(key_norm_scores(par, k.view, value_of(make_matrix_view(b.data(), h, tn))).ok());
+    REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+    for (index_t x = 0; x < h; ++x)
+      for (index_t t = 0; t < tn; ++t) {
+        double s = 0;
+        for (index_t e = 0; e < d; ++e) s += std::pow(static_cast<double>(to_float(k.view(x, t, e))), 2);
+        REQUIRE(a[static_cast<std::size_t>(x * tn + t)] == doctest::Approx(-std::sqrt(s)).epsilon((static_cast<double>(d) + 2) * 6e-8));
+      }
+  }
+  std::vector<float> k = {3.f, 4.f, std::numeric_limits<float>::quiet_NaN(), 1.f}, out(2);
+  REQUIRE(key_norm_scores(seq, value_of(make_kv_view(k.data(), 1, 2, 2)), value_of(make_matrix_view(out.data(), 1, 2))).ok());
+  CHECK(out[0] == -5.f);
+  CHECK(std::isnan(out[1]));
+  require_error(key_norm_scores(seq, value_of(make_kv_view(k.data(), 1, 2, 2)), value_of(make_matrix_view(out.data(), 2, 1))),
+                errc::shape_mismatch, "out is [2][1] but keys are [1][2][*]");
+  require_error(key_norm_scores(seq, value_of(make_kv_view(k.data(), 1, 2, 2)), value_of(make_matrix_view(k.data() + 1, 1, 2))),
+                errc::overlap, "out overlaps keys");
+}
+
+TEST_CASE("attention_scores: errors are specific and nothing is written") {
+  std::vector<float> q(6 * 2 * 4, 0.5f), k(4 * 10 * 4, 0.25f), out(6 * 10, -1.f);
+  auto qv = value_of(make_kv_view(q.data(), 6, 2, 4));  // H_q = 6, w = 2, d = 4
+  auto kv = value_of(make_kv_view(k.data(), 4, 10, 4));
+  const auto s = value_of(split_window(kv, 2));  // P = 8
+  auto out_p = value_of(make_matrix_view(out.data(), 6, 8));
+  workspace ws;
+  // GQA: 6 query heads over 4 KV heads
+  require_error(attention_scores(seq, ws, qv, s.prefix, s.window, out_p), errc::shape_mismatch,
+                "6 query heads are not a multiple of 4 KV heads");
+  auto k2 = value_of(make_kv_view(k.data(), 2, 10, 4));
+  const auto s2 = value_of(split_window(k2, 2));
+  // now valid shapes: H_q 6, H_kv 2
+  REQUIRE(attention_scores(seq, ws, qv, s2.prefix, s2.window, out_p).ok());
+  const std::size_t need = ws.bytes;
+  // dims differ
+  auto k_d3 = value_of(make_kv_view(k.data(), 2, 10, 3));
+  require_error(attention_scores(seq, ws, qv, value_of(split_window(k_d3, 2)).prefix, s2.window, out_p),
+                errc::shape_mismatch, "head dims differ (queries 4, prefix_keys 3)");
+  require_error(attention_scores(seq, ws, qv, s2.prefix, value_of(split_window(k_d3, 2)).window, out_p),
+                errc::shape_mismatch, "head dims differ (queries 4, block_keys 3)");
+  // block keys: wrong count, wrong heads
+  require_error(attention_scores(seq, ws, qv, s2.prefix, value_of(split_window(k2, 3)).window, out_p),
+                errc::shape_mismatch, "block_keys holds 3 tokens but the query block has w = 2 rows");
+  require_error(attention_scores(seq, ws, qv, s2.prefix, value_of(split_window(kv, 2)).window, out_p),
+                errc::shape_mismatch, "block_keys has 4 heads, prefix_keys 2");
+  // out shape: neither P nor P + w
+  require_error(attention_scores(seq, ws, qv, s2.prefix, s2.window, value_of(make_matrix_view(out.data(), 6, 9))),
+                errc::shape_mismatch, "out has 9 columns; expected P = 8 (prefix columns) or P + w = 10");
+  require_error(attention_scores(seq, ws, qv, s2.prefix, kv_view<float>{}, value_of(make_matrix_view(out.data(), 6, 10))),
+                errc::shape_mismatch, "expected P = 8 (no block keys were given");
+  require_error(attention_scores(seq, ws, qv, s2.prefix, s2.window, value_of(make_matrix_view(out.data(), 5, 8))),
+                errc::shape_mismatch, "out has 5 rows but there are 6 query heads");
+  // empty block, no KV heads, d = 0
+  require_error(attention_scores(seq, ws, value_of(make_kv_view(q.data(), 6, 0, 4)), s2.prefix, kv_view<float>{}, out_p),
+                errc::invalid_argument, "the query block is empty (w = 0)");
+  require_error(attention_scores(seq, ws, qv, value_of(make_kv_view(k.data(), 0, 8, 4)), kv_view<float>{}, out_p),
+                errc::invalid_argument, "prefix_keys has no heads");
+  require_error(attention_scores(seq, ws, value_of(make_kv_view(q.data(), 6, 2, 0)), value_of(make_kv_view(k.data(), 2, 8, 0)),
+                                 kv_view<float>{}, out_p),
+                errc::invalid_argument, "head dim is 0");
+  // options
+  score_options bad;
+  bad.reduce = static_cast<score_reduce>(9);
+  require_error(attention_scores(seq, ws, qv, s2.prefix, s2.window, out_p, bad), errc::invalid_argument,
+                "unknown score_reduce value 9");
+  bad = {};
+  bad.variance = static_cast<variance_estimator>(-1);
+  require_error(attention_scores(seq, ws, qv, s2.prefix, s2.window, out_p, bad), errc::invalid_argument,
+                "unknown variance_estimator value -1");
+  bad = {};
+  bad.scale = -1.f;
+  require_error(attention_scores(seq, ws, qv, s2.prefix, s2.window, out_p, bad), errc::invalid_argument,
+                "scale must be finite and >= 0");
+  bad.scale = std::numeric_limits<float>::infinity();
+  require_error(attention_scores(seq, ws, qv, s2.prefix, s2.window, out_p, bad), errc::invalid_argument, "scale");
+  bad = {};
+  bad.gamma = std::numeric_limits<float>::quiet_NaN();
+  require_error(attention_scores(seq, ws, qv, s2.prefix, s2.window, out_p, bad), errc::invalid_argument,
+                "gamma must be finite and >= 0");
+  // overlap: out inside the queries or keys
+  require_error(attention_scores(seq, ws, qv, s2.prefix, s2.window, value_of(make_matrix_view(q.data(), 6, 8))),
+                errc::overlap, "out overlaps queries");
+  require_error(attention_scores(seq, ws, qv, s2.prefix, s2.window, value_of(make_matrix_view(k.data() + 8, 6, 8))),
+                errc::overlap, "out overlaps prefix_keys");
+  // bad hand-built views
+  using exts3 = cuda::std::dextents<index_t, 3>;
+  kv_view<float> null_q(nullptr, cuda::std::layout_stride::mapping<exts3>(exts3(6, 2, 4), cuda::std::array<index_t, 3>{8, 4, 1}));
+  require_error(attention_scores(seq, ws, null_q, s2.prefix, s2.window, out_p), errc::null_pointer,
+                "attention_scores: queries: data is null");
+  kv_view<float> alias_k(k.data(), cuda::std::layout_stride::mapping<exts3>(exts3(2, 8, 4), cuda::std::array<index_t, 3>{40, 2, 1}));
+  require_error(attention_scores(seq, ws, qv, alias_k, s2.window, out_p), errc::overlap,
+                "attention_scores: prefix_keys: strides make distinct elements alias");
+  // workspace: too small, misaligned
+  std::vector<unsigned char> small(need / 2 + 1);
+  workspace tiny{small.data(), small.size()};
+  require_error(attention_scores(seq, tiny, qv, s2.prefix, s2.window, out_p), errc::workspace_too_small,
+                "attention_scores: workspace has");
+  std::vector<float> big(need / sizeof(float) + 4);
+  workspace odd{reinterpret_cast<unsigned char*>(big.data()) + 1, need};
+  require_error(attention_scores(seq, odd, qv, s2.prefix, s2.window, out_p), errc::invalid_argument,
+                "workspace data is not aligned");
+  // the wrappers name themselves
+  workspace ws2;
+  require_error(window_scores(seq, ws2, value_of(make_kv_view(q.data(), 6, 11, 4)), k2, out_p), errc::invalid_argument,
+                "window_scores: window w = 11 is outside [0, 10]");
+  require_error(h2o_scores(seq, ws2, qv, k2, out_p), errc::shape_mismatch,
+                "h2o_scores: out has 8 columns, expected T = 10");
+  require_error(tova_scores(seq, ws2, qv, k2, out_p), errc::shape_mismatch, "tova_scores: last_query holds 2 tokens, expected 1");
+  CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.f; }));
+}

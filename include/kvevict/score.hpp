@@ -176,6 +176,7 @@ struct score_plan {
   index_t heads_per_task = 1, tasks_per_kv = 1, tasks = 0;
   index_t rows = 0;  ///< rows per block buffer (<= score_rows, multiple of score_mr)
   index_t ld = 0;    ///< logits buffer row stride
+  index_t nchunks = 0;  ///< softmax-statistics chunks per row
   index_t q_floats = 0, k_floats = 0, buf_floats = 0, cmax_floats = 0, acc_floats = 0;
   index_t slot_floats = 0;
   bool welford = false;
@@ -198,18 +199,20 @@ inline status make_score_plan(const char* fn, const score_shape& sh, int threads
   if (!checked_mul(pl.heads_per_task, sh.w, task_rows))
     return status::error(errc::size_overflow, "%s: heads x w overflows", fn);
   pl.rows = round_up(task_rows < score_rows ? task_rows : score_rows, score_mr);
-  pl.ld = round_up(sh.cols, score_key_tile);
-  const index_t nchunks = (sh.cols + score_chunk - 1) / score_chunk;
+  // panels start every score_chunk columns and the micro-kernel writes whole score_nr-wide tiles,
+  // so a row may be written up to score_nr - 1 columns past `cols`
+  pl.ld = round_up(sh.cols + score_nr, 16);
+  pl.nchunks = (sh.cols + score_chunk - 1) / score_chunk;
   const auto a16 = [](index_t x) { return round_up(x, 16); };
   bool ok = true;
   index_t t = 0;
-  ok = ok && checked_mul(pl.rows, sh.d, t);
+  ok = ok && checked_mul(pl.rows, sh.d, t) && checked_mul(t, score_qrep, t);
   pl.q_floats = a16(t);
-  ok = ok && checked_mul(score_key_tile, sh.d, t);
+  ok = ok && checked_mul(score_key_tile + score_nr, sh.d, t);  // packed tile + widening scratch
   pl.k_floats = a16(t);
   ok = ok && checked_mul(pl.rows, pl.ld, t);
   pl.buf_floats = a16(t);
-  ok = ok && checked_mul(pl.rows, nchunks, t);
+  ok = ok && checked_mul(pl.rows, pl.nchunks, t);
   pl.cmax_floats = a16(t);
   ok = ok && checked_mul(pl.heads_per_task, sh.out_cols, t) && checked_mul(t, pl.welford ? 2 : 1, t);
   pl.acc_floats = a16(t);
@@ -277,20 +280,22 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
       const index_t last = row0 + nrows - 1;
       const index_t imax = last / w != row0 / w ? w - 1 : last % w;
       const index_t cols = sh.has_block ? p + imax + 1 : p;
-      score_pack_queries(qpack, q, head0, w, row0, nrows);
-      score_block_logits(buf, pl.ld, qpack, round_up(nrows, score_mr), kpack, prefix, block, g, p, cols, d,
-                         sh.scale);
+      float* const tmp = kpack + score_key_tile * d;  // widening scratch, score_nr x d floats
+      index_t vis[score_rows];
+      softmax_stats st[score_rows];
+      for (index_t r = 0; r < nrows; ++r) vis[r] = sh.has_block ? p + (row0 + r) % w + 1 : p;
+      score_pack_queries(qpack, tmp, q, head0, w, row0, nrows);
+      score_block_softmax(buf, pl.ld, qpack, nrows, kpack, tmp, prefix, block, g, p, cols, d, sh.scale, vis, cmax,
+                          pl.nchunks, st);
       for (index_t r = 0; r < nrows; ++r) {
         const index_t flat = row0 + r, hh = flat / w, i = flat % w;
-        const index_t vis = sh.has_block ? p + i + 1 : p;
-        float* row = buf + r * pl.ld;
-        const softmax_stats st = score_row_exp(row, vis, cmax + r * ((sh.cols + score_chunk - 1) / score_chunk));
-        const float* cm = cmax + r * ((sh.cols + score_chunk - 1) / score_chunk);
-        const index_t nvis = vis < oc ? vis : oc;
+        const float* row = buf + r * pl.ld;
+        const float* cm = cmax + r * pl.nchunks;
+        const index_t nvis = vis[r] < oc ? vis[r] : oc;
         if (pl.welford)
-          score_row_welford(row, nvis, oc, cm, st, 1.0f / static_cast<float>(i + 1), acc + hh * oc, m2 + hh * oc);
+          score_row_welford(row, nvis, oc, cm, st[r], 1.0f / static_cast<float>(i + 1), acc + hh * oc, m2 + hh * oc);
         else
-          score_row_add(row, nvis, cm, st, acc + hh * oc);
+          score_row_add(row, nvis, cm, st[r], acc + hh * oc);
       }
     }
     for (index_t hh = 0; hh < nh; ++hh) {

@@ -23,6 +23,7 @@
 #include <kvevict/view.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__GNUC__) || defined(__clang__) || defined(_MSC_VER)
 #  define KVEVICT_RESTRICT __restrict
@@ -33,11 +34,12 @@
 namespace kvevict::detail {
 
 inline constexpr index_t score_mr = 4;          ///< micro-kernel rows
-inline constexpr index_t score_nr = 8;          ///< micro-kernel keys (two SSE vectors, one AVX vector)
-inline constexpr index_t score_rows = 32;       ///< rows per block (multiple of score_mr)
-inline constexpr index_t score_key_tile = 64;   ///< keys per packed tile (multiple of score_nr)
+inline constexpr index_t score_nr = 12;         ///< micro-kernel keys (three SSE vectors)
+inline constexpr index_t score_qrep = 4;        ///< each packed query value is stored 4 times (a vector)
+inline constexpr index_t score_rows = 64;       ///< rows per block (multiple of score_mr)
+inline constexpr index_t score_key_tile = 48;   ///< keys per packed tile (multiple of score_nr)
 inline constexpr index_t score_chunk = 1024;    ///< columns per softmax-statistics chunk
-inline constexpr int score_lanes = 8;           ///< explicit lanes of the row reductions
+inline constexpr int score_lanes = 8;           ///< explicit lanes of the row sums
 
 inline index_t round_up(index_t x, index_t m) { return (x + m - 1) / m * m; }
 
@@ -46,24 +48,66 @@ const T* kv_row(const kv_view<const T>& v, index_t h, index_t t) {
   return v.data_handle() + h * v.stride(0) + t * v.stride(1);
 }
 
-/// Packs `nrows` query rows into [row group of score_mr][d][score_mr] fp32, zero-padding the last
-/// group. Row r of the task is query head head0 + (row0 + r) / w, position (row0 + r) % w.
+/// Exact widening to fp32 written without branches, so packing loops vectorise (SSE2 is enough);
+/// same values as to_float (tests/test_score.cpp checks all 65536 fp16 patterns; NaN payloads may
+/// come out quieted). fp16 zero/subnormal m becomes (2^-14 + m 2^-24) - 2^-14, exact and free of
+/// denormal operands (immune to DAZ/FTZ).
+KVEVICT_HOST_DEVICE inline float widen_f16_bits(std::uint32_t h) noexcept {
+  const std::uint32_t em = h & 0x7fffu;
+  const std::uint32_t e = em & 0x7c00u;
+  const std::uint32_t infnan = 0u - static_cast<std::uint32_t>(e == 0x7c00u);
+  const std::uint32_t zsub = 0u - static_cast<std::uint32_t>(e == 0u);
+  std::uint32_t u = (em << 13) + 0x38000000u;  // rebias the exponent, 15 -> 127
+  u += infnan & 0x38000000u;                   // exponent 31 -> 255
+  u += zsub & 0x00800000u;                     // zero/subnormal: 2^-14 + m 2^-24
+  const float f = bits_float(u) - bits_float(zsub & 0x38800000u);  // minus 2^-14 (or 0)
+  return bits_float(float_bits(f) | ((h & 0x8000u) << 16));
+}
+KVEVICT_HOST_DEVICE inline float widen_bf16_bits(std::uint32_t h) noexcept { return bits_float(h << 16); }
+
+/// Widens n elements (stride ds) into dst[0..n) fp32. Reads the 16-bit patterns as integers so the
+/// loops vectorise.
+template <class T>
+inline void widen_row(float* KVEVICT_RESTRICT dst, const T* KVEVICT_RESTRICT src, index_t n, index_t ds) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (ds == 1)
+      for (index_t k = 0; k < n; ++k) dst[k] = src[k];
+    else
+      for (index_t k = 0; k < n; ++k) dst[k] = src[k * ds];
+  } else if constexpr (std::is_same_v<T, float16>) {
+    if (ds == 1)
+      for (index_t k = 0; k < n; ++k) dst[k] = widen_f16_bits(src[k].bits);
+    else
+      for (index_t k = 0; k < n; ++k) dst[k] = widen_f16_bits(src[k * ds].bits);
+  } else {
+    if (ds == 1)
+      for (index_t k = 0; k < n; ++k) dst[k] = widen_bf16_bits(src[k].bits);
+    else
+      for (index_t k = 0; k < n; ++k) dst[k] = widen_bf16_bits(src[k * ds].bits);
+  }
+}
+
+/// Packs `nrows` query rows into [row group of score_mr][d][score_mr][score_qrep] fp32 (every value
+/// replicated so the micro-kernel loads a ready-made vector instead of broadcasting), zero rows
+/// padding the last group. Row r of the task is query head head0 + (row0 + r) / w, position
+/// (row0 + r) % w.
 template <class Q>
-void score_pack_queries(float* KVEVICT_RESTRICT dst, const kv_view<const Q>& q, index_t head0, index_t w, index_t row0,
-                        index_t nrows) {
+void score_pack_queries(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp, const kv_view<const Q>& q,
+                        index_t head0, index_t w, index_t row0, index_t nrows) {
   const index_t d = q.extent(2), ds = q.stride(2);
   const index_t groups = (nrows + score_mr - 1) / score_mr;
   for (index_t gi = 0; gi < groups; ++gi) {
-    float* g = dst + gi * d * score_mr;
+    float* g = dst + gi * d * score_mr * score_qrep;
     for (index_t rr = 0; rr < score_mr; ++rr) {
       const index_t r = gi * score_mr + rr;
       if (r < nrows) {
         const index_t flat = row0 + r;
-        const Q* src = kv_row(q, head0 + flat / w, flat % w);
-        for (index_t k = 0; k < d; ++k) g[k * score_mr + rr] = to_float(src[k * ds]);
+        widen_row(tmp, kv_row(q, head0 + flat / w, flat % w), d, ds);
       } else {
-        for (index_t k = 0; k < d; ++k) g[k * score_mr + rr] = 0.0f;
+        for (index_t k = 0; k < d; ++k) tmp[k] = 0.0f;
       }
+      for (index_t k = 0; k < d; ++k)
+        for (index_t c = 0; c < score_qrep; ++c) g[(k * score_mr + rr) * score_qrep + c] = tmp[k];
     }
   }
 }
@@ -71,100 +115,122 @@ void score_pack_queries(float* KVEVICT_RESTRICT dst, const kv_view<const Q>& q, 
 /// Packs keys j0 .. j0+nb-1 of KV head g into [key group of score_nr][d][score_nr] fp32, zero
 /// padding up to a multiple of score_nr. Column j < p is prefix key j, column j >= p block key j - p.
 template <class K>
-void score_pack_keys(float* KVEVICT_RESTRICT dst, const kv_view<const K>& prefix, const kv_view<const K>& block,
-                     index_t g, index_t p, index_t j0, index_t nb, index_t d) {
+void score_pack_keys(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp, const kv_view<const K>& prefix,
+                     const kv_view<const K>& block, index_t g, index_t p, index_t j0, index_t nb, index_t d) {
   const index_t groups = (nb + score_nr - 1) / score_nr;
   for (index_t gi = 0; gi < groups; ++gi) {
-    float* o = dst + gi * d * score_nr;
+    // widen the group's keys into tmp[score_nr][d] (contiguous, vectorised), then transpose into
+    // [d][score_nr] by 4 x 4 blocks
     for (index_t c = 0; c < score_nr; ++c) {
       const index_t jj = gi * score_nr + c;
+      float* t = tmp + c * d;
       if (jj < nb) {
         const index_t j = j0 + jj;
-        const K* src = j < p ? kv_row(prefix, g, j) : kv_row(block, g, j - p);
-        const index_t ds = j < p ? prefix.stride(2) : block.stride(2);
-        for (index_t k = 0; k < d; ++k) o[k * score_nr + c] = to_float(src[k * ds]);
+        if (j < p)
+          widen_row(t, kv_row(prefix, g, j), d, prefix.stride(2));
+        else
+          widen_row(t, kv_row(block, g, j - p), d, block.stride(2));
       } else {
-        for (index_t k = 0; k < d; ++k) o[k * score_nr + c] = 0.0f;
+        for (index_t k = 0; k < d; ++k) t[k] = 0.0f;
       }
     }
+    float* o = dst + gi * d * score_nr;
+    index_t k0 = 0;
+    for (; k0 + 4 <= d; k0 += 4)
+      for (index_t c0 = 0; c0 < score_nr; c0 += 4) {
+        float b[4][4];
+        for (index_t cc = 0; cc < 4; ++cc)
+          for (index_t kk = 0; kk < 4; ++kk) b[cc][kk] = tmp[(c0 + cc) * d + k0 + kk];
+        for (index_t kk = 0; kk < 4; ++kk)
+          for (index_t cc = 0; cc < 4; ++cc) o[(k0 + kk) * score_nr + c0 + cc] = b[cc][kk];
+      }
+    for (; k0 < d; ++k0)
+      for (index_t c = 0; c < score_nr; ++c) o[k0 * score_nr + c] = tmp[c * d + k0];
   }
 }
 
 /// out[r][c] = scale * sum_k q[r][k] * key[c][k] for a score_mr x score_nr tile. Each output is one
 /// sequential sum over k (the vector lanes run across keys), so its bits do not depend on the
-/// vector width the compiler picks.
+/// vector width the compiler picks, nor on which rows and keys share a tile.
 inline void score_microkernel(const float* KVEVICT_RESTRICT qp, const float* KVEVICT_RESTRICT kp, index_t d,
                               float scale, float* KVEVICT_RESTRICT out, index_t ld) {
   float acc[score_mr][score_nr] = {};
   for (index_t k = 0; k < d; ++k) {
-    const float* qk = qp + k * score_mr;
+    const float* qk = qp + k * score_mr * score_qrep;
     const float* kk = kp + k * score_nr;
     for (index_t r = 0; r < score_mr; ++r)
-      for (index_t c = 0; c < score_nr; ++c) acc[r][c] += qk[r] * kk[c];
+      for (index_t c = 0; c < score_nr; ++c) acc[r][c] += qk[r * score_qrep + c % score_qrep] * kk[c];
   }
   for (index_t r = 0; r < score_mr; ++r)
     for (index_t c = 0; c < score_nr; ++c) out[r * ld + c] = acc[r][c] * scale;
 }
 
-/// Logits of a block: buf[r][j] for rows 0..rows_pad-1 and columns 0..round_up(cols, score_nr)-1
-/// (padding rows/columns hold garbage-free zeros x keys and are never read as probabilities).
+/// Logits of columns [c0, c0 + n) of a block: buf[r][j] for rows 0..rows_pad-1 (padding rows and
+/// the columns up to the next multiple of score_nr hold finite junk never read as probabilities).
 template <class K>
-void score_block_logits(float* KVEVICT_RESTRICT buf, index_t ld, const float* KVEVICT_RESTRICT qpack, index_t rows_pad,
-                        float* KVEVICT_RESTRICT kpack, const kv_view<const K>& prefix, const kv_view<const K>& block,
-                        index_t g, index_t p, index_t cols, index_t d, float scale) {
-  for (index_t j0 = 0; j0 < cols; j0 += score_key_tile) {
-    const index_t nb = cols - j0 < score_key_tile ? cols - j0 : score_key_tile;
-    score_pack_keys(kpack, prefix, block, g, p, j0, nb, d);
+void score_panel_logits(float* KVEVICT_RESTRICT buf, index_t ld, const float* KVEVICT_RESTRICT qpack, index_t rows_pad,
+                        float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp, const kv_view<const K>& prefix,
+                        const kv_view<const K>& block, index_t g, index_t p, index_t c0, index_t n, index_t d,
+                        float scale) {
+  for (index_t j0 = c0; j0 < c0 + n; j0 += score_key_tile) {
+    const index_t nb = c0 + n - j0 < score_key_tile ? c0 + n - j0 : score_key_tile;
+    score_pack_keys(kpack, tmp, prefix, block, g, p, j0, nb, d);
     const index_t nb_pad = round_up(nb, score_nr);
     for (index_t r0 = 0; r0 < rows_pad; r0 += score_mr)
-      for (index_t c0 = 0; c0 < nb_pad; c0 += score_nr)
-        score_microkernel(qpack + r0 * d, kpack + c0 * d, d, scale, buf + r0 * ld + j0 + c0, ld);
+      for (index_t cc = 0; cc < nb_pad; cc += score_nr)
+        score_microkernel(qpack + r0 * d * score_qrep, kpack + cc * d, d, scale, buf + r0 * ld + j0 + cc, ld);
   }
 }
 
-/// Chunk statistics of s[0..n): the NaN-propagating max and, in place, e^(s - max) with its sum.
-/// A chunk whose logits are all -inf gives {-inf, 0} and zeros.
+/// Chunk statistics of s[0..n): its max m and, in place, e^(s - m) with their sum. A NaN logit
+/// makes the sum NaN. A chunk whose logits are all -inf gives {-inf, 0} and zeros.
 inline softmax_stats score_chunk_exp(float* KVEVICT_RESTRICT s, index_t n) {
-  float mx[score_lanes];
-  for (int l = 0; l < score_lanes; ++l) mx[l] = neg_inf_f();
+  std::int32_t mk = float_order_key(neg_inf_f());
+  for (index_t j = 0; j < n; ++j) {
+    const std::int32_t k = float_order_key(s[j]);
+    mk = k > mk ? k : mk;
+  }
+  const float m = float_from_order_key(mk);  // NaN if a NaN without sign bit was seen
+  if (m == neg_inf_f()) {  // only -inf (or sign-bit NaN) logits: nothing visible
+    float nan_sum = 0.0f;
+    for (index_t t = 0; t < n; ++t) {
+      s[t] = is_nan_f(s[t]) ? s[t] : 0.0f;
+      nan_sum += s[t];
+    }
+    return {neg_inf_f(), nan_sum};  // sum 0, or NaN that poisons the row
+  }
+  for (index_t j = 0; j < n; ++j) s[j] = softmax_exp(s[j] - m);
+  float sm[score_lanes] = {};
   index_t j = 0;
   for (; j + score_lanes <= n; j += score_lanes)
-    for (int l = 0; l < score_lanes; ++l) mx[l] = max_nan(mx[l], s[j + l]);
-  for (; j < n; ++j) mx[0] = max_nan(mx[0], s[j]);
-  float m = mx[0];
-  for (int l = 1; l < score_lanes; ++l) m = max_nan(m, mx[l]);
-  if (m == neg_inf_f()) {  // every logit is -inf (no NaN: the max would be NaN): nothing visible
-    for (index_t t = 0; t < n; ++t) s[t] = 0.0f;
-    return softmax_empty();
-  }
-  float sm[score_lanes] = {};
-  j = 0;
-  for (; j + score_lanes <= n; j += score_lanes)
-    for (int l = 0; l < score_lanes; ++l) {
-      const float e = softmax_exp(s[j + l] - m);
-      s[j + l] = e;
-      sm[l] += e;
-    }
-  for (; j < n; ++j) {
-    const float e = softmax_exp(s[j] - m);
-    s[j] = e;
-    sm[0] += e;
-  }
+    for (int l = 0; l < score_lanes; ++l) sm[l] += s[j + l];
+  for (; j < n; ++j) sm[0] += s[j];
   float sum = sm[0];
   for (int l = 1; l < score_lanes; ++l) sum += sm[l];
   return {m, sum};
 }
 
-/// Turns logits row s[0..vis) into unnormalised exponentials chunk by chunk; stores each chunk's
-/// max in cmax[] and returns the row's merged statistics (chunks merged in column order).
-inline softmax_stats score_row_exp(float* KVEVICT_RESTRICT s, index_t vis, float* KVEVICT_RESTRICT cmax) {
-  softmax_stats st = softmax_empty();
-  for (index_t c0 = 0, c = 0; c0 < vis; c0 += score_chunk, ++c) {
-    const softmax_stats cs = score_chunk_exp(s + c0, vis - c0 < score_chunk ? vis - c0 : score_chunk);
-    cmax[c] = cs.max;
-    st = softmax_merge(st, cs);
+/// The softmax of a block of rows, panel by panel: for each panel of score_chunk columns, the
+/// logits of every row of the block, then (while the panel is still in cache) each row's chunk
+/// statistics, e^(x - chunk max) in place, merged into the row's running statistics (chunks in
+/// column order). vis[r] = columns row r sees; cmax[r * nchunks + c] = chunk c's max.
+template <class K>
+void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, const float* KVEVICT_RESTRICT qpack, index_t nrows,
+                         float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp, const kv_view<const K>& prefix,
+                         const kv_view<const K>& block, index_t g, index_t p, index_t cols, index_t d, float scale,
+                         const index_t* vis, float* KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats* st) {
+  for (index_t r = 0; r < nrows; ++r) st[r] = softmax_empty();
+  for (index_t c0 = 0, c = 0; c0 < cols; c0 += score_chunk, ++c) {
+    const index_t n = cols - c0 < score_chunk ? cols - c0 : score_chunk;
+    score_panel_logits(buf, ld, qpack, round_up(nrows, score_mr), kpack, tmp, prefix, block, g, p, c0, n, d, scale);
+    for (index_t r = 0; r < nrows; ++r) {
+      if (vis[r] <= c0) continue;
+      const index_t m = vis[r] - c0 < n ? vis[r] - c0 : n;
+      const softmax_stats cs = score_chunk_exp(buf + r * ld + c0, m);
+      cmax[r * nchunks + c] = cs.max;
+      st[r] = softmax_merge(st[r], cs);
+    }
   }
-  return st;
 }
 
 /// The factor turning chunk c's exponentials into probabilities: e^(m_c - M) / L.

@@ -36,9 +36,17 @@ KVEVICT_HOST_DEVICE inline bool is_nan_f(float x) noexcept { return x != x; }
 /// contracts a*b+c into FMA (nvcc does by default, g++ only when FMA instructions are enabled),
 /// the last bit may differ from a build that does not.
 KVEVICT_HOST_DEVICE inline float softmax_exp(float x) noexcept {
-  // clamp without losing NaN: comparisons with NaN are false, so NaN passes through
-  x = x < -104.0f ? -104.0f : x;  // e^-104 < 2^-150: rounds to 0 below
-  x = x > 88.75f ? 88.75f : x;    // e^88.75 > FLT_MAX: rounds to inf below
+  // clamp to [-104, 88.75] on the bit pattern (integer selects vectorise where float ones do not),
+  // leaving NaN untouched: below covers (-inf, -104) and -inf, above (88.75, +inf] (NaN bit
+  // patterns lie outside both ranges)
+  std::uint32_t xb = float_bits(x);
+  constexpr std::uint32_t lo_bits = 0xC2D00000u;  // -104.0f: e^-104 < 2^-150 rounds to 0 below
+  constexpr std::uint32_t hi_bits = 0x42B18000u;  // 88.75f: e^88.75 > FLT_MAX rounds to inf below
+  const std::uint32_t below = static_cast<std::uint32_t>((xb > lo_bits) & (xb <= 0xFF800000u));
+  const std::uint32_t above = static_cast<std::uint32_t>((xb > hi_bits) & (xb <= 0x7F800000u));
+  xb ^= (xb ^ lo_bits) & (0u - below);
+  xb ^= (xb ^ hi_bits) & (0u - above);
+  x = bits_float(xb);
   constexpr float log2e = 1.44269504088896341f;
   constexpr float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer (nearest even)
   const float t = x * log2e + magic;
@@ -94,9 +102,19 @@ KVEVICT_HOST_DEVICE inline float softmax_prob(softmax_stats s, float x) noexcept
   return softmax_exp(x - s.max) / s.sum;
 }
 
-/// NaN-propagating maximum (once a NaN is seen it stays): used for the row maxima, so that a NaN
-/// logit makes the whole row NaN instead of being skipped by a comparison.
+/// NaN-propagating maximum (once a NaN is seen it stays).
 KVEVICT_HOST_DEVICE inline float max_nan(float m, float x) noexcept { return (x > m || is_nan_f(x)) ? x : m; }
+
+/// A signed integer whose order is the order of the floats (-0 < +0, NaN with the sign bit set
+/// below -inf, other NaN above +inf). Integer maxima vectorise where float ones (with their NaN
+/// rules) do not, and are exact.
+KVEVICT_HOST_DEVICE inline std::int32_t float_order_key(float x) noexcept {
+  const std::int32_t i = static_cast<std::int32_t>(float_bits(x));
+  return i ^ ((i >> 31) & 0x7fffffff);
+}
+KVEVICT_HOST_DEVICE inline float float_from_order_key(std::int32_t k) noexcept {
+  return bits_float(static_cast<std::uint32_t>(k ^ ((k >> 31) & 0x7fffffff)));
+}
 
 /// Welford's update of a running mean and sum of squared deviations with the n-th value x
 /// (inv_n = 1/n, n counted from 1). Numerically stable for the small, similar probabilities of a

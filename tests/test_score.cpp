@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 using namespace kvevict;
@@ -661,4 +662,33 @@ TEST_CASE("attention_scores: errors are specific and nothing is written") {
                 "h2o_scores: out has 8 columns, expected T = 10");
   require_error(tova_scores(seq, ws2, qv, k2, out_p), errc::shape_mismatch, "tova_scores: last_query holds 2 tokens, expected 1");
   CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.f; }));
+}
+
+TEST_CASE("attention_scores: the SSE2, AVX2 and AVX-512 kernels give identical bits") {
+  const int supported = static_cast<int>(detail::score_isa_supported());
+  const std::string best = supported == 2 ? "AVX-512" : supported == 1 ? "AVX2" : "SSE2";
+  MESSAGE("kernel profiles available on this machine: up to ", best);
+  auto g = kvtest::rng(2024);
+  for (int trial = 0; trial < 30; ++trial) {
+    CAPTURE(trial);
+    const index_t hkv = kvtest::uniform_int(g, 1, 3), hq = hkv * kvtest::uniform_int(g, 1, 4);
+    const index_t w = kvtest::uniform_int(g, 1, 70), p = kvtest::uniform_int(g, 0, 1500), d = kvtest::uniform_int(g, 1, 140);
+    cache<float16> q(hq, w, d, trial % 4, g, -2.f, 2.f);
+    cache<bfloat16> k(hkv, p + w, d, (trial + 2) % 4, g, -2.f, 2.f);
+    const auto s = value_of(split_window(k.view, w));
+    score_options opt;
+    opt.reduce = static_cast<score_reduce>(trial % 4);
+    std::vector<std::vector<float>> outs;
+    for (int cap = 0; cap <= supported; ++cap) {
+      detail::score_isa_cap().store(cap);
+      outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
+      run_ok([&](workspace& ws) {
+        return attention_scores(trial % 2 ? par : par_t{1}, ws, q.view, s.prefix, s.window,
+                                value_of(make_matrix_view(outs.back().data(), hq, p + w)), opt);
+      });
+    }
+    detail::score_isa_cap().store(2);
+    for (std::size_t i = 1; i < outs.size(); ++i)
+      REQUIRE(std::memcmp(outs[0].data(), outs[i].data(), outs[0].size() * sizeof(float)) == 0);
+  }
 }

@@ -174,7 +174,7 @@ status check_attention_scores(const char* fn, const kv_view<const QE>& q, const 
 struct score_plan {
   int threads = 1;
   index_t heads_per_task = 1, tasks_per_kv = 1, tasks = 0;
-  index_t rows = 0;  ///< rows per block buffer (<= score_rows, multiple of score_mr)
+  index_t rows = 0;  ///< rows of the block buffer (<= score_rows, a multiple of every profile's mr)
   index_t ld = 0;    ///< logits buffer row stride
   index_t nchunks = 0;  ///< softmax-statistics chunks per row
   index_t q_floats = 0, k_floats = 0, buf_floats = 0, cmax_floats = 0, acc_floats = 0;
@@ -198,17 +198,17 @@ inline status make_score_plan(const char* fn, const score_shape& sh, int threads
   index_t task_rows = 0;
   if (!checked_mul(pl.heads_per_task, sh.w, task_rows))
     return status::error(errc::size_overflow, "%s: heads x w overflows", fn);
-  pl.rows = round_up(task_rows < score_rows ? task_rows : score_rows, score_mr);
-  // panels start every score_chunk columns and the micro-kernel writes whole score_nr-wide tiles,
-  // so a row may be written up to score_nr - 1 columns past `cols`
-  pl.ld = round_up(sh.cols + score_nr, 16);
+  pl.rows = round_up(task_rows < score_rows ? task_rows : score_rows, 8);
+  // panels start every score_chunk columns and the micro-kernel writes whole nr-wide tiles, so a
+  // row may be written up to nr - 1 columns past `cols`
+  pl.ld = round_up(sh.cols + score_max_nr, 16);
   pl.nchunks = (sh.cols + score_chunk - 1) / score_chunk;
   const auto a16 = [](index_t x) { return round_up(x, 16); };
   bool ok = true;
   index_t t = 0;
-  ok = ok && checked_mul(pl.rows, sh.d, t) && checked_mul(t, score_qrep, t);
+  ok = ok && checked_mul(pl.rows, sh.d, t) && checked_mul(t, score_max_qrep, t);
   pl.q_floats = a16(t);
-  ok = ok && checked_mul(score_key_tile + score_nr, sh.d, t);  // packed tile + widening scratch
+  ok = ok && checked_mul(score_max_key_tile + score_max_nr, sh.d, t);  // packed tile + widening scratch
   pl.k_floats = a16(t);
   ok = ok && checked_mul(pl.rows, pl.ld, t);
   pl.buf_floats = a16(t);
@@ -259,6 +259,7 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
   if (ws.is_query() || pl.tasks == 0) return {};
 
   const index_t w = sh.w, p = sh.p, d = sh.d, oc = sh.out_cols;
+  const score_isa isa = score_isa_active();
   float* const odata = out.data_handle();
   const index_t os0 = out.stride(0), os1 = out.stride(1);
   score_parallel(be, pl.tasks, pl.threads, [&](index_t task, int slot) {
@@ -280,13 +281,12 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
       const index_t last = row0 + nrows - 1;
       const index_t imax = last / w != row0 / w ? w - 1 : last % w;
       const index_t cols = sh.has_block ? p + imax + 1 : p;
-      float* const tmp = kpack + score_key_tile * d;  // widening scratch, score_nr x d floats
+      float* const tmp = kpack + score_max_key_tile * d;  // widening scratch, nr x d floats
       index_t vis[score_rows];
       softmax_stats st[score_rows];
       for (index_t r = 0; r < nrows; ++r) vis[r] = sh.has_block ? p + (row0 + r) % w + 1 : p;
-      score_pack_queries(qpack, tmp, q, head0, w, row0, nrows);
-      score_block_softmax(buf, pl.ld, qpack, nrows, kpack, tmp, prefix, block, g, p, cols, d, sh.scale, vis, cmax,
-                          pl.nchunks, st);
+      score_block_softmax_dispatch(isa, buf, pl.ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p,
+                                   cols, sh.scale, vis, cmax, pl.nchunks, st);
       for (index_t r = 0; r < nrows; ++r) {
         const index_t flat = row0 + r, hh = flat / w, i = flat % w;
         const float* row = buf + r * pl.ld;

@@ -11,9 +11,18 @@
 // row by row in query order, to the task's per-head column accumulators.
 //
 // Determinism: every logit is one sequential fp32 dot product over d (vectorised across keys, never
-// across d); row statistics use explicit lanes and fixed chunk boundaries; each column sums its rows
-// in order 0..w-1. Nothing depends on the blocking, the task partition or the thread count, so seq
-// and par give identical bits for any number of threads.
+// across d) followed by one multiplication by the scale; row statistics use explicit lanes and
+// fixed chunk boundaries; each column sums its rows in order 0..w-1. Nothing depends on the
+// blocking, the task partition or the thread count, so seq and par give identical bits for any
+// number of threads.
+//
+// Kernels: the logits micro-kernel comes in three tile profiles, chosen at run time on x86-64 with
+// GCC or clang (__builtin_cpu_supports): SSE2 (the x86-64 baseline, and the only one elsewhere),
+// AVX2 and AVX-512F. The wider ones are compiled for their target with FMA contraction disabled, so
+// every profile computes each logit with the same separately rounded multiplications and additions
+// in the same order: all three give identical bits (tests/test_score.cpp forces each one). Define
+// KVEVICT_NO_X86_DISPATCH to build only the baseline kernel. The softmax and reductions are not
+// dispatched; they follow the translation unit's own flags.
 #pragma once
 
 #include <kvevict/backend.hpp>
@@ -22,6 +31,7 @@
 #include <kvevict/numeric.hpp>
 #include <kvevict/view.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -31,15 +41,52 @@
 #  define KVEVICT_RESTRICT
 #endif
 
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
+#  define KVEVICT_ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#  define KVEVICT_ALWAYS_INLINE inline
+#endif
+
+// Runtime x86 dispatch of the logits kernel: GCC or clang on x86-64, not under nvcc (whose front end
+// sees the host code too), unless KVEVICT_NO_X86_DISPATCH.
+#if !defined(KVEVICT_NO_X86_DISPATCH) && (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && \
+    !defined(__CUDACC__) && !defined(__NVCOMPILER)
+#  define KVEVICT_SCORE_X86_DISPATCH 1
+#else
+#  define KVEVICT_SCORE_X86_DISPATCH 0
+#endif
+// No FMA contraction in the kernels: GCC needs the optimize attribute, clang a pragma in the body.
+#if defined(__clang__)
+#  define KVEVICT_NO_CONTRACT
+#  define KVEVICT_NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#  define KVEVICT_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#  define KVEVICT_NO_CONTRACT_BODY
+#else
+#  define KVEVICT_NO_CONTRACT
+#  define KVEVICT_NO_CONTRACT_BODY
+#endif
+
 namespace kvevict::detail {
 
-inline constexpr index_t score_mr = 4;          ///< micro-kernel rows
-inline constexpr index_t score_nr = 12;         ///< micro-kernel keys (three SSE vectors)
-inline constexpr index_t score_qrep = 4;        ///< each packed query value is stored 4 times (a vector)
-inline constexpr index_t score_rows = 64;       ///< rows per block (multiple of score_mr)
-inline constexpr index_t score_key_tile = 48;   ///< keys per packed tile (multiple of score_nr)
+inline constexpr index_t score_rows = 64;       ///< rows per block (multiple of every profile's mr)
 inline constexpr index_t score_chunk = 1024;    ///< columns per softmax-statistics chunk
 inline constexpr int score_lanes = 8;           ///< explicit lanes of the row sums
+
+/// Tile profiles of the logits micro-kernel: mr rows x nr keys of accumulators, each query value
+/// stored qrep times in the packed queries (SSE2 has no cheap broadcast from memory; AVX does),
+/// keys packed by tiles of key_tile. Chosen so that GCC 12 keeps every accumulator in a register.
+struct score_profile_sse2 {
+  static constexpr index_t mr = 4, nr = 12, qrep = 4, key_tile = 48;
+};
+struct score_profile_avx2 {
+  static constexpr index_t mr = 4, nr = 24, qrep = 1, key_tile = 48;
+};
+struct score_profile_avx512 {
+  static constexpr index_t mr = 8, nr = 32, qrep = 1, key_tile = 64;
+};
+/// Scratch sizes cover every profile, so the workspace does not depend on the CPU.
+inline constexpr index_t score_max_qrep = 4, score_max_nr = 32, score_max_key_tile = 64;
 
 inline index_t round_up(index_t x, index_t m) { return (x + m - 1) / m * m; }
 
@@ -87,19 +134,19 @@ inline void widen_row(float* KVEVICT_RESTRICT dst, const T* KVEVICT_RESTRICT src
   }
 }
 
-/// Packs `nrows` query rows into [row group of score_mr][d][score_mr][score_qrep] fp32 (every value
-/// replicated so the micro-kernel loads a ready-made vector instead of broadcasting), zero rows
-/// padding the last group. Row r of the task is query head head0 + (row0 + r) / w, position
-/// (row0 + r) % w.
-template <class Q>
+/// Packs `nrows` query rows into [row group of P::mr][d][P::mr][P::qrep] fp32 (with qrep > 1 every
+/// value is replicated so the SSE2 micro-kernel loads a ready-made vector instead of shuffling),
+/// zero rows padding the last group. Row r of the task is query head head0 + (row0 + r) / w,
+/// position (row0 + r) % w.
+template <class P, class Q>
 void score_pack_queries(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp, const kv_view<const Q>& q,
                         index_t head0, index_t w, index_t row0, index_t nrows) {
   const index_t d = q.extent(2), ds = q.stride(2);
-  const index_t groups = (nrows + score_mr - 1) / score_mr;
+  const index_t groups = (nrows + P::mr - 1) / P::mr;
   for (index_t gi = 0; gi < groups; ++gi) {
-    float* g = dst + gi * d * score_mr * score_qrep;
-    for (index_t rr = 0; rr < score_mr; ++rr) {
-      const index_t r = gi * score_mr + rr;
+    float* g = dst + gi * d * P::mr * P::qrep;
+    for (index_t rr = 0; rr < P::mr; ++rr) {
+      const index_t r = gi * P::mr + rr;
       if (r < nrows) {
         const index_t flat = row0 + r;
         widen_row(tmp, kv_row(q, head0 + flat / w, flat % w), d, ds);
@@ -107,22 +154,24 @@ void score_pack_queries(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp
         for (index_t k = 0; k < d; ++k) tmp[k] = 0.0f;
       }
       for (index_t k = 0; k < d; ++k)
-        for (index_t c = 0; c < score_qrep; ++c) g[(k * score_mr + rr) * score_qrep + c] = tmp[k];
+        for (index_t c = 0; c < P::qrep; ++c) g[(k * P::mr + rr) * P::qrep + c] = tmp[k];
     }
   }
 }
 
-/// Packs keys j0 .. j0+nb-1 of KV head g into [key group of score_nr][d][score_nr] fp32, zero
-/// padding up to a multiple of score_nr. Column j < p is prefix key j, column j >= p block key j - p.
-template <class K>
-void score_pack_keys(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp, const kv_view<const K>& prefix,
-                     const kv_view<const K>& block, index_t g, index_t p, index_t j0, index_t nb, index_t d) {
-  const index_t groups = (nb + score_nr - 1) / score_nr;
+/// Packs keys j0 .. j0+nb-1 of KV head g into [key group of P::nr][d][P::nr] fp32, zero padding up
+/// to a multiple of P::nr. Column j < p is prefix key j, column j >= p block key j - p.
+template <class P, class K>
+KVEVICT_ALWAYS_INLINE void score_pack_keys(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp,
+                                           const kv_view<const K>& prefix, const kv_view<const K>& block, index_t g,
+                                           index_t p, index_t j0, index_t nb, index_t d) {
+  constexpr index_t nr = P::nr;
+  const index_t groups = (nb + nr - 1) / nr;
   for (index_t gi = 0; gi < groups; ++gi) {
-    // widen the group's keys into tmp[score_nr][d] (contiguous, vectorised), then transpose into
-    // [d][score_nr] by 4 x 4 blocks
-    for (index_t c = 0; c < score_nr; ++c) {
-      const index_t jj = gi * score_nr + c;
+    // widen the group's keys into tmp[nr][d] (contiguous, vectorised), then transpose into
+    // [d][nr] by 4 x 4 blocks
+    for (index_t c = 0; c < nr; ++c) {
+      const index_t jj = gi * nr + c;
       float* t = tmp + c * d;
       if (jj < nb) {
         const index_t j = j0 + jj;
@@ -134,57 +183,42 @@ void score_pack_keys(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp, c
         for (index_t k = 0; k < d; ++k) t[k] = 0.0f;
       }
     }
-    float* o = dst + gi * d * score_nr;
+    float* o = dst + gi * d * nr;
     index_t k0 = 0;
     for (; k0 + 4 <= d; k0 += 4)
-      for (index_t c0 = 0; c0 < score_nr; c0 += 4) {
+      for (index_t c0 = 0; c0 < nr; c0 += 4) {
         float b[4][4];
         for (index_t cc = 0; cc < 4; ++cc)
           for (index_t kk = 0; kk < 4; ++kk) b[cc][kk] = tmp[(c0 + cc) * d + k0 + kk];
         for (index_t kk = 0; kk < 4; ++kk)
-          for (index_t cc = 0; cc < 4; ++cc) o[(k0 + kk) * score_nr + c0 + cc] = b[cc][kk];
+          for (index_t cc = 0; cc < 4; ++cc) o[(k0 + kk) * nr + c0 + cc] = b[cc][kk];
       }
     for (; k0 < d; ++k0)
-      for (index_t c = 0; c < score_nr; ++c) o[k0 * score_nr + c] = tmp[c * d + k0];
+      for (index_t c = 0; c < nr; ++c) o[k0 * nr + c] = tmp[c * d + k0];
   }
 }
 
-/// out[r][c] = scale * sum_k q[r][k] * key[c][k] for a score_mr x score_nr tile. Each output is one
-/// sequential sum over k (the vector lanes run across keys), so its bits do not depend on the
-/// vector width the compiler picks, nor on which rows and keys share a tile.
-inline void score_microkernel(const float* KVEVICT_RESTRICT qp, const float* KVEVICT_RESTRICT kp, index_t d,
-                              float scale, float* KVEVICT_RESTRICT out, index_t ld) {
-  float acc[score_mr][score_nr] = {};
+/// out[r][c] = scale * sum_k q[r][k] * key[c][k] for a P::mr x P::nr tile. Each output is one
+/// sequential sum over k of separately rounded products (the vector lanes run across keys; the
+/// callers disable FMA contraction), so its bits depend neither on the vector width nor on which
+/// rows and keys share a tile.
+template <class P>
+KVEVICT_ALWAYS_INLINE void score_microkernel(const float* KVEVICT_RESTRICT qp, const float* KVEVICT_RESTRICT kp,
+                                             index_t d, float scale, float* KVEVICT_RESTRICT out, index_t ld) {
+  float acc[P::mr][P::nr] = {};
   for (index_t k = 0; k < d; ++k) {
-    const float* qk = qp + k * score_mr * score_qrep;
-    const float* kk = kp + k * score_nr;
-    for (index_t r = 0; r < score_mr; ++r)
-      for (index_t c = 0; c < score_nr; ++c) acc[r][c] += qk[r * score_qrep + c % score_qrep] * kk[c];
+    const float* qk = qp + k * P::mr * P::qrep;
+    const float* kk = kp + k * P::nr;
+    for (index_t r = 0; r < P::mr; ++r)
+      for (index_t c = 0; c < P::nr; ++c) acc[r][c] += qk[r * P::qrep + c % P::qrep] * kk[c];
   }
-  for (index_t r = 0; r < score_mr; ++r)
-    for (index_t c = 0; c < score_nr; ++c) out[r * ld + c] = acc[r][c] * scale;
-}
-
-/// Logits of columns [c0, c0 + n) of a block: buf[r][j] for rows 0..rows_pad-1 (padding rows and
-/// the columns up to the next multiple of score_nr hold finite junk never read as probabilities).
-template <class K>
-void score_panel_logits(float* KVEVICT_RESTRICT buf, index_t ld, const float* KVEVICT_RESTRICT qpack, index_t rows_pad,
-                        float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp, const kv_view<const K>& prefix,
-                        const kv_view<const K>& block, index_t g, index_t p, index_t c0, index_t n, index_t d,
-                        float scale) {
-  for (index_t j0 = c0; j0 < c0 + n; j0 += score_key_tile) {
-    const index_t nb = c0 + n - j0 < score_key_tile ? c0 + n - j0 : score_key_tile;
-    score_pack_keys(kpack, tmp, prefix, block, g, p, j0, nb, d);
-    const index_t nb_pad = round_up(nb, score_nr);
-    for (index_t r0 = 0; r0 < rows_pad; r0 += score_mr)
-      for (index_t cc = 0; cc < nb_pad; cc += score_nr)
-        score_microkernel(qpack + r0 * d * score_qrep, kpack + cc * d, d, scale, buf + r0 * ld + j0 + cc, ld);
-  }
+  for (index_t r = 0; r < P::mr; ++r)
+    for (index_t c = 0; c < P::nr; ++c) out[r * ld + c] = acc[r][c] * scale;
 }
 
 /// Chunk statistics of s[0..n): its max m and, in place, e^(s - m) with their sum. A NaN logit
 /// makes the sum NaN. A chunk whose logits are all -inf gives {-inf, 0} and zeros.
-inline softmax_stats score_chunk_exp(float* KVEVICT_RESTRICT s, index_t n) {
+KVEVICT_ALWAYS_INLINE softmax_stats score_chunk_exp(float* KVEVICT_RESTRICT s, index_t n) {
   std::int32_t mk = float_order_key(neg_inf_f());
   for (index_t j = 0; j < n; ++j) {
     const std::int32_t k = float_order_key(s[j]);
@@ -210,27 +244,140 @@ inline softmax_stats score_chunk_exp(float* KVEVICT_RESTRICT s, index_t n) {
   return {m, sum};
 }
 
-/// The softmax of a block of rows, panel by panel: for each panel of score_chunk columns, the
-/// logits of every row of the block, then (while the panel is still in cache) each row's chunk
-/// statistics, e^(x - chunk max) in place, merged into the row's running statistics (chunks in
-/// column order). vis[r] = columns row r sees; cmax[r * nchunks + c] = chunk c's max.
+/// One panel of a block: the logits of columns [c0, c0 + n) for every row (buf[r][j]; padding rows
+/// and the columns up to the next multiple of P::nr hold finite junk never read), then, while the
+/// panel is in cache, each row's chunk c: max, e^(x - max) in place, sum, merged into st[r].
+/// vis[r] = columns row r sees; cmax[r * nchunks + c] receives the chunk's max.
+template <class P, class K>
+KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t ld, const float* KVEVICT_RESTRICT qpack,
+                                            index_t nrows, float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp,
+                                            const kv_view<const K>& prefix, const kv_view<const K>& block, index_t g,
+                                            index_t p, index_t c0, index_t n, index_t d, float scale, const index_t* vis,
+                                            float* KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats* st) {
+  const index_t rows_pad = round_up(nrows, P::mr);
+  for (index_t j0 = c0; j0 < c0 + n; j0 += P::key_tile) {
+    const index_t nb = c0 + n - j0 < P::key_tile ? c0 + n - j0 : P::key_tile;
+    score_pack_keys<P>(kpack, tmp, prefix, block, g, p, j0, nb, d);
+    const index_t nb_pad = round_up(nb, P::nr);
+    for (index_t r0 = 0; r0 < rows_pad; r0 += P::mr)
+      for (index_t cc = 0; cc < nb_pad; cc += P::nr)
+        score_microkernel<P>(qpack + r0 * d * P::qrep, kpack + cc * d, d, scale, buf + r0 * ld + j0 + cc, ld);
+  }
+  const index_t c = c0 / score_chunk;
+  for (index_t r = 0; r < nrows; ++r) {
+    if (vis[r] <= c0) continue;
+    const index_t m = vis[r] - c0 < n ? vis[r] - c0 : n;
+    const softmax_stats cs = score_chunk_exp(buf + r * ld + c0, m);
+    cmax[r * nchunks + c] = cs.max;
+    st[r] = softmax_merge(st[r], cs);
+  }
+}
+
+// One compiled function per profile (the target attribute cannot depend on a template argument).
+#define KVEVICT_SCORE_PANEL_ARGS                                                                              \
+  float *KVEVICT_RESTRICT buf, index_t ld, const float *KVEVICT_RESTRICT qpack, index_t nrows,                 \
+      float *KVEVICT_RESTRICT kpack, float *KVEVICT_RESTRICT tmp, const kv_view<const K>&prefix,              \
+      const kv_view<const K>&block, index_t g, index_t p, index_t c0, index_t n, index_t d, float scale,      \
+      const index_t *vis, float *KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats *st
+#define KVEVICT_SCORE_PANEL_CALL buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st
+
 template <class K>
-void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, const float* KVEVICT_RESTRICT qpack, index_t nrows,
-                         float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp, const kv_view<const K>& prefix,
-                         const kv_view<const K>& block, index_t g, index_t p, index_t cols, index_t d, float scale,
+KVEVICT_NO_CONTRACT void score_panel_sse2(KVEVICT_SCORE_PANEL_ARGS) {
+  KVEVICT_NO_CONTRACT_BODY
+  score_panel_body<score_profile_sse2, K>(KVEVICT_SCORE_PANEL_CALL);
+}
+
+#if KVEVICT_SCORE_X86_DISPATCH
+inline namespace x86_dispatch {
+template <class K>
+__attribute__((target("avx2"))) KVEVICT_NO_CONTRACT void score_panel_avx2(KVEVICT_SCORE_PANEL_ARGS) {
+  KVEVICT_NO_CONTRACT_BODY
+  score_panel_body<score_profile_avx2, K>(KVEVICT_SCORE_PANEL_CALL);
+}
+template <class K>
+__attribute__((target("avx512f"))) KVEVICT_NO_CONTRACT void score_panel_avx512(KVEVICT_SCORE_PANEL_ARGS) {
+  KVEVICT_NO_CONTRACT_BODY
+  score_panel_body<score_profile_avx512, K>(KVEVICT_SCORE_PANEL_CALL);
+}
+}  // namespace x86_dispatch
+#endif
+#undef KVEVICT_SCORE_PANEL_ARGS
+#undef KVEVICT_SCORE_PANEL_CALL
+
+/// The kernel profiles, in the order the dispatcher prefers them.
+enum class score_isa : int { sse2 = 0, avx2 = 1, avx512 = 2 };
+
+/// The best profile this CPU (and build) supports.
+inline score_isa score_isa_supported() {
+#if KVEVICT_SCORE_X86_DISPATCH
+  static const score_isa best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return score_isa::avx512;
+    if (__builtin_cpu_supports("avx2")) return score_isa::avx2;
+    return score_isa::sse2;
+  }();
+  return best;
+#else
+  return score_isa::sse2;
+#endif
+}
+
+/// Test hook: caps the profile used (a value above what the CPU supports is ignored). Not API.
+inline std::atomic<int>& score_isa_cap() {
+  static std::atomic<int> cap{static_cast<int>(score_isa::avx512)};
+  return cap;
+}
+
+inline score_isa score_isa_active() {
+  const int best = static_cast<int>(score_isa_supported()), cap = score_isa_cap().load(std::memory_order_relaxed);
+  return static_cast<score_isa>(best < cap ? best : cap);
+}
+
+/// The softmax of a block of rows, panel by panel (panels of score_chunk columns, see
+/// score_panel_body), with the block's queries packed for profile P.
+template <class P, class Q, class K>
+void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT_RESTRICT qpack,
+                         float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp, const kv_view<const Q>& q,
+                         index_t head0, index_t w, index_t row0, index_t nrows, const kv_view<const K>& prefix,
+                         const kv_view<const K>& block, index_t g, index_t p, index_t cols, float scale,
                          const index_t* vis, float* KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats* st) {
+  const index_t d = q.extent(2);
+  score_pack_queries<P>(qpack, tmp, q, head0, w, row0, nrows);
   for (index_t r = 0; r < nrows; ++r) st[r] = softmax_empty();
-  for (index_t c0 = 0, c = 0; c0 < cols; c0 += score_chunk, ++c) {
+  for (index_t c0 = 0; c0 < cols; c0 += score_chunk) {
     const index_t n = cols - c0 < score_chunk ? cols - c0 : score_chunk;
-    score_panel_logits(buf, ld, qpack, round_up(nrows, score_mr), kpack, tmp, prefix, block, g, p, c0, n, d, scale);
-    for (index_t r = 0; r < nrows; ++r) {
-      if (vis[r] <= c0) continue;
-      const index_t m = vis[r] - c0 < n ? vis[r] - c0 : n;
-      const softmax_stats cs = score_chunk_exp(buf + r * ld + c0, m);
-      cmax[r * nchunks + c] = cs.max;
-      st[r] = softmax_merge(st[r], cs);
+    if constexpr (std::is_same_v<P, score_profile_sse2>) {
+      score_panel_sse2<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st);
+#if KVEVICT_SCORE_X86_DISPATCH
+    } else if constexpr (std::is_same_v<P, score_profile_avx2>) {
+      score_panel_avx2<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st);
+    } else {
+      score_panel_avx512<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks,
+                            st);
+#endif
     }
   }
+}
+
+/// score_block_softmax with the active profile.
+template <class Q, class K>
+void score_block_softmax_dispatch(score_isa isa, float* buf, index_t ld, float* qpack, float* kpack, float* tmp,
+                                  const kv_view<const Q>& q, index_t head0, index_t w, index_t row0, index_t nrows,
+                                  const kv_view<const K>& prefix, const kv_view<const K>& block, index_t g, index_t p,
+                                  index_t cols, float scale, const index_t* vis, float* cmax, index_t nchunks,
+                                  softmax_stats* st) {
+#if KVEVICT_SCORE_X86_DISPATCH
+  if (isa == score_isa::avx512)
+    return score_block_softmax<score_profile_avx512>(buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix,
+                                                     block, g, p, cols, scale, vis, cmax, nchunks, st);
+  if (isa == score_isa::avx2)
+    return score_block_softmax<score_profile_avx2>(buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix,
+                                                   block, g, p, cols, scale, vis, cmax, nchunks, st);
+#else
+  (void)isa;
+#endif
+  score_block_softmax<score_profile_sse2>(buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p,
+                                          cols, scale, vis, cmax, nchunks, st);
 }
 
 /// The factor turning chunk c's exponentials into probabilities: e^(m_c - M) / L.

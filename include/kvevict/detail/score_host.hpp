@@ -55,16 +55,13 @@
 #else
 #  define KVEVICT_SCORE_X86_DISPATCH 0
 #endif
-// No FMA contraction in the kernels: GCC needs the optimize attribute, clang a pragma in the body.
-#if defined(__clang__)
-#  define KVEVICT_NO_CONTRACT
-#  define KVEVICT_NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
-#elif defined(__GNUC__)
+// No FMA contraction in the kernels: GCC decides per compiled function (the optimize attribute on
+// the dispatched functions covers everything inlined into them); clang decides per expression, so
+// every function inlined into them that multiplies and adds opens with KVEVICT_FP_CONTRACT_OFF.
+#if defined(__GNUC__) && !defined(__clang__)
 #  define KVEVICT_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#  define KVEVICT_NO_CONTRACT_BODY
 #else
 #  define KVEVICT_NO_CONTRACT
-#  define KVEVICT_NO_CONTRACT_BODY
 #endif
 
 namespace kvevict::detail {
@@ -205,6 +202,7 @@ KVEVICT_ALWAYS_INLINE void score_pack_keys(float* KVEVICT_RESTRICT dst, float* K
 template <class P>
 KVEVICT_ALWAYS_INLINE void score_microkernel(const float* KVEVICT_RESTRICT qp, const float* KVEVICT_RESTRICT kp,
                                              index_t d, float scale, float* KVEVICT_RESTRICT out, index_t ld) {
+  KVEVICT_FP_CONTRACT_OFF
   float acc[P::mr][P::nr] = {};
   for (index_t k = 0; k < d; ++k) {
     const float* qk = qp + k * P::mr * P::qrep;
@@ -283,7 +281,6 @@ KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t
 
 template <class K>
 KVEVICT_NO_CONTRACT void score_panel_sse2(KVEVICT_SCORE_PANEL_ARGS) {
-  KVEVICT_NO_CONTRACT_BODY
   score_panel_body<score_profile_sse2, K>(KVEVICT_SCORE_PANEL_CALL);
 }
 
@@ -291,12 +288,10 @@ KVEVICT_NO_CONTRACT void score_panel_sse2(KVEVICT_SCORE_PANEL_ARGS) {
 inline namespace x86_dispatch {
 template <class K>
 __attribute__((target("avx2"))) KVEVICT_NO_CONTRACT void score_panel_avx2(KVEVICT_SCORE_PANEL_ARGS) {
-  KVEVICT_NO_CONTRACT_BODY
   score_panel_body<score_profile_avx2, K>(KVEVICT_SCORE_PANEL_CALL);
 }
 template <class K>
 __attribute__((target("avx512f"))) KVEVICT_NO_CONTRACT void score_panel_avx512(KVEVICT_SCORE_PANEL_ARGS) {
-  KVEVICT_NO_CONTRACT_BODY
   score_panel_body<score_profile_avx512, K>(KVEVICT_SCORE_PANEL_CALL);
 }
 }  // namespace x86_dispatch

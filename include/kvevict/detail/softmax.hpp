@@ -19,6 +19,15 @@
 
 #include <cstdint>
 
+// clang attaches FP-contraction rules to expressions when it parses them, so the functions whose
+// bits must not depend on where they are inlined (the dispatched host kernels, see score_host.hpp)
+// disable contraction in their own bodies. GCC's rule is per compiled function and is set there.
+#if defined(__clang__)
+#  define KVEVICT_FP_CONTRACT_OFF _Pragma("clang fp contract(off)")
+#else
+#  define KVEVICT_FP_CONTRACT_OFF
+#endif
+
 namespace kvevict::detail {
 
 KVEVICT_HOST_DEVICE inline float neg_inf_f() noexcept { return bits_float(0xff800000u); }
@@ -36,6 +45,7 @@ KVEVICT_HOST_DEVICE inline bool is_nan_f(float x) noexcept { return x != x; }
 /// contracts a*b+c into FMA (nvcc does by default, g++ only when FMA instructions are enabled),
 /// the last bit may differ from a build that does not.
 KVEVICT_HOST_DEVICE inline float softmax_exp(float x) noexcept {
+  KVEVICT_FP_CONTRACT_OFF
   // clamp to [-104, 88.75] on the bit pattern (integer selects vectorise where float ones do not),
   // leaving NaN untouched: below covers (-inf, -104) and -inf, above (88.75, +inf] (NaN bit
   // patterns lie outside both ranges)
@@ -83,6 +93,7 @@ KVEVICT_HOST_DEVICE inline softmax_stats softmax_empty() noexcept { return {neg_
 /// (m, s) ⊕ (m', s') = (M, s·e^(m-M) + s'·e^(m'-M)) with M = max(m, m'). Associative and
 /// commutative up to rounding; exact when one side is empty. NaN in either side gives NaN.
 KVEVICT_HOST_DEVICE inline softmax_stats softmax_merge(softmax_stats a, softmax_stats b) noexcept {
+  KVEVICT_FP_CONTRACT_OFF
   if (is_nan_f(a.max) || is_nan_f(b.max)) return {quiet_nan_f(), quiet_nan_f()};
   const float m = a.max > b.max ? a.max : b.max;
   if (m == neg_inf_f()) return {m, a.sum + b.sum};  // both empty (or all -inf): no rescaling
@@ -120,6 +131,7 @@ KVEVICT_HOST_DEVICE inline float float_from_order_key(std::int32_t k) noexcept {
 /// (inv_n = 1/n, n counted from 1). Numerically stable for the small, similar probabilities of a
 /// window; used for CAKE's mean + gamma * variance.
 KVEVICT_HOST_DEVICE inline void welford_push(float& mean, float& m2, float x, float inv_n) noexcept {
+  KVEVICT_FP_CONTRACT_OFF
   const float delta = x - mean;
   mean += delta * inv_n;
   m2 += delta * (x - mean);

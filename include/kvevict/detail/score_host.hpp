@@ -55,6 +55,11 @@
 #else
 #  define KVEVICT_SCORE_X86_DISPATCH 0
 #endif
+#if KVEVICT_SCORE_X86_DISPATCH
+#  include <cpuid.h>
+#  include <immintrin.h>
+#endif
+
 // No FMA contraction in the kernels: GCC decides per compiled function (the optimize attribute on
 // the dispatched functions covers everything inlined into them); clang decides per expression, so
 // every function inlined into them that multiplies and adds opens with KVEVICT_FP_CONTRACT_OFF.
@@ -66,21 +71,25 @@
 
 namespace kvevict::detail {
 
-inline constexpr index_t score_rows = 64;       ///< rows per block (multiple of every profile's mr)
+inline constexpr index_t score_rows = 128;      ///< rows per block (multiple of every profile's mr)
 inline constexpr index_t score_chunk = 1024;    ///< columns per softmax-statistics chunk
 inline constexpr int score_lanes = 8;           ///< explicit lanes of the row sums
 
 /// Tile profiles of the logits micro-kernel: mr rows x nr keys of accumulators, each query value
 /// stored qrep times in the packed queries (SSE2 has no cheap broadcast from memory; AVX does),
 /// keys packed by tiles of key_tile. Chosen so that GCC 12 keeps every accumulator in a register.
+/// f16c: widen fp16 keys with the F16C conversion instruction (exact, like widen_f16_bits).
 struct score_profile_sse2 {
   static constexpr index_t mr = 4, nr = 12, qrep = 4, key_tile = 48;
+  static constexpr bool f16c = false;
 };
 struct score_profile_avx2 {
   static constexpr index_t mr = 4, nr = 24, qrep = 1, key_tile = 48;
+  static constexpr bool f16c = true;
 };
 struct score_profile_avx512 {
   static constexpr index_t mr = 8, nr = 32, qrep = 1, key_tile = 64;
+  static constexpr bool f16c = true;
 };
 /// Scratch sizes cover every profile, so the workspace does not depend on the CPU.
 inline constexpr index_t score_max_qrep = 4, score_max_nr = 32, score_max_key_tile = 64;
@@ -156,6 +165,33 @@ void score_pack_queries(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp
   }
 }
 
+#if KVEVICT_SCORE_X86_DISPATCH
+inline namespace x86_dispatch {
+/// widen_row for contiguous fp16 with F16C (8 values per instruction); only inlined into the AVX2
+/// and AVX-512 kernels, which the dispatcher picks only on CPUs with F16C.
+__attribute__((target("avx2,f16c"))) inline void widen_row_f16c(float* KVEVICT_RESTRICT dst,
+                                                                               const float16* KVEVICT_RESTRICT src,
+                                                                               index_t n) {
+  index_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))));
+  for (; k < n; ++k) dst[k] = widen_f16_bits(src[k].bits);
+}
+}  // namespace x86_dispatch
+#endif
+
+/// Widens one key row, with F16C when the profile allows it.
+template <class P, class K>
+KVEVICT_ALWAYS_INLINE void score_widen_key(float* KVEVICT_RESTRICT dst, const K* KVEVICT_RESTRICT src, index_t d,
+                                           index_t ds) {
+#if KVEVICT_SCORE_X86_DISPATCH
+  if constexpr (P::f16c && std::is_same_v<K, float16>) {
+    if (ds == 1) return widen_row_f16c(dst, src, d);
+  }
+#endif
+  widen_row(dst, src, d, ds);
+}
+
 /// Packs keys j0 .. j0+nb-1 of KV head g into [key group of P::nr][d][P::nr] fp32, zero padding up
 /// to a multiple of P::nr. Column j < p is prefix key j, column j >= p block key j - p.
 template <class P, class K>
@@ -173,9 +209,9 @@ KVEVICT_ALWAYS_INLINE void score_pack_keys(float* KVEVICT_RESTRICT dst, float* K
       if (jj < nb) {
         const index_t j = j0 + jj;
         if (j < p)
-          widen_row(t, kv_row(prefix, g, j), d, prefix.stride(2));
+          score_widen_key<P>(t, kv_row(prefix, g, j), d, prefix.stride(2));
         else
-          widen_row(t, kv_row(block, g, j - p), d, block.stride(2));
+          score_widen_key<P>(t, kv_row(block, g, j - p), d, block.stride(2));
       } else {
         for (index_t k = 0; k < d; ++k) t[k] = 0.0f;
       }
@@ -287,11 +323,11 @@ KVEVICT_NO_CONTRACT void score_panel_sse2(KVEVICT_SCORE_PANEL_ARGS) {
 #if KVEVICT_SCORE_X86_DISPATCH
 inline namespace x86_dispatch {
 template <class K>
-__attribute__((target("avx2"))) KVEVICT_NO_CONTRACT void score_panel_avx2(KVEVICT_SCORE_PANEL_ARGS) {
+__attribute__((target("avx2,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx2(KVEVICT_SCORE_PANEL_ARGS) {
   score_panel_body<score_profile_avx2, K>(KVEVICT_SCORE_PANEL_CALL);
 }
 template <class K>
-__attribute__((target("avx512f"))) KVEVICT_NO_CONTRACT void score_panel_avx512(KVEVICT_SCORE_PANEL_ARGS) {
+__attribute__((target("avx512f,avx2,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx512(KVEVICT_SCORE_PANEL_ARGS) {
   score_panel_body<score_profile_avx512, K>(KVEVICT_SCORE_PANEL_CALL);
 }
 }  // namespace x86_dispatch
@@ -307,6 +343,9 @@ inline score_isa score_isa_supported() {
 #if KVEVICT_SCORE_X86_DISPATCH
   static const score_isa best = [] {
     __builtin_cpu_init();
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;  // every AVX2 CPU has it
+    if (!f16c) return score_isa::sse2;
     if (__builtin_cpu_supports("avx512f")) return score_isa::avx512;
     if (__builtin_cpu_supports("avx2")) return score_isa::avx2;
     return score_isa::sse2;

@@ -1,5 +1,5 @@
 // attention_scores (SnapKV window: 32 query heads, 8 KV heads, d = 128, w = 32, fp16 cache) at 4K
-// and 32K context, seq and par, against
+// and 32K context, seq and par, default and fused_multiply_add, against
 //   - a naive path that materialises the whole [w][T] attention matrix per head (same output), and
 //   - when OpenBLAS is found, one cblas_sgemm per KV head computing Q.K^T alone (fp32, keys
 //     converted beforehand and not timed): the lower bound any exact scorer must pay once.
@@ -74,14 +74,16 @@ void naive_scores(const score_case& c, std::vector<float>& att, float* out) {
 }
 
 template <class Backend>
-void BM_attention_scores(benchmark::State& state, Backend be) {
+void BM_attention_scores(benchmark::State& state, Backend be, bool fused) {
   score_case c(state.range(0));
   workspace ws;
-  if (!window_scores(be, ws, c.queries(), c.keys(), c.out_view()).ok()) state.SkipWithError("size query failed");
+  score_options opt;
+  opt.fused_multiply_add = fused;
+  if (!window_scores(be, ws, c.queries(), c.keys(), c.out_view(), opt).ok()) state.SkipWithError("size query failed");
   std::vector<unsigned char> mem(ws.bytes + 64);
   ws.data = mem.data();
   for (auto _ : state) {
-    if (!window_scores(be, ws, c.queries(), c.keys(), c.out_view()).ok()) state.SkipWithError("window_scores failed");
+    if (!window_scores(be, ws, c.queries(), c.keys(), c.out_view(), opt).ok()) state.SkipWithError("window_scores failed");
     benchmark::DoNotOptimize(c.out.data());
   }
   state.counters["workspace_MiB"] = static_cast<double>(ws.bytes) / (1 << 20);
@@ -135,7 +137,13 @@ BENCHMARK(BM_sgemm_qk)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
 #endif
 }  // namespace
 
-BENCHMARK_CAPTURE(BM_attention_scores, seq, seq)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_attention_scores, par, par)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_attention_scores, seq, seq, false)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_attention_scores, par, par, false)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_attention_scores, seq_fused, seq, true)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_attention_scores, par_fused, par, true)
+    ->Arg(4096)
+    ->Arg(32768)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_naive_materialising)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();

@@ -232,10 +232,11 @@ KVEVICT_ALWAYS_INLINE void score_pack_keys(float* KVEVICT_RESTRICT dst, float* K
 }
 
 /// out[r][c] = scale * sum_k q[r][k] * key[c][k] for a P::mr x P::nr tile. Each output is one
-/// sequential sum over k of separately rounded products (the vector lanes run across keys; the
-/// callers disable FMA contraction), so its bits depend neither on the vector width nor on which
-/// rows and keys share a tile.
-template <class P>
+/// sequential sum over k, in order, of separately rounded products (Fused = false; the callers
+/// disable FMA contraction) or of fused multiply-adds (Fused = true, one rounding per term). The
+/// vector lanes run across keys, so the bits depend neither on the vector width nor on which rows
+/// and keys share a tile.
+template <class P, bool Fused>
 KVEVICT_ALWAYS_INLINE void score_microkernel(const float* KVEVICT_RESTRICT qp, const float* KVEVICT_RESTRICT kp,
                                              index_t d, float scale, float* KVEVICT_RESTRICT out, index_t ld) {
   KVEVICT_FP_CONTRACT_OFF
@@ -244,7 +245,12 @@ KVEVICT_ALWAYS_INLINE void score_microkernel(const float* KVEVICT_RESTRICT qp, c
     const float* qk = qp + k * P::mr * P::qrep;
     const float* kk = kp + k * P::nr;
     for (index_t r = 0; r < P::mr; ++r)
-      for (index_t c = 0; c < P::nr; ++c) acc[r][c] += qk[r * P::qrep + c % P::qrep] * kk[c];
+      for (index_t c = 0; c < P::nr; ++c) {
+        if constexpr (Fused)
+          acc[r][c] = __builtin_fmaf(qk[r * P::qrep + c % P::qrep], kk[c], acc[r][c]);  // one rounding
+        else
+          acc[r][c] += qk[r * P::qrep + c % P::qrep] * kk[c];  // two roundings
+      }
   }
   for (index_t r = 0; r < P::mr; ++r)
     for (index_t c = 0; c < P::nr; ++c) out[r * ld + c] = acc[r][c] * scale;
@@ -282,7 +288,7 @@ KVEVICT_ALWAYS_INLINE softmax_stats score_chunk_exp(float* KVEVICT_RESTRICT s, i
 /// and the columns up to the next multiple of P::nr hold finite junk never read), then, while the
 /// panel is in cache, each row's chunk c: max, e^(x - max) in place, sum, merged into st[r].
 /// vis[r] = columns row r sees; cmax[r * nchunks + c] receives the chunk's max.
-template <class P, class K>
+template <class P, bool Fused, class K>
 KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t ld, const float* KVEVICT_RESTRICT qpack,
                                             index_t nrows, float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp,
                                             const kv_view<const K>& prefix, const kv_view<const K>& block, index_t g,
@@ -295,7 +301,7 @@ KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t
     const index_t nb_pad = round_up(nb, P::nr);
     for (index_t r0 = 0; r0 < rows_pad; r0 += P::mr)
       for (index_t cc = 0; cc < nb_pad; cc += P::nr)
-        score_microkernel<P>(qpack + r0 * d * P::qrep, kpack + cc * d, d, scale, buf + r0 * ld + j0 + cc, ld);
+        score_microkernel<P, Fused>(qpack + r0 * d * P::qrep, kpack + cc * d, d, scale, buf + r0 * ld + j0 + cc, ld);
   }
   const index_t c = c0 / score_chunk;
   for (index_t r = 0; r < nrows; ++r) {
@@ -315,20 +321,29 @@ KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t
       const index_t *vis, float *KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats *st
 #define KVEVICT_SCORE_PANEL_CALL buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st
 
-template <class K>
+template <bool Fused, class K>
 KVEVICT_NO_CONTRACT void score_panel_sse2(KVEVICT_SCORE_PANEL_ARGS) {
-  score_panel_body<score_profile_sse2, K>(KVEVICT_SCORE_PANEL_CALL);
+  score_panel_body<score_profile_sse2, Fused, K>(KVEVICT_SCORE_PANEL_CALL);
 }
 
 #if KVEVICT_SCORE_X86_DISPATCH
 inline namespace x86_dispatch {
 template <class K>
 __attribute__((target("avx2,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx2(KVEVICT_SCORE_PANEL_ARGS) {
-  score_panel_body<score_profile_avx2, K>(KVEVICT_SCORE_PANEL_CALL);
+  score_panel_body<score_profile_avx2, false, K>(KVEVICT_SCORE_PANEL_CALL);
+}
+template <class K>
+__attribute__((target("avx2,fma,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx2_fma(KVEVICT_SCORE_PANEL_ARGS) {
+  score_panel_body<score_profile_avx2, true, K>(KVEVICT_SCORE_PANEL_CALL);
 }
 template <class K>
 __attribute__((target("avx512f,avx2,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx512(KVEVICT_SCORE_PANEL_ARGS) {
-  score_panel_body<score_profile_avx512, K>(KVEVICT_SCORE_PANEL_CALL);
+  score_panel_body<score_profile_avx512, false, K>(KVEVICT_SCORE_PANEL_CALL);
+}
+template <class K>
+__attribute__((target("avx512f,avx2,fma,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx512_fma(
+    KVEVICT_SCORE_PANEL_ARGS) {
+  score_panel_body<score_profile_avx512, true, K>(KVEVICT_SCORE_PANEL_CALL);
 }
 }  // namespace x86_dispatch
 #endif
@@ -337,6 +352,19 @@ __attribute__((target("avx512f,avx2,f16c"))) KVEVICT_NO_CONTRACT void score_pane
 
 /// The kernel profiles, in the order the dispatcher prefers them.
 enum class score_isa : int { sse2 = 0, avx2 = 1, avx512 = 2 };
+
+/// Whether the CPU has FMA (the fused AVX2 kernel needs it; AVX-512F includes it).
+inline bool score_cpu_has_fma() {
+#if KVEVICT_SCORE_X86_DISPATCH
+  static const bool fma = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("fma") != 0;
+  }();
+  return fma;
+#else
+  return false;
+#endif
+}
 
 /// The best profile this CPU (and build) supports.
 inline score_isa score_isa_supported() {
@@ -369,7 +397,7 @@ inline score_isa score_isa_active() {
 
 /// The softmax of a block of rows, panel by panel (panels of score_chunk columns, see
 /// score_panel_body), with the block's queries packed for profile P.
-template <class P, class Q, class K>
+template <class P, bool Fused, class Q, class K>
 void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT_RESTRICT qpack,
                          float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp, const kv_view<const Q>& q,
                          index_t head0, index_t w, index_t row0, index_t nrows, const kv_view<const K>& prefix,
@@ -381,37 +409,51 @@ void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT
   for (index_t c0 = 0; c0 < cols; c0 += score_chunk) {
     const index_t n = cols - c0 < score_chunk ? cols - c0 : score_chunk;
     if constexpr (std::is_same_v<P, score_profile_sse2>) {
-      score_panel_sse2<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st);
+      score_panel_sse2<Fused, K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
+                                 nchunks, st);
 #if KVEVICT_SCORE_X86_DISPATCH
     } else if constexpr (std::is_same_v<P, score_profile_avx2>) {
-      score_panel_avx2<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st);
-    } else {
-      score_panel_avx512<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks,
+      if constexpr (Fused)
+        score_panel_avx2_fma<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
+                                nchunks, st);
+      else
+        score_panel_avx2<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks,
                             st);
+    } else {
+      if constexpr (Fused)
+        score_panel_avx512_fma<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
+                                  nchunks, st);
+      else
+        score_panel_avx512<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
+                              nchunks, st);
 #endif
     }
   }
 }
 
-/// score_block_softmax with the active profile.
+/// score_block_softmax with the active profile. Fused logits on the AVX2 profile need FMA; without
+/// it they run on the SSE2 profile (software fmaf: same bits, slower).
 template <class Q, class K>
-void score_block_softmax_dispatch(score_isa isa, float* buf, index_t ld, float* qpack, float* kpack, float* tmp,
-                                  const kv_view<const Q>& q, index_t head0, index_t w, index_t row0, index_t nrows,
-                                  const kv_view<const K>& prefix, const kv_view<const K>& block, index_t g, index_t p,
-                                  index_t cols, float scale, const index_t* vis, float* cmax, index_t nchunks,
-                                  softmax_stats* st) {
+void score_block_softmax_dispatch(score_isa isa, bool fused, float* buf, index_t ld, float* qpack, float* kpack,
+                                  float* tmp, const kv_view<const Q>& q, index_t head0, index_t w, index_t row0,
+                                  index_t nrows, const kv_view<const K>& prefix, const kv_view<const K>& block,
+                                  index_t g, index_t p, index_t cols, float scale, const index_t* vis, float* cmax,
+                                  index_t nchunks, softmax_stats* st) {
+#define KVEVICT_SCORE_BLOCK_CALL                                                                                 \
+  (buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p, cols, scale, vis, cmax, nchunks, st)
 #if KVEVICT_SCORE_X86_DISPATCH
   if (isa == score_isa::avx512)
-    return score_block_softmax<score_profile_avx512>(buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix,
-                                                     block, g, p, cols, scale, vis, cmax, nchunks, st);
-  if (isa == score_isa::avx2)
-    return score_block_softmax<score_profile_avx2>(buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix,
-                                                   block, g, p, cols, scale, vis, cmax, nchunks, st);
+    return fused ? score_block_softmax<score_profile_avx512, true> KVEVICT_SCORE_BLOCK_CALL
+                 : score_block_softmax<score_profile_avx512, false> KVEVICT_SCORE_BLOCK_CALL;
+  if (isa == score_isa::avx2 && (!fused || score_cpu_has_fma()))
+    return fused ? score_block_softmax<score_profile_avx2, true> KVEVICT_SCORE_BLOCK_CALL
+                 : score_block_softmax<score_profile_avx2, false> KVEVICT_SCORE_BLOCK_CALL;
 #else
   (void)isa;
 #endif
-  score_block_softmax<score_profile_sse2>(buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p,
-                                          cols, scale, vis, cmax, nchunks, st);
+  return fused ? score_block_softmax<score_profile_sse2, true> KVEVICT_SCORE_BLOCK_CALL
+               : score_block_softmax<score_profile_sse2, false> KVEVICT_SCORE_BLOCK_CALL;
+#undef KVEVICT_SCORE_BLOCK_CALL
 }
 
 /// The factor turning chunk c's exponentials into probabilities: e^(m_c - M) / L.

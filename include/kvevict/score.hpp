@@ -359,9 +359,10 @@ result<window_split<T>> split_window_impl(const char* fn, kv_view<T> keys, index
 /// [H_q][P] or [H_q][P + w]; out overlapping an input; bad options (unknown enum, scale or gamma
 /// negative or not finite); workspace smaller than queried or not float-aligned; sizes overflowing.
 ///
-/// Workspace: per thread, a [min(32, heads x w) rows][P + w] fp32 logits buffer, packed query and
-/// key tiles and the per-head column accumulators (x2 for mean_plus_variance): linear in P. seq and
-/// par return identical bits for any thread count.
+/// Workspace: per thread, a [min(128, heads x w) rows][P + w + 32] fp32 logits buffer, packed query
+/// and key tiles and the per-head column accumulators (x2 for mean_plus_variance): linear in P and
+/// bounded independently of w. seq and par return identical bits for any thread count, and so do
+/// the SSE2/AVX2/AVX-512 kernels chosen at run time (docs/score.md).
 template <class Backend, class Q, class K>
 status attention_scores(Backend be, workspace& ws, kv_view<Q> queries, kv_view<K> prefix_keys, kv_view<K> block_keys,
                         matrix_view<float> out, const score_options& opt = {}) {

@@ -85,6 +85,7 @@ struct window_split {
 };
 
 namespace detail {
+KVEVICT_SCORE_ABI_BEGIN
 
 struct score_shape {
   index_t hq = 0, hkv = 0, group = 1, w = 0, p = 0, d = 0;
@@ -334,6 +335,7 @@ result<window_split<T>> split_window_impl(const char* fn, kv_view<T> keys, index
   return s;
 }
 
+KVEVICT_SCORE_ABI_END
 }  // namespace detail
 
 /// Attention of a block of w query rows over P prefix keys (and the block's own keys, causally),

@@ -1,14 +1,15 @@
 // Host kernels of attention_scores (seq and par): packing, the logit micro-kernel, the per-row
-// softmax and the per-column accumulation. Nothing here is API; see <kvevict/score.hpp>.
+// softmax and the per-column accumulation. Nothing here is API; see <kvevict/score.hpp> and
+// docs/score.md ("Algorithm, complexity, memory").
 //
-// Work decomposition (docs/score.md, "Algorithm"): a task owns some query heads of one GQA group
-// and all their w rows. Its rows are processed in blocks of `score_rows`; for a block, every visible
-// key is converted to fp32 once into a packed tile and serves every row of the block (rows of
-// several query heads of the group included) through a register-blocked micro-kernel that writes
-// the block's logits into a per-thread buffer [rows][visible columns] (memory linear in the prompt
-// length, never [w x P] for the whole block). Each row is then turned into probabilities in
-// chunks (chunk max, e^(x - chunk max), chunk sum, chunks merged with softmax_merge) and added,
-// row by row in query order, to the task's per-head column accumulators.
+// Work decomposition: a task owns some query heads of one GQA group and all their w rows. Its rows
+// are processed in blocks of up to `score_rows`; for each block and each panel of `score_chunk`
+// columns, every visible key is widened to fp32 once into a packed tile and serves every row of the
+// block (rows of several query heads of the group included) through a register-blocked
+// micro-kernel that writes the logits into a per-thread buffer [rows][visible columns]; while the
+// panel is in cache each row's chunk max, e^(x - chunk max) and chunk sum are computed and merged
+// (softmax_merge) into the row's statistics. A last pass per row scales each chunk by
+// e^(m_c - M) / L and adds it, row by row in query order, to the task's per-head accumulators.
 //
 // Determinism: every logit is one sequential fp32 dot product over d (vectorised across keys, never
 // across d) followed by one multiplication by the scale; row statistics use explicit lanes and
@@ -16,13 +17,17 @@
 // blocking, the task partition or the thread count, so seq and par give identical bits for any
 // number of threads.
 //
-// Kernels: the logits micro-kernel comes in three tile profiles, chosen at run time on x86-64 with
-// GCC or clang (__builtin_cpu_supports): SSE2 (the x86-64 baseline, and the only one elsewhere),
-// AVX2 and AVX-512F. The wider ones are compiled for their target with FMA contraction disabled, so
-// every profile computes each logit with the same separately rounded multiplications and additions
-// in the same order: all three give identical bits (tests/test_score.cpp forces each one). Define
-// KVEVICT_NO_X86_DISPATCH to build only the baseline kernel. The softmax and reductions are not
-// dispatched; they follow the translation unit's own flags.
+// Kernels: the panel kernel (widening, packing, micro-kernel, chunk softmax) comes in three tile
+// profiles, chosen at run time on x86-64 with GCC or clang: SSE2 (the x86-64 baseline, and the only
+// one elsewhere), AVX2 + F16C and AVX-512F + F16C. All are compiled with FMA contraction disabled,
+// so every profile computes the same separately rounded operations in the same order and all give
+// identical bits (tests/test_score.cpp forces each one); with score_options::fused_multiply_add the
+// logit terms are explicit fmaf calls, again identical on every profile. KVEVICT_NO_X86_DISPATCH
+// builds only the baseline kernel. The final accumulation follows the translation unit's flags.
+//
+// The definitions differ with the dispatch and with OpenMP, so they live in an inline namespace
+// named after both (KVEVICT_SCORE_ABI_BEGIN): translation units built both ways (nvcc and g++, or
+// with and without -fopenmp) do not share differing definitions under one name.
 #pragma once
 
 #include <kvevict/backend.hpp>
@@ -69,7 +74,19 @@
 #  define KVEVICT_NO_CONTRACT
 #endif
 
+#if KVEVICT_SCORE_X86_DISPATCH && defined(_OPENMP)
+#  define KVEVICT_SCORE_ABI_BEGIN inline namespace score_x86_omp {
+#elif KVEVICT_SCORE_X86_DISPATCH
+#  define KVEVICT_SCORE_ABI_BEGIN inline namespace score_x86_serial {
+#elif defined(_OPENMP)
+#  define KVEVICT_SCORE_ABI_BEGIN inline namespace score_generic_omp {
+#else
+#  define KVEVICT_SCORE_ABI_BEGIN inline namespace score_generic_serial {
+#endif
+#define KVEVICT_SCORE_ABI_END }
+
 namespace kvevict::detail {
+KVEVICT_SCORE_ABI_BEGIN
 
 inline constexpr index_t score_rows = 128;      ///< rows per block (multiple of every profile's mr)
 inline constexpr index_t score_chunk = 1024;    ///< columns per softmax-statistics chunk
@@ -166,7 +183,6 @@ void score_pack_queries(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp
 }
 
 #if KVEVICT_SCORE_X86_DISPATCH
-inline namespace x86_dispatch {
 /// widen_row for contiguous fp16 with F16C (8 values per instruction); only inlined into the AVX2
 /// and AVX-512 kernels, which the dispatcher picks only on CPUs with F16C.
 __attribute__((target("avx2,f16c"))) inline void widen_row_f16c(float* KVEVICT_RESTRICT dst,
@@ -177,7 +193,6 @@ __attribute__((target("avx2,f16c"))) inline void widen_row_f16c(float* KVEVICT_R
     _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))));
   for (; k < n; ++k) dst[k] = widen_f16_bits(src[k].bits);
 }
-}  // namespace x86_dispatch
 #endif
 
 /// Widens one key row, with F16C when the profile allows it.
@@ -327,7 +342,6 @@ KVEVICT_NO_CONTRACT void score_panel_sse2(KVEVICT_SCORE_PANEL_ARGS) {
 }
 
 #if KVEVICT_SCORE_X86_DISPATCH
-inline namespace x86_dispatch {
 template <class K>
 __attribute__((target("avx2,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx2(KVEVICT_SCORE_PANEL_ARGS) {
   score_panel_body<score_profile_avx2, false, K>(KVEVICT_SCORE_PANEL_CALL);
@@ -345,7 +359,6 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) KVEVICT_NO_CONTRACT void score_
     KVEVICT_SCORE_PANEL_ARGS) {
   score_panel_body<score_profile_avx512, true, K>(KVEVICT_SCORE_PANEL_CALL);
 }
-}  // namespace x86_dispatch
 #endif
 #undef KVEVICT_SCORE_PANEL_ARGS
 #undef KVEVICT_SCORE_PANEL_CALL
@@ -486,11 +499,6 @@ inline void score_row_welford(const float* KVEVICT_RESTRICT e, index_t n_visible
 
 // ---- host threading with a per-thread scratch slot ---------------------------------------------
 // Results never depend on the partition (see the file comment), so par may schedule dynamically.
-#if defined(_OPENMP)
-inline namespace par_openmp {
-#else
-inline namespace par_serial {
-#endif
 
 inline int score_threads(seq_t) { return 1; }
 inline int score_threads(par_t p) {
@@ -521,5 +529,5 @@ void score_parallel(par_t, index_t n, int threads, F&& f) {
   for (index_t i = 0; i < n; ++i) f(i, 0);
 }
 
-}  // inline namespace
+KVEVICT_SCORE_ABI_END
 }  // namespace kvevict::detail

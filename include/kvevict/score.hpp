@@ -1,0 +1,495 @@
+// kvevict/score.hpp: attention-based token scores (the first stage of every attention recipe) and
+// key-norm scores. docs/score.md has the formulas, defaults and deviations per recipe.
+//
+//   attention_scores(be, ws, queries, prefix_keys, block_keys, out, opt)   the general stage
+//   window_scores(be, ws, window_queries, keys, out, opt)   SnapKV family: the block is the last w prompt tokens
+//   h2o_scores(be, ws, queries, keys, out, normalised)      H2O: the block is the whole prompt
+//   tova_scores(be, ws, last_query, keys, out)              TOVA: the block is the last token
+//   key_norm_scores(be, keys, out)                          Knorm: -||k||_2
+//   split_window(keys, w)                                   [:, :T-w] and [:, T-w:] views, no copies
+//
+// A *block* is w post-RoPE query rows [H_q][w][d]: the last w prompt tokens (SnapKV, PyramidKV,
+// AdaKV, CAKE, LAVa, VATP windows), or an external block placed after the prompt (LookaheadKV
+// lookahead tokens, LAQ pseudo queries, a draft model's queries for SpecKV, the real response for
+// ground truth). Row i attends to the P prefix keys and, when the block's own keys are given, to
+// block keys 0..i (causal inside the block). The softmax runs in fp32 over the whole visible row;
+// the result keeps the prefix columns [H_q][P] or all visible columns [H_q][P + w], each column
+// reduced over the w rows. Output is per query head: GQA reduction is its own stage.
+//
+// Ground truth (LookaheadKV Eq. 1) is attention_scores with the real response's queries as the
+// block, the prompt keys as prefix, the response keys as block keys, reduce = mean, out [H_q][P].
+//
+// Host backends here (seq, par); no call allocates: scratch comes from the workspace (two-phase).
+#pragma once
+
+#include <kvevict/backend.hpp>
+#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/score_host.hpp>
+#include <kvevict/detail/softmax.hpp>
+#include <kvevict/numeric.hpp>
+#include <kvevict/status.hpp>
+#include <kvevict/view.hpp>
+#include <kvevict/workspace.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace kvevict {
+
+/// How a column's attention is reduced over the w query rows of the block.
+enum class score_reduce : int {
+  /// sum_i p_ij / w (rows that do not see column j count as 0). SnapKV as written in the paper and
+  /// in kvpress, LookaheadKV, LAQ, ground truth (LookaheadKV Eq. 1), LAVa/VATP windows. Default.
+  mean = 0,
+  /// sum_i p_ij. KVCache-Factory's SnapKV/PyramidKV/H2O code and H2O's accumulated attention.
+  /// Same ranking as mean within a head (a constant factor).
+  sum = 1,
+  /// sum_i p_ij / #{rows i that see column j}: normalised H2O (kvpress ObservedAttentionPress).
+  /// Equals mean on prefix columns; differs on block columns (block column c is seen by w - c rows).
+  mean_visible = 2,
+  /// mean_i p_ij + gamma * var_i p_ij over all w rows (CAKE's eviction indicator).
+  mean_plus_variance = 3,
+};
+
+/// Variance estimator of mean_plus_variance.
+enum class variance_estimator : int {
+  /// Divide by w - 1: what CAKE's public code computes (torch.var's default). Default. For w = 1
+  /// the variance is defined as 0 here (torch gives NaN).
+  unbiased = 0,
+  /// Divide by w.
+  biased = 1,
+};
+
+struct score_options {
+  score_reduce reduce = score_reduce::mean;
+  /// Logit scale: logits are scale * (q . k). 0 (default) means 1/sqrt(d). Must be finite, >= 0.
+  float scale = 0.0f;
+  /// CAKE's gamma (mean_plus_variance only; 200 as in CAKE and DESIGN.md). Finite, >= 0.
+  float gamma = 200.0f;
+  variance_estimator variance = variance_estimator::unbiased;
+  /// Logits as fused multiply-adds (one rounding per term) instead of separately rounded products
+  /// and sums. Faster on CPUs with FMA (about 15% at 32K context with AVX-512); the bits differ from
+  /// the default in the last places but are again the same on every kernel and CPU; on CPUs without
+  /// FMA (or builds without the x86 dispatch) it uses the much slower software fmaf. Default off.
+  bool fused_multiply_add = false;
+};
+
+/// SnapKV's split of one cache into the prefix [H][0, T-w) and the window [H][T-w, T): two strided
+/// sub-views of the same memory, no copies. Any layout (head-major, token-major, padded).
+template <class T>
+struct window_split {
+  kv_view<T> prefix;
+  kv_view<T> window;
+};
+
+namespace detail {
+KVEVICT_SCORE_ABI_BEGIN
+
+struct score_shape {
+  index_t hq = 0, hkv = 0, group = 1, w = 0, p = 0, d = 0;
+  index_t cols = 0;      ///< visible columns: p + (has_block ? w : 0)
+  index_t out_cols = 0;  ///< p or p + w
+  bool has_block = false;
+  float scale = 1.0f;
+};
+
+inline status check_score_options(const char* fn, const score_options& opt) {
+  const int r = static_cast<int>(opt.reduce);
+  if (r < 0 || r > 3) return status::error(errc::invalid_argument, "%s: unknown score_reduce value %d", fn, r);
+  const int v = static_cast<int>(opt.variance);
+  if (v < 0 || v > 1) return status::error(errc::invalid_argument, "%s: unknown variance_estimator value %d", fn, v);
+  if (!(opt.scale >= 0.0f) || !std::isfinite(opt.scale))
+    return status::error(errc::invalid_argument, "%s: scale must be finite and >= 0 (0 = 1/sqrt(d)), got %g", fn,
+                         static_cast<double>(opt.scale));
+  if (!(opt.gamma >= 0.0f) || !std::isfinite(opt.gamma))
+    return status::error(errc::invalid_argument, "%s: gamma must be finite and >= 0, got %g", fn,
+                         static_cast<double>(opt.gamma));
+  return {};
+}
+
+template <class QE, class KE>
+status check_attention_scores(const char* fn, const kv_view<const QE>& q, const kv_view<const KE>& prefix,
+                              const kv_view<const KE>& block, const matrix_view<float>& out,
+                              const score_options& opt, score_shape& sh) {
+  KVEVICT_TRY(check_view(fn, "queries", q));
+  KVEVICT_TRY(check_view(fn, "prefix_keys", prefix));
+  // a block_keys view with 0 tokens (e.g. a default-constructed kv_view) means "none" and is never
+  // read, so its other extents and strides do not matter
+  if (block.extent(1) != 0) KVEVICT_TRY(check_view(fn, "block_keys", block));
+  KVEVICT_TRY(check_view(fn, "out", out));
+  KVEVICT_TRY(check_score_options(fn, opt));
+  sh.hq = q.extent(0);
+  sh.w = q.extent(1);
+  sh.d = q.extent(2);
+  sh.hkv = prefix.extent(0);
+  sh.p = prefix.extent(1);
+  if (sh.w == 0) return status::error(errc::invalid_argument, "%s: the query block is empty (w = 0)", fn);
+  if (sh.hkv == 0) return status::error(errc::invalid_argument, "%s: prefix_keys has no heads", fn);
+  if (sh.hq % sh.hkv != 0)
+    return status::error(errc::shape_mismatch, "%s: %lld query heads are not a multiple of %lld KV heads (GQA)", fn,
+                         static_cast<long long>(sh.hq), static_cast<long long>(sh.hkv));
+  sh.group = sh.hq / sh.hkv;
+  if (sh.d == 0) return status::error(errc::invalid_argument, "%s: head dim is 0", fn);
+  if (prefix.extent(2) != sh.d)
+    return status::error(errc::shape_mismatch, "%s: head dims differ (queries %lld, prefix_keys %lld)", fn,
+                         static_cast<long long>(sh.d), static_cast<long long>(prefix.extent(2)));
+  sh.has_block = block.extent(1) != 0;
+  if (sh.has_block) {
+    if (block.extent(0) != sh.hkv)
+      return status::error(errc::shape_mismatch, "%s: block_keys has %lld heads, prefix_keys %lld", fn,
+                           static_cast<long long>(block.extent(0)), static_cast<long long>(sh.hkv));
+    if (block.extent(2) != sh.d)
+      return status::error(errc::shape_mismatch, "%s: head dims differ (queries %lld, block_keys %lld)", fn,
+                           static_cast<long long>(sh.d), static_cast<long long>(block.extent(2)));
+    if (block.extent(1) != sh.w)
+      return status::error(errc::shape_mismatch,
+                           "%s: block_keys holds %lld tokens but the query block has w = %lld rows", fn,
+                           static_cast<long long>(block.extent(1)), static_cast<long long>(sh.w));
+  }
+  if (!checked_add(sh.p, sh.has_block ? sh.w : 0, sh.cols))
+    return status::error(errc::size_overflow, "%s: P + w overflows", fn);
+  if (out.extent(0) != sh.hq)
+    return status::error(errc::shape_mismatch, "%s: out has %lld rows but there are %lld query heads", fn,
+                         static_cast<long long>(out.extent(0)), static_cast<long long>(sh.hq));
+  sh.out_cols = out.extent(1);
+  if (sh.out_cols != sh.p && !(sh.has_block && sh.out_cols == sh.cols)) {
+    if (sh.has_block)
+      return status::error(errc::shape_mismatch,
+                           "%s: out has %lld columns; expected P = %lld (prefix columns) or P + w = %lld (all "
+                           "visible columns)",
+                           fn, static_cast<long long>(sh.out_cols), static_cast<long long>(sh.p),
+                           static_cast<long long>(sh.cols));
+    return status::error(errc::shape_mismatch,
+                         "%s: out has %lld columns; expected P = %lld (no block keys were given, so there are no "
+                         "block columns)",
+                         fn, static_cast<long long>(sh.out_cols), static_cast<long long>(sh.p));
+  }
+  const auto o = range_of(out);
+  if (o.intersects(range_of(q))) return status::error(errc::overlap, "%s: out overlaps queries in memory", fn);
+  if (o.intersects(range_of(prefix)))
+    return status::error(errc::overlap, "%s: out overlaps prefix_keys in memory", fn);
+  if (sh.has_block && o.intersects(range_of(block))) return status::error(errc::overlap, "%s: out overlaps block_keys in memory", fn);
+  sh.scale = opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.d))) : opt.scale;
+  return {};
+}
+
+/// Sizes of the per-thread scratch of one attention_scores call (floats, each piece a multiple of
+/// 16 floats so every piece starts 64-byte aligned relative to the slot).
+struct score_plan {
+  int threads = 1;
+  index_t heads_per_task = 1, tasks_per_kv = 1, tasks = 0;
+  index_t rows = 0;  ///< rows of the block buffer (<= score_rows, a multiple of every profile's mr)
+  index_t ld = 0;    ///< logits buffer row stride
+  index_t nchunks = 0;  ///< softmax-statistics chunks per row
+  index_t q_floats = 0, k_floats = 0, buf_floats = 0, cmax_floats = 0, acc_floats = 0;
+  index_t slot_floats = 0;
+  bool welford = false;
+};
+
+inline status make_score_plan(const char* fn, const score_shape& sh, int threads, const score_options& opt,
+                              score_plan& pl) {
+  pl.threads = threads < 1 ? 1 : threads;
+  pl.welford = opt.reduce == score_reduce::mean_plus_variance;
+  if (sh.hq == 0 || sh.out_cols == 0) return {};  // nothing to compute
+  // split each GQA group over several tasks only when there are fewer KV heads than threads;
+  // results do not depend on the split (see detail/score_host.hpp)
+  index_t want = (pl.threads + sh.hkv - 1) / sh.hkv;
+  if (want > sh.group) want = sh.group;
+  if (want < 1) want = 1;
+  pl.heads_per_task = (sh.group + want - 1) / want;
+  pl.tasks_per_kv = (sh.group + pl.heads_per_task - 1) / pl.heads_per_task;
+  pl.tasks = sh.hkv * pl.tasks_per_kv;
+  index_t task_rows = 0;
+  if (!checked_mul(pl.heads_per_task, sh.w, task_rows))
+    return status::error(errc::size_overflow, "%s: heads x w overflows", fn);
+  pl.rows = round_up(task_rows < score_rows ? task_rows : score_rows, 8);
+  // panels start every score_chunk columns and the micro-kernel writes whole nr-wide tiles, so a
+  // row may be written up to nr - 1 columns past `cols`
+  pl.ld = round_up(sh.cols + score_max_nr, 16);
+  pl.nchunks = (sh.cols + score_chunk - 1) / score_chunk;
+  const auto a16 = [](index_t x) { return round_up(x, 16); };
+  bool ok = true;
+  index_t t = 0;
+  ok = ok && checked_mul(pl.rows, sh.d, t) && checked_mul(t, score_max_qrep, t);
+  pl.q_floats = a16(t);
+  ok = ok && checked_mul(score_max_key_tile + score_max_nr, sh.d, t);  // packed tile + widening scratch
+  pl.k_floats = a16(t);
+  ok = ok && checked_mul(pl.rows, pl.ld, t);
+  pl.buf_floats = a16(t);
+  ok = ok && checked_mul(pl.rows, pl.nchunks, t);
+  pl.cmax_floats = a16(t);
+  ok = ok && checked_mul(pl.heads_per_task, sh.out_cols, t) && checked_mul(t, pl.welford ? 2 : 1, t);
+  pl.acc_floats = a16(t);
+  ok = ok && checked_add(pl.q_floats, pl.k_floats, t) && checked_add(t, pl.buf_floats, t) &&
+       checked_add(t, pl.cmax_floats, t) && checked_add(t, pl.acc_floats, t);
+  pl.slot_floats = t;
+  ok = ok && checked_mul(t, pl.threads, t) && checked_mul(t, static_cast<index_t>(sizeof(float)), t);
+  if (!ok) return status::error(errc::size_overflow, "%s: the scratch size overflows a 64-bit index", fn);
+  return {};
+}
+
+inline float score_finalize(score_reduce reduce, float acc, float m2, index_t w, index_t seen, float gamma,
+                            variance_estimator var) {
+  switch (reduce) {
+    case score_reduce::sum: return acc;
+    case score_reduce::mean: return acc / static_cast<float>(w);
+    case score_reduce::mean_visible: return acc / static_cast<float>(seen);
+    case score_reduce::mean_plus_variance: {
+      float v = 0.0f;
+      if (var == variance_estimator::biased) v = m2 / static_cast<float>(w);
+      else if (w > 1) v = m2 / static_cast<float>(w - 1);
+      return acc + gamma * v;
+    }
+  }
+  return acc;
+}
+
+template <class Backend, class QE, class KE>
+status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv_view<const QE>& q,
+                             const kv_view<const KE>& prefix, const kv_view<const KE>& block,
+                             const matrix_view<float>& out, const score_options& opt) {
+  static_assert(std::is_same_v<Backend, seq_t> || std::is_same_v<Backend, par_t>,
+                "attention_scores: host backends (seq, par) here; the CUDA overload is in <kvevict/cuda/score.cuh>");
+  score_shape sh;
+  KVEVICT_TRY(check_attention_scores(fn, q, prefix, block, out, opt, sh));
+  score_plan pl;
+  KVEVICT_TRY(make_score_plan(fn, sh, score_threads(be), opt, pl));
+  if (!ws.is_query() && reinterpret_cast<std::uintptr_t>(ws.data) % alignof(float) != 0)
+    return status::error(errc::invalid_argument, "%s: workspace data is not aligned to %zu bytes", fn,
+                         alignof(float));
+  workspace_carver carver(ws);
+  float* scratch = carver.take<float>(static_cast<std::size_t>(pl.slot_floats * pl.threads));
+  KVEVICT_TRY(carver.finish(fn));
+  if (ws.is_query() || pl.tasks == 0) return {};
+
+  const index_t w = sh.w, p = sh.p, d = sh.d, oc = sh.out_cols;
+  const score_isa isa = score_isa_active();
+  float* const odata = out.data_handle();
+  const index_t os0 = out.stride(0), os1 = out.stride(1);
+  score_parallel(be, pl.tasks, pl.threads, [&](index_t task, int slot) {
+    float* const qpack = scratch + static_cast<index_t>(slot) * pl.slot_floats;
+    float* const kpack = qpack + pl.q_floats;
+    float* const buf = kpack + pl.k_floats;
+    float* const cmax = buf + pl.buf_floats;
+    float* const acc = cmax + pl.cmax_floats;
+    const index_t g = task / pl.tasks_per_kv, sub = task % pl.tasks_per_kv;
+    const index_t first = sub * pl.heads_per_task;
+    const index_t nh = sh.group - first < pl.heads_per_task ? sh.group - first : pl.heads_per_task;
+    const index_t head0 = g * sh.group + first;
+    float* const m2 = acc + nh * oc;
+    for (index_t t = 0; t < nh * oc * (pl.welford ? 2 : 1); ++t) acc[t] = 0.0f;
+    const index_t rows_total = nh * w;
+    for (index_t row0 = 0; row0 < rows_total; row0 += pl.rows) {
+      const index_t nrows = rows_total - row0 < pl.rows ? rows_total - row0 : pl.rows;
+      // the block's widest row: the last one, unless the block spans two query heads
+      const index_t last = row0 + nrows - 1;
+      const index_t imax = last / w != row0 / w ? w - 1 : last % w;
+      const index_t cols = sh.has_block ? p + imax + 1 : p;
+      float* const tmp = kpack + score_max_key_tile * d;  // widening scratch, nr x d floats
+      index_t vis[score_rows];
+      softmax_stats st[score_rows];
+      for (index_t r = 0; r < nrows; ++r) vis[r] = sh.has_block ? p + (row0 + r) % w + 1 : p;
+      score_block_softmax_dispatch(isa, opt.fused_multiply_add, buf, pl.ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p,
+                                   cols, sh.scale, vis, cmax, pl.nchunks, st);
+      for (index_t r = 0; r < nrows; ++r) {
+        const index_t flat = row0 + r, hh = flat / w, i = flat % w;
+        const float* row = buf + r * pl.ld;
+        const float* cm = cmax + r * pl.nchunks;
+        const index_t nvis = vis[r] < oc ? vis[r] : oc;
+        if (pl.welford)
+          score_row_welford(row, nvis, oc, cm, st[r], 1.0f / static_cast<float>(i + 1), acc + hh * oc, m2 + hh * oc);
+        else
+          score_row_add(row, nvis, cm, st[r], acc + hh * oc);
+      }
+    }
+    for (index_t hh = 0; hh < nh; ++hh) {
+      float* o = odata + (head0 + hh) * os0;
+      const float* a = acc + hh * oc;
+      const float* v = m2 + hh * oc;
+      for (index_t j = 0; j < oc; ++j) {
+        const index_t seen = j < p ? w : w - (j - p);
+        o[j * os1] = score_finalize(opt.reduce, a[j], pl.welford ? v[j] : 0.0f, w, seen, opt.gamma, opt.variance);
+      }
+    }
+  });
+  return {};
+}
+
+template <class T>
+result<window_split<T>> split_window_impl(const char* fn, kv_view<T> keys, index_t w) {
+  KVEVICT_TRY(check_view(fn, "keys", keys));
+  const index_t tokens = keys.extent(1);
+  if (w < 0 || w > tokens)
+    return status::error(errc::invalid_argument, "%s: window w = %lld is outside [0, %lld] tokens", fn,
+                         static_cast<long long>(w), static_cast<long long>(tokens));
+  using exts = cuda::std::dextents<index_t, 3>;
+  const cuda::std::array<index_t, 3> str{keys.stride(0), keys.stride(1), keys.stride(2)};
+  const index_t h = keys.extent(0), d = keys.extent(2);
+  T* const base = keys.data_handle();
+  T* const wbase = w == 0 || h == 0 || d == 0 ? base : base + (tokens - w) * keys.stride(1);
+  window_split<T> s;
+  s.prefix = kv_view<T>(base, cuda::std::layout_stride::mapping<exts>(exts(h, tokens - w, d), str));
+  s.window = kv_view<T>(wbase, cuda::std::layout_stride::mapping<exts>(exts(h, w, d), str));
+  return s;
+}
+
+KVEVICT_SCORE_ABI_END
+}  // namespace detail
+
+/// Attention of a block of w query rows over P prefix keys (and the block's own keys, causally),
+/// reduced per column over the rows.
+///
+///   queries     [H_q][w][d]   post-RoPE queries of the block (float, float16 or bfloat16)
+///   prefix_keys [H_kv][P][d]  keys every row sees
+///   block_keys  [H_kv][w][d]  the block's own keys (row i sees 0..i), or a view with 0 tokens = none
+///   out         [H_q][P]      prefix columns, or [H_q][P + w] all visible columns (needs block keys)
+///
+/// logit_ij = scale * (q_i . k_j), scale = opt.scale or 1/sqrt(d); p_ij = softmax over row i's
+/// visible columns in fp32 (max-subtracted, so large logits do not overflow); out[h][j] = the
+/// reduction of p_ij over i (opt.reduce: mean by default, sum, mean_visible, mean_plus_variance).
+/// Query head q uses KV head q / (H_q / H_kv). Inputs are converted to fp32; all arithmetic is fp32.
+///
+/// NaN/inf: a NaN logit (from a NaN or an inf x 0 in q or k) makes that row's probabilities NaN,
+/// so every column the row sees becomes NaN in its head's output (a NaN key therefore poisons all
+/// heads of its GQA group); a +inf logit does the same (inf - inf); -inf logits count as masked,
+/// and a row whose visible logits are all -inf is NaN (as PyTorch's softmax). Selection ranks NaN last.
+///
+/// Errors (nothing is written): invalid views; w = 0; no KV heads; H_q not a multiple of H_kv;
+/// d = 0 or head dims that differ; block_keys with other than H_kv heads or w tokens; out not
+/// [H_q][P] or [H_q][P + w]; out overlapping an input; bad options (unknown enum, scale or gamma
+/// negative or not finite); workspace smaller than queried or not float-aligned; sizes overflowing.
+///
+/// Workspace: per thread, a [min(128, heads x w) rows][P + w + 32] fp32 logits buffer, packed query
+/// and key tiles and the per-head column accumulators (x2 for mean_plus_variance): linear in P and
+/// bounded independently of w. seq and par return identical bits for any thread count, and so do
+/// the SSE2/AVX2/AVX-512 kernels chosen at run time (docs/score.md).
+template <class Backend, class Q, class K>
+status attention_scores(Backend be, workspace& ws, kv_view<Q> queries, kv_view<K> prefix_keys, kv_view<K> block_keys,
+                        matrix_view<float> out, const score_options& opt = {}) {
+  static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "attention_scores: elements must be float, float16 or bfloat16");
+  using QE = std::remove_const_t<Q>;
+  using KE = std::remove_const_t<K>;
+  return detail::attention_scores_impl<Backend, QE, KE>("attention_scores", be, ws, kv_view<const QE>(queries),
+                                                        kv_view<const KE>(prefix_keys), kv_view<const KE>(block_keys),
+                                                        out, opt);
+}
+
+/// prefix = keys[:, :T-w], window = keys[:, T-w:] as strided views of the same memory (no copies).
+/// Errors: invalid view; w outside [0, T].
+template <class T>
+result<window_split<T>> split_window(kv_view<T> keys, index_t w) {
+  return detail::split_window_impl("split_window", keys, w);
+}
+
+/// SnapKV family (SnapKV, PyramidKV, AdaKV, CAKE, LAVa, VATP windows; chunked eviction's window):
+/// the block is the last w prompt tokens. window_queries [H_q][w][d] are those tokens' queries,
+/// keys [H_kv][T][d] all prompt keys (T >= w); the last w keys are the block's own keys.
+/// out [H_q][T - w] (prefix columns, what SnapKV ranks) or [H_q][T] (window columns too).
+/// Errors: those of attention_scores and split_window (w > T).
+template <class Backend, class Q, class K>
+status window_scores(Backend be, workspace& ws, kv_view<Q> window_queries, kv_view<K> keys, matrix_view<float> out,
+                     const score_options& opt = {}) {
+  static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "window_scores: elements must be float, float16 or bfloat16");
+  using QE = std::remove_const_t<Q>;
+  using KE = std::remove_const_t<K>;
+  constexpr const char* fn = "window_scores";
+  KVEVICT_TRY(detail::check_view(fn, "window_queries", window_queries));
+  const auto split = detail::split_window_impl(fn, kv_view<const KE>(keys), window_queries.extent(1));
+  if (!split) return split.error();
+  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, kv_view<const QE>(window_queries),
+                                                        split->prefix, split->window, out, opt);
+}
+
+/// H2O: every prompt query over every prompt key, causal. queries [H_q][T][d], keys [H_kv][T][d],
+/// out [H_q][T]. normalised = false: sum over the queries (H2O's accumulated attention, as
+/// KVCache-Factory); true: divided by the number of queries that see each key (T - j for key j,
+/// kvpress's ObservedAttentionPress). Cost O(T^2 d) per head; workspace linear in T.
+/// Errors: those of attention_scores; out not [H_q][T].
+template <class Backend, class Q, class K>
+status h2o_scores(Backend be, workspace& ws, kv_view<Q> queries, kv_view<K> keys, matrix_view<float> out,
+                  bool normalised = false, float scale = 0.0f) {
+  static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "h2o_scores: elements must be float, float16 or bfloat16");
+  using QE = std::remove_const_t<Q>;
+  using KE = std::remove_const_t<K>;
+  constexpr const char* fn = "h2o_scores";
+  KVEVICT_TRY(detail::check_view(fn, "keys", keys));
+  KVEVICT_TRY(detail::check_view(fn, "out", out));
+  if (out.extent(1) != keys.extent(1))
+    return status::error(errc::shape_mismatch, "%s: out has %lld columns, expected T = %lld (one per prompt token)", fn,
+                         static_cast<long long>(out.extent(1)), static_cast<long long>(keys.extent(1)));
+  const auto split = detail::split_window_impl(fn, kv_view<const KE>(keys), keys.extent(1));
+  if (!split) return split.error();
+  score_options opt;
+  opt.reduce = normalised ? score_reduce::mean_visible : score_reduce::sum;
+  opt.scale = scale;
+  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, kv_view<const QE>(queries), split->prefix,
+                                                        split->window, out, opt);
+}
+
+/// TOVA: the attention of the last token. last_query [H_q][1][d] is the last prompt (or newest
+/// decoded) token's query; keys [H_kv][T][d] all keys, the last being that token's own.
+/// out [H_q][T - 1] (earlier tokens) or [H_q][T] (the last token's self-attention too).
+/// Errors: those of window_scores.
+template <class Backend, class Q, class K>
+status tova_scores(Backend be, workspace& ws, kv_view<Q> last_query, kv_view<K> keys, matrix_view<float> out,
+                   float scale = 0.0f) {
+  static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "tova_scores: elements must be float, float16 or bfloat16");
+  using QE = std::remove_const_t<Q>;
+  using KE = std::remove_const_t<K>;
+  constexpr const char* fn = "tova_scores";
+  KVEVICT_TRY(detail::check_view(fn, "last_query", last_query));
+  if (last_query.extent(1) != 1)
+    return status::error(errc::shape_mismatch, "%s: last_query holds %lld tokens, expected 1", fn,
+                         static_cast<long long>(last_query.extent(1)));
+  const auto split = detail::split_window_impl(fn, kv_view<const KE>(keys), 1);
+  if (!split) return split.error();
+  score_options opt;
+  opt.reduce = score_reduce::sum;  // one row: sum = mean
+  opt.scale = scale;
+  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, kv_view<const QE>(last_query), split->prefix,
+                                                        split->window, out, opt);
+}
+
+namespace detail {
+/// -||k||_2 of one key row: sequential fp32 sum of squares over d, then sqrt (correctly rounded
+/// everywhere, so identical on every backend). Overflows to -inf only for |k| beyond ~1.8e19.
+template <class K>
+KVEVICT_HOST_DEVICE inline float key_norm_score(const K* k, index_t d, index_t stride) {
+  float s = 0.0f;
+  for (index_t t = 0; t < d; ++t) {
+    const float x = to_float(k[t * stride]);
+    s += x * x;
+  }
+  return -sqrtf(s);
+}
+}  // namespace detail
+
+/// Knorm: out[h][t] = -||keys[h][t]||_2 (low-norm keys draw attention, so they score high; as
+/// kvpress's KnormPress). keys [H_kv][T][d] any element type, out [H_kv][T]. No workspace.
+/// NaN in a key gives NaN. Errors: invalid views; out not [H_kv][T]; out overlapping keys.
+template <class Backend, class K>
+status key_norm_scores(Backend be, kv_view<K> keys_in, matrix_view<float> out) {
+  static_assert(is_kv_element_v<K>, "key_norm_scores: elements must be float, float16 or bfloat16");
+  using KE = std::remove_const_t<K>;
+  constexpr const char* fn = "key_norm_scores";
+  const kv_view<const KE> keys = keys_in;
+  KVEVICT_TRY(detail::check_view(fn, "keys", keys));
+  KVEVICT_TRY(detail::check_view(fn, "out", out));
+  if (out.extent(0) != keys.extent(0) || out.extent(1) != keys.extent(1))
+    return status::error(errc::shape_mismatch, "%s: out is [%lld][%lld] but keys are [%lld][%lld][*]", fn,
+                         static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)),
+                         static_cast<long long>(keys.extent(0)), static_cast<long long>(keys.extent(1)));
+  if (detail::range_of(out).intersects(detail::range_of(keys)))
+    return status::error(errc::overlap, "%s: out overlaps keys in memory", fn);
+  const index_t tokens = keys.extent(1), d = keys.extent(2);
+  detail::parallel_for(be, keys.extent(0) * tokens, [&](index_t i) {
+    const index_t h = i / tokens, t = i % tokens;
+    out.data_handle()[h * out.stride(0) + t * out.stride(1)] =
+        detail::key_norm_score(detail::kv_row(keys, h, t), d, keys.stride(2));
+  });
+  return {};
+}
+
+}  // namespace kvevict

@@ -1,0 +1,107 @@
+// kvevict/weight.hpp: multiply attention scores by value norms (docs/weight.md).
+//
+//   weight_by_value_norm(be, scores, values, value_weight::per_token)  VATP: s_j *= ||v_j||_1
+//   weight_by_value_norm(be, scores, values, value_weight::head_max)   LAVa: s_j *= max_k ||v_k||_1
+//
+// scores [R][T_s] in place, values [H_kv][T][d] (float, float16, bfloat16) with T_s <= T: score
+// column j belongs to value token j (prefix-only window scores have T_s = T - w). R is H_kv
+// (scores after GQA reduction, the usual place of this stage) or a multiple of it (per query head
+// before the reduction: row r uses KV head r / (R / H_kv), as everywhere in kvevict).
+//
+// LAVa's max runs over every value token of the head, the observation window included (Eq. 6 and
+// Theorem 1: k in [N], the whole cache), not only over the scored columns. Optional per-KV-head
+// lengths restrict a head to its first lengths[h] tokens (padded layouts holding ragged heads):
+// the max runs over those tokens and score columns j >= lengths[h] are left untouched.
+#pragma once
+
+#include <kvevict/backend.hpp>
+#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/softmax.hpp>
+#include <kvevict/numeric.hpp>
+#include <kvevict/status.hpp>
+#include <kvevict/view.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace kvevict {
+
+enum class value_weight : int {
+  per_token = 0,  ///< VATP: score_j * ||v_j||_1
+  head_max = 1,   ///< LAVa: score_j * max_k ||v_k||_1 over the head's value tokens
+};
+
+namespace detail {
+/// ||v||_1 of one value row: sequential fp32 sum of |v_t| over t = 0..d-1 (identical on every
+/// backend). NaN in v gives NaN.
+template <class V>
+KVEVICT_HOST_DEVICE inline float value_l1_norm(const V* v, index_t d, index_t stride) {
+  float s = 0.0f;
+  for (index_t t = 0; t < d; ++t) s += bits_float(float_bits(to_float(v[t * stride])) & 0x7fffffffu);
+  return s;
+}
+}  // namespace detail
+
+/// Multiplies scores by value L1 norms in place (see the file comment for shapes and semantics).
+///
+/// NaN/inf: NaN scores stay NaN. A NaN value element makes its token's norm NaN: with per_token
+/// that token's score becomes NaN; with head_max the head's factor is NaN (the max propagates NaN)
+/// and every weighted score of the head becomes NaN. An infinite norm multiplies to +-inf (NaN for
+/// a zero score).
+///
+/// Errors (nothing written): invalid views; R not a multiple of H_kv; T_s > T; lengths[h] outside
+/// [0, T]; unknown mode; scores overlapping values. No workspace, no allocation.
+template <class Backend, class V>
+status weight_by_value_norm(Backend be, matrix_view<float> scores, kv_view<V> values_in, value_weight mode,
+                            const std::int32_t* lengths = nullptr) {
+  static_assert(is_kv_element_v<V>, "weight_by_value_norm: values must be float, float16 or bfloat16");
+  using VE = std::remove_const_t<V>;
+  constexpr const char* fn = "weight_by_value_norm";
+  const kv_view<const VE> values = values_in;
+  KVEVICT_TRY(detail::check_view(fn, "scores", scores));
+  KVEVICT_TRY(detail::check_view(fn, "values", values));
+  const int m = static_cast<int>(mode);
+  if (m < 0 || m > 1) return status::error(errc::invalid_argument, "%s: unknown value_weight value %d", fn, m);
+  const index_t rows = scores.extent(0), cols = scores.extent(1);
+  const index_t hkv = values.extent(0), tokens = values.extent(1), d = values.extent(2);
+  if (hkv == 0 ? rows != 0 : rows % hkv != 0)
+    return status::error(errc::shape_mismatch, "%s: scores have %lld rows, not a multiple of the %lld KV heads of values",
+                         fn, static_cast<long long>(rows), static_cast<long long>(hkv));
+  if (cols > tokens)
+    return status::error(errc::shape_mismatch, "%s: scores have %lld columns but values hold only %lld tokens", fn,
+                         static_cast<long long>(cols), static_cast<long long>(tokens));
+  if (lengths != nullptr)
+    for (index_t h = 0; h < hkv; ++h)
+      if (lengths[h] < 0 || lengths[h] > tokens)
+        return status::error(errc::out_of_range, "%s: lengths[%lld] = %d is outside [0, %lld]", fn,
+                             static_cast<long long>(h), lengths[h], static_cast<long long>(tokens));
+  if (detail::range_of(scores).intersects(detail::range_of(values)))
+    return status::error(errc::overlap, "%s: scores overlap values in memory", fn);
+  if (rows == 0 || cols == 0) return {};
+  const index_t group = rows / hkv;
+  float* const sd = scores.data_handle();
+  const index_t s0 = scores.stride(0), s1 = scores.stride(1);
+  const index_t v0 = values.stride(0), v1 = values.stride(1), v2 = values.stride(2);
+  const VE* const vd = values.data_handle();
+  // one task per KV head: each norm is computed once and weights every row of the group
+  detail::parallel_for(be, hkv, [&](index_t h) {
+    const index_t len = lengths != nullptr ? lengths[h] : tokens;
+    const index_t n = cols < len ? cols : len;
+    const VE* vh = vd + h * v0;
+    if (mode == value_weight::head_max) {
+      float mx = 0.0f;  // norms are >= 0; an empty head weights nothing
+      for (index_t t = 0; t < len; ++t) mx = detail::max_nan(mx, detail::value_l1_norm(vh + t * v1, d, v2));
+      for (index_t r = h * group; r < (h + 1) * group; ++r)
+        for (index_t j = 0; j < n; ++j) sd[r * s0 + j * s1] *= mx;
+    } else {
+      for (index_t j = 0; j < n; ++j) {
+        const float norm = detail::value_l1_norm(vh + j * v1, d, v2);
+        for (index_t r = h * group; r < (h + 1) * group; ++r) sd[r * s0 + j * s1] *= norm;
+      }
+    }
+  });
+  return {};
+}
+
+}  // namespace kvevict

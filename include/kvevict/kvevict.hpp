@@ -11,6 +11,8 @@
 #include <kvevict/pool.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/prulong.hpp>
+#include <kvevict/score.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
+#include <kvevict/weight.hpp>
 #include <kvevict/workspace.hpp>

@@ -431,7 +431,8 @@ TEST_CASE("select_topk: long rows (~100K) on every thread count, cooperative row
     score_matrix s(g, R, T, d, seed % 2 ? 5 : 0, false);
     std::vector<std::int32_t> lens(static_cast<std::size_t>(R)), cu(static_cast<std::size_t>(R + 1), 0);
     for (index_t r = 0; r < R; ++r) {
-      lens[r] = static_cast<std::int32_t>(r == 0 ? T : kvtest::uniform_int(g, T / 2, T));
+      // row 2 is short: the team hands it to one thread
+      lens[r] = static_cast<std::int32_t>(r == 0 ? T : r == 1 ? kvtest::uniform_int(g, T / 2, T) : kvtest::uniform_int(g, 1000, 20000));
       const index_t k = r == 1 ? lens[r] / 2 : kvtest::uniform_int(g, 1, 5000);
       cu[r + 1] = cu[r] + static_cast<std::int32_t>(k);
     }

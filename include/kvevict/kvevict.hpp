@@ -5,6 +5,7 @@
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
 #include <kvevict/numeric.hpp>
+#include <kvevict/select.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>

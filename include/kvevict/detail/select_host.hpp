@@ -58,7 +58,6 @@ struct row_scratch {
 struct score_row {
   const float* data;
   index_t stride;
-  float operator[](index_t i) const noexcept { return data[i * stride]; }
 };
 /// A row of kept positions: element j at data[j * stride].
 struct pos_row {
@@ -66,32 +65,55 @@ struct pos_row {
   index_t stride;
 };
 
-template <class Row>
-inline void histogram_scores(const Row& row, index_t b, index_t e, std::uint32_t* hist) noexcept {
+/// Scores are turned into keys a block at a time in a small local buffer: the conversion
+/// vectorises (contiguous rows), and the histogram / filter / emit loops then read plain keys.
+inline constexpr index_t key_block = 256;
+
+inline void load_keys(const score_row& row, index_t b, index_t n, std::uint32_t* keys) noexcept {
+  const float* p = row.data + b * row.stride;
+  if (row.stride == 1) {
+    for (index_t j = 0; j < n; ++j) keys[j] = score_key(p[j]);
+  } else {
+    for (index_t j = 0; j < n; ++j) keys[j] = score_key(p[j * row.stride]);
+  }
+}
+
+/// hist = pass-0 histogram of row[b, e).
+inline void histogram_scores(const score_row& row, index_t b, index_t e, std::uint32_t* hist) noexcept {
   std::memset(hist, 0, sizeof(std::uint32_t) * radix_bins);
-  for (index_t i = b; i < e; ++i) ++hist[radix_digit(score_key(row[i]), 0)];
+  std::uint32_t keys[key_block];
+  for (index_t i = b; i < e; i += key_block) {
+    const index_t n = std::min(key_block, e - i);
+    load_keys(row, i, n, keys);
+    for (index_t j = 0; j < n; ++j) ++hist[keys[j] >> radix_shift(0)];
+  }
 }
 
 /// Copies the keys of row[b, e) tied with `t` to cand; returns how many.
-template <class Row>
-inline index_t filter_scores(const Row& row, index_t b, index_t e, const radix_threshold& t,
+inline index_t filter_scores(const score_row& row, index_t b, index_t e, const radix_threshold& t,
                              std::uint32_t* cand) noexcept {
+  const radix_threshold th = t;  // a local copy: stores to cand cannot alias it
   index_t m = 0;
-  for (index_t i = b; i < e; ++i) {
-    const std::uint32_t key = score_key(row[i]);
-    cand[m] = key;  // always written, kept only if tied: no branch (m <= i - b, in bounds)
-    m += radix_tied(key, t) ? 1 : 0;
+  std::uint32_t keys[key_block];
+  for (index_t i = b; i < e; i += key_block) {
+    const index_t n = std::min(key_block, e - i);
+    load_keys(row, i, n, keys);
+    for (index_t j = 0; j < n; ++j) {
+      cand[m] = keys[j];  // always written, kept only if tied: no branch (m <= i + j - b, in bounds)
+      m += radix_tied(keys[j], th) ? 1 : 0;
+    }
   }
   return m;
 }
 
 /// Keeps the candidates tied with `t` at the front of cand; returns how many.
 inline index_t filter_candidates(std::uint32_t* cand, index_t m, const radix_threshold& t) noexcept {
+  const radix_threshold th = t;
   index_t w = 0;
   for (index_t j = 0; j < m; ++j) {
     const std::uint32_t key = cand[j];
     cand[w] = key;
-    w += radix_tied(key, t) ? 1 : 0;
+    w += radix_tied(key, th) ? 1 : 0;
   }
   return w;
 }
@@ -104,8 +126,7 @@ inline void histogram_candidates(const std::uint32_t* cand, index_t m, int pass,
 /// Threshold of the best k of row[0, n), 0 < k < n. `tied_count` receives how many keys of the
 /// row are tied with the returned threshold. With `full_key` the threshold is on the whole key
 /// (mask all ones), as the flattened selection needs.
-template <class Row>
-radix_threshold row_threshold(const Row& row, index_t n, index_t k, row_scratch s, bool full_key,
+inline radix_threshold row_threshold(const score_row& row, index_t n, index_t k, row_scratch s, bool full_key,
                               index_t& tied_count) noexcept {
   radix_threshold t;
   t.ties = k;
@@ -126,18 +147,23 @@ radix_threshold row_threshold(const Row& row, index_t n, index_t k, row_scratch 
 
 /// Writes the kept positions of row[b, e) in ascending order: keys above `t`, then tied keys
 /// while `ties` lasts; at most `count` of them. Returns how many were written.
-template <class Row>
-inline index_t emit_kept(const Row& row, index_t b, index_t e, const radix_threshold& t, index_t ties,
+inline index_t emit_kept(const score_row& row, index_t b, index_t e, const radix_threshold t, index_t ties,
                          pos_row out, index_t count) noexcept {
   index_t c = 0;
-  if (out.stride == 1) {
-    for (index_t i = b; i < e && c < count; ++i) {
-      out.data[c] = static_cast<pos_t>(i);  // overwritten unless kept: no branch
-      c += radix_keep(score_key(row[i]), t, ties) ? 1 : 0;
+  std::uint32_t keys[key_block];
+  for (index_t i = b; i < e && c < count; i += key_block) {
+    const index_t n = std::min(key_block, e - i);
+    load_keys(row, i, n, keys);
+    if (out.stride == 1 && c + n <= count) {
+      // room for the whole block: write every position, advance only past kept ones (no branch)
+      for (index_t j = 0; j < n; ++j) {
+        out.data[c] = static_cast<pos_t>(i + j);
+        c += radix_keep(keys[j], t, ties) ? 1 : 0;
+      }
+    } else {
+      for (index_t j = 0; j < n && c < count; ++j)
+        if (radix_keep(keys[j], t, ties)) out.data[(c++) * out.stride] = static_cast<pos_t>(i + j);
     }
-  } else {
-    for (index_t i = b; i < e && c < count; ++i)
-      if (radix_keep(score_key(row[i]), t, ties)) out.data[(c++) * out.stride] = static_cast<pos_t>(i);
   }
   return c;
 }
@@ -147,8 +173,7 @@ inline void emit_all(index_t n, pos_row out) noexcept {
 }
 
 /// Top-k of one row by one worker: ascending positions into out[0, k).
-template <class Row>
-void select_row(const Row& row, index_t n, index_t k, pos_row out, row_scratch s) noexcept {
+inline void select_row(const score_row& row, index_t n, index_t k, pos_row out, row_scratch s) noexcept {
   if (k == 0) return;
   if (k == n) return emit_all(n, out);
   index_t tied = 0;
@@ -188,8 +213,7 @@ inline select_ws carve_select_ws(workspace_carver& c, index_t columns, int worke
 
 #if defined(_OPENMP)
 /// One row selected by the whole team (called by every thread of a parallel region).
-template <class Row>
-void select_row_coop(const Row& row, index_t n, index_t k, pos_row out, const select_ws& ws, int tid,
+inline void select_row_coop(const score_row& row, index_t n, index_t k, pos_row out, const select_ws& ws, int tid,
                      int nth) noexcept {
   const index_t cb = n * tid / nth, ce = n * (tid + 1) / nth;
   std::uint32_t* hist = ws.hist + static_cast<index_t>(tid) * radix_bins;
@@ -250,9 +274,9 @@ void select_rows(par_t, const matrix_view<const float>& scores, LenOf len_of, KO
   auto row_of = [&](index_t r) { return score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}; };
 #if defined(_OPENMP)
   const int P = ws.workers;
-  if (P > 1 && R > 0) {
-    // rows [0, split) one per thread; rows [split, R) (fewer than P) by the whole team if long
-    const index_t split = scores.extent(1) >= coop_min_length ? R - R % P : R;
+  // rows [0, split) one per thread; rows [split, R) (fewer than P) by the whole team if long
+  const index_t split = scores.extent(1) >= coop_min_length ? R - R % P : R;
+  if (P > 1 && (R > 1 || split < R)) {
 #  pragma omp parallel num_threads(P)
     {
       const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -368,9 +392,12 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
         std::uint64_t* hist = ws.hist + static_cast<index_t>(w) * radix_bins;
         const score_row row = row_of(r);
         const index_t n = len_of(r);
-        for (index_t i = 0; i < n; ++i) {
-          const std::uint32_t key = score_key(row[i]);
-          hist[radix_digit(key, pass)] += (key < limit && radix_tied(key, g)) ? 1 : 0;
+        std::uint32_t keys[key_block];
+        for (index_t i = 0; i < n; i += key_block) {
+          const index_t nb = std::min(key_block, n - i);
+          load_keys(row, i, nb, keys);
+          for (index_t j = 0; j < nb; ++j)
+            hist[radix_digit(keys[j], pass)] += (keys[j] < limit && radix_tied(keys[j], g)) ? 1 : 0;
         }
       });
       for (int b = 0; b < radix_bins; ++b) {
@@ -392,10 +419,14 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
       const score_row row = row_of(r);
       const index_t n = len_of(r);
       index_t above = 0, tied = 0;
-      for (index_t i = 0; i < n; ++i) {
-        const std::uint32_t key = score_key(row[i]);
-        above += key > g.prefix ? 1 : 0;
-        tied += key == g.prefix ? 1 : 0;
+      std::uint32_t keys[key_block];
+      for (index_t i = 0; i < n; i += key_block) {
+        const index_t nb = std::min(key_block, n - i);
+        load_keys(row, i, nb, keys);
+        for (index_t j = 0; j < nb; ++j) {
+          above += keys[j] > g.prefix ? 1 : 0;
+          tied += keys[j] == g.prefix ? 1 : 0;
+        }
       }
       ws.rows[r].above = above;
       ws.rows[r].tied = tied;

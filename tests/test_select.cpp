@@ -525,6 +525,14 @@ TEST_CASE("select_topk_flat: layer-wise top-k with floors matches the naive refe
         if (use_floors) REQUIRE(cu[r + 1] - cu[r] >= floors[r]);
       }
       pos.resize(static_cast<std::size_t>(total));
+      // the counts as a ragged budget for select_topk give the same positions
+      if (threads == 0 && total > 0) {
+        std::vector<pos_t> again(pos.size(), -1);
+        REQUIRE(with_workspace([&](workspace& ws) {
+                  return select_topk(seq, ws, s.view, lens.data(), ragged_positions_out{again.data(), cu.data(), R});
+                }, mem).ok());
+        CHECK(again == pos);
+      }
       if (threads == 0) first = pos;
       else CHECK(pos == first);
     }
@@ -594,6 +602,54 @@ TEST_CASE("select_topk: workspace query, reuse and size errors") {
   CHECK(fq.bytes > q.bytes);
   require_error(select_topk_flat(seq, ok, s.view, nullptr, 10, nullptr, cu.data(), nullptr), errc::workspace_too_small,
                 "select_topk_flat: workspace has");
+}
+
+TEST_CASE("select_topk: workspace sizes follow the documented formula") {
+  // docs/select.md: seq 8192 + 4T; par with P threads 8192P + 4PT + 8192 + 16P; flat adds
+  // 16384(P + 1) + 72R; each piece starts 64-byte aligned (at most 64 B of padding per piece)
+  for (index_t T : {0, 1, 100, 4097}) {
+    for (index_t R : {0, 1, 5}) {
+      std::vector<float> sc(static_cast<std::size_t>(std::max<index_t>(1, R * T)));
+      auto scores = value_of(make_matrix_view(sc.data(), R, T));
+      std::vector<pos_t> out(1);
+      auto kept = value_of(make_matrix_view(out.data(), R, 0));
+      std::vector<std::int32_t> cu(static_cast<std::size_t>(R + 1));
+      for (int P : {1, 2, 3}) {
+        CAPTURE(T);
+        CAPTURE(R);
+        CAPTURE(P);
+        workspace a, f;
+        if (P == 1) {
+          REQUIRE(select_topk(seq, a, scores, nullptr, kept).ok());
+          REQUIRE(select_topk_flat(seq, f, scores, nullptr, 0, nullptr, cu.data(), nullptr).ok());
+        } else {
+          REQUIRE(select_topk(par_t{P}, a, scores, nullptr, kept).ok());
+          REQUIRE(select_topk_flat(par_t{P}, f, scores, nullptr, 0, nullptr, cu.data(), nullptr).ok());
+        }
+        const bool threaded = P > 1 && par_is_parallel();
+        const std::size_t Pw = threaded ? static_cast<std::size_t>(P) : 1u, Tu = static_cast<std::size_t>(T);
+        const std::size_t sel = threaded ? 8192 * Pw + 4 * Pw * Tu + 8192 + 16 * Pw : 8192 + 4 * Tu;
+        const std::size_t pieces = threaded ? 5 : 2;
+        CHECK(a.bytes >= sel);
+        CHECK(a.bytes <= sel + 64 * pieces);
+        const std::size_t flat = sel + 16384 * (Pw + 1) + 72 * static_cast<std::size_t>(R);
+        CHECK(f.bytes >= flat);
+        CHECK(f.bytes <= flat + 64 * (pieces + 3));
+      }
+    }
+  }
+  // a par workspace queried for 2 threads is too small for 4
+  std::vector<float> sc(2 * 1000, 1.f);
+  auto scores = value_of(make_matrix_view(sc.data(), 2, 1000));
+  std::vector<pos_t> out(20);
+  auto kept = value_of(make_matrix_view(out.data(), 2, 10));
+  workspace q;
+  REQUIRE(select_topk(par_t{2}, q, scores, nullptr, kept).ok());
+  std::vector<unsigned char> mem(q.bytes);
+  workspace ws{mem.data(), mem.size()};
+  REQUIRE(select_topk(par_t{2}, ws, scores, nullptr, kept).ok());
+  if (par_is_parallel())
+    require_error(select_topk(par_t{4}, ws, scores, nullptr, kept), errc::workspace_too_small, "query the size first");
 }
 
 TEST_CASE("select_topk: bad input gives specific errors and writes nothing") {

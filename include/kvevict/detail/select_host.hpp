@@ -146,9 +146,15 @@ inline radix_threshold row_threshold(const score_row& row, index_t n, index_t k,
 }
 
 /// Writes the kept positions of row[b, e) in ascending order: keys above `t`, then tied keys
-/// while `ties` lasts; at most `count` of them. Returns how many were written.
+/// while `ties` lasts; at most `count` of them. `tied_total` is the number of tied keys in
+/// row[b, e). Returns how many positions were written.
+/// This is radix_keep() over the range, with two cheaper equivalent forms of the rule: when every
+/// tied key is kept (ties >= tied_total) keep = key >= lo, and once `ties` is spent keep = key > hi,
+/// where [lo, hi] is the range of keys tied with `t`.
 inline index_t emit_kept(const score_row& row, index_t b, index_t e, const radix_threshold t, index_t ties,
-                         pos_row out, index_t count) noexcept {
+                         index_t tied_total, pos_row out, index_t count) noexcept {
+  const std::uint32_t lo = t.prefix, hi = t.prefix | ~t.mask;
+  enum { keep_tied, drop_tied, mixed } mode = ties >= tied_total ? keep_tied : ties == 0 ? drop_tied : mixed;
   index_t c = 0;
   std::uint32_t keys[key_block];
   for (index_t i = b; i < e && c < count; i += key_block) {
@@ -156,13 +162,29 @@ inline index_t emit_kept(const score_row& row, index_t b, index_t e, const radix
     load_keys(row, i, n, keys);
     if (out.stride == 1 && c + n <= count) {
       // room for the whole block: write every position, advance only past kept ones (no branch)
-      for (index_t j = 0; j < n; ++j) {
-        out.data[c] = static_cast<pos_t>(i + j);
-        c += radix_keep(keys[j], t, ties) ? 1 : 0;
+      pos_t* o = out.data;
+      const auto base = static_cast<pos_t>(i);
+      if (mode == keep_tied) {
+        for (index_t j = 0; j < n; ++j) {
+          o[c] = base + static_cast<pos_t>(j);
+          c += keys[j] >= lo ? 1 : 0;
+        }
+      } else if (mode == drop_tied) {
+        for (index_t j = 0; j < n; ++j) {
+          o[c] = base + static_cast<pos_t>(j);
+          c += keys[j] > hi ? 1 : 0;
+        }
+      } else {
+        for (index_t j = 0; j < n; ++j) {
+          o[c] = base + static_cast<pos_t>(j);
+          c += radix_keep(keys[j], t, ties) ? 1 : 0;
+        }
+        if (ties == 0) mode = drop_tied;
       }
     } else {
       for (index_t j = 0; j < n && c < count; ++j)
         if (radix_keep(keys[j], t, ties)) out.data[(c++) * out.stride] = static_cast<pos_t>(i + j);
+      if (mode == mixed && ties == 0) mode = drop_tied;
     }
   }
   return c;
@@ -178,7 +200,7 @@ inline void select_row(const score_row& row, index_t n, index_t k, pos_row out, 
   if (k == n) return emit_all(n, out);
   index_t tied = 0;
   const radix_threshold t = row_threshold(row, n, k, s, false, tied);
-  emit_kept(row, 0, n, t, t.ties, out, k);
+  emit_kept(row, 0, n, t, t.ties, tied, out, k);
 }
 
 /// Workspace of select_topk for R rows of T columns and `workers` threads.
@@ -253,7 +275,7 @@ inline void select_row_coop(const score_row& row, index_t n, index_t k, pos_row 
     else offset += ws.above[w] + take;
     ties_before += ws.tied[w];
   }
-  emit_kept(row, cb, ce, t, my_ties, pos_row{out.data + offset * out.stride, out.stride}, above + my_ties);
+  emit_kept(row, cb, ce, t, my_ties, tied, pos_row{out.data + offset * out.stride, out.stride}, above + my_ties);
 #  pragma omp barrier
 }
 #endif
@@ -332,6 +354,7 @@ struct flat_row {
   index_t tied;              // keys == the global threshold
   std::uint32_t emit_key;    // final selection: keys > emit_key and the first emit_ties == emit_key
   index_t emit_ties;
+  index_t emit_tied;         // keys == emit_key in the row
   index_t count;             // tokens kept
 };
 inline constexpr int flat_no_floor = 0, flat_whole_row = 1, flat_floor_key = 2;
@@ -458,9 +481,11 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
     if (gained > 0) {
       fr.emit_key = g.prefix;
       fr.emit_ties = fr.count - fr.above;
+      fr.emit_tied = fr.tied;
     } else {
       fr.emit_key = fr.floor_key;
       fr.emit_ties = fr.floor_ties;
+      fr.emit_tied = fr.floor_tied;
     }
     cu[r + 1] = static_cast<std::int32_t>(cu[r] + fr.count);
   }
@@ -473,7 +498,8 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
     const pos_row out{pos + cu[r], 1};
     if (fr.count == n) emit_all(n, out);
     else if (fr.count > 0)
-      emit_kept(row_of(r), 0, n, radix_full_threshold(fr.emit_key, fr.emit_ties), fr.emit_ties, out, fr.count);
+      emit_kept(row_of(r), 0, n, radix_full_threshold(fr.emit_key, fr.emit_ties), fr.emit_ties, fr.emit_tied, out,
+                fr.count);
   });
 }
 

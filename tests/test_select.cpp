@@ -188,6 +188,13 @@ void check_invariants(const std::vector<float>& row, index_t n, const pos_t* kep
   if (worst && best) REQUIRE_FALSE(better_score(*best, *worst));
 }
 
+// par runs small shapes on one thread; the randomized tests force the threaded code instead.
+struct force_threads {
+  kvevict::index_t saved = detail::par_min_elements();
+  force_threads() { detail::par_min_elements() = 0; }
+  ~force_threads() { detail::par_min_elements() = saved; }
+};
+
 const dist all_dists[] = {dist::uniform, dist::ties3, dist::all_equal, dist::specials, dist::subnormal, dist::wide};
 
 template <class Backend>
@@ -369,8 +376,10 @@ TEST_CASE("radix: bucket choice, narrowing and the keep rule") {
 // ---- select_topk ---------------------------------------------------------------------------------
 
 TEST_CASE("select_topk dense: random shapes, lengths, k, ties and special values match the naive reference") {
+  const force_threads threaded;
   dense_matches_reference(seq, 1, 300, 300);
   dense_matches_reference(par, 2, 300, 300);
+  dense_matches_reference(par_t{2}, 5, 100, 300);
   dense_matches_reference(par_t{3}, 3, 120, 5000);
   dense_matches_reference(seq, 4, 60, 5000);
 }
@@ -399,6 +408,7 @@ TEST_CASE("select_topk: hand-checked ties, NaN, infinities and signed zeros") {
 }
 
 TEST_CASE("select_topk ragged: per-row k and lengths, seq and par identical to the reference") {
+  const force_threads threaded;
   for (std::uint64_t seed = 20; seed < 60; ++seed) {
     CAPTURE(seed);
     auto g = kvtest::rng(seed);
@@ -474,6 +484,7 @@ TEST_CASE("select_topk: all-equal rows keep the lowest positions, heavy ties spl
 // ---- select_topk_flat --------------------------------------------------------------------------
 
 TEST_CASE("select_topk_flat: layer-wise top-k with floors matches the naive reference") {
+  const force_threads threaded;
   for (std::uint64_t seed = 100; seed < 220; ++seed) {
     CAPTURE(seed);
     auto g = kvtest::rng(seed);
@@ -540,6 +551,7 @@ TEST_CASE("select_topk_flat: layer-wise top-k with floors matches the naive refe
 }
 
 TEST_CASE("select_topk_flat: ties across rows go to the lower row, then the lower position") {
+  const force_threads threaded;
   // 3 rows of 4 equal scores: total 6 without floors keeps row 0 whole and row 1's first two
   std::vector<float> sc(12, 1.f);
   auto view = value_of(make_matrix_view(sc.data(), 3, 4));

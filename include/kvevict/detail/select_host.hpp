@@ -47,6 +47,13 @@ inline int worker_count(par_t p) noexcept {
 
 /// Rows at least this long are split among the threads when rows are left over (see above).
 inline constexpr index_t coop_min_length = 32768;
+/// par runs score matrices smaller than this (R x T, default 16384) on the calling thread:
+/// opening a parallel region costs more than the work (results are identical either way).
+/// Tests lower it to exercise the threaded code on small shapes.
+inline index_t& par_min_elements() noexcept {
+  static index_t v = 16384;
+  return v;
+}
 
 /// Scratch of one worker: a histogram and room for a whole row of candidate keys.
 struct row_scratch {
@@ -298,7 +305,7 @@ void select_rows(par_t, const matrix_view<const float>& scores, LenOf len_of, KO
   const int P = ws.workers;
   // rows [0, split) one per thread; rows [split, R) (fewer than P) by the whole team if long
   const index_t split = scores.extent(1) >= coop_min_length ? R - R % P : R;
-  if (P > 1 && (R > 1 || split < R)) {
+  if (P > 1 && (R > 1 || split < R) && R * scores.extent(1) >= par_min_elements()) {
 #  pragma omp parallel num_threads(P)
     {
       const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -323,13 +330,13 @@ void select_rows(par_t, const matrix_view<const float>& scores, LenOf len_of, KO
 /// Calls f(r, worker) for every row r; par spreads rows over the threads (dynamic schedule:
 /// results never depend on which thread runs a row).
 template <class F>
-void for_rows(seq_t, index_t R, int, F&& f) {
+void for_rows(seq_t, index_t R, index_t, int, F&& f) {
   for (index_t r = 0; r < R; ++r) f(r, 0);
 }
 template <class F>
-void for_rows(par_t, index_t R, int workers, F&& f) {
+void for_rows(par_t, index_t R, index_t T, int workers, F&& f) {
 #if defined(_OPENMP)
-  if (workers > 1 && R > 1) {
+  if (workers > 1 && R > 1 && R * T >= par_min_elements()) {
 #  pragma omp parallel num_threads(workers)
     {
       const int tid = omp_get_thread_num();
@@ -339,6 +346,7 @@ void for_rows(par_t, index_t R, int workers, F&& f) {
     return;
   }
 #else
+  (void)T;
   (void)workers;
 #endif
   for (index_t r = 0; r < R; ++r) f(r, 0);
@@ -387,7 +395,7 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
   auto row_of = [&](index_t r) { return score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}; };
 
   // 1. each row's floor as a threshold on the whole key
-  for_rows(be, R, P, [&](index_t r, int w) {
+  for_rows(be, R, scores.extent(1), P, [&](index_t r, int w) {
     flat_row fr{};
     const index_t n = len_of(r), f = floor_of(r);
     fr.mode = f == 0 ? flat_no_floor : (f == n ? flat_whole_row : flat_floor_key);
@@ -405,7 +413,7 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
   if (extra > 0) {
     for (int pass = 0; pass < radix_passes; ++pass) {
       std::memset(ws.hist, 0, sizeof(std::uint64_t) * radix_bins * static_cast<std::size_t>(P));
-      for_rows(be, R, P, [&](index_t r, int w) {
+      for_rows(be, R, scores.extent(1), P, [&](index_t r, int w) {
         const flat_row& fr = ws.rows[r];
         // remaining entries: keys below the floor's threshold (ties at it are added below)
         const std::uint64_t limit = fr.mode == flat_no_floor ? (std::uint64_t(1) << 32)
@@ -438,7 +446,7 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
       radix_narrow(g, pass, b, g.ties, true);
     }
     // 3. per row: keys above and tied with the global threshold
-    for_rows(be, R, P, [&](index_t r, int) {
+    for_rows(be, R, scores.extent(1), P, [&](index_t r, int) {
       const score_row row = row_of(r);
       const index_t n = len_of(r);
       index_t above = 0, tied = 0;
@@ -492,7 +500,7 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
 
   // 5. positions
   if (pos == nullptr) return;
-  for_rows(be, R, P, [&](index_t r, int) {
+  for_rows(be, R, scores.extent(1), P, [&](index_t r, int) {
     const flat_row& fr = ws.rows[r];
     const index_t n = len_of(r);
     const pos_row out{pos + cu[r], 1};

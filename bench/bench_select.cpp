@@ -89,6 +89,52 @@ void BM_std(benchmark::State& state, baseline b, bool parallel) {
   c.set_counters(state);
 }
 
+// Layer-wise selection (AdaKV-style, floor = 20% of the mean budget per row) vs nth_element over the
+// flattened layer (score descending, then row, then position) + sorting each row's positions.
+template <class Backend>
+void BM_flat_kvevict(benchmark::State& state, Backend be) {
+  select_case c(state);
+  auto scores = *make_matrix_view(static_cast<const float*>(c.scores.data()), c.rows, c.tokens);
+  std::vector<std::int32_t> floors(static_cast<std::size_t>(c.rows), static_cast<std::int32_t>(c.k / 5));
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(c.rows + 1));
+  const index_t total = c.rows * c.k;
+  workspace ws;
+  if (!select_topk_flat(be, ws, scores, nullptr, total, floors.data(), cu.data(), c.kept.data()).ok())
+    state.SkipWithError("query failed");
+  std::vector<unsigned char> mem(ws.bytes);
+  ws.data = mem.data();
+  for (auto _ : state) {
+    if (!select_topk_flat(be, ws, scores, nullptr, total, floors.data(), cu.data(), c.kept.data()).ok())
+      state.SkipWithError("select_topk_flat failed");
+    benchmark::DoNotOptimize(c.kept.data());
+    benchmark::ClobberMemory();
+  }
+  c.set_counters(state);
+}
+
+void BM_flat_nth_element(benchmark::State& state) {
+  select_case c(state);
+  const index_t n = c.rows * c.tokens, total = c.rows * c.k;
+  std::vector<std::int64_t> idx(static_cast<std::size_t>(n));
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(c.rows + 1));
+  const float* s = c.scores.data();
+  for (auto _ : state) {  // no floors here: the flat baseline is the unconstrained layer top-k
+    std::iota(idx.begin(), idx.end(), 0);
+    std::nth_element(idx.begin(), idx.begin() + total, idx.end(),
+                     [s](std::int64_t a, std::int64_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+    std::sort(idx.begin(), idx.begin() + total);  // row-major index order = (row, position) ascending
+    std::fill(cu.begin(), cu.end(), 0);
+    for (index_t i = 0; i < total; ++i) {
+      ++cu[static_cast<std::size_t>(idx[i] / c.tokens + 1)];
+      c.kept[static_cast<std::size_t>(i)] = static_cast<pos_t>(idx[i] % c.tokens);
+    }
+    for (index_t r = 0; r < c.rows; ++r) cu[r + 1] += cu[r];
+    benchmark::DoNotOptimize(c.kept.data());
+    benchmark::ClobberMemory();
+  }
+  c.set_counters(state);
+}
+
 void shapes(benchmark::internal::Benchmark* b) {
   b->Args({8, 32768, 2048, 0})->Args({32, 131072, 4096, 0})->Args({8, 32768, 2048, 1})->Args({32, 131072, 4096, 1});
   b->Unit(benchmark::kMicrosecond)->UseRealTime();
@@ -102,4 +148,7 @@ BENCHMARK_CAPTURE(BM_std, partial_sort_seq, baseline::partial_sort, false)->Appl
 BENCHMARK_CAPTURE(BM_kvevict, par, par)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_std, nth_element_sort_par, baseline::nth_element, true)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_std, partial_sort_par, baseline::partial_sort, true)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_flat_kvevict, seq, seq)->Args({32, 32768, 2048, 0})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_flat_kvevict, par, par)->Args({32, 32768, 2048, 0})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_flat_nth_element)->Args({32, 32768, 2048, 0})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK_MAIN();

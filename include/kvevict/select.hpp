@@ -180,7 +180,7 @@ status select_topk(Backend be, workspace& ws, matrix_view<const float> scores, c
 /// positions, ascending, at kept_pos[kept_cu[r] ..] (room for `total` positions). A budget
 /// allocator that needs only the counts passes kept_pos = nullptr; {kept_pos, kept_cu, R} is a
 /// ragged_positions list for compact().
-/// Workspace: the dense form's plus 16 KiB per thread + 16 KiB + 56 B x R (docs/select.md).
+/// Workspace: the dense form's plus 16 KiB + 8280 B x R (docs/select.md).
 /// Errors: the dense form's view, length and workspace errors; total < 0 or > sum of the row
 /// lengths, or > INT32_MAX (invalid_argument); floors[r] outside [0, row_lengths[r]] (out_of_range);
 /// sum(floors) > total (invalid_argument); kept_cu null (null_pointer); kept_cu or kept_pos

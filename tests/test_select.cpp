@@ -478,6 +478,14 @@ TEST_CASE("select_topk: all-equal rows keep the lowest positions, heavy ties spl
       REQUIRE(kv(1, j) == row1[j]);
       REQUIRE(kv(2, j) == j);
     }
+    // the same into a transposed kept view ([R][k] with strides (1, R)): identical positions
+    std::vector<pos_t> out_t(out.size(), -1);
+    using exts = cuda::std::dextents<index_t, 2>;
+    matrix_view<pos_t> kt(out_t.data(),
+                          cuda::std::layout_stride::mapping<exts>(exts(R, 30001), cuda::std::array<index_t, 2>{1, R}));
+    REQUIRE(with_workspace([&](workspace& ws) { return select_topk(par_t{threads}, ws, view, nullptr, kt); }, mem).ok());
+    for (index_t r = 0; r < R; ++r)
+      for (index_t j = 0; j < 30001; ++j) REQUIRE(kt(r, j) == kv(r, j));
   }
 }
 

@@ -368,9 +368,16 @@ inline void histogram_remaining(const score_row& row, index_t n, std::uint64_t l
   for (index_t i = 0; i < n; i += key_block) {
     const index_t nb = std::min(key_block, n - i);
     load_keys(row, i, nb, keys);
-    for (index_t j = 0; j < nb; ++j) {  // few keys pass after pass 0, most before: predictable
-      const std::uint32_t key = keys[j];
-      if ((all_below || key < lim) && (key & mask) == prefix) ++h[(key >> sh) & dmask];
+    if (pass == 1) {  // a random part of the keys counts: branch-free
+      for (index_t j = 0; j < nb; ++j) {
+        const std::uint32_t key = keys[j];
+        h[(key >> sh) & dmask] += ((all_below || key < lim) && (key & mask) == prefix) ? 1u : 0u;
+      }
+    } else {  // pass 0: nearly every key counts; pass 2: nearly none (predictable branches)
+      for (index_t j = 0; j < nb; ++j) {
+        const std::uint32_t key = keys[j];
+        if ((all_below || key < lim) && (key & mask) == prefix) ++h[(key >> sh) & dmask];
+      }
     }
   }
 }

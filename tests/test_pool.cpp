@@ -290,7 +290,7 @@ TEST_CASE("pool1d: bad input gives specific errors and writes nothing") {
   require_error(pool1d(seq, iv, null_out, pool_kind::max, 3), errc::null_pointer, "pool1d: out: data is null");
 }
 
-TEST_CASE("score order: score_key is an order-preserving bijection (the order of every max)") {
+TEST_CASE("score order: total_order_key is an order-preserving bijection (the order of every max)") {
   auto g = kvtest::rng(99);
   std::vector<float> samples = {inf, -inf, 0.f, -0.f, qnan, -qnan, std::numeric_limits<float>::max(),
                                 std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min()};
@@ -307,10 +307,10 @@ TEST_CASE("score order: score_key is an order-preserving bijection (the order of
   }
   for (std::size_t i = 0; i < samples.size(); ++i) {
     const float a = samples[i], b = samples[(i * 7919 + 13) % samples.size()];
-    REQUIRE(bits(detail::score_from_key(detail::score_key(a))) == bits(a));
-    REQUIRE(detail::score_greater(a, b) == ranks_above(a, b));
-    REQUIRE(bits(detail::score_max(a, b)) == bits(ranks_above(b, a) ? b : a));
+    REQUIRE(bits(detail::total_order_from_key(detail::total_order_key(a))) == bits(a));
+    REQUIRE(detail::total_order_greater(a, b) == ranks_above(a, b));
+    REQUIRE(bits(detail::total_order_max(a, b)) == bits(ranks_above(b, a) ? b : a));
   }
-  CHECK(detail::score_key(-inf) == 0x00fffffeu);  // exactly the 2^24 - 2 NaN patterns rank below -inf
-  CHECK(detail::score_key(inf) == 0xffffffffu);
+  CHECK(detail::total_order_key(-inf) == 0x00fffffeu);  // exactly the 2^24 - 2 NaN patterns rank below -inf
+  CHECK(detail::total_order_key(inf) == 0xffffffffu);
 }

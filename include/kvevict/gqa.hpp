@@ -52,7 +52,7 @@ namespace detail {
 
 /// acc <- acc (op) x, for the j-th member of a group (j >= 1); acc starts as the member j = 0.
 KVEVICT_HOST_DEVICE inline float gqa_combine(gqa_op op, float acc, float x) noexcept {
-  return op == gqa_op::max ? score_max(acc, x) : acc + x;
+  return op == gqa_op::max ? total_order_max(acc, x) : acc + x;
 }
 /// The reduced score of a group of g members from its accumulator.
 KVEVICT_HOST_DEVICE inline float gqa_finish(gqa_op op, float acc, index_t g) noexcept {

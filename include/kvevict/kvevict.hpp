@@ -12,6 +12,7 @@
 #include <kvevict/protect.hpp>
 #include <kvevict/prulong.hpp>
 #include <kvevict/score.hpp>
+#include <kvevict/select.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/weight.hpp>

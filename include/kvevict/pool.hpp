@@ -74,11 +74,11 @@ namespace detail {
 struct pool_max_traits {
   using value = std::uint32_t;
   static constexpr bool is_max = true;
-  KVEVICT_HOST_DEVICE static value load(float x) noexcept { return score_key(x); }
+  KVEVICT_HOST_DEVICE static value load(float x) noexcept { return total_order_key(x); }
   KVEVICT_HOST_DEVICE static value op(value a, value b) noexcept { return a > b ? a : b; }
   KVEVICT_HOST_DEVICE static void stash(float* y, value v) noexcept { *y = bits_float(v); }
   KVEVICT_HOST_DEVICE static value unstash(const float* y) noexcept { return float_bits(*y); }
-  KVEVICT_HOST_DEVICE static float finish(value v) noexcept { return score_from_key(v); }
+  KVEVICT_HOST_DEVICE static float finish(value v) noexcept { return total_order_from_key(v); }
 };
 /// Average pooling sums floats.
 struct pool_sum_traits {

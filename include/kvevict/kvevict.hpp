@@ -11,6 +11,7 @@
 #include <kvevict/pool.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/prulong.hpp>
+#include <kvevict/recipes.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/select.hpp>
 #include <kvevict/status.hpp>

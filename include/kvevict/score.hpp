@@ -376,6 +376,47 @@ status attention_scores(Backend be, workspace& ws, kv_view<Q> queries, kv_view<K
                                                         out, opt);
 }
 
+/// Workspace bytes attention_scores needs on backend `be` for a block of `w` queries in
+/// `query_heads` heads over `prefix_len` prefix keys in `kv_heads` heads of dimension `dim`, with
+/// or without the block's own keys, writing `out_cols` columns (prefix_len, or prefix_len + w with
+/// block keys): what its size query reports, without views (for composite stages and engines
+/// that size one arena per shape). Errors: the shape errors of attention_scores.
+template <class Backend>
+result<std::size_t> attention_scores_workspace_size(Backend be, index_t query_heads, index_t kv_heads, index_t w,
+                                                    index_t prefix_len, index_t dim, bool block_keys,
+                                                    index_t out_cols, const score_options& opt = {}) {
+  constexpr const char* fn = "attention_scores_workspace_size";
+  KVEVICT_TRY(detail::check_score_options(fn, opt));
+  if (query_heads < 0 || kv_heads <= 0 || w <= 0 || prefix_len < 0 || dim <= 0 || out_cols < 0)
+    return status::error(errc::invalid_argument,
+                         "%s: shapes must be positive (query_heads %lld, kv_heads %lld, w %lld, prefix_len %lld, dim "
+                         "%lld, out_cols %lld)",
+                         fn, static_cast<long long>(query_heads), static_cast<long long>(kv_heads),
+                         static_cast<long long>(w), static_cast<long long>(prefix_len), static_cast<long long>(dim),
+                         static_cast<long long>(out_cols));
+  if (query_heads % kv_heads != 0)
+    return status::error(errc::shape_mismatch, "%s: %lld query heads are not a multiple of %lld KV heads (GQA)", fn,
+                         static_cast<long long>(query_heads), static_cast<long long>(kv_heads));
+  detail::score_shape sh;
+  sh.hq = query_heads;
+  sh.hkv = kv_heads;
+  sh.group = query_heads / kv_heads;
+  sh.w = w;
+  sh.p = prefix_len;
+  sh.d = dim;
+  sh.has_block = block_keys;
+  if (!detail::checked_add(prefix_len, block_keys ? w : 0, sh.cols))
+    return status::error(errc::size_overflow, "%s: P + w overflows", fn);
+  if (out_cols != sh.p && !(block_keys && out_cols == sh.cols))
+    return status::error(errc::shape_mismatch, "%s: out_cols %lld is neither P = %lld nor P + w = %lld", fn,
+                         static_cast<long long>(out_cols), static_cast<long long>(sh.p),
+                         static_cast<long long>(sh.cols));
+  sh.out_cols = out_cols;
+  detail::score_plan pl;
+  KVEVICT_TRY(detail::make_score_plan(fn, sh, detail::score_threads(be), opt, pl));
+  return static_cast<std::size_t>(pl.slot_floats * pl.threads) * sizeof(float);
+}
+
 /// prefix = keys[:, :T-w], window = keys[:, T-w:] as strided views of the same memory (no copies).
 /// Errors: invalid view; w outside [0, T].
 template <class T>

@@ -81,6 +81,18 @@ struct lengths_of {
 
 }  // namespace detail
 
+/// Workspace bytes select_topk (dense or ragged) needs on backend `be` for score rows of
+/// `columns` columns: what its size query reports, without views (for composite stages and
+/// engines that size one arena per shape). Never fails for columns >= 0.
+template <class Backend>
+std::size_t select_topk_workspace_size(Backend be, index_t columns) {
+  workspace q;
+  detail::workspace_carver carver(q);
+  (void)detail::carve_select_ws(carver, columns < 0 ? 0 : columns, detail::worker_count(be));
+  (void)carver.finish("select_topk_workspace_size");
+  return q.bytes;
+}
+
 /// Dense top-k: row r of `kept` ([R][k], k = kept.extent(1)) receives, in ascending order, the
 /// positions of the k best scores among row r's first row_lengths[r] columns (all T if
 /// row_lengths is null). Every row keeps exactly k tokens; k == 0 and k == length are valid.

@@ -572,11 +572,11 @@ TEST_CASE("adakv_budgets: errors") {
 }
 
 // ================================================================================================
-TEST_CASE("lava_layer_entropy: Eq. 7-8 over the unprotected entries, both normalisations") {
+TEST_CASE("lava_layer_entropy: Eq. 7-8 over the unprotected entries, both normalisations, seq == par") {
   for (std::uint64_t seed = 1; seed <= 200; ++seed) {
     CAPTURE(seed);
     auto g = kvtest::rng(seed);
-    const index_t H = uniform_int(g, 1, 6), T = uniform_int(g, 1, 120);
+    const index_t H = seed % 10 == 0 ? uniform_int(g, 60, 150) : uniform_int(g, 1, 6), T = uniform_int(g, 1, 120);
     const protection p{uniform_int(g, 0, 3), uniform_int(g, 0, 10)};
     std::vector<std::int32_t> lengths(static_cast<std::size_t>(H), static_cast<std::int32_t>(T));
     const bool ragged = seed % 2 == 0;
@@ -601,7 +601,10 @@ TEST_CASE("lava_layer_entropy: Eq. 7-8 over the unprotected entries, both normal
       opt.prot = p;
       opt.norm = norm;
       double got = -1;
-      REQUIRE(lava_layer_entropy(cmat(s, H, T), ragged ? lengths.data() : nullptr, opt, &got).ok());
+      REQUIRE(lava_layer_entropy(seq, cmat(s, H, T), ragged ? lengths.data() : nullptr, opt, &got).ok());
+      double got_par = -2;
+      REQUIRE(lava_layer_entropy(par_t{3}, cmat(s, H, T), ragged ? lengths.data() : nullptr, opt, &got_par).ok());
+      CHECK(std::memcmp(&got, &got_par, sizeof got) == 0);  // identical bits
       long double expect = 0;
       const auto M = static_cast<long double>(e.size());
       if (!e.empty() && S > 0 && !(norm == entropy_norm::log_count && e.size() <= 1))
@@ -616,34 +619,34 @@ TEST_CASE("lava_layer_entropy: Eq. 7-8 over the unprotected entries, both normal
   // uniform scores: normalised entropy 1 (log_count)
   std::vector<float> u(3 * 10, 0.25f);
   double e = 0;
-  REQUIRE(lava_layer_entropy(cmat(u, 3, 10), nullptr, {}, &e).ok());
+  REQUIRE(lava_layer_entropy(seq, cmat(u, 3, 10), nullptr, {}, &e).ok());
   CHECK(e == doctest::Approx(1.0).epsilon(1e-12));
   // one dominant entry: 0
   std::vector<float> d(3 * 10, 0.0f);
   d[4] = 2.0f;
-  REQUIRE(lava_layer_entropy(cmat(d, 3, 10), nullptr, {}, &e).ok());
+  REQUIRE(lava_layer_entropy(seq, cmat(d, 3, 10), nullptr, {}, &e).ok());
   CHECK(e == 0.0);
   std::vector<float> zeros(3 * 10, 0.0f);
-  REQUIRE(lava_layer_entropy(cmat(zeros, 3, 10), nullptr, {}, &e).ok());
+  REQUIRE(lava_layer_entropy(seq, cmat(zeros, 3, 10), nullptr, {}, &e).ok());
   CHECK(e == 0.0);
 
   auto bad = u;
   bad[5] = qnan;
-  require_error(lava_layer_entropy(cmat(bad, 3, 10), nullptr, {}, &e), errc::invalid_argument, "scores[0][5] = nan");
+  require_error(lava_layer_entropy(seq, cmat(bad, 3, 10), nullptr, {}, &e), errc::invalid_argument, "scores[0][5] = nan");
   bad[5] = -1.0f;
-  require_error(lava_layer_entropy(cmat(bad, 3, 10), nullptr, {}, &e), errc::invalid_argument, "scores[0][5] = -1");
+  require_error(lava_layer_entropy(seq, cmat(bad, 3, 10), nullptr, {}, &e), errc::invalid_argument, "scores[0][5] = -1");
   bad[5] = inf;
-  require_error(lava_layer_entropy(cmat(bad, 3, 10), nullptr, {}, &e), errc::invalid_argument, "scores[0][5] = inf");
+  require_error(lava_layer_entropy(seq, cmat(bad, 3, 10), nullptr, {}, &e), errc::invalid_argument, "scores[0][5] = inf");
   lava_entropy_options prot_opt;
   prot_opt.prot = {0, 5};
-  REQUIRE(lava_layer_entropy(cmat(bad, 3, 10), nullptr, prot_opt, &e).ok());  // position 5 protected: ignored
-  require_error(lava_layer_entropy(cmat(u, 0, 10), nullptr, {}, &e), errc::invalid_argument, "0 heads");
-  require_error(lava_layer_entropy(cmat(u, 3, 10), nullptr, {}, nullptr), errc::null_pointer, "entropy is null");
+  REQUIRE(lava_layer_entropy(seq, cmat(bad, 3, 10), nullptr, prot_opt, &e).ok());  // position 5 protected: ignored
+  require_error(lava_layer_entropy(seq, cmat(u, 0, 10), nullptr, {}, &e), errc::invalid_argument, "0 heads");
+  require_error(lava_layer_entropy(seq, cmat(u, 3, 10), nullptr, {}, nullptr), errc::null_pointer, "entropy is null");
   const std::vector<std::int32_t> badlen = {1, 11, 2};
-  require_error(lava_layer_entropy(cmat(u, 3, 10), badlen.data(), {}, &e), errc::out_of_range, "lengths[1] = 11");
+  require_error(lava_layer_entropy(seq, cmat(u, 3, 10), badlen.data(), {}, &e), errc::out_of_range, "lengths[1] = 11");
   lava_entropy_options bn;
   bn.norm = static_cast<entropy_norm>(3);
-  require_error(lava_layer_entropy(cmat(u, 3, 10), nullptr, bn, &e), errc::invalid_argument, "unknown entropy_norm");
+  require_error(lava_layer_entropy(seq, cmat(u, 3, 10), nullptr, bn, &e), errc::invalid_argument, "unknown entropy_norm");
 }
 
 TEST_CASE("lava_layer_budgets: exact, proportional to the entropies within the rounding rule, capped") {
@@ -733,7 +736,7 @@ void cascade_matches_reselection(Backend be, cascade_split split, std::uint64_t 
       if (split == cascade_split::flattened) {
         lava_entropy_options eo;
         eo.prot = cfg.prot;
-        REQUIRE(lava_layer_entropy(cmat(s, H, N), nullptr, eo, &weights[static_cast<std::size_t>(m)]).ok());
+        REQUIRE(lava_layer_entropy(seq, cmat(s, H, N), nullptr, eo, &weights[static_cast<std::size_t>(m)]).ok());
       } else {
         weights[static_cast<std::size_t>(m)] = uniform_int(g, 0, 6) == 0 ? 0.0 : static_cast<double>(uniform_int(g, 1, 1000));
       }
@@ -939,7 +942,8 @@ TEST_CASE("layer_cascade: errors") {
   CHECK(c.layers_added() == 0);  // nothing happened
   REQUIRE(c.add_layer(seq, ws, 0, cmat(s, 2, 10), 1.0).ok());
   REQUIRE(c.add_layer(seq, ws, 1, cmat(s, 2, 10), 1.0).ok());
-  require_error(c.add_layer(seq, ws, 2, cmat(s, 2, 10), 1.0), errc::invalid_argument, "layer 2 given");
+  require_error(c.add_layer(seq, ws, 2, cmat(s, 2, 10), 1.0), errc::invalid_argument,
+                "layer 2 given, but all 2 layers were added already");
 }
 
 // ================================================================================================
@@ -1267,7 +1271,7 @@ TEST_CASE("docs example: LAVa end to end, one layer at a time, with cascading") 
     double e = 0;
     lava_entropy_options eo;
     eo.prot = cfg.prot;
-    REQUIRE(lava_layer_entropy(cmat(sp, Hkv, T), nullptr, eo, &e).ok());
+    REQUIRE(lava_layer_entropy(seq, cmat(sp, Hkv, T), nullptr, eo, &e).ok());
     workspace cws;
     REQUIRE(cascade.add_layer(seq, cws, l, cmat(sp, Hkv, T), e).ok());
     cws = alloc_ws(wsbuf2, cws.bytes);

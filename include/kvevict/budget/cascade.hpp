@@ -162,9 +162,12 @@ class layer_cascade {
     if (ws.bytes < need)
       return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
                            fn, ws.bytes, need);
-    if (layer != added_ || layer >= L)
-      return status::error(errc::invalid_argument, "%s: layer %lld given, expected layer %lld (layers come in order, %lld in all)",
-                           fn, static_cast<long long>(layer), static_cast<long long>(added_), static_cast<long long>(L));
+    if (added_ == L)
+      return status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added already", fn,
+                           static_cast<long long>(layer), static_cast<long long>(L));
+    if (layer != added_)
+      return status::error(errc::invalid_argument, "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
+                           static_cast<long long>(layer), static_cast<long long>(added_));
     if (!(weight >= 0.0) || weight - weight != 0.0)
       return status::error(errc::invalid_argument, "%s: the weight (entropy / preference) of layer %lld is %g (must be "
                            "finite and >= 0)", fn, static_cast<long long>(layer), weight);

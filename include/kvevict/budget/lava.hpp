@@ -1,7 +1,7 @@
 // kvevict/budget/lava.hpp: LAVa's layer budgets (Shen et al., §4.2, Eq. 7-8): layers whose LAVa
 // scores are more uncertain (higher normalised entropy) keep more. docs/budget.md.
 //
-//   lava_layer_entropy(scores, lengths, opt, &e)   e_l of one layer (Eq. 7-8)
+//   lava_layer_entropy(be, scores, lengths, opt, &e) e_l of one layer (Eq. 7-8)
 //   lava_layer_budgets(e, L, H, N, prot, total, out) one-shot (post-fill) layer totals
 //   layer_cascade (budget/cascade.hpp)              the layer-by-layer version (Algorithm 2)
 //
@@ -9,7 +9,9 @@
 // select_topk_flat(be, ws, scores, lengths, layer_total, nullptr, cu, pos).
 #pragma once
 
+#include <kvevict/backend.hpp>
 #include <kvevict/budget/common.hpp>
+#include <kvevict/detail/parallel.hpp>
 
 #include <cmath>
 
@@ -35,14 +37,16 @@ struct lava_entropy_options {
 /// columns, all T when lengths is null), p = s / sum(s) and
 ///   e = -sum p log p / log M   (log_count, default)      e = -sum p log p / M   (count)
 /// with M the number of those entries and 0 log 0 = 0. e = 0 when M <= 1 (log_count), M = 0, or
-/// every score is 0. Sums in double, in row-major order (deterministic; LAVa's code adds 1e-16
-/// inside the division and the log, which changes e by ~1e-16 relative). O(H T), one thread.
+/// every score is 0. Sums in double: per head in column order, heads combined in order, so seq and
+/// par give identical bits (LAVa's code adds 1e-16 inside the division and the log, which changes e
+/// by ~1e-16 relative). Two passes over the scores, one log per entry; parallel over heads.
 /// Both normalisations give the same layer budgets whenever every layer has the same M (the same
 /// heads and prompt): the budgets are proportional to e and the normaliser is a common factor.
 /// Errors: invalid view; no heads; lengths outside [0, T]; negative n_sink/n_recent; unknown norm;
 /// an unprotected score NaN, negative or +inf (NaN entropies are refused); entropy null.
-inline status lava_layer_entropy(matrix_view<const float> scores, const std::int32_t* lengths,
-                                 const lava_entropy_options& opt, double* entropy) {
+template <class Backend>
+status lava_layer_entropy(Backend be, matrix_view<const float> scores, const std::int32_t* lengths,
+                          const lava_entropy_options& opt, double* entropy) {
   constexpr const char* fn = "lava_layer_entropy";
   KVEVICT_TRY(detail::check_view(fn, "scores", scores));
   if (entropy == nullptr) return status::error(errc::null_pointer, "%s: entropy is null", fn);
@@ -64,34 +68,65 @@ inline status lava_layer_entropy(matrix_view<const float> scores, const std::int
     const index_t rb = opt.prot.n_recent < len ? len - opt.prot.n_recent : 0;
     *e = rb > *b ? rb : *b;
   };
+  // pass 1: per-head sums (and the first offending entry), 64 heads at a time on the stack
+  constexpr index_t chunk = 64;
+  struct head_sum {
+    double sum = 0.0;
+    index_t bad = -1;
+  };
+  head_sum part[chunk];
   double S = 0.0;
   index_t M = 0;
-  for (index_t h = 0; h < H; ++h) {
-    index_t b = 0, e = 0;
-    range(h, &b, &e);
-    M += e - b;
-    for (index_t t = b; t < e; ++t) {
-      const float v = scores(h, t);
-      if (!(v >= 0.0f) || v == detail::bits_float(0x7f800000u))
+  for (index_t h0 = 0; h0 < H; h0 += chunk) {
+    const index_t n = H - h0 < chunk ? H - h0 : chunk;
+    detail::parallel_for(be, n, [&](index_t k) {
+      index_t b = 0, e = 0;
+      range(h0 + k, &b, &e);
+      head_sum hs;
+      for (index_t t = b; t < e; ++t) {
+        const float v = scores(h0 + k, t);
+        if (!(v >= 0.0f) || v == detail::bits_float(0x7f800000u)) {
+          hs.bad = t;
+          break;
+        }
+        hs.sum += static_cast<double>(v);
+      }
+      part[k] = hs;
+    });
+    for (index_t k = 0; k < n; ++k) {
+      if (part[k].bad >= 0) {
+        const float v = scores(h0 + k, part[k].bad);
         return status::error(errc::invalid_argument,
                              "%s: scores[%lld][%lld] = %g (unprotected LAVa scores must be finite and >= 0; a NaN "
                              "would make the entropy NaN)",
-                             fn, static_cast<long long>(h), static_cast<long long>(t), static_cast<double>(v));
-      S += static_cast<double>(v);
+                             fn, static_cast<long long>(h0 + k), static_cast<long long>(part[k].bad),
+                             static_cast<double>(v));
+      }
+      index_t b = 0, e = 0;
+      range(h0 + k, &b, &e);
+      M += e - b;
+      S += part[k].sum;
     }
   }
   if (M == 0 || !(S > 0.0) || (opt.norm == entropy_norm::log_count && M <= 1)) {
     *entropy = 0.0;
     return {};
   }
-  double acc = 0.0;  // sum p log p
-  for (index_t h = 0; h < H; ++h) {
-    index_t b = 0, e = 0;
-    range(h, &b, &e);
-    for (index_t t = b; t < e; ++t) {
-      const double p = static_cast<double>(scores(h, t)) / S;
-      if (p > 0.0) acc += p * std::log(p);
-    }
+  // pass 2: sum p log p per head, heads combined in order
+  double acc = 0.0;
+  for (index_t h0 = 0; h0 < H; h0 += chunk) {
+    const index_t n = H - h0 < chunk ? H - h0 : chunk;
+    detail::parallel_for(be, n, [&](index_t k) {
+      index_t b = 0, e = 0;
+      range(h0 + k, &b, &e);
+      double a = 0.0;
+      for (index_t t = b; t < e; ++t) {
+        const double p = static_cast<double>(scores(h0 + k, t)) / S;
+        if (p > 0.0) a += p * std::log(p);
+      }
+      part[k].sum = a;
+    });
+    for (index_t k = 0; k < n; ++k) acc += part[k].sum;
   }
   const double ent = acc < 0.0 ? -acc : 0.0;
   *entropy = opt.norm == entropy_norm::log_count ? ent / std::log(static_cast<double>(M)) : ent / static_cast<double>(M);

@@ -1,0 +1,177 @@
+// kvevict/budget/cake.hpp: CAKE's layer preferences and budgets (Qin et al., ICLR 2025; LAVa
+// appendix B Eq. 23-24; CAKE's public code cake/model/modify_*.py and cake/cake_cache.py).
+// docs/budget.md.
+//
+//   cake_layer_stats(be, attention, &stats)   H_l (entropy) and V_l (variance) of a layer's window attention
+//   cake_preference(stats, opt, &p)           P_l = H_l^(1/tau1) V_l^(1/tau2)
+//   cake_budgets(p, L, B, N, prot, out)       one-shot per-head budgets proportional to P_l
+//   layer_cascade (budget/cascade.hpp)        CAKE's cascading (per_head split)
+//
+// CAKE's eviction indicator (mean + gamma var of the window attention, gamma = 200) is the score
+// stage's score_reduce::mean_plus_variance; within a layer every head keeps the same number of tokens.
+#pragma once
+
+#include <kvevict/backend.hpp>
+#include <kvevict/budget/common.hpp>
+#include <kvevict/budget/lava.hpp>
+#include <kvevict/detail/parallel.hpp>
+#include <kvevict/score.hpp>
+
+#include <cmath>
+
+namespace kvevict {
+
+/// A layer's attention statistics (CAKE's "spatial dispersion" and "temporal shift").
+struct cake_stats {
+  double entropy = 0.0;   ///< H_l = -sum p log p over every head, window row and column
+  double variance = 0.0;  ///< V_l = sum over heads and columns of the variance over the window rows
+};
+
+struct cake_options {
+  /// P_l = H_l^(1/tau1) V_l^(1/tau2). CAKE's code falls back to tau1 = tau2 = 1 when a model has no
+  /// tuned values (its config/model2tau.json tunes them per model and cache size, e.g. 1.6 and 0.4
+  /// for Llama-3.1-8B at 1024). Finite, > 0.
+  double tau1 = 1.0;
+  double tau2 = 1.0;
+};
+
+namespace detail {
+
+struct cake_row {
+  double entropy = 0.0, variance = 0.0;
+  index_t bad_i = -1, bad_j = -1;
+  float bad = 0.0f;
+};
+
+inline cake_row cake_row_stats(const kv_view<const float>& a, index_t r, variance_estimator var) {
+  cake_row out;
+  const index_t w = a.extent(1), C = a.extent(2);
+  for (index_t i = 0; i < w; ++i)
+    for (index_t j = 0; j < C; ++j) {
+      const float p = a(r, i, j);
+      if (!(p >= 0.0f && p <= 1.0f)) {
+        out.bad_i = i;
+        out.bad_j = j;
+        out.bad = p;
+        return out;
+      }
+      if (p > 0.0f) out.entropy -= static_cast<double>(p) * std::log(static_cast<double>(p));
+    }
+  const double div = var == variance_estimator::biased ? static_cast<double>(w) : static_cast<double>(w - 1);
+  if (w <= 1 && var == variance_estimator::unbiased) return out;  // defined as 0 (score.hpp's rule)
+  for (index_t j = 0; j < C; ++j) {
+    double mean = 0.0;
+    for (index_t i = 0; i < w; ++i) mean += static_cast<double>(a(r, i, j));
+    mean /= static_cast<double>(w);
+    double m2 = 0.0;
+    for (index_t i = 0; i < w; ++i) {
+      const double d = static_cast<double>(a(r, i, j)) - mean;
+      m2 += d * d;
+    }
+    out.variance += m2 / div;
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// CAKE's layer statistics from the attention probabilities of the observation window:
+/// attention [R][w][C] (logical [head][window row][column]: one row per query head, the softmax over
+/// each row's whole visible context, restricted to the C prefix columns — CAKE's code slices
+/// tmp_attn_weights[:, :, -w:, :-w]; any strides):
+///   entropy  = -sum_{r,i,j} p log p     (0 log 0 = 0; CAKE's code: p log(p + 1e-10))
+///   variance = sum_{r,j} var_i p_{r,i,j} (unbiased: / (w - 1), torch.var's default and CAKE's; 0 for
+///              w = 1; biased: / w)
+/// The paper (LAVa appendix B Eq. 23) writes these over every prefill step t in [j, N]; the public
+/// code, followed here, uses the w window rows. Sums in double: per row in (i, j) order, rows combined
+/// in order, so seq and par give identical bits. O(R w C) with a log per element, parallel over rows.
+/// The score stage never materialises attention; an engine that does not have it (eager attention)
+/// computes the window rows' probabilities itself (docs/budget.md, "Not done").
+/// Errors: invalid view; a probability NaN or outside [0, 1]; unknown estimator; out null.
+template <class Backend>
+status cake_layer_stats(Backend be, kv_view<const float> attention, cake_stats* out,
+                        variance_estimator var = variance_estimator::unbiased) {
+  constexpr const char* fn = "cake_layer_stats";
+  KVEVICT_TRY(detail::check_view(fn, "attention", attention));
+  if (out == nullptr) return status::error(errc::null_pointer, "%s: out is null", fn);
+  if (var != variance_estimator::unbiased && var != variance_estimator::biased)
+    return status::error(errc::invalid_argument, "%s: unknown variance_estimator value %d", fn, static_cast<int>(var));
+  const index_t R = attention.extent(0);
+  constexpr index_t chunk = 64;
+  detail::cake_row rows[chunk];
+  cake_stats total;
+  for (index_t r0 = 0; r0 < R; r0 += chunk) {
+    const index_t n = R - r0 < chunk ? R - r0 : chunk;
+    detail::parallel_for(be, n, [&](index_t k) { rows[k] = detail::cake_row_stats(attention, r0 + k, var); });
+    for (index_t k = 0; k < n; ++k) {
+      if (rows[k].bad_i >= 0)
+        return status::error(errc::invalid_argument,
+                             "%s: attention[%lld][%lld][%lld] = %g is not a probability in [0, 1]", fn,
+                             static_cast<long long>(r0 + k), static_cast<long long>(rows[k].bad_i),
+                             static_cast<long long>(rows[k].bad_j), static_cast<double>(rows[k].bad));
+      total.entropy += rows[k].entropy;
+      total.variance += rows[k].variance;
+    }
+  }
+  *out = total;
+  return {};
+}
+
+/// P = entropy^(1/tau1) * variance^(1/tau2) (in double; CAKE's code in float32).
+/// Errors: tau1 or tau2 not finite or <= 0; statistics NaN, infinite or negative; a preference that
+/// overflows; pref null.
+inline status cake_preference(const cake_stats& stats, const cake_options& opt, double* pref) {
+  constexpr const char* fn = "cake_preference";
+  if (pref == nullptr) return status::error(errc::null_pointer, "%s: pref is null", fn);
+  if (!(opt.tau1 > 0.0) || opt.tau1 - opt.tau1 != 0.0 || !(opt.tau2 > 0.0) || opt.tau2 - opt.tau2 != 0.0)
+    return status::error(errc::invalid_argument, "%s: tau1 = %g, tau2 = %g (both must be finite and > 0)", fn, opt.tau1,
+                         opt.tau2);
+  if (!(stats.entropy >= 0.0) || stats.entropy - stats.entropy != 0.0 || !(stats.variance >= 0.0) ||
+      stats.variance - stats.variance != 0.0)
+    return status::error(errc::invalid_argument, "%s: entropy = %g, variance = %g (both must be finite and >= 0)", fn,
+                         stats.entropy, stats.variance);
+  const double p = std::pow(stats.entropy, 1.0 / opt.tau1) * std::pow(stats.variance, 1.0 / opt.tau2);
+  if (p - p != 0.0)
+    return status::error(errc::invalid_argument, "%s: the preference overflows (entropy %g, variance %g, tau %g, %g)", fn,
+                         stats.entropy, stats.variance, opt.tau1, opt.tau2);
+  *pref = p;
+  return {};
+}
+
+/// One-shot CAKE budgets (every layer's preference known): per-head budgets out[l][h] ([L][H] int32,
+/// equal over the heads of a layer) with W = protected_count(N, prot), P = B - W:
+///   out[l][h] = W + share_l,   share = apportion(L P, preferences, caps = N - W)
+/// (proportional to P_l, capped at the prompt with the excess re-shared, largest remainder with ties
+/// to the lower layer; all-zero preferences share equally): the model keeps exactly B H L tokens.
+/// CAKE's code (adjust_budgets) truncates the quotas with int(), clamps them to the prompt, spreads the
+/// excess and the deficit evenly over the first layers, and skips compression when N <= B + w.
+/// Errors (nothing written): invalid out; zero layers or heads; prompt_length outside [1, INT32_MAX];
+/// negative n_sink/n_recent; budget negative, below the protected tokens or above the prompt; a
+/// preference NaN, infinite or negative; preferences null.
+inline status cake_budgets(const double* preferences, index_t budget, index_t prompt_length, const protection& prot,
+                           matrix_view<std::int32_t> out) {
+  constexpr const char* fn = "cake_budgets";
+  index_t L = 0, H = 0;
+  KVEVICT_TRY(detail::check_budget_out(fn, out, &L, &H));
+  KVEVICT_TRY(detail::check_prompt_length(fn, prompt_length));
+  KVEVICT_TRY(detail::check_protection(fn, prot));
+  KVEVICT_TRY(detail::check_head_budget(fn, budget, prompt_length, prot));
+  KVEVICT_TRY(detail::check_layer_weights(fn, "preference", preferences, L));
+  const index_t W = protected_count(prompt_length, prot.n_sink, prot.n_recent);
+  const index_t cap = prompt_length - W;
+  struct column0 {
+    matrix_view<std::int32_t> m;
+    index_t get(index_t l) const { return m(l, 0); }
+    void set(index_t l, index_t v) const { m(l, 0) = static_cast<std::int32_t>(v); }
+  };
+  detail::apportion_run(
+      L * (budget - W), L, [preferences](index_t l) { return preferences[l]; }, [cap](index_t) { return cap; },
+      column0{out});
+  for (index_t l = 0; l < L; ++l) {
+    const std::int32_t b = static_cast<std::int32_t>(W + out(l, 0));
+    for (index_t h = 0; h < H; ++h) out(l, h) = b;
+  }
+  return {};
+}
+
+}  // namespace kvevict

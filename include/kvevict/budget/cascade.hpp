@@ -1,0 +1,423 @@
+// kvevict/budget/cascade.hpp: layer-by-layer prefill with cascading budgets (LAVa Algorithm 2,
+// CAKE's cascading cache management). docs/budget.md.
+//
+// The engine prefills one layer at a time. After layer l, the budgets of layers 0..l are recomputed
+// from their weights (LAVa: normalised entropy; CAKE: preference) over the layers prefilled so far,
+// layer l keeps its best tokens, and every lower layer whose budget shrank re-selects from the
+// scores it STORED at its own prefill, restricted to the tokens it still holds. A token once
+// evicted never comes back.
+//
+//   layer_cascade c;
+//   c.init(cfg, memory, layer_cascade::memory_bytes(cfg).value());
+//   for each layer l:
+//     scores_l  = protected scores [H][N] (LAVa: window -> GQA max -> pool -> weight head_max -> protect)
+//     weight_l  = lava_layer_entropy(scores_l) or cake_preference(cake_layer_stats(attention_l))
+//     c.add_layer(be, ws, l, scores_l, weight_l)
+//     compact(be, layer l's K/V, c.kept(l), ragged cache of layer l)         // positions in [0, N)
+//     for j < l with c.changed(j): compact_inplace(be, cache of layer j, c.kept(j))  // rows it held
+#pragma once
+
+#include <kvevict/budget/adakv.hpp>
+#include <kvevict/budget/common.hpp>
+#include <kvevict/select.hpp>
+
+#include <cstring>
+
+namespace kvevict {
+
+/// How a layer's budget is shared by its heads.
+enum class cascade_split : int {
+  /// LAVa (Algorithm 1): a layer total, shared through the flattened selection across heads
+  /// (select_topk_flat, no floors; ties -> lower head, then lower position).
+  flattened = 0,
+  /// CAKE: every head of a layer keeps the same number of tokens (per-head top-k, select_topk).
+  per_head = 1,
+};
+
+struct cascade_config {
+  index_t layers = 0;         ///< L
+  index_t heads = 0;          ///< H: KV heads per layer
+  index_t prompt_length = 0;  ///< N: prompt tokens per head (every layer sees the whole prompt)
+  protection prot;            ///< protected tokens of every head (the scores carry protect(prot))
+  /// Tokens the whole model keeps, protected ones included ("B per head" = B H L). Between L H W
+  /// and L H N (W = protected_count(N, prot)); a multiple of H for the per_head split.
+  index_t total = 0;
+  cascade_split split = cascade_split::flattened;
+};
+
+/// The cascading state (see the file comment). Non-owning: it lives in memory the engine provides
+/// (memory_bytes), about 12 bytes per token the model keeps (score, prompt position and the last
+/// step's kept index) plus O(L H) offsets: the stored scores never exceed cfg.total tokens, because
+/// after every step the layers hold at most the evictable budget plus their protected tokens.
+/// Copying the object copies the pointers (both copies then share the memory).
+///
+/// Budget rule of a step (after layer m): with E the evictable budget (flattened: total - L H W
+/// tokens; per_head: total / H - L W tokens per head) and caps_j the evictable tokens (per head for
+/// per_head) layer j still holds (a new layer: all of them),
+///   alloc_j = apportion(min(E, sum caps), weights_0..m, caps)        (budget/common.hpp)
+/// i.e. proportional to the weights over the layers so far, capped by what each layer holds (which
+/// makes every budget non-increasing over the steps), largest remainder with ties to the lower layer.
+/// A layer keeps H W + alloc_j tokens (flattened) or W + alloc_j per head (per_head). After the last
+/// layer the model keeps exactly cfg.total tokens.
+///
+/// Invariant (tested): each layer's final kept set is what selecting its final budget directly from
+/// its original scores gives (top-k of a top-k is the top-k, with one total order of ties).
+class layer_cascade {
+ public:
+  /// Bytes of memory init() needs for cfg (64 bytes of alignment slack included).
+  /// Errors: as init's configuration errors.
+  static result<std::size_t> memory_bytes(const cascade_config& cfg) {
+    KVEVICT_TRY(validate("layer_cascade::memory_bytes", cfg));
+    return layout_of(cfg).end + 64;
+  }
+
+  /// Binds the state to `memory` (bytes >= memory_bytes(cfg); any alignment) and resets it.
+  /// Errors: zero layers or heads; prompt_length outside [1, INT32_MAX]; negative n_sink/n_recent;
+  /// total negative, below the L H W protected tokens or above the prompt (L H N); per_head with a
+  /// total that is not a multiple of H; H N above INT32_MAX (int32 offsets); unknown split; memory
+  /// null or smaller than memory_bytes (workspace_too_small).
+  status init(const cascade_config& cfg, void* memory, std::size_t bytes) {
+    constexpr const char* fn = "layer_cascade::init";
+    KVEVICT_TRY(validate(fn, cfg));
+    const layout lay = layout_of(cfg);
+    if (memory == nullptr) return status::error(errc::null_pointer, "%s: memory is null", fn);
+    if (bytes < lay.end + 64)
+      return status::error(errc::workspace_too_small, "%s: memory has %zu bytes, %zu needed (memory_bytes)", fn, bytes,
+                           lay.end + 64);
+    auto* base = static_cast<unsigned char*>(memory);
+    base += (64 - reinterpret_cast<std::uintptr_t>(base) % 64) % 64;
+    cfg_ = cfg;
+    mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
+    weight_ = reinterpret_cast<double*>(base + lay.weight);
+    alloc_ = reinterpret_cast<index_t*>(base + lay.alloc);
+    next_ = reinterpret_cast<index_t*>(base + lay.next);
+    off_ = reinterpret_cast<index_t*>(base + lay.off);
+    held_cu_ = reinterpret_cast<std::int32_t*>(base + lay.held_cu);
+    step_cu_ = reinterpret_cast<std::int32_t*>(base + lay.step_cu);
+    changed_ = base + lay.changed;
+    scores_ = reinterpret_cast<float*>(base + lay.scores);
+    pos_ = reinterpret_cast<pos_t*>(base + lay.pos);
+    step_ = reinterpret_cast<pos_t*>(base + lay.step);
+    const index_t L = cfg.layers, H = cfg.heads;
+    W_ = protected_count(cfg.prompt_length, cfg.prot.n_sink, cfg.prot.n_recent);
+    evictable_ = cfg.split == cascade_split::flattened ? cfg.total - L * H * W_ : cfg.total / H - L * W_;
+    for (index_t l = 0; l < L; ++l) {
+      weight_[l] = 0.0;
+      alloc_[l] = 0;
+      next_[l] = 0;
+      changed_[l] = 0;
+      for (index_t h = 0; h <= H; ++h) held_cu_[l * (H + 1) + h] = step_cu_[l * (H + 1) + h] = 0;
+    }
+    for (index_t l = 0; l <= L; ++l) off_[l] = 0;
+    added_ = 0;
+    ready_ = true;
+    broken_ = false;
+    return {};
+  }
+
+  /// Layer `layer` (= layers_added(): layers come in order) was prefilled; `scores` [H][N] are its
+  /// protected scores (protect(cfg.prot): protected positions +inf, no other +inf), `weight` its
+  /// LAVa entropy / CAKE preference. Recomputes the budgets of layers 0..layer, selects this layer's
+  /// kept tokens from `scores` and re-selects the lower layers that must shrink from their stored
+  /// scores. Afterwards kept(j) / changed(j) say what each layer must do to its cache.
+  /// Workspace (two-phase; a query checks the views only and leaves the state alone): the largest
+  /// selection of a step (flattened: select_topk_flat over [H][N] or select_topk over one row of
+  /// min(total, H N) scores; per_head: select_topk over [H][N]); query with the same backend.
+  /// Errors (the state is unchanged): not initialised; scores not [H][N] (shape_mismatch) or
+  /// invalid; layer out of order or >= L; weight NaN, infinite or negative; scores not protected;
+  /// scores or the workspace overlapping the state's memory; workspace too small.
+  template <class Backend>
+  status add_layer(Backend be, workspace& ws, index_t layer, matrix_view<const float> scores, double weight) {
+    constexpr const char* fn = "layer_cascade::add_layer";
+    if (!ready_) return status::error(errc::invalid_argument, "%s: the cascade is not initialised (init)", fn);
+    if (broken_)
+      return status::error(errc::invalid_argument, "%s: an earlier step failed half-way; init() the cascade again", fn);
+    KVEVICT_TRY(detail::check_select_scores(fn, scores));
+    const index_t L = cfg_.layers, H = cfg_.heads, N = cfg_.prompt_length;
+    if (scores.extent(0) != H || scores.extent(1) != N)
+      return status::error(errc::shape_mismatch, "%s: scores is [%lld][%lld], expected [%lld heads][%lld tokens]", fn,
+                           static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
+                           static_cast<long long>(H), static_cast<long long>(N));
+    const bool flat = cfg_.split == cascade_split::flattened;
+    // workspace: the largest selection this object ever runs
+    std::size_t need = 0;
+    {
+      workspace q;
+      if (flat) {
+        KVEVICT_TRY(select_topk_flat(be, q, scores, nullptr, 0, nullptr, step_cu_, nullptr));
+        need = q.bytes;
+        const index_t tmax = cfg_.total < H * N ? cfg_.total : H * N;
+        workspace q2;
+        KVEVICT_TRY(select_topk(be, q2, row_view(scores_, tmax), nullptr, kept_view(step_, 1, 0)));
+        need = q2.bytes > need ? q2.bytes : need;
+      } else {
+        KVEVICT_TRY(select_topk(be, q, scores, nullptr, kept_view(step_, H, 0)));
+        need = q.bytes;
+      }
+    }
+    if (ws.is_query()) {
+      ws.bytes = need;
+      return {};
+    }
+    if (ws.bytes < need)
+      return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
+                           fn, ws.bytes, need);
+    if (added_ == L)
+      return status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added already", fn,
+                           static_cast<long long>(layer), static_cast<long long>(L));
+    if (layer != added_)
+      return status::error(errc::invalid_argument, "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
+                           static_cast<long long>(layer), static_cast<long long>(added_));
+    if (!(weight >= 0.0) || weight - weight != 0.0)
+      return status::error(errc::invalid_argument, "%s: the weight (entropy / preference) of layer %lld is %g (must be "
+                           "finite and >= 0)", fn, static_cast<long long>(layer), weight);
+    const detail::byte_range wr = detail::ws_range(ws);
+    if (mem_.intersects(detail::range_of(scores)))
+      return detail::select_overlap(fn, "scores", "the cascade's memory");
+    if (wr.intersects(mem_)) return detail::select_overlap(fn, "the workspace", "the cascade's memory");
+    if (wr.intersects(detail::range_of(scores))) return detail::select_overlap(fn, "the workspace", "scores");
+    for (index_t h = 0; h < H; ++h) KVEVICT_TRY(detail::check_protected_scores(fn, scores, h, N, cfg_.prot));
+
+    // 1. budgets of layers 0..m
+    const index_t m = layer;
+    weight_[m] = weight;
+    const index_t new_cap = flat ? H * (N - W_) : N - W_;
+    const auto cap = [&](index_t j) { return j < m ? alloc_[j] : new_cap; };
+    index_t cap_sum = 0;
+    for (index_t j = 0; j <= m; ++j) cap_sum += cap(j);
+    const index_t target = evictable_ < cap_sum ? evictable_ : cap_sum;
+    detail::apportion_run(
+        target, m + 1, [this](index_t j) { return weight_[j]; }, cap, detail::array_out<index_t>{next_});
+
+    // 2. lower layers: shrink (re-select from the stored scores) or move down, packed in order
+    status st;
+    index_t at = 0;
+    for (index_t j = 0; j < m && st.ok(); ++j) {
+      st = flat ? reselect_flat(be, ws, j, at) : reselect_per_head(be, ws, j, at);
+      at = off_[j] + count(held_cu(j));
+    }
+    // 3. the new layer
+    if (st.ok()) st = flat ? select_new_flat(be, ws, scores, m, at) : select_new_per_head(be, ws, scores, m, at);
+    if (!st.ok()) {
+      broken_ = true;
+      return st;
+    }
+    for (index_t j = 0; j <= m; ++j) alloc_[j] = next_[j];
+    off_[m + 1] = off_[m] + count(held_cu(m));
+    added_ = m + 1;
+    return {};
+  }
+
+  const cascade_config& config() const noexcept { return cfg_; }
+  /// Layers added so far.
+  index_t layers_added() const noexcept { return added_; }
+  /// Did the last add_layer change what `layer` holds? (The new layer: always.)
+  bool changed(index_t layer) const noexcept { return valid(layer) && changed_[layer] != 0; }
+  /// The last step's kept list of `layer`, per head ascending: for the layer just added, prompt
+  /// positions in [0, N); for a lower layer, indices into the rows it held before the step (what
+  /// compact_inplace on its cache takes; the identity when !changed). Empty for layers not added.
+  ragged_positions kept(index_t layer) const noexcept {
+    if (!valid(layer)) return {};
+    return {step_ + off_[layer], step_cu_ + layer * (cfg_.heads + 1), cfg_.heads};
+  }
+  /// The prompt positions `layer` holds now, per head ascending. Empty for layers not added.
+  ragged_positions positions(index_t layer) const noexcept {
+    if (!valid(layer)) return {};
+    return {pos_ + off_[layer], held_cu(layer), cfg_.heads};
+  }
+  /// The stored scores of those tokens (aligned with positions(layer)); null for layers not added.
+  const float* held_scores(index_t layer) const noexcept { return valid(layer) ? scores_ + off_[layer] : nullptr; }
+  /// Tokens `layer` keeps now, over all heads, protected ones included (0 for layers not added).
+  index_t layer_total(index_t layer) const noexcept { return valid(layer) ? count(held_cu(layer)) : 0; }
+  /// Tokens held by all layers added so far.
+  index_t held_total() const noexcept { return added_ > 0 ? off_[added_] : 0; }
+  /// The weight given for `layer` (0 for layers not added).
+  double weight(index_t layer) const noexcept { return valid(layer) ? weight_[layer] : 0.0; }
+
+ private:
+  struct layout {
+    std::size_t weight = 0, alloc = 0, next = 0, off = 0, held_cu = 0, step_cu = 0, changed = 0, scores = 0, pos = 0,
+                step = 0, end = 0;
+  };
+
+  static layout layout_of(const cascade_config& cfg) {
+    const auto L = static_cast<std::size_t>(cfg.layers), H = static_cast<std::size_t>(cfg.heads);
+    const auto cap = static_cast<std::size_t>(cfg.total);
+    layout y;
+    std::size_t o = 0;
+    const auto take = [&o](std::size_t bytes) {
+      const std::size_t at = o;
+      o = (o + bytes + 63) / 64 * 64;
+      return at;
+    };
+    y.weight = take(L * sizeof(double));
+    y.alloc = take(L * sizeof(index_t));
+    y.next = take(L * sizeof(index_t));
+    y.off = take((L + 1) * sizeof(index_t));
+    y.held_cu = take(L * (H + 1) * sizeof(std::int32_t));
+    y.step_cu = take(L * (H + 1) * sizeof(std::int32_t));
+    y.changed = take(L);
+    y.scores = take(cap * sizeof(float));
+    y.pos = take(cap * sizeof(pos_t));
+    y.step = take(cap * sizeof(pos_t));
+    y.end = o;
+    return y;
+  }
+
+  static status validate(const char* fn, const cascade_config& cfg) {
+    KVEVICT_TRY(detail::check_layers_heads(fn, cfg.layers, cfg.heads));
+    KVEVICT_TRY(detail::check_prompt_length(fn, cfg.prompt_length));
+    KVEVICT_TRY(detail::check_protection(fn, cfg.prot));
+    if (cfg.split != cascade_split::flattened && cfg.split != cascade_split::per_head)
+      return status::error(errc::invalid_argument, "%s: unknown cascade_split value %d", fn, static_cast<int>(cfg.split));
+    index_t layer_tokens = 0;
+    if (!detail::checked_mul(cfg.heads, cfg.prompt_length, layer_tokens) || layer_tokens > INT32_MAX)
+      return status::error(errc::invalid_argument, "%s: %lld heads x %lld tokens is above %d per layer (int32 offsets)",
+                           fn, static_cast<long long>(cfg.heads), static_cast<long long>(cfg.prompt_length), INT32_MAX);
+    const index_t W = protected_count(cfg.prompt_length, cfg.prot.n_sink, cfg.prot.n_recent);
+    KVEVICT_TRY(detail::check_model_total(fn, cfg.total, cfg.layers, cfg.heads, cfg.prompt_length, W));
+    if (cfg.split == cascade_split::per_head && cfg.total % cfg.heads != 0)
+      return status::error(errc::invalid_argument,
+                           "%s: total budget %lld is not a multiple of the %lld heads (per_head split: every head of "
+                           "a layer keeps the same number)",
+                           fn, static_cast<long long>(cfg.total), static_cast<long long>(cfg.heads));
+    return {};
+  }
+
+  bool valid(index_t layer) const noexcept { return ready_ && layer >= 0 && layer < added_; }
+  std::int32_t* held_cu(index_t layer) const noexcept { return held_cu_ + layer * (cfg_.heads + 1); }
+  std::int32_t* step_cu(index_t layer) const noexcept { return step_cu_ + layer * (cfg_.heads + 1); }
+  index_t count(const std::int32_t* cu) const noexcept { return cu[cfg_.heads]; }
+
+  template <class T>
+  static matrix_view<T> dense(T* p, index_t rows, index_t cols) {
+    using exts = cuda::std::dextents<index_t, 2>;
+    const cuda::std::array<index_t, 2> strides{cols > 0 ? cols : 1, 1};
+    return matrix_view<T>(p, typename cuda::std::layout_stride::template mapping<exts>(exts(rows, cols), strides));
+  }
+  static matrix_view<const float> row_view(const float* p, index_t n) { return dense(p, 1, n); }
+  static matrix_view<const float> dense_view(const float* p, index_t rows, index_t cols) { return dense(p, rows, cols); }
+  static matrix_view<pos_t> kept_view(pos_t* p, index_t rows, index_t cols) { return dense(p, rows, cols); }
+
+  /// Moves layer j's stored tokens from off_[j] to `at` (at <= off_[j]) and writes the identity as its
+  /// kept list.
+  void keep_all(index_t j, index_t at) {
+    const index_t n = count(held_cu(j)), from = off_[j];
+    if (at != from) {
+      std::memmove(scores_ + at, scores_ + from, static_cast<std::size_t>(n) * sizeof(float));
+      std::memmove(pos_ + at, pos_ + from, static_cast<std::size_t>(n) * sizeof(pos_t));
+    }
+    const std::int32_t* cu = held_cu(j);
+    for (index_t h = 0; h < cfg_.heads; ++h)
+      for (std::int32_t i = cu[h]; i < cu[h + 1]; ++i) step_[at + i] = i - cu[h];
+    std::memcpy(step_cu(j), cu, static_cast<std::size_t>(cfg_.heads + 1) * sizeof(std::int32_t));
+    off_[j] = at;
+    changed_[j] = 0;
+  }
+
+  template <class Backend>
+  status reselect_flat(Backend be, workspace& ws, index_t j, index_t at) {
+    if (next_[j] == alloc_[j]) {
+      keep_all(j, at);
+      return {};
+    }
+    const index_t H = cfg_.heads, from = off_[j], n = count(held_cu(j)), k = H * W_ + next_[j];
+    // one row holding the layer's heads back to back: the flat index order (head, then position)
+    // is select_topk_flat's tie order, so this is the flattened selection of what the layer holds
+    KVEVICT_TRY(select_topk(be, ws, row_view(scores_ + from, n), nullptr, kept_view(step_ + at, 1, k)));
+    std::int32_t* old_cu = held_cu(j);
+    std::int32_t* new_cu = step_cu(j);
+    index_t h = 0;
+    new_cu[0] = 0;
+    for (index_t i = 0; i < k; ++i) {  // ascending flat indices; dst <= src, so in place is safe
+      const index_t f = step_[at + i];
+      while (f >= old_cu[h + 1]) new_cu[++h] = static_cast<std::int32_t>(i);
+      step_[at + i] = static_cast<pos_t>(f - old_cu[h]);
+      scores_[at + i] = scores_[from + f];
+      pos_[at + i] = pos_[from + f];
+    }
+    while (h < H) new_cu[++h] = static_cast<std::int32_t>(k);
+    std::memcpy(old_cu, new_cu, static_cast<std::size_t>(H + 1) * sizeof(std::int32_t));
+    off_[j] = at;
+    changed_[j] = 1;
+    return {};
+  }
+
+  template <class Backend>
+  status reselect_per_head(Backend be, workspace& ws, index_t j, index_t at) {
+    if (next_[j] == alloc_[j]) {
+      keep_all(j, at);
+      return {};
+    }
+    const index_t H = cfg_.heads, from = off_[j], c = W_ + alloc_[j], c2 = W_ + next_[j];
+    KVEVICT_TRY(select_topk(be, ws, dense_view(scores_ + from, H, c), nullptr, kept_view(step_ + at, H, c2)));
+    for (index_t h = 0; h < H; ++h)
+      for (index_t i = 0; i < c2; ++i) {  // (h, i) ascending: dst <= src, in place is safe
+        const index_t src = from + h * c + step_[at + h * c2 + i], dst = at + h * c2 + i;
+        scores_[dst] = scores_[src];
+        pos_[dst] = pos_[src];
+      }
+    fill_uniform_cu(j, c2);
+    off_[j] = at;
+    changed_[j] = 1;
+    return {};
+  }
+
+  void fill_uniform_cu(index_t j, index_t per_head) {
+    std::int32_t* a = held_cu(j);
+    std::int32_t* b = step_cu(j);
+    for (index_t h = 0; h <= cfg_.heads; ++h) a[h] = b[h] = static_cast<std::int32_t>(h * per_head);
+  }
+
+  template <class Backend>
+  status select_new_flat(Backend be, workspace& ws, const matrix_view<const float>& scores, index_t m, index_t at) {
+    const index_t H = cfg_.heads, k = H * W_ + next_[m];
+    KVEVICT_TRY(select_topk_flat(be, ws, scores, nullptr, k, nullptr, step_cu(m), step_ + at));
+    std::memcpy(held_cu(m), step_cu(m), static_cast<std::size_t>(H + 1) * sizeof(std::int32_t));
+    const std::int32_t* cu = held_cu(m);
+    for (index_t h = 0; h < H; ++h)
+      for (std::int32_t i = cu[h]; i < cu[h + 1]; ++i) {
+        pos_[at + i] = step_[at + i];
+        scores_[at + i] = scores(h, step_[at + i]);
+      }
+    off_[m] = at;
+    changed_[m] = 1;
+    return {};
+  }
+
+  template <class Backend>
+  status select_new_per_head(Backend be, workspace& ws, const matrix_view<const float>& scores, index_t m, index_t at) {
+    const index_t H = cfg_.heads, c = W_ + next_[m];
+    KVEVICT_TRY(select_topk(be, ws, scores, nullptr, kept_view(step_ + at, H, c)));
+    for (index_t h = 0; h < H; ++h)
+      for (index_t i = 0; i < c; ++i) {
+        const pos_t p = step_[at + h * c + i];
+        pos_[at + h * c + i] = p;
+        scores_[at + h * c + i] = scores(h, p);
+      }
+    fill_uniform_cu(m, c);
+    off_[m] = at;
+    changed_[m] = 1;
+    return {};
+  }
+
+  cascade_config cfg_{};
+  detail::byte_range mem_{};
+  double* weight_ = nullptr;
+  index_t* alloc_ = nullptr;
+  index_t* next_ = nullptr;
+  index_t* off_ = nullptr;
+  std::int32_t* held_cu_ = nullptr;
+  std::int32_t* step_cu_ = nullptr;
+  unsigned char* changed_ = nullptr;
+  float* scores_ = nullptr;
+  pos_t* pos_ = nullptr;
+  pos_t* step_ = nullptr;
+  index_t W_ = 0;
+  index_t evictable_ = 0;
+  index_t added_ = 0;
+  bool ready_ = false;
+  bool broken_ = false;
+};
+
+}  // namespace kvevict

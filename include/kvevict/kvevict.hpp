@@ -2,6 +2,7 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
+#include <kvevict/budget.hpp>
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
 #include <kvevict/gqa.hpp>

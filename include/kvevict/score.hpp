@@ -515,17 +515,22 @@ status tova_scores(Backend be, workspace& ws, kv_view<Q> last_query, kv_view<K> 
 }
 
 namespace detail {
+/// key_sq_accumulate: s + k_0^2 + ... + k_{n-1}^2 left to right (key_norm_score continued over a
+/// further piece of the row, for kernels that stage rows in pieces).
 /// -||k||_2 of one key row: sequential fp32 sum of squares over d, then sqrt (correctly rounded
 /// everywhere, so identical on every backend; mul_rn/add_rn keep nvcc from fusing the terms).
 /// Overflows to -inf only for |k| beyond ~1.8e19.
 template <class K>
-KVEVICT_HOST_DEVICE inline float key_norm_score(const K* k, index_t d, index_t stride) {
-  float s = 0.0f;
-  for (index_t t = 0; t < d; ++t) {
+KVEVICT_HOST_DEVICE inline float key_sq_accumulate(float s, const K* k, index_t n, index_t stride) {
+  for (index_t t = 0; t < n; ++t) {
     const float x = to_float(k[t * stride]);
     s = add_rn(s, mul_rn(x, x));
   }
-  return -sqrtf(s);
+  return s;
+}
+template <class K>
+KVEVICT_HOST_DEVICE inline float key_norm_score(const K* k, index_t d, index_t stride) {
+  return -sqrtf(key_sq_accumulate(0.0f, k, d, stride));
 }
 
 /// The checks of key_norm_scores, shared by every backend.

@@ -73,6 +73,9 @@ inline status check_gqa_shapes(const char* fn, index_t hq, index_t hkv, index_t 
   if (hkv == 0 && hq > 0)
     return status::error(errc::shape_mismatch, "%s: out has 0 KV heads but in has %lld query heads", fn,
                          static_cast<long long>(hq));
+  if (hkv > 0 && hq == 0)
+    return status::error(errc::shape_mismatch, "%s: in has 0 query heads but out has %lld KV heads", fn,
+                         static_cast<long long>(hkv));
   if (hkv > 0 && hq % hkv != 0)
     return status::error(errc::shape_mismatch, "%s: %lld query heads are not a multiple of %lld KV heads", fn,
                          static_cast<long long>(hq), static_cast<long long>(hkv));
@@ -106,7 +109,7 @@ inline status check_gqa_reduce(const char* fn, const matrix_view<const float>& i
 /// `in` is [H_q][T], `out` is [H_kv][T] (any strides). `out` may be the first H_kv rows of `in`
 /// (same pointer and strides): the reduction then runs in place.
 /// Errors: invalid views (invalid_argument, null_pointer, size_overflow, overlap); H_kv == 0 with
-/// H_q > 0 or H_q not a multiple of H_kv, or different T (shape_mismatch); an op outside the enum
+/// H_q > 0, H_q == 0 with H_kv > 0, H_q not a multiple of H_kv, or different T (shape_mismatch); an op outside the enum
 /// (invalid_argument); in and out overlapping other than in place (overlap).
 /// Work: H_q * T reads, H_kv * T writes; parallel over column blocks (and KV heads when not in place).
 template <class Backend>

@@ -515,3 +515,22 @@ TEST_CASE("postprocess_scores: errors") {
   // nothing was written by any failed call
   for (float x : out) CHECK(x == 1.f);
 }
+
+TEST_CASE("shared checks: the errors the CUDA work added to the host stages") {
+  std::vector<float> in(4 * 10, 0.5f), out(2 * 10, 1.f), vals(2 * 10 * 3, 1.f);
+  // gqa_reduce with no query heads but KV heads would read a row that does not exist
+  require_error(gqa_reduce(seq, value_of(make_matrix_view<const float>(in.data(), 0, 10)),
+                           value_of(make_matrix_view(out.data(), 2, 10)), gqa_op::mean),
+                errc::shape_mismatch, "gqa_reduce: in has 0 query heads but out has 2 KV heads");
+  for (float x : out) CHECK(x == 1.f);
+  // weight_by_value_norm: (valid) lengths stored inside the scores it would scale. The buffer holds
+  // int32 lengths; the scores view over it is never read when the call fails.
+  std::vector<std::int32_t> raw(20, 0);
+  raw[4] = 3;
+  raw[5] = 4;
+  require_error(weight_by_value_norm(seq, value_of(make_matrix_view(reinterpret_cast<float*>(raw.data()), 2, 10)),
+                                     value_of(make_kv_view<const float>(vals.data(), 2, 10, 3)), value_weight::per_token,
+                                     raw.data() + 4),
+                errc::overlap, "weight_by_value_norm: lengths lie inside scores");
+  CHECK(raw[4] == 3);
+}

@@ -49,6 +49,9 @@ inline constexpr index_t cs_max_splits = 4096;
 static_assert(cs_threads == (cs_rows / cs_thread_rows) * (cs_keys / cs_thread_keys), "one logit block per CTA");
 static_assert(cs_threads == 2 * cs_rows, "two threads (runs) per row for the statistics");
 static_assert(cs_dchunk * (cs_q_ld + cs_k_ld) <= cs_tile_floats, "the staging fits in the logit tile");
+static_assert(cs_q_ld % 4 == 0 && cs_k_ld % 4 == 0 && (cs_dchunk * cs_q_ld) % 4 == 0 && cs_thread_rows % 4 == 0 &&
+                  cs_thread_keys == 4,
+              "float4 reads of the staged queries and keys stay 16-byte aligned");
 
 /// The launch plan of one attention_scores call on the GPU; depends on the shapes only.
 struct cuda_score_plan {

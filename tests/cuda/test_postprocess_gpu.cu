@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace kvevict;
@@ -163,9 +164,72 @@ void weighting_and_fused(std::mt19937_64& g, int trial) {
   check_same(df.to_host(), fh);
 }
 
+bool has(const status& st, errc code, const char* needle) {
+  if (st.ok() || st.code() != code || std::string(st.message()).find(needle) == std::string::npos) {
+    std::printf("unexpected status: %s (%s)\n", st.message(), errc_name(st.code()));
+    return false;
+  }
+  return true;
+}
+
+// The launchers' host side runs without a device: argument errors return before any CUDA call and
+// workspace queries only report sizes (host memory stands in for device memory, never dereferenced).
+void launcher_checks_without_device() {
+  std::vector<float> in(8 * 300), out(2 * 300), vals(2 * 310 * 4);
+  const auto iv = *make_matrix_view<const float>(in.data(), 8, 300);
+  const auto ov = *make_matrix_view(out.data(), 2, 300);
+  const auto vv = *make_kv_view<const float>(vals.data(), 2, 310, 4);
+  KVGPU_CHECK(has(gqa_reduce(kvevict::cuda, iv, *make_matrix_view(out.data(), 3, 300), gqa_op::mean), errc::shape_mismatch,
+                  "gqa_reduce(cuda): 8 query heads are not a multiple of 3 KV heads"));
+  KVGPU_CHECK(has(gqa_reduce(kvevict::cuda, iv, *make_matrix_view(const_cast<float*>(in.data()) + 5, 2, 300), gqa_op::max),
+                  errc::overlap, "in and out overlap"));
+  KVGPU_CHECK(has(pool1d(kvevict::cuda, iv, *make_matrix_view(out.data(), 2, 300), pool_kind::max, 7), errc::shape_mismatch,
+                  "pool1d(cuda): in is [8][300] but out is [2][300]"));
+  KVGPU_CHECK(has(pool1d(kvevict::cuda, *make_matrix_view<const float>(in.data(), 2, 300), ov, pool_kind::avg, 6),
+                  errc::invalid_argument, "kernel = 6 is even"));
+  KVGPU_CHECK(has(protect(kvevict::cuda, ov, -1, 0), errc::invalid_argument, "protect(cuda): n_sink = -1 is negative"));
+  KVGPU_CHECK(has(protect(kvevict::cuda, ov, 1, 2, reinterpret_cast<const std::int32_t*>(out.data() + 7)), errc::overlap,
+                  "row_lengths lie inside the scores"));
+  workspace ws;
+  KVGPU_CHECK(weight_by_value_norm(kvevict::cuda, ws, ov, vv, value_weight::head_max).ok());
+  KVGPU_CHECK(ws.bytes == 64 + 2 * sizeof(float));  // partial maxima (2 heads x 2 tiles, padded to 64) + 2 factors
+  workspace ws0;
+  KVGPU_CHECK(weight_by_value_norm(kvevict::cuda, ws0, ov, vv, value_weight::per_token).ok());
+  KVGPU_CHECK(ws0.bytes == 0);
+  KVGPU_CHECK(has(weight_by_value_norm(kvevict::cuda, ws, *make_matrix_view(out.data(), 3, 300), vv, value_weight::per_token),
+                  errc::shape_mismatch, "scores have 3 rows, not a multiple of the 2 KV heads"));
+  postprocess_options o;
+  workspace wp;
+  KVGPU_CHECK(postprocess_scores(kvevict::cuda, wp, iv, ov, o).ok());
+  KVGPU_CHECK(wp.bytes == 0);  // kernel 7: tiled, no scratch
+  o.kernel = 2 * 1100 + 1;     // wide kernel, pool_first over groups of 4: a [H_kv][T] stash
+  KVGPU_CHECK(postprocess_scores(kvevict::cuda, wp, iv, ov, o).ok());
+  KVGPU_CHECK(wp.bytes == 2 * 300 * sizeof(float));
+  o.weight_values = true;
+  o.weight = value_weight::head_max;
+  KVGPU_CHECK(postprocess_scores(kvevict::cuda, wp, iv, ov, o).code() == errc::invalid_argument);
+  KVGPU_CHECK(postprocess_scores(kvevict::cuda, wp, iv, ov, vv, o).ok());
+  KVGPU_CHECK(wp.bytes == 64 + 64 + 2 * 300 * sizeof(float));
+  o.order = static_cast<gqa_order>(3);
+  KVGPU_CHECK(has(postprocess_scores(kvevict::cuda, wp, iv, ov, vv, o), errc::invalid_argument,
+                  "postprocess_scores(cuda): opt.order = 3 is not a gqa_order"));
+  o.order = gqa_order::gqa_first;
+  KVGPU_CHECK(has(postprocess_scores(kvevict::cuda, wp, iv, ov, *make_kv_view<const float>(vals.data(), 2, 299, 4), o),
+                  errc::shape_mismatch, "scores have 300 columns but values hold only 299 tokens"));
+  workspace small;
+  small.data = out.data();
+  small.bytes = 4;
+  KVGPU_CHECK(has(postprocess_scores(kvevict::cuda, small, iv, ov, vv, o), errc::workspace_too_small, "workspace has 4 bytes"));
+}
+
 }  // namespace
 
 int main() {
+  launcher_checks_without_device();
+  if (kvgpu::failures != 0) {
+    std::printf("postprocess gpu (host-side launcher checks): %d failures\n", kvgpu::failures);
+    return 1;
+  }
   kvgpu::skip_without_gpu();
   std::mt19937_64 g(77);
   for (int trial = 0; trial < 60; ++trial) stages(g, trial);

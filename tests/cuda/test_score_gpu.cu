@@ -202,9 +202,90 @@ void wrappers_and_errors() {
               errc::workspace_too_small);
 }
 
+bool has(const status& st, errc code, const char* needle) {
+  if (st.ok() || st.code() != code || std::string(st.message()).find(needle) == std::string::npos) {
+    std::printf("unexpected status: %s (%s)\n", st.message(), errc_name(st.code()));
+    return false;
+  }
+  return true;
+}
+
+// The launchers' host side runs without a device: argument errors return before any CUDA call, and a
+// workspace query only reports its size. The pointers are host memory standing in for device memory
+// (never dereferenced on these paths).
+void launcher_checks_without_device() {
+  std::vector<float16> q(8 * 4 * 16), k(2 * 40 * 16);
+  std::vector<float> out(8 * 40), out2(2 * 40);
+  const auto qv = *make_kv_view<const float16>(q.data(), 8, 4, 16);
+  const auto s = *split_window(*make_kv_view<const float16>(k.data(), 2, 40, 16), 4);
+  const auto ov = *make_matrix_view(out.data(), 8, 36);
+  workspace ws;
+  // the size query: 8-byte statistics per query row x (splits + 1), pieces 64-byte aligned
+  KVGPU_CHECK(attention_scores(kvevict::cuda, ws, qv, s.prefix, s.window, ov).ok());
+  detail::score_shape sh;
+  KVGPU_CHECK(detail::check_attention_inputs("t", qv, s.prefix, s.window, score_options{}, sh).ok());
+  sh.out_cols = 36;
+  detail::cuda_score_plan pl;
+  KVGPU_CHECK(detail::make_cuda_score_plan("t", sh, pl).ok());
+  KVGPU_CHECK(pl.rows_total == 32 && pl.tiles == 1 && pl.splits == 1);
+  KVGPU_CHECK(ws.bytes == (pl.part_entries * 8 + 63) / 64 * 64 + static_cast<std::size_t>(pl.rows_total) * 8);
+  workspace ws2;
+  KVGPU_CHECK(window_scores_gqa(kvevict::cuda, ws2, qv, *make_kv_view<const float16>(k.data(), 2, 40, 16),
+                                *make_matrix_view(out2.data(), 2, 36), gqa_op::max)
+                  .ok());
+  KVGPU_CHECK(ws2.bytes == ws.bytes);
+  // argument errors: the host's checks and messages, with the (cuda) name
+  KVGPU_CHECK(has(attention_scores(kvevict::cuda, ws, *make_kv_view<const float16>(q.data(), 7, 4, 16), s.prefix, s.window,
+                                   *make_matrix_view(out.data(), 7, 36)),
+                  errc::shape_mismatch, "attention_scores(cuda): 7 query heads are not a multiple of 2 KV heads"));
+  KVGPU_CHECK(has(attention_scores(kvevict::cuda, ws, qv, s.prefix, s.window, *make_matrix_view(out.data(), 8, 37)),
+                  errc::shape_mismatch, "out has 37 columns; expected P = 36 (prefix columns) or P + w = 40"));
+  score_options bad;
+  bad.gamma = -1.f;
+  KVGPU_CHECK(has(attention_scores(kvevict::cuda, ws, qv, s.prefix, s.window, ov, bad), errc::invalid_argument, "gamma"));
+  KVGPU_CHECK(has(attention_scores_gqa(kvevict::cuda, ws, qv, s.prefix, s.window, *make_matrix_view(out2.data(), 2, 36),
+                                       static_cast<gqa_op>(9)),
+                  errc::invalid_argument, "op = 9 is not a gqa_op"));
+  KVGPU_CHECK(has(attention_scores_gqa(kvevict::cuda, ws, qv, s.prefix, s.window, *make_matrix_view(out2.data(), 3, 36),
+                                       gqa_op::mean),
+                  errc::shape_mismatch, "out_kv has 3 rows but there are 2 KV heads"));
+  KVGPU_CHECK(has(attention_scores_gqa(kvevict::cuda, ws, qv, s.prefix, s.window, *make_matrix_view(out2.data(), 2, 36),
+                                       gqa_op::mean, {}, *make_matrix_view(out.data(), 8, 40)),
+                  errc::shape_mismatch, "out_per_head has 40 columns but out_kv has 36"));
+  KVGPU_CHECK(has(attention_scores_gqa(kvevict::cuda, ws, qv, s.prefix, s.window, *make_matrix_view(out.data(), 2, 36),
+                                       gqa_op::mean, {}, *make_matrix_view(out.data() + 10, 8, 36)),
+                  errc::overlap, "out_per_head overlaps out_kv"));
+  KVGPU_CHECK(has(attention_scores(kvevict::cuda, ws, qv, s.prefix, s.window,
+                                   *make_matrix_view(reinterpret_cast<float*>(q.data()), 8, 36)),
+                  errc::overlap, "out overlaps queries"));
+  // a misaligned device pointer is refused before any launch
+  const auto mis = *make_matrix_view(reinterpret_cast<float*>(reinterpret_cast<char*>(out.data()) + 2), 8, 36);
+  KVGPU_CHECK(has(attention_scores(kvevict::cuda, ws, qv, s.prefix, s.window, mis), errc::invalid_argument,
+                  "out is not aligned to 4 bytes"));
+  KVGPU_CHECK(has(h2o_scores(kvevict::cuda, ws, qv, *make_kv_view<const float16>(k.data(), 2, 40, 16), ov),
+                  errc::shape_mismatch, "h2o_scores(cuda): out has 36 columns, expected T = 40"));
+  KVGPU_CHECK(has(tova_scores(kvevict::cuda, ws, qv, *make_kv_view<const float16>(k.data(), 2, 40, 16), ov),
+                  errc::shape_mismatch, "tova_scores(cuda): last_query holds 4 tokens, expected 1"));
+  KVGPU_CHECK(has(window_scores(kvevict::cuda, ws, *make_kv_view<const float16>(q.data(), 8, 41, 1),
+                                *make_kv_view<const float16>(k.data(), 2, 40, 16), ov),
+                  errc::invalid_argument, "window w = 41 is outside [0, 40]"));
+  KVGPU_CHECK(has(key_norm_scores(kvevict::cuda, *make_kv_view<const float16>(k.data(), 2, 40, 16), ov),
+                  errc::shape_mismatch, "key_norm_scores(cuda): out is [8][36] but keys are [2][40][*]"));
+  workspace small;
+  small.data = out.data();
+  small.bytes = 16;
+  KVGPU_CHECK(has(attention_scores(kvevict::cuda, small, qv, s.prefix, s.window, ov), errc::workspace_too_small,
+                  "workspace has 16 bytes"));
+}
+
 }  // namespace
 
 int main() {
+  launcher_checks_without_device();
+  if (kvgpu::failures != 0) {
+    std::printf("score gpu (host-side launcher checks): %d failures\n", kvgpu::failures);
+    return 1;
+  }
   kvgpu::skip_without_gpu();
   random_cases<float, float>(1, 40);
   random_cases<float16, float16>(2, 40);

@@ -61,40 +61,63 @@ KVEVICT_HOST_DEVICE inline float gqa_finish(gqa_op op, float acc, index_t g) noe
 
 inline constexpr index_t gqa_chunk = 256;  // columns per work item (a stack accumulator)
 
+inline status check_gqa_op(const char* fn, gqa_op op) {
+  if (op != gqa_op::mean && op != gqa_op::max && op != gqa_op::sum)
+    return status::error(errc::invalid_argument, "%s: op = %d is not a gqa_op (mean, max or sum)", fn,
+                         static_cast<int>(op));
+  return {};
+}
+
+/// H_q = hq rows reduced to H_kv = hkv rows, t_in and t_out columns.
+inline status check_gqa_shapes(const char* fn, index_t hq, index_t hkv, index_t t_in, index_t t_out) {
+  if (hkv == 0 && hq > 0)
+    return status::error(errc::shape_mismatch, "%s: out has 0 KV heads but in has %lld query heads", fn,
+                         static_cast<long long>(hq));
+  if (hkv > 0 && hq == 0)
+    return status::error(errc::shape_mismatch, "%s: in has 0 query heads but out has %lld KV heads", fn,
+                         static_cast<long long>(hkv));
+  if (hkv > 0 && hq % hkv != 0)
+    return status::error(errc::shape_mismatch, "%s: %lld query heads are not a multiple of %lld KV heads", fn,
+                         static_cast<long long>(hq), static_cast<long long>(hkv));
+  if (t_out != t_in)
+    return status::error(errc::shape_mismatch, "%s: in has %lld tokens per row but out has %lld", fn,
+                         static_cast<long long>(t_in), static_cast<long long>(t_out));
+  return {};
+}
+
+/// The checks of gqa_reduce, shared by every backend; in_place tells whether out is the first H_kv
+/// rows of in (same pointer and strides).
+inline status check_gqa_reduce(const char* fn, const matrix_view<const float>& in, const matrix_view<float>& out,
+                               gqa_op op, bool& in_place) {
+  KVEVICT_TRY(check_view(fn, "in", in));
+  KVEVICT_TRY(check_view(fn, "out", out));
+  KVEVICT_TRY(check_gqa_op(fn, op));
+  KVEVICT_TRY(check_gqa_shapes(fn, in.extent(0), out.extent(0), in.extent(1), out.extent(1)));
+  in_place = in.size() > 0 && static_cast<const void*>(in.data_handle()) == out.data_handle() &&
+             in.stride(0) == out.stride(0) && in.stride(1) == out.stride(1);
+  if (!in_place && range_of(in).intersects(range_of(out)))
+    return status::error(errc::overlap,
+                         "%s: in and out overlap in memory (allowed only in place: out = the first H_kv rows of in, "
+                         "same pointer and strides)",
+                         fn);
+  return {};
+}
+
 }  // namespace detail
 
 /// out[h][t] = op over the g = H_q / H_kv query heads of KV head h of in[q][t], for t < T.
 /// `in` is [H_q][T], `out` is [H_kv][T] (any strides). `out` may be the first H_kv rows of `in`
 /// (same pointer and strides): the reduction then runs in place.
 /// Errors: invalid views (invalid_argument, null_pointer, size_overflow, overlap); H_kv == 0 with
-/// H_q > 0 or H_q not a multiple of H_kv, or different T (shape_mismatch); an op outside the enum
+/// H_q > 0, H_q == 0 with H_kv > 0, H_q not a multiple of H_kv, or different T (shape_mismatch); an op outside the enum
 /// (invalid_argument); in and out overlapping other than in place (overlap).
 /// Work: H_q * T reads, H_kv * T writes; parallel over column blocks (and KV heads when not in place).
 template <class Backend>
 status gqa_reduce(Backend be, matrix_view<const float> in, matrix_view<float> out, gqa_op op) {
   constexpr const char* fn = "gqa_reduce";
-  KVEVICT_TRY(detail::check_view(fn, "in", in));
-  KVEVICT_TRY(detail::check_view(fn, "out", out));
-  if (op != gqa_op::mean && op != gqa_op::max && op != gqa_op::sum)
-    return status::error(errc::invalid_argument, "%s: op = %d is not a gqa_op (mean, max or sum)", fn,
-                         static_cast<int>(op));
+  bool in_place = false;
+  KVEVICT_TRY(detail::check_gqa_reduce(fn, in, out, op, in_place));
   const index_t hq = in.extent(0), hkv = out.extent(0), T = in.extent(1);
-  if (hkv == 0 && hq > 0)
-    return status::error(errc::shape_mismatch, "%s: out has 0 KV heads but in has %lld query heads", fn,
-                         static_cast<long long>(hq));
-  if (hkv > 0 && hq % hkv != 0)
-    return status::error(errc::shape_mismatch, "%s: %lld query heads are not a multiple of %lld KV heads", fn,
-                         static_cast<long long>(hq), static_cast<long long>(hkv));
-  if (out.extent(1) != T)
-    return status::error(errc::shape_mismatch, "%s: in has %lld tokens per row but out has %lld", fn,
-                         static_cast<long long>(T), static_cast<long long>(out.extent(1)));
-  const bool in_place = in.size() > 0 && static_cast<const void*>(in.data_handle()) == out.data_handle() &&
-                        in.stride(0) == out.stride(0) && in.stride(1) == out.stride(1);
-  if (!in_place && detail::range_of(in).intersects(detail::range_of(out)))
-    return status::error(errc::overlap,
-                         "%s: in and out overlap in memory (allowed only in place: out = the first H_kv rows of in, "
-                         "same pointer and strides)",
-                         fn);
   if (hkv == 0 || T == 0) return {};
   const index_t g = hq / hkv, chunks = (T + detail::gqa_chunk - 1) / detail::gqa_chunk;
   const float* ip = in.data_handle();

@@ -10,6 +10,7 @@
 #include <kvevict/metrics.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/pool.hpp>
+#include <kvevict/postprocess.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/prulong.hpp>
 #include <kvevict/recipes.hpp>

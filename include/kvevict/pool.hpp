@@ -156,6 +156,45 @@ KVEVICT_HOST_DEVICE inline void pool_row_impl(avg_divisor div, const float* x, i
   }
 }
 
+/// in and out: valid views of the same shape.
+inline status check_pool1d_views(const char* fn, const matrix_view<const float>& in, const matrix_view<float>& out) {
+  KVEVICT_TRY(check_view(fn, "in", in));
+  KVEVICT_TRY(check_view(fn, "out", out));
+  if (in.extent(0) != out.extent(0) || in.extent(1) != out.extent(1))
+    return status::error(errc::shape_mismatch, "%s: in is [%lld][%lld] but out is [%lld][%lld]", fn,
+                         static_cast<long long>(in.extent(0)), static_cast<long long>(in.extent(1)),
+                         static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)));
+  return {};
+}
+
+/// kind and divisor inside their enums, kernel odd and >= 1. Shared by every backend.
+inline status check_pool_params(const char* fn, pool_kind kind, index_t kernel, const pool_options& options) {
+  if (kind != pool_kind::none && kind != pool_kind::max && kind != pool_kind::avg)
+    return status::error(errc::invalid_argument, "%s: kind = %d is not a pool_kind (none, max or avg)", fn,
+                         static_cast<int>(kind));
+  if (options.divisor != avg_divisor::kernel && options.divisor != avg_divisor::valid)
+    return status::error(errc::invalid_argument, "%s: options.divisor = %d is not an avg_divisor (kernel or valid)",
+                         fn, static_cast<int>(options.divisor));
+  if (kernel < 1)
+    return status::error(errc::invalid_argument, "%s: kernel = %lld must be odd and >= 1", fn,
+                         static_cast<long long>(kernel));
+  if (kernel % 2 == 0)
+    return status::error(errc::invalid_argument, "%s: kernel = %lld is even (the window is centred: use an odd size)",
+                         fn, static_cast<long long>(kernel));
+  return {};
+}
+
+/// in and out must not overlap (in place included); row_lengths must not lie inside out.
+inline status check_pool1d_overlap(const char* fn, const matrix_view<const float>& in, const matrix_view<float>& out,
+                                   const std::int32_t* row_lengths) {
+  if (range_of(in).intersects(range_of(out)))
+    return status::error(errc::overlap,
+                         "%s: in and out overlap in memory (pooling cannot run in place: use a separate output)", fn);
+  if (lengths_inside(row_lengths, in.extent(0), range_of(out)))
+    return status::error(errc::overlap, "%s: row_lengths lie inside out", fn);
+  return {};
+}
+
 /// One row of pooling of any kind.
 KVEVICT_HOST_DEVICE inline void pool_row(pool_kind kind, avg_divisor div, const float* x, index_t sx, float* y,
                                          index_t sy, index_t n, index_t kernel) {
@@ -182,38 +221,11 @@ template <class Backend>
 status pool1d(Backend be, matrix_view<const float> in, matrix_view<float> out, pool_kind kind, index_t kernel,
               const std::int32_t* row_lengths = nullptr, pool_options options = {}) {
   constexpr const char* fn = "pool1d";
-  KVEVICT_TRY(detail::check_view(fn, "in", in));
-  KVEVICT_TRY(detail::check_view(fn, "out", out));
-  if (in.extent(0) != out.extent(0) || in.extent(1) != out.extent(1))
-    return status::error(errc::shape_mismatch, "%s: in is [%lld][%lld] but out is [%lld][%lld]", fn,
-                         static_cast<long long>(in.extent(0)), static_cast<long long>(in.extent(1)),
-                         static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)));
-  if (kind != pool_kind::none && kind != pool_kind::max && kind != pool_kind::avg)
-    return status::error(errc::invalid_argument, "%s: kind = %d is not a pool_kind (none, max or avg)", fn,
-                         static_cast<int>(kind));
-  if (options.divisor != avg_divisor::kernel && options.divisor != avg_divisor::valid)
-    return status::error(errc::invalid_argument, "%s: options.divisor = %d is not an avg_divisor (kernel or valid)",
-                         fn, static_cast<int>(options.divisor));
-  if (kernel < 1)
-    return status::error(errc::invalid_argument, "%s: kernel = %lld must be odd and >= 1", fn,
-                         static_cast<long long>(kernel));
-  if (kernel % 2 == 0)
-    return status::error(errc::invalid_argument, "%s: kernel = %lld is even (the window is centred: use an odd size)",
-                         fn, static_cast<long long>(kernel));
+  KVEVICT_TRY(detail::check_pool1d_views(fn, in, out));
+  KVEVICT_TRY(detail::check_pool_params(fn, kind, kernel, options));
   const index_t R = in.extent(0), T = in.extent(1);
-  if (row_lengths != nullptr)
-    for (index_t r = 0; r < R; ++r)
-      if (row_lengths[r] < 0 || row_lengths[r] > T)
-        return status::error(errc::out_of_range, "%s: row_lengths[%lld] = %d is outside [0, %lld]", fn,
-                             static_cast<long long>(r), row_lengths[r], static_cast<long long>(T));
-  if (detail::range_of(in).intersects(detail::range_of(out)))
-    return status::error(errc::overlap,
-                         "%s: in and out overlap in memory (pooling cannot run in place: use a separate output)", fn);
-  if (row_lengths != nullptr && R > 0) {
-    const auto b = reinterpret_cast<std::uintptr_t>(row_lengths);
-    if (detail::range_of(out).intersects({b, b + static_cast<std::uintptr_t>(R) * sizeof(std::int32_t)}))
-      return status::error(errc::overlap, "%s: row_lengths lie inside out", fn);
-  }
+  KVEVICT_TRY(detail::check_lengths(fn, "row_lengths", row_lengths, R, T));
+  KVEVICT_TRY(detail::check_pool1d_overlap(fn, in, out, row_lengths));
   const float* ip = in.data_handle();
   float* op = out.data_handle();
   const index_t is0 = in.stride(0), is1 = in.stride(1), os0 = out.stride(0), os1 = out.stride(1);

@@ -63,17 +63,47 @@ inline status check_budget(const char* fn, index_t budget, index_t length, index
 
 namespace detail {
 
-/// One row of protect(): n scores with stride s.
-KVEVICT_HOST_DEVICE inline void protect_row(float* row, index_t s, index_t n, index_t n_sink, index_t n_recent) {
+/// The protected score of position t of a row whose protected positions are [0, sink_end) and
+/// [recent_begin, n): +inf there, FLT_MAX for any other +inf, v unchanged otherwise.
+KVEVICT_HOST_DEVICE inline float protect_value(float v, index_t t, index_t sink_end, index_t recent_begin) {
   const float inf = bits_float(0x7f800000u);  // +inf
   const float top = bits_float(0x7f7fffffu);  // FLT_MAX
-  const index_t sink_end = n_sink < n ? n_sink : n;
-  const index_t recent_begin = n_recent < n ? n - n_recent : 0;
+  if (t < sink_end || t >= recent_begin) return inf;
+  return v == inf ? top : v;
+}
+
+/// First position after the sinks of a row of n: min(n_sink, n).
+KVEVICT_HOST_DEVICE inline index_t protect_sink_end(index_t n, index_t n_sink) { return n_sink < n ? n_sink : n; }
+/// First position of the recent window of a row of n: max(0, n - n_recent).
+KVEVICT_HOST_DEVICE inline index_t protect_recent_begin(index_t n, index_t n_recent) {
+  return n_recent < n ? n - n_recent : 0;
+}
+
+/// One row of protect(): n scores with stride s.
+KVEVICT_HOST_DEVICE inline void protect_row(float* row, index_t s, index_t n, index_t n_sink, index_t n_recent) {
+  const index_t sink_end = protect_sink_end(n, n_sink);
+  const index_t recent_begin = protect_recent_begin(n, n_recent);
   for (index_t t = 0; t < n; ++t) {
     float& v = row[t * s];
-    if (t < sink_end || t >= recent_begin) v = inf;
-    else if (v == inf) v = top;
+    v = protect_value(v, t, sink_end, recent_begin);
   }
+}
+
+/// n_sink and n_recent non-negative. Shared by every backend.
+inline status check_protect_params(const char* fn, index_t n_sink, index_t n_recent) {
+  if (n_sink < 0)
+    return status::error(errc::invalid_argument, "%s: n_sink = %lld is negative", fn, static_cast<long long>(n_sink));
+  if (n_recent < 0)
+    return status::error(errc::invalid_argument, "%s: n_recent = %lld is negative", fn,
+                         static_cast<long long>(n_recent));
+  return {};
+}
+
+/// row_lengths must not lie inside the scores they describe.
+inline status check_protect_overlap(const char* fn, const matrix_view<float>& scores, const std::int32_t* row_lengths) {
+  if (lengths_inside(row_lengths, scores.extent(0), range_of(scores)))
+    return status::error(errc::overlap, "%s: row_lengths lie inside the scores they describe", fn);
+  return {};
 }
 
 }  // namespace detail
@@ -88,22 +118,10 @@ status protect(Backend be, matrix_view<float> scores, index_t n_sink, index_t n_
                const std::int32_t* row_lengths = nullptr) {
   constexpr const char* fn = "protect";
   KVEVICT_TRY(detail::check_view(fn, "scores", scores));
-  if (n_sink < 0)
-    return status::error(errc::invalid_argument, "%s: n_sink = %lld is negative", fn, static_cast<long long>(n_sink));
-  if (n_recent < 0)
-    return status::error(errc::invalid_argument, "%s: n_recent = %lld is negative", fn,
-                         static_cast<long long>(n_recent));
+  KVEVICT_TRY(detail::check_protect_params(fn, n_sink, n_recent));
   const index_t R = scores.extent(0), T = scores.extent(1);
-  if (row_lengths != nullptr)
-    for (index_t r = 0; r < R; ++r)
-      if (row_lengths[r] < 0 || row_lengths[r] > T)
-        return status::error(errc::out_of_range, "%s: row_lengths[%lld] = %d is outside [0, %lld]", fn,
-                             static_cast<long long>(r), row_lengths[r], static_cast<long long>(T));
-  if (row_lengths != nullptr && R > 0) {
-    const auto b = reinterpret_cast<std::uintptr_t>(row_lengths);
-    if (detail::range_of(scores).intersects({b, b + static_cast<std::uintptr_t>(R) * sizeof(std::int32_t)}))
-      return status::error(errc::overlap, "%s: row_lengths lie inside the scores they describe", fn);
-  }
+  KVEVICT_TRY(detail::check_lengths(fn, "row_lengths", row_lengths, R, T));
+  KVEVICT_TRY(detail::check_protect_overlap(fn, scores, row_lengths));
   float* p = scores.data_handle();
   const index_t s0 = scores.stride(0), s1 = scores.stride(1);
   detail::parallel_for(be, R, [&](index_t r) {

@@ -109,16 +109,16 @@ inline status check_score_options(const char* fn, const score_options& opt) {
   return {};
 }
 
+/// The inputs of attention_scores (views, options, shapes): everything but the output, whose column
+/// count it leaves in sh.out_cols = 0. Shared by every backend (the CUDA launchers call it too).
 template <class QE, class KE>
-status check_attention_scores(const char* fn, const kv_view<const QE>& q, const kv_view<const KE>& prefix,
-                              const kv_view<const KE>& block, const matrix_view<float>& out,
-                              const score_options& opt, score_shape& sh) {
+status check_attention_inputs(const char* fn, const kv_view<const QE>& q, const kv_view<const KE>& prefix,
+                              const kv_view<const KE>& block, const score_options& opt, score_shape& sh) {
   KVEVICT_TRY(check_view(fn, "queries", q));
   KVEVICT_TRY(check_view(fn, "prefix_keys", prefix));
   // a block_keys view with 0 tokens (e.g. a default-constructed kv_view) means "none" and is never
   // read, so its other extents and strides do not matter
   if (block.extent(1) != 0) KVEVICT_TRY(check_view(fn, "block_keys", block));
-  KVEVICT_TRY(check_view(fn, "out", out));
   KVEVICT_TRY(check_score_options(fn, opt));
   sh.hq = q.extent(0);
   sh.w = q.extent(1);
@@ -150,29 +150,50 @@ status check_attention_scores(const char* fn, const kv_view<const QE>& q, const 
   }
   if (!checked_add(sh.p, sh.has_block ? sh.w : 0, sh.cols))
     return status::error(errc::size_overflow, "%s: P + w overflows", fn);
-  if (out.extent(0) != sh.hq)
-    return status::error(errc::shape_mismatch, "%s: out has %lld rows but there are %lld query heads", fn,
-                         static_cast<long long>(out.extent(0)), static_cast<long long>(sh.hq));
+  sh.out_cols = 0;
+  sh.scale = opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.d))) : opt.scale;
+  return {};
+}
+
+/// An output of attention_scores named `name` with `rows` rows (H_q per query head, H_kv after a GQA
+/// reduction) for the inputs described by sh: P or (with block keys) P + w columns, no overlap with
+/// the inputs. Sets sh.out_cols. Shared by every backend.
+template <class QE, class KE>
+status check_score_output(const char* fn, const char* name, const matrix_view<float>& out, index_t rows,
+                          const char* rows_what, const kv_view<const QE>& q, const kv_view<const KE>& prefix,
+                          const kv_view<const KE>& block, score_shape& sh) {
+  KVEVICT_TRY(check_view(fn, name, out));
+  if (out.extent(0) != rows)
+    return status::error(errc::shape_mismatch, "%s: %s has %lld rows but there are %lld %s", fn, name,
+                         static_cast<long long>(out.extent(0)), static_cast<long long>(rows), rows_what);
   sh.out_cols = out.extent(1);
   if (sh.out_cols != sh.p && !(sh.has_block && sh.out_cols == sh.cols)) {
     if (sh.has_block)
       return status::error(errc::shape_mismatch,
-                           "%s: out has %lld columns; expected P = %lld (prefix columns) or P + w = %lld (all "
+                           "%s: %s has %lld columns; expected P = %lld (prefix columns) or P + w = %lld (all "
                            "visible columns)",
-                           fn, static_cast<long long>(sh.out_cols), static_cast<long long>(sh.p),
+                           fn, name, static_cast<long long>(sh.out_cols), static_cast<long long>(sh.p),
                            static_cast<long long>(sh.cols));
     return status::error(errc::shape_mismatch,
-                         "%s: out has %lld columns; expected P = %lld (no block keys were given, so there are no "
+                         "%s: %s has %lld columns; expected P = %lld (no block keys were given, so there are no "
                          "block columns)",
-                         fn, static_cast<long long>(sh.out_cols), static_cast<long long>(sh.p));
+                         fn, name, static_cast<long long>(sh.out_cols), static_cast<long long>(sh.p));
   }
   const auto o = range_of(out);
-  if (o.intersects(range_of(q))) return status::error(errc::overlap, "%s: out overlaps queries in memory", fn);
+  if (o.intersects(range_of(q))) return status::error(errc::overlap, "%s: %s overlaps queries in memory", fn, name);
   if (o.intersects(range_of(prefix)))
-    return status::error(errc::overlap, "%s: out overlaps prefix_keys in memory", fn);
-  if (sh.has_block && o.intersects(range_of(block))) return status::error(errc::overlap, "%s: out overlaps block_keys in memory", fn);
-  sh.scale = opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.d))) : opt.scale;
+    return status::error(errc::overlap, "%s: %s overlaps prefix_keys in memory", fn, name);
+  if (sh.has_block && o.intersects(range_of(block)))
+    return status::error(errc::overlap, "%s: %s overlaps block_keys in memory", fn, name);
   return {};
+}
+
+template <class QE, class KE>
+status check_attention_scores(const char* fn, const kv_view<const QE>& q, const kv_view<const KE>& prefix,
+                              const kv_view<const KE>& block, const matrix_view<float>& out,
+                              const score_options& opt, score_shape& sh) {
+  KVEVICT_TRY(check_attention_inputs(fn, q, prefix, block, opt, sh));
+  return check_score_output(fn, "out", out, sh.hq, "query heads", q, prefix, block, sh);
 }
 
 /// Sizes of the per-thread scratch of one attention_scores call (floats, each piece a multiple of
@@ -230,8 +251,11 @@ inline status make_score_plan(const char* fn, const score_shape& sh, int threads
   return {};
 }
 
-inline float score_finalize(score_reduce reduce, float acc, float m2, index_t w, index_t seen, float gamma,
-                            variance_estimator var) {
+/// out[h][j] from the column's accumulators over the w rows: acc = sum of p (or the Welford mean for
+/// mean_plus_variance, with m2 its sum of squared deviations); seen = rows that see the column. Shared
+/// by every backend.
+KVEVICT_HOST_DEVICE inline float score_finalize(score_reduce reduce, float acc, float m2, index_t w, index_t seen,
+                                                float gamma, variance_estimator var) {
   switch (reduce) {
     case score_reduce::sum: return acc;
     case score_reduce::mean: return acc / static_cast<float>(w);
@@ -240,7 +264,7 @@ inline float score_finalize(score_reduce reduce, float acc, float m2, index_t w,
       float v = 0.0f;
       if (var == variance_estimator::biased) v = m2 / static_cast<float>(w);
       else if (w > 1) v = m2 / static_cast<float>(w - 1);
-      return acc + gamma * v;
+      return add_rn(acc, mul_rn(gamma, v));
     }
   }
   return acc;
@@ -424,6 +448,62 @@ result<window_split<T>> split_window(kv_view<T> keys, index_t w) {
   return detail::split_window_impl("split_window", keys, w);
 }
 
+namespace detail {
+KVEVICT_SCORE_ABI_BEGIN
+
+/// The attention_scores call a wrapper (window, H2O, TOVA) stands for: its block, keys and options.
+/// The prepare_* functions make the wrappers' own checks; every backend runs them.
+template <class QE, class KE>
+struct score_call {
+  kv_view<const QE> queries;
+  kv_view<const KE> prefix, block;
+  score_options opt;
+};
+
+template <class QE, class KE>
+result<score_call<QE, KE>> prepare_window_scores(const char* fn, const kv_view<const QE>& window_queries,
+                                                 const kv_view<const KE>& keys, const score_options& opt) {
+  KVEVICT_TRY(check_view(fn, "window_queries", window_queries));
+  const auto split = split_window_impl(fn, keys, window_queries.extent(1));
+  if (!split) return split.error();
+  return score_call<QE, KE>{window_queries, split->prefix, split->window, opt};
+}
+
+template <class QE, class KE>
+result<score_call<QE, KE>> prepare_h2o_scores(const char* fn, const kv_view<const QE>& queries,
+                                              const kv_view<const KE>& keys, const matrix_view<float>& out,
+                                              bool normalised, float scale) {
+  KVEVICT_TRY(check_view(fn, "keys", keys));
+  KVEVICT_TRY(check_view(fn, "out", out));
+  if (out.extent(1) != keys.extent(1))
+    return status::error(errc::shape_mismatch, "%s: out has %lld columns, expected T = %lld (one per prompt token)", fn,
+                         static_cast<long long>(out.extent(1)), static_cast<long long>(keys.extent(1)));
+  const auto split = split_window_impl(fn, keys, keys.extent(1));
+  if (!split) return split.error();
+  score_options opt;
+  opt.reduce = normalised ? score_reduce::mean_visible : score_reduce::sum;
+  opt.scale = scale;
+  return score_call<QE, KE>{queries, split->prefix, split->window, opt};
+}
+
+template <class QE, class KE>
+result<score_call<QE, KE>> prepare_tova_scores(const char* fn, const kv_view<const QE>& last_query,
+                                               const kv_view<const KE>& keys, float scale) {
+  KVEVICT_TRY(check_view(fn, "last_query", last_query));
+  if (last_query.extent(1) != 1)
+    return status::error(errc::shape_mismatch, "%s: last_query holds %lld tokens, expected 1", fn,
+                         static_cast<long long>(last_query.extent(1)));
+  const auto split = split_window_impl(fn, keys, 1);
+  if (!split) return split.error();
+  score_options opt;
+  opt.reduce = score_reduce::sum;  // one row: sum = mean
+  opt.scale = scale;
+  return score_call<QE, KE>{last_query, split->prefix, split->window, opt};
+}
+
+KVEVICT_SCORE_ABI_END
+}  // namespace detail
+
 /// SnapKV family (SnapKV, PyramidKV, AdaKV, CAKE, LAVa, VATP windows; chunked eviction's window):
 /// the block is the last w prompt tokens. window_queries [H_q][w][d] are those tokens' queries,
 /// keys [H_kv][T][d] all prompt keys (T >= w); the last w keys are the block's own keys.
@@ -436,11 +516,9 @@ status window_scores(Backend be, workspace& ws, kv_view<Q> window_queries, kv_vi
   using QE = std::remove_const_t<Q>;
   using KE = std::remove_const_t<K>;
   constexpr const char* fn = "window_scores";
-  KVEVICT_TRY(detail::check_view(fn, "window_queries", window_queries));
-  const auto split = detail::split_window_impl(fn, kv_view<const KE>(keys), window_queries.extent(1));
-  if (!split) return split.error();
-  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, kv_view<const QE>(window_queries),
-                                                        split->prefix, split->window, out, opt);
+  const auto c = detail::prepare_window_scores(fn, kv_view<const QE>(window_queries), kv_view<const KE>(keys), opt);
+  if (!c) return c.error();
+  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, c->opt);
 }
 
 /// H2O: every prompt query over every prompt key, causal. queries [H_q][T][d], keys [H_kv][T][d],
@@ -455,18 +533,10 @@ status h2o_scores(Backend be, workspace& ws, kv_view<Q> queries, kv_view<K> keys
   using QE = std::remove_const_t<Q>;
   using KE = std::remove_const_t<K>;
   constexpr const char* fn = "h2o_scores";
-  KVEVICT_TRY(detail::check_view(fn, "keys", keys));
-  KVEVICT_TRY(detail::check_view(fn, "out", out));
-  if (out.extent(1) != keys.extent(1))
-    return status::error(errc::shape_mismatch, "%s: out has %lld columns, expected T = %lld (one per prompt token)", fn,
-                         static_cast<long long>(out.extent(1)), static_cast<long long>(keys.extent(1)));
-  const auto split = detail::split_window_impl(fn, kv_view<const KE>(keys), keys.extent(1));
-  if (!split) return split.error();
-  score_options opt;
-  opt.reduce = normalised ? score_reduce::mean_visible : score_reduce::sum;
-  opt.scale = scale;
-  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, kv_view<const QE>(queries), split->prefix,
-                                                        split->window, out, opt);
+  const auto c = detail::prepare_h2o_scores(fn, kv_view<const QE>(queries), kv_view<const KE>(keys), out, normalised,
+                                            scale);
+  if (!c) return c.error();
+  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, c->opt);
 }
 
 /// TOVA: the attention of the last token. last_query [H_q][1][d] is the last prompt (or newest
@@ -480,30 +550,42 @@ status tova_scores(Backend be, workspace& ws, kv_view<Q> last_query, kv_view<K> 
   using QE = std::remove_const_t<Q>;
   using KE = std::remove_const_t<K>;
   constexpr const char* fn = "tova_scores";
-  KVEVICT_TRY(detail::check_view(fn, "last_query", last_query));
-  if (last_query.extent(1) != 1)
-    return status::error(errc::shape_mismatch, "%s: last_query holds %lld tokens, expected 1", fn,
-                         static_cast<long long>(last_query.extent(1)));
-  const auto split = detail::split_window_impl(fn, kv_view<const KE>(keys), 1);
-  if (!split) return split.error();
-  score_options opt;
-  opt.reduce = score_reduce::sum;  // one row: sum = mean
-  opt.scale = scale;
-  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, kv_view<const QE>(last_query), split->prefix,
-                                                        split->window, out, opt);
+  const auto c = detail::prepare_tova_scores(fn, kv_view<const QE>(last_query), kv_view<const KE>(keys), scale);
+  if (!c) return c.error();
+  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, c->opt);
 }
 
 namespace detail {
+/// key_sq_accumulate: s + k_0^2 + ... + k_{n-1}^2 left to right (key_norm_score continued over a
+/// further piece of the row, for kernels that stage rows in pieces).
 /// -||k||_2 of one key row: sequential fp32 sum of squares over d, then sqrt (correctly rounded
-/// everywhere, so identical on every backend). Overflows to -inf only for |k| beyond ~1.8e19.
+/// everywhere, so identical on every backend; mul_rn/add_rn keep nvcc from fusing the terms).
+/// Overflows to -inf only for |k| beyond ~1.8e19.
+template <class K>
+KVEVICT_HOST_DEVICE inline float key_sq_accumulate(float s, const K* k, index_t n, index_t stride) {
+  for (index_t t = 0; t < n; ++t) {
+    const float x = to_float(k[t * stride]);
+    s = add_rn(s, mul_rn(x, x));
+  }
+  return s;
+}
 template <class K>
 KVEVICT_HOST_DEVICE inline float key_norm_score(const K* k, index_t d, index_t stride) {
-  float s = 0.0f;
-  for (index_t t = 0; t < d; ++t) {
-    const float x = to_float(k[t * stride]);
-    s += x * x;
-  }
-  return -sqrtf(s);
+  return -sqrtf(key_sq_accumulate(0.0f, k, d, stride));
+}
+
+/// The checks of key_norm_scores, shared by every backend.
+template <class KE>
+status check_key_norm_scores(const char* fn, const kv_view<const KE>& keys, const matrix_view<float>& out) {
+  KVEVICT_TRY(check_view(fn, "keys", keys));
+  KVEVICT_TRY(check_view(fn, "out", out));
+  if (out.extent(0) != keys.extent(0) || out.extent(1) != keys.extent(1))
+    return status::error(errc::shape_mismatch, "%s: out is [%lld][%lld] but keys are [%lld][%lld][*]", fn,
+                         static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)),
+                         static_cast<long long>(keys.extent(0)), static_cast<long long>(keys.extent(1)));
+  if (range_of(out).intersects(range_of(keys)))
+    return status::error(errc::overlap, "%s: out overlaps keys in memory", fn);
+  return {};
 }
 }  // namespace detail
 
@@ -516,14 +598,7 @@ status key_norm_scores(Backend be, kv_view<K> keys_in, matrix_view<float> out) {
   using KE = std::remove_const_t<K>;
   constexpr const char* fn = "key_norm_scores";
   const kv_view<const KE> keys = keys_in;
-  KVEVICT_TRY(detail::check_view(fn, "keys", keys));
-  KVEVICT_TRY(detail::check_view(fn, "out", out));
-  if (out.extent(0) != keys.extent(0) || out.extent(1) != keys.extent(1))
-    return status::error(errc::shape_mismatch, "%s: out is [%lld][%lld] but keys are [%lld][%lld][*]", fn,
-                         static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)),
-                         static_cast<long long>(keys.extent(0)), static_cast<long long>(keys.extent(1)));
-  if (detail::range_of(out).intersects(detail::range_of(keys)))
-    return status::error(errc::overlap, "%s: out overlaps keys in memory", fn);
+  KVEVICT_TRY(detail::check_key_norm_scores(fn, keys, out));
   const index_t tokens = keys.extent(1), d = keys.extent(2);
   detail::parallel_for(be, keys.extent(0) * tokens, [&](index_t i) {
     const index_t h = i / tokens, t = i % tokens;

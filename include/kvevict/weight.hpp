@@ -35,11 +35,53 @@ enum class value_weight : int {
 namespace detail {
 /// ||v||_1 of one value row: sequential fp32 sum of |v_t| over t = 0..d-1 (identical on every
 /// backend). NaN in v gives NaN.
+/// s + |v_0| + |v_1| + ... + |v_{n-1}|, added left to right: value_l1_norm continued over a further
+/// piece of the row (the CUDA kernels stage rows through shared memory in pieces).
+template <class V>
+KVEVICT_HOST_DEVICE inline float value_l1_accumulate(float s, const V* v, index_t n, index_t stride) {
+  for (index_t t = 0; t < n; ++t) s += bits_float(float_bits(to_float(v[t * stride])) & 0x7fffffffu);
+  return s;
+}
 template <class V>
 KVEVICT_HOST_DEVICE inline float value_l1_norm(const V* v, index_t d, index_t stride) {
-  float s = 0.0f;
-  for (index_t t = 0; t < d; ++t) s += bits_float(float_bits(to_float(v[t * stride])) & 0x7fffffffu);
-  return s;
+  return value_l1_accumulate(0.0f, v, d, stride);
+}
+
+/// mode inside the value_weight enum.
+inline status check_weight_mode(const char* fn, value_weight mode) {
+  const int m = static_cast<int>(mode);
+  if (m < 0 || m > 1) return status::error(errc::invalid_argument, "%s: unknown value_weight value %d", fn, m);
+  return {};
+}
+
+/// Views, mode and shapes of weight_by_value_norm (everything but the lengths' values), shared by
+/// every backend.
+template <class VE>
+status check_weight_by_value_norm(const char* fn, const matrix_view<float>& scores, const kv_view<const VE>& values,
+                                  value_weight mode) {
+  KVEVICT_TRY(check_view(fn, "scores", scores));
+  KVEVICT_TRY(check_view(fn, "values", values));
+  KVEVICT_TRY(check_weight_mode(fn, mode));
+  const index_t rows = scores.extent(0), cols = scores.extent(1);
+  const index_t hkv = values.extent(0), tokens = values.extent(1);
+  if (hkv == 0 ? rows != 0 : rows % hkv != 0)
+    return status::error(errc::shape_mismatch, "%s: scores have %lld rows, not a multiple of the %lld KV heads of values",
+                         fn, static_cast<long long>(rows), static_cast<long long>(hkv));
+  if (cols > tokens)
+    return status::error(errc::shape_mismatch, "%s: scores have %lld columns but values hold only %lld tokens", fn,
+                         static_cast<long long>(cols), static_cast<long long>(tokens));
+  return {};
+}
+
+/// scores must not overlap values; lengths must not lie inside scores.
+template <class VE>
+status check_weight_overlap(const char* fn, const matrix_view<float>& scores, const kv_view<const VE>& values,
+                            const std::int32_t* lengths) {
+  if (range_of(scores).intersects(range_of(values)))
+    return status::error(errc::overlap, "%s: scores overlap values in memory", fn);
+  if (lengths_inside(lengths, values.extent(0), range_of(scores)))
+    return status::error(errc::overlap, "%s: lengths lie inside scores", fn);
+  return {};
 }
 }  // namespace detail
 
@@ -51,7 +93,8 @@ KVEVICT_HOST_DEVICE inline float value_l1_norm(const V* v, index_t d, index_t st
 /// a zero score).
 ///
 /// Errors (nothing written): invalid views; R not a multiple of H_kv; T_s > T; lengths[h] outside
-/// [0, T]; unknown mode; scores overlapping values. No workspace, no allocation.
+/// [0, T]; unknown mode; scores overlapping values; lengths stored inside scores. No workspace, no
+/// allocation.
 template <class Backend, class V>
 status weight_by_value_norm(Backend be, matrix_view<float> scores, kv_view<V> values_in, value_weight mode,
                             const std::int32_t* lengths = nullptr) {
@@ -59,25 +102,11 @@ status weight_by_value_norm(Backend be, matrix_view<float> scores, kv_view<V> va
   using VE = std::remove_const_t<V>;
   constexpr const char* fn = "weight_by_value_norm";
   const kv_view<const VE> values = values_in;
-  KVEVICT_TRY(detail::check_view(fn, "scores", scores));
-  KVEVICT_TRY(detail::check_view(fn, "values", values));
-  const int m = static_cast<int>(mode);
-  if (m < 0 || m > 1) return status::error(errc::invalid_argument, "%s: unknown value_weight value %d", fn, m);
+  KVEVICT_TRY(detail::check_weight_by_value_norm(fn, scores, values, mode));
   const index_t rows = scores.extent(0), cols = scores.extent(1);
   const index_t hkv = values.extent(0), tokens = values.extent(1), d = values.extent(2);
-  if (hkv == 0 ? rows != 0 : rows % hkv != 0)
-    return status::error(errc::shape_mismatch, "%s: scores have %lld rows, not a multiple of the %lld KV heads of values",
-                         fn, static_cast<long long>(rows), static_cast<long long>(hkv));
-  if (cols > tokens)
-    return status::error(errc::shape_mismatch, "%s: scores have %lld columns but values hold only %lld tokens", fn,
-                         static_cast<long long>(cols), static_cast<long long>(tokens));
-  if (lengths != nullptr)
-    for (index_t h = 0; h < hkv; ++h)
-      if (lengths[h] < 0 || lengths[h] > tokens)
-        return status::error(errc::out_of_range, "%s: lengths[%lld] = %d is outside [0, %lld]", fn,
-                             static_cast<long long>(h), lengths[h], static_cast<long long>(tokens));
-  if (detail::range_of(scores).intersects(detail::range_of(values)))
-    return status::error(errc::overlap, "%s: scores overlap values in memory", fn);
+  KVEVICT_TRY(detail::check_lengths(fn, "lengths", lengths, hkv, tokens));
+  KVEVICT_TRY(detail::check_weight_overlap(fn, scores, values, lengths));
   if (rows == 0 || cols == 0) return {};
   const index_t group = rows / hkv;
   float* const sd = scores.data_handle();

@@ -35,6 +35,23 @@ byte_range range_of(const cuda::std::mdspan<T, Ext, cuda::std::layout_stride>& v
   return {b, b + static_cast<std::uintptr_t>(v.mapping().required_span_size()) * sizeof(T)};
 }
 
+/// Checks that n int32 lengths in host memory lie in [0, limit]: "fn: name[i] = v is outside [0, limit]".
+inline status check_lengths(const char* fn, const char* name, const std::int32_t* lengths, index_t n, index_t limit) {
+  if (lengths == nullptr) return {};
+  for (index_t i = 0; i < n; ++i)
+    if (lengths[i] < 0 || lengths[i] > limit)
+      return status::error(errc::out_of_range, "%s: %s[%lld] = %d is outside [0, %lld]", fn, name,
+                           static_cast<long long>(i), lengths[i], static_cast<long long>(limit));
+  return {};
+}
+
+/// Whether n int32 lengths stored at `lengths` (never dereferenced) intersect the byte range r.
+inline bool lengths_inside(const std::int32_t* lengths, index_t n, const byte_range& r) {
+  if (lengths == nullptr || n <= 0) return false;
+  const auto b = reinterpret_cast<std::uintptr_t>(lengths);
+  return r.intersects({b, b + static_cast<std::uintptr_t>(n) * sizeof(std::int32_t)});
+}
+
 /// Checks cu[0] == 0, non-decreasing offsets, and cu[n] <= limit (when limit >= 0).
 inline status check_offsets(const char* fn, const char* name, const std::int32_t* cu, index_t n,
                             index_t limit = -1) {

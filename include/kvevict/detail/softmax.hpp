@@ -35,15 +35,43 @@ KVEVICT_HOST_DEVICE inline float pos_inf_f() noexcept { return bits_float(0x7f80
 KVEVICT_HOST_DEVICE inline float quiet_nan_f() noexcept { return bits_float(0x7fc00000u); }
 KVEVICT_HOST_DEVICE inline bool is_nan_f(float x) noexcept { return x != x; }
 
+/// Separately rounded fp32 product, sum and difference that no compiler fuses into a multiply-add.
+/// nvcc contracts a*b+c into FMA by default (-fmad=true); in device code these are the __f*_rn
+/// intrinsics, which it never contracts, so the functions below compute the same bits on the GPU as
+/// on the host. On the host they are the plain operators (GCC decides contraction per compiled
+/// function, clang per expression; see KVEVICT_FP_CONTRACT_OFF).
+KVEVICT_HOST_DEVICE inline float mul_rn(float a, float b) noexcept {
+#if KVEVICT_DEVICE_COMPILATION
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+KVEVICT_HOST_DEVICE inline float add_rn(float a, float b) noexcept {
+#if KVEVICT_DEVICE_COMPILATION
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+KVEVICT_HOST_DEVICE inline float sub_rn(float a, float b) noexcept {
+#if KVEVICT_DEVICE_COMPILATION
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
 /// e^x for every float x, computed with float arithmetic only (so the result does not depend on
 /// the platform's libm): x = n·ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), e^r by its
 /// degree-7 Taylor polynomial (truncation error < 6e-9 relative), times 2^n built from exponent
 /// bits as 2^(n>>1)·2^(n-(n>>1)) so both factors stay normal. Measured error over the whole
 /// range: <= 2 ulp against a double-precision exp (tests/test_score.cpp).
 /// e^-inf = 0, e^+inf = +inf, e^NaN = NaN; results below 2^-149 round to 0, above FLT_MAX to inf.
-/// Written branch-free so the host loops that call it vectorise (SSE2 is enough). If the compiler
-/// contracts a*b+c into FMA (nvcc does by default, g++ only when FMA instructions are enabled),
-/// the last bit may differ from a build that does not.
+/// Written branch-free so the host loops that call it vectorise (SSE2 is enough). Its products and
+/// sums are mul_rn/add_rn, which nvcc never fuses, so device code gets the host's bits; on the host
+/// a compiler allowed to contract a*b+c into FMA (g++ with FMA instructions enabled and the GNU
+/// dialect's -ffp-contract=fast) may still change the last bit.
 KVEVICT_HOST_DEVICE inline float softmax_exp(float x) noexcept {
   KVEVICT_FP_CONTRACT_OFF
   // clamp to [-104, 88.75] on the bit pattern (integer selects vectorise where float ones do not),
@@ -59,26 +87,26 @@ KVEVICT_HOST_DEVICE inline float softmax_exp(float x) noexcept {
   x = bits_float(xb);
   constexpr float log2e = 1.44269504088896341f;
   constexpr float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer (nearest even)
-  const float t = x * log2e + magic;
-  const float n = t - magic;  // round(x / ln2), exact
+  const float t = add_rn(mul_rn(x, log2e), magic);
+  const float n = sub_rn(t, magic);  // round(x / ln2), exact
   std::int32_t ni = static_cast<std::int32_t>(float_bits(t) - float_bits(magic));  // the same n as an integer
   constexpr float ln2_hi = 0.693359375f;     // 355/512: n * ln2_hi is exact for |n| < 2^15
   constexpr float ln2_lo = -2.12194440e-4f;  // ln2 - ln2_hi
-  const float r = (x - n * ln2_hi) - n * ln2_lo;
+  const float r = sub_rn(sub_rn(x, mul_rn(n, ln2_hi)), mul_rn(n, ln2_lo));
   // e^r, Horner form of sum r^k/k!, k = 0..7
   float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  p = add_rn(mul_rn(p, r), 1.0f / 720.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 120.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 24.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 6.0f);
+  p = add_rn(mul_rn(p, r), 0.5f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  p = add_rn(mul_rn(p, r), 1.0f);
   const std::int32_t n1 = ni >> 1;  // arithmetic shift: floor(n/2), both factors in [-75, 64]
   const std::int32_t n2 = ni - n1;
   const float s1 = bits_float(static_cast<std::uint32_t>(n1 + 127) << 23);
   const float s2 = bits_float(static_cast<std::uint32_t>(n2 + 127) << 23);
-  return p * s1 * s2;
+  return mul_rn(mul_rn(p, s1), s2);
 }
 
 /// Softmax statistics of a set of logits: max m and sum of e^(x - m).
@@ -98,7 +126,7 @@ KVEVICT_HOST_DEVICE inline softmax_stats softmax_merge(softmax_stats a, softmax_
   const float m = a.max > b.max ? a.max : b.max;
   if (m == neg_inf_f()) return {m, a.sum + b.sum};  // both empty (or all -inf): no rescaling
   // e^(-inf - m) = 0 for the empty side; e^(inf - inf) = NaN when both maxima are +inf
-  return {m, a.sum * softmax_exp(a.max - m) + b.sum * softmax_exp(b.max - m)};
+  return {m, add_rn(mul_rn(a.sum, softmax_exp(sub_rn(a.max, m))), mul_rn(b.sum, softmax_exp(sub_rn(b.max, m))))};
 }
 
 /// Adds one logit to running statistics (online softmax): stats ⊕ {x, 1}.
@@ -110,7 +138,7 @@ KVEVICT_HOST_DEVICE inline softmax_stats softmax_push(softmax_stats s, float x) 
 /// The probability of logit x in the row described by s: e^(x - m) / sum. Not finite for empty
 /// stats (no visible logit) and NaN for NaN stats.
 KVEVICT_HOST_DEVICE inline float softmax_prob(softmax_stats s, float x) noexcept {
-  return softmax_exp(x - s.max) / s.sum;
+  return softmax_exp(sub_rn(x, s.max)) / s.sum;
 }
 
 /// NaN-propagating maximum (once a NaN is seen it stays).
@@ -132,9 +160,9 @@ KVEVICT_HOST_DEVICE inline float float_from_order_key(std::int32_t k) noexcept {
 /// window; used for CAKE's mean + gamma * variance.
 KVEVICT_HOST_DEVICE inline void welford_push(float& mean, float& m2, float x, float inv_n) noexcept {
   KVEVICT_FP_CONTRACT_OFF
-  const float delta = x - mean;
-  mean += delta * inv_n;
-  m2 += delta * (x - mean);
+  const float delta = sub_rn(x, mean);
+  mean = add_rn(mean, mul_rn(delta, inv_n));
+  m2 = add_rn(m2, mul_rn(delta, sub_rn(x, mean)));
 }
 
 }  // namespace kvevict::detail

@@ -1,0 +1,185 @@
+// The work of the CUDA post-processing kernels (<kvevict/cuda/postprocess.cuh>, <kvevict/cuda/pool.cuh>)
+// written once, as host-device routines over an execution context: on the GPU a CTA's threads share
+// each ctx.each loop and ctx.sync() is a barrier; on the host (tests) serial_ctx runs the loops in
+// order. The host tests therefore run the kernels' own tile and block decompositions. Nothing here is
+// API.
+//
+//   pp_run_tile   one tile of pp_tile outputs of a KV head's row: the inputs the tile's pooling
+//                 windows need (pp_tile + 2r of them) staged once in `span` (GQA-reduced first, or
+//                 each query head of the group in turn), pooled block by block (pool_block) into
+//                 `acc`, then GQA-finished, weighted and protected into the output
+//   pp_run_block  rows whose pooling radius exceeds pp_max_radius: the outputs of one pooling block,
+//                 reading the inputs from global memory (one GPU thread per block)
+#pragma once
+
+#include <kvevict/config.hpp>
+#include <kvevict/detail/pool_block.hpp>
+#include <kvevict/detail/softmax.hpp>
+#include <kvevict/gqa.hpp>
+#include <kvevict/postprocess.hpp>
+#include <kvevict/protect.hpp>
+#include <kvevict/weight.hpp>
+
+#include <cstdint>
+
+namespace kvevict::detail {
+
+inline constexpr index_t pp_tile = 1024;        ///< outputs per tile (per CTA work item)
+inline constexpr index_t pp_max_radius = 1024;  ///< largest kernel / 2 of the tiled path (kernel <= 2049)
+inline constexpr index_t pp_span = pp_tile + 2 * pp_max_radius;  ///< staged inputs of one tile
+
+/// The host context: one thread runs every loop in order; barriers do nothing.
+struct serial_ctx {
+  template <class F>
+  KVEVICT_HOST_DEVICE void each(index_t n, const F& f) const {
+    for (index_t i = 0; i < n; ++i) f(i);
+  }
+  KVEVICT_HOST_DEVICE void sync() const {}
+  /// norms[t] = ||row t||_1 for t < n, row t's element k at base[t * rs + k * es].
+  template <class VE>
+  KVEVICT_HOST_DEVICE void l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) const {
+    for (index_t t = 0; t < n; ++t) norms[t] = value_l1_norm(base + t * rs, d, es);
+  }
+};
+
+/// Arguments of the fused post-processing (and of pooling alone: g = 1, no weighting, no protection).
+struct pp_params {
+  const float* in;  ///< [H_q][T]
+  index_t is0, is1;
+  float* out;  ///< [H_kv][T]
+  index_t os0, os1;
+  index_t hkv, g, T;
+  gqa_op op;
+  gqa_order order;
+  pool_kind pool;
+  index_t kernel;
+  avg_divisor div;
+  bool weight;
+  value_weight mode;
+  bool protect;
+  index_t n_sink, n_recent;
+  const std::int32_t* row_lengths;    ///< [H_kv] or null
+  const std::int32_t* value_lengths;  ///< [H_kv] or null
+  const float* factors;               ///< head_max: [H_kv] max value norms
+};
+
+/// Value rows (weighting): [H_kv][tv][d].
+template <class VE>
+struct pp_values {
+  const VE* v;
+  index_t vs0, vs1, vs2, tv, d;
+};
+
+/// The GQA reduction of KV head h's group at position p (gqa_reduce's operations and order).
+KVEVICT_HOST_DEVICE inline float pp_gqa_at(const pp_params& a, index_t h, index_t p) {
+  const float* col = a.in + (h * a.g) * a.is0 + p * a.is1;
+  float acc = col[0];
+  for (index_t j = 1; j < a.g; ++j) acc = gqa_combine(a.op, acc, col[j * a.is0]);
+  return gqa_finish(a.op, acc, a.g);
+}
+
+/// Outputs [t0, min(t0 + pp_tile, L)) of KV head h (row length L, value length vlen; L > t0).
+/// span: pp_span floats, stash and acc: pp_tile floats each (shared memory on the GPU). Opens and
+/// ends with a barrier-free ctx: callers sync before reusing the buffers.
+template <class Ctx, class VE>
+KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const pp_values<VE>& vals, index_t h,
+                                     index_t L, index_t vlen, index_t t0, float* span, float* stash, float* acc) {
+  const index_t hi = t0 + pp_tile < L ? t0 + pp_tile : L;
+  const index_t nout = hi - t0;
+  const bool pooled = a.pool != pool_kind::none;
+  const bool pool_first = pooled && a.order == gqa_order::pool_first;
+  if (!pooled) {
+    ctx.each(nout, [&](index_t i) { acc[i] = pp_gqa_at(a, h, t0 + i); });
+  } else {
+    const index_t r = pool_radius(a.kernel, L);
+    const index_t base = t0 - r;  // span[p - base] holds input p
+    const index_t plo = t0 - r > 0 ? t0 - r : 0, phi = hi + r < L ? hi + r : L;
+    const index_t b_lo = pool_first_block(a.kernel, L, t0), nb = pool_last_block(a.kernel, L, hi) - b_lo + 1;
+    const auto x = [&](index_t p) { return span[p - base]; };
+    if (!pool_first) {
+      ctx.each(phi - plo, [&](index_t k) { span[plo + k - base] = pp_gqa_at(a, h, plo + k); });
+      ctx.sync();
+      ctx.each(nb, [&](index_t bi) {
+        pool_block_any(a.pool, a.div, x, stash, t0, 1, [&](index_t i, float v) { acc[i - t0] = v; }, L, a.kernel,
+                       b_lo + bi, t0, hi);
+      });
+    } else {
+      for (index_t j = 0; j < a.g; ++j) {
+        const float* row = a.in + (h * a.g + j) * a.is0;
+        ctx.sync();  // the previous query head's pooling is done with span and stash
+        ctx.each(phi - plo, [&](index_t k) { span[plo + k - base] = row[(plo + k) * a.is1]; });
+        ctx.sync();
+        ctx.each(nb, [&](index_t bi) {
+          pool_block_any(
+              a.pool, a.div, x, stash, t0, 1,
+              [&](index_t i, float v) { acc[i - t0] = j == 0 ? v : gqa_combine(a.op, acc[i - t0], v); }, L, a.kernel,
+              b_lo + bi, t0, hi);
+        });
+      }
+    }
+  }
+  ctx.sync();
+  // per-token value norms of the weighted outputs, into stash (free again)
+  const index_t wend = a.weight ? (L < vlen ? L : vlen) : 0;
+  const index_t nw = wend > t0 ? (wend < hi ? wend : hi) - t0 : 0;
+  if (a.weight && a.mode == value_weight::per_token)
+    ctx.l1_norms(vals.v + h * vals.vs0 + t0 * vals.vs1, vals.vs1, vals.vs2, nw, vals.d, stash);
+  ctx.sync();
+  const float factor = a.weight && a.mode == value_weight::head_max ? a.factors[h] : 0.0f;
+  const index_t sink_end = a.protect ? protect_sink_end(L, a.n_sink) : -1;
+  const index_t recent_begin = a.protect ? protect_recent_begin(L, a.n_recent) : L;
+  ctx.each(nout, [&](index_t i) {
+    const index_t t = t0 + i;
+    float v = acc[i];
+    if (pool_first) v = gqa_finish(a.op, v, a.g);
+    const bool weighted = i < nw;
+    const float f = a.mode == value_weight::per_token ? (weighted ? stash[i] : 0.0f) : factor;
+    v = weighted ? mul_rn(v, f) : v;
+    a.out[h * a.os0 + t * a.os1] = a.protect ? protect_value(v, t, sink_end, recent_begin) : v;
+  });
+}
+
+/// The outputs of pooling block b of KV head h's row (length L, value length vlen), for kernels wider
+/// than the tiled path allows: inputs read from global memory; stash: the pool_first scratch row of
+/// the head (T floats, stride 1), unused for gqa_first (which stashes in the output row itself, as
+/// pool_row_impl does). One GPU thread per block; every output of the block is owned by the caller.
+template <class VE>
+KVEVICT_HOST_DEVICE void pp_run_block(const pp_params& a, const pp_values<VE>& vals, index_t h, index_t L, index_t vlen,
+                                      index_t b, float* stash) {
+  float* const o = a.out + h * a.os0;
+  const index_t wend = a.weight ? (L < vlen ? L : vlen) : 0;
+  const index_t sink_end = a.protect ? protect_sink_end(L, a.n_sink) : -1;
+  const index_t recent_begin = a.protect ? protect_recent_begin(L, a.n_recent) : L;
+  const float factor = a.weight && a.mode == value_weight::head_max ? a.factors[h] : 0.0f;
+  const auto finish = [&](index_t t, float v) {
+    const bool weighted = t < wend;
+    float f = factor;
+    if (weighted && a.mode == value_weight::per_token)
+      f = value_l1_norm(vals.v + h * vals.vs0 + t * vals.vs1, vals.d, vals.vs2);
+    v = weighted ? mul_rn(v, f) : v;
+    o[t * a.os1] = a.protect ? protect_value(v, t, sink_end, recent_begin) : v;
+  };
+  if (a.order == gqa_order::gqa_first || a.g == 1) {
+    const auto x = [&](index_t p) { return pp_gqa_at(a, h, p); };
+    pool_block_any(a.pool, a.div, x, o, 0, a.os1, finish, L, a.kernel, b, 0, L);
+    return;
+  }
+  for (index_t j = 0; j < a.g; ++j) {
+    const float* row = a.in + (h * a.g + j) * a.is0;
+    const auto x = [&](index_t p) { return row[p * a.is1]; };
+    pool_block_any(
+        a.pool, a.div, x, stash, 0, 1,
+        [&](index_t i, float v) { o[i * a.os1] = j == 0 ? v : gqa_combine(a.op, o[i * a.os1], v); }, L, a.kernel, b, 0,
+        L);
+  }
+  const index_t k = 2 * pool_radius(a.kernel, L) + 1;
+  const index_t last = (b + 1) * k < L ? (b + 1) * k : L;
+  for (index_t t = b * k; t < last; ++t) finish(t, gqa_finish(a.op, o[t * a.os1], a.g));
+}
+
+/// Number of pooling blocks of a row of n positions (pp_run_block's b ranges over [0, this)).
+KVEVICT_HOST_DEVICE inline index_t pp_blocks(index_t kernel, index_t n) {
+  return n <= 0 ? 0 : (n + 2 * pool_radius(kernel, n)) / (2 * pool_radius(kernel, n) + 1);
+}
+
+}  // namespace kvevict::detail

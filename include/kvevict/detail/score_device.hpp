@@ -1,0 +1,188 @@
+// The decomposition of the CUDA attention-score kernels (<kvevict/cuda/score.cuh>) and every piece of
+// arithmetic they do, as host-device functions, so that host tests can run the same decomposition
+// (tests/score_device_emulation.hpp) and compare it with the host backends. Nothing here is API.
+//
+//   pass 1 (statistics) one CTA per (KV head, block of up to cs_rows query rows of its GQA group,
+//                       range of key tiles): logits of the block against each key tile of cs_keys
+//                       keys, each row's statistics of the tile (two runs of cs_half keys merged),
+//                       merged over the range's tiles in order -> part[row][split]
+//   merge               one warp per row: lane l merges splits l, l + 32, ... in order, then the 32
+//                       lane results by a fixed shuffle tree -> rowst[row]
+//   pass 2 (columns)    one CTA per (KV head, tile of cs_keys output columns): for each block of rows
+//                       of the group (whole heads when w <= cs_rows), the logits again, p = e^(l - M)/L,
+//                       then per (query head, column) the rows added (or Welford-pushed) in order
+//                       i = 0..w-1, finalized, and optionally combined over the group's heads in order
+//
+// Every logit is the host's: one sequential fp32 dot product over d (separately rounded products and
+// sums, or fused multiply-adds with score_options::fused_multiply_add) times the scale.
+#pragma once
+
+#include <kvevict/config.hpp>
+#include <kvevict/detail/softmax.hpp>
+#include <kvevict/gqa.hpp>
+#include <kvevict/score.hpp>
+#include <kvevict/status.hpp>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+namespace kvevict::detail {
+
+// ---- geometry (shared by the kernels and their host emulation) ---------------------------------
+inline constexpr int cs_threads = 256;              ///< threads per CTA
+inline constexpr int cs_rows = 128;                 ///< query rows per row block
+inline constexpr int cs_keys = 64;                  ///< keys (columns) per tile
+inline constexpr int cs_dchunk = 32;                ///< head-dim elements staged in shared memory per step
+inline constexpr int cs_thread_rows = 8;            ///< logits per thread: 8 rows x 4 keys
+inline constexpr int cs_thread_keys = 4;
+inline constexpr int cs_half = cs_keys / 2;         ///< keys per statistics run (two runs per tile)
+inline constexpr int cs_q_ld = cs_rows + 4;         ///< staged queries [cs_dchunk][cs_q_ld] (float4 rows)
+inline constexpr int cs_k_ld = cs_keys + 4;         ///< staged keys [cs_dchunk][cs_k_ld]
+inline constexpr int cs_l_ld = cs_keys + 1;         ///< logit / probability tile [cs_rows][cs_l_ld]
+inline constexpr int cs_tile_floats = cs_rows * cs_l_ld;  ///< the shared buffer (the staging aliases it)
+inline constexpr int cs_merge_lanes = 32;           ///< lanes merging one row's split statistics
+/// Bound on the split statistics entries (rows x splits), 8 bytes each: 32 MiB.
+inline constexpr index_t cs_stats_budget = index_t(1) << 22;
+inline constexpr index_t cs_max_splits = 4096;
+
+static_assert(cs_threads == (cs_rows / cs_thread_rows) * (cs_keys / cs_thread_keys), "one logit block per CTA");
+static_assert(cs_threads == 2 * cs_rows, "two threads (runs) per row for the statistics");
+static_assert(cs_dchunk * (cs_q_ld + cs_k_ld) <= cs_tile_floats, "the staging fits in the logit tile");
+static_assert(cs_q_ld % 4 == 0 && cs_k_ld % 4 == 0 && (cs_dchunk * cs_q_ld) % 4 == 0 && cs_thread_rows % 4 == 0 &&
+                  cs_thread_keys == 4,
+              "float4 reads of the staged queries and keys stay 16-byte aligned");
+
+/// The launch plan of one attention_scores call on the GPU; depends on the shapes only.
+struct cuda_score_plan {
+  index_t rows_g = 0;           ///< group * w: rows of one KV head's group
+  index_t rows_total = 0;       ///< H_q * w
+  index_t tiles = 0;            ///< key tiles over the visible columns (pass 1)
+  index_t tiles_per_split = 0;  ///< key tiles per pass-1 CTA
+  index_t splits = 0;           ///< pass-1 CTAs per (KV head, row block)
+  index_t row_blocks = 0;       ///< pass-1 row blocks per KV head
+  index_t out_tiles = 0;        ///< output column tiles (pass 2)
+  index_t part_entries = 0;     ///< rows_total * splits
+};
+
+inline status make_cuda_score_plan(const char* fn, const score_shape& sh, cuda_score_plan& pl) {
+  pl = {};
+  if (sh.hq == 0 || sh.out_cols == 0) return {};
+  if (!checked_mul(sh.group, sh.w, pl.rows_g) || !checked_mul(sh.hq, sh.w, pl.rows_total))
+    return status::error(errc::size_overflow, "%s: heads x w overflows", fn);
+  pl.tiles = (sh.cols + cs_keys - 1) / cs_keys;
+  pl.out_tiles = (sh.out_cols + cs_keys - 1) / cs_keys;
+  pl.row_blocks = (pl.rows_g + cs_rows - 1) / cs_rows;
+  index_t max_splits = cs_stats_budget / pl.rows_total;
+  if (max_splits < 1) max_splits = 1;
+  if (max_splits > cs_max_splits) max_splits = cs_max_splits;
+  pl.tiles_per_split = (pl.tiles + max_splits - 1) / max_splits;
+  pl.splits = (pl.tiles + pl.tiles_per_split - 1) / pl.tiles_per_split;
+  if (!checked_mul(pl.rows_total, pl.splits, pl.part_entries))
+    return status::error(errc::size_overflow, "%s: the statistics workspace overflows", fn);
+  index_t t = 0;
+  if (!checked_mul(sh.hkv, pl.row_blocks, t) || !checked_mul(t, pl.splits, t) ||
+      !checked_mul(pl.part_entries + pl.rows_total, static_cast<index_t>(sizeof(softmax_stats)), t))
+    return status::error(errc::size_overflow, "%s: the launch or workspace size overflows", fn);
+  return {};
+}
+
+// ---- per-element arithmetic ---------------------------------------------------------------------
+
+/// One term of a logit's dot product: acc + q * k with separately rounded product and sum (the host's
+/// default) or as one fused multiply-add (score_options::fused_multiply_add). Same bits everywhere.
+template <bool Fused>
+KVEVICT_HOST_DEVICE inline float logit_term(float acc, float q, float k) noexcept {
+  if constexpr (Fused) {
+#if KVEVICT_DEVICE_COMPILATION
+    return __fmaf_rn(q, k, acc);
+#else
+    return std::fma(q, k, acc);
+#endif
+  } else {
+    return add_rn(acc, mul_rn(q, k));
+  }
+}
+
+/// An element of a query or key, widened exactly to fp32 (branch-free; the same values as to_float).
+KVEVICT_HOST_DEVICE inline float widen(float x) noexcept { return x; }
+KVEVICT_HOST_DEVICE inline float widen(float16 x) noexcept { return widen_f16_bits(x.bits); }
+KVEVICT_HOST_DEVICE inline float widen(bfloat16 x) noexcept { return widen_bf16_bits(x.bits); }
+
+/// Columns row i of the block sees: the P prefix keys and, with block keys, block keys 0..i.
+KVEVICT_HOST_DEVICE inline index_t score_row_visible(index_t p, bool has_block, index_t i) noexcept {
+  return has_block ? p + i + 1 : p;
+}
+
+/// The widest row of rows [row0, row0 + nrows) of a group (row r is position r % w of head r / w).
+KVEVICT_HOST_DEVICE inline index_t score_block_max_visible(index_t row0, index_t nrows, index_t w, index_t p,
+                                                           bool has_block) noexcept {
+  const index_t last = row0 + nrows - 1;
+  const index_t imax = last / w != row0 / w ? w - 1 : last % w;
+  return score_row_visible(p, has_block, imax);
+}
+
+/// Softmax statistics of the n logits l[0], l[stride], ..., l[(n-1)*stride]: the max in the float
+/// order of float_order_key (a NaN with the sign bit clear is the max; one with it set ranks below
+/// -inf, as in the host kernel's score_chunk_exp), then the sum of e^(l - max) left to right. When the
+/// max is -inf (no logit, or only -inf and sign-bit NaN) the sum is 0, or NaN if a NaN was seen, and
+/// the max stays -inf. Any NaN therefore makes the row's merged statistics NaN.
+KVEVICT_HOST_DEVICE inline softmax_stats score_run_stats(const float* l, int stride, int n) noexcept {
+  std::int32_t mk = float_order_key(neg_inf_f());
+  for (int j = 0; j < n; ++j) {
+    const std::int32_t k = float_order_key(l[j * stride]);
+    mk = k > mk ? k : mk;
+  }
+  const float m = float_from_order_key(mk);
+  float sum = 0.0f;
+  if (m == neg_inf_f()) {
+    for (int j = 0; j < n; ++j) {
+      const float x = l[j * stride];
+      sum = sum + (is_nan_f(x) ? x : 0.0f);
+    }
+    return {m, sum};
+  }
+  for (int j = 0; j < n; ++j) sum = sum + softmax_exp(sub_rn(l[j * stride], m));
+  return {m, sum};
+}
+
+/// Number of visible keys of run `half` (0 or 1) of the tile starting at column j0, for a row that
+/// sees `visible` columns (a prefix of them).
+KVEVICT_HOST_DEVICE inline int score_run_count(index_t visible, index_t j0, int half) noexcept {
+  const index_t n = visible - j0 - static_cast<index_t>(half) * cs_half;
+  return n <= 0 ? 0 : n >= cs_half ? cs_half : static_cast<int>(n);
+}
+
+/// Lane `lane`'s part of the merge of a row's split statistics: splits lane, lane + 32, ... in order.
+KVEVICT_HOST_DEVICE inline softmax_stats score_merge_lane(const softmax_stats* part, index_t splits, int lane) noexcept {
+  softmax_stats s = softmax_empty();
+  for (index_t k = lane; k < splits; k += cs_merge_lanes) s = softmax_merge(s, part[k]);
+  return s;
+}
+
+/// The probability of a logit in its row (0 for a column the row does not see).
+KVEVICT_HOST_DEVICE inline float score_tile_prob(softmax_stats row, float logit, bool visible) noexcept {
+  return visible ? softmax_prob(row, logit) : 0.0f;
+}
+
+/// Adds row i's probability p to a column's accumulator: a sum, or Welford's mean and sum of squared
+/// deviations (mean_plus_variance) with inv_n = 1/(i + 1), as the host's score_row_welford.
+KVEVICT_HOST_DEVICE inline void score_column_push(bool welford, float& acc, float& m2, float p, index_t i) noexcept {
+  if (welford)
+    welford_push(acc, m2, p, 1.0f / static_cast<float>(i + 1));
+  else
+    acc = acc + p;
+}
+
+/// Rows of the block that see column j: all w for prefix columns, w - (j - P) for block column j.
+KVEVICT_HOST_DEVICE inline index_t score_column_seen(index_t p, index_t w, index_t j) noexcept {
+  return j < p ? w : w - (j - p);
+}
+
+/// Pass 2 processes a group's rows in blocks of whole heads when a head's w rows fit a block
+/// (cs_rows / w heads per block), otherwise in pieces of cs_rows rows of one head (returns 0).
+KVEVICT_HOST_DEVICE inline index_t score_heads_per_block(index_t w) noexcept {
+  return w <= cs_rows ? cs_rows / w : 0;
+}
+
+}  // namespace kvevict::detail

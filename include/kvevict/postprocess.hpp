@@ -1,0 +1,203 @@
+// kvevict/postprocess.hpp: the score stages between attention scores and selection, fused into one
+// call: GQA reduce and pooling (in either order), value-norm weighting, protection.
+//
+//   postprocess_scores(be, ws, in /*[H_q][T]*/, out /*[H_kv][T]*/, values, opt, row_lengths, value_lengths)
+//   postprocess_scores(be, ws, in, out, opt, row_lengths)                  (no value weighting)
+//
+// For each KV head h, with L = row_lengths[h] (or T), every position t < L of out[h] is
+//   order = pool_first:  gqa over the group's query heads of pool(in[q])[t]     (kvpress, LookaheadKV)
+//   order = gqa_first:   pool(gqa over the group of in[q])[t]                   (g times less pooling)
+// then, if opt.weight_values, times ||v_t||_1 (per_token) or max_k ||v_k||_1 (head_max) of KV head h
+// for t < value_lengths[h] (or every t), then protected (sinks and recent window of the row of L).
+// Positions t >= L are not written. The value of every written position is bit for bit that of the
+// chain of the individual stages with the same arguments:
+//   pool_first: pool1d(in -> tmp [H_q][T], kind, kernel, lengths of each query head's KV head)
+//               gqa_reduce(tmp -> out) ; weight_by_value_norm(out, values, mode, value_lengths) ;
+//               protect(out, n_sink, n_recent, row_lengths)
+//   gqa_first:  gqa_reduce(in -> tmp [H_kv][T]) ; pool1d(tmp -> out, ..., row_lengths) ; weight ; protect
+// (the chain would also write positions >= L; this call leaves them alone). Pooling `none` is a copy,
+// so the order does not matter then. The CUDA overload (<kvevict/cuda/postprocess.cuh>) is one kernel
+// that reads the per-query-head scores once and gives the same bits.
+#pragma once
+
+#include <kvevict/backend.hpp>
+#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/softmax.hpp>
+#include <kvevict/gqa.hpp>
+#include <kvevict/numeric.hpp>
+#include <kvevict/pool.hpp>
+#include <kvevict/protect.hpp>
+#include <kvevict/status.hpp>
+#include <kvevict/view.hpp>
+#include <kvevict/weight.hpp>
+#include <kvevict/workspace.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace kvevict {
+
+/// Whether the group's query heads are reduced after pooling each of them (pool_first, as kvpress's
+/// SnapKV: pool per query head, then mean over the group) or before pooling once (gqa_first).
+enum class gqa_order : int {
+  pool_first = 0,
+  gqa_first = 1,
+};
+
+struct postprocess_options {
+  gqa_op gqa = gqa_op::mean;                  ///< mean (kvpress, LookaheadKV), max (LAVa) or sum
+  gqa_order order = gqa_order::pool_first;
+  pool_kind pool = pool_kind::max;            ///< max 7: LookaheadKV, LAVa; KVCache-Factory: avg 5
+  index_t kernel = 7;                         ///< odd, >= 1
+  avg_divisor divisor = avg_divisor::kernel;  ///< avg pooling's border divisor (pool_options)
+  bool weight_values = false;                 ///< multiply by value norms (needs values)
+  value_weight weight = value_weight::per_token;  ///< VATP per token, LAVa head max
+  index_t n_sink = 0;                         ///< protected first positions of each row
+  index_t n_recent = 0;                       ///< protected last positions of each row
+};
+
+namespace detail {
+
+/// Every check of postprocess_scores that needs no lengths' values, shared by every backend.
+template <class VE>
+status check_postprocess(const char* fn, const matrix_view<const float>& in, const matrix_view<float>& out,
+                         const kv_view<const VE>& values, bool has_values, const postprocess_options& opt,
+                         const std::int32_t* row_lengths, const std::int32_t* value_lengths) {
+  KVEVICT_TRY(check_view(fn, "in", in));
+  KVEVICT_TRY(check_view(fn, "out", out));
+  KVEVICT_TRY(check_gqa_op(fn, opt.gqa));
+  if (opt.order != gqa_order::pool_first && opt.order != gqa_order::gqa_first)
+    return status::error(errc::invalid_argument, "%s: opt.order = %d is not a gqa_order (pool_first or gqa_first)", fn,
+                         static_cast<int>(opt.order));
+  pool_options po;
+  po.divisor = opt.divisor;
+  KVEVICT_TRY(check_pool_params(fn, opt.pool, opt.kernel, po));
+  KVEVICT_TRY(check_protect_params(fn, opt.n_sink, opt.n_recent));
+  KVEVICT_TRY(check_gqa_shapes(fn, in.extent(0), out.extent(0), in.extent(1), out.extent(1)));
+  if (range_of(in).intersects(range_of(out)))
+    return status::error(errc::overlap, "%s: in and out overlap in memory (use a separate output)", fn);
+  if (opt.weight_values) {
+    if (!has_values)
+      return status::error(errc::invalid_argument, "%s: opt.weight_values is set but no values were given", fn);
+    KVEVICT_TRY(check_weight_by_value_norm(fn, out, values, opt.weight));
+    if (values.extent(0) != out.extent(0))
+      return status::error(errc::shape_mismatch, "%s: values have %lld KV heads but out has %lld rows", fn,
+                           static_cast<long long>(values.extent(0)), static_cast<long long>(out.extent(0)));
+    KVEVICT_TRY(check_weight_overlap(fn, out, values, value_lengths));
+  }
+  if (lengths_inside(row_lengths, out.extent(0), range_of(out)))
+    return status::error(errc::overlap, "%s: row_lengths lie inside out", fn);
+  return {};
+}
+
+/// Writes the finished value of position t of a KV head's row: v times the weight factor when
+/// weighted, then protected.
+KVEVICT_HOST_DEVICE inline float postprocess_finish(float v, index_t t, bool weighted, float factor, index_t sink_end,
+                                                    index_t recent_begin) {
+  if (weighted) v = mul_rn(v, factor);
+  return protect_value(v, t, sink_end, recent_begin);
+}
+
+template <class Backend, class VE>
+status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const matrix_view<const float>& in,
+                               const matrix_view<float>& out, const kv_view<const VE>& values, bool has_values,
+                               const postprocess_options& opt, const std::int32_t* row_lengths,
+                               const std::int32_t* value_lengths) {
+  KVEVICT_TRY(check_postprocess(fn, in, out, values, has_values, opt, row_lengths, value_lengths));
+  const index_t hkv = out.extent(0), hq = in.extent(0), T = in.extent(1);
+  KVEVICT_TRY(check_lengths(fn, "row_lengths", row_lengths, hkv, T));
+  if (opt.weight_values) KVEVICT_TRY(check_lengths(fn, "value_lengths", value_lengths, hkv, values.extent(1)));
+  const bool pooled = opt.pool != pool_kind::none;
+  index_t tmp_floats = 0;
+  if (pooled && !checked_mul(hkv, T, tmp_floats))
+    return status::error(errc::size_overflow, "%s: the scratch size overflows", fn);
+  workspace_carver carver(ws);
+  float* const tmp = carver.take<float>(static_cast<std::size_t>(tmp_floats));
+  KVEVICT_TRY(carver.finish(fn));
+  if (ws.is_query() || hkv == 0 || T == 0) return {};
+  const index_t g = hq / hkv;
+  const float* const ip = in.data_handle();
+  float* const op = out.data_handle();
+  const index_t is0 = in.stride(0), is1 = in.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  parallel_for(be, hkv, [&](index_t h) {
+    const index_t L = row_lengths != nullptr ? row_lengths[h] : T;
+    float* const o = op + h * os0;
+    float* const t = tmp + h * T;  // only when pooled
+    const float* const first = ip + (h * g) * is0;
+    if (!pooled || opt.order == gqa_order::gqa_first) {
+      // x[p] = gqa over the group of in[.][p], into the output (no pooling) or the scratch row
+      float* const x = pooled ? t : o;
+      const index_t xs = pooled ? 1 : os1;
+      for (index_t p = 0; p < L; ++p) x[p * xs] = first[p * is1];
+      for (index_t j = 1; j < g; ++j) {
+        const float* row = ip + (h * g + j) * is0;
+        for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_combine(opt.gqa, x[p * xs], row[p * is1]);
+      }
+      for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_finish(opt.gqa, x[p * xs], g);
+      if (pooled) pool_row(opt.pool, opt.divisor, t, 1, o, os1, L, opt.kernel);
+    } else {
+      // pool each query head of the group and combine in head order; the output row accumulates
+      pool_row(opt.pool, opt.divisor, first, is1, o, os1, L, opt.kernel);
+      for (index_t j = 1; j < g; ++j) {
+        pool_row(opt.pool, opt.divisor, ip + (h * g + j) * is0, is1, t, 1, L, opt.kernel);
+        for (index_t p = 0; p < L; ++p) o[p * os1] = gqa_combine(opt.gqa, o[p * os1], t[p]);
+      }
+      for (index_t p = 0; p < L; ++p) o[p * os1] = gqa_finish(opt.gqa, o[p * os1], g);
+    }
+    index_t weighted_end = 0;
+    float factor = 0.0f;
+    const VE* vh = nullptr;
+    if (opt.weight_values) {
+      const index_t vlen = value_lengths != nullptr ? value_lengths[h] : values.extent(1);
+      weighted_end = L < vlen ? L : vlen;
+      vh = values.data_handle() + h * values.stride(0);
+      if (opt.weight == value_weight::head_max) {
+        factor = 0.0f;
+        for (index_t k = 0; k < vlen; ++k)
+          factor = max_nan(factor, value_l1_norm(vh + k * values.stride(1), values.extent(2), values.stride(2)));
+      }
+    }
+    const index_t sink_end = protect_sink_end(L, opt.n_sink), recent_begin = protect_recent_begin(L, opt.n_recent);
+    for (index_t p = 0; p < L; ++p) {
+      const bool weighted = p < weighted_end;
+      float f = factor;
+      if (weighted && opt.weight == value_weight::per_token)
+        f = value_l1_norm(vh + p * values.stride(1), values.extent(2), values.stride(2));
+      o[p * os1] = postprocess_finish(o[p * os1], p, weighted, f, sink_end, recent_begin);
+    }
+  });
+  return {};
+}
+
+}  // namespace detail
+
+/// The fused post-processing of per-query-head scores (see the file comment). in [H_q][T], out
+/// [H_kv][T] (any strides, not overlapping in), values [H_kv][T_v][d] with T_v >= T (read only when
+/// opt.weight_values), row_lengths and value_lengths null or H_kv int32 lengths in [0, T] and
+/// [0, T_v]. Workspace: H_kv x T floats when pooling (the host's per-row scratch), else none.
+/// Errors (nothing written): invalid views; H_q not a multiple of H_kv, H_q = 0 < H_kv, T differing
+/// (shape_mismatch); opt.gqa / opt.order / opt.pool / opt.divisor / opt.weight outside their enums,
+/// an even or non-positive kernel, negative n_sink or n_recent (invalid_argument); weighting without
+/// values, values with other than H_kv heads or fewer than T tokens; a length out of range
+/// (out_of_range); in overlapping out, values overlapping out, lengths inside out (overlap); workspace
+/// too small.
+template <class Backend, class V>
+status postprocess_scores(Backend be, workspace& ws, matrix_view<const float> in, matrix_view<float> out,
+                          kv_view<V> values, const postprocess_options& opt, const std::int32_t* row_lengths = nullptr,
+                          const std::int32_t* value_lengths = nullptr) {
+  static_assert(is_kv_element_v<V>, "postprocess_scores: values must be float, float16 or bfloat16");
+  using VE = std::remove_const_t<V>;
+  return detail::postprocess_scores_impl<Backend, VE>("postprocess_scores", be, ws, in, out, kv_view<const VE>(values),
+                                                      true, opt, row_lengths, value_lengths);
+}
+
+/// postprocess_scores without value weighting (opt.weight_values must be false).
+template <class Backend>
+status postprocess_scores(Backend be, workspace& ws, matrix_view<const float> in, matrix_view<float> out,
+                          const postprocess_options& opt, const std::int32_t* row_lengths = nullptr) {
+  return detail::postprocess_scores_impl<Backend, float>("postprocess_scores", be, ws, in, out, kv_view<const float>{},
+                                                         false, opt, row_lengths, nullptr);
+}
+
+}  // namespace kvevict

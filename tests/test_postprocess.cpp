@@ -1,0 +1,536 @@
+// postprocess_scores (host) against the chain of the individual stages, bit for bit; the CUDA
+// post-processing decomposition run on the host (detail/pool_block.hpp, detail/postprocess_device.hpp
+// with serial_ctx: pooling blocks, tiles with staged spans, per-block global path, staged norms, the
+// head-max reduction tree) against the host stages, bit for bit; every documented error.
+#include "support.hpp"
+
+#include <kvevict/detail/pool_block.hpp>
+#include <kvevict/detail/postprocess_device.hpp>
+#include <kvevict/detail/score_device.hpp>
+#include <kvevict/gqa.hpp>
+#include <kvevict/numeric.hpp>
+#include <kvevict/pool.hpp>
+#include <kvevict/postprocess.hpp>
+#include <kvevict/protect.hpp>
+#include <kvevict/score.hpp>
+#include <kvevict/weight.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+using namespace kvevict;
+using kvtest::require_error;
+using kvtest::value_of;
+
+namespace {
+
+const float inf = std::numeric_limits<float>::infinity();
+const float qnan = std::numeric_limits<float>::quiet_NaN();
+
+std::uint32_t bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+template <class T>
+T from_f(float f) {
+  if constexpr (std::is_same_v<T, float16>) return to_float16(f);
+  else if constexpr (std::is_same_v<T, bfloat16>) return to_bfloat16(f);
+  else return f;
+}
+
+// Scores with ties, NaN (both signs), infinities, signed zeros.
+float random_score(std::mt19937_64& g, bool specials) {
+  if (specials) {
+    switch (kvtest::uniform_int(g, 0, 30)) {
+      case 0: return qnan;
+      case 1: return -qnan;
+      case 2: return inf;
+      case 3: return -inf;
+      case 4: return -0.f;
+      case 5: return 0.f;
+      case 6: return 0.25f;
+      default: break;
+    }
+  }
+  return static_cast<float>(kvtest::uniform_int(g, -1000, 1000)) / 997.f;
+}
+
+std::vector<float> random_scores(std::mt19937_64& g, std::size_t n, bool specials) {
+  std::vector<float> v(n);
+  for (auto& x : v) x = random_score(g, specials);
+  return v;
+}
+
+// Same bits, except that any NaN equals any NaN: which NaN (sign, payload) an arithmetic operation on
+// NaN operands returns is not specified (x86 returns one operand's, compilers may swap the operands of
+// a commutative operation, CUDA returns the canonical NaN). Selection treats every NaN alike.
+void require_same_bits(const float* a, const float* b, index_t n, index_t sa = 1, index_t sb = 1) {
+  for (index_t i = 0; i < n; ++i) {
+    CAPTURE(i);
+    CAPTURE(a[i * sa]);
+    CAPTURE(b[i * sb]);
+    REQUIRE(((std::isnan(a[i * sa]) && std::isnan(b[i * sb])) || bits(a[i * sa]) == bits(b[i * sb])));
+  }
+}
+// Exactly the same bits, NaN included (max pooling and the GQA max select an input, no arithmetic).
+void require_identical_bits(const float* a, const float* b, index_t n, index_t sa = 1, index_t sb = 1) {
+  for (index_t i = 0; i < n; ++i) {
+    CAPTURE(i);
+    REQUIRE(bits(a[i * sa]) == bits(b[i * sb]));
+  }
+}
+
+// ---- pool_block: every decomposition gives pool1d's bits -----------------------------------------
+
+// The whole row, one block after another, the suffixes stashed in the output row (the GPU's path for
+// wide kernels, pool_row_impl's own storage).
+void pool_by_blocks(pool_kind kind, avg_divisor div, const std::vector<float>& x, index_t n, index_t kernel,
+                    std::vector<float>& y, index_t ys) {
+  const index_t k = 2 * detail::pool_radius(kernel, n) + 1;
+  for (index_t b = 0; b * k < n; ++b)
+    detail::pool_block_any(
+        kind, div, [&](index_t p) { REQUIRE((p >= 0 && p < n)); return x[static_cast<std::size_t>(p)]; }, y.data(), 0, ys,
+        [&](index_t i, float v) { y[static_cast<std::size_t>(i * ys)] = v; }, n, kernel, b, 0, n);
+}
+
+// Tiles of `tile` outputs, each with its inputs copied to a span [t0 - r, t0 + tile + r) and its own
+// stash, the blocks of a tile in reverse order (any order must do); reads outside the span fail.
+void pool_by_tiles(pool_kind kind, avg_divisor div, const std::vector<float>& x, index_t n, index_t kernel, index_t tile,
+                   std::vector<float>& y) {
+  const index_t r = detail::pool_radius(kernel, n);
+  for (index_t t0 = 0; t0 < n; t0 += tile) {
+    const index_t hi = std::min(t0 + tile, n);
+    std::vector<float> span(static_cast<std::size_t>(tile + 2 * r), qnan), stash(static_cast<std::size_t>(tile), qnan);
+    for (index_t p = std::max<index_t>(0, t0 - r); p < std::min(n, hi + r); ++p)
+      span[static_cast<std::size_t>(p - (t0 - r))] = x[static_cast<std::size_t>(p)];
+    const index_t b0 = detail::pool_first_block(kernel, n, t0), b1 = detail::pool_last_block(kernel, n, hi);
+    for (index_t b = b1; b >= b0; --b)
+      detail::pool_block_any(
+          kind, div,
+          [&](index_t p) {
+            REQUIRE((p >= t0 - r && p < hi + r && p >= 0 && p < n));
+            return span[static_cast<std::size_t>(p - (t0 - r))];
+          },
+          stash.data(), t0, 1,
+          [&](index_t i, float v) {
+            REQUIRE((i >= t0 && i < hi));
+            y[static_cast<std::size_t>(i)] = v;
+          },
+          n, kernel, b, t0, hi);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("pool_block: whole-row blocks and tiles give pool1d's bits") {
+  auto g = kvtest::rng(31);
+  for (int trial = 0; trial < 400; ++trial) {
+    CAPTURE(trial);
+    const index_t n = kvtest::uniform_int(g, 1, trial % 10 == 0 ? 3000 : 120);
+    const index_t kernel = trial % 7 == 0 ? 2 * kvtest::uniform_int(g, n / 2, n + 3) + 1 : 2 * kvtest::uniform_int(g, 0, 6) + 1;
+    const pool_kind kind = trial % 2 ? pool_kind::max : pool_kind::avg;
+    const avg_divisor div = trial % 3 == 0 ? avg_divisor::valid : avg_divisor::kernel;
+    CAPTURE(n);
+    CAPTURE(kernel);
+    CAPTURE(static_cast<int>(kind));
+    const auto x = random_scores(g, static_cast<std::size_t>(n), trial % 4 == 0);
+    std::vector<float> ref(static_cast<std::size_t>(n));
+    pool_options po;
+    po.divisor = div;
+    REQUIRE(pool1d(seq, value_of(make_matrix_view<const float>(x.data(), 1, n)), value_of(make_matrix_view(ref.data(), 1, n)),
+                   kind, kernel, nullptr, po)
+                .ok());
+    std::vector<float> blocks(static_cast<std::size_t>(3 * n), -5.f);
+    pool_by_blocks(kind, div, x, n, kernel, blocks, 3);
+    require_same_bits(blocks.data(), ref.data(), n, 3, 1);
+    if (kind == pool_kind::max) require_identical_bits(blocks.data(), ref.data(), n, 3, 1);
+    for (index_t tile : {index_t(1), index_t(2), index_t(7), index_t(64), index_t(1024)}) {
+      CAPTURE(tile);
+      std::vector<float> tiled(static_cast<std::size_t>(n), -5.f);
+      pool_by_tiles(kind, div, x, n, kernel, tile, tiled);
+      require_same_bits(tiled.data(), ref.data(), n);
+      if (kind == pool_kind::max) require_identical_bits(tiled.data(), ref.data(), n);
+    }
+  }
+}
+
+namespace {
+
+// ---- the fused post-processing --------------------------------------------------------------------
+
+template <class V>
+struct case_data {
+  index_t hkv, g, T, tv, d;
+  std::vector<float> in;
+  std::vector<V> values;
+  std::vector<std::int32_t> row_lengths, value_lengths;
+  postprocess_options opt;
+  bool use_row_lengths, use_value_lengths;
+  matrix_view<const float> in_view() const { return value_of(make_matrix_view<const float>(in.data(), hkv * g, T)); }
+  kv_view<const V> values_view() const { return value_of(make_kv_view<const V>(values.data(), hkv, tv, d)); }
+  const std::int32_t* rl() const { return use_row_lengths ? row_lengths.data() : nullptr; }
+  const std::int32_t* vl() const { return use_value_lengths ? value_lengths.data() : nullptr; }
+};
+
+template <class V>
+case_data<V> random_case(std::mt19937_64& g, int trial) {
+  case_data<V> c;
+  c.hkv = kvtest::uniform_int(g, 1, 3);
+  c.g = kvtest::uniform_int(g, 1, 4);
+  c.T = trial % 9 == 0 ? kvtest::uniform_int(g, 1000, 2600) : kvtest::uniform_int(g, 1, 90);
+  c.tv = c.T + kvtest::uniform_int(g, 0, 5);
+  c.d = kvtest::uniform_int(g, 0, 40);
+  c.in = random_scores(g, static_cast<std::size_t>(c.hkv * c.g * c.T), trial % 3 == 0);
+  c.values.resize(static_cast<std::size_t>(std::max<index_t>(1, c.hkv * c.tv * c.d)));
+  for (auto& v : c.values) v = from_f<V>(static_cast<float>(kvtest::uniform_int(g, -500, 500)) / 61.f);
+  if (trial % 11 == 5 && !c.values.empty()) c.values[static_cast<std::size_t>(kvtest::uniform_int(g, 0, static_cast<index_t>(c.values.size()) - 1))] = from_f<V>(qnan);
+  c.use_row_lengths = trial % 4 == 1;
+  c.use_value_lengths = trial % 5 == 2;
+  for (index_t h = 0; h < c.hkv; ++h) {
+    c.row_lengths.push_back(static_cast<std::int32_t>(kvtest::uniform_int(g, 0, c.T)));
+    c.value_lengths.push_back(static_cast<std::int32_t>(kvtest::uniform_int(g, 0, c.tv)));
+  }
+  const gqa_op ops[] = {gqa_op::mean, gqa_op::max, gqa_op::sum};
+  const pool_kind kinds[] = {pool_kind::max, pool_kind::avg, pool_kind::none};
+  c.opt.gqa = ops[trial % 3];
+  c.opt.order = (trial / 3) % 2 ? gqa_order::gqa_first : gqa_order::pool_first;
+  c.opt.pool = kinds[(trial / 2) % 3];
+  c.opt.kernel = trial % 13 == 0 ? 2 * kvtest::uniform_int(g, 1025, 1100) + 1 : 2 * kvtest::uniform_int(g, 0, 5) + 1;
+  c.opt.divisor = trial % 7 == 3 ? avg_divisor::valid : avg_divisor::kernel;
+  c.opt.weight_values = trial % 2 == 0;
+  c.opt.weight = trial % 4 == 0 ? value_weight::head_max : value_weight::per_token;
+  c.opt.n_sink = kvtest::uniform_int(g, 0, 4);
+  c.opt.n_recent = kvtest::uniform_int(g, 0, 8);
+  return c;
+}
+
+// The chain of the individual host stages (docs: what postprocess_scores equals on positions < L).
+template <class V>
+std::vector<float> chain(const case_data<V>& c) {
+  const index_t hq = c.hkv * c.g;
+  std::vector<float> out(static_cast<std::size_t>(c.hkv * c.T), -3.f);
+  const auto ov = value_of(make_matrix_view(out.data(), c.hkv, c.T));
+  pool_options po;
+  po.divisor = c.opt.divisor;
+  if (c.opt.order == gqa_order::pool_first) {
+    std::vector<float> tmp(static_cast<std::size_t>(hq * c.T), -4.f);
+    std::vector<std::int32_t> qlen;
+    for (index_t q = 0; q < hq; ++q) qlen.push_back(c.row_lengths[static_cast<std::size_t>(q / c.g)]);
+    REQUIRE(pool1d(seq, c.in_view(), value_of(make_matrix_view(tmp.data(), hq, c.T)), c.opt.pool, c.opt.kernel,
+                   c.use_row_lengths ? qlen.data() : nullptr, po)
+                .ok());
+    REQUIRE(gqa_reduce(seq, value_of(make_matrix_view<const float>(tmp.data(), hq, c.T)), ov, c.opt.gqa).ok());
+  } else {
+    std::vector<float> tmp(static_cast<std::size_t>(c.hkv * c.T), -4.f);
+    REQUIRE(gqa_reduce(seq, c.in_view(), value_of(make_matrix_view(tmp.data(), c.hkv, c.T)), c.opt.gqa).ok());
+    REQUIRE(pool1d(seq, value_of(make_matrix_view<const float>(tmp.data(), c.hkv, c.T)), ov, c.opt.pool, c.opt.kernel,
+                   c.rl(), po)
+                .ok());
+  }
+  if (c.opt.weight_values) REQUIRE(weight_by_value_norm(seq, ov, c.values_view(), c.opt.weight, c.vl()).ok());
+  REQUIRE(protect(seq, ov, c.opt.n_sink, c.opt.n_recent, c.rl()).ok());
+  return out;
+}
+
+template <class Backend, class V>
+std::vector<float> host_fused(Backend be, const case_data<V>& c) {
+  std::vector<float> out(static_cast<std::size_t>(c.hkv * c.T), -3.f);
+  const auto ov = value_of(make_matrix_view(out.data(), c.hkv, c.T));
+  workspace ws;
+  REQUIRE(postprocess_scores(be, ws, c.in_view(), ov, c.values_view(), c.opt, c.rl(), c.vl()).ok());
+  std::vector<unsigned char> mem(ws.bytes + 1);
+  ws.data = mem.data();
+  REQUIRE(postprocess_scores(be, ws, c.in_view(), ov, c.values_view(), c.opt, c.rl(), c.vl()).ok());
+  return out;
+}
+
+// The CUDA decomposition on the host: head-max factors by the kernels' reduction tree (tiles of 256
+// norms, each a pairwise tree; then 32 lanes and a shuffle tree), then tiles (pp_run_tile) or, for
+// wide kernels, blocks (pp_run_block), exactly as the launchers choose.
+template <class V>
+std::vector<float> emulated_fused(const case_data<V>& c) {
+  using namespace detail;
+  std::vector<float> out(static_cast<std::size_t>(c.hkv * c.T), -3.f);
+  pp_params a{};
+  a.in = c.in.data();
+  a.is0 = c.T;
+  a.is1 = 1;
+  a.out = out.data();
+  a.os0 = c.T;
+  a.os1 = 1;
+  a.hkv = c.hkv;
+  a.g = c.g;
+  a.T = c.T;
+  a.op = c.opt.gqa;
+  a.order = c.opt.order;
+  a.pool = c.opt.pool;
+  a.kernel = c.opt.kernel;
+  a.div = c.opt.divisor;
+  a.weight = c.opt.weight_values;
+  a.mode = c.opt.weight;
+  a.protect = true;
+  a.n_sink = c.opt.n_sink;
+  a.n_recent = c.opt.n_recent;
+  a.row_lengths = c.rl();
+  a.value_lengths = c.opt.weight_values ? c.vl() : nullptr;
+  const pp_values<V> vals{c.values.data(), c.tv * c.d, c.d, 1, c.tv, c.d};
+  std::vector<float> factors(static_cast<std::size_t>(c.hkv), 0.f);
+  if (c.opt.weight_values && c.opt.weight == value_weight::head_max) {
+    constexpr index_t tile = 256;
+    for (index_t h = 0; h < c.hkv; ++h) {
+      const index_t len = a.value_lengths ? a.value_lengths[h] : c.tv;
+      const index_t tiles = (c.tv + tile - 1) / tile;
+      std::vector<float> partial(static_cast<std::size_t>(tiles));
+      for (index_t t = 0; t < tiles; ++t) {
+        float red[tile];
+        for (index_t i = 0; i < tile; ++i) {
+          const index_t tok = t * tile + i;
+          red[i] = tok < len ? value_l1_norm(vals.v + h * vals.vs0 + tok * vals.vs1, c.d, 1) : 0.0f;
+        }
+        for (index_t off = tile / 2; off > 0; off /= 2)
+          for (index_t i = 0; i < off; ++i) red[i] = max_nan(red[i], red[i + off]);
+        partial[static_cast<std::size_t>(t)] = red[0];
+      }
+      float lanes[32];
+      for (int l = 0; l < 32; ++l) {
+        lanes[l] = 0.0f;
+        for (index_t k = l; k < tiles; k += 32) lanes[l] = max_nan(lanes[l], partial[static_cast<std::size_t>(k)]);
+      }
+      for (int off = 16; off > 0; off /= 2)
+        for (int l = 0; l < off; ++l) lanes[l] = max_nan(lanes[l], lanes[l + off]);
+      factors[static_cast<std::size_t>(h)] = lanes[0];
+    }
+  }
+  a.factors = factors.data();
+  const bool block_path = c.opt.pool != pool_kind::none && c.opt.kernel / 2 > pp_max_radius;
+  std::vector<float> stash(static_cast<std::size_t>(c.hkv * c.T), qnan);
+  for (index_t h = 0; h < c.hkv; ++h) {
+    const index_t L = a.row_lengths ? a.row_lengths[h] : c.T;
+    const index_t vlen = a.value_lengths ? a.value_lengths[h] : c.tv;
+    if (!block_path) {
+      std::vector<float> span(static_cast<std::size_t>(pp_span), qnan), st(static_cast<std::size_t>(pp_tile), qnan),
+          acc(static_cast<std::size_t>(pp_tile), qnan);
+      for (index_t t0 = 0; t0 < L; t0 += pp_tile)
+        pp_run_tile(serial_ctx{}, a, vals, h, L, vlen, t0, span.data(), st.data(), acc.data());
+    } else {
+      // blocks in reverse order: nothing may depend on the order of the GPU's threads
+      for (index_t b = pp_blocks(a.kernel, L) - 1; b >= 0; --b)
+        pp_run_block(a, vals, h, L, vlen, b, stash.data() + h * c.T);
+    }
+  }
+  return out;
+}
+
+template <class V>
+void compare_fused(std::uint64_t seed, int trials) {
+  auto g = kvtest::rng(seed);
+  for (int trial = 0; trial < trials; ++trial) {
+    CAPTURE(seed);
+    CAPTURE(trial);
+    const case_data<V> c = random_case<V>(g, trial);
+    CAPTURE(c.hkv);
+    CAPTURE(c.g);
+    CAPTURE(c.T);
+    CAPTURE(c.d);
+    CAPTURE(static_cast<int>(c.opt.gqa));
+    CAPTURE(static_cast<int>(c.opt.order));
+    CAPTURE(static_cast<int>(c.opt.pool));
+    CAPTURE(c.opt.kernel);
+    CAPTURE(c.opt.weight_values);
+    CAPTURE(static_cast<int>(c.opt.weight));
+    CAPTURE(c.use_row_lengths);
+    CAPTURE(c.use_value_lengths);
+    const auto ref = chain(c);
+    const auto fused = host_fused(seq, c);
+    const auto fused_par = host_fused(par, c);
+    const auto emu = emulated_fused(c);
+    for (index_t h = 0; h < c.hkv; ++h) {
+      CAPTURE(h);
+      const index_t L = c.use_row_lengths ? c.row_lengths[static_cast<std::size_t>(h)] : c.T;
+      const float* r = ref.data() + h * c.T;
+      require_same_bits(fused.data() + h * c.T, r, L);
+      require_same_bits(fused_par.data() + h * c.T, r, L);
+      require_same_bits(emu.data() + h * c.T, r, L);
+      for (index_t t = L; t < c.T; ++t) {  // positions >= L are left alone
+        REQUIRE(fused[static_cast<std::size_t>(h * c.T + t)] == -3.f);
+        REQUIRE(emu[static_cast<std::size_t>(h * c.T + t)] == -3.f);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("postprocess_scores: host and emulated CUDA decomposition equal the chain of stages bit for bit") {
+  compare_fused<float>(41, 260);
+  compare_fused<float16>(42, 80);
+  compare_fused<bfloat16>(43, 80);
+}
+
+TEST_CASE("postprocess_scores: staged norms and key norms equal the host's row functions") {
+  auto g = kvtest::rng(51);
+  for (int trial = 0; trial < 200; ++trial) {
+    const index_t d = kvtest::uniform_int(g, 0, 300);
+    std::vector<float16> row(static_cast<std::size_t>(std::max<index_t>(1, d)));
+    for (auto& x : row) x = to_float16(static_cast<float>(kvtest::uniform_int(g, -3000, 3000)) / 7.f);
+    // the staging reads 16 elements at a time, widened, and continues the sum
+    float v = 0.0f, k = 0.0f;
+    for (index_t d0 = 0; d0 < d; d0 += 16) {
+      float piece[16];
+      const index_t n = std::min<index_t>(16, d - d0);
+      for (index_t i = 0; i < n; ++i) piece[i] = detail::widen(row[static_cast<std::size_t>(d0 + i)]);
+      v = detail::value_l1_accumulate(v, piece, n, 1);
+      k = detail::key_sq_accumulate(k, piece, n, 1);
+    }
+    CHECK(bits(v) == bits(detail::value_l1_norm(row.data(), d, 1)));
+    CHECK(bits(-std::sqrt(k)) == bits(detail::key_norm_score(row.data(), d, 1)));
+  }
+}
+
+TEST_CASE("postprocess_scores: defaults, no-values overload, empty shapes") {
+  postprocess_options o;
+  CHECK(o.gqa == gqa_op::mean);
+  CHECK(o.order == gqa_order::pool_first);
+  CHECK(o.pool == pool_kind::max);
+  CHECK(o.kernel == 7);
+  CHECK(!o.weight_values);
+  std::vector<float> in(4 * 10), out(2 * 10, 1.f);
+  auto g = kvtest::rng(5);
+  in = random_scores(g, in.size(), false);
+  workspace ws;
+  const auto iv = value_of(make_matrix_view<const float>(in.data(), 4, 10));
+  const auto ov = value_of(make_matrix_view(out.data(), 2, 10));
+  REQUIRE(postprocess_scores(seq, ws, iv, ov, o).ok());
+  CHECK(ws.bytes == 2 * 10 * sizeof(float));
+  std::vector<float> mem(ws.bytes / sizeof(float));
+  ws.data = mem.data();
+  REQUIRE(postprocess_scores(seq, ws, iv, ov, o).ok());
+  // max pooling 7 then mean over pairs of query heads
+  for (index_t h = 0; h < 2; ++h)
+    for (index_t t = 0; t < 10; ++t) {
+      float m[2];
+      for (int j = 0; j < 2; ++j) {
+        m[j] = -inf;
+        for (index_t p = std::max<index_t>(0, t - 3); p <= std::min<index_t>(9, t + 3); ++p)
+          m[j] = std::max(m[j], in[static_cast<std::size_t>((h * 2 + j) * 10 + p)]);
+      }
+      CHECK(out[static_cast<std::size_t>(h * 10 + t)] == (m[0] + m[1]) / 2.f);
+    }
+  // no pooling needs no workspace; T = 0 and H = 0 do nothing
+  o.pool = pool_kind::none;
+  workspace ws2;
+  REQUIRE(postprocess_scores(seq, ws2, iv, ov, o).ok());
+  CHECK(ws2.bytes == 0);
+  workspace ws3;
+  REQUIRE(postprocess_scores(seq, ws3, value_of(make_matrix_view<const float>(in.data(), 4, 0)),
+                             value_of(make_matrix_view(out.data(), 2, 0)), o)
+              .ok());
+  REQUIRE(postprocess_scores(seq, ws3, value_of(make_matrix_view<const float>(in.data(), 0, 5)),
+                             value_of(make_matrix_view(out.data(), 0, 5)), o)
+              .ok());
+}
+
+TEST_CASE("postprocess_scores: errors") {
+  std::vector<float> in(4 * 10, 0.5f), out(2 * 10, 1.f), vals(2 * 12 * 3, 1.f);
+  std::vector<std::int32_t> lens{10, 11}, neg{-1, 3};
+  const auto iv = value_of(make_matrix_view<const float>(in.data(), 4, 10));
+  const auto ov = value_of(make_matrix_view(out.data(), 2, 10));
+  const auto vv = value_of(make_kv_view<const float>(vals.data(), 2, 12, 3));
+  postprocess_options o;
+  workspace ws;
+  auto run = [&](matrix_view<const float> i, matrix_view<float> oo, const postprocess_options& op,
+                 const std::int32_t* rl = nullptr, const std::int32_t* vl = nullptr) {
+    workspace w;
+    return postprocess_scores(seq, w, i, oo, vv, op, rl, vl);
+  };
+  // views
+  const matrix_view<float> bad_out(nullptr, cuda::std::layout_stride::mapping<cuda::std::dextents<index_t, 2>>(
+                                                cuda::std::dextents<index_t, 2>(2, 10), cuda::std::array<index_t, 2>{10, 1}));
+  require_error(run(iv, bad_out, o), errc::null_pointer, "postprocess_scores: out: data is null");
+  // shapes
+  require_error(run(iv, value_of(make_matrix_view(out.data(), 3, 10)), o), errc::shape_mismatch,
+                "4 query heads are not a multiple of 3 KV heads");
+  require_error(run(iv, value_of(make_matrix_view(out.data(), 2, 9)), o), errc::shape_mismatch,
+                "in has 10 tokens per row but out has 9");
+  require_error(run(value_of(make_matrix_view<const float>(in.data(), 0, 10)), ov, o), errc::shape_mismatch,
+                "in has 0 query heads but out has 2 KV heads");
+  // options
+  postprocess_options b = o;
+  b.gqa = static_cast<gqa_op>(7);
+  require_error(run(iv, ov, b), errc::invalid_argument, "op = 7 is not a gqa_op");
+  b = o;
+  b.order = static_cast<gqa_order>(5);
+  require_error(run(iv, ov, b), errc::invalid_argument, "opt.order = 5 is not a gqa_order");
+  b = o;
+  b.pool = static_cast<pool_kind>(9);
+  require_error(run(iv, ov, b), errc::invalid_argument, "kind = 9 is not a pool_kind");
+  b = o;
+  b.divisor = static_cast<avg_divisor>(4);
+  require_error(run(iv, ov, b), errc::invalid_argument, "options.divisor = 4 is not an avg_divisor");
+  b = o;
+  b.kernel = 4;
+  require_error(run(iv, ov, b), errc::invalid_argument, "kernel = 4 is even");
+  b.kernel = 0;
+  require_error(run(iv, ov, b), errc::invalid_argument, "kernel = 0 must be odd and >= 1");
+  b = o;
+  b.n_sink = -1;
+  require_error(run(iv, ov, b), errc::invalid_argument, "n_sink = -1 is negative");
+  b = o;
+  b.n_recent = -2;
+  require_error(run(iv, ov, b), errc::invalid_argument, "n_recent = -2 is negative");
+  b = o;
+  b.weight_values = true;
+  b.weight = static_cast<value_weight>(3);
+  require_error(run(iv, ov, b), errc::invalid_argument, "unknown value_weight value 3");
+  b.weight = value_weight::per_token;
+  require_error(postprocess_scores(seq, ws, iv, ov, b), errc::invalid_argument,
+                "opt.weight_values is set but no values were given");
+  require_error(postprocess_scores(seq, ws, iv, ov, value_of(make_kv_view<const float>(vals.data(), 2, 9, 3)), b),
+                errc::shape_mismatch, "scores have 10 columns but values hold only 9 tokens");
+  require_error(postprocess_scores(seq, ws, iv, ov, value_of(make_kv_view<const float>(vals.data(), 1, 12, 3)), b),
+                errc::shape_mismatch, "values have 1 KV heads but out has 2 rows");
+  // lengths
+  require_error(run(iv, ov, o, lens.data()), errc::out_of_range, "row_lengths[1] = 11 is outside [0, 10]");
+  require_error(run(iv, ov, b, nullptr, neg.data()), errc::out_of_range, "value_lengths[0] = -1 is outside [0, 12]");
+  // overlap
+  require_error(run(value_of(make_matrix_view<const float>(out.data(), 2, 10)), ov, o), errc::overlap,
+                "in and out overlap");
+  require_error(postprocess_scores(seq, ws, iv, ov, value_of(make_kv_view<const float>(out.data(), 2, 10, 1)), b),
+                errc::overlap, "scores overlap values");
+  require_error(run(iv, ov, o, reinterpret_cast<const std::int32_t*>(out.data() + 3)), errc::overlap,
+                "row_lengths lie inside out");
+  require_error(run(iv, ov, b, nullptr, reinterpret_cast<const std::int32_t*>(out.data() + 3)), errc::overlap,
+                "lengths lie inside scores");
+  // workspace
+  workspace tiny;
+  std::vector<unsigned char> mem(8);
+  tiny.data = mem.data();
+  tiny.bytes = mem.size();
+  require_error(postprocess_scores(seq, tiny, iv, ov, o), errc::workspace_too_small, "workspace has 8 bytes");
+  // nothing was written by any failed call
+  for (float x : out) CHECK(x == 1.f);
+}
+
+TEST_CASE("shared checks: the errors the CUDA work added to the host stages") {
+  std::vector<float> in(4 * 10, 0.5f), out(2 * 10, 1.f), vals(2 * 10 * 3, 1.f);
+  // gqa_reduce with no query heads but KV heads would read a row that does not exist
+  require_error(gqa_reduce(seq, value_of(make_matrix_view<const float>(in.data(), 0, 10)),
+                           value_of(make_matrix_view(out.data(), 2, 10)), gqa_op::mean),
+                errc::shape_mismatch, "gqa_reduce: in has 0 query heads but out has 2 KV heads");
+  for (float x : out) CHECK(x == 1.f);
+  // weight_by_value_norm: (valid) lengths stored inside the scores it would scale. The buffer holds
+  // int32 lengths; the scores view over it is never read when the call fails.
+  std::vector<std::int32_t> raw(20, 0);
+  raw[4] = 3;
+  raw[5] = 4;
+  require_error(weight_by_value_norm(seq, value_of(make_matrix_view(reinterpret_cast<float*>(raw.data()), 2, 10)),
+                                     value_of(make_kv_view<const float>(vals.data(), 2, 10, 3)), value_weight::per_token,
+                                     raw.data() + 4),
+                errc::overlap, "weight_by_value_norm: lengths lie inside scores");
+  CHECK(raw[4] == 3);
+}

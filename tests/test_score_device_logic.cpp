@@ -1,0 +1,374 @@
+// The per-element logic of the CUDA attention-score kernels, run on the host in the kernels'
+// decomposition (tests/score_device_emulation.hpp: tiles, statistics runs, splits, the merge's lanes
+// and shuffle tree, head-aligned blocks, per-column pushes), against a naive double-precision
+// reference with the bound stated in docs/cuda-score.md, and against attention_scores on seq (NaN
+// pattern identical, values within both bounds). Random inputs in float, float16 and bfloat16, every
+// reduce mode, with and without block keys, prefix or all columns, GQA-reduced output (which must
+// equal gqa_reduce of the per-head output bit for bit), NaN and infinities.
+#include "score_device_emulation.hpp"
+#include "support.hpp"
+
+#include <kvevict/gqa.hpp>
+#include <kvevict/numeric.hpp>
+#include <kvevict/score.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+using namespace kvevict;
+using kvtest::require_error;
+using kvtest::value_of;
+
+namespace {
+
+constexpr double u32 = 5.9604644775390625e-08;  // 2^-24
+
+template <class T>
+T from_f(float f) {
+  if constexpr (std::is_same_v<T, float16>) return to_float16(f);
+  else if constexpr (std::is_same_v<T, bfloat16>) return to_bfloat16(f);
+  else return f;
+}
+
+std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// An owning [H][T][D] tensor, head-major or token-major, optionally padded rows.
+template <class T>
+struct tensor {
+  std::vector<T> buf;
+  kv_view<T> view;
+  tensor(index_t H, index_t Tn, index_t D, int layout, std::mt19937_64& g, float lo, float hi) {
+    const index_t pad = layout >= 2 ? 5 : 0, row = D + pad;
+    buf.assign(static_cast<std::size_t>(std::max<index_t>(1, H * Tn * row)), from_f<T>(0.f));
+    const auto vals = kvtest::random_floats(g, buf.size(), lo, hi);
+    for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = from_f<T>(vals[i]);
+    view = layout % 2 == 0 ? value_of(make_kv_view(buf.data(), H, Tn, D, std::max<index_t>(1, Tn * row), row))
+                           : value_of(make_kv_view(buf.data(), H, Tn, D, row, std::max<index_t>(1, H * row)));
+  }
+};
+
+// Naive double reference: the whole attention matrix of each query head, then the column reduction.
+// mag: the column's magnitude (sum-based, as in tests/test_score.cpp); dot: max (d+2)·scale·Σ|q k|.
+struct reference {
+  std::vector<double> val, mag;
+  double dot = 0;
+};
+
+template <class QE, class KE>
+reference naive(const kv_view<const QE>& q, const kv_view<const KE>& prefix, const kv_view<const KE>& block, index_t oc,
+                const score_options& opt) {
+  const index_t hq = q.extent(0), w = q.extent(1), d = q.extent(2), hkv = prefix.extent(0), p = prefix.extent(1);
+  const bool hb = block.extent(1) > 0;
+  const index_t cols = p + (hb ? w : 0);
+  const double scale = opt.scale == 0.f ? static_cast<double>(static_cast<float>(1.0 / std::sqrt(double(d)))) : opt.scale;
+  reference ref;
+  ref.val.assign(static_cast<std::size_t>(hq * oc), 0.0);
+  ref.mag.assign(ref.val.size(), 0.0);
+  for (index_t h = 0; h < hq; ++h) {
+    const index_t g = h / (hq / hkv);
+    std::vector<double> a(static_cast<std::size_t>(w * cols), 0.0);
+    for (index_t i = 0; i < w; ++i) {
+      const index_t vis = p + (hb ? i + 1 : 0);
+      double m = -std::numeric_limits<double>::infinity();
+      for (index_t j = 0; j < vis; ++j) {
+        double s = 0, sa = 0;
+        for (index_t k = 0; k < d; ++k) {
+          const double x = to_float(q(h, i, k));
+          const double y = j < p ? to_float(prefix(g, j, k)) : to_float(block(g, j - p, k));
+          s += x * y;
+          sa += std::fabs(x * y);
+        }
+        ref.dot = std::max(ref.dot, (double(d) + 2) * scale * sa);
+        a[static_cast<std::size_t>(i * cols + j)] = s * scale;
+        m = std::max(m, s * scale);
+      }
+      double sum = 0;
+      for (index_t j = 0; j < vis; ++j) sum += (a[static_cast<std::size_t>(i * cols + j)] = std::exp(a[static_cast<std::size_t>(i * cols + j)] - m));
+      for (index_t j = 0; j < vis; ++j) a[static_cast<std::size_t>(i * cols + j)] /= sum;
+    }
+    for (index_t j = 0; j < oc; ++j) {
+      double s = 0, s2 = 0;
+      for (index_t i = 0; i < w; ++i) {
+        const double x = a[static_cast<std::size_t>(i * cols + j)];
+        s += x;
+        s2 += x * x;
+      }
+      const double mean = s / double(w);
+      double m2 = 0;
+      for (index_t i = 0; i < w; ++i) m2 += (a[static_cast<std::size_t>(i * cols + j)] - mean) * (a[static_cast<std::size_t>(i * cols + j)] - mean);
+      const index_t seen = j < p ? w : w - (j - p);
+      double v = 0, mg = 0;
+      switch (opt.reduce) {
+        case score_reduce::sum: v = mg = s; break;
+        case score_reduce::mean: v = mg = mean; break;
+        case score_reduce::mean_visible: v = mg = s / double(seen); break;
+        case score_reduce::mean_plus_variance: {
+          const double var = opt.variance == variance_estimator::biased ? m2 / double(w) : w > 1 ? m2 / double(w - 1) : 0.0;
+          v = mean + opt.gamma * var;
+          mg = mean + 2.0 * opt.gamma * s2 / double(std::max<index_t>(1, w - 1));
+          break;
+        }
+      }
+      ref.val[static_cast<std::size_t>(h * oc + j)] = v;
+      ref.mag[static_cast<std::size_t>(h * oc + j)] = mg;
+    }
+  }
+  return ref;
+}
+
+// The device's relative error bound of one probability (docs/cuda-score.md): two logits' rounding,
+// the exp and division, the row sum (a run of 32 additions, then one merge per level of the merge
+// chain, each an exp, a product and a sum), the reduction over the w rows.
+double device_rel(double dot, const detail::cuda_score_plan& pl, index_t w) {
+  const double chain = 1.0 + double(pl.tiles_per_split) + double((pl.splits + 31) / 32) + 5.0;
+  return u32 * (2 * dot + 4 + 32 + 4 * chain + double(w) + 4);
+}
+// The host's bound (docs/score.md).
+double host_rel(double dot, index_t cols, index_t w) {
+  return u32 * (2 * dot + 4 + (128 + 8 + double((cols + 1023) / 1024)) + double(w) + 4);
+}
+
+double worst_ratio = 0;
+
+template <class QE, class KE>
+void run_case(std::mt19937_64& g, index_t hkv, index_t group, index_t w, index_t p, index_t d, bool has_block,
+              bool all_cols, score_options opt, gqa_op op, int layout, float range, bool specials) {
+  CAPTURE(hkv);
+  CAPTURE(group);
+  CAPTURE(w);
+  CAPTURE(p);
+  CAPTURE(d);
+  CAPTURE(has_block);
+  CAPTURE(all_cols);
+  CAPTURE(static_cast<int>(opt.reduce));
+  CAPTURE(opt.fused_multiply_add);
+  CAPTURE(static_cast<int>(op));
+  CAPTURE(layout);
+  const index_t hq = hkv * group;
+  tensor<QE> q(hq, w, d, layout, g, -range, range);
+  tensor<KE> k(hkv, p + w, d, layout, g, -range, range);
+  if (specials) {
+    // a NaN key element, a -inf key (masked where the query element is positive and the others finite
+    // would be too fragile: it yields -inf or +inf logits, both exercised), a NaN query row element
+    const index_t t = kvtest::uniform_int(g, 0, p + w - 1);
+    k.view(kvtest::uniform_int(g, 0, hkv - 1), t, kvtest::uniform_int(g, 0, d - 1)) = from_f<KE>(std::numeric_limits<float>::quiet_NaN());
+    k.view(kvtest::uniform_int(g, 0, hkv - 1), kvtest::uniform_int(g, 0, p + w - 1), 0) = from_f<KE>(-std::numeric_limits<float>::infinity());
+    if (hq > 1) q.view(kvtest::uniform_int(g, 0, hq - 1), kvtest::uniform_int(g, 0, w - 1), 0) = from_f<QE>(std::numeric_limits<float>::quiet_NaN());
+  }
+  const auto split = value_of(split_window(kv_view<const KE>(k.view), w));
+  const kv_view<const KE> block = has_block ? split.window : kv_view<const KE>{};
+  const index_t oc = has_block && all_cols ? p + w : p;
+  const kv_view<const QE> qv = q.view;
+
+  std::vector<float> host(static_cast<std::size_t>(std::max<index_t>(1, hq * oc)), -7.f);
+  std::vector<float> emu(host.size(), -7.f), emu_kv(static_cast<std::size_t>(std::max<index_t>(1, hkv * oc)), -7.f);
+  std::vector<float> kv_ref(emu_kv.size(), -9.f);
+  const auto hv = value_of(make_matrix_view(host.data(), hq, oc));
+  const auto ev = value_of(make_matrix_view(emu.data(), hq, oc));
+  const auto ekv = value_of(make_matrix_view(emu_kv.data(), hkv, oc));
+  workspace ws;
+  REQUIRE(attention_scores(seq, ws, qv, split.prefix, block, hv, opt).ok());
+  std::vector<unsigned char> mem(ws.bytes + 64);
+  ws.data = mem.data();
+  REQUIRE(attention_scores(seq, ws, qv, split.prefix, block, hv, opt).ok());
+  REQUIRE(kvemu::emulate_cuda_attention_scores(qv, split.prefix, block, ev, ekv, op, opt).ok());
+  // the GQA-reduced output is gqa_reduce of the per-head output, bit for bit
+  REQUIRE(gqa_reduce(seq, matrix_view<const float>(ev), value_of(make_matrix_view(kv_ref.data(), hkv, oc)), op).ok());
+  for (std::size_t i = 0; i < static_cast<std::size_t>(hkv * oc); ++i) {
+    const bool both_nan = std::isnan(emu_kv[i]) && std::isnan(kv_ref[i]);
+    CHECK((both_nan || bits_of(emu_kv[i]) == bits_of(kv_ref[i])));
+  }
+
+  const reference ref = naive(qv, split.prefix, block, oc, opt);
+  score_options o2 = opt;
+  detail::score_shape sh;
+  REQUIRE(detail::check_attention_inputs("t", qv, split.prefix, block, o2, sh).ok());
+  sh.out_cols = oc;
+  detail::cuda_score_plan pl;
+  REQUIRE(detail::make_cuda_score_plan("t", sh, pl).ok());
+  const double rd = device_rel(ref.dot, pl, w), rh = host_rel(ref.dot, sh.cols, w);
+  for (index_t h = 0; h < hq; ++h)
+    for (index_t j = 0; j < oc; ++j) {
+      const std::size_t i = static_cast<std::size_t>(h * oc + j);
+      CAPTURE(h);
+      CAPTURE(j);
+      REQUIRE(std::isnan(emu[i]) == std::isnan(host[i]));
+      if (std::isnan(emu[i])) continue;
+      REQUIRE(!std::isnan(ref.val[i]));
+      if (!std::isfinite(ref.dot)) continue;  // an infinite logit elsewhere: only the NaN pattern is pinned
+      const double tol_d = 2 * rd * ref.mag[i] + 1e-37, tol_h = 2 * rh * ref.mag[i] + 1e-37;
+      const double err = std::fabs(double(emu[i]) - ref.val[i]);
+      worst_ratio = std::max(worst_ratio, err / tol_d);
+      CHECK(err <= tol_d);
+      CHECK(std::fabs(double(emu[i]) - double(host[i])) <= tol_d + tol_h);
+    }
+}
+
+template <class QE, class KE>
+void random_cases(std::uint64_t seed, int n, bool specials) {
+  auto g = kvtest::rng(seed);
+  const score_reduce reds[] = {score_reduce::mean, score_reduce::sum, score_reduce::mean_visible,
+                               score_reduce::mean_plus_variance};
+  const gqa_op ops[] = {gqa_op::mean, gqa_op::max, gqa_op::sum};
+  for (int trial = 0; trial < n; ++trial) {
+    CAPTURE(seed);
+    CAPTURE(trial);
+    const index_t hkv = kvtest::uniform_int(g, 1, 3), group = kvtest::uniform_int(g, 1, 4);
+    // w around the 128-row block size and P around tile multiples, incl. P = 0 with block keys
+    const index_t w = trial % 5 == 0 ? kvtest::uniform_int(g, 120, 260) : kvtest::uniform_int(g, 1, 40);
+    const bool has_block = trial % 4 != 3;
+    const index_t p = has_block && trial % 7 == 0 ? 0 : kvtest::uniform_int(g, 1, 300);
+    const index_t d = kvtest::uniform_int(g, 1, 70);
+    score_options opt;
+    opt.reduce = reds[trial % 4];
+    opt.fused_multiply_add = trial % 3 == 1;
+    opt.variance = trial % 2 ? variance_estimator::biased : variance_estimator::unbiased;
+    if (trial % 6 == 5) opt.scale = 0.37f;
+    run_case<QE, KE>(g, hkv, group, w, p, d, has_block, trial % 2 == 0, opt, ops[trial % 3], trial % 4,
+                     trial % 9 == 4 ? 6.f : 1.f, specials);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda score logic: emulated kernels match the host within the stated bound (float)") {
+  random_cases<float, float>(101, 60, false);
+}
+
+TEST_CASE("cuda score logic: float16 and bfloat16 inputs, mixed element types") {
+  random_cases<float16, float16>(202, 25, false);
+  random_cases<bfloat16, bfloat16>(303, 25, false);
+  random_cases<float, bfloat16>(404, 10, false);
+  random_cases<float16, float>(505, 10, false);
+}
+
+TEST_CASE("cuda score logic: NaN and infinities give the host's NaN pattern") {
+  random_cases<float, float>(606, 40, true);
+  random_cases<float16, float16>(707, 15, true);
+}
+
+TEST_CASE("cuda score logic: many splits (long prefix) and a row whose logits are all -inf") {
+  auto g = kvtest::rng(808);
+  score_options opt;
+  // 1 KV head, 2 query heads, w = 3, P = 70000: 1095 tiles, plan splits them
+  run_case<float16, float16>(g, 1, 2, 3, 70000, 8, true, false, opt, gqa_op::max, 0, 1.f, false);
+  // a query row of -inf against positive keys: every logit -inf, the row is NaN (as PyTorch)
+  tensor<float> q(1, 2, 4, 0, g, 0.5f, 1.f);
+  tensor<float> k(1, 10, 4, 0, g, 0.5f, 1.f);
+  for (index_t t = 0; t < 4; ++t) q.view(0, 1, t) = -std::numeric_limits<float>::infinity();
+  const auto split = value_of(split_window(kv_view<const float>(k.view), 2));
+  std::vector<float> host(8), emu(8), none(1);
+  workspace ws;
+  const auto qv = kv_view<const float>(q.view);
+  REQUIRE(attention_scores(seq, ws, qv, split.prefix, split.window, value_of(make_matrix_view(host.data(), 1, 8))).ok());
+  std::vector<unsigned char> mem(ws.bytes);
+  ws.data = mem.data();
+  REQUIRE(attention_scores(seq, ws, qv, split.prefix, split.window, value_of(make_matrix_view(host.data(), 1, 8))).ok());
+  REQUIRE(kvemu::emulate_cuda_attention_scores(qv, split.prefix, split.window, value_of(make_matrix_view(emu.data(), 1, 8)),
+                                               matrix_view<float>{}, gqa_op::mean, opt)
+              .ok());
+  for (std::size_t j = 0; j < 8; ++j) {
+    CHECK(std::isnan(host[j]));
+    CHECK(std::isnan(emu[j]));
+  }
+}
+
+TEST_CASE("cuda score logic: the statistics helpers") {
+  using namespace detail;
+  const float inf = std::numeric_limits<float>::infinity(), qnan = std::numeric_limits<float>::quiet_NaN();
+  // a run equals softmax_push over its logits up to rounding and is exact for one logit
+  const float one[] = {2.5f};
+  const softmax_stats s1 = score_run_stats(one, 1, 1);
+  CHECK(s1.max == 2.5f);
+  CHECK(s1.sum == 1.0f);
+  const softmax_stats e = score_run_stats(one, 1, 0);
+  CHECK(e.max == -inf);
+  CHECK(e.sum == 0.0f);
+  const float masked[] = {-inf, -inf};
+  CHECK(score_run_stats(masked, 1, 2).sum == 0.0f);
+  const float nan_masked[] = {-inf, -qnan};
+  CHECK(std::isnan(score_run_stats(nan_masked, 1, 2).sum));
+  const float with_nan[] = {1.f, qnan, 3.f};
+  CHECK(std::isnan(score_run_stats(with_nan, 1, 3).sum));
+  const float with_inf[] = {1.f, inf};
+  CHECK(std::isnan(score_run_stats(with_inf, 1, 2).sum));
+  // strided runs read every stride-th element
+  const float strided[] = {1.f, 100.f, 2.f, 100.f};
+  CHECK(score_run_stats(strided, 2, 2).max == 2.f);
+  // run counts: a visible prefix split into the two halves of a tile
+  CHECK(score_run_count(70, 64, 0) == 6);
+  CHECK(score_run_count(70, 64, 1) == 0);
+  CHECK(score_run_count(200, 64, 1) == 32);
+  CHECK(score_run_count(10, 64, 0) == 0);
+  // merging with the empty statistics is exact, in either order
+  const softmax_stats a{1.25f, 3.5f};
+  CHECK(softmax_merge(softmax_empty(), a).sum == 3.5f);
+  CHECK(softmax_merge(a, softmax_empty()).sum == 3.5f);
+  // the logit term: separately rounded vs fused differ exactly where fma does
+  const float x = 1.0f + 1.0f / 4096, y = 1.0f - 1.0f / 4096;
+  CHECK(logit_term<false>(-1.0f, x, y) == (x * y) - 1.0f);
+  CHECK(logit_term<true>(-1.0f, x, y) == std::fma(x, y, -1.0f));
+  // widening matches to_float on every fp16 / bf16 pattern (NaN: any NaN)
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const float16 h{static_cast<std::uint16_t>(b)};
+    const bfloat16 bf{static_cast<std::uint16_t>(b)};
+    const float a1 = widen(h), b1 = to_float(h), a2 = widen(bf), b2 = to_float(bf);
+    CHECK(((std::isnan(a1) && std::isnan(b1)) || bits_of(a1) == bits_of(b1)));
+    CHECK(((std::isnan(a2) && std::isnan(b2)) || bits_of(a2) == bits_of(b2)));
+  }
+}
+
+TEST_CASE("cuda score logic: the plan bounds the statistics workspace and covers every tile") {
+  detail::score_shape sh;
+  sh.hq = 32;
+  sh.hkv = 8;
+  sh.group = 4;
+  sh.w = 32;
+  sh.d = 128;
+  sh.has_block = true;
+  for (index_t p : {index_t(0), index_t(1), index_t(63), index_t(4096), index_t(32768), index_t(1) << 20}) {
+    sh.p = p;
+    sh.cols = p + sh.w;
+    sh.out_cols = p > 0 ? p : sh.cols;
+    detail::cuda_score_plan pl;
+    REQUIRE(detail::make_cuda_score_plan("t", sh, pl).ok());
+    CHECK(pl.tiles == (sh.cols + 63) / 64);
+    CHECK(pl.splits * pl.tiles_per_split >= pl.tiles);
+    CHECK((pl.splits - 1) * pl.tiles_per_split < pl.tiles);
+    CHECK(pl.splits <= detail::cs_max_splits);
+    CHECK(pl.part_entries <= std::max<index_t>(detail::cs_stats_budget, pl.rows_total));
+  }
+  // H2O-sized: many rows, one split
+  sh.w = 100000;
+  sh.p = 0;
+  sh.cols = sh.out_cols = sh.w;
+  detail::cuda_score_plan pl;
+  REQUIRE(detail::make_cuda_score_plan("t", sh, pl).ok());
+  CHECK(pl.splits == 1);
+  CHECK(pl.tiles_per_split == pl.tiles);
+}
+
+TEST_CASE("cuda score logic: checks shared with the host name the output") {
+  std::vector<float> q(2 * 3 * 4, 0.1f), k(1 * 8 * 4, 0.2f), out(2 * 8);
+  const auto qv = value_of(make_kv_view<const float>(q.data(), 2, 3, 4));
+  const auto s = value_of(split_window(value_of(make_kv_view<const float>(k.data(), 1, 8, 4)), 3));
+  // an out_kv with the wrong number of rows
+  require_error(kvemu::emulate_cuda_attention_scores(qv, s.prefix, s.window, matrix_view<float>{},
+                                                     value_of(make_matrix_view(out.data(), 2, 5)), gqa_op::mean, {}),
+                errc::shape_mismatch, "out_kv has 2 rows but there are 1 KV heads");
+  require_error(kvemu::emulate_cuda_attention_scores(qv, s.prefix, s.window, matrix_view<float>{},
+                                                     value_of(make_matrix_view(out.data(), 1, 6)), gqa_op::mean, {}),
+                errc::shape_mismatch, "out_kv has 6 columns; expected P = 5 (prefix columns) or P + w = 8");
+}
+
+TEST_CASE("cuda score logic: report") {
+  MESSAGE("largest |emulated - exact| / device bound over the randomized cases: ", worst_ratio);
+  CHECK(worst_ratio <= 1.0);
+}

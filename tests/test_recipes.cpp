@@ -143,7 +143,7 @@ std::vector<double> naive_recipe(const recipe& r, const problem& p) {
                             r.source == query_source::prompt_window)
                                ? T - p.w
                                : T;
-    if (r.order == gqa_order::pool_then_reduce)
+    if (r.order == gqa_order::pool_first)
       s = naive_gqa(naive_pool(raw, p.hq, T, pooled, r.pool, r.kernel), p.hq, p.hkv, T, r.gqa);
     else
       s = naive_pool(naive_gqa(raw, p.hq, p.hkv, T, r.gqa), p.hkv, T, pooled, r.pool, r.kernel);
@@ -209,7 +209,7 @@ TEST_CASE("recipes: every recipe's scores match the naive reference; selection m
   // variations nobody published: reduce before pooling, sum reduction, external blocks with and
   // without their own keys, avg pooling with a valid-count divisor, sinks with a window
   recipe snap_rtp = recipe::snapkv();
-  snap_rtp.order = gqa_order::reduce_then_pool;
+  snap_rtp.order = gqa_order::gqa_first;
   snap_rtp.gqa = gqa_op::sum;
   snap_rtp.n_sink = 3;
   recipes.push_back(snap_rtp);

@@ -51,8 +51,8 @@ int main(int argc, char** argv) {
   opt.r = *r;
   const std::map<std::string, pool_kind> pools{{"none", pool_kind::none}, {"max", pool_kind::max}, {"avg", pool_kind::avg}};
   const std::map<std::string, gqa_op> gqas{{"mean", gqa_op::mean}, {"max", gqa_op::max}, {"sum", gqa_op::sum}};
-  const std::map<std::string, gqa_order> orders{{"pool-then-reduce", gqa_order::pool_then_reduce},
-                                                {"reduce-then-pool", gqa_order::reduce_then_pool}};
+  const std::map<std::string, gqa_order> orders{{"pool-then-reduce", gqa_order::pool_first},
+                                                {"reduce-then-pool", gqa_order::gqa_first}};
   const std::map<std::string, query_source> sources{{"window", query_source::prompt_window},
                                                     {"external", query_source::external_block}};
   std::string err;

@@ -43,6 +43,7 @@
 #include <kvevict/detail/parallel.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/pool.hpp>
+#include <kvevict/postprocess.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/select.hpp>
@@ -74,11 +75,6 @@ enum class query_source {
   external_block,  ///< queries placed after the prompt, with optional own keys
 };
 
-enum class gqa_order {
-  pool_then_reduce,  ///< pool each query head's row, then reduce the group (kvpress, CAKE code)
-  reduce_then_pool,  ///< reduce the group first, then pool the KV head's row
-};
-
 /// Every parameter of a recipe. Named constructors give the published defaults; each documents
 /// where it deviates from the paper or from KVCache-Factory / kvpress, and why.
 struct recipe {
@@ -89,7 +85,7 @@ struct recipe {
   index_t kernel = 7;
   pool_options pool_opts{};
   gqa_op gqa = gqa_op::mean;
-  gqa_order order = gqa_order::pool_then_reduce;
+  gqa_order order = gqa_order::pool_first;
   index_t n_sink = 0;     ///< first tokens always kept
   index_t n_recent = 32;  ///< last tokens always kept (SnapKV family: the window itself)
   score_options score{};  ///< row reduction (mean, sum, mean_visible, mean + gamma var), scale
@@ -231,7 +227,7 @@ inline status check_recipe(const char* fn, const recipe& r) {
     return status::error(errc::invalid_argument, "%s: unknown recipe_kind value %d", fn, k);
   if (r.source != query_source::prompt_window && r.source != query_source::external_block)
     return status::error(errc::invalid_argument, "%s: unknown query_source value %d", fn, static_cast<int>(r.source));
-  if (r.order != gqa_order::pool_then_reduce && r.order != gqa_order::reduce_then_pool)
+  if (r.order != gqa_order::pool_first && r.order != gqa_order::gqa_first)
     return status::error(errc::invalid_argument, "%s: unknown gqa_order value %d", fn, static_cast<int>(r.order));
   if (r.gqa != gqa_op::mean && r.gqa != gqa_op::max && r.gqa != gqa_op::sum)
     return status::error(errc::invalid_argument, "%s: unknown gqa_op value %d", fn, static_cast<int>(r.gqa));
@@ -415,7 +411,7 @@ status recipe_scores(Backend be, workspace& ws, const recipe& r, kv_view<Q> quer
     });
     return pool1d(be, in, out, r.pool, r.kernel, lens, r.pool_opts);
   };
-  if (r.order == gqa_order::pool_then_reduce) {
+  if (r.order == gqa_order::pool_first) {
     KVEVICT_TRY(pool_rows(raw_all, tmp_all));
     KVEVICT_TRY(gqa_reduce(be, tmp_all, scores, r.gqa));
   } else {

@@ -243,7 +243,7 @@ inline select_ws carve_select_ws(workspace_carver& c, index_t columns, int worke
 #if defined(_OPENMP)
 /// One row selected by the whole team (called by every thread of a parallel region).
 inline void select_row_coop(const score_row& row, index_t n, index_t k, pos_row out, const select_ws& ws, int tid,
-                     int nth) noexcept {
+                            int nth) noexcept {
   const index_t cb = n * tid / nth, ce = n * (tid + 1) / nth;
   std::uint32_t* hist = ws.hist + static_cast<index_t>(tid) * radix_bins;
   std::uint32_t* cand = ws.cand + cb;  // chunks of the first worker's candidate buffer

@@ -192,7 +192,7 @@ status select_topk(Backend be, workspace& ws, matrix_view<const float> scores, c
 /// positions, ascending, at kept_pos[kept_cu[r] ..] (room for `total` positions). A budget
 /// allocator that needs only the counts passes kept_pos = nullptr; {kept_pos, kept_cu, R} is a
 /// ragged_positions list for compact().
-/// Workspace: the dense form's plus 16 KiB + 8280 B x R (docs/select.md).
+/// Workspace: the dense form's plus 8240 B x R (docs/select.md).
 /// Errors: the dense form's view, length and workspace errors; total < 0 or > sum of the row
 /// lengths, or > INT32_MAX (invalid_argument); floors[r] outside [0, row_lengths[r]] (out_of_range);
 /// sum(floors) > total (invalid_argument); kept_cu null (null_pointer); kept_cu or kept_pos
@@ -242,7 +242,7 @@ status select_topk_flat(Backend be, workspace& ws, matrix_view<const float> scor
     return status::error(errc::invalid_argument, "%s: the floors add up to %lld, more than total = %lld", fn,
                          static_cast<long long>(sum_floor), static_cast<long long>(total));
   detail::select_flat(be, scores, len, [floors](index_t r) { return floors ? index_t(floors[r]) : index_t(0); },
-                      total - sum_floor, kept_cu, kept_pos, fws);
+                      total, kept_cu, kept_pos, fws);
   return {};
 }
 

@@ -88,7 +88,7 @@ template <class Backend>
 std::size_t select_topk_workspace_size(Backend be, index_t columns) {
   workspace q;
   detail::workspace_carver carver(q);
-  (void)detail::carve_select_ws(carver, columns < 0 ? 0 : columns, detail::worker_count(be));
+  (void)detail::carve_select_ws(carver, columns < 0 ? 0 : columns, detail::thread_count(be));
   (void)carver.finish("select_topk_workspace_size");
   return q.bytes;
 }
@@ -116,7 +116,7 @@ status select_topk(Backend be, workspace& ws, matrix_view<const float> scores, c
   if (kept_range.intersects(detail::array_range(row_lengths, R, sizeof(std::int32_t))))
     return detail::select_overlap(fn, "kept", "row_lengths");
   detail::workspace_carver carver(ws);
-  const detail::select_ws sws = detail::carve_select_ws(carver, T, detail::worker_count(be));
+  const detail::select_ws sws = detail::carve_select_ws(carver, T, detail::thread_count(be));
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
   const detail::byte_range ranges[] = {detail::range_of(scores), kept_range,
@@ -161,7 +161,7 @@ status select_topk(Backend be, workspace& ws, matrix_view<const float> scores, c
   if (pos_range.intersects(detail::array_range(row_lengths, R, sizeof(std::int32_t))))
     return detail::select_overlap(fn, "kept.pos", "row_lengths");
   detail::workspace_carver carver(ws);
-  const detail::select_ws sws = detail::carve_select_ws(carver, T, detail::worker_count(be));
+  const detail::select_ws sws = detail::carve_select_ws(carver, T, detail::thread_count(be));
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
   const detail::byte_range ranges[] = {detail::range_of(scores), pos_range,
@@ -218,7 +218,7 @@ status select_topk_flat(Backend be, workspace& ws, matrix_view<const float> scor
   }
   if (pos_range.intersects(cu_range)) return detail::select_overlap(fn, "kept_pos", "kept_cu");
   detail::workspace_carver carver(ws);
-  const detail::flat_ws fws = detail::carve_flat_ws(carver, R, T, detail::worker_count(be));
+  const detail::flat_ws fws = detail::carve_flat_ws(carver, R, T, detail::thread_count(be));
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
   const detail::byte_range ranges[] = {in[0], in[1], in[2], cu_range, pos_range};

@@ -17,6 +17,7 @@
 #include <kvevict/config.hpp>
 #include <kvevict/detail/radix.hpp>
 #include <kvevict/view.hpp>
+#include <kvevict/detail/parallel.hpp>
 #include <kvevict/workspace.hpp>
 
 #include <algorithm>
@@ -32,18 +33,6 @@ inline namespace par_openmp {
 #else
 inline namespace par_serial {
 #endif
-
-/// Worker count a backend's workspace is sized for: 1 for seq; for par the requested threads, or
-/// the OpenMP default when 0 (1 without OpenMP).
-inline int worker_count(seq_t) noexcept { return 1; }
-inline int worker_count(par_t p) noexcept {
-#if defined(_OPENMP)
-  return p.threads > 0 ? p.threads : std::max(1, omp_get_max_threads());
-#else
-  (void)p;
-  return 1;
-#endif
-}
 
 /// Rows at least this long are split among the threads when rows are left over (see above).
 inline constexpr index_t coop_min_length = 32768;

@@ -32,6 +32,7 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/config.hpp>
+#include <kvevict/detail/parallel.hpp>
 #include <kvevict/detail/softmax.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/view.hpp>

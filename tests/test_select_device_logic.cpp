@@ -5,6 +5,7 @@
 // multi-block tickets emulated, and the results are compared with the host select_topk /
 // select_topk_flat (seq). Also: the per-digit and per-key pieces one by one (bucket predicate,
 // emit rule, chunked emit, padded shared-memory banks), the plans and the workspace formula.
+#include "emulated_block.hpp"
 #include "support.hpp"
 
 #include <kvevict/detail/select_block.hpp>
@@ -23,42 +24,7 @@ using kvtest::value_of;
 
 namespace {
 
-// ---- a thread block, emulated -------------------------------------------------------------------
-
-/// Runs each thread's part of a phase in turn, in a random order (a race-free block program gives
-/// the same result for every order, as it must on the GPU).
-struct host_block {
-  int n;
-  std::mt19937_64* g;
-  std::vector<int> order;
-
-  host_block(int threads, std::mt19937_64& gen) : n(threads), g(&gen), order(static_cast<std::size_t>(threads)) {
-    std::iota(order.begin(), order.end(), 0);
-  }
-  int size() const { return n; }
-  void shuffle() { std::shuffle(order.begin(), order.end(), *g); }
-  template <class F>
-  void each(F&& f) {
-    shuffle();
-    for (int t : order) f(t);
-  }
-  void sync() {}
-  template <class V, class Then>
-  void exclusive_sum(const V& v, const Then& then) {
-    std::vector<ucount> own(static_cast<std::size_t>(n)), prefix(own.size());
-    shuffle();
-    for (int t : order) own[t] = v(t);
-    ucount run = 0;
-    for (int t = 0; t < n; ++t) {
-      prefix[t] = run;
-      run += own[t];
-    }
-    shuffle();
-    for (int t : order) then(t, own[t], prefix[t], run);
-  }
-  void atomic_add(std::uint32_t* p, std::uint32_t v) { *p += v; }
-  void atomic_add(ucount* p, ucount v) { *p += v; }
-};
+using kvtest::host_block;
 
 // ---- scores ---------------------------------------------------------------------------------------
 

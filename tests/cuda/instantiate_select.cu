@@ -1,6 +1,8 @@
-// Compiles <kvevict/cuda/select.cuh> under nvcc (sm_80 and sm_90, warnings as errors) and
-// instantiates every selection launcher and kernel: dense and ragged top-k with one and several
-// blocks per row, and the flattened selection.
+// Compiles the CUDA selection and compaction launchers under nvcc (sm_80 and sm_90, warnings as
+// errors) and instantiates every kernel they launch: dense and ragged top-k with one and several
+// blocks per row, the flattened selection, and every compaction (dense, ragged_view, ragged_cache,
+// in place dense and ragged, append) for each KV element type and every copy unit.
+#include <kvevict/cuda/compact.cuh>
 #include <kvevict/cuda/select.cuh>
 
 namespace kvevict {
@@ -18,4 +20,20 @@ status flat(workspace& ws, matrix_view<const float> scores, const std::int32_t* 
 }
 
 }  // namespace instantiate_select
+
+#define KVEVICT_INSTANTIATE_COMPACT(T)                                                                          \
+  template status compact<const T, T>(cuda_t, kv_view<const T>, matrix_view<const pos_t>, kv_view<T>, int*);   \
+  template status compact<const T, T>(cuda_t, kv_view<const T>, ragged_positions, ragged_view<T>, int*);       \
+  template status compact<const T, T>(cuda_t, kv_view<const T>, ragged_positions, ragged_cache<T>, int*);      \
+  template status compact_inplace<T>(cuda_t, workspace&, kv_view<T>, matrix_view<const pos_t>, int*);          \
+  template status compact_inplace<T>(cuda_t, workspace&, ragged_cache<T>, ragged_positions, int*);             \
+  template status append<T, const T>(cuda_t, ragged_cache<T>, kv_view<const T>, int*);
+
+KVEVICT_INSTANTIATE_COMPACT(float)
+KVEVICT_INSTANTIATE_COMPACT(float16)
+KVEVICT_INSTANTIATE_COMPACT(bfloat16)
+KVEVICT_INSTANTIATE_COMPACT(std::int8_t)
+
+#undef KVEVICT_INSTANTIATE_COMPACT
+
 }  // namespace kvevict

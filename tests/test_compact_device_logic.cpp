@@ -140,7 +140,10 @@ int emulate_ragged(const kv_view<const T>& src, const ragged_positions& kept, T*
 }
 
 /// inplace_validate_kernel + inplace_copy_kernel, with `blocks` blocks per head interleaved at
-/// random by a scheduler; `ordered` = false drops the wait (to show it is needed).
+/// random by a scheduler that steps one block through one phase of the kernel at a time (take a
+/// ticket, stage, publish, look back, write, publish after a direct copy); a phase whose wait
+/// condition does not hold is not runnable. `ordered` = false skips the look-back's wait (to show
+/// that it is needed).
 template <class T, class Heads>
 int emulate_inplace(std::mt19937_64& g, const Heads& heads, bool contiguous, std::uint64_t bits, index_t dim,
                     index_t estride, int blocks, index_t tile_rows_override, bool ordered) {
@@ -155,8 +158,10 @@ int emulate_inplace(std::mt19937_64& g, const Heads& heads, bool contiguous, std
     const index_t tile_rows =
         tile_rows_override >= 0 ? tile_rows_override : detail::inplace_tile_rows(rc.units(), rc.unit_bytes());
     const index_t stage_bytes = std::max<index_t>(1, tile_rows) * rc.units() * rc.unit_bytes();
-    std::vector<unsigned> tickets(static_cast<std::size_t>(std::max<index_t>(H, 1)), 0), done(tickets);
-    enum state { take, read, wait, write, finished };
+    const auto hs = static_cast<std::size_t>(std::max<index_t>(H, 1));
+    std::vector<index_t> ticket(hs, 0), prefix(hs, 0);
+    std::vector<std::uint32_t> ring(hs * static_cast<std::size_t>(detail::inplace_ring), 0);
+    enum state { take, read, publish, look_back, write, publish_after, finished };
     struct block_t {
       index_t h;
       state s;
@@ -166,33 +171,50 @@ int emulate_inplace(std::mt19937_64& g, const Heads& heads, bool contiguous, std
     std::vector<block_t> bl;
     for (index_t h = 0; h < H; ++h)
       if (head_rows[h] >= 0)
-        for (int b = 0; b < blocks; ++b) bl.push_back({h, take, 0, std::vector<unsigned char>(static_cast<std::size_t>(stage_bytes) + 16)});
+        for (int b = 0; b < blocks; ++b)
+          bl.push_back({h, take, 0, std::vector<unsigned char>(static_cast<std::size_t>(stage_bytes) + 16)});
+    auto flags = [&](index_t h) {
+      return [&, h](index_t slot) { return ring[static_cast<std::size_t>(h * detail::inplace_ring + slot)]; };
+    };
+    auto runnable_now = [&](const block_t& b) {
+      switch (b.s) {
+        case finished: return false;
+        case publish:
+        case publish_after: return detail::inplace_can_publish(prefix[b.h], b.c);
+        case look_back: return !ordered || detail::inplace_all_read(flags(b.h), prefix[b.h], b.c);
+        default: return true;
+      }
+    };
     for (;;) {
       std::vector<std::size_t> runnable;
-      for (std::size_t i = 0; i < bl.size(); ++i) {
-        const block_t& b = bl[i];
-        if (b.s == finished) continue;
-        if (b.s == wait && ordered && !detail::inplace_may_write(done[b.h], b.c)) continue;
-        runnable.push_back(i);
-      }
+      for (std::size_t i = 0; i < bl.size(); ++i)
+        if (runnable_now(bl[i])) runnable.push_back(i);
       if (runnable.empty()) break;
       block_t& b = bl[runnable[static_cast<std::size_t>(kvtest::uniform_int(g, 0, index_t(runnable.size()) - 1))]];
       const index_t n = head_rows[b.h];
       switch (b.s) {
         case take:
-          b.c = tickets[b.h]++;
+          b.c = ticket[b.h]++;
           b.s = read;
           break;
         case read:
-          b.s = detail::inplace_tile_read(blk, heads, rc, b.h, n, b.c, tile_rows, b.stage.data()) ? wait : finished;
+          b.s = !detail::inplace_tile_read(blk, heads, rc, b.h, n, b.c, tile_rows, b.stage.data()) ? finished
+                : tile_rows > 0                                                                     ? publish
+                                                                                                    : look_back;
           break;
-        case wait:
+        case publish:
+        case publish_after:
+          ring[static_cast<std::size_t>(b.h * detail::inplace_ring + b.c % detail::inplace_ring)] =
+              static_cast<std::uint32_t>(b.c + 1);
+          b.s = b.s == publish ? look_back : take;
+          break;
+        case look_back:
+          prefix[b.h] = std::max(prefix[b.h], b.c);
           b.s = write;
           break;
         case write:
-          detail::inplace_tile_write(blk, heads, rc, b.h, n, b.c, tile_rows, b.stage.data(),
-                                     [&] { done[b.h] = static_cast<unsigned>(b.c + 1); });
-          b.s = take;
+          detail::inplace_tile_write(blk, heads, rc, b.h, n, b.c, tile_rows, b.stage.data());
+          b.s = tile_rows > 0 ? take : publish_after;
           break;
         case finished: break;
       }
@@ -260,8 +282,13 @@ TEST_CASE("compact device logic: copy units and lanes") {
   CHECK(detail::copy_lanes(1000) == 32);
   CHECK(detail::inplace_tile_rows(16, 16) == 128);  // 256-byte rows: 128 per 32 KiB tile
   CHECK(detail::inplace_tile_rows(4096, 16) == 0);  // 64 KiB rows: copied directly
-  CHECK(detail::inplace_may_write(3, 3));
-  CHECK_FALSE(detail::inplace_may_write(2, 3));
+  CHECK(detail::inplace_can_publish(0, detail::inplace_ring - 1));
+  CHECK_FALSE(detail::inplace_can_publish(0, detail::inplace_ring));
+  CHECK(detail::inplace_has_read(5, 4));
+  CHECK(detail::inplace_has_read(5 + detail::inplace_ring, 4));  // the slot's later tile: tile 4 read long ago
+  CHECK_FALSE(detail::inplace_has_read(4, 4));
+  CHECK_FALSE(detail::inplace_has_read(0, 0));
+  CHECK(detail::inplace_ring >= 2 * detail::inplace_max_parts);
 }
 
 TEST_CASE("compact device logic: device-resident offsets and lengths are validated per head") {
@@ -394,12 +421,14 @@ TEST_CASE("compact device logic: in place, tiles interleaved at random, matches 
   auto g = kvtest::rng(12);
   for (int trial = 0; trial < 120; ++trial) {
     CAPTURE(trial);
-    const index_t H = kvtest::uniform_int(g, 1, 4), Tn = kvtest::uniform_int(g, 1, 80), D = kvtest::uniform_int(g, 1, 24);
+    const bool wrap = trial % 40 == 7;  // more one-row tiles than flags in the ring: slots are reused
+    const index_t H = wrap ? 1 : kvtest::uniform_int(g, 1, 4), Tn = wrap ? 1300 : kvtest::uniform_int(g, 1, 80);
+    const index_t D = kvtest::uniform_int(g, 1, 24);
     const index_t estride = trial % 6 == 5 ? 2 : 1;
     cache_t<float> a(g, H, Tn, D, trial % 2 == 0, trial % 3, estride, trial % 4);
     cache_t<float> b = a;
     b.view = kv_view<float>(b.buf.data() + (a.view.data_handle() - a.buf.data()), a.view.mapping());
-    const index_t k = trial % 5 == 0 ? Tn : kvtest::uniform_int(g, 0, Tn);
+    const index_t k = trial % 5 == 0 || wrap ? Tn - trial % 3 : kvtest::uniform_int(g, 0, Tn);
     std::vector<pos_t> kept;
     for (index_t h = 0; h < H; ++h) {
       const auto p = random_positions(g, Tn, k, true);
@@ -407,10 +436,10 @@ TEST_CASE("compact device logic: in place, tiles interleaved at random, matches 
     }
     const auto kv = value_of(make_matrix_view(static_cast<const pos_t*>(kept.data()), H, k));
     REQUIRE(compact_inplace(seq, a.view, kv).ok());
-    const index_t tile_rows = trial % 4 == 0 ? 0 : trial % 4 == 1 ? 1 : trial % 4 == 2 ? 3 : -1;
+    const index_t tile_rows = wrap ? 1 : trial % 4 == 0 ? 0 : trial % 4 == 1 ? 1 : trial % 4 == 2 ? 3 : -1;
     const detail::dense_inplace_heads<float> heads{b.view, kv};
     CHECK(emulate_inplace<float>(g, heads, b.view.stride(2) == 1, view_bits(b.view), D, b.view.stride(2),
-                                 static_cast<int>(kvtest::uniform_int(g, 1, 4)), tile_rows, true) == 0);
+                                 static_cast<int>(kvtest::uniform_int(g, 1, wrap ? 16 : 8)), tile_rows, true) == 0);
     for (index_t h = 0; h < H; ++h)
       for (index_t j = 0; j < k; ++j)
         for (index_t d = 0; d < D; ++d) REQUIRE(same(b.view(h, j, d), a.view(h, j, d)));

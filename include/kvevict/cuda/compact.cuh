@@ -129,18 +129,49 @@ __global__ void __launch_bounds__(compact_threads)
   }
 }
 
-__device__ inline void wait_until(unsigned* p, unsigned value) {
-  cuda::atomic_ref<unsigned, cuda::thread_scope_device> ref(*p);
-  while (ref.load(cuda::memory_order_acquire) != value) __nanosleep(100);
+/// Per-head state of the in-place copy (workspace, zeroed): ticket, prefix, ring of flags.
+struct inplace_sync {
+  unsigned* ticket;  ///< [H]
+  unsigned* prefix;  ///< [H] every tile below has read
+  unsigned* ring;    ///< [H][inplace_ring]
+};
+
+__device__ inline unsigned load_acquire(unsigned* p) {
+  return cuda::atomic_ref<unsigned, cuda::thread_scope_device>(*p).load(cuda::memory_order_acquire);
 }
 
-/// In place, step 2: `parts` blocks per valid head take its tiles in order (ticket), stage,
-/// wait for the tiles before them to have read (done == c), signal, write (compact_block.hpp).
-/// Shared memory: 32 KiB staging.
+/// Warp 0 (the whole warp): waits until every tile in [prefix, c) of head h has read, then raises
+/// the prefix to c.
+__device__ inline void inplace_look_back(const inplace_sync& s, index_t h, index_t c) {
+  unsigned* ring = s.ring + h * inplace_ring;
+  const int lane = static_cast<int>(threadIdx.x);
+  for (;;) {
+    const index_t p = load_acquire(&s.prefix[h]);
+    bool all = true;
+    for (index_t b = p + lane; b < c; b += 32) all = all && inplace_has_read(load_acquire(&ring[b % inplace_ring]), b);
+    if (__all_sync(0xffffffffu, all)) break;
+    __nanosleep(64);
+  }
+  if (lane == 0)
+    cuda::atomic_ref<unsigned, cuda::thread_scope_device>(s.prefix[h])
+        .fetch_max(static_cast<unsigned>(c), cuda::memory_order_acq_rel);
+}
+
+/// Thread 0: publishes "tile c of head h has read" once its slot is free.
+__device__ inline void inplace_publish(const inplace_sync& s, index_t h, index_t c) {
+  while (!inplace_can_publish(load_acquire(&s.prefix[h]), c)) __nanosleep(64);
+  __threadfence();
+  cuda::atomic_ref<unsigned, cuda::thread_scope_device>(s.ring[h * inplace_ring + c % inplace_ring])
+      .store(static_cast<unsigned>(c + 1), cuda::memory_order_release);
+}
+
+/// In place, step 2: `parts` blocks per valid head take its tiles in order (ticket); a tile
+/// stages its reads, publishes them, looks back until the tiles before it have read, writes
+/// (compact_block.hpp). Shared memory: 32 KiB staging.
 template <class T, int Unit, class Heads>
 __global__ void __launch_bounds__(compact_threads)
     inplace_copy_kernel(Heads heads, row_copy<T, Unit> rc, index_t tile_rows, index_t parts, const index_t* head_rows,
-                        unsigned* tickets, unsigned* done) {
+                        inplace_sync sync) {
   __shared__ typename compact_block_t::temp_storage tmp;
   __shared__ alignas(16) unsigned char stage[inplace_stage_bytes];
   __shared__ unsigned tile;
@@ -150,21 +181,17 @@ __global__ void __launch_bounds__(compact_threads)
     const index_t h = vb / parts, n = head_rows[h];
     if (n < 0) continue;
     for (;;) {
-      if (threadIdx.x == 0) tile = atomicAdd(&tickets[h], 1u);
+      if (threadIdx.x == 0) tile = atomicAdd(&sync.ticket[h], 1u);
       __syncthreads();
       const index_t c = tile;
       if (!inplace_tile_read(blk, heads, rc, h, n, c, tile_rows, stage)) break;
+      __syncthreads();  // the tile's reads are done
+      if (tile_rows > 0 && threadIdx.x == 0) inplace_publish(sync, h, c);
+      if (threadIdx.x < 32) inplace_look_back(sync, h, c);
       __syncthreads();
-      if (threadIdx.x == 0) wait_until(&done[h], static_cast<unsigned>(c));
+      inplace_tile_write(blk, heads, rc, h, n, c, tile_rows, stage);
       __syncthreads();
-      inplace_tile_write(blk, heads, rc, h, n, c, tile_rows, stage, [&] {
-        if (threadIdx.x == 0) {
-          __threadfence();
-          cuda::atomic_ref<unsigned, cuda::thread_scope_device> ref(done[h]);
-          ref.store(static_cast<unsigned>(c + 1), cuda::memory_order_release);
-        }
-      });
-      __syncthreads();
+      if (tile_rows == 0 && threadIdx.x == 0) inplace_publish(sync, h, c);  // read during the copy
     }
     __syncthreads();
   }
@@ -224,16 +251,17 @@ byte_range first_row(const T* data, index_t row_stride) {
   return rows_range(data, data != nullptr ? 1 : 0, row_stride);
 }
 
-/// In place: workspace (per head: rows to move or -1, tile ticket, tiles read), validation kernel,
-/// tiled copy kernel. `touched` are the host-known ranges the call reads or writes.
+/// In place: workspace (per head: rows to move or -1, tile ticket, read prefix, ring of read flags:
+/// 8 + 4 x 514 B), validation kernel, tiled copy kernel. `touched` are the host-known ranges the call reads or writes.
 template <class T, class Heads>
 status launch_inplace(cuda_t be, const char* fn, workspace& ws, const Heads& heads, bool contiguous,
                       std::uint64_t bits, index_t dim, index_t elem_stride, int* bad_positions,
                       const byte_range (&touched)[2]) {
   const index_t H = heads.heads();
+  const auto h = static_cast<std::size_t>(H);
   workspace_carver carver(ws);
-  index_t* head_rows = carver.take<index_t>(static_cast<std::size_t>(H));
-  unsigned* counters = carver.take<unsigned>(2 * static_cast<std::size_t>(H));
+  index_t* head_rows = carver.take<index_t>(h);
+  unsigned* counters = carver.take<unsigned>(h * (2 + static_cast<std::size_t>(inplace_ring)));
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
   const auto w0 = reinterpret_cast<std::uintptr_t>(ws.data);
@@ -244,7 +272,8 @@ status launch_inplace(cuda_t be, const char* fn, workspace& ws, const Heads& hea
       return status::error(errc::overlap, "%s: the workspace and %s overlap in memory", fn, names[i]);
   if (H == 0) return {};
   const cudaStream_t st = stream_of(be);
-  KVEVICT_TRY(cuda_status(cudaMemsetAsync(counters, 0, 2 * static_cast<std::size_t>(H) * sizeof(unsigned), st), fn));
+  KVEVICT_TRY(cuda_status(
+      cudaMemsetAsync(counters, 0, h * (2 + static_cast<std::size_t>(inplace_ring)) * sizeof(unsigned), st), fn));
   const bad_counter bad{bad_positions, nullptr};
   inplace_validate_kernel<Heads><<<grid_for(H), compact_threads, 0, st>>>(heads, head_rows, bad);
   KVEVICT_TRY(launch_status(fn));
@@ -252,10 +281,10 @@ status launch_inplace(cuda_t be, const char* fn, workspace& ws, const Heads& hea
     constexpr int U = decltype(u)::value;
     const row_copy<T, U> rc{dim, elem_stride, elem_stride};
     const index_t tile_rows = inplace_tile_rows(rc.units(), rc.unit_bytes());
-    const index_t parts = parts_per_head(H, 1024, 256);
+    const index_t parts = parts_per_head(H, 1024, inplace_max_parts);
+    const inplace_sync sync{counters, counters + H, counters + 2 * H};
     inplace_copy_kernel<T, U, Heads><<<grid_for(H * parts), compact_threads, 0, st>>>(heads, rc, tile_rows, parts,
-                                                                                       head_rows, counters,
-                                                                                       counters + H);
+                                                                                       head_rows, sync);
     return launch_status(fn);
   });
 }
@@ -354,8 +383,8 @@ status compact(cuda_t be, kv_view<S> src_in, ragged_positions kept, ragged_cache
 }
 
 /// In place on a dense cache on the GPU: cache[h][j] = cache[h][kept[h][j]] for j < k (positions
-/// strictly ascending per head). Needs a workspace (16 B per head: per-head tile tickets; the
-/// host form has none). Host-side errors: those of the host form except the positions. A head
+/// strictly ascending per head). Needs a workspace (2064 B per head: the tiles' ordering state;
+/// the host form has none). Host-side errors: those of the host form except the positions. A head
 /// with a position outside [0, tokens) or not strictly ascending is left untouched and counted.
 template <class T>
 status compact_inplace(cuda_t be, workspace& ws, kv_view<T> cache, matrix_view<const pos_t> kept,
@@ -371,7 +400,7 @@ status compact_inplace(cuda_t be, workspace& ws, kv_view<T> cache, matrix_view<c
 
 /// In place on a ragged cache on the GPU: head h keeps rows kept.pos[kept.cu[h] ..] (strictly
 /// ascending, each < lens[h]) packed to the front of its region; lens[h] becomes the number kept.
-/// Workspace: 16 B per head. Invalid heads are left untouched and counted.
+/// Workspace: 2064 B per head. Invalid heads are left untouched and counted.
 template <class T>
 status compact_inplace(cuda_t be, workspace& ws, ragged_cache<T> cache, ragged_positions kept,
                        int* bad_positions = nullptr) {

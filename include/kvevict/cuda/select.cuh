@@ -62,7 +62,7 @@ __device__ inline score_keys row_keys(const matrix_view<const float>& scores, in
 /// Block r (grid-stride) selects row r: passes in shared memory, ordered emit. With `states`, the
 /// final state of each row is stored (the flattened selection's floors).
 template <class Rows>
-__global__ void __launch_bounds__(select_block_threads)
+__global__ void __launch_bounds__(select_block_threads, 3)
     select_one_block_kernel(matrix_view<const float> scores, Rows rows, bool full_key, bool emit, row_state* states,
                             bad_counter bad) {
   __shared__ typename select_block_t::temp_storage tmp;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(select_block_threads)
 /// Pass `pass` over every (row, chunk) item: chunk histograms into the row's global histogram;
 /// the block that takes a row's last ticket chooses the bucket and stores the row's state.
 template <class Rows>
-__global__ void __launch_bounds__(select_block_threads)
+__global__ void __launch_bounds__(select_block_threads, 3)
     select_multi_pass_kernel(matrix_view<const float> scores, Rows rows, select_dev_ws w, select_plan plan, int pass,
                              bool full_key, bad_counter bad) {
   __shared__ typename select_block_t::temp_storage tmp;
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(select_block_threads)
 
 /// Packed (above, tied) counts of every chunk of the rows still selecting.
 template <class Rows>
-__global__ void __launch_bounds__(select_block_threads)
+__global__ void __launch_bounds__(select_block_threads, 3)
     select_multi_count_kernel(matrix_view<const float> scores, Rows rows, select_dev_ws w, select_plan plan) {
   __shared__ typename select_block_t::temp_storage tmp;
   select_block_t blk{tmp};
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(select_block_threads)
 
 /// The ordered emit of every chunk, from the counts of the chunks before it.
 template <class Rows>
-__global__ void __launch_bounds__(select_block_threads)
+__global__ void __launch_bounds__(select_block_threads, 3)
     select_multi_emit_kernel(matrix_view<const float> scores, Rows rows, select_dev_ws w, select_plan plan) {
   __shared__ typename select_block_t::temp_storage tmp;
   __shared__ select_smem sm;
@@ -151,7 +151,7 @@ __global__ void flat_rows_kernel(const std::int32_t* lengths, index_t T, const s
 
 /// Layer pass `pass` over every (row, chunk) item; the block with the pass's last ticket chooses
 /// the bucket.
-__global__ void __launch_bounds__(select_block_threads)
+__global__ void __launch_bounds__(select_block_threads, 3)
     flat_layer_pass_kernel(matrix_view<const float> scores, flat_dev_ws w, index_t total, int pass) {
   __shared__ typename select_block_t::temp_storage tmp;
   __shared__ select_smem sm;
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(select_block_threads)
 }
 
 /// Block r (grid-stride): row r's remaining keys above and equal to the layer threshold.
-__global__ void __launch_bounds__(select_block_threads) flat_row_totals_kernel(flat_dev_ws w, index_t R, index_t total) {
+__global__ void __launch_bounds__(select_block_threads, 3) flat_row_totals_kernel(flat_dev_ws w, index_t R, index_t total) {
   __shared__ typename select_block_t::temp_storage tmp;
   select_block_t blk{tmp};
   radix_threshold g;
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(select_block_threads) flat_row_totals_kernel(f
 }
 
 /// One block: every row's count, the offsets kept_cu, the layer's error report.
-__global__ void __launch_bounds__(select_block_threads)
+__global__ void __launch_bounds__(select_block_threads, 3)
     flat_counts_kernel(flat_dev_ws w, index_t R, index_t total, std::int32_t* cu, bad_counter bad) {
   __shared__ typename select_block_t::temp_storage tmp;
   select_block_t blk{tmp};

@@ -155,22 +155,44 @@ KVEVICT_HOST_DEVICE inline bool append_head_ok(const std::int32_t* cap_cu, const
 }
 
 // ---- in-place compaction ----------------------------------------------------------------------------
-// Row j of a head becomes row kept[j] (kept strictly ascending, so kept[j] >= j). A row is read by
-// exactly one copy and, since kept[j'] >= j' for every j', the copy that reads row x (x = kept[j'],
-// j' <= x) comes no later than the copy that writes it (j = x) in list order. So the copies are
-// safe if every read of list entries < j happens before the write of entry j.
+// Row j of a head becomes row kept[j] (kept strictly ascending, so kept[j] >= j). Row x is read by
+// at most one entry j' (kept[j'] = x, so j' <= x) and written by entry x: the copies are safe if
+// every entry's read happens before the writes of the entries after it.
 //
-// The kernel cuts each head's list into tiles of consecutive entries. Tile c stages the rows it
-// reads in shared memory, then waits until every tile before it has staged its rows (a per-head
-// counter `done`, raised from c to c + 1 by tile c only, so done == c means tiles 0 .. c-1 have
-// all read), raises it, and writes its rows. Tiles are taken in order from a per-head ticket
-// counter, so a waiting tile's predecessors are already running (no deadlock, any number of
-// blocks per head). Rows too wide for the staging buffer form one-row tiles that wait first and
-// then copy memory to memory (their read and write rows differ, and no later tile writes before
-// they signal). Entries with kept[j] == j are skipped (nothing moves).
+// The kernel cuts each head's list into tiles of consecutive entries, taken in order from a
+// per-head ticket. Tile c stages the rows it reads in shared memory and publishes "tile c has
+// read" in a per-head ring of flags (slot c % ring, value c + 1). Before writing, it looks back
+// over the flags of tiles P .. c-1, P being a per-head monotone prefix (every tile < P has read),
+// until they are all published, then raises P to c (atomic max) and writes its rows. Reads are
+// never delayed, writes wait only for the reads of the tiles in flight before them, and no tile
+// relays a signal to the next (no chain of round trips): tiles of one head proceed in parallel.
+// A slot is reused by tile c only once P > c - ring (nobody looks at the old tile any more); a
+// flag value >= b + 1 therefore means "tile b has read". Tiles are taken in order, so every tile
+// a waiting tile depends on is already running: no deadlock (the host emulation checks random
+// interleavings). Rows too wide for the staging buffer form one-row tiles that look back first,
+// copy memory to memory (read and write rows differ), then publish. Entries with kept[j] == j are
+// skipped (nothing moves).
 
-/// Tile c may write once `done` (tiles that have read, raised in order) has reached c.
-KVEVICT_HOST_DEVICE constexpr bool inplace_may_write(index_t done, index_t c) noexcept { return done == c; }
+/// Flags per head in the ring (at least twice the blocks working on one head).
+inline constexpr index_t inplace_ring = 512;
+/// Most blocks working on one head.
+inline constexpr index_t inplace_max_parts = 256;
+
+/// Tile c may publish its flag once the slot's previous tile is no longer looked at.
+KVEVICT_HOST_DEVICE constexpr bool inplace_can_publish(index_t prefix, index_t c) noexcept {
+  return prefix + inplace_ring > c;
+}
+/// Flag value of slot b % ring read as "tile b has read".
+KVEVICT_HOST_DEVICE constexpr bool inplace_has_read(std::uint32_t flag, index_t b) noexcept {
+  return index_t(flag) >= b + 1;
+}
+/// Whether every tile in [prefix, c) has read (the look-back of tile c); flag(slot) reads a slot.
+template <class Flag>
+KVEVICT_HOST_DEVICE bool inplace_all_read(const Flag& flag, index_t prefix, index_t c) {
+  for (index_t b = prefix; b < c; ++b)
+    if (!inplace_has_read(flag(b % inplace_ring), b)) return false;
+  return true;
+}
 
 /// Bytes of shared memory staging a tile.
 inline constexpr index_t inplace_stage_bytes = 32768;
@@ -342,21 +364,14 @@ KVEVICT_HOST_DEVICE bool inplace_tile_read(Block& blk, const Heads& heads, const
   return true;
 }
 
-/// Second half, once inplace_may_write: a one-row tile copies directly (then signals); a staged
-/// tile signals first (its reads are done) and then writes its rows.
-template <class Block, class Heads, class T, int Unit, class Signal>
+/// Second half, once every tile before c has read (look-back done): a one-row tile copies its row
+/// memory to memory (its flag is published afterwards), a staged tile writes its staged rows.
+template <class Block, class Heads, class T, int Unit>
 KVEVICT_HOST_DEVICE void inplace_tile_write(Block& blk, const Heads& heads, const row_copy<T, Unit>& rc, index_t h,
-                                            index_t n, index_t c, index_t tile_rows, const unsigned char* stage,
-                                            const Signal& signal) {
+                                            index_t n, index_t c, index_t tile_rows, const unsigned char* stage) {
   const index_t per = tile_rows > 0 ? tile_rows : 1, first = c * per;
-  if (tile_rows == 0) {
-    inplace_direct(blk, heads.head(h), rc, first);
-    blk.sync();
-    signal();
-    return;
-  }
-  signal();
-  inplace_unstage(blk, heads.head(h), rc, first, imin(per, n - first), stage);
+  if (tile_rows == 0) inplace_direct(blk, heads.head(h), rc, first);
+  else inplace_unstage(blk, heads.head(h), rc, first, imin(per, n - first), stage);
 }
 
 }  // namespace kvevict::detail

@@ -90,15 +90,16 @@ void host_checks() {
                          errc::null_pointer, "dst.lens is null"));
   KVGPU_CHECK(fails_with(compact(kvevict::cuda, src, rk, ragged_cache<float>{out.data(), cu, lens, 2, 2, 3}),
                          errc::shape_mismatch, "head dims differ"));
-  // in place: workspace query (16 B per head), too small, overlapping the cache
-  auto cv = *make_kv_view(cache.data(), 2, 4, 3);
+  // in place: workspace query (2064 B per head), too small, overlapping the cache
+  std::vector<float> arena(4096, 1.f);
+  auto cv = *make_kv_view(arena.data(), 2, 4, 3);
   workspace q;
   KVGPU_CHECK(compact_inplace(kvevict::cuda, q, cv, kv).ok());
-  KVGPU_CHECK(q.bytes >= 2 * 16 && q.bytes <= 2 * 16 + 128);
+  KVGPU_CHECK(q.bytes >= 2 * 2064 && q.bytes <= 2 * 2064 + 128);
   std::vector<unsigned char> small(q.bytes - 1);
   workspace ws_small{small.data(), small.size()};
   KVGPU_CHECK(fails_with(compact_inplace(kvevict::cuda, ws_small, cv, kv), errc::workspace_too_small, "workspace has"));
-  workspace ws_on_cache{cache.data(), cache.size() * sizeof(float)};
+  workspace ws_on_cache{arena.data(), arena.size() * sizeof(float)};
   KVGPU_CHECK(fails_with(compact_inplace(kvevict::cuda, ws_on_cache, cv, kv), errc::overlap,
                          "the workspace and the cache overlap"));
   KVGPU_CHECK(fails_with(compact_inplace(kvevict::cuda, q, cv, *make_matrix_view(static_cast<const pos_t*>(kept.data()), 1, 4)),

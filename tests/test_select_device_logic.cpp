@@ -628,3 +628,43 @@ TEST_CASE("device logic: flattened selection over many rows with ties across row
     REQUIRE(got == ref);
   }
 }
+
+TEST_CASE("device logic: a 1M-token row and thousands of short rows") {
+  auto g = kvtest::rng(21);
+  // two rows of 2^20 tokens: several blocks per row (the plan's chunks) and one block per row
+  {
+    const index_t R = 2, T = index_t(1) << 20;
+    scores_t s(g, R, T, dist::uniform, 0);
+    for (index_t j = 0; j < T; j += 3) s.buf[static_cast<std::size_t>(T + j)] = 0.5f;  // row 1: heavy ties
+    const std::vector<std::int32_t> lens = {static_cast<std::int32_t>(T), static_cast<std::int32_t>(T - 12345)};
+    const index_t k = 100000;
+    std::vector<pos_t> ref(static_cast<std::size_t>(R * k)), got(ref.size(), -1);
+    with_ws([&](workspace& ws) { return select_topk(seq, ws, s.view, lens.data(), value_of(make_matrix_view(ref.data(), R, k))); });
+    for (int algo : {2, 1}) {
+      CAPTURE(algo);
+      const auto plan = detail::plan_select(R, T, algo);
+      if (algo == 2) CHECK(plan.chunks == 128);
+      emulator em{g, 256, {}, {}, {}, 0};
+      em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), R, k)), algo);
+      CHECK(em.bad == 0);
+      REQUIRE(got == ref);
+    }
+  }
+  // 3000 rows of 40 tokens: the flattened counts run over 12 row tiles of 256
+  {
+    const index_t R = 3000, T = 40;
+    scores_t s(g, R, T, dist::ties3, 0);
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(R), static_cast<std::int32_t>(T)), floors(lens.size(), 2);
+    const index_t total = R * 13;
+    std::vector<std::int32_t> cu_ref(static_cast<std::size_t>(R + 1)), cu_got(cu_ref.size(), -1);
+    std::vector<pos_t> ref(static_cast<std::size_t>(total)), got(ref.size(), -1);
+    with_ws([&](workspace& ws) {
+      return select_topk_flat(seq, ws, s.view, lens.data(), total, floors.data(), cu_ref.data(), ref.data());
+    });
+    emulator em{g, 256, {}, {}, {}, 0};
+    em.flat(s, lens.data(), total, floors.data(), cu_got.data(), got.data(), 0);
+    CHECK(em.bad == 0);
+    REQUIRE(cu_got == cu_ref);
+    REQUIRE(got == ref);
+  }
+}

@@ -315,6 +315,37 @@ void bad_device_arguments() {
   }
 }
 
+/// Two rows of 2^20 tokens (uniform, and heavy ties), every algorithm.
+void long_rows() {
+  std::mt19937_64 g(77);
+  const index_t R = 2, T = index_t(1) << 20, k = 100000;
+  std::vector<float> sc(static_cast<std::size_t>(R * T));
+  for (index_t j = 0; j < T; ++j) {
+    sc[static_cast<std::size_t>(j)] = draw(g, 0, j);
+    sc[static_cast<std::size_t>(T + j)] = draw(g, 5, j);
+  }
+  const std::vector<std::int32_t> lens = {static_cast<std::int32_t>(T), static_cast<std::int32_t>(T - 999)};
+  const auto host_scores = *make_matrix_view(static_cast<const float*>(sc.data()), R, T);
+  std::vector<pos_t> ref(static_cast<std::size_t>(R * k));
+  KVGPU_CHECK(host_run([&](workspace& w) {
+                return select_topk(seq, w, host_scores, lens.data(), *make_matrix_view(ref.data(), R, k));
+              }).ok());
+  dbuf<float> d_sc(sc);
+  dbuf<std::int32_t> d_lens(lens);
+  const auto dev_scores = *make_matrix_view(static_cast<const float*>(d_sc.p), R, T);
+  for (select_algo algo : algos) {
+    cuda_select_options o;
+    o.algo = algo;
+    o.synchronize = true;
+    dbuf<pos_t> d_kept(ref.size());
+    dws w;
+    KVGPU_CHECK(w.run([&](workspace& ws) {
+                   return select_topk(kvevict::cuda, ws, dev_scores, d_lens.p, *make_matrix_view(d_kept.p, R, k), o);
+                 }).ok());
+    KVGPU_CHECK(d_kept.download() == ref);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -325,6 +356,7 @@ int main() {
   for (int trial = 0; trial < 60; ++trial) dense_and_ragged(g, trial);
   for (int trial = 0; trial < 40; ++trial) flat(g, trial);
   bad_device_arguments();
+  long_rows();
   std::printf("select gpu: %d failures\n", kvgpu::failures);
   return kvgpu::failures == 0 ? 0 : 1;
 }

@@ -63,7 +63,7 @@ __device__ inline unsigned take_ticket(unsigned* counter) {
 
 /// Grid size for a grid-stride loop over `items` blocks' worth of work (at least 1, at most 2^20:
 /// far more than enough blocks to fill any GPU; the loops cover the rest).
-inline unsigned grid_for(index_t items) {
+inline unsigned grid_blocks(index_t items) {
   constexpr index_t cap = index_t(1) << 20;
   return static_cast<unsigned>(items < 1 ? 1 : items < cap ? items : cap);
 }

@@ -275,7 +275,7 @@ status launch_inplace(cuda_t be, const char* fn, workspace& ws, const Heads& hea
   KVEVICT_TRY(cuda_status(
       cudaMemsetAsync(counters, 0, h * (2 + static_cast<std::size_t>(inplace_ring)) * sizeof(unsigned), st), fn));
   const bad_counter bad{bad_positions, nullptr};
-  inplace_validate_kernel<Heads><<<grid_for(H), compact_threads, 0, st>>>(heads, head_rows, bad);
+  inplace_validate_kernel<Heads><<<grid_blocks(H), compact_threads, 0, st>>>(heads, head_rows, bad);
   KVEVICT_TRY(launch_status(fn));
   return with_unit(unit_for<T>(contiguous, bits, dim), [&](auto u) {
     constexpr int U = decltype(u)::value;
@@ -283,7 +283,7 @@ status launch_inplace(cuda_t be, const char* fn, workspace& ws, const Heads& hea
     const index_t tile_rows = inplace_tile_rows(rc.units(), rc.unit_bytes());
     const index_t parts = parts_per_head(H, 1024, inplace_max_parts);
     const inplace_sync sync{counters, counters + H, counters + 2 * H};
-    inplace_copy_kernel<T, U, Heads><<<grid_for(H * parts), compact_threads, 0, st>>>(heads, rc, tile_rows, parts,
+    inplace_copy_kernel<T, U, Heads><<<grid_blocks(H * parts), compact_threads, 0, st>>>(heads, rc, tile_rows, parts,
                                                                                        head_rows, sync);
     return launch_status(fn);
   });
@@ -310,7 +310,7 @@ status compact(cuda_t be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_v
     constexpr int U = decltype(u)::value;
     const int lanes = detail::copy_lanes(detail::row_copy<T, U>{dim, 1, 1}.units());
     const index_t groups = detail::compact_threads / lanes;
-    detail::compact_dense_kernel<T, U><<<detail::grid_for((rows + groups - 1) / groups), detail::compact_threads, 0,
+    detail::compact_dense_kernel<T, U><<<detail::grid_blocks((rows + groups - 1) / groups), detail::compact_threads, 0,
                                          st>>>(src, kept, dst, lanes, detail::bad_counter{bad_positions, nullptr});
     return detail::launch_status(fn);
   });
@@ -330,7 +330,7 @@ status launch_ragged_gather(cuda_t be, const char* fn, const kv_view<const T>& s
   return with_unit(dim == 0 ? 16 : unit_for<T>(contiguous, bits, dim), [&](auto u) {
     constexpr int U = decltype(u)::value;
     const int lanes = copy_lanes(row_copy<T, U>{dim, 1, 1}.units());
-    compact_ragged_kernel<T, U, ToCache><<<grid_for(H * parts), compact_threads, 0, st>>>(
+    compact_ragged_kernel<T, U, ToCache><<<grid_blocks(H * parts), compact_threads, 0, st>>>(
         src, kept, dst, dst_cu, lens, row_stride, parts, lanes, bad_counter{bad_positions, nullptr});
     return launch_status(fn);
   });
@@ -453,12 +453,12 @@ status append(cuda_t be, ragged_cache<T> cache, kv_view<S> rows_in, int* bad_hea
   KVEVICT_TRY(detail::with_unit(dim == 0 ? 16 : detail::unit_for<T>(rows.stride(2) == 1, bits, dim), [&](auto u) {
     constexpr int U = decltype(u)::value;
     const int lanes = detail::copy_lanes(detail::row_copy<T, U>{dim, 1, 1}.units());
-    detail::append_kernel<T, U><<<detail::grid_for(H * parts), detail::compact_threads, 0, st>>>(cache, rows, parts,
+    detail::append_kernel<T, U><<<detail::grid_blocks(H * parts), detail::compact_threads, 0, st>>>(cache, rows, parts,
                                                                                                  lanes, parts == 1, bad);
     return detail::launch_status(fn);
   }));
   if (parts == 1) return {};
-  detail::append_lens_kernel<T><<<detail::grid_for((H + 255) / 256), 256, 0, st>>>(cache, n);
+  detail::append_lens_kernel<T><<<detail::grid_blocks((H + 255) / 256), 256, 0, st>>>(cache, n);
   return detail::launch_status(fn);
 }
 

@@ -218,10 +218,10 @@ status launch_select_rows(cudaStream_t st, const char* fn, const matrix_view<con
   if (R == 0) return {};
   constexpr int threads = select_block_threads;
   if (!plan.multi) {
-    select_one_block_kernel<Rows><<<grid_for(R), threads, 0, st>>>(scores, rows, full_key, emit, w.states, bad);
+    select_one_block_kernel<Rows><<<grid_blocks(R), threads, 0, st>>>(scores, rows, full_key, emit, w.states, bad);
     return launch_status(fn);
   }
-  const unsigned grid = grid_for(R * plan.chunks);
+  const unsigned grid = grid_blocks(R * plan.chunks);
   for (int pass = 0; pass < radix_passes; ++pass) {
     select_multi_pass_kernel<Rows><<<grid, threads, 0, st>>>(scores, rows, w, plan, pass, full_key, bad);
     KVEVICT_TRY(launch_status(fn));
@@ -242,10 +242,10 @@ status launch_emit_given(cudaStream_t st, const char* fn, const matrix_view<cons
   if (R == 0) return {};
   constexpr int threads = select_block_threads;
   if (!plan.multi) {
-    select_one_block_kernel<Rows><<<grid_for(R), threads, 0, st>>>(scores, rows, true, true, nullptr, bad_counter{});
+    select_one_block_kernel<Rows><<<grid_blocks(R), threads, 0, st>>>(scores, rows, true, true, nullptr, bad_counter{});
     return launch_status(fn);
   }
-  const unsigned grid = grid_for(R * plan.chunks);
+  const unsigned grid = grid_blocks(R * plan.chunks);
   select_multi_count_kernel<Rows><<<grid, threads, 0, st>>>(scores, rows, w, plan);
   KVEVICT_TRY(launch_status(fn));
   select_multi_emit_kernel<Rows><<<grid, threads, 0, st>>>(scores, rows, w, plan);
@@ -357,16 +357,16 @@ inline status select_topk_flat(cuda_t be, workspace& ws, matrix_view<const float
   if (floors != nullptr)
     KVEVICT_TRY(detail::launch_select_rows(st, fn, scores, detail::floor_rows{row_lengths, T, floors}, w.sel, plan,
                                            true, false, detail::bad_counter{}));
-  const unsigned row_grid = detail::grid_for((R + 255) / 256);
+  const unsigned row_grid = detail::grid_blocks((R + 255) / 256);
   detail::flat_rows_kernel<<<row_grid, 256, 0, st>>>(row_lengths, T, floors, R, w);
   KVEVICT_TRY(detail::launch_status(fn));
   if (R > 0) {
-    const unsigned layer_grid = detail::grid_for(R * w.layer_plan.chunks);
+    const unsigned layer_grid = detail::grid_blocks(R * w.layer_plan.chunks);
     for (int pass = 0; pass < detail::radix_passes; ++pass) {
       detail::flat_layer_pass_kernel<<<layer_grid, detail::select_block_threads, 0, st>>>(scores, w, total, pass);
       KVEVICT_TRY(detail::launch_status(fn));
     }
-    detail::flat_row_totals_kernel<<<detail::grid_for(R), detail::select_block_threads, 0, st>>>(w, R, total);
+    detail::flat_row_totals_kernel<<<detail::grid_blocks(R), detail::select_block_threads, 0, st>>>(w, R, total);
     KVEVICT_TRY(detail::launch_status(fn));
   }
   detail::flat_counts_kernel<<<1, detail::select_block_threads, 0, st>>>(w, R, total, kept_cu, bad);

@@ -712,8 +712,12 @@ TEST_CASE("select_topk: bad input gives specific errors and writes nothing") {
   auto kept_on_lens = value_of(make_matrix_view(reinterpret_cast<pos_t*>(lens_and_out.data()) + 2, 3, 4));
   require_error(select_topk(seq, ws, scores, lens_and_out.data(), kept_on_lens), errc::overlap,
                 "kept and row_lengths overlap");
-  workspace ws_on_kept{out.data(), 1 << 16};
-  require_error(select_topk(seq, ws_on_kept, scores, nullptr, kept), errc::overlap, "the workspace and kept overlap");
+  // kept inside a real 64 KiB buffer that is also handed over as the workspace (and nothing else)
+  std::vector<pos_t> arena((1 << 16) / sizeof(pos_t), -1);
+  workspace ws_on_kept{arena.data(), arena.size() * sizeof(pos_t)};
+  auto kept_in_ws = value_of(make_matrix_view(arena.data() + 16, 3, 4));
+  require_error(select_topk(seq, ws_on_kept, scores, nullptr, kept_in_ws), errc::overlap,
+                "the workspace and kept overlap");
   CHECK(untouched());
   // too many columns for int32 positions
   matrix_view<const float> huge(sc.data(), cuda::std::layout_stride::mapping<exts>(exts(1, index_t(1) << 31), cuda::std::array<index_t, 2>{1, 1}));

@@ -1,0 +1,702 @@
+// Drivers against naive references written for clarity: a synthetic engine whose queries, keys
+// and values depend only on (layer, position), ragged caches compacted with compact_inplace as
+// an engine would, references that materialise each head's rows densely, score them with the
+// recipe stage, select by full sorts, compute budgets from the allocators' formulas and simulate
+// eviction schedules step by step.
+#include "support.hpp"
+
+#include <kvevict/driver.hpp>
+#include <kvevict/metrics.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <vector>
+
+using namespace kvevict;
+using kvtest::require_error;
+using kvtest::value_of;
+
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Synthetic model state: q/k/v of every (layer, position), deterministic, independent of context.
+
+struct synth {
+  index_t L = 0, H = 0, Hq = 0, d = 0, N = 0;  // N: positions available (prompt + extra)
+  std::vector<float> q, k, v;                 // [L][N][Hq][d], [L][N][H][d], [L][N][H][d]
+  const float* query(index_t l, index_t p, index_t h) const { return q.data() + ((l * N + p) * Hq + h) * d; }
+  const float* key(index_t l, index_t p, index_t h) const { return k.data() + ((l * N + p) * H + h) * d; }
+  const float* value(index_t l, index_t p, index_t h) const { return v.data() + ((l * N + p) * H + h) * d; }
+};
+
+synth make_synth(std::uint64_t seed, index_t L, index_t H, index_t Hq, index_t d, index_t N) {
+  auto g = kvtest::rng(seed);
+  synth s{L, H, Hq, d, N, {}, {}, {}};
+  s.q = kvtest::random_floats(g, static_cast<std::size_t>(L * N * Hq * d), -2.f, 2.f);
+  s.k = kvtest::random_floats(g, static_cast<std::size_t>(L * N * H * d), -2.f, 2.f);
+  s.v = kvtest::random_floats(g, static_cast<std::size_t>(L * N * H * d), -1.f, 1.f);
+  // layers of different sharpness, so entropies (LAVa) differ between layers
+  for (index_t l = 0; l < L; ++l)
+    for (index_t i = 0; i < N * Hq * d; ++i) s.q[static_cast<std::size_t>(l * N * Hq * d + i)] *= 0.5f + 0.6f * float(l);
+  return s;
+}
+
+/// Queries of `positions` in layer l: [Hq][n][d] head-major.
+std::vector<float> gather_queries(const synth& s, index_t l, const std::vector<pos_t>& positions) {
+  const auto n = static_cast<index_t>(positions.size());
+  std::vector<float> out(static_cast<std::size_t>(std::max<index_t>(1, s.Hq * n * s.d)));
+  for (index_t h = 0; h < s.Hq; ++h)
+    for (index_t i = 0; i < n; ++i)
+      std::copy(s.query(l, positions[i], h), s.query(l, positions[i], h) + s.d, out.begin() + (h * n + i) * s.d);
+  return out;
+}
+/// Keys of `positions` in layer l: [H][n][d].
+std::vector<float> gather_keys(const synth& s, index_t l, const std::vector<pos_t>& positions) {
+  const auto n = static_cast<index_t>(positions.size());
+  std::vector<float> out(static_cast<std::size_t>(std::max<index_t>(1, s.H * n * s.d)));
+  for (index_t h = 0; h < s.H; ++h)
+    for (index_t i = 0; i < n; ++i)
+      std::copy(s.key(l, positions[i], h), s.key(l, positions[i], h) + s.d, out.begin() + (h * n + i) * s.d);
+  return out;
+}
+std::vector<pos_t> range_of(index_t b, index_t e) {
+  std::vector<pos_t> r;
+  for (index_t p = b; p < e; ++p) r.push_back(static_cast<pos_t>(p));
+  return r;
+}
+kv_view<const float> block_view(const std::vector<float>& buf, index_t heads, index_t n, index_t d) {
+  if (n == 0) return {};
+  return value_of(make_kv_view<const float>(buf.data(), heads, n, d));
+}
+
+// ------------------------------------------------------------------------------------------------
+// The engine's cache of one layer: head-major ragged rows with capacity C, original positions.
+
+struct engine_layer {
+  index_t H = 0, d = 0, C = 0;
+  std::vector<float> keys, values;
+  std::vector<pos_t> pos;
+  std::vector<std::int32_t> cu, lens, scratch;
+
+  engine_layer(index_t heads, index_t dim, index_t capacity) : H(heads), d(dim), C(capacity) {
+    keys.assign(static_cast<std::size_t>(H * C * d), 0.f);
+    values.assign(keys.size(), 0.f);
+    pos.assign(static_cast<std::size_t>(H * C), -1);
+    cu.resize(static_cast<std::size_t>(H + 1));
+    for (index_t h = 0; h <= H; ++h) cu[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * C);
+    lens.assign(static_cast<std::size_t>(H), 0);
+    scratch.assign(static_cast<std::size_t>(H), 0);
+  }
+  void push(const synth& s, index_t l, index_t h, pos_t p) {
+    const index_t j = lens[static_cast<std::size_t>(h)]++;
+    REQUIRE(j < C);
+    std::copy(s.key(l, p, h), s.key(l, p, h) + d, keys.begin() + (h * C + j) * d);
+    std::copy(s.value(l, p, h), s.value(l, p, h) + d, values.begin() + (h * C + j) * d);
+    pos[static_cast<std::size_t>(h * C + j)] = p;
+  }
+  /// Positions [b, e) appended to every head.
+  void append(const synth& s, index_t l, index_t b, index_t e) {
+    for (index_t h = 0; h < H; ++h)
+      for (index_t p = b; p < e; ++p) push(s, l, h, static_cast<pos_t>(p));
+  }
+  ragged_cache<float> kc() { return {keys.data(), cu.data(), lens.data(), H, d, d}; }
+  ragged_cache<float> vc() { return {values.data(), cu.data(), lens.data(), H, d, d}; }
+  layer_kv<float> view() { return make_layer_kv(kc(), vc(), pos.data()); }
+  std::vector<pos_t> positions(index_t h) const {
+    return {pos.begin() + h * C, pos.begin() + h * C + lens[static_cast<std::size_t>(h)]};
+  }
+  /// What an engine does with a driver's answer: compact keys, values and positions in place.
+  void compact(ragged_positions kept) {
+    auto with_scratch = [&](auto c) {
+      std::copy(lens.begin(), lens.end(), scratch.begin());
+      c.lens = scratch.data();
+      return c;
+    };
+    REQUIRE(compact_inplace(seq, with_scratch(kc()), kept).ok());
+    REQUIRE(compact_inplace(seq, with_scratch(vc()), kept).ok());
+    ragged_cache<pos_t> pc{pos.data(), cu.data(), lens.data(), H, 1, 1};
+    REQUIRE(compact_inplace(seq, pc, kept).ok());
+  }
+};
+
+std::vector<engine_layer> make_layers(index_t L, index_t H, index_t d, index_t C) {
+  std::vector<engine_layer> v;
+  for (index_t l = 0; l < L; ++l) v.emplace_back(H, d, C);
+  return v;
+}
+
+/// Kept lists as vectors: [head][i].
+std::vector<std::vector<pos_t>> to_lists(ragged_positions k) {
+  std::vector<std::vector<pos_t>> out(static_cast<std::size_t>(k.heads));
+  for (index_t h = 0; h < k.heads; ++h) out[static_cast<std::size_t>(h)].assign(k.pos + k.cu[h], k.pos + k.cu[h + 1]);
+  return out;
+}
+
+struct aligned_buf {
+  std::vector<unsigned char> b;
+  void* get(std::size_t n) {
+    b.assign(n + 64, 0);
+    return b.data() + (64 - reinterpret_cast<std::uintptr_t>(b.data()) % 64) % 64;
+  }
+};
+template <class Driver, class Backend>
+workspace make_ws(const Driver& d, Backend be, aligned_buf& buf) {
+  const std::size_t n = value_of(d.workspace_bytes(be));
+  return workspace{buf.get(n), n};
+}
+
+// ------------------------------------------------------------------------------------------------
+// References
+
+/// The recipe's scores of one head's rows, materialised densely: keys / values of `rows`
+/// (positions) copied into contiguous buffers, queries of the group copied, recipe_scores(seq).
+std::vector<float> ref_head_scores(const recipe& r, const synth& s, index_t l, index_t h, const std::vector<pos_t>& rows,
+                                   const std::vector<float>& qblock, index_t qrows, const std::vector<float>* block_keys) {
+  const auto n = static_cast<index_t>(rows.size());
+  const index_t g = s.Hq / s.H, d = s.d;
+  std::vector<float> k(static_cast<std::size_t>(std::max<index_t>(1, n * d))), v(k.size());
+  for (index_t i = 0; i < n; ++i) {
+    std::copy(s.key(l, rows[i], h), s.key(l, rows[i], h) + d, k.begin() + i * d);
+    std::copy(s.value(l, rows[i], h), s.value(l, rows[i], h) + d, v.begin() + i * d);
+  }
+  std::vector<float> qg(static_cast<std::size_t>(std::max<index_t>(1, g * qrows * d)));
+  for (index_t j = 0; j < g * qrows * d; ++j) qg[j] = qblock[(h * g) * qrows * d + j];
+  std::vector<float> bk;
+  kv_view<const float> bkv{};
+  if (block_keys != nullptr && !block_keys->empty()) {
+    bk.assign(block_keys->begin() + h * qrows * d, block_keys->begin() + (h + 1) * qrows * d);
+    bkv = value_of(make_kv_view<const float>(bk.data(), 1, qrows, d));
+  }
+  std::vector<float> out(static_cast<std::size_t>(std::max<index_t>(1, n)));
+  if (n == 0) return {};
+  const auto kq = uses_attention(r.kind) ? value_of(make_kv_view<const float>(qg.data(), g, qrows, d)) : kv_view<const float>{};
+  const auto kk = value_of(make_kv_view<const float>(k.data(), 1, n, d));
+  const auto vv = value_of(make_kv_view<const float>(v.data(), 1, n, d));
+  const auto sv = value_of(make_matrix_view(out.data(), 1, n));
+  workspace ws;
+  REQUIRE(recipe_scores(seq, ws, r, kq, kk, vv, sv, bkv).ok());
+  std::vector<unsigned char> buf(ws.bytes + 64);
+  ws.data = buf.data();
+  const status st = recipe_scores(seq, ws, r, kq, kk, vv, sv, bkv);
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  out.resize(static_cast<std::size_t>(n));
+  return out;
+}
+
+/// Selection order of the library: higher first, ties to the lower (head, row).
+struct entry {
+  float score;
+  index_t head, row;
+};
+bool better(const entry& a, const entry& b) {
+  if (a.score != b.score) return a.score > b.score;
+  if (a.head != b.head) return a.head < b.head;
+  return a.row < b.row;
+}
+/// Top-k rows of one head by a full sort, returned ascending.
+std::vector<pos_t> ref_topk(const std::vector<float>& sc, index_t k) {
+  std::vector<entry> e;
+  for (std::size_t i = 0; i < sc.size(); ++i) e.push_back({sc[i], 0, static_cast<index_t>(i)});
+  std::sort(e.begin(), e.end(), better);
+  std::vector<pos_t> out;
+  for (index_t i = 0; i < k; ++i) out.push_back(static_cast<pos_t>(e[i].row));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+/// Flattened: each head first keeps its top floors[h] rows, then the best `total - sum(floors)`
+/// remaining (head, row) entries of the layer jointly. Rows ascending per head.
+std::vector<std::vector<pos_t>> ref_flat(const std::vector<std::vector<float>>& sc, index_t total,
+                                         const std::vector<index_t>& floors = {}) {
+  const auto H = static_cast<index_t>(sc.size());
+  std::vector<std::vector<pos_t>> out(sc.size());
+  std::vector<entry> rest;
+  index_t left = total;
+  for (index_t h = 0; h < H; ++h) {
+    std::vector<entry> e;
+    for (std::size_t i = 0; i < sc[h].size(); ++i) e.push_back({sc[h][i], h, static_cast<index_t>(i)});
+    std::sort(e.begin(), e.end(), better);
+    const index_t f = floors.empty() ? 0 : floors[h];
+    for (index_t i = 0; i < static_cast<index_t>(e.size()); ++i) {
+      if (i < f) out[h].push_back(static_cast<pos_t>(e[i].row));
+      else rest.push_back(e[i]);
+    }
+    left -= f;
+  }
+  std::sort(rest.begin(), rest.end(), better);
+  for (index_t i = 0; i < left; ++i) out[rest[i].head].push_back(static_cast<pos_t>(rest[i].row));
+  for (auto& o : out) std::sort(o.begin(), o.end());
+  return out;
+}
+
+/// Rows -> original positions.
+std::vector<pos_t> rows_to_positions(const std::vector<pos_t>& rows_held, const std::vector<pos_t>& kept_rows) {
+  std::vector<pos_t> out;
+  for (pos_t r : kept_rows) out.push_back(rows_held[static_cast<std::size_t>(r)]);
+  return out;
+}
+
+/// The recorder's schedule of (layer, head) as evicted_at per position (-1 = never).
+[[maybe_unused]] std::vector<pos_t> recorded(const eviction_recorder& rec, index_t l, index_t h, index_t n) {
+  std::vector<pos_t> out;
+  for (index_t j = 0; j < n; ++j) {
+    const pos_t e = rec.storage()(l, h, j);
+    out.push_back(e == never_evicted ? -1 : e);
+  }
+  return out;
+}
+
+/// Naive footprint of a set of evicted_at rows (-1 = never) over n tokens: resident keys summed
+/// over query positions, and the peak of their total.
+struct naive_usage {
+  std::int64_t resident = 0, peak = 0;
+};
+[[maybe_unused]] naive_usage naive_kv_usage(const std::vector<std::vector<pos_t>>& rows, index_t n) {
+  naive_usage u;
+  for (index_t i = 0; i < n; ++i) {
+    std::int64_t now = 0;
+    for (const auto& r : rows)
+      for (index_t j = 0; j <= i; ++j)
+        if (r[j] < 0 || i < r[j]) ++now;
+    u.resident += now;
+    u.peak = std::max(u.peak, now);
+  }
+  return u;
+}
+
+recipe small_window(recipe r, index_t w) {
+  r.window = w;
+  r.n_recent = w;
+  return r;
+}
+
+}  // namespace
+
+// =================================================================================================
+// Views
+
+TEST_CASE("drivers: ragged_from_dense views head-major caches without copying") {
+  std::vector<float> buf(3 * 10 * 4);
+  std::iota(buf.begin(), buf.end(), 0.f);
+  std::int32_t cu[4], lens[3];
+  // padded capacity: 3 heads x 7 tokens inside rows of 10 per head
+  auto dense = value_of(make_kv_view<const float>(buf.data(), 3, 7, 4, 40, 4));
+  auto rc = value_of(ragged_from_dense(dense, cu, lens));
+  CHECK(rc.data == buf.data());
+  CHECK(cu[0] == 0);
+  CHECK(cu[1] == 10);
+  CHECK(cu[3] == 30);
+  CHECK(lens[2] == 7);
+  for (index_t h = 0; h < 3; ++h)
+    for (index_t t = 0; t < 7; ++t)
+      for (index_t e = 0; e < 4; ++e) CHECK(rc.row(h, t)[e] == dense(h, t, e));
+  // one head: capacity = T
+  auto one = value_of(make_kv_view<const float>(buf.data(), 1, 5, 4));
+  auto r1 = value_of(ragged_from_dense(one, cu, lens));
+  CHECK(cu[1] == 5);
+  CHECK(r1.row_stride == 4);
+  // token-major is not a ragged cache
+  auto tm = value_of(make_kv_view<const float>(buf.data(), 3, 7, 4, kv_layout::token_major));
+  require_error(ragged_from_dense(tm, cu, lens).error(), errc::invalid_argument, "is not a multiple >= 7 tokens");
+  auto strided_dim = value_of(make_kv_view<const float>(buf.data(), 2, 3, 4, 60, 20, 2));
+  require_error(ragged_from_dense(strided_dim, cu, lens).error(), errc::invalid_argument, "rows must be contiguous");
+  require_error(ragged_from_dense(dense, nullptr, lens).error(), errc::null_pointer, "cu_capacity is null");
+  require_error(ragged_from_dense(dense, cu, nullptr).error(), errc::null_pointer, "lens is null");
+  std::int32_t* inside = reinterpret_cast<std::int32_t*>(buf.data());
+  require_error(ragged_from_dense(dense, inside, lens).error(), errc::overlap, "overlap");
+}
+
+TEST_CASE("drivers: make_layer_kv from a positions cache checks its layout") {
+  engine_layer e(2, 4, 8);
+  ragged_cache<pos_t> pc{e.pos.data(), e.cu.data(), e.lens.data(), 2, 1, 1};
+  auto lk = value_of(make_layer_kv(e.kc(), e.vc(), pc));
+  CHECK(lk.positions == e.pos.data());
+  CHECK(lk.keys.data == e.keys.data());
+  ragged_cache<pos_t> wide{e.pos.data(), e.cu.data(), e.lens.data(), 2, 2, 2};
+  require_error(make_layer_kv(e.kc(), e.vc(), wide).error(), errc::shape_mismatch, "dim 1 and row stride 1");
+  std::vector<std::int32_t> other_cu = {0, 4, 16};
+  ragged_cache<pos_t> shifted{e.pos.data(), other_cu.data(), e.lens.data(), 2, 1, 1};
+  require_error(make_layer_kv(e.kc(), e.vc(), shifted).error(), errc::shape_mismatch, "positions.cu_capacity[1] = 4");
+  ragged_cache<pos_t> three{e.pos.data(), e.cu.data(), e.lens.data(), 3, 1, 1};
+  require_error(make_layer_kv(e.kc(), e.vc(), three).error(), errc::shape_mismatch, "positions have 3 heads");
+}
+
+// =================================================================================================
+// Post-fill
+
+namespace {
+
+struct pf_setup {
+  synth s;
+  index_t P = 0, ext = 0;  // prompt length, external block rows (positions [P, P + ext))
+  bool ragged = false;
+  bool block_keys = false;
+};
+
+/// The query block of a recipe after the prefill of P tokens (positions), and its rows.
+std::vector<pos_t> pf_query_positions(const recipe& r, index_t P, index_t ext) {
+  switch (r.kind) {
+    case recipe_kind::knorm:
+    case recipe_kind::streaming_llm: return {};
+    case recipe_kind::h2o: return range_of(0, P);
+    case recipe_kind::tova: return range_of(P - 1, P);
+    default: return r.source == query_source::external_block ? range_of(P, P + ext) : range_of(P - r.window, P);
+  }
+}
+
+/// Fills every layer with the prompt: dense (all positions) or ragged (each head drops a random
+/// 30% of the positions before the last `tail` ones).
+std::vector<engine_layer> pf_layers(const pf_setup& u, index_t tail, std::uint64_t seed) {
+  auto layers = make_layers(u.s.L, u.s.H, u.s.d, u.P);
+  auto g = kvtest::rng(seed);
+  for (index_t l = 0; l < u.s.L; ++l)
+    for (index_t h = 0; h < u.s.H; ++h)
+      for (index_t p = 0; p < u.P; ++p)
+        if (!u.ragged || p >= u.P - tail || kvtest::uniform_int(g, 0, 9) >= 3)
+          layers[static_cast<std::size_t>(l)].push(u.s, l, h, static_cast<pos_t>(p));
+  return layers;
+}
+
+/// Runs the post-fill driver; returns the kept positions [layer][head] and compacts the layers.
+template <class Backend>
+std::vector<std::vector<std::vector<pos_t>>> run_post_fill(Backend be, const post_fill_config& cfg, const pf_setup& u,
+                                                           std::vector<engine_layer>& layers,
+                                                           const std::vector<double>& weights,
+                                                           eviction_recorder* rec = nullptr) {
+  std::vector<unsigned char> mem(value_of(post_fill_driver::state_bytes(cfg)));
+  post_fill_driver d;
+  REQUIRE(d.init(cfg, mem.data(), mem.size(), rec).ok());
+  aligned_buf wb;
+  workspace ws = make_ws(d, be, wb);
+  workspace q;  // the two-phase query reports the same size
+  REQUIRE(d.add_layer(be, q, 0, layers[0].view(), kv_view<const float>{}).ok());
+  CHECK(q.bytes == ws.bytes);
+  const auto qpos = pf_query_positions(cfg.rec, u.P, u.ext);
+  const auto qr = static_cast<index_t>(qpos.size());
+  for (index_t l = 0; l < u.s.L; ++l) {
+    const auto qb = gather_queries(u.s, l, qpos);
+    const auto bk = u.block_keys ? gather_keys(u.s, l, qpos) : std::vector<float>{};
+    const status st = d.add_layer(be, ws, l, layers[static_cast<std::size_t>(l)].view(), block_view(qb, u.s.Hq, qr, u.s.d),
+                                  u.block_keys ? block_view(bk, u.s.H, qr, u.s.d) : kv_view<const float>{},
+                                  weights.empty() ? 0.0 : weights[static_cast<std::size_t>(l)]);
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    const bool per_layer = cfg.alloc.kind != allocator::lava && cfg.alloc.kind != allocator::cake;
+    CHECK(d.ready(l) == per_layer);
+  }
+  const status st = d.decide(be, ws);
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  std::vector<std::vector<std::vector<pos_t>>> out;
+  for (index_t l = 0; l < u.s.L; ++l) {
+    REQUIRE(d.ready(l));
+    auto& e = layers[static_cast<std::size_t>(l)];
+    std::vector<std::vector<pos_t>> per;
+    const auto k = d.kept(l);
+    for (index_t h = 0; h < u.s.H; ++h)
+      per.push_back(rows_to_positions(e.positions(h), to_lists(k)[static_cast<std::size_t>(h)]));
+    e.compact(k);
+    for (index_t h = 0; h < u.s.H; ++h) CHECK(e.positions(h) == per[static_cast<std::size_t>(h)]);
+    out.push_back(per);
+  }
+  return out;
+}
+
+/// The post-fill reference: every layer's heads scored densely, budgets from the allocator's
+/// formula, selection by full sorts.
+std::vector<std::vector<std::vector<pos_t>>> ref_post_fill(const post_fill_config& cfg, const pf_setup& u,
+                                                           const std::vector<engine_layer>& layers,
+                                                           const std::vector<double>& weights) {
+  const index_t L = u.s.L, H = u.s.H;
+  const recipe& r = cfg.rec;
+  const auto qpos = pf_query_positions(r, u.P, u.ext);
+  const auto qr = static_cast<index_t>(qpos.size());
+  std::vector<std::vector<std::vector<float>>> sc(static_cast<std::size_t>(L));
+  std::vector<std::vector<std::vector<pos_t>>> held(static_cast<std::size_t>(L));
+  for (index_t l = 0; l < L; ++l) {
+    const auto qb = gather_queries(u.s, l, qpos);
+    const auto bk = u.block_keys ? gather_keys(u.s, l, qpos) : std::vector<float>{};
+    for (index_t h = 0; h < H; ++h) {
+      held[l].push_back(layers[static_cast<std::size_t>(l)].positions(h));
+      sc[l].push_back(ref_head_scores(r, u.s, l, h, held[l][h], qb, qr, &bk));
+    }
+  }
+  const auto W = [&](index_t n) { return protected_count(n, r.n_sink, r.n_recent); };
+  std::vector<std::vector<std::vector<pos_t>>> rows(static_cast<std::size_t>(L));
+  if (cfg.alloc.kind == allocator::lava) {
+    std::vector<double> e(static_cast<std::size_t>(L));
+    std::vector<index_t> caps, share(static_cast<std::size_t>(L));
+    index_t prot = 0;
+    for (index_t l = 0; l < L; ++l) {
+      // the entropy of the layer's scores as lava_layer_entropy defines it (tested in test_budget)
+      std::vector<float> m(static_cast<std::size_t>(H * u.P), 0.f);
+      std::vector<std::int32_t> lens;
+      index_t wl = 0, nl = 0;
+      for (index_t h = 0; h < H; ++h) {
+        std::copy(sc[l][h].begin(), sc[l][h].end(), m.begin() + h * u.P);
+        lens.push_back(static_cast<std::int32_t>(sc[l][h].size()));
+        wl += W(lens.back());
+        nl += lens.back();
+      }
+      lava_entropy_options eo;
+      eo.prot = {r.n_sink, r.n_recent};
+      REQUIRE(lava_layer_entropy(seq, value_of(make_matrix_view<const float>(m.data(), H, u.P)), lens.data(), eo,
+                                 &e[static_cast<std::size_t>(l)])
+                  .ok());
+      caps.push_back(nl - wl);
+      prot += wl;
+    }
+    REQUIRE(apportion(cfg.alloc.total - prot, e.data(), caps.data(), L, share.data()).ok());
+    for (index_t l = 0; l < L; ++l) {
+      index_t wl = 0;
+      for (index_t h = 0; h < H; ++h) wl += W(static_cast<index_t>(sc[l][h].size()));
+      rows[l] = ref_flat(sc[l], wl + share[l]);
+    }
+  } else if (cfg.alloc.kind == allocator::cake) {
+    std::vector<std::int32_t> b(static_cast<std::size_t>(L * H));
+    REQUIRE(cake_budgets(weights.data(), cfg.alloc.total / (L * H), u.P, {r.n_sink, r.n_recent},
+                         value_of(make_matrix_view(b.data(), L, H)))
+                .ok());
+    for (index_t l = 0; l < L; ++l)
+      for (index_t h = 0; h < H; ++h) rows[l].push_back(ref_topk(sc[l][h], b[l * H + h]));
+  } else {
+    for (index_t l = 0; l < L; ++l) {
+      index_t sum = 0;
+      for (index_t h = 0; h < H; ++h) sum += cfg.alloc.budgets(l, h);
+      if (cfg.alloc.kind == allocator::per_head) {
+        for (index_t h = 0; h < H; ++h) rows[l].push_back(ref_topk(sc[l][h], cfg.alloc.budgets(l, h)));
+      } else if (cfg.alloc.kind == allocator::flattened) {
+        rows[l] = ref_flat(sc[l], sum);
+      } else {  // adakv: floors first, then the layer's best
+        std::vector<index_t> floors;
+        for (index_t h = 0; h < H; ++h) {
+          const auto n = static_cast<index_t>(sc[l][h].size());
+          floors.push_back(adakv_head_floor(sum / H, n, W(n), cfg.alloc.adakv_alpha, cfg.alloc.floor_rule));
+        }
+        rows[l] = ref_flat(sc[l], sum, floors);
+      }
+    }
+  }
+  std::vector<std::vector<std::vector<pos_t>>> out(static_cast<std::size_t>(L));
+  for (index_t l = 0; l < L; ++l)
+    for (index_t h = 0; h < H; ++h) out[l].push_back(rows_to_positions(held[l][h], rows[l][h]));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("drivers: post-fill with per-layer allocators matches the reference (recipes, GQA, ragged caches)") {
+  std::vector<recipe> recipes = {small_window(recipe::snapkv(), 6), recipe::h2o(), recipe::tova(),
+                                 recipe::knorm(), recipe::streaming_llm(2), small_window(recipe::lava(), 5),
+                                 small_window(recipe::vatp(), 4), small_window(recipe::cake(), 4)};
+  recipe ext = recipe::snapkv();
+  ext.source = query_source::external_block;
+  ext.n_recent = 0;
+  ext.n_sink = 2;
+  recipes.push_back(ext);
+  recipes[1].n_recent = 4;
+  int cases = 0;
+  for (std::uint64_t seed = 1; seed <= 4; ++seed)
+    for (std::size_t ri = 0; ri < recipes.size(); ++ri)
+      for (allocator kind : {allocator::per_head, allocator::flattened, allocator::adakv}) {
+        auto g = kvtest::rng(seed * 131 + ri * 7 + static_cast<std::uint64_t>(kind));
+        const recipe r = recipes[ri];
+        pf_setup u;
+        const index_t L = kvtest::uniform_int(g, 1, 3), H = kvtest::uniform_int(g, 1, 3);
+        const index_t Hq = H * kvtest::uniform_int(g, 1, 3), d = kvtest::uniform_int(g, 2, 9);
+        u.P = kvtest::uniform_int(g, 24, 60);
+        u.ext = 5;
+        u.s = make_synth(seed * 1000 + ri, L, H, Hq, d, u.P + u.ext);
+        u.ragged = r.kind != recipe_kind::h2o && seed % 2 == 0;
+        u.block_keys = r.source == query_source::external_block && seed % 2 == 1;
+        const index_t tail = r.kind == recipe_kind::tova ? 1 : (uses_attention(r.kind) && r.source == query_source::prompt_window ? r.window : 0);
+        auto layers = pf_layers(u, tail, seed);
+        index_t min_len = u.P;
+        for (auto& e : layers)
+          for (index_t h = 0; h < H; ++h) min_len = std::min<index_t>(min_len, e.lens[static_cast<std::size_t>(h)]);
+        const index_t W = protected_count(min_len, r.n_sink, r.n_recent);
+        const index_t B = kvtest::uniform_int(g, W, min_len);
+        std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H), static_cast<std::int32_t>(B));
+        if (kind == allocator::per_head)  // a different budget per head, within what every head holds
+          for (auto& b : budgets) b = static_cast<std::int32_t>(kvtest::uniform_int(g, W, min_len));
+        post_fill_config cfg;
+        cfg.model = {L, H, Hq, d};
+        cfg.tokens = u.P;
+        cfg.rec = r;
+        cfg.query_rows = r.source == query_source::external_block && uses_attention(r.kind) && r.kind != recipe_kind::h2o &&
+                                 r.kind != recipe_kind::tova
+                             ? u.ext
+                             : 0;
+        cfg.alloc.kind = kind;
+        cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+        cfg.alloc.adakv_alpha = seed % 2 ? 0.2 : 0.5;
+        cfg.alloc.floor_rule = seed % 3 ? adakv_floor::budget : adakv_floor::evictable;
+        CAPTURE(seed);
+        CAPTURE(ri);
+        CAPTURE(static_cast<int>(kind));
+        const auto ref = ref_post_fill(cfg, u, layers, {});
+        auto layers_par = layers;
+        const auto got = run_post_fill(seq, cfg, u, layers, {});
+        const auto got_par = run_post_fill(par, cfg, u, layers_par, {});
+        REQUIRE(got == ref);
+        REQUIRE(got_par == got);
+        ++cases;
+      }
+  CHECK(cases == 4 * 9 * 3);
+}
+
+TEST_CASE("drivers: post-fill with uniform budgets and SnapKV equals recipe_scores + recipe_select per layer") {
+  for (std::uint64_t seed = 11; seed <= 14; ++seed) {
+    auto g = kvtest::rng(seed);
+    const index_t L = 3, H = kvtest::uniform_int(g, 1, 4), Hq = H * kvtest::uniform_int(g, 1, 4), d = 16, P = 80;
+    const synth s = make_synth(seed, L, H, Hq, d, P);
+    const recipe r = small_window(recipe::snapkv(), 8);
+    const index_t B = kvtest::uniform_int(g, 8, P);
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H));
+    REQUIRE(uniform_budgets(B * L * H, P, {r.n_sink, r.n_recent}, value_of(make_matrix_view(budgets.data(), L, H))).ok());
+    post_fill_config cfg;
+    cfg.model = {L, H, Hq, d};
+    cfg.tokens = P;
+    cfg.rec = r;
+    cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+    std::vector<unsigned char> mem(value_of(post_fill_driver::state_bytes(cfg)));
+    post_fill_driver drv;
+    REQUIRE(drv.init(cfg, mem.data(), mem.size()).ok());
+    aligned_buf wb;
+    workspace ws = make_ws(drv, seq, wb);
+    for (index_t l = 0; l < L; ++l) {
+      // the engine's dense layer [H][P][d] (head-major), viewed as a ragged cache
+      std::vector<float> kd(static_cast<std::size_t>(H * P * d)), vd(kd.size());
+      std::vector<pos_t> pos(static_cast<std::size_t>(H * P));
+      for (index_t h = 0; h < H; ++h)
+        for (index_t p = 0; p < P; ++p) {
+          std::copy(s.key(l, p, h), s.key(l, p, h) + d, kd.begin() + (h * P + p) * d);
+          std::copy(s.value(l, p, h), s.value(l, p, h) + d, vd.begin() + (h * P + p) * d);
+          pos[static_cast<std::size_t>(h * P + p)] = static_cast<pos_t>(p);
+        }
+      const auto kdv = value_of(make_kv_view<const float>(kd.data(), H, P, d));
+      const auto vdv = value_of(make_kv_view<const float>(vd.data(), H, P, d));
+      std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1)), lens(static_cast<std::size_t>(H));
+      const auto kv = make_layer_kv(value_of(ragged_from_dense(kdv, cu.data(), lens.data())),
+                                    value_of(ragged_from_dense(vdv, cu.data(), lens.data())), pos.data());
+      const auto qb = gather_queries(s, l, range_of(P - 8, P));
+      const auto qv = value_of(make_kv_view<const float>(qb.data(), Hq, 8, d));
+      REQUIRE(drv.add_layer(seq, ws, l, kv, qv).ok());
+      // by hand: the stages on the dense layer
+      std::vector<float> sc(static_cast<std::size_t>(H * P));
+      workspace rws;
+      const auto sv = value_of(make_matrix_view(sc.data(), H, P));
+      REQUIRE(recipe_scores(seq, rws, r, qv, kdv, vdv, sv).ok());
+      std::vector<unsigned char> rb(rws.bytes);
+      rws.data = rb.data();
+      REQUIRE(recipe_scores(seq, rws, r, qv, kdv, vdv, sv).ok());
+      std::vector<std::int32_t> kcu(static_cast<std::size_t>(H + 1));
+      REQUIRE(budget_offsets(cfg.alloc.budgets, l, kcu.data()).ok());
+      std::vector<pos_t> kpos(static_cast<std::size_t>(kcu.back()));
+      std::vector<unsigned char> sb(select_topk_workspace_size(seq, P));
+      workspace sws{sb.data(), sb.size()};
+      REQUIRE(recipe_select(seq, sws, r, value_of(make_matrix_view<const float>(sc.data(), H, P)),
+                            ragged_positions_out{kpos.data(), kcu.data(), H})
+                  .ok());
+      CHECK(to_lists(drv.kept(l)) == to_lists(ragged_positions{kpos.data(), kcu.data(), H}));
+    }
+  }
+}
+
+TEST_CASE("drivers: post-fill with LAVa and CAKE budgets (all layers) matches the reference") {
+  for (std::uint64_t seed = 21; seed <= 28; ++seed) {
+    auto g = kvtest::rng(seed);
+    pf_setup u;
+    const index_t L = kvtest::uniform_int(g, 2, 4), H = kvtest::uniform_int(g, 1, 3), Hq = H * kvtest::uniform_int(g, 1, 2);
+    const index_t d = 8;
+    u.P = kvtest::uniform_int(g, 30, 64);
+    const bool lava_kind = seed % 2 == 1;
+    u.ragged = lava_kind && seed % 4 == 1;  // cake needs every head to hold the whole prompt
+    u.s = make_synth(seed, L, H, Hq, d, u.P);
+    const recipe r = lava_kind ? small_window(recipe::lava(), 6) : small_window(recipe::cake(), 6);
+    auto layers = pf_layers(u, r.window, seed);
+    post_fill_config cfg;
+    cfg.model = {L, H, Hq, d};
+    cfg.tokens = u.P;
+    cfg.rec = r;
+    cfg.alloc.kind = lava_kind ? allocator::lava : allocator::cake;
+    std::vector<double> prefs;
+    if (lava_kind) {
+      index_t rows = 0;
+      for (auto& e : layers)
+        for (auto n : e.lens) rows += n;
+      cfg.alloc.total = kvtest::uniform_int(g, L * H * 6, rows);
+    } else {
+      cfg.alloc.total = L * H * kvtest::uniform_int(g, 6, u.P);
+      for (index_t l = 0; l < L; ++l) prefs.push_back(double(kvtest::uniform_int(g, 1, 100)) / 7.0);
+    }
+    CAPTURE(seed);
+    const auto ref = ref_post_fill(cfg, u, layers, prefs);
+    auto layers_par = layers;
+    const auto got = run_post_fill(seq, cfg, u, layers, prefs);
+    REQUIRE(got == ref);
+    REQUIRE(run_post_fill(par, cfg, u, layers_par, prefs) == got);
+    index_t kept = 0;
+    for (auto& lay : got)
+      for (auto& hd : lay) kept += static_cast<index_t>(hd.size());
+    CHECK(kept == cfg.alloc.total);  // exact model total
+  }
+  // dense prompt: the layer totals are lava_layer_budgets' exactly
+  {
+    pf_setup u;
+    u.P = 48;
+    u.s = make_synth(77, 4, 2, 4, 8, u.P);
+    auto layers = pf_layers(u, 6, 77);
+    post_fill_config cfg;
+    cfg.model = {4, 2, 4, 8};
+    cfg.tokens = u.P;
+    cfg.rec = small_window(recipe::lava(), 6);
+    cfg.alloc.kind = allocator::lava;
+    cfg.alloc.total = 4 * 2 * 20;
+    std::vector<unsigned char> mem(value_of(post_fill_driver::state_bytes(cfg)));
+    post_fill_driver d;
+    REQUIRE(d.init(cfg, mem.data(), mem.size()).ok());
+    aligned_buf wb;
+    workspace ws = make_ws(d, seq, wb);
+    for (index_t l = 0; l < 4; ++l) {
+      const auto qb = gather_queries(u.s, l, range_of(u.P - 6, u.P));
+      REQUIRE(d.add_layer(seq, ws, l, layers[static_cast<std::size_t>(l)].view(), block_view(qb, 4, 6, 8)).ok());
+    }
+    REQUIRE(d.decide(seq, ws).ok());
+    std::vector<double> e;
+    for (index_t l = 0; l < 4; ++l) e.push_back(d.layer_weight(l));
+    std::vector<index_t> totals(4);
+    REQUIRE(lava_layer_budgets(e.data(), 4, 2, u.P, {0, 6}, cfg.alloc.total, totals.data()).ok());
+    for (index_t l = 0; l < 4; ++l) CHECK(d.layer_total(l) == totals[static_cast<std::size_t>(l)]);
+    CHECK(e[0] > e[3]);  // the sharper layers are more certain
+  }
+}
+
+TEST_CASE("drivers: post-fill footprint equals the metrics closed form; full budgets give 100%") {
+  const index_t L = 2, H = 2, Hq = 4, d = 8, P = 50, G = 13, N = P + G, B = 20;
+  pf_setup u;
+  u.P = P;
+  u.s = make_synth(5, L, H, Hq, d, P);
+  for (index_t budget : {B, P}) {
+    auto layers = pf_layers(u, 8, 5);
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H), static_cast<std::int32_t>(budget));
+    post_fill_config cfg;
+    cfg.model = {L, H, Hq, d};
+    cfg.tokens = P;
+    cfg.rec = small_window(recipe::snapkv(), 8);
+    cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+    std::vector<pos_t> store(static_cast<std::size_t>(L * H * N));
+    auto rec = value_of(make_eviction_recorder(store.data(), L, H, N));
+    run_post_fill(seq, cfg, u, layers, {}, &rec);
+    // the G decode tokens are never evicted: the recorder already says so
+    std::vector<std::int64_t> tmp(static_cast<std::size_t>(N));
+    workspace mws{tmp.data(), tmp.size() * sizeof(std::int64_t)};
+    kv_usage usage;
+    REQUIRE(measure_kv_usage(mws, value_of(rec.schedule(N)), usage).ok());
+    const std::int64_t per_row = P * (P + 1) / 2 + G * budget + G * (G + 1) / 2;
+    CHECK(usage.resident == per_row * L * H);
+    CHECK(usage.footprint() == doctest::Approx(1.0 - 2.0 * double(G * (P - budget)) / double(N * (N + 1))));
+    CHECK(usage.peak == std::max(P, budget + G) * L * H);
+    if (budget == P) CHECK(usage.footprint() == 1.0);
+  }
+}

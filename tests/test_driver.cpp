@@ -700,3 +700,104 @@ TEST_CASE("drivers: post-fill footprint equals the metrics closed form; full bud
     if (budget == P) CHECK(usage.footprint() == 1.0);
   }
 }
+
+// =================================================================================================
+// Layer-by-layer cascading
+
+TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's caches follow; peak bounded") {
+  for (std::uint64_t seed = 31; seed <= 38; ++seed) {
+    auto g = kvtest::rng(seed);
+    const index_t L = kvtest::uniform_int(g, 2, 5), H = kvtest::uniform_int(g, 1, 3), Hq = H * kvtest::uniform_int(g, 1, 3);
+    const index_t d = 8, N = kvtest::uniform_int(g, 24, 56), w = 5;
+    const synth s = make_synth(seed, L, H, Hq, d, N);
+    const bool lava_split = seed % 2 == 1;
+    const recipe r = lava_split ? small_window(recipe::lava(), w) : small_window(recipe::cake(), w);
+    cascade_driver_config cfg;
+    cfg.model = {L, H, Hq, d};
+    cfg.tokens = N;
+    cfg.rec = r;
+    cfg.split = lava_split ? cascade_split::flattened : cascade_split::per_head;
+    cfg.weight = lava_split ? layer_weight::lava_entropy : layer_weight::caller;
+    cfg.total = lava_split ? kvtest::uniform_int(g, L * H * w, L * H * N) : H * kvtest::uniform_int(g, L * w, L * N);
+    std::vector<double> prefs;
+    for (index_t l = 0; l < L; ++l) prefs.push_back(double(kvtest::uniform_int(g, 1, 50)));
+    CAPTURE(seed);
+    // the driver, over an engine that compacts what it is told
+    std::vector<unsigned char> mem(value_of(cascade_driver::state_bytes(cfg)));
+    std::vector<pos_t> store(static_cast<std::size_t>(L * H * N));
+    auto rec = value_of(make_eviction_recorder(store.data(), L, H, N));
+    cascade_driver drv;
+    REQUIRE(drv.init(cfg, mem.data(), mem.size(), &rec).ok());
+    aligned_buf wb;
+    workspace ws = make_ws(drv, seq, wb);
+    // by hand: the same stages and a layer_cascade of its own
+    cascade_config cc{L, H, N, {r.n_sink, r.n_recent}, cfg.total, cfg.split};
+    std::vector<unsigned char> cmem(value_of(layer_cascade::memory_bytes(cc)));
+    layer_cascade hand;
+    REQUIRE(hand.init(cc, cmem.data(), cmem.size()).ok());
+    auto layers = make_layers(L, H, d, N);
+    index_t peak = 0;
+    for (index_t l = 0; l < L; ++l) {
+      auto& e = layers[static_cast<std::size_t>(l)];
+      e.append(s, l, 0, N);
+      const auto qb = gather_queries(s, l, range_of(N - w, N));
+      const auto qv = block_view(qb, Hq, w, d);
+      REQUIRE(drv.add_layer(seq, ws, l, e.view(), qv, kv_view<const float>{}, prefs[static_cast<std::size_t>(l)]).ok());
+      std::vector<float> sc(static_cast<std::size_t>(H * N));
+      std::vector<std::vector<float>> per;
+      for (index_t h = 0; h < H; ++h) {
+        per.push_back(ref_head_scores(r, s, l, h, range_of(0, N), qb, w, nullptr));
+        std::copy(per.back().begin(), per.back().end(), sc.begin() + h * N);
+      }
+      const auto sv = value_of(make_matrix_view<const float>(sc.data(), H, N));
+      double weight = prefs[static_cast<std::size_t>(l)];
+      if (lava_split) {
+        lava_entropy_options eo;
+        eo.prot = {r.n_sink, r.n_recent};
+        REQUIRE(lava_layer_entropy(seq, sv, nullptr, eo, &weight).ok());
+      }
+      peak = std::max(peak, hand.held_total() + H * N);
+      workspace hq;
+      REQUIRE(hand.add_layer(seq, hq, l, sv, weight).ok());
+      std::vector<unsigned char> hb(hq.bytes);
+      hq.data = hb.data();
+      REQUIRE(hand.add_layer(seq, hq, l, sv, weight).ok());
+      for (index_t j = 0; j <= l; ++j) {
+        CHECK(drv.changed(j) == hand.changed(j));
+        CHECK(to_lists(drv.kept(j)) == to_lists(hand.kept(j)));
+        CHECK(to_lists(drv.positions(j)) == to_lists(hand.positions(j)));
+        if (drv.changed(j)) layers[static_cast<std::size_t>(j)].compact(drv.kept(j));
+        const auto pj = to_lists(drv.positions(j));
+        for (index_t h = 0; h < H; ++h) CHECK(layers[static_cast<std::size_t>(j)].positions(h) == pj[static_cast<std::size_t>(h)]);
+      }
+      CHECK(drv.held_rows() == hand.held_total());
+      CHECK(drv.peak_rows() == peak);
+      CHECK(drv.peak_rows() <= cfg.total + H * N);
+    }
+    CHECK(drv.held_rows() == cfg.total);
+    // recorder: a key is evicted at step N iff its layer no longer holds it
+    for (index_t l = 0; l < L; ++l) {
+      const auto pl = to_lists(drv.positions(l));
+      for (index_t h = 0; h < H; ++h)
+        for (index_t p = 0; p < N; ++p) {
+          const bool held = std::binary_search(pl[h].begin(), pl[h].end(), static_cast<pos_t>(p));
+          CHECK(rec.storage()(l, h, p) == (held ? never_evicted : static_cast<pos_t>(N)));
+        }
+    }
+    // par: the same answers
+    std::vector<unsigned char> mem2(mem.size());
+    cascade_driver drv2;
+    REQUIRE(drv2.init(cfg, mem2.data(), mem2.size()).ok());
+    aligned_buf wb2;
+    workspace ws2 = make_ws(drv2, par, wb2);
+    for (index_t l = 0; l < L; ++l) {
+      engine_layer e(H, d, N);
+      e.append(s, l, 0, N);
+      const auto qb = gather_queries(s, l, range_of(N - w, N));
+      REQUIRE(drv2.add_layer(par, ws2, l, e.view(), block_view(qb, Hq, w, d), kv_view<const float>{},
+                             prefs[static_cast<std::size_t>(l)])
+                  .ok());
+    }
+    for (index_t l = 0; l < L; ++l) CHECK(to_lists(drv2.positions(l)) == to_lists(drv.positions(l)));
+  }
+}

@@ -801,3 +801,337 @@ TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's ca
     for (index_t l = 0; l < L; ++l) CHECK(to_lists(drv2.positions(l)) == to_lists(drv.positions(l)));
   }
 }
+
+// =================================================================================================
+// Chunked prefill
+
+namespace {
+
+struct chunk_case {
+  synth s;
+  index_t N = 0;
+  recipe r;
+  chunk_queries mode = chunk_queries::patched;
+  chunk_target target = chunk_target::budget;
+  double p = 0.5;
+  allocator kind = allocator::per_head;
+  std::vector<std::int32_t> budgets;  // [L][H]
+  index_t total = 0;                  // lava
+  bool patch_keys = true;
+  std::vector<index_t> bounds;        // chunk boundaries 0 = b0 < b1 < ... = N
+};
+
+chunked_config chunk_cfg(const chunk_case& c) {
+  chunked_config cfg;
+  cfg.model = {c.s.L, c.s.H, c.s.Hq, c.s.d};
+  cfg.tokens = c.N;
+  cfg.capacity = c.N;
+  cfg.rec = c.r;
+  cfg.queries = c.mode;
+  cfg.target = c.target;
+  cfg.fraction = c.p;
+  cfg.alloc.kind = c.kind;
+  if (c.kind != allocator::lava) cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(c.budgets.data(), c.s.L, c.s.H));
+  cfg.alloc.total = c.total;
+  return cfg;
+}
+
+index_t floor_frac(double p, index_t n) { return n <= 0 ? 0 : static_cast<index_t>(std::floor(p * double(n))); }
+
+/// Runs the chunked driver over an engine; returns, per chunk, the kept positions [layer][head].
+template <class Backend>
+std::vector<std::vector<std::vector<std::vector<pos_t>>>> run_chunked(Backend be, const chunk_case& c,
+                                                                     eviction_recorder* rec) {
+  const chunked_config cfg = chunk_cfg(c);
+  const index_t L = c.s.L, H = c.s.H, w = c.r.window;
+  std::vector<unsigned char> mem(value_of(chunked_driver::state_bytes(cfg)));
+  chunked_driver d;
+  REQUIRE(d.init(cfg, mem.data(), mem.size(), rec).ok());
+  aligned_buf wb;
+  workspace ws = make_ws(d, be, wb);
+  auto layers = make_layers(L, H, c.s.d, c.N);
+  std::vector<std::vector<std::vector<std::vector<pos_t>>>> out;
+  for (std::size_t ci = 0; ci + 1 < c.bounds.size(); ++ci) {
+    const index_t b = c.bounds[ci], e = c.bounds[ci + 1];
+    REQUIRE(d.begin_chunk(b, e).ok());
+    const patch_block pb = d.patch();
+    const bool patched = c.mode == chunk_queries::patched && uses_attention(c.r.kind);
+    CHECK(pb.count == (patched && e < c.N ? w : 0));
+    const index_t qr = d.query_rows();
+    std::vector<pos_t> qpos = pb.count > 0 ? range_of(pb.first, pb.first + pb.count) : range_of(e - qr, e);
+    for (index_t l = 0; l < L; ++l) {
+      auto& lay = layers[static_cast<std::size_t>(l)];
+      lay.append(c.s, l, b, e);
+      const auto qb = gather_queries(c.s, l, qpos);
+      const auto pk = gather_keys(c.s, l, qpos);
+      const status st = d.add_layer(be, ws, l, lay.view(), block_view(qb, c.s.Hq, qr, c.s.d),
+                                    pb.count > 0 && c.patch_keys ? block_view(pk, H, qr, c.s.d) : kv_view<const float>{});
+      REQUIRE_MESSAGE(st.ok(), st.message());
+    }
+    REQUIRE(d.decide(be, ws).ok());
+    CHECK(d.chunks_done() == static_cast<index_t>(ci + 1));
+    std::vector<std::vector<std::vector<pos_t>>> per;
+    for (index_t l = 0; l < L; ++l) {
+      REQUIRE(d.ready(l));
+      auto& lay = layers[static_cast<std::size_t>(l)];
+      const auto k = to_lists(d.kept(l));
+      std::vector<std::vector<pos_t>> hp;
+      for (index_t h = 0; h < H; ++h) hp.push_back(rows_to_positions(lay.positions(h), k[static_cast<std::size_t>(h)]));
+      lay.compact(d.kept(l));
+      for (index_t h = 0; h < H; ++h) CHECK(d.held(l, h) == lay.lens[static_cast<std::size_t>(h)]);
+      per.push_back(hp);
+    }
+    out.push_back(per);
+  }
+  return out;
+}
+
+/// The chunked reference: held positions per (layer, head), simulated chunk by chunk.
+/// evicted_at[l][h][p] (-1 = never) is filled with the chunk end of every eviction.
+std::vector<std::vector<std::vector<std::vector<pos_t>>>> ref_chunked(const chunk_case& c,
+                                                                     std::vector<std::vector<std::vector<pos_t>>>& evicted_at) {
+  const index_t L = c.s.L, H = c.s.H, N = c.N, w = c.r.window;
+  const bool attention = uses_attention(c.r.kind);
+  std::vector<std::vector<std::vector<pos_t>>> held(static_cast<std::size_t>(L), std::vector<std::vector<pos_t>>(static_cast<std::size_t>(H)));
+  evicted_at.assign(static_cast<std::size_t>(L), std::vector<std::vector<pos_t>>(static_cast<std::size_t>(H), std::vector<pos_t>(static_cast<std::size_t>(N), -1)));
+  std::vector<std::vector<std::vector<std::vector<pos_t>>>> out;
+  for (std::size_t ci = 0; ci + 1 < c.bounds.size(); ++ci) {
+    const index_t b = c.bounds[ci], e = c.bounds[ci + 1], n = e - b;
+    const bool patch = c.mode == chunk_queries::patched && attention && e < N;
+    recipe r = c.r;
+    index_t qr = 0;
+    std::vector<pos_t> qpos;
+    if (attention) {
+      if (patch) {
+        r.source = query_source::external_block;
+        r.n_recent = 0;
+        qr = w;
+        qpos = range_of(N - w, N);
+      } else {
+        qr = c.mode == chunk_queries::naive ? std::min(w, n) : w;
+        r.window = qr;
+        qpos = range_of(e - qr, e);
+      }
+    }
+    std::vector<std::vector<std::vector<float>>> sc(static_cast<std::size_t>(L));
+    std::vector<std::vector<std::vector<pos_t>>> rows(static_cast<std::size_t>(L));
+    for (index_t l = 0; l < L; ++l) {
+      const auto qb = gather_queries(c.s, l, qpos);
+      const auto pk = patch && c.patch_keys ? gather_keys(c.s, l, qpos) : std::vector<float>{};
+      for (index_t h = 0; h < H; ++h) {
+        for (index_t p = b; p < e; ++p) held[l][h].push_back(static_cast<pos_t>(p));
+        sc[l].push_back(ref_head_scores(r, c.s, l, h, held[l][h], qb, qr, &pk));
+      }
+    }
+    const auto W = [&](index_t len) { return protected_count(len, r.n_sink, r.n_recent); };
+    if (c.kind == allocator::lava) {
+      std::vector<double> e_l;
+      std::vector<index_t> caps, share(static_cast<std::size_t>(L));
+      index_t prot = 0, all = 0;
+      for (index_t l = 0; l < L; ++l) {
+        std::vector<float> m(static_cast<std::size_t>(H * N), 0.f);
+        std::vector<std::int32_t> lens;
+        index_t wl = 0, nl = 0;
+        for (index_t h = 0; h < H; ++h) {
+          std::copy(sc[l][h].begin(), sc[l][h].end(), m.begin() + h * N);
+          lens.push_back(static_cast<std::int32_t>(sc[l][h].size()));
+          wl += W(lens.back());
+          nl += lens.back();
+        }
+        double ent = 0;
+        lava_entropy_options eo;
+        eo.prot = {r.n_sink, r.n_recent};
+        REQUIRE(lava_layer_entropy(seq, value_of(make_matrix_view<const float>(m.data(), H, N)), lens.data(), eo, &ent).ok());
+        e_l.push_back(ent);
+        caps.push_back(nl - wl);
+        prot += wl;
+        all += nl;
+      }
+      const index_t keep = c.target == chunk_target::budget ? std::min(c.total, all) : all - floor_frac(c.p, all - prot);
+      REQUIRE(apportion(keep - prot, e_l.data(), caps.data(), L, share.data()).ok());
+      for (index_t l = 0; l < L; ++l) {
+        index_t wl = 0;
+        for (index_t h = 0; h < H; ++h) wl += W(static_cast<index_t>(sc[l][h].size()));
+        rows[l] = ref_flat(sc[l], wl + share[l]);
+      }
+    } else {
+      for (index_t l = 0; l < L; ++l) {
+        index_t held_l = 0, prot_l = 0, budget_l = 0;
+        for (index_t h = 0; h < H; ++h) {
+          held_l += static_cast<index_t>(sc[l][h].size());
+          prot_l += W(static_cast<index_t>(sc[l][h].size()));
+          budget_l += c.budgets[static_cast<std::size_t>(l * H + h)];
+        }
+        if (c.kind == allocator::per_head) {
+          for (index_t h = 0; h < H; ++h) {
+            const auto len = static_cast<index_t>(sc[l][h].size());
+            const index_t k = c.target == chunk_target::budget ? std::min<index_t>(len, c.budgets[static_cast<std::size_t>(l * H + h)])
+                                                               : len - floor_frac(c.p, len - W(len));
+            rows[l].push_back(ref_topk(sc[l][h], k));
+          }
+        } else if (c.kind == allocator::flattened) {
+          const index_t total = c.target == chunk_target::budget ? std::min(budget_l, held_l)
+                                                                 : held_l - floor_frac(c.p, held_l - prot_l);
+          rows[l] = ref_flat(sc[l], total);
+        } else {  // adakv, budget target
+          if (held_l <= budget_l) {
+            for (index_t h = 0; h < H; ++h) rows[l].push_back(range_of(0, static_cast<index_t>(sc[l][h].size())));
+          } else {
+            std::vector<index_t> floors;
+            for (index_t h = 0; h < H; ++h) {
+              const auto len = static_cast<index_t>(sc[l][h].size());
+              floors.push_back(adakv_head_floor(budget_l / H, len, W(len), 0.2, adakv_floor::budget));
+            }
+            rows[l] = ref_flat(sc[l], budget_l, floors);
+          }
+        }
+      }
+    }
+    std::vector<std::vector<std::vector<pos_t>>> per(static_cast<std::size_t>(L));
+    for (index_t l = 0; l < L; ++l)
+      for (index_t h = 0; h < H; ++h) {
+        const auto kept = rows_to_positions(held[l][h], rows[l][h]);
+        for (pos_t p : held[l][h])
+          if (!std::binary_search(kept.begin(), kept.end(), p)) evicted_at[l][h][p] = static_cast<pos_t>(e);
+        held[l][h] = kept;
+        per[l].push_back(kept);
+      }
+    out.push_back(per);
+  }
+  return out;
+}
+
+std::vector<index_t> random_bounds(std::mt19937_64& g, index_t N, index_t last_max, index_t chunks) {
+  std::vector<index_t> cut;
+  for (index_t i = 0; i + 1 < chunks; ++i) cut.push_back(kvtest::uniform_int(g, 1, last_max));
+  std::sort(cut.begin(), cut.end());
+  cut.erase(std::unique(cut.begin(), cut.end()), cut.end());
+  std::vector<index_t> b{0};
+  for (index_t x : cut) b.push_back(x);
+  b.push_back(N);
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("drivers: chunked naive / patched, budget / fraction, every allocator, matches the simulation") {
+  int cases = 0;
+  for (std::uint64_t seed = 41; seed <= 52; ++seed)
+    for (chunk_queries mode : {chunk_queries::naive, chunk_queries::patched})
+      for (allocator kind : {allocator::per_head, allocator::flattened, allocator::adakv, allocator::lava}) {
+        auto g = kvtest::rng(seed * 17 + static_cast<std::uint64_t>(kind) * 3 + static_cast<std::uint64_t>(mode));
+        chunk_case c;
+        const index_t L = kvtest::uniform_int(g, 1, 3), H = kvtest::uniform_int(g, 1, 3), Hq = H * kvtest::uniform_int(g, 1, 2);
+        const index_t d = kvtest::uniform_int(g, 4, 8);
+        c.N = kvtest::uniform_int(g, 30, 70);
+        c.s = make_synth(seed, L, H, Hq, d, c.N);
+        const int rk = static_cast<int>(seed % 4);
+        c.r = rk == 0 ? small_window(recipe::snapkv(), 5)
+                      : rk == 1 ? small_window(recipe::lava(), 4)
+                                : rk == 2 ? small_window(recipe::cake(), 6) : small_window(recipe::vatp(), 3);
+        if (seed % 5 == 0) c.r = recipe::streaming_llm(3);
+        if (seed % 7 == 0) c.r.n_sink = 2;
+        c.mode = mode;
+        c.target = kind != allocator::adakv && seed % 2 == 0 ? chunk_target::fraction : chunk_target::budget;
+        c.p = double(kvtest::uniform_int(g, 0, 10)) / 10.0;
+        c.kind = kind;
+        c.patch_keys = seed % 3 != 0;
+        const index_t prot = c.r.n_sink + c.r.n_recent;
+        const index_t B = kvtest::uniform_int(g, std::max<index_t>(prot, 1), prot + 20);
+        c.budgets.assign(static_cast<std::size_t>(L * H), static_cast<std::int32_t>(B));
+        if (kind == allocator::per_head || kind == allocator::flattened)
+          for (auto& x : c.budgets) x = static_cast<std::int32_t>(kvtest::uniform_int(g, std::max<index_t>(prot, 1), prot + 20));
+        c.total = L * H * B;
+        const index_t w = c.r.window;
+        const bool patched = mode == chunk_queries::patched && uses_attention(c.r.kind);
+        c.bounds = random_bounds(g, c.N, patched ? c.N - w : c.N - 1, kvtest::uniform_int(g, 1, 5));
+        CAPTURE(seed);
+        CAPTURE(static_cast<int>(mode));
+        CAPTURE(static_cast<int>(kind));
+        std::vector<std::vector<std::vector<pos_t>>> ref_at;
+        const auto ref = ref_chunked(c, ref_at);
+        std::vector<pos_t> store(static_cast<std::size_t>(L * H * c.N));
+        auto rec = value_of(make_eviction_recorder(store.data(), L, H, c.N));
+        const auto got = run_chunked(seq, c, &rec);
+        REQUIRE(got == ref);
+        REQUIRE(run_chunked(par, c, nullptr) == got);
+        for (index_t l = 0; l < L; ++l)
+          for (index_t h = 0; h < H; ++h) CHECK(recorded(rec, l, h, c.N) == ref_at[l][h]);
+        // footprint over the prompt: the recorder's schedule against the naive count
+        std::vector<std::vector<pos_t>> rows;
+        for (auto& lay : ref_at)
+          for (auto& hd : lay) rows.push_back(hd);
+        const naive_usage nu = naive_kv_usage(rows, c.N);
+        std::vector<std::int64_t> tmp(static_cast<std::size_t>(c.N));
+        workspace mws{tmp.data(), tmp.size() * sizeof(std::int64_t)};
+        kv_usage usage;
+        REQUIRE(measure_kv_usage(mws, value_of(rec.schedule(c.N)), usage).ok());
+        CHECK(usage.resident == nu.resident);
+        CHECK(usage.peak == nu.peak);
+        ++cases;
+      }
+  CHECK(cases == 12 * 2 * 4);
+}
+
+TEST_CASE("drivers: patched chunking with a single chunk equals post-fill eviction") {
+  for (std::uint64_t seed = 61; seed <= 66; ++seed) {
+    auto g = kvtest::rng(seed);
+    const index_t L = 3, H = 2, Hq = 4, d = 8, N = 48, w = 6;
+    const synth s = make_synth(seed, L, H, Hq, d, N);
+    const bool lava_kind = seed % 2 == 0;
+    const recipe r = lava_kind ? small_window(recipe::lava(), w) : small_window(recipe::snapkv(), w);
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H));
+    REQUIRE(pyramid_budgets(kvtest::uniform_int(g, w, 20), N, {5, {0, w}, pyramid_rounding::exact},
+                            value_of(make_matrix_view(budgets.data(), L, H)))
+                .ok());
+    chunk_case c;
+    c.s = s;
+    c.N = N;
+    c.r = r;
+    c.kind = lava_kind ? allocator::lava : allocator::per_head;
+    c.budgets = budgets;
+    c.total = L * H * 15;
+    c.bounds = {0, N};
+    const auto chunked = run_chunked(seq, c, nullptr);
+    pf_setup u;
+    u.s = s;
+    u.P = N;
+    auto layers = pf_layers(u, w, seed);
+    post_fill_config cfg;
+    cfg.model = {L, H, Hq, d};
+    cfg.tokens = N;
+    cfg.rec = r;
+    cfg.alloc.kind = c.kind;
+    cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+    cfg.alloc.total = c.total;
+    CHECK(run_post_fill(seq, cfg, u, layers, {}) == chunked[0]);
+  }
+}
+
+TEST_CASE("drivers: chunked prefill without eviction has a 100% footprint; with it, less") {
+  const index_t L = 2, H = 2, N = 40;
+  chunk_case c;
+  c.s = make_synth(3, L, H, 2, 4, N);
+  c.N = N;
+  c.r = small_window(recipe::snapkv(), 4);
+  c.target = chunk_target::fraction;
+  c.budgets.assign(static_cast<std::size_t>(L * H), 0);  // unused by the fraction target
+  c.bounds = {0, 10, 20, 36, 40};
+  for (double p : {0.0, 0.5}) {
+    c.p = p;
+    std::vector<pos_t> store(static_cast<std::size_t>(L * H * N));
+    auto rec = value_of(make_eviction_recorder(store.data(), L, H, N));
+    run_chunked(seq, c, &rec);
+    std::vector<std::int64_t> tmp(static_cast<std::size_t>(N));
+    workspace mws{tmp.data(), tmp.size() * sizeof(std::int64_t)};
+    kv_usage usage;
+    REQUIRE(measure_kv_usage(mws, value_of(rec.schedule(N)), usage).ok());
+    if (p == 0.0) {
+      CHECK(usage.footprint() == 1.0);
+      CHECK(usage.peak_kv() == 1.0);
+    } else {
+      CHECK(usage.footprint() < 1.0);
+      CHECK(usage.peak_kv() < 1.0);
+    }
+  }
+}

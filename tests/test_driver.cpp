@@ -181,7 +181,7 @@ std::vector<float> ref_head_scores(const recipe& r, const synth& s, index_t l, i
   std::vector<unsigned char> buf(ws.bytes + 64);
   ws.data = buf.data();
   const status st = recipe_scores(seq, ws, r, kq, kk, vv, sv, bkv);
-  REQUIRE_MESSAGE(st.ok(), st.message());
+  REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
   out.resize(static_cast<std::size_t>(n));
   return out;
 }
@@ -381,12 +381,12 @@ std::vector<std::vector<std::vector<pos_t>>> run_post_fill(Backend be, const pos
     const status st = d.add_layer(be, ws, l, layers[static_cast<std::size_t>(l)].view(), block_view(qb, u.s.Hq, qr, u.s.d),
                                   u.block_keys ? block_view(bk, u.s.H, qr, u.s.d) : kv_view<const float>{},
                                   weights.empty() ? 0.0 : weights[static_cast<std::size_t>(l)]);
-    REQUIRE_MESSAGE(st.ok(), st.message());
+    REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
     const bool per_layer = cfg.alloc.kind != allocator::lava && cfg.alloc.kind != allocator::cake;
     CHECK(d.ready(l) == per_layer);
   }
   const status st = d.decide(be, ws);
-  REQUIRE_MESSAGE(st.ok(), st.message());
+  REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
   std::vector<std::vector<std::vector<pos_t>>> out;
   for (index_t l = 0; l < u.s.L; ++l) {
     REQUIRE(d.ready(l));
@@ -866,7 +866,7 @@ std::vector<std::vector<std::vector<std::vector<pos_t>>>> run_chunked(Backend be
       const auto pk = gather_keys(c.s, l, qpos);
       const status st = d.add_layer(be, ws, l, lay.view(), block_view(qb, c.s.Hq, qr, c.s.d),
                                     pb.count > 0 && c.patch_keys ? block_view(pk, H, qr, c.s.d) : kv_view<const float>{});
-      REQUIRE_MESSAGE(st.ok(), st.message());
+      REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
     }
     REQUIRE(d.decide(be, ws).ok());
     CHECK(d.chunks_done() == static_cast<index_t>(ci + 1));
@@ -1197,7 +1197,7 @@ std::vector<std::vector<std::vector<std::vector<pos_t>>>> run_decode(Backend be,
       const auto qpos = needs ? decode_query_positions(c.r, t) : std::vector<pos_t>{};
       const auto qb = gather_queries(c.s, l, qpos);
       const status st = d.step(be, ws, l, lay.view(), block_view(qb, c.s.Hq, static_cast<index_t>(qpos.size()), c.s.d));
-      REQUIRE_MESSAGE(st.ok(), st.message());
+      REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
       CHECK(d.tokens(l) == t + 1);
       if (d.evicted(l)) lay.compact(d.kept(l));
       std::vector<std::vector<pos_t>> hp;
@@ -1403,4 +1403,518 @@ TEST_CASE("drivers: a StreamingLLM decode driver from an empty cache matches the
   run_decode(seq, dc, &rec2);
   REQUIRE(measure_kv_usage(mws, value_of(rec2.schedule(N)), usage).ok());
   CHECK(usage.footprint() == 1.0);
+}
+
+// =================================================================================================
+// Errors
+
+TEST_CASE("drivers: post-fill errors") {
+  const index_t L = 2, H = 2, Hq = 4, d = 8, P = 20;
+  pf_setup u;
+  u.P = P;
+  u.s = make_synth(1, L, H, Hq, d, P);
+  std::vector<std::int32_t> b(static_cast<std::size_t>(L * H), 10);
+  post_fill_config cfg;
+  cfg.model = {L, H, Hq, d};
+  cfg.tokens = P;
+  cfg.rec = small_window(recipe::snapkv(), 8);
+  cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(b.data(), L, H));
+  auto init_error = [&](post_fill_config c, errc code, const char* needle) {
+    require_error(post_fill_driver::state_bytes(c).error(), code, needle);
+  };
+  {
+    post_fill_config c = cfg;
+    c.model.layers = 0;
+    init_error(c, errc::invalid_argument, "the model has 0 layers");
+    c = cfg;
+    c.model.kv_heads = 0;
+    init_error(c, errc::invalid_argument, "0 KV heads per layer");
+    c = cfg;
+    c.model.query_heads = 3;
+    init_error(c, errc::invalid_argument, "3 query heads are not a positive multiple of 2 KV heads");
+    c = cfg;
+    c.model.head_dim = 0;
+    init_error(c, errc::invalid_argument, "head_dim = 0");
+    c = cfg;
+    c.tokens = 0;
+    init_error(c, errc::invalid_argument, "tokens = 0 is outside [1, ");
+    c = cfg;
+    c.rec.kernel = 4;
+    init_error(c, errc::invalid_argument, "pooling kernel 4 must be odd");
+    c = cfg;
+    c.rec.source = query_source::external_block;
+    init_error(c, errc::invalid_argument, "an external_block recipe needs the block's row count");
+    c = cfg;
+    c.query_rows = 5;
+    init_error(c, errc::invalid_argument, "query_rows = 5 but snapkv reads 8 query rows");
+    c = cfg;
+    c.rec.window = 32;
+    init_error(c, errc::invalid_argument, "the recipe's window 32 is longer than the 20 tokens");
+    c = cfg;
+    c.alloc.kind = static_cast<allocator>(9);
+    init_error(c, errc::invalid_argument, "unknown allocator value 9");
+    c = cfg;
+    c.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(b.data(), 1, H));
+    init_error(c, errc::shape_mismatch, "alloc.budgets is [1][2], expected [2 layers][2 heads]");
+    std::vector<std::int32_t> low = {7, 10, 10, 10}, high = {10, 21, 10, 10}, odd = {8, 9, 10, 10};
+    c = cfg;
+    c.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(low.data(), L, H));
+    init_error(c, errc::invalid_argument, "budgets[0][0] = 7 is below the 8 protected tokens");
+    c.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(high.data(), L, H));
+    init_error(c, errc::invalid_argument, "budgets[0][1] = 21 is above the 20 rows of a head");
+    c.alloc.kind = allocator::flattened;
+    std::vector<std::int32_t> tiny = {7, 8, 10, 10};
+    c.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(tiny.data(), L, H));
+    init_error(c, errc::invalid_argument, "layer 0 keeps 15 tokens, below the 16 protected tokens");
+    c.alloc.kind = allocator::adakv;
+    c.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(odd.data(), L, H));
+    init_error(c, errc::invalid_argument, "not a multiple of the 2 heads");
+    c.alloc.budgets = cfg.alloc.budgets;
+    c.alloc.adakv_alpha = 1.5;
+    init_error(c, errc::invalid_argument, "adakv alpha = 1.5 is outside [0, 1]");
+    c = cfg;
+    c.alloc.kind = allocator::lava;
+    c.alloc.total = 999;
+    init_error(c, errc::invalid_argument, "lava total 999 is outside [0, 80]");
+    c.alloc.kind = allocator::cake;
+    c.alloc.total = 42;
+    init_error(c, errc::invalid_argument, "cake total 42 is not a multiple of the 4 heads");
+    c.alloc.total = 8;
+    init_error(c, errc::invalid_argument, "budget 2 is below the 8 protected tokens");
+  }
+  std::vector<unsigned char> mem(value_of(post_fill_driver::state_bytes(cfg)));
+  post_fill_driver drv;
+  require_error(drv.init(cfg, nullptr, mem.size()), errc::null_pointer, "memory is null");
+  require_error(drv.init(cfg, mem.data(), 10), errc::workspace_too_small, "memory has 10 bytes");
+  std::vector<pos_t> store(static_cast<std::size_t>(3 * H * P));
+  auto rec_wrong = value_of(make_eviction_recorder(store.data(), 3, H, P));
+  require_error(drv.init(cfg, mem.data(), mem.size(), &rec_wrong), errc::shape_mismatch, "the recorder has 3 layers x 2 heads");
+  auto rec_short = value_of(make_eviction_recorder(store.data(), L, H, 10));
+  require_error(drv.init(cfg, mem.data(), mem.size(), &rec_short), errc::invalid_argument, "holds 10 positions, fewer than the 20 tokens");
+  aligned_buf wb;
+  workspace ws0;
+  require_error(drv.workspace_bytes(seq).error(), errc::invalid_argument, "not initialised");
+  auto layers = pf_layers(u, 8, 1);
+  const auto qb = gather_queries(u.s, 0, range_of(P - 8, P));
+  const auto qv = block_view(qb, Hq, 8, d);
+  std::vector<unsigned char> wsb(1 << 20);
+  workspace ws{wsb.data(), wsb.size()};
+  require_error(drv.add_layer(seq, ws, 0, layers[0].view(), qv), errc::invalid_argument, "not initialised (init)");
+  require_error(drv.decide(seq, ws), errc::invalid_argument, "not initialised (init)");
+  REQUIRE(drv.init(cfg, mem.data(), mem.size()).ok());
+  ws = make_ws(drv, seq, wb);
+  require_error(drv.add_layer(seq, ws, 1, layers[1].view(), qv), errc::invalid_argument, "layer 1 given, expected layer 0");
+  require_error(drv.decide(seq, ws), errc::invalid_argument, "only 0 of 2 layers were added");
+  {  // shapes of the layer
+    layer_kv<float> kv = layers[0].view();
+    kv.keys.heads = 3;
+    require_error(drv.add_layer(seq, ws, 0, kv, qv), errc::shape_mismatch, "the layer's keys have 3 KV heads");
+    kv = layers[0].view();
+    kv.values.dim = 4;
+    require_error(drv.add_layer(seq, ws, 0, kv, qv), errc::shape_mismatch, "the layer's values have head dim 4");
+    kv = layers[0].view();
+    kv.keys.lens = nullptr;
+    require_error(drv.add_layer(seq, ws, 0, kv, qv), errc::null_pointer, "keys.lens is null");
+    engine_layer e = layers[0];
+    std::vector<std::int32_t> vl = e.lens;
+    vl[1] = 19;
+    kv = e.view();
+    kv.values.lens = vl.data();
+    require_error(drv.add_layer(seq, ws, 0, kv, qv), errc::shape_mismatch, "head 1 holds 20 key rows but 19 value rows");
+    kv = e.view();
+    kv.positions = nullptr;
+    require_error(drv.add_layer(seq, ws, 0, kv, qv), errc::null_pointer, "positions are null");
+    std::swap(e.pos[3], e.pos[5]);
+    require_error(drv.add_layer(seq, ws, 0, e.view(), qv), errc::not_sorted, "row 4 holds position 4 after 5");
+    e = layers[0];
+    e.pos[2] = 25;
+    require_error(drv.add_layer(seq, ws, 0, e.view(), qv), errc::out_of_range, "row 2 holds position 25, outside [0, 20)");
+    engine_layer holes(H, d, P);  // the window's rows missing
+    for (index_t p = 0; p < P - 1; ++p) holes.push(u.s, 0, 0, static_cast<pos_t>(p));
+    holes.append(u.s, 0, 0, 0);
+    for (index_t p = 0; p < P; ++p) holes.push(u.s, 0, 1, static_cast<pos_t>(p));
+    require_error(drv.add_layer(seq, ws, 0, holes.view(), qv), errc::invalid_argument,
+                  "the last 8 rows of layer 0 head 0 must be the observation window's tokens (positions [12, 20))");
+    std::vector<std::int32_t> big_cu = {0, 21, 42};
+    engine_layer wide(H, d, 21);
+    wide.cu = big_cu;
+    wide.lens = {21, 0};
+    for (index_t j = 0; j < 21; ++j) wide.pos[static_cast<std::size_t>(j)] = static_cast<pos_t>(j);
+    require_error(drv.add_layer(seq, ws, 0, wide.view(), qv), errc::capacity_exceeded,
+                  "head 0 holds 21 rows, more than the driver's capacity 20");
+  }
+  const auto q7 = gather_queries(u.s, 0, range_of(P - 7, P));
+  require_error(drv.add_layer(seq, ws, 0, layers[0].view(), block_view(q7, Hq, 7, d)), errc::shape_mismatch,
+                "queries are [4][7][8], expected [4][8][8]");
+  const auto bk = gather_keys(u.s, 0, range_of(P - 8, P));
+  require_error(drv.add_layer(seq, ws, 0, layers[0].view(), qv, block_view(bk, H, 8, d)), errc::shape_mismatch,
+                "block keys were given but this call takes none");
+  workspace small{ws.data, 10};
+  require_error(drv.add_layer(seq, small, 0, layers[0].view(), qv), errc::workspace_too_small, "workspace has 10 bytes");
+  {  // a workspace inside the driver's state memory
+    std::vector<unsigned char> big(mem.size() + ws.bytes + 128);
+    post_fill_driver d2;
+    REQUIRE(d2.init(cfg, big.data(), mem.size()).ok());
+    workspace inside{big.data() + 64, ws.bytes};
+    require_error(d2.add_layer(seq, inside, 0, layers[0].view(), qv), errc::overlap, "overlaps the driver's state memory");
+  }
+  {  // a ragged head holding fewer rows than its budget
+    engine_layer e(H, d, P);
+    for (index_t p = 12; p < P; ++p) e.push(u.s, 0, 0, static_cast<pos_t>(p));
+    e.append(u.s, 0, 0, 0);
+    for (index_t p = 0; p < P; ++p) e.push(u.s, 0, 1, static_cast<pos_t>(p));
+    require_error(drv.add_layer(seq, ws, 0, e.view(), qv), errc::invalid_argument,
+                  "budgets[0][0] = 10 is outside [8, 8] (the head's protected tokens, its rows)");
+  }
+  // the recorder refuses a row evicted before (an engine that did not compact)
+  auto rec = value_of(make_eviction_recorder(store.data(), L, H, P));
+  REQUIRE(rec.mark_evicted(0, 0, std::vector<pos_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}.data(), 12, 5).ok() == false);
+  REQUIRE(drv.init(cfg, mem.data(), mem.size(), &rec).ok());
+  const pos_t early[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  REQUIRE(rec.mark_evicted(0, 0, early, 11, 12).ok());
+  const status rst = drv.add_layer(seq, ws, 0, layers[0].view(), qv);
+  require_error(rst, errc::invalid_argument, "was already evicted at step 12");
+  // order, after the last layer, decide twice
+  REQUIRE(drv.init(cfg, mem.data(), mem.size()).ok());
+  REQUIRE(drv.add_layer(seq, ws, 0, layers[0].view(), qv).ok());
+  REQUIRE(drv.add_layer(seq, ws, 1, layers[1].view(), block_view(gather_queries(u.s, 1, range_of(P - 8, P)), Hq, 8, d)).ok());
+  require_error(drv.add_layer(seq, ws, 2, layers[1].view(), qv), errc::invalid_argument, "all 2 layers were added");
+  REQUIRE(drv.decide(seq, ws).ok());
+  require_error(drv.decide(seq, ws), errc::invalid_argument, "decide() already ran");
+  require_error(drv.add_layer(seq, ws, 0, layers[0].view(), qv), errc::invalid_argument, "decide() already ran");
+  CHECK(drv.kept(5).heads == 0);
+  // all-layer allocators: cake preference NaN, lava entropy of negative (Knorm) scores, lava total above the rows
+  post_fill_config cc = cfg;
+  cc.alloc.kind = allocator::cake;
+  cc.alloc.total = L * H * 10;
+  std::vector<unsigned char> mem2(value_of(post_fill_driver::state_bytes(cc)));
+  REQUIRE(drv.init(cc, mem2.data(), mem2.size()).ok());
+  aligned_buf wb2;
+  workspace ws2 = make_ws(drv, seq, wb2);
+  require_error(drv.add_layer(seq, ws2, 0, layers[0].view(), qv, kv_view<const float>{}, std::nan("")),
+                errc::invalid_argument, "layer 0's CAKE preference is nan");
+  {
+    engine_layer e(H, d, P);
+    for (index_t p = 2; p < P; ++p) e.push(u.s, 0, 0, static_cast<pos_t>(p));
+    e.append(u.s, 0, 0, 0);
+    for (index_t p = 0; p < P; ++p) e.push(u.s, 0, 1, static_cast<pos_t>(p));
+    require_error(drv.add_layer(seq, ws2, 0, e.view(), qv, kv_view<const float>{}, 1.0), errc::shape_mismatch,
+                  "it must hold the whole prompt");
+  }
+  post_fill_config lk = cfg;
+  lk.rec = recipe::knorm();
+  lk.alloc.kind = allocator::lava;
+  lk.alloc.total = 40;
+  std::vector<unsigned char> mem3(value_of(post_fill_driver::state_bytes(lk)));
+  REQUIRE(drv.init(lk, mem3.data(), mem3.size()).ok());
+  aligned_buf wb3;
+  workspace ws3 = make_ws(drv, seq, wb3);
+  require_error(drv.add_layer(seq, ws3, 0, layers[0].view(), kv_view<const float>{}), errc::invalid_argument,
+                "unprotected LAVa scores must be finite and >= 0");
+  post_fill_config lr = cfg;
+  lr.alloc.kind = allocator::lava;
+  lr.alloc.total = 80;
+  REQUIRE(drv.init(lr, mem3.data(), mem3.size()).ok());
+  ws3 = make_ws(drv, seq, wb3);
+  engine_layer part(H, d, P);
+  for (index_t p = 4; p < P; ++p) part.push(u.s, 0, 0, static_cast<pos_t>(p));
+  for (index_t p = 0; p < P; ++p) part.push(u.s, 0, 1, static_cast<pos_t>(p));
+  {
+    const status st = drv.add_layer(seq, ws3, 0, part.view(), qv);
+    REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+  }
+  REQUIRE(drv.add_layer(seq, ws3, 1, layers[1].view(), block_view(gather_queries(u.s, 1, range_of(P - 8, P)), Hq, 8, d)).ok());
+  require_error(drv.decide(seq, ws3), errc::invalid_argument, "lava total 80 is outside [32, 76]");
+  (void)ws0;
+}
+
+TEST_CASE("drivers: cascade errors") {
+  const index_t L = 2, H = 2, Hq = 2, d = 4, N = 16;
+  const synth s = make_synth(2, L, H, Hq, d, N);
+  cascade_driver_config cfg;
+  cfg.model = {L, H, Hq, d};
+  cfg.tokens = N;
+  cfg.rec = small_window(recipe::lava(), 4);
+  cfg.total = 40;
+  auto bad = [&](cascade_driver_config c, errc code, const char* needle) {
+    require_error(cascade_driver::state_bytes(c).error(), code, needle);
+  };
+  cascade_driver_config c = cfg;
+  c.total = 10;
+  bad(c, errc::invalid_argument, "total budget 10 is below the 16 protected tokens");
+  c = cfg;
+  c.split = cascade_split::per_head;
+  c.total = 41;
+  bad(c, errc::invalid_argument, "not a multiple of the 2 heads");
+  c = cfg;
+  c.weight = static_cast<layer_weight>(5);
+  bad(c, errc::invalid_argument, "unknown layer_weight value 5");
+  c = cfg;
+  c.norm = static_cast<entropy_norm>(5);
+  bad(c, errc::invalid_argument, "unknown entropy_norm value 5");
+  c = cfg;
+  c.rec.window = 20;
+  bad(c, errc::invalid_argument, "window 20 is longer than the 16 tokens");
+  std::vector<unsigned char> mem(value_of(cascade_driver::state_bytes(cfg)));
+  cascade_driver drv;
+  require_error(drv.init(cfg, mem.data(), 8), errc::workspace_too_small, "memory has 8 bytes");
+  engine_layer e(H, d, N);
+  e.append(s, 0, 0, N);
+  const auto qb = gather_queries(s, 0, range_of(N - 4, N));
+  std::vector<unsigned char> wsb(1 << 20);
+  workspace ws{wsb.data(), wsb.size()};
+  require_error(drv.add_layer(seq, ws, 0, e.view(), block_view(qb, Hq, 4, d)), errc::invalid_argument, "not initialised");
+  REQUIRE(drv.init(cfg, mem.data(), mem.size()).ok());
+  workspace q;
+  REQUIRE(drv.add_layer(seq, q, 1, e.view(), block_view(qb, Hq, 4, d)).ok());  // a size query checks nothing else
+  CHECK(q.bytes == value_of(drv.workspace_bytes(seq)));
+  require_error(drv.add_layer(seq, ws, 1, e.view(), block_view(qb, Hq, 4, d)), errc::invalid_argument,
+                "layer 1 given, expected layer 0");
+  engine_layer part(H, d, N);
+  part.append(s, 0, 1, N);
+  require_error(drv.add_layer(seq, ws, 0, part.view(), block_view(qb, Hq, 4, d)), errc::shape_mismatch,
+                "holds 15 rows; it must hold the whole prompt (16 tokens");
+  {
+    const std::size_t wsn = value_of(drv.workspace_bytes(seq));
+    std::vector<unsigned char> big(mem.size() + wsn + 128);
+    cascade_driver d2;
+    REQUIRE(d2.init(cfg, big.data(), mem.size()).ok());
+    workspace inside{big.data() + 64, wsn};
+    require_error(d2.add_layer(seq, inside, 0, e.view(), block_view(qb, Hq, 4, d)), errc::overlap, "state memory");
+  }
+  cascade_driver_config cw = cfg;
+  cw.weight = layer_weight::caller;
+  REQUIRE(drv.init(cw, mem.data(), mem.size()).ok());
+  require_error(drv.add_layer(seq, ws, 0, e.view(), block_view(qb, Hq, 4, d), kv_view<const float>{}, -1.0),
+                errc::invalid_argument, "layer 0's weight is -1");
+  REQUIRE(drv.add_layer(seq, ws, 0, e.view(), block_view(qb, Hq, 4, d), kv_view<const float>{}, 1.0).ok());
+  engine_layer e1(H, d, N);
+  e1.append(s, 1, 0, N);
+  const auto qb1 = gather_queries(s, 1, range_of(N - 4, N));
+  REQUIRE(drv.add_layer(seq, ws, 1, e1.view(), block_view(qb1, Hq, 4, d), kv_view<const float>{}, 2.0).ok());
+  require_error(drv.add_layer(seq, ws, 2, e1.view(), block_view(qb1, Hq, 4, d), kv_view<const float>{}, 2.0),
+                errc::invalid_argument, "all 2 layers were added");
+  CHECK(drv.held_rows() == 40);
+}
+
+TEST_CASE("drivers: chunked errors") {
+  const index_t L = 2, H = 2, Hq = 2, d = 4, N = 40;
+  const synth s = make_synth(3, L, H, Hq, d, N);
+  std::vector<std::int32_t> b(static_cast<std::size_t>(L * H), 10);
+  chunked_config cfg;
+  cfg.model = {L, H, Hq, d};
+  cfg.tokens = N;
+  cfg.capacity = 30;
+  cfg.rec = small_window(recipe::snapkv(), 4);
+  cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(b.data(), L, H));
+  auto bad = [&](chunked_config c, errc code, const char* needle) {
+    require_error(chunked_driver::state_bytes(c).error(), code, needle);
+  };
+  chunked_config c = cfg;
+  c.rec = recipe::h2o();
+  bad(c, errc::unsupported, "h2o scores with every / the last prompt query");
+  c.rec = recipe::tova();
+  bad(c, errc::unsupported, "tova scores");
+  c = cfg;
+  c.rec.source = query_source::external_block;
+  bad(c, errc::invalid_argument, "the recipe's source must be prompt_window");
+  c = cfg;
+  c.rec.window = 31;
+  bad(c, errc::invalid_argument, "the window 31 is longer than the prompt (40) or the capacity (30)");
+  c = cfg;
+  c.capacity = 0;
+  bad(c, errc::invalid_argument, "capacity = 0 is outside [1, ");
+  c = cfg;
+  c.tokens = 0;
+  bad(c, errc::invalid_argument, "tokens = 0 is outside [1, ");
+  c = cfg;
+  c.queries = static_cast<chunk_queries>(3);
+  bad(c, errc::invalid_argument, "unknown chunk_queries value 3");
+  c = cfg;
+  c.target = static_cast<chunk_target>(3);
+  bad(c, errc::invalid_argument, "unknown chunk_target value 3");
+  c = cfg;
+  c.alloc.kind = allocator::cake;
+  bad(c, errc::unsupported, "the cake allocator needs per-layer preferences");
+  c = cfg;
+  c.target = chunk_target::fraction;
+  c.fraction = 1.5;
+  bad(c, errc::invalid_argument, "fraction = 1.5 is outside [0, 1]");
+  c.fraction = 0.5;
+  c.alloc.kind = allocator::adakv;
+  bad(c, errc::unsupported, "adakv shares a per-head budget B_l");
+  c = cfg;
+  std::vector<std::int32_t> low = {10, 3, 10, 10};
+  c.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(low.data(), L, H));
+  bad(c, errc::invalid_argument, "budgets[0][1] = 3 is below the 4 protected tokens");
+  c = cfg;
+  c.alloc.kind = allocator::lava;
+  c.alloc.total = 15;
+  bad(c, errc::invalid_argument, "lava total 15 is below the 16 protected tokens");
+
+  std::vector<unsigned char> mem(value_of(chunked_driver::state_bytes(cfg)));
+  chunked_driver drv;
+  require_error(drv.begin_chunk(0, 10), errc::invalid_argument, "not initialised");
+  REQUIRE(drv.init(cfg, mem.data(), mem.size()).ok());
+  aligned_buf wb;
+  workspace ws = make_ws(drv, seq, wb);
+  workspace q;
+  REQUIRE(drv.add_layer(seq, q, 0, engine_layer(H, d, 30).view(), kv_view<const float>{}).ok());  // size query
+  CHECK(q.bytes == ws.bytes);
+  require_error(drv.add_layer(seq, ws, 0, engine_layer(H, d, 30).view(), kv_view<const float>{}), errc::invalid_argument,
+                "no chunk was begun");
+  require_error(drv.decide(seq, ws), errc::invalid_argument, "no chunk was begun");
+  require_error(drv.begin_chunk(1, 10), errc::invalid_argument,
+                "chunk [1, 10) does not start where the previous one ended (0): chunks must be contiguous");
+  require_error(drv.begin_chunk(0, 0), errc::invalid_argument, "chunk [0, 0) is empty or past the 40-token prompt");
+  require_error(drv.begin_chunk(0, 41), errc::invalid_argument, "is empty or past");
+  require_error(drv.begin_chunk(0, 31), errc::capacity_exceeded, "chunk [0, 31) has 31 tokens, more than the capacity 30");
+  require_error(drv.begin_chunk(0, 38), errc::invalid_argument,
+                "patched: chunk [0, 38) ends inside the last 4 prompt tokens [36, 40)");
+  REQUIRE(drv.begin_chunk(0, 20).ok());
+  CHECK(drv.patch().first == 36);
+  CHECK(drv.patch().count == 4);
+  CHECK(drv.query_rows() == 4);
+  CHECK_FALSE(drv.final_chunk());
+  auto layers = make_layers(L, H, d, 40);
+  layers[0].append(s, 0, 0, 20);
+  layers[1].append(s, 1, 0, 20);
+  const auto pq0 = gather_queries(s, 0, range_of(36, 40));
+  const auto pk0 = gather_keys(s, 0, range_of(36, 40));
+  require_error(drv.add_layer(seq, ws, 1, layers[1].view(), block_view(pq0, Hq, 4, d)), errc::invalid_argument,
+                "layer 1 given, expected layer 0");
+  require_error(drv.decide(seq, ws), errc::invalid_argument, "only 0 of 2 layers of chunk [0, 20) were added");
+  require_error(drv.begin_chunk(20, 30), errc::invalid_argument, "chunk [0, 20) is unfinished (0 of 2 layers added)");
+  engine_layer short_layer(H, d, 30);
+  short_layer.append(s, 0, 0, 19);
+  require_error(drv.add_layer(seq, ws, 0, short_layer.view(), block_view(pq0, Hq, 4, d)), errc::shape_mismatch,
+                "holds 19 rows; after the previous chunk it kept 0 and the chunk adds 20, so it should hold 20");
+  const auto pk_wrong = gather_keys(s, 0, range_of(35, 40));
+  require_error(drv.add_layer(seq, ws, 0, layers[0].view(), block_view(pq0, Hq, 4, d), block_view(pk_wrong, H, 5, d)),
+                errc::shape_mismatch, "block_keys are [2][5][4], expected [2][4][4]");
+  REQUIRE(drv.add_layer(seq, ws, 0, layers[0].view(), block_view(pq0, Hq, 4, d), block_view(pk0, H, 4, d)).ok());
+  const auto pq1 = gather_queries(s, 1, range_of(36, 40));
+  REQUIRE(drv.add_layer(seq, ws, 1, layers[1].view(), block_view(pq1, Hq, 4, d)).ok());
+  require_error(drv.add_layer(seq, ws, 2, layers[1].view(), block_view(pq1, Hq, 4, d)), errc::invalid_argument,
+                "all 2 layers of chunk [0, 20) were added");
+  REQUIRE(drv.decide(seq, ws).ok());
+  // the engine forgets to compact layer 0
+  REQUIRE(drv.begin_chunk(20, 36).ok());
+  layers[0].append(s, 0, 20, 36);
+  require_error(drv.add_layer(seq, ws, 0, layers[0].view(), block_view(pq0, Hq, 4, d)), errc::shape_mismatch,
+                "holds 36 rows; after the previous chunk it kept 10 and the chunk adds 16, so it should hold 26 (was it "
+                "compacted with kept(0)?)");
+  // the chunk's rows at the wrong positions
+  engine_layer shifted(H, d, 30);
+  for (index_t h = 0; h < H; ++h)
+    for (index_t p = 0; p < 26; ++p) shifted.push(s, 0, h, static_cast<pos_t>(p < 10 ? p : p + 1 > 35 ? 35 : p));
+  require_error(drv.add_layer(seq, ws, 0, shifted.view(), block_view(pq0, Hq, 4, d)), errc::invalid_argument,
+                "the last 16 rows of layer 0 head 0 must be the chunk's tokens (positions [20, 36))");
+  // naive: no patch keys
+  chunked_config nc = cfg;
+  nc.queries = chunk_queries::naive;
+  nc.capacity = 40;
+  nc.alloc.kind = allocator::lava;
+  nc.alloc.total = 40;
+  std::vector<unsigned char> mem2(value_of(chunked_driver::state_bytes(nc)));
+  REQUIRE(drv.init(nc, mem2.data(), mem2.size()).ok());
+  aligned_buf wb2;
+  workspace ws2 = make_ws(drv, seq, wb2);
+  REQUIRE(drv.begin_chunk(0, 38).ok());  // naive chunks may end anywhere
+  CHECK(drv.patch().count == 0);
+  auto nl = make_layers(L, H, d, 38);
+  nl[0].append(s, 0, 0, 38);
+  nl[1].append(s, 1, 0, 38);
+  const auto cq0 = gather_queries(s, 0, range_of(34, 38));
+  const auto ck0 = gather_keys(s, 0, range_of(34, 38));
+  require_error(drv.add_layer(seq, ws2, 0, nl[0].view(), block_view(cq0, Hq, 4, d), block_view(ck0, H, 4, d)),
+                errc::shape_mismatch, "block keys were given but this call takes none");
+  REQUIRE(drv.add_layer(seq, ws2, 0, nl[0].view(), block_view(cq0, Hq, 4, d)).ok());
+  CHECK_FALSE(drv.ready(0));
+  REQUIRE(drv.add_layer(seq, ws2, 1, nl[1].view(), block_view(gather_queries(s, 1, range_of(34, 38)), Hq, 4, d)).ok());
+  require_error(drv.begin_chunk(38, 40), errc::invalid_argument, "chunk [0, 38) is unfinished (2 of 2 layers added, decide() not run)");
+  REQUIRE(drv.decide(seq, ws2).ok());
+  require_error(drv.decide(seq, ws2), errc::invalid_argument, "chunk [0, 38) was already decided");
+  CHECK(drv.layer_total(0) + drv.layer_total(1) == 40);
+}
+
+TEST_CASE("drivers: decode errors") {
+  const index_t L = 2, H = 2, Hq = 2, d = 4, N = 30;
+  const synth s = make_synth(4, L, H, Hq, d, N);
+  std::vector<std::int32_t> b(static_cast<std::size_t>(L * H), 36);
+  decode_config cfg;
+  cfg.model = {L, H, Hq, d};
+  cfg.capacity = 30;
+  cfg.interval = 2;
+  cfg.rec = recipe::h2o();
+  cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(b.data(), L, H));
+  auto bad = [&](decode_config c, errc code, const char* needle) {
+    require_error(decode_driver::state_bytes(c).error(), code, needle);
+  };
+  decode_config c = cfg;
+  c.interval = 0;
+  bad(c, errc::invalid_argument, "interval = 0 (must be >= 1)");
+  c = cfg;
+  c.alloc.kind = allocator::lava;
+  bad(c, errc::unsupported, "lava allocates across layers");
+  c = cfg;
+  c.rec = small_window(recipe::snapkv(), 31);
+  bad(c, errc::invalid_argument, "the window 31 is longer than the capacity 30");
+  c = cfg;
+  std::vector<std::int32_t> low = {36, 31, 36, 36};
+  c.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(low.data(), L, H));
+  bad(c, errc::invalid_argument, "budgets[0][1] = 31 is below the 32 protected tokens");
+  c = cfg;
+  c.query_rows = 3;
+  bad(c, errc::invalid_argument, "query_rows = 3 but h2o reads 0 query rows at an eviction");
+  std::vector<unsigned char> mem(value_of(decode_driver::state_bytes(cfg)));
+  decode_driver drv;
+  engine_layer e(H, d, 30);
+  e.append(s, 0, 0, 10);
+  require_error(drv.begin(0, e.view(), 10), errc::invalid_argument, "not initialised");
+  REQUIRE(drv.init(cfg, mem.data(), mem.size()).ok());
+  aligned_buf wb;
+  workspace ws = make_ws(drv, seq, wb);
+  require_error(drv.begin(2, e.view(), 10), errc::out_of_range, "layer 2 is outside [0, 2)");
+  require_error(drv.begin(0, e.view(), -1), errc::invalid_argument, "tokens = -1 is outside");
+  require_error(drv.begin(0, e.view(), 9), errc::out_of_range, "holds position 9, outside [0, 9)");
+  std::vector<float> init(static_cast<std::size_t>(H * 5));
+  require_error(drv.begin(0, e.view(), 10, value_of(make_matrix_view<const float>(init.data(), H, 5))),
+                errc::shape_mismatch, "initial has 5 columns but head 0 holds 10 rows");
+  std::vector<float> init10(static_cast<std::size_t>(H * 10), 0.f);
+  init10[3] = std::nanf("");
+  require_error(drv.begin(0, e.view(), 10, value_of(make_matrix_view<const float>(init10.data(), H, 10))),
+                errc::invalid_argument, "initial[0][3] is NaN");
+  const auto q10 = gather_queries(s, 0, range_of(10, 11));
+  e.append(s, 0, 10, 11);
+  require_error(drv.step(seq, ws, 0, e.view(), block_view(q10, Hq, 1, d)), errc::invalid_argument, "layer 0 was not begun");
+  engine_layer e0(H, d, 30);  // an evicted layer: 5 rows per head
+  for (index_t h = 0; h < H; ++h)
+    for (pos_t p : {0, 2, 4, 6, 8}) e0.push(s, 0, h, p);
+  REQUIRE(drv.begin(0, e0.view(), 10).ok());
+  CHECK_FALSE(drv.evicts_next(0));
+  engine_layer late = e0;
+  for (index_t h = 0; h < H; ++h) late.push(s, 0, h, 9);
+  require_error(drv.step(seq, ws, 0, late.view(), block_view(q10, Hq, 1, d)), errc::invalid_argument,
+                "the last 1 rows of layer 0 head 0 must be the new token (positions [10, 11))");
+  engine_layer future = e0;
+  for (index_t h = 0; h < H; ++h) future.push(s, 0, h, 11);
+  require_error(drv.step(seq, ws, 0, future.view(), block_view(q10, Hq, 1, d)), errc::out_of_range,
+                "holds position 11, outside [0, 11)");
+  engine_layer e1(H, d, 30);
+  e1.append(s, 0, 0, 10);
+  REQUIRE(drv.begin(0, e1.view(), 10).ok());
+  e1.append(s, 0, 10, 11);
+  require_error(drv.step(seq, ws, 0, e1.view(), kv_view<const float>{}), errc::shape_mismatch,
+                "queries are [0][0][0], expected [2][1][4]");
+  workspace small{ws.data, 16};
+  require_error(drv.step(seq, small, 0, e1.view(), block_view(q10, Hq, 1, d)), errc::workspace_too_small,
+                "workspace has 16 bytes");
+  REQUIRE(drv.step(seq, ws, 0, e1.view(), block_view(q10, Hq, 1, d)).ok());
+  CHECK(drv.tokens(0) == 11);
+  CHECK(drv.evicts_next(0));
+  CHECK(drv.accumulated(0, 0) != nullptr);
+  e1.append(s, 0, 11, 13);
+  require_error(drv.step(seq, ws, 0, e1.view(), block_view(q10, Hq, 1, d)), errc::shape_mismatch,
+                "head 0 holds 13 rows; it held 11 and a step adds one");
 }

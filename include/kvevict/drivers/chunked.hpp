@@ -161,10 +161,6 @@ class chunked_driver {
     if (end <= begin || end > N)
       return status::error(errc::invalid_argument, "%s: chunk [%lld, %lld) is empty or past the %lld-token prompt", fn,
                            static_cast<long long>(begin), static_cast<long long>(end), static_cast<long long>(N));
-    if (end - begin > cfg_.capacity)
-      return status::error(errc::capacity_exceeded, "%s: chunk [%lld, %lld) has %lld tokens, more than the capacity %lld",
-                           fn, static_cast<long long>(begin), static_cast<long long>(end),
-                           static_cast<long long>(end - begin), static_cast<long long>(cfg_.capacity));
     const index_t w = cfg_.rec.window;
     if (patched() && end < N && end > N - w)
       return status::error(errc::invalid_argument,
@@ -173,6 +169,10 @@ class chunked_driver {
                            fn, static_cast<long long>(begin), static_cast<long long>(end), static_cast<long long>(w),
                            static_cast<long long>(N - w), static_cast<long long>(N), static_cast<long long>(N - w),
                            static_cast<long long>(N));
+    if (end - begin > cfg_.capacity)
+      return status::error(errc::capacity_exceeded, "%s: chunk [%lld, %lld) has %lld tokens, more than the capacity %lld",
+                           fn, static_cast<long long>(begin), static_cast<long long>(end),
+                           static_cast<long long>(end - begin), static_cast<long long>(cfg_.capacity));
     begin_ = begin;
     end_ = end;
     next_ = 0;
@@ -238,7 +238,7 @@ class chunked_driver {
     rr.capacity = C;
     rr.tail = n;
     rr.tail_what = "the chunk's tokens";
-    KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rr));
+    KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
     for (index_t h = 0; h < H; ++h)
       if (kv.keys.lens[h] != expect_[layer * H + h] + n)
         return status::error(errc::shape_mismatch,
@@ -247,6 +247,7 @@ class chunked_driver {
                              fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
                              expect_[layer * H + h], static_cast<long long>(n),
                              static_cast<long long>(expect_[layer * H + h] + n), static_cast<long long>(layer));
+    KVEVICT_TRY(detail::check_layer_rows(fn, layer, kv, rr));
     const bool patch = patch_active();
     KVEVICT_TRY(detail::check_queries(fn, queries, query_rows(), cfg_.model, patch_keys, patch));
     if (detail::ws_range(ws).intersects(mem_))

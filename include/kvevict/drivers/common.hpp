@@ -408,21 +408,27 @@ status check_cache_layout(const char* fn, const char* name, const ragged_cache<c
   return {};
 }
 
-/// Everything about a layer the drivers rely on: layouts, equal key/value row counts, at most C
-/// rows per head, positions strictly ascending in [0, tokens), and the rules' tail / whole-prompt
-/// requirements. O(rows).
+/// The layer's layout: both caches, equal key / value row counts, positions present.
 template <class T>
-status check_layer(const char* fn, index_t layer, const layer_kv<T>& kv, index_t H, index_t d, const row_rules& rr) {
+status check_layer_layout(const char* fn, index_t layer, const layer_kv<T>& kv, index_t H, index_t d) {
   KVEVICT_TRY(check_cache_layout(fn, "keys", kv.keys, H, d));
   KVEVICT_TRY(check_cache_layout(fn, "values", kv.values, H, d));
   if (kv.positions == nullptr && kv.keys.cu_capacity[H] > 0)
     return status::error(errc::null_pointer, "%s: layer %lld's positions are null", fn, static_cast<long long>(layer));
+  for (index_t h = 0; h < H; ++h)
+    if (kv.values.lens[h] != kv.keys.lens[h])
+      return status::error(errc::shape_mismatch, "%s: layer %lld head %lld holds %d key rows but %d value rows", fn,
+                           static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h], kv.values.lens[h]);
+  return {};
+}
+
+/// The rows of a laid-out layer: at most C per head, positions strictly ascending in [0, tokens),
+/// and the rules' tail / whole-prompt requirements. O(rows).
+template <class T>
+status check_layer_rows(const char* fn, index_t layer, const layer_kv<T>& kv, const row_rules& rr) {
+  const index_t H = kv.keys.heads;
   for (index_t h = 0; h < H; ++h) {
     const index_t n = kv.keys.lens[h];
-    if (kv.values.lens[h] != n)
-      return status::error(errc::shape_mismatch, "%s: layer %lld head %lld holds %lld key rows but %d value rows", fn,
-                           static_cast<long long>(layer), static_cast<long long>(h), static_cast<long long>(n),
-                           kv.values.lens[h]);
     if (n > rr.capacity)
       return status::error(errc::capacity_exceeded,
                            "%s: layer %lld head %lld holds %lld rows, more than the driver's capacity %lld", fn,
@@ -463,6 +469,13 @@ status check_layer(const char* fn, index_t layer, const layer_kv<T>& kv, index_t
   return {};
 }
 
+/// Everything about a layer the drivers rely on: check_layer_layout, then check_layer_rows.
+template <class T>
+status check_layer(const char* fn, index_t layer, const layer_kv<T>& kv, index_t H, index_t d, const row_rules& rr) {
+  KVEVICT_TRY(check_layer_layout(fn, layer, kv, H, d));
+  return check_layer_rows(fn, layer, kv, rr);
+}
+
 /// A query block: [H_q][rows][d] (rows == 0 accepts an empty view), and optional block keys.
 template <class Q, class T>
 status check_queries(const char* fn, const kv_view<const Q>& q, index_t rows, const model_shape& m,
@@ -472,22 +485,22 @@ status check_queries(const char* fn, const kv_view<const Q>& q, index_t rows, co
       return status::error(errc::shape_mismatch, "%s: the recipe reads no queries but %lld query rows were given", fn,
                            static_cast<long long>(q.extent(1)));
   } else {
-    KVEVICT_TRY(check_view(fn, "queries", q));
     if (q.extent(0) != m.query_heads || q.extent(1) != rows || q.extent(2) != m.head_dim)
       return status::error(errc::shape_mismatch, "%s: queries are [%lld][%lld][%lld], expected [%lld][%lld][%lld]", fn,
                            static_cast<long long>(q.extent(0)), static_cast<long long>(q.extent(1)),
                            static_cast<long long>(q.extent(2)), static_cast<long long>(m.query_heads),
                            static_cast<long long>(rows), static_cast<long long>(m.head_dim));
+    KVEVICT_TRY(check_view(fn, "queries", q));
   }
   if (bk.extent(1) != 0) {
     if (!block_keys_allowed)
       return status::error(errc::shape_mismatch, "%s: block keys were given but this call takes none", fn);
-    KVEVICT_TRY(check_view(fn, "block_keys", bk));
     if (bk.extent(0) != m.kv_heads || bk.extent(1) != rows || bk.extent(2) != m.head_dim)
       return status::error(errc::shape_mismatch, "%s: block_keys are [%lld][%lld][%lld], expected [%lld][%lld][%lld]",
                            fn, static_cast<long long>(bk.extent(0)), static_cast<long long>(bk.extent(1)),
                            static_cast<long long>(bk.extent(2)), static_cast<long long>(m.kv_heads),
                            static_cast<long long>(rows), static_cast<long long>(m.head_dim));
+    KVEVICT_TRY(check_view(fn, "block_keys", bk));
   }
   return {};
 }

@@ -197,7 +197,7 @@ class decode_driver {
     rr.capacity = C;
     rr.tail = 1;
     rr.tail_what = "the new token";
-    KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rr));
+    KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
     for (index_t h = 0; h < H; ++h)
       if (kv.keys.lens[h] != held_[layer * H + h] + 1)
         return status::error(errc::shape_mismatch,
@@ -205,6 +205,7 @@ class decode_driver {
                              "with kept(%lld)?)",
                              fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
                              held_[layer * H + h], static_cast<long long>(layer));
+    KVEVICT_TRY(detail::check_layer_rows(fn, layer, kv, rr));
     // the queries this step reads (steps that read none ignore them)
     const bool scoring = due && !h2o_ && evict_rows_ > 0;
     if (h2o_) KVEVICT_TRY(detail::check_queries(fn, queries, 1, cfg_.model, block_keys, false));
@@ -212,7 +213,7 @@ class decode_driver {
     if (scoring && evict_tail_ > 0) {
       rr.tail = evict_tail_;
       rr.tail_what = evict_tail_ == 1 ? "the newest token (TOVA's query)" : "the window's tokens (the last decoded)";
-      KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rr));
+      KVEVICT_TRY(detail::check_layer_rows(fn, layer, kv, rr));
     }
     if (detail::ws_range(ws).intersects(mem_))
       return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);

@@ -717,7 +717,7 @@ TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's ca
     cfg.tokens = N;
     cfg.rec = r;
     cfg.split = lava_split ? cascade_split::flattened : cascade_split::per_head;
-    cfg.weight = lava_split ? layer_weight::lava_entropy : layer_weight::caller;
+    cfg.weight = lava_split ? weight_source::lava_entropy : weight_source::caller;
     cfg.total = lava_split ? kvtest::uniform_int(g, L * H * w, L * H * N) : H * kvtest::uniform_int(g, L * w, L * N);
     std::vector<double> prefs;
     for (index_t l = 0; l < L; ++l) prefs.push_back(double(kvtest::uniform_int(g, 1, 50)));
@@ -1647,8 +1647,8 @@ TEST_CASE("drivers: cascade errors") {
   c.total = 41;
   bad(c, errc::invalid_argument, "not a multiple of the 2 heads");
   c = cfg;
-  c.weight = static_cast<layer_weight>(5);
-  bad(c, errc::invalid_argument, "unknown layer_weight value 5");
+  c.weight = static_cast<weight_source>(5);
+  bad(c, errc::invalid_argument, "unknown weight_source value 5");
   c = cfg;
   c.norm = static_cast<entropy_norm>(5);
   bad(c, errc::invalid_argument, "unknown entropy_norm value 5");
@@ -1683,7 +1683,7 @@ TEST_CASE("drivers: cascade errors") {
     require_error(d2.add_layer(seq, inside, 0, e.view(), block_view(qb, Hq, 4, d)), errc::overlap, "state memory");
   }
   cascade_driver_config cw = cfg;
-  cw.weight = layer_weight::caller;
+  cw.weight = weight_source::caller;
   REQUIRE(drv.init(cw, mem.data(), mem.size()).ok());
   require_error(drv.add_layer(seq, ws, 0, e.view(), block_view(qb, Hq, 4, d), kv_view<const float>{}, -1.0),
                 errc::invalid_argument, "layer 0's weight is -1");

@@ -19,7 +19,7 @@
 namespace kvevict {
 
 /// Where a layer's weight in the cascade comes from.
-enum class layer_weight : int {
+enum class weight_source : int {
   lava_entropy = 0,  ///< the normalised entropy of its scores, computed by the driver (LAVa)
   caller = 1,        ///< given to add_layer (CAKE: cake_preference(cake_layer_stats(window attention)))
 };
@@ -35,7 +35,7 @@ struct cascade_driver_config {
   index_t total = 0;
   /// flattened: LAVa (layer totals, heads compete); per_head: CAKE (equal per-head budgets).
   cascade_split split = cascade_split::flattened;
-  layer_weight weight = layer_weight::lava_entropy;
+  weight_source weight = weight_source::lava_entropy;
   entropy_norm norm = entropy_norm::log_count;  ///< lava_entropy: its normalisation
 };
 
@@ -114,13 +114,13 @@ class cascade_driver {
     KVEVICT_TRY(detail::check_queries(fn, queries, query_rows_, cfg_.model, block_keys, block_keys_));
     if (detail::ws_range(ws).intersects(mem_))
       return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
-    if (cfg_.weight == layer_weight::caller && (!(weight >= 0.0) || weight - weight != 0.0))
+    if (cfg_.weight == weight_source::caller && (!(weight >= 0.0) || weight - weight != 0.0))
       return status::error(errc::invalid_argument, "%s: layer %lld's weight is %g (must be finite and >= 0)", fn,
                            static_cast<long long>(layer), weight);
     KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, cfg_.model.query_heads / H, queries, block_keys, w.scores, N));
     const auto sv = detail::rows_view<const float>(w.scores, H, N, N);
     double e = weight;
-    if (cfg_.weight == layer_weight::lava_entropy) {
+    if (cfg_.weight == weight_source::lava_entropy) {
       lava_entropy_options eo;
       eo.prot = detail::recipe_protection(cfg_.rec);
       eo.norm = cfg_.norm;
@@ -149,7 +149,7 @@ class cascade_driver {
   /// Prompt positions each layer holds now, per head ascending.
   ragged_positions positions(index_t layer) const noexcept { return ok_ ? cascade_.positions(layer) : ragged_positions{}; }
   index_t layer_total(index_t layer) const noexcept { return ok_ ? cascade_.layer_total(layer) : 0; }
-  double layer_weight_of(index_t layer) const noexcept { return ok_ ? cascade_.weight(layer) : 0.0; }
+  double layer_weight(index_t layer) const noexcept { return ok_ ? cascade_.weight(layer) : 0.0; }
   index_t layers_added() const noexcept { return ok_ ? cascade_.layers_added() : 0; }
   /// Rows every prefilled layer holds now.
   index_t held_rows() const noexcept { return ok_ ? cascade_.held_total() : 0; }
@@ -181,8 +181,8 @@ class cascade_driver {
     KVEVICT_TRY(detail::check_model(fn, c.model));
     KVEVICT_TRY(detail::check_capacity(fn, "tokens", c.tokens, c.model.kv_heads));
     KVEVICT_TRY(detail::check_recipe(fn, c.rec));
-    if (c.weight != layer_weight::lava_entropy && c.weight != layer_weight::caller)
-      return status::error(errc::invalid_argument, "%s: unknown layer_weight value %d", fn, static_cast<int>(c.weight));
+    if (c.weight != weight_source::lava_entropy && c.weight != weight_source::caller)
+      return status::error(errc::invalid_argument, "%s: unknown weight_source value %d", fn, static_cast<int>(c.weight));
     if (c.norm != entropy_norm::log_count && c.norm != entropy_norm::count)
       return status::error(errc::invalid_argument, "%s: unknown entropy_norm value %d", fn, static_cast<int>(c.norm));
     index_t rows = 0;

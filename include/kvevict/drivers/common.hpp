@@ -574,8 +574,10 @@ status score_layer(Backend be, const score_scratch& s, const recipe& r, const la
   };
   if constexpr (std::is_same_v<Backend, par_t>) {
     if (H >= 2) {
-    detail::parallel_for(be, H, [&](index_t h) {
-      unsigned char* slot = s.slots + static_cast<std::size_t>(driver_thread_id() % s.count) * s.slot;
+    // at most s.count threads (the slots the workspace holds), whatever OpenMP's defaults are now
+    (void)be;
+    detail::parallel_for(par_t{s.count}, H, [&](index_t h) {
+      unsigned char* slot = s.slots + static_cast<std::size_t>(driver_thread_id()) * s.slot;
       s.flags[h] = one(seq, slot, h).ok() ? 0 : 1;
     });
     for (index_t h = 0; h < H; ++h)

@@ -1918,3 +1918,132 @@ TEST_CASE("drivers: decode errors") {
   require_error(drv.step(seq, ws, 0, e1.view(), block_view(q10, Hq, 1, d)), errc::shape_mismatch,
                 "head 0 holds 13 rows; it held 11 and a step adds one");
 }
+
+// =================================================================================================
+// The reference runner's cache (examples/runner): the drivers read kv_cache's views as they are
+
+#include <runner/runner.hpp>
+
+TEST_CASE("drivers: chunked patched eviction and decode-time H2O on the runner's kv_cache (stories260K)") {
+  kvrun::model m;
+  REQUIRE(kvrun::model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", m).ok());
+  const kvrun::config& mc = m.cfg();
+  kvrun::runner run;
+  REQUIRE(run.init(m).ok());
+  kvrun::kv_cache c;
+  REQUIRE(c.init(mc).ok());
+  const index_t L = mc.n_layers, H = mc.n_kv_heads, Hq = mc.n_heads, d = mc.head_size(), N = 96, w = 8, B = 24;
+  std::vector<int> prompt(static_cast<std::size_t>(N));
+  prompt[0] = 1;
+  for (index_t i = 1; i < N; ++i) prompt[static_cast<std::size_t>(i)] = static_cast<int>(3 + (i * 37) % 500);
+  std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H), static_cast<std::int32_t>(B));
+  chunked_config cfg;
+  cfg.model = {L, H, Hq, d};
+  cfg.tokens = N;
+  cfg.capacity = B + 32;
+  cfg.rec = small_window(recipe::snapkv(), w);
+  cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+  std::vector<unsigned char> mem(value_of(chunked_driver::state_bytes(cfg)));
+  std::vector<pos_t> store(static_cast<std::size_t>(L * H * (N + 8)));
+  auto rec = value_of(make_eviction_recorder(store.data(), L, H, N + 8));
+  chunked_driver drv;
+  REQUIRE(drv.init(cfg, mem.data(), mem.size(), &rec).ok());
+  aligned_buf wb;
+  workspace ws = make_ws(drv, seq, wb);
+  // per layer: the query block (and patch keys) the hooks collect
+  std::vector<std::vector<float>> qs(static_cast<std::size_t>(L)), ks(static_cast<std::size_t>(L));
+  index_t want = 0;
+  kvrun::forward_hooks collect;
+  collect.after_layer = [&](const kvrun::layer_event& ev) -> status {
+    auto& q = qs[static_cast<std::size_t>(ev.layer)];
+    auto& k = ks[static_cast<std::size_t>(ev.layer)];
+    q.assign(static_cast<std::size_t>(Hq * want * d), 0.f);
+    k.assign(static_cast<std::size_t>(H * want * d), 0.f);
+    for (index_t i = 0; i < want; ++i) {
+      const index_t row = ev.rows - want + i;  // the block's last `want` rows
+      for (index_t h = 0; h < Hq; ++h)
+        for (index_t e = 0; e < d; ++e) q[static_cast<std::size_t>((h * want + i) * d + e)] = ev.queries(h, row, e);
+      for (index_t h = 0; h < H; ++h)
+        for (index_t e = 0; e < d; ++e) k[static_cast<std::size_t>((h * want + i) * d + e)] = ev.keys(h, row, e);
+    }
+    return {};
+  };
+  for (index_t s = 0; s < N; s += 32) {
+    const index_t e = s + 32;
+    REQUIRE(drv.begin_chunk(s, e).ok());
+    const patch_block pb = drv.patch();
+    want = pb.count > 0 ? 0 : drv.query_rows();
+    REQUIRE(run.forward(c, kvrun::tokens(prompt.data() + s, e - s), kvrun::logits_mode::last, collect).ok());
+    if (pb.count > 0) {  // the prompt's last w tokens after the chunk, their KV dropped
+      std::vector<pos_t> pp;
+      for (index_t i = 0; i < pb.count; ++i) pp.push_back(static_cast<pos_t>(pb.first + i));
+      want = pb.count;
+      REQUIRE(run.forward_extra(c, kvrun::tokens(prompt.data() + pb.first, pb.count, pp.data()), kvrun::logits_mode::none,
+                                collect)
+                  .ok());
+    }
+    for (index_t l = 0; l < L; ++l) {
+      const auto kv = value_of(make_layer_kv(c.keys(static_cast<int>(l)), c.values(static_cast<int>(l)),
+                                             c.positions(static_cast<int>(l))));
+      const status st = drv.add_layer(seq, ws, l, kv, block_view(qs[static_cast<std::size_t>(l)], Hq, w, d),
+                                      pb.count > 0 ? block_view(ks[static_cast<std::size_t>(l)], H, w, d)
+                                                   : kv_view<const float>{});
+      REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+    }
+    REQUIRE(drv.decide(seq, ws).ok());
+    for (index_t l = 0; l < L; ++l) REQUIRE(c.compact(static_cast<int>(l), drv.kept(l)).ok());
+    for (index_t l = 0; l < L; ++l)
+      for (index_t h = 0; h < H; ++h) CHECK(c.length(static_cast<int>(l), h) == std::min<index_t>(B, e));
+  }
+  // the window's tokens are kept (protected), in every head
+  for (index_t l = 0; l < L; ++l)
+    for (index_t h = 0; h < H; ++h)
+      for (index_t j = 0; j < w; ++j) CHECK(c.position(static_cast<int>(l), h, B - w + j) == N - w + j);
+
+  // decode with H2O back to B rows every 4 steps, on the same cache
+  decode_config dc;
+  dc.model = cfg.model;
+  dc.capacity = B + 4;
+  dc.interval = 4;
+  dc.rec = recipe::h2o();
+  dc.rec.n_recent = 4;
+  dc.alloc.budgets = cfg.alloc.budgets;
+  std::vector<unsigned char> dmem(value_of(decode_driver::state_bytes(dc)));
+  decode_driver dd;
+  REQUIRE(dd.init(dc, dmem.data(), dmem.size(), &rec).ok());
+  aligned_buf dwb;
+  workspace dws = make_ws(dd, seq, dwb);
+  for (index_t l = 0; l < L; ++l)
+    REQUIRE(dd.begin(l, value_of(make_layer_kv(c.keys(static_cast<int>(l)), c.values(static_cast<int>(l)),
+                                               c.positions(static_cast<int>(l)))),
+                     N)
+                .ok());
+  kvrun::forward_hooks evict;
+  evict.after_layer = [&](const kvrun::layer_event& ev) -> status {
+    const int l = ev.layer;
+    auto kv = make_layer_kv(c.keys(l), c.values(l), c.positions(l));
+    if (!kv) return kv.error();
+    KVEVICT_TRY(dd.step(seq, dws, l, *kv, ev.queries));  // the new token's query, [Hq][1][d]
+    if (dd.evicted(l)) KVEVICT_TRY(c.compact(l, dd.kept(l)));
+    return {};
+  };
+  int tok = 0;
+  for (index_t t = 0; t < 8; ++t) {
+    const float* lg = run.logits(0);
+    tok = static_cast<int>(std::max_element(lg, lg + mc.vocab_size) - lg);
+    REQUIRE(run.decode(c, tok, evict).ok());
+  }
+  for (index_t l = 0; l < L; ++l)
+    for (index_t h = 0; h < H; ++h) CHECK(c.length(static_cast<int>(l), h) == B);
+  std::vector<std::int64_t> tmp(static_cast<std::size_t>(N + 8));
+  workspace mws{tmp.data(), tmp.size() * sizeof(std::int64_t)};
+  kv_usage usage;
+  REQUIRE(measure_kv_usage(mws, value_of(rec.schedule(N + 8)), usage).ok());
+  CHECK(usage.peak == (B + 32) * L * H);  // the cache never holds more than the budget + a chunk
+  // resident keys per row: chunk 0 sees 1..32, chunks 1 and 2 see B + 1..32, the decode steps
+  // B + 1..4 twice (evicted back to B every 4 steps)
+  std::int64_t per_row = 0;
+  for (index_t j = 1; j <= 32; ++j) per_row += j + 2 * (B + j);
+  for (index_t j = 1; j <= 4; ++j) per_row += 2 * (B + j);
+  CHECK(usage.resident == per_row * L * H);
+}

@@ -165,7 +165,8 @@ class decode_driver {
   /// token's row (position tokens(l)); queries / block_keys as the file comment says. On eviction
   /// steps the driver scores, selects, records and answers with kept(l) (evicted(l) true when a
   /// row is dropped); H2O's accumulators are compacted with the cache.
-  /// Errors (nothing changes): not begun; the layer's layout; a head not holding its previous rows
+  /// Errors (nothing changes but evicted(l), which is false after any step): not begun; the
+  /// layer's layout; a head not holding its previous rows
   /// plus exactly one new row, or a new row not at position tokens(l); more rows than the
   /// capacity; queries / block keys of the wrong shape (an empty view is accepted when the step
   /// needs none); the window's rows missing; workspace too small or overlapping the state; the
@@ -187,6 +188,7 @@ class decode_driver {
     if (!(flags_[layer] & begun))
       return status::error(errc::invalid_argument, "%s: layer %lld was not begun (begin)", fn,
                            static_cast<long long>(layer));
+    flags_[layer] = begun;  // the previous answer is spent, whatever this step gives
     const index_t now = tokens_[layer] + 1;
     if (now >= INT32_MAX)
       return status::error(errc::invalid_argument, "%s: %lld tokens do not fit int32 positions", fn,
@@ -220,27 +222,30 @@ class decode_driver {
 
     const std::int32_t* lens = kv.keys.lens;
     const index_t g = cfg_.model.query_heads / H;
-    if (h2o_) {  // accumulate the new token's attention over every row (its own included)
+    if (h2o_) {  // the new token's attention over every row (its own included), added to the sums
       recipe r = cfg_.rec;
       r.kind = recipe_kind::tova;
       r.n_sink = r.n_recent = 0;
       KVEVICT_TRY(detail::score_layer(be, w.sc, r, kv, g, queries, kv_view<const T>{}, w.scores, C));
       for (index_t h = 0; h < H; ++h) {
-        float* a = acc_ + (layer * H + h) * C;
-        a[lens[h] - 1] = 0.0f;
-        for (index_t j = 0; j < lens[h]; ++j) a[j] += w.scores[h * C + j];
+        const float* a = acc_ + (layer * H + h) * C;
+        float* n = w.acc + h * C;
+        for (index_t j = 0; j < lens[h]; ++j) n[j] = (j + 1 < lens[h] ? a[j] : 0.0f) + w.scores[h * C + j];
       }
     }
-    flags_[layer] = begun;
     if (!due || !over_budget(layer, lens)) {
-      for (index_t h = 0; h < H; ++h) held_[layer * H + h] = lens[h];
+      for (index_t h = 0; h < H; ++h) {
+        held_[layer * H + h] = lens[h];
+        if (h2o_)
+          std::memcpy(acc_ + (layer * H + h) * C, w.acc + h * C, static_cast<std::size_t>(lens[h]) * sizeof(float));
+      }
       tokens_[layer] = now;
       return {};
     }
     // eviction scores
     if (h2o_) {
       for (index_t h = 0; h < H; ++h)
-        std::memcpy(w.scores + h * C, acc_ + (layer * H + h) * C, static_cast<std::size_t>(lens[h]) * sizeof(float));
+        std::memcpy(w.scores + h * C, w.acc + h * C, static_cast<std::size_t>(lens[h]) * sizeof(float));
       KVEVICT_TRY(protect(be, detail::rows_view(w.scores, H, C, C), cfg_.rec.n_sink, cfg_.rec.n_recent, lens));
     } else {
       KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, g, queries, block_keys, w.scores, C));
@@ -265,9 +270,9 @@ class decode_driver {
     const ragged_positions k{pos, cu, H};
     KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, k, now, w.evicted, w.evicted_cu));
     for (index_t h = 0; h < H; ++h) {
-      if (h2o_) {  // the accumulators follow the cache (ascending rows: in place is safe)
+      if (h2o_) {  // the accumulators follow the cache
         float* a = acc_ + (layer * H + h) * C;
-        for (index_t i = 0; i < k.length(h); ++i) a[i] = a[pos[cu[h] + i]];
+        for (index_t i = 0; i < k.length(h); ++i) a[i] = w.acc[h * C + pos[cu[h] + i]];
       }
       held_[layer * H + h] = static_cast<std::int32_t>(k.length(h));
     }
@@ -315,6 +320,7 @@ class decode_driver {
   };
   struct ws_layout {
     float* scores = nullptr;
+    float* acc = nullptr;  // H2O: the sums after this step, committed when the step succeeds
     detail::score_scratch sc;
     workspace sel;
     std::int32_t* counts = nullptr;
@@ -414,6 +420,7 @@ class decode_driver {
     const std::size_t sel = detail::select_bytes(be, cfg_.alloc.kind, H, C);
     detail::workspace_carver c(ws);
     w.scores = c.take<float>(static_cast<std::size_t>(H * C));
+    w.acc = c.take<float>(h2o_ ? static_cast<std::size_t>(H * C) : 0);
     detail::carve_score_scratch(c, w.sc, slot, slots, H);
     w.sel = workspace{c.take<unsigned char>(sel), sel};
     w.counts = c.take<std::int32_t>(static_cast<std::size_t>(H));

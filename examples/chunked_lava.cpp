@@ -2,9 +2,10 @@
 // LAVa budgets (entropy layer budgets, heads competing within a layer).
 //
 // The "model" is a synthetic state so the example runs anywhere: the query, key and value of
-// token p in layer l are deterministic pseudo-random vectors (queries of deeper layers are
-// scaled up, so their attention is sharper and LAVa gives them less). A real engine replaces
-// `model_state` by its forward pass; everything else is what it would write.
+// token p in layer l are deterministic pseudo-random vectors with a little structure (a few
+// "heavy hitter" tokens that deeper layers attend to more sharply, so LAVa gives those layers
+// less). A real engine replaces `model_state` by its forward pass; everything else is what it
+// would write.
 //
 // Per chunk [s, e) of the prompt:
 //   1. drv.begin_chunk(s, e)
@@ -17,7 +18,6 @@
 #include <kvevict/metrics.hpp>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -39,8 +39,9 @@ constexpr index_t BUDGET = 48;  // tokens per head on average, at the end of the
 // Random vectors, plus structure that makes layers differ: every 29th token is a "heavy hitter"
 // whose key leans towards a direction every query shares, more strongly in deeper layers. Deep
 // layers attend to few tokens (low entropy: LAVa gives them less), layer 0 to everything.
-float noise(std::uint64_t a, std::uint64_t b, std::uint64_t c) {  // splitmix64 -> [-1, 1)
-  std::uint64_t z = a * 0x9E3779B97F4A7C15ull + b * 0xBF58476D1CE4E5B9ull + c * 0x94D049BB133111EBull + 1;
+float noise(index_t a, index_t b, index_t c) {  // splitmix64 -> [-1, 1)
+  const auto u = [](index_t x) { return static_cast<std::uint64_t>(x); };
+  std::uint64_t z = u(a) * 0x9E3779B97F4A7C15ull + u(b) * 0xBF58476D1CE4E5B9ull + u(c) * 0x94D049BB133111EBull + 1;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z ^= z >> 31;
@@ -57,7 +58,8 @@ struct model_state {
     for (index_t h = 0; h < Hq; ++h)
       for (index_t i = 0; i < n; ++i)
         for (index_t e = 0; e < D; ++e)
-          out[static_cast<std::size_t>((h * n + i) * D + e)] = noise(1 + l, 1000 + pos[i], h * D + e) + shared(l, h / (Hq / H), e);
+          out[static_cast<std::size_t>((h * n + i) * D + e)] =
+              noise(1 + l, 1000 + pos[i], h * D + e) + shared(l, h / (Hq / H), e);
   }
   // keys (which = 0) or values (which = 1) [H][n][D]
   void kv(int which, index_t l, const std::vector<pos_t>& pos, std::vector<float>& out) const {
@@ -66,7 +68,7 @@ struct model_state {
     for (index_t h = 0; h < H; ++h)
       for (index_t i = 0; i < n; ++i)
         for (index_t e = 0; e < D; ++e) {
-          float x = noise(10 * static_cast<std::uint64_t>(which) + 2 + static_cast<std::uint64_t>(l), 1000 + pos[i], h * D + e);
+          float x = noise(10 * which + 2 + l, 1000 + pos[i], h * D + e);
           if (which == 0 && heavy(pos[i])) x += strength(l) * shared(l, h, e);
           out[static_cast<std::size_t>((h * n + i) * D + e)] = x;
         }
@@ -113,6 +115,8 @@ struct layer_cache {
     return c;
   }
 };
+
+long long ll(index_t x) { return static_cast<long long>(x); }
 
 int fail(const status& st) {
   std::fprintf(stderr, "error: %s\n", st.message());
@@ -162,9 +166,7 @@ int main() {
   std::vector<std::int64_t> counters(static_cast<std::size_t>(N));
   std::printf("chunked patched LAVa: %lld layers x %lld KV heads (%lld query heads), prompt %lld, chunk %lld, "
               "window %lld, budget %lld tokens (%lld per head)\n\n",
-              static_cast<long long>(L), static_cast<long long>(H), static_cast<long long>(Hq),
-              static_cast<long long>(N), static_cast<long long>(CHUNK), static_cast<long long>(W),
-              static_cast<long long>(total), static_cast<long long>(BUDGET));
+              ll(L), ll(H), ll(Hq), ll(N), ll(CHUNK), ll(W), ll(total), ll(BUDGET));
 
   for (index_t s = 0; s < N;) {
     index_t e = std::min(N, s + CHUNK);
@@ -197,20 +199,20 @@ int main() {
     }
     if (status st = drv.decide(be, ws); !st) return fail(st);  // LAVa: budgets across layers
 
-    std::printf("chunk [%3lld, %3lld)", static_cast<long long>(s), static_cast<long long>(e));
+    std::printf("chunk [%3lld, %3lld)", ll(s), ll(e));
     if (patch.count > 0)
-      std::printf("  + patch [%d, %lld) as extra queries\n", patch.first, static_cast<long long>(patch.first + patch.count));
+      std::printf("  + patch [%d, %lld) as extra queries\n", patch.first, ll(patch.first + patch.count));
     else
-      std::printf("  final: its last %lld tokens score\n", static_cast<long long>(qn));
+      std::printf("  final: its last %lld tokens score\n", ll(qn));
     index_t held = 0;
     for (index_t l = 0; l < L; ++l) {
-      const ragged_positions kept = drv.kept(l);
-      std::printf("  layer %lld  entropy %.4f  keeps %3lld of %3lld rows:", static_cast<long long>(l),
-                  drv.layer_weight(l), static_cast<long long>(kept.cu[H]),
-                  static_cast<long long>(cache[static_cast<std::size_t>(l)].lens[0] + cache[static_cast<std::size_t>(l)].lens[1]));
-      for (index_t h = 0; h < H; ++h) std::printf("  head %lld %3lld", static_cast<long long>(h), static_cast<long long>(kept.length(h)));
+      const ragged_positions kept = drv.kept(l);  // rows of the layer's cache, ascending per head
+      auto& c = cache[static_cast<std::size_t>(l)];
+      std::printf("  layer %lld  entropy %.4f  keeps %3lld of %3lld rows:", ll(l), drv.layer_weight(l), ll(kept.cu[H]),
+                  ll(c.lens[0] + c.lens[1]));
+      for (index_t h = 0; h < H; ++h) std::printf("  head %lld %3lld", ll(h), ll(kept.length(h)));
       std::printf("\n");
-      if (status st = cache[static_cast<std::size_t>(l)].compact(kept); !st) return fail(st);
+      if (status st = c.compact(kept); !st) return fail(st);
       held += kept.cu[H];
     }
     // KV footprint and peak over the tokens processed so far (each key counts from its creation
@@ -220,7 +222,7 @@ int main() {
     auto sched = rec.schedule(e);
     if (!sched) return fail(sched.error());
     if (status st = measure_kv_usage(mws, *sched, usage); !st) return fail(st);
-    std::printf("  cache now %lld rows; KV footprint so far %.1f%%, peak KV %.1f%%\n\n", static_cast<long long>(held),
+    std::printf("  cache now %lld rows; KV footprint so far %.1f%%, peak KV %.1f%%\n\n", ll(held),
                 100.0 * usage.footprint(), 100.0 * usage.peak_kv());
     s = e;
   }
@@ -229,7 +231,7 @@ int main() {
   kv_usage usage;
   if (status st = measure_kv_usage(mws, *rec.schedule(N), usage); !st) return fail(st);
   std::printf("prefill of %lld tokens: KV footprint %.1f%% and peak KV %.1f%% of full attention\n",
-              static_cast<long long>(N), 100.0 * usage.footprint(), 100.0 * usage.peak_kv());
+              ll(N), 100.0 * usage.footprint(), 100.0 * usage.peak_kv());
   std::printf("(post-fill eviction keeps the whole prompt until the end: footprint 100%%, peak 100%%)\n");
   return 0;
 }

@@ -781,3 +781,36 @@ TEST_CASE("learning-rate schedule: linear warmup then cosine to 0") {
   CHECK(lr_at(o, 51) == doctest::Approx(0.5).epsilon(1e-9));
   CHECK(lr_at(o, 99) < 1e-3);
 }
+
+TEST_CASE("lookahead_backprop errors: not initialised, prompt + block past the context, inconsistent samples") {
+  const model m = make_model(tiny, 12);  // seq_len 64
+  frozen_model<double> fm;
+  fm.from(m);
+  lookahead_config cfg;
+  cfg.n_lookahead = 4;
+  cfg.rank = 2;
+  basic_lookahead_module<double> mod;
+  require_ok(mod.init(m, cfg, 1));
+  const auto s = sample_of(m, random_pair(m, 20, 4, 1)).cast<double>();
+  lookahead_backprop<double> bp;
+  double loss = 0;
+  require_error(bp.forward(fm, mod, s), errc::invalid_argument, "not initialised");
+  require_error(bp.init(fm, mod, 61), errc::invalid_argument, "61 tokens and 4 lookahead tokens do not fit the context of 64");
+  require_ok(bp.init(fm, mod, 20));
+  auto big = s;
+  big.P = 61;
+  require_error(bp.forward(fm, mod, big), errc::out_of_range, "61 tokens and 4 lookahead tokens");
+  auto bad = s;
+  bad.gt.pop_back();
+  require_error(bp.loss_and_grad(fm, mod, bad, &loss, nullptr), errc::shape_mismatch, "ground-truth scores");
+  lookahead_config other = cfg;
+  other.n_lookahead = 5;
+  basic_lookahead_module<double> mod5;
+  require_ok(mod5.init(m, other, 1));
+  require_error(bp.forward(fm, mod5, s), errc::shape_mismatch, "differs from the one init() saw");
+  require_ok(bp.loss_and_grad(fm, mod, s, &loss, nullptr));
+  CHECK(loss > 0);
+  frozen_model<double> fs;
+  fs.from(stories());
+  require_error(bp.init(fs, mod, 20), errc::shape_mismatch, "trained for dim 16 but the model has dim 64");
+}

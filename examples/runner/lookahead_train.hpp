@@ -2,9 +2,9 @@
 // gradients through the lookahead rows.
 //
 //   frozen_model<float> fm;  fm.from(model);                    // the model's weights, [out][in]
-//   lookahead_sample s;  prepare_sample(run, cache, pair, s);   // prompt KV + ground truth, once
+//   lookahead_sample s;  prepare_sample(run, cache, pair, s, ws); // prompt KV + ground truth, once
 //   lookahead_backprop<float> bp;  bp.init(fm, module, max_prompt);
-//   bp.loss_and_grad(fm, module, view_of(s), &loss, grad);      // one sample
+//   bp.loss_and_grad(fm, module, s, &loss, grad);               // one sample (grad += ...)
 //   train_module(fm, train, validation, options, module, log);  // Adam, batches, OpenMP
 //
 // Why only the lookahead rows: the adapters act on the lookahead rows only, and the lookahead
@@ -23,10 +23,12 @@
 //
 // Every layer's estimate contributes, and gradients reach earlier layers through both the score
 // path (est -> q, k_block) and the attention-output path (a = P V -> q, k_block, v_block). The
-// library supplies LoRA forward/backward (kvevict::lora_linear_*), the window scores and their
-// backward (kvevict::lookahead_window_scores*) and the loss with its gradient
-// (kvevict::lookahead_kl_loss); this file adds RMSNorm, RoPE, the attention output and SwiGLU
-// backward, each checked against central differences in tests/test_runner_lookahead.cpp.
+// library supplies LoRA forward/backward (kvevict::lora_linear_*) and the loss with its gradient
+// (kvevict::lookahead_kl_loss); this file adds RMSNorm, RoPE, SwiGLU and the block attention with
+// both outputs (estimate and P V) from one softmax, whose estimate part is exactly the library's
+// kvevict::lookahead_window_scores and its backward (the tests compare them; calling those too
+// would recompute the softmax twice more). Every piece is checked against central differences in
+// tests/test_runner_lookahead.cpp.
 //
 // Every function is templated on T (float for training, double for the finite-difference tests).
 // The float forward repeats the runner's arithmetic operation for operation (same summation
@@ -591,8 +593,23 @@ class lookahead_backprop {
   }
 
   /// Forward of the lookahead block over sample s: fills the activations and the estimates
-  /// est [L][H][P] (the paper's s_LKV per layer and query head). Errors: the library's.
+  /// est [L][H][P] (the paper's s_LKV per layer and query head). Errors: not initialised, a module
+  /// of another shape than init's, a sample whose prompt plus the block exceeds the context or
+  /// whose tensors do not match its P, then the library's.
   status forward(const frozen_model<T>& fm, const basic_lookahead_module<T>& mod, const basic_lookahead_sample<T>& s) {
+    if (L_ == 0) return status::error(errc::invalid_argument, "lookahead_backprop: not initialised (call init)");
+    if (mod.n_lookahead() != n_ || mod.rank() != r_ || mod.dims().n_layers != L_ || mod.dims().dim != D_)
+      return status::error(errc::shape_mismatch, "lookahead_backprop: the module's shape differs from the one init() saw");
+    if (s.P < 1 || s.P + n_ > fm.cfg.seq_len)
+      return status::error(errc::out_of_range,
+                           "lookahead_backprop: a prompt of %lld tokens and %lld lookahead tokens do not fit the context of %d",
+                           static_cast<long long>(s.P), static_cast<long long>(n_), fm.cfg.seq_len);
+    const auto kv = static_cast<std::size_t>(L_ * Hkv_ * s.P * hs_), gt = static_cast<std::size_t>(L_ * H_ * s.P);
+    if (s.keys.size() != kv || s.values.size() != kv || s.gt.size() != gt)
+      return status::error(errc::shape_mismatch,
+                           "lookahead_backprop: the sample holds %zu keys, %zu values, %zu ground-truth scores; P = %lld "
+                           "needs %zu, %zu, %zu",
+                           s.keys.size(), s.values.size(), s.gt.size(), static_cast<long long>(s.P), kv, kv, gt);
     reserve(s.P);
     P_ = s.P;
     const index_t n = n_, D = D_;

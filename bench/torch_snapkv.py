@@ -149,7 +149,7 @@ def check_with_tool(tool, q, k, v, w, budget, kernel):
         np.save(os.path.join(d, "k.npy"), kf[0].numpy().astype(np.float32))
         cmd = [tool, "--q", os.path.join(d, "q.npy"), "--k", os.path.join(d, "k.npy"), "--recipe", "snapkv",
                "--budget", str(budget), "--window", str(w), "--pool", "avg", "--kernel", str(kernel),
-               "--kept", os.path.join(d, "kept.npy")]
+               "--kept", os.path.join(d, "kept.npy"), "--scores", os.path.join(d, "scores.npy")]
         subprocess.run(cmd, check=True, capture_output=True)
         kv_kept = np.load(os.path.join(d, "kept.npy"))
     same = sum(len(np.intersect1d(a, b)) for a, b in zip(torch_kept, kv_kept))

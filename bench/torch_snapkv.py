@@ -182,6 +182,7 @@ def main():
                        "par_threads": a.threads, "load_avg": os.getloadavg(),
                        "torch_config": torch.__config__.show()},
            "benchmarks": []}
+    failed = False
     for shape, T, budget in cases:
         for kvname, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
             q, k, v = make_tensors(shape, T, dtype, seed=T + budget)
@@ -191,6 +192,9 @@ def main():
                       f"{agree * 100:.3f}% of the kept positions agree", flush=True)
                 out["benchmarks"].append({"name": bench_name("tool_check", "seq", shape, T, budget, kvname),
                                           "kept_agreement": agree})
+                if a.smoke and agree < 0.99:  # the CTest smoke run fails when the two disagree
+                    print("FAILED: kvevict's tool and the PyTorch path keep different positions", flush=True)
+                    failed = True
             for backend, threads in (("seq", 1), ("par", a.threads)):
                 torch.set_num_threads(threads)
                 for variant in a.variants.split(","):
@@ -213,7 +217,7 @@ def main():
             del q, k, v
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -28,8 +28,12 @@ END = "<!-- END GENERATED -->"
 def load(raw):
     rows = {}
     for path in sorted(glob.glob(os.path.join(raw, "*.json"))):
-        with open(path) as f:
-            data = json.load(f)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except ValueError as e:  # a binary still running (or killed) leaves a truncated file
+            print(f"bench/report.py: skipping {path}: {e}")
+            continue
         for b in data.get("benchmarks", []):
             if b.get("run_type") != "aggregate" or b.get("error_occurred"):
                 continue

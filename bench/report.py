@@ -231,6 +231,20 @@ def plots(rows, out):
     if svg_plot(os.path.join(out, "score_vs_context.svg"), "Window scores (32 q heads, 8 KV heads, d 128, w 32, fp16)",
                 "context T (tokens)", "time per layer (median)", series):
         made.append("score_vs_context.svg")
+    # selection vs row length (8 rows, k = 1024, attention-like scores)
+    series = []
+    for impl, be in (("kvevict", "seq"), ("nth_element_sort", "seq"), ("partial_sort", "seq"), ("kvevict", "par"),
+                     ("nth_element_sort", "par")):
+        pts = []
+        for k, r in rows.items():
+            if k[:4] == ("select", "dense", impl, be):
+                pp = params_of(k[4])
+                if (pp.get("rows"), pp.get("k"), pp.get("scores")) == ("8", "1024", "attn"):
+                    pts.append((int(pp["T"]), r["median"]))
+        series.append((f"{impl} {be}", pts))
+    if svg_plot(os.path.join(out, "select_vs_length.svg"), "Top-k selection (8 rows, k 1024, attention-like scores)",
+                "row length T", "time (median)", series):
+        made.append("select_vs_length.svg")
     # SnapKV eviction of a layer vs context (B = 1024)
     series = []
     for impl in ("kvevict", "blas_nth", "torch_lean", "torch_kvpress"):

@@ -1,149 +1,174 @@
-// attention_scores (SnapKV window: 32 query heads, 8 KV heads, d = 128, w = 32, fp16 cache) at 4K
-// and 32K context, seq and par, default and fused_multiply_add, against
-//   - a naive path that materialises the whole [w][T] attention matrix per head (same output), and
-//   - when OpenBLAS is found, one cblas_sgemm per KV head computing Q.K^T alone (fp32, keys
-//     converted beforehand and not timed): the lower bound any exact scorer must pay once.
-// Run single-threaded BLAS for the seq comparison: OPENBLAS_NUM_THREADS=1 ./bench_score
+// Window scores (SnapKV's observation window; score.hpp) against
+//   naive          the whole [w][T] attention matrix per query head, scalar loops, std::exp
+//   sgemm_softmax  (OpenBLAS) per KV head one sgemm materialising the group's [g w][T] logits, then
+//                  a masked softmax (std::exp) and the mean over the window rows
+//   sgemm_qk       (OpenBLAS) Q.K^T alone: the compute bound of any exact scorer
+// seq = one thread (OpenBLAS with 1 thread), par = every OpenMP thread (OpenBLAS with as many).
+// The BLAS baselines read fp32 copies of the data (converted outside the timing).
 #include <kvevict/score.hpp>
 
-#include <benchmark/benchmark.h>
+#include "baselines.hpp"
+#include "harness.hpp"
 
-#if defined(KVEVICT_BENCH_CBLAS)
-#  include <cblas.h>
-#endif
-
-#include <cmath>
-#include <cstdio>
-#include <random>
-#include <vector>
-
-using namespace kvevict;
+#include <map>
+#include <tuple>
 
 namespace {
-constexpr index_t hq = 32, hkv = 8, group = hq / hkv, dim = 128, win = 32;
+using namespace kvb;
 
+template <class K>
 struct score_case {
-  index_t tokens;
-  std::vector<float16> q, k;  // queries [hq][win][dim], keys [hkv][tokens][dim] head-major
-  std::vector<float> out;
-  explicit score_case(index_t t) : tokens(t) {
-    std::mt19937_64 g(11);
-    std::normal_distribution<float> n(0.f, 1.f);
-    q.resize(static_cast<std::size_t>(hq * win * dim));
-    k.resize(static_cast<std::size_t>(hkv * t * dim));
-    for (auto& x : q) x = to_float16(n(g));
-    for (auto& x : k) x = to_float16(n(g));
-    out.assign(static_cast<std::size_t>(hq * (t - win)), 0.f);
+  model_shape s;
+  index_t T;
+  std::vector<K> q, k;            // [hq][w][d], [hkv][T][d]
+  std::vector<float> q32, k32;    // fp32 copies for the BLAS baselines
+  std::vector<float> reference;   // kvevict seq output [hq][T - w]
+  std::size_t ws_seq = 0, ws_par = 0;
+
+  score_case(const model_shape& shape, index_t tokens) : s(shape), T(tokens) {
+    q.resize(static_cast<std::size_t>(s.hq * s.window * s.dim));
+    k.resize(static_cast<std::size_t>(s.hkv * T * s.dim));
+    fill_normal(q, 11);
+    fill_normal(k, 12);
+#if defined(KVEVICT_BENCH_CBLAS)
+    q32.resize(q.size());
+    k32.resize(k.size());
+    for (std::size_t i = 0; i < q.size(); ++i) q32[i] = baseline::widen(q[i]);
+    for (std::size_t i = 0; i < k.size(); ++i) k32[i] = baseline::widen(k[i]);
+#endif
+    reference.resize(static_cast<std::size_t>(s.hq * (T - s.window)));
+    scratch sc;
+    const auto out = *make_matrix_view(reference.data(), s.hq, T - s.window);
+    (void)window_scores(seq, sc.ws(), queries(), keys(), out);
+    sc.allocate();
+    if (!window_scores(seq, sc.ws(), queries(), keys(), out).ok()) reference.clear();
   }
-  kv_view<const float16> queries() const { return *make_kv_view(q.data(), hq, win, dim); }
-  kv_view<const float16> keys() const { return *make_kv_view(k.data(), hkv, tokens, dim); }
-  matrix_view<float> out_view() { return *make_matrix_view(out.data(), hq, tokens - win); }
+  kv_view<const K> queries() const { return *make_kv_view(q.data(), s.hq, s.window, s.dim); }
+  kv_view<const K> keys() const { return *make_kv_view(k.data(), s.hkv, T, s.dim); }
+  double flops() const { return 2.0 * static_cast<double>(s.hq * s.window) * static_cast<double>(T) * static_cast<double>(s.dim); }
 };
 
-// The obvious implementation: per query head, the full [w][T] logits matrix, a softmax per row,
-// the mean over rows of the prefix columns. fp32, std::exp.
-void naive_scores(const score_case& c, std::vector<float>& att, float* out) {
-  const index_t t = c.tokens, p = t - win;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  att.resize(static_cast<std::size_t>(win * t));
-  for (index_t h = 0; h < hq; ++h) {
-    const index_t kvh = h / group;
-    for (index_t i = 0; i < win; ++i) {
-      const float16* qi = &c.q[static_cast<std::size_t>((h * win + i) * dim)];
-      float* row = &att[static_cast<std::size_t>(i * t)];
-      const index_t vis = p + i + 1;
-      float m = -INFINITY;
-      for (index_t j = 0; j < vis; ++j) {
-        const float16* kj = &c.k[static_cast<std::size_t>((kvh * t + j) * dim)];
-        float s = 0.f;
-        for (index_t d = 0; d < dim; ++d) s += to_float(qi[d]) * to_float(kj[d]);
-        row[j] = s * scale;
-        m = std::max(m, row[j]);
-      }
-      float sum = 0.f;
-      for (index_t j = 0; j < vis; ++j) sum += (row[j] = std::exp(row[j] - m));
-      for (index_t j = 0; j < vis; ++j) row[j] /= sum;
-      for (index_t j = vis; j < t; ++j) row[j] = 0.f;
-    }
-    for (index_t j = 0; j < p; ++j) {
-      float s = 0.f;
-      for (index_t i = 0; i < win; ++i) s += att[static_cast<std::size_t>(i * t + j)];
-      out[h * p + j] = s / static_cast<float>(win);
-    }
-  }
+template <class K>
+const score_case<K>& get_case(const model_shape& s, index_t T) {
+  return cached<score_case<K>>(std::make_tuple(std::string(s.name), T),
+                               [&] { return std::make_unique<score_case<K>>(s, T); });
 }
 
-template <class Backend>
-void BM_attention_scores(benchmark::State& state, Backend be, bool fused) {
-  score_case c(state.range(0));
-  workspace ws;
+/// Largest |out - reference| / |reference| over every score (reference = kvevict seq).
+double max_rel_diff(const std::vector<float>& ref, const float* out) {
+  double worst = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double r = ref[i], d = std::fabs(static_cast<double>(out[i]) - r);
+    worst = std::max(worst, d / std::max(std::fabs(r), 1e-30));
+  }
+  return worst;
+}
+
+/// Scores computed by a baseline agree with kvevict's within `tol` relative (different exp and
+/// summation order; docs/score.md bounds kvevict's own error).
+void check_scores(benchmark::State& st, const std::vector<float>& ref, const float* out, double tol) {
+  if (ref.empty()) return fail(st, "reference scores could not be computed");
+  const double worst = max_rel_diff(ref, out);
+  st.counters["max_rel_diff"] = worst;
+  if (!(worst <= tol)) fail(st, "scores differ from kvevict's by " + std::to_string(worst) + " relative");
+}
+
+void set_flops(benchmark::State& st, double flops) {
+  st.counters["GFLOP/s(QK)"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+template <class K, class Backend>
+void run_kvevict(benchmark::State& st, const model_shape& s, index_t T, Backend be, bool fma) {
+  const auto& c = get_case<K>(s, T);
+  std::vector<float> out(c.reference.size(), 0.f);
+  const auto ov = *make_matrix_view(out.data(), s.hq, T - s.window);
   score_options opt;
-  opt.fused_multiply_add = fused;
-  if (!window_scores(be, ws, c.queries(), c.keys(), c.out_view(), opt).ok()) state.SkipWithError("size query failed");
-  std::vector<unsigned char> mem(ws.bytes + 64);
-  ws.data = mem.data();
-  for (auto _ : state) {
-    if (!window_scores(be, ws, c.queries(), c.keys(), c.out_view(), opt).ok()) state.SkipWithError("window_scores failed");
-    benchmark::DoNotOptimize(c.out.data());
+  opt.fused_multiply_add = fma;
+  scratch sc;
+  if (!ok(st, window_scores(be, sc.ws(), c.queries(), c.keys(), ov, opt), "window_scores size query")) return;
+  sc.allocate();
+  for (auto _ : st) {
+    if (!ok(st, window_scores(be, sc.ws(), c.queries(), c.keys(), ov, opt), "window_scores")) return;
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
   }
-  state.counters["workspace_MiB"] = static_cast<double>(ws.bytes) / (1 << 20);
-  state.counters["GFLOP/s(QK)"] = benchmark::Counter(2.0 * hq * win * static_cast<double>(c.tokens) * dim * 1e-9,
-                                                     benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["workspace_MiB"] = static_cast<double>(sc.ws().bytes) / (1 << 20);
+  set_flops(st, c.flops());
+  // seq and par give identical bits; fused multiply-add differs in the last places
+  if (!fma) {
+    if (std::memcmp(out.data(), c.reference.data(), out.size() * sizeof(float)) != 0)
+      fail(st, "par scores differ from seq scores");
+  } else {
+    check_scores(st, c.reference, out.data(), 1e-3);
+  }
 }
 
-void BM_naive_materialising(benchmark::State& state) {
-  score_case c(state.range(0));
-  std::vector<float> att;
-  // the naive path computes the same output (checked once, outside the timing)
-  {
-    workspace ws;
-    std::vector<float> fast(c.out.size());
-    auto fv = *make_matrix_view(fast.data(), hq, c.tokens - win);
-    (void)window_scores(seq, ws, c.queries(), c.keys(), fv);
-    std::vector<unsigned char> mem(ws.bytes + 64);
-    ws.data = mem.data();
-    (void)window_scores(seq, ws, c.queries(), c.keys(), fv);
-    naive_scores(c, att, c.out.data());
-    double worst = 0;
-    for (std::size_t i = 0; i < fast.size(); ++i)
-      worst = std::max(worst, std::fabs(static_cast<double>(fast[i]) - c.out[i]) / (std::fabs(c.out[i]) + 1e-30));
-    state.counters["max_rel_diff"] = worst;
+template <class K>
+void run_naive(benchmark::State& st, const model_shape& s, index_t T) {
+  const auto& c = get_case<K>(s, T);
+  std::vector<float> out(c.reference.size(), 0.f), att;
+  for (auto _ : st) {
+    baseline::naive_window_scores(s, T, c.q.data(), c.k.data(), out.data(), att);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
   }
-  for (auto _ : state) {
-    naive_scores(c, att, c.out.data());
-    benchmark::DoNotOptimize(c.out.data());
-  }
+  set_flops(st, c.flops());
+  check_scores(st, c.reference, out.data(), 1e-3);
 }
 
 #if defined(KVEVICT_BENCH_CBLAS)
-// Q.K^T alone: per KV head, C[group*w][T] = Q_g[group*w][d] * K_g[T][d]^T, fp32.
-void BM_sgemm_qk(benchmark::State& state) {
-  score_case c(state.range(0));
-  const index_t t = c.tokens;
-  std::vector<float> q(c.q.size()), k(c.k.size()), out(static_cast<std::size_t>(group * win * t));
-  for (std::size_t i = 0; i < q.size(); ++i) q[i] = to_float(c.q[i]);
-  for (std::size_t i = 0; i < k.size(); ++i) k[i] = to_float(c.k[i]);
-  for (auto _ : state) {
-    for (index_t g = 0; g < hkv; ++g)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(group * win), static_cast<int>(t),
-                  static_cast<int>(dim), 1.0f, &q[static_cast<std::size_t>(g * group * win * dim)], static_cast<int>(dim),
-                  &k[static_cast<std::size_t>(g * t * dim)], static_cast<int>(dim), 0.0f, out.data(), static_cast<int>(t));
-    benchmark::DoNotOptimize(out.data());
+template <class K>
+void run_sgemm_qk(benchmark::State& st, const model_shape& s, index_t T, int threads) {
+  const auto& c = get_case<K>(s, T);
+  baseline::blas_threads(threads);
+  std::vector<float> logits(static_cast<std::size_t>(s.group() * s.window * T));
+  for (auto _ : st) {
+    baseline::sgemm_qk(s, T, c.q32.data(), c.k32.data(), logits.data());
+    benchmark::DoNotOptimize(logits.data());
+    benchmark::ClobberMemory();
   }
-  state.counters["GFLOP/s(QK)"] = benchmark::Counter(2.0 * hq * win * static_cast<double>(t) * dim * 1e-9,
-                                                     benchmark::Counter::kIsIterationInvariantRate);
+  set_flops(st, c.flops());
 }
-BENCHMARK(BM_sgemm_qk)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
+
+template <class K>
+void run_sgemm_softmax(benchmark::State& st, const model_shape& s, index_t T, int threads) {
+  const auto& c = get_case<K>(s, T);
+  baseline::blas_threads(threads);
+  std::vector<float> out(c.reference.size(), 0.f), logits;
+  for (auto _ : st) {
+    baseline::blas_window_scores(s, T, c.q32.data(), c.k32.data(), out.data(), logits, threads);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  set_flops(st, c.flops());
+  check_scores(st, c.reference, out.data(), 1e-3);
+}
 #endif
+
+template <class K>
+void register_case(const model_shape& s, index_t T) {
+  const params p = shape_params(s, T).add("w", s.window).add("kv", kv_type_name(K{}));
+  auto name = [&](const char* impl, const char* be) { return bench_name("score", "window", impl, be, p); };
+  add(name("kvevict", "seq"), [=](benchmark::State& st) { run_kvevict<K>(st, s, T, seq, false); });
+  add(name("kvevict", "par"), [=](benchmark::State& st) { run_kvevict<K>(st, s, T, par, false); });
+  add(name("kvevict_fma", "seq"), [=](benchmark::State& st) { run_kvevict<K>(st, s, T, seq, true); });
+  add(name("kvevict_fma", "par"), [=](benchmark::State& st) { run_kvevict<K>(st, s, T, par, true); });
+#if defined(KVEVICT_BENCH_CBLAS)
+  add(name("sgemm_qk", "seq"), [=](benchmark::State& st) { run_sgemm_qk<K>(st, s, T, 1); });
+  add(name("sgemm_qk", "par"), [=](benchmark::State& st) { run_sgemm_qk<K>(st, s, T, par_threads()); });
+  add(name("sgemm_softmax", "seq"), [=](benchmark::State& st) { run_sgemm_softmax<K>(st, s, T, 1); });
+  add(name("sgemm_softmax", "par"), [=](benchmark::State& st) { run_sgemm_softmax<K>(st, s, T, par_threads()); });
+#endif
+  // the naive path costs ~0.4 us per (row, key) pair: 12 s at 32K, so not run at 128K
+  if (T <= 32768) add_slow(name("naive", "seq"), [=](benchmark::State& st) { run_naive<K>(st, s, T); });
+}
+
+void register_benchmarks() {
+  for (const auto& mc : model_cases()) {
+    register_case<float16>(mc.shape, mc.tokens);
+    register_case<float>(mc.shape, mc.tokens);
+  }
+}
 }  // namespace
 
-BENCHMARK_CAPTURE(BM_attention_scores, seq, seq, false)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_attention_scores, par, par, false)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(BM_attention_scores, seq_fused, seq, true)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_attention_scores, par_fused, par, true)
-    ->Arg(4096)
-    ->Arg(32768)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_naive_materialising)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
-BENCHMARK_MAIN();
+KVB_MAIN(register_benchmarks)

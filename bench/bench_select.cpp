@@ -1,154 +1,192 @@
-// Top-k selection: kvevict's radix select (seq, par) vs std::nth_element + sorting the kept
-// positions (the same output) and vs std::partial_sort + sorting the kept positions, on random
-// scores. The baselines use the same order (score descending, lower position first on ties) and
-// run per row, seq on one thread and par with one OpenMP thread per row, like kvevict.
+// Top-k selection (select.hpp): kvevict's radix select against the standard library doing the same
+// job with the same output (ascending positions, ties to the lower position):
+//   nth_element_sort    std::nth_element of the positions by score, then sorting the kept k
+//   partial_sort        std::partial_sort of the best k, then sorting them by position
+//   nth_element_flat    (flattened) each row's floor by nth_element, then nth_element over every
+//                       remaining (row, position) entry of the layer, then per-row positions
+// seq = one thread; par = every OpenMP thread (baselines: one row per thread, dynamic schedule).
 //
-//   build/release/bench/bench_select --benchmark_min_time=1
-// Args: {rows, tokens, k, distribution (0 = uniform [0, 1), 1 = attention-like exp(N(0, 2)))}.
+// Ops: dense (every row keeps k), ragged (row r keeps its own k_r, from an AdaKV-like spread
+// around the mean budget), flat (layer total = rows x k, floor 20% of k per row, as AdaKV).
+// Scores: `attn` = exp(N(0, 2)) (attention-like, heavy tailed) or `uniform` in [0, 1).
 #include <kvevict/select.hpp>
 
-#include <benchmark/benchmark.h>
+#include "baselines.hpp"
+#include "harness.hpp"
 
-#include <algorithm>
-#include <cmath>
-#include <numeric>
-#include <random>
-#include <vector>
-
-using namespace kvevict;
+#include <tuple>
 
 namespace {
+using namespace kvb;
 
-struct select_case {
-  index_t rows, tokens, k;
+struct sel_case {
+  index_t R, T, k;
+  std::string dist;
   std::vector<float> scores;
-  std::vector<pos_t> kept;
-  explicit select_case(const benchmark::State& state)
-      : rows(state.range(0)), tokens(state.range(1)), k(state.range(2)) {
-    scores.resize(static_cast<std::size_t>(rows * tokens));
-    kept.assign(static_cast<std::size_t>(rows * k), 0);
-    std::mt19937_64 g(42);
-    if (state.range(3) == 0) {
-      std::uniform_real_distribution<float> u(0.f, 1.f);
-      for (auto& x : scores) x = u(g);
-    } else {
-      std::normal_distribution<float> n(0.f, 2.f);
-      for (auto& x : scores) x = std::exp(n(g));
+  std::vector<std::int32_t> cu;      // ragged: per-row budgets as offsets (sum = R k)
+  std::vector<std::int32_t> floors;  // flat: 20% of k per row
+  sel_case(index_t rows, index_t tokens, index_t budget, const std::string& distribution)
+      : R(rows), T(tokens), k(budget), dist(distribution) {
+    scores.resize(static_cast<std::size_t>(R * T));
+    if (dist == "uniform")
+      fill_uniform(scores, 31);
+    else
+      fill_attention_like(scores, 31);
+    // ragged budgets: k * (0.25 .. 1.75), paired so that they sum to R k, each within [0, T]
+    cu.assign(static_cast<std::size_t>(R + 1), 0);
+    for (index_t r = 0; r < R; ++r) {
+      const index_t spread = (r % 2 == 0 ? 1 : -1) * (k * 3 / 4) * ((r / 2) % 4) / 3;
+      const index_t kr = (r == R - 1 && R % 2 == 1) ? k : std::clamp<index_t>(k + spread, 0, T);
+      cu[static_cast<std::size_t>(r + 1)] = static_cast<std::int32_t>(cu[static_cast<std::size_t>(r)] + kr);
     }
+    floors.assign(static_cast<std::size_t>(R), static_cast<std::int32_t>(k / 5));
   }
-  void set_counters(benchmark::State& state) const {
-    state.SetItemsProcessed(state.iterations() * rows * tokens);
-    state.counters["rows"] = static_cast<double>(rows);
-  }
+  matrix_view<const float> view() const { return *make_matrix_view(scores.data(), R, T); }
+  index_t ragged_total() const { return cu.back(); }
+};
+
+using case_key = std::tuple<index_t, index_t, index_t, std::string>;
+const sel_case& get_case(index_t R, index_t T, index_t k, const std::string& dist) {
+  return cached<sel_case>(case_key{R, T, k, dist}, [&] { return std::make_unique<sel_case>(R, T, k, dist); });
+}
+
+enum class op { dense, ragged, flat };
+const char* op_name(op o) { return o == op::dense ? "dense" : o == op::ragged ? "ragged" : "flat"; }
+
+/// Output of one selection: dense [R][k] or ragged (cu, pos).
+struct selection {
+  std::vector<pos_t> pos;
+  std::vector<std::int32_t> cu;
 };
 
 template <class Backend>
-void BM_kvevict(benchmark::State& state, Backend be) {
-  select_case c(state);
-  auto scores = *make_matrix_view(static_cast<const float*>(c.scores.data()), c.rows, c.tokens);
-  auto kept = *make_matrix_view(c.kept.data(), c.rows, c.k);
-  workspace ws;
-  if (!select_topk(be, ws, scores, nullptr, kept).ok()) state.SkipWithError("query failed");
-  std::vector<unsigned char> mem(ws.bytes);
-  ws.data = mem.data();
-  for (auto _ : state) {
-    if (!select_topk(be, ws, scores, nullptr, kept).ok()) state.SkipWithError("select_topk failed");
-    benchmark::DoNotOptimize(c.kept.data());
+void run_kvevict(benchmark::State& st, const sel_case& c, op o, Backend be, selection& out) {
+  scratch sc;
+  out.cu = c.cu;
+  const index_t total = o == op::dense ? c.R * c.k : o == op::ragged ? c.ragged_total() : c.R * c.k;
+  out.pos.assign(static_cast<std::size_t>(total), 0);
+  auto call = [&]() -> status {
+    if (o == op::dense) return select_topk(be, sc.ws(), c.view(), nullptr, *make_matrix_view(out.pos.data(), c.R, c.k));
+    if (o == op::ragged)
+      return select_topk(be, sc.ws(), c.view(), nullptr, ragged_positions_out{out.pos.data(), c.cu.data(), c.R});
+    out.cu.assign(static_cast<std::size_t>(c.R + 1), 0);
+    return select_topk_flat(be, sc.ws(), c.view(), nullptr, total, c.floors.data(), out.cu.data(), out.pos.data());
+  };
+  if (!ok(st, call(), "size query")) return;
+  sc.allocate();
+  for (auto _ : st) {
+    if (!ok(st, call(), op_name(o))) return;
+    benchmark::DoNotOptimize(out.pos.data());
     benchmark::ClobberMemory();
   }
-  c.set_counters(state);
+  st.counters["workspace_KiB"] = static_cast<double>(sc.ws().bytes) / 1024;
 }
 
-// One row with a standard algorithm: order the positions so the best k come first, then sort them.
-enum class baseline { nth_element, partial_sort };
-
-void std_row(baseline b, const float* s, index_t n, index_t k, pos_t* idx, pos_t* out) {
-  std::iota(idx, idx + n, 0);
-  auto better = [s](pos_t a, pos_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); };
-  if (b == baseline::nth_element) {
-    if (k < n) std::nth_element(idx, idx + k, idx + n, better);
-  } else {
-    std::partial_sort(idx, idx + k, idx + n, better);
-  }
-  std::sort(idx, idx + k);
-  std::copy(idx, idx + k, out);
-}
-
-void BM_std(benchmark::State& state, baseline b, bool parallel) {
-  select_case c(state);
-  const int threads = parallel ? std::max(1, omp_get_max_threads()) : 1;
-  std::vector<pos_t> idx(static_cast<std::size_t>(threads * c.tokens));
-  for (auto _ : state) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (index_t r = 0; r < c.rows; ++r)
-      std_row(b, c.scores.data() + r * c.tokens, c.tokens, c.k, idx.data() + omp_get_thread_num() * c.tokens,
-              c.kept.data() + r * c.k);
-    benchmark::DoNotOptimize(c.kept.data());
-    benchmark::ClobberMemory();
-  }
-  c.set_counters(state);
-}
-
-// Layer-wise selection (AdaKV-style, floor = 20% of the mean budget per row) vs nth_element over the
-// flattened layer (score descending, then row, then position) + sorting each row's positions.
-template <class Backend>
-void BM_flat_kvevict(benchmark::State& state, Backend be) {
-  select_case c(state);
-  auto scores = *make_matrix_view(static_cast<const float*>(c.scores.data()), c.rows, c.tokens);
-  std::vector<std::int32_t> floors(static_cast<std::size_t>(c.rows), static_cast<std::int32_t>(c.k / 5));
-  std::vector<std::int32_t> cu(static_cast<std::size_t>(c.rows + 1));
-  const index_t total = c.rows * c.k;
-  workspace ws;
-  if (!select_topk_flat(be, ws, scores, nullptr, total, floors.data(), cu.data(), c.kept.data()).ok())
-    state.SkipWithError("query failed");
-  std::vector<unsigned char> mem(ws.bytes);
-  ws.data = mem.data();
-  for (auto _ : state) {
-    if (!select_topk_flat(be, ws, scores, nullptr, total, floors.data(), cu.data(), c.kept.data()).ok())
-      state.SkipWithError("select_topk_flat failed");
-    benchmark::DoNotOptimize(c.kept.data());
-    benchmark::ClobberMemory();
-  }
-  c.set_counters(state);
-}
-
-void BM_flat_nth_element(benchmark::State& state) {
-  select_case c(state);
-  const index_t n = c.rows * c.tokens, total = c.rows * c.k;
-  std::vector<std::int64_t> idx(static_cast<std::size_t>(n));
-  std::vector<std::int32_t> cu(static_cast<std::size_t>(c.rows + 1));
-  const float* s = c.scores.data();
-  for (auto _ : state) {  // no floors here: the flat baseline is the unconstrained layer top-k
-    std::iota(idx.begin(), idx.end(), 0);
-    std::nth_element(idx.begin(), idx.begin() + total, idx.end(),
-                     [s](std::int64_t a, std::int64_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
-    std::sort(idx.begin(), idx.begin() + total);  // row-major index order = (row, position) ascending
-    std::fill(cu.begin(), cu.end(), 0);
-    for (index_t i = 0; i < total; ++i) {
-      ++cu[static_cast<std::size_t>(idx[i] / c.tokens + 1)];
-      c.kept[static_cast<std::size_t>(i)] = static_cast<pos_t>(idx[i] % c.tokens);
+void run_baseline(benchmark::State& st, const sel_case& c, op o, baseline::select_algo a, int threads, selection& out) {
+  std::vector<pos_t> idx;
+  baseline::flat_scratch fs;
+  out.cu = c.cu;
+  const index_t total = o == op::ragged ? c.ragged_total() : c.R * c.k;
+  out.pos.assign(static_cast<std::size_t>(total), 0);
+  if (o == op::flat) out.cu.assign(static_cast<std::size_t>(c.R + 1), 0);
+  for (auto _ : st) {
+    if (o == op::dense) {
+      baseline::select_rows(
+          a, c.scores.data(), c.R, c.T, [&](index_t) { return c.k; },
+          [&](index_t r) { return out.pos.data() + r * c.k; }, idx, threads);
+    } else if (o == op::ragged) {
+      baseline::select_rows(
+          a, c.scores.data(), c.R, c.T, [&](index_t r) { return static_cast<index_t>(c.cu[r + 1] - c.cu[r]); },
+          [&](index_t r) { return out.pos.data() + c.cu[r]; }, idx, threads);
+    } else {
+      baseline::select_flat(c.scores.data(), c.R, c.T, total, c.floors.data(), out.cu.data(), out.pos.data(), fs);
     }
-    for (index_t r = 0; r < c.rows; ++r) cu[r + 1] += cu[r];
-    benchmark::DoNotOptimize(c.kept.data());
+    benchmark::DoNotOptimize(out.pos.data());
     benchmark::ClobberMemory();
   }
-  c.set_counters(state);
 }
 
-void shapes(benchmark::internal::Benchmark* b) {
-  b->Args({8, 32768, 2048, 0})->Args({32, 131072, 4096, 0})->Args({8, 32768, 2048, 1})->Args({32, 131072, 4096, 1});
-  b->Unit(benchmark::kMicrosecond)->UseRealTime();
+/// The kvevict seq selection (the reference of every check).
+selection reference(const sel_case& c, op o) {
+  selection out;
+  scratch sc;
+  out.cu = c.cu;
+  const index_t total = o == op::ragged ? c.ragged_total() : c.R * c.k;
+  out.pos.assign(static_cast<std::size_t>(total), 0);
+  auto call = [&]() -> status {
+    if (o == op::dense) return select_topk(seq, sc.ws(), c.view(), nullptr, *make_matrix_view(out.pos.data(), c.R, c.k));
+    if (o == op::ragged)
+      return select_topk(seq, sc.ws(), c.view(), nullptr, ragged_positions_out{out.pos.data(), c.cu.data(), c.R});
+    out.cu.assign(static_cast<std::size_t>(c.R + 1), 0);
+    return select_topk_flat(seq, sc.ws(), c.view(), nullptr, total, c.floors.data(), out.cu.data(), out.pos.data());
+  };
+  (void)call();
+  sc.allocate();
+  if (!call().ok()) out.pos.clear();
+  return out;
 }
 
+enum class impl { kvevict, nth_element_sort, partial_sort };
+const char* impl_name(impl i) {
+  return i == impl::kvevict ? "kvevict" : i == impl::nth_element_sort ? "nth_element_sort" : "partial_sort";
+}
+
+template <class Backend>
+void run(benchmark::State& st, index_t R, index_t T, index_t k, const std::string& dist, op o, impl which, Backend be) {
+  const auto& c = get_case(R, T, k, dist);
+  const int threads = std::is_same_v<Backend, par_t> ? par_threads() : 1;
+  selection out;
+  if (which == impl::kvevict)
+    run_kvevict(st, c, o, be, out);
+  else
+    run_baseline(st, c, o, which == impl::nth_element_sort ? baseline::select_algo::nth_element
+                                                           : baseline::select_algo::partial_sort,
+                 threads, out);
+  st.SetItemsProcessed(static_cast<std::int64_t>(st.iterations()) * R * T);
+  const selection ref = reference(c, o);
+  if (ref.pos.empty() && !out.pos.empty()) return fail(st, "no reference");
+  if (ref.pos != out.pos || ref.cu != out.cu) fail(st, std::string(impl_name(which)) + " kept other positions than kvevict seq");
+}
+
+void reg(op o, index_t R, index_t T, index_t k, const std::string& dist, bool with_partial_sort) {
+  const params p = params().add("rows", R).add("T", T).add("k", k).add("scores", dist);
+  std::vector<impl> impls = {impl::kvevict, impl::nth_element_sort};
+  if (with_partial_sort) impls.push_back(impl::partial_sort);
+  for (impl i : impls) {
+    // the flattened baseline is single-threaded (one nth_element over the layer)
+    add(bench_name("select", op_name(o), impl_name(i), "seq", p),
+        [=](benchmark::State& st) { run(st, R, T, k, dist, o, i, seq); });
+    if (o != op::flat || i == impl::kvevict)
+      add(bench_name("select", op_name(o), impl_name(i), "par", p),
+          [=](benchmark::State& st) { run(st, R, T, k, dist, o, i, par); });
+  }
+}
+
+void register_benchmarks() {
+  if (smoke()) {
+    reg(op::dense, 4, 512, 64, "attn", true);
+    reg(op::dense, 3, 300, 40, "uniform", true);
+    reg(op::ragged, 4, 512, 64, "attn", false);
+    reg(op::flat, 4, 512, 64, "attn", false);
+    return;
+  }
+  // the targets' shapes (docs/PERFORMANCE.md), both distributions
+  for (const char* dist : {"uniform", "attn"}) {
+    reg(op::dense, 8, 32768, 2048, dist, true);
+    reg(op::dense, 32, 131072, 4096, dist, true);
+  }
+  // engine shapes: one row per KV head (8), contexts 4K / 32K / 128K, budgets 128 .. 4096
+  for (index_t T : {4096, 32768, 131072}) {
+    for (index_t k : budgets_for(T, true)) reg(op::dense, 8, T, k, "attn", k <= 1024);
+    reg(op::ragged, 8, T, 1024, "attn", false);
+    reg(op::flat, 8, T, 1024, "attn", false);
+    reg(op::flat, 32, T, 1024, "attn", false);
+  }
+  // the reference runner's shape: 4 KV heads x 512 tokens, k = 64
+  reg(op::dense, 4, runner_context, 64, "attn", true);
+  reg(op::ragged, 4, runner_context, 64, "attn", false);
+  reg(op::flat, 4, runner_context, 64, "attn", false);
+}
 }  // namespace
 
-BENCHMARK_CAPTURE(BM_kvevict, seq, seq)->Apply(shapes);
-BENCHMARK_CAPTURE(BM_std, nth_element_sort_seq, baseline::nth_element, false)->Apply(shapes);
-BENCHMARK_CAPTURE(BM_std, partial_sort_seq, baseline::partial_sort, false)->Apply(shapes);
-BENCHMARK_CAPTURE(BM_kvevict, par, par)->Apply(shapes);
-BENCHMARK_CAPTURE(BM_std, nth_element_sort_par, baseline::nth_element, true)->Apply(shapes);
-BENCHMARK_CAPTURE(BM_std, partial_sort_par, baseline::partial_sort, true)->Apply(shapes);
-BENCHMARK_CAPTURE(BM_flat_kvevict, seq, seq)->Args({32, 32768, 2048, 0})->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK_CAPTURE(BM_flat_kvevict, par, par)->Args({32, 32768, 2048, 0})->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK(BM_flat_nth_element)->Args({32, 32768, 2048, 0})->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK_MAIN();
+KVB_MAIN(register_benchmarks)

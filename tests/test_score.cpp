@@ -665,6 +665,41 @@ TEST_CASE("attention_scores: errors are specific and nothing is written") {
   CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.f; }));
 }
 
+TEST_CASE("attention_scores: fp16 x fp16 logits are the same plain or fused, on every kernel") {
+  // fp16 products are exact in fp32, so the plain path may (and on FMA CPUs does) run the fused
+  // kernel: every profile and both modes must give the SSE2 plain bits
+  const int supported = static_cast<int>(detail::score_isa_supported());
+  auto g = kvtest::rng(77);
+  for (int trial = 0; trial < 12; ++trial) {
+    CAPTURE(trial);
+    const index_t hkv = kvtest::uniform_int(g, 1, 3), hq = hkv * kvtest::uniform_int(g, 1, 4);
+    const index_t w = kvtest::uniform_int(g, 1, 20), p = kvtest::uniform_int(g, 0, 500);
+    const index_t d = kvtest::uniform_int(g, 1, 40);
+    // wide magnitudes (fp16 subnormals to ~250) so products span fp16's whole exponent range
+    const float amp = trial % 3 == 0 ? 250.f : trial % 3 == 1 ? 1e-3f : 2.f;
+    cache<float16> q(hq, w, d, trial % 4, g, -amp, amp);
+    cache<float16> k(hkv, p + w, d, (trial + 1) % 4, g, -amp, amp);
+    const auto s = value_of(split_window(k.view, w));
+    score_options opt;
+    opt.reduce = static_cast<score_reduce>(trial % 4);
+    opt.scale = 1.0f / (amp * amp * static_cast<float>(d));  // keep the softmax away from one-hot
+    std::vector<std::vector<float>> outs;
+    for (int cap = 0; cap <= supported; ++cap)
+      for (bool fused : {false, true}) {
+        detail::score_isa_cap().store(cap);
+        opt.fused_multiply_add = fused;
+        outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
+        run_ok([&](workspace& ws) {
+          return attention_scores(par, ws, q.view, s.prefix, s.window,
+                                  value_of(make_matrix_view(outs.back().data(), hq, p + w)), opt);
+        });
+      }
+    detail::score_isa_cap().store(2);
+    for (std::size_t i = 1; i < outs.size(); ++i)
+      REQUIRE(std::memcmp(outs[0].data(), outs[i].data(), outs[0].size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("attention_scores: the SSE2, AVX2 and AVX-512 kernels give identical bits (plain and fused)") {
   const int supported = static_cast<int>(detail::score_isa_supported());
   const std::string best = supported == 2 ? "AVX-512" : supported == 1 ? "AVX2" : "SSE2";

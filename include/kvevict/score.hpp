@@ -323,9 +323,9 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
         const float* cm = cmax + r * pl.nchunks;
         const index_t nvis = vis[r] < oc ? vis[r] : oc;
         if (pl.welford)
-          score_row_welford(row, nvis, oc, cm, st[r], 1.0f / static_cast<float>(i + 1), acc + hh * oc, m2 + hh * oc);
+          score_row_welford(isa, row, nvis, oc, cm, st[r], 1.0f / static_cast<float>(i + 1), acc + hh * oc, m2 + hh * oc);
         else
-          score_row_add(row, nvis, cm, st[r], acc + hh * oc);
+          score_row_add(isa, row, nvis, cm, st[r], acc + hh * oc);
       }
     }
     for (index_t hh = 0; hh < nh; ++hh) {

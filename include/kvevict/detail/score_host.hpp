@@ -208,6 +208,61 @@ KVEVICT_ALWAYS_INLINE void score_widen_key(float* KVEVICT_RESTRICT dst, const K*
   widen_row(dst, src, d, ds);
 }
 
+#if KVEVICT_SCORE_X86_DISPATCH
+// The masked forms with a full mask (compiled to the plain instructions) avoid GCC 12's false
+// -Wmaybe-uninitialized inside the plain intrinsics (which pass an undefined merge source).
+/// 16 consecutive elements of a contiguous key row, widened exactly to fp32 (the values of widen_row).
+template <class K>
+__attribute__((target("avx512f,avx2,f16c"))) KVEVICT_ALWAYS_INLINE __m512 score_load16_avx512(const K* src) {
+  constexpr __mmask16 all = 0xFFFF;
+  if constexpr (std::is_same_v<K, float>) {
+    return _mm512_loadu_ps(src);
+  } else if constexpr (std::is_same_v<K, float16>) {
+    return _mm512_maskz_cvtph_ps(all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  } else {
+    const __m512i h = _mm512_maskz_cvtepu16_epi32(all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, h, 16));
+  }
+}
+
+/// Packs 16 contiguous key rows: o[k * ld + c] = rows[c][k] widened to fp32, for c < 16 and k < d.
+/// 16 x 16 blocks are widened and transposed in registers (unpack, in-lane shuffles, then 128-bit
+/// lane shuffles); the last d % 16 elements of each row one by one. Exact: the same values as the
+/// scalar packing.
+template <class K>
+__attribute__((target("avx512f,avx2,f16c"))) inline void score_pack16_avx512(float* KVEVICT_RESTRICT o, index_t ld,
+                                                                            const K* const* rows, index_t d) {
+  constexpr __mmask16 all = 0xFFFF;
+  index_t k0 = 0;
+  for (; k0 + 16 <= d; k0 += 16) {
+    __m512 r[16], t[16];
+    for (int c = 0; c < 16; ++c) r[c] = score_load16_avx512(rows[c] + k0);
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_maskz_unpacklo_ps(all, r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_maskz_unpackhi_ps(all, r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      r[4 * i] = _mm512_maskz_shuffle_ps(all, t[4 * i], t[4 * i + 2], 0x44);
+      r[4 * i + 1] = _mm512_maskz_shuffle_ps(all, t[4 * i], t[4 * i + 2], 0xEE);
+      r[4 * i + 2] = _mm512_maskz_shuffle_ps(all, t[4 * i + 1], t[4 * i + 3], 0x44);
+      r[4 * i + 3] = _mm512_maskz_shuffle_ps(all, t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 4; ++j) {
+        t[8 * i + j] = _mm512_maskz_shuffle_f32x4(all, r[8 * i + j], r[8 * i + 4 + j], 0x88);
+        t[8 * i + 4 + j] = _mm512_maskz_shuffle_f32x4(all, r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+      }
+    for (int j = 0; j < 8; ++j) {
+      r[j] = _mm512_maskz_shuffle_f32x4(all, t[j], t[j + 8], 0x88);
+      r[j + 8] = _mm512_maskz_shuffle_f32x4(all, t[j], t[j + 8], 0xDD);
+    }
+    for (int kk = 0; kk < 16; ++kk) _mm512_storeu_ps(o + (k0 + kk) * ld, r[kk]);
+  }
+  for (; k0 < d; ++k0)
+    for (int c = 0; c < 16; ++c) widen_row(o + k0 * ld + c, rows[c] + k0, 1, 1);
+}
+#endif
+
 /// Packs keys j0 .. j0+nb-1 of KV head g into [key group of P::nr][d][P::nr] fp32, zero padding up
 /// to a multiple of P::nr. Column j < p is prefix key j, column j >= p block key j - p.
 template <class P, class K>
@@ -217,6 +272,24 @@ KVEVICT_ALWAYS_INLINE void score_pack_keys(float* KVEVICT_RESTRICT dst, float* K
   constexpr index_t nr = P::nr;
   const index_t groups = (nb + nr - 1) / nr;
   for (index_t gi = 0; gi < groups; ++gi) {
+#if KVEVICT_SCORE_X86_DISPATCH
+    if constexpr (std::is_same_v<P, score_profile_avx512>) {
+      // a whole group of contiguous key rows: widen and transpose 16 x 16 blocks in registers
+      if (gi * nr + nr <= nb) {
+        const K* rows[nr];
+        bool contiguous = true;
+        for (index_t c = 0; c < nr; ++c) {
+          const index_t j = j0 + gi * nr + c;
+          rows[c] = j < p ? kv_row(prefix, g, j) : kv_row(block, g, j - p);
+          contiguous = contiguous && (j < p ? prefix.stride(2) : block.stride(2)) == 1;
+        }
+        if (contiguous) {
+          for (index_t c0 = 0; c0 < nr; c0 += 16) score_pack16_avx512(dst + gi * d * nr + c0, nr, rows + c0, d);
+          continue;
+        }
+      }
+    }
+#endif
     // widen the group's keys into tmp[nr][d] (contiguous, vectorised), then transpose into
     // [d][nr] by 4 x 4 blocks
     for (index_t c = 0; c < nr; ++c) {
@@ -456,6 +529,13 @@ void score_block_softmax_dispatch(score_isa isa, bool fused, float* buf, index_t
 #define KVEVICT_SCORE_BLOCK_CALL                                                                                 \
   (buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p, cols, scale, vis, cmax, nchunks, st)
 #if KVEVICT_SCORE_X86_DISPATCH
+  // The product of two fp16 values is exact in fp32 (11 + 11 significant bits; |product| within
+  // [2^-48, 2^32], far inside fp32's normal range), so rounding q*k and then the sum gives the same
+  // bits as one fused multiply-add: fp16 x fp16 logits take the (faster) fused kernel whenever the
+  // CPU has FMA. Not for bf16 (its products can overflow or underflow in fp32) or fp32.
+  if constexpr (std::is_same_v<Q, float16> && std::is_same_v<K, float16>) {
+    if (isa == score_isa::avx512 || (isa == score_isa::avx2 && score_cpu_has_fma())) fused = true;
+  }
   if (isa == score_isa::avx512)
     return fused ? score_block_softmax<score_profile_avx512, true> KVEVICT_SCORE_BLOCK_CALL
                  : score_block_softmax<score_profile_avx512, false> KVEVICT_SCORE_BLOCK_CALL;
@@ -475,9 +555,12 @@ inline float score_chunk_factor(float chunk_max, softmax_stats row) {
   return softmax_exp(chunk_max - row.max) / row.sum;
 }
 
-/// acc[j] += p_j for j < n (n = visible output columns of the row).
-inline void score_row_add(const float* KVEVICT_RESTRICT e, index_t n, const float* KVEVICT_RESTRICT cmax,
-                          softmax_stats row, float* KVEVICT_RESTRICT acc) {
+/// acc[j] += p_j for j < n (n = visible output columns of the row): each product e_j * f and each
+/// sum separately rounded, whatever the compiler flags (compiled like the panel kernels).
+KVEVICT_ALWAYS_INLINE void score_row_add_body(const float* KVEVICT_RESTRICT e, index_t n,
+                                              const float* KVEVICT_RESTRICT cmax, softmax_stats row,
+                                              float* KVEVICT_RESTRICT acc) {
+  KVEVICT_FP_CONTRACT_OFF
   for (index_t c0 = 0, c = 0; c0 < n; c0 += score_chunk, ++c) {
     const float f = score_chunk_factor(cmax[c], row);
     const index_t end = n - c0 < score_chunk ? n : c0 + score_chunk;
@@ -487,15 +570,70 @@ inline void score_row_add(const float* KVEVICT_RESTRICT e, index_t n, const floa
 
 /// Welford update of every output column with this row's probability (0 for the columns in
 /// [n_visible, n_out) the row does not see). inv_count = 1 / (rows pushed so far, this one included).
-inline void score_row_welford(const float* KVEVICT_RESTRICT e, index_t n_visible, index_t n_out,
-                              const float* KVEVICT_RESTRICT cmax, softmax_stats row, float inv_count,
-                              float* KVEVICT_RESTRICT mean, float* KVEVICT_RESTRICT m2) {
+KVEVICT_ALWAYS_INLINE void score_row_welford_body(const float* KVEVICT_RESTRICT e, index_t n_visible, index_t n_out,
+                                                  const float* KVEVICT_RESTRICT cmax, softmax_stats row,
+                                                  float inv_count, float* KVEVICT_RESTRICT mean,
+                                                  float* KVEVICT_RESTRICT m2) {
+  KVEVICT_FP_CONTRACT_OFF
   for (index_t c0 = 0, c = 0; c0 < n_visible; c0 += score_chunk, ++c) {
     const float f = score_chunk_factor(cmax[c], row);
     const index_t end = n_visible - c0 < score_chunk ? n_visible : c0 + score_chunk;
     for (index_t j = c0; j < end; ++j) welford_push(mean[j], m2[j], e[j] * f, inv_count);
   }
   for (index_t j = n_visible; j < n_out; ++j) welford_push(mean[j], m2[j], 0.0f, inv_count);
+}
+
+// The row accumulation is dispatched like the panel kernels (wider vectors; the same bits on every
+// profile, FMA contraction off everywhere).
+#define KVEVICT_SCORE_ADD_ARGS                                                                     \
+  const float *KVEVICT_RESTRICT e, index_t n, const float *KVEVICT_RESTRICT cmax, softmax_stats row, \
+      float *KVEVICT_RESTRICT acc
+#define KVEVICT_SCORE_WELFORD_ARGS                                                                       \
+  const float *KVEVICT_RESTRICT e, index_t n_visible, index_t n_out, const float *KVEVICT_RESTRICT cmax,  \
+      softmax_stats row, float inv_count, float *KVEVICT_RESTRICT mean, float *KVEVICT_RESTRICT m2
+KVEVICT_NO_CONTRACT inline void score_row_add_sse2(KVEVICT_SCORE_ADD_ARGS) { score_row_add_body(e, n, cmax, row, acc); }
+KVEVICT_NO_CONTRACT inline void score_row_welford_sse2(KVEVICT_SCORE_WELFORD_ARGS) {
+  score_row_welford_body(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
+}
+#if KVEVICT_SCORE_X86_DISPATCH
+__attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void score_row_add_avx2(KVEVICT_SCORE_ADD_ARGS) {
+  score_row_add_body(e, n, cmax, row, acc);
+}
+__attribute__((target("avx512f,avx2"))) KVEVICT_NO_CONTRACT inline void score_row_add_avx512(KVEVICT_SCORE_ADD_ARGS) {
+  score_row_add_body(e, n, cmax, row, acc);
+}
+__attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void score_row_welford_avx2(KVEVICT_SCORE_WELFORD_ARGS) {
+  score_row_welford_body(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
+}
+__attribute__((target("avx512f,avx2"))) KVEVICT_NO_CONTRACT inline void score_row_welford_avx512(
+    KVEVICT_SCORE_WELFORD_ARGS) {
+  score_row_welford_body(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
+}
+#endif
+#undef KVEVICT_SCORE_ADD_ARGS
+#undef KVEVICT_SCORE_WELFORD_ARGS
+
+/// acc[j] += p_j for j < n, on the active profile.
+inline void score_row_add(score_isa isa, const float* e, index_t n, const float* cmax, softmax_stats row, float* acc) {
+#if KVEVICT_SCORE_X86_DISPATCH
+  if (isa == score_isa::avx512) return score_row_add_avx512(e, n, cmax, row, acc);
+  if (isa == score_isa::avx2) return score_row_add_avx2(e, n, cmax, row, acc);
+#else
+  (void)isa;
+#endif
+  score_row_add_sse2(e, n, cmax, row, acc);
+}
+
+/// The Welford update of score_row_welford_body, on the active profile.
+inline void score_row_welford(score_isa isa, const float* e, index_t n_visible, index_t n_out, const float* cmax,
+                              softmax_stats row, float inv_count, float* mean, float* m2) {
+#if KVEVICT_SCORE_X86_DISPATCH
+  if (isa == score_isa::avx512) return score_row_welford_avx512(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
+  if (isa == score_isa::avx2) return score_row_welford_avx2(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
+#else
+  (void)isa;
+#endif
+  score_row_welford_sse2(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
 }
 
 // ---- host threading with a per-thread scratch slot ---------------------------------------------

@@ -13,7 +13,7 @@
 //
 // which scripts/bench and bench/report.py parse to pair every kvevict measurement with its
 // baselines (same stage, op and params, measured in the same run). Every benchmark measures wall
-// time (UseRealTime) in microseconds.
+// time (UseRealTime; bench_driver: manual timing of the driver's part, add_manual) in microseconds.
 //
 // Modes:
 //   full (default)   the shapes an engine sees (docs/PERFORMANCE.md lists them)
@@ -130,6 +130,17 @@ inline benchmark::internal::Benchmark* add(const std::string& name, body fn) {
   auto* b = benchmark::RegisterBenchmark(name.c_str(), [fn](benchmark::State& st) { fn(st); });
   b->UseRealTime()->Unit(benchmark::kMicrosecond);
   // the fastest repetition next to the median: on a shared machine interference only adds time
+  b->ComputeStatistics("min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
+  if (smoke()) b->Iterations(1);
+  return b;
+}
+
+/// As add(), with manual timing: the body times what it measures itself (state.SetIterationTime,
+/// seconds) so the untimed work of an iteration (e.g. the forward pass a driver benchmark stands
+/// in for) is left out. The name gets Google Benchmark's /manual_time suffix (report.py ignores it).
+inline benchmark::internal::Benchmark* add_manual(const std::string& name, body fn) {
+  auto* b = benchmark::RegisterBenchmark(name.c_str(), [fn](benchmark::State& st) { fn(st); });
+  b->UseManualTime()->Unit(benchmark::kMicrosecond);
   b->ComputeStatistics("min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
   if (smoke()) b->Iterations(1);
   return b;

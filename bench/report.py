@@ -51,7 +51,8 @@ def load(raw):
             unit = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[b.get("time_unit", "us")]
             r[agg] = b["real_time"] * unit
             if agg == "median":
-                for c in ("score_us", "alloc_us", "select_us", "compact_us", "bytes_per_second", "cv", "threads"):
+                for c in ("score_us", "alloc_us", "select_us", "compact_us", "bytes_per_second", "cv", "threads",
+                          "per_chunk_us", "chunks", "add_layer_us", "decide_us"):
                     if c in b:
                         r[c] = b[c]
     for r in rows.values():
@@ -138,6 +139,25 @@ def targets(rows):
                 goal = "> 1" if impl.startswith("torch") else "(reported)"
                 add(f"SnapKV eviction of a layer faster than {impl}", f"{k[3]} {k[4]}", a["median"], b["median"], r,
                     rm, goal, r > 1 if impl.startswith("torch") else None)
+    return out
+
+
+def driver_rows(rows):
+    """bench_driver: the chunked patched driver against naive chunking and post-fill eviction of the same
+    prompt at the same budget (per case and backend), and its par speed-up."""
+    out = []
+    for k, a in sorted(rows.items()):
+        if k[0] != "driver" or k[2] != "kvevict":
+            continue
+        naive = get(rows, "driver", k[1], "kvevict_naive", k[3], k[4])
+        post = get(rows, "driver", k[1], "kvevict_post_fill", k[3], k[4])
+        par = get(rows, "driver", k[1], "kvevict", "par", k[4]) if k[3] == "seq" else None
+        out.append({"alloc": k[1], "backend": k[3], "params": k[4], "patched_us": a["median"],
+                    "patched_min_us": a["min"], "per_chunk_us": a.get("per_chunk_us"), "chunks": a.get("chunks"),
+                    "naive_us": naive["median"] if naive else None, "post_fill_us": post["median"] if post else None,
+                    "vs_post_fill": a["median"] / post["median"] if post else None,
+                    "vs_post_fill_min": a["min"] / post["min"] if post else None,
+                    "seq_over_par": a["median"] / par["median"] if par else None})
     return out
 
 
@@ -326,6 +346,26 @@ def write_doc(doc, raw, rows, tg, sc, made):
         L.append(f"| {s['stage']} | {s['op']} | {s['impl']} | `{s['params']}` | {fmt_us(s['seq_us'])} | "
                  f"{fmt_us(s['par_us'])} | {s['speedup']:.2f} |")
     L += [""]
+    dr = driver_rows(rows)
+    if dr:
+        L += ["### Chunked patched driver vs naive chunking and post-fill eviction", "",
+              "The driver's work over the whole prompt (add_layer + decide + compact_inplace of K, V and positions "
+              "per chunk; the forward pass and the queries are synthetic and not timed): chunked patched, its mean "
+              "per chunk, chunked naive, and post-fill eviction of the same prompt at the same budget.", "",
+              "| allocator | backend | params | patched | per chunk | chunks | naive | post-fill | patched ÷ post-fill "
+              "(medians / mins) | seq ÷ par |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+        def r2(x):
+            return "–" if x is None else f"{x:.2f}"
+
+        for d in dr:
+            chunks = "–" if d["chunks"] is None else f"{d['chunks']:.0f}"
+            L.append(f"| {d['alloc']} | {d['backend']} | `{d['params']}` | {fmt_us(d['patched_us'])} | "
+                     f"{fmt_us(d['per_chunk_us'])} | {chunks} | {fmt_us(d['naive_us'])} | "
+                     f"{fmt_us(d['post_fill_us'])} | {r2(d['vs_post_fill'])} / {r2(d['vs_post_fill_min'])} | "
+                     f"{r2(d['seq_over_par'])} |")
+        L += [""]
     if made:
         L += ["### Plots", ""] + [f"![{m}](performance/{m})" for m in made] + [""]
     L += ["### Every case, with its baselines", "", "Time per call (median of the repetitions); in parentheses "
@@ -361,7 +401,7 @@ def main():
     tg, sc = targets(rows), scaling(rows)
     made = plots(rows, a.out)
     with open(os.path.join(a.out, "summary.json"), "w") as f:
-        json.dump({"targets": tg, "scaling": sc, "plots": made}, f, indent=1)
+        json.dump({"targets": tg, "scaling": sc, "driver": driver_rows(rows), "plots": made}, f, indent=1)
     write_doc(a.doc, a.raw, rows, tg, sc, made)
     met = sum(1 for t in tg if t["met"]), sum(1 for t in tg if t["met"] is False)
     print(f"bench/report.py: {len(rows)} cases, {len(tg)} target rows ({met[0]} met, {met[1]} not met), "

@@ -431,12 +431,11 @@ class evictor {
     prefill_s_ = seconds_since(t0);
     keep_logits(run);
     t0 = std::chrono::steady_clock::now();
-    // budgets: the cache goes back to B per head (a prompt shorter than B is not the bound here)
+    // budgets: the cache goes back to B per head; the allocation is made for a sequence of
+    // max(B, P) tokens (a prompt shorter than B does not bound it; PyramidKV's shape is computed
+    // over the prompt when B < P)
     const index_t bound = std::max(o_.budget, P);
     KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
-    if (allocator_of(o_) == allocator_kind::pyramid)  // the pyramid over the prompt (its shape needs N)
-      KVEVICT_TRY(make_allocation(c, allocator_kind::pyramid, std::min(o_.budget, P), P, {rec_.n_sink, rec_.n_recent},
-                                  nullptr, alloc_));
     kvevict::decode_config dc;
     dc.model = shape_of(c);
     dc.capacity = std::min<index_t>(cache.capacity(), bound + o_.evict_every);

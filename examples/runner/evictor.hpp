@@ -304,7 +304,7 @@ class evictor {
       cc.rec = rec_;
       cc.total = alloc_.alloc.total;
       cc.split = a == allocator_kind::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
-      cc.weight = a == allocator_kind::lava ? kvevict::layer_weight::lava_entropy : kvevict::layer_weight::caller;
+      cc.weight = a == allocator_kind::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
       const auto bytes = kvevict::cascade_driver::state_bytes(cc);
       if (!bytes) return bytes.error();
       KVEVICT_TRY(cd_.init(cc, scratch_.state_for(*bytes), *bytes, rec));

@@ -199,6 +199,8 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
       if (std::string(f) != "evict_ms" && std::string(f) != "prefill_ms")
         CHECK(mean[f].num == doctest::Approx((per[f][0].num + per[f][1].num) / 2).epsilon(1e-8));
     }
+    CHECK(row["sem"]["kl"].num >= 0.0);
+    CHECK(row["sem"]["agreement"].num >= 0.0);
     CHECK(mean["recall"].num >= 0.0);
     CHECK(mean["recall"].num <= 1.0);
     CHECK(mean["footprint"].num > 0.0);

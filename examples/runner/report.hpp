@@ -96,6 +96,8 @@ struct config_result {
   // over the prompts: means, and medians of the times
   double recall = 0.0, kl = 0.0, agreement = 0.0, footprint = 0.0, peak = 0.0, evict_ms = 0.0, prefill_ms = 0.0,
          kept = 0.0;
+  // standard errors of the means (sample standard deviation / sqrt(prompts); 0 for one prompt)
+  double recall_sem = 0.0, kl_sem = 0.0, agreement_sem = 0.0;
 };
 
 struct report_result {
@@ -431,6 +433,18 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
     cr.footprint /= dn;
     cr.peak /= dn;
     cr.kept /= dn;
+    if (n > 1) {
+      double vr = 0.0, vk = 0.0, va = 0.0;
+      for (const prompt_result& r : cr.prompts) {
+        vr += (r.recall - cr.recall) * (r.recall - cr.recall);
+        vk += (r.kl - cr.kl) * (r.kl - cr.kl);
+        va += (static_cast<double>(r.agreement) - cr.agreement) * (static_cast<double>(r.agreement) - cr.agreement);
+      }
+      const double f = 1.0 / (dn - 1.0) / dn;
+      cr.recall_sem = std::sqrt(vr * f);
+      cr.kl_sem = std::sqrt(vk * f);
+      cr.agreement_sem = std::sqrt(va * f);
+    }
     cr.evict_ms = detail::median(ev);
     cr.prefill_ms = detail::median(pf);
     out.rows.push_back(std::move(cr));
@@ -588,6 +602,12 @@ inline std::string report_json(const report_result& r, const std::string& model_
     num(c.peak);
     s += ", \"kept\": ";
     num(c.kept);
+    s += "}, \"sem\": {\"recall\": ";
+    num(c.recall_sem);
+    s += ", \"kl\": ";
+    num(c.kl_sem);
+    s += ", \"agreement\": ";
+    num(c.agreement_sem);
     s += "}, \"median\": {\"evict_ms\": ";
     num(c.evict_ms);
     s += ", \"prefill_ms\": ";

@@ -51,7 +51,7 @@ inline const char* method_colour(method m) {
     case method::tova: return "#bcbd22";
     case method::snapkv: return "#1f77b4";
     case method::pyramidkv: return "#17becf";
-    case method::knorm: return "#c7a600";
+    case method::knorm: return "#8c6d31";
     case method::vatp: return "#9467bd";
     case method::adakv: return "#2ca02c";
     case method::cake: return "#ff7f0e";
@@ -111,7 +111,7 @@ inline std::string report_svg(const report_result& r, const std::string& model_n
   if (!(klmin <= klmax)) klmin = 1e-3, klmax = 1.0;
   const double lo = std::floor(std::log10(klmin)), hi = std::max(lo + 1.0, std::ceil(std::log10(klmax)));
   const double xl = std::log2(bmin) - 0.3, xh = std::log2(bmax) + 0.3 + (bmin == bmax ? 0.4 : 0.0);
-  const double W = 1180, H = 580;
+  const double W = 1250, H = 580;
   const svg_panel kl{80, 70, 400, 400, xl, xh, lo, hi};
   const svg_panel rc{560, 70, 400, 400, xl, xh, 0.0, 1.0};
 

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -55,7 +56,7 @@ struct options {
   // report
   bool report = false;
   std::string out_dir = ".";
-  kvevict::index_t prompts = 16;
+  kvevict::index_t prompts = 32;
   std::vector<kvevict::index_t> budgets{16, 32, 64, 128};
   std::vector<std::string> recipes, drivers;
   bool all_drivers = false;
@@ -119,6 +120,8 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
     if (b < 1 || b > model.cfg().seq_len)
       return fail("--budgets: " + std::to_string(b) + " is outside [1, " + std::to_string(model.cfg().seq_len) + "]");
   if (o.prompts < 1) return fail("--prompts must be >= 1, got " + std::to_string(o.prompts));
+  if (std::error_code ec; !std::filesystem::is_directory(o.out_dir, ec))
+    return fail("--out-dir " + o.out_dir + " is not a directory");
   if (o.calibration < 1) return fail("--calibration must be >= 1, got " + std::to_string(o.calibration));
   std::vector<kvrun::report_config> configs;
   if (auto st = kvrun::report_configs(model.cfg(), r, configs); !st.ok()) return fail("", st);

@@ -1,7 +1,7 @@
 // The per-element logic of the CUDA attention-score kernels, run on the host in the kernels'
 // decomposition (tests/score_device_emulation.hpp: tiles, statistics runs, splits, the merge's lanes
 // and shuffle tree, head-aligned blocks, per-column pushes), against a naive double-precision
-// reference with the bound stated in docs/cuda-score.md, and against attention_scores on seq (NaN
+// reference with the bound stated in docs/cuda.md, and against attention_scores on seq (NaN
 // pattern identical, values within both bounds). Random inputs in float, float16 and bfloat16, every
 // reduce mode, with and without block keys, prefix or all columns, GQA-reduced output (which must
 // equal gqa_reduce of the per-head output bit for bit), NaN and infinities.
@@ -123,7 +123,7 @@ reference naive(const kv_view<const QE>& q, const kv_view<const KE>& prefix, con
   return ref;
 }
 
-// The device's relative error bound of one probability (docs/cuda-score.md): two logits' rounding,
+// The device's relative error bound of one probability (docs/cuda.md): two logits' rounding,
 // the exp and division, the row sum (a run of 32 additions, then one merge per level of the merge
 // chain, each an exp, a product and a sum), the reduction over the w rows.
 double device_rel(double dot, const detail::cuda_score_plan& pl, index_t w) {

@@ -97,13 +97,19 @@ inline status check_ragged_positions(const char* fn, const ragged_positions& kep
   return {};
 }
 
-template <class T>
-status check_ragged_rows(const char* fn, const char* name, const T* data, index_t dim, index_t row_stride,
-                         index_t rows) {
+/// dim >= 0 and row_stride >= max(dim, 1) (no data read).
+inline status check_ragged_layout(const char* fn, const char* name, index_t dim, index_t row_stride) {
   if (dim < 0) return status::error(errc::invalid_argument, "%s: %s.dim is negative", fn, name);
   if (row_stride < dim || row_stride <= 0)
     return status::error(errc::invalid_argument, "%s: %s.row_stride (%lld) must be positive and >= dim (%lld)", fn,
                          name, static_cast<long long>(row_stride), static_cast<long long>(dim));
+  return {};
+}
+
+template <class T>
+status check_ragged_rows(const char* fn, const char* name, const T* data, index_t dim, index_t row_stride,
+                         index_t rows) {
+  KVEVICT_TRY(check_ragged_layout(fn, name, dim, row_stride));
   index_t total = 0;
   if (!checked_mul(rows, row_stride, total) || !checked_mul(total, static_cast<index_t>(sizeof(T)), total))
     return status::error(errc::size_overflow, "%s: %s rows x row_stride overflows", fn, name);
@@ -129,6 +135,57 @@ inline status overlap_error(const char* fn, const char* a, const char* b) {
   return status::error(errc::overlap, "%s: %s and %s overlap in memory%s", fn, a, b,
                        " (use compact_inplace to compact a cache onto itself)");
 }
+
+/// Shapes of a gather into per-head ragged rows (ragged_view or ragged_cache): src view, head
+/// counts, head dims, the destination's row layout. Reads no offsets.
+template <class T>
+status check_compact_ragged_shape(const char* fn, const kv_view<const T>& src, index_t kept_heads, index_t dst_heads,
+                                  index_t dst_dim, index_t dst_row_stride) {
+  KVEVICT_TRY(check_view(fn, "src", src));
+  if (kept_heads != src.extent(0) || dst_heads != src.extent(0))
+    return status::error(errc::shape_mismatch, "%s: head counts differ (src %lld, kept %lld, dst %lld)", fn,
+                         static_cast<long long>(src.extent(0)), static_cast<long long>(kept_heads),
+                         static_cast<long long>(dst_heads));
+  if (dst_dim != src.extent(2))
+    return status::error(errc::shape_mismatch, "%s: head dims differ (src %lld, dst %lld)", fn,
+                         static_cast<long long>(src.extent(2)), static_cast<long long>(dst_dim));
+  return check_ragged_layout(fn, "dst", dst_dim, dst_row_stride);
+}
+
+/// In place on a dense cache: views, head counts, kept stored inside the cache.
+template <class T>
+status check_inplace_dense_shape(const char* fn, const kv_view<T>& cache, const matrix_view<const pos_t>& kept) {
+  KVEVICT_TRY(check_view(fn, "cache", cache));
+  KVEVICT_TRY(check_view(fn, "kept", kept));
+  if (kept.extent(0) != cache.extent(0))
+    return status::error(errc::shape_mismatch, "%s: kept has %lld heads, the cache %lld", fn,
+                         static_cast<long long>(kept.extent(0)), static_cast<long long>(cache.extent(0)));
+  if (range_of(kept).intersects(range_of(cache))) return overlap_error(fn, "kept", "cache");
+  return {};
+}
+
+/// In place on a ragged cache: head counts, lens present, the cache's row layout.
+template <class T>
+status check_inplace_ragged_shape(const char* fn, const ragged_cache<T>& cache, const ragged_positions& kept) {
+  if (kept.heads != cache.heads)
+    return status::error(errc::shape_mismatch, "%s: kept has %lld heads, the cache %lld", fn,
+                         static_cast<long long>(kept.heads), static_cast<long long>(cache.heads));
+  if (cache.lens == nullptr && cache.heads > 0) return status::error(errc::null_pointer, "%s: cache.lens is null", fn);
+  return check_ragged_layout(fn, "cache", cache.dim, cache.row_stride);
+}
+
+/// Append: rows view, lens present, rows' heads and dim matching the cache's.
+template <class T>
+status check_append_shape(const char* fn, const ragged_cache<T>& cache, const kv_view<const T>& rows) {
+  KVEVICT_TRY(check_view(fn, "rows", rows));
+  if (cache.lens == nullptr && cache.heads > 0) return status::error(errc::null_pointer, "%s: cache.lens is null", fn);
+  if (rows.extent(0) != cache.heads || rows.extent(2) != cache.dim)
+    return status::error(errc::shape_mismatch, "%s: rows are [%lld][*][%lld] but the cache has %lld heads of dim %lld",
+                         fn, static_cast<long long>(rows.extent(0)), static_cast<long long>(rows.extent(2)),
+                         static_cast<long long>(cache.heads), static_cast<long long>(cache.dim));
+  return {};
+}
+
 
 /// Shape and aliasing checks of the dense gather, shared by every backend (CUDA included: they
 /// read only extents and pointers, never device memory).
@@ -181,12 +238,7 @@ status compact(Backend be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_
 template <class Backend, class T>
 status compact_inplace(Backend be, kv_view<T> cache, matrix_view<const pos_t> kept) {
   constexpr const char* fn = "compact_inplace";
-  KVEVICT_TRY(detail::check_view(fn, "cache", cache));
-  KVEVICT_TRY(detail::check_view(fn, "kept", kept));
-  if (kept.extent(0) != cache.extent(0))
-    return status::error(errc::shape_mismatch, "%s: kept has %lld heads, the cache %lld", fn,
-                         static_cast<long long>(kept.extent(0)), static_cast<long long>(cache.extent(0)));
-  if (detail::range_of(kept).intersects(detail::range_of(cache))) return detail::overlap_error(fn, "kept", "cache");
+  KVEVICT_TRY(detail::check_inplace_dense_shape(fn, cache, kept));
   KVEVICT_TRY(detail::check_kept_matrix(fn, kept, cache.extent(1), /*ascending=*/true));
   const index_t k = kept.extent(1), dim = cache.extent(2);
   detail::parallel_for(be, cache.extent(0), [&](index_t h) {
@@ -207,20 +259,13 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_view
   static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
   constexpr const char* fn = "compact";
   const kv_view<const T> src = src_in;
-  KVEVICT_TRY(detail::check_view(fn, "src", src));
+  KVEVICT_TRY(detail::check_compact_ragged_shape(fn, src, kept.heads, dst.heads, dst.dim, dst.row_stride));
   KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
-  if (kept.heads != src.extent(0) || dst.heads != src.extent(0))
-    return status::error(errc::shape_mismatch, "%s: head counts differ (src %lld, kept %lld, dst %lld)", fn,
-                         static_cast<long long>(src.extent(0)), static_cast<long long>(kept.heads),
-                         static_cast<long long>(dst.heads));
   KVEVICT_TRY(detail::check_offsets(fn, "dst.cu_lens", dst.cu_lens, dst.heads));
   for (index_t h = 0; h <= dst.heads; ++h)
     if (dst.cu_lens[h] != kept.cu[h])
       return status::error(errc::shape_mismatch, "%s: dst.cu_lens[%lld] = %d but kept.cu[%lld] = %d", fn,
                            static_cast<long long>(h), dst.cu_lens[h], static_cast<long long>(h), kept.cu[h]);
-  if (dst.dim != src.extent(2))
-    return status::error(errc::shape_mismatch, "%s: head dims differ (src %lld, dst %lld)", fn,
-                         static_cast<long long>(src.extent(2)), static_cast<long long>(dst.dim));
   KVEVICT_TRY(detail::check_ragged_rows(fn, "dst", dst.data, dst.dim, dst.row_stride, dst.total_rows()));
   const auto dst_range = detail::rows_range(dst.data, dst.total_rows(), dst.row_stride);
   if (detail::range_of(src).intersects(dst_range)) return detail::overlap_error(fn, "src", "dst");
@@ -244,17 +289,10 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_cach
   static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
   constexpr const char* fn = "compact";
   const kv_view<const T> src = src_in;
-  KVEVICT_TRY(detail::check_view(fn, "src", src));
-  KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
-  if (kept.heads != src.extent(0) || dst.heads != src.extent(0))
-    return status::error(errc::shape_mismatch, "%s: head counts differ (src %lld, kept %lld, dst %lld)", fn,
-                         static_cast<long long>(src.extent(0)), static_cast<long long>(kept.heads),
-                         static_cast<long long>(dst.heads));
-  KVEVICT_TRY(detail::check_offsets(fn, "dst.cu_capacity", dst.cu_capacity, dst.heads));
+  KVEVICT_TRY(detail::check_compact_ragged_shape(fn, src, kept.heads, dst.heads, dst.dim, dst.row_stride));
   if (dst.lens == nullptr && dst.heads > 0) return status::error(errc::null_pointer, "%s: dst.lens is null", fn);
-  if (dst.dim != src.extent(2))
-    return status::error(errc::shape_mismatch, "%s: head dims differ (src %lld, dst %lld)", fn,
-                         static_cast<long long>(src.extent(2)), static_cast<long long>(dst.dim));
+  KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
+  KVEVICT_TRY(detail::check_offsets(fn, "dst.cu_capacity", dst.cu_capacity, dst.heads));
   const index_t rows = dst.heads > 0 ? dst.cu_capacity[dst.heads] : 0;
   KVEVICT_TRY(detail::check_ragged_rows(fn, "dst", dst.data, dst.dim, dst.row_stride, rows));
   for (index_t h = 0; h < dst.heads; ++h)
@@ -282,12 +320,9 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_cach
 template <class Backend, class T>
 status compact_inplace(Backend be, ragged_cache<T> cache, ragged_positions kept) {
   constexpr const char* fn = "compact_inplace";
+  KVEVICT_TRY(detail::check_inplace_ragged_shape(fn, cache, kept));
   KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
-  if (kept.heads != cache.heads)
-    return status::error(errc::shape_mismatch, "%s: kept has %lld heads, the cache %lld", fn,
-                         static_cast<long long>(kept.heads), static_cast<long long>(cache.heads));
   KVEVICT_TRY(detail::check_offsets(fn, "cache.cu_capacity", cache.cu_capacity, cache.heads));
-  if (cache.lens == nullptr && cache.heads > 0) return status::error(errc::null_pointer, "%s: cache.lens is null", fn);
   const index_t rows = cache.heads > 0 ? cache.cu_capacity[cache.heads] : 0;
   KVEVICT_TRY(detail::check_ragged_rows(fn, "cache", cache.data, cache.dim, cache.row_stride, rows));
   for (index_t h = 0; h < cache.heads; ++h)
@@ -316,13 +351,8 @@ status append(Backend be, ragged_cache<T> cache, kv_view<S> rows_in) {
   static_assert(std::is_same_v<std::remove_const_t<S>, T>, "append: cache and rows element types differ");
   constexpr const char* fn = "append";
   const kv_view<const T> rows = rows_in;
-  KVEVICT_TRY(detail::check_view(fn, "rows", rows));
+  KVEVICT_TRY(detail::check_append_shape(fn, cache, rows));
   KVEVICT_TRY(detail::check_offsets(fn, "cache.cu_capacity", cache.cu_capacity, cache.heads));
-  if (cache.lens == nullptr && cache.heads > 0) return status::error(errc::null_pointer, "%s: cache.lens is null", fn);
-  if (rows.extent(0) != cache.heads || rows.extent(2) != cache.dim)
-    return status::error(errc::shape_mismatch, "%s: rows are [%lld][*][%lld] but the cache has %lld heads of dim %lld",
-                         fn, static_cast<long long>(rows.extent(0)), static_cast<long long>(rows.extent(2)),
-                         static_cast<long long>(cache.heads), static_cast<long long>(cache.dim));
   const index_t total = cache.heads > 0 ? cache.cu_capacity[cache.heads] : 0;
   KVEVICT_TRY(detail::check_ragged_rows(fn, "cache", cache.data, cache.dim, cache.row_stride, total));
   const index_t n = rows.extent(1);

@@ -5,6 +5,7 @@
 #include <kvevict/budget.hpp>
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
+#include <kvevict/driver.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/lookahead.hpp>
 #include <kvevict/metrics.hpp>

@@ -279,7 +279,7 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
   score_shape sh;
   KVEVICT_TRY(check_attention_scores(fn, q, prefix, block, out, opt, sh));
   score_plan pl;
-  KVEVICT_TRY(make_score_plan(fn, sh, score_threads(be), opt, pl));
+  KVEVICT_TRY(make_score_plan(fn, sh, thread_count(be), opt, pl));
   if (!ws.is_query() && reinterpret_cast<std::uintptr_t>(ws.data) % alignof(float) != 0)
     return status::error(errc::invalid_argument, "%s: workspace data is not aligned to %zu bytes", fn,
                          alignof(float));
@@ -437,7 +437,7 @@ result<std::size_t> attention_scores_workspace_size(Backend be, index_t query_he
                          static_cast<long long>(sh.cols));
   sh.out_cols = out_cols;
   detail::score_plan pl;
-  KVEVICT_TRY(detail::make_score_plan(fn, sh, detail::score_threads(be), opt, pl));
+  KVEVICT_TRY(detail::make_score_plan(fn, sh, detail::thread_count(be), opt, pl));
   return static_cast<std::size_t>(pl.slot_floats * pl.threads) * sizeof(float);
 }
 

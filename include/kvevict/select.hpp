@@ -79,6 +79,107 @@ struct lengths_of {
   index_t operator()(index_t r) const noexcept { return lengths ? index_t(lengths[r]) : columns; }
 };
 
+// The checks below read only extents and pointers, never the data: every backend (CUDA included,
+// whose data lives in device memory) runs them before anything else.
+
+/// Dense form: the views, kept rows == score rows, kept overlapping scores or row_lengths.
+inline status check_select_dense(const char* fn, const matrix_view<const float>& scores,
+                                 const std::int32_t* row_lengths, const matrix_view<pos_t>& kept) {
+  KVEVICT_TRY(check_select_scores(fn, scores));
+  KVEVICT_TRY(check_view(fn, "kept", kept));
+  const index_t R = scores.extent(0);
+  if (kept.extent(0) != R)
+    return status::error(errc::shape_mismatch, "%s: kept has %lld rows but scores has %lld", fn,
+                         static_cast<long long>(kept.extent(0)), static_cast<long long>(R));
+  const byte_range kept_range = range_of(kept);
+  if (kept_range.intersects(range_of(scores))) return select_overlap(fn, "kept", "scores");
+  if (kept_range.intersects(array_range(row_lengths, R, sizeof(std::int32_t))))
+    return select_overlap(fn, "kept", "row_lengths");
+  return {};
+}
+/// Dense form: the first `used` bytes of the workspace overlapping anything the call touches.
+inline status check_select_dense_ws(const char* fn, const workspace& ws, std::size_t used,
+                                    const matrix_view<const float>& scores, const std::int32_t* row_lengths,
+                                    const matrix_view<pos_t>& kept) {
+  const byte_range ranges[] = {range_of(scores), range_of(kept),
+                               array_range(row_lengths, scores.extent(0), sizeof(std::int32_t))};
+  const char* const names[] = {"scores", "kept", "row_lengths"};
+  return check_ws_overlap(fn, ws, used, ranges, names, 3);
+}
+
+/// Ragged form: the scores and kept.heads == score rows.
+inline status check_select_ragged_heads(const char* fn, const matrix_view<const float>& scores,
+                                        const ragged_positions_out& kept) {
+  KVEVICT_TRY(check_select_scores(fn, scores));
+  if (kept.heads != scores.extent(0))
+    return status::error(errc::shape_mismatch, "%s: kept has %lld heads but scores has %lld rows", fn,
+                         static_cast<long long>(kept.heads), static_cast<long long>(scores.extent(0)));
+  return {};
+}
+/// Ragged form, given `total` = the positions kept.pos holds (kept.cu[R] on the host; -1 when the
+/// offsets are in device memory and unknown: then kept.pos's first element stands for its range).
+inline status check_select_ragged_out(const char* fn, const matrix_view<const float>& scores,
+                                      const std::int32_t* row_lengths, const ragged_positions_out& kept,
+                                      index_t total) {
+  const index_t R = scores.extent(0);
+  if (kept.pos == nullptr && total > 0)
+    return status::error(errc::null_pointer, "%s: kept.pos is null but kept.cu lists %lld positions", fn,
+                         static_cast<long long>(total));
+  const byte_range pos_range = array_range(kept.pos, total < 0 ? 1 : total, sizeof(pos_t));
+  if (pos_range.intersects(range_of(scores))) return select_overlap(fn, "kept.pos", "scores");
+  if (pos_range.intersects(array_range(kept.cu, R + 1, sizeof(std::int32_t))))
+    return select_overlap(fn, "kept.pos", "kept.cu");
+  if (pos_range.intersects(array_range(row_lengths, R, sizeof(std::int32_t))))
+    return select_overlap(fn, "kept.pos", "row_lengths");
+  return {};
+}
+inline status check_select_ragged_ws(const char* fn, const workspace& ws, std::size_t used,
+                                     const matrix_view<const float>& scores, const std::int32_t* row_lengths,
+                                     const ragged_positions_out& kept, index_t total) {
+  const index_t R = scores.extent(0);
+  const byte_range ranges[] = {range_of(scores), array_range(kept.pos, total < 0 ? 1 : total, sizeof(pos_t)),
+                               array_range(kept.cu, R + 1, sizeof(std::int32_t)),
+                               array_range(row_lengths, R, sizeof(std::int32_t))};
+  const char* const names[] = {"scores", "kept.pos", "kept.cu", "row_lengths"};
+  return check_ws_overlap(fn, ws, used, ranges, names, 4);
+}
+
+/// Flattened form: views, kept_cu null, total outside [0, INT32_MAX], outputs overlapping the
+/// inputs or each other (kept_pos holds `total` positions).
+inline status check_select_flat(const char* fn, const matrix_view<const float>& scores,
+                                const std::int32_t* row_lengths, index_t total, const std::int32_t* floors,
+                                const std::int32_t* kept_cu, const pos_t* kept_pos) {
+  KVEVICT_TRY(check_select_scores(fn, scores));
+  const index_t R = scores.extent(0);
+  if (kept_cu == nullptr) return status::error(errc::null_pointer, "%s: kept_cu is null", fn);
+  if (total < 0 || total > INT32_MAX)
+    return status::error(errc::invalid_argument, "%s: total = %lld is outside [0, %d]", fn,
+                         static_cast<long long>(total), INT32_MAX);
+  const byte_range in[] = {range_of(scores), array_range(row_lengths, R, sizeof(std::int32_t)),
+                           array_range(floors, R, sizeof(std::int32_t))};
+  const char* const in_names[] = {"scores", "row_lengths", "floors"};
+  const byte_range cu_range = array_range(kept_cu, R + 1, sizeof(std::int32_t));
+  const byte_range pos_range = array_range(kept_pos, total, sizeof(pos_t));
+  for (int i = 0; i < 3; ++i) {
+    if (cu_range.intersects(in[i])) return select_overlap(fn, "kept_cu", in_names[i]);
+    if (pos_range.intersects(in[i])) return select_overlap(fn, "kept_pos", in_names[i]);
+  }
+  if (pos_range.intersects(cu_range)) return select_overlap(fn, "kept_pos", "kept_cu");
+  return {};
+}
+inline status check_select_flat_ws(const char* fn, const workspace& ws, std::size_t used,
+                                   const matrix_view<const float>& scores, const std::int32_t* row_lengths,
+                                   index_t total, const std::int32_t* floors, const std::int32_t* kept_cu,
+                                   const pos_t* kept_pos) {
+  const index_t R = scores.extent(0);
+  const byte_range ranges[] = {range_of(scores), array_range(row_lengths, R, sizeof(std::int32_t)),
+                               array_range(floors, R, sizeof(std::int32_t)),
+                               array_range(kept_cu, R + 1, sizeof(std::int32_t)),
+                               array_range(kept_pos, total, sizeof(pos_t))};
+  const char* const names[] = {"scores", "row_lengths", "floors", "kept_cu", "kept_pos"};
+  return check_ws_overlap(fn, ws, used, ranges, names, 5);
+}
+
 }  // namespace detail
 
 /// Workspace bytes select_topk (dense or ragged) needs on backend `be` for score rows of
@@ -88,7 +189,7 @@ template <class Backend>
 std::size_t select_topk_workspace_size(Backend be, index_t columns) {
   workspace q;
   detail::workspace_carver carver(q);
-  (void)detail::carve_select_ws(carver, columns < 0 ? 0 : columns, detail::worker_count(be));
+  (void)detail::carve_select_ws(carver, columns < 0 ? 0 : columns, detail::thread_count(be));
   (void)carver.finish("select_topk_workspace_size");
   return q.bytes;
 }
@@ -105,24 +206,13 @@ template <class Backend>
 status select_topk(Backend be, workspace& ws, matrix_view<const float> scores, const std::int32_t* row_lengths,
                    matrix_view<pos_t> kept) {
   constexpr const char* fn = "select_topk";
-  KVEVICT_TRY(detail::check_select_scores(fn, scores));
-  KVEVICT_TRY(detail::check_view(fn, "kept", kept));
+  KVEVICT_TRY(detail::check_select_dense(fn, scores, row_lengths, kept));
   const index_t R = scores.extent(0), T = scores.extent(1), k = kept.extent(1);
-  if (kept.extent(0) != R)
-    return status::error(errc::shape_mismatch, "%s: kept has %lld rows but scores has %lld", fn,
-                         static_cast<long long>(kept.extent(0)), static_cast<long long>(R));
-  const detail::byte_range kept_range = detail::range_of(kept);
-  if (kept_range.intersects(detail::range_of(scores))) return detail::select_overlap(fn, "kept", "scores");
-  if (kept_range.intersects(detail::array_range(row_lengths, R, sizeof(std::int32_t))))
-    return detail::select_overlap(fn, "kept", "row_lengths");
   detail::workspace_carver carver(ws);
-  const detail::select_ws sws = detail::carve_select_ws(carver, T, detail::worker_count(be));
+  const detail::select_ws sws = detail::carve_select_ws(carver, T, detail::thread_count(be));
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
-  const detail::byte_range ranges[] = {detail::range_of(scores), kept_range,
-                                       detail::array_range(row_lengths, R, sizeof(std::int32_t))};
-  const char* const names[] = {"scores", "kept", "row_lengths"};
-  KVEVICT_TRY(detail::check_ws_overlap(fn, ws, carver.used(), ranges, names, 3));
+  KVEVICT_TRY(detail::check_select_dense_ws(fn, ws, carver.used(), scores, row_lengths, kept));
   KVEVICT_TRY(detail::check_row_lengths(fn, row_lengths, R, T));
   const detail::lengths_of len{row_lengths, T};
   for (index_t r = 0; r < R; ++r)
@@ -144,31 +234,16 @@ template <class Backend>
 status select_topk(Backend be, workspace& ws, matrix_view<const float> scores, const std::int32_t* row_lengths,
                    ragged_positions_out kept) {
   constexpr const char* fn = "select_topk";
-  KVEVICT_TRY(detail::check_select_scores(fn, scores));
+  KVEVICT_TRY(detail::check_select_ragged_heads(fn, scores, kept));
   const index_t R = scores.extent(0), T = scores.extent(1);
-  if (kept.heads != R)
-    return status::error(errc::shape_mismatch, "%s: kept has %lld heads but scores has %lld rows", fn,
-                         static_cast<long long>(kept.heads), static_cast<long long>(R));
   KVEVICT_TRY(detail::check_offsets(fn, "kept.cu", kept.cu, R));
   const index_t total = kept.cu[R];
-  if (kept.pos == nullptr && total > 0)
-    return status::error(errc::null_pointer, "%s: kept.pos is null but kept.cu lists %lld positions", fn,
-                         static_cast<long long>(total));
-  const detail::byte_range pos_range = detail::array_range(kept.pos, total, sizeof(pos_t));
-  if (pos_range.intersects(detail::range_of(scores))) return detail::select_overlap(fn, "kept.pos", "scores");
-  if (pos_range.intersects(detail::array_range(kept.cu, R + 1, sizeof(std::int32_t))))
-    return detail::select_overlap(fn, "kept.pos", "kept.cu");
-  if (pos_range.intersects(detail::array_range(row_lengths, R, sizeof(std::int32_t))))
-    return detail::select_overlap(fn, "kept.pos", "row_lengths");
+  KVEVICT_TRY(detail::check_select_ragged_out(fn, scores, row_lengths, kept, total));
   detail::workspace_carver carver(ws);
-  const detail::select_ws sws = detail::carve_select_ws(carver, T, detail::worker_count(be));
+  const detail::select_ws sws = detail::carve_select_ws(carver, T, detail::thread_count(be));
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
-  const detail::byte_range ranges[] = {detail::range_of(scores), pos_range,
-                                       detail::array_range(kept.cu, R + 1, sizeof(std::int32_t)),
-                                       detail::array_range(row_lengths, R, sizeof(std::int32_t))};
-  const char* const names[] = {"scores", "kept.pos", "kept.cu", "row_lengths"};
-  KVEVICT_TRY(detail::check_ws_overlap(fn, ws, carver.used(), ranges, names, 4));
+  KVEVICT_TRY(detail::check_select_ragged_ws(fn, ws, carver.used(), scores, row_lengths, kept, total));
   KVEVICT_TRY(detail::check_row_lengths(fn, row_lengths, R, T));
   const detail::lengths_of len{row_lengths, T};
   for (index_t r = 0; r < R; ++r)
@@ -192,7 +267,7 @@ status select_topk(Backend be, workspace& ws, matrix_view<const float> scores, c
 /// positions, ascending, at kept_pos[kept_cu[r] ..] (room for `total` positions). A budget
 /// allocator that needs only the counts passes kept_pos = nullptr; {kept_pos, kept_cu, R} is a
 /// ragged_positions list for compact().
-/// Workspace: the dense form's plus 16 KiB + 8280 B x R (docs/select.md).
+/// Workspace: the dense form's plus 8240 B x R (docs/select.md).
 /// Errors: the dense form's view, length and workspace errors; total < 0 or > sum of the row
 /// lengths, or > INT32_MAX (invalid_argument); floors[r] outside [0, row_lengths[r]] (out_of_range);
 /// sum(floors) > total (invalid_argument); kept_cu null (null_pointer); kept_cu or kept_pos
@@ -201,29 +276,13 @@ template <class Backend>
 status select_topk_flat(Backend be, workspace& ws, matrix_view<const float> scores, const std::int32_t* row_lengths,
                         index_t total, const std::int32_t* floors, std::int32_t* kept_cu, pos_t* kept_pos) {
   constexpr const char* fn = "select_topk_flat";
-  KVEVICT_TRY(detail::check_select_scores(fn, scores));
+  KVEVICT_TRY(detail::check_select_flat(fn, scores, row_lengths, total, floors, kept_cu, kept_pos));
   const index_t R = scores.extent(0), T = scores.extent(1);
-  if (kept_cu == nullptr) return status::error(errc::null_pointer, "%s: kept_cu is null", fn);
-  if (total < 0 || total > INT32_MAX)
-    return status::error(errc::invalid_argument, "%s: total = %lld is outside [0, %d]", fn,
-                         static_cast<long long>(total), INT32_MAX);
-  const detail::byte_range in[] = {detail::range_of(scores), detail::array_range(row_lengths, R, sizeof(std::int32_t)),
-                                   detail::array_range(floors, R, sizeof(std::int32_t))};
-  const char* const in_names[] = {"scores", "row_lengths", "floors"};
-  const detail::byte_range cu_range = detail::array_range(kept_cu, R + 1, sizeof(std::int32_t));
-  const detail::byte_range pos_range = detail::array_range(kept_pos, total, sizeof(pos_t));
-  for (int i = 0; i < 3; ++i) {
-    if (cu_range.intersects(in[i])) return detail::select_overlap(fn, "kept_cu", in_names[i]);
-    if (pos_range.intersects(in[i])) return detail::select_overlap(fn, "kept_pos", in_names[i]);
-  }
-  if (pos_range.intersects(cu_range)) return detail::select_overlap(fn, "kept_pos", "kept_cu");
   detail::workspace_carver carver(ws);
-  const detail::flat_ws fws = detail::carve_flat_ws(carver, R, T, detail::worker_count(be));
+  const detail::flat_ws fws = detail::carve_flat_ws(carver, R, T, detail::thread_count(be));
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
-  const detail::byte_range ranges[] = {in[0], in[1], in[2], cu_range, pos_range};
-  const char* const names[] = {"scores", "row_lengths", "floors", "kept_cu", "kept_pos"};
-  KVEVICT_TRY(detail::check_ws_overlap(fn, ws, carver.used(), ranges, names, 5));
+  KVEVICT_TRY(detail::check_select_flat_ws(fn, ws, carver.used(), scores, row_lengths, total, floors, kept_cu, kept_pos));
   KVEVICT_TRY(detail::check_row_lengths(fn, row_lengths, R, T));
   const detail::lengths_of len{row_lengths, T};
   index_t sum_len = 0, sum_floor = 0;
@@ -242,7 +301,7 @@ status select_topk_flat(Backend be, workspace& ws, matrix_view<const float> scor
     return status::error(errc::invalid_argument, "%s: the floors add up to %lld, more than total = %lld", fn,
                          static_cast<long long>(sum_floor), static_cast<long long>(total));
   detail::select_flat(be, scores, len, [floors](index_t r) { return floors ? index_t(floors[r]) : index_t(0); },
-                      total - sum_floor, kept_cu, kept_pos, fws);
+                      total, kept_cu, kept_pos, fws);
   return {};
 }
 

@@ -19,6 +19,7 @@
 
 #include <kvevict/budget/adakv.hpp>
 #include <kvevict/budget/common.hpp>
+#include <kvevict/budget/lava.hpp>
 #include <kvevict/select.hpp>
 
 #include <cstring>

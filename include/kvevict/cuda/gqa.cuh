@@ -1,6 +1,6 @@
 // CUDA overload of <kvevict/gqa.hpp> (gqa_reduce). Same semantics, checks and messages as the host;
 // bit-identical results (the same gqa_combine / gqa_finish in the same head order; NaN results of
-// sum/mean may differ in payload, docs/cuda-score.md). No workspace, no host synchronisation.
+// sum/mean may differ in payload, docs/cuda.md). No workspace, no host synchronisation.
 //
 // One thread per (KV head, column), grid-stride; in place (out = the first H_kv rows of in) one
 // thread per column walks the KV heads in ascending order, as the host does, so that row h is

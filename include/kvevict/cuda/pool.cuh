@@ -1,6 +1,6 @@
 // CUDA overload of <kvevict/pool.hpp> (pool1d), and the tile/block kernels that the fused
 // post-processing (<kvevict/cuda/postprocess.cuh>) shares with it. Bit-identical to the host for
-// every kind, kernel, divisor and row length (NaN results: see docs/cuda-score.md).
+// every kind, kernel, divisor and row length (NaN results: see docs/cuda.md).
 //
 // Kernels up to 2 * pp_max_radius + 1 = 2049: one CTA per (row, tile of 1024 outputs) stages the
 // tile's inputs (1024 + kernel - 1 of them) in shared memory once and pools them block by block with

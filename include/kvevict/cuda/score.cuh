@@ -1,6 +1,6 @@
 // CUDA overloads of <kvevict/score.hpp>: attention scores of a query block (window, external block,
 // H2O, TOVA) and key norms, plus the GQA-reduced form of the attention scores in the same launch
-// (attention_scores_gqa, window_scores_gqa). docs/cuda-score.md has the algorithm, launch shapes,
+// (attention_scores_gqa, window_scores_gqa). docs/cuda.md has the algorithm, launch shapes,
 // memory traffic, costs, numerics and what was validated where.
 //
 // Same semantics, argument checks (the host's check functions) and error messages as the host
@@ -14,7 +14,7 @@
 //
 // Results are deterministic (fixed decomposition and summation order, no atomics) and bit-identical
 // to the host emulation of the same decomposition (tests/score_device_emulation.hpp); they differ
-// from the host backends only by summation order, within the bound of docs/cuda-score.md. The
+// from the host backends only by summation order, within the bound of docs/cuda.md. The
 // GQA-reduced output equals gqa_reduce of the per-head output bit for bit.
 #pragma once
 
@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(stage_rows) key_norm_kernel(kv_view<const KE> 
 
 /// attention_scores on the GPU (views hold device pointers). Same semantics, errors and defaults as
 /// the host overload; the workspace holds each query row's softmax statistics, 8 bytes x H_q x w x
-/// (1 + splits) (docs/cuda-score.md). Asynchronous on be.stream; no host synchronisation.
+/// (1 + splits) (docs/cuda.md). Asynchronous on be.stream; no host synchronisation.
 template <class Q, class K>
 status attention_scores(cuda_t be, workspace& ws, kv_view<Q> queries, kv_view<K> prefix_keys, kv_view<K> block_keys,
                         matrix_view<float> out, const score_options& opt = {}) {

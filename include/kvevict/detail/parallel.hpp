@@ -14,6 +14,18 @@ inline namespace par_openmp {
 inline namespace par_serial {
 #endif
 
+/// Threads a backend runs on (and per-thread scratch is sized for): 1 for seq; for par the
+/// requested threads, or the OpenMP default when 0 (1 without OpenMP).
+inline int thread_count(seq_t) noexcept { return 1; }
+inline int thread_count(par_t p) noexcept {
+#if defined(_OPENMP)
+  return p.threads > 0 ? p.threads : (omp_get_max_threads() > 0 ? omp_get_max_threads() : 1);
+#else
+  (void)p;
+  return 1;
+#endif
+}
+
 /// Calls f(i) for i in [0, n). seq: in order on this thread.
 template <class F>
 void parallel_for(seq_t, index_t n, F&& f) {

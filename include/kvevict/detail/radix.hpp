@@ -86,6 +86,15 @@ KVEVICT_HOST_DEVICE inline radix_bucket radix_choose_bucket(const Count* hist, i
   return {0u, above, static_cast<index_t>(hist[0])};
 }
 
+/// The bucket choice of radix_choose_bucket as a per-bin predicate, for parallel scans: bin `bin`
+/// holds `count` candidates and `above` candidates lie in higher bins. For 1 <= k <= sum of the
+/// histogram, exactly one bin satisfies it, the one radix_choose_bucket returns (bin 0 when the
+/// bins above it hold fewer than k candidates, whatever its own count). Never true for k <= 0.
+KVEVICT_HOST_DEVICE constexpr bool radix_bucket_holds(std::uint32_t bin, index_t above, index_t count,
+                                                      index_t k) noexcept {
+  return above < k && (bin == 0 || above + count >= k);
+}
+
 /// Narrows `t` to the chosen bucket of pass p, where `k` tokens were still to be kept among
 /// the tied candidates. Afterwards `t.ties` = k - keys above the bucket (>= 1).
 /// Returns true when the selection is decided: the last pass, or (unless `full_key` asks for a

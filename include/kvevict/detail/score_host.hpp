@@ -32,6 +32,7 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/config.hpp>
+#include <kvevict/detail/parallel.hpp>
 #include <kvevict/detail/softmax.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/view.hpp>
@@ -499,16 +500,6 @@ inline void score_row_welford(const float* KVEVICT_RESTRICT e, index_t n_visible
 
 // ---- host threading with a per-thread scratch slot ---------------------------------------------
 // Results never depend on the partition (see the file comment), so par may schedule dynamically.
-
-inline int score_threads(seq_t) { return 1; }
-inline int score_threads(par_t p) {
-#if defined(_OPENMP)
-  return p.threads > 0 ? p.threads : omp_get_max_threads();
-#else
-  (void)p;
-  return 1;
-#endif
-}
 
 /// Calls f(task, slot) for task in [0, n), slot in [0, threads) unique among concurrent calls.
 template <class F>

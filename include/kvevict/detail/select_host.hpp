@@ -17,6 +17,7 @@
 #include <kvevict/config.hpp>
 #include <kvevict/detail/radix.hpp>
 #include <kvevict/view.hpp>
+#include <kvevict/detail/parallel.hpp>
 #include <kvevict/workspace.hpp>
 
 #include <algorithm>
@@ -32,18 +33,6 @@ inline namespace par_openmp {
 #else
 inline namespace par_serial {
 #endif
-
-/// Worker count a backend's workspace is sized for: 1 for seq; for par the requested threads, or
-/// the OpenMP default when 0 (1 without OpenMP).
-inline int worker_count(seq_t) noexcept { return 1; }
-inline int worker_count(par_t p) noexcept {
-#if defined(_OPENMP)
-  return p.threads > 0 ? p.threads : std::max(1, omp_get_max_threads());
-#else
-  (void)p;
-  return 1;
-#endif
-}
 
 /// Rows at least this long are split among the threads when rows are left over (see above).
 inline constexpr index_t coop_min_length = 32768;
@@ -243,7 +232,7 @@ inline select_ws carve_select_ws(workspace_carver& c, index_t columns, int worke
 #if defined(_OPENMP)
 /// One row selected by the whole team (called by every thread of a parallel region).
 inline void select_row_coop(const score_row& row, index_t n, index_t k, pos_row out, const select_ws& ws, int tid,
-                     int nth) noexcept {
+                            int nth) noexcept {
   const index_t cb = n * tid / nth, ce = n * (tid + 1) / nth;
   std::uint32_t* hist = ws.hist + static_cast<index_t>(tid) * radix_bins;
   std::uint32_t* cand = ws.cand + cb;  // chunks of the first worker's candidate buffer
@@ -352,15 +341,12 @@ void for_rows(par_t, index_t R, index_t T, int workers, F&& f) {
   for (index_t r = 0; r < R; ++r) f(r, 0);
 }
 
-/// h = histogram of pass p's digit over the keys of row[0, n) that are below `limit` and tied
-/// with `t` (the remaining entries of a row still in the running, in the flattened selection).
-inline void histogram_remaining(const score_row& row, index_t n, std::uint64_t limit, const radix_threshold t,
-                                int pass, std::uint32_t* h) noexcept {
-  if (limit > 0xffffffffu && t.mask == 0) return histogram_scores(row, 0, n, h);  // every key counts
+/// h = histogram of pass p's digit over the keys of row[0, n) tied with `t` (every key when
+/// t.mask == 0).
+inline void histogram_tied(const score_row& row, index_t n, const radix_threshold t, int pass,
+                           std::uint32_t* h) noexcept {
+  if (t.mask == 0) return histogram_scores(row, 0, n, h);
   std::memset(h, 0, sizeof(std::uint32_t) * radix_bins);
-  if (limit == 0) return;
-  const std::uint32_t lim = limit > 0xffffffffu ? 0xffffffffu : static_cast<std::uint32_t>(limit);
-  const bool all_below = limit > 0xffffffffu;  // no floor: every key is below the limit
   const std::uint32_t mask = t.mask, prefix = t.prefix;
   const int sh = radix_shift(pass);
   const std::uint32_t dmask = (1u << radix_width(pass)) - 1u;
@@ -368,156 +354,121 @@ inline void histogram_remaining(const score_row& row, index_t n, std::uint64_t l
   for (index_t i = 0; i < n; i += key_block) {
     const index_t nb = std::min(key_block, n - i);
     load_keys(row, i, nb, keys);
-    if (pass == 1) {  // a random part of the keys counts: branch-free
-      for (index_t j = 0; j < nb; ++j) {
-        const std::uint32_t key = keys[j];
-        h[(key >> sh) & dmask] += ((all_below || key < lim) && (key & mask) == prefix) ? 1u : 0u;
-      }
-    } else {  // pass 0: nearly every key counts; pass 2: nearly none (predictable branches)
-      for (index_t j = 0; j < nb; ++j) {
-        const std::uint32_t key = keys[j];
-        if ((all_below || key < lim) && (key & mask) == prefix) ++h[(key >> sh) & dmask];
-      }
+    if (pass == 1) {  // a random part of the keys is tied: branch-free
+      for (index_t j = 0; j < nb; ++j) h[(keys[j] >> sh) & dmask] += (keys[j] & mask) == prefix ? 1u : 0u;
+    } else {  // pass 2: nearly no key is tied (a predictable branch)
+      for (index_t j = 0; j < nb; ++j)
+        if ((keys[j] & mask) == prefix) ++h[(keys[j] >> sh) & dmask];
     }
   }
 }
 
 /// Per-row state of the flattened selection (trivial type: lives in the workspace).
 struct flat_row {
-  int mode;                  // flat_no_floor, flat_whole_row or flat_floor_key
-  std::uint32_t floor_key;   // flat_floor_key: the floor keeps keys > floor_key ...
-  index_t floor_ties;        // ... and the first floor_ties keys == floor_key
-  index_t floor_tied;        // keys == floor_key in the row
-  index_t rem_above;         // remaining (not floor) keys above the layer threshold
-  index_t rem_tied;          // remaining keys equal to the layer threshold
-  index_t cand_off;          // the row's segment of the layer candidate buffer
+  index_t above;     // keys above the layer threshold's prefix so far (finally: above the threshold)
+  index_t upto;      // scratch of the bucket choice: above + keys in the bins scanned so far
+  index_t tied;      // keys equal to the layer threshold (after the last pass)
+  index_t cand_off;  // the row's segment of the layer candidate buffer
   index_t cand_n;
-  std::uint32_t emit_key;    // final selection: keys > emit_key and the first emit_ties == emit_key
-  index_t emit_ties;
-  index_t emit_tied;         // keys == emit_key in the row
-  index_t count;             // tokens kept
+  index_t count;     // tokens kept
 };
-inline constexpr int flat_no_floor = 0, flat_whole_row = 1, flat_floor_key = 2;
 
 struct flat_ws {
-  select_ws sel;                     // per-worker histograms and candidates (floors, then layer candidates)
-  std::uint32_t* row_hist = nullptr; // R x radix_bins (layer passes, one histogram per row)
-  std::uint64_t* merged = nullptr;   // radix_bins
-  flat_row* rows = nullptr;          // R
+  select_ws sel;                      // per-worker scratch (floor-bound rows) and the layer candidates
+  std::uint32_t* row_hist = nullptr;  // R x radix_bins: one histogram per row
+  flat_row* rows = nullptr;           // R
 };
 
 inline flat_ws carve_flat_ws(workspace_carver& c, index_t rows, index_t columns, int workers) noexcept {
   flat_ws w;
   w.sel = carve_select_ws(c, columns, workers);
   w.row_hist = c.take<std::uint32_t>(static_cast<std::size_t>(rows) * radix_bins);
-  w.merged = c.take<std::uint64_t>(radix_bins);
   w.rows = c.take<flat_row>(static_cast<std::size_t>(rows));
   return w;
 }
 
 /// Flattened selection: every row r first keeps its best floor_of(r) tokens; then the best
-/// `extra` of the remaining (row, position) entries of all rows are kept, ties between equal
-/// scores going to the lower row, then the lower position. Writes cu[R + 1] and, if pos is not
-/// null, each row's kept positions (ascending) at pos[cu[r] ..].
+/// `total - sum(floors)` of the remaining (row, position) entries of all rows are kept, ties
+/// between equal scores going to the lower row, then the lower position. Writes cu[R + 1] and, if
+/// pos is not null, each row's kept positions (ascending) at pos[cu[r] ..].
 ///
-/// The layer threshold is found with three radix passes over the remaining entries, keeping one
-/// histogram per row (so each row's count of remaining keys above the threshold falls out of the
-/// histograms, with no extra scan). After pass 0 the remaining keys of the chosen bucket are
-/// copied, row by row, into the candidate buffer when they fit (P x T keys); otherwise passes 1
-/// and 2 rescan the rows. Remaining keys equal to a row's floor key (tied keys the floor did not
-/// take) are accounted for arithmetically, never stored.
+/// Order the layer's entries by (key desc, row asc, position asc) and let a_r(E) be the number of
+/// row r's entries before entry E. Row r's remaining entries before E are its entries of rank
+/// >= floor_r among those, so it keeps count_r = max(floor_r, a_r(E*)), where E* is the first
+/// entry with sum_r max(floor_r, a_r(E*)) = total. E* is found by radix select on the key with one
+/// histogram per row: for each candidate bucket, sum_r max(floor_r, keys of r at or above it) is
+/// computed from the per-row histograms. The floors never need their own thresholds. Rows whose
+/// floor binds beyond the layer threshold (count_r > keys of r at or above it) are selected on
+/// their own for the positions.
 template <class Backend, class LenOf, class FloorOf>
-void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_of, FloorOf floor_of, index_t extra,
+void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_of, FloorOf floor_of, index_t total,
                  std::int32_t* cu, pos_t* pos, const flat_ws& ws) noexcept {
   const index_t R = scores.extent(0), T = scores.extent(1);
   const int P = ws.sel.workers;
   auto row_of = [&](index_t r) { return score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}; };
   auto hist_of = [&](index_t r) { return ws.row_hist + r * radix_bins; };
-  // remaining entries of a row: keys below `limit`, plus floor_extra(r) keys equal to floor_key
-  auto limit_of = [&](const flat_row& fr) -> std::uint64_t {
-    return fr.mode == flat_no_floor ? (std::uint64_t(1) << 32) : fr.mode == flat_whole_row ? 0 : fr.floor_key;
-  };
-  auto floor_extra = [&](const flat_row& fr) -> index_t {
-    return fr.mode == flat_floor_key ? fr.floor_tied - fr.floor_ties : 0;
-  };
+  index_t floors = 0;
+  for (index_t r = 0; r < R; ++r) {
+    ws.rows[r] = flat_row{};
+    floors += floor_of(r);
+  }
 
-  // 1. each row's floor as a threshold on the whole key
-  for_rows(be, R, T, P, [&](index_t r, int w) {
-    flat_row fr{};
-    const index_t n = len_of(r), f = floor_of(r);
-    fr.mode = f == 0 ? flat_no_floor : (f == n ? flat_whole_row : flat_floor_key);
-    if (fr.mode == flat_floor_key) {
-      const radix_threshold t = row_threshold(row_of(r), n, f, ws.sel.slot(w), true, fr.floor_tied);
-      fr.floor_key = t.prefix;
-      fr.floor_ties = t.ties;
-    }
-    ws.rows[r] = fr;
-  });
-
-  // 2. the extra-th best remaining entry of the layer
   radix_threshold g;
-  g.ties = extra;
-  bool filtered = false;
-  if (extra > 0) {
+  if (total > floors) {  // otherwise every row keeps exactly its floor
+    bool filtered = false;
     for (int pass = 0; pass < radix_passes; ++pass) {
       const int bins = 1 << radix_width(pass);
       for_rows(be, R, T, P, [&](index_t r, int) {
         std::uint32_t* h = hist_of(r);
         flat_row& fr = ws.rows[r];
-        // local copies: stores to h (uint32) could otherwise alias the captured pass and threshold
-        const radix_threshold gt = g;
+        const radix_threshold gt = g;  // a local copy: stores to h cannot alias it
         const int p = pass;
-        if (filtered) {
-          std::uint32_t* cand = ws.sel.cand + fr.cand_off;
-          if (p > 1) fr.cand_n = filter_candidates(cand, fr.cand_n, gt);
-          histogram_candidates(cand, fr.cand_n, p, h);
-          return;
-        }
-        histogram_remaining(row_of(r), len_of(r), limit_of(fr), gt, p, h);
+        if (!filtered) return histogram_tied(row_of(r), len_of(r), gt, p, h);
+        std::uint32_t* cand = ws.sel.cand + fr.cand_off;
+        if (p > 1) fr.cand_n = filter_candidates(cand, fr.cand_n, gt);
+        histogram_candidates(cand, fr.cand_n, p, h);
       });
-      std::memset(ws.merged, 0, sizeof(std::uint64_t) * radix_bins);
-      for (index_t r = 0; r < R; ++r) {
-        const std::uint32_t* h = hist_of(r);
-        for (int b = 0; b < bins; ++b) ws.merged[b] += h[b];
-        const flat_row& fr = ws.rows[r];
-        if (floor_extra(fr) > 0 && radix_tied(fr.floor_key, g))
-          ws.merged[radix_digit(fr.floor_key, pass)] += static_cast<std::uint64_t>(floor_extra(fr));
+      // the highest bucket b with sum_r max(floor_r, keys of r above the prefix or in bins >= b)
+      // >= total (below it the sum is < total: the invariant of every pass)
+      int b = bins - 1;
+      for (;; --b) {
+        index_t sum = 0;
+        for (index_t r = 0; r < R; ++r) {
+          flat_row& fr = ws.rows[r];
+          fr.upto = (b == bins - 1 ? fr.above : fr.upto) + hist_of(r)[b];
+          sum += std::max(floor_of(r), fr.upto);
+        }
+        if (sum >= total || b == 0) break;
       }
-      const radix_bucket b = radix_choose_bucket(ws.merged, bins, g.ties);
-      // per row: remaining keys in higher buckets are kept; those in the bucket stay candidates
       index_t cand_total = 0;
       for (index_t r = 0; r < R; ++r) {
         flat_row& fr = ws.rows[r];
-        const std::uint32_t* h = hist_of(r);
-        for (int x = static_cast<int>(b.bucket) + 1; x < bins; ++x) fr.rem_above += h[x];
-        if (floor_extra(fr) > 0 && radix_tied(fr.floor_key, g) && radix_digit(fr.floor_key, pass) > b.bucket)
-          fr.rem_above += floor_extra(fr);
-        fr.rem_tied = h[b.bucket];  // final after the last pass
+        const index_t in_bucket = hist_of(r)[b];
+        fr.above = fr.upto - in_bucket;
+        fr.tied = in_bucket;  // final after the last pass
         if (pass == 0) {  // one slack slot per segment for the branch-free copy below
           fr.cand_off = cand_total;
-          cand_total += h[b.bucket] + 1;
+          cand_total += in_bucket + 1;
         }
       }
-      radix_narrow(g, pass, b, g.ties, true);
+      g.mask |= radix_digit_mask(pass);
+      g.prefix |= static_cast<std::uint32_t>(b) << radix_shift(pass);
       if (pass == 0 && cand_total <= static_cast<index_t>(P) * T) {
-        // copy each row's remaining keys of the bucket to its segment (stable, branch-free)
+        // copy each row's keys of the bucket to its segment (branch-free), for passes 1 and 2
         for_rows(be, R, T, P, [&](index_t r, int) {
           flat_row& fr = ws.rows[r];
-          const std::uint64_t limit = limit_of(fr);
           const radix_threshold gt = g;
           std::uint32_t* cand = ws.sel.cand + fr.cand_off;
+          const score_row row = row_of(r);
+          const index_t n = len_of(r);
           index_t m = 0;
-          if (limit != 0) {
-            const score_row row = row_of(r);
-            const index_t n = len_of(r);
-            std::uint32_t keys[key_block];
-            for (index_t i = 0; i < n && m < fr.rem_tied; i += key_block) {
-              const index_t nb = std::min(key_block, n - i);
-              load_keys(row, i, nb, keys);
-              for (index_t j = 0; j < nb; ++j) {
-                cand[m] = keys[j];  // m <= rem_tied: within the segment and its slack slot
-                m += (keys[j] < limit && radix_tied(keys[j], gt)) ? 1 : 0;
-              }
+          std::uint32_t keys[key_block];
+          for (index_t i = 0; i < n && m < fr.tied; i += key_block) {
+            const index_t nb = std::min(key_block, n - i);
+            load_keys(row, i, nb, keys);
+            for (index_t j = 0; j < nb; ++j) {
+              cand[m] = keys[j];  // m <= tied: within the segment and its slack slot
+              m += radix_tied(keys[j], gt) ? 1 : 0;
             }
           }
           fr.cand_n = m;
@@ -525,49 +476,34 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
         filtered = true;
       }
     }
-    for (index_t r = 0; r < R; ++r) {  // remaining keys equal to the threshold
-      flat_row& fr = ws.rows[r];
-      if (floor_extra(fr) > 0 && fr.floor_key == g.prefix) fr.rem_tied += floor_extra(fr);
-    }
   }
 
-  // 3. counts: the layer's tied entries go to the lowest rows first
-  index_t ties_left = extra > 0 ? g.ties : 0;
+  // counts: max(floor, keys above the threshold) plus the remaining tied keys, lowest rows first
+  index_t left = total;
+  for (index_t r = 0; r < R; ++r) left -= std::max(floor_of(r), ws.rows[r].above);
   cu[0] = 0;
   for (index_t r = 0; r < R; ++r) {
     flat_row& fr = ws.rows[r];
-    const index_t f = floor_of(r);
-    const index_t rem_above = extra > 0 ? fr.rem_above : 0, rem_tied = extra > 0 ? fr.rem_tied : 0;
-    const index_t take = std::min(rem_tied, ties_left);
-    ties_left -= take;
-    const index_t gained = rem_above + take;
-    fr.count = f + gained;
-    if (gained > 0) {
-      // the row's keys above the layer threshold: its remaining ones plus its floor's (all of
-      // them when the threshold is below the floor key, the untied ones when it equals it)
-      const bool at_floor = fr.mode == flat_floor_key && fr.floor_key == g.prefix;
-      const index_t floor_above = fr.mode != flat_floor_key ? 0 : at_floor ? f - fr.floor_ties : f;
-      fr.emit_key = g.prefix;
-      fr.emit_ties = fr.count - (rem_above + floor_above);
-      fr.emit_tied = rem_tied + (at_floor ? fr.floor_ties : 0);
-    } else {
-      fr.emit_key = fr.floor_key;
-      fr.emit_ties = fr.floor_ties;
-      fr.emit_tied = fr.floor_tied;
-    }
+    const index_t f = floor_of(r), base = std::max(f, fr.above);
+    const index_t take = std::min(std::max(f, fr.above + fr.tied) - base, left);
+    left -= take;
+    fr.count = base + take;
     cu[r + 1] = static_cast<std::int32_t>(cu[r] + fr.count);
   }
 
-  // 4. positions
   if (pos == nullptr) return;
-  for_rows(be, R, T, P, [&](index_t r, int) {
+  for_rows(be, R, T, P, [&](index_t r, int w) {
     const flat_row& fr = ws.rows[r];
     const index_t n = len_of(r);
     const pos_row out{pos + cu[r], 1};
-    if (fr.count == n) emit_all(n, out);
-    else if (fr.count > 0)
-      emit_kept(row_of(r), 0, n, radix_full_threshold(fr.emit_key, fr.emit_ties), fr.emit_ties, fr.emit_tied, out,
-                fr.count);
+    if (fr.count == 0) return;
+    if (fr.count == n) return emit_all(n, out);
+    if (total > floors && fr.count <= fr.above + fr.tied) {  // the layer threshold is the row's
+      emit_kept(row_of(r), 0, n, radix_full_threshold(g.prefix, fr.count - fr.above), fr.count - fr.above, fr.tied,
+                out, fr.count);
+    } else {  // the floor binds beyond the layer threshold (or no layer threshold): the row's own top-k
+      select_row(row_of(r), n, fr.count, out, ws.sel.slot(w));
+    }
   });
 }
 

@@ -1,0 +1,564 @@
+// kvevict/drivers/chunked.hpp: eviction during chunked prefill, naive and patched ("Cache Me If
+// You Can" §3, docs/drivers.md).
+//
+//   chunked_driver d;
+//   d.init(cfg, memory, chunked_driver::state_bytes(cfg).value(), &recorder /*optional*/);
+//   for each chunk [s, e) of the prompt (contiguous, from 0 to N):
+//     d.begin_chunk(s, e);
+//     engine: forward the chunk; if d.patch().count > 0, also forward the prompt tokens at
+//             positions [patch.first, patch.first + count) as extra queries AFTER the chunk (their
+//             KV is dropped afterwards); collect per layer the query block d.query_rows() rows:
+//               naive               the chunk's last min(w, e - s) queries
+//               patched, not final  the patch's queries (and its keys, for block_keys)
+//               final chunk         the chunk's last w queries
+//     for l in 0..L-1: d.add_layer(be, ws, l, layer_kv_l, queries_l [, patch_keys_l]);
+//     d.decide(be, ws);                       // the lava allocator decides here
+//     for l: compact layer l with d.kept(l)    // rows of its current cache (kept so far + chunk)
+//
+// Per layer, the driver scores the layer's CURRENT cache (what it kept from earlier chunks plus the
+// new chunk) with the query block and evicts down to the budget or p% of the evictable rows.
+#pragma once
+
+#include <kvevict/drivers/common.hpp>
+
+#include <cmath>
+
+namespace kvevict {
+
+/// Which queries score a chunk (footprint paper §3).
+enum class chunk_queries : int {
+  /// Each chunk is scored by its own last w queries, as if it were the end of the prompt.
+  naive = 0,
+  /// The true last w prompt tokens are appended to every non-final chunk as extra queries (their
+  /// KV is dropped); the final chunk's last w tokens are those tokens.
+  patched = 1,
+};
+
+/// How much a chunk evicts.
+enum class chunk_target : int {
+  /// Down to the allocation's budgets (a head / layer / model holding less keeps everything).
+  budget = 0,
+  /// floor(p x evictable) of the rows of each head (per_head) / layer (flattened) / model (lava),
+  /// evictable = rows - protected rows: the footprint paper's "evict p% at each pre-filling step".
+  fraction = 1,
+};
+
+struct chunked_config {
+  model_shape model;
+  /// N: the prompt length (the patch is [N - w, N)).
+  index_t tokens = 0;
+  /// C: the most rows a head holds when the driver scores it (what it kept plus the largest chunk);
+  /// sizes the state and the workspace.
+  index_t capacity = 0;
+  /// Window recipes (snapkv, vatp, lava, cake; source prompt_window, window w = rec.window), Knorm
+  /// or StreamingLLM. H2O and TOVA are not supported here (use the decode driver or post-fill).
+  recipe rec = recipe::snapkv();
+  chunk_queries queries = chunk_queries::patched;
+  chunk_target target = chunk_target::budget;
+  double fraction = 0.5;  ///< p in [0, 1] for chunk_target::fraction
+  /// per_head, flattened, adakv (budget target only) or lava; cake is not supported here.
+  allocation alloc;
+};
+
+/// Extra query positions the engine appends after a chunk (patched mode, non-final chunks).
+struct patch_block {
+  pos_t first = 0;    ///< first position (N - w)
+  index_t count = 0;  ///< number of tokens (w), 0 = no patch
+};
+
+/// Chunked prefill eviction (see the file comment and docs/drivers.md).
+///
+/// Protection per chunk (the recipe's {n_sink, n_recent}): naive and final chunks protect the
+/// first n_sink and last n_recent rows of each head; a non-final patched chunk protects only the
+/// sinks, because the prompt's recent window is the patch, whose KV is not in the cache. Knorm and
+/// StreamingLLM read no queries: both modes score them alike (naive).
+/// Recording: a chunk [s, e) evicts at step e.
+class chunked_driver {
+ public:
+  static result<std::size_t> state_bytes(const chunked_config& cfg) {
+    KVEVICT_TRY(validate("chunked_driver::state_bytes", cfg));
+    return plan(cfg).layout.bytes();
+  }
+
+  /// Errors: model shape; tokens outside [1, INT32_MAX]; capacity outside [1, INT32_MAX / H];
+  /// an invalid recipe, H2O / TOVA (unsupported), an external_block source, a window longer than
+  /// the prompt or the capacity; unknown mode, target or allocator; the cake allocator
+  /// (unsupported); fraction outside [0, 1]; adakv with the fraction target; budgets not [L][H],
+  /// per-head budgets (or layer budgets per head) below n_sink + n_recent; lava total negative
+  /// or below L H (n_sink + n_recent); recorder shape; memory null or too small.
+  status init(const chunked_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
+    constexpr const char* fn = "chunked_driver::init";
+    KVEVICT_TRY(validate(fn, cfg));
+    KVEVICT_TRY(detail::check_recorder(fn, recorder, cfg.model, cfg.tokens));
+    const plan_t p = plan(cfg);
+    if (memory == nullptr) return status::error(errc::null_pointer, "%s: memory is null", fn);
+    if (bytes < p.layout.bytes())
+      return status::error(errc::workspace_too_small, "%s: memory has %zu bytes, %zu needed (state_bytes)", fn, bytes,
+                           p.layout.bytes());
+    unsigned char* base = detail::align64(memory);
+    cfg_ = cfg;
+    cfg_.alloc.budgets = {};
+    rec_ = recorder;
+    mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
+    budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
+    expect_ = reinterpret_cast<std::int32_t*>(base + p.expect);
+    kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
+    kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
+    ready_ = base + p.ready;
+    weight_ = reinterpret_cast<double*>(base + p.weight);
+    lens_ = reinterpret_cast<std::int32_t*>(base + p.lens);
+    scores_ = p.lava ? reinterpret_cast<float*>(base + p.scores) : nullptr;
+    rowpos_ = p.lava ? reinterpret_cast<pos_t*>(base + p.rowpos) : nullptr;
+    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    for (index_t l = 0; l < L; ++l) {
+      ready_[l] = 0;
+      weight_[l] = 0.0;
+      for (index_t h = 0; h < H; ++h) {
+        budgets_[l * H + h] = has_matrix(cfg.alloc.kind) && cfg.target == chunk_target::budget ? cfg.alloc.budgets(l, h) : 0;
+        expect_[l * H + h] = 0;
+        lens_[l * H + h] = 0;
+      }
+      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
+    }
+    attention_ = uses_attention(cfg.rec.kind);
+    begin_ = end_ = 0;
+    next_ = L;  // "the previous chunk is complete"
+    decided_ = true;
+    open_ = false;
+    chunks_ = 0;
+    ok_ = true;
+    return {};
+  }
+
+  template <class Backend>
+  result<std::size_t> workspace_bytes(Backend be) const {
+    if (!ok_) return status::error(errc::invalid_argument, "chunked_driver::workspace_bytes: not initialised (init)");
+    workspace q;
+    ws_layout w;
+    KVEVICT_TRY(carve(be, q, w));
+    return q.bytes;
+  }
+
+  /// Starts the chunk of prompt positions [begin, end). Errors (nothing changes): not initialised;
+  /// the previous chunk unfinished (layers missing, or decide() not run for lava); begin not the
+  /// previous chunk's end (0 for the first chunk): chunks must be contiguous; an empty chunk or one
+  /// past the prompt; a chunk longer than the capacity; patched attention recipes: a non-final
+  /// chunk ending inside the last w prompt tokens (the final chunk must contain the whole window).
+  status begin_chunk(index_t begin, index_t end) {
+    constexpr const char* fn = "chunked_driver::begin_chunk";
+    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    const index_t L = cfg_.model.layers, N = cfg_.tokens;
+    if (open_ && (next_ < L || !decided_))
+      return status::error(errc::invalid_argument,
+                           "%s: chunk [%lld, %lld) is unfinished (%lld of %lld layers added%s)", fn,
+                           static_cast<long long>(begin_), static_cast<long long>(end_), static_cast<long long>(next_),
+                           static_cast<long long>(L), next_ == L ? ", decide() not run" : "");
+    if (begin != end_)
+      return status::error(errc::invalid_argument,
+                           "%s: chunk [%lld, %lld) does not start where the previous one ended (%lld): chunks must be "
+                           "contiguous",
+                           fn, static_cast<long long>(begin), static_cast<long long>(end), static_cast<long long>(end_));
+    if (end <= begin || end > N)
+      return status::error(errc::invalid_argument, "%s: chunk [%lld, %lld) is empty or past the %lld-token prompt", fn,
+                           static_cast<long long>(begin), static_cast<long long>(end), static_cast<long long>(N));
+    const index_t w = cfg_.rec.window;
+    if (patched() && end < N && end > N - w)
+      return status::error(errc::invalid_argument,
+                           "%s: patched: chunk [%lld, %lld) ends inside the last %lld prompt tokens [%lld, %lld); the "
+                           "final chunk must contain the whole window (end this chunk at or before %lld, or at %lld)",
+                           fn, static_cast<long long>(begin), static_cast<long long>(end), static_cast<long long>(w),
+                           static_cast<long long>(N - w), static_cast<long long>(N), static_cast<long long>(N - w),
+                           static_cast<long long>(N));
+    if (end - begin > cfg_.capacity)
+      return status::error(errc::capacity_exceeded, "%s: chunk [%lld, %lld) has %lld tokens, more than the capacity %lld",
+                           fn, static_cast<long long>(begin), static_cast<long long>(end),
+                           static_cast<long long>(end - begin), static_cast<long long>(cfg_.capacity));
+    begin_ = begin;
+    end_ = end;
+    next_ = 0;
+    decided_ = cfg_.alloc.kind != allocator::lava;
+    open_ = true;
+    for (index_t l = 0; l < L; ++l) ready_[l] = 0;
+    return {};
+  }
+
+  /// Positions the engine appends after the current chunk as extra queries (their token ids are
+  /// the prompt's at those positions; their KV is not kept): [N - w, N) for a non-final chunk in
+  /// patched mode with an attention recipe, nothing otherwise.
+  patch_block patch() const noexcept {
+    if (!open_ || !patched() || final_chunk()) return {};
+    return {static_cast<pos_t>(cfg_.tokens - cfg_.rec.window), cfg_.rec.window};
+  }
+  /// Rows of the query block add_layer expects for the current chunk (0: none).
+  index_t query_rows() const noexcept {
+    if (!open_ || !attention_) return 0;
+    if (cfg_.queries == chunk_queries::naive)
+      return end_ - begin_ < cfg_.rec.window ? end_ - begin_ : cfg_.rec.window;
+    return cfg_.rec.window;  // patched: the patch, or the final chunk's last w tokens
+  }
+  bool final_chunk() const noexcept { return open_ && end_ == cfg_.tokens; }
+  index_t chunk_begin() const noexcept { return begin_; }
+  index_t chunk_end() const noexcept { return end_; }
+  /// Chunks fully decided so far.
+  index_t chunks_done() const noexcept { return chunks_; }
+
+  /// Layer `layer` (in order within the chunk) processed the chunk. kv: its cache, every head
+  /// holding the rows it kept after the previous chunk (kept(layer), compacted) followed by the
+  /// chunk's rows at positions [s, e); queries: [H_q][query_rows()][d] as the file comment says;
+  /// patch_keys: the patch's keys [H][w][d] (patched non-final chunks; optional, an empty view
+  /// scores without them). Per-layer allocators select here (ready(layer) afterwards).
+  /// Errors (nothing changes): no chunk begun; layer out of order or past L; the layer's layout,
+  /// positions (ascending, < e); a head whose row count is not its previous kept count plus the
+  /// chunk ("was it compacted with kept(l)?"), or whose last rows are not the chunk; more rows
+  /// than the capacity; queries or patch keys of the wrong shape; workspace too small or
+  /// overlapping the state; the recorder's errors.
+  template <class Backend, class T, class Q>
+  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
+                   kv_view<const T> patch_keys = {}) {
+    constexpr const char* fn = "chunked_driver::add_layer";
+    using QE = std::remove_const_t<Q>;
+    const kv_view<const QE> queries = queries_in;
+    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    ws_layout w;
+    KVEVICT_TRY(carve(be, ws, w));
+    if (ws.is_query()) return {};
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
+    if (!open_) return status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
+    if (layer != next_ || layer >= L)
+      return next_ >= L ? status::error(errc::invalid_argument,
+                                        "%s: layer %lld given, but all %lld layers of chunk [%lld, %lld) were added", fn,
+                                        static_cast<long long>(layer), static_cast<long long>(L),
+                                        static_cast<long long>(begin_), static_cast<long long>(end_))
+                        : status::error(errc::invalid_argument,
+                                        "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
+                                        static_cast<long long>(layer), static_cast<long long>(next_));
+    const index_t n = end_ - begin_;
+    detail::row_rules rr;
+    rr.tokens = end_;
+    rr.capacity = C;
+    rr.tail = n;
+    rr.tail_what = "the chunk's tokens";
+    KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
+    for (index_t h = 0; h < H; ++h)
+      if (kv.keys.lens[h] != expect_[layer * H + h] + n)
+        return status::error(errc::shape_mismatch,
+                             "%s: layer %lld head %lld holds %d rows; after the previous chunk it kept %d and the "
+                             "chunk adds %lld, so it should hold %lld (was it compacted with kept(%lld)?)",
+                             fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
+                             expect_[layer * H + h], static_cast<long long>(n),
+                             static_cast<long long>(expect_[layer * H + h] + n), static_cast<long long>(layer));
+    KVEVICT_TRY(detail::check_layer_rows(fn, layer, kv, rr));
+    const bool patch = patch_active();
+    KVEVICT_TRY(detail::check_queries(fn, queries, query_rows(), cfg_.model, patch_keys, patch));
+    if (detail::ws_range(ws).intersects(mem_))
+      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
+
+    const recipe r = chunk_recipe();
+    float* scores = lava() ? scores_ + layer * H * C : w.scores;
+    KVEVICT_TRY(detail::score_layer(be, w.sc, r, kv, cfg_.model.query_heads / H, queries, patch_keys, scores, C));
+    const auto sv = detail::rows_view<const float>(scores, H, C, C);
+    const std::int32_t* lens = kv.keys.lens;
+    if (lava()) {
+      lava_entropy_options eo;
+      eo.prot = {r.n_sink, r.n_recent};
+      eo.norm = cfg_.alloc.lava_norm;
+      double e = 0.0;
+      KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
+      for (index_t h = 0; h < H; ++h) {
+        lens_[layer * H + h] = lens[h];
+        std::memcpy(rowpos_ + (layer * H + h) * C, kv.positions + kv.keys.cu_capacity[h],
+                    static_cast<std::size_t>(lens[h]) * sizeof(pos_t));
+      }
+      weight_[layer] = e;
+      next_ = layer + 1;
+      return {};
+    }
+    // per-layer allocators: how many rows each head / the layer keeps, then select
+    index_t total = 0;
+    for (index_t h = 0; h < H; ++h) {
+      const index_t W = protected_count(lens[h], r.n_sink, r.n_recent);
+      w.counts[h] = static_cast<std::int32_t>(cfg_.target == chunk_target::budget
+                                                  ? (budgets_[layer * H + h] < lens[h] ? budgets_[layer * H + h] : lens[h])
+                                                  : lens[h] - evict_count(lens[h] - W));
+      total += budgets_[layer * H + h];
+    }
+    if (cfg_.alloc.kind != allocator::per_head) {
+      index_t held = 0, W = 0;
+      for (index_t h = 0; h < H; ++h) {
+        held += lens[h];
+        W += protected_count(lens[h], r.n_sink, r.n_recent);
+      }
+      total = cfg_.target == chunk_target::budget ? (total < held ? total : held) : held - evict_count(held - W);
+    }
+    adakv_options ao;
+    ao.alpha = cfg_.alloc.adakv_alpha;
+    ao.floor = cfg_.alloc.floor_rule;
+    ao.prot = {r.n_sink, r.n_recent};
+    KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao,
+                                     kept_cu_ + layer * (H + 1), kept_pos_ + layer * H * C));
+    KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, kept(layer, true), end_, w.evicted, w.evicted_cu));
+    commit(layer);
+    next_ = layer + 1;
+    if (next_ == L) ++chunks_;
+    return {};
+  }
+
+  /// After the chunk's last layer: the lava allocator shares the model's target (budget mode:
+  /// min(total, rows held); fraction: rows held - floor(p x evictable rows)) by the layers'
+  /// entropies (apportion with each layer's evictable rows as its cap) and selects every layer;
+  /// per-layer allocators have nothing left to do. Errors: not initialised; no chunk; layers
+  /// missing; called twice for a chunk; workspace too small; the recorder's errors.
+  template <class Backend>
+  status decide(Backend be, workspace& ws) {
+    constexpr const char* fn = "chunked_driver::decide";
+    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    ws_layout w;
+    KVEVICT_TRY(carve(be, ws, w));
+    if (ws.is_query()) return {};
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
+    if (!open_) return status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
+    if (next_ < L)
+      return status::error(errc::invalid_argument, "%s: only %lld of %lld layers of chunk [%lld, %lld) were added", fn,
+                           static_cast<long long>(next_), static_cast<long long>(L), static_cast<long long>(begin_),
+                           static_cast<long long>(end_));
+    if (!lava()) return {};
+    if (decided_)
+      return status::error(errc::invalid_argument, "%s: chunk [%lld, %lld) was already decided", fn,
+                           static_cast<long long>(begin_), static_cast<long long>(end_));
+    if (detail::ws_range(ws).intersects(mem_))
+      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
+    const recipe r = chunk_recipe();
+    index_t prot_sum = 0, held = 0;
+    for (index_t l = 0; l < L; ++l) {
+      index_t wl = 0, nl = 0;
+      for (index_t h = 0; h < H; ++h) {
+        wl += protected_count(lens_[l * H + h], r.n_sink, r.n_recent);
+        nl += lens_[l * H + h];
+      }
+      w.caps[l] = nl - wl;
+      w.totals[l] = wl;
+      prot_sum += wl;
+      held += nl;
+    }
+    index_t keep = cfg_.target == chunk_target::budget ? (cfg_.alloc.total < held ? cfg_.alloc.total : held)
+                                                       : held - evict_count(held - prot_sum);
+    if (keep < prot_sum) keep = prot_sum;  // not reached: init checks total >= L H (n_sink + n_recent)
+    KVEVICT_TRY(apportion(keep - prot_sum, weight_, w.caps, L, w.shares));
+    for (index_t l = 0; l < L; ++l) {
+      const std::int32_t* lens = lens_ + l * H;
+      const auto sv = detail::rows_view<const float>(scores_ + l * H * C, H, C, C);
+      KVEVICT_TRY(detail::select_layer(be, w.sel, allocator::lava, sv, lens, nullptr, w.totals[l] + w.shares[l],
+                                       adakv_options{}, kept_cu_ + l * (H + 1), kept_pos_ + l * H * C));
+      KVEVICT_TRY(detail::record_dropped(
+          rec_, l, H, [&](index_t h) { return rowpos_ + (l * H + h) * C; }, lens, kept(l, true), end_, w.evicted,
+          w.evicted_cu));
+      commit(l);
+    }
+    decided_ = true;
+    ++chunks_;
+    return {};
+  }
+
+  /// Is layer l's kept list for the current chunk available?
+  bool ready(index_t layer) const noexcept { return ok_ && layer >= 0 && layer < cfg_.model.layers && ready_[layer]; }
+  /// The rows layer l keeps after the current chunk, per head ascending, as indices into the
+  /// rows of the cache given to add_layer (kept so far + the chunk). Empty until ready(l).
+  ragged_positions kept(index_t layer) const noexcept { return ready(layer) ? kept(layer, true) : ragged_positions{}; }
+  /// Rows head h of layer l holds after the last decision (what the next chunk builds on).
+  index_t held(index_t layer, index_t head) const noexcept {
+    return ok_ && layer >= 0 && layer < cfg_.model.layers && head >= 0 && head < cfg_.model.kv_heads
+               ? expect_[layer * cfg_.model.kv_heads + head]
+               : 0;
+  }
+  /// Rows layer l holds after the last decision, over all its heads.
+  index_t layer_total(index_t layer) const noexcept {
+    index_t s = 0;
+    for (index_t h = 0; h < cfg_.model.kv_heads; ++h) s += held(layer, h);
+    return s;
+  }
+  /// lava: layer l's entropy in the current chunk.
+  double layer_weight(index_t layer) const noexcept {
+    return ok_ && layer >= 0 && layer < cfg_.model.layers ? weight_[layer] : 0.0;
+  }
+  const chunked_config& config() const noexcept { return cfg_; }
+
+ private:
+  struct plan_t {
+    detail::mem_plan layout;
+    std::size_t budgets = 0, expect = 0, kept_pos = 0, kept_cu = 0, ready = 0, weight = 0, lens = 0, scores = 0,
+                rowpos = 0;
+    bool lava = false;
+  };
+  struct ws_layout {
+    float* scores = nullptr;
+    detail::score_scratch sc;
+    workspace sel;
+    std::int32_t* counts = nullptr;
+    pos_t* evicted = nullptr;
+    std::int32_t* evicted_cu = nullptr;
+    index_t* caps = nullptr;
+    index_t* shares = nullptr;
+    index_t* totals = nullptr;
+  };
+
+  static bool has_matrix(allocator k) {
+    return k == allocator::per_head || k == allocator::flattened || k == allocator::adakv;
+  }
+  bool lava() const noexcept { return cfg_.alloc.kind == allocator::lava; }
+  bool patched() const noexcept { return cfg_.queries == chunk_queries::patched && attention_; }
+  bool patch_active() const noexcept { return patched() && !final_chunk(); }
+
+  index_t evict_count(index_t evictable) const {
+    if (evictable <= 0) return 0;
+    const auto e = static_cast<index_t>(std::floor(cfg_.fraction * static_cast<double>(evictable)));
+    return e < 0 ? 0 : (e > evictable ? evictable : e);
+  }
+
+  /// The recipe a chunk is scored with: naive / final chunks as a prompt window of the chunk's
+  /// last rows, patched non-final chunks as an external block with only the sinks protected.
+  recipe chunk_recipe() const {
+    recipe r = cfg_.rec;
+    if (patch_active()) {
+      r.source = query_source::external_block;
+      r.n_recent = 0;
+    } else if (attention_) {
+      r.window = query_rows();
+    }
+    return r;
+  }
+
+  void commit(index_t layer) {
+    const index_t H = cfg_.model.kv_heads;
+    const std::int32_t* cu = kept_cu_ + layer * (H + 1);
+    for (index_t h = 0; h < H; ++h) expect_[layer * H + h] = cu[h + 1] - cu[h];
+    ready_[layer] = 1;
+  }
+
+  static status validate(const char* fn, const chunked_config& c) {
+    KVEVICT_TRY(detail::check_model(fn, c.model));
+    const index_t L = c.model.layers, H = c.model.kv_heads;
+    if (c.tokens <= 0 || c.tokens > INT32_MAX)
+      return status::error(errc::invalid_argument, "%s: tokens = %lld is outside [1, %d]", fn,
+                           static_cast<long long>(c.tokens), INT32_MAX);
+    KVEVICT_TRY(detail::check_capacity(fn, "capacity", c.capacity, H));
+    KVEVICT_TRY(detail::check_recipe(fn, c.rec));
+    if (c.rec.kind == recipe_kind::h2o || c.rec.kind == recipe_kind::tova)
+      return status::error(errc::unsupported,
+                           "%s: %s scores with every / the last prompt query; chunked prefill supports window recipes, "
+                           "knorm and streaming_llm (use the decode or post-fill driver)",
+                           fn, recipe_name(c.rec.kind));
+    if (uses_attention(c.rec.kind)) {
+      if (c.rec.source != query_source::prompt_window)
+        return status::error(errc::invalid_argument,
+                             "%s: the chunked driver chooses the queries; the recipe's source must be prompt_window", fn);
+      if (c.rec.window > c.tokens || c.rec.window > c.capacity)
+        return status::error(errc::invalid_argument, "%s: the window %lld is longer than the prompt (%lld) or the "
+                             "capacity (%lld)", fn, static_cast<long long>(c.rec.window),
+                             static_cast<long long>(c.tokens), static_cast<long long>(c.capacity));
+    }
+    if (c.queries != chunk_queries::naive && c.queries != chunk_queries::patched)
+      return status::error(errc::invalid_argument, "%s: unknown chunk_queries value %d", fn, static_cast<int>(c.queries));
+    if (c.target != chunk_target::budget && c.target != chunk_target::fraction)
+      return status::error(errc::invalid_argument, "%s: unknown chunk_target value %d", fn, static_cast<int>(c.target));
+    KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
+    if (c.alloc.kind == allocator::cake)
+      return status::error(errc::unsupported,
+                           "%s: the cake allocator needs per-layer preferences of the whole prompt; use per_head budgets "
+                           "(cake_budgets) or the post-fill / cascade drivers",
+                           fn);
+    if (c.target == chunk_target::fraction) {
+      if (!(c.fraction >= 0.0 && c.fraction <= 1.0))
+        return status::error(errc::invalid_argument, "%s: fraction = %g is outside [0, 1]", fn, c.fraction);
+      if (c.alloc.kind == allocator::adakv)
+        return status::error(errc::unsupported,
+                             "%s: adakv shares a per-head budget B_l; use the budget target (or flattened with a "
+                             "fraction)",
+                             fn);
+      return {};
+    }
+    const index_t min_head = c.rec.n_sink + c.rec.n_recent;
+    if (has_matrix(c.alloc.kind)) return detail::check_budget_matrix(fn, c.alloc, c.model, min_head, -1);
+    index_t floor_total = 0;
+    if (!detail::checked_mul(L * H, min_head, floor_total) || c.alloc.total < floor_total)
+      return status::error(errc::invalid_argument,
+                           "%s: lava total %lld is below the %lld protected tokens (n_sink + n_recent per head)", fn,
+                           static_cast<long long>(c.alloc.total), static_cast<long long>(floor_total));
+    return {};
+  }
+
+  static plan_t plan(const chunked_config& c) {
+    plan_t p;
+    const auto L = static_cast<std::size_t>(c.model.layers), H = static_cast<std::size_t>(c.model.kv_heads),
+               C = static_cast<std::size_t>(c.capacity);
+    p.lava = c.alloc.kind == allocator::lava;
+    p.budgets = p.layout.take(L * H * sizeof(std::int32_t));
+    p.expect = p.layout.take(L * H * sizeof(std::int32_t));
+    p.kept_pos = p.layout.take(L * H * C * sizeof(pos_t));
+    p.kept_cu = p.layout.take(L * (H + 1) * sizeof(std::int32_t));
+    p.ready = p.layout.take(L);
+    p.weight = p.layout.take(L * sizeof(double));
+    p.lens = p.layout.take(L * H * sizeof(std::int32_t));
+    if (p.lava) {
+      p.scores = p.layout.take(L * H * C * sizeof(float));
+      p.rowpos = p.layout.take(L * H * C * sizeof(pos_t));
+    }
+    return p;
+  }
+
+  template <class Backend>
+  status carve(Backend be, workspace& ws, ws_layout& w) const {
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
+    const index_t g = cfg_.model.query_heads / H, d = cfg_.model.head_dim;
+    // the largest of the two scoring shapes: a prompt window of w rows, an external block of w rows
+    int slots = 1, slots2 = 1;
+    std::size_t slot = 0;
+    {
+      const auto a = detail::score_slot_bytes(be, cfg_.rec, g, cfg_.rec.window, C, d, false, H, &slots);
+      if (!a) return a.error();
+      slot = *a;
+      if (cfg_.queries == chunk_queries::patched && attention_) {
+        recipe ext = cfg_.rec;
+        ext.source = query_source::external_block;
+        ext.n_recent = 0;
+        const auto b = detail::score_slot_bytes(be, ext, g, cfg_.rec.window, C, d, true, H, &slots2);
+        if (!b) return b.error();
+        slot = *b > slot ? *b : slot;
+      }
+    }
+    const std::size_t sel = detail::select_bytes(be, cfg_.alloc.kind, H, C);
+    detail::workspace_carver c(ws);
+    w.scores = c.take<float>(lava() ? 0 : static_cast<std::size_t>(H * C));
+    detail::carve_score_scratch(c, w.sc, slot, slots > slots2 ? slots : slots2, H);
+    w.sel = workspace{c.take<unsigned char>(sel), sel};
+    w.counts = c.take<std::int32_t>(static_cast<std::size_t>(H));
+    w.evicted = c.take<pos_t>(static_cast<std::size_t>(H * C));
+    w.evicted_cu = c.take<std::int32_t>(static_cast<std::size_t>(H + 1));
+    w.caps = c.take<index_t>(static_cast<std::size_t>(L));
+    w.shares = c.take<index_t>(static_cast<std::size_t>(L));
+    w.totals = c.take<index_t>(static_cast<std::size_t>(L));
+    return c.finish("chunked_driver");
+  }
+
+  ragged_positions kept(index_t layer, bool) const noexcept {
+    const index_t H = cfg_.model.kv_heads;
+    return {kept_pos_ + layer * H * cfg_.capacity, kept_cu_ + layer * (H + 1), H};
+  }
+
+  chunked_config cfg_{};
+  eviction_recorder* rec_ = nullptr;
+  detail::byte_range mem_{};
+  std::int32_t* budgets_ = nullptr;
+  std::int32_t* expect_ = nullptr;
+  pos_t* kept_pos_ = nullptr;
+  std::int32_t* kept_cu_ = nullptr;
+  unsigned char* ready_ = nullptr;
+  double* weight_ = nullptr;
+  std::int32_t* lens_ = nullptr;
+  float* scores_ = nullptr;
+  pos_t* rowpos_ = nullptr;
+  bool attention_ = false;
+  index_t begin_ = 0, end_ = 0, next_ = 0, chunks_ = 0;
+  bool decided_ = true, open_ = false, ok_ = false;
+};
+
+}  // namespace kvevict

@@ -1,0 +1,462 @@
+// kvevict/drivers/decode.hpp: decode-time eviction back to a budget every `interval` steps
+// (docs/drivers.md).
+//
+//   decode_driver d;
+//   d.init(cfg, memory, decode_driver::state_bytes(cfg).value(), &recorder /*optional*/);
+//   for l: d.begin(l, layer_kv_l, tokens_so_far);       // after the prefill (and any post-fill eviction)
+//   per decoded token, per layer l, after the engine appended the token's row to layer l:
+//     d.step(be, ws, l, layer_kv_l, queries_l [, block_keys_l]);
+//     if (d.evicted(l)) compact layer l with d.kept(l);
+//
+// The queries a step needs (queries_l): H2O: the new token's query [H_q][1][d] at EVERY step (its
+// attention is accumulated); TOVA: the new token's query on eviction steps; window recipes: the
+// last w decoded tokens' queries on eviction steps (their keys are the layer's last w rows);
+// external_block recipes: the block on eviction steps; Knorm / StreamingLLM: none.
+// d.evicts_next(l) says whether the next step of layer l evicts (so the engine knows when to
+// gather queries); on other steps an empty view is accepted.
+#pragma once
+
+#include <kvevict/drivers/common.hpp>
+
+namespace kvevict {
+
+struct decode_config {
+  model_shape model;
+  /// C: the most rows a head holds (its budget plus `interval` new rows; for flattened / adakv a
+  /// head may hold up to its layer's budget plus `interval`). Sizes the state and the workspace.
+  index_t capacity = 0;
+  /// Evict every `interval` decode steps (>= 1), counted from begin().
+  index_t interval = 1;
+  /// Rows of the query block for external_block recipes; 0 otherwise (derived).
+  index_t query_rows = 0;
+  /// Any recipe: h2o accumulates the attention of every decoded token (the H2O state), tova scores
+  /// with the newest token, window recipes with the last w tokens, external_block with a block,
+  /// knorm and streaming_llm without queries.
+  recipe rec = recipe::h2o();
+  /// per_head, flattened or adakv with budgets [L][H] (the cache goes back to them).
+  allocation alloc;
+};
+
+/// Decode-time eviction (see the file comment and docs/drivers.md).
+///
+/// H2O state: one float per cached row (the attention it received from the decoded tokens since
+/// begin(), plus begin()'s optional initial scores), in the driver's state memory, compacted
+/// together with the cache. At an eviction the scores are the accumulated attention, protected
+/// with the recipe's {n_sink, n_recent}. Other recipes keep no per-row state.
+/// Budgets: per_head: head (l, h) keeps min(rows, budgets(l, h)); flattened: layer l keeps
+/// min(rows, sum_h budgets(l, h)), heads compete; adakv: B_l = sum_h budgets(l, h) / H per head with
+/// AdaKV's floor when the layer holds more than B_l H. Recording: evictions at step `tokens`
+/// (the number of tokens processed, the new token included).
+class decode_driver {
+ public:
+  static result<std::size_t> state_bytes(const decode_config& cfg) {
+    KVEVICT_TRY(validate("decode_driver::state_bytes", cfg));
+    return plan(cfg).layout.bytes();
+  }
+
+  /// Errors: model shape; capacity outside [1, INT32_MAX / H]; interval < 1; an invalid recipe;
+  /// query_rows missing for / given to a recipe that does not take it; a window longer than the
+  /// capacity; allocator not per_head / flattened / adakv; budgets not [L][H], below n_sink +
+  /// n_recent per head (or per head on average for flattened / adakv), adakv totals not a multiple
+  /// of H; recorder shape; memory null or too small.
+  status init(const decode_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
+    constexpr const char* fn = "decode_driver::init";
+    KVEVICT_TRY(validate(fn, cfg));
+    KVEVICT_TRY(detail::check_recorder(fn, recorder, cfg.model, 1));
+    const plan_t p = plan(cfg);
+    if (memory == nullptr) return status::error(errc::null_pointer, "%s: memory is null", fn);
+    if (bytes < p.layout.bytes())
+      return status::error(errc::workspace_too_small, "%s: memory has %zu bytes, %zu needed (state_bytes)", fn, bytes,
+                           p.layout.bytes());
+    unsigned char* base = detail::align64(memory);
+    cfg_ = cfg;
+    cfg_.alloc.budgets = {};
+    rec_ = recorder;
+    mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
+    budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
+    held_ = reinterpret_cast<std::int32_t*>(base + p.held);
+    tokens_ = reinterpret_cast<index_t*>(base + p.tokens);
+    start_ = reinterpret_cast<index_t*>(base + p.start);
+    flags_ = base + p.flags;
+    kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
+    kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
+    acc_ = p.h2o ? reinterpret_cast<float*>(base + p.acc) : nullptr;
+    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    for (index_t l = 0; l < L; ++l) {
+      tokens_[l] = start_[l] = 0;
+      flags_[l] = 0;
+      for (index_t h = 0; h < H; ++h) {
+        budgets_[l * H + h] = cfg.alloc.budgets(l, h);
+        held_[l * H + h] = 0;
+      }
+      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
+    }
+    h2o_ = p.h2o;
+    bool bk = false;
+    (void)eviction_queries("", cfg.rec, cfg.query_rows, &evict_rows_, &bk, &evict_tail_);
+    block_keys_ = bk;
+    ok_ = true;
+    return {};
+  }
+
+  template <class Backend>
+  result<std::size_t> workspace_bytes(Backend be) const {
+    if (!ok_) return status::error(errc::invalid_argument, "decode_driver::workspace_bytes: not initialised (init)");
+    workspace q;
+    ws_layout w;
+    KVEVICT_TRY(carve(be, q, w));
+    return q.bytes;
+  }
+
+  /// Starts (or restarts) decoding on layer l: kv is its cache after `tokens` tokens (positions
+  /// < tokens, at most C rows per head); initial: H2O's starting scores per row ([H][>= rows],
+  /// row h's first lens[h] columns; an empty view = 0), ignored by other recipes. The next step's
+  /// token is at position `tokens`; evictions happen every `interval` steps from here.
+  /// Errors: not initialised; layer outside [0, L); the layer's layout and positions; more rows
+  /// than the capacity; tokens outside [0, INT32_MAX); initial of the wrong shape or NaN.
+  template <class T>
+  status begin(index_t layer, const layer_kv<T>& kv, index_t tokens, matrix_view<const float> initial = {}) {
+    constexpr const char* fn = "decode_driver::begin";
+    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
+    if (layer < 0 || layer >= L)
+      return status::error(errc::out_of_range, "%s: layer %lld is outside [0, %lld)", fn, static_cast<long long>(layer),
+                           static_cast<long long>(L));
+    if (tokens < 0 || tokens >= INT32_MAX)
+      return status::error(errc::invalid_argument, "%s: tokens = %lld is outside [0, %d)", fn,
+                           static_cast<long long>(tokens), INT32_MAX);
+    detail::row_rules rr;
+    rr.tokens = tokens;
+    rr.capacity = C;
+    KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rr));
+    if (h2o_ && initial.extent(1) > 0) {
+      KVEVICT_TRY(detail::check_view(fn, "initial", initial));
+      if (initial.extent(0) != H)
+        return status::error(errc::shape_mismatch, "%s: initial has %lld rows, expected one per KV head (%lld)", fn,
+                             static_cast<long long>(initial.extent(0)), static_cast<long long>(H));
+      for (index_t h = 0; h < H; ++h) {
+        if (kv.keys.lens[h] > initial.extent(1))
+          return status::error(errc::shape_mismatch, "%s: initial has %lld columns but head %lld holds %d rows", fn,
+                               static_cast<long long>(initial.extent(1)), static_cast<long long>(h), kv.keys.lens[h]);
+        for (index_t j = 0; j < kv.keys.lens[h]; ++j)
+          if (initial(h, j) != initial(h, j))
+            return status::error(errc::invalid_argument, "%s: initial[%lld][%lld] is NaN", fn, static_cast<long long>(h),
+                                 static_cast<long long>(j));
+      }
+    }
+    for (index_t h = 0; h < H; ++h) {
+      held_[layer * H + h] = kv.keys.lens[h];
+      if (h2o_)
+        for (index_t j = 0; j < kv.keys.lens[h]; ++j)
+          acc_[(layer * H + h) * C + j] = initial.extent(1) > 0 ? initial(h, j) : 0.0f;
+    }
+    tokens_[layer] = start_[layer] = tokens;
+    flags_[layer] = begun;
+    return {};
+  }
+
+  /// Does the next step of layer l evict? (So the engine knows when to gather window queries.)
+  bool evicts_next(index_t layer) const noexcept {
+    return ok_ && layer >= 0 && layer < cfg_.model.layers && (flags_[layer] & begun) &&
+           (tokens_[layer] + 1 - start_[layer]) % cfg_.interval == 0;
+  }
+
+  /// One decoded token went through layer l: kv holds the rows kept so far followed by the new
+  /// token's row (position tokens(l)); queries / block_keys as the file comment says. On eviction
+  /// steps the driver scores, selects, records and answers with kept(l) (evicted(l) true when a
+  /// row is dropped); H2O's accumulators are compacted with the cache.
+  /// Errors (nothing changes but evicted(l), which is false after any step): not begun; the
+  /// layer's layout; a head not holding its previous rows
+  /// plus exactly one new row, or a new row not at position tokens(l); more rows than the
+  /// capacity; queries / block keys of the wrong shape (an empty view is accepted when the step
+  /// needs none); the window's rows missing; workspace too small or overlapping the state; the
+  /// recorder's errors.
+  template <class Backend, class T, class Q>
+  status step(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
+              kv_view<const T> block_keys = {}) {
+    constexpr const char* fn = "decode_driver::step";
+    using QE = std::remove_const_t<Q>;
+    const kv_view<const QE> queries = queries_in;
+    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    ws_layout w;
+    KVEVICT_TRY(carve(be, ws, w));
+    if (ws.is_query()) return {};
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
+    if (layer < 0 || layer >= L)
+      return status::error(errc::out_of_range, "%s: layer %lld is outside [0, %lld)", fn, static_cast<long long>(layer),
+                           static_cast<long long>(L));
+    if (!(flags_[layer] & begun))
+      return status::error(errc::invalid_argument, "%s: layer %lld was not begun (begin)", fn,
+                           static_cast<long long>(layer));
+    flags_[layer] = begun;  // the previous answer is spent, whatever this step gives
+    const index_t now = tokens_[layer] + 1;
+    if (now >= INT32_MAX)
+      return status::error(errc::invalid_argument, "%s: %lld tokens do not fit int32 positions", fn,
+                           static_cast<long long>(now));
+    const bool due = (now - start_[layer]) % cfg_.interval == 0;
+    detail::row_rules rr;
+    rr.tokens = now;
+    rr.capacity = C;
+    rr.tail = 1;
+    rr.tail_what = "the new token";
+    KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
+    for (index_t h = 0; h < H; ++h)
+      if (kv.keys.lens[h] != held_[layer * H + h] + 1)
+        return status::error(errc::shape_mismatch,
+                             "%s: layer %lld head %lld holds %d rows; it held %d and a step adds one (was it compacted "
+                             "with kept(%lld)?)",
+                             fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
+                             held_[layer * H + h], static_cast<long long>(layer));
+    KVEVICT_TRY(detail::check_layer_rows(fn, layer, kv, rr));
+    // the queries this step reads (steps that read none ignore them)
+    const bool scoring = due && !h2o_ && evict_rows_ > 0;
+    if (h2o_) KVEVICT_TRY(detail::check_queries(fn, queries, 1, cfg_.model, block_keys, false));
+    if (scoring) KVEVICT_TRY(detail::check_queries(fn, queries, evict_rows_, cfg_.model, block_keys, block_keys_));
+    if (scoring && evict_tail_ > 0) {
+      rr.tail = evict_tail_;
+      rr.tail_what = evict_tail_ == 1 ? "the newest token (TOVA's query)" : "the window's tokens (the last decoded)";
+      KVEVICT_TRY(detail::check_layer_rows(fn, layer, kv, rr));
+    }
+    if (detail::ws_range(ws).intersects(mem_))
+      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
+
+    const std::int32_t* lens = kv.keys.lens;
+    const index_t g = cfg_.model.query_heads / H;
+    if (h2o_) {  // the new token's attention over every row (its own included), added to the sums
+      recipe r = cfg_.rec;
+      r.kind = recipe_kind::tova;
+      r.n_sink = r.n_recent = 0;
+      KVEVICT_TRY(detail::score_layer(be, w.sc, r, kv, g, queries, kv_view<const T>{}, w.scores, C));
+      for (index_t h = 0; h < H; ++h) {
+        const float* a = acc_ + (layer * H + h) * C;
+        float* n = w.acc + h * C;
+        for (index_t j = 0; j < lens[h]; ++j) n[j] = (j + 1 < lens[h] ? a[j] : 0.0f) + w.scores[h * C + j];
+      }
+    }
+    if (!due || !over_budget(layer, lens)) {
+      for (index_t h = 0; h < H; ++h) {
+        held_[layer * H + h] = lens[h];
+        if (h2o_)
+          std::memcpy(acc_ + (layer * H + h) * C, w.acc + h * C, static_cast<std::size_t>(lens[h]) * sizeof(float));
+      }
+      tokens_[layer] = now;
+      return {};
+    }
+    // eviction scores
+    if (h2o_) {
+      for (index_t h = 0; h < H; ++h)
+        std::memcpy(w.scores + h * C, w.acc + h * C, static_cast<std::size_t>(lens[h]) * sizeof(float));
+      KVEVICT_TRY(protect(be, detail::rows_view(w.scores, H, C, C), cfg_.rec.n_sink, cfg_.rec.n_recent, lens));
+    } else {
+      KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, g, queries, block_keys, w.scores, C));
+    }
+    const auto sv = detail::rows_view<const float>(w.scores, H, C, C);
+    index_t total = 0;
+    for (index_t h = 0; h < H; ++h) {
+      const std::int32_t b = budgets_[layer * H + h];
+      w.counts[h] = b < lens[h] ? b : lens[h];
+      total += b;
+    }
+    index_t held = 0;
+    for (index_t h = 0; h < H; ++h) held += lens[h];
+    if (total > held) total = held;
+    adakv_options ao;
+    ao.alpha = cfg_.alloc.adakv_alpha;
+    ao.floor = cfg_.alloc.floor_rule;
+    ao.prot = detail::recipe_protection(cfg_.rec);
+    std::int32_t* cu = kept_cu_ + layer * (H + 1);
+    pos_t* pos = kept_pos_ + layer * H * C;
+    KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao, cu, pos));
+    const ragged_positions k{pos, cu, H};
+    KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, k, now, w.evicted, w.evicted_cu));
+    for (index_t h = 0; h < H; ++h) {
+      if (h2o_) {  // the accumulators follow the cache
+        float* a = acc_ + (layer * H + h) * C;
+        for (index_t i = 0; i < k.length(h); ++i) a[i] = w.acc[h * C + pos[cu[h] + i]];
+      }
+      held_[layer * H + h] = static_cast<std::int32_t>(k.length(h));
+    }
+    tokens_[layer] = now;
+    flags_[layer] = begun | evicted_flag;
+    return {};
+  }
+
+  /// Did the last step of layer l drop rows? Then compact the layer with kept(l).
+  bool evicted(index_t layer) const noexcept {
+    return ok_ && layer >= 0 && layer < cfg_.model.layers && (flags_[layer] & evicted_flag) != 0;
+  }
+  /// The rows layer l keeps after its last step (indices into the rows given to step), per head
+  /// ascending. Empty unless evicted(l).
+  ragged_positions kept(index_t layer) const noexcept {
+    if (!evicted(layer)) return {};
+    const index_t H = cfg_.model.kv_heads;
+    return {kept_pos_ + layer * H * cfg_.capacity, kept_cu_ + layer * (H + 1), H};
+  }
+  /// Tokens layer l has processed (the next token's position).
+  index_t tokens(index_t layer) const noexcept {
+    return ok_ && layer >= 0 && layer < cfg_.model.layers ? tokens_[layer] : 0;
+  }
+  /// Rows head h of layer l holds after its last step (after compaction).
+  index_t held(index_t layer, index_t head) const noexcept {
+    return ok_ && layer >= 0 && layer < cfg_.model.layers && head >= 0 && head < cfg_.model.kv_heads
+               ? held_[layer * cfg_.model.kv_heads + head]
+               : 0;
+  }
+  /// H2O: head h's accumulated scores, aligned with its rows (held(l, h) of them); null otherwise.
+  const float* accumulated(index_t layer, index_t head) const noexcept {
+    return h2o_ && ok_ && layer >= 0 && layer < cfg_.model.layers && head >= 0 && head < cfg_.model.kv_heads
+               ? acc_ + (layer * cfg_.model.kv_heads + head) * cfg_.capacity
+               : nullptr;
+  }
+  const decode_config& config() const noexcept { return cfg_; }
+
+ private:
+  static constexpr unsigned char begun = 1, evicted_flag = 2;
+
+  struct plan_t {
+    detail::mem_plan layout;
+    std::size_t budgets = 0, held = 0, tokens = 0, start = 0, flags = 0, kept_pos = 0, kept_cu = 0, acc = 0;
+    bool h2o = false;
+  };
+  struct ws_layout {
+    float* scores = nullptr;
+    float* acc = nullptr;  // H2O: the sums after this step, committed when the step succeeds
+    detail::score_scratch sc;
+    workspace sel;
+    std::int32_t* counts = nullptr;
+    pos_t* evicted = nullptr;
+    std::int32_t* evicted_cu = nullptr;
+  };
+
+  /// The query block read at an eviction: rows, block keys, and how many last rows are its own.
+  static status eviction_queries(const char* fn, const recipe& r, index_t given, index_t* rows, bool* block_keys,
+                                 index_t* tail) {
+    *block_keys = false;
+    *tail = 0;
+    index_t need = 0;
+    switch (r.kind) {
+      case recipe_kind::knorm:
+      case recipe_kind::streaming_llm:
+      case recipe_kind::h2o: need = 0; break;  // h2o reads one query per step, not at the eviction
+      case recipe_kind::tova:
+        need = 1;
+        *tail = 1;
+        break;
+      default:
+        if (r.source == query_source::external_block) {
+          if (given < 1)
+            return status::error(errc::invalid_argument,
+                                 "%s: query_rows = %lld: an external_block recipe needs the block's row count", fn,
+                                 static_cast<long long>(given));
+          *rows = given;
+          *block_keys = true;
+          return {};
+        }
+        need = r.window;
+        *tail = r.window;
+    }
+    if (given != 0 && given != need)
+      return status::error(errc::invalid_argument, "%s: query_rows = %lld but %s reads %lld query rows at an eviction",
+                           fn, static_cast<long long>(given), recipe_name(r.kind), static_cast<long long>(need));
+    *rows = need;
+    return {};
+  }
+
+  static status validate(const char* fn, const decode_config& c) {
+    KVEVICT_TRY(detail::check_model(fn, c.model));
+    KVEVICT_TRY(detail::check_capacity(fn, "capacity", c.capacity, c.model.kv_heads));
+    if (c.interval < 1)
+      return status::error(errc::invalid_argument, "%s: interval = %lld (must be >= 1)", fn,
+                           static_cast<long long>(c.interval));
+    KVEVICT_TRY(detail::check_recipe(fn, c.rec));
+    index_t rows = 0, tail = 0;
+    bool bk = false;
+    KVEVICT_TRY(eviction_queries(fn, c.rec, c.query_rows, &rows, &bk, &tail));
+    if (tail > c.capacity)
+      return status::error(errc::invalid_argument, "%s: the window %lld is longer than the capacity %lld", fn,
+                           static_cast<long long>(tail), static_cast<long long>(c.capacity));
+    KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
+    if (c.alloc.kind == allocator::lava || c.alloc.kind == allocator::cake)
+      return status::error(errc::unsupported,
+                           "%s: %s allocates across layers from prefill scores; decode eviction takes per_head, "
+                           "flattened or adakv budgets",
+                           fn, allocator_name(c.alloc.kind));
+    return detail::check_budget_matrix(fn, c.alloc, c.model, c.rec.n_sink + c.rec.n_recent, -1);
+  }
+
+  static plan_t plan(const decode_config& c) {
+    plan_t p;
+    const auto L = static_cast<std::size_t>(c.model.layers), H = static_cast<std::size_t>(c.model.kv_heads),
+               C = static_cast<std::size_t>(c.capacity);
+    p.h2o = c.rec.kind == recipe_kind::h2o;
+    p.budgets = p.layout.take(L * H * sizeof(std::int32_t));
+    p.held = p.layout.take(L * H * sizeof(std::int32_t));
+    p.tokens = p.layout.take(L * sizeof(index_t));
+    p.start = p.layout.take(L * sizeof(index_t));
+    p.flags = p.layout.take(L);
+    p.kept_pos = p.layout.take(L * H * C * sizeof(pos_t));
+    p.kept_cu = p.layout.take(L * (H + 1) * sizeof(std::int32_t));
+    if (p.h2o) p.acc = p.layout.take(L * H * C * sizeof(float));
+    return p;
+  }
+
+  template <class Backend>
+  status carve(Backend be, workspace& ws, ws_layout& w) const {
+    const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
+    const index_t g = cfg_.model.query_heads / H, d = cfg_.model.head_dim;
+    int slots = 1;
+    std::size_t slot = 0;
+    if (h2o_) {
+      recipe r = cfg_.rec;
+      r.kind = recipe_kind::tova;
+      const auto a = detail::score_slot_bytes(be, r, g, 1, C, d, false, H, &slots);
+      if (!a) return a.error();
+      slot = *a;
+    } else {
+      const auto a = detail::score_slot_bytes(be, cfg_.rec, g, evict_rows_, C, d, block_keys_, H, &slots);
+      if (!a) return a.error();
+      slot = *a;
+    }
+    const std::size_t sel = detail::select_bytes(be, cfg_.alloc.kind, H, C);
+    detail::workspace_carver c(ws);
+    w.scores = c.take<float>(static_cast<std::size_t>(H * C));
+    w.acc = c.take<float>(h2o_ ? static_cast<std::size_t>(H * C) : 0);
+    detail::carve_score_scratch(c, w.sc, slot, slots, H);
+    w.sel = workspace{c.take<unsigned char>(sel), sel};
+    w.counts = c.take<std::int32_t>(static_cast<std::size_t>(H));
+    w.evicted = c.take<pos_t>(static_cast<std::size_t>(H * C));
+    w.evicted_cu = c.take<std::int32_t>(static_cast<std::size_t>(H + 1));
+    return c.finish("decode_driver");
+  }
+
+  /// Does layer l hold more than its allocation lets it keep?
+  bool over_budget(index_t l, const std::int32_t* lens) const {
+    const index_t H = cfg_.model.kv_heads;
+    index_t total = 0, held = 0;
+    bool over = false;
+    for (index_t h = 0; h < H; ++h) {
+      total += budgets_[l * H + h];
+      held += lens[h];
+      over = over || lens[h] > budgets_[l * H + h];
+    }
+    return cfg_.alloc.kind == allocator::per_head ? over : held > total;
+  }
+
+  decode_config cfg_{};
+  eviction_recorder* rec_ = nullptr;
+  detail::byte_range mem_{};
+  std::int32_t* budgets_ = nullptr;
+  std::int32_t* held_ = nullptr;
+  index_t* tokens_ = nullptr;
+  index_t* start_ = nullptr;
+  unsigned char* flags_ = nullptr;
+  pos_t* kept_pos_ = nullptr;
+  std::int32_t* kept_cu_ = nullptr;
+  float* acc_ = nullptr;
+  index_t evict_rows_ = 0, evict_tail_ = 0;
+  bool block_keys_ = false;
+  bool h2o_ = false;
+  bool ok_ = false;
+};
+
+}  // namespace kvevict

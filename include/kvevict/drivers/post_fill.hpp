@@ -1,0 +1,495 @@
+// kvevict/drivers/post_fill.hpp: one-shot eviction after the prefill (docs/drivers.md).
+//
+//   post_fill_driver d;
+//   d.init(cfg, memory, post_fill_driver::state_bytes(cfg).value(), &recorder /*optional*/);
+//   for l in 0..L-1:  d.add_layer(be, ws, l, layer_kv_l, queries_l [, block_keys_l] [, cake_preference_l]);
+//   d.decide(be, ws);                                   // all-layer allocators decide here
+//   for l:  compact the engine's layer l with d.kept(l)  // rows of its current cache, ascending
+//
+// Per-layer allocators (per_head, flattened, adakv) decide inside add_layer: d.ready(l) is true as
+// soon as add_layer(l) returns, so an engine may compact layer l before scoring layer l + 1.
+// All-layer allocators (lava, cake) need every layer first: their scores, row positions and
+// weights are kept in the driver's state until decide().
+#pragma once
+
+#include <kvevict/drivers/common.hpp>
+
+namespace kvevict {
+
+struct post_fill_config {
+  model_shape model;
+  /// P: the tokens prefilled (the prompt). Every position is < P; a head holds at most P rows.
+  index_t tokens = 0;
+  /// Rows of the query block for external_block recipes (lookahead tokens, LAQ pseudo queries, a
+  /// draft's queries...); 0 otherwise (derived: the window, 1 for TOVA, P for H2O, none for Knorm
+  /// and StreamingLLM).
+  index_t query_rows = 0;
+  recipe rec = recipe::snapkv();
+  allocation alloc;
+};
+
+namespace detail {
+
+/// The query block a recipe reads over a cache holding a whole prompt of `tokens` tokens, and what
+/// the layer's last rows must be.
+inline status prompt_queries(const char* fn, const recipe& r, index_t tokens, index_t given, index_t* rows,
+                             bool* block_keys, row_rules* rr) {
+  *block_keys = false;
+  index_t need = 0;
+  switch (r.kind) {
+    case recipe_kind::knorm:
+    case recipe_kind::streaming_llm: need = 0; break;
+    case recipe_kind::h2o:
+      need = tokens;
+      rr->whole = true;
+      break;
+    case recipe_kind::tova:
+      need = 1;
+      rr->tail = 1;
+      rr->tail_what = "the last prompt token (TOVA's query)";
+      break;
+    default:
+      if (r.source == query_source::external_block) {
+        if (given < 1)
+          return status::error(errc::invalid_argument,
+                               "%s: query_rows = %lld: an external_block recipe needs the block's row count", fn,
+                               static_cast<long long>(given));
+        *rows = given;
+        *block_keys = true;
+        return {};
+      }
+      if (r.window > tokens)
+        return status::error(errc::invalid_argument, "%s: the recipe's window %lld is longer than the %lld tokens", fn,
+                             static_cast<long long>(r.window), static_cast<long long>(tokens));
+      need = r.window;
+      rr->tail = r.window;
+      rr->tail_what = "the observation window's tokens";
+  }
+  if (given != 0 && given != need)
+    return status::error(errc::invalid_argument, "%s: query_rows = %lld but %s reads %lld query rows here", fn,
+                         static_cast<long long>(given), recipe_name(r.kind), static_cast<long long>(need));
+  *rows = need;
+  return {};
+}
+
+}  // namespace detail
+
+/// One-shot (post-fill) eviction, see the file comment and docs/drivers.md.
+///
+/// Budgets (the recipe's {n_sink, n_recent} are the protected tokens; W_h = protected_count of head
+/// h's rows):
+///   per_head    head (l, h) keeps budgets(l, h), in [W_h, rows of the head]
+///   flattened   layer l keeps sum_h budgets(l, h), in [sum W_h, rows of the layer]
+///   adakv       layer l keeps B_l H with AdaKV's floors (adakv_budgets), B_l = row sum / H
+///   lava        the model keeps `total`: layer l keeps sum_h W_h + apportion(total - sum W, e, caps)_l,
+///               e_l = lava_layer_entropy of its scores, caps_l = its evictable rows (for heads of
+///               equal length this is lava_layer_budgets exactly); flattened within the layer
+///   cake        every head must hold the whole prompt; per-head budgets cake_budgets(preferences,
+///               total / (L H), P) (the preferences are add_layer's `weight`)
+/// Recording: the rows a layer drops are marked evicted at step P (the prompt length).
+class post_fill_driver {
+ public:
+  /// Bytes of state memory init() needs for cfg. Errors: as init's configuration errors.
+  static result<std::size_t> state_bytes(const post_fill_config& cfg) {
+    KVEVICT_TRY(validate("post_fill_driver::state_bytes", cfg));
+    return plan(cfg).layout.bytes();
+  }
+
+  /// Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
+  /// resets it. The recorder (optional; layers x kv_heads, capacity >= P) must outlive the driver.
+  /// Errors: zero layers / heads, query heads not a multiple of KV heads, head_dim <= 0, tokens
+  /// outside [1, INT32_MAX / H]; an invalid recipe; query_rows missing for or given to a recipe
+  /// that does not take it; a window longer than the prompt; unknown allocator; per_head budgets
+  /// below the protected tokens or above the prompt, layer totals below the protected tokens
+  /// (flattened, adakv) or not a multiple of H (adakv); budgets not [L][H]; lava / cake total
+  /// negative or above L H P, cake total not a multiple of L H or its per-head budget below the
+  /// protected tokens; adakv alpha outside [0, 1]; recorder shape; memory null or too small.
+  status init(const post_fill_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
+    constexpr const char* fn = "post_fill_driver::init";
+    KVEVICT_TRY(validate(fn, cfg));
+    KVEVICT_TRY(detail::check_recorder(fn, recorder, cfg.model, cfg.tokens));
+    const plan_t p = plan(cfg);
+    if (memory == nullptr) return status::error(errc::null_pointer, "%s: memory is null", fn);
+    if (bytes < p.layout.bytes())
+      return status::error(errc::workspace_too_small, "%s: memory has %zu bytes, %zu needed (state_bytes)", fn, bytes,
+                           p.layout.bytes());
+    unsigned char* base = detail::align64(memory);
+    cfg_ = cfg;
+    cfg_.alloc.budgets = {};
+    rec_ = recorder;
+    mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
+    budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
+    kept_off_ = reinterpret_cast<index_t*>(base + p.kept_off);
+    kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
+    kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
+    ready_ = base + p.ready;
+    weight_ = reinterpret_cast<double*>(base + p.weight);
+    scores_ = p.all_layer ? reinterpret_cast<float*>(base + p.scores) : nullptr;
+    lens_ = reinterpret_cast<std::int32_t*>(base + p.lens);
+    rowpos_ = p.all_layer ? reinterpret_cast<pos_t*>(base + p.rowpos) : nullptr;
+    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    for (index_t l = 0; l <= L; ++l) kept_off_[l] = p.kept_off_values(cfg, l);
+    for (index_t l = 0; l < L; ++l) {
+      ready_[l] = 0;
+      weight_[l] = 0.0;
+      for (index_t h = 0; h < H; ++h) {
+        budgets_[l * H + h] = has_matrix(cfg.alloc.kind) ? cfg.alloc.budgets(l, h) : 0;
+        lens_[l * H + h] = 0;
+      }
+      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
+    }
+    all_layer_ = p.all_layer;
+    query_rows_ = p.query_rows;
+    block_keys_ = p.block_keys;
+    rules_ = p.rules;
+    added_ = 0;
+    decided_ = false;
+    ok_ = true;
+    return {};
+  }
+
+  /// Workspace bytes add_layer and decide need on backend `be` (what their size queries report).
+  template <class Backend>
+  result<std::size_t> workspace_bytes(Backend be) const {
+    if (!ok_) return status::error(errc::invalid_argument, "post_fill_driver::workspace_bytes: not initialised (init)");
+    workspace q;
+    ws_layout w;
+    KVEVICT_TRY(carve(be, q, w));
+    return q.bytes;
+  }
+
+  /// Layer `layer` (layers in order 0..L-1) was prefilled: kv is its cache (every head's rows,
+  /// positions < P), queries the recipe's query block [H_q][rows][d] (the last w prompt tokens'
+  /// queries for window recipes, every prompt query for H2O, the last one for TOVA, the external
+  /// block for external_block recipes, an empty view for Knorm / StreamingLLM), block_keys the
+  /// external block's own keys [H][rows][d] or an empty view, weight the layer's CAKE preference
+  /// (cake allocator only; cake_preference(cake_layer_stats(window attention))).
+  /// Per-layer allocators select here (ready(layer) afterwards); lava / cake keep the scores.
+  /// Workspace: two-phase (a query, ws.data == nullptr, only sets ws.bytes: workspace_bytes(be)).
+  /// Errors (nothing changes): not initialised; layer out of order or past L; already decided;
+  /// the layer's layout (heads, dim, offsets, lens, null pointers), key and value row counts that
+  /// differ, more than P rows in a head, positions not ascending or outside [0, P); the window's
+  /// rows (or TOVA's last token, or H2O's whole prompt) missing from a head; queries or block keys
+  /// of the wrong shape; a cake preference NaN, infinite or negative; budgets above a head's rows
+  /// or below its protected tokens; scores a lava entropy refuses (negative, NaN); workspace too
+  /// small or overlapping the state; the recorder's errors (a row already evicted).
+  template <class Backend, class T, class Q>
+  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
+                   kv_view<const T> block_keys = {}, double weight = 0.0) {
+    constexpr const char* fn = "post_fill_driver::add_layer";
+    using QE = std::remove_const_t<Q>;
+    const kv_view<const QE> queries = queries_in;
+    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    ws_layout w;
+    KVEVICT_TRY(carve(be, ws, w));
+    if (ws.is_query()) return {};
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.tokens;
+    if (decided_) return status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
+    if (layer != added_ || layer >= L)
+      return added_ >= L ? status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added",
+                                         fn, static_cast<long long>(layer), static_cast<long long>(L))
+                         : status::error(errc::invalid_argument,
+                                         "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
+                                         static_cast<long long>(layer), static_cast<long long>(added_));
+    KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rules_));
+    KVEVICT_TRY(detail::check_queries(fn, queries, query_rows_, cfg_.model, block_keys, block_keys_));
+    KVEVICT_TRY(check_ws(fn, ws));
+    if (cfg_.alloc.kind == allocator::cake && (!(weight >= 0.0) || weight - weight != 0.0))
+      return status::error(errc::invalid_argument,
+                           "%s: layer %lld's CAKE preference is %g (must be finite and >= 0)", fn,
+                           static_cast<long long>(layer), weight);
+    const std::int32_t* lens = kv.keys.lens;
+    if (!all_layer_) KVEVICT_TRY(check_layer_budget(fn, layer, lens));
+
+    float* scores = all_layer_ ? scores_ + layer * H * C : w.scores;
+    KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, cfg_.model.query_heads / H, queries, block_keys, scores, C));
+    const auto sv = detail::rows_view<const float>(scores, H, C, C);
+    if (all_layer_) {
+      double e = weight;
+      if (cfg_.alloc.kind == allocator::lava) {
+        lava_entropy_options eo;
+        eo.prot = detail::recipe_protection(cfg_.rec);
+        eo.norm = cfg_.alloc.lava_norm;
+        KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
+      }
+      for (index_t h = 0; h < H; ++h) {
+        lens_[layer * H + h] = lens[h];
+        std::memcpy(rowpos_ + (layer * H + h) * C, kv.positions + kv.keys.cu_capacity[h],
+                    static_cast<std::size_t>(lens[h]) * sizeof(pos_t));
+      }
+      weight_[layer] = e;
+      added_ = layer + 1;
+      return {};
+    }
+    for (index_t h = 0; h < H; ++h) lens_[layer * H + h] = lens[h];
+    KVEVICT_TRY(select_one(be, w, layer, sv, lens));
+    KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, kept(layer, true), cfg_.tokens, w.evicted, w.evicted_cu));
+    ready_[layer] = 1;
+    added_ = layer + 1;
+    return {};
+  }
+
+  /// After every layer was added: the all-layer allocators compute the budgets and select every
+  /// layer (ready(l) afterwards); the per-layer ones have nothing left to do. Workspace: as
+  /// add_layer's. Errors: not initialised; layers missing; called twice; lava: total below the
+  /// layers' protected rows or above their rows; cake: the allocator's errors (cake_budgets);
+  /// workspace too small; the recorder's errors.
+  template <class Backend>
+  status decide(Backend be, workspace& ws) {
+    constexpr const char* fn = "post_fill_driver::decide";
+    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    ws_layout w;
+    KVEVICT_TRY(carve(be, ws, w));
+    if (ws.is_query()) return {};
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.tokens;
+    if (decided_) return status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
+    if (added_ < L)
+      return status::error(errc::invalid_argument, "%s: only %lld of %lld layers were added", fn,
+                           static_cast<long long>(added_), static_cast<long long>(L));
+    KVEVICT_TRY(check_ws(fn, ws));
+    if (!all_layer_) {
+      decided_ = true;
+      return {};
+    }
+    const protection prot = detail::recipe_protection(cfg_.rec);
+    if (cfg_.alloc.kind == allocator::lava) {
+      // layer totals: protected rows + apportion(total - protected, entropies, evictable rows)
+      index_t prot_sum = 0, rows = 0;
+      for (index_t l = 0; l < L; ++l) {
+        index_t wl = 0, nl = 0;
+        for (index_t h = 0; h < H; ++h) {
+          wl += protected_count(lens_[l * H + h], prot.n_sink, prot.n_recent);
+          nl += lens_[l * H + h];
+        }
+        w.caps[l] = nl - wl;
+        w.totals[l] = wl;
+        prot_sum += wl;
+        rows += nl;
+      }
+      if (cfg_.alloc.total < prot_sum || cfg_.alloc.total > rows)
+        return status::error(errc::invalid_argument,
+                             "%s: lava total %lld is outside [%lld, %lld] (the layers' protected rows, their rows)", fn,
+                             static_cast<long long>(cfg_.alloc.total), static_cast<long long>(prot_sum),
+                             static_cast<long long>(rows));
+      KVEVICT_TRY(apportion(cfg_.alloc.total - prot_sum, weight_, w.caps, L, w.shares));
+      for (index_t l = 0; l < L; ++l) w.totals[l] += w.shares[l];
+    } else {  // cake: every head holds the whole prompt (checked by add_layer)
+      KVEVICT_TRY(cake_budgets(weight_, cfg_.alloc.total / (L * H), cfg_.tokens, prot,
+                               detail::rows_view(budgets_, L, H, H)));
+    }
+    for (index_t l = 0; l < L; ++l) {
+      const auto sv = detail::rows_view<const float>(scores_ + l * H * C, H, C, C);
+      const std::int32_t* lens = lens_ + l * H;
+      const allocator kind = cfg_.alloc.kind == allocator::lava ? allocator::lava : allocator::per_head;
+      KVEVICT_TRY(detail::select_layer(be, w.sel, kind, sv, lens, budgets_ + l * H,
+                                       kind == allocator::lava ? w.totals[l] : 0, adakv_options{},
+                                       kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
+      KVEVICT_TRY(detail::record_dropped(
+          rec_, l, H, [&](index_t h) { return rowpos_ + (l * H + h) * C; }, lens, kept(l, true), cfg_.tokens,
+          w.evicted, w.evicted_cu));
+      ready_[l] = 1;
+    }
+    decided_ = true;
+    return {};
+  }
+
+  /// Is layer l's kept list available? (per-layer allocators: after add_layer(l); lava, cake:
+  /// after decide()).
+  bool ready(index_t layer) const noexcept { return ok_ && layer >= 0 && layer < cfg_.model.layers && ready_[layer]; }
+  /// The rows layer l keeps, per head ascending (indices into the rows of the cache given to
+  /// add_layer): compact_inplace(be, keys_l, kept(l)), the same for values and positions, or
+  /// kvrun::kv_cache::compact(l, kept(l)). Empty until ready(l).
+  ragged_positions kept(index_t layer) const noexcept { return ready(layer) ? kept(layer, true) : ragged_positions{}; }
+  /// Tokens layer l keeps over all its heads (0 until ready).
+  index_t layer_total(index_t layer) const noexcept {
+    return ready(layer) ? kept_cu_[layer * (cfg_.model.kv_heads + 1) + cfg_.model.kv_heads] : 0;
+  }
+  /// lava: layer l's normalised entropy; cake: its preference; others 0.
+  double layer_weight(index_t layer) const noexcept {
+    return ok_ && layer >= 0 && layer < added_ ? weight_[layer] : 0.0;
+  }
+  index_t layers_added() const noexcept { return added_; }
+  bool decided() const noexcept { return decided_; }
+  const post_fill_config& config() const noexcept { return cfg_; }
+
+ private:
+  struct plan_t {
+    detail::mem_plan layout;
+    std::size_t budgets = 0, kept_off = 0, kept_pos = 0, kept_cu = 0, ready = 0, weight = 0, scores = 0, lens = 0,
+                rowpos = 0;
+    bool all_layer = false, block_keys = false;
+    index_t query_rows = 0;
+    detail::row_rules rules;
+    // kept storage per layer: what the allocator can keep there at most
+    index_t kept_off_values(const post_fill_config& c, index_t l) const {
+      const index_t H = c.model.kv_heads, C = c.tokens;
+      index_t off = 0;
+      for (index_t j = 0; j < l; ++j) {
+        index_t cap = H * C;
+        if (has_matrix(c.alloc.kind)) {
+          index_t s = 0;
+          for (index_t h = 0; h < H; ++h) s += c.alloc.budgets(j, h);
+          cap = s;
+        }
+        off += cap;
+      }
+      return off;
+    }
+  };
+
+  struct ws_layout {
+    float* scores = nullptr;
+    detail::score_scratch sc;
+    workspace sel;
+    pos_t* evicted = nullptr;
+    std::int32_t* evicted_cu = nullptr;
+    index_t* caps = nullptr;
+    index_t* shares = nullptr;
+    index_t* totals = nullptr;
+  };
+
+  static bool has_matrix(allocator k) {
+    return k == allocator::per_head || k == allocator::flattened || k == allocator::adakv;
+  }
+
+  static status validate(const char* fn, const post_fill_config& c) {
+    KVEVICT_TRY(detail::check_model(fn, c.model));
+    const index_t L = c.model.layers, H = c.model.kv_heads;
+    KVEVICT_TRY(detail::check_capacity(fn, "tokens", c.tokens, H));
+    KVEVICT_TRY(detail::check_recipe(fn, c.rec));
+    KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
+    index_t rows = 0;
+    bool bk = false;
+    detail::row_rules rr;
+    KVEVICT_TRY(detail::prompt_queries(fn, c.rec, c.tokens, c.query_rows, &rows, &bk, &rr));
+    const index_t W = protected_count(c.tokens, c.rec.n_sink, c.rec.n_recent);
+    if (has_matrix(c.alloc.kind)) return detail::check_budget_matrix(fn, c.alloc, c.model, W, c.tokens);
+    index_t top = 0;
+    if (!detail::checked_mul(L * H, c.tokens, top) || c.alloc.total < 0 || c.alloc.total > top)
+      return status::error(errc::invalid_argument, "%s: %s total %lld is outside [0, %lld] (L H P)", fn,
+                           allocator_name(c.alloc.kind), static_cast<long long>(c.alloc.total),
+                           static_cast<long long>(top));
+    if (c.alloc.kind == allocator::cake) {
+      if (c.alloc.total % (L * H) != 0)
+        return status::error(errc::invalid_argument,
+                             "%s: cake total %lld is not a multiple of the %lld heads of the model (CAKE reshapes a "
+                             "per-head budget)",
+                             fn, static_cast<long long>(c.alloc.total), static_cast<long long>(L * H));
+      KVEVICT_TRY(check_budget(fn, c.alloc.total / (L * H), c.tokens, c.rec.n_sink, c.rec.n_recent));
+    }
+    return {};
+  }
+
+  static plan_t plan(const post_fill_config& c) {
+    plan_t p;
+    const auto L = static_cast<std::size_t>(c.model.layers), H = static_cast<std::size_t>(c.model.kv_heads),
+               C = static_cast<std::size_t>(c.tokens);
+    p.all_layer = !has_matrix(c.alloc.kind);
+    (void)detail::prompt_queries("", c.rec, c.tokens, c.query_rows, &p.query_rows, &p.block_keys, &p.rules);
+    p.rules.tokens = c.tokens;
+    p.rules.capacity = c.tokens;
+    if (c.alloc.kind == allocator::cake) p.rules.whole = true;  // cake_budgets shares one prompt length
+    p.budgets = p.layout.take(L * H * sizeof(std::int32_t));
+    p.kept_off = p.layout.take((L + 1) * sizeof(index_t));
+    p.kept_pos = p.layout.take(static_cast<std::size_t>(p.kept_off_values(c, c.model.layers)) * sizeof(pos_t));
+    p.kept_cu = p.layout.take(L * (H + 1) * sizeof(std::int32_t));
+    p.ready = p.layout.take(L);
+    p.weight = p.layout.take(L * sizeof(double));
+    p.lens = p.layout.take(L * H * sizeof(std::int32_t));
+    if (p.all_layer) {
+      p.scores = p.layout.take(L * H * C * sizeof(float));
+      p.rowpos = p.layout.take(L * H * C * sizeof(pos_t));
+    }
+    return p;
+  }
+
+  template <class Backend>
+  status carve(Backend be, workspace& ws, ws_layout& w) const {
+    constexpr const char* fn = "post_fill_driver";
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.tokens;
+    int slots = 1;
+    const auto slot = detail::score_slot_bytes(be, cfg_.rec, cfg_.model.query_heads / H, query_rows_, C,
+                                               cfg_.model.head_dim, block_keys_, H, &slots);
+    if (!slot) return slot.error();
+    const std::size_t sel = detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, H, C);
+    detail::workspace_carver c(ws);
+    w.scores = c.take<float>(all_layer_ ? 0 : static_cast<std::size_t>(H * C));
+    detail::carve_score_scratch(c, w.sc, *slot, slots, H);
+    w.sel = workspace{c.take<unsigned char>(sel), sel};
+    w.evicted = c.take<pos_t>(static_cast<std::size_t>(H * C));
+    w.evicted_cu = c.take<std::int32_t>(static_cast<std::size_t>(H + 1));
+    w.caps = c.take<index_t>(static_cast<std::size_t>(L));
+    w.shares = c.take<index_t>(static_cast<std::size_t>(L));
+    w.totals = c.take<index_t>(static_cast<std::size_t>(L));
+    return c.finish(fn);
+  }
+
+  status check_ws(const char* fn, const workspace& ws) const {
+    if (detail::ws_range(ws).intersects(mem_))
+      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
+    return {};
+  }
+
+  /// Per-layer allocators: the layer's budget against what it holds.
+  status check_layer_budget(const char* fn, index_t l, const std::int32_t* lens) const {
+    const index_t H = cfg_.model.kv_heads;
+    index_t sum = 0, held = 0, prot = 0;
+    for (index_t h = 0; h < H; ++h) {
+      const index_t b = budgets_[l * H + h], W = protected_count(lens[h], cfg_.rec.n_sink, cfg_.rec.n_recent);
+      sum += b;
+      held += lens[h];
+      prot += W;
+      if (cfg_.alloc.kind == allocator::per_head && (b > lens[h] || b < W))
+        return status::error(errc::invalid_argument,
+                             "%s: budgets[%lld][%lld] = %lld is outside [%lld, %d] (the head's protected tokens, its rows)",
+                             fn, static_cast<long long>(l), static_cast<long long>(h), static_cast<long long>(b),
+                             static_cast<long long>(W), lens[h]);
+    }
+    if (cfg_.alloc.kind != allocator::per_head && (sum > held || sum < prot))
+      return status::error(errc::invalid_argument,
+                           "%s: layer %lld keeps %lld tokens, outside [%lld, %lld] (its protected tokens, its rows)", fn,
+                           static_cast<long long>(l), static_cast<long long>(sum), static_cast<long long>(prot),
+                           static_cast<long long>(held));
+    return {};
+  }
+
+  template <class Backend>
+  status select_one(Backend be, ws_layout& w, index_t l, const matrix_view<const float>& sv, const std::int32_t* lens) {
+    const index_t H = cfg_.model.kv_heads;
+    index_t total = 0;
+    for (index_t h = 0; h < H; ++h) total += budgets_[l * H + h];
+    adakv_options ao;
+    ao.alpha = cfg_.alloc.adakv_alpha;
+    ao.floor = cfg_.alloc.floor_rule;
+    ao.prot = detail::recipe_protection(cfg_.rec);
+    return detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, budgets_ + l * H, total, ao,
+                                kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]);
+  }
+
+  ragged_positions kept(index_t layer, bool) const noexcept {
+    const index_t H = cfg_.model.kv_heads;
+    return {kept_pos_ + kept_off_[layer], kept_cu_ + layer * (H + 1), H};
+  }
+
+  post_fill_config cfg_{};
+  eviction_recorder* rec_ = nullptr;
+  detail::byte_range mem_{};
+  std::int32_t* budgets_ = nullptr;
+  index_t* kept_off_ = nullptr;
+  pos_t* kept_pos_ = nullptr;
+  std::int32_t* kept_cu_ = nullptr;
+  unsigned char* ready_ = nullptr;
+  double* weight_ = nullptr;
+  float* scores_ = nullptr;
+  std::int32_t* lens_ = nullptr;
+  pos_t* rowpos_ = nullptr;
+  detail::row_rules rules_{};
+  index_t query_rows_ = 0;
+  bool block_keys_ = false;
+  bool all_layer_ = false;
+  index_t added_ = 0;
+  bool decided_ = false;
+  bool ok_ = false;
+};
+
+}  // namespace kvevict

@@ -1,0 +1,39 @@
+// Compiles the CUDA selection and compaction launchers under nvcc (sm_80 and sm_90, warnings as
+// errors) and instantiates every kernel they launch: dense and ragged top-k with one and several
+// blocks per row, the flattened selection, and every compaction (dense, ragged_view, ragged_cache,
+// in place dense and ragged, append) for each KV element type and every copy unit.
+#include <kvevict/cuda/compact.cuh>
+#include <kvevict/cuda/select.cuh>
+
+namespace kvevict {
+namespace instantiate_select {
+
+status dense(workspace& ws, matrix_view<const float> scores, const std::int32_t* lengths, matrix_view<pos_t> kept) {
+  return select_topk(cuda, ws, scores, lengths, kept, cuda_select_options{});
+}
+status ragged(workspace& ws, matrix_view<const float> scores, const std::int32_t* lengths, ragged_positions_out kept) {
+  return select_topk(cuda, ws, scores, lengths, kept);
+}
+status flat(workspace& ws, matrix_view<const float> scores, const std::int32_t* lengths, index_t total,
+            const std::int32_t* floors, std::int32_t* cu, pos_t* pos) {
+  return select_topk_flat(cuda, ws, scores, lengths, total, floors, cu, pos);
+}
+
+}  // namespace instantiate_select
+
+#define KVEVICT_INSTANTIATE_COMPACT(T)                                                                          \
+  template status compact<const T, T>(cuda_t, kv_view<const T>, matrix_view<const pos_t>, kv_view<T>, int*);   \
+  template status compact<const T, T>(cuda_t, kv_view<const T>, ragged_positions, ragged_view<T>, int*);       \
+  template status compact<const T, T>(cuda_t, kv_view<const T>, ragged_positions, ragged_cache<T>, int*);      \
+  template status compact_inplace<T>(cuda_t, workspace&, kv_view<T>, matrix_view<const pos_t>, int*);          \
+  template status compact_inplace<T>(cuda_t, workspace&, ragged_cache<T>, ragged_positions, int*);             \
+  template status append<T, const T>(cuda_t, ragged_cache<T>, kv_view<const T>, int*);
+
+KVEVICT_INSTANTIATE_COMPACT(float)
+KVEVICT_INSTANTIATE_COMPACT(float16)
+KVEVICT_INSTANTIATE_COMPACT(bfloat16)
+KVEVICT_INSTANTIATE_COMPACT(std::int8_t)
+
+#undef KVEVICT_INSTANTIATE_COMPACT
+
+}  // namespace kvevict

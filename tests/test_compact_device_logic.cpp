@@ -1,0 +1,560 @@
+// The CUDA compaction kernels' logic, run on the host: the host-device functions of
+// detail/compact_block.hpp called by kvevict/cuda/compact.cuh's kernels, driven here by the same
+// loops (rows per group of lanes, heads x parts, tickets), compared bit for bit with the host
+// compact / compact_inplace / append. The in-place tiles run under a random scheduler that
+// interleaves the blocks of a head at every step the GPU could; without the ordering rule the
+// same scheduler corrupts the cache (checked, so the test can see an ordering bug).
+#include "emulated_block.hpp"
+#include "support.hpp"
+
+#include <kvevict/compact.hpp>
+#include <kvevict/detail/compact_block.hpp>
+#include <kvevict/numeric.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+using namespace kvevict;
+using kvtest::host_block;
+using kvtest::value_of;
+
+namespace {
+
+// ---- unit choice, as compact.cuh makes it ------------------------------------------------------------
+
+std::uint64_t bits_of(const void* p) { return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)); }
+template <class T>
+std::uint64_t view_bits(const kv_view<T>& v) {
+  return bits_of(v.data_handle()) | static_cast<std::uint64_t>(v.stride(0)) * sizeof(T) |
+         static_cast<std::uint64_t>(v.stride(1)) * sizeof(T);
+}
+template <class T>
+int unit_for(bool contiguous, std::uint64_t bits, index_t dim) {
+  return contiguous ? detail::copy_unit_bytes(bits | static_cast<std::uint64_t>(dim) * sizeof(T)) : 0;
+}
+template <class F>
+void with_unit(int unit, F&& f) {
+  switch (unit) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 1: return f(std::integral_constant<int, 1>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
+}
+
+// ---- caches -------------------------------------------------------------------------------------------
+
+/// A [H][T][D] cache of T in a buffer shifted by `shift` elements (so base addresses and strides
+/// take every alignment), head-major or token-major, rows padded by `pad`, elements strided when
+/// `estride` > 1.
+template <class T>
+struct cache_t {
+  std::vector<T> buf;
+  kv_view<T> view;
+  cache_t(std::mt19937_64& g, index_t H, index_t Tn, index_t D, bool token_major, index_t pad, index_t estride,
+          index_t shift) {
+    const index_t row = D * estride + pad;
+    buf.resize(static_cast<std::size_t>(shift + std::max<index_t>(1, H * Tn * row)));
+    for (auto& x : buf) {
+      const auto v = static_cast<std::uint32_t>(g());
+      std::memcpy(&x, &v, std::min(sizeof(T), sizeof v));
+    }
+    T* base = buf.data() + shift;
+    view = token_major ? value_of(make_kv_view(base, H, Tn, D, row, H * row, estride))
+                       : value_of(make_kv_view(base, H, Tn, D, std::max<index_t>(1, Tn * row), row, estride));
+  }
+};
+
+template <class T>
+bool same(const T& a, const T& b) {
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+std::vector<pos_t> random_positions(std::mt19937_64& g, index_t Tn, index_t k, bool ascending) {
+  std::vector<pos_t> all(static_cast<std::size_t>(Tn));
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), g);
+  all.resize(static_cast<std::size_t>(k));
+  if (ascending) std::sort(all.begin(), all.end());
+  return all;
+}
+
+// ---- the kernels' loops, emulated -------------------------------------------------------------------
+
+/// compact_dense_kernel: groups of `lanes` threads, one row per group.
+template <class T>
+int emulate_dense(std::mt19937_64& g, const kv_view<const T>& src, const matrix_view<const pos_t>& kept,
+                  const kv_view<T>& dst) {
+  const index_t dim = src.extent(2);
+  const bool contiguous = src.stride(2) == 1 && dst.stride(2) == 1;
+  int bad = 0;
+  with_unit(unit_for<T>(contiguous, view_bits(src) | view_bits(dst), dim), [&](auto u) {
+    constexpr int U = decltype(u)::value;
+    const detail::row_copy<T, U> rc{dim, src.stride(2), dst.stride(2)};
+    if constexpr (U > 0) REQUIRE(rc.units() * U == dim * index_t(sizeof(T)));
+    const int lanes = detail::copy_lanes(rc.units());
+    std::vector<index_t> rows(static_cast<std::size_t>(kept.extent(0) * kept.extent(1)));
+    std::iota(rows.begin(), rows.end(), 0);
+    std::shuffle(rows.begin(), rows.end(), g);
+    for (index_t r : rows)
+      for (int lane = lanes - 1; lane >= 0; --lane)
+        if (!detail::gather_dense_row(src, kept, dst, rc, r, lane, lanes) && lane == 0) ++bad;
+  });
+  return bad;
+}
+
+/// compact_ragged_kernel (ragged_view or ragged_cache destination).
+template <class T, bool ToCache>
+int emulate_ragged(const kv_view<const T>& src, const ragged_positions& kept, T* dst, const std::int32_t* dst_cu,
+                   std::int32_t* lens, index_t row_stride) {
+  const index_t H = kept.heads, dim = src.extent(2);
+  int bad = 0;
+  with_unit(dim == 0 ? 16 : unit_for<T>(src.stride(2) == 1, view_bits(src) | bits_of(dst) | std::uint64_t(row_stride) * sizeof(T), dim),
+            [&](auto u) {
+              constexpr int U = decltype(u)::value;
+              const detail::row_copy<T, U> rc{dim, src.stride(2), 1};
+              const int lanes = detail::copy_lanes(rc.units());
+              const index_t parts = 3, groups = 256 / lanes;
+              for (index_t vb = 0; vb < H * parts; ++vb) {
+                const index_t h = vb / parts, part = vb % parts;
+                const detail::ragged_head hd =
+                    ToCache ? detail::ragged_cache_head(kept.cu, dst_cu, kept.pos != nullptr, dst != nullptr, h, H)
+                            : detail::ragged_view_head(kept.cu, dst_cu, kept.pos != nullptr, dst != nullptr, h, H);
+                if (!hd.ok) {
+                  bad += part == 0 ? 1 : 0;
+                  continue;
+                }
+                if (ToCache && part == 0) lens[h] = static_cast<std::int32_t>(hd.count);
+                for (index_t grp = 0; grp < groups; ++grp)
+                  for (index_t j = part * groups + grp; j < hd.count; j += parts * groups)
+                    for (int lane = 0; lane < lanes; ++lane)
+                      if (!detail::gather_ragged_row(src, kept.pos, hd, h, j, dst, row_stride, rc, lane, lanes) && lane == 0)
+                        ++bad;
+              }
+            });
+  return bad;
+}
+
+/// inplace_validate_kernel + inplace_copy_kernel, with `blocks` blocks per head interleaved at
+/// random by a scheduler that steps one block through one phase of the kernel at a time (take a
+/// ticket, stage, publish, look back, write, publish after a direct copy); a phase whose wait
+/// condition does not hold is not runnable. `ordered` = false skips the look-back's wait (to show
+/// that it is needed).
+template <class T, class Heads>
+int emulate_inplace(std::mt19937_64& g, const Heads& heads, bool contiguous, std::uint64_t bits, index_t dim,
+                    index_t estride, int blocks, index_t tile_rows_override, bool ordered) {
+  const index_t H = heads.heads();
+  std::vector<index_t> head_rows(static_cast<std::size_t>(std::max<index_t>(H, 1)));
+  host_block blk(32, g);
+  int bad = 0;
+  for (index_t h = 0; h < H; ++h) bad += static_cast<int>(detail::inplace_validate(blk, heads, h, head_rows.data()));
+  with_unit(unit_for<T>(contiguous, bits, dim), [&](auto u) {
+    constexpr int U = decltype(u)::value;
+    const detail::row_copy<T, U> rc{dim, estride, estride};
+    const index_t tile_rows =
+        tile_rows_override >= 0 ? tile_rows_override : detail::inplace_tile_rows(rc.units(), rc.unit_bytes());
+    const index_t stage_bytes = std::max<index_t>(1, tile_rows) * rc.units() * rc.unit_bytes();
+    const auto hs = static_cast<std::size_t>(std::max<index_t>(H, 1));
+    std::vector<index_t> ticket(hs, 0), prefix(hs, 0);
+    std::vector<std::uint32_t> ring(hs * static_cast<std::size_t>(detail::inplace_ring), 0);
+    enum state { take, read, publish, look_back, write, publish_after, finished };
+    struct block_t {
+      index_t h;
+      state s;
+      index_t c;
+      std::vector<unsigned char> stage;
+    };
+    std::vector<block_t> bl;
+    for (index_t h = 0; h < H; ++h)
+      if (head_rows[h] >= 0)
+        for (int b = 0; b < blocks; ++b)
+          bl.push_back({h, take, 0, std::vector<unsigned char>(static_cast<std::size_t>(stage_bytes) + 16)});
+    auto flags = [&](index_t h) {
+      return [&, h](index_t slot) { return ring[static_cast<std::size_t>(h * detail::inplace_ring + slot)]; };
+    };
+    auto runnable_now = [&](const block_t& b) {
+      switch (b.s) {
+        case finished: return false;
+        case publish:
+        case publish_after: return detail::inplace_can_publish(prefix[b.h], b.c);
+        case look_back: return !ordered || detail::inplace_all_read(flags(b.h), prefix[b.h], b.c);
+        default: return true;
+      }
+    };
+    for (;;) {
+      std::vector<std::size_t> runnable;
+      for (std::size_t i = 0; i < bl.size(); ++i)
+        if (runnable_now(bl[i])) runnable.push_back(i);
+      if (runnable.empty()) break;
+      block_t& b = bl[runnable[static_cast<std::size_t>(kvtest::uniform_int(g, 0, index_t(runnable.size()) - 1))]];
+      const index_t n = head_rows[b.h];
+      switch (b.s) {
+        case take:
+          b.c = ticket[b.h]++;
+          b.s = read;
+          break;
+        case read:
+          b.s = !detail::inplace_tile_read(blk, heads, rc, b.h, n, b.c, tile_rows, b.stage.data()) ? finished
+                : tile_rows > 0                                                                     ? publish
+                                                                                                    : look_back;
+          break;
+        case publish:
+        case publish_after:
+          ring[static_cast<std::size_t>(b.h * detail::inplace_ring + b.c % detail::inplace_ring)] =
+              static_cast<std::uint32_t>(b.c + 1);
+          b.s = b.s == publish ? look_back : take;
+          break;
+        case look_back:
+          prefix[b.h] = std::max(prefix[b.h], b.c);
+          b.s = write;
+          break;
+        case write:
+          detail::inplace_tile_write(blk, heads, rc, b.h, n, b.c, tile_rows, b.stage.data());
+          b.s = tile_rows > 0 ? take : publish_after;
+          break;
+        case finished: break;
+      }
+    }
+    for (const block_t& b : bl) REQUIRE(b.s == finished);  // no deadlock
+  });
+  return bad;
+}
+
+/// append_kernel (+ append_lens_kernel when parts > 1).
+template <class T>
+int emulate_append(const ragged_cache<T>& cache, const kv_view<const T>& rows, index_t parts) {
+  const index_t H = cache.heads, n = rows.extent(1), dim = cache.dim;
+  int bad = 0;
+  const std::uint64_t bits = view_bits(rows) | bits_of(cache.data) | std::uint64_t(cache.row_stride) * sizeof(T);
+  with_unit(dim == 0 ? 16 : unit_for<T>(rows.stride(2) == 1, bits, dim), [&](auto u) {
+    constexpr int U = decltype(u)::value;
+    const detail::row_copy<T, U> rc{dim, rows.stride(2), 1};
+    const int lanes = detail::copy_lanes(rc.units());
+    const index_t groups = 256 / lanes;
+    for (index_t vb = 0; vb < H * parts; ++vb) {
+      const index_t h = vb / parts, part = vb % parts;
+      index_t first = 0;
+      if (!detail::append_head_ok(cache.cu_capacity, cache.lens, h, H, n, cache.data != nullptr, first)) {
+        bad += part == 0 ? 1 : 0;
+        continue;
+      }
+      for (index_t grp = 0; grp < groups; ++grp)
+        for (index_t i = part * groups + grp; i < n; i += parts * groups)
+          for (int lane = 0; lane < lanes; ++lane) detail::append_row(cache, rows, h, i, first, rc, lane, lanes);
+      if (parts == 1) cache.lens[h] += static_cast<std::int32_t>(n);
+    }
+    if (parts > 1)
+      for (index_t h = 0; h < H; ++h) {
+        index_t first = 0;
+        if (detail::append_head_ok(cache.cu_capacity, cache.lens, h, H, n, cache.data != nullptr, first))
+          cache.lens[h] += static_cast<std::int32_t>(n);
+      }
+  });
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("compact device logic: copy units and lanes") {
+  CHECK(detail::copy_unit_bytes(0) == 16);
+  CHECK(detail::copy_unit_bytes(0x1000) == 16);
+  CHECK(detail::copy_unit_bytes(0x1008) == 8);
+  CHECK(detail::copy_unit_bytes(0x1004) == 4);
+  CHECK(detail::copy_unit_bytes(0x1002) == 2);
+  CHECK(detail::copy_unit_bytes(0x1001) == 1);
+  auto g = kvtest::rng(3);
+  for (int i = 0; i < 10000; ++i) {
+    const auto a = static_cast<std::uint64_t>(g()), b = static_cast<std::uint64_t>(kvtest::uniform_int(g, 0, 4096));
+    const int u = detail::copy_unit_bytes(a | b);
+    CHECK(a % static_cast<std::uint64_t>(u) == 0);
+    CHECK(b % static_cast<std::uint64_t>(u) == 0);
+    CHECK((u == 16 || a % (2u * static_cast<std::uint64_t>(u)) != 0 || b % (2u * static_cast<std::uint64_t>(u)) != 0));
+  }
+  CHECK(detail::copy_lanes(0) == 1);
+  CHECK(detail::copy_lanes(1) == 1);
+  CHECK(detail::copy_lanes(8) == 8);
+  CHECK(detail::copy_lanes(9) == 16);
+  CHECK(detail::copy_lanes(16) == 16);
+  CHECK(detail::copy_lanes(1000) == 32);
+  CHECK(detail::inplace_tile_rows(16, 16) == 128);  // 256-byte rows: 128 per 32 KiB tile
+  CHECK(detail::inplace_tile_rows(4096, 16) == 0);  // 64 KiB rows: copied directly
+  CHECK(detail::inplace_can_publish(0, detail::inplace_ring - 1));
+  CHECK_FALSE(detail::inplace_can_publish(0, detail::inplace_ring));
+  CHECK(detail::inplace_has_read(5, 4));
+  CHECK(detail::inplace_has_read(5 + detail::inplace_ring, 4));  // the slot's later tile: tile 4 read long ago
+  CHECK_FALSE(detail::inplace_has_read(4, 4));
+  CHECK_FALSE(detail::inplace_has_read(0, 0));
+  CHECK(detail::inplace_ring >= 2 * detail::inplace_max_parts);
+}
+
+TEST_CASE("compact device logic: device-resident offsets and lengths are validated per head") {
+  const std::int32_t cu[] = {0, 2, 2, 7};
+  index_t b = -1, n = -1;
+  CHECK(detail::offsets_span_ok(cu, 2, 3, b, n));
+  CHECK(b == 2);
+  CHECK(n == 5);
+  const std::int32_t bad0[] = {1, 2, 3};
+  CHECK_FALSE(detail::offsets_span_ok(bad0, 1, 2, b, n));
+  const std::int32_t down[] = {0, 5, 3, 9};
+  CHECK_FALSE(detail::offsets_span_ok(down, 1, 3, b, n));
+  CHECK(detail::offsets_span_ok(down, 2, 3, b, n));
+  const std::int32_t past[] = {0, 9, 4};
+  CHECK_FALSE(detail::offsets_span_ok(past, 0, 2, b, n));
+  // ragged_view: cu_lens must equal kept.cu at the head's two offsets
+  const std::int32_t other[] = {0, 2, 3, 7};
+  CHECK(detail::ragged_view_head(cu, cu, true, true, 0, 3).ok);
+  CHECK(detail::ragged_view_head(cu, other, true, true, 0, 3).ok);
+  CHECK_FALSE(detail::ragged_view_head(cu, other, true, true, 1, 3).ok);
+  CHECK_FALSE(detail::ragged_view_head(cu, other, true, true, 2, 3).ok);
+  CHECK(detail::ragged_view_head(cu, cu, false, true, 1, 3).ok);  // empty head: null pos is fine
+  CHECK_FALSE(detail::ragged_view_head(cu, cu, false, true, 2, 3).ok);
+  // ragged_cache: kept count within the head's capacity
+  const std::int32_t cap[] = {0, 2, 4, 8};
+  CHECK(detail::ragged_cache_head(cu, cap, true, true, 0, 3).ok);
+  CHECK_FALSE(detail::ragged_cache_head(cu, cap, true, true, 2, 3).ok);  // 5 rows, capacity 4
+  CHECK(detail::ragged_cache_head(cu, cap, true, true, 1, 3).dst_begin == 2);
+  // append
+  std::int32_t lens[] = {1, 2, 0};
+  index_t first = -1;
+  CHECK(detail::append_head_ok(cap, lens, 0, 3, 1, true, first));
+  CHECK(first == 1);
+  CHECK_FALSE(detail::append_head_ok(cap, lens, 0, 3, 2, true, first));
+  CHECK_FALSE(detail::append_head_ok(cap, lens, 1, 3, 1, true, first));  // full
+  lens[2] = -1;
+  CHECK_FALSE(detail::append_head_ok(cap, lens, 2, 3, 0, true, first));
+  lens[2] = 5;
+  CHECK_FALSE(detail::append_head_ok(cap, lens, 2, 3, 0, true, first));
+}
+
+TEST_CASE("compact device logic: dense gather in every unit width matches compact(seq) bit for bit") {
+  auto g = kvtest::rng(10);
+  for (int trial = 0; trial < 200; ++trial) {
+    CAPTURE(trial);
+    const index_t H = kvtest::uniform_int(g, 1, 5), Tn = kvtest::uniform_int(g, 1, 60);
+    const index_t D = trial % 4 == 0 ? kvtest::uniform_int(g, 1, 9) : 8 * kvtest::uniform_int(g, 1, 24);
+    const index_t k = kvtest::uniform_int(g, 0, Tn);
+    const index_t estride = trial % 5 == 4 ? 2 : 1, shift = trial % 3 == 0 ? kvtest::uniform_int(g, 0, 7) : 0;
+    const index_t pad = trial % 2 ? kvtest::uniform_int(g, 0, 5) : 0;
+    cache_t<float16> src(g, H, Tn, D, trial % 2 == 1, pad, estride, shift);
+    const auto kept = [&] {
+      std::vector<pos_t> v;
+      for (index_t h = 0; h < H; ++h) {
+        auto p = random_positions(g, Tn, k, trial % 2 == 0);
+        v.insert(v.end(), p.begin(), p.end());
+      }
+      return v;
+    }();
+    auto kv = value_of(make_matrix_view(kept.data(), H, k));
+    std::vector<float16> ref(static_cast<std::size_t>(std::max<index_t>(1, H * k * D))), got(ref.size() + 8);
+    REQUIRE(compact(seq, src.view, kv, value_of(make_kv_view(ref.data(), H, k, D))).ok());
+    const index_t dshift = trial % 7 == 0 ? 1 : 0;
+    const auto dst = value_of(make_kv_view(got.data() + dshift, H, k, D));
+    CHECK(emulate_dense<float16>(g, src.view, kv, dst) == 0);
+    for (index_t i = 0; i < H * k * D; ++i) REQUIRE(same(got[i + dshift], ref[i]));
+  }
+  // out-of-range positions: skipped and counted, the other rows copied
+  cache_t<float> src(g, 2, 5, 4, false, 0, 1, 0);
+  const std::vector<pos_t> kept = {0, 5, -1, 4};
+  std::vector<float> got(16, -1.f);
+  CHECK(emulate_dense<float>(g, src.view, value_of(make_matrix_view(kept.data(), 2, 2)),
+                             value_of(make_kv_view(got.data(), 2, 2, 4))) == 2);
+  for (index_t d = 0; d < 4; ++d) {
+    CHECK(same(got[d], src.view(0, 0, d)));
+    CHECK(got[4 + d] == -1.f);
+    CHECK(got[8 + d] == -1.f);
+    CHECK(same(got[12 + d], src.view(1, 4, d)));
+  }
+}
+
+TEST_CASE("compact device logic: ragged gathers match compact(seq), bad heads are skipped") {
+  auto g = kvtest::rng(11);
+  for (int trial = 0; trial < 80; ++trial) {
+    CAPTURE(trial);
+    const index_t H = kvtest::uniform_int(g, 1, 6), Tn = kvtest::uniform_int(g, 1, 50), D = kvtest::uniform_int(g, 1, 40);
+    cache_t<bfloat16> src(g, H, Tn, D, trial % 2 == 0, trial % 3, trial % 5 == 0 ? 3 : 1, trial % 4);
+    std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1), 0), cap(cu);
+    std::vector<pos_t> pos;
+    for (index_t h = 0; h < H; ++h) {
+      const auto p = random_positions(g, Tn, kvtest::uniform_int(g, 0, Tn), trial % 2 == 0);
+      pos.insert(pos.end(), p.begin(), p.end());
+      cu[h + 1] = cu[h] + static_cast<std::int32_t>(p.size());
+      cap[h + 1] = cap[h] + static_cast<std::int32_t>(p.size() + kvtest::uniform_int(g, 0, 3));
+    }
+    const ragged_positions kept{pos.data(), cu.data(), H};
+    const index_t rs = D + (trial % 3 == 0 ? 1 : 0);
+    std::vector<bfloat16> ref(static_cast<std::size_t>(std::max(1, cu.back()) * rs)), got(ref.size());
+    REQUIRE(compact(seq, src.view, kept, ragged_view<bfloat16>{ref.data(), cu.data(), H, D, rs}).ok());
+    CHECK(emulate_ragged<bfloat16, false>(src.view, kept, got.data(), cu.data(), nullptr, rs) == 0);
+    for (index_t r = 0; r < cu.back(); ++r)
+      for (index_t d = 0; d < D; ++d) REQUIRE(same(got[r * rs + d], ref[r * rs + d]));
+    // into a ragged_cache with spare capacity
+    std::vector<bfloat16> store(static_cast<std::size_t>(std::max(1, cap.back()) * rs)), store_ref(store.size());
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(H), -3), lens_ref(lens);
+    REQUIRE(compact(seq, src.view, kept, ragged_cache<bfloat16>{store_ref.data(), cap.data(), lens_ref.data(), H, D, rs}).ok());
+    CHECK(emulate_ragged<bfloat16, true>(src.view, kept, store.data(), cap.data(), lens.data(), rs) == 0);
+    REQUIRE(lens == lens_ref);
+    for (index_t h = 0; h < H; ++h)
+      for (index_t j = 0; j < lens[h]; ++j)
+        for (index_t d = 0; d < D; ++d)
+          REQUIRE(same(store[(cap[h] + j) * rs + d], store_ref[(cap[h] + j) * rs + d]));
+  }
+  // a head keeping more than its capacity is skipped and keeps its length; cu_lens != kept.cu too
+  cache_t<float> src(g, 2, 6, 3, false, 0, 1, 0);
+  const std::vector<pos_t> pos = {0, 2, 4, 1, 3};
+  const std::int32_t cu[] = {0, 3, 5}, small[] = {0, 2, 6}, other[] = {0, 2, 5};
+  std::vector<float> store(18, -1.f);
+  std::int32_t lens[] = {7, 7};
+  CHECK(emulate_ragged<float, true>(src.view, ragged_positions{pos.data(), cu, 2}, store.data(), small, lens, 3) == 1);
+  CHECK(lens[0] == 7);
+  CHECK(lens[1] == 2);
+  CHECK(std::all_of(store.begin(), store.begin() + 6, [](float x) { return x == -1.f; }));
+  std::vector<float> flat(15, -1.f);
+  CHECK(emulate_ragged<float, false>(src.view, ragged_positions{pos.data(), cu, 2}, flat.data(), other, nullptr, 3) == 2);
+  CHECK(std::all_of(flat.begin(), flat.end(), [](float x) { return x == -1.f; }));
+}
+
+TEST_CASE("compact device logic: in place, tiles interleaved at random, matches compact_inplace(seq)") {
+  auto g = kvtest::rng(12);
+  for (int trial = 0; trial < 120; ++trial) {
+    CAPTURE(trial);
+    const bool wrap = trial % 40 == 7;  // more one-row tiles than flags in the ring: slots are reused
+    const index_t H = wrap ? 1 : kvtest::uniform_int(g, 1, 4), Tn = wrap ? 1300 : kvtest::uniform_int(g, 1, 80);
+    const index_t D = kvtest::uniform_int(g, 1, 24);
+    const index_t estride = trial % 6 == 5 ? 2 : 1;
+    cache_t<float> a(g, H, Tn, D, trial % 2 == 0, trial % 3, estride, trial % 4);
+    cache_t<float> b = a;
+    b.view = kv_view<float>(b.buf.data() + (a.view.data_handle() - a.buf.data()), a.view.mapping());
+    const index_t k = trial % 5 == 0 || wrap ? Tn - trial % 3 : kvtest::uniform_int(g, 0, Tn);
+    std::vector<pos_t> kept;
+    for (index_t h = 0; h < H; ++h) {
+      const auto p = random_positions(g, Tn, k, true);
+      kept.insert(kept.end(), p.begin(), p.end());
+    }
+    const auto kv = value_of(make_matrix_view(static_cast<const pos_t*>(kept.data()), H, k));
+    REQUIRE(compact_inplace(seq, a.view, kv).ok());
+    const index_t tile_rows = wrap ? 1 : trial % 4 == 0 ? 0 : trial % 4 == 1 ? 1 : trial % 4 == 2 ? 3 : -1;
+    const detail::dense_inplace_heads<float> heads{b.view, kv};
+    CHECK(emulate_inplace<float>(g, heads, b.view.stride(2) == 1, view_bits(b.view), D, b.view.stride(2),
+                                 static_cast<int>(kvtest::uniform_int(g, 1, wrap ? 16 : 8)), tile_rows, true) == 0);
+    for (index_t h = 0; h < H; ++h)
+      for (index_t j = 0; j < k; ++j)
+        for (index_t d = 0; d < D; ++d) REQUIRE(same(b.view(h, j, d), a.view(h, j, d)));
+  }
+}
+
+TEST_CASE("compact device logic: without the ordering rule the same scheduler corrupts the cache") {
+  // kept = 1, 2, ..., n: every row moves down by one, so each tile reads the row the next tile
+  // writes: only the ordering keeps the result right
+  auto g = kvtest::rng(13);
+  int corrupted = 0;
+  for (int trial = 0; trial < 50; ++trial) {
+    const index_t Tn = 40, D = 4;
+    cache_t<float> a(g, 1, Tn, D, false, 0, 1, 0);
+    cache_t<float> b = a;
+    b.view = kv_view<float>(b.buf.data(), a.view.mapping());
+    std::vector<pos_t> kept(static_cast<std::size_t>(Tn - 1));
+    std::iota(kept.begin(), kept.end(), 1);
+    const auto kv = value_of(make_matrix_view(static_cast<const pos_t*>(kept.data()), 1, Tn - 1));
+    REQUIRE(compact_inplace(seq, a.view, kv).ok());
+    const detail::dense_inplace_heads<float> heads{b.view, kv};
+    CHECK(emulate_inplace<float>(g, heads, true, view_bits(b.view), D, 1, 4, trial % 2 ? 1 : 0, false) == 0);
+    bool differs = false;
+    for (index_t j = 0; j < Tn - 1; ++j)
+      for (index_t d = 0; d < D; ++d) differs = differs || !same(b.view(0, j, d), a.view(0, j, d));
+    corrupted += differs ? 1 : 0;
+  }
+  CHECK(corrupted > 0);
+}
+
+TEST_CASE("compact device logic: in place on a ragged cache, and invalid heads left untouched") {
+  auto g = kvtest::rng(14);
+  for (int trial = 0; trial < 60; ++trial) {
+    CAPTURE(trial);
+    const index_t H = kvtest::uniform_int(g, 1, 5), D = kvtest::uniform_int(g, 1, 20), rs = D + trial % 2;
+    std::vector<std::int32_t> cap(static_cast<std::size_t>(H + 1), 0), lens(static_cast<std::size_t>(H)), cu(cap);
+    std::vector<pos_t> pos;
+    for (index_t h = 0; h < H; ++h) {
+      cap[h + 1] = cap[h] + static_cast<std::int32_t>(kvtest::uniform_int(g, 0, 60));
+      lens[h] = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, cap[h + 1] - cap[h]));
+      const auto p = random_positions(g, lens[h], kvtest::uniform_int(g, 0, lens[h]), true);
+      pos.insert(pos.end(), p.begin(), p.end());
+      cu[h + 1] = cu[h] + static_cast<std::int32_t>(p.size());
+    }
+    std::vector<float> store(static_cast<std::size_t>(std::max(1, cap.back()) * rs));
+    for (auto& x : store) x = static_cast<float>(g() % 100000);
+    auto store_ref = store;
+    auto lens_ref = lens;
+    const ragged_positions kept{pos.data(), cu.data(), H};
+    REQUIRE(compact_inplace(seq, ragged_cache<float>{store_ref.data(), cap.data(), lens_ref.data(), H, D, rs}, kept).ok());
+    const ragged_cache<float> rc{store.data(), cap.data(), lens.data(), H, D, rs};
+    const detail::ragged_inplace_heads<float> heads{rc, kept};
+    const std::uint64_t bits = bits_of(store.data()) | std::uint64_t(rs) * sizeof(float);
+    CHECK(emulate_inplace<float>(g, heads, true, bits, D, 1, static_cast<int>(kvtest::uniform_int(g, 1, 3)),
+                                 trial % 3 == 0 ? 0 : -1, true) == 0);
+    REQUIRE(lens == lens_ref);
+    for (index_t h = 0; h < H; ++h)
+      for (index_t j = 0; j < lens[h]; ++j)
+        for (index_t d = 0; d < D; ++d) REQUIRE(store[(cap[h] + j) * rs + d] == store_ref[(cap[h] + j) * rs + d]);
+  }
+  // bad heads: an unsorted list (head 0), a position past lens (head 1), a corrupt length (head 2)
+  const std::int32_t cap[] = {0, 4, 8, 12, 16};
+  std::int32_t lens[] = {4, 2, 9, 4};
+  const std::vector<pos_t> pos = {2, 1, 0, 3, 1, 3};
+  const std::int32_t cu[] = {0, 2, 4, 5, 6};
+  std::vector<float> store(16);
+  std::iota(store.begin(), store.end(), 0.f);
+  const ragged_cache<float> rc{store.data(), cap, lens, 4, 1, 1};
+  const detail::ragged_inplace_heads<float> heads{rc, ragged_positions{pos.data(), cu, 4}};
+  CHECK(emulate_inplace<float>(g, heads, true, 0, 1, 1, 2, -1, true) == 3);
+  CHECK(lens[0] == 4);
+  CHECK(lens[1] == 2);
+  CHECK(lens[2] == 9);
+  CHECK(lens[3] == 1);  // head 3 keeps its row 3
+  const std::vector<float> expect = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 13, 14, 15};
+  CHECK(store == expect);
+}
+
+TEST_CASE("compact device logic: decode-time append, one and several blocks per head") {
+  auto g = kvtest::rng(15);
+  for (int trial = 0; trial < 60; ++trial) {
+    CAPTURE(trial);
+    const index_t H = kvtest::uniform_int(g, 1, 5), D = kvtest::uniform_int(g, 1, 33), n = kvtest::uniform_int(g, 0, 6);
+    const index_t rs = D + trial % 3;
+    std::vector<std::int32_t> cap(static_cast<std::size_t>(H + 1), 0), lens(static_cast<std::size_t>(H));
+    for (index_t h = 0; h < H; ++h) {
+      cap[h + 1] = cap[h] + static_cast<std::int32_t>(kvtest::uniform_int(g, n, n + 10));
+      lens[h] = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, cap[h + 1] - cap[h] - n));
+    }
+    std::vector<float16> store(static_cast<std::size_t>(std::max(1, cap.back()) * rs));
+    for (auto& x : store) x = to_float16(static_cast<float>(g() % 1000));
+    auto store_ref = store;
+    auto lens_ref = lens;
+    cache_t<float16> rows(g, H, n, D, trial % 2 == 0, trial % 2, trial % 4 == 3 ? 2 : 1, trial % 3);
+    REQUIRE(append(seq, ragged_cache<float16>{store_ref.data(), cap.data(), lens_ref.data(), H, D, rs}, rows.view).ok());
+    const ragged_cache<float16> rc{store.data(), cap.data(), lens.data(), H, D, rs};
+    CHECK(emulate_append<float16>(rc, rows.view, trial % 2 ? 1 : 3) == 0);
+    REQUIRE(lens == lens_ref);
+    for (std::size_t i = 0; i < store.size(); ++i) REQUIRE(same(store[i], store_ref[i]));
+  }
+  // a full head and a corrupt length are skipped; the others appended
+  const std::int32_t cap[] = {0, 2, 4, 6};
+  std::int32_t lens[] = {2, 0, 7};
+  std::vector<float> store(6, -1.f);
+  const std::vector<float> fresh = {10.f, 11.f, 12.f};
+  for (index_t parts : {1, 2}) {
+    std::fill(store.begin(), store.end(), -1.f);
+    lens[0] = 2;
+    lens[1] = 0;
+    lens[2] = 7;
+    CHECK(emulate_append<float>(ragged_cache<float>{store.data(), cap, lens, 3, 1, 1},
+                                value_of(make_kv_view(fresh.data(), 3, 1, 1)), parts) == 2);
+    CHECK(lens[0] == 2);
+    CHECK(lens[1] == 1);
+    CHECK(lens[2] == 7);
+    CHECK(store == std::vector<float>{-1.f, -1.f, 11.f, -1.f, -1.f, -1.f});
+  }
+}

@@ -1,0 +1,670 @@
+// The CUDA selection kernels' logic, run on the host. The kernels of kvevict/cuda/select.cuh are
+// grid-stride loops, tickets and barriers around the host-device functions of
+// detail/select_block.hpp; here the same functions run under a serial "block" that executes every
+// thread's part in a random order, with the work items of each kernel in a random order and the
+// multi-block tickets emulated, and the results are compared with the host select_topk /
+// select_topk_flat (seq). Also: the per-digit and per-key pieces one by one (bucket predicate,
+// emit rule, chunked emit, padded shared-memory banks), the plans and the workspace formula.
+#include "emulated_block.hpp"
+#include "support.hpp"
+
+#include <kvevict/detail/select_block.hpp>
+#include <kvevict/select.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+using namespace kvevict;
+using kvevict::detail::ucount;
+using kvtest::value_of;
+
+namespace {
+
+using kvtest::host_block;
+
+// ---- scores ---------------------------------------------------------------------------------------
+
+const float qnan = std::numeric_limits<float>::quiet_NaN();
+constexpr float inf = std::numeric_limits<float>::infinity();
+
+float from_bits(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+enum class dist { uniform, ties3, all_equal, specials, wide, pooled };
+const dist all_dists[] = {dist::uniform, dist::ties3, dist::all_equal, dist::specials, dist::wide, dist::pooled};
+
+float draw(std::mt19937_64& g, dist d, index_t i) {
+  switch (d) {
+    case dist::uniform: return std::uniform_real_distribution<float>(0.f, 1.f)(g);
+    case dist::ties3: return static_cast<float>(kvtest::uniform_int(g, 0, 2));
+    case dist::all_equal: return 0.5f;
+    case dist::specials: {
+      static const float pool[] = {qnan, -qnan, from_bits(0xffc12345u), inf, -inf, 0.f, -0.f, 1.f, -1.f,
+                                   std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min()};
+      const auto k = kvtest::uniform_int(g, 0, 2 * static_cast<std::int64_t>(std::size(pool)));
+      return k < static_cast<std::int64_t>(std::size(pool)) ? pool[k] : std::uniform_real_distribution<float>(-2.f, 2.f)(g);
+    }
+    case dist::wide: return from_bits(static_cast<std::uint32_t>(kvtest::uniform_int(g, 0, 0xffffffffLL)));
+    case dist::pooled: return static_cast<float>((i / 7) % 50) * 0.01f;  // runs of equal values, like max pooling
+  }
+  return 0.f;
+}
+
+struct scores_t {
+  index_t R, T, stride;
+  std::vector<float> buf;
+  matrix_view<const float> view;
+  scores_t(std::mt19937_64& g, index_t r, index_t t, dist d, index_t pad) : R(r), T(t), stride(t + pad) {
+    buf.assign(static_cast<std::size_t>(std::max<index_t>(1, R * stride)), -5.f);
+    for (index_t i = 0; i < R; ++i)
+      for (index_t j = 0; j < T; ++j) buf[static_cast<std::size_t>(i * stride + j)] = draw(g, d, j);
+    view = value_of(make_matrix_view(static_cast<const float*>(buf.data()), R, T, std::max<index_t>(1, stride)));
+  }
+  detail::score_keys keys(index_t r) const { return {view.data_handle() + r * view.stride(0), view.stride(1)}; }
+};
+
+// ---- the launch sequences of kvevict/cuda/select.cuh, emulated ----------------------------------
+
+struct emulator {
+  std::mt19937_64& g;
+  int threads;
+  std::vector<unsigned char> mem;
+  workspace ws;
+  detail::select_smem sm{};
+  int bad = 0;
+
+  std::vector<index_t> shuffled(index_t n) {
+    std::vector<index_t> v(static_cast<std::size_t>(n));
+    std::iota(v.begin(), v.end(), 0);
+    std::shuffle(v.begin(), v.end(), g);
+    return v;
+  }
+  /// Two-phase workspace, filled with garbage except the part the launcher zeroes.
+  template <class Carve>
+  auto carve(Carve&& f) {
+    workspace q;
+    detail::workspace_carver c1(q);
+    (void)f(c1, q);
+    REQUIRE(c1.finish("emulator").ok());
+    mem.assign(std::max<std::size_t>(q.bytes, 1), 0xa5);
+    ws = workspace{mem.data(), mem.size()};
+    detail::workspace_carver c2(ws);
+    auto w = f(c2, ws);
+    REQUIRE(c2.finish("emulator").ok());
+    return w;
+  }
+  static void zero(const detail::select_dev_ws& w) {
+    if (w.zero_bytes > 0) std::memset(w.zero_begin, 0, w.zero_bytes);
+  }
+
+  /// launch_select_rows
+  template <class Rows>
+  void select_rows(const scores_t& s, const Rows& rows, const detail::select_dev_ws& w, const detail::select_plan& plan,
+                   bool full_key, bool emit, bool count_bad) {
+    const index_t R = s.R;
+    host_block blk(threads, g);
+    if (!plan.multi) {
+      for (index_t r : shuffled(R)) {
+        const detail::row_state st = detail::one_block_row(blk, s.keys(r), rows, r, full_key, emit, w.states, sm);
+        if (st.mode == detail::row_bad && count_bad) ++bad;
+      }
+      return;
+    }
+    const index_t C = plan.chunks;
+    for (int pass = 0; pass < detail::radix_passes; ++pass) {
+      std::vector<index_t> tickets(static_cast<std::size_t>(R), 0);
+      for (index_t item : shuffled(R * C)) {
+        const index_t r = item / C, c = item % C;
+        bool bad_row = false;
+        const bool worked = detail::multi_pass_chunk(blk, s.keys(r), rows, w, plan, R, r, c, pass, sm, bad_row);
+        if (bad_row && count_bad) ++bad;
+        if (worked && tickets[r]++ == C - 1) {
+          const std::uint32_t* h = w.hist + (index_t(pass) * R + r) * detail::radix_bins;
+          detail::multi_pass_finish(blk, [h](int b) { return h[b]; }, rows, w, r, pass, full_key, sm);
+        }
+      }
+    }
+    if (!emit) return;
+    const detail::stored_rows<Rows> stored{rows, w.states};
+    emit_given(s, stored, w, plan);
+  }
+  /// launch_emit_given
+  template <class Rows>
+  void emit_given(const scores_t& s, const Rows& rows, const detail::select_dev_ws& w, const detail::select_plan& plan) {
+    host_block blk(threads, g);
+    if (!plan.multi) {
+      for (index_t r : shuffled(s.R)) (void)detail::one_block_row(blk, s.keys(r), rows, r, true, true, nullptr, sm);
+      return;
+    }
+    const index_t C = plan.chunks;
+    for (index_t item : shuffled(s.R * C)) detail::multi_count_chunk(blk, s.keys(item / C), rows, w, plan, item / C, item % C);
+    for (index_t item : shuffled(s.R * C)) detail::multi_emit_chunk(blk, s.keys(item / C), rows, w, plan, item / C, item % C, sm);
+  }
+
+  void dense(const scores_t& s, const std::int32_t* lengths, matrix_view<pos_t> kept, int algo) {
+    const detail::select_plan plan = detail::plan_select(s.R, s.T, algo);
+    const auto w = carve([&](detail::workspace_carver& c, const workspace& wsp) {
+      return detail::carve_select_dev_ws(c, wsp, s.R, plan, false);
+    });
+    zero(w);
+    const detail::dense_rows rows{lengths, s.T, kept.extent(1), kept.data_handle(), kept.stride(0), kept.stride(1)};
+    select_rows(s, rows, w, plan, false, true, true);
+  }
+  void ragged(const scores_t& s, const std::int32_t* lengths, ragged_positions_out kept, index_t capacity, int algo) {
+    const detail::select_plan plan = detail::plan_select(s.R, s.T, algo);
+    const auto w = carve([&](detail::workspace_carver& c, const workspace& wsp) {
+      return detail::carve_select_dev_ws(c, wsp, s.R, plan, false);
+    });
+    zero(w);
+    const detail::ragged_rows rows{lengths, s.T, kept.cu, kept.pos, s.R, capacity};
+    select_rows(s, rows, w, plan, false, true, true);
+  }
+  void flat(const scores_t& s, const std::int32_t* lengths, index_t total, const std::int32_t* floors,
+            std::int32_t* cu, pos_t* pos, int algo) {
+    const index_t R = s.R, T = s.T;
+    const detail::select_plan plan = detail::plan_select(R, T, algo);
+    const auto w = carve([&](detail::workspace_carver& c, const workspace& wsp) {
+      return detail::carve_flat_dev_ws(c, wsp, R, T, plan);
+    });
+    zero(w.sel);
+    if (floors != nullptr) select_rows(s, detail::floor_rows{lengths, T, floors}, w.sel, plan, true, false, false);
+    for (index_t r : shuffled(R)) {  // flat_rows_kernel
+      const detail::flat_dev_row f = detail::flat_row_at(lengths, T, floors, w.sel.states, r);
+      w.rows[r] = f;
+      if (f.bad) ++w.layer->bad_rows;
+      else {
+        w.layer->sum_len += static_cast<ucount>(f.n);
+        w.layer->sum_floor += static_cast<ucount>(f.floor);
+      }
+    }
+    host_block blk(threads, g);
+    if (R > 0) {
+      const index_t C = w.layer_plan.chunks;
+      for (int pass = 0; pass < detail::radix_passes; ++pass) {  // flat_layer_pass_kernel
+        detail::radix_threshold gt;
+        if (!detail::flat_pass_threshold(*w.layer, total, pass, gt)) continue;
+        index_t ticket = 0;
+        for (index_t item : shuffled(R * C)) {
+          detail::flat_layer_chunk(blk, s.keys(item / C), w, R, item / C, item % C, gt, pass, sm);
+          if (ticket++ == R * C - 1) {
+            const ucount* h = w.layer_hist + index_t(pass) * detail::radix_bins;
+            detail::flat_finish_pass(blk, [h](int b) { return h[b]; }, w.rows, R, pass, gt, *w.layer, sm);
+          }
+        }
+      }
+      detail::radix_threshold gt;
+      if (detail::flat_pass_threshold(*w.layer, total, 0, gt))
+        for (index_t r : shuffled(R)) detail::flat_row_totals_of(blk, w, R, r);
+    }
+    bad += detail::flat_counts_of(blk, w, R, total, cu);
+    if (pos != nullptr) emit_given(s, detail::flat_emit_rows{w.rows, cu, pos}, w.sel, plan);
+  }
+};
+
+// ---- host references --------------------------------------------------------------------------
+
+std::vector<unsigned char> g_host_ws;
+template <class F>
+void with_ws(F&& f) {
+  workspace q;
+  REQUIRE(f(q).ok());
+  g_host_ws.assign(std::max<std::size_t>(1, q.bytes), 0);
+  workspace ws{g_host_ws.data(), g_host_ws.size()};
+  REQUIRE(f(ws).ok());
+}
+
+const int algos[] = {1, 2, 0};  // one block, multi-block, auto
+const int block_sizes[] = {256, 32, 7};
+
+}  // namespace
+
+// ---- the pieces ---------------------------------------------------------------------------------
+
+TEST_CASE("device logic: radix_bucket_holds picks exactly radix_choose_bucket's bucket") {
+  auto g = kvtest::rng(1);
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int bins = trial % 3 == 0 ? 8 : trial % 3 == 1 ? 1024 : 2048;
+    std::vector<std::uint32_t> hist(static_cast<std::size_t>(bins), 0);
+    const int fill = static_cast<int>(kvtest::uniform_int(g, 1, 6));
+    for (auto& h : hist)
+      h = kvtest::uniform_int(g, 0, fill) == 0 ? static_cast<std::uint32_t>(kvtest::uniform_int(g, 0, 9)) : 0u;
+    hist[static_cast<std::size_t>(kvtest::uniform_int(g, 0, bins - 1))] += 1;
+    const index_t total = std::accumulate(hist.begin(), hist.end(), index_t(0));
+    for (int rep = 0; rep < 8; ++rep) {
+      const index_t k = rep == 0 ? 1 : rep == 1 ? total : kvtest::uniform_int(g, 1, total);
+      const detail::radix_bucket ref = detail::radix_choose_bucket(hist.data(), bins, k);
+      int chosen = 0;
+      index_t above = 0;
+      for (int b = bins - 1; b >= 0; --b) {
+        if (detail::radix_bucket_holds(static_cast<std::uint32_t>(b), above, hist[b], k)) {
+          ++chosen;
+          CHECK(static_cast<std::uint32_t>(b) == ref.bucket);
+          CHECK(above == ref.above);
+          CHECK(index_t(hist[b]) == ref.count);
+        }
+        above += hist[b];
+      }
+      REQUIRE(chosen == 1);
+      // the block-parallel choice (block_choose) over several block sizes
+      for (int threads : {256, 33, 1}) {
+        host_block blk(threads, g);
+        detail::select_smem sm{};
+        const detail::radix_bucket b = detail::block_choose(blk, [&](int bin) { return hist[bin]; }, bins, k, sm);
+        REQUIRE(b.bucket == ref.bucket);
+        REQUIRE(b.above == ref.above);
+        REQUIRE(b.count == ref.count);
+      }
+    }
+  }
+  CHECK_FALSE(detail::radix_bucket_holds(3u, 0, 5, 0));  // k <= 0: no bucket
+}
+
+TEST_CASE("device logic: the ordered emit rule equals the sequential keep rule, for any chunking") {
+  auto g = kvtest::rng(2);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const index_t n = kvtest::uniform_int(g, 0, 300);
+    std::vector<std::uint32_t> keys(static_cast<std::size_t>(n));
+    for (auto& k : keys) k = static_cast<std::uint32_t>(kvtest::uniform_int(g, 0, 5)) << 20 | static_cast<std::uint32_t>(kvtest::uniform_int(g, 0, 3));
+    detail::radix_threshold t;
+    t.mask = trial % 2 ? 0xfff00000u : 0xffffffffu;
+    t.prefix = static_cast<std::uint32_t>(kvtest::uniform_int(g, 0, 5)) << 20 | (trial % 2 ? 0u : static_cast<std::uint32_t>(kvtest::uniform_int(g, 0, 3)));
+    index_t tied = 0;
+    for (auto k : keys) tied += detail::radix_tied(k, t) ? 1 : 0;
+    t.ties = kvtest::uniform_int(g, 0, tied + 2);
+    // sequential reference
+    std::vector<index_t> ref;
+    index_t ties = t.ties;
+    for (index_t i = 0; i < n; ++i)
+      if (detail::radix_keep(keys[i], t, ties)) ref.push_back(i);
+    // chunked: each chunk starts from the sum of the earlier chunks' packed counts
+    std::vector<index_t> got(ref.size(), -1);
+    index_t written = 0;
+    ucount before = 0;
+    for (index_t b = 0; b < n;) {
+      const index_t e = std::min(n, b + kvtest::uniform_int(g, 1, 40));
+      ucount running = before;
+      for (index_t i = b; i < e; ++i) {
+        const ucount f = detail::emit_flag(keys[i], t);
+        index_t slot = -1;
+        if (detail::emit_keep(running, f, t.ties, slot)) {
+          REQUIRE(slot >= 0);
+          REQUIRE(slot < index_t(got.size()));
+          REQUIRE(got[slot] == -1);
+          got[slot] = i;
+          ++written;
+        }
+        running += f;
+      }
+      ucount chunk = 0;
+      for (index_t i = b; i < e; ++i) chunk += detail::emit_flag(keys[i], t);
+      before += chunk;
+      REQUIRE(detail::emit_count(before, t.ties) == written);
+      b = e;
+    }
+    REQUIRE(got == ref);
+  }
+}
+
+TEST_CASE("device logic: padded shared-memory keys hit 32 distinct banks per warp access") {
+  // striped (thread t reads key base + t) and blocked emit reads (thread t reads 8t + j), per warp
+  for (index_t base : {index_t(0), index_t(32), index_t(2048), index_t(4096 + 64)}) {
+    for (int w = 0; w < 8; ++w) {
+      std::vector<int> striped, blocked[detail::emit_items];
+      for (int lane = 0; lane < 32; ++lane) {
+        const index_t t = w * 32 + lane;
+        striped.push_back(static_cast<int>(detail::smem_pad(base + t) % 32));
+        for (int j = 0; j < detail::emit_items; ++j)
+          blocked[j].push_back(static_cast<int>(detail::smem_pad(base + t * detail::emit_items + j) % 32));
+      }
+      auto distinct = [](std::vector<int> v) {
+        std::sort(v.begin(), v.end());
+        return std::unique(v.begin(), v.end()) == v.end();
+      };
+      CHECK(distinct(striped));
+      for (auto& b : blocked) CHECK(distinct(b));
+    }
+  }
+  CHECK(detail::smem_padded_size(detail::key_cache_keys) == 8192 + 256);
+  CHECK(detail::smem_pad(detail::key_cache_keys - 1) < detail::smem_padded_size(detail::key_cache_keys));
+  CHECK(sizeof(detail::select_smem) <= 42008u);  // docs/cuda.md: 41 KiB + the scan's 2336 B < 48 KiB
+}
+
+TEST_CASE("device logic: plans cover every position with bounded grids") {
+  const index_t tile = index_t(detail::select_block_threads) * detail::emit_items;
+  for (index_t R : {index_t(1), index_t(3), index_t(8), index_t(127), index_t(128), index_t(4096), index_t(65536)}) {
+    for (index_t T : {index_t(0), index_t(1), index_t(2047), index_t(32767), index_t(32768), index_t(100000), index_t(1) << 20, index_t(INT32_MAX)}) {
+      CAPTURE(R);
+      CAPTURE(T);
+      const auto a = detail::plan_select(R, T, 0);
+      CHECK(a.multi == (T >= 32768 && R < 128));
+      CHECK_FALSE(detail::plan_select(R, T, 1).multi);
+      const auto m = detail::plan_select(R, T, 2);
+      CHECK(m.multi);
+      CHECK(m.chunk % tile == 0);
+      CHECK(m.chunk * m.chunks >= T);
+      CHECK((m.chunks - 1) * m.chunk < std::max<index_t>(T, 1));  // no empty chunk
+      CHECK(m.chunks <= std::max<index_t>(1, (512 + R - 1) / R));
+      CHECK((m.chunk >= 8192 || m.chunks == 1));
+      CHECK(m.chunks * R <= std::max<index_t>(R, 512 + R));
+    }
+  }
+}
+
+TEST_CASE("device logic: ragged offsets in device memory are validated row by row") {
+  const std::int32_t good[] = {0, 2, 2, 5};
+  index_t k = -1;
+  CHECK(detail::ragged_row_ok(good, 0, 3, -1, true, k));
+  CHECK(k == 2);
+  CHECK(detail::ragged_row_ok(good, 1, 3, -1, false, k));  // empty row: null pos is fine
+  CHECK(k == 0);
+  CHECK_FALSE(detail::ragged_row_ok(good, 2, 3, -1, false, k));
+  CHECK(detail::ragged_row_ok(good, 2, 3, 5, true, k));
+  CHECK_FALSE(detail::ragged_row_ok(good, 2, 3, 4, true, k));  // the list outgrows the stated capacity
+  const std::int32_t start[] = {1, 2, 3};
+  CHECK_FALSE(detail::ragged_row_ok(start, 1, 2, -1, true, k));
+  const std::int32_t down[] = {0, 4, 2, 6};
+  CHECK(detail::ragged_row_ok(down, 0, 3, -1, true, k));
+  CHECK_FALSE(detail::ragged_row_ok(down, 1, 3, -1, true, k));
+  CHECK(detail::ragged_row_ok(down, 2, 3, -1, true, k));  // writes [2, 6): still inside [0, cu[R])
+  const std::int32_t past[] = {0, 7, 5};
+  CHECK_FALSE(detail::ragged_row_ok(past, 0, 2, -1, true, k));  // cu[1] > cu[R]
+  const std::int32_t neg[] = {0, -3, 2};
+  CHECK_FALSE(detail::ragged_row_ok(neg, 0, 2, -1, true, k));
+  CHECK_FALSE(detail::ragged_row_ok(neg, 1, 2, -1, true, k));
+  CHECK(detail::row_length_ok(0, 0));
+  CHECK_FALSE(detail::row_length_ok(-1, 10));
+  CHECK_FALSE(detail::row_length_ok(11, 10));
+}
+
+TEST_CASE("device logic: workspace sizes (docs/cuda.md)") {
+  for (index_t R : {index_t(0), index_t(1), index_t(5), index_t(300)}) {
+    for (index_t T : {index_t(10), index_t(40000)}) {
+      for (int algo : {1, 2}) {
+        CAPTURE(R);
+        CAPTURE(T);
+        CAPTURE(algo);
+        const auto plan = detail::plan_select(R, T, algo);
+        workspace q;
+        detail::workspace_carver c(q);
+        const auto w = detail::carve_select_dev_ws(c, q, R, plan, false);
+        REQUIRE(c.finish("t").ok());
+        const std::size_t r = static_cast<std::size_t>(R), C = static_cast<std::size_t>(plan.chunks);
+        const std::size_t exact = algo == 1 ? 4 : 4 + 3 * 8192 * r + 12 * r + sizeof(detail::row_state) * r + 8 * C * r;
+        const std::size_t pieces = algo == 1 ? 1 : 5;
+        CHECK(q.bytes >= exact);
+        CHECK(q.bytes <= exact + 64 * pieces);
+        CHECK(w.zero_bytes <= q.bytes);
+        workspace fq;
+        detail::workspace_carver fc(fq);
+        (void)detail::carve_flat_dev_ws(fc, fq, R, T, plan);
+        REQUIRE(fc.finish("t").ok());
+        const std::size_t flat = 4 + sizeof(detail::flat_dev_layer) + 3 * 8192 * r + 3 * 2048 * 8 + 24 +
+                                 (algo == 2 ? 3 * 8192 * r + 12 * r + 8 * C * r : 0) +
+                                 (sizeof(detail::row_state) + sizeof(detail::flat_dev_row)) * r;
+        CHECK(fq.bytes >= flat);
+        CHECK(fq.bytes <= flat + 64 * 10);
+      }
+    }
+  }
+  CHECK(sizeof(detail::row_state) == 48u);
+  CHECK(sizeof(detail::flat_dev_row) == 88u);
+}
+
+// ---- whole calls, emulated, against the host backend ---------------------------------------------
+
+TEST_CASE("device logic: dense and ragged top-k, one block and several blocks per row, match select_topk") {
+  std::uint64_t seed = 100;
+  for (int trial = 0; trial < 90; ++trial, ++seed) {
+    CAPTURE(seed);
+    auto g = kvtest::rng(seed);
+    const dist d = all_dists[trial % std::size(all_dists)];
+    const index_t R = kvtest::uniform_int(g, 0, 5);
+    const index_t T = trial % 9 == 0 ? kvtest::uniform_int(g, 8000, 20000) : kvtest::uniform_int(g, 0, 3000);
+    scores_t s(g, R, T, d, trial % 3 == 1 ? 3 : 0);
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(std::max<index_t>(R, 1)));
+    index_t min_len = T;
+    for (index_t r = 0; r < R; ++r) {
+      lens[r] = static_cast<std::int32_t>(trial % 2 ? T : kvtest::uniform_int(g, 0, T));
+      min_len = std::min<index_t>(min_len, lens[r]);
+    }
+    const int kind = trial % 4;
+    const index_t k = kind == 0 ? 0 : kind == 1 ? min_len : kvtest::uniform_int(g, 0, min_len);
+    const int algo = algos[trial % 3];
+    const int threads = block_sizes[(trial / 3) % 3];
+    CAPTURE(R);
+    CAPTURE(T);
+    CAPTURE(k);
+    CAPTURE(algo);
+    CAPTURE(threads);
+    CAPTURE(static_cast<int>(d));
+
+    // dense
+    std::vector<pos_t> ref(static_cast<std::size_t>(std::max<index_t>(1, R * k)), -1), got(ref);
+    auto ref_view = value_of(make_matrix_view(ref.data(), R, k));
+    with_ws([&](workspace& ws) { return select_topk(seq, ws, s.view, lens.data(), ref_view); });
+    emulator em{g, threads, {}, {}, {}, 0};
+    em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), R, k)), algo);
+    CHECK(em.bad == 0);
+    REQUIRE(got == ref);
+
+    // ragged: per-row budgets
+    std::vector<std::int32_t> cu(static_cast<std::size_t>(R + 1), 0);
+    for (index_t r = 0; r < R; ++r) {
+      const int kk = static_cast<int>(kvtest::uniform_int(g, 0, 3));
+      const index_t kr = kk == 0 ? 0 : kk == 1 ? lens[r] : kvtest::uniform_int(g, 0, lens[r]);
+      cu[r + 1] = cu[r] + static_cast<std::int32_t>(kr);
+    }
+    std::vector<pos_t> rref(static_cast<std::size_t>(std::max(1, cu.back())), -1), rgot(rref);
+    with_ws([&](workspace& ws) {
+      return select_topk(seq, ws, s.view, lens.data(), ragged_positions_out{rref.data(), cu.data(), R});
+    });
+    emulator er{g, threads, {}, {}, {}, 0};
+    er.ragged(s, lens.data(), ragged_positions_out{rgot.data(), cu.data(), R}, trial % 2 ? cu.back() : -1, algo);
+    CHECK(er.bad == 0);
+    REQUIRE(rgot == rref);
+  }
+}
+
+TEST_CASE("device logic: bad device-resident arguments skip exactly the bad rows") {
+  auto g = kvtest::rng(7);
+  const index_t R = 6, T = 500;
+  scores_t s(g, R, T, dist::uniform, 0);
+  for (int algo : {1, 2}) {
+    CAPTURE(algo);
+    // dense: rows 1 (too long), 3 (negative) and 4 (shorter than k) are skipped, the others exact
+    const std::vector<std::int32_t> lens = {500, 501, 300, -1, 40, 499};
+    const index_t k = 50;
+    std::vector<pos_t> got(static_cast<std::size_t>(R * k), -7);
+    emulator em{g, 256, {}, {}, {}, 0};
+    em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), R, k)), algo);
+    CHECK(em.bad == 3);
+    for (index_t r = 0; r < R; ++r) {
+      const bool bad = r == 1 || r == 3 || r == 4;
+      std::vector<pos_t> row(got.begin() + r * k, got.begin() + (r + 1) * k);
+      if (bad) {
+        CHECK(std::all_of(row.begin(), row.end(), [](pos_t p) { return p == -7; }));
+      } else {
+        std::vector<pos_t> ref(static_cast<std::size_t>(k));
+        const std::int32_t one_len[] = {lens[r]};
+        const auto one = value_of(make_matrix_view(static_cast<const float*>(s.buf.data()) + r * T, 1, T));
+        with_ws([&](workspace& ws) { return select_topk(seq, ws, one, one_len, value_of(make_matrix_view(ref.data(), 1, k))); });
+        CHECK(row == ref);
+      }
+    }
+    // ragged: a decreasing offset (row 2), a budget above the length (row 4), capacity too small
+    const std::vector<std::int32_t> lens2(static_cast<std::size_t>(R), 100);
+    const std::vector<std::int32_t> cu = {0, 10, 30, 20, 40, 200, 220};
+    std::vector<pos_t> pos(220, -7);
+    emulator er{g, 256, {}, {}, {}, 0};
+    er.ragged(s, lens2.data(), ragged_positions_out{pos.data(), cu.data(), R}, -1, algo);
+    CHECK(er.bad == 2);  // row 2: cu[2] = 30 > cu[3] = 20; row 4: 160 positions but 100 long
+    CHECK(std::all_of(pos.begin() + 40, pos.begin() + 200, [](pos_t p) { return p == -7; }));  // row 4 skipped
+    for (index_t r : {0, 5}) {  // valid rows are exact (rows 1 and 3 write inside [0, cu[R]) too)
+      std::vector<pos_t> ref(static_cast<std::size_t>(cu[r + 1] - cu[r]));
+      const std::int32_t one_len[] = {100};
+      const auto one = value_of(make_matrix_view(static_cast<const float*>(s.buf.data()) + r * T, 1, T));
+      with_ws([&](workspace& ws) {
+        return select_topk(seq, ws, one, one_len, value_of(make_matrix_view(ref.data(), 1, index_t(ref.size()))));
+      });
+      CHECK(std::vector<pos_t>(pos.begin() + cu[r], pos.begin() + cu[r + 1]) == ref);
+    }
+    emulator ec{g, 256, {}, {}, {}, 0};
+    std::vector<pos_t> pos2(220, -7);
+    ec.ragged(s, lens2.data(), ragged_positions_out{pos2.data(), cu.data(), R}, 219, algo);
+    CHECK(ec.bad == R);  // cu[R] = 220 > capacity: every row refused
+    CHECK(std::all_of(pos2.begin(), pos2.end(), [](pos_t p) { return p == -7; }));
+  }
+}
+
+TEST_CASE("device logic: the flattened selection matches select_topk_flat") {
+  std::uint64_t seed = 300;
+  for (int trial = 0; trial < 70; ++trial, ++seed) {
+    CAPTURE(seed);
+    auto g = kvtest::rng(seed);
+    const dist d = all_dists[trial % std::size(all_dists)];
+    const index_t R = trial % 7 == 3 ? kvtest::uniform_int(g, 20, 40) : kvtest::uniform_int(g, 0, 7);  // several row tiles
+    const index_t T = trial % 10 == 0 ? kvtest::uniform_int(g, 9000, 20000) : kvtest::uniform_int(g, 0, 400);
+    scores_t s(g, R, T, d, trial % 4 == 1 ? 2 : 0);
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(std::max<index_t>(R, 1))), floors(lens.size(), 0);
+    index_t sum_len = 0, sum_floor = 0;
+    for (index_t r = 0; r < R; ++r) {
+      lens[r] = static_cast<std::int32_t>(trial % 3 == 0 ? T : kvtest::uniform_int(g, 0, T));
+      const int kind = static_cast<int>(kvtest::uniform_int(g, 0, 4));
+      floors[r] = static_cast<std::int32_t>(kind == 0 ? 0 : kind == 1 ? lens[r] : kvtest::uniform_int(g, 0, lens[r] / 2));
+      sum_len += lens[r];
+      sum_floor += floors[r];
+    }
+    const bool use_floors = trial % 2 == 0;
+    const index_t lo = use_floors ? sum_floor : 0;
+    const index_t total = trial % 5 == 1 ? lo : trial % 5 == 2 ? sum_len : kvtest::uniform_int(g, lo, sum_len);
+    const int algo = algos[trial % 3];
+    const int threads = block_sizes[(trial / 3) % 3];
+    CAPTURE(R);
+    CAPTURE(T);
+    CAPTURE(total);
+    CAPTURE(algo);
+    CAPTURE(threads);
+    const std::int32_t* fp = use_floors ? floors.data() : nullptr;
+    std::vector<std::int32_t> cu_ref(static_cast<std::size_t>(R + 1), -1), cu_got(cu_ref);
+    std::vector<pos_t> ref(static_cast<std::size_t>(std::max<index_t>(1, total)), -1), got(ref);
+    with_ws([&](workspace& ws) { return select_topk_flat(seq, ws, s.view, lens.data(), total, fp, cu_ref.data(), ref.data()); });
+    emulator em{g, threads, {}, {}, {}, 0};
+    em.flat(s, lens.data(), total, fp, cu_got.data(), got.data(), algo);
+    CHECK(em.bad == 0);
+    REQUIRE(cu_got == cu_ref);
+    REQUIRE(got == ref);
+    // counts only
+    std::vector<std::int32_t> cu_only(cu_ref.size(), -1);
+    emulator ec{g, threads, {}, {}, {}, 0};
+    ec.flat(s, lens.data(), total, fp, cu_only.data(), nullptr, algo);
+    REQUIRE(cu_only == cu_ref);
+  }
+}
+
+TEST_CASE("device logic: the flattened selection refuses inconsistent device arguments as a whole") {
+  auto g = kvtest::rng(9);
+  scores_t s(g, 3, 50, dist::uniform, 0);
+  const std::vector<std::int32_t> lens = {50, 20, 30};
+  for (int algo : {1, 2}) {
+    std::vector<std::int32_t> cu(4, -1);
+    std::vector<pos_t> pos(100, -7);
+    emulator e1{g, 64, {}, {}, {}, 0};
+    e1.flat(s, lens.data(), 101, nullptr, cu.data(), pos.data(), algo);  // total > sum of lengths
+    CHECK(e1.bad == 1);
+    CHECK(cu == std::vector<std::int32_t>{0, 0, 0, 0});
+    CHECK(std::all_of(pos.begin(), pos.end(), [](pos_t p) { return p == -7; }));
+    const std::vector<std::int32_t> floors = {10, 25, 5};  // row 1's floor exceeds its length
+    emulator e2{g, 64, {}, {}, {}, 0};
+    e2.flat(s, lens.data(), 60, floors.data(), cu.data(), pos.data(), algo);
+    CHECK(e2.bad == 1);
+    CHECK(cu == std::vector<std::int32_t>{0, 0, 0, 0});
+    const std::vector<std::int32_t> floors2 = {30, 20, 30};  // sum 80 > total
+    emulator e3{g, 64, {}, {}, {}, 0};
+    e3.flat(s, lens.data(), 60, floors2.data(), cu.data(), pos.data(), algo);
+    CHECK(e3.bad == 1);
+    const std::vector<std::int32_t> bad_lens = {50, -2, 51};
+    emulator e4{g, 64, {}, {}, {}, 0};
+    e4.flat(s, bad_lens.data(), 10, nullptr, cu.data(), pos.data(), algo);
+    CHECK(e4.bad == 2);
+    CHECK(std::all_of(pos.begin(), pos.end(), [](pos_t p) { return p == -7; }));
+  }
+}
+
+TEST_CASE("device logic: flattened selection over many rows with ties across rows (several row tiles)") {
+  auto g = kvtest::rng(11);
+  for (int trial = 0; trial < 24; ++trial) {
+    const index_t R = kvtest::uniform_int(g, 40, 90), T = kvtest::uniform_int(g, 1, 60);
+    scores_t s(g, R, T, trial % 2 ? dist::ties3 : dist::all_equal, 0);
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(R)), floors(lens.size());
+    index_t sum_len = 0, sum_floor = 0;
+    for (index_t r = 0; r < R; ++r) {
+      lens[r] = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, T));
+      floors[r] = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, lens[r] / 3));
+      sum_len += lens[r];
+      sum_floor += floors[r];
+    }
+    const bool use_floors = trial % 3 != 0;
+    const index_t total = kvtest::uniform_int(g, use_floors ? sum_floor : 0, sum_len);
+    const int algo = trial % 2 ? 2 : 1;
+    const int threads = trial % 4 < 2 ? 7 : 32;
+    CAPTURE(trial);
+    CAPTURE(R);
+    CAPTURE(total);
+    const std::int32_t* fp = use_floors ? floors.data() : nullptr;
+    std::vector<std::int32_t> cu_ref(static_cast<std::size_t>(R + 1)), cu_got(cu_ref.size(), -1);
+    std::vector<pos_t> ref(static_cast<std::size_t>(std::max<index_t>(1, total))), got(ref.size(), -1);
+    with_ws([&](workspace& ws) { return select_topk_flat(seq, ws, s.view, lens.data(), total, fp, cu_ref.data(), ref.data()); });
+    emulator em{g, threads, {}, {}, {}, 0};
+    em.flat(s, lens.data(), total, fp, cu_got.data(), got.data(), algo);
+    CHECK(em.bad == 0);
+    REQUIRE(cu_got == cu_ref);
+    REQUIRE(got == ref);
+  }
+}
+
+TEST_CASE("device logic: a 1M-token row and thousands of short rows") {
+  auto g = kvtest::rng(21);
+  // two rows of 2^20 tokens: several blocks per row (the plan's chunks) and one block per row
+  {
+    const index_t R = 2, T = index_t(1) << 20;
+    scores_t s(g, R, T, dist::uniform, 0);
+    for (index_t j = 0; j < T; j += 3) s.buf[static_cast<std::size_t>(T + j)] = 0.5f;  // row 1: heavy ties
+    const std::vector<std::int32_t> lens = {static_cast<std::int32_t>(T), static_cast<std::int32_t>(T - 12345)};
+    const index_t k = 100000;
+    std::vector<pos_t> ref(static_cast<std::size_t>(R * k)), got(ref.size(), -1);
+    with_ws([&](workspace& ws) { return select_topk(seq, ws, s.view, lens.data(), value_of(make_matrix_view(ref.data(), R, k))); });
+    for (int algo : {2, 1}) {
+      CAPTURE(algo);
+      const auto plan = detail::plan_select(R, T, algo);
+      if (algo == 2) CHECK(plan.chunks == 128);
+      emulator em{g, 256, {}, {}, {}, 0};
+      em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), R, k)), algo);
+      CHECK(em.bad == 0);
+      REQUIRE(got == ref);
+    }
+  }
+  // 3000 rows of 40 tokens: the flattened counts run over 12 row tiles of 256
+  {
+    const index_t R = 3000, T = 40;
+    scores_t s(g, R, T, dist::ties3, 0);
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(R), static_cast<std::int32_t>(T)), floors(lens.size(), 2);
+    const index_t total = R * 13;
+    std::vector<std::int32_t> cu_ref(static_cast<std::size_t>(R + 1)), cu_got(cu_ref.size(), -1);
+    std::vector<pos_t> ref(static_cast<std::size_t>(total)), got(ref.size(), -1);
+    with_ws([&](workspace& ws) {
+      return select_topk_flat(seq, ws, s.view, lens.data(), total, floors.data(), cu_ref.data(), ref.data());
+    });
+    emulator em{g, 256, {}, {}, {}, 0};
+    em.flat(s, lens.data(), total, floors.data(), cu_got.data(), got.data(), 0);
+    CHECK(em.bad == 0);
+    REQUIRE(cu_got == cu_ref);
+    REQUIRE(got == ref);
+  }
+}

@@ -79,8 +79,11 @@ inline status resolve_pair_options(const config& c, pair_options& o) {
   return {};
 }
 
-/// Pair `seed` with a runner and cache of its own (see the file comment).
-inline status make_pair(runner& run, kv_cache& cache, const pair_options& o, std::uint64_t seed, text_pair& out) {
+/// Pair `seed` with a runner and cache of its own (see the file comment). Afterwards the cache
+/// holds X and the first |Y| - 1 response tokens; `prompt_end` (if not null) receives a checkpoint
+/// taken right after X, to roll back to.
+inline status make_pair(runner& run, kv_cache& cache, const pair_options& o, std::uint64_t seed, text_pair& out,
+                        cache_checkpoint* prompt_end = nullptr) {
   const config& c = run.get_model().cfg();
   splitmix64 g{derive_seed(seed, 0x5eed)};
   const bool is_short = o.long_min > o.min_prompt && g.uniform() < o.short_fraction;
@@ -97,6 +100,7 @@ inline status make_pair(runner& run, kv_cache& cache, const pair_options& o, std
     out.prompt.push_back(t);
     KVEVICT_TRY(run.decode(cache, t));
   }
+  if (prompt_end != nullptr) *prompt_end = cache.save();
   while (static_cast<index_t>(out.response.size()) < o.response) {
     const int t = sampler::argmax(run.logits(0), c.vocab_size);
     out.response.push_back(t);

@@ -614,7 +614,7 @@ std::size_t select_bytes(Backend be, allocator kind, index_t H, index_t C) {
       (void)c.take<std::int32_t>(static_cast<std::size_t>(H));
       (void)c.take<unsigned char>(0);  // select_topk_flat's scratch starts 64-byte aligned after the floors
     }
-    (void)carve_flat_ws(c, H, C, worker_count(be));
+    (void)carve_flat_ws(c, H, C, thread_count(be));
     (void)c.finish("select_bytes");
     n = q.bytes > n ? q.bytes : n;
   }

@@ -48,7 +48,7 @@ struct lookahead_score_options {
   kvevict::pool_kind pool = kvevict::pool_kind::max;
   index_t kernel = 7;
   kvevict::gqa_op gqa = kvevict::gqa_op::mean;
-  kvevict::gqa_order order = kvevict::gqa_order::pool_then_reduce;
+  kvevict::gqa_order order = kvevict::gqa_order::pool_first;
 };
 
 namespace lkv {
@@ -66,7 +66,7 @@ kvevict::matrix_view<T> strided(T* p, index_t rows, index_t cols, index_t s0, in
 template <class Backend>
 status pool_and_reduce(Backend be, const lookahead_score_options& o, kvevict::matrix_view<const float> raw,
                        kvevict::matrix_view<float> tmp, kvevict::matrix_view<float> out) {
-  if (o.order == kvevict::gqa_order::pool_then_reduce) {
+  if (o.order == kvevict::gqa_order::pool_first) {
     KVEVICT_TRY(kvevict::pool1d(be, raw, tmp, o.pool, o.kernel));
     return kvevict::gqa_reduce(be, kvevict::matrix_view<const float>(tmp), out, o.gqa);
   }

@@ -3,13 +3,17 @@
 // library's answer (recipe_scores + budget allocator + selection) computed here on the tensors
 // captured from the runner; layer-wise, chunked and decode-time eviction against step-by-step
 // references built from the same stages; LAQ's two stages and LAQ++'s block; the oracle against a
-// naive double-precision ground truth; full budgets reproducing the full cache's logits; the
-// calibration and CAKE helpers against naive references; every documented error.
+// naive double-precision ground truth; LookaheadKV's kept sets against the library stages on the
+// scorer's scores, and its evicted cache decoding as the full cache compacted by hand; full budgets
+// reproducing the full cache's logits; the calibration and CAKE helpers against naive references;
+// every documented error.
 #include "support.hpp"
 
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <runner/lookahead_data.hpp>
+#include <runner/lookahead_module.hpp>
+#include <runner/lookahead_scores.hpp>
 #include <runner/report.hpp>
 
 #include <kvevict/budget.hpp>
@@ -33,6 +37,17 @@ const model& the_model() {
   static model m = [] {
     model x;
     const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", x);
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    return x;
+  }();
+  return m;
+}
+
+// The shipped LookaheadKV module for stories260K.
+const lookahead_module& the_module() {
+  static lookahead_module m = [] {
+    lookahead_module x;
+    const status st = load_module(KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin", x);
     REQUIRE_MESSAGE(st.ok(), st.message());
     return x;
   }();
@@ -295,7 +310,8 @@ TEST_CASE("every post-fill method keeps exactly the library's answer on the runn
     const prefilled full = prefill_full(run, tp.prompt);
     for (const index_t B : {index_t(16), index_t(40)})
       for (const method m : all_methods) {
-        if (m == method::full || m == method::laq || m == method::laq_pp || m == method::oracle) continue;
+        if (m == method::full || m == method::laq || m == method::laq_pp || m == method::lookaheadkv || m == method::oracle)
+          continue;
         const std::string method_name_ = method_name(m);
       CAPTURE(method_name_);
         CAPTURE(B);
@@ -757,6 +773,84 @@ TEST_CASE("the oracle's scores are the ground truth of recall (naive double refe
   CHECK(held(cache) == library_select(allocator_kind::uniform, r, gt, P, B, {}, nullptr));
 }
 
+TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-head-score allocator, plain top-k; the lookahead KV dropped") {
+  const config& c = the_model().cfg();
+  const index_t L = c.n_layers, H = c.n_kv_heads;
+  runner run = make_runner();
+  for (const text_pair& tp : the_pairs()) {
+    const index_t P = static_cast<index_t>(tp.prompt.size());
+    prefilled full = prefill_full(run, tp.prompt);
+    // the scores: lookahead_scorer on a copy of the prefilled prompt (the copy is unchanged after it)
+    kv_cache scored = full.cache;
+    lookahead_scorer scorer;
+    REQUIRE_OK(scorer.init(the_model(), the_module()));
+    REQUIRE_OK(scorer.score(run, scored));
+    CHECK(held(scored) == held(full.cache));
+    std::vector<std::vector<float>> scores;
+    for (int l = 0; l < L; ++l) {
+      const auto s = scorer.scores(l);
+      std::vector<float> v(static_cast<std::size_t>(H * P));
+      for (index_t h = 0; h < H; ++h)
+        for (index_t t = 0; t < P; ++t) v[static_cast<std::size_t>(h * P + t)] = s(h, t);
+      scores.push_back(std::move(v));
+    }
+    recipe r = recipe::snapkv();  // nothing protected: LookaheadKV keeps no window
+    r.n_recent = 0;
+    for (const index_t B : {index_t(16), index_t(40)})
+      for (const allocator_kind a : {allocator_kind::uniform, allocator_kind::pyramid, allocator_kind::adakv, allocator_kind::lava}) {
+        const std::string allocator_name_ = allocator_name(a);
+        CAPTURE(allocator_name_);
+        CAPTURE(B);
+        CAPTURE(P);
+        evict_options o;
+        o.recipe = method::lookaheadkv;
+        o.budget = B;
+        o.alloc = a;
+        evictor ev;
+        REQUIRE_OK(ev.init(the_model(), o, nullptr, &the_module()));
+        kv_cache cache;
+        REQUIRE_OK(cache.init(c));
+        std::vector<pos_t> buf(static_cast<std::size_t>(L * H * P));
+        kvevict::eviction_recorder rec = kvtest::value_of(kvevict::make_eviction_recorder(buf.data(), L, H, P));
+        REQUIRE_OK(ev.prefill(run, cache, tp.prompt, &rec));
+        CHECK(std::equal(full.logits.begin(), full.logits.end(), ev.next_logits()));
+        const positions want = library_select(a, r, scores, P, B, {}, nullptr);
+        CHECK(held(cache) == want);
+        CHECK(cache.total_rows() == B * H * L);
+        CHECK(ev.allocation().total == B * H * L);
+        CHECK(cache.next_position() == P);  // the lookahead block's KV is gone
+        for (int l = 0; l < L; ++l)
+          for (index_t h = 0; h < H; ++h) {
+            const auto& keep = want[static_cast<std::size_t>(l * H + h)];
+            for (index_t j = 0; j < P; ++j) {
+              const bool kept = std::binary_search(keep.begin(), keep.end(), static_cast<pos_t>(j));
+              CHECK(buf[static_cast<std::size_t>((l * H + h) * P + j)] == (kept ? kvevict::never_evicted : static_cast<pos_t>(P)));
+            }
+          }
+        if (a != allocator_kind::uniform || B != 16) continue;
+        // decoding with the kept cache: bit for bit the full cache compacted by hand to `want`
+        kv_cache byhand = full.cache;
+        for (int l = 0; l < L; ++l) {
+          std::vector<pos_t> rows;
+          std::vector<std::int32_t> cu{0};
+          for (index_t h = 0; h < H; ++h) {
+            for (const pos_t p : want[static_cast<std::size_t>(l * H + h)]) rows.push_back(p);
+            cu.push_back(static_cast<std::int32_t>(rows.size()));
+          }
+          REQUIRE_OK(byhand.compact(l, kvevict::ragged_positions{rows.data(), cu.data(), H}));
+        }
+        bool same = true;
+        for (std::size_t t = 0; t + 1 < tp.response.size(); ++t) {
+          REQUIRE_OK(ev.decode(run, cache, tp.response[t]));
+          const std::vector<float> got(run.logits(0), run.logits(0) + c.vocab_size);
+          REQUIRE_OK(run.decode(byhand, tp.response[t]));
+          same = same && std::equal(got.begin(), got.end(), run.logits(0));
+        }
+        CHECK(same);
+      }
+  }
+}
+
 TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, every method and driver") {
   const config& c = the_model().cfg();
   runner run = make_runner();
@@ -783,7 +877,7 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
       const std::string driver_name_ = driver_name(d);
       CAPTURE(driver_name_);
       evictor ev;
-      REQUIRE_OK(ev.init(the_model(), o, &duo));
+      REQUIRE_OK(ev.init(the_model(), o, &duo, &the_module()));
       kv_cache cache;
       REQUIRE_OK(cache.init(c));
       REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr, &tp.response));
@@ -796,7 +890,7 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
       CHECK(same);
       ++runs;
     }
-  CHECK(runs == 51);  // the supported (method, driver) pairs
+  CHECK(runs == 52);  // the supported (method, driver) pairs
 }
 
 TEST_CASE("CAKE's window preference and the duo calibration against naive double references") {
@@ -900,6 +994,21 @@ TEST_CASE("eviction options and evictor errors") {
   o = opts(method::duo);
   o.budget = 12;
   require_error(check_evict_options(c, o), errc::invalid_argument, "below the 16 tokens duo protects");
+  for (const driver_kind dk : {driver_kind::layerwise, driver_kind::chunked_naive, driver_kind::chunked_patched, driver_kind::decode}) {
+    o = opts(method::lookaheadkv);
+    o.driver = dk;
+    require_error(check_evict_options(c, o), errc::invalid_argument,
+                  "--recipe lookaheadkv needs the whole prompt prefilled first: use --driver postfill");
+  }
+  o = opts(method::lookaheadkv);
+  o.alloc = allocator_kind::cake;
+  require_error(check_evict_options(c, o), errc::invalid_argument, "--recipe lookaheadkv does not take --allocator cake");
+  o.alloc = allocator_kind::duo;
+  require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo and --recipe duo go together");
+  o = opts(method::lookaheadkv);
+  o.sinks = 4;
+  o.budget = 3;
+  require_error(check_evict_options(c, o), errc::invalid_argument, "--budget 3 is below the 4 tokens lookaheadkv protects");
 
   method m;
   require_error(parse_method("snapky", m), errc::invalid_argument, "unknown recipe 'snapky' (expected one of: full, streaming_llm");
@@ -936,4 +1045,30 @@ TEST_CASE("eviction options and evictor errors") {
   // the streaming method needs no window: a 5-token prompt is fine
   REQUIRE_OK(ev.init(the_model(), opts(method::streaming_llm)));
   REQUIRE_OK(ev.prefill(run, cache, prompt, nullptr));
+
+  // LookaheadKV: a module is needed and must match the model
+  require_error(ev.init(the_model(), opts(method::lookaheadkv)), errc::invalid_argument,
+                "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
+  lookahead_module other;
+  config small = c;
+  small.dim = 32;
+  small.hidden_dim = 64;
+  REQUIRE_OK(other.shape(lookahead_dims::of(small), lookahead_config{}));
+  require_error(ev.init(the_model(), opts(method::lookaheadkv), nullptr, &other), errc::shape_mismatch,
+                "lookahead module was trained for dim 32 but the model has dim 64");
+  // no window: a 5-token prompt is fine, and a budget of at least the prompt keeps it whole
+  evict_options lo = opts(method::lookaheadkv);
+  lo.budget = 4;
+  REQUIRE_OK(ev.init(the_model(), lo, nullptr, &the_module()));
+  cache.clear();
+  REQUIRE_OK(ev.prefill(run, cache, prompt, nullptr));
+  CHECK(cache.total_rows() == 4 * c.n_layers * c.n_kv_heads);
+  // the prompt and the 16 lookahead tokens must fit the context
+  std::vector<int> long_prompt(500, 403);
+  long_prompt[0] = 1;
+  cache.clear();
+  require_error(ev.prefill(run, cache, long_prompt, nullptr), errc::out_of_range,
+                "lookahead_scorer: 500 prompt tokens + 16 lookahead tokens exceed the context of 512");
+  CHECK(parse_method("lookaheadkv", m).ok());
+  CHECK(m == method::lookaheadkv);
 }

@@ -159,8 +159,20 @@ const model& the_model() {
   return m;
 }
 
+const lookahead_module& the_module() {
+  static lookahead_module m = [] {
+    lookahead_module x;
+    const status st = load_module(KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin", x);
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    return x;
+  }();
+  return m;
+}
+
 report_options tiny(int threads) {
   report_options o;
+  o.lookahead = &the_module();
+  o.lookahead_path = "stories260K-n16.bin";
   o.prompts = 2;
   o.budgets = {24, 512};
   o.pairs.response = 16;
@@ -186,19 +198,26 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
   CHECK(j["duo_global"].items.size() == 20);
   const json& rows = j["rows"];
   REQUIRE(rows.items.size() == r.rows.size());
-  // full, then per budget: 14 post-fill methods, 2 layer-wise cascades, 4 chunked, 4 decode
-  CHECK(rows.items.size() == 1 + 2 * 24);
-  int oracle_rows = 0, full_budget_rows = 0;
+  // full, then per budget: 15 post-fill methods, 2 layer-wise cascades, 4 chunked, 4 decode
+  CHECK(rows.items.size() == 1 + 2 * 25);
+  CHECK(j["lookahead_module"]["n_lookahead"].num == 16);
+  int oracle_rows = 0, full_budget_rows = 0, lookahead_rows = 0;
   for (const json& row : rows.items) {
     const std::string name = row["recipe"].str + " / " + row["driver"].str;
     CAPTURE(name);
     const json& mean = row["mean"];
     const json& per = row["per_prompt"];
-    for (const char* f : {"recall", "kl", "agreement", "footprint", "peak", "kept", "evict_ms", "prefill_ms"}) {
+    for (const char* f : {"recall", "kl", "agreement", "footprint", "peak", "kept", "evict_ms", "prefill_ms", "overhead"}) {
       REQUIRE(per[f].items.size() == 2);
-      if (std::string(f) != "evict_ms" && std::string(f) != "prefill_ms")
+      if (std::string(f) != "evict_ms" && std::string(f) != "prefill_ms" && std::string(f) != "overhead")
         CHECK(mean[f].num == doctest::Approx((per[f][0].num + per[f][1].num) / 2).epsilon(1e-8));
     }
+    // the overhead: (prefill + eviction) / prefill of each prompt, its median
+    for (std::size_t p = 0; p < 2; ++p)
+      CHECK(per["overhead"][p].num == doctest::Approx((per["prefill_ms"][p].num + per["evict_ms"][p].num) / per["prefill_ms"][p].num));
+    CHECK(row["median"]["overhead"].num == doctest::Approx((per["overhead"][0].num + per["overhead"][1].num) / 2));
+    CHECK(row["median"]["overhead"].num >= 1.0);
+    if (row["recipe"].str == "lookaheadkv") ++lookahead_rows;
     CHECK(row["sem"]["kl"].num >= 0.0);
     CHECK(row["sem"]["agreement"].num >= 0.0);
     CHECK(mean["recall"].num >= 0.0);
@@ -227,7 +246,8 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
     }
   }
   CHECK(oracle_rows == 2);
-  CHECK(full_budget_rows == 1 + 24);
+  CHECK(lookahead_rows == 2);
+  CHECK(full_budget_rows == 1 + 25);
 
   // the numbers do not depend on the thread count (only the times do)
   report_result r1;
@@ -247,12 +267,15 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
   const std::string table = report_table(r);
   CHECK(table.find("budget  recipe") != std::string::npos);
   CHECK(table.find("laq++") != std::string::npos);
+  CHECK(table.find("lookaheadkv") != std::string::npos);
+  CHECK(table.find("overhead") != std::string::npos);
   const std::string svg = report_svg(r, "stories260K");
   CHECK(svg.rfind("<svg", 0) == 0);
   CHECK(svg.find("</svg>") != std::string::npos);
   std::size_t lines = 0;
   for (std::size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++lines;
-  CHECK(lines == 2 * 24);  // two panels, one line per (recipe, driver)
+  CHECK(lines == 2 * 25);  // two panels, one line per (recipe, driver)
+  CHECK(svg.find(">lookaheadkv</text>") != std::string::npos);
   CHECK(svg.find(">snapkv / chunked-patched</text>") != std::string::npos);
 }
 
@@ -276,5 +299,12 @@ TEST_CASE("report options errors") {
   o.all_drivers = true;
   o.budgets = {24};
   REQUIRE(report_configs(the_model().cfg(), o, cfgs).ok());
-  CHECK(cfgs.size() == 1 + 46);  // every supported pair but full's
+  CHECK(cfgs.size() == 1 + 47);  // every supported pair but full's
+  // without a module, lookaheadkv is left out of every method and refused when named
+  o.lookahead = nullptr;
+  REQUIRE(report_configs(the_model().cfg(), o, cfgs).ok());
+  CHECK(cfgs.size() == 1 + 46);
+  o.recipes = {method::snapkv, method::lookaheadkv};
+  kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument,
+                        "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
 }

@@ -20,7 +20,8 @@
 //                 layer, decide, compact; the next chunk attends over what was kept.
 //   decode        plain prefill; then after every decoded token decode_driver::step per layer
 //                 (H2O accumulates attention every step) and a compaction when it evicts.
-// LAQ / LAQ++ (laq.hpp) and the response oracle are post-fill methods with an external query block.
+// LAQ / LAQ++ (laq.hpp) and the response oracle are post-fill methods with an external query block;
+// LookaheadKV (lookahead_scores.hpp) is post-fill with the trained module's scores.
 #pragma once
 
 #include <runner/generate.hpp>
@@ -65,12 +66,14 @@ enum class method : int {
   duo,            ///< DuoAttention-style head types from a calibration pass
   laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (laq.hpp)
   laq_pp,         ///< LAQ++: pseudo queries and the prompt's window
+  lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (lookahead_scores.hpp)
   oracle,         ///< the true response's queries (an upper bound)
 };
 inline constexpr method all_methods[] = {method::full,   method::streaming_llm, method::h2o,   method::tova,
                                          method::snapkv, method::pyramidkv,     method::knorm, method::vatp,
                                          method::adakv,  method::cake,          method::lava,  method::duo,
-                                         method::laq,    method::laq_pp,        method::oracle};
+                                         method::laq,    method::laq_pp,        method::lookaheadkv,
+                                         method::oracle};
 
 /// How budgets are shared by layers and heads (`--allocator`).
 enum class allocator_kind : int { uniform, pyramid, adakv, lava, cake, duo };
@@ -99,6 +102,7 @@ constexpr const char* method_name(method m) noexcept {
     case method::duo: return "duo";
     case method::laq: return "laq";
     case method::laq_pp: return "laq++";
+    case method::lookaheadkv: return "lookaheadkv";
     case method::oracle: return "oracle";
   }
   return "unknown";
@@ -221,6 +225,11 @@ inline kvevict::recipe make_recipe(const evict_options& o) {
       r.n_sink = s;
       r.n_recent = 0;
       return r;
+    case method::lookaheadkv:  // the scores come from lookahead_scorer; only the sinks (0 by default) are protected
+      r = recipe::snapkv();
+      r.n_sink = s;
+      r.n_recent = 0;
+      return r;
     case method::oracle:  // LookaheadKV Eq. 1: the response's attention, nothing pooled or protected
       r = recipe::snapkv();
       r.source = kvevict::query_source::external_block;
@@ -272,9 +281,14 @@ inline status check_evict_options(const config& c, const evict_options& o) {
                static_cast<long long>(sinks_of(o)), static_cast<long long>(prot - sinks_of(o)));
   if ((a == allocator_kind::duo) != (o.recipe == method::duo))
     return err("--allocator duo and --recipe duo go together (duo's head types decide every budget)");
-  const bool query_block = o.recipe == method::laq || o.recipe == method::laq_pp || o.recipe == method::oracle;
+  const bool query_block = o.recipe == method::laq || o.recipe == method::laq_pp || o.recipe == method::oracle ||
+                           o.recipe == method::lookaheadkv;
   if (query_block && d != driver_kind::postfill)
     return err("--recipe %s needs the whole prompt prefilled first: use --driver postfill", rn);
+  if (o.recipe == method::lookaheadkv && (a == allocator_kind::cake || a == allocator_kind::duo))
+    return err("--recipe lookaheadkv does not take --allocator %s (uniform, pyramid, adakv or lava: the allocators "
+               "that budget from per-head scores)",
+               allocator_name(a));
   if (o.recipe == method::laq_pp && a == allocator_kind::duo) return err("--recipe laq++ does not take --allocator duo");
   switch (d) {
     case driver_kind::postfill: break;

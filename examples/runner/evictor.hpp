@@ -5,6 +5,7 @@
 
 #include <runner/evict.hpp>
 #include <runner/laq.hpp>
+#include <runner/lookahead_scores.hpp>
 
 #include <cstring>
 
@@ -14,11 +15,21 @@ class evictor {
  public:
   /// Checks the options against the model (check_evict_options) and binds the evictor to `m`
   /// (which must outlive it). `duo`: the head types of the duo method (duo_calibration.hpp), copied.
-  status init(const model& m, const evict_options& o, const duo_heads* duo = nullptr) {
+  /// `lookahead`: the trained module of the lookaheadkv method (lookahead_module.hpp; must outlive
+  /// the evictor; ignored by the other methods). Errors: the options', duo without head types,
+  /// lookaheadkv without a module or with a module trained for another model (the first differing
+  /// dimension is named).
+  status init(const model& m, const evict_options& o, const duo_heads* duo = nullptr,
+              const lookahead_module* lookahead = nullptr) {
     KVEVICT_TRY(check_evict_options(m.cfg(), o));
     if (allocator_of(o) == allocator_kind::duo &&
         (duo == nullptr || static_cast<index_t>(duo->global.size()) != index_t(m.cfg().n_layers) * m.cfg().n_kv_heads))
       return status::error(errc::invalid_argument, "--recipe duo needs head types from a calibration pass");
+    if (o.recipe == method::lookaheadkv) {
+      if (lookahead == nullptr)
+        return status::error(errc::invalid_argument, "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
+      KVEVICT_TRY(scorer_.init(m, *lookahead));
+    }
     model_ = &m;
     o_ = o;
     rec_ = make_recipe(o);
@@ -166,6 +177,12 @@ class evictor {
       return {};
     }
 
+    if (o_.recipe == method::lookaheadkv) {
+      KVEVICT_TRY(evict_lookahead(run, cache, rec));
+      evict_s_ = seconds_since(t0);
+      return {};
+    }
+
     const block_capture* blk = nullptr;
     if (o_.recipe == method::laq) {
       KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o_, stage1_, pf_, scratch_, block_,
@@ -250,6 +267,13 @@ class evictor {
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
   driver_scratch scratch_, decode_scratch_;
+  lookahead_scorer scorer_;
+  std::vector<float> lkv_scores_;
+  std::vector<double> lkv_entropy_;
+  std::vector<index_t> lkv_totals_;
+  std::vector<pos_t> lkv_pos_, lkv_dropped_;
+  std::vector<std::int32_t> lkv_cu_, lkv_dropped_cu_;
+  std::vector<unsigned char> lkv_ws_;
 
   const config& cfg() const { return model_->cfg(); }
 
@@ -269,9 +293,10 @@ class evictor {
   // Prompt-length checks of the window recipes (the window must fit; LAQ++ and CAKE need a prefix).
   status check_prompt_length(index_t P) const {
     if (o_.recipe == method::full) return {};
-    const bool windowed = kvevict::detail::is_window_kind(rec_.kind) || rec_.kind == kvevict::recipe_kind::h2o ||
-                          o_.recipe == method::laq || o_.recipe == method::laq_pp ||
-                          allocator_of(o_) == allocator_kind::cake;
+    const bool windowed = o_.recipe != method::lookaheadkv &&
+                          (kvevict::detail::is_window_kind(rec_.kind) || rec_.kind == kvevict::recipe_kind::h2o ||
+                           o_.recipe == method::laq || o_.recipe == method::laq_pp ||
+                           allocator_of(o_) == allocator_kind::cake);
     if (windowed && o_.driver != driver_kind::decode && o_.window >= P)
       return status::error(errc::invalid_argument,
                            "the prompt has %lld tokens, not more than --window %lld: %s needs a longer prompt",
@@ -279,6 +304,102 @@ class evictor {
     if (o_.driver == driver_kind::decode && kvevict::detail::is_window_kind(rec_.kind) && o_.window > P)
       return status::error(errc::invalid_argument, "the prompt has %lld tokens, fewer than --window %lld",
                            static_cast<long long>(P), static_cast<long long>(o_.window));
+    return {};
+  }
+
+  // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the module's n lookahead rows run as one
+  // extra block after the prompt (lookahead_scorer::score; their KV is rolled back, the prompt's
+  // untouched), their scores [H_kv][P] per layer (max pool 7, GQA mean), the sinks (0 unless
+  // --sinks) protected, then the allocator's budgets and a plain top-k per head -- no suffix window,
+  // as the paper (appendix F) -- and every layer compacted. A budget of at least the prompt keeps
+  // everything without running the module. The dropped rows are recorded at step P.
+  status evict_lookahead(runner& run, kv_cache& cache, kvevict::eviction_recorder* rec) {
+    const config& c = cfg();
+    const index_t P = cache.next_position(), L = c.n_layers, H = c.n_kv_heads, B = std::min(o_.budget, P);
+    const kvevict::protection prot{rec_.n_sink, 0};
+    const allocator_kind a = allocator_of(o_);
+    KVEVICT_TRY(make_allocation(c, a, o_.budget, P, prot, nullptr, alloc_));
+    if (B == P) {
+      alloc_.total = cache.total_rows();
+      return {};
+    }
+    KVEVICT_TRY(scorer_.score(run, cache));
+    lkv_scores_.resize(static_cast<std::size_t>(L * H * P));
+    for (int l = 0; l < L; ++l) {
+      const auto src = scorer_.scores(l);
+      const auto dst = *kvevict::make_matrix_view(lkv_scores_.data() + index_t(l) * H * P, H, P);
+      for (index_t h = 0; h < H; ++h)
+        for (index_t t = 0; t < P; ++t) dst(h, t) = src(h, t);
+      KVEVICT_TRY(kvevict::protect(kvevict::seq, dst, prot.n_sink, prot.n_recent));
+    }
+    auto layer_scores = [&](int l) {
+      return *kvevict::make_matrix_view<const float>(lkv_scores_.data() + index_t(l) * H * P, H, P);
+    };
+    lkv_totals_.assign(static_cast<std::size_t>(L), 0);
+    if (a == allocator_kind::lava) {  // entropy layer budgets over the whole model, flattened within a layer
+      lkv_entropy_.assign(static_cast<std::size_t>(L), 0.0);
+      kvevict::lava_entropy_options eo;
+      eo.prot = prot;
+      for (int l = 0; l < L; ++l)
+        KVEVICT_TRY(kvevict::lava_layer_entropy(kvevict::seq, layer_scores(l), nullptr, eo, &lkv_entropy_[static_cast<std::size_t>(l)]));
+      KVEVICT_TRY(kvevict::lava_layer_budgets(lkv_entropy_.data(), L, H, P, prot, alloc_.alloc.total, lkv_totals_.data()));
+    }
+    lkv_cu_.resize(static_cast<std::size_t>(H + 1));
+    lkv_dropped_cu_.resize(static_cast<std::size_t>(H + 1));
+    for (int l = 0; l < L; ++l) {
+      const auto sv = layer_scores(l);
+      index_t keep = 0;
+      switch (a) {
+        case allocator_kind::uniform:
+        case allocator_kind::pyramid: {
+          lkv_cu_[0] = 0;
+          for (index_t h = 0; h < H; ++h)
+            lkv_cu_[static_cast<std::size_t>(h + 1)] = lkv_cu_[static_cast<std::size_t>(h)] + alloc_.budgets[static_cast<std::size_t>(l * H + h)];
+          lkv_pos_.resize(static_cast<std::size_t>(lkv_cu_.back()));
+          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+            return kvevict::recipe_select(kvevict::seq, ws, rec_, sv,
+                                          kvevict::ragged_positions_out{lkv_pos_.data(), lkv_cu_.data(), H});
+          }));
+          break;
+        }
+        case allocator_kind::adakv: {
+          kvevict::adakv_options ao;
+          ao.prot = prot;
+          lkv_pos_.resize(static_cast<std::size_t>(B * H));
+          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+            return kvevict::adakv_budgets(kvevict::seq, ws, sv, nullptr, B, ao, lkv_cu_.data(), lkv_pos_.data());
+          }));
+          break;
+        }
+        case allocator_kind::lava:
+          keep = lkv_totals_[static_cast<std::size_t>(l)];
+          lkv_pos_.resize(static_cast<std::size_t>(keep));
+          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+            return kvevict::select_topk_flat(kvevict::seq, ws, sv, nullptr, keep, nullptr, lkv_cu_.data(), lkv_pos_.data());
+          }));
+          break;
+        case allocator_kind::cake:
+        case allocator_kind::duo:
+          return status::error(errc::invalid_argument, "--recipe lookaheadkv does not take --allocator %s", allocator_name(a));
+      }
+      const kvevict::ragged_positions kept{lkv_pos_.data(), lkv_cu_.data(), H};
+      if (rec != nullptr) {  // every row of a whole prompt is its own position
+        lkv_dropped_.clear();
+        lkv_dropped_cu_[0] = 0;
+        for (index_t h = 0; h < H; ++h) {
+          const pos_t* k = kept.pos + kept.cu[h];
+          for (index_t j = 0, i = 0; j < P; ++j) {
+            if (i < kept.length(h) && k[i] == j) ++i;
+            else lkv_dropped_.push_back(static_cast<pos_t>(j));
+          }
+          lkv_dropped_cu_[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(lkv_dropped_.size());
+        }
+        if (!lkv_dropped_.empty())
+          KVEVICT_TRY(rec->mark_evicted(l, kvevict::ragged_positions{lkv_dropped_.data(), lkv_dropped_cu_.data(), H}, P));
+      }
+      KVEVICT_TRY(cache.compact(l, kept));
+    }
+    alloc_.total = cache.total_rows();
     return {};
   }
 

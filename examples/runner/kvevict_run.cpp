@@ -5,6 +5,7 @@
 //   kvevict-run --temperature 1.0 --seed 42 --ids                  sampled, prints token ids
 //   kvevict-run --prompt "..." --recipe snapkv --budget 32         the story with an evicted cache
 //   kvevict-run --recipe h2o --driver decode --budget 64            decode-time eviction
+//   kvevict-run --prompt "..." --recipe lookaheadkv --budget 32    LookaheadKV with the shipped module
 //   kvevict-run --report --out-dir docs/report                     the quality report (docs/report.md)
 //
 // Every error (bad option, missing or malformed model/tokenizer, prompt too long) is one line on
@@ -13,6 +14,7 @@
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
+#include <runner/lookahead_module.hpp>
 #include <runner/model.hpp>
 #include <runner/report.hpp>
 #include <runner/runner.hpp>
@@ -21,6 +23,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -53,6 +56,7 @@ struct options {
   std::string driver = "postfill";
   kvrun::evict_options evict;
   kvevict::index_t calibration = 8;
+  std::string lookahead_module = KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin";
   // report
   bool report = false;
   std::string out_dir = ".";
@@ -97,6 +101,16 @@ kvevict::status calibrate_duo(const kvrun::model& model, const kvrun::evict_opti
   return kvrun::duo_calibrate(model, texts, o, out);
 }
 
+// Loads --lookahead-module and checks it against the model: one error line naming the file.
+bool load_lookahead(const std::string& path, const kvrun::model& model, kvrun::lookahead_module& out) {
+  kvevict::status st = kvrun::load_module(path, out);
+  if (st.ok()) st = out.check_model(model.cfg());
+  if (st.ok()) return true;
+  if (st.code() == kvevict::errc::io_error) fail("--lookahead-module: ", st);
+  else fail(("--lookahead-module " + path + ": ").c_str(), st);
+  return false;
+}
+
 // kvevict-run --report: the table on stdout, JSON and SVG in --out-dir, progress on stderr.
 int run_report(const options& o, const kvrun::model& model, const std::string& command) {
   kvrun::report_options r;
@@ -123,6 +137,12 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   if (std::error_code ec; !std::filesystem::is_directory(o.out_dir, ec))
     return fail("--out-dir " + o.out_dir + " is not a directory");
   if (o.calibration < 1) return fail("--calibration must be >= 1, got " + std::to_string(o.calibration));
+  kvrun::lookahead_module lookahead;  // every method runs unless --recipes leaves lookaheadkv out
+  if (r.recipes.empty() || std::find(r.recipes.begin(), r.recipes.end(), kvrun::method::lookaheadkv) != r.recipes.end()) {
+    if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+    r.lookahead = &lookahead;
+    r.lookahead_path = o.lookahead_module;
+  }
   std::vector<kvrun::report_config> configs;
   if (auto st = kvrun::report_configs(model.cfg(), r, configs); !st.ok()) return fail("", st);
   r.progress = [](const char* line) { std::fprintf(stderr, "%s\n", line); };
@@ -162,7 +182,7 @@ int main(int argc, char** argv) {
   // eviction (docs/runner.md, "Eviction")
   auto* recipe_opt = app.add_option("--recipe", o.recipe,
                                     "eviction method: full (no eviction), streaming_llm, h2o, tova, snapkv, pyramidkv, "
-                                    "knorm, vatp, adakv, cake, lava, duo, laq, laq++, oracle")
+                                    "knorm, vatp, adakv, cake, lava, duo, laq, laq++, lookaheadkv, oracle")
                          ->capture_default_str();
   std::vector<CLI::Option*> evict_opts;
   evict_opts.push_back(app.add_option("--budget", o.evict.budget, "tokens kept per KV head, protected ones included")
@@ -186,6 +206,10 @@ int main(int argc, char** argv) {
                            ->capture_default_str());
   evict_opts.push_back(app.add_option("--calibration", o.calibration, "duo: calibration texts (training split)")
                            ->capture_default_str());
+  auto* lookahead_opt =
+      app.add_option("--lookahead-module", o.lookahead_module,
+                     "lookaheadkv (and --report): the trained LookaheadKV module (docs/lookaheadkv.md)")
+          ->capture_default_str();
   // the quality report (docs/report.md)
   app.add_flag("--report", o.report, "run the quality report: table on stdout, report.json and report.svg in --out-dir");
   std::vector<CLI::Option*> report_opts;
@@ -226,6 +250,8 @@ int main(int argc, char** argv) {
   if (!o.report)
     for (const CLI::Option* opt : report_opts)
       if (opt->count() > 0) return fail(opt->get_name() + " needs --report");
+  if (!o.report && method != kvrun::method::lookaheadkv && lookahead_opt->count() > 0)
+    return fail("--lookahead-module needs --recipe lookaheadkv or --report");
   o.evict.recipe = method;
   if (!o.allocator.empty()) {
     kvrun::allocator_kind a;
@@ -291,8 +317,10 @@ int main(int argc, char** argv) {
     kvrun::duo_heads duo;
     if (kvrun::allocator_of(o.evict) == kvrun::allocator_kind::duo)
       if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
+    kvrun::lookahead_module lookahead;
+    if (method == kvrun::method::lookaheadkv && !load_lookahead(o.lookahead_module, model, lookahead)) return 1;
     kvrun::evictor ev;
-    if (auto st = ev.init(model, o.evict, &duo); !st.ok()) return fail("", st);
+    if (auto st = ev.init(model, o.evict, &duo, &lookahead); !st.ok()) return fail("", st);
     std::vector<int> response;  // the oracle's block: the full cache's continuation, same sampler
     if (method == kvrun::method::oracle) {
       kvrun::sampler s0;

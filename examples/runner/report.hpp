@@ -19,7 +19,12 @@
 //   footprint, peak   kvevict::measure_kv_usage of the schedule the driver recorded over the
 //               P + m - 1 tokens whose queries run (prefill and decode);
 //   evict_ms, prefill_ms   medians over the prompts of the eviction work and of the prefill's
-//               forward (evictor::evict_seconds / prefill_seconds).
+//               forward (evictor::evict_seconds / prefill_seconds);
+//   overhead    median over the prompts of (prefill_ms + evict_ms) / prefill_ms, both measured on
+//               the same prompt by the same thread (post-fill rows share one timed prefill per
+//               prompt): the prefill-time cost of a method relative to the prefill alone.
+// LookaheadKV needs report_options::lookahead (the trained module); without one, "every method"
+// leaves it out.
 // Prompts run in parallel (one runner per thread, single-threaded forwards); every number but the
 // times is independent of the thread count.
 #pragma once
@@ -27,6 +32,7 @@
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <runner/lookahead_data.hpp>
+#include <runner/lookahead_module.hpp>
 
 #include <kvevict/metrics.hpp>
 
@@ -80,12 +86,17 @@ struct report_options {
   }();
   std::uint64_t seed_begin = test_seed_base;
   index_t calibration = 8;  ///< duo calibration texts (training seeds)
+  /// The lookaheadkv method's trained module (must outlive the report); null: lookaheadkv is left
+  /// out of "every method" and refused when named in `recipes`.
+  const lookahead_module* lookahead = nullptr;
+  std::string lookahead_path;  ///< recorded in the JSON as given
   int threads = 0;          ///< prompts in parallel (0: all cores)
   std::function<void(const char*)> progress;  ///< one line of progress (may be empty)
 };
 
 struct prompt_result {
   double recall = 0.0, kl = 0.0, footprint = 0.0, peak = 0.0, evict_ms = 0.0, prefill_ms = 0.0;
+  double overhead = 1.0;  ///< (prefill_ms + evict_ms) / prefill_ms
   index_t agreement = 0;
   index_t kept = 0;  ///< KV rows held after the prefill's eviction (all layers and heads)
 };
@@ -96,6 +107,7 @@ struct config_result {
   // over the prompts: means, and medians of the times
   double recall = 0.0, kl = 0.0, agreement = 0.0, footprint = 0.0, peak = 0.0, evict_ms = 0.0, prefill_ms = 0.0,
          kept = 0.0;
+  double overhead = 1.0;  ///< median over the prompts of prompt_result::overhead
   // standard errors of the means (sample standard deviation / sqrt(prompts); 0 for one prompt)
   double recall_sem = 0.0, kl_sem = 0.0, agreement_sem = 0.0;
 };
@@ -113,14 +125,19 @@ struct report_result {
 
 /// The configurations of a report, in table order: full first, then per budget the methods in
 /// all_methods order, each with its drivers in all_drivers order. Errors: a configuration the
-/// evictor refuses (e.g. a budget below a method's protected tokens), naming it.
+/// evictor refuses (e.g. a budget below a method's protected tokens), naming it; lookaheadkv named
+/// without a module.
 inline status report_configs(const config& c, const report_options& o, std::vector<report_config>& out) {
   out.clear();
   out.push_back({method::full, driver_kind::postfill, 0});
   if (o.budgets.empty()) return status::error(errc::invalid_argument, "--budgets: no budget given");
+  const bool named_lookahead = std::find(o.recipes.begin(), o.recipes.end(), method::lookaheadkv) != o.recipes.end();
+  if (named_lookahead && o.lookahead == nullptr)
+    return status::error(errc::invalid_argument, "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
   for (const index_t b : o.budgets)
     for (const method m : all_methods) {
       if (m == method::full) continue;
+      if (m == method::lookaheadkv && o.lookahead == nullptr) continue;
       if (!o.recipes.empty() && std::find(o.recipes.begin(), o.recipes.end(), m) == o.recipes.end()) continue;
       for (const driver_kind d : all_drivers) {
         if (!o.drivers.empty() && std::find(o.drivers.begin(), o.drivers.end(), d) == o.drivers.end()) continue;
@@ -269,7 +286,7 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     e.driver = rc.driver;
     e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
     e.alloc.reset();
-    KVEVICT_TRY(w.ev.init(mdl, e, &duo));
+    KVEVICT_TRY(w.ev.init(mdl, e, &duo, o.lookahead));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
@@ -305,6 +322,7 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     r.kl = kl / static_cast<double>(m);
     r.recall = m > 1 ? recall / static_cast<double>(m - 1) : 0.0;
     r.evict_ms = w.ev.evict_seconds() * 1e3;
+    r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;
     const auto sched = rec.schedule(N);
     if (!sched) return sched.error();
     kvevict::kv_usage usage;
@@ -413,7 +431,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
     config_result cr;
     cr.cfg = configs[ci];
-    std::vector<double> ev, pf;
+    std::vector<double> ev, pf, ov;
     for (index_t i = 0; i < n; ++i) {
       const prompt_result& r = results[static_cast<std::size_t>(i)][ci];
       cr.prompts.push_back(r);
@@ -425,6 +443,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
       cr.kept += static_cast<double>(r.kept);
       ev.push_back(r.evict_ms);
       pf.push_back(r.prefill_ms);
+      ov.push_back(r.overhead);
     }
     const double dn = static_cast<double>(n);
     cr.recall /= dn;
@@ -447,6 +466,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
     }
     cr.evict_ms = detail::median(ev);
     cr.prefill_ms = detail::median(pf);
+    cr.overhead = detail::median(ov);
     out.rows.push_back(std::move(cr));
   }
   out.seconds = seconds_since(t_start);
@@ -466,9 +486,9 @@ inline std::string report_table(const report_result& r) {
                 static_cast<long long>(*std::max_element(r.prompt_lengths.begin(), r.prompt_lengths.end())),
                 static_cast<long long>(r.response));
   s += line;
-  const char* header = "%-7s %-14s %-16s %7s %9s %7s %9s %6s %9s %10s\n";
+  const char* header = "%-7s %-14s %-16s %7s %9s %7s %9s %6s %9s %10s %8s\n";
   std::snprintf(line, sizeof line, header, "budget", "recipe", "driver", "recall", "KL", "agree", "footprint", "peak",
-                "evict ms", "prefill ms");
+                "evict ms", "prefill ms", "overhead");
   s += line;
   index_t last_budget = -1;
   for (const config_result& c : r.rows) {
@@ -477,9 +497,9 @@ inline std::string report_table(const report_result& r) {
     char b[24];
     if (c.cfg.budget > 0) std::snprintf(b, sizeof b, "%lld", static_cast<long long>(c.cfg.budget));
     else std::snprintf(b, sizeof b, "all");
-    std::snprintf(line, sizeof line, "%-7s %-14s %-16s %7.3f %9.4f %7.1f %9.3f %6.3f %9.2f %10.2f\n", b,
+    std::snprintf(line, sizeof line, "%-7s %-14s %-16s %7.3f %9.4f %7.1f %9.3f %6.3f %9.2f %10.2f %7.3fx\n", b,
                   method_name(c.cfg.recipe), driver_name(c.cfg.driver), c.recall, c.kl, c.agreement, c.footprint, c.peak,
-                  c.evict_ms, c.prefill_ms);
+                  c.evict_ms, c.prefill_ms, c.overhead);
     s += line;
   }
   std::snprintf(line, sizeof line, "(%.1f s on %d threads)\n", r.seconds, r.threads);
@@ -567,6 +587,16 @@ inline std::string report_json(const report_result& r, const std::string& model_
        ", \"laq_steps\": " + std::to_string(o.base.laq_steps) + ", \"duo_recent\": " + std::to_string(o.base.duo_recent) +
        ", \"calibration_texts\": " + std::to_string(o.calibration) + ", \"all_drivers\": " +
        (o.all_drivers ? "true" : "false") + ", \"threads\": " + std::to_string(r.threads) + "},\n";
+  key("lookahead_module");
+  if (o.lookahead == nullptr) {
+    s += "null,\n";
+  } else {
+    s += "{\"path\": ";
+    json_string(s, o.lookahead_path);
+    s += ", \"n_lookahead\": " + std::to_string(o.lookahead->n_lookahead()) + ", \"rank\": " +
+         std::to_string(o.lookahead->rank()) + ", \"placement_bits\": " + std::to_string(o.lookahead->placement()) +
+         "},\n";
+  }
   key("duo_global");
   json_array(s, r.duo.global, num);
   s += ",\n";
@@ -612,6 +642,8 @@ inline std::string report_json(const report_result& r, const std::string& model_
     num(c.evict_ms);
     s += ", \"prefill_ms\": ";
     num(c.prefill_ms);
+    s += ", \"overhead\": ";
+    num(c.overhead);
     s += "},\n     \"per_prompt\": {";
     auto field = [&](const char* name, auto get) {
       json_string(s, name);
@@ -633,6 +665,8 @@ inline std::string report_json(const report_result& r, const std::string& model_
     field("evict_ms", [](const prompt_result& p) { return p.evict_ms; });
     s += ", ";
     field("prefill_ms", [](const prompt_result& p) { return p.prefill_ms; });
+    s += ", ";
+    field("overhead", [](const prompt_result& p) { return p.overhead; });
     s += "}}";
     s += i + 1 < r.rows.size() ? ",\n" : "\n";
   }

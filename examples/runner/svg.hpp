@@ -59,6 +59,7 @@ inline const char* method_colour(method m) {
     case method::duo: return "#e377c2";
     case method::laq: return "#393b79";
     case method::laq_pp: return "#637939";
+    case method::lookaheadkv: return "#ff1493";
     case method::oracle: return "#000000";
   }
   return "#000000";
@@ -184,7 +185,7 @@ inline std::string report_svg(const report_result& r, const std::string& model_n
     }
     const char* dash = driver_dash(x.d);
     std::snprintf(b, sizeof b, "<polyline points=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"%.1f\"%s%s%s/>\n",
-                  pts.c_str(), method_colour(x.m), x.m == method::oracle ? 2.4 : 1.8, dash ? " stroke-dasharray=\"" : "",
+                  pts.c_str(), method_colour(x.m), x.m == method::oracle || x.m == method::lookaheadkv ? 2.4 : 1.8, dash ? " stroke-dasharray=\"" : "",
                   dash ? dash : "", dash ? "\"" : "");
     s += b;
     s += dots;

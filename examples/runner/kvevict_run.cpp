@@ -1,22 +1,35 @@
-// kvevict-run: generate a story with the reference runner (full KV cache), as llama2.c's run.c.
+// kvevict-run: generate a story with the reference runner, as llama2.c's run.c, with the full KV
+// cache or with any of kvevict's eviction methods; or run the quality report.
 //
 //   kvevict-run --prompt "Once upon a time" --steps 256            greedy, prints the text
 //   kvevict-run --temperature 1.0 --seed 42 --ids                  sampled, prints token ids
+//   kvevict-run --prompt "..." --recipe snapkv --budget 32         the story with an evicted cache
+//   kvevict-run --recipe h2o --driver decode --budget 64            decode-time eviction
+//   kvevict-run --prompt "..." --recipe lookaheadkv --budget 32    LookaheadKV with the shipped module
+//   kvevict-run --report --out-dir docs/report                     the quality report (docs/report.md)
 //
 // Every error (bad option, missing or malformed model/tokenizer, prompt too long) is one line on
 // stderr and exit status 1 (2 for command-line syntax errors).
+#include <runner/duo_calibration.hpp>
+#include <runner/evictor.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
+#include <runner/lookahead_module.hpp>
 #include <runner/model.hpp>
+#include <runner/report.hpp>
 #include <runner/runner.hpp>
+#include <runner/svg.hpp>
 #include <runner/tokenizer.hpp>
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -37,6 +50,20 @@ struct options {
   int threads = 0;
   bool ids = false;
   bool stats = false;
+  // eviction
+  std::string recipe = "full";
+  std::string allocator;
+  std::string driver = "postfill";
+  kvrun::evict_options evict;
+  kvevict::index_t calibration = 8;
+  std::string lookahead_module = KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin";
+  // report
+  bool report = false;
+  std::string out_dir = ".";
+  kvevict::index_t prompts = 32;
+  std::vector<kvevict::index_t> budgets{16, 32, 64, 128};
+  std::vector<std::string> recipes, drivers;
+  bool all_drivers = false;
 };
 
 int fail(const char* what, const kvevict::status& st) {
@@ -55,6 +82,81 @@ int fail(const std::string& message) {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+bool write_file(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+  return static_cast<bool>(f.flush());
+}
+
+// The duo method's head types: a calibration pass over `count` model-generated training texts.
+kvevict::status calibrate_duo(const kvrun::model& model, const kvrun::evict_options& e, kvevict::index_t count,
+                              int threads, kvrun::duo_heads& out) {
+  std::vector<std::vector<int>> texts;
+  KVEVICT_TRY(kvrun::duo_calibration_texts(model, kvrun::pair_options{}, count, texts, threads));
+  kvrun::duo_calibration_options o;
+  o.sinks = kvrun::sinks_of(e);
+  o.recent = e.duo_recent;
+  return kvrun::duo_calibrate(model, texts, o, out);
+}
+
+// Loads --lookahead-module and checks it against the model: one error line naming the file.
+bool load_lookahead(const std::string& path, const kvrun::model& model, kvrun::lookahead_module& out) {
+  kvevict::status st = kvrun::load_module(path, out);
+  if (st.ok()) st = out.check_model(model.cfg());
+  if (st.ok()) return true;
+  if (st.code() == kvevict::errc::io_error) fail("--lookahead-module: ", st);
+  else fail(("--lookahead-module " + path + ": ").c_str(), st);
+  return false;
+}
+
+// kvevict-run --report: the table on stdout, JSON and SVG in --out-dir, progress on stderr.
+int run_report(const options& o, const kvrun::model& model, const std::string& command) {
+  kvrun::report_options r;
+  r.prompts = o.prompts;
+  r.budgets = o.budgets;
+  r.base = o.evict;
+  r.calibration = o.calibration;
+  r.threads = o.threads;
+  r.all_drivers = o.all_drivers;
+  for (const std::string& name : o.recipes) {
+    kvrun::method m;
+    if (auto st = kvrun::parse_method(name, m); !st.ok()) return fail("--recipes: ", st);
+    r.recipes.push_back(m);
+  }
+  for (const std::string& name : o.drivers) {
+    kvrun::driver_kind d;
+    if (auto st = kvrun::parse_driver(name, d); !st.ok()) return fail("--drivers: ", st);
+    r.drivers.push_back(d);
+  }
+  for (const kvevict::index_t b : o.budgets)
+    if (b < 1 || b > model.cfg().seq_len)
+      return fail("--budgets: " + std::to_string(b) + " is outside [1, " + std::to_string(model.cfg().seq_len) + "]");
+  if (o.prompts < 1) return fail("--prompts must be >= 1, got " + std::to_string(o.prompts));
+  if (std::error_code ec; !std::filesystem::is_directory(o.out_dir, ec))
+    return fail("--out-dir " + o.out_dir + " is not a directory");
+  if (o.calibration < 1) return fail("--calibration must be >= 1, got " + std::to_string(o.calibration));
+  kvrun::lookahead_module lookahead;  // every method runs unless --recipes leaves lookaheadkv out
+  if (r.recipes.empty() || std::find(r.recipes.begin(), r.recipes.end(), kvrun::method::lookaheadkv) != r.recipes.end()) {
+    if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+    r.lookahead = &lookahead;
+    r.lookahead_path = o.lookahead_module;
+  }
+  std::vector<kvrun::report_config> configs;
+  if (auto st = kvrun::report_configs(model.cfg(), r, configs); !st.ok()) return fail("", st);
+  r.progress = [](const char* line) { std::fprintf(stderr, "%s\n", line); };
+  kvrun::report_result result;
+  if (auto st = kvrun::run_report(model, r, result); !st.ok()) return fail("", st);
+  std::fputs(kvrun::report_table(result).c_str(), stdout);
+  std::string name = o.model;
+  if (const auto slash = name.find_last_of('/'); slash != std::string::npos) name = name.substr(slash + 1);
+  if (const auto dot = name.rfind(".bin"); dot != std::string::npos && dot + 4 == name.size()) name.resize(dot);
+  const std::string json = o.out_dir + "/report.json", svg = o.out_dir + "/report.svg";
+  if (!write_file(json, kvrun::report_json(result, name, command))) return fail("cannot write " + json);
+  if (!write_file(svg, kvrun::report_svg(result, name))) return fail("cannot write " + svg);
+  std::fprintf(stderr, "report: wrote %s and %s\n", json.c_str(), svg.c_str());
+  return 0;
 }
 
 }  // namespace
@@ -76,8 +178,51 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "OpenMP threads for long blocks (0 = OMP_NUM_THREADS or all cores)")
       ->capture_default_str();
   app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
-  app.add_flag("--stats", o.stats, "print prefill and decode speed on stderr");
-  // Eviction options (recipe, budget, driver, chunk size) will join here.
+  app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost and footprint) on stderr");
+  // eviction (docs/runner.md, "Eviction")
+  auto* recipe_opt = app.add_option("--recipe", o.recipe,
+                                    "eviction method: full (no eviction), streaming_llm, h2o, tova, snapkv, pyramidkv, "
+                                    "knorm, vatp, adakv, cake, lava, duo, laq, laq++, lookaheadkv, oracle")
+                         ->capture_default_str();
+  std::vector<CLI::Option*> evict_opts;
+  evict_opts.push_back(app.add_option("--budget", o.evict.budget, "tokens kept per KV head, protected ones included")
+                           ->capture_default_str());
+  evict_opts.push_back(app.add_option("--allocator", o.allocator,
+                                      "uniform, pyramid, adakv, lava, cake or duo (default: the recipe's)"));
+  evict_opts.push_back(app.add_option("--driver", o.driver, "postfill, layerwise, chunked-naive, chunked-patched or decode")
+                           ->capture_default_str());
+  evict_opts.push_back(app.add_option("--window", o.evict.window,
+                                      "observation window; the recent tokens window recipes, H2O and LAQ keep")
+                           ->capture_default_str());
+  evict_opts.push_back(app.add_option("--sinks", o.evict.sinks,
+                                      "first tokens always kept (-1: the recipe's: 4 for streaming_llm and duo, else 0)")
+                           ->capture_default_str());
+  evict_opts.push_back(app.add_option("--chunk", o.evict.chunk, "chunked drivers: tokens per chunk")->capture_default_str());
+  evict_opts.push_back(app.add_option("--evict-every", o.evict.evict_every, "decode driver: evict every N decoded tokens")
+                           ->capture_default_str());
+  evict_opts.push_back(app.add_option("--laq-steps", o.evict.laq_steps, "laq, laq++: pseudo-decoded tokens")
+                           ->capture_default_str());
+  evict_opts.push_back(app.add_option("--duo-recent", o.evict.duo_recent, "duo: recent tokens of a streaming head")
+                           ->capture_default_str());
+  evict_opts.push_back(app.add_option("--calibration", o.calibration, "duo: calibration texts (training split)")
+                           ->capture_default_str());
+  auto* lookahead_opt =
+      app.add_option("--lookahead-module", o.lookahead_module,
+                     "lookaheadkv (and --report): the trained LookaheadKV module (docs/lookaheadkv.md)")
+          ->capture_default_str();
+  // the quality report (docs/report.md)
+  app.add_flag("--report", o.report, "run the quality report: table on stdout, report.json and report.svg in --out-dir");
+  std::vector<CLI::Option*> report_opts;
+  report_opts.push_back(app.add_option("--out-dir", o.out_dir, "report: directory for report.json and report.svg")
+                            ->capture_default_str());
+  report_opts.push_back(app.add_option("--prompts", o.prompts, "report: test prompts")->capture_default_str());
+  report_opts.push_back(app.add_option("--budgets", o.budgets, "report: budgets, comma-separated")
+                            ->delimiter(',')
+                            ->capture_default_str());
+  report_opts.push_back(app.add_option("--recipes", o.recipes, "report: only these recipes (comma-separated)")->delimiter(','));
+  report_opts.push_back(app.add_option("--drivers", o.drivers, "report: only these drivers (comma-separated)")->delimiter(','));
+  report_opts.push_back(app.add_flag("--all-drivers", o.all_drivers,
+                                     "report: every supported recipe x driver pair, not the default matrix"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -94,9 +239,37 @@ int main(int argc, char** argv) {
   if (o.seed == 0) return fail("--seed must be nonzero (the xorshift generator never leaves state 0)");
   if (o.threads < 0) return fail("--threads must be >= 0, got " + std::to_string(o.threads));
 
+  // eviction options only with an eviction recipe; report options only with --report
+  kvrun::method method = kvrun::method::full;
+  if (auto st = kvrun::parse_method(o.recipe, method); !st.ok()) return fail("--recipe: ", st);
+  if (!o.report && method == kvrun::method::full)
+    for (const CLI::Option* opt : evict_opts)
+      if (opt->count() > 0) return fail(opt->get_name() + " needs --recipe (without it the cache is not evicted)");
+  if (o.report && recipe_opt->count() > 0)
+    return fail("--report runs every recipe: use --recipes to choose some");
+  if (!o.report)
+    for (const CLI::Option* opt : report_opts)
+      if (opt->count() > 0) return fail(opt->get_name() + " needs --report");
+  if (!o.report && method != kvrun::method::lookaheadkv && lookahead_opt->count() > 0)
+    return fail("--lookahead-module needs --recipe lookaheadkv or --report");
+  o.evict.recipe = method;
+  if (!o.allocator.empty()) {
+    kvrun::allocator_kind a;
+    if (auto st = kvrun::parse_allocator(o.allocator, a); !st.ok()) return fail("--allocator: ", st);
+    o.evict.alloc = a;
+  }
+  if (auto st = kvrun::parse_driver(o.driver, o.evict.driver); !st.ok()) return fail("--driver: ", st);
+
   kvrun::model model;
   if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail_file(o.model, st);
   const kvrun::config& c = model.cfg();
+  if (o.report) {
+    if (o.evict.chunk < 1) return fail("--chunk must be >= 1, got " + std::to_string(o.evict.chunk));
+    std::string command = "kvevict-run";
+    for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+    return run_report(o, model, command);
+  }
+  if (auto st = kvrun::check_evict_options(c, o.evict); !st.ok()) return fail("", st);
   kvrun::tokenizer tok;
   if (auto st = kvrun::tokenizer::load_file(o.tokenizer, c.vocab_size, tok); !st.ok()) return fail_file(o.tokenizer, st);
   if (o.steps < 1 || o.steps > c.seq_len)
@@ -120,19 +293,77 @@ int main(int argc, char** argv) {
   kvrun::runner run;
   kvrun::kv_cache cache;
   kvrun::sampler sampler;
-  if (auto st = run.init(model, {/*max_block=*/static_cast<kvevict::index_t>(prompt.size()), /*max_rows=*/o.steps, o.threads});
-      !st.ok())
-    return fail("", st);
-  if (auto st = cache.init(c, o.steps); !st.ok()) return fail("", st);
-  if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
-
   std::vector<int> generated;
-  const auto t0 = std::chrono::steady_clock::now();
-  if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);
-  const double prefill_s = seconds_since(t0);
-  const auto t1 = std::chrono::steady_clock::now();
-  if (auto st = kvrun::continue_generation(run, cache, sampler, o.steps, generated); !st.ok()) return fail("", st);
-  const double decode_s = seconds_since(t1);
+  double prefill_s = 0.0, decode_s = 0.0;
+  if (method == kvrun::method::full) {
+    if (auto st = run.init(model, {/*max_block=*/static_cast<kvevict::index_t>(prompt.size()), /*max_rows=*/o.steps, o.threads});
+        !st.ok())
+      return fail("", st);
+    if (auto st = cache.init(c, o.steps); !st.ok()) return fail("", st);
+    if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);
+    prefill_s = seconds_since(t0);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (auto st = kvrun::continue_generation(run, cache, sampler, o.steps, generated); !st.ok()) return fail("", st);
+    decode_s = seconds_since(t1);
+  } else {
+    // the evicted cache: prefill with eviction (evictor.hpp), then run.c's sampling loop with
+    // decode-time eviction when the driver is decode. The cache and the runner are sized for the
+    // whole context: LAQ decodes pseudo tokens past the prompt and the oracle runs the response.
+    if (auto st = run.init(model, {0, 0, o.threads}); !st.ok()) return fail("", st);
+    if (auto st = cache.init(c); !st.ok()) return fail("", st);
+    if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
+    kvrun::duo_heads duo;
+    if (kvrun::allocator_of(o.evict) == kvrun::allocator_kind::duo)
+      if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
+    kvrun::lookahead_module lookahead;
+    if (method == kvrun::method::lookaheadkv && !load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+    kvrun::evictor ev;
+    if (auto st = ev.init(model, o.evict, &duo, &lookahead); !st.ok()) return fail("", st);
+    std::vector<int> response;  // the oracle's block: the full cache's continuation, same sampler
+    if (method == kvrun::method::oracle) {
+      kvrun::sampler s0;
+      if (auto st = s0.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
+      if (auto st = kvrun::generate(run, cache, s0, prompt, o.steps, response); !st.ok()) return fail("", st);
+      cache.clear();
+      if (response.empty()) return fail("oracle: the full cache generates nothing after this prompt");
+    }
+    std::vector<kvevict::pos_t> schedule(static_cast<std::size_t>(c.n_layers) * static_cast<std::size_t>(c.n_kv_heads) *
+                                         static_cast<std::size_t>(o.steps));
+    const auto made = kvevict::make_eviction_recorder(schedule.data(), c.n_layers, c.n_kv_heads, o.steps);
+    if (!made) return fail("", made.error());
+    kvevict::eviction_recorder recorder = *made;
+    if (auto st = ev.prefill(run, cache, prompt, &recorder, &response); !st.ok()) return fail("", st);
+    prefill_s = ev.prefill_seconds();
+    const auto t1 = std::chrono::steady_clock::now();
+    const float* logits = ev.next_logits();
+    for (;;) {
+      const int next = sampler.sample(logits);
+      if (next == kvrun::bos_token) break;
+      generated.push_back(next);
+      if (cache.next_position() >= o.steps) break;
+      if (auto st = ev.decode(run, cache, next); !st.ok()) return fail("", st);
+      logits = run.logits(0);
+    }
+    decode_s = seconds_since(t1);
+    if (o.stats) {
+      const kvevict::index_t n = cache.next_position();
+      kvevict::kv_usage usage;
+      if (auto sched = recorder.schedule(n); sched) {
+        std::vector<unsigned char> wsb(static_cast<std::size_t>(n) * sizeof(std::int64_t) + 64);
+        kvevict::workspace ws{wsb.data(), wsb.size()};
+        (void)kvevict::measure_kv_usage(ws, *sched, usage);
+      }
+      std::fprintf(stderr,
+                   "eviction: %s, %s driver, budget %lld: %lld KV rows held after the prefill (of %lld); %.3f ms of "
+                   "eviction; KV footprint %.3f, peak KV %.3f over %lld tokens\n",
+                   o.recipe.c_str(), kvrun::driver_name(o.evict.driver), static_cast<long long>(o.evict.budget),
+                   static_cast<long long>(ev.allocation().total),
+                   static_cast<long long>(prompt.size()) * c.n_layers * c.n_kv_heads, ev.evict_seconds() * 1e3,
+                   usage.footprint(), usage.peak_kv(), static_cast<long long>(n));
+    }
+  }
 
   std::vector<int> all = prompt;
   all.insert(all.end(), generated.begin(), generated.end());

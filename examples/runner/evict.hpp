@@ -1,0 +1,565 @@
+// runner/evict.hpp: the published eviction methods on the reference runner, through kvevict's
+// recipes, budget allocators and drivers (docs/runner.md, "Eviction").
+//
+//   kvrun::evict_options o;                       // recipe, budget, allocator, driver, window, ...
+//   o.recipe = kvrun::method::snapkv;  o.budget = 32;
+//   kvrun::evictor ev;  KVEVICT_TRY(ev.init(model, o));
+//   KVEVICT_TRY(ev.prefill(run, cache, prompt, &recorder));   // prefill + eviction (any driver)
+//   int tok = kvrun::sampler::argmax(ev.next_logits(), vocab);
+//   KVEVICT_TRY(ev.decode(run, cache, tok));                  // decode (+ decode-time eviction)
+//
+// What an engine author reads here: how each driver is fed from the runner's forward hooks.
+//   postfill      prefill everything, then post_fill_driver: add_layer per layer with the queries
+//                 the recipe reads (captured by the prefill's after_layer hook), decide, compact.
+//   layerwise     inside the prefill's after_layer hook: cascade_driver (LAVa / CAKE cascading:
+//                 the new layer and every lower layer whose budget shrank are compacted) or, for
+//                 per-layer allocators, post_fill_driver layer by layer (same kept sets as postfill,
+//                 lower memory peak).
+//   chunked-*     the prompt in chunks: forward a chunk, (patched: forward_extra the prompt's last w
+//                 tokens at their true positions, keeping their queries and keys), add_layer per
+//                 layer, decide, compact; the next chunk attends over what was kept.
+//   decode        plain prefill; then after every decoded token decode_driver::step per layer
+//                 (H2O accumulates attention every step) and a compaction when it evicts.
+// LAQ / LAQ++ (laq.hpp) and the response oracle are post-fill methods with an external query block;
+// LookaheadKV (lookahead_scores.hpp) is post-fill with the trained module's scores.
+#pragma once
+
+#include <runner/generate.hpp>
+#include <runner/kv_cache.hpp>
+#include <runner/model.hpp>
+#include <runner/runner.hpp>
+
+#include <kvevict/budget.hpp>
+#include <kvevict/driver.hpp>
+#include <kvevict/metrics.hpp>
+#include <kvevict/prulong.hpp>
+#include <kvevict/recipes.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvrun {
+
+// ---------------------------------------------------------------------------------------------
+// Names
+
+/// The eviction methods the runner wires (`--recipe`). A method is a recipe (kvevict::recipe),
+/// a default budget allocator and, for LAQ and the oracle, a query block.
+enum class method : int {
+  full,           ///< no eviction (the reference)
+  streaming_llm,  ///< sinks + recent tokens
+  h2o,            ///< accumulated attention
+  tova,           ///< the last token's attention
+  snapkv,         ///< observation window, uniform budgets
+  pyramidkv,      ///< SnapKV scores, PyramidKV budgets
+  knorm,          ///< smallest key norms
+  vatp,           ///< window attention x value norm
+  adakv,          ///< SnapKV scores, AdaKV head budgets
+  cake,           ///< CAKE indicator and layer preferences
+  lava,           ///< LAVa scores and entropy layer budgets
+  duo,            ///< DuoAttention-style head types from a calibration pass
+  laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (laq.hpp)
+  laq_pp,         ///< LAQ++: pseudo queries and the prompt's window
+  lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (lookahead_scores.hpp)
+  oracle,         ///< the true response's queries (an upper bound)
+};
+inline constexpr method all_methods[] = {method::full,   method::streaming_llm, method::h2o,   method::tova,
+                                         method::snapkv, method::pyramidkv,     method::knorm, method::vatp,
+                                         method::adakv,  method::cake,          method::lava,  method::duo,
+                                         method::laq,    method::laq_pp,        method::lookaheadkv,
+                                         method::oracle};
+
+/// How budgets are shared by layers and heads (`--allocator`).
+enum class allocator_kind : int { uniform, pyramid, adakv, lava, cake, duo };
+inline constexpr allocator_kind all_allocators[] = {allocator_kind::uniform, allocator_kind::pyramid,
+                                                    allocator_kind::adakv,   allocator_kind::lava,
+                                                    allocator_kind::cake,    allocator_kind::duo};
+
+/// When eviction runs (`--driver`).
+enum class driver_kind : int { postfill, layerwise, chunked_naive, chunked_patched, decode };
+inline constexpr driver_kind all_drivers[] = {driver_kind::postfill, driver_kind::layerwise, driver_kind::chunked_naive,
+                                              driver_kind::chunked_patched, driver_kind::decode};
+
+constexpr const char* method_name(method m) noexcept {
+  switch (m) {
+    case method::full: return "full";
+    case method::streaming_llm: return "streaming_llm";
+    case method::h2o: return "h2o";
+    case method::tova: return "tova";
+    case method::snapkv: return "snapkv";
+    case method::pyramidkv: return "pyramidkv";
+    case method::knorm: return "knorm";
+    case method::vatp: return "vatp";
+    case method::adakv: return "adakv";
+    case method::cake: return "cake";
+    case method::lava: return "lava";
+    case method::duo: return "duo";
+    case method::laq: return "laq";
+    case method::laq_pp: return "laq++";
+    case method::lookaheadkv: return "lookaheadkv";
+    case method::oracle: return "oracle";
+  }
+  return "unknown";
+}
+constexpr const char* allocator_name(allocator_kind a) noexcept {
+  switch (a) {
+    case allocator_kind::uniform: return "uniform";
+    case allocator_kind::pyramid: return "pyramid";
+    case allocator_kind::adakv: return "adakv";
+    case allocator_kind::lava: return "lava";
+    case allocator_kind::cake: return "cake";
+    case allocator_kind::duo: return "duo";
+  }
+  return "unknown";
+}
+constexpr const char* driver_name(driver_kind d) noexcept {
+  switch (d) {
+    case driver_kind::postfill: return "postfill";
+    case driver_kind::layerwise: return "layerwise";
+    case driver_kind::chunked_naive: return "chunked-naive";
+    case driver_kind::chunked_patched: return "chunked-patched";
+    case driver_kind::decode: return "decode";
+  }
+  return "unknown";
+}
+
+namespace detail {
+template <class E, std::size_t N, class Name>
+status parse_name(std::string_view text, const E (&all)[N], Name name, const char* what, E& out) {
+  std::string names;
+  for (const E e : all) {
+    if (text == name(e)) {
+      out = e;
+      return {};
+    }
+    names += names.empty() ? "" : ", ";
+    names += name(e);
+  }
+  return status::error(errc::invalid_argument, "unknown %s '%.*s' (expected one of: %s)", what,
+                       static_cast<int>(text.size()), text.data(), names.c_str());
+}
+}  // namespace detail
+
+inline status parse_method(std::string_view s, method& out) {
+  return detail::parse_name(s, all_methods, method_name, "recipe", out);
+}
+inline status parse_allocator(std::string_view s, allocator_kind& out) {
+  return detail::parse_name(s, all_allocators, allocator_name, "allocator", out);
+}
+inline status parse_driver(std::string_view s, driver_kind& out) {
+  return detail::parse_name(s, all_drivers, driver_name, "driver", out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+/// Everything that configures one eviction run. Budgets count protected tokens (docs/budget.md).
+struct evict_options {
+  method recipe = method::snapkv;
+  /// Tokens kept per KV head on average (the papers' "B per head": B x H x L in the model),
+  /// protected tokens included. A budget of at least the prompt keeps everything.
+  index_t budget = 64;
+  std::optional<allocator_kind> alloc;  ///< empty: the method's (default_allocator)
+  driver_kind driver = driver_kind::postfill;
+  /// Observation window w of the window recipes (SnapKV family, LAQ++'s suffix window), and the
+  /// recent tokens every window recipe, H2O and LAQ protect.
+  index_t window = 8;
+  index_t sinks = -1;        ///< protected first tokens; -1: the method's (4 for streaming_llm and duo, else 0)
+  index_t chunk = 64;        ///< chunked drivers: tokens per chunk
+  index_t evict_every = 1;   ///< decode driver: evict every N decoded tokens
+  index_t laq_steps = 8;     ///< LAQ: pseudo-decoded tokens (the paper's 8)
+  index_t duo_recent = 12;   ///< duo: recent tokens of a streaming head (it keeps sinks + these)
+};
+
+/// The allocator a method uses unless told otherwise.
+constexpr allocator_kind default_allocator(method m) noexcept {
+  switch (m) {
+    case method::pyramidkv: return allocator_kind::pyramid;
+    case method::adakv: return allocator_kind::adakv;
+    case method::cake: return allocator_kind::cake;
+    case method::lava: return allocator_kind::lava;
+    case method::duo: return allocator_kind::duo;
+    default: return allocator_kind::uniform;
+  }
+}
+inline allocator_kind allocator_of(const evict_options& o) { return o.alloc ? *o.alloc : default_allocator(o.recipe); }
+inline index_t sinks_of(const evict_options& o) {
+  if (o.sinks >= 0) return o.sinks;
+  return o.recipe == method::streaming_llm || o.recipe == method::duo ? 4 : 0;
+}
+
+/// The kvevict recipe a method scores with (its protection is the method's).
+inline kvevict::recipe make_recipe(const evict_options& o) {
+  using kvevict::recipe;
+  const index_t s = sinks_of(o), w = o.window;
+  recipe r;
+  switch (o.recipe) {
+    case method::full:
+    case method::snapkv:
+    case method::pyramidkv:
+    case method::adakv: r = recipe::snapkv(); break;
+    case method::streaming_llm: r = recipe::streaming_llm(s); break;
+    case method::h2o: r = recipe::h2o(); break;
+    case method::tova: r = recipe::tova(); break;
+    case method::knorm: r = recipe::knorm(); break;
+    case method::vatp: r = recipe::vatp(); break;
+    case method::cake: r = recipe::cake(); break;
+    case method::lava: r = recipe::lava(); break;
+    case method::duo:
+      r = recipe::streaming_llm(s);
+      r.n_recent = o.duo_recent;
+      return r;
+    case method::laq:  // SnapKV scoring with the pseudo queries as an external block; the window kept
+      r = recipe::snapkv();
+      r.source = kvevict::query_source::external_block;
+      break;
+    case method::laq_pp:  // the union block scores the prompt minus its window (laq.hpp), which is kept
+      r = recipe::snapkv();
+      r.source = kvevict::query_source::external_block;
+      r.n_sink = s;
+      r.n_recent = 0;
+      return r;
+    case method::lookaheadkv:  // the scores come from lookahead_scorer; only the sinks (0 by default) are protected
+      r = recipe::snapkv();
+      r.n_sink = s;
+      r.n_recent = 0;
+      return r;
+    case method::oracle:  // LookaheadKV Eq. 1: the response's attention, nothing pooled or protected
+      r = recipe::snapkv();
+      r.source = kvevict::query_source::external_block;
+      r.pool = kvevict::pool_kind::none;
+      r.kernel = 1;
+      r.n_sink = 0;
+      r.n_recent = 0;
+      return r;
+  }
+  r.n_sink = s;
+  if (r.kind == kvevict::recipe_kind::streaming_llm || r.kind == kvevict::recipe_kind::tova ||
+      r.kind == kvevict::recipe_kind::knorm)
+    return r;  // no window: these protect the sinks only (their published defaults)
+  r.window = w;
+  r.n_recent = w;
+  return r;
+}
+
+/// Tokens every head keeps whatever the scores (what the budget must at least be).
+inline index_t protected_tokens(const evict_options& o) {
+  if (o.recipe == method::full) return 0;
+  if (o.recipe == method::laq_pp) return sinks_of(o) + o.window;
+  const kvevict::recipe r = make_recipe(o);
+  return r.n_sink + r.n_recent;
+}
+
+/// Checks the options against the model, before any prompt is seen (prompt-dependent checks
+/// happen in evictor::prefill). The messages name the command-line options.
+inline status check_evict_options(const config& c, const evict_options& o) {
+  const allocator_kind a = allocator_of(o);
+  const driver_kind d = o.driver;
+  const char* rn = method_name(o.recipe);
+  auto err = [](const char* fmt, auto... args) { return status::error(errc::invalid_argument, fmt, args...); };
+  if (o.recipe == method::full) return {};
+  if (o.budget < 1 || o.budget > c.seq_len)
+    return err("--budget %lld is outside [1, %d] (the model's context)", static_cast<long long>(o.budget), c.seq_len);
+  if (o.window < 1 || o.window > c.seq_len)
+    return err("--window %lld is outside [1, %d]", static_cast<long long>(o.window), c.seq_len);
+  if (o.sinks < -1 || o.sinks > c.seq_len) return err("--sinks %lld is outside [0, %d]", static_cast<long long>(o.sinks), c.seq_len);
+  if (o.chunk < 1) return err("--chunk must be >= 1, got %lld", static_cast<long long>(o.chunk));
+  if (o.evict_every < 1) return err("--evict-every must be >= 1, got %lld", static_cast<long long>(o.evict_every));
+  if (o.laq_steps < 1 || o.laq_steps > c.seq_len)
+    return err("--laq-steps %lld is outside [1, %d]", static_cast<long long>(o.laq_steps), c.seq_len);
+  if (o.duo_recent < 0) return err("--duo-recent must be >= 0, got %lld", static_cast<long long>(o.duo_recent));
+  const index_t prot = protected_tokens(o);
+  if (o.budget < prot)
+    return err("--budget %lld is below the %lld tokens %s protects (sinks %lld + recent %lld)",
+               static_cast<long long>(o.budget), static_cast<long long>(prot), rn,
+               static_cast<long long>(sinks_of(o)), static_cast<long long>(prot - sinks_of(o)));
+  if ((a == allocator_kind::duo) != (o.recipe == method::duo))
+    return err("--allocator duo and --recipe duo go together (duo's head types decide every budget)");
+  const bool query_block = o.recipe == method::laq || o.recipe == method::laq_pp || o.recipe == method::oracle ||
+                           o.recipe == method::lookaheadkv;
+  if (query_block && d != driver_kind::postfill)
+    return err("--recipe %s needs the whole prompt prefilled first: use --driver postfill", rn);
+  if (o.recipe == method::lookaheadkv && (a == allocator_kind::cake || a == allocator_kind::duo))
+    return err("--recipe lookaheadkv does not take --allocator %s (uniform, pyramid, adakv or lava: the allocators "
+               "that budget from per-head scores)",
+               allocator_name(a));
+  if (o.recipe == method::laq_pp && a == allocator_kind::duo) return err("--recipe laq++ does not take --allocator duo");
+  switch (d) {
+    case driver_kind::postfill: break;
+    case driver_kind::layerwise:
+      if (a == allocator_kind::duo) return err("--driver layerwise does not take --allocator duo (use postfill)");
+      break;
+    case driver_kind::chunked_naive:
+    case driver_kind::chunked_patched:
+      if (o.recipe == method::h2o || o.recipe == method::tova)
+        return err("--driver %s scores chunks with an observation window: %s is not supported (use postfill or decode)",
+                   driver_name(d), rn);
+      if (a == allocator_kind::cake || a == allocator_kind::duo)
+        return err("--driver %s does not take --allocator %s (uniform, pyramid, adakv or lava)", driver_name(d),
+                   allocator_name(a));
+      break;
+    case driver_kind::decode:
+      if (a == allocator_kind::lava || a == allocator_kind::cake || a == allocator_kind::duo)
+        return err("--driver decode does not take --allocator %s (uniform, pyramid or adakv)", allocator_name(a));
+      break;
+  }
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Captured blocks
+
+/// The post-RoPE queries and keys of one block of `rows` rows at every layer, copied by a forward
+/// hook: queries [L][H_q][rows][d], keys [L][H_kv][rows][d]. The views it hands out are what the
+/// drivers and the recipes read.
+class block_capture {
+ public:
+  void reset(const config& c, index_t rows) {
+    layers_ = c.n_layers;
+    hq_ = c.n_heads;
+    hkv_ = c.n_kv_heads;
+    d_ = c.head_size();
+    rows_ = rows;
+    q_.assign(static_cast<std::size_t>(layers_ * hq_ * rows * d_), 0.0f);
+    k_.assign(static_cast<std::size_t>(layers_ * hkv_ * rows * d_), 0.0f);
+  }
+  index_t rows() const { return rows_; }
+
+  /// Copies the event's block rows [first, first + n) into rows [at, at + n).
+  status store(const layer_event& ev, index_t at, index_t first = 0, index_t n = -1) {
+    if (n < 0) n = ev.rows - first;
+    if (at < 0 || first < 0 || at + n > rows_ || first + n > ev.rows || ev.layer >= layers_)
+      return status::error(errc::out_of_range, "block_capture: rows [%lld, %lld) of a %lld-row capture",
+                           static_cast<long long>(at), static_cast<long long>(at + n), static_cast<long long>(rows_));
+    for (index_t h = 0; h < hq_; ++h)
+      for (index_t i = 0; i < n; ++i)
+        for (index_t x = 0; x < d_; ++x) query_row(ev.layer, h, at + i)[x] = ev.queries(h, first + i, x);
+    for (index_t h = 0; h < hkv_; ++h)
+      for (index_t i = 0; i < n; ++i)
+        for (index_t x = 0; x < d_; ++x) key_row(ev.layer, h, at + i)[x] = ev.keys(h, first + i, x);
+    return {};
+  }
+  /// A hook storing every block row at rows [at, ...).
+  forward_hooks hooks(index_t at = 0) {
+    forward_hooks h;
+    h.after_layer = [this, at](const layer_event& ev) { return store(ev, at); };
+    return h;
+  }
+
+  float* query_row(int l, index_t h, index_t t) { return q_.data() + ((l * hq_ + h) * rows_ + t) * d_; }
+  float* key_row(int l, index_t h, index_t t) { return k_.data() + ((l * hkv_ + h) * rows_ + t) * d_; }
+  /// Rows [first, first + n) of layer l: [H_q][n][d] and [H_kv][n][d].
+  kvevict::kv_view<const float> queries(int l, index_t first, index_t n) const {
+    return *kvevict::make_kv_view<const float>(q_.data() + (l * hq_ * rows_ + first) * d_, hq_, n, d_, rows_ * d_, d_);
+  }
+  kvevict::kv_view<const float> keys(int l, index_t first, index_t n) const {
+    return *kvevict::make_kv_view<const float>(k_.data() + (l * hkv_ * rows_ + first) * d_, hkv_, n, d_, rows_ * d_, d_);
+  }
+
+ private:
+  index_t layers_ = 0, hq_ = 0, hkv_ = 0, d_ = 0, rows_ = 0;
+  std::vector<float> q_, k_;
+};
+
+/// Rows [first, first + n) of a [H][T][d] view.
+inline kvevict::kv_view<const float> view_rows(kvevict::kv_view<const float> v, index_t first, index_t n) {
+  return *kvevict::make_kv_view<const float>(v.data_handle() + first * v.stride(1), v.extent(0), n, v.extent(2),
+                                            v.stride(0), v.stride(1));
+}
+
+/// The query rows recipe `r` reads from a block whose last row is the prompt's last token
+/// (`rows` rows in all): every row for H2O, the last one for TOVA, the last `window` for the
+/// window recipes, none for Knorm / StreamingLLM (external-block recipes get their block elsewhere).
+inline kvevict::kv_view<const float> recipe_rows(const kvevict::recipe& r, kvevict::kv_view<const float> block) {
+  const index_t n = block.extent(1);
+  switch (r.kind) {
+    case kvevict::recipe_kind::h2o: return block;
+    case kvevict::recipe_kind::tova: return view_rows(block, n - 1, 1);
+    case kvevict::recipe_kind::knorm:
+    case kvevict::recipe_kind::streaming_llm: return {};
+    default: return view_rows(block, n - r.window, r.window);
+  }
+}
+
+/// Layer l of the runner's cache as the drivers read it.
+inline kvevict::layer_kv<float> layer_view(kv_cache& c, int l) {
+  return *kvevict::make_layer_kv(c.keys(l), c.values(l), c.positions(l));
+}
+
+/// CAKE's layer preference P_l = H_l V_l (tau 1) from the attention of the last w prompt rows over
+/// the prefix columns [0, P - w), materialised here ([H_q][w][P - w], fp32 softmax over each
+/// row's visible keys, as the score stage computes it): the score stage never materialises
+/// attention, and CAKE's statistics need the probabilities (docs/budget.md, "Not done").
+/// window_queries [H_q][w][d] at positions P - w .. P - 1; keys [H_kv][P][d].
+inline status cake_window_preference(kvevict::kv_view<const float> window_queries, kvevict::kv_view<const float> keys,
+                                     std::vector<float>& scratch, double& pref) {
+  const index_t hq = window_queries.extent(0), w = window_queries.extent(1), d = window_queries.extent(2);
+  const index_t hkv = keys.extent(0), P = keys.extent(1), prefix = P - w, group = hq / hkv;
+  if (prefix < 1)
+    return status::error(errc::invalid_argument, "cake: the window (%lld) leaves no prefix of the %lld-token prompt",
+                         static_cast<long long>(w), static_cast<long long>(P));
+  scratch.resize(static_cast<std::size_t>(hq * w * prefix + P));
+  float* att = scratch.data();
+  float* row = scratch.data() + hq * w * prefix;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (index_t h = 0; h < hq; ++h)
+    for (index_t i = 0; i < w; ++i) {
+      const index_t visible = prefix + i + 1;
+      float mx = -INFINITY;
+      for (index_t j = 0; j < visible; ++j) {
+        float s = 0.0f;
+        for (index_t x = 0; x < d; ++x) s += window_queries(h, i, x) * keys(h / group, j, x);
+        row[j] = s * scale;
+        mx = std::max(mx, row[j]);
+      }
+      float sum = 0.0f;
+      for (index_t j = 0; j < visible; ++j) sum += (row[j] = std::exp(row[j] - mx));
+      for (index_t j = 0; j < prefix; ++j) att[(h * w + i) * prefix + j] = row[j] / sum;
+    }
+  kvevict::cake_stats st;
+  KVEVICT_TRY(kvevict::cake_layer_stats(kvevict::seq, *kvevict::make_kv_view<const float>(att, hq, w, prefix), &st));
+  return kvevict::cake_preference(st, kvevict::cake_options{}, &pref);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Budgets
+
+/// One allocation for a prompt of P tokens: the driver's kvevict::allocation and the storage of
+/// its [L][H] budget matrix.
+struct allocation_plan {
+  kvevict::allocation alloc;
+  std::vector<std::int32_t> budgets;  ///< [L][H] (per_head, adakv); empty for lava / cake
+  index_t retrieval_heads = -1;       ///< duo: heads that keep the whole prompt
+  index_t total = 0;                  ///< tokens the model keeps after the eviction (all heads, layers)
+};
+
+/// Duo head types: the calibration's "globalness" per (layer, KV head) (duo_calibration.hpp);
+/// the most global heads become retrieval heads.
+struct duo_heads {
+  std::vector<double> global;  ///< [L][H_kv]
+};
+
+/// The allocation of `a` for per-head budget B (clamped to P: a budget of at least the prompt keeps
+/// everything) over a P-token prompt with protection `prot`:
+///   uniform   per_head, uniform_budgets(B H L)
+///   pyramid   per_head, pyramid_budgets(B, P) (exact rounding, beta 20)
+///   adakv     adakv with every layer at B H (alpha 0.2, kvpress's floor)
+///   lava      lava, total B H L
+///   cake      cake, total B H L (the driver takes each layer's preference)
+///   duo       per_head, duo_budgets of the mask that gives the `duo_retrieval_heads(B H L)` most
+///             global heads the whole prompt and the others sinks + recent
+inline status make_allocation(const config& c, allocator_kind a, index_t budget, index_t P, kvevict::protection prot,
+                              const duo_heads* duo, allocation_plan& out) {
+  const index_t L = c.n_layers, H = c.n_kv_heads, B = std::min(budget, P);
+  out = allocation_plan{};
+  out.budgets.assign(static_cast<std::size_t>(L * H), 0);
+  const auto view = *kvevict::make_matrix_view(out.budgets.data(), L, H);
+  out.alloc.budgets = view;
+  out.total = B * H * L;
+  switch (a) {
+    case allocator_kind::uniform:
+      out.alloc.kind = kvevict::allocator::per_head;
+      return kvevict::uniform_budgets(B * H * L, P, prot, view);
+    case allocator_kind::pyramid: {
+      out.alloc.kind = kvevict::allocator::per_head;
+      kvevict::pyramid_options po;
+      po.prot = prot;
+      return kvevict::pyramid_budgets(B, P, po, view);
+    }
+    case allocator_kind::adakv:
+      out.alloc.kind = kvevict::allocator::adakv;
+      return kvevict::uniform_budgets(B * H * L, P, prot, view);
+    case allocator_kind::lava:
+    case allocator_kind::cake:
+      out.alloc.kind = a == allocator_kind::lava ? kvevict::allocator::lava : kvevict::allocator::cake;
+      out.alloc.budgets = {};
+      out.alloc.total = B * H * L;
+      out.budgets.clear();
+      return {};
+    case allocator_kind::duo: {
+      if (duo == nullptr || static_cast<index_t>(duo->global.size()) != L * H)
+        return status::error(errc::invalid_argument, "duo: the head types need a calibration (duo_calibration.hpp)");
+      kvevict::duo_options dopt;
+      dopt.streaming = prot;
+      const auto k = kvevict::duo_retrieval_heads(B * H * L, L, H, P, dopt);
+      if (!k) return k.error();
+      std::vector<std::uint8_t> mask(static_cast<std::size_t>(L * H));
+      const auto mview = *kvevict::make_matrix_view(mask.data(), L, H);
+      KVEVICT_TRY(kvevict::prulong_topk_mask(*kvevict::make_matrix_view(duo->global.data(), L, H), *k, mview));
+      out.alloc.kind = kvevict::allocator::per_head;
+      out.retrieval_heads = *k;
+      return kvevict::duo_budgets(kvevict::matrix_view<const std::uint8_t>(mview), P, dopt, view, &out.total);
+    }
+  }
+  return status::error(errc::invalid_argument, "unknown allocator %d", static_cast<int>(a));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Driver plumbing
+
+inline kvevict::model_shape shape_of(const config& c) {
+  return {c.n_layers, c.n_kv_heads, c.n_heads, c.head_size()};
+}
+
+/// A driver's state memory and workspace, kept between calls (they only grow).
+struct driver_scratch {
+  std::vector<unsigned char> state, ws;
+  unsigned char* state_for(std::size_t bytes) {
+    if (state.size() < bytes) state.resize(bytes);
+    return state.data();
+  }
+  kvevict::workspace workspace_for(std::size_t bytes) {
+    if (ws.size() < bytes) ws.resize(bytes);
+    return {ws.empty() ? nullptr : ws.data(), ws.size()};
+  }
+};
+
+/// What post_fill_decide hands the driver for layer l.
+struct layer_inputs {
+  kvevict::layer_kv<float> kv;                 ///< the layer's rows (the cache, or a view of some of its rows)
+  kvevict::kv_view<const float> queries;       ///< the recipe's query block
+  kvevict::kv_view<const float> block_keys;    ///< an external block's own keys, or empty
+  double weight = 0.0;                         ///< cake: the layer's preference
+};
+
+/// Post-fill eviction with kvevict::post_fill_driver: init, add_layer for every layer with
+/// inputs(l, in), decide. The kept rows are then d.kept(l) (see compact_kept). Nothing is compacted
+/// here. The driver records the dropped rows at step cfg.tokens into `rec` (may be null).
+template <class Inputs>
+status post_fill_decide(kvevict::post_fill_driver& d, driver_scratch& s, const kvevict::post_fill_config& cfg,
+                        Inputs&& inputs, kvevict::eviction_recorder* rec) {
+  const auto bytes = kvevict::post_fill_driver::state_bytes(cfg);
+  if (!bytes) return bytes.error();
+  KVEVICT_TRY(d.init(cfg, s.state_for(*bytes), *bytes, rec));
+  const auto wb = d.workspace_bytes(kvevict::seq);
+  if (!wb) return wb.error();
+  kvevict::workspace ws = s.workspace_for(*wb);
+  for (int l = 0; l < static_cast<int>(cfg.model.layers); ++l) {
+    layer_inputs in;
+    KVEVICT_TRY(inputs(l, in));
+    KVEVICT_TRY(d.add_layer(kvevict::seq, ws, l, in.kv, in.queries, in.block_keys, in.weight));
+  }
+  return d.decide(kvevict::seq, ws);
+}
+
+/// Compacts every layer of `cache` with the driver's kept rows.
+template <class Driver>
+status compact_kept(kv_cache& cache, const Driver& d) {
+  for (int l = 0; l < cache.layers(); ++l) KVEVICT_TRY(cache.compact(l, d.kept(l)));
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace kvrun

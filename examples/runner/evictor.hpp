@@ -1,0 +1,620 @@
+// runner/evictor.hpp: one eviction configuration (evict_options) run on the reference runner:
+// prefill with eviction by any driver, then decoding (with decode-time eviction for the decode
+// driver). See evict.hpp for the pieces and docs/runner.md ("Eviction") for the semantics.
+#pragma once
+
+#include <runner/evict.hpp>
+#include <runner/laq.hpp>
+#include <runner/lookahead_scores.hpp>
+
+#include <cstring>
+
+namespace kvrun {
+
+class evictor {
+ public:
+  /// Checks the options against the model (check_evict_options) and binds the evictor to `m`
+  /// (which must outlive it). `duo`: the head types of the duo method (duo_calibration.hpp), copied.
+  /// `lookahead`: the trained module of the lookaheadkv method (lookahead_module.hpp; must outlive
+  /// the evictor; ignored by the other methods). Errors: the options', duo without head types,
+  /// lookaheadkv without a module or with a module trained for another model (the first differing
+  /// dimension is named).
+  status init(const model& m, const evict_options& o, const duo_heads* duo = nullptr,
+              const lookahead_module* lookahead = nullptr) {
+    KVEVICT_TRY(check_evict_options(m.cfg(), o));
+    if (allocator_of(o) == allocator_kind::duo &&
+        (duo == nullptr || static_cast<index_t>(duo->global.size()) != index_t(m.cfg().n_layers) * m.cfg().n_kv_heads))
+      return status::error(errc::invalid_argument, "--recipe duo needs head types from a calibration pass");
+    if (o.recipe == method::lookaheadkv) {
+      if (lookahead == nullptr)
+        return status::error(errc::invalid_argument, "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
+      KVEVICT_TRY(scorer_.init(m, *lookahead));
+    }
+    model_ = &m;
+    o_ = o;
+    rec_ = make_recipe(o);
+    duo_ = duo != nullptr ? *duo : duo_heads{};
+    return {};
+  }
+
+  const evict_options& options() const { return o_; }
+  const kvevict::recipe& recipe() const { return rec_; }
+  /// The allocation of the last prefill (budgets per head, totals, Duo's retrieval heads).
+  const allocation_plan& allocation() const { return alloc_; }
+  /// LAQ: the pseudo tokens of the last prefill and their query block (LAQ++: the union block).
+  const std::vector<int>& pseudo_tokens() const { return pseudo_tokens_; }
+  const block_capture& query_block() const { return o_.recipe == method::laq_pp ? union_ : block_; }
+  /// The logits of the first generated token after prefill / evict_prefilled (the prefill's last
+  /// row; for chunked and layer-wise drivers computed with the evicted cache).
+  const float* next_logits() const { return logits_.data(); }
+  /// Seconds of the last prefill's forward pass(es), eviction excluded; seconds of eviction work
+  /// since then (scoring, allocation, selection, compaction, LAQ's stage 1 and pseudo decoding, the
+  /// patched chunks' extra forwards, decode-time steps).
+  double prefill_seconds() const { return prefill_s_; }
+  double evict_seconds() const { return evict_s_; }
+
+  /// Prefills `prompt` (BOS first) into the empty `cache` with eviction as configured; afterwards
+  /// next_logits() holds the logits of the first generated token. `response`: the oracle's query
+  /// block (the true continuation; method oracle only). `rec` (may be null) receives the schedule
+  /// (capacity at least the prompt). Errors: a non-empty cache, an empty prompt, a prompt too short
+  /// for the window, the oracle without a response, and the drivers' / runner's errors.
+  status prefill(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec,
+                 const std::vector<int>* response = nullptr) {
+    KVEVICT_TRY(check_prefill(cache, static_cast<index_t>(prompt.size())));
+    if (o_.recipe == method::oracle && (response == nullptr || response->empty()))
+      return status::error(errc::invalid_argument, "oracle: the true response is needed as the query block");
+    const config& c = cfg();
+    const index_t P = static_cast<index_t>(prompt.size());
+    prefill_s_ = evict_s_ = 0.0;
+    switch (o_.recipe == method::full ? driver_kind::postfill : o_.driver) {
+      case driver_kind::postfill: {
+        prompt_q_.reset(c, P);
+        const auto t0 = std::chrono::steady_clock::now();
+        KVEVICT_TRY(run.forward(cache, tokens(prompt), logits_mode::last, prompt_q_.hooks()));
+        prefill_s_ = seconds_since(t0);
+        keep_logits(run);
+        const block_capture* resp = nullptr;
+        if (o_.recipe == method::oracle) {
+          if (P + static_cast<index_t>(response->size()) > cache.capacity())
+            return status::error(errc::invalid_argument, "oracle: the prompt and the response do not fit the cache");
+          response_q_.reset(c, static_cast<index_t>(response->size()));
+          KVEVICT_TRY(run.forward_extra(cache, tokens(*response), logits_mode::none, response_q_.hooks()));
+          resp = &response_q_;
+        }
+        const std::vector<float> first = logits_;
+        const double p = prefill_s_;
+        KVEVICT_TRY(evict_prefilled(run, cache, prompt_q_, first.data(), rec, resp));
+        prefill_s_ = p;
+        return {};
+      }
+      case driver_kind::layerwise: return prefill_layerwise(run, cache, prompt, rec);
+      case driver_kind::chunked_naive:
+      case driver_kind::chunked_patched: return prefill_chunked(run, cache, prompt, rec);
+      case driver_kind::decode: return prefill_decode(run, cache, prompt, rec);
+    }
+    return {};
+  }
+
+  /// The post-fill methods on a cache that already holds the whole prompt, not evicted (the report
+  /// shares one prefill between them): prompt_q = the prefill's queries of every prompt row,
+  /// prefill_logits its last row's logits, response = the true response's queries and keys
+  /// (oracle). Only for the postfill driver. prefill_seconds() is left at 0.
+  status evict_prefilled(runner& run, kv_cache& cache, const block_capture& prompt_q, const float* prefill_logits,
+                         kvevict::eviction_recorder* rec, const block_capture* response = nullptr) {
+    const config& c = cfg();
+    const index_t P = cache.next_position(), L = c.n_layers, H = c.n_kv_heads;
+    if (o_.driver != driver_kind::postfill && o_.recipe != method::full)
+      return status::error(errc::invalid_argument, "evict_prefilled: the %s driver runs during the prefill",
+                           driver_name(o_.driver));
+    for (int l = 0; l < L; ++l)
+      for (index_t h = 0; h < H; ++h)
+        if (cache.length(l, h) != P)
+          return status::error(errc::invalid_argument, "evict_prefilled: the cache is not a whole, unevicted prompt");
+    if (prompt_q.rows() != P)
+      return status::error(errc::invalid_argument, "evict_prefilled: %lld captured query rows for a %lld-token prompt",
+                           static_cast<long long>(prompt_q.rows()), static_cast<long long>(P));
+    KVEVICT_TRY(check_prompt_length(P));
+    logits_.assign(prefill_logits, prefill_logits + c.vocab_size);
+    prefill_s_ = 0.0;
+    evict_s_ = 0.0;
+    if (o_.recipe == method::full) return {};
+    const auto t0 = std::chrono::steady_clock::now();
+    const kvevict::protection prot{rec_.n_sink, rec_.n_recent};
+    kvevict::post_fill_config pc;
+    pc.model = shape_of(c);
+    pc.tokens = P;
+    pc.rec = rec_;
+
+    if (o_.recipe == method::laq_pp) {
+      KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o_, stage1_, pf_, scratch_, block_,
+                                     pseudo_tokens_));
+      const index_t w = o_.window, prefix = P - w;
+      laq_union_block(c, cache, P, w, prompt_q, block_, union_);
+      // the allocation of the whole prompt with the window protected, then the window taken out:
+      // the driver selects among the first P - w rows, which it sees as the whole layer
+      KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, w}, nullptr, alloc_));
+      if (alloc_.alloc.kind == kvevict::allocator::cake) {
+        std::vector<double> pref(static_cast<std::size_t>(L));
+        for (int l = 0; l < L; ++l) KVEVICT_TRY(window_preference(prompt_q.queries(l, P - w, w), cache, l, P, pref[l]));
+        alloc_.budgets.assign(static_cast<std::size_t>(L * H), 0);
+        const auto view = *kvevict::make_matrix_view(alloc_.budgets.data(), L, H);
+        KVEVICT_TRY(kvevict::cake_budgets(pref.data(), std::min(o_.budget, P), P, {rec_.n_sink, w}, view));
+        alloc_.alloc.kind = kvevict::allocator::per_head;
+        alloc_.alloc.budgets = view;
+      }
+      if (alloc_.alloc.kind == kvevict::allocator::lava) alloc_.alloc.total -= L * H * w;
+      for (std::int32_t& b : alloc_.budgets) b -= static_cast<std::int32_t>(w);
+      pc.alloc = alloc_.alloc;
+      pc.query_rows = union_.rows();
+      prefix_lens_.assign(static_cast<std::size_t>(H), static_cast<std::int32_t>(prefix));
+      KVEVICT_TRY(post_fill_decide(
+          pf_, scratch_, pc,
+          [&](int l, layer_inputs& in) {
+            in.kv = layer_view(cache, l);
+            in.kv.keys.lens = prefix_lens_.data();
+            in.kv.values.lens = prefix_lens_.data();
+            in.queries = union_.queries(l, 0, union_.rows());
+            in.block_keys = union_.keys(l, 0, union_.rows());
+            return status{};
+          },
+          rec));
+      // kept prefix rows, then the window
+      std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1));
+      std::vector<pos_t> pos;
+      for (int l = 0; l < L; ++l) {
+        const kvevict::ragged_positions k = pf_.kept(l);
+        pos.clear();
+        cu[0] = 0;
+        for (index_t h = 0; h < H; ++h) {
+          for (index_t i = 0; i < k.length(h); ++i) pos.push_back(k.pos[k.cu[h] + i]);
+          for (index_t j = prefix; j < P; ++j) pos.push_back(static_cast<pos_t>(j));
+          cu[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(pos.size());
+        }
+        KVEVICT_TRY(cache.compact(l, kvevict::ragged_positions{pos.data(), cu.data(), H}));
+      }
+      alloc_.total = cache.total_rows();
+      evict_s_ = seconds_since(t0);
+      return {};
+    }
+
+    if (o_.recipe == method::lookaheadkv) {
+      KVEVICT_TRY(evict_lookahead(run, cache, rec));
+      evict_s_ = seconds_since(t0);
+      return {};
+    }
+
+    const block_capture* blk = nullptr;
+    if (o_.recipe == method::laq) {
+      KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o_, stage1_, pf_, scratch_, block_,
+                                     pseudo_tokens_));
+      blk = &block_;
+    } else if (o_.recipe == method::oracle) {
+      if (response == nullptr || response->rows() < 1)
+        return status::error(errc::invalid_argument, "oracle: the true response is needed as the query block");
+      blk = response;
+    }
+    if (blk != nullptr) pc.query_rows = blk->rows();
+    KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, P, prot, &duo_, alloc_));
+    pc.alloc = alloc_.alloc;
+    const bool cake = alloc_.alloc.kind == kvevict::allocator::cake;
+    KVEVICT_TRY(post_fill_decide(
+        pf_, scratch_, pc,
+        [&](int l, layer_inputs& in) {
+          in.kv = layer_view(cache, l);
+          if (blk != nullptr) {
+            in.queries = blk->queries(l, 0, blk->rows());
+            in.block_keys = blk->keys(l, 0, blk->rows());
+          } else {
+            in.queries = recipe_rows(rec_, prompt_q.queries(l, 0, P));
+          }
+          if (cake) return window_preference(prompt_q.queries(l, P - o_.window, o_.window), cache, l, P, in.weight);
+          return status{};
+        },
+        rec));
+    KVEVICT_TRY(compact_kept(cache, pf_));
+    alloc_.total = cache.total_rows();
+    evict_s_ = seconds_since(t0);
+    return {};
+  }
+
+  /// Decodes `token` on `cache` (runner::decode); with the decode driver, decode_driver::step runs
+  /// for every layer afterwards and the layers it evicts are compacted. The logits are
+  /// run.logits(0).
+  status decode(runner& run, kv_cache& cache, int token) {
+    if (o_.recipe == method::full || o_.driver != driver_kind::decode) return run.decode(cache, token);
+    const config& c = cfg();
+    forward_hooks hk;
+    hk.after_layer = [&](const layer_event& ev) -> status {
+      KVEVICT_TRY(step_q_.store(ev, 0));
+      push_recent(ev);
+      return {};
+    };
+    KVEVICT_TRY(run.decode(cache, token, hk));
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto wb = dd_.workspace_bytes(kvevict::seq);
+    if (!wb) return wb.error();
+    kvevict::workspace ws = decode_scratch_.workspace_for(*wb);
+    for (int l = 0; l < c.n_layers; ++l) {
+      kvevict::kv_view<const float> q;
+      switch (rec_.kind) {
+        case kvevict::recipe_kind::h2o:
+        case kvevict::recipe_kind::tova: q = step_q_.queries(l, 0, 1); break;
+        case kvevict::recipe_kind::knorm:
+        case kvevict::recipe_kind::streaming_llm: break;
+        default: q = recent_q_.queries(l, 0, o_.window);
+      }
+      KVEVICT_TRY(dd_.step(kvevict::seq, ws, l, layer_view(cache, l), q));
+      if (dd_.evicted(l)) KVEVICT_TRY(cache.compact(l, dd_.kept(l)));
+    }
+    evict_s_ += seconds_since(t0);
+    return {};
+  }
+
+ private:
+  const model* model_ = nullptr;
+  evict_options o_;
+  kvevict::recipe rec_;
+  duo_heads duo_;
+  allocation_plan alloc_;
+  std::vector<float> logits_, pref_scratch_;
+  double prefill_s_ = 0.0, evict_s_ = 0.0;
+  block_capture prompt_q_, response_q_, block_, union_, chunk_q_, patch_q_, step_q_, recent_q_;
+  std::vector<int> pseudo_tokens_;
+  std::vector<std::int32_t> prefix_lens_;
+  kv_cache stage1_;
+  kvevict::post_fill_driver pf_;
+  kvevict::cascade_driver cd_;
+  kvevict::chunked_driver ch_;
+  kvevict::decode_driver dd_;
+  driver_scratch scratch_, decode_scratch_;
+  lookahead_scorer scorer_;
+  std::vector<float> lkv_scores_;
+  std::vector<double> lkv_entropy_;
+  std::vector<index_t> lkv_totals_;
+  std::vector<pos_t> lkv_pos_, lkv_dropped_;
+  std::vector<std::int32_t> lkv_cu_, lkv_dropped_cu_;
+  std::vector<unsigned char> lkv_ws_;
+
+  const config& cfg() const { return model_->cfg(); }
+
+  void keep_logits(const runner& run) { logits_.assign(run.logits(0), run.logits(0) + cfg().vocab_size); }
+
+  status check_prefill(const kv_cache& cache, index_t P) const {
+    if (model_ == nullptr) return status::error(errc::invalid_argument, "evictor: not initialised (init)");
+    if (cache.next_position() != 0)
+      return status::error(errc::invalid_argument, "evictor: the cache is not empty (next position %d)", cache.next_position());
+    if (P < 1) return status::error(errc::invalid_argument, "evictor: the prompt has no tokens");
+    if (P > cache.capacity())
+      return status::error(errc::invalid_argument, "evictor: the prompt (%lld tokens) exceeds the cache (%lld rows)",
+                           static_cast<long long>(P), static_cast<long long>(cache.capacity()));
+    return check_prompt_length(P);
+  }
+
+  // Prompt-length checks of the window recipes (the window must fit; LAQ++ and CAKE need a prefix).
+  status check_prompt_length(index_t P) const {
+    if (o_.recipe == method::full) return {};
+    const bool windowed = o_.recipe != method::lookaheadkv &&
+                          (kvevict::detail::is_window_kind(rec_.kind) || rec_.kind == kvevict::recipe_kind::h2o ||
+                           o_.recipe == method::laq || o_.recipe == method::laq_pp ||
+                           allocator_of(o_) == allocator_kind::cake);
+    if (windowed && o_.driver != driver_kind::decode && o_.window >= P)
+      return status::error(errc::invalid_argument,
+                           "the prompt has %lld tokens, not more than --window %lld: %s needs a longer prompt",
+                           static_cast<long long>(P), static_cast<long long>(o_.window), method_name(o_.recipe));
+    if (o_.driver == driver_kind::decode && kvevict::detail::is_window_kind(rec_.kind) && o_.window > P)
+      return status::error(errc::invalid_argument, "the prompt has %lld tokens, fewer than --window %lld",
+                           static_cast<long long>(P), static_cast<long long>(o_.window));
+    return {};
+  }
+
+  // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the module's n lookahead rows run as one
+  // extra block after the prompt (lookahead_scorer::score; their KV is rolled back, the prompt's
+  // untouched), their scores [H_kv][P] per layer (max pool 7, GQA mean), the sinks (0 unless
+  // --sinks) protected, then the allocator's budgets and a plain top-k per head -- no suffix window,
+  // as the paper (appendix F) -- and every layer compacted. A budget of at least the prompt keeps
+  // everything without running the module. The dropped rows are recorded at step P.
+  status evict_lookahead(runner& run, kv_cache& cache, kvevict::eviction_recorder* rec) {
+    const config& c = cfg();
+    const index_t P = cache.next_position(), L = c.n_layers, H = c.n_kv_heads, B = std::min(o_.budget, P);
+    const kvevict::protection prot{rec_.n_sink, 0};
+    const allocator_kind a = allocator_of(o_);
+    KVEVICT_TRY(make_allocation(c, a, o_.budget, P, prot, nullptr, alloc_));
+    if (B == P) {
+      alloc_.total = cache.total_rows();
+      return {};
+    }
+    KVEVICT_TRY(scorer_.score(run, cache));
+    lkv_scores_.resize(static_cast<std::size_t>(L * H * P));
+    for (int l = 0; l < L; ++l) {
+      const auto src = scorer_.scores(l);
+      const auto dst = *kvevict::make_matrix_view(lkv_scores_.data() + index_t(l) * H * P, H, P);
+      for (index_t h = 0; h < H; ++h)
+        for (index_t t = 0; t < P; ++t) dst(h, t) = src(h, t);
+      KVEVICT_TRY(kvevict::protect(kvevict::seq, dst, prot.n_sink, prot.n_recent));
+    }
+    auto layer_scores = [&](int l) {
+      return *kvevict::make_matrix_view<const float>(lkv_scores_.data() + index_t(l) * H * P, H, P);
+    };
+    lkv_totals_.assign(static_cast<std::size_t>(L), 0);
+    if (a == allocator_kind::lava) {  // entropy layer budgets over the whole model, flattened within a layer
+      lkv_entropy_.assign(static_cast<std::size_t>(L), 0.0);
+      kvevict::lava_entropy_options eo;
+      eo.prot = prot;
+      for (int l = 0; l < L; ++l)
+        KVEVICT_TRY(kvevict::lava_layer_entropy(kvevict::seq, layer_scores(l), nullptr, eo, &lkv_entropy_[static_cast<std::size_t>(l)]));
+      KVEVICT_TRY(kvevict::lava_layer_budgets(lkv_entropy_.data(), L, H, P, prot, alloc_.alloc.total, lkv_totals_.data()));
+    }
+    lkv_cu_.resize(static_cast<std::size_t>(H + 1));
+    lkv_dropped_cu_.resize(static_cast<std::size_t>(H + 1));
+    for (int l = 0; l < L; ++l) {
+      const auto sv = layer_scores(l);
+      index_t keep = 0;
+      switch (a) {
+        case allocator_kind::uniform:
+        case allocator_kind::pyramid: {
+          lkv_cu_[0] = 0;
+          for (index_t h = 0; h < H; ++h)
+            lkv_cu_[static_cast<std::size_t>(h + 1)] = lkv_cu_[static_cast<std::size_t>(h)] + alloc_.budgets[static_cast<std::size_t>(l * H + h)];
+          lkv_pos_.resize(static_cast<std::size_t>(lkv_cu_.back()));
+          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+            return kvevict::recipe_select(kvevict::seq, ws, rec_, sv,
+                                          kvevict::ragged_positions_out{lkv_pos_.data(), lkv_cu_.data(), H});
+          }));
+          break;
+        }
+        case allocator_kind::adakv: {
+          kvevict::adakv_options ao;
+          ao.prot = prot;
+          lkv_pos_.resize(static_cast<std::size_t>(B * H));
+          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+            return kvevict::adakv_budgets(kvevict::seq, ws, sv, nullptr, B, ao, lkv_cu_.data(), lkv_pos_.data());
+          }));
+          break;
+        }
+        case allocator_kind::lava:
+          keep = lkv_totals_[static_cast<std::size_t>(l)];
+          lkv_pos_.resize(static_cast<std::size_t>(keep));
+          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+            return kvevict::select_topk_flat(kvevict::seq, ws, sv, nullptr, keep, nullptr, lkv_cu_.data(), lkv_pos_.data());
+          }));
+          break;
+        case allocator_kind::cake:
+        case allocator_kind::duo:
+          return status::error(errc::invalid_argument, "--recipe lookaheadkv does not take --allocator %s", allocator_name(a));
+      }
+      const kvevict::ragged_positions kept{lkv_pos_.data(), lkv_cu_.data(), H};
+      if (rec != nullptr) {  // every row of a whole prompt is its own position
+        lkv_dropped_.clear();
+        lkv_dropped_cu_[0] = 0;
+        for (index_t h = 0; h < H; ++h) {
+          const pos_t* k = kept.pos + kept.cu[h];
+          for (index_t j = 0, i = 0; j < P; ++j) {
+            if (i < kept.length(h) && k[i] == j) ++i;
+            else lkv_dropped_.push_back(static_cast<pos_t>(j));
+          }
+          lkv_dropped_cu_[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(lkv_dropped_.size());
+        }
+        if (!lkv_dropped_.empty())
+          KVEVICT_TRY(rec->mark_evicted(l, kvevict::ragged_positions{lkv_dropped_.data(), lkv_dropped_cu_.data(), H}, P));
+      }
+      KVEVICT_TRY(cache.compact(l, kept));
+    }
+    alloc_.total = cache.total_rows();
+    return {};
+  }
+
+  status window_preference(kvevict::kv_view<const float> window_q, const kv_cache& cache, int l, index_t P, double& pref) {
+    const auto keys = cache.dense_keys(l, P);
+    if (!keys) return keys.error();
+    return cake_window_preference(window_q, *keys, pref_scratch_, pref);
+  }
+
+  // Layer by layer, inside the prefill: cascade_driver for lava / cake, post_fill_driver one layer
+  // at a time for the per-layer allocators.
+  status prefill_layerwise(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
+    const config& c = cfg();
+    const index_t P = static_cast<index_t>(prompt.size());
+    const allocator_kind a = allocator_of(o_);
+    const bool cascade = a == allocator_kind::lava || a == allocator_kind::cake;
+    KVEVICT_TRY(make_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    kvevict::workspace ws;
+    if (cascade) {
+      kvevict::cascade_driver_config cc;
+      cc.model = shape_of(c);
+      cc.tokens = P;
+      cc.rec = rec_;
+      cc.total = alloc_.alloc.total;
+      cc.split = a == allocator_kind::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
+      cc.weight = a == allocator_kind::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
+      const auto bytes = kvevict::cascade_driver::state_bytes(cc);
+      if (!bytes) return bytes.error();
+      KVEVICT_TRY(cd_.init(cc, scratch_.state_for(*bytes), *bytes, rec));
+      const auto wb = cd_.workspace_bytes(kvevict::seq);
+      if (!wb) return wb.error();
+      ws = scratch_.workspace_for(*wb);
+    } else {
+      kvevict::post_fill_config pc;
+      pc.model = shape_of(c);
+      pc.tokens = P;
+      pc.rec = rec_;
+      pc.alloc = alloc_.alloc;
+      const auto bytes = kvevict::post_fill_driver::state_bytes(pc);
+      if (!bytes) return bytes.error();
+      KVEVICT_TRY(pf_.init(pc, scratch_.state_for(*bytes), *bytes, rec));
+      const auto wb = pf_.workspace_bytes(kvevict::seq);
+      if (!wb) return wb.error();
+      ws = scratch_.workspace_for(*wb);
+    }
+    double hook_s = 0.0;
+    forward_hooks hk;
+    hk.after_layer = [&](const layer_event& ev) -> status {
+      const auto t0 = std::chrono::steady_clock::now();
+      const int l = ev.layer;
+      const auto q = recipe_rows(rec_, ev.queries);
+      if (cascade) {
+        double weight = 0.0;
+        if (a == allocator_kind::cake) KVEVICT_TRY(window_preference(view_rows(ev.queries, P - o_.window, o_.window), cache, l, P, weight));
+        KVEVICT_TRY(cd_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q, {}, weight));
+        KVEVICT_TRY(cache.compact(l, cd_.kept(l)));
+        for (int j = 0; j < l; ++j)
+          if (cd_.changed(j)) KVEVICT_TRY(cache.compact(j, cd_.kept(j)));
+      } else {
+        KVEVICT_TRY(pf_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q));
+        KVEVICT_TRY(cache.compact(l, pf_.kept(l)));
+      }
+      hook_s += seconds_since(t0);
+      return {};
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    KVEVICT_TRY(run.forward(cache, tokens(prompt), logits_mode::last, hk));
+    if (!cascade) KVEVICT_TRY(pf_.decide(kvevict::seq, ws));
+    const double total = seconds_since(t0);
+    keep_logits(run);
+    alloc_.total = cache.total_rows();
+    evict_s_ = hook_s;
+    prefill_s_ = total - hook_s;
+    return {};
+  }
+
+  // Chunked prefill: forward a chunk (patched: then the prompt's last w tokens as an extra block),
+  // score and evict every layer, compact; the next chunk attends over what was kept.
+  status prefill_chunked(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
+    const config& c = cfg();
+    const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
+    const bool patched = o_.driver == driver_kind::chunked_patched;
+    KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    kvevict::chunked_config cc;
+    cc.model = shape_of(c);
+    cc.tokens = P;
+    cc.capacity = P;
+    cc.rec = rec_;
+    cc.queries = patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
+    cc.target = kvevict::chunk_target::budget;
+    cc.alloc = alloc_.alloc;
+    const auto bytes = kvevict::chunked_driver::state_bytes(cc);
+    if (!bytes) return bytes.error();
+    KVEVICT_TRY(ch_.init(cc, scratch_.state_for(*bytes), *bytes, rec));
+    const auto wb = ch_.workspace_bytes(kvevict::seq);
+    if (!wb) return wb.error();
+    kvevict::workspace ws = scratch_.workspace_for(*wb);
+    chunk_q_.reset(c, w);
+    patch_q_.reset(c, w);
+    std::vector<pos_t> patch_pos;
+    double forward_s = 0.0, evict_s = 0.0;
+    for (index_t s = 0, e = 0; s < P; s = e) {
+      e = std::min(s + o_.chunk, P);
+      if (patched && e < P && e > P - w) e = P;  // the final chunk holds the whole window
+      KVEVICT_TRY(ch_.begin_chunk(s, e));
+      const index_t n = e - s, rows = ch_.query_rows();
+      forward_hooks hk;
+      if (rows > 0 && ch_.patch().count == 0)
+        hk.after_layer = [&](const layer_event& ev) { return chunk_q_.store(ev, 0, n - rows, rows); };
+      auto t0 = std::chrono::steady_clock::now();
+      KVEVICT_TRY(run.forward(cache, tokens(prompt.data() + s, n), logits_mode::last, hk));
+      forward_s += seconds_since(t0);
+      keep_logits(run);
+      t0 = std::chrono::steady_clock::now();
+      const kvevict::patch_block patch = ch_.patch();
+      if (patch.count > 0) {
+        patch_pos.resize(static_cast<std::size_t>(patch.count));
+        for (index_t i = 0; i < patch.count; ++i) patch_pos[static_cast<std::size_t>(i)] = static_cast<pos_t>(patch.first + i);
+        KVEVICT_TRY(run.forward_extra(cache, tokens(prompt.data() + patch.first, patch.count, patch_pos.data()),
+                                      logits_mode::none, patch_q_.hooks()));
+      }
+      for (int l = 0; l < c.n_layers; ++l) {
+        kvevict::kv_view<const float> q, pk;
+        if (patch.count > 0) {
+          q = patch_q_.queries(l, 0, patch.count);
+          pk = patch_q_.keys(l, 0, patch.count);
+        } else if (rows > 0) {
+          q = chunk_q_.queries(l, 0, rows);
+        }
+        KVEVICT_TRY(ch_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q, pk));
+      }
+      KVEVICT_TRY(ch_.decide(kvevict::seq, ws));
+      KVEVICT_TRY(compact_kept(cache, ch_));
+      evict_s += seconds_since(t0);
+    }
+    alloc_.total = cache.total_rows();
+    prefill_s_ = forward_s;
+    evict_s_ = evict_s;
+    return {};
+  }
+
+  // Decode-time eviction: a plain prefill (the prompt stays whole until the first eviction step),
+  // then decode() steps the driver. H2O starts from the prompt's accumulated attention.
+  status prefill_decode(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
+    const config& c = cfg();
+    const index_t P = static_cast<index_t>(prompt.size()), L = c.n_layers, H = c.n_kv_heads, w = o_.window;
+    prompt_q_.reset(c, P);
+    auto t0 = std::chrono::steady_clock::now();
+    KVEVICT_TRY(run.forward(cache, tokens(prompt), logits_mode::last, prompt_q_.hooks()));
+    prefill_s_ = seconds_since(t0);
+    keep_logits(run);
+    t0 = std::chrono::steady_clock::now();
+    // budgets: the cache goes back to B per head; the allocation is made for a sequence of
+    // max(B, P) tokens (a prompt shorter than B does not bound it; PyramidKV's shape is computed
+    // over the prompt when B < P)
+    const index_t bound = std::max(o_.budget, P);
+    KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    kvevict::decode_config dc;
+    dc.model = shape_of(c);
+    dc.capacity = std::min<index_t>(cache.capacity(), bound + o_.evict_every);
+    dc.interval = o_.evict_every;
+    dc.rec = rec_;
+    dc.alloc = alloc_.alloc;
+    const auto bytes = kvevict::decode_driver::state_bytes(dc);
+    if (!bytes) return bytes.error();
+    KVEVICT_TRY(dd_.init(dc, scratch_.state_for(*bytes), *bytes, rec));
+    std::vector<float> initial;
+    kvevict::workspace sws;
+    if (rec_.kind == kvevict::recipe_kind::h2o) {  // the prompt's accumulated attention, unprotected
+      kvevict::recipe hr = rec_;
+      hr.n_sink = hr.n_recent = 0;
+      const auto need = kvevict::recipe_scores_workspace_size(kvevict::seq, hr, c.n_heads, P, H, P, c.head_size());
+      if (!need) return need.error();
+      sws = decode_scratch_.workspace_for(*need);
+      initial.resize(static_cast<std::size_t>(H * P));
+    }
+    for (int l = 0; l < L; ++l) {
+      kvevict::matrix_view<const float> init_scores;
+      if (rec_.kind == kvevict::recipe_kind::h2o) {
+        kvevict::recipe hr = rec_;
+        hr.n_sink = hr.n_recent = 0;
+        const auto keys = cache.dense_keys(l, P);
+        if (!keys) return keys.error();
+        const auto out = *kvevict::make_matrix_view(initial.data(), H, P);
+        KVEVICT_TRY(kvevict::recipe_scores(kvevict::seq, sws, hr, prompt_q_.queries(l, 0, P), *keys,
+                                           kvevict::kv_view<const float>{}, out));
+        init_scores = out;
+      }
+      KVEVICT_TRY(dd_.begin(l, layer_view(cache, l), P, init_scores));
+    }
+    // the last w queries, for the window recipes' eviction steps
+    step_q_.reset(c, 1);
+    recent_q_.reset(c, w);
+    const index_t have = std::min(w, P);
+    for (int l = 0; l < L; ++l) {
+      const auto last = prompt_q_.queries(l, P - have, have);
+      for (index_t h = 0; h < c.n_heads; ++h)
+        for (index_t i = 0; i < have; ++i)
+          for (index_t x = 0; x < c.head_size(); ++x) recent_q_.query_row(l, h, w - have + i)[x] = last(h, i, x);
+    }
+    evict_s_ = seconds_since(t0);
+    alloc_.total = cache.total_rows();
+    return {};
+  }
+
+  // Shifts the window of recent queries by one row and appends the new token's.
+  void push_recent(const layer_event& ev) {
+    const config& c = cfg();
+    const index_t w = o_.window, d = c.head_size();
+    for (index_t h = 0; h < c.n_heads; ++h) {
+      float* first = recent_q_.query_row(ev.layer, h, 0);
+      std::memmove(first, first + d, static_cast<std::size_t>((w - 1) * d) * sizeof(float));
+      for (index_t x = 0; x < d; ++x) first[(w - 1) * d + x] = ev.queries(h, 0, x);
+    }
+  }
+};
+
+}  // namespace kvrun

@@ -1,0 +1,677 @@
+// runner/report.hpp: the quality report of kvevict's eviction methods on the reference runner
+// (`kvevict-run --report`, docs/report.md).
+//
+// Prompts: the pair generator's TEST split (lookahead_data.hpp: model-generated stories cut at a
+// random point, the prompt filling the 512-token context minus the response; short prompts off),
+// each with the full cache's greedy response of `pairs.response` tokens. For every configuration
+// (recipe x driver x budget) and prompt, against the full cache:
+//   recall      mean over layers and KV heads of |prompt positions held ∩ top-k(GT)| / k,
+//               k = min(budget, P) (kvevict::kept_recall_at_k), averaged over the m - 1 decoded
+//               response tokens (the cache each one attends; constant unless eviction runs at
+//               decode time), where GT[l][h] = the mean attention of the true response's queries
+//               over the prompt (the response as an external block with its own keys, GQA mean:
+//               the oracle's scores);
+//   kl          mean over the response's m positions of KL(full || evicted) of the next-token
+//               distributions, teacher-forced (position 0: the prefill's last row);
+//   agreement   greedy tokens generated with the evicted cache before the first one that differs
+//               from the full cache's response (computed from the teacher-forced logits: while the
+//               tokens agree, greedy generation feeds exactly the teacher-forced inputs);
+//   footprint, peak   kvevict::measure_kv_usage of the schedule the driver recorded over the
+//               P + m - 1 tokens whose queries run (prefill and decode);
+//   evict_ms, prefill_ms   medians over the prompts of the eviction work and of the prefill's
+//               forward (evictor::evict_seconds / prefill_seconds);
+//   overhead    median over the prompts of (prefill_ms + evict_ms) / prefill_ms, both measured on
+//               the same prompt by the same thread (post-fill rows share one timed prefill per
+//               prompt): the prefill-time cost of a method relative to the prefill alone.
+// LookaheadKV needs report_options::lookahead (the trained module); without one, "every method"
+// leaves it out.
+// Prompts run in parallel (one runner per thread, single-threaded forwards); every number but the
+// times is independent of the thread count.
+#pragma once
+
+#include <runner/duo_calibration.hpp>
+#include <runner/evictor.hpp>
+#include <runner/lookahead_data.hpp>
+#include <runner/lookahead_module.hpp>
+
+#include <kvevict/metrics.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#if defined(_OPENMP)
+#  include <omp.h>
+#endif
+
+namespace kvrun {
+
+/// One row of the report: budget 0 = the whole cache (method full).
+struct report_config {
+  method recipe = method::snapkv;
+  driver_kind driver = driver_kind::postfill;
+  index_t budget = 0;
+};
+
+/// The drivers each method runs with in the default report: every method post-fill; the cascades
+/// (LAVa, CAKE) layer by layer; SnapKV and LAVa chunked both ways; the decode-time classics
+/// (StreamingLLM, H2O, TOVA, SnapKV) at decode time. Layer-wise eviction with per-layer
+/// allocators keeps exactly the post-fill sets, so it is left out (`all_drivers` runs it).
+inline bool default_matrix(method m, driver_kind d) {
+  switch (d) {
+    case driver_kind::postfill: return true;
+    case driver_kind::layerwise: return m == method::lava || m == method::cake;
+    case driver_kind::chunked_naive:
+    case driver_kind::chunked_patched: return m == method::snapkv || m == method::lava;
+    case driver_kind::decode:
+      return m == method::streaming_llm || m == method::h2o || m == method::tova || m == method::snapkv;
+  }
+  return false;
+}
+
+struct report_options {
+  index_t prompts = 32;
+  std::vector<index_t> budgets{16, 32, 64, 128};
+  std::vector<method> recipes;       ///< empty: every method (full is always the first row)
+  std::vector<driver_kind> drivers;  ///< empty: every driver of the matrix
+  bool all_drivers = false;          ///< every supported (method, driver) pair, not default_matrix
+  evict_options base;                ///< window, sinks, chunk, evict_every, laq_steps, duo_recent
+  pair_options pairs = [] {
+    pair_options p;
+    p.short_fraction = 0.0;  // every prompt fills the context minus the response
+    return p;
+  }();
+  std::uint64_t seed_begin = test_seed_base;
+  index_t calibration = 8;  ///< duo calibration texts (training seeds)
+  /// The lookaheadkv method's trained module (must outlive the report); null: lookaheadkv is left
+  /// out of "every method" and refused when named in `recipes`.
+  const lookahead_module* lookahead = nullptr;
+  std::string lookahead_path;  ///< recorded in the JSON as given
+  int threads = 0;          ///< prompts in parallel (0: all cores)
+  std::function<void(const char*)> progress;  ///< one line of progress (may be empty)
+};
+
+struct prompt_result {
+  double recall = 0.0, kl = 0.0, footprint = 0.0, peak = 0.0, evict_ms = 0.0, prefill_ms = 0.0;
+  double overhead = 1.0;  ///< (prefill_ms + evict_ms) / prefill_ms
+  index_t agreement = 0;
+  index_t kept = 0;  ///< KV rows held after the prefill's eviction (all layers and heads)
+};
+
+struct config_result {
+  report_config cfg;
+  std::vector<prompt_result> prompts;  ///< per prompt, in prompt order
+  // over the prompts: means, and medians of the times
+  double recall = 0.0, kl = 0.0, agreement = 0.0, footprint = 0.0, peak = 0.0, evict_ms = 0.0, prefill_ms = 0.0,
+         kept = 0.0;
+  double overhead = 1.0;  ///< median over the prompts of prompt_result::overhead
+  // standard errors of the means (sample standard deviation / sqrt(prompts); 0 for one prompt)
+  double recall_sem = 0.0, kl_sem = 0.0, agreement_sem = 0.0;
+};
+
+struct report_result {
+  report_options options;
+  std::vector<std::uint64_t> seeds;
+  std::vector<index_t> prompt_lengths;
+  index_t response = 0;
+  duo_heads duo;
+  std::vector<config_result> rows;
+  double seconds = 0.0;
+  int threads = 1;
+};
+
+/// The configurations of a report, in table order: full first, then per budget the methods in
+/// all_methods order, each with its drivers in all_drivers order. Errors: a configuration the
+/// evictor refuses (e.g. a budget below a method's protected tokens), naming it; lookaheadkv named
+/// without a module.
+inline status report_configs(const config& c, const report_options& o, std::vector<report_config>& out) {
+  out.clear();
+  out.push_back({method::full, driver_kind::postfill, 0});
+  if (o.budgets.empty()) return status::error(errc::invalid_argument, "--budgets: no budget given");
+  const bool named_lookahead = std::find(o.recipes.begin(), o.recipes.end(), method::lookaheadkv) != o.recipes.end();
+  if (named_lookahead && o.lookahead == nullptr)
+    return status::error(errc::invalid_argument, "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
+  for (const index_t b : o.budgets)
+    for (const method m : all_methods) {
+      if (m == method::full) continue;
+      if (m == method::lookaheadkv && o.lookahead == nullptr) continue;
+      if (!o.recipes.empty() && std::find(o.recipes.begin(), o.recipes.end(), m) == o.recipes.end()) continue;
+      for (const driver_kind d : all_drivers) {
+        if (!o.drivers.empty() && std::find(o.drivers.begin(), o.drivers.end(), d) == o.drivers.end()) continue;
+        evict_options e = o.base;
+        e.recipe = m;
+        e.driver = d;
+        e.budget = b;
+        e.alloc.reset();
+        const status st = check_evict_options(c, e);
+        if (o.all_drivers ? !st.ok() : !default_matrix(m, d)) continue;
+        if (!st.ok())
+          return status::error(errc::invalid_argument, "report: %s / %s / budget %lld: %s", method_name(m), driver_name(d),
+                               static_cast<long long>(b), st.message());
+        out.push_back({m, d, b});
+      }
+    }
+  if (out.size() == 1)
+    return status::error(errc::invalid_argument, "report: no configuration matches the --recipes / --drivers given");
+  return {};
+}
+
+namespace detail {
+
+/// log_softmax of n logits, in double.
+inline void log_softmax(const float* logits, index_t n, double* out) {
+  double mx = -INFINITY;
+  for (index_t i = 0; i < n; ++i) mx = std::max(mx, static_cast<double>(logits[i]));
+  double sum = 0.0;
+  for (index_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(logits[i]) - mx);
+  const double lse = mx + std::log(sum);
+  for (index_t i = 0; i < n; ++i) out[i] = static_cast<double>(logits[i]) - lse;
+}
+
+/// KL(p || q) from log-probabilities.
+inline double kl_divergence(const double* logp, const double* logq, index_t n) {
+  double kl = 0.0;
+  for (index_t i = 0; i < n; ++i)
+    if (logp[i] > -INFINITY) kl += std::exp(logp[i]) * (logp[i] - logq[i]);
+  return kl;
+}
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Per-thread state of the report.
+struct report_worker {
+  runner run;
+  kv_cache full, cache;
+  block_capture prompt_q, response_q;
+  evictor ev;
+  std::vector<float> gt;                 // [L][H][P] ground truth
+  std::vector<double> full_logp, logq;   // [m][V], [V]
+  std::vector<pos_t> schedule;           // [L][H][N]
+  std::vector<unsigned char> ws;
+  std::vector<pos_t> kept_pos;
+  std::vector<std::int32_t> kept_cu;
+
+  kvevict::workspace workspace_for(std::size_t bytes) {
+    if (ws.size() < bytes) ws.resize(bytes);
+    return {ws.empty() ? nullptr : ws.data(), ws.size()};
+  }
+};
+
+/// The oracle recipe (LookaheadKV Eq. 1): the ground truth of recall.
+inline kvevict::recipe ground_truth_recipe() {
+  evict_options o;
+  o.recipe = method::oracle;
+  return make_recipe(o);
+}
+
+/// GT[l] [H_kv][P] for a prompt in `full` (unevicted) and the response's captured queries / keys.
+inline status ground_truth(const config& c, const kv_cache& full, const block_capture& response_q, report_worker& w) {
+  const index_t P = full.next_position(), m = response_q.rows(), H = c.n_kv_heads;
+  const kvevict::recipe r = ground_truth_recipe();
+  w.gt.assign(static_cast<std::size_t>(c.n_layers * H * P), 0.0f);
+  const auto need = kvevict::recipe_scores_workspace_size(kvevict::seq, r, c.n_heads, m, H, P, c.head_size(), m);
+  if (!need) return need.error();
+  kvevict::workspace ws = w.workspace_for(*need);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const auto keys = full.dense_keys(l, P);
+    if (!keys) return keys.error();
+    const auto out = *kvevict::make_matrix_view(w.gt.data() + l * H * P, H, P);
+    KVEVICT_TRY(kvevict::recipe_scores(kvevict::seq, ws, r, response_q.queries(l, 0, m), *keys,
+                                       kvevict::kv_view<const float>{}, out, response_q.keys(l, 0, m)));
+  }
+  return {};
+}
+
+/// Recall of the prompt positions `cache` holds against the top-k of GT, mean over layers and heads.
+inline status held_recall(const config& c, const kv_cache& cache, index_t P, index_t k, report_worker& w, double& recall) {
+  const index_t H = c.n_kv_heads;
+  double sum = 0.0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    w.kept_pos.clear();
+    w.kept_cu.assign(static_cast<std::size_t>(H + 1), 0);
+    for (index_t h = 0; h < H; ++h) {
+      for (index_t j = 0; j < cache.length(l, h); ++j)
+        if (cache.position(l, h, j) < P) w.kept_pos.push_back(cache.position(l, h, j));
+      w.kept_cu[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(w.kept_pos.size());
+    }
+    const kvevict::ragged_positions kept{w.kept_pos.data(), w.kept_cu.data(), H};
+    const auto truth = *kvevict::make_matrix_view<const float>(w.gt.data() + l * H * P, H, P);
+    kvevict::workspace q;
+    double mean = 0.0;
+    KVEVICT_TRY(kvevict::kept_recall_at_k(q, kept, truth, k, mean));
+    kvevict::workspace ws = w.workspace_for(q.bytes);
+    KVEVICT_TRY(kvevict::kept_recall_at_k(ws, kept, truth, k, mean));
+    sum += mean;
+  }
+  recall = sum / static_cast<double>(c.n_layers);
+  return {};
+}
+
+/// Every configuration on one prompt.
+inline status evaluate_prompt(const model& mdl, const report_options& o, const std::vector<report_config>& configs,
+                              const duo_heads& duo, const text_pair& tp, report_worker& w,
+                              std::vector<prompt_result>& out) {
+  const config& c = mdl.cfg();
+  const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size());
+  const index_t V = c.vocab_size, L = c.n_layers, H = c.n_kv_heads, N = P + m - 1;
+  // the full cache: prefill (queries captured), the response teacher-forced, the ground truth
+  w.full.clear();
+  w.prompt_q.reset(c, P);
+  auto t0 = std::chrono::steady_clock::now();
+  KVEVICT_TRY(w.run.forward(w.full, tokens(tp.prompt), logits_mode::last, w.prompt_q.hooks()));
+  const double prefill_ms = seconds_since(t0) * 1e3;
+  std::vector<float> first(w.run.logits(0), w.run.logits(0) + V);
+  w.full_logp.resize(static_cast<std::size_t>(m * V));
+  log_softmax(first.data(), V, w.full_logp.data());
+  w.response_q.reset(c, m);
+  KVEVICT_TRY(w.run.forward_extra(w.full, tokens(tp.response), logits_mode::all, w.response_q.hooks()));
+  for (index_t t = 1; t < m; ++t) log_softmax(w.run.logits(t - 1), V, w.full_logp.data() + t * V);
+  KVEVICT_TRY(ground_truth(c, w.full, w.response_q, w));
+  w.logq.resize(static_cast<std::size_t>(V));
+  w.schedule.resize(static_cast<std::size_t>(L * H * N));
+
+  out.assign(configs.size(), prompt_result{});
+  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
+    const report_config& rc = configs[ci];
+    evict_options e = o.base;
+    e.recipe = rc.recipe;
+    e.driver = rc.driver;
+    e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
+    e.alloc.reset();
+    KVEVICT_TRY(w.ev.init(mdl, e, &duo, o.lookahead));
+    auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
+    if (!made) return made.error();
+    kvevict::eviction_recorder rec = *made;
+    prompt_result& r = out[ci];
+    if (rc.driver == driver_kind::postfill) {
+      w.cache = w.full;
+      KVEVICT_TRY(w.ev.evict_prefilled(w.run, w.cache, w.prompt_q, first.data(), &rec, &w.response_q));
+      r.prefill_ms = prefill_ms;
+    } else {
+      w.cache.clear();
+      KVEVICT_TRY(w.ev.prefill(w.run, w.cache, tp.prompt, &rec, &tp.response));
+      r.prefill_ms = w.ev.prefill_seconds() * 1e3;
+    }
+    r.kept = w.cache.total_rows();
+    // teacher-forced response: KL at every position, greedy agreement until the first difference,
+    // recall of the prompt positions the cache holds when each response token is decoded (it
+    // changes only under decode-time eviction)
+    const index_t k = rc.budget > 0 ? std::min(rc.budget, P) : P;
+    bool agreeing = true;
+    double kl = 0.0, recall = 0.0, step_recall = 0.0;
+    for (index_t t = 0; t < m; ++t) {
+      const float* logits = t == 0 ? w.ev.next_logits() : w.run.logits(0);
+      log_softmax(logits, V, w.logq.data());
+      kl += kl_divergence(w.full_logp.data() + t * V, w.logq.data(), V);
+      if (agreeing && sampler::argmax(logits, static_cast<int>(V)) == tp.response[static_cast<std::size_t>(t)]) ++r.agreement;
+      else agreeing = false;
+      if (t + 1 < m) {
+        if (t == 0 || rc.driver == driver_kind::decode) KVEVICT_TRY(held_recall(c, w.cache, P, k, w, step_recall));
+        recall += step_recall;
+        KVEVICT_TRY(w.ev.decode(w.run, w.cache, tp.response[static_cast<std::size_t>(t)]));
+      }
+    }
+    r.kl = kl / static_cast<double>(m);
+    r.recall = m > 1 ? recall / static_cast<double>(m - 1) : 0.0;
+    r.evict_ms = w.ev.evict_seconds() * 1e3;
+    r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;
+    const auto sched = rec.schedule(N);
+    if (!sched) return sched.error();
+    kvevict::kv_usage usage;
+    kvevict::workspace q;
+    KVEVICT_TRY(kvevict::measure_kv_usage(q, *sched, usage));
+    kvevict::workspace ws = w.workspace_for(q.bytes);
+    KVEVICT_TRY(kvevict::measure_kv_usage(ws, *sched, usage));
+    r.footprint = usage.footprint();
+    r.peak = usage.peak_kv();
+  }
+  return {};
+}
+
+}  // namespace detail
+
+/// Runs the report (see the file comment). Errors: invalid options, the pair generator's, the
+/// calibration's, any configuration's (naming it).
+inline status run_report(const model& mdl, const report_options& o, report_result& out) {
+  const config& c = mdl.cfg();
+  const auto t_start = std::chrono::steady_clock::now();
+  if (o.prompts < 1) return status::error(errc::invalid_argument, "--prompts must be >= 1, got %lld", static_cast<long long>(o.prompts));
+  std::vector<report_config> configs;
+  KVEVICT_TRY(report_configs(c, o, configs));
+  out = report_result{};
+  out.options = o;
+  out.options.progress = {};
+#if defined(_OPENMP)
+  const int nt = o.threads > 0 ? o.threads : omp_get_max_threads();
+#else
+  const int nt = 1;
+#endif
+  out.threads = nt;
+  char line[256];
+  auto say = [&](const char* s) {
+    if (o.progress) o.progress(s);
+  };
+
+  std::snprintf(line, sizeof line, "report: generating %lld test prompts (seeds %llu..%llu) and their greedy responses",
+                static_cast<long long>(o.prompts), static_cast<unsigned long long>(o.seed_begin),
+                static_cast<unsigned long long>(o.seed_begin + static_cast<std::uint64_t>(o.prompts) - 1));
+  say(line);
+  std::vector<text_pair> pairs;
+  KVEVICT_TRY(make_pairs(mdl, o.pairs, o.seed_begin, o.seed_begin + static_cast<std::uint64_t>(o.prompts), pairs, nt));
+  for (const text_pair& p : pairs) {
+    out.seeds.push_back(p.seed);
+    out.prompt_lengths.push_back(static_cast<index_t>(p.prompt.size()));
+  }
+  out.response = static_cast<index_t>(pairs.front().response.size());
+
+  const bool need_duo = std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::duo; });
+  if (need_duo) {
+    std::snprintf(line, sizeof line, "report: duo calibration on %lld training texts", static_cast<long long>(o.calibration));
+    say(line);
+    std::vector<std::vector<int>> texts;
+    KVEVICT_TRY(duo_calibration_texts(mdl, o.pairs, o.calibration, texts, nt));
+    duo_calibration_options dco;
+    dco.sinks = o.base.sinks >= 0 ? o.base.sinks : 4;
+    dco.recent = o.base.duo_recent;
+    KVEVICT_TRY(duo_calibrate(mdl, texts, dco, out.duo));
+  }
+
+  std::snprintf(line, sizeof line, "report: %zu configurations x %lld prompts on %d threads", configs.size(),
+                static_cast<long long>(o.prompts), nt);
+  say(line);
+  const index_t n = o.prompts;
+  std::vector<std::vector<prompt_result>> results(static_cast<std::size_t>(n));
+  std::vector<status> errors(static_cast<std::size_t>(nt));
+  std::atomic<index_t> done{0};
+#if defined(_OPENMP)
+#  pragma omp parallel num_threads(nt)
+#endif
+  {
+#if defined(_OPENMP)
+    const int t = omp_get_thread_num();
+#else
+    const int t = 0;
+#endif
+    detail::report_worker w;
+    status& err = errors[static_cast<std::size_t>(t)];
+    err = w.run.init(mdl, {0, 0, 1});
+    if (err.ok()) err = w.full.init(c);
+    if (err.ok()) err = w.cache.init(c);
+#if defined(_OPENMP)
+#  pragma omp for schedule(dynamic, 1)
+#endif
+    for (index_t i = 0; i < n; ++i) {
+      if (!err.ok()) continue;
+      err = detail::evaluate_prompt(mdl, o, configs, out.duo, pairs[static_cast<std::size_t>(i)], w,
+                                    results[static_cast<std::size_t>(i)]);
+      const index_t d = ++done;
+      if (o.progress) {
+        char msg[160];
+        std::snprintf(msg, sizeof msg, "report: %lld/%lld prompts (%.0f%%), %.1f s", static_cast<long long>(d),
+                      static_cast<long long>(n), 100.0 * static_cast<double>(d) / static_cast<double>(n),
+                      seconds_since(t_start));
+#if defined(_OPENMP)
+#  pragma omp critical(kvrun_report_progress)
+#endif
+        o.progress(msg);
+      }
+    }
+  }
+  for (const status& e : errors)
+    if (!e.ok()) return e;
+
+  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
+    config_result cr;
+    cr.cfg = configs[ci];
+    std::vector<double> ev, pf, ov;
+    for (index_t i = 0; i < n; ++i) {
+      const prompt_result& r = results[static_cast<std::size_t>(i)][ci];
+      cr.prompts.push_back(r);
+      cr.recall += r.recall;
+      cr.kl += r.kl;
+      cr.agreement += static_cast<double>(r.agreement);
+      cr.footprint += r.footprint;
+      cr.peak += r.peak;
+      cr.kept += static_cast<double>(r.kept);
+      ev.push_back(r.evict_ms);
+      pf.push_back(r.prefill_ms);
+      ov.push_back(r.overhead);
+    }
+    const double dn = static_cast<double>(n);
+    cr.recall /= dn;
+    cr.kl /= dn;
+    cr.agreement /= dn;
+    cr.footprint /= dn;
+    cr.peak /= dn;
+    cr.kept /= dn;
+    if (n > 1) {
+      double vr = 0.0, vk = 0.0, va = 0.0;
+      for (const prompt_result& r : cr.prompts) {
+        vr += (r.recall - cr.recall) * (r.recall - cr.recall);
+        vk += (r.kl - cr.kl) * (r.kl - cr.kl);
+        va += (static_cast<double>(r.agreement) - cr.agreement) * (static_cast<double>(r.agreement) - cr.agreement);
+      }
+      const double f = 1.0 / (dn - 1.0) / dn;
+      cr.recall_sem = std::sqrt(vr * f);
+      cr.kl_sem = std::sqrt(vk * f);
+      cr.agreement_sem = std::sqrt(va * f);
+    }
+    cr.evict_ms = detail::median(ev);
+    cr.prefill_ms = detail::median(pf);
+    cr.overhead = detail::median(ov);
+    out.rows.push_back(std::move(cr));
+  }
+  out.seconds = seconds_since(t_start);
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output: terminal table, JSON
+
+inline std::string report_table(const report_result& r) {
+  std::string s;
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "%lld prompts (%lld..%lld tokens), response %lld tokens; means over prompts, times are medians\n",
+                static_cast<long long>(r.prompt_lengths.size()),
+                static_cast<long long>(*std::min_element(r.prompt_lengths.begin(), r.prompt_lengths.end())),
+                static_cast<long long>(*std::max_element(r.prompt_lengths.begin(), r.prompt_lengths.end())),
+                static_cast<long long>(r.response));
+  s += line;
+  const char* header = "%-7s %-14s %-16s %7s %9s %7s %9s %6s %9s %10s %8s\n";
+  std::snprintf(line, sizeof line, header, "budget", "recipe", "driver", "recall", "KL", "agree", "footprint", "peak",
+                "evict ms", "prefill ms", "overhead");
+  s += line;
+  index_t last_budget = -1;
+  for (const config_result& c : r.rows) {
+    if (c.cfg.budget != last_budget && last_budget != -1) s += "\n";
+    last_budget = c.cfg.budget;
+    char b[24];
+    if (c.cfg.budget > 0) std::snprintf(b, sizeof b, "%lld", static_cast<long long>(c.cfg.budget));
+    else std::snprintf(b, sizeof b, "all");
+    std::snprintf(line, sizeof line, "%-7s %-14s %-16s %7.3f %9.4f %7.1f %9.3f %6.3f %9.2f %10.2f %7.3fx\n", b,
+                  method_name(c.cfg.recipe), driver_name(c.cfg.driver), c.recall, c.kl, c.agreement, c.footprint, c.peak,
+                  c.evict_ms, c.prefill_ms, c.overhead);
+    s += line;
+  }
+  std::snprintf(line, sizeof line, "(%.1f s on %d threads)\n", r.seconds, r.threads);
+  s += line;
+  return s;
+}
+
+namespace detail {
+inline void json_string(std::string& s, const std::string& v) {
+  s += '"';
+  for (const char ch : v) {
+    if (ch == '"' || ch == '\\') {
+      s += '\\';
+      s += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      char u[8];
+      std::snprintf(u, sizeof u, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(ch)));
+      s += u;
+    } else {
+      s += ch;
+    }
+  }
+  s += '"';
+}
+inline void json_number(std::string& s, double v) {
+  char b[40];
+  if (!std::isfinite(v)) {
+    s += "null";
+    return;
+  }
+  std::snprintf(b, sizeof b, "%.9g", v);
+  s += b;
+}
+template <class T, class F>
+void json_array(std::string& s, const std::vector<T>& v, F&& put) {
+  s += '[';
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    put(v[i]);
+  }
+  s += ']';
+}
+}  // namespace detail
+
+/// Every number of the report, with its configuration and seeds. `model_path`, `command`: recorded
+/// as given.
+inline std::string report_json(const report_result& r, const std::string& model_path, const std::string& command) {
+  using detail::json_array;
+  using detail::json_number;
+  using detail::json_string;
+  const report_options& o = r.options;
+  std::string s = "{\n";
+  auto key = [&](const char* k) {
+    s += "  ";
+    json_string(s, k);
+    s += ": ";
+  };
+  auto num = [&](double v) { json_number(s, v); };
+  auto inum = [&](index_t v) { s += std::to_string(v); };
+  key("command");
+  json_string(s, command);
+  s += ",\n";
+  key("model");
+  json_string(s, model_path);
+  s += ",\n";
+  key("prompts");
+  s += "{\"split\": \"test\", \"seeds\": ";
+  json_array(s, r.seeds, [&](std::uint64_t v) { s += std::to_string(v); });
+  s += ", \"lengths\": ";
+  json_array(s, r.prompt_lengths, inum);
+  s += ", \"response\": " + std::to_string(r.response);
+  s += ", \"max_prompt\": " + std::to_string(o.pairs.max_prompt) + ", \"long_min\": " + std::to_string(o.pairs.long_min) +
+       ", \"min_prompt\": " + std::to_string(o.pairs.min_prompt) + ", \"short_fraction\": ";
+  num(o.pairs.short_fraction);
+  s += ", \"temperature\": ";
+  num(o.pairs.temperature);
+  s += ", \"topp\": ";
+  num(o.pairs.topp);
+  s += "},\n";
+  key("options");
+  s += "{\"budgets\": ";
+  json_array(s, o.budgets, inum);
+  s += ", \"window\": " + std::to_string(o.base.window) + ", \"sinks\": " + std::to_string(o.base.sinks) +
+       " , \"chunk\": " + std::to_string(o.base.chunk) + ", \"evict_every\": " + std::to_string(o.base.evict_every) +
+       ", \"laq_steps\": " + std::to_string(o.base.laq_steps) + ", \"duo_recent\": " + std::to_string(o.base.duo_recent) +
+       ", \"calibration_texts\": " + std::to_string(o.calibration) + ", \"all_drivers\": " +
+       (o.all_drivers ? "true" : "false") + ", \"threads\": " + std::to_string(r.threads) + "},\n";
+  key("lookahead_module");
+  if (o.lookahead == nullptr) {
+    s += "null,\n";
+  } else {
+    s += "{\"path\": ";
+    json_string(s, o.lookahead_path);
+    s += ", \"n_lookahead\": " + std::to_string(o.lookahead->n_lookahead()) + ", \"rank\": " +
+         std::to_string(o.lookahead->rank()) + ", \"placement_bits\": " + std::to_string(o.lookahead->placement()) +
+         "},\n";
+  }
+  key("duo_global");
+  json_array(s, r.duo.global, num);
+  s += ",\n";
+  key("seconds");
+  num(r.seconds);
+  s += ",\n";
+  key("rows");
+  s += "[\n";
+  for (std::size_t i = 0; i < r.rows.size(); ++i) {
+    const config_result& c = r.rows[i];
+    s += "    {\"recipe\": ";
+    json_string(s, method_name(c.cfg.recipe));
+    s += ", \"driver\": ";
+    json_string(s, driver_name(c.cfg.driver));
+    s += ", \"allocator\": ";
+    {
+      evict_options e;
+      e.recipe = c.cfg.recipe;
+      json_string(s, c.cfg.recipe == method::full ? "none" : allocator_name(allocator_of(e)));
+    }
+    s += ", \"budget\": ";
+    if (c.cfg.budget > 0) inum(c.cfg.budget);
+    else s += "null";
+    s += ",\n     \"mean\": {\"recall\": ";
+    num(c.recall);
+    s += ", \"kl\": ";
+    num(c.kl);
+    s += ", \"agreement\": ";
+    num(c.agreement);
+    s += ", \"footprint\": ";
+    num(c.footprint);
+    s += ", \"peak\": ";
+    num(c.peak);
+    s += ", \"kept\": ";
+    num(c.kept);
+    s += "}, \"sem\": {\"recall\": ";
+    num(c.recall_sem);
+    s += ", \"kl\": ";
+    num(c.kl_sem);
+    s += ", \"agreement\": ";
+    num(c.agreement_sem);
+    s += "}, \"median\": {\"evict_ms\": ";
+    num(c.evict_ms);
+    s += ", \"prefill_ms\": ";
+    num(c.prefill_ms);
+    s += ", \"overhead\": ";
+    num(c.overhead);
+    s += "},\n     \"per_prompt\": {";
+    auto field = [&](const char* name, auto get) {
+      json_string(s, name);
+      s += ": ";
+      json_array(s, c.prompts, [&](const prompt_result& p) { num(static_cast<double>(get(p))); });
+    };
+    field("recall", [](const prompt_result& p) { return p.recall; });
+    s += ", ";
+    field("kl", [](const prompt_result& p) { return p.kl; });
+    s += ", ";
+    field("agreement", [](const prompt_result& p) { return p.agreement; });
+    s += ", ";
+    field("footprint", [](const prompt_result& p) { return p.footprint; });
+    s += ", ";
+    field("peak", [](const prompt_result& p) { return p.peak; });
+    s += ", ";
+    field("kept", [](const prompt_result& p) { return p.kept; });
+    s += ", ";
+    field("evict_ms", [](const prompt_result& p) { return p.evict_ms; });
+    s += ", ";
+    field("prefill_ms", [](const prompt_result& p) { return p.prefill_ms; });
+    s += ", ";
+    field("overhead", [](const prompt_result& p) { return p.overhead; });
+    s += "}}";
+    s += i + 1 < r.rows.size() ? ",\n" : "\n";
+  }
+  s += "  ]\n}\n";
+  return s;
+}
+
+}  // namespace kvrun

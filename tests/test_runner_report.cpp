@@ -1,0 +1,310 @@
+// The quality report (examples/runner/report.hpp, svg.hpp) on a tiny configuration: the JSON it
+// writes is parsed back here and its numbers checked for consistency (the full cache and every
+// budget of at least the prompt: KL exactly 0 and full agreement; the oracle: recall 1 at every
+// budget; means equal to the per-prompt numbers; footprints and recalls in range), the quality
+// numbers do not depend on the thread count, and the table and the plot hold every row.
+#include "support.hpp"
+
+#include <runner/report.hpp>
+#include <runner/svg.hpp>
+
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+using namespace kvrun;
+
+namespace {
+
+// A small JSON reader (objects, arrays, strings, numbers, true / false / null), enough to read the
+// report back.
+struct json {
+  enum kind_t { null_v, bool_v, number_v, string_v, array_v, object_v } kind = null_v;
+  bool b = false;
+  double num = 0.0;
+  std::string str;
+  std::vector<json> items;
+  std::map<std::string, json> fields;
+
+  const json& operator[](const std::string& k) const {
+    const auto it = fields.find(k);
+    REQUIRE_MESSAGE(it != fields.end(), "missing key " << k);
+    return it->second;
+  }
+  const json& operator[](std::size_t i) const {
+    REQUIRE(i < items.size());
+    return items[i];
+  }
+};
+
+class json_reader {
+ public:
+  explicit json_reader(const std::string& s) : s_(s) {}
+  json parse() {
+    json v = value();
+    ws();
+    REQUIRE_MESSAGE(i_ == s_.size(), "trailing characters at " << i_);
+    return v;
+  }
+
+ private:
+  const std::string& s_;
+  std::size_t i_ = 0;
+  void ws() {
+    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
+  }
+  void expect(char ch) {
+    ws();
+    REQUIRE_MESSAGE((i_ < s_.size() && s_[i_] == ch), "expected '" << ch << "' at " << i_);
+    ++i_;
+  }
+  std::string string_lit() {
+    expect('"');
+    std::string out;
+    while (true) {
+      REQUIRE(i_ < s_.size());
+      const char ch = s_[i_++];
+      if (ch == '"') break;
+      if (ch != '\\') {
+        out += ch;
+        continue;
+      }
+      const char e = s_[i_++];
+      if (e == 'u') {
+        out += static_cast<char>(std::strtol(s_.substr(i_, 4).c_str(), nullptr, 16));
+        i_ += 4;
+      } else {
+        out += e == 'n' ? '\n' : e == 't' ? '\t' : e;
+      }
+    }
+    return out;
+  }
+  json value() {
+    ws();
+    REQUIRE(i_ < s_.size());
+    json v;
+    const char ch = s_[i_];
+    if (ch == '{') {
+      v.kind = json::object_v;
+      ++i_;
+      ws();
+      if (s_[i_] == '}') {
+        ++i_;
+        return v;
+      }
+      while (true) {
+        const std::string k = string_lit();
+        expect(':');
+        v.fields[k] = value();
+        ws();
+        if (s_[i_] == ',') {
+          ++i_;
+          continue;
+        }
+        expect('}');
+        return v;
+      }
+    }
+    if (ch == '[') {
+      v.kind = json::array_v;
+      ++i_;
+      ws();
+      if (s_[i_] == ']') {
+        ++i_;
+        return v;
+      }
+      while (true) {
+        v.items.push_back(value());
+        ws();
+        if (s_[i_] == ',') {
+          ++i_;
+          continue;
+        }
+        expect(']');
+        return v;
+      }
+    }
+    if (ch == '"') {
+      v.kind = json::string_v;
+      v.str = string_lit();
+      return v;
+    }
+    for (const char* word : {"true", "false", "null"})
+      if (s_.compare(i_, std::string(word).size(), word) == 0) {
+        i_ += std::string(word).size();
+        v.kind = word[0] == 'n' ? json::null_v : json::bool_v;
+        v.b = word[0] == 't';
+        return v;
+      }
+    char* end = nullptr;
+    v.kind = json::number_v;
+    v.num = std::strtod(s_.c_str() + i_, &end);
+    REQUIRE_MESSAGE(end != s_.c_str() + i_, "bad value at " << i_);
+    i_ = static_cast<std::size_t>(end - s_.c_str());
+    return v;
+  }
+};
+
+const model& the_model() {
+  static model m = [] {
+    model x;
+    const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", x);
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    return x;
+  }();
+  return m;
+}
+
+const lookahead_module& the_module() {
+  static lookahead_module m = [] {
+    lookahead_module x;
+    const status st = load_module(KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin", x);
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    return x;
+  }();
+  return m;
+}
+
+report_options tiny(int threads) {
+  report_options o;
+  o.lookahead = &the_module();
+  o.lookahead_path = "stories260K-n16.bin";
+  o.prompts = 2;
+  o.budgets = {24, 512};
+  o.pairs.response = 16;
+  o.pairs.max_prompt = 160;
+  o.calibration = 2;
+  o.threads = threads;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a table and a plot") {
+  report_result r;
+  const status st = run_report(the_model(), tiny(2), r);
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  const std::string text = report_json(r, "stories260K", "test");
+  const json j = json_reader(text).parse();
+  const index_t m = 16;
+  CHECK(j["prompts"]["response"].num == m);
+  REQUIRE(j["prompts"]["seeds"].items.size() == 2);
+  CHECK(j["prompts"]["seeds"][0].num == static_cast<double>(test_seed_base));
+  CHECK(j["options"]["budgets"].items.size() == 2);
+  CHECK(j["duo_global"].items.size() == 20);
+  const json& rows = j["rows"];
+  REQUIRE(rows.items.size() == r.rows.size());
+  // full, then per budget: 15 post-fill methods, 2 layer-wise cascades, 4 chunked, 4 decode
+  CHECK(rows.items.size() == 1 + 2 * 25);
+  CHECK(j["lookahead_module"]["n_lookahead"].num == 16);
+  int oracle_rows = 0, full_budget_rows = 0, lookahead_rows = 0;
+  for (const json& row : rows.items) {
+    const std::string name = row["recipe"].str + " / " + row["driver"].str;
+    CAPTURE(name);
+    const json& mean = row["mean"];
+    const json& per = row["per_prompt"];
+    for (const char* f : {"recall", "kl", "agreement", "footprint", "peak", "kept", "evict_ms", "prefill_ms", "overhead"}) {
+      REQUIRE(per[f].items.size() == 2);
+      if (std::string(f) != "evict_ms" && std::string(f) != "prefill_ms" && std::string(f) != "overhead")
+        CHECK(mean[f].num == doctest::Approx((per[f][0].num + per[f][1].num) / 2).epsilon(1e-8));
+    }
+    // the overhead: (prefill + eviction) / prefill of each prompt, its median
+    for (std::size_t p = 0; p < 2; ++p)
+      CHECK(per["overhead"][p].num == doctest::Approx((per["prefill_ms"][p].num + per["evict_ms"][p].num) / per["prefill_ms"][p].num));
+    CHECK(row["median"]["overhead"].num == doctest::Approx((per["overhead"][0].num + per["overhead"][1].num) / 2));
+    CHECK(row["median"]["overhead"].num >= 1.0);
+    if (row["recipe"].str == "lookaheadkv") ++lookahead_rows;
+    CHECK(row["sem"]["kl"].num >= 0.0);
+    CHECK(row["sem"]["agreement"].num >= 0.0);
+    CHECK(mean["recall"].num >= 0.0);
+    CHECK(mean["recall"].num <= 1.0);
+    CHECK(mean["footprint"].num > 0.0);
+    CHECK(mean["footprint"].num <= 1.0);
+    CHECK(mean["peak"].num <= 1.0);
+    CHECK(mean["agreement"].num <= m);
+    CHECK(mean["kl"].num >= 0.0);
+    const bool full = row["recipe"].str == "full" || (row["budget"].kind == json::number_v && row["budget"].num == 512);
+    if (full) {  // nothing evicted: the full cache's numbers exactly
+      ++full_budget_rows;
+      CHECK(mean["kl"].num == 0.0);
+      CHECK(mean["agreement"].num == m);
+      CHECK(mean["recall"].num == 1.0);
+      CHECK(mean["footprint"].num == 1.0);
+      CHECK(mean["peak"].num == 1.0);
+    } else {
+      CHECK(mean["footprint"].num < 1.0);
+      CHECK(mean["kl"].num > 0.0);
+    }
+    if (row["recipe"].str == "oracle") {
+      ++oracle_rows;
+      CHECK(per["recall"][0].num == 1.0);
+      CHECK(per["recall"][1].num == 1.0);
+    }
+  }
+  CHECK(oracle_rows == 2);
+  CHECK(lookahead_rows == 2);
+  CHECK(full_budget_rows == 1 + 25);
+
+  // the numbers do not depend on the thread count (only the times do)
+  report_result r1;
+  REQUIRE(run_report(the_model(), tiny(1), r1).ok());
+  REQUIRE(r1.rows.size() == r.rows.size());
+  for (std::size_t i = 0; i < r.rows.size(); ++i)
+    for (std::size_t p = 0; p < 2; ++p) {
+      const prompt_result &a = r.rows[i].prompts[p], &b = r1.rows[i].prompts[p];
+      CHECK(a.recall == b.recall);
+      CHECK(a.kl == b.kl);
+      CHECK(a.agreement == b.agreement);
+      CHECK(a.footprint == b.footprint);
+      CHECK(a.peak == b.peak);
+      CHECK(a.kept == b.kept);
+    }
+
+  const std::string table = report_table(r);
+  CHECK(table.find("budget  recipe") != std::string::npos);
+  CHECK(table.find("laq++") != std::string::npos);
+  CHECK(table.find("lookaheadkv") != std::string::npos);
+  CHECK(table.find("overhead") != std::string::npos);
+  const std::string svg = report_svg(r, "stories260K");
+  CHECK(svg.rfind("<svg", 0) == 0);
+  CHECK(svg.find("</svg>") != std::string::npos);
+  std::size_t lines = 0;
+  for (std::size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++lines;
+  CHECK(lines == 2 * 25);  // two panels, one line per (recipe, driver)
+  CHECK(svg.find(">lookaheadkv</text>") != std::string::npos);
+  CHECK(svg.find(">snapkv / chunked-patched</text>") != std::string::npos);
+}
+
+TEST_CASE("report options errors") {
+  report_options o = tiny(1);
+  std::vector<report_config> cfgs;
+  o.budgets = {4};
+  kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument,
+                        "report: h2o / postfill / budget 4: --budget 4 is below the 8 tokens h2o protects");
+  o.budgets = {};
+  kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument, "--budgets: no budget given");
+  o = tiny(1);
+  o.recipes = {method::h2o};
+  o.drivers = {driver_kind::chunked_naive};
+  kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument, "no configuration matches");
+  o = tiny(1);
+  o.prompts = 0;
+  report_result r;
+  kvtest::require_error(run_report(the_model(), o, r), errc::invalid_argument, "--prompts must be >= 1, got 0");
+  o = tiny(1);
+  o.all_drivers = true;
+  o.budgets = {24};
+  REQUIRE(report_configs(the_model().cfg(), o, cfgs).ok());
+  CHECK(cfgs.size() == 1 + 47);  // every supported pair but full's
+  // without a module, lookaheadkv is left out of every method and refused when named
+  o.lookahead = nullptr;
+  REQUIRE(report_configs(the_model().cfg(), o, cfgs).ok());
+  CHECK(cfgs.size() == 1 + 46);
+  o.recipes = {method::snapkv, method::lookaheadkv};
+  kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument,
+                        "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
+}

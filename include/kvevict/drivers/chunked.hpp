@@ -91,10 +91,7 @@ class chunked_driver {
     KVEVICT_TRY(validate(fn, cfg));
     KVEVICT_TRY(detail::check_recorder(fn, recorder, cfg.model, cfg.tokens));
     const plan_t p = plan(cfg);
-    if (memory == nullptr) return status::error(errc::null_pointer, "%s: memory is null", fn);
-    if (bytes < p.layout.bytes())
-      return status::error(errc::workspace_too_small, "%s: memory has %zu bytes, %zu needed (state_bytes)", fn, bytes,
-                           p.layout.bytes());
+    KVEVICT_TRY(detail::check_state_memory(fn, memory, bytes, p.layout.bytes()));
     unsigned char* base = detail::align64(memory);
     cfg_ = cfg;
     cfg_.alloc.budgets = {};

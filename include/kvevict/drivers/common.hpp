@@ -325,6 +325,15 @@ inline status check_allocation_options(const char* fn, const allocation& a) {
   return {};
 }
 
+/// The state memory a driver's init() binds: not null, at least `needed` bytes (state_bytes).
+inline status check_state_memory(const char* fn, const void* memory, std::size_t bytes, std::size_t needed) {
+  if (memory == nullptr) return status::error(errc::null_pointer, "%s: memory is null", fn);
+  if (bytes < needed)
+    return status::error(errc::workspace_too_small, "%s: memory has %zu bytes, %zu needed (state_bytes)", fn, bytes,
+                         needed);
+  return {};
+}
+
 inline status check_recorder(const char* fn, const eviction_recorder* rec, const model_shape& m, index_t tokens) {
   if (rec == nullptr) return {};
   if (rec->layers() != m.layers || rec->heads() != m.kv_heads)

@@ -147,7 +147,7 @@ std::vector<double> naive_recipe(const recipe& r, const problem& p) {
       s = naive_gqa(naive_pool(raw, p.hq, T, pooled, r.pool, r.kernel), p.hq, p.hkv, T, r.gqa);
     else
       s = naive_pool(naive_gqa(raw, p.hq, p.hkv, T, r.gqa), p.hkv, T, pooled, r.pool, r.kernel);
-    if (r.kind == recipe_kind::vatp || r.kind == recipe_kind::lava)
+    if (r.weight_values)
       for (index_t h = 0; h < p.hkv; ++h) {
         double head_max = 0;
         std::vector<double> l1(static_cast<std::size_t>(T));

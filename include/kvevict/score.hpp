@@ -6,6 +6,7 @@
 //   h2o_scores(be, ws, queries, keys, out, normalised)      H2O: the block is the whole prompt
 //   tova_scores(be, ws, last_query, keys, out)              TOVA: the block is the last token
 //   key_norm_scores(be, keys, out)                          Knorm: -||k||_2
+//   position_scores(be, out)                                StreamingLLM: the position t
 //   split_window(keys, w)                                   [:, :T-w] and [:, T-w:] views, no copies
 //
 // A *block* is w post-RoPE query rows [H_q][w][d]: the last w prompt tokens (SnapKV, PyramidKV,
@@ -400,17 +401,13 @@ status attention_scores(Backend be, workspace& ws, kv_view<Q> queries, kv_view<K
                                                         out, opt);
 }
 
-/// Workspace bytes attention_scores needs on backend `be` for a block of `w` queries in
-/// `query_heads` heads over `prefix_len` prefix keys in `kv_heads` heads of dimension `dim`, with
-/// or without the block's own keys, writing `out_cols` columns (prefix_len, or prefix_len + w with
-/// block keys): what its size query reports, without views (for composite stages and engines
-/// that size one arena per shape). Errors: the shape errors of attention_scores.
-template <class Backend>
-result<std::size_t> attention_scores_workspace_size(Backend be, index_t query_heads, index_t kv_heads, index_t w,
-                                                    index_t prefix_len, index_t dim, bool block_keys,
-                                                    index_t out_cols, const score_options& opt = {}) {
-  constexpr const char* fn = "attention_scores_workspace_size";
-  KVEVICT_TRY(detail::check_score_options(fn, opt));
+namespace detail {
+/// The score shape of attention_scores from sizes alone (what its size queries need), with the
+/// shape errors of attention_scores.
+inline status score_shape_from_sizes(const char* fn, index_t query_heads, index_t kv_heads, index_t w,
+                                     index_t prefix_len, index_t dim, bool block_keys, index_t out_cols,
+                                     const score_options& opt, score_shape& sh) {
+  KVEVICT_TRY(check_score_options(fn, opt));
   if (query_heads < 0 || kv_heads <= 0 || w <= 0 || prefix_len < 0 || dim <= 0 || out_cols < 0)
     return status::error(errc::invalid_argument,
                          "%s: shapes must be positive (query_heads %lld, kv_heads %lld, w %lld, prefix_len %lld, dim "
@@ -421,7 +418,6 @@ result<std::size_t> attention_scores_workspace_size(Backend be, index_t query_he
   if (query_heads % kv_heads != 0)
     return status::error(errc::shape_mismatch, "%s: %lld query heads are not a multiple of %lld KV heads (GQA)", fn,
                          static_cast<long long>(query_heads), static_cast<long long>(kv_heads));
-  detail::score_shape sh;
   sh.hq = query_heads;
   sh.hkv = kv_heads;
   sh.group = query_heads / kv_heads;
@@ -429,13 +425,30 @@ result<std::size_t> attention_scores_workspace_size(Backend be, index_t query_he
   sh.p = prefix_len;
   sh.d = dim;
   sh.has_block = block_keys;
-  if (!detail::checked_add(prefix_len, block_keys ? w : 0, sh.cols))
+  if (!checked_add(prefix_len, block_keys ? w : 0, sh.cols))
     return status::error(errc::size_overflow, "%s: P + w overflows", fn);
   if (out_cols != sh.p && !(block_keys && out_cols == sh.cols))
     return status::error(errc::shape_mismatch, "%s: out_cols %lld is neither P = %lld nor P + w = %lld", fn,
                          static_cast<long long>(out_cols), static_cast<long long>(sh.p),
                          static_cast<long long>(sh.cols));
   sh.out_cols = out_cols;
+  return {};
+}
+}  // namespace detail
+
+/// Workspace bytes attention_scores needs on backend `be` for a block of `w` queries in
+/// `query_heads` heads over `prefix_len` prefix keys in `kv_heads` heads of dimension `dim`, with
+/// or without the block's own keys, writing `out_cols` columns (prefix_len, or prefix_len + w with
+/// block keys): what its size query reports, without views (for composite stages and engines
+/// that size one arena per shape). Errors: the shape errors of attention_scores.
+template <class Backend>
+result<std::size_t> attention_scores_workspace_size(Backend be, index_t query_heads, index_t kv_heads, index_t w,
+                                                    index_t prefix_len, index_t dim, bool block_keys,
+                                                    index_t out_cols, const score_options& opt = {}) {
+  constexpr const char* fn = "attention_scores_workspace_size";
+  detail::score_shape sh;
+  KVEVICT_TRY(detail::score_shape_from_sizes(fn, query_heads, kv_heads, w, prefix_len, dim, block_keys, out_cols, opt,
+                                             sh));
   detail::score_plan pl;
   KVEVICT_TRY(detail::make_score_plan(fn, sh, detail::thread_count(be), opt, pl));
   return static_cast<std::size_t>(pl.slot_floats * pl.threads) * sizeof(float);
@@ -587,6 +600,16 @@ status check_key_norm_scores(const char* fn, const kv_view<const KE>& keys, cons
     return status::error(errc::overlap, "%s: out overlaps keys in memory", fn);
   return {};
 }
+
+/// The checks of position_scores, shared by every backend: a valid view of at most 2^24 columns
+/// (every position exact in fp32).
+inline status check_position_scores(const char* fn, const matrix_view<float>& out) {
+  KVEVICT_TRY(check_view(fn, "out", out));
+  if (out.extent(1) > (index_t(1) << 24))
+    return status::error(errc::invalid_argument, "%s: positions are exact in fp32 only up to 2^24 tokens (got %lld)",
+                         fn, static_cast<long long>(out.extent(1)));
+  return {};
+}
 }  // namespace detail
 
 /// Knorm: out[h][t] = -||keys[h][t]||_2 (low-norm keys draw attention, so they score high; as
@@ -604,6 +627,19 @@ status key_norm_scores(Backend be, kv_view<K> keys_in, matrix_view<float> out) {
     const index_t h = i / tokens, t = i % tokens;
     out.data_handle()[h * out.stride(0) + t * out.stride(1)] =
         detail::key_norm_score(detail::kv_row(keys, h, t), d, keys.stride(2));
+  });
+  return {};
+}
+
+/// StreamingLLM's recency score: out[h][t] = t, so that after the sinks the most recent tokens rank
+/// highest. out [R][T], T <= 2^24 (exact in fp32). No workspace. Errors: invalid view; T > 2^24
+/// (invalid_argument).
+template <class Backend>
+status position_scores(Backend be, matrix_view<float> out) {
+  KVEVICT_TRY(detail::check_position_scores("position_scores", out));
+  const index_t tokens = out.extent(1);
+  detail::parallel_for(be, out.extent(0), [&](index_t h) {
+    for (index_t t = 0; t < tokens; ++t) out.data_handle()[h * out.stride(0) + t * out.stride(1)] = static_cast<float>(t);
   });
   return {};
 }

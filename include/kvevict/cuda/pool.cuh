@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(stage_rows) pp_tile_kernel(const pp_params a, 
   __shared__ float acc[pp_tile];
   __shared__ float stage[stage_rows * stage_ld];
   const cta_ctx ctx{stage};
-  const index_t tiles = (a.T + pp_tile - 1) / pp_tile, items = a.hkv * tiles;
+  const index_t tiles = pp_tiles_per_row(a.T), items = a.hkv * tiles;
   for (index_t item = blockIdx.x; item < items; item += gridDim.x) {
     const index_t h = item / tiles, t0 = (item % tiles) * pp_tile;
     index_t L = 0, vlen = 0;
@@ -57,33 +57,30 @@ __global__ void __launch_bounds__(stage_rows) pp_tile_kernel(const pp_params a, 
   }
 }
 
-/// One thread per (KV head or row, pooling block): pp_run_block, for kernels above 2 * pp_max_radius + 1.
+/// One thread per (KV head or row, work item of pp_run_block), for kernels above 2 * pp_max_radius + 1.
 /// stash: [hkv][T] floats (pool_first with a group of several heads), else unused.
 template <class VE>
 __global__ void __launch_bounds__(stage_rows) pp_block_kernel(const pp_params a, const pp_values<VE> vals, float* stash,
-                                                             index_t blocks_per_row, int* bad) {
-  const index_t items = a.hkv * blocks_per_row;
+                                                             index_t items_per_row, int* bad) {
+  const index_t items = a.hkv * items_per_row;
   const index_t stride = static_cast<index_t>(gridDim.x) * blockDim.x;
   for (index_t it = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; it < items; it += stride) {
-    const index_t h = it / blocks_per_row, b = it % blocks_per_row;
+    const index_t h = it / items_per_row, b = it % items_per_row;
     index_t L = 0, vlen = 0;
-    if (!pp_row_lengths(a, vals.tv, h, L, vlen, bad, b == 0) || b >= pp_blocks(a.kernel, L)) continue;
+    if (!pp_row_lengths(a, vals.tv, h, L, vlen, bad, b == 0)) continue;
     pp_run_block(a, vals, h, L, vlen, b, stash != nullptr ? stash + h * a.T : nullptr);
   }
 }
 
-/// Upper bound of the pooling blocks of any row of length <= T.
-inline index_t pp_blocks_bound(index_t kernel, index_t T) { return pp_blocks(kernel, T) > 0 ? pp_blocks(kernel, T) : 1; }
-
-/// Launches the fused work: tiled when the kernel fits (or there is no pooling), else by blocks.
+/// Launches the fused work in the decomposition pp_choose_variant picks.
 template <class VE>
 status pp_launch(const char* fn, cuda_t be, const pp_params& a, const pp_values<VE>& vals, float* stash, int* bad) {
   if (a.hkv == 0 || a.T == 0) return {};
-  if (a.pool == pool_kind::none || a.kernel / 2 <= pp_max_radius) {
-    const index_t tiles = (a.T + pp_tile - 1) / pp_tile;
+  if (pp_choose_variant(a.pool, a.kernel) == pp_variant::tiles) {
+    const index_t tiles = pp_tiles_per_row(a.T);
     pp_tile_kernel<VE><<<grid_for(a.hkv * tiles), stage_rows, 0, stream_of(be)>>>(a, vals, bad);
   } else {
-    const index_t bpr = pp_blocks_bound(a.kernel, a.T);
+    const index_t bpr = pp_items_per_row(a);
     pp_block_kernel<VE><<<grid_for((a.hkv * bpr + stage_rows - 1) / stage_rows), stage_rows, 0, stream_of(be)>>>(
         a, vals, stash, bpr, bad);
   }

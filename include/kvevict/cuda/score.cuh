@@ -383,6 +383,13 @@ status attention_scores_cuda(const char* fn, cuda_t be, workspace& ws, const kv_
 
 /// Knorm on the GPU: CTA item (KV head, tile of stage_rows tokens), the key rows staged through shared
 /// memory, thread t summing row t's squares in order k = 0..d-1 (key_sq_accumulate), then -sqrt.
+/// position_scores: out[h][t] = t, one thread per element, grid-stride.
+__global__ void __launch_bounds__(256) position_kernel(float* out, index_t os0, index_t os1, index_t R, index_t T) {
+  const index_t items = R * T, stride = static_cast<index_t>(gridDim.x) * blockDim.x;
+  for (index_t it = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; it < items; it += stride)
+    out[(it / T) * os0 + (it % T) * os1] = static_cast<float>(it % T);
+}
+
 template <class KE>
 __global__ void __launch_bounds__(stage_rows) key_norm_kernel(kv_view<const KE> keys, float* out, index_t os0,
                                                               index_t os1) {
@@ -509,6 +516,36 @@ status key_norm_scores(cuda_t be, kv_view<K> keys_in, matrix_view<float> out) {
   detail::key_norm_kernel<KE><<<detail::grid_for(keys.extent(0) * tiles), detail::stage_rows, 0, detail::stream_of(be)>>>(
       keys, out.data_handle(), out.stride(0), out.stride(1));
   return detail::cuda_status(cudaGetLastError(), fn);
+}
+
+/// position_scores on the GPU (out in device memory): out[h][t] = t, exact. No workspace.
+inline status position_scores(cuda_t be, matrix_view<float> out) {
+  constexpr const char* fn = "position_scores(cuda)";
+  KVEVICT_TRY(detail::check_position_scores(fn, out));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "out", out.data_handle()));
+  const index_t R = out.extent(0), T = out.extent(1);
+  if (R == 0 || T == 0) return {};
+  detail::position_kernel<<<detail::grid_for((R * T + 255) / 256), 256, 0, detail::stream_of(be)>>>(
+      out.data_handle(), out.stride(0), out.stride(1), R, T);
+  return detail::cuda_status(cudaGetLastError(), fn);
+}
+
+/// attention_scores_workspace_size for the GPU overload (its two softmax-statistics buffers).
+inline result<std::size_t> attention_scores_workspace_size(cuda_t, index_t query_heads, index_t kv_heads, index_t w,
+                                                           index_t prefix_len, index_t dim, bool block_keys,
+                                                           index_t out_cols, const score_options& opt = {}) {
+  constexpr const char* fn = "attention_scores_workspace_size(cuda)";
+  detail::score_shape sh;
+  KVEVICT_TRY(detail::score_shape_from_sizes(fn, query_heads, kv_heads, w, prefix_len, dim, block_keys, out_cols, opt,
+                                             sh));
+  detail::cuda_score_plan pl;
+  KVEVICT_TRY(detail::make_cuda_score_plan(fn, sh, pl));
+  workspace q;
+  detail::workspace_carver carver(q);
+  (void)carver.take<detail::softmax_stats>(static_cast<std::size_t>(pl.part_entries));
+  (void)carver.take<detail::softmax_stats>(static_cast<std::size_t>(pl.rows_total));
+  KVEVICT_TRY(carver.finish(fn));
+  return q.bytes;
 }
 
 }  // namespace kvevict

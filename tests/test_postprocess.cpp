@@ -1,12 +1,13 @@
 // postprocess_scores (host) against the chain of the individual stages, bit for bit; the CUDA
-// post-processing decomposition run on the host (detail/pool_block.hpp, detail/postprocess_device.hpp
+// post-processing decomposition run on the host (detail/block/pool_block.hpp, detail/block/postprocess_device.hpp
 // with serial_ctx: pooling blocks, tiles with staged spans, per-block global path, staged norms, the
 // head-max reduction tree) against the host stages, bit for bit; every documented error.
 #include "support.hpp"
 
-#include <kvevict/detail/pool_block.hpp>
-#include <kvevict/detail/postprocess_device.hpp>
-#include <kvevict/detail/score_device.hpp>
+#include <kvevict/detail/block/host_block.hpp>
+#include <kvevict/detail/block/pool_block.hpp>
+#include <kvevict/detail/block/postprocess_device.hpp>
+#include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/pool.hpp>

@@ -20,8 +20,8 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/config.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>

@@ -41,7 +41,7 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/base/checks.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/score.hpp>

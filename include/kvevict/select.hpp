@@ -24,8 +24,8 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/select_host.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/host/select_host.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>

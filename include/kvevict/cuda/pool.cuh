@@ -16,9 +16,9 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/cuda/error.cuh>
 #include <kvevict/cuda/launch.cuh>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/pool_block.hpp>
-#include <kvevict/detail/postprocess_device.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/block/pool_block.hpp>
+#include <kvevict/detail/block/postprocess_device.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>

@@ -22,7 +22,7 @@
 #include <kvevict/cuda/pool.cuh>
 #include <kvevict/cuda/protect.cuh>
 #include <kvevict/cuda/weight.cuh>
-#include <kvevict/detail/postprocess_device.hpp>
+#include <kvevict/detail/block/postprocess_device.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/workspace.hpp>

@@ -8,12 +8,12 @@
 // synchronises the host or allocates: the two-phase workspace holds each row's softmax statistics.
 //
 // The attention matrix is never materialised: pass 1 computes each query row's softmax statistics
-// (max, sum) tile by tile with the online merge of detail/softmax.hpp; pass 2 recomputes the logits
+// (max, sum) tile by tile with the online merge of detail/base/softmax.hpp; pass 2 recomputes the logits
 // tile by tile and adds the probabilities into the per-column reduction. One CTA per (KV head, key
 // tile) holds the tile's keys in shared memory for every query row of the GQA group.
 //
 // Results are deterministic (fixed decomposition and summation order, no atomics) and bit-identical
-// to the host emulation of the same decomposition (tests/score_device_emulation.hpp); they differ
+// to the host emulation of the same decomposition (include/kvevict/detail/block/score_emulation.hpp); they differ
 // from the host backends only by summation order, within the bound of docs/cuda.md. The
 // GQA-reduced output equals gqa_reduce of the per-head output bit for bit.
 #pragma once
@@ -21,9 +21,9 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/cuda/error.cuh>
 #include <kvevict/cuda/launch.cuh>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/score_device.hpp>
-#include <kvevict/detail/softmax.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/block/score_device.hpp>
+#include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/score.hpp>

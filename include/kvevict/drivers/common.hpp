@@ -19,8 +19,8 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/budget.hpp>
 #include <kvevict/compact.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/metrics/footprint.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/recipes.hpp>

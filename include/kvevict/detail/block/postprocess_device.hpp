@@ -15,12 +15,11 @@
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/detail/pool_block.hpp>
-#include <kvevict/detail/softmax.hpp>
-#include <kvevict/gqa.hpp>
-#include <kvevict/postprocess.hpp>
-#include <kvevict/protect.hpp>
-#include <kvevict/weight.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/postprocess_types.hpp>
+#include <kvevict/view.hpp>
+#include <kvevict/detail/block/pool_block.hpp>
+#include <kvevict/detail/base/softmax.hpp>
 
 #include <cstdint>
 
@@ -29,20 +28,6 @@ namespace kvevict::detail {
 inline constexpr index_t pp_tile = 1024;        ///< outputs per tile (per CTA work item)
 inline constexpr index_t pp_max_radius = 1024;  ///< largest kernel / 2 of the tiled path (kernel <= 2049)
 inline constexpr index_t pp_span = pp_tile + 2 * pp_max_radius;  ///< staged inputs of one tile
-
-/// The host context: one thread runs every loop in order; barriers do nothing.
-struct serial_ctx {
-  template <class F>
-  KVEVICT_HOST_DEVICE void each(index_t n, const F& f) const {
-    for (index_t i = 0; i < n; ++i) f(i);
-  }
-  KVEVICT_HOST_DEVICE void sync() const {}
-  /// norms[t] = ||row t||_1 for t < n, row t's element k at base[t * rs + k * es].
-  template <class VE>
-  KVEVICT_HOST_DEVICE void l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) const {
-    for (index_t t = 0; t < n; ++t) norms[t] = value_l1_norm(base + t * rs, d, es);
-  }
-};
 
 /// Arguments of the fused post-processing (and of pooling alone: g = 1, no weighting, no protection).
 struct pp_params {

@@ -1,4 +1,4 @@
-// kvevict/lookahead.hpp: the math of LookaheadKV (Ahn et al., "LookaheadKV: fast and accurate KV
+// kvevict/train/lookahead.hpp: the math of LookaheadKV (Ahn et al., "LookaheadKV: fast and accurate KV
 // cache eviction by glimpsing into the future without generation"): Lookahead LoRA, the lookahead
 // window scores of one head with their backward pass, and the KL / ListNet training loss with its
 // exact gradient. These are building blocks for training and running LookaheadKV; no model code.

@@ -36,7 +36,7 @@
 // Queries and keys are post-RoPE. Element types float, float16, bfloat16; fp32 arithmetic.
 //
 // Scratch: recipe_scores needs one [H_q][T] fp32 score buffer plus the scoring and post-processing
-// stages' own workspaces, all from the caller (two-phase protocol; recipe_scores_workspace_size gives
+// stages' own workspaces, all from the caller (two-phase protocol; recipe_scores_workspace_bytes gives
 // the size from shapes alone). Nothing allocates.
 #pragma once
 
@@ -95,10 +95,7 @@ struct recipe : postprocess_options {
   /// StreamingLLM (Xiao et al. 2024): 4 attention sinks + the most recent tokens; the budget
   /// decides how many recent tokens (budget - n_sink). No attention is computed.
   static recipe streaming_llm(index_t sinks = 4) {
-    recipe r;
-    r.kind = recipe_kind::streaming_llm;
-    r.pool = pool_kind::none;
-    r.kernel = 1;
+    recipe r = unpooled(recipe_kind::streaming_llm);
     r.n_sink = sinks;
     r.n_recent = 0;
     return r;
@@ -110,10 +107,7 @@ struct recipe : postprocess_options {
   /// between heavy hitters and recent tokens; here the recent part is fixed (n_recent), as in
   /// KVCache-Factory, so budgets compare across recipes.
   static recipe h2o() {
-    recipe r;
-    r.kind = recipe_kind::h2o;
-    r.pool = pool_kind::none;
-    r.kernel = 1;
+    recipe r = unpooled(recipe_kind::h2o);
     r.score.reduce = score_reduce::sum;
     return r;
   }
@@ -123,10 +117,7 @@ struct recipe : postprocess_options {
   /// scored like any other column). Deviation: kvpress's TOVAPress averages over all heads, giving
   /// every head the same kept set; here each KV head selects its own.
   static recipe tova() {
-    recipe r;
-    r.kind = recipe_kind::tova;
-    r.pool = pool_kind::none;
-    r.kernel = 1;
+    recipe r = unpooled(recipe_kind::tova);
     r.n_recent = 0;
     return r;
   }
@@ -134,10 +125,7 @@ struct recipe : postprocess_options {
   /// Knorm (Devoto et al. 2024, kvpress KnormPress): keep the keys of smallest L2 norm; nothing
   /// protected.
   static recipe knorm() {
-    recipe r;
-    r.kind = recipe_kind::knorm;
-    r.pool = pool_kind::none;
-    r.kernel = 1;
+    recipe r = unpooled(recipe_kind::knorm);
     r.n_recent = 0;
     return r;
   }
@@ -176,6 +164,16 @@ struct recipe : postprocess_options {
     r.score.gamma = 200.0f;
     r.pool = pool_kind::avg;
     r.kernel = 5;
+    return r;
+  }
+
+ private:
+  /// A recipe of kind k whose scores are not pooled (kernel 1).
+  static recipe unpooled(recipe_kind k) {
+    recipe r;
+    r.kind = k;
+    r.pool = pool_kind::none;
+    r.kernel = 1;
     return r;
   }
 };
@@ -304,16 +302,16 @@ inline postprocess_options recipe_postprocess(const recipe& r, const recipe_bloc
 /// shapes alone: `query_heads` x `query_rows` queries (see the query sources above), `kv_heads`
 /// x `tokens` prompt keys of dimension `dim`, `block_key_rows` own keys of an external block.
 template <class Backend>
-result<std::size_t> recipe_scores_workspace_size(Backend be, const recipe& r, index_t query_heads,
+result<std::size_t> recipe_scores_workspace_bytes(Backend be, const recipe& r, index_t query_heads,
                                                  index_t query_rows, index_t kv_heads, index_t tokens, index_t dim,
                                                  index_t block_key_rows = 0) {
-  constexpr const char* fn = "recipe_scores_workspace_size";
+  constexpr const char* fn = "recipe_scores_workspace_bytes";
   KVEVICT_TRY(detail::check_recipe(fn, r));
   if (!uses_attention(r.kind)) return std::size_t{0};
   detail::recipe_block b;
   KVEVICT_TRY(detail::recipe_block_shape(fn, r, query_rows, tokens, block_key_rows, b));
   const auto inner =
-      attention_scores_workspace_size(be, query_heads, kv_heads, b.w, b.prefix, dim, b.block_keys, b.out_cols, r.score);
+      attention_scores_workspace_bytes(be, query_heads, kv_heads, b.w, b.prefix, dim, b.block_keys, b.out_cols, r.score);
   if (!inner) return inner.error();
   const auto post =
       postprocess_scores_workspace_bytes(be, query_heads, kv_heads, tokens, tokens, detail::recipe_postprocess(r, b));
@@ -380,7 +378,7 @@ status recipe_scores(Backend be, workspace& ws, const recipe& r, kv_view<Q> quer
   const index_t block_rows = r.source == query_source::external_block ? block_keys.extent(1) : 0;
   KVEVICT_TRY(detail::recipe_block_shape(fn, r, queries.extent(1), T, block_rows, b));
   const auto inner_bytes =
-      attention_scores_workspace_size(be, hq, hkv, b.w, b.prefix, queries.extent(2), b.block_keys, b.out_cols, r.score);
+      attention_scores_workspace_bytes(be, hq, hkv, b.w, b.prefix, queries.extent(2), b.block_keys, b.out_cols, r.score);
   if (!inner_bytes) return inner_bytes.error();
   const postprocess_options post = detail::recipe_postprocess(r, b);
   const auto post_bytes = postprocess_scores_workspace_bytes(be, hq, hkv, T, T, post);

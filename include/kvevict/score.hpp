@@ -235,10 +235,10 @@ status attention_scores(Backend be, workspace& ws, kv_view<Q> queries, kv_view<K
 /// block keys): what its size query reports, without views (for composite stages and engines
 /// that size one arena per shape). Errors: the shape errors of attention_scores.
 template <class Backend>
-result<std::size_t> attention_scores_workspace_size(Backend be, index_t query_heads, index_t kv_heads, index_t w,
+result<std::size_t> attention_scores_workspace_bytes(Backend be, index_t query_heads, index_t kv_heads, index_t w,
                                                     index_t prefix_len, index_t dim, bool block_keys,
                                                     index_t out_cols, const score_options& opt = {}) {
-  constexpr const char* fn = "attention_scores_workspace_size";
+  constexpr const char* fn = "attention_scores_workspace_bytes";
   detail::score_shape sh;
   KVEVICT_TRY(detail::score_shape_from_sizes(fn, query_heads, kv_heads, w, prefix_len, dim, block_keys, out_cols, opt,
                                              sh));

@@ -16,7 +16,7 @@ KVEVICT_INSTANTIATE_RECIPE(float16, float16, float16)
 KVEVICT_INSTANTIATE_RECIPE(bfloat16, bfloat16, bfloat16)
 #undef KVEVICT_INSTANTIATE_RECIPE
 
-template result<std::size_t> recipe_scores_workspace_size<cuda_t>(cuda_t, const recipe&, index_t, index_t, index_t,
+template result<std::size_t> recipe_scores_workspace_bytes<cuda_t>(cuda_t, const recipe&, index_t, index_t, index_t,
                                                                   index_t, index_t, index_t);
 template status recipe_select<cuda_t>(cuda_t, workspace&, const recipe&, matrix_view<const float>, matrix_view<pos_t>);
 

@@ -102,24 +102,16 @@ inline status pool1d(cuda_t be, matrix_view<const float> in, matrix_view<float> 
   KVEVICT_TRY(detail::check_device_alignment(fn, "in", in.data_handle()));
   KVEVICT_TRY(detail::check_device_alignment(fn, "out", out.data_handle()));
   KVEVICT_TRY(detail::check_device_alignment(fn, "row_lengths", row_lengths));
-  detail::pp_params a{};
-  a.in = in.data_handle();
-  a.is0 = in.stride(0);
-  a.is1 = in.stride(1);
-  a.out = out.data_handle();
-  a.os0 = out.stride(0);
-  a.os1 = out.stride(1);
-  a.hkv = in.extent(0);
-  a.g = 1;
-  a.T = in.extent(1);
-  a.op = gqa_op::sum;  // one member: the input itself, no arithmetic (NaN bits kept)
-  a.order = gqa_order::gqa_first;
-  a.pool = kind;
-  a.kernel = kernel;
-  a.div = options.divisor;
-  a.weight = false;
+  // the fused work with groups of one row, no weighting and no protection: gqa `sum` over one member
+  // is the input itself, no arithmetic (NaN bits kept)
+  postprocess_options o;
+  o.gqa = gqa_op::sum;
+  o.order = gqa_order::gqa_first;
+  o.pool = kind;
+  o.kernel = kernel;
+  o.divisor = options.divisor;
+  detail::pp_params a = detail::make_pp_params(in, out, o, row_lengths, nullptr, nullptr);
   a.protect = false;
-  a.row_lengths = row_lengths;
   return detail::pp_launch<float>(fn, be, a, detail::pp_values<float>{}, nullptr, bad_rows);
 }
 

@@ -295,6 +295,15 @@ status cs_launch(const char* fn, cuda_t be, const cuda_score_args<QE, KE>& a) {
   return cuda_status(cudaGetLastError(), fn);
 }
 
+/// The CUDA attention_scores' workspace (both phases): per-split and per-row softmax statistics.
+inline status carve_cuda_score(const char* fn, workspace& ws, const cuda_score_plan& pl, softmax_stats*& part,
+                               softmax_stats*& rowst) {
+  workspace_carver carver(ws);
+  part = carver.take<softmax_stats>(static_cast<std::size_t>(pl.part_entries));
+  rowst = carver.take<softmax_stats>(static_cast<std::size_t>(pl.rows_total));
+  return carver.finish(fn);
+}
+
 /// The CUDA attention_scores: per-head output out_h (unless it has 0 rows and out_kv is given) and/or
 /// the GQA-reduced out_kv (if kv_requested).
 template <class QE, class KE>
@@ -331,10 +340,8 @@ status attention_scores_cuda(const char* fn, cuda_t be, workspace& ws, const kv_
   if (!ws.is_query() && reinterpret_cast<std::uintptr_t>(ws.data) % alignof(softmax_stats) != 0)
     return status::error(errc::invalid_argument, "%s: workspace data is not aligned to %zu bytes", fn,
                          alignof(softmax_stats));
-  workspace_carver carver(ws);
-  softmax_stats* const part = carver.take<softmax_stats>(static_cast<std::size_t>(pl.part_entries));
-  softmax_stats* const rowst = carver.take<softmax_stats>(static_cast<std::size_t>(pl.rows_total));
-  KVEVICT_TRY(carver.finish(fn));
+  softmax_stats *part = nullptr, *rowst = nullptr;
+  KVEVICT_TRY(carve_cuda_score(fn, ws, pl, part, rowst));
   if (ws.is_query() || pl.rows_total == 0) return {};
 
   cuda_score_args<QE, KE> a{};
@@ -530,21 +537,19 @@ inline status position_scores(cuda_t be, matrix_view<float> out) {
   return detail::cuda_status(cudaGetLastError(), fn);
 }
 
-/// attention_scores_workspace_size for the GPU overload (its two softmax-statistics buffers).
-inline result<std::size_t> attention_scores_workspace_size(cuda_t, index_t query_heads, index_t kv_heads, index_t w,
+/// attention_scores_workspace_bytes for the GPU overload (its two softmax-statistics buffers).
+inline result<std::size_t> attention_scores_workspace_bytes(cuda_t, index_t query_heads, index_t kv_heads, index_t w,
                                                            index_t prefix_len, index_t dim, bool block_keys,
                                                            index_t out_cols, const score_options& opt = {}) {
-  constexpr const char* fn = "attention_scores_workspace_size(cuda)";
+  constexpr const char* fn = "attention_scores_workspace_bytes(cuda)";
   detail::score_shape sh;
   KVEVICT_TRY(detail::score_shape_from_sizes(fn, query_heads, kv_heads, w, prefix_len, dim, block_keys, out_cols, opt,
                                              sh));
   detail::cuda_score_plan pl;
   KVEVICT_TRY(detail::make_cuda_score_plan(fn, sh, pl));
   workspace q;
-  detail::workspace_carver carver(q);
-  (void)carver.take<detail::softmax_stats>(static_cast<std::size_t>(pl.part_entries));
-  (void)carver.take<detail::softmax_stats>(static_cast<std::size_t>(pl.rows_total));
-  KVEVICT_TRY(carver.finish(fn));
+  detail::softmax_stats *part = nullptr, *rowst = nullptr;
+  KVEVICT_TRY(detail::carve_cuda_score(fn, q, pl, part, rowst));
   return q.bytes;
 }
 

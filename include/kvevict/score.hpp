@@ -109,9 +109,6 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
   KVEVICT_TRY(check_attention_scores(fn, q, prefix, block, out, opt, sh));
   score_plan pl;
   KVEVICT_TRY(make_score_plan(fn, sh, thread_count(be), opt, pl));
-  if (!ws.is_query() && reinterpret_cast<std::uintptr_t>(ws.data) % alignof(float) != 0)
-    return status::error(errc::invalid_argument, "%s: workspace data is not aligned to %zu bytes", fn,
-                         alignof(float));
   workspace_carver carver(ws);
   float* scratch = carver.take<float>(static_cast<std::size_t>(pl.slot_floats * pl.threads));
   KVEVICT_TRY(carver.finish(fn));

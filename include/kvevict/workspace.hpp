@@ -7,8 +7,9 @@
 //
 // The size depends only on shapes and backend (for `par`, on the thread count), never on the
 // data, so one query per shape is enough and the buffer may be reused across calls. Stages that
-// need no scratch ignore the workspace. A buffer smaller than the query's answer gives
-// errc::workspace_too_small.
+// need no scratch ignore the workspace. `ws.data` may have any alignment: the stage aligns its
+// sub-buffers itself and the query's answer includes the worst-case padding for that. A buffer
+// smaller than the query's answer may give errc::workspace_too_small.
 #pragma once
 
 #include <kvevict/status.hpp>
@@ -27,41 +28,66 @@ struct workspace {
 
 namespace detail {
 
+/// The largest alignment a carved sub-buffer gets, and so the worst-case padding (this minus one)
+/// every size query includes: the caller's `ws.data` may have any alignment (an arena pointer + 4).
+inline constexpr std::size_t workspace_max_align = 64;
+
+/// Test hook: when set, called with every pointer a carver hands out, alignof(T) and the requested
+/// alignment (tests check them; one load and branch per sub-buffer, nothing per element).
+inline void (*workspace_take_hook)(const void* p, std::size_t type_align, std::size_t align) = nullptr;
+
 /// Hands out aligned sub-buffers of a workspace, computing the same layout in both phases.
 ///   workspace_carver c(ws);
 ///   float* a = c.take<float>(n);  int* b = c.take<int>(m);
 ///   if (auto st = c.finish("fn"); !st.ok() || ws.is_query()) return st;
+/// The layout starts at `ws.data` rounded up to workspace_max_align (the absolute address, so a
+/// 64-bit counter is aligned whatever the caller's pointer); a query adds the worst-case padding,
+/// so its answer is enough for any base alignment. Offsets (`used()`) count from `ws.data`.
 class workspace_carver {
  public:
   explicit workspace_carver(workspace& ws) noexcept : ws_(ws) {}
 
   template <class T>
-  T* take(std::size_t count, std::size_t align = 64) noexcept {
+  T* take(std::size_t count, std::size_t align = workspace_max_align) noexcept {
+    static_assert(alignof(T) <= workspace_max_align, "workspace_carver: type over-aligned for a workspace");
+    // align divides workspace_max_align, so an aligned base keeps every offset's alignment absolute
+    if (align < alignof(T)) align = alignof(T);
+    if (align > workspace_max_align || (align & (align - 1)) != 0) align = workspace_max_align;
+    if (!started_) {
+      started_ = true;
+      pad_ = ws_.is_query() ? workspace_max_align - 1
+                            : (workspace_max_align - reinterpret_cast<std::uintptr_t>(ws_.data) % workspace_max_align) %
+                                  workspace_max_align;
+    }
     offset_ = (offset_ + align - 1) / align * align;
-    T* p = ws_.is_query() || offset_ + count * sizeof(T) > ws_.bytes
+    T* p = ws_.is_query() || pad_ + offset_ + count * sizeof(T) > ws_.bytes
                ? nullptr
-               : reinterpret_cast<T*>(static_cast<unsigned char*>(ws_.data) + offset_);
+               : reinterpret_cast<T*>(static_cast<unsigned char*>(ws_.data) + pad_ + offset_);
     offset_ += count * sizeof(T);
+    if (p != nullptr && workspace_take_hook != nullptr) workspace_take_hook(p, alignof(T), align);
     return p;
   }
 
-  std::size_t used() const noexcept { return offset_; }
+  /// Bytes from `ws.data` to the end of the last sub-buffer (on a query: with the worst-case padding).
+  std::size_t used() const noexcept { return pad_ + offset_; }
 
   /// On a query, stores the size needed; otherwise checks the buffer was big enough.
   status finish(const char* fn) noexcept {
     if (ws_.is_query()) {
-      ws_.bytes = offset_;
+      ws_.bytes = used();
       return {};
     }
-    if (ws_.bytes < offset_)
+    if (ws_.bytes < used())
       return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
-                           fn, ws_.bytes, offset_);
+                           fn, ws_.bytes, used());
     return {};
   }
 
  private:
   workspace& ws_;
-  std::size_t offset_ = 0;
+  bool started_ = false;
+  std::size_t pad_ = 0;     ///< bytes from ws.data to the aligned base (query: the worst case)
+  std::size_t offset_ = 0;  ///< from the aligned base
 };
 
 }  // namespace detail

@@ -79,15 +79,6 @@ inline byte_range ws_range(const workspace& ws) {
   return {b, b + ws.bytes};
 }
 
-/// A workspace starting `offset` bytes into `ws` (a query when ws is a query).
-inline workspace sub_workspace(const workspace& ws, std::size_t offset) {
-  workspace s;
-  if (ws.is_query()) return s;
-  s.data = static_cast<unsigned char*>(ws.data) + offset;
-  s.bytes = ws.bytes > offset ? ws.bytes - offset : 0;
-  return s;
-}
-
 }  // namespace detail
 
 /// AdaKV for one layer: scores [H][T] (one row per KV head, protected with protect(opt.prot);
@@ -124,21 +115,15 @@ status adakv_budgets(Backend be, workspace& ws, matrix_view<const float> scores,
     return status::error(errc::invalid_argument, "%s: unknown adakv_floor value %d", fn, static_cast<int>(opt.floor));
   if (budget < 0)
     return status::error(errc::invalid_argument, "%s: budget %lld is negative", fn, static_cast<long long>(budget));
-  // the floors go first in the workspace, select_topk_flat's scratch after them
-  detail::workspace_carver carver(ws);
-  std::int32_t* floors = carver.take<std::int32_t>(static_cast<std::size_t>(H));
-  const std::size_t offset = (carver.used() + 63) / 64 * 64;
-  workspace sel = detail::sub_workspace(ws, offset);
+  // the floors go first in the workspace, select_topk_flat's scratch (its own query's size) after them
   workspace query;
   const index_t total_q = budget > INT32_MAX / H ? 0 : budget * H;  // range checked below
   KVEVICT_TRY(select_topk_flat(be, query, scores, lengths, total_q, nullptr, kept_cu, kept_pos));
-  if (ws.is_query()) {
-    ws.bytes = offset + query.bytes;
-    return {};
-  }
-  if (ws.bytes < offset + query.bytes)
-    return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
-                         fn, ws.bytes, offset + query.bytes);
+  detail::workspace_carver carver(ws);
+  std::int32_t* floors = carver.take<std::int32_t>(static_cast<std::size_t>(H));
+  workspace sel{carver.take<unsigned char>(query.bytes), query.bytes};
+  KVEVICT_TRY(carver.finish(fn));
+  if (ws.is_query()) return {};
   const detail::byte_range wr = detail::ws_range(ws);
   if (wr.intersects(detail::range_of(scores))) return detail::select_overlap(fn, "the workspace", "scores");
   if (wr.intersects(detail::array_range(lengths, H, sizeof(std::int32_t))))

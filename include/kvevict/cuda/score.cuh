@@ -337,9 +337,6 @@ status attention_scores_cuda(const char* fn, cuda_t be, workspace& ws, const kv_
   if (kv_requested) KVEVICT_TRY(check_device_alignment(fn, "out_kv", out_kv.data_handle()));
   cuda_score_plan pl;
   KVEVICT_TRY(make_cuda_score_plan(fn, sh, pl));
-  if (!ws.is_query() && reinterpret_cast<std::uintptr_t>(ws.data) % alignof(softmax_stats) != 0)
-    return status::error(errc::invalid_argument, "%s: workspace data is not aligned to %zu bytes", fn,
-                         alignof(softmax_stats));
   softmax_stats *part = nullptr, *rowst = nullptr;
   KVEVICT_TRY(carve_cuda_score(fn, ws, pl, part, rowst));
   if (ws.is_query() || pl.rows_total == 0) return {};

@@ -617,14 +617,18 @@ template <class Backend>
 std::size_t select_bytes(Backend be, allocator kind, index_t H, index_t C) {
   std::size_t n = select_topk_workspace_bytes(be, C);
   if (kind == allocator::flattened || kind == allocator::lava || kind == allocator::adakv) {
-    workspace q;
-    workspace_carver c(q);
-    if (kind == allocator::adakv) {
+    workspace flat;
+    workspace_carver fc(flat);
+    (void)carve_flat_ws(fc, H, C, thread_count(be));
+    (void)fc.finish("select_bytes");
+    workspace q = flat;
+    if (kind == allocator::adakv) {  // adakv_budgets: H floors, then select_topk_flat's workspace
+      q = workspace{};
+      workspace_carver c(q);
       (void)c.take<std::int32_t>(static_cast<std::size_t>(H));
-      (void)c.take<unsigned char>(0);  // select_topk_flat's scratch starts 64-byte aligned after the floors
+      (void)c.take<unsigned char>(flat.bytes);
+      (void)c.finish("select_bytes");
     }
-    (void)carve_flat_ws(c, H, C, thread_count(be));
-    (void)c.finish("select_bytes");
     n = q.bytes > n ? q.bytes : n;
   }
   return n;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -48,17 +49,18 @@ struct dbuf {
   }
 };
 
-/// Two-phase workspace in device memory.
+/// Two-phase workspace in device memory, `shift` bytes into its allocation (a misaligned base must work).
 struct dws {
   void* p = nullptr;
   workspace ws;
+  std::size_t shift = 0;
   template <class F>
   status run(F&& f) {
     workspace q;
     KVEVICT_TRY(f(q));
     if (p != nullptr) cudaFree(p);
-    KVGPU_CUDA(cudaMalloc(&p, std::max<std::size_t>(1, q.bytes)));
-    ws = workspace{p, q.bytes};
+    KVGPU_CUDA(cudaMalloc(&p, std::max<std::size_t>(1, q.bytes + shift)));
+    ws = workspace{static_cast<unsigned char*>(p) + shift, q.bytes};
     return f(ws);
   }
   ~dws() { cudaFree(p); }
@@ -97,6 +99,7 @@ float draw(std::mt19937_64& g, int dist, index_t i) {
   }
 }
 
+const std::size_t misalign[] = {0, 1, 4};  // workspace offsets into its allocation, by trial
 const select_algo algos[] = {select_algo::auto_, select_algo::one_block, select_algo::multi_block};
 
 // ---- part 1: host-side checks ----------------------------------------------------------------------
@@ -157,6 +160,28 @@ void host_checks() {
   workspace fq;
   KVGPU_CHECK(select_topk_flat(kvevict::cuda, fq, scores, lens.data(), 10, nullptr, cu.data(), out.data()).ok());
   KVGPU_CHECK(fq.bytes > 4 * 3 * 8192);
+  // misaligned device arrays (an arena pointer + 1 or + 2 bytes): a clear error, never a launch
+  const auto shifted = [](auto* p, int bytes) {
+    using P = decltype(p);
+    return reinterpret_cast<P>(reinterpret_cast<std::uintptr_t>(p) + bytes);
+  };
+  const auto odd_scores = *make_matrix_view(shifted(static_cast<const float*>(sc.data()), 1), 4, 99);
+  KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, odd_scores, lens.data(), kept), errc::invalid_argument,
+                         "select_topk(cuda): scores is not aligned to 4 bytes"));
+  KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, shifted(lens.data(), 2), kept), errc::invalid_argument,
+                         "row_lengths is not aligned to 4 bytes"));
+  KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, lens.data(), *make_matrix_view(shifted(out.data(), 4), 4, 9)),
+                         errc::invalid_argument, "kept is not aligned to 8 bytes"));
+  KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, nullptr, ragged_positions_out{shifted(out.data(), 4), cu.data(), 4}),
+                         errc::invalid_argument, "kept.pos is not aligned to 8 bytes"));
+  KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, nullptr, ragged_positions_out{out.data(), shifted(cu.data(), 1), 4}),
+                         errc::invalid_argument, "kept.cu is not aligned to 4 bytes"));
+  KVGPU_CHECK(fails_with(select_topk_flat(kvevict::cuda, ws, scores, nullptr, 10, nullptr, shifted(cu.data(), 2), out.data()),
+                         errc::invalid_argument, "select_topk_flat(cuda): kept_cu is not aligned to 4 bytes"));
+  KVGPU_CHECK(fails_with(select_topk_flat(kvevict::cuda, ws, scores, nullptr, 10, nullptr, cu.data(), shifted(out.data(), 4)),
+                         errc::invalid_argument, "kept_pos is not aligned to 8 bytes"));
+  KVGPU_CHECK(fails_with(select_topk_flat(kvevict::cuda, ws, scores, nullptr, 10, shifted(lens.data(), 1), cu.data(), out.data()),
+                         errc::invalid_argument, "floors is not aligned to 4 bytes"));
   std::printf("select(cuda) host-side checks: %d failures\n", kvgpu::failures);
 }
 
@@ -203,6 +228,7 @@ void dense_and_ragged(std::mt19937_64& g, int trial) {
     o.bad_rows = d_bad.p;
     dbuf<pos_t> d_kept(ref.size());
     dws w1;
+    w1.shift = misalign[trial % 3];
     KVGPU_CHECK(w1.run([&](workspace& w) {
                     return select_topk(kvevict::cuda, w, dev_scores, d_lens.p, *make_matrix_view(d_kept.p, R, k), o);
                   }).ok());
@@ -210,6 +236,7 @@ void dense_and_ragged(std::mt19937_64& g, int trial) {
     o.pos_capacity = trial % 2 ? cu.back() : -1;
     o.synchronize = trial % 3 == 0;
     dws w2;
+    w2.shift = misalign[(trial + 1) % 3];
     KVGPU_CHECK(w2.run([&](workspace& w) {
                     return select_topk(kvevict::cuda, w, dev_scores, d_lens.p, ragged_positions_out{d_pos.p, d_cu.p, R}, o);
                   }).ok());
@@ -257,6 +284,7 @@ void flat(std::mt19937_64& g, int trial) {
     dbuf<std::int32_t> d_cu(cu_ref.size());
     dbuf<pos_t> d_pos(ref.size());
     dws w;
+    w.shift = misalign[trial % 3];
     KVGPU_CHECK(w.run([&](workspace& ws) {
                    return select_topk_flat(kvevict::cuda, ws, dev_scores, d_lens.p, total, use_floors ? d_floors.p : nullptr,
                                            d_cu.p, d_pos.p, o);

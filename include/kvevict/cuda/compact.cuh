@@ -29,6 +29,7 @@
 
 #include <kvevict/compact.hpp>
 #include <kvevict/cuda/block.cuh>
+#include <kvevict/cuda/launch.cuh>
 #include <kvevict/detail/block/compact_block.hpp>
 #include <kvevict/workspace.hpp>
 
@@ -222,6 +223,26 @@ byte_range first_row(const T* data, index_t row_stride) {
   return rows_range(data, data != nullptr ? 1 : 0, row_stride);
 }
 
+/// errc::invalid_argument unless the ragged positions' device arrays are aligned for their types.
+inline status check_kept_alignment(const char* fn, const ragged_positions& kept) {
+  KVEVICT_TRY(check_device_alignment(fn, "kept.cu", kept.cu));
+  return check_device_alignment(fn, "kept.pos", kept.pos);
+}
+
+/// errc::invalid_argument unless a ragged cache's rows, offsets and lengths are aligned for their types.
+template <class T>
+status check_cache_alignment(const char* fn, const char* name, const ragged_cache<T>& cache) {
+  const char* field[3] = {"data", "cu_capacity", "lens"};
+  const std::uintptr_t addr[3] = {reinterpret_cast<std::uintptr_t>(cache.data),
+                                  reinterpret_cast<std::uintptr_t>(cache.cu_capacity),
+                                  reinterpret_cast<std::uintptr_t>(cache.lens)};
+  const std::size_t align[3] = {alignof(T), alignof(std::int32_t), alignof(std::int32_t)};
+  for (int i = 0; i < 3; ++i)
+    if (addr[i] % align[i] != 0)
+      return status::error(errc::invalid_argument, "%s: %s.%s is not aligned to %zu bytes", fn, name, field[i], align[i]);
+  return {};
+}
+
 /// In place: workspace (per head: rows to move or -1, tile ticket, read prefix, ring of read flags:
 /// 8 + 4 x 514 B), validation kernel, tiled copy kernel. `touched` are the host-known ranges the call reads or writes.
 template <class T, class Heads>
@@ -272,6 +293,9 @@ status compact(cuda_t be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_v
   constexpr const char* fn = "compact(cuda)";
   const kv_view<const T> src = src_in;
   KVEVICT_TRY(detail::check_compact_dense_shapes(fn, src, kept, dst));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "src", src.data_handle()));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "kept", kept.data_handle()));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "dst", static_cast<const T*>(dst.data_handle())));
   const index_t rows = kept.extent(0) * kept.extent(1), dim = src.extent(2);
   if (rows == 0 || dim == 0) return {};
   const bool contiguous = src.stride(2) == 1 && dst.stride(2) == 1;
@@ -316,6 +340,10 @@ status check_ragged_gather(const char* fn, const kv_view<const T>& src, const ra
   if (kept.cu == nullptr) return status::error(errc::null_pointer, "%s: kept.cu offsets are null", fn);
   if (dst_cu == nullptr) return status::error(errc::null_pointer, "%s: %s offsets are null", fn, dst_cu_name);
   KVEVICT_TRY(check_ragged_rows_device<T>(fn, "dst", row_stride));
+  KVEVICT_TRY(check_device_alignment(fn, "src", src.data_handle()));
+  KVEVICT_TRY(check_kept_alignment(fn, kept));
+  KVEVICT_TRY(check_device_alignment(fn, "dst.data", dst));
+  KVEVICT_TRY(check_device_alignment(fn, dst_cu_name, dst_cu));
   const byte_range d = first_row(dst, row_stride);
   if (range_of(src).intersects(d)) return overlap_error(fn, "src", "dst");
   if (positions_range(kept.pos, 1).intersects(d)) return overlap_error(fn, "kept", "dst");
@@ -349,6 +377,7 @@ status compact(cuda_t be, kv_view<S> src_in, ragged_positions kept, ragged_cache
   KVEVICT_TRY(detail::check_ragged_gather(fn, src, kept, dst.heads, dst.dim, dst.row_stride,
                                           static_cast<const T*>(dst.data), dst.cu_capacity, "dst.cu_capacity"));
   if (dst.lens == nullptr && dst.heads > 0) return status::error(errc::null_pointer, "%s: dst.lens is null", fn);
+  KVEVICT_TRY(detail::check_device_alignment(fn, "dst.lens", static_cast<const std::int32_t*>(dst.lens)));
   return detail::launch_ragged_gather<T, true>(be, fn, src, kept, dst.data, dst.cu_capacity, dst.lens,
                                                dst.row_stride, bad_positions);
 }
@@ -362,6 +391,8 @@ status compact_inplace(cuda_t be, workspace& ws, kv_view<T> cache, matrix_view<c
                        int* bad_positions = nullptr) {
   constexpr const char* fn = "compact_inplace(cuda)";
   KVEVICT_TRY(detail::check_inplace_dense_shape(fn, cache, kept));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "cache", static_cast<const T*>(cache.data_handle())));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "kept", kept.data_handle()));
   const bool contiguous = cache.stride(2) == 1;
   const detail::dense_inplace_heads<T> heads{cache, kept};
   const detail::byte_range touched[2] = {detail::range_of(cache), detail::range_of(kept)};
@@ -381,6 +412,8 @@ status compact_inplace(cuda_t be, workspace& ws, ragged_cache<T> cache, ragged_p
   if (cache.cu_capacity == nullptr)
     return status::error(errc::null_pointer, "%s: cache.cu_capacity offsets are null", fn);
   KVEVICT_TRY(detail::check_ragged_rows_device<T>(fn, "cache", cache.row_stride));
+  KVEVICT_TRY(detail::check_cache_alignment(fn, "cache", cache));
+  KVEVICT_TRY(detail::check_kept_alignment(fn, kept));
   if (detail::positions_range(kept.pos, 1).intersects(detail::first_row(cache.data, cache.row_stride)))
     return detail::overlap_error(fn, "kept", "cache");
   const detail::ragged_inplace_heads<T> heads{cache, kept};
@@ -411,6 +444,8 @@ status append(cuda_t be, ragged_cache<T> cache, kv_view<S> rows_in, int* bad_hea
     return status::error(errc::null_pointer, "%s: cache.cu_capacity offsets are null", fn);
   KVEVICT_TRY(detail::check_ragged_layout(fn, "cache", cache.dim, cache.row_stride));
   KVEVICT_TRY(detail::check_ragged_rows_device<T>(fn, "cache", cache.row_stride));
+  KVEVICT_TRY(detail::check_cache_alignment(fn, "cache", cache));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "rows", rows.data_handle()));
   if (detail::range_of(rows).intersects(detail::first_row(cache.data, cache.row_stride)))
     return detail::overlap_error(fn, "rows", "cache");
   const index_t H = cache.heads, n = rows.extent(1), dim = cache.dim;

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <kvevict/cuda/block.cuh>
+#include <kvevict/cuda/launch.cuh>
 #include <kvevict/detail/block/select_block.hpp>
 #include <kvevict/select.hpp>
 
@@ -271,6 +272,17 @@ inline status finish_select(cudaStream_t st, const char* fn, const select_dev_ws
   return {};
 }
 
+/// errc::invalid_argument unless every device array the selection kernels read or write is aligned
+/// for its type (a misaligned pointer faults on the GPU); null pointers pass.
+inline status check_select_alignment(const char* fn, matrix_view<const float> scores, const std::int32_t* row_lengths,
+                                     const std::int32_t* floors, const pos_t* positions, const char* positions_name,
+                                     const std::int32_t* offsets, const char* offsets_name) {
+  KVEVICT_TRY(check_device_alignment(fn, "scores", scores.data_handle()));
+  KVEVICT_TRY(check_device_alignment(fn, "row_lengths", row_lengths));
+  KVEVICT_TRY(check_device_alignment(fn, "floors", floors));
+  KVEVICT_TRY(check_device_alignment(fn, positions_name, positions));
+  return check_device_alignment(fn, offsets_name, offsets);
+}
 }  // namespace detail
 
 /// Dense top-k on the GPU: row r of kept ([R][k]) receives, ascending, the positions of the k best
@@ -285,6 +297,7 @@ inline status select_topk(cuda_t be, workspace& ws, matrix_view<const float> sco
   constexpr const char* fn = "select_topk(cuda)";
   KVEVICT_TRY(detail::check_select_dense(fn, scores, row_lengths, kept));
   KVEVICT_TRY(detail::check_select_options(fn, options));
+  KVEVICT_TRY(detail::check_select_alignment(fn, scores, row_lengths, nullptr, kept.data_handle(), "kept", nullptr, ""));
   const index_t R = scores.extent(0), T = scores.extent(1), k = kept.extent(1);
   if (k > T && R > 0)
     return status::error(errc::invalid_argument, "%s: k = %lld is larger than the rows' %lld columns", fn,
@@ -316,6 +329,7 @@ inline status select_topk(cuda_t be, workspace& ws, matrix_view<const float> sco
   KVEVICT_TRY(detail::check_select_options(fn, options));
   const index_t total = options.pos_capacity;
   KVEVICT_TRY(detail::check_select_ragged_out(fn, scores, row_lengths, kept, total));
+  KVEVICT_TRY(detail::check_select_alignment(fn, scores, row_lengths, nullptr, kept.pos, "kept.pos", kept.cu, "kept.cu"));
   const index_t R = scores.extent(0), T = scores.extent(1);
   const detail::select_plan plan = detail::plan_select(R, T, static_cast<int>(options.algo));
   detail::workspace_carver carver(ws);
@@ -343,6 +357,7 @@ inline status select_topk_flat(cuda_t be, workspace& ws, matrix_view<const float
   constexpr const char* fn = "select_topk_flat(cuda)";
   KVEVICT_TRY(detail::check_select_flat(fn, scores, row_lengths, total, floors, kept_cu, kept_pos));
   KVEVICT_TRY(detail::check_select_options(fn, options));
+  KVEVICT_TRY(detail::check_select_alignment(fn, scores, row_lengths, floors, kept_pos, "kept_pos", kept_cu, "kept_cu"));
   const index_t R = scores.extent(0), T = scores.extent(1);
   const detail::select_plan plan = detail::plan_select(R, T, static_cast<int>(options.algo));
   detail::workspace_carver carver(ws);

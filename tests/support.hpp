@@ -3,10 +3,14 @@
 
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
+#include <kvevict/workspace.hpp>
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -42,4 +46,76 @@ inline void require_error(const kvevict::status& st, kvevict::errc code, const s
   CHECK(std::string(st.message()).find(needle) != std::string::npos);
 }
 
+
+/// Offsets of a workspace pointer from a 64-byte aligned base the tests use: any base must work.
+inline constexpr std::size_t workspace_shifts[] = {0, 1, 4, 8};
+
+/// While alive, counts every pointer a workspace carver hands out and those not aligned to their
+/// type or to the requested alignment (atomic: `par` stages carve on worker threads too).
+class carver_alignment_probe {
+ public:
+  carver_alignment_probe() {
+    taken() = 0;
+    misaligned() = 0;
+    kvevict::detail::workspace_take_hook = &observe;
+  }
+  ~carver_alignment_probe() { kvevict::detail::workspace_take_hook = nullptr; }
+  carver_alignment_probe(const carver_alignment_probe&) = delete;
+  carver_alignment_probe& operator=(const carver_alignment_probe&) = delete;
+  static std::atomic<long>& taken() {
+    static std::atomic<long> n{0};
+    return n;
+  }
+  static std::atomic<long>& misaligned() {
+    static std::atomic<long> n{0};
+    return n;
+  }
+
+ private:
+  static void observe(const void* p, std::size_t type_align, std::size_t align) {
+    const auto u = reinterpret_cast<std::uintptr_t>(p);
+    ++taken();
+    if (u % type_align != 0 || u % align != 0) ++misaligned();
+  }
+};
+
+/// The raw bytes of some vectors, concatenated (bit-identity of results, NaNs included).
+template <class... V>
+std::vector<unsigned char> bytes_of(const V&... v) {
+  std::vector<unsigned char> out;
+  const auto add = [&out](const auto& x) {
+    const auto* b = reinterpret_cast<const unsigned char*>(x.data());
+    out.insert(out.end(), b, b + x.size() * sizeof(x[0]));
+  };
+  (add(v), ...);
+  return out;
+}
+
+/// Runs a two-phase call (status(workspace&)): a query, then the call with exactly the queried
+/// bytes at each of workspace_shifts from a 64-byte aligned base (the buffer filled with garbage
+/// first). Every run must succeed, outputs() (a snapshot of the results) must be the same for
+/// every shift, and every pointer the carvers hand out must be aligned.
+template <class F, class G>
+void check_workspace_shifts(F&& call, G&& outputs) {
+  kvevict::workspace q;
+  const kvevict::status qs = call(q);
+  REQUIRE_MESSAGE(qs.ok(), qs.message());
+  std::vector<unsigned char> arena(q.bytes + 128);
+  unsigned char* base = arena.data() + (64 - reinterpret_cast<std::uintptr_t>(arena.data()) % 64) % 64;
+  carver_alignment_probe probe;
+  decltype(outputs()) reference{};
+  for (const std::size_t shift : workspace_shifts) {
+    CAPTURE(shift);
+    std::fill(arena.begin(), arena.end(), static_cast<unsigned char>(0xa5));
+    kvevict::workspace ws{base + shift, q.bytes};
+    const kvevict::status st = call(ws);
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    if (shift == 0)
+      reference = outputs();
+    else
+      CHECK(outputs() == reference);
+  }
+  if (q.bytes > 0) CHECK(carver_alignment_probe::taken() > 0);
+  CHECK(carver_alignment_probe::misaligned() == 0);
+}
 }  // namespace kvtest

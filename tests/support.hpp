@@ -50,6 +50,18 @@ inline void require_error(const kvevict::status& st, kvevict::errc code, const s
 /// Offsets of a workspace pointer from a 64-byte aligned base the tests use: any base must work.
 inline constexpr std::size_t workspace_shifts[] = {0, 1, 4, 8};
 
+/// A workspace of exactly `bytes` inside `mem` (resized, filled with `fill`), at the next of
+/// workspace_shifts from a 64-byte aligned base (cycling call by call): the tests' two-phase
+/// helpers use it, so every stage they run also runs on misaligned workspace pointers.
+inline kvevict::workspace shifted_workspace(std::vector<unsigned char>& mem, std::size_t bytes,
+                                            unsigned char fill = 0) {
+  static std::atomic<unsigned> calls{0};
+  const std::size_t shift = workspace_shifts[calls++ % (sizeof(workspace_shifts) / sizeof(workspace_shifts[0]))];
+  mem.assign(bytes + 64 + shift, fill);
+  unsigned char* base = mem.data() + (64 - reinterpret_cast<std::uintptr_t>(mem.data()) % 64) % 64;
+  return kvevict::workspace{base + shift, bytes};
+}
+
 /// While alive, counts every pointer a workspace carver hands out and those not aligned to their
 /// type or to the requested alignment (atomic: `par` stages carve on worker threads too).
 class carver_alignment_probe {

@@ -163,11 +163,7 @@ void protect_scores(std::vector<float>& s, index_t R, index_t T, const protectio
 }
 
 workspace alloc_ws(std::vector<unsigned char>& buf, std::size_t bytes) {
-  buf.assign(bytes + 1, 0);
-  workspace ws;
-  ws.data = buf.data();
-  ws.bytes = bytes;
-  return ws;
+  return kvtest::shifted_workspace(buf, bytes);
 }
 
 }  // namespace
@@ -1305,4 +1301,23 @@ TEST_CASE("docs example: LAVa end to end, one layer at a time, with cascading") 
     }
   }
   CHECK(total == cfg.total);
+}
+
+TEST_CASE("adakv_budgets: a workspace at any base alignment gives bit-identical results (seq, par)") {
+  auto g = kvtest::rng(2127);
+  const index_t H = 4, T = 300, B = 40;
+  const auto s = kvtest::random_floats(g, static_cast<std::size_t>(H * T));
+  std::vector<std::int32_t> lens = {300, 120, 41, 250};
+  const auto run = [&](auto be) {
+    std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1), -1);
+    std::vector<pos_t> pos(static_cast<std::size_t>(B * H), -1);
+    kvtest::check_workspace_shifts(
+        [&](workspace& ws) {
+          return adakv_budgets(be, ws, value_of(make_matrix_view(s.data(), H, T)), lens.data(), B, adakv_options{},
+                               cu.data(), pos.data());
+        },
+        [&] { return kvtest::bytes_of(cu, pos); });
+    return kvtest::bytes_of(cu, pos);
+  };
+  CHECK(run(seq) == run(par_t{3}));
 }

@@ -145,7 +145,7 @@ struct aligned_buf {
 template <class Driver, class Backend>
 workspace make_ws(const Driver& d, Backend be, aligned_buf& buf) {
   const std::size_t n = value_of(d.workspace_bytes(be));
-  return workspace{buf.get(n), n};
+  return kvtest::shifted_workspace(buf.b, n);  // misaligned bases too
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -178,8 +178,8 @@ std::vector<float> ref_head_scores(const recipe& r, const synth& s, index_t l, i
   const auto sv = value_of(make_matrix_view(out.data(), 1, n));
   workspace ws;
   REQUIRE(recipe_scores(seq, ws, r, kq, kk, vv, sv, bkv).ok());
-  std::vector<unsigned char> buf(ws.bytes + 64);
-  ws.data = buf.data();
+  std::vector<unsigned char> buf;
+  ws = kvtest::shifted_workspace(buf, ws.bytes);
   const status st = recipe_scores(seq, ws, r, kq, kk, vv, sv, bkv);
   REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
   out.resize(static_cast<std::size_t>(n));

@@ -83,8 +83,8 @@ status two_phase(F&& f) {
   workspace ws;
   status st = f(ws);
   if (!st.ok()) return st;
-  std::vector<unsigned char> mem(std::max<std::size_t>(ws.bytes, 1));
-  ws.data = mem.data();
+  std::vector<unsigned char> mem;
+  ws = kvtest::shifted_workspace(mem, ws.bytes);
   return f(ws);
 }
 

@@ -27,8 +27,8 @@ status two_phase(F&& f) {
   workspace ws;
   const status q = f(ws);
   if (!q.ok()) return q;
-  std::vector<std::max_align_t> buf(ws.bytes / sizeof(std::max_align_t) + 1);
-  ws.data = buf.data();
+  std::vector<unsigned char> buf;
+  ws = kvtest::shifted_workspace(buf, ws.bytes);
   return f(ws);
 }
 

@@ -257,8 +257,8 @@ std::vector<float> host_fused(Backend be, const case_data<V>& c) {
   const auto ov = value_of(make_matrix_view(out.data(), c.hkv, c.T));
   workspace ws;
   REQUIRE(postprocess_scores(be, ws, c.in_view(), ov, c.values_view(), c.opt, c.rl(), c.vl()).ok());
-  std::vector<unsigned char> mem(ws.bytes + 1);
-  ws.data = mem.data();
+  std::vector<unsigned char> mem;
+  ws = kvtest::shifted_workspace(mem, ws.bytes);
   REQUIRE(postprocess_scores(be, ws, c.in_view(), ov, c.values_view(), c.opt, c.rl(), c.vl()).ok());
   return out;
 }
@@ -342,6 +342,16 @@ void compare_fused(std::uint64_t seed, int trials) {
     const auto fused = host_fused(seq, c);
     const auto fused_par = host_fused(par, c);
     const auto emu = emulated_fused(c);
+    if (trial < 6) {  // any base alignment of the workspace: the same bits, aligned sub-buffers
+      std::vector<float> shifted(fused_par.size(), -3.f);
+      const auto ov = value_of(make_matrix_view(shifted.data(), c.hkv, c.T));
+      kvtest::check_workspace_shifts(
+          [&](workspace& ws) {
+            return postprocess_scores(par, ws, c.in_view(), ov, c.values_view(), c.opt, c.rl(), c.vl());
+          },
+          [&] { return kvtest::bytes_of(shifted); });
+      CHECK(kvtest::bytes_of(shifted) == kvtest::bytes_of(fused_par));
+    }
     for (index_t h = 0; h < c.hkv; ++h) {
       CAPTURE(h);
       const index_t L = c.use_row_lengths ? c.row_lengths[static_cast<std::size_t>(h)] : c.T;
@@ -399,8 +409,8 @@ TEST_CASE("postprocess_scores: defaults, no-values overload, empty shapes") {
   const auto iv = value_of(make_matrix_view<const float>(in.data(), 4, 10));
   const auto ov = value_of(make_matrix_view(out.data(), 2, 10));
   REQUIRE(postprocess_scores(seq, ws, iv, ov, o).ok());
-  CHECK(ws.bytes == 2 * 10 * sizeof(float));
-  std::vector<float> mem(ws.bytes / sizeof(float));
+  CHECK(ws.bytes == detail::workspace_max_align - 1 + 2 * 10 * sizeof(float));  // + the worst-case base padding
+  std::vector<float> mem((ws.bytes + sizeof(float) - 1) / sizeof(float));
   ws.data = mem.data();
   REQUIRE(postprocess_scores(seq, ws, iv, ov, o).ok());
   // max pooling 7 then mean over pairs of query heads

@@ -188,8 +188,8 @@ std::vector<float> run_scores(Backend be, const recipe& r, const problem& p) {
   const auto predicted = recipe_scores_workspace_bytes(be, r, p.hq, p.w, p.hkv, p.T, p.d, p.bk.empty() ? 0 : p.w);
   REQUIRE(predicted.ok());
   CHECK(*predicted == ws.bytes);
-  std::vector<unsigned char> buf(ws.bytes + 64);
-  ws.data = buf.data() + (64 - reinterpret_cast<std::uintptr_t>(buf.data()) % 64) % 64;
+  std::vector<unsigned char> buf;
+  ws = kvtest::shifted_workspace(buf, ws.bytes);
   const status st = recipe_scores(be, ws, r, q, k, v, s, bk);
   REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
   return out;

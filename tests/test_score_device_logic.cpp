@@ -175,8 +175,8 @@ void run_case(std::mt19937_64& g, index_t hkv, index_t group, index_t w, index_t
   const auto ekv = value_of(make_matrix_view(emu_kv.data(), hkv, oc));
   workspace ws;
   REQUIRE(attention_scores(seq, ws, qv, split.prefix, block, hv, opt).ok());
-  std::vector<unsigned char> mem(ws.bytes + 64);
-  ws.data = mem.data();
+  std::vector<unsigned char> mem;
+  ws = kvtest::shifted_workspace(mem, ws.bytes);
   REQUIRE(attention_scores(seq, ws, qv, split.prefix, block, hv, opt).ok());
   REQUIRE(kvevict::detail::emulate_cuda_attention_scores(qv, split.prefix, block, ev, ekv, op, opt).ok());
   // the GQA-reduced output is gqa_reduce of the per-head output, bit for bit

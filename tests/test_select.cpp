@@ -151,8 +151,7 @@ status with_workspace(F&& f, std::vector<unsigned char>& mem) {
   if (!q.ok()) MESSAGE(std::string("query failed: ").append(q.message()));
   KVEVICT_TRY(q);
   REQUIRE(ws.data == nullptr);
-  mem.assign(std::max<std::size_t>(1, ws.bytes), 0xab);
-  ws.data = mem.data();
+  ws = kvtest::shifted_workspace(mem, ws.bytes, 0xab);
   const status st = f(ws);
   if (!st.ok()) MESSAGE(std::string("call failed: ").append(st.message()));
   return st;
@@ -806,4 +805,38 @@ TEST_CASE("select_topk: empty shapes are valid") {
   CHECK(with_workspace([&](workspace& ws) { return select_topk_flat(par, ws, empty_rows, nullptr, 0, nullptr, cu, nullptr); }, mem).ok());
   CHECK(cu[4] == 0);
   CHECK(out == -1);
+}
+
+// ---- misaligned workspaces ----------------------------------------------------------------------
+
+TEST_CASE("select: a workspace at any base alignment gives bit-identical results (seq, par)") {
+  auto g = kvtest::rng(2126);
+  const index_t R = 5, T = 700, k = 37;
+  const auto sc = kvtest::random_floats(g, static_cast<std::size_t>(R * T));
+  const auto scores = value_of(make_matrix_view(sc.data(), R, T));
+  std::vector<std::int32_t> lens = {700, 0, 37, 512, 699}, floors = {3, 0, 5, 10, 0};
+  std::vector<std::int32_t> cu(R + 1);
+  for (index_t r = 0; r < R; ++r) cu[r + 1] = cu[r] + std::min<std::int32_t>(lens[r], 20);
+  const auto run_all = [&](auto be) {
+    std::vector<pos_t> dense(static_cast<std::size_t>(R * k));
+    kvtest::check_workspace_shifts(
+        [&](workspace& ws) { return select_topk(be, ws, scores, nullptr, value_of(make_matrix_view(dense.data(), R, k))); },
+        [&] { return dense; });
+    std::vector<pos_t> ragged(static_cast<std::size_t>(cu.back()));
+    kvtest::check_workspace_shifts(
+        [&](workspace& ws) {
+          return select_topk(be, ws, scores, lens.data(), ragged_positions_out{ragged.data(), cu.data(), R});
+        },
+        [&] { return ragged; });
+    const index_t total = 300;
+    std::vector<std::int32_t> kcu(R + 1);
+    std::vector<pos_t> kpos(total);
+    kvtest::check_workspace_shifts(
+        [&](workspace& ws) {
+          return select_topk_flat(be, ws, scores, lens.data(), total, floors.data(), kcu.data(), kpos.data());
+        },
+        [&] { return kvtest::bytes_of(kcu, kpos); });
+    return kvtest::bytes_of(dense, ragged, kcu, kpos);
+  };
+  CHECK(run_all(seq) == run_all(par_t{3}));
 }

@@ -93,8 +93,7 @@ struct emulator {
     detail::workspace_carver c1(q);
     (void)f(c1, q);
     REQUIRE(c1.finish("emulator").ok());
-    mem.assign(std::max<std::size_t>(q.bytes, 1), 0xa5);
-    ws = workspace{mem.data(), mem.size()};
+    ws = kvtest::shifted_workspace(mem, q.bytes, 0xa5);
     detail::workspace_carver c2(ws);
     auto w = f(c2, ws);
     REQUIRE(c2.finish("emulator").ok());
@@ -215,8 +214,7 @@ template <class F>
 void with_ws(F&& f) {
   workspace q;
   REQUIRE(f(q).ok());
-  g_host_ws.assign(std::max<std::size_t>(1, q.bytes), 0);
-  workspace ws{g_host_ws.data(), g_host_ws.size()};
+  workspace ws = kvtest::shifted_workspace(g_host_ws, q.bytes);
   REQUIRE(f(ws).ok());
 }
 

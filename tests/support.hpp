@@ -53,10 +53,12 @@ inline constexpr std::size_t workspace_shifts[] = {0, 1, 4, 8};
 /// A workspace of exactly `bytes` inside `mem` (resized, filled with `fill`), at the next of
 /// workspace_shifts from a 64-byte aligned base (cycling call by call): the tests' two-phase
 /// helpers use it, so every stage they run also runs on misaligned workspace pointers.
+/// `misaligned_only`: skip the aligned shift 0.
 inline kvevict::workspace shifted_workspace(std::vector<unsigned char>& mem, std::size_t bytes,
-                                            unsigned char fill = 0) {
+                                            unsigned char fill = 0, bool misaligned_only = false) {
   static std::atomic<unsigned> calls{0};
-  const std::size_t shift = workspace_shifts[calls++ % (sizeof(workspace_shifts) / sizeof(workspace_shifts[0]))];
+  constexpr unsigned n = sizeof(workspace_shifts) / sizeof(workspace_shifts[0]);
+  const std::size_t shift = misaligned_only ? workspace_shifts[1 + calls++ % (n - 1)] : workspace_shifts[calls++ % n];
   mem.assign(bytes + 64 + shift, fill);
   unsigned char* base = mem.data() + (64 - reinterpret_cast<std::uintptr_t>(mem.data()) % 64) % 64;
   return kvevict::workspace{base + shift, bytes};

@@ -145,7 +145,7 @@ struct aligned_buf {
 template <class Driver, class Backend>
 workspace make_ws(const Driver& d, Backend be, aligned_buf& buf) {
   const std::size_t n = value_of(d.workspace_bytes(be));
-  return kvtest::shifted_workspace(buf.b, n);  // misaligned bases too
+  return kvtest::shifted_workspace(buf.b, n, 0, true);  // every driver runs on a misaligned workspace
 }
 
 // ------------------------------------------------------------------------------------------------

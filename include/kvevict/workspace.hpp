@@ -9,7 +9,7 @@
 // data, so one query per shape is enough and the buffer may be reused across calls. Stages that
 // need no scratch ignore the workspace. `ws.data` may have any alignment: the stage aligns its
 // sub-buffers itself and the query's answer includes the worst-case padding for that. A buffer
-// smaller than the query's answer may give errc::workspace_too_small.
+// smaller than the query's answer gives errc::workspace_too_small (on any base).
 #pragma once
 
 #include <kvevict/status.hpp>
@@ -60,10 +60,11 @@ class workspace_carver {
                                   workspace_max_align;
     }
     offset_ = (offset_ + align - 1) / align * align;
-    T* p = ws_.is_query() || pad_ + offset_ + count * sizeof(T) > ws_.bytes
-               ? nullptr
-               : reinterpret_cast<T*>(static_cast<unsigned char*>(ws_.data) + pad_ + offset_);
+    const std::size_t at = offset_;
     offset_ += count * sizeof(T);
+    T* p = ws_.is_query() || needed() > ws_.bytes
+               ? nullptr
+               : reinterpret_cast<T*>(static_cast<unsigned char*>(ws_.data) + pad_ + at);
     if (p != nullptr && workspace_take_hook != nullptr) workspace_take_hook(p, alignof(T), align);
     return p;
   }
@@ -71,15 +72,19 @@ class workspace_carver {
   /// Bytes from `ws.data` to the end of the last sub-buffer (on a query: with the worst-case padding).
   std::size_t used() const noexcept { return pad_ + offset_; }
 
+  /// The query's answer: the layout plus the worst-case padding, whatever this call's base (so a
+  /// buffer smaller than its query fails on every base, not only on unlucky ones).
+  std::size_t needed() const noexcept { return started_ ? workspace_max_align - 1 + offset_ : 0; }
+
   /// On a query, stores the size needed; otherwise checks the buffer was big enough.
   status finish(const char* fn) noexcept {
     if (ws_.is_query()) {
-      ws_.bytes = used();
+      ws_.bytes = needed();
       return {};
     }
-    if (ws_.bytes < used())
+    if (ws_.bytes < needed())
       return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
-                           fn, ws_.bytes, used());
+                           fn, ws_.bytes, needed());
     return {};
   }
 

@@ -716,7 +716,7 @@ void cascade_matches_reselection(Backend be, cascade_split split, std::uint64_t 
     CAPTURE(H);
     CAPTURE(N);
     CAPTURE(cfg.total);
-    const std::size_t bytes = value_of(layer_cascade::memory_bytes(cfg));
+    const std::size_t bytes = value_of(layer_cascade::state_bytes(cfg));
     std::vector<unsigned char> mem(bytes);
     layer_cascade c;
     REQUIRE(c.init(cfg, mem.data(), bytes).ok());
@@ -845,7 +845,7 @@ TEST_CASE("layer_cascade: a worked example and the memory bound") {
   cfg.prompt_length = 10;
   cfg.prot = {0, 2};
   cfg.total = 48;
-  const std::size_t bytes = value_of(layer_cascade::memory_bytes(cfg));
+  const std::size_t bytes = value_of(layer_cascade::state_bytes(cfg));
   std::vector<unsigned char> mem(bytes + 3);
   layer_cascade c;
   REQUIRE(c.init(cfg, mem.data() + 3, bytes).ok());  // any alignment
@@ -881,7 +881,7 @@ TEST_CASE("layer_cascade: errors") {
   cfg.prompt_length = 10;
   cfg.prot = {1, 2};
   cfg.total = 20;
-  const std::size_t bytes = value_of(layer_cascade::memory_bytes(cfg));
+  const std::size_t bytes = value_of(layer_cascade::state_bytes(cfg));
   std::vector<unsigned char> mem(bytes);
   layer_cascade c;
   std::vector<float> s(20, 0.5f);
@@ -891,7 +891,7 @@ TEST_CASE("layer_cascade: errors") {
 
   auto bad = cfg;
   bad.layers = 0;
-  require_error(layer_cascade::memory_bytes(bad).error(), errc::invalid_argument, "0 layers");
+  require_error(layer_cascade::state_bytes(bad).error(), errc::invalid_argument, "0 layers");
   bad = cfg;
   bad.heads = 0;
   require_error(c.init(bad, mem.data(), bytes), errc::invalid_argument, "0 KV heads");
@@ -917,7 +917,7 @@ TEST_CASE("layer_cascade: errors") {
   bad.prompt_length = 1 << 12;
   require_error(c.init(bad, mem.data(), bytes), errc::invalid_argument, "int32 offsets");
   require_error(c.init(cfg, nullptr, bytes), errc::null_pointer, "memory is null");
-  require_error(c.init(cfg, mem.data(), bytes - 1), errc::workspace_too_small, "memory_bytes");
+  require_error(c.init(cfg, mem.data(), bytes - 1), errc::workspace_too_small, "state_bytes");
 
   REQUIRE(c.init(cfg, mem.data(), bytes).ok());
   REQUIRE(c.add_layer(seq, q, 0, cmat(s, 2, 10), 1.0).ok());
@@ -1239,7 +1239,7 @@ TEST_CASE("docs example: LAVa end to end, one layer at a time, with cascading") 
   cfg.prot = {0, w};
   cfg.total = B * Hkv * L;
   cfg.split = cascade_split::flattened;
-  std::vector<unsigned char> mem(value_of(layer_cascade::memory_bytes(cfg)));
+  std::vector<unsigned char> mem(value_of(layer_cascade::state_bytes(cfg)));
   layer_cascade cascade;
   REQUIRE(cascade.init(cfg, mem.data(), mem.size()).ok());
 

@@ -732,7 +732,7 @@ TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's ca
     workspace ws = make_ws(drv, seq, wb);
     // by hand: the same stages and a layer_cascade of its own
     cascade_config cc{L, H, N, {r.n_sink, r.n_recent}, cfg.total, cfg.split};
-    std::vector<unsigned char> cmem(value_of(layer_cascade::memory_bytes(cc)));
+    std::vector<unsigned char> cmem(value_of(layer_cascade::state_bytes(cc)));
     layer_cascade hand;
     REQUIRE(hand.init(cc, cmem.data(), cmem.size()).ok());
     auto layers = make_layers(L, H, d, N);

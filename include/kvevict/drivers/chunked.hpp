@@ -19,7 +19,7 @@
 // new chunk) with the query block and evicts down to the budget or p% of the evictable rows.
 #pragma once
 
-#include <kvevict/drivers/common.hpp>
+#include <kvevict/drivers/detail/driver_skeleton.hpp>
 
 #include <cmath>
 

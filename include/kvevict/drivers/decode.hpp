@@ -16,7 +16,7 @@
 // gather queries); on other steps an empty view is accepted.
 #pragma once
 
-#include <kvevict/drivers/common.hpp>
+#include <kvevict/drivers/detail/driver_skeleton.hpp>
 
 namespace kvevict {
 

@@ -12,7 +12,7 @@
 // weights are kept in the driver's state until decide().
 #pragma once
 
-#include <kvevict/drivers/common.hpp>
+#include <kvevict/drivers/detail/driver_skeleton.hpp>
 
 namespace kvevict {
 

@@ -1,5 +1,5 @@
-// kvevict/drivers/cascade.hpp: layer-by-layer prefill with cascading budgets (LAVa Algorithm 2,
-// CAKE's cascading cache management), on top of budget/cascade.hpp's layer_cascade.
+// kvevict/drivers/cascade_driver.hpp: layer-by-layer prefill with cascading budgets (LAVa Algorithm 2,
+// CAKE's cascading cache management), on top of budget/layer_cascade.hpp's layer_cascade.
 //
 //   cascade_driver d;
 //   d.init(cfg, memory, cascade_driver::state_bytes(cfg).value(), &recorder /*optional*/);
@@ -13,7 +13,7 @@
 // L H N (peak_rows() reports it).
 #pragma once
 
-#include <kvevict/drivers/common.hpp>
+#include <kvevict/drivers/detail/driver_skeleton.hpp>
 #include <kvevict/drivers/post_fill.hpp>
 
 namespace kvevict {
@@ -49,7 +49,7 @@ class cascade_driver {
  public:
   static result<std::size_t> state_bytes(const cascade_driver_config& cfg) {
     KVEVICT_TRY(validate("cascade_driver::state_bytes", cfg));
-    return layer_cascade::memory_bytes(cascade_cfg(cfg));
+    return layer_cascade::state_bytes(cascade_cfg(cfg));
   }
 
   /// Errors: as post_fill_driver's model / recipe / query errors; the cascade's configuration
@@ -126,13 +126,6 @@ class cascade_driver {
       eo.norm = cfg_.norm;
       KVEVICT_TRY(lava_layer_entropy(be, sv, nullptr, eo, &e));
     }
-    {
-      workspace q;
-      KVEVICT_TRY(cascade_.add_layer(be, q, layer, sv, e));
-      if (q.bytes > w.cascade.bytes)
-        return status::error(errc::workspace_too_small, "%s: the cascade needs %zu bytes of workspace, %zu were planned",
-                             fn, q.bytes, w.cascade.bytes);
-    }
     const index_t before = cascade_.held_total();
     KVEVICT_TRY(cascade_.add_layer(be, w.cascade, layer, sv, e));
     if (before + H * N > peak_) peak_ = before + H * N;
@@ -142,7 +135,7 @@ class cascade_driver {
     return {};
   }
 
-  /// The cascade's answers (budget/cascade.hpp): the new layer's kept rows are prompt positions
+  /// The cascade's answers (budget/layer_cascade.hpp): the new layer's kept rows are prompt positions
   /// (= rows of its un-evicted cache); a lower layer's are rows of what it held before the step.
   bool changed(index_t layer) const noexcept { return ok_ && cascade_.changed(layer); }
   ragged_positions kept(index_t layer) const noexcept { return ok_ ? cascade_.kept(layer) : ragged_positions{}; }
@@ -189,7 +182,7 @@ class cascade_driver {
     bool bk = false;
     detail::row_rules rr;
     KVEVICT_TRY(detail::prompt_queries(fn, c.rec, c.tokens, c.query_rows, &rows, &bk, &rr));
-    const auto m = layer_cascade::memory_bytes(cascade_cfg(c));
+    const auto m = layer_cascade::state_bytes(cascade_cfg(c));
     if (!m) return m.error();
     return {};
   }
@@ -201,22 +194,12 @@ class cascade_driver {
     const auto slot = detail::score_slot_bytes(be, cfg_.rec, cfg_.model.query_heads / H, query_rows_, N,
                                                cfg_.model.head_dim, block_keys_, H, &slots);
     if (!slot) return slot.error();
-    // layer_cascade's workspace: the largest selection of a step (docs/budget.md): flattened,
-    // select_topk_flat over [H][N] or select_topk over one row of min(total, H N) scores;
-    // per_head, select_topk over [H][N]. add_layer checks it against the cascade's own query.
-    std::size_t cq = 0;
-    if (cfg_.split == cascade_split::flattened) {
-      const index_t row = cfg_.total < H * N ? cfg_.total : H * N;
-      cq = detail::select_bytes(be, allocator::flattened, H, N);
-      const std::size_t one = select_topk_workspace_size(be, row);
-      cq = one > cq ? one : cq;
-    } else {
-      cq = select_topk_workspace_size(be, N);
-    }
+    const auto cq = cascade_.workspace_bytes(be);
+    if (!cq) return cq.error();
     detail::workspace_carver c(ws);
     w.scores = c.take<float>(static_cast<std::size_t>(H * N));
     detail::carve_score_scratch(c, w.sc, *slot, slots, H);
-    w.cascade = workspace{c.take<unsigned char>(cq), cq};
+    w.cascade = workspace{c.take<unsigned char>(*cq), *cq};
     return c.finish("cascade_driver");
   }
 

@@ -4,6 +4,8 @@
 //   <kvevict/drivers/layer_kv.hpp>   layer_kv (ragged keys / values + original positions),
 //                                    make_layer_kv, ragged_from_dense, model_shape
 //   <kvevict/budget/allocation.hpp>  allocator, allocation (the budget rule a driver consumes)
+//   <kvevict/drivers/compact_layer.hpp> compact_layer: a driver's answer applied to a layer's keys,
+//                                    values and positions at once
 //   <kvevict/drivers/post_fill.hpp>  post_fill_driver   one shot after the prefill; per-layer
 //                                                       (uniform, PyramidKV, AdaKV) and all-layer
 //                                                       (LAVa entropy, CAKE preference) budgets
@@ -22,6 +24,7 @@
 #include <kvevict/budget/allocation.hpp>
 #include <kvevict/drivers/cascade_driver.hpp>
 #include <kvevict/drivers/chunked.hpp>
+#include <kvevict/drivers/compact_layer.hpp>
 #include <kvevict/drivers/decode.hpp>
 #include <kvevict/drivers/layer_kv.hpp>
 #include <kvevict/drivers/post_fill.hpp>

@@ -45,24 +45,23 @@ struct cascade_driver_config {
 /// layer_cascade::add_layer; kept / changed / positions are the cascade's. Recording: every
 /// eviction happens at step N (the prompt is processed at once, layer by layer): after each step
 /// the new layer and every layer whose holdings changed are recorded with retain_only.
-class cascade_driver {
+class cascade_driver : public detail::driver_skeleton<cascade_driver, cascade_driver_config> {
+  friend class detail::driver_skeleton<cascade_driver, cascade_driver_config>;
+
  public:
-  static result<std::size_t> state_bytes(const cascade_driver_config& cfg) {
-    KVEVICT_TRY(validate("cascade_driver::state_bytes", cfg));
-    return layer_cascade::state_bytes(cascade_cfg(cfg));
-  }
+  static constexpr const char* name = "cascade_driver";
+
+  // state_bytes(cfg) (layer_cascade::state_bytes), workspace_bytes(be): detail::driver_skeleton.
 
   /// Errors: as post_fill_driver's model / recipe / query errors; the cascade's configuration
   /// errors (total below the protected tokens or above L H N, per_head total not a multiple of H);
   /// unknown weight source or entropy norm; recorder shape; memory null or too small.
   status init(const cascade_driver_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
     constexpr const char* fn = "cascade_driver::init";
-    KVEVICT_TRY(validate(fn, cfg));
-    KVEVICT_TRY(detail::check_recorder(fn, recorder, cfg.model, cfg.tokens));
+    unsigned char* base = nullptr;
+    KVEVICT_TRY(bind(fn, cfg, memory, bytes, recorder, cfg.tokens, &base));
     KVEVICT_TRY(cascade_.init(cascade_cfg(cfg), memory, bytes));
     cfg_ = cfg;
-    rec_ = recorder;
-    mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
     bool bk = false;
     rules_ = {};
     (void)detail::prompt_queries(fn, cfg.rec, cfg.tokens, cfg.query_rows, &query_rows_, &bk, &rules_);
@@ -75,19 +74,11 @@ class cascade_driver {
     return {};
   }
 
-  template <class Backend>
-  result<std::size_t> workspace_bytes(Backend be) const {
-    if (!ok_) return status::error(errc::invalid_argument, "cascade_driver::workspace_bytes: not initialised (init)");
-    workspace q;
-    ws_layout w;
-    KVEVICT_TRY(carve(be, q, w));
-    return q.bytes;
-  }
-
   /// Layer `layer` (in order) was prefilled over the whole prompt: kv holds, in every head, rows
   /// 0..N-1 at positions 0..N-1; queries / block_keys as post_fill_driver::add_layer; weight: the
-  /// layer's CAKE preference when cfg.weight == caller (ignored otherwise). Afterwards kept(j) /
-  /// changed(j) tell the engine what to compact (j <= layer).
+  /// layer's CAKE preference when cfg.weight == caller (ignored otherwise). Scores every head with
+  /// recipe_scores, then does what add_layer_scores does. Afterwards kept(j) / changed(j) tell the
+  /// engine what to compact (j <= layer).
   /// Errors (nothing changes): not initialised; layer out of order or past L; a head not holding
   /// the whole prompt; the layer's layout, positions, queries and block keys (as post-fill); a
   /// weight NaN, infinite or negative; unprotected scores the entropy refuses; workspace too small
@@ -98,41 +89,39 @@ class cascade_driver {
     constexpr const char* fn = "cascade_driver::add_layer";
     using QE = std::remove_const_t<Q>;
     const kv_view<const QE> queries = queries_in;
-    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
-    ws_layout w;
-    KVEVICT_TRY(carve(be, ws, w));
+    detail::call_scratch w;
+    KVEVICT_TRY(open_call(fn, be, ws, w));
     if (ws.is_query()) return {};
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, N = cfg_.tokens;
-    const index_t added = cascade_.layers_added();
-    if (layer != added || layer >= L)
-      return added >= L ? status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added", fn,
-                                        static_cast<long long>(layer), static_cast<long long>(L))
-                        : status::error(errc::invalid_argument,
-                                        "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
-                                        static_cast<long long>(layer), static_cast<long long>(added));
-    KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rules_));
+    KVEVICT_TRY(check_layer_call(fn, layer, kv, rules_));
     KVEVICT_TRY(detail::check_queries(fn, queries, query_rows_, cfg_.model, block_keys, block_keys_));
-    if (detail::ws_range(ws).intersects(mem_))
-      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
-    if (cfg_.weight == weight_source::caller && (!(weight >= 0.0) || weight - weight != 0.0))
-      return status::error(errc::invalid_argument, "%s: layer %lld's weight is %g (must be finite and >= 0)", fn,
-                           static_cast<long long>(layer), weight);
-    KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, cfg_.model.query_heads / H, queries, block_keys, w.scores, N));
-    const auto sv = detail::rows_view<const float>(w.scores, H, N, N);
-    double e = weight;
-    if (cfg_.weight == weight_source::lava_entropy) {
-      lava_entropy_options eo;
-      eo.prot = detail::recipe_protection(cfg_.rec);
-      eo.norm = cfg_.norm;
-      KVEVICT_TRY(lava_layer_entropy(be, sv, nullptr, eo, &e));
-    }
-    const index_t before = cascade_.held_total();
-    KVEVICT_TRY(cascade_.add_layer(be, w.cascade, layer, sv, e));
-    if (before + H * N > peak_) peak_ = before + H * N;
-    if (rec_ != nullptr)
-      for (index_t j = 0; j <= layer; ++j)
-        if (cascade_.changed(j)) KVEVICT_TRY(rec_->retain_only(j, cascade_.positions(j), N));
-    return {};
+    KVEVICT_TRY(check_ws_weight(fn, ws, layer, weight));
+    const index_t H = cfg_.model.kv_heads;
+    KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, cfg_.model.query_heads / H, queries, block_keys, w.scores,
+                                    cfg_.tokens));
+    return add_scored(be, w, layer, weight);
+  }
+
+  /// add_layer with scores an engine or a trained scorer computed instead of the queries: scores
+  /// [H][>= N] (row h: head h's rows 0..N-1), higher = keep; the driver copies them and protects
+  /// the recipe's {n_sink, n_recent}, so recipe_scores' output gives exactly add_layer's result.
+  /// kv: the layer's cache holding the whole prompt; weight as add_layer's. Workspace: add_layer's.
+  /// Errors (nothing changes): add_layer's, except the query ones; scores of the wrong shape or NaN.
+  template <class Backend, class T>
+  status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+                          matrix_view<const float> scores, double weight = 0.0) {
+    constexpr const char* fn = "cascade_driver::add_layer_scores";
+    detail::call_scratch w;
+    KVEVICT_TRY(open_call(fn, be, ws, w));
+    if (ws.is_query()) return {};
+    detail::row_rules rr;
+    rr.tokens = rr.capacity = cfg_.tokens;
+    rr.whole = true;
+    KVEVICT_TRY(check_layer_call(fn, layer, kv, rr));
+    KVEVICT_TRY(detail::check_layer_scores(fn, scores, kv.keys.lens, cfg_.model.kv_heads));
+    KVEVICT_TRY(check_ws_weight(fn, ws, layer, weight));
+    KVEVICT_TRY(detail::take_layer_scores(be, scores, kv.keys.lens, cfg_.model.kv_heads,
+                                          detail::recipe_protection(cfg_.rec), w.scores, cfg_.tokens));
+    return add_scored(be, w, layer, weight);
   }
 
   /// The cascade's answers (budget/layer_cascade.hpp): the new layer's kept rows are prompt positions
@@ -153,12 +142,6 @@ class cascade_driver {
   const cascade_driver_config& config() const noexcept { return cfg_; }
 
  private:
-  struct ws_layout {
-    float* scores = nullptr;
-    detail::score_scratch sc;
-    workspace cascade;
-  };
-
   static cascade_config cascade_cfg(const cascade_driver_config& c) {
     cascade_config k;
     k.layers = c.model.layers;
@@ -187,31 +170,63 @@ class cascade_driver {
     return {};
   }
 
+  static std::size_t plan_bytes(const cascade_driver_config& c) { return *layer_cascade::state_bytes(cascade_cfg(c)); }
+
   template <class Backend>
-  status carve(Backend be, workspace& ws, ws_layout& w) const {
+  status carve(Backend be, workspace& ws, detail::call_scratch& w) const {
     const index_t H = cfg_.model.kv_heads, N = cfg_.tokens;
-    int slots = 1;
+    detail::call_scratch_shape s;
+    s.H = H;
+    s.C = N;
+    s.recording = false;  // the cascade records with retain_only
     const auto slot = detail::score_slot_bytes(be, cfg_.rec, cfg_.model.query_heads / H, query_rows_, N,
-                                               cfg_.model.head_dim, block_keys_, H, &slots);
+                                               cfg_.model.head_dim, block_keys_, H, &s.slots);
     if (!slot) return slot.error();
+    s.slot = *slot;
     const auto cq = cascade_.workspace_bytes(be);
     if (!cq) return cq.error();
-    detail::workspace_carver c(ws);
-    w.scores = c.take<float>(static_cast<std::size_t>(H * N));
-    detail::carve_score_scratch(c, w.sc, *slot, slots, H);
-    w.cascade = workspace{c.take<unsigned char>(*cq), *cq};
-    return c.finish("cascade_driver");
+    s.sel = *cq;
+    return detail::carve_call_scratch(name, ws, s, w);
+  }
+
+  template <class T>
+  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, const detail::row_rules& rr) const {
+    KVEVICT_TRY(check_order(fn, layer, cascade_.layers_added(), cfg_.model.layers));
+    return detail::check_layer(fn, layer, kv, cfg_.model.kv_heads, cfg_.model.head_dim, rr);
+  }
+
+  status check_ws_weight(const char* fn, const workspace& ws, index_t layer, double weight) const {
+    KVEVICT_TRY(check_ws(fn, ws));
+    return cfg_.weight == weight_source::caller ? detail::check_layer_weight(fn, layer, weight, "weight") : status{};
+  }
+
+  /// A scored layer (w.scores, protected): its weight, the cascade's step, the recording.
+  template <class Backend>
+  status add_scored(Backend be, detail::call_scratch& w, index_t layer, double weight) {
+    const index_t H = cfg_.model.kv_heads, N = cfg_.tokens;
+    const auto sv = detail::rows_view<const float>(w.scores, H, N, N);
+    double e = weight;
+    if (cfg_.weight == weight_source::lava_entropy) {
+      lava_entropy_options eo;
+      eo.prot = detail::recipe_protection(cfg_.rec);
+      eo.norm = cfg_.norm;
+      KVEVICT_TRY(lava_layer_entropy(be, sv, nullptr, eo, &e));
+    }
+    const index_t before = cascade_.held_total();
+    KVEVICT_TRY(cascade_.add_layer(be, w.sel, layer, sv, e));
+    if (before + H * N > peak_) peak_ = before + H * N;
+    if (rec_ != nullptr)
+      for (index_t j = 0; j <= layer; ++j)
+        if (cascade_.changed(j)) KVEVICT_TRY(rec_->retain_only(j, cascade_.positions(j), N));
+    return {};
   }
 
   cascade_driver_config cfg_{};
   layer_cascade cascade_{};
-  eviction_recorder* rec_ = nullptr;
-  detail::byte_range mem_{};
   detail::row_rules rules_{};
   index_t query_rows_ = 0;
   bool block_keys_ = false;
   index_t peak_ = 0;
-  bool ok_ = false;
 };
 
 }  // namespace kvevict

@@ -14,6 +14,7 @@
 #include <kvevict/workspace.hpp>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <type_traits>
 
@@ -225,6 +226,228 @@ status select_layer(Backend be, workspace& ws, allocator kind, const matrix_view
   }
   if (kind == allocator::adakv) return adakv_budgets(be, ws, scores, lens, total / H, ao, cu, pos);
   return select_topk_flat(be, ws, scores, lens, total, nullptr, cu, pos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The skeleton every driver is built on
+
+/// The workspace of one driver call; pieces a driver does not use are empty.
+struct call_scratch {
+  float* scores = nullptr;  ///< [H][C] scores of the layer being decided (when not kept in the state)
+  float* acc = nullptr;     ///< decode H2O: [H][C] sums after this step, committed when it succeeds
+  score_scratch sc;         ///< per-head recipe_scores slots
+  workspace sel;            ///< the selection's (select_bytes) or the cascade's workspace
+  std::int32_t* counts = nullptr;      ///< [H] rows each head keeps
+  pos_t* evicted = nullptr;            ///< [H][C] positions of the dropped rows (recording)
+  std::int32_t* evicted_cu = nullptr;  ///< [H + 1]
+  index_t* caps = nullptr;    ///< [L] all-layer allocators: evictable rows of each layer
+  index_t* shares = nullptr;  ///< [L] their apportioned shares
+  index_t* totals = nullptr;  ///< [L] their layer totals
+};
+
+/// What a driver call's workspace holds: every size from the callees' own size queries.
+struct call_scratch_shape {
+  index_t H = 0, C = 0;
+  bool scores = true;     ///< [H][C] scores in the workspace (false: the driver's state keeps them)
+  bool acc = false;       ///< decode H2O's step sums
+  std::size_t slot = 0;   ///< one scoring slot (score_slot_bytes)
+  int slots = 1;
+  std::size_t sel = 0;    ///< selection bytes
+  bool recording = true;  ///< counts, evicted rows
+  index_t layers = 0;     ///< all-layer allocators: L (caps, shares, totals); 0 otherwise
+};
+
+inline status carve_call_scratch(const char* fn, workspace& ws, const call_scratch_shape& s, call_scratch& w) {
+  const auto HC = static_cast<std::size_t>(s.H * s.C), H = static_cast<std::size_t>(s.H),
+             L = static_cast<std::size_t>(s.layers);
+  workspace_carver c(ws);
+  w.scores = c.take<float>(s.scores ? HC : 0);
+  w.acc = c.take<float>(s.acc ? HC : 0);
+  carve_score_scratch(c, w.sc, s.slot, s.slots, s.H);
+  w.sel = workspace{c.take<unsigned char>(s.sel), s.sel};
+  w.counts = c.take<std::int32_t>(s.recording ? H : 0);
+  w.evicted = c.take<pos_t>(s.recording ? HC : 0);
+  w.evicted_cu = c.take<std::int32_t>(s.recording ? H + 1 : 0);
+  w.caps = c.take<index_t>(L);
+  w.shares = c.take<index_t>(L);
+  w.totals = c.take<index_t>(L);
+  return c.finish(fn);
+}
+
+/// The parts every driver shares: binding the state memory and the recorder, the workspace size
+/// (the driver's carve() run as a query), and the first checks of every call. Derived, a driver
+/// (friend of this class), provides
+///   static constexpr const char* name;                             "post_fill_driver", ...
+///   static status validate(const char* fn, const Config&);         configuration errors
+///   static std::size_t plan_bytes(const Config&);                  state bytes of a valid config
+///   template <class Backend> status carve(Backend, workspace&, call_scratch&) const;
+template <class Derived, class Config>
+class driver_skeleton {
+ public:
+  /// Bytes of state memory init() needs for cfg. Errors: as init's configuration errors.
+  static result<std::size_t> state_bytes(const Config& cfg) {
+    char fn[64];
+    std::snprintf(fn, sizeof fn, "%s::state_bytes", Derived::name);
+    KVEVICT_TRY(Derived::validate(fn, cfg));
+    return Derived::plan_bytes(cfg);
+  }
+
+  /// Workspace bytes every call of the driver needs on backend `be` (what their size queries
+  /// report). Errors: not initialised.
+  template <class Backend>
+  result<std::size_t> workspace_bytes(Backend be) const {
+    if (!ok_) return status::error(errc::invalid_argument, "%s::workspace_bytes: not initialised (init)", Derived::name);
+    workspace q;
+    call_scratch w;
+    KVEVICT_TRY(self().carve(be, q, w));
+    return q.bytes;
+  }
+
+ protected:
+  /// init's shared steps: the configuration, the recorder (layers x kv_heads, capacity >=
+  /// recorder_tokens), the memory (not null, >= state_bytes). On success the driver is bound to
+  /// `memory` and *base is its first 64-byte aligned byte; on error nothing changes.
+  status bind(const char* fn, const Config& cfg, void* memory, std::size_t bytes, eviction_recorder* rec,
+              index_t recorder_tokens, unsigned char** base) {
+    KVEVICT_TRY(Derived::validate(fn, cfg));
+    KVEVICT_TRY(check_recorder(fn, rec, cfg.model, recorder_tokens));
+    KVEVICT_TRY(check_state_memory(fn, memory, bytes, Derived::plan_bytes(cfg)));
+    rec_ = rec;
+    mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
+    *base = align64(memory);
+    return {};
+  }
+
+  /// A call's first steps: initialised, then the workspace carved (on a size query the call ends
+  /// after this: ws.is_query()).
+  template <class Backend>
+  status open_call(const char* fn, Backend be, workspace& ws, call_scratch& w) const {
+    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    return self().carve(be, ws, w);
+  }
+
+  /// The workspace must not overlap the state memory.
+  status check_ws(const char* fn, const workspace& ws) const {
+    if (ws_range(ws).intersects(mem_))
+      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
+    return {};
+  }
+
+  /// Layers come in order: `layer` must be `next` (< L). `scope` names the pass (" of chunk [s, e)"
+  /// or "").
+  static status check_order(const char* fn, index_t layer, index_t next, index_t L, const char* scope = "") {
+    if (layer == next && layer < L) return {};
+    if (next >= L)
+      return status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers%s were added", fn,
+                           static_cast<long long>(layer), static_cast<long long>(L), scope);
+    return status::error(errc::invalid_argument, "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
+                         static_cast<long long>(layer), static_cast<long long>(next));
+  }
+
+  eviction_recorder* rec_ = nullptr;
+  byte_range mem_{};
+  bool ok_ = false;
+
+ private:
+  const Derived& self() const { return static_cast<const Derived&>(*this); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// All-layer allocators (lava, cake): what a layer leaves in the state until the decision
+
+/// Per layer: its scores [H][C], its rows' positions [H][C], rows per head, its weight.
+struct held_layers {
+  float* scores = nullptr;
+  pos_t* rowpos = nullptr;
+  std::int32_t* lens = nullptr;
+  double* weight = nullptr;
+  index_t H = 0, C = 0;
+
+  float* layer_scores(index_t l) const { return scores + l * H * C; }
+  matrix_view<const float> scores_view(index_t l) const { return rows_view<const float>(layer_scores(l), H, C, C); }
+  const pos_t* head_positions(index_t l, index_t h) const { return rowpos + (l * H + h) * C; }
+
+  /// Keeps layer l's row counts and positions (its scores are already at layer_scores(l)).
+  template <class T>
+  void store(index_t l, const layer_kv<T>& kv, double w) {
+    for (index_t h = 0; h < H; ++h) {
+      lens[l * H + h] = kv.keys.lens[h];
+      std::memcpy(rowpos + (l * H + h) * C, kv.positions + kv.keys.cu_capacity[h],
+                  static_cast<std::size_t>(kv.keys.lens[h]) * sizeof(pos_t));
+    }
+    weight[l] = w;
+  }
+
+  /// LAVa's layer totals over L held layers: totals[l] = protected rows of layer l, caps[l] its
+  /// evictable rows; *prot_sum and *rows their sums (the caller picks what the model keeps, then
+  /// share_lava_totals).
+  void protected_totals(index_t L, const protection& prot, index_t* caps, index_t* totals, index_t* prot_sum,
+                        index_t* rows) const {
+    *prot_sum = *rows = 0;
+    for (index_t l = 0; l < L; ++l) {
+      index_t wl = 0, nl = 0;
+      for (index_t h = 0; h < H; ++h) {
+        wl += protected_count(lens[l * H + h], prot.n_sink, prot.n_recent);
+        nl += lens[l * H + h];
+      }
+      caps[l] = nl - wl;
+      totals[l] = wl;
+      *prot_sum += wl;
+      *rows += nl;
+    }
+  }
+
+  /// totals[l] += the layer's share of `evictable` (apportion by the weights, capped by caps).
+  status share_lava_totals(index_t L, index_t evictable, const index_t* caps, index_t* shares, index_t* totals) const {
+    KVEVICT_TRY(apportion(evictable, weight, caps, L, shares));
+    for (index_t l = 0; l < L; ++l) totals[l] += shares[l];
+    return {};
+  }
+
+  /// Records the rows layer l drops (kept: its selection) at `step`.
+  status record(eviction_recorder* rec, index_t l, const ragged_positions& kept, index_t step, const call_scratch& w) const {
+    return record_dropped(
+        rec, l, H, [&](index_t h) { return head_positions(l, h); }, lens + l * H, kept, step, w.evicted,
+        w.evicted_cu);
+  }
+};
+
+/// add_layer_scores' scores: [H][>= the most rows of a head], finite or +-inf (no NaN) in every
+/// head's first lens[h] columns.
+inline status check_layer_scores(const char* fn, const matrix_view<const float>& scores, const std::int32_t* lens,
+                                 index_t H) {
+  KVEVICT_TRY(check_view(fn, "scores", scores));
+  index_t most = 0;
+  for (index_t h = 0; h < H; ++h) most = lens[h] > most ? lens[h] : most;
+  if (scores.extent(0) != H || scores.extent(1) < most)
+    return status::error(errc::shape_mismatch,
+                         "%s: scores are [%lld][%lld], expected [%lld KV heads][at least %lld rows] (the layer's rows)",
+                         fn, static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
+                         static_cast<long long>(H), static_cast<long long>(most));
+  for (index_t h = 0; h < H; ++h)
+    for (index_t j = 0; j < lens[h]; ++j)
+      if (scores(h, j) != scores(h, j))
+        return status::error(errc::invalid_argument, "%s: scores[%lld][%lld] is NaN", fn, static_cast<long long>(h),
+                             static_cast<long long>(j));
+  return {};
+}
+
+/// Copies checked scores into a driver's [H][C] buffer and protects them with `prot`, as
+/// recipe_scores leaves its output (idempotent on recipe_scores' own scores).
+template <class Backend>
+status take_layer_scores(Backend be, const matrix_view<const float>& scores, const std::int32_t* lens, index_t H,
+                         const protection& prot, float* dst, index_t C) {
+  for (index_t h = 0; h < H; ++h)
+    for (index_t j = 0; j < lens[h]; ++j) dst[h * C + j] = scores(h, j);
+  return protect(be, rows_view(dst, H, C, C), prot.n_sink, prot.n_recent, lens);
+}
+
+/// The cake preference / caller weight a driver was given: finite and >= 0.
+inline status check_layer_weight(const char* fn, index_t layer, double weight, const char* what) {
+  if (!(weight >= 0.0) || weight - weight != 0.0)
+    return status::error(errc::invalid_argument, "%s: layer %lld's %s is %g (must be finite and >= 0)", fn,
+                         static_cast<long long>(layer), what, weight);
+  return {};
 }
 
 }  // namespace detail

@@ -100,15 +100,9 @@ enum class budget_scheme : int {
 };
 
 constexpr const char* budget_scheme_name(budget_scheme s) noexcept {
-  switch (s) {
-    case budget_scheme::uniform: return "uniform";
-    case budget_scheme::pyramid: return "pyramid";
-    case budget_scheme::adakv: return "adakv";
-    case budget_scheme::lava: return "lava";
-    case budget_scheme::cake: return "cake";
-    case budget_scheme::duo: return "duo";
-  }
-  return "unknown";
+  constexpr const char* names[] = {"uniform", "pyramid", "adakv", "lava", "cake", "duo"};
+  const int i = static_cast<int>(s);
+  return i >= 0 && i < 6 ? names[i] : "unknown";
 }
 
 inline constexpr budget_scheme all_budget_schemes[] = {budget_scheme::uniform, budget_scheme::pyramid,

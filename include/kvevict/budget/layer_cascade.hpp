@@ -149,14 +149,10 @@ class layer_cascade {
                            static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
                            static_cast<long long>(H), static_cast<long long>(N));
     const bool flat = cfg_.split == cascade_split::flattened;
-    const std::size_t need = selection_bytes(be);
-    if (ws.is_query()) {
-      ws.bytes = need;
-      return {};
-    }
-    if (ws.bytes < need)
-      return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
-                           fn, ws.bytes, need);
+    detail::workspace_carver carver(ws);
+    (void)carver.take<unsigned char>(selection_bytes(be));
+    KVEVICT_TRY(carver.finish(fn));
+    if (ws.is_query()) return {};
     if (added_ == L)
       return status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added already", fn,
                            static_cast<long long>(layer), static_cast<long long>(L));

@@ -45,13 +45,25 @@ struct cascade_driver_config {
 /// layer_cascade::add_layer; kept / changed / positions are the cascade's. Recording: every
 /// eviction happens at step N (the prompt is processed at once, layer by layer): after each step
 /// the new layer and every layer whose holdings changed are recorded with retain_only.
-class cascade_driver : public detail::driver_skeleton<cascade_driver, cascade_driver_config> {
+///
+/// add_layer(be, ws, layer, kv, queries [, block_keys] [, weight]) / add_layer_scores(be, ws, layer,
+/// kv, scores [, weight]): layer `layer` (in order) was prefilled over the whole prompt: kv holds, in
+/// every head, rows 0..N-1 at positions 0..N-1; queries / block_keys as post_fill_driver's, or the
+/// engine's scores [H][>= N]; weight: the layer's CAKE preference when cfg.weight == caller (ignored
+/// otherwise). Afterwards kept(j) / changed(j) tell the engine what to compact (j <= layer).
+/// Errors (nothing changes): not initialised; layer out of order or past L; a head not holding the
+/// whole prompt; the layer's layout, positions, queries, block keys or scores (as post-fill); a
+/// weight NaN, infinite or negative; unprotected scores the entropy refuses; workspace too small or
+/// overlapping the state; the recorder's errors.
+class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, cascade_driver_config> {
   friend class detail::driver_skeleton<cascade_driver, cascade_driver_config>;
+  friend class detail::prefill_driver_skeleton<cascade_driver, cascade_driver_config>;
 
  public:
   static constexpr const char* name = "cascade_driver";
 
-  // state_bytes(cfg) (layer_cascade::state_bytes), workspace_bytes(be): detail::driver_skeleton.
+  // state_bytes(cfg) (layer_cascade::state_bytes), workspace_bytes(be), add_layer, add_layer_scores:
+  // detail::prefill_driver_skeleton.
 
   /// Errors: as post_fill_driver's model / recipe / query errors; the cascade's configuration
   /// errors (total below the protected tokens or above L H N, per_head total not a multiple of H);
@@ -72,56 +84,6 @@ class cascade_driver : public detail::driver_skeleton<cascade_driver, cascade_dr
     peak_ = 0;
     ok_ = true;
     return {};
-  }
-
-  /// Layer `layer` (in order) was prefilled over the whole prompt: kv holds, in every head, rows
-  /// 0..N-1 at positions 0..N-1; queries / block_keys as post_fill_driver::add_layer; weight: the
-  /// layer's CAKE preference when cfg.weight == caller (ignored otherwise). Scores every head with
-  /// recipe_scores, then does what add_layer_scores does. Afterwards kept(j) / changed(j) tell the
-  /// engine what to compact (j <= layer).
-  /// Errors (nothing changes): not initialised; layer out of order or past L; a head not holding
-  /// the whole prompt; the layer's layout, positions, queries and block keys (as post-fill); a
-  /// weight NaN, infinite or negative; unprotected scores the entropy refuses; workspace too small
-  /// or overlapping the state; the recorder's errors.
-  template <class Backend, class T, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
-                   kv_view<const T> block_keys = {}, double weight = 0.0) {
-    constexpr const char* fn = "cascade_driver::add_layer";
-    using QE = std::remove_const_t<Q>;
-    const kv_view<const QE> queries = queries_in;
-    detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
-    KVEVICT_TRY(check_layer_call(fn, layer, kv, rules_));
-    KVEVICT_TRY(detail::check_queries(fn, queries, query_rows_, cfg_.model, block_keys, block_keys_));
-    KVEVICT_TRY(check_ws_weight(fn, ws, layer, weight));
-    const index_t H = cfg_.model.kv_heads;
-    KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, cfg_.model.query_heads / H, queries, block_keys, w.scores,
-                                    cfg_.tokens));
-    return add_scored(be, w, layer, weight);
-  }
-
-  /// add_layer with scores an engine or a trained scorer computed instead of the queries: scores
-  /// [H][>= N] (row h: head h's rows 0..N-1), higher = keep; the driver copies them and protects
-  /// the recipe's {n_sink, n_recent}, so recipe_scores' output gives exactly add_layer's result.
-  /// kv: the layer's cache holding the whole prompt; weight as add_layer's. Workspace: add_layer's.
-  /// Errors (nothing changes): add_layer's, except the query ones; scores of the wrong shape or NaN.
-  template <class Backend, class T>
-  status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
-                          matrix_view<const float> scores, double weight = 0.0) {
-    constexpr const char* fn = "cascade_driver::add_layer_scores";
-    detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
-    detail::row_rules rr;
-    rr.tokens = rr.capacity = cfg_.tokens;
-    rr.whole = true;
-    KVEVICT_TRY(check_layer_call(fn, layer, kv, rr));
-    KVEVICT_TRY(detail::check_layer_scores(fn, scores, kv.keys.lens, cfg_.model.kv_heads));
-    KVEVICT_TRY(check_ws_weight(fn, ws, layer, weight));
-    KVEVICT_TRY(detail::take_layer_scores(be, scores, kv.keys.lens, cfg_.model.kv_heads,
-                                          detail::recipe_protection(cfg_.rec), w.scores, cfg_.tokens));
-    return add_scored(be, w, layer, weight);
   }
 
   /// The cascade's answers (budget/layer_cascade.hpp): the new layer's kept rows are prompt positions
@@ -189,22 +151,31 @@ class cascade_driver : public detail::driver_skeleton<cascade_driver, cascade_dr
     return detail::carve_call_scratch(name, ws, s, w);
   }
 
+  // the hooks of prefill_driver_skeleton's add_layer_queries / add_layer_given_scores
+  index_t query_rows_now() const { return query_rows_; }
+  bool block_keys_now() const { return block_keys_; }
+  const recipe& score_recipe() const { return cfg_.rec; }
+  index_t score_columns() const { return cfg_.tokens; }
+  float* scores_of(index_t, const detail::call_scratch& w) const { return w.scores; }
+
+  /// In order, the layer's layout, every head holding the whole prompt (and the query path's rows).
   template <class T>
-  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, const detail::row_rules& rr) const {
+  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, bool) const {
     KVEVICT_TRY(check_order(fn, layer, cascade_.layers_added(), cfg_.model.layers));
-    return detail::check_layer(fn, layer, kv, cfg_.model.kv_heads, cfg_.model.head_dim, rr);
+    return detail::check_layer(fn, layer, kv, cfg_.model.kv_heads, cfg_.model.head_dim, rules_);
   }
 
-  status check_ws_weight(const char* fn, const workspace& ws, index_t layer, double weight) const {
+  status check_call_rest(const char* fn, const workspace& ws, index_t layer, const std::int32_t*, double weight) const {
     KVEVICT_TRY(check_ws(fn, ws));
     return cfg_.weight == weight_source::caller ? detail::check_layer_weight(fn, layer, weight, "weight") : status{};
   }
 
-  /// A scored layer (w.scores, protected): its weight, the cascade's step, the recording.
-  template <class Backend>
-  status add_scored(Backend be, detail::call_scratch& w, index_t layer, double weight) {
+  /// A scored layer (scores: w.scores, protected): its weight, the cascade's step, the recording.
+  template <class Backend, class T>
+  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>&, const float* scores,
+                    double weight) {
     const index_t H = cfg_.model.kv_heads, N = cfg_.tokens;
-    const auto sv = detail::rows_view<const float>(w.scores, H, N, N);
+    const auto sv = detail::rows_view<const float>(scores, H, N, N);
     double e = weight;
     if (cfg_.weight == weight_source::lava_entropy) {
       lava_entropy_options eo;

@@ -74,8 +74,9 @@ struct patch_block {
 /// sinks, because the prompt's recent window is the patch, whose KV is not in the cache. Knorm and
 /// StreamingLLM read no queries: both modes score them alike (naive).
 /// Recording: a chunk [s, e) evicts at step e.
-class chunked_driver : public detail::driver_skeleton<chunked_driver, chunked_config> {
+class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, chunked_config> {
   friend class detail::driver_skeleton<chunked_driver, chunked_config>;
+  friend class detail::prefill_driver_skeleton<chunked_driver, chunked_config>;
 
  public:
   static constexpr const char* name = "chunked_driver";
@@ -198,22 +199,9 @@ class chunked_driver : public detail::driver_skeleton<chunked_driver, chunked_co
   /// than the capacity; queries or patch keys of the wrong shape; workspace too small or
   /// overlapping the state; the recorder's errors.
   template <class Backend, class T, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
+  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries,
                    kv_view<const T> patch_keys = {}) {
-    constexpr const char* fn = "chunked_driver::add_layer";
-    using QE = std::remove_const_t<Q>;
-    const kv_view<const QE> queries = queries_in;
-    detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
-    KVEVICT_TRY(check_layer_call(fn, layer, kv));
-    KVEVICT_TRY(detail::check_queries(fn, queries, query_rows(), cfg_.model, patch_keys, patch_active()));
-    KVEVICT_TRY(check_ws(fn, ws));
-    const index_t H = cfg_.model.kv_heads;
-    float* scores = scores_of(layer, w);
-    KVEVICT_TRY(detail::score_layer(be, w.sc, chunk_recipe(), kv, cfg_.model.query_heads / H, queries, patch_keys,
-                                    scores, cfg_.capacity));
-    return add_scored(be, w, layer, kv, scores);
+    return add_layer_queries("chunked_driver::add_layer", be, ws, layer, kv, queries, patch_keys, 0.0);
   }
 
   /// add_layer with scores an engine or a trained scorer computed for the layer's current cache
@@ -225,17 +213,7 @@ class chunked_driver : public detail::driver_skeleton<chunked_driver, chunked_co
   template <class Backend, class T>
   status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
                           matrix_view<const float> scores) {
-    constexpr const char* fn = "chunked_driver::add_layer_scores";
-    detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
-    KVEVICT_TRY(check_layer_call(fn, layer, kv));
-    KVEVICT_TRY(detail::check_layer_scores(fn, scores, kv.keys.lens, cfg_.model.kv_heads));
-    KVEVICT_TRY(check_ws(fn, ws));
-    float* own = scores_of(layer, w);
-    KVEVICT_TRY(detail::take_layer_scores(be, scores, kv.keys.lens, cfg_.model.kv_heads, chunk_protection(), own,
-                                          cfg_.capacity));
-    return add_scored(be, w, layer, kv, own);
+    return add_layer_given_scores("chunked_driver::add_layer_scores", be, ws, layer, kv, scores, 0.0);
   }
 
   /// The recipe the current chunk is scored with: naive / final chunks as a prompt window of the
@@ -342,10 +320,19 @@ class chunked_driver : public detail::driver_skeleton<chunked_driver, chunked_co
     return lava() ? held_.layer_scores(layer) : w.scores;
   }
 
+  // the hooks of prefill_driver_skeleton's add_layer_queries / add_layer_given_scores
+  index_t query_rows_now() const { return query_rows(); }
+  bool block_keys_now() const { return patch_active(); }
+  recipe score_recipe() const { return chunk_recipe(); }
+  index_t score_columns() const { return cfg_.capacity; }
+  status check_call_rest(const char* fn, const workspace& ws, index_t, const std::int32_t*, double) const {
+    return check_ws(fn, ws);
+  }
+
   /// add_layer's and add_layer_scores' checks: a chunk begun, the layer in order, its layout, its
   /// rows (what it kept after the previous chunk, then the chunk's rows).
   template <class T>
-  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv) const {
+  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, bool) const {
     const index_t H = cfg_.model.kv_heads;
     if (!open_) return status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
     char scope[64];
@@ -373,7 +360,8 @@ class chunked_driver : public detail::driver_skeleton<chunked_driver, chunked_co
   /// A scored layer (scores: scores_of(layer), protected): lava keeps it until decide(); per-layer
   /// allocators count what each head / the layer keeps, select, record and answer.
   template <class Backend, class T>
-  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>& kv, const float* scores) {
+  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>& kv, const float* scores,
+                    double) {
     const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
     const auto sv = detail::rows_view<const float>(scores, H, C, C);
     const std::int32_t* lens = kv.keys.lens;

@@ -162,11 +162,11 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     using QE = std::remove_const_t<Q>;
     const kv_view<const QE> queries = queries_in;
     detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
+    step_clock at;
+    KVEVICT_TRY(open_step(fn, be, ws, w, layer, kv, at));
     if (ws.is_query()) return {};
-    index_t now = 0;
-    bool due = false;
-    KVEVICT_TRY(check_step_layer(fn, layer, kv, &now, &due));
+    const index_t now = at.now;
+    const bool due = at.due;
     // the queries this step reads (steps that read none ignore them)
     const bool scoring = due && !h2o_ && evict_rows_ > 0;
     if (h2o_) KVEVICT_TRY(detail::check_queries(fn, queries, 1, cfg_.model, block_keys, false));
@@ -209,13 +209,11 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   status step_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, matrix_view<const float> scores) {
     constexpr const char* fn = "decode_driver::step_scores";
     detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
+    step_clock at;
+    KVEVICT_TRY(open_step(fn, be, ws, w, layer, kv, at));
     if (ws.is_query()) return {};
-    index_t now = 0;
-    bool due = false;
-    KVEVICT_TRY(check_step_layer(fn, layer, kv, &now, &due));
     const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
-    const bool evicting = due && over_budget(layer, kv.keys.lens);
+    const bool evicting = at.due && over_budget(layer, kv.keys.lens);
     if (h2o_ || evicting) KVEVICT_TRY(detail::check_layer_scores(fn, scores, kv.keys.lens, H));
     KVEVICT_TRY(check_ws(fn, ws));
     if (h2o_) {
@@ -226,7 +224,7 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
       KVEVICT_TRY(detail::take_layer_scores(be, scores, kv.keys.lens, H, detail::recipe_protection(cfg_.rec),
                                             w.scores, C));
     }
-    return finish_step(be, w, layer, kv, now, evicting);
+    return finish_step(be, w, layer, kv, at.now, evicting);
   }
 
   /// Did the last step of layer l drop rows? Then compact the layer with kept(l).
@@ -357,9 +355,23 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     return detail::carve_call_scratch(name, ws, s, w);
   }
 
-  /// step's and step_scores' checks: layer begun, the layer's layout, every head holding its
-  /// previous rows plus the new token's row at position tokens(l). Sets the step's token count
-  /// and whether an eviction is due; the previous answer is spent.
+  /// The tokens a step brings its layer to, and whether an eviction is due at it.
+  struct step_clock {
+    index_t now = 0;
+    bool due = false;
+  };
+
+  /// step's and step_scores' first steps: initialised, the workspace carved (a size query ends
+  /// here), then the layer: begun, its layout, every head holding its previous rows plus the new
+  /// token's row at position tokens(l). The previous answer is spent.
+  template <class Backend, class T>
+  status open_step(const char* fn, Backend be, workspace& ws, detail::call_scratch& w, index_t layer,
+                   const layer_kv<T>& kv, step_clock& at) {
+    KVEVICT_TRY(open_call(fn, be, ws, w));
+    if (ws.is_query()) return {};
+    return check_step_layer(fn, layer, kv, &at.now, &at.due);
+  }
+
   template <class T>
   status check_step_layer(const char* fn, index_t layer, const layer_kv<T>& kv, index_t* now, bool* due) {
     const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads;

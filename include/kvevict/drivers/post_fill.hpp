@@ -87,13 +87,32 @@ inline status prompt_queries(const char* fn, const recipe& r, index_t tokens, in
 ///   cake        every head must hold the whole prompt; per-head budgets cake_budgets(preferences,
 ///               total / (L H), P) (the preferences are add_layer's `weight`)
 /// Recording: the rows a layer drops are marked evicted at step P (the prompt length).
-class post_fill_driver : public detail::driver_skeleton<post_fill_driver, post_fill_config> {
+///
+/// add_layer(be, ws, layer, kv, queries [, block_keys] [, weight]): layer `layer` (layers in order
+/// 0..L-1) was prefilled: kv is its cache (every head's rows, positions < P), queries the recipe's
+/// query block [H_q][rows][d] (the last w prompt tokens' queries for window recipes, every prompt
+/// query for H2O, the last one for TOVA, the external block for external_block recipes, an empty
+/// view for Knorm / StreamingLLM), block_keys the external block's own keys [H][rows][d] or an
+/// empty view, weight the layer's CAKE preference (cake allocator only;
+/// cake_preference(cake_layer_stats(window attention))). add_layer_scores(be, ws, layer, kv,
+/// scores [, weight]): the same with the engine's scores (no query rows needed in the cache).
+/// Per-layer allocators select there (ready(layer) afterwards); lava / cake keep the scores.
+/// Workspace: two-phase (a query, ws.data == nullptr, only sets ws.bytes: workspace_bytes(be)).
+/// Errors (nothing changes): not initialised; layer out of order or past L; already decided; the
+/// layer's layout (heads, dim, offsets, lens, null pointers), key and value row counts that differ,
+/// more than P rows in a head, positions not ascending or outside [0, P); the window's rows (or
+/// TOVA's last token, or H2O's whole prompt) missing from a head; queries or block keys of the
+/// wrong shape; scores of the wrong shape or NaN; a cake preference NaN, infinite or negative;
+/// budgets above a head's rows or below its protected tokens; scores a lava entropy refuses;
+/// workspace too small or overlapping the state; the recorder's errors (a row already evicted).
+class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver, post_fill_config> {
   friend class detail::driver_skeleton<post_fill_driver, post_fill_config>;
+  friend class detail::prefill_driver_skeleton<post_fill_driver, post_fill_config>;
 
  public:
   static constexpr const char* name = "post_fill_driver";
 
-  // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton.
+  // state_bytes(cfg), workspace_bytes(be), add_layer, add_layer_scores: detail::prefill_driver_skeleton.
 
   /// Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
   /// resets it. The recorder (optional; layers x kv_heads, capacity >= P) must outlive the driver.
@@ -137,67 +156,6 @@ class post_fill_driver : public detail::driver_skeleton<post_fill_driver, post_f
     decided_ = false;
     ok_ = true;
     return {};
-  }
-
-  /// Layer `layer` (layers in order 0..L-1) was prefilled: kv is its cache (every head's rows,
-  /// positions < P), queries the recipe's query block [H_q][rows][d] (the last w prompt tokens'
-  /// queries for window recipes, every prompt query for H2O, the last one for TOVA, the external
-  /// block for external_block recipes, an empty view for Knorm / StreamingLLM), block_keys the
-  /// external block's own keys [H][rows][d] or an empty view, weight the layer's CAKE preference
-  /// (cake allocator only; cake_preference(cake_layer_stats(window attention))).
-  /// Scores every head with recipe_scores, then does what add_layer_scores does with them.
-  /// Per-layer allocators select here (ready(layer) afterwards); lava / cake keep the scores.
-  /// Workspace: two-phase (a query, ws.data == nullptr, only sets ws.bytes: workspace_bytes(be)).
-  /// Errors (nothing changes): not initialised; layer out of order or past L; already decided;
-  /// the layer's layout (heads, dim, offsets, lens, null pointers), key and value row counts that
-  /// differ, more than P rows in a head, positions not ascending or outside [0, P); the window's
-  /// rows (or TOVA's last token, or H2O's whole prompt) missing from a head; queries or block keys
-  /// of the wrong shape; a cake preference NaN, infinite or negative; budgets above a head's rows
-  /// or below its protected tokens; scores a lava entropy refuses (negative, NaN); workspace too
-  /// small or overlapping the state; the recorder's errors (a row already evicted).
-  template <class Backend, class T, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
-                   kv_view<const T> block_keys = {}, double weight = 0.0) {
-    constexpr const char* fn = "post_fill_driver::add_layer";
-    using QE = std::remove_const_t<Q>;
-    const kv_view<const QE> queries = queries_in;
-    detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
-    KVEVICT_TRY(check_layer_call(fn, layer, kv, rules_));
-    KVEVICT_TRY(detail::check_queries(fn, queries, query_rows_, cfg_.model, block_keys, block_keys_));
-    KVEVICT_TRY(check_layer_budget(fn, ws, layer, kv.keys.lens, weight));
-    float* scores = scores_of(layer, w);
-    const index_t H = cfg_.model.kv_heads;
-    KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, cfg_.model.query_heads / H, queries, block_keys, scores,
-                                    cfg_.tokens));
-    return add_scored(be, w, layer, kv, scores, weight);
-  }
-
-  /// add_layer with scores an engine or a trained scorer computed instead of the recipe's queries:
-  /// scores [H][>= rows of a head] (row h: head h's rows, the first kv.keys.lens[h] columns, in the
-  /// same order as the cache), higher = keep. The driver copies them and protects the recipe's
-  /// {n_sink, n_recent} (protect()), so recipe_scores' output gives exactly add_layer's result.
-  /// kv: the layer's cache (every head's rows, positions < P); the recipe's query window need not
-  /// be in it (no queries are read). weight: as add_layer's. Workspace: add_layer's.
-  /// Errors (nothing changes): add_layer's, except the query ones; scores of the wrong shape or NaN.
-  template <class Backend, class T>
-  status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
-                          matrix_view<const float> scores, double weight = 0.0) {
-    constexpr const char* fn = "post_fill_driver::add_layer_scores";
-    detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
-    detail::row_rules rr;
-    rr.tokens = rr.capacity = cfg_.tokens;
-    rr.whole = rules_.whole && cfg_.alloc.kind == allocator::cake;
-    KVEVICT_TRY(check_layer_call(fn, layer, kv, rr));
-    KVEVICT_TRY(detail::check_layer_scores(fn, scores, kv.keys.lens, cfg_.model.kv_heads));
-    KVEVICT_TRY(check_layer_budget(fn, ws, layer, kv.keys.lens, weight));
-    float* own = scores_of(layer, w);
-    KVEVICT_TRY(detail::take_layer_scores(be, scores, kv.keys.lens, cfg_.model.kv_heads,
-                                          detail::recipe_protection(cfg_.rec), own, cfg_.tokens));
-    return add_scored(be, w, layer, kv, own, weight);
   }
 
   /// After every layer was added: the all-layer allocators compute the budgets and select every
@@ -252,8 +210,7 @@ class post_fill_driver : public detail::driver_skeleton<post_fill_driver, post_f
   /// after decide()).
   bool ready(index_t layer) const noexcept { return ok_ && layer >= 0 && layer < cfg_.model.layers && ready_[layer]; }
   /// The rows layer l keeps, per head ascending (indices into the rows of the cache given to
-  /// add_layer): compact_inplace(be, keys_l, kept(l)), the same for values and positions, or
-  /// kvrun::kv_cache::compact(l, kept(l)). Empty until ready(l).
+  /// add_layer): compact_layer(be, keys_l, values_l, positions_l, kept(l)). Empty until ready(l).
   ragged_positions kept(index_t layer) const noexcept { return ready(layer) ? kept(layer, true) : ragged_positions{}; }
   /// Tokens layer l keeps over all its heads (0 until ready).
   index_t layer_total(index_t layer) const noexcept {
@@ -370,17 +327,30 @@ class post_fill_driver : public detail::driver_skeleton<post_fill_driver, post_f
     return all_layer_ ? held_.layer_scores(layer) : w.scores;
   }
 
-  /// add_layer's and add_layer_scores' checks of the call and the layer.
+  // the hooks of prefill_driver_skeleton's add_layer_queries / add_layer_given_scores
+  index_t query_rows_now() const { return query_rows_; }
+  bool block_keys_now() const { return block_keys_; }
+  const recipe& score_recipe() const { return cfg_.rec; }
+  index_t score_columns() const { return cfg_.tokens; }
+
+  /// The call and the layer: not decided, in order, its layout and rows (the query path: the
+  /// query rows must be in it; the scores path: only cake needs every head to hold the prompt).
   template <class T>
-  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, const detail::row_rules& rr) const {
+  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, bool by_scores) const {
     if (decided_) return status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
     KVEVICT_TRY(check_order(fn, layer, added_, cfg_.model.layers));
+    detail::row_rules rr = rules_;
+    if (by_scores) {
+      rr = {};
+      rr.tokens = rr.capacity = cfg_.tokens;
+      rr.whole = cfg_.alloc.kind == allocator::cake;
+    }
     return detail::check_layer(fn, layer, kv, cfg_.model.kv_heads, cfg_.model.head_dim, rr);
   }
 
   /// The workspace, the cake preference and (per-layer allocators) the layer's budget.
-  status check_layer_budget(const char* fn, const workspace& ws, index_t l, const std::int32_t* lens,
-                            double weight) const {
+  status check_call_rest(const char* fn, const workspace& ws, index_t l, const std::int32_t* lens,
+                         double weight) const {
     KVEVICT_TRY(check_ws(fn, ws));
     if (cfg_.alloc.kind == allocator::cake) KVEVICT_TRY(detail::check_layer_weight(fn, l, weight, "CAKE preference"));
     return all_layer_ ? status{} : check_budget_fits(fn, l, lens);

@@ -228,6 +228,44 @@ status select_layer(Backend be, workspace& ws, allocator kind, const matrix_view
   return select_topk_flat(be, ws, scores, lens, total, nullptr, cu, pos);
 }
 
+/// add_layer_scores' scores: [H][>= the most rows of a head], finite or +-inf (no NaN) in every
+/// head's first lens[h] columns.
+inline status check_layer_scores(const char* fn, const matrix_view<const float>& scores, const std::int32_t* lens,
+                                 index_t H) {
+  KVEVICT_TRY(check_view(fn, "scores", scores));
+  index_t most = 0;
+  for (index_t h = 0; h < H; ++h) most = lens[h] > most ? lens[h] : most;
+  if (scores.extent(0) != H || scores.extent(1) < most)
+    return status::error(errc::shape_mismatch,
+                         "%s: scores are [%lld][%lld], expected [%lld KV heads][at least %lld rows] (the layer's rows)",
+                         fn, static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
+                         static_cast<long long>(H), static_cast<long long>(most));
+  for (index_t h = 0; h < H; ++h)
+    for (index_t j = 0; j < lens[h]; ++j)
+      if (scores(h, j) != scores(h, j))
+        return status::error(errc::invalid_argument, "%s: scores[%lld][%lld] is NaN", fn, static_cast<long long>(h),
+                             static_cast<long long>(j));
+  return {};
+}
+
+/// Copies checked scores into a driver's [H][C] buffer and protects them with `prot`, as
+/// recipe_scores leaves its output (idempotent on recipe_scores' own scores).
+template <class Backend>
+status take_layer_scores(Backend be, const matrix_view<const float>& scores, const std::int32_t* lens, index_t H,
+                         const protection& prot, float* dst, index_t C) {
+  for (index_t h = 0; h < H; ++h)
+    for (index_t j = 0; j < lens[h]; ++j) dst[h * C + j] = scores(h, j);
+  return protect(be, rows_view(dst, H, C, C), prot.n_sink, prot.n_recent, lens);
+}
+
+/// The cake preference / caller weight a driver was given: finite and >= 0.
+inline status check_layer_weight(const char* fn, index_t layer, double weight, const char* what) {
+  if (!(weight >= 0.0) || weight - weight != 0.0)
+    return status::error(errc::invalid_argument, "%s: layer %lld's %s is %g (must be finite and >= 0)", fn,
+                         static_cast<long long>(layer), what, weight);
+  return {};
+}
+
 // ---------------------------------------------------------------------------------------------
 // The skeleton every driver is built on
 
@@ -350,6 +388,84 @@ class driver_skeleton {
 
  private:
   const Derived& self() const { return static_cast<const Derived&>(*this); }
+  Derived& self_mut() { return static_cast<Derived&>(*this); }
+};
+
+/// The prefill drivers (post-fill, cascade, chunked): layers added in order, each either with the
+/// recipe's queries (add_layer) or with scores (add_layer_scores); both reach Derived::add_scored.
+/// Derived provides, besides driver_skeleton's: check_layer_call(fn, layer, kv, by_scores),
+/// query_rows_now(), block_keys_now(), check_call_rest(fn, ws, layer, lens, weight),
+/// score_recipe(), scores_of(layer, w), score_columns(), add_scored(be, w, layer, kv, scores, weight).
+/// The public entry points are documented in docs/drivers.md and at each driver's class.
+template <class Derived, class Config>
+class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
+ public:
+  /// Layer `layer` (in order) with the recipe's query block [H_q][rows][d] (and the block's own
+  /// keys [H][rows][d] or an empty view; weight: the layer's CAKE preference / caller weight where
+  /// the driver takes one): every head is scored with recipe_scores, then add_layer_scores' path.
+  template <class Backend, class T, class Q>
+  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries,
+                   kv_view<const T> block_keys = {}, double weight = 0.0) {
+    char fn[64];
+    std::snprintf(fn, sizeof fn, "%s::add_layer", Derived::name);
+    return add_layer_queries(fn, be, ws, layer, kv, queries, block_keys, weight);
+  }
+
+  /// Layer `layer` (in order) with scores an engine or a trained scorer computed: [H][>= rows of a
+  /// head] (row h: head h's rows, its first kv.keys.lens[h] columns, in the cache's order), higher
+  /// = keep, no NaN. The driver copies them and protects the recipe's {n_sink, n_recent}, so
+  /// recipe_scores' output gives exactly add_layer's result. No queries are read (the query-window
+  /// row checks do not apply). Workspace: add_layer's. Errors (nothing changes): add_layer's except
+  /// the query ones; scores of the wrong shape or NaN.
+  template <class Backend, class T>
+  status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+                          matrix_view<const float> scores, double weight = 0.0) {
+    char fn[64];
+    std::snprintf(fn, sizeof fn, "%s::add_layer_scores", Derived::name);
+    return add_layer_given_scores(fn, be, ws, layer, kv, scores, weight);
+  }
+
+ protected:
+  /// add_layer(queries) of the prefill drivers: every head scored with the driver's recipe
+  /// (recipe_scores per head into the driver's score buffer), then the scores path. Derived
+  /// provides check_layer_call(fn, layer, kv, by_scores), query_rows_now(), block_keys_now(),
+  /// check_call_rest(fn, ws, layer, kv, weight), score_recipe(), scores_of(layer, w),
+  /// score_columns() and add_scored(be, w, layer, kv, scores, weight).
+  template <class Backend, class T, class Q>
+  status add_layer_queries(const char* fn, Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+                           kv_view<Q> queries_in, const kv_view<const T>& block_keys, double weight) {
+    const kv_view<const std::remove_const_t<Q>> queries = queries_in;
+    Derived& d = static_cast<Derived&>(*this);
+    call_scratch w;
+    KVEVICT_TRY(this->open_call(fn, be, ws, w));
+    if (ws.is_query()) return {};
+    KVEVICT_TRY(d.check_layer_call(fn, layer, kv, false));
+    KVEVICT_TRY(check_queries(fn, queries, d.query_rows_now(), d.cfg_.model, block_keys, d.block_keys_now()));
+    KVEVICT_TRY(d.check_call_rest(fn, ws, layer, kv.keys.lens, weight));
+    float* scores = d.scores_of(layer, w);
+    const index_t g = d.cfg_.model.query_heads / d.cfg_.model.kv_heads;
+    KVEVICT_TRY(score_layer(be, w.sc, d.score_recipe(), kv, g, queries, block_keys, scores, d.score_columns()));
+    return d.add_scored(be, w, layer, kv, scores, weight);
+  }
+
+  /// add_layer_scores of the prefill drivers: the scores checked, copied into the driver's score
+  /// buffer and protected with the recipe's protection, then the same path as add_layer_queries.
+  template <class Backend, class T>
+  status add_layer_given_scores(const char* fn, Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+                                const matrix_view<const float>& scores, double weight) {
+    Derived& d = static_cast<Derived&>(*this);
+    call_scratch w;
+    KVEVICT_TRY(this->open_call(fn, be, ws, w));
+    if (ws.is_query()) return {};
+    KVEVICT_TRY(d.check_layer_call(fn, layer, kv, true));
+    KVEVICT_TRY(check_layer_scores(fn, scores, kv.keys.lens, d.cfg_.model.kv_heads));
+    KVEVICT_TRY(d.check_call_rest(fn, ws, layer, kv.keys.lens, weight));
+    float* own = d.scores_of(layer, w);
+    KVEVICT_TRY(take_layer_scores(be, scores, kv.keys.lens, d.cfg_.model.kv_heads,
+                                  recipe_protection(d.score_recipe()), own, d.score_columns()));
+    return d.add_scored(be, w, layer, kv, own, weight);
+  }
+
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -411,44 +527,6 @@ struct held_layers {
         w.evicted_cu);
   }
 };
-
-/// add_layer_scores' scores: [H][>= the most rows of a head], finite or +-inf (no NaN) in every
-/// head's first lens[h] columns.
-inline status check_layer_scores(const char* fn, const matrix_view<const float>& scores, const std::int32_t* lens,
-                                 index_t H) {
-  KVEVICT_TRY(check_view(fn, "scores", scores));
-  index_t most = 0;
-  for (index_t h = 0; h < H; ++h) most = lens[h] > most ? lens[h] : most;
-  if (scores.extent(0) != H || scores.extent(1) < most)
-    return status::error(errc::shape_mismatch,
-                         "%s: scores are [%lld][%lld], expected [%lld KV heads][at least %lld rows] (the layer's rows)",
-                         fn, static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
-                         static_cast<long long>(H), static_cast<long long>(most));
-  for (index_t h = 0; h < H; ++h)
-    for (index_t j = 0; j < lens[h]; ++j)
-      if (scores(h, j) != scores(h, j))
-        return status::error(errc::invalid_argument, "%s: scores[%lld][%lld] is NaN", fn, static_cast<long long>(h),
-                             static_cast<long long>(j));
-  return {};
-}
-
-/// Copies checked scores into a driver's [H][C] buffer and protects them with `prot`, as
-/// recipe_scores leaves its output (idempotent on recipe_scores' own scores).
-template <class Backend>
-status take_layer_scores(Backend be, const matrix_view<const float>& scores, const std::int32_t* lens, index_t H,
-                         const protection& prot, float* dst, index_t C) {
-  for (index_t h = 0; h < H; ++h)
-    for (index_t j = 0; j < lens[h]; ++j) dst[h * C + j] = scores(h, j);
-  return protect(be, rows_view(dst, H, C, C), prot.n_sink, prot.n_recent, lens);
-}
-
-/// The cake preference / caller weight a driver was given: finite and >= 0.
-inline status check_layer_weight(const char* fn, index_t layer, double weight, const char* what) {
-  if (!(weight >= 0.0) || weight - weight != 0.0)
-    return status::error(errc::invalid_argument, "%s: layer %lld's %s is %g (must be finite and >= 0)", fn,
-                         static_cast<long long>(layer), what, weight);
-  return {};
-}
 
 }  // namespace detail
 }  // namespace kvevict

@@ -73,7 +73,6 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     unsigned char* base = nullptr;
     KVEVICT_TRY(bind(fn, cfg, memory, bytes, recorder, cfg.tokens, &base));
     KVEVICT_TRY(cascade_.init(cascade_cfg(cfg), memory, bytes));
-    cfg_ = cfg;
     bool bk = false;
     rules_ = {};
     (void)detail::prompt_queries(fn, cfg.rec, cfg.tokens, cfg.query_rows, &query_rows_, &bk, &rules_);
@@ -101,7 +100,6 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
   /// before its eviction (the layer-wise prefill's memory peak, in rows of KV).
   index_t peak_rows() const noexcept { return peak_; }
   const layer_cascade& cascade() const noexcept { return cascade_; }
-  const cascade_driver_config& config() const noexcept { return cfg_; }
 
  private:
   static cascade_config cascade_cfg(const cascade_driver_config& c) {
@@ -136,15 +134,9 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
 
   template <class Backend>
   status carve(Backend be, workspace& ws, detail::call_scratch& w) const {
-    const index_t H = cfg_.model.kv_heads, N = cfg_.tokens;
-    detail::call_scratch_shape s;
-    s.H = H;
-    s.C = N;
+    detail::call_scratch_shape s = scratch_shape(cfg_.tokens);
     s.recording = false;  // the cascade records with retain_only
-    const auto slot = detail::score_slot_bytes(be, cfg_.rec, cfg_.model.query_heads / H, query_rows_, N,
-                                               cfg_.model.head_dim, block_keys_, H, &s.slots);
-    if (!slot) return slot.error();
-    s.slot = *slot;
+    KVEVICT_TRY(fit_score_slots(be, cfg_.rec, query_rows_, block_keys_, s));
     const auto cq = cascade_.workspace_bytes(be);
     if (!cq) return cq.error();
     s.sel = *cq;
@@ -192,7 +184,6 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     return {};
   }
 
-  cascade_driver_config cfg_{};
   layer_cascade cascade_{};
   detail::row_rules rules_{};
   index_t query_rows_ = 0;

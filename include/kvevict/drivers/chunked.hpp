@@ -81,7 +81,8 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
  public:
   static constexpr const char* name = "chunked_driver";
 
-  // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton.
+  // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton; add_layer / add_layer_scores
+  // below (their own signatures) go through detail::prefill_driver_skeleton.
 
   /// Errors: model shape; tokens outside [1, INT32_MAX]; capacity outside [1, INT32_MAX / H];
   /// an invalid recipe, H2O / TOVA (unsupported), an external_block source, a window longer than
@@ -93,7 +94,6 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     unsigned char* base = nullptr;
     KVEVICT_TRY(bind("chunked_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));
     const plan_t p = plan(cfg);
-    cfg_ = cfg;
     cfg_.alloc.budgets = {};
     budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
     expect_ = reinterpret_cast<std::int32_t*>(base + p.expect);
@@ -293,7 +293,6 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   double layer_weight(index_t layer) const noexcept {
     return ok_ && layer >= 0 && layer < cfg_.model.layers ? held_.weight[layer] : 0.0;
   }
-  const chunked_config& config() const noexcept { return cfg_; }
 
  private:
   struct plan_t {
@@ -483,31 +482,19 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     return p;
   }
 
-  static std::size_t plan_bytes(const chunked_config& c) { return plan(c).layout.bytes(); }
-
   template <class Backend>
   status carve(Backend be, workspace& ws, detail::call_scratch& w) const {
-    const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
-    const index_t g = cfg_.model.query_heads / H, d = cfg_.model.head_dim;
-    detail::call_scratch_shape s;
-    s.H = H;
-    s.C = C;
+    detail::call_scratch_shape s = scratch_shape(cfg_.capacity);
     s.scores = !lava();
     // the largest of the two scoring shapes: a prompt window of w rows, an external block of w rows
-    int slots2 = 1;
-    const auto a = detail::score_slot_bytes(be, cfg_.rec, g, cfg_.rec.window, C, d, false, H, &s.slots);
-    if (!a) return a.error();
-    s.slot = *a;
+    KVEVICT_TRY(fit_score_slots(be, cfg_.rec, cfg_.rec.window, false, s));
     if (cfg_.queries == chunk_queries::patched && attention_) {
       recipe ext = cfg_.rec;
       ext.source = query_source::external_block;
       ext.n_recent = 0;
-      const auto b = detail::score_slot_bytes(be, ext, g, cfg_.rec.window, C, d, true, H, &slots2);
-      if (!b) return b.error();
-      s.slot = *b > s.slot ? *b : s.slot;
+      KVEVICT_TRY(fit_score_slots(be, ext, cfg_.rec.window, true, s));
     }
-    s.slots = s.slots > slots2 ? s.slots : slots2;
-    s.sel = detail::select_bytes(be, cfg_.alloc.kind, H, C);
+    s.sel = detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
     s.layers = cfg_.model.layers;
     return detail::carve_call_scratch(name, ws, s, w);
   }
@@ -517,7 +504,6 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     return {kept_pos_ + layer * H * cfg_.capacity, kept_cu_ + layer * (H + 1), H};
   }
 
-  chunked_config cfg_{};
   std::int32_t* budgets_ = nullptr;
   std::int32_t* expect_ = nullptr;
   pos_t* kept_pos_ = nullptr;

@@ -53,7 +53,7 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
  public:
   static constexpr const char* name = "decode_driver";
 
-  // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton.
+  // state_bytes(cfg), workspace_bytes(be), config(): detail::driver_skeleton.
 
   /// Errors: model shape; capacity outside [1, INT32_MAX / H]; interval < 1; an invalid recipe;
   /// query_rows missing for / given to a recipe that does not take it; a window longer than the
@@ -64,7 +64,6 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     unsigned char* base = nullptr;
     KVEVICT_TRY(bind("decode_driver::init", cfg, memory, bytes, recorder, 1, &base));
     const plan_t p = plan(cfg);
-    cfg_ = cfg;
     cfg_.alloc.budgets = {};
     budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
     held_ = reinterpret_cast<std::int32_t*>(base + p.held);
@@ -254,7 +253,6 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
                ? acc_ + (layer * cfg_.model.kv_heads + head) * cfg_.capacity
                : nullptr;
   }
-  const decode_config& config() const noexcept { return cfg_; }
 
  private:
   static constexpr unsigned char begun = 1, evicted_flag = 2;
@@ -279,15 +277,7 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
         *tail = 1;
         break;
       default:
-        if (r.source == query_source::external_block) {
-          if (given < 1)
-            return status::error(errc::invalid_argument,
-                                 "%s: query_rows = %lld: an external_block recipe needs the block's row count", fn,
-                                 static_cast<long long>(given));
-          *rows = given;
-          *block_keys = true;
-          return {};
-        }
+        if (r.source == query_source::external_block) return detail::external_block_queries(fn, given, rows, block_keys);
         need = r.window;
         *tail = r.window;
     }
@@ -336,22 +326,14 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     return p;
   }
 
-  static std::size_t plan_bytes(const decode_config& c) { return plan(c).layout.bytes(); }
-
   template <class Backend>
   status carve(Backend be, workspace& ws, detail::call_scratch& w) const {
-    const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
-    const index_t g = cfg_.model.query_heads / H, d = cfg_.model.head_dim;
-    detail::call_scratch_shape s;
-    s.H = H;
-    s.C = C;
+    detail::call_scratch_shape s = scratch_shape(cfg_.capacity);
     s.acc = h2o_;
     recipe r = cfg_.rec;
-    if (h2o_) r.kind = recipe_kind::tova;
-    const auto a = detail::score_slot_bytes(be, r, g, h2o_ ? 1 : evict_rows_, C, d, !h2o_ && block_keys_, H, &s.slots);
-    if (!a) return a.error();
-    s.slot = *a;
-    s.sel = detail::select_bytes(be, cfg_.alloc.kind, H, C);
+    if (h2o_) r.kind = recipe_kind::tova;  // H2O scores each step's token like TOVA
+    KVEVICT_TRY(fit_score_slots(be, r, h2o_ ? 1 : evict_rows_, !h2o_ && block_keys_, s));
+    s.sel = detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
     return detail::carve_call_scratch(name, ws, s, w);
   }
 
@@ -479,7 +461,6 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     return cfg_.alloc.kind == allocator::per_head ? over : held > total;
   }
 
-  decode_config cfg_{};
   std::int32_t* budgets_ = nullptr;
   std::int32_t* held_ = nullptr;
   index_t* tokens_ = nullptr;

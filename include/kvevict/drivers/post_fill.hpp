@@ -49,15 +49,7 @@ inline status prompt_queries(const char* fn, const recipe& r, index_t tokens, in
       rr->tail_what = "the last prompt token (TOVA's query)";
       break;
     default:
-      if (r.source == query_source::external_block) {
-        if (given < 1)
-          return status::error(errc::invalid_argument,
-                               "%s: query_rows = %lld: an external_block recipe needs the block's row count", fn,
-                               static_cast<long long>(given));
-        *rows = given;
-        *block_keys = true;
-        return {};
-      }
+      if (r.source == query_source::external_block) return detail::external_block_queries(fn, given, rows, block_keys);
       if (r.window > tokens)
         return status::error(errc::invalid_argument, "%s: the recipe's window %lld is longer than the %lld tokens", fn,
                              static_cast<long long>(r.window), static_cast<long long>(tokens));
@@ -127,7 +119,6 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     unsigned char* base = nullptr;
     KVEVICT_TRY(bind("post_fill_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));
     const plan_t p = plan(cfg);
-    cfg_ = cfg;
     cfg_.alloc.budgets = {};
     budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
     kept_off_ = reinterpret_cast<index_t*>(base + p.kept_off);
@@ -222,7 +213,6 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   }
   index_t layers_added() const noexcept { return added_; }
   bool decided() const noexcept { return decided_; }
-  const post_fill_config& config() const noexcept { return cfg_; }
 
  private:
   struct plan_t {
@@ -304,20 +294,12 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     return p;
   }
 
-  static std::size_t plan_bytes(const post_fill_config& c) { return plan(c).layout.bytes(); }
-
   template <class Backend>
   status carve(Backend be, workspace& ws, detail::call_scratch& w) const {
-    const index_t H = cfg_.model.kv_heads, C = cfg_.tokens;
-    detail::call_scratch_shape s;
-    s.H = H;
-    s.C = C;
+    detail::call_scratch_shape s = scratch_shape(cfg_.tokens);
     s.scores = !all_layer_;
-    const auto slot = detail::score_slot_bytes(be, cfg_.rec, cfg_.model.query_heads / H, query_rows_, C,
-                                               cfg_.model.head_dim, block_keys_, H, &s.slots);
-    if (!slot) return slot.error();
-    s.slot = *slot;
-    s.sel = detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, H, C);
+    KVEVICT_TRY(fit_score_slots(be, cfg_.rec, query_rows_, block_keys_, s));
+    s.sel = detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, s.H, s.C);
     s.layers = cfg_.model.layers;
     return detail::carve_call_scratch(name, ws, s, w);
   }
@@ -425,7 +407,6 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     return {kept_pos_ + kept_off_[layer], kept_cu_ + layer * (H + 1), H};
   }
 
-  post_fill_config cfg_{};
   std::int32_t* budgets_ = nullptr;
   index_t* kept_off_ = nullptr;
   pos_t* kept_pos_ = nullptr;

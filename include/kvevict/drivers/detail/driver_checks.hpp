@@ -47,6 +47,18 @@ inline status check_capacity(const char* fn, const char* what, index_t C, index_
   return {};
 }
 
+/// An external_block recipe reads the block the configuration names: query_rows >= 1 rows, with
+/// the block's own keys allowed.
+inline status external_block_queries(const char* fn, index_t given, index_t* rows, bool* block_keys) {
+  if (given < 1)
+    return status::error(errc::invalid_argument,
+                         "%s: query_rows = %lld: an external_block recipe needs the block's row count", fn,
+                         static_cast<long long>(given));
+  *rows = given;
+  *block_keys = true;
+  return {};
+}
+
 /// The recipe's protection {n_sink, n_recent}.
 inline protection recipe_protection(const recipe& r) { return {r.n_sink, r.n_recent}; }
 

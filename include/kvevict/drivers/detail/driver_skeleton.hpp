@@ -341,15 +341,44 @@ class driver_skeleton {
     return q.bytes;
   }
 
+  const Config& config() const noexcept { return cfg_; }
+
  protected:
+  /// The state bytes of a valid configuration: the driver's memory plan (a driver with another
+  /// kind of state declares its own plan_bytes).
+  static std::size_t plan_bytes(const Config& c) { return Derived::plan(c).layout.bytes(); }
+
+  /// Makes room in s for scoring every head with recipe r over a query block of `rows` rows
+  /// (block keys or not): the largest slot and slot count of all the shapes a driver scores.
+  template <class Backend>
+  status fit_score_slots(Backend be, const recipe& r, index_t rows, bool block_keys, call_scratch_shape& s) const {
+    const index_t H = cfg_.model.kv_heads;
+    int slots = 1;
+    const auto b = score_slot_bytes(be, r, cfg_.model.query_heads / H, rows, s.C, cfg_.model.head_dim, block_keys, H,
+                                    &slots);
+    if (!b) return b.error();
+    s.slot = *b > s.slot ? *b : s.slot;
+    s.slots = slots > s.slots ? slots : s.slots;
+    return {};
+  }
+
+  /// A call's workspace shape with the model's heads and C columns per score row.
+  call_scratch_shape scratch_shape(index_t C) const {
+    call_scratch_shape s;
+    s.H = cfg_.model.kv_heads;
+    s.C = C;
+    return s;
+  }
+
   /// init's shared steps: the configuration, the recorder (layers x kv_heads, capacity >=
-  /// recorder_tokens), the memory (not null, >= state_bytes). On success the driver is bound to
-  /// `memory` and *base is its first 64-byte aligned byte; on error nothing changes.
+  /// recorder_tokens), the memory (not null, >= state_bytes). On success the driver holds a copy
+  /// of cfg and is bound to `memory`, *base its first 64-byte aligned byte; on error nothing changes.
   status bind(const char* fn, const Config& cfg, void* memory, std::size_t bytes, eviction_recorder* rec,
               index_t recorder_tokens, unsigned char** base) {
     KVEVICT_TRY(Derived::validate(fn, cfg));
     KVEVICT_TRY(check_recorder(fn, rec, cfg.model, recorder_tokens));
     KVEVICT_TRY(check_state_memory(fn, memory, bytes, Derived::plan_bytes(cfg)));
+    cfg_ = cfg;
     rec_ = rec;
     mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
     *base = align64(memory);
@@ -382,6 +411,7 @@ class driver_skeleton {
                          static_cast<long long>(layer), static_cast<long long>(next));
   }
 
+  Config cfg_{};
   eviction_recorder* rec_ = nullptr;
   byte_range mem_{};
   bool ok_ = false;

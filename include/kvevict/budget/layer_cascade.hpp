@@ -278,9 +278,9 @@ class layer_cascade {
   template <class Backend>
   std::size_t selection_bytes(Backend be) const {
     const index_t H = cfg_.heads, N = cfg_.prompt_length;
-    if (cfg_.split != cascade_split::flattened) return select_topk_workspace_size(be, N);
+    if (cfg_.split != cascade_split::flattened) return select_topk_workspace_bytes(be, N);
     const std::size_t flat = select_topk_flat_workspace_bytes(be, H, N);
-    const std::size_t one = select_topk_workspace_size(be, cfg_.total < H * N ? cfg_.total : H * N);
+    const std::size_t one = select_topk_workspace_bytes(be, cfg_.total < H * N ? cfg_.total : H * N);
     return flat > one ? flat : one;
   }
 

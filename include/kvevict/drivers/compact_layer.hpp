@@ -12,8 +12,8 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/compact.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/drivers/detail/driver_checks.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>

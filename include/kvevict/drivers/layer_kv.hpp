@@ -9,7 +9,7 @@
 
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
-#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/base/checks.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 

@@ -5,7 +5,7 @@
 #include <kvevict/compact.hpp>
 #include <kvevict/budget/allocation.hpp>
 #include <kvevict/budget/apportion.hpp>
-#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/base/checks.hpp>
 #include <kvevict/drivers/layer_kv.hpp>
 #include <kvevict/metrics/footprint.hpp>
 #include <kvevict/recipes.hpp>

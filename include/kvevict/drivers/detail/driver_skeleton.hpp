@@ -5,7 +5,7 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/budget.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/drivers/detail/driver_checks.hpp>
 #include <kvevict/metrics/footprint.hpp>
 #include <kvevict/protect.hpp>
@@ -61,12 +61,12 @@ template <class Backend>
 result<std::size_t> head_score_bytes(Backend be, const recipe& r, index_t g, index_t rows, index_t C, index_t d,
                                      bool block_keys) {
   if (!uses_attention(r.kind)) return std::size_t{0};
-  auto a = recipe_scores_workspace_size(be, r, g, rows, 1, C, d, 0);
+  auto a = recipe_scores_workspace_bytes(be, r, g, rows, 1, C, d, 0);
   if (!a) return a.error();
   std::size_t n = *a;
   if (block_keys && r.kind != recipe_kind::h2o && r.kind != recipe_kind::tova &&
       r.source == query_source::external_block) {
-    auto b = recipe_scores_workspace_size(be, r, g, rows, 1, C, d, rows);
+    auto b = recipe_scores_workspace_bytes(be, r, g, rows, 1, C, d, rows);
     if (!b) return b.error();
     n = *b > n ? *b : n;
   }
@@ -153,7 +153,7 @@ inline void keep_all_rows(const std::int32_t* lens, index_t H, std::int32_t* cu,
 /// (flattened, lava) or adakv_budgets' (adakv).
 template <class Backend>
 std::size_t select_bytes(Backend be, allocator kind, index_t H, index_t C) {
-  std::size_t n = select_topk_workspace_size(be, C);
+  std::size_t n = select_topk_workspace_bytes(be, C);
   std::size_t other = 0;
   if (kind == allocator::flattened || kind == allocator::lava) other = select_topk_flat_workspace_bytes(be, H, C);
   if (kind == allocator::adakv) other = adakv_budgets_workspace_bytes(be, H, C);

@@ -43,15 +43,15 @@ constexpr bool par_is_parallel() noexcept {
 
 namespace detail {
 
-/// par_is_parallel(), dependent on Use so that a static_assert on it fires only where par is used.
-template <class Use>
+/// par_is_parallel() as a dependent constant: a static_assert on it fires only when instantiated.
+template <class Backend>
 inline constexpr bool openmp_for = par_is_parallel();
 
-/// Called by every par code path (detail/parallel.hpp): par without OpenMP would quietly run on
-/// one thread, so it does not compile instead.
-template <class Use>
+/// Instantiated, as require_openmp<par_t>, by every par code path (detail/parallel.hpp): par
+/// without OpenMP would quietly run on one thread, so it does not compile instead.
+template <class Backend>
 constexpr void require_openmp() noexcept {
-  static_assert(openmp_for<Use>,
+  static_assert(openmp_for<Backend>,
                 "kvevict::par needs OpenMP, and this translation unit is compiled without it: link "
                 "kvevict::openmp in CMake (or compile with -fopenmp), or use kvevict::seq (one thread)");
 }

@@ -39,7 +39,7 @@ void parallel_for(seq_t, index_t n, F&& f) {
 /// par: statically scheduled OpenMP loop (deterministic partition; f must not depend on order).
 template <class F>
 void parallel_for(par_t p, index_t n, F&& f) {
-  require_openmp<F>();
+  require_openmp<std::conditional_t<true, par_t, F>>();  // dependent on F, one specialization: one error
 #if defined(_OPENMP)
   if (n > 1) {
     const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();

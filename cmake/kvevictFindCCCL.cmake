@@ -2,7 +2,7 @@
 # kvevict::kvevict. Used by the build and by the installed kvevictConfig.cmake. Two ways, tried in
 # this order (find_package's own order):
 #   1. a standalone CCCL: CCCL_DIR=<dir holding cccl-config.cmake>, or its install prefix in
-#      CMAKE_PREFIX_PATH (NVIDIA's header-only CCCL release, conda / pip cuda-cccl); no toolkit needed
+#      CMAKE_PREFIX_PATH (NVIDIA's header-only CCCL, also packaged for conda and pip); no toolkit needed
 #   2. the CUDA Toolkit's copy, <toolkit>/lib64/cmake/cccl (CUDA_PATH, CUDA_HOME, CUDAToolkit_ROOT,
 #      /usr/local/cuda)
 if(NOT TARGET CCCL::libcudacxx)
@@ -18,8 +18,8 @@ if(NOT TARGET CCCL::libcudacxx)
     message(FATAL_ERROR
       "kvevict needs CCCL's headers (libcu++ for cuda::std::mdspan, CUB, Thrust) and found none. "
       "Two ways to provide them:\n"
-      "  1. a standalone CCCL, no CUDA toolkit needed (NVIDIA's header-only release from "
-      "github.com/NVIDIA/cccl, or the conda / pip cuda-cccl package): pass "
+      "  1. a standalone CCCL, no CUDA toolkit needed (NVIDIA's header-only CCCL from "
+      "github.com/NVIDIA/cccl, also packaged for conda and pip): pass "
       "-DCCCL_DIR=<dir containing cccl-config.cmake>, or add its install prefix to CMAKE_PREFIX_PATH;\n"
       "  2. the CUDA Toolkit 12.x or 13.x, which ships CCCL under <toolkit>/lib64/cmake/cccl; searched "
       "in ${_kvevict_cccl_hints}; set CUDA_PATH or CUDAToolkit_ROOT for another location.")

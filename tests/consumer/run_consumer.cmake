@@ -3,11 +3,11 @@
 #                     CCCL_PREFIX, laid out as NVIDIA's standalone CCCL release installs it
 #   find_package      installs kvevict (component Development) into a prefix; with the CUDA toolkit
 #                     hidden, a configure without CCCL must fail naming both ways to provide it,
-#                     and the consumer, found through CMAKE_PREFIX_PATH=<kvevict>;<CCCL_PREFIX>,
-#                     links kvevict::openmp and runs seq and par
+#                     and the consumer (Release), found through CMAKE_PREFIX_PATH=<kvevict>;
+#                     <CCCL_PREFIX>, links kvevict::openmp and runs seq and par
 #   add_subdirectory  add_subdirectory(<kvevict source>) with -DCCCL_DIR=<CCCL_PREFIX>/lib/cmake/cccl
-#                     and nvcc on PATH: no CUDA probing; without OpenMP the consumer runs seq and a
-#                     use of par fails to compile with require_openmp's message
+#                     and nvcc on PATH: no CUDA probing; without OpenMP the consumer (Debug) runs
+#                     seq and a use of par fails to compile with require_openmp's message
 #   installed_tools   installs the tools and models (component Tools), moves the prefix, and runs
 #                     kvevict-run, kvevict-lookahead and kvevict from it with their default models
 # Inputs: MODE WORK_DIR KVEVICT_SOURCE_DIR KVEVICT_BINARY_DIR CXX_COMPILER CCCL_PREFIX

@@ -47,8 +47,8 @@ namespace detail {
 template <class Backend>
 inline constexpr bool openmp_for = par_is_parallel();
 
-/// Instantiated, as require_openmp<par_t>, by every par code path (detail/parallel.hpp): par
-/// without OpenMP would quietly run on one thread, so it does not compile instead.
+/// Instantiated, as require_openmp<par_t>, by every par code path (in detail/base/parallel.hpp):
+/// par without OpenMP would quietly run on one thread, so it does not compile instead.
 template <class Backend>
 constexpr void require_openmp() noexcept {
   static_assert(openmp_for<Backend>,

@@ -19,6 +19,7 @@
 #include <report/report.hpp>
 #include <runner/runner.hpp>
 #include <report/svg.hpp>
+#include <runner/shipped_models.hpp>
 #include <runner/tokenizer.hpp>
 
 #include <CLI/CLI.hpp>
@@ -33,15 +34,11 @@
 #include <string>
 #include <vector>
 
-#ifndef KVEVICT_SOURCE_DIR
-#  define KVEVICT_SOURCE_DIR "."
-#endif
-
 namespace {
 
 struct options {
-  std::string model = KVEVICT_SOURCE_DIR "/models/stories260K.bin";
-  std::string tokenizer = KVEVICT_SOURCE_DIR "/models/tok512.bin";
+  std::string model = kvrun::shipped_model("stories260K.bin");
+  std::string tokenizer = kvrun::shipped_model("tok512.bin");
   std::string prompt = "Once upon a time";
   int steps = 256;
   float temperature = 0.0f;
@@ -56,7 +53,7 @@ struct options {
   std::string driver = "postfill";
   kvrun::evict_options evict;
   kvevict::index_t calibration = 8;
-  std::string lookahead_module = KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin";
+  std::string lookahead_module = kvrun::shipped_model("lookahead/stories260K-n16.bin");
   // report
   bool report = false;
   std::string out_dir = ".";

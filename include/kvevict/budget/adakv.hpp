@@ -3,7 +3,7 @@
 // docs/budget.md.
 #pragma once
 
-#include <kvevict/budget/common.hpp>
+#include <kvevict/budget/apportion.hpp>
 #include <kvevict/select.hpp>
 
 #include <cmath>
@@ -79,7 +79,27 @@ inline byte_range ws_range(const workspace& ws) {
   return {b, b + ws.bytes};
 }
 
+/// adakv_budgets' workspace layout: H int32 floors, then select_topk_flat's workspace of
+/// `select_bytes` (its own size query), both carved at aligned addresses; returns the latter.
+inline workspace carve_adakv_ws(workspace_carver& c, index_t heads, std::size_t select_bytes,
+                                std::int32_t*& floors) noexcept {
+  floors = c.take<std::int32_t>(static_cast<std::size_t>(heads > 0 ? heads : 0));
+  return workspace{c.take<unsigned char>(select_bytes), select_bytes};
+}
+
 }  // namespace detail
+
+/// Workspace bytes adakv_budgets needs on backend `be` for scores [heads][columns]: what its size
+/// query reports, without views (H int32 floors, then select_topk_flat's workspace).
+template <class Backend>
+std::size_t adakv_budgets_workspace_bytes(Backend be, index_t heads, index_t columns) {
+  workspace q;
+  detail::workspace_carver c(q);
+  std::int32_t* floors = nullptr;
+  (void)detail::carve_adakv_ws(c, heads, select_topk_flat_workspace_bytes(be, heads, columns), floors);
+  (void)c.finish("adakv_budgets_workspace_bytes");
+  return q.bytes;
+}
 
 /// AdaKV for one layer: scores [H][T] (one row per KV head, protected with protect(opt.prot);
 /// row h's candidates are its first lengths[h] columns, all T when lengths is null), per-head
@@ -120,8 +140,8 @@ status adakv_budgets(Backend be, workspace& ws, matrix_view<const float> scores,
   const index_t total_q = budget > INT32_MAX / H ? 0 : budget * H;  // range checked below
   KVEVICT_TRY(select_topk_flat(be, query, scores, lengths, total_q, nullptr, kept_cu, kept_pos));
   detail::workspace_carver carver(ws);
-  std::int32_t* floors = carver.take<std::int32_t>(static_cast<std::size_t>(H));
-  workspace sel{carver.take<unsigned char>(query.bytes), query.bytes};
+  std::int32_t* floors = nullptr;
+  workspace sel = detail::carve_adakv_ws(carver, H, query.bytes, floors);
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
   const detail::byte_range wr = detail::ws_range(ws);

@@ -74,7 +74,8 @@ class workspace_carver {
 
   /// The query's answer: the layout plus the worst-case padding, whatever this call's base (so a
   /// buffer smaller than its query fails on every base, not only on unlucky ones).
-  std::size_t needed() const noexcept { return started_ ? workspace_max_align - 1 + offset_ : 0; }
+  /// A layout of 0 bytes needs nothing (its pointers are never dereferenced).
+  std::size_t needed() const noexcept { return offset_ > 0 ? workspace_max_align - 1 + offset_ : 0; }
 
   /// On a query, stores the size needed; otherwise checks the buffer was big enough.
   status finish(const char* fn) noexcept {

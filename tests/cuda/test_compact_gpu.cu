@@ -119,7 +119,7 @@ void host_checks() {
   KVGPU_CHECK(fails_with(append(kvevict::cuda, ragged_cache<float>{cache.data(), cap, lens, 2, 3, 3},
                                 *make_kv_view(static_cast<const float*>(cache.data()), 2, 1, 3)),
                          errc::overlap, "rows and cache overlap"));
-  // misaligned device arrays (an arena pointer + 1, 2 or 4 bytes): a clear error, never a launch
+  // misaligned device arrays (an arena pointer + 1 or 2 bytes): a clear error, never a launch
   const auto shifted = [](auto* p, int bytes) {
     using P = decltype(p);
     return reinterpret_cast<P>(reinterpret_cast<std::uintptr_t>(p) + bytes);
@@ -127,16 +127,16 @@ void host_checks() {
   const auto odd_src = *make_kv_view(shifted(static_cast<const float*>(cache.data()), 2), 2, 3, 3);
   KVGPU_CHECK(fails_with(compact(kvevict::cuda, odd_src, kv, *make_kv_view(out.data(), 2, 2, 3)), errc::invalid_argument,
                          "compact(cuda): src is not aligned to 4 bytes"));
-  const auto odd_kept = *make_matrix_view(shifted(static_cast<const pos_t*>(kept.data()), 4), 2, 1);
+  const auto odd_kept = *make_matrix_view(shifted(static_cast<const pos_t*>(kept.data()), 2), 2, 1);
   KVGPU_CHECK(fails_with(compact(kvevict::cuda, src, odd_kept, *make_kv_view(out.data(), 2, 1, 3)), errc::invalid_argument,
-                         "kept is not aligned to 8 bytes"));
+                         "kept is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(compact(kvevict::cuda, src, kv, *make_kv_view(shifted(out.data(), 1), 2, 1, 3)),
                          errc::shape_mismatch, "dst holds 1 tokens"));  // shapes first
   KVGPU_CHECK(fails_with(compact(kvevict::cuda, src, kv, *make_kv_view(shifted(arena.data(), 1), 2, 2, 3)),
                          errc::invalid_argument, "dst is not aligned to 4 bytes"));
-  KVGPU_CHECK(fails_with(compact(kvevict::cuda, src, ragged_positions{shifted(kept.data(), 4), cu, 2},
+  KVGPU_CHECK(fails_with(compact(kvevict::cuda, src, ragged_positions{shifted(kept.data(), 2), cu, 2},
                                  ragged_view<float>{out.data(), cu, 2, 3, 3}),
-                         errc::invalid_argument, "kept.pos is not aligned to 8 bytes"));
+                         errc::invalid_argument, "kept.pos is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(compact(kvevict::cuda, src, ragged_positions{kept.data(), shifted(cu, 2), 2},
                                  ragged_view<float>{out.data(), cu, 2, 3, 3}),
                          errc::invalid_argument, "kept.cu is not aligned to 4 bytes"));
@@ -147,13 +147,13 @@ void host_checks() {
   KVGPU_CHECK(fails_with(compact_inplace(kvevict::cuda, q, *make_kv_view(shifted(arena.data(), 2), 2, 4, 3), kv),
                          errc::invalid_argument, "compact_inplace(cuda): cache is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(compact_inplace(kvevict::cuda, q, cv, odd_kept), errc::invalid_argument,
-                         "compact_inplace(cuda): kept is not aligned to 8 bytes"));
+                         "compact_inplace(cuda): kept is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(compact_inplace(kvevict::cuda, q, ragged_cache<float>{out.data(), shifted(cap, 1), lens, 2, 3, 3},
                                          ragged_positions{kept.data(), cu, 2}),
                          errc::invalid_argument, "cache.cu_capacity is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(compact_inplace(kvevict::cuda, q, ragged_cache<float>{out.data(), cap, lens, 2, 3, 3},
-                                         ragged_positions{shifted(kept.data(), 4), cu, 2}),
-                         errc::invalid_argument, "kept.pos is not aligned to 8 bytes"));
+                                         ragged_positions{shifted(kept.data(), 2), cu, 2}),
+                         errc::invalid_argument, "kept.pos is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(append(kvevict::cuda, ragged_cache<float>{shifted(out.data(), 1), cap, lens, 2, 3, 3},
                                 *make_kv_view(static_cast<const float*>(cache.data()), 2, 1, 3)),
                          errc::invalid_argument, "append(cuda): cache.data is not aligned to 4 bytes"));

@@ -170,16 +170,16 @@ void host_checks() {
                          "select_topk(cuda): scores is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, shifted(lens.data(), 2), kept), errc::invalid_argument,
                          "row_lengths is not aligned to 4 bytes"));
-  KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, lens.data(), *make_matrix_view(shifted(out.data(), 4), 4, 9)),
-                         errc::invalid_argument, "kept is not aligned to 8 bytes"));
-  KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, nullptr, ragged_positions_out{shifted(out.data(), 4), cu.data(), 4}),
-                         errc::invalid_argument, "kept.pos is not aligned to 8 bytes"));
+  KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, lens.data(), *make_matrix_view(shifted(out.data(), 2), 4, 9)),
+                         errc::invalid_argument, "kept is not aligned to 4 bytes"));
+  KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, nullptr, ragged_positions_out{shifted(out.data(), 2), cu.data(), 4}),
+                         errc::invalid_argument, "kept.pos is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(select_topk(kvevict::cuda, ws, scores, nullptr, ragged_positions_out{out.data(), shifted(cu.data(), 1), 4}),
                          errc::invalid_argument, "kept.cu is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(select_topk_flat(kvevict::cuda, ws, scores, nullptr, 10, nullptr, shifted(cu.data(), 2), out.data()),
                          errc::invalid_argument, "select_topk_flat(cuda): kept_cu is not aligned to 4 bytes"));
-  KVGPU_CHECK(fails_with(select_topk_flat(kvevict::cuda, ws, scores, nullptr, 10, nullptr, cu.data(), shifted(out.data(), 4)),
-                         errc::invalid_argument, "kept_pos is not aligned to 8 bytes"));
+  KVGPU_CHECK(fails_with(select_topk_flat(kvevict::cuda, ws, scores, nullptr, 10, nullptr, cu.data(), shifted(out.data(), 2)),
+                         errc::invalid_argument, "kept_pos is not aligned to 4 bytes"));
   KVGPU_CHECK(fails_with(select_topk_flat(kvevict::cuda, ws, scores, nullptr, 10, shifted(lens.data(), 1), cu.data(), out.data()),
                          errc::invalid_argument, "floors is not aligned to 4 bytes"));
   std::printf("select(cuda) host-side checks: %d failures\n", kvgpu::failures);

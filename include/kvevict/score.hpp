@@ -99,6 +99,13 @@ inline status make_score_plan(const char* fn, const score_shape& sh, int threads
   return {};
 }
 
+/// The host's scratch: one slot of slot_floats floats per thread (the layout of both phases).
+inline status carve_score_host(const char* fn, workspace& ws, const score_plan& pl, float*& scratch) {
+  workspace_carver carver(ws);
+  scratch = carver.take<float>(static_cast<std::size_t>(pl.slot_floats * pl.threads));
+  return carver.finish(fn);
+}
+
 template <class Backend, class QE, class KE>
 status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv_view<const QE>& q,
                              const kv_view<const KE>& prefix, const kv_view<const KE>& block,
@@ -109,9 +116,8 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
   KVEVICT_TRY(check_attention_scores(fn, q, prefix, block, out, opt, sh));
   score_plan pl;
   KVEVICT_TRY(make_score_plan(fn, sh, thread_count(be), opt, pl));
-  workspace_carver carver(ws);
-  float* scratch = carver.take<float>(static_cast<std::size_t>(pl.slot_floats * pl.threads));
-  KVEVICT_TRY(carver.finish(fn));
+  float* scratch = nullptr;
+  KVEVICT_TRY(carve_score_host(fn, ws, pl, scratch));
   if (ws.is_query() || pl.tasks == 0) return {};
 
   const index_t w = sh.w, p = sh.p, d = sh.d, oc = sh.out_cols;
@@ -241,7 +247,10 @@ result<std::size_t> attention_scores_workspace_bytes(Backend be, index_t query_h
                                              sh));
   detail::score_plan pl;
   KVEVICT_TRY(detail::make_score_plan(fn, sh, detail::thread_count(be), opt, pl));
-  return static_cast<std::size_t>(pl.slot_floats * pl.threads) * sizeof(float);
+  workspace q;
+  float* scratch = nullptr;
+  KVEVICT_TRY(detail::carve_score_host(fn, q, pl, scratch));
+  return q.bytes;
 }
 
 /// prefix = keys[:, :T-w], window = keys[:, T-w:] as strided views of the same memory (no copies).

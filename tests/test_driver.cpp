@@ -717,7 +717,7 @@ TEST_CASE("drivers: post-fill footprint equals the metrics closed form; full bud
     auto rec = value_of(make_eviction_recorder(store.data(), L, H, N));
     run_post_fill(seq, cfg, u, layers, {}, &rec);
     // the G decode tokens are never evicted: the recorder already says so
-    std::vector<std::int64_t> tmp(static_cast<std::size_t>(N));
+    std::vector<std::int64_t> tmp(static_cast<std::size_t>(N) + 8);  // + 64 B: the carver's base padding
     workspace mws{tmp.data(), tmp.size() * sizeof(std::int64_t)};
     kv_usage usage;
     REQUIRE(measure_kv_usage(mws, value_of(rec.schedule(N)), usage).ok());
@@ -1107,7 +1107,7 @@ TEST_CASE("drivers: chunked naive / patched, budget / fraction, every allocator,
         for (auto& lay : ref_at)
           for (auto& hd : lay) rows.push_back(hd);
         const naive_usage nu = naive_kv_usage(rows, c.N);
-        std::vector<std::int64_t> tmp(static_cast<std::size_t>(c.N));
+        std::vector<std::int64_t> tmp(static_cast<std::size_t>(c.N) + 8);  // + 64 B: the carver's base padding
         workspace mws{tmp.data(), tmp.size() * sizeof(std::int64_t)};
         kv_usage usage;
         REQUIRE(measure_kv_usage(mws, value_of(rec.schedule(c.N)), usage).ok());
@@ -1167,7 +1167,7 @@ TEST_CASE("drivers: chunked prefill without eviction has a 100% footprint; with 
     std::vector<pos_t> store(static_cast<std::size_t>(L * H * N));
     auto rec = value_of(make_eviction_recorder(store.data(), L, H, N));
     run_chunked(seq, c, &rec);
-    std::vector<std::int64_t> tmp(static_cast<std::size_t>(N));
+    std::vector<std::int64_t> tmp(static_cast<std::size_t>(N) + 8);  // + 64 B: the carver's base padding
     workspace mws{tmp.data(), tmp.size() * sizeof(std::int64_t)};
     kv_usage usage;
     REQUIRE(measure_kv_usage(mws, value_of(rec.schedule(N)), usage).ok());
@@ -1448,7 +1448,7 @@ TEST_CASE("drivers: a StreamingLLM decode driver from an empty cache matches the
       CHECK(false);
       break;
     }
-  std::vector<std::int64_t> tmp(static_cast<std::size_t>(N));
+  std::vector<std::int64_t> tmp(static_cast<std::size_t>(N) + 8);  // + 64 B: the carver's base padding
   workspace mws{tmp.data(), tmp.size() * sizeof(std::int64_t)};
   kv_usage usage;
   REQUIRE(measure_kv_usage(mws, value_of(rec.schedule(N)), usage).ok());
@@ -2093,7 +2093,7 @@ TEST_CASE("drivers: chunked patched eviction and decode-time H2O on the runner's
   }
   for (index_t l = 0; l < L; ++l)
     for (index_t h = 0; h < H; ++h) CHECK(c.length(static_cast<int>(l), h) == B);
-  std::vector<std::int64_t> tmp(static_cast<std::size_t>(N + 8));
+  std::vector<std::int64_t> tmp(static_cast<std::size_t>(N + 8) + 8);  // + 64 B: the carver's base padding
   workspace mws{tmp.data(), tmp.size() * sizeof(std::int64_t)};
   kv_usage usage;
   REQUIRE(measure_kv_usage(mws, value_of(rec.schedule(N + 8)), usage).ok());

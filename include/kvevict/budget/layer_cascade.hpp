@@ -122,7 +122,9 @@ class layer_cascade {
   template <class Backend>
   result<std::size_t> workspace_bytes(Backend be) const {
     if (!ready_) return status::error(errc::invalid_argument, "layer_cascade::workspace_bytes: not initialised (init)");
-    return selection_bytes(be);
+    workspace q;
+    KVEVICT_TRY(carve_selection(be, q, "layer_cascade::workspace_bytes"));
+    return q.bytes;
   }
 
   /// Layer `layer` (= layers_added(): layers come in order) was prefilled; `scores` [H][N] are its
@@ -149,9 +151,7 @@ class layer_cascade {
                            static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
                            static_cast<long long>(H), static_cast<long long>(N));
     const bool flat = cfg_.split == cascade_split::flattened;
-    detail::workspace_carver carver(ws);
-    (void)carver.take<unsigned char>(selection_bytes(be));
-    KVEVICT_TRY(carver.finish(fn));
+    KVEVICT_TRY(carve_selection(be, ws, fn));
     if (ws.is_query()) return {};
     if (added_ == L)
       return status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added already", fn,
@@ -282,6 +282,14 @@ class layer_cascade {
     const std::size_t flat = select_topk_flat_workspace_bytes(be, H, N);
     const std::size_t one = select_topk_workspace_bytes(be, cfg_.total < H * N ? cfg_.total : H * N);
     return flat > one ? flat : one;
+  }
+
+  /// add_layer's workspace layout (both phases): the largest selection's own query size, carved.
+  template <class Backend>
+  status carve_selection(Backend be, workspace& ws, const char* fn) const {
+    detail::workspace_carver carver(ws);
+    (void)carver.take<unsigned char>(selection_bytes(be));
+    return carver.finish(fn);
   }
 
   bool valid(index_t layer) const noexcept { return ready_ && layer >= 0 && layer < added_; }

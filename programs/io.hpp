@@ -186,7 +186,8 @@ inline std::string parent_dir(const std::string& path) {
 }
 }  // namespace detail
 
-/// Checks, before any work: every output's directory exists and is writable, an existing output
+/// Checks, before any work: every output's directory exists and a file can be created in it (a
+/// probe file is created and removed), an existing output
 /// is a regular file (never a FIFO, device or directory: it is replaced by rename), no two
 /// outputs are the same file, and no output is one of the inputs (same file by inode, or by
 /// normalised path when it does not exist yet). Entries with an empty path are skipped.
@@ -204,9 +205,14 @@ inline status check_paths(const std::vector<named_path>& inputs, const std::vect
     struct stat st {};
     if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
       return status::error(errc::io_error, "%s %s: the directory %s does not exist", out.option, p, dir.c_str());
-    if (::access(dir.c_str(), W_OK | X_OK) != 0)
-      return status::error(errc::io_error, "%s %s: cannot write in %s: %s", out.option, p, dir.c_str(),
+    // writable means a file can be created there (what stage() will do): try it, root included
+    std::string probe = (std::filesystem::path(dir) / ".kvevict-probe-XXXXXX").string();
+    const int fd = ::mkstemp(probe.data());
+    if (fd < 0)
+      return status::error(errc::io_error, "%s %s: cannot create files in %s: %s", out.option, p, dir.c_str(),
                            std::strerror(errno));
+    ::close(fd);
+    ::unlink(probe.c_str());
     if (::lstat(p, &st) == 0 && !S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode))
       return status::error(errc::io_error, "%s %s: exists and is %s, not a regular file", out.option, p,
                            detail::file_kind(st.st_mode));

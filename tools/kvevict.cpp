@@ -1,5 +1,6 @@
 // kvevict: apply an eviction recipe to tensors in .npy files (see tools/kvevict_tool.hpp and
 // docs/tool.md). One line on stderr and exit status 1 for every error (programs/main.hpp).
+#include "cli.hpp"
 #include "kvevict_tool.hpp"
 #include "main.hpp"
 
@@ -18,6 +19,7 @@ int run(int argc, char** argv) {
   std::string recipe_name = "snapkv", pool, gqa, order, source, backend = "seq";
   std::optional<index_t> kernel, sinks, recent, window, budget;  // unset: the recipe's default
 
+  const CLI::Validator integer = program::integer<index_t>();  // no saturation of absurd numbers
   CLI::App app{"kvevict: apply a KV-cache eviction recipe to .npy tensors and write the kept positions"};
   app.add_option("--q", opt.q_path, "queries [H_q][T_q][d] (float32/float16, post-RoPE)");
   app.add_option("--k", opt.k_path, "keys [H_kv][T][d] (float32/float16, post-RoPE)")->required();
@@ -25,15 +27,15 @@ int run(int argc, char** argv) {
   app.add_option("--block-keys", opt.block_keys_path, "the external query block's own keys [H_kv][T_q][d]");
   app.add_option("--recipe", recipe_name,
                  "streaming_llm | h2o | tova | snapkv | knorm | vatp | lava | cake (default snapkv)");
-  app.add_option("--budget", budget, "tokens kept per KV head, protected ones included")->required();
-  app.add_option("--window", window, "observation window w (default: the query rows of q.npy)");
+  app.add_option("--budget", budget, "tokens kept per KV head, protected ones included")->required()->check(integer);
+  app.add_option("--window", window, "observation window w (default: the query rows of q.npy)")->check(integer);
   app.add_option("--source", source, "window (queries are the last w prompt tokens) | external (queries after the prompt)");
   app.add_option("--pool", pool, "none | max | avg (default: the recipe's)");
-  app.add_option("--kernel", kernel, "pooling kernel, odd (default: the recipe's)");
+  app.add_option("--kernel", kernel, "pooling kernel, odd (default: the recipe's)")->check(integer);
   app.add_option("--gqa", gqa, "mean | max | sum over each query-head group (default: the recipe's)");
   app.add_option("--gqa-order", order, "pool-then-reduce | reduce-then-pool (default: the recipe's)");
-  app.add_option("--sinks", sinks, "first tokens always kept (default: the recipe's)");
-  app.add_option("--recent", recent, "last tokens always kept (default: the recipe's, e.g. the window)");
+  app.add_option("--sinks", sinks, "first tokens always kept (default: the recipe's)")->check(integer);
+  app.add_option("--recent", recent, "last tokens always kept (default: the recipe's, e.g. the window)")->check(integer);
   app.add_option("--backend", backend, "seq | par (default seq)");
   app.add_option("--scores", opt.scores_path, "output: final scores, float32 [H_kv][T] (default scores.npy)");
   app.add_option("--kept", opt.kept_path, "output: kept positions, int32 [H_kv][budget], ascending (default kept.npy)");

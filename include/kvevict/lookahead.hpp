@@ -330,6 +330,8 @@ status lora_linear_backward(Backend be, workspace& ws, matrix_view<X> x_in, matr
   detail::workspace_carver carver(ws);
   T* dt = carver.take<T>(static_cast<std::size_t>(m * r));
   if (auto st = carver.finish(fn); !st.ok() || ws.is_query()) return st;
+  const detail::byte_range touched[] = {outs[0], outs[1], outs[2], ins[0], ins[1], ins[2], ins[3], ins[4], ins[5]};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"grad.da", "grad.db", "dx", "x", "w", "adapter.a", "adapter.b", "xa", "dy"}));
 
   if (m == 0) return {};  // no lookahead rows: every gradient term is empty
   const T scale = ad.alpha / static_cast<T>(r);
@@ -577,6 +579,8 @@ status lookahead_window_scores(Backend be, workspace& ws, matrix_view<Q> q_in, m
   detail::workspace_carver carver(ws);
   T* probs = carver.take<T>(static_cast<std::size_t>(n * width));
   if (auto st = carver.finish(fn); !st.ok() || ws.is_query()) return st;
+  const detail::byte_range touched[] = {sr, detail::range_of(q), detail::range_of(kp), detail::range_of(kb)};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"s", "q", "k_prefix", "k_block"}));
 
   const T c = detail::window_scale<T>(opts, q.extent(1));
   detail::window_probs(be, q, kp, kb, c, probs);
@@ -643,6 +647,8 @@ status lookahead_window_scores_backward(Backend be, workspace& ws, matrix_view<Q
   T* gq = carver.take<T>(static_cast<std::size_t>(n * d));
   T* gk = carver.take<T>(static_cast<std::size_t>(n * d));
   if (auto st = carver.finish(fn); !st.ok() || ws.is_query()) return st;
+  const detail::byte_range touched[] = {detail::range_of(dq), detail::range_of(dkb), ins[0], ins[1], ins[2], ins[3]};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"dq", "dk_block", "q", "k_prefix", "k_block", "ds"}));
 
   const T c = detail::window_scale<T>(opts, d);
   detail::window_probs(be, q, kp, kb, c, probs);
@@ -759,6 +765,10 @@ status lookahead_kl_loss(Backend be, workspace& ws, matrix_view<GT> gt_in, matri
   detail::workspace_carver carver(ws);
   double* sums = carver.take<double>(static_cast<std::size_t>(2 * R));
   if (auto st = carver.finish(fn); !st.ok() || ws.is_query()) return st;
+  const auto lb = reinterpret_cast<std::uintptr_t>(loss);
+  const detail::byte_range touched[] = {detail::range_of(gt), detail::range_of(est), detail::range_of(grad_est),
+                                        {lb, lb + sizeof(double)}};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"gt", "est", "grad_est", "loss"}));
 
   // validation (sequential: the first offending element is reported), row sums saved
   for (index_t r = 0; r < R; ++r) {

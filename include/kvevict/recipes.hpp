@@ -385,6 +385,9 @@ status recipe_scores(Backend be, workspace& ws, const recipe& r, kv_view<Q> quer
   std::int32_t* lens = carver.take<std::int32_t>(static_cast<std::size_t>(hq));
   workspace inner{carver.take<unsigned char>(*inner_bytes), *inner_bytes};
   KVEVICT_TRY(carver.finish(fn));
+  const detail::byte_range touched[] = {detail::range_of(scores), detail::range_of(queries), detail::range_of(keys),
+                                        detail::range_of(values), detail::range_of(block_keys)};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"scores", "queries", "keys", "values", "block_keys"}));
   if (ws.is_query()) return {};
 
   const auto raw_all = *make_matrix_view(raw, hq, T);

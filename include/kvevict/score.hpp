@@ -286,6 +286,8 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
   workspace_carver carver(ws);
   float* scratch = carver.take<float>(static_cast<std::size_t>(pl.slot_floats * pl.threads));
   KVEVICT_TRY(carver.finish(fn));
+  const byte_range touched[] = {range_of(out), range_of(q), range_of(prefix), range_of(block)};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"out", "queries", "prefix_keys", "block_keys"}));
   if (ws.is_query() || pl.tasks == 0) return {};
 
   const index_t w = sh.w, p = sh.p, d = sh.d, oc = sh.out_cols;

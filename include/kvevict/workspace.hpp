@@ -47,6 +47,19 @@ class workspace_carver {
 
   std::size_t used() const noexcept { return offset_; }
 
+  /// After finish() on a real buffer: the bytes carved so far must not share memory with anything
+  /// else the call reads or writes (`ranges[i]` has `begin`/`end` addresses, e.g. detail::byte_range;
+  /// empty ranges never overlap). Error: "fn: the workspace and <names[i]> overlap in memory".
+  template <class Range, std::size_t N>
+  status check_disjoint(const char* fn, const Range (&ranges)[N], const char* const (&names)[N]) const noexcept {
+    if (ws_.is_query() || offset_ == 0) return {};
+    const auto b = reinterpret_cast<std::uintptr_t>(ws_.data), e = b + offset_;
+    for (std::size_t i = 0; i < N; ++i)
+      if (ranges[i].begin < ranges[i].end && ranges[i].begin < e && b < ranges[i].end)
+        return status::error(errc::overlap, "%s: the workspace and %s overlap in memory", fn, names[i]);
+    return {};
+  }
+
   /// On a query, stores the size needed; otherwise checks the buffer was big enough.
   status finish(const char* fn) noexcept {
     if (ws_.is_query()) {

@@ -303,6 +303,10 @@ inline status kendall_tau_b(workspace& ws, matrix_view<const float> a, matrix_vi
   index_t* perm = carver.take<index_t>(static_cast<std::size_t>(n));
   index_t* tmp = carver.take<index_t>(static_cast<std::size_t>(n));
   KVEVICT_TRY(carver.finish(fn));
+  const auto pb = reinterpret_cast<std::uintptr_t>(per_row);
+  const detail::byte_range touched[] = {detail::range_of(a), detail::range_of(b),
+                                        {pb, per_row ? pb + static_cast<std::uintptr_t>(rows) * sizeof(double) : pb}};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"a", "b", "per_row"}));
   if (ws.is_query()) return {};
   KVEVICT_TRY(mi::check_no_nan(fn, "a", a));
   KVEVICT_TRY(mi::check_no_nan(fn, "b", b));

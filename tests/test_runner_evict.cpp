@@ -11,10 +11,10 @@
 
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
-#include <runner/lookahead_data.hpp>
-#include <runner/lookahead_module.hpp>
-#include <runner/lookahead_scores.hpp>
-#include <runner/report.hpp>
+#include <lookaheadkv/data.hpp>
+#include <lookaheadkv/module.hpp>
+#include <lookaheadkv/scores.hpp>
+#include <report/report.hpp>
 
 #include <kvevict/budget.hpp>
 #include <kvevict/metrics.hpp>

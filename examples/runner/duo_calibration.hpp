@@ -16,11 +16,11 @@
 // calibration by attention statistics, not DuoAttention's optimisation; docs/report.md says so.
 //
 // Calibration text: model-generated (prompt, response) pairs of the TRAINING seed range
-// (lookahead_data.hpp), disjoint from the report's test prompts.
+// (lookaheadkv/data.hpp), disjoint from the report's test prompts.
 #pragma once
 
 #include <runner/evict.hpp>
-#include <runner/lookahead_data.hpp>
+#include <lookaheadkv/data.hpp>
 
 #include <cmath>
 #include <vector>

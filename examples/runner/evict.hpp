@@ -21,7 +21,7 @@
 //   decode        plain prefill; then after every decoded token decode_driver::step per layer
 //                 (H2O accumulates attention every step) and a compaction when it evicts.
 // LAQ / LAQ++ (laq.hpp) and the response oracle are post-fill methods with an external query block;
-// LookaheadKV (lookahead_scores.hpp) is post-fill with the trained module's scores.
+// LookaheadKV (lookaheadkv/scores.hpp) is post-fill with the trained module's scores.
 #pragma once
 
 #include <runner/generate.hpp>
@@ -66,7 +66,7 @@ enum class method : int {
   duo,            ///< DuoAttention-style head types from a calibration pass
   laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (laq.hpp)
   laq_pp,         ///< LAQ++: pseudo queries and the prompt's window
-  lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (lookahead_scores.hpp)
+  lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (lookaheadkv/scores.hpp)
   oracle,         ///< the true response's queries (an upper bound)
 };
 inline constexpr method all_methods[] = {method::full,   method::streaming_llm, method::h2o,   method::tova,

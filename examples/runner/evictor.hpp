@@ -5,7 +5,7 @@
 
 #include <runner/evict.hpp>
 #include <runner/laq.hpp>
-#include <runner/lookahead_scores.hpp>
+#include <lookaheadkv/scores.hpp>
 
 #include <cstring>
 
@@ -15,7 +15,7 @@ class evictor {
  public:
   /// Checks the options against the model (check_evict_options) and binds the evictor to `m`
   /// (which must outlive it). `duo`: the head types of the duo method (duo_calibration.hpp), copied.
-  /// `lookahead`: the trained module of the lookaheadkv method (lookahead_module.hpp; must outlive
+  /// `lookahead`: the trained module of the lookaheadkv method (lookaheadkv/module.hpp; must outlive
   /// the evictor; ignored by the other methods). Errors: the options', duo without head types,
   /// lookaheadkv without a module or with a module trained for another model (the first differing
   /// dimension is named).

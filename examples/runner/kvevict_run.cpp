@@ -14,11 +14,11 @@
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
-#include <runner/lookahead_module.hpp>
+#include <lookaheadkv/module.hpp>
 #include <runner/model.hpp>
-#include <runner/report.hpp>
+#include <report/report.hpp>
 #include <runner/runner.hpp>
-#include <runner/svg.hpp>
+#include <report/svg.hpp>
 #include <runner/tokenizer.hpp>
 
 #include <CLI/CLI.hpp>

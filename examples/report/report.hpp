@@ -1,7 +1,7 @@
-// runner/report.hpp: the quality report of kvevict's eviction methods on the reference runner
+// report/report.hpp: the quality report of kvevict's eviction methods on the reference runner
 // (`kvevict-run --report`, docs/report.md).
 //
-// Prompts: the pair generator's TEST split (lookahead_data.hpp: model-generated stories cut at a
+// Prompts: the pair generator's TEST split (lookaheadkv/data.hpp: model-generated stories cut at a
 // random point, the prompt filling the 512-token context minus the response; short prompts off),
 // each with the full cache's greedy response of `pairs.response` tokens. For every configuration
 // (recipe x driver x budget) and prompt, against the full cache:
@@ -31,8 +31,8 @@
 
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
-#include <runner/lookahead_data.hpp>
-#include <runner/lookahead_module.hpp>
+#include <lookaheadkv/data.hpp>
+#include <lookaheadkv/module.hpp>
 
 #include <kvevict/metrics.hpp>
 

@@ -1,4 +1,4 @@
-// runner/lookahead_train.hpp: LookaheadKV training on the runner's model (Algorithm 1), with exact
+// lookaheadkv/train.hpp: LookaheadKV training on the runner's model (Algorithm 1), with exact
 // gradients through the lookahead rows.
 //
 //   frozen_model<float> fm;  fm.from(model);                    // the model's weights, [out][in]
@@ -28,7 +28,7 @@
 // both outputs (estimate and P V) from one softmax, whose estimate part is exactly the library's
 // kvevict::lookahead_window_scores and its backward (the tests compare them; calling those too
 // would recompute the softmax twice more). Every piece is checked against central differences in
-// tests/test_runner_lookahead.cpp.
+// tests/test_lookaheadkv.cpp.
 //
 // Every function is templated on T (float for training, double for the finite-difference tests).
 // The float forward repeats the runner's arithmetic operation for operation (same summation
@@ -37,8 +37,8 @@
 #pragma once
 
 #include <runner/kv_cache.hpp>
-#include <runner/lookahead_data.hpp>
-#include <runner/lookahead_module.hpp>
+#include <lookaheadkv/data.hpp>
+#include <lookaheadkv/module.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
 

@@ -7,11 +7,11 @@
 //
 // Every error is one line on stderr and exit status 1 (2 for command-line syntax errors).
 #include <runner/kv_cache.hpp>
-#include <runner/lookahead_data.hpp>
-#include <runner/lookahead_eval.hpp>
-#include <runner/lookahead_module.hpp>
-#include <runner/lookahead_scores.hpp>
-#include <runner/lookahead_train.hpp>
+#include <lookaheadkv/data.hpp>
+#include <lookaheadkv/eval.hpp>
+#include <lookaheadkv/module.hpp>
+#include <lookaheadkv/scores.hpp>
+#include <lookaheadkv/train.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
 

@@ -1,9 +1,9 @@
-// runner/svg.hpp: the report's plot, written by hand as SVG: quality vs budget per recipe, two
+// report/svg.hpp: the report's plot, written by hand as SVG: quality vs budget per recipe, two
 // panels (mean KL(full || evicted), log scale; mean recall of the ground truth's top-k), the budget
 // axis log-scaled, one line per (recipe, driver): colour = recipe, dash pattern = driver.
 #pragma once
 
-#include <runner/report.hpp>
+#include <report/report.hpp>
 
 #include <cmath>
 #include <cstdio>

@@ -1,12 +1,12 @@
-// The quality report (examples/runner/report.hpp, svg.hpp) on a tiny configuration: the JSON it
+// The quality report (examples/report/report.hpp, svg.hpp) on a tiny configuration: the JSON it
 // writes is parsed back here and its numbers checked for consistency (the full cache and every
 // budget of at least the prompt: KL exactly 0 and full agreement; the oracle: recall 1 at every
 // budget; means equal to the per-prompt numbers; footprints and recalls in range), the quality
 // numbers do not depend on the thread count, and the table and the plot hold every row.
 #include "support.hpp"
 
-#include <runner/report.hpp>
-#include <runner/svg.hpp>
+#include <report/report.hpp>
+#include <report/svg.hpp>
 
 #include <cctype>
 #include <cmath>

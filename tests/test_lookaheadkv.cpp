@@ -1,16 +1,16 @@
-// LookaheadKV on the reference runner (examples/runner/lookahead_*.hpp): every backward piece and
+// LookaheadKV on the reference runner (examples/lookaheadkv/*.hpp): every backward piece and
 // the whole training chain against central finite differences (double), on a tiny random model
 // and on stories260K; the float training forward against the runner; LoRA inactive outside the
 // lookahead rows; the module file (round trip and every load error); reproducible training; a
-// short training run lowering the loss; lookahead_scores against the library's attention_scores.
+// short training run lowering the loss; the scorer (scores.hpp) against the library's attention_scores.
 #include "support.hpp"
 
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
-#include <runner/lookahead_data.hpp>
-#include <runner/lookahead_module.hpp>
-#include <runner/lookahead_scores.hpp>
-#include <runner/lookahead_train.hpp>
+#include <lookaheadkv/data.hpp>
+#include <lookaheadkv/module.hpp>
+#include <lookaheadkv/scores.hpp>
+#include <lookaheadkv/train.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
 

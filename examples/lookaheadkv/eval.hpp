@@ -1,4 +1,4 @@
-// runner/lookahead_eval.hpp: the quality and cost report of LookaheadKV against SnapKV and the
+// lookaheadkv/eval.hpp: the quality and cost report of LookaheadKV against SnapKV and the
 // oracle on held-out (prompt, response) pairs (what `kvevict-lookahead eval` prints).
 //
 // Per pair (X, Y), P = |X|, and per method, budget k (only k < P: otherwise nothing is evicted):
@@ -21,10 +21,10 @@
 #pragma once
 
 #include <runner/kv_cache.hpp>
-#include <runner/lookahead_data.hpp>
-#include <runner/lookahead_module.hpp>
-#include <runner/lookahead_scores.hpp>
-#include <runner/lookahead_train.hpp>
+#include <lookaheadkv/data.hpp>
+#include <lookaheadkv/module.hpp>
+#include <lookaheadkv/scores.hpp>
+#include <lookaheadkv/train.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
 

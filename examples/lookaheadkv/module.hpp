@@ -1,4 +1,4 @@
-// runner/lookahead_module.hpp: the trainable part of LookaheadKV for a runner model, and its file.
+// lookaheadkv/module.hpp: the trainable part of LookaheadKV for a runner model, and its file.
 //
 //   lookahead_module m;
 //   m.init(model, {.n_lookahead = 16, .rank = 8, .alpha = 32, .placement = lora_all}, seed);

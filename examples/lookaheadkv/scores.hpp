@@ -1,4 +1,4 @@
-// runner/lookahead_scores.hpp: LookaheadKV eviction scores at inference (Algorithm 2).
+// lookaheadkv/scores.hpp: LookaheadKV eviction scores at inference (Algorithm 2).
 //
 //   kvrun::lookahead_scorer scorer;
 //   KVEVICT_TRY(scorer.init(model, module));              // checks the module against the model
@@ -27,8 +27,8 @@
 #pragma once
 
 #include <runner/kv_cache.hpp>
-#include <runner/lookahead_module.hpp>
-#include <runner/lookahead_train.hpp>
+#include <lookaheadkv/module.hpp>
+#include <lookaheadkv/train.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
 

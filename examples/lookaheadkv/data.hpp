@@ -1,4 +1,4 @@
-// runner/lookahead_data.hpp: model-generated (prompt X, response Y) pairs, LookaheadKV's training
+// lookaheadkv/data.hpp: model-generated (prompt X, response Y) pairs, LookaheadKV's training
 // data (§4.1: "truncate the text at random positions to obtain X, and use the target model to
 // complete the sequence to obtain Y", greedy), built from the model alone.
 //
@@ -22,7 +22,7 @@
 
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
-#include <runner/lookahead_module.hpp>
+#include <lookaheadkv/module.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
 

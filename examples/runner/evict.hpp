@@ -290,6 +290,9 @@ inline status check_evict_options(const config& c, const evict_options& o) {
                "that budget from per-head scores)",
                allocator_name(a));
   if (o.recipe == method::laq_pp && a == allocator_kind::duo) return err("--recipe laq++ does not take --allocator duo");
+  if (o.recipe == method::knorm && a == allocator_kind::lava)  // lava_layer_entropy needs scores >= 0
+    return err("--recipe knorm does not take --allocator lava (LAVa's entropy needs attention-like scores >= 0; "
+               "knorm's are negated key norms)");
   switch (d) {
     case driver_kind::postfill: break;
     case driver_kind::layerwise:
@@ -438,6 +441,22 @@ struct allocation_plan {
   index_t retrieval_heads = -1;       ///< duo: heads that keep the whole prompt
   index_t total = 0;                  ///< tokens the model keeps after the eviction (all heads, layers)
 };
+
+/// The most rows one head can keep after an eviction under `a` (docs/drivers.md, "Capacity"): its
+/// own budget with per_head budgets (the largest over the model: PyramidKV's shallow layers get
+/// more than B), its whole layer's total with flattened or adakv selection (one head may take its
+/// layer's entire share). A driver's capacity must be this plus the rows added between evictions.
+inline index_t max_head_rows(const kvevict::allocation& a) {
+  const auto& b = a.budgets;
+  index_t most = 0;
+  for (index_t l = 0; l < b.extent(0); ++l) {
+    index_t layer = 0;
+    for (index_t h = 0; h < b.extent(1); ++h)
+      layer = a.kind == kvevict::allocator::per_head ? std::max<index_t>(layer, b(l, h)) : layer + b(l, h);
+    most = std::max(most, layer);
+  }
+  return most;
+}
 
 /// Duo head types: the calibration's "globalness" per (layer, KV head) (duo_calibration.hpp);
 /// the most global heads become retrieval heads.

@@ -559,7 +559,9 @@ class evictor {
     KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     kvevict::decode_config dc;
     dc.model = shape_of(c);
-    dc.capacity = std::min<index_t>(cache.capacity(), bound + o_.evict_every);
+    // a head holds at most the prompt, or what it may keep after an eviction, plus the tokens
+    // decoded until the next one (with adakv one head may keep its layer's whole share)
+    dc.capacity = std::min<index_t>(cache.capacity(), std::max(P, max_head_rows(alloc_.alloc)) + o_.evict_every);
     dc.interval = o_.evict_every;
     dc.rec = rec_;
     dc.alloc = alloc_.alloc;

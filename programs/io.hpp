@@ -68,33 +68,31 @@ class input_file {
     if (f_) std::fclose(f_);
   }
 
-  /// Errors (io_error, messages start with the path): no such file, cannot open, not a regular
-  /// file (names the kind: a FIFO, a character device, ...), larger than max_bytes.
+  /// Errors (io_error; `what` names the kind of input, as the program's loaders do):
+  ///   checkpoint: cannot open 'm.bin': No such file or directory
+  ///   tokenizer: '/dev/zero' is not a regular file (a character device)
+  ///   lookahead module: 'big.bin' has 5000000000 bytes, more than the 4294967296-byte limit
   static status open(const std::string& path, const char* what, std::uint64_t max_bytes, input_file& out) {
     out = input_file{};
     const char* p = path.c_str();
     if (path.empty()) return status::error(errc::io_error, "%s: the path is empty", what);
     const int fd = ::open(p, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
-    if (fd < 0) {
-      if (errno == ENOENT) return status::error(errc::io_error, "%s: no such file", p);
-      return status::error(errc::io_error, "%s: cannot open: %s", p, std::strerror(errno));
-    }
+    if (fd < 0) return status::error(errc::io_error, "%s: cannot open '%s': %s", what, p, std::strerror(errno));
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
       const int err = errno;
       ::close(fd);
-      return status::error(errc::io_error, "%s: cannot stat: %s", p, std::strerror(err));
+      return status::error(errc::io_error, "%s: cannot stat '%s': %s", what, p, std::strerror(err));
     }
     if (!S_ISREG(st.st_mode)) {
       ::close(fd);
-      return status::error(errc::io_error, "%s: not a regular file (%s): a %s must be a file", p,
-                           detail::file_kind(st.st_mode), what);
+      return status::error(errc::io_error, "%s: '%s' is not a regular file (%s)", what, p, detail::file_kind(st.st_mode));
     }
     const auto size = static_cast<std::uint64_t>(st.st_size);
     if (size > max_bytes) {
       ::close(fd);
-      return status::error(errc::io_error, "%s: %llu bytes, more than the %llu-byte limit for a %s", p,
-                           static_cast<unsigned long long>(size), static_cast<unsigned long long>(max_bytes), what);
+      return status::error(errc::io_error, "%s: '%s' has %llu bytes, more than the %llu-byte limit", what, p,
+                           static_cast<unsigned long long>(size), static_cast<unsigned long long>(max_bytes));
     }
     const int flags = ::fcntl(fd, F_GETFL);
     if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
@@ -102,9 +100,10 @@ class input_file {
     if (f == nullptr) {
       const int err = errno;
       ::close(fd);
-      return status::error(errc::io_error, "%s: cannot open: %s", p, std::strerror(err));
+      return status::error(errc::io_error, "%s: cannot open '%s': %s", what, p, std::strerror(err));
     }
     out.f_ = f;
+    out.what_ = what;
     out.size_ = size;
     out.path_ = path;
     return {};
@@ -119,7 +118,7 @@ class input_file {
   status read_exact(void* dst, std::size_t n) const {
     if (n == 0) return {};
     if (std::fread(dst, 1, n, f_) != n)
-      return status::error(errc::io_error, "%s: cannot read %zu bytes (%s)", path_.c_str(), n,
+      return status::error(errc::io_error, "%s: cannot read %zu bytes of '%s' (%s)", what_, n, path_.c_str(),
                            std::ferror(f_) ? std::strerror(errno) : "the file is shorter than when it was opened");
     return {};
   }
@@ -128,8 +127,10 @@ class input_file {
   std::FILE* f_ = nullptr;
   std::uint64_t size_ = 0;
   std::string path_;
+  const char* what_ = "input";
   void swap(input_file& o) noexcept {
     std::swap(f_, o.f_);
+    std::swap(what_, o.what_);
     std::swap(size_, o.size_);
     std::swap(path_, o.path_);
   }
@@ -144,7 +145,7 @@ inline status read_file(const std::string& path, const char* what, std::uint64_t
   out.resize(static_cast<std::size_t>(in.size()));
   KVEVICT_TRY(in.read_exact(out.data(), out.size()));
   if (std::fgetc(in.get()) != EOF)
-    return status::error(errc::io_error, "%s: the file grew while it was read", path.c_str());
+    return status::error(errc::io_error, "%s: '%s' grew while it was read", what, path.c_str());
   return {};
 }
 

@@ -184,7 +184,7 @@ TEST_CASE("hostile: the kvevict tool rejects inputs that are not bounded regular
     return a;
   };
   require_one_line_failure(run(with_k(fifo)), "kvevict", "not a regular file (a FIFO)");
-  require_one_line_failure(run(with_k("/dev/zero")), "kvevict", "/dev/zero: not a regular file (a character device)");
+  require_one_line_failure(run(with_k("/dev/zero")), "kvevict", "npy: '/dev/zero' is not a regular file (a character device)");
   require_one_line_failure(run(with_k(d.path.string())), "kvevict", "not a regular file (a directory)");
   require_one_line_failure(run(with_k(d.file("missing.npy"))), "kvevict", "missing.npy: no such file");
   // an input given but not needed by the recipe is still read: a missing --q is an error

@@ -394,8 +394,11 @@ inline status parse(const void* data, std::size_t size, const char* name, array&
 inline status read(const std::string& path, array& out) {
   out = array{};
   const char* name = path.c_str();
+  std::error_code ec;
+  if (std::filesystem::status(path, ec).type() == std::filesystem::file_type::not_found)
+    return status::error(errc::io_error, "%s: no such file", name);
   io::input_file in;
-  KVEVICT_TRY(io::input_file::open(path, ".npy input", io::limit::npy_bytes, in));
+  KVEVICT_TRY(io::input_file::open(path, "npy", io::limit::npy_bytes, in));
   const std::uint64_t total = in.size();
   // the preamble (at most 12 bytes), then exactly the header it announces (bounded by the file size)
   std::vector<unsigned char> head(static_cast<std::size_t>(total < 12 ? total : 12));

@@ -21,6 +21,10 @@
 #include <report/svg.hpp>
 #include <runner/tokenizer.hpp>
 
+#include "cli.hpp"
+#include "io.hpp"
+#include "main.hpp"
+
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -29,7 +33,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -67,27 +70,17 @@ struct options {
 };
 
 int fail(const char* what, const kvevict::status& st) {
-  std::fprintf(stderr, "kvevict-run: %s%s\n", what, st.message());
-  return 1;
+  return kvevict::program::fail("kvevict-run", std::string(what) + st.message());
 }
 // A file's format errors name the file (open errors already do).
 int fail_file(const std::string& path, const kvevict::status& st) {
   if (st.code() == kvevict::errc::io_error) return fail("", st);
   return fail((path + ": ").c_str(), st);
 }
-int fail(const std::string& message) {
-  std::fprintf(stderr, "kvevict-run: %s\n", message.c_str());
-  return 1;
-}
+int fail(const std::string& message) { return kvevict::program::fail("kvevict-run", message); }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-bool write_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary);
-  f << text;
-  return static_cast<bool>(f.flush());
 }
 
 // The duo method's head types: a calibration pass over `count` model-generated training texts.
@@ -136,7 +129,12 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   if (o.prompts < 1) return fail("--prompts must be >= 1, got " + std::to_string(o.prompts));
   if (std::error_code ec; !std::filesystem::is_directory(o.out_dir, ec))
     return fail("--out-dir " + o.out_dir + " is not a directory");
-  if (o.calibration < 1) return fail("--calibration must be >= 1, got " + std::to_string(o.calibration));
+  const std::string json = o.out_dir + "/report.json", svg = o.out_dir + "/report.svg";
+  // both outputs are checked now, before minutes of work, and written together at the end
+  if (auto st = kvevict::io::check_paths({{"--model", o.model}, {"--lookahead-module", o.lookahead_module}},
+                                         {{"report.json", json}, {"report.svg", svg}});
+      !st.ok())
+    return fail("--out-dir: ", st);
   kvrun::lookahead_module lookahead;  // every method runs unless --recipes leaves lookaheadkv out
   if (r.recipes.empty() || std::find(r.recipes.begin(), r.recipes.end(), kvrun::method::lookaheadkv) != r.recipes.end()) {
     if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
@@ -152,16 +150,15 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   std::string name = o.model;
   if (const auto slash = name.find_last_of('/'); slash != std::string::npos) name = name.substr(slash + 1);
   if (const auto dot = name.rfind(".bin"); dot != std::string::npos && dot + 4 == name.size()) name.resize(dot);
-  const std::string json = o.out_dir + "/report.json", svg = o.out_dir + "/report.svg";
-  if (!write_file(json, kvrun::report_json(result, name, command))) return fail("cannot write " + json);
-  if (!write_file(svg, kvrun::report_svg(result, name))) return fail("cannot write " + svg);
+  kvevict::io::output_transaction out;
+  if (auto st = out.stage(json, kvrun::report_json(result, name, command)); !st.ok()) return fail("", st);
+  if (auto st = out.stage(svg, kvrun::report_svg(result, name)); !st.ok()) return fail("", st);
+  if (auto st = out.commit(); !st.ok()) return fail("", st);
   std::fprintf(stderr, "report: wrote %s and %s\n", json.c_str(), svg.c_str());
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   options o;
   CLI::App app{"kvevict-run: generate text with the kvevict reference runner (llama2.c checkpoints)", "kvevict-run"};
   app.add_option("--model", o.model, "llama2.c checkpoint")->capture_default_str();
@@ -169,14 +166,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--prompt", o.prompt, "prompt text (BOS and a dummy-prefix space are added)")->capture_default_str();
   app.add_option("--steps", o.steps, "positions to run, prompt included (run.c's -n); 1..seq_len")
-      ->capture_default_str();
+      ->check(kvevict::program::integer<int>())->capture_default_str();
   app.add_option("--temperature", o.temperature, "0 = greedy; > 0 samples softmax(logits / temperature)")
       ->capture_default_str();
   app.add_option("--topp", o.topp, "top-p (nucleus) threshold when sampling; 0 or 1 = plain sampling")
       ->capture_default_str();
-  app.add_option("--seed", o.seed, "xorshift seed for sampling (nonzero; run.c's -s)")->capture_default_str();
+  app.add_option("--seed", o.seed, "xorshift seed for sampling (nonzero; run.c's -s)")->check(kvevict::program::integer<std::uint64_t>())->capture_default_str();
   app.add_option("--threads", o.threads, "OpenMP threads for long blocks (0 = OMP_NUM_THREADS or all cores)")
-      ->capture_default_str();
+      ->check(kvevict::program::integer<int>())->capture_default_str();
   app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
   app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost and footprint) on stderr");
   // eviction (docs/runner.md, "Eviction")
@@ -186,26 +183,26 @@ int main(int argc, char** argv) {
                          ->capture_default_str();
   std::vector<CLI::Option*> evict_opts;
   evict_opts.push_back(app.add_option("--budget", o.evict.budget, "tokens kept per KV head, protected ones included")
-                           ->capture_default_str());
+                           ->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
   evict_opts.push_back(app.add_option("--allocator", o.allocator,
                                       "uniform, pyramid, adakv, lava, cake or duo (default: the recipe's)"));
   evict_opts.push_back(app.add_option("--driver", o.driver, "postfill, layerwise, chunked-naive, chunked-patched or decode")
                            ->capture_default_str());
   evict_opts.push_back(app.add_option("--window", o.evict.window,
                                       "observation window; the recent tokens window recipes, H2O and LAQ keep")
-                           ->capture_default_str());
+                           ->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
   evict_opts.push_back(app.add_option("--sinks", o.evict.sinks,
                                       "first tokens always kept (-1: the recipe's: 4 for streaming_llm and duo, else 0)")
-                           ->capture_default_str());
-  evict_opts.push_back(app.add_option("--chunk", o.evict.chunk, "chunked drivers: tokens per chunk")->capture_default_str());
+                           ->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
+  evict_opts.push_back(app.add_option("--chunk", o.evict.chunk, "chunked drivers: tokens per chunk")->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
   evict_opts.push_back(app.add_option("--evict-every", o.evict.evict_every, "decode driver: evict every N decoded tokens")
-                           ->capture_default_str());
+                           ->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
   evict_opts.push_back(app.add_option("--laq-steps", o.evict.laq_steps, "laq, laq++: pseudo-decoded tokens")
-                           ->capture_default_str());
+                           ->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
   evict_opts.push_back(app.add_option("--duo-recent", o.evict.duo_recent, "duo: recent tokens of a streaming head")
-                           ->capture_default_str());
+                           ->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
   evict_opts.push_back(app.add_option("--calibration", o.calibration, "duo: calibration texts (training split)")
-                           ->capture_default_str());
+                           ->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
   auto* lookahead_opt =
       app.add_option("--lookahead-module", o.lookahead_module,
                      "lookaheadkv (and --report): the trained LookaheadKV module (docs/lookaheadkv.md)")
@@ -215,10 +212,10 @@ int main(int argc, char** argv) {
   std::vector<CLI::Option*> report_opts;
   report_opts.push_back(app.add_option("--out-dir", o.out_dir, "report: directory for report.json and report.svg")
                             ->capture_default_str());
-  report_opts.push_back(app.add_option("--prompts", o.prompts, "report: test prompts")->capture_default_str());
+  report_opts.push_back(app.add_option("--prompts", o.prompts, "report: test prompts")->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
   report_opts.push_back(app.add_option("--budgets", o.budgets, "report: budgets, comma-separated")
                             ->delimiter(',')
-                            ->capture_default_str());
+                            ->check(kvevict::program::integer<kvevict::index_t>())->capture_default_str());
   report_opts.push_back(app.add_option("--recipes", o.recipes, "report: only these recipes (comma-separated)")->delimiter(','));
   report_opts.push_back(app.add_option("--drivers", o.drivers, "report: only these drivers (comma-separated)")->delimiter(','));
   report_opts.push_back(app.add_flag("--all-drivers", o.all_drivers,
@@ -229,7 +226,7 @@ int main(int argc, char** argv) {
     std::fputs(app.help().c_str(), stdout);
     return 0;
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "kvevict-run: %s (see --help)\n", e.what());
+    kvevict::program::print_error("kvevict-run", (std::string(e.what()) + " (see --help)").c_str());
     return 2;
   }
 
@@ -238,6 +235,16 @@ int main(int argc, char** argv) {
   if (!(o.topp >= 0.0f && o.topp <= 1.0f)) return fail("--topp must be in [0, 1], got " + std::to_string(o.topp));
   if (o.seed == 0) return fail("--seed must be nonzero (the xorshift generator never leaves state 0)");
   if (o.threads < 0) return fail("--threads must be >= 0, got " + std::to_string(o.threads));
+  // every count is checked here, before any file is read or any work starts (docs/conventions.md)
+  if (o.calibration < 1) return fail("--calibration must be >= 1, got " + std::to_string(o.calibration));
+  if (o.prompts < 1) return fail("--prompts must be >= 1, got " + std::to_string(o.prompts));
+  if (o.evict.window < 1) return fail("--window must be >= 1, got " + std::to_string(o.evict.window));
+  if (o.evict.sinks < -1) return fail("--sinks must be >= 0 (or -1: the recipe's), got " + std::to_string(o.evict.sinks));
+  if (o.evict.budget < 1) return fail("--budget must be >= 1, got " + std::to_string(o.evict.budget));
+  if (o.evict.chunk < 1) return fail("--chunk must be >= 1, got " + std::to_string(o.evict.chunk));
+  if (o.evict.evict_every < 1) return fail("--evict-every must be >= 1, got " + std::to_string(o.evict.evict_every));
+  if (o.evict.laq_steps < 1) return fail("--laq-steps must be >= 1, got " + std::to_string(o.evict.laq_steps));
+  if (o.evict.duo_recent < 0) return fail("--duo-recent must be >= 0, got " + std::to_string(o.evict.duo_recent));
 
   // eviction options only with an eviction recipe; report options only with --report
   kvrun::method method = kvrun::method::full;
@@ -382,4 +389,10 @@ int main(int argc, char** argv) {
                  decoded > 0 ? decoded / decode_s : 0.0, run.threads());
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return kvevict::program::guarded_main("kvevict-run", [&] { return run(argc, argv); });
 }

@@ -17,6 +17,8 @@
 // before anything is allocated, so a lying header is an error, never a huge allocation.
 #pragma once
 
+#include "io.hpp"
+
 #include <runner/ops.hpp>
 
 #include <kvevict/status.hpp>
@@ -215,15 +217,15 @@ class model {
   }
 
   /// Loads a checkpoint file. Errors: io_error (cannot open or read) and every error of load().
+  /// A regular file of at most io::limit::model_bytes (programs/io.hpp: FIFOs and devices are
+  /// refused, never read).
   static status load_file(const std::string& path, model& out) {
-    std::FILE* f = std::fopen(path.c_str(), "rb");
-    if (f == nullptr)
-      return status::error(errc::io_error, "checkpoint: cannot open '%s': %s", path.c_str(), std::strerror(errno));
+    kvevict::io::input_file in;
+    KVEVICT_TRY(kvevict::io::input_file::open(path, "checkpoint", kvevict::io::limit::model_bytes, in));
     model m;
-    const status st = m.read_file(f, path);
-    std::fclose(f);
-    if (st.ok()) out = std::move(m);
-    return st;
+    KVEVICT_TRY(m.read_file(in.get(), in.size(), path));
+    out = std::move(m);
+    return {};
   }
 
  private:
@@ -241,13 +243,11 @@ class model {
   const float* layer(int l) const { return store_.data() + layers_off() + index_t(l) * layer_floats(); }
   float* mut(const float* p) { return store_.data() + (p - store_.data()); }
 
-  status read_file(std::FILE* f, const std::string& path) {
+  // `size`: the file's size when opened; every size in the header is checked against it.
+  status read_file(std::FILE* f, std::uint64_t file_size, const std::string& path) {
     unsigned char header[checkpoint_header_bytes] = {};
     const std::size_t got = std::fread(header, 1, sizeof header, f);
-    if (std::fseek(f, 0, SEEK_END) != 0)
-      return status::error(errc::io_error, "checkpoint: cannot seek in '%s'", path.c_str());
-    const long size = std::ftell(f);
-    if (size < 0) return status::error(errc::io_error, "checkpoint: cannot tell the size of '%s'", path.c_str());
+    const auto size = static_cast<index_t>(file_size);
     if (got < sizeof header && static_cast<std::size_t>(size) >= sizeof header)
       return status::error(errc::io_error, "checkpoint: cannot read the header of '%s'", path.c_str());
     config c;

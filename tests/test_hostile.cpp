@@ -12,6 +12,7 @@
 #include "npy.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -23,13 +24,14 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#ifndef KVEVICT_TOOL_PATH
-#  error "KVEVICT_TOOL_PATH (the kvevict tool) must be defined by the build"
+#if !defined(KVEVICT_TOOL_PATH) || !defined(KVEVICT_RUN_PATH) || !defined(KVEVICT_LOOKAHEAD_PATH)
+#  error "KVEVICT_TOOL_PATH, KVEVICT_RUN_PATH and KVEVICT_LOOKAHEAD_PATH (the programs) must be defined by the build"
 #endif
 
 namespace fs = std::filesystem;
@@ -65,19 +67,21 @@ std::string slurp(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
-/// Runs argv[0] with the given limits; a watchdog kills it after 60 s (a hang).
-outcome run(const std::vector<std::string>& args, const limits& lim = {}, const std::string& cwd = "") {
-  const std::string base = (fs::temp_directory_path() / ("kvevict_hostile_" + std::to_string(::getpid()))).string();
-  const std::string out_path = base + ".out", err_path = base + ".err";
+/// Runs argv[0] with the given limits; a watchdog kills it after 60 s (a hang). stdout and stderr
+/// are pipes (a file-size limit does not apply to them), drained while the child runs.
+outcome run(const std::vector<std::string>& args, const limits& lim = {}) {
+  int out_pipe[2], err_pipe[2];
+  REQUIRE(::pipe(out_pipe) == 0);
+  REQUIRE(::pipe(err_pipe) == 0);
   const pid_t pid = ::fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
-    const int o = lim.stdout_full ? ::open("/dev/full", O_WRONLY) : ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int e = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (o < 0 || e < 0) ::_exit(126);
+    const int o = lim.stdout_full ? ::open("/dev/full", O_WRONLY) : out_pipe[1];
+    if (o < 0) ::_exit(126);
     ::dup2(o, 1);
-    ::dup2(e, 2);
-    if (!cwd.empty() && ::chdir(cwd.c_str()) != 0) ::_exit(126);
+    ::dup2(err_pipe[1], 2);
+    ::close(out_pipe[0]);
+    ::close(err_pipe[0]);
     if (lim.file_bytes != RLIM_INFINITY) {
       const rlimit r{lim.file_bytes, lim.file_bytes};
       ::setrlimit(RLIMIT_FSIZE, &r);
@@ -93,28 +97,61 @@ outcome run(const std::vector<std::string>& args, const limits& lim = {}, const 
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
+  ::close(out_pipe[1]);
+  ::close(err_pipe[1]);
+  outcome r;
+  pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
+  std::string* sinks[2] = {&r.out, &r.err};
+  int open_fds = 2;
+  char buf[4096];
+  while (open_fds > 0) {
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+      if (n > 0) {
+        sinks[i]->append(buf, static_cast<std::size_t>(n));
+      } else {
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+        --open_fds;
+      }
+    }
+  }
   int ws = 0;
   REQUIRE(::waitpid(pid, &ws, 0) == pid);
-  outcome r;
   r.status = WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
-  r.out = lim.stdout_full ? std::string() : slurp(out_path);
-  r.err = slurp(err_path);
-  ::unlink(out_path.c_str());
-  ::unlink(err_path.c_str());
   return r;
 }
 
 /// The failure contract: exit 1 (not a signal, not 0), nothing on stdout, one stderr line
 /// `<program>: ...` containing `needle`.
-void require_one_line_failure(const outcome& r, const std::string& program, const std::string& needle) {
+void require_one_line_failure(const outcome& r, const std::string& program, const std::string& needle,
+                              int code = 1) {
   INFO("stderr: " << r.err << " stdout: " << r.out);
-  CHECK(r.status == 1);
+  CHECK(r.status == code);
   CHECK(r.out.empty());
   REQUIRE(!r.err.empty());
   CHECK(r.err.back() == '\n');
   CHECK(r.err.find('\n') == r.err.size() - 1);
   CHECK(r.err.rfind(program + ": ", 0) == 0);
   CHECK(r.err.find(needle) != std::string::npos);
+}
+
+/// The same for a program that prints progress on stderr while it works (training, the report):
+/// the error is the last stderr line; stdout may hold what the program printed before failing.
+void require_last_line_failure(const outcome& r, const std::string& program, const std::string& needle) {
+  INFO("stderr: " << r.err);
+  CHECK(r.status == 1);
+  REQUIRE(r.err.size() > 1);
+  CHECK(r.err.back() == '\n');
+  const std::size_t start = r.err.find_last_of("\n\r", r.err.size() - 2);
+  const std::string last = r.err.substr(start == std::string::npos ? 0 : start + 1);
+  CHECK(last.rfind(program + ": ", 0) == 0);
+  CHECK(last.find(needle) != std::string::npos);
 }
 
 /// A scratch directory per test case, removed at the end.
@@ -356,4 +393,134 @@ TEST_CASE("hostile: out of memory and a full stdout end in one line, not a crash
   CHECK(program::guarded_main("p", [] () -> int { throw std::runtime_error("two\nlines"); }) == 1);
   CHECK(program::guarded_main("p", [] () -> int { throw 42; }) == 1);
   CHECK(program::guarded_main("p", [] { return 0; }) == 0);
+}
+
+// ---- kvevict-run and kvevict-lookahead -----------------------------------------------------------
+// (exit status 2 is their documented status for command-line syntax errors, CLI11's and the
+// integer validator's; every other error is 1)
+
+namespace {
+const std::string models = KVEVICT_SOURCE_DIR "/models";
+const std::string module_path = models + "/lookahead/stories260K-n16.bin";
+
+std::string first_bytes(const std::string& path, std::size_t n) { return slurp(path).substr(0, n); }
+
+void put_i32(std::string& s, std::size_t at, std::int32_t v) {
+  for (int i = 0; i < 4; ++i) s[at + static_cast<std::size_t>(i)] = static_cast<char>((static_cast<std::uint32_t>(v) >> (8 * i)) & 0xff);
+}
+}  // namespace
+
+TEST_CASE("hostile: kvevict-run and kvevict-lookahead read only bounded regular files, without hanging") {
+  scratch_dir d("runner_inputs");
+  const std::string fifo = d.file("fifo.bin");
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  const std::string krun = KVEVICT_RUN_PATH, lkv = KVEVICT_LOOKAHEAD_PATH;
+  require_one_line_failure((run({krun, "--model", fifo})), "kvevict-run", "checkpoint: '" + fifo + "' is not a regular file (a FIFO)");
+  require_one_line_failure(run({krun, "--model", "/dev/zero"}), "kvevict-run", "is not a regular file (a character device)");
+  require_one_line_failure(run({krun, "--tokenizer", fifo}), "kvevict-run", "tokenizer: '" + fifo + "' is not a regular file");
+  require_one_line_failure(run({krun, "--tokenizer", "/dev/zero"}), "kvevict-run", "tokenizer: '/dev/zero' is not a regular file");
+  require_one_line_failure(run({krun, "--recipe", "lookaheadkv", "--lookahead-module", fifo}), "kvevict-run",
+                           "lookahead module: '" + fifo + "' is not a regular file");
+  require_one_line_failure(run({lkv, "info", "--module", "/dev/zero"}), "kvevict-lookahead", "is not a regular file");
+  require_one_line_failure(run({lkv, "info", "--module", fifo}), "kvevict-lookahead", "is not a regular file (a FIFO)");
+  require_one_line_failure(run({lkv, "--model", fifo, "eval", "--test-pairs", "1"}), "kvevict-lookahead", "not a regular file");
+  require_one_line_failure(run({lkv, "info", "--module", d.path.string()}), "kvevict-lookahead", "(a directory)");
+}
+
+TEST_CASE("hostile: declared dimensions are checked against the real file size before anything is allocated") {
+  scratch_dir d("runner_sizes");
+  const std::string lkv = KVEVICT_LOOKAHEAD_PATH, krun = KVEVICT_RUN_PATH;
+  limits small;  // no allocation of the declared sizes may happen: 256 MiB of address space is plenty otherwise
+  if (!under_asan) small.address_bytes = rlim_t(256) << 20;
+  // a LookaheadKV module header declaring 2^30 layers (gigabytes of offsets and parameters) over 52 bytes
+  std::string header = first_bytes(module_path, 52);
+  REQUIRE(header.size() == 52);
+  put_i32(header, 16, 1 << 30);  // n_layers
+  write_bytes(d.file("huge_layers.bin"), header);
+  require_one_line_failure(run({lkv, "info", "--module", d.file("huge_layers.bin")}, small), "kvevict-lookahead",
+                           "needs");
+  put_i32(header, 16, 5);
+  put_i32(header, 12, 1 << 30);  // dim: the parameter count overflows nothing but is absurd
+  put_i32(header, 28, 1 << 30);  // hidden
+  write_bytes(d.file("huge_dim.bin"), header);
+  require_one_line_failure(run({lkv, "info", "--module", d.file("huge_dim.bin")}, small), "kvevict-lookahead",
+                           "lookahead module");
+  // a checkpoint header declaring a huge model over 28 bytes
+  std::string ckpt(28, '\0');
+  const std::int32_t dims[7] = {1 << 16, 1 << 30, 1000, 1, 1, 32000, 1 << 20};
+  for (int i = 0; i < 7; ++i) put_i32(ckpt, 4 * static_cast<std::size_t>(i), dims[i]);
+  write_bytes(d.file("huge.ckpt"), ckpt);
+  require_one_line_failure(run({krun, "--model", d.file("huge.ckpt")}, small), "kvevict-run", "checkpoint");
+  // a module whose parameters end early, and one with trailing bytes
+  const std::string good = slurp(module_path);
+  write_bytes(d.file("short.bin"), good.substr(0, good.size() - 4));
+  require_one_line_failure(run({lkv, "info", "--module", d.file("short.bin")}), "kvevict-lookahead", "truncated by 4 bytes");
+  write_bytes(d.file("long.bin"), good + "xxxx");
+  require_one_line_failure(run({lkv, "info", "--module", d.file("long.bin")}), "kvevict-lookahead", "trailing 4 bytes");
+}
+
+TEST_CASE("hostile: kvevict-run and kvevict-lookahead validate every number before any work") {
+  const std::string krun = KVEVICT_RUN_PATH, lkv = KVEVICT_LOOKAHEAD_PATH;
+  // kvevict-lookahead's defaults train for minutes and evaluate 128 pairs: a check made after the
+  // work would hit the 60 s watchdog
+  require_one_line_failure(run({krun, "--calibration", "-5"}), "kvevict-run", "--calibration must be >= 1, got -5");
+  require_one_line_failure(run({krun, "--recipe", "snapkv", "--window", "-3"}), "kvevict-run", "--window must be >= 1, got -3");
+  require_one_line_failure(run({krun, "--recipe", "snapkv", "--sinks", "-7"}), "kvevict-run", "--sinks must be >= 0");
+  require_one_line_failure(run({krun, "--seed", "-1"}), "kvevict-run", "--seed: -1 is outside", 2);
+  require_one_line_failure(run({krun, "--steps", "99999999999999999999"}), "kvevict-run", "is outside", 2);
+  require_one_line_failure(run({krun, "--recipe", "h2o", "--budget", "0x20"}), "kvevict-run", "is not a decimal integer", 2);
+  require_one_line_failure(run({krun, "--recipe", "h2o", "--driver", "decode", "--evict-every", "-1"}), "kvevict-run",
+                           "--evict-every must be >= 1, got -1");
+  require_one_line_failure(run({krun, "--report", "--prompts", "-2"}), "kvevict-run", "--prompts must be >= 1");
+  require_one_line_failure(run({lkv, "train", "--out", "/tmp/kvevict_never.bin", "--train-pairs", "-5"}), "kvevict-lookahead",
+                           "--train-pairs must be >= 1, got -5");
+  require_one_line_failure(run({lkv, "train", "--out", "/tmp/kvevict_never.bin", "--lr", "nan"}), "kvevict-lookahead",
+                           "--lr nan is outside");
+  require_one_line_failure(run({lkv, "train", "--out", "/tmp/kvevict_never.bin", "--seed", "-4"}), "kvevict-lookahead",
+                           "--seed: -4 is outside", 2);
+  require_one_line_failure(run({lkv, "train", "--out", "/tmp/kvevict_never.bin", "--rank", "0"}), "kvevict-lookahead",
+                           "rank 0 is outside");
+  require_one_line_failure(run({lkv, "eval", "--timing-pairs", "-1"}), "kvevict-lookahead", "--timing-pairs must be >= 1");
+  require_one_line_failure(run({lkv, "eval", "--test-pairs", "0"}), "kvevict-lookahead", "--test-pairs must be >= 1, got 0");
+  require_one_line_failure(run({lkv, "sweep", "--lrs", "0.01,-1"}), "kvevict-lookahead", "--lrs: -1 is outside");
+  CHECK(!fs::exists("/tmp/kvevict_never.bin"));
+}
+
+TEST_CASE("hostile: kvevict-run and kvevict-lookahead check their outputs at start and never leave partial files") {
+  scratch_dir d("runner_outputs");
+  const std::string krun = KVEVICT_RUN_PATH, lkv = KVEVICT_LOOKAHEAD_PATH;
+  // train's output path is checked before minutes of training (the default run would hit the watchdog)
+  require_one_line_failure(run({lkv, "train", "--out", "/proc/kvevict_module.bin"}), "kvevict-lookahead",
+                           "cannot create files in /proc");
+  require_one_line_failure(run({lkv, "train", "--out", d.file("no/dir/m.bin")}), "kvevict-lookahead", "does not exist");
+  require_one_line_failure(run({lkv, "train", "--out", models + "/stories260K.bin"}), "kvevict-lookahead",
+                           "is also the input --model");
+  require_one_line_failure(run({lkv, "eval", "--json", module_path}), "kvevict-lookahead", "is also the input --module");
+  require_one_line_failure(run({lkv, "eval", "--json", "/dev/null"}), "kvevict-lookahead", "exists and is a character device");
+  require_one_line_failure(run({krun, "--report", "--out-dir", "/proc"}), "kvevict-run", "cannot create files in /proc");
+  // the report under a file-size limit: report.json and report.svg keep their previous contents
+  write_bytes(d.file("report.json"), "previous json");
+  write_bytes(d.file("report.svg"), "previous svg");
+  limits lim;
+  lim.file_bytes = 512;
+  require_last_line_failure(run({krun, "--report", "--prompts", "1", "--budgets", "32", "--recipes", "snapkv", "--threads", "1",
+                                     "--out-dir", d.path.string()}, lim),
+                            "kvevict-run", "File too large");
+  CHECK(slurp(d.file("report.json")) == "previous json");
+  CHECK(slurp(d.file("report.svg")) == "previous svg");
+  // a tiny training under the same limit: the previous module survives whole
+  write_bytes(d.file("m.bin"), "previous module");
+  require_last_line_failure(run({lkv, "--threads", "1", "train", "--out", d.file("m.bin"), "--train-pairs", "2", "--val-pairs",
+                                     "1", "--steps", "1", "--batch", "1", "--n-lookahead", "2", "--placement", "qv"}, lim),
+                            "kvevict-lookahead", "File too large");
+  CHECK(slurp(d.file("m.bin")) == "previous module");
+  CHECK(d.names() == std::vector<std::string>{"m.bin", "report.json", "report.svg"});
+}
+
+TEST_CASE("hostile: the decode driver at a budget above a short prompt (issue 17's failing configuration) runs") {
+  const outcome r = run({KVEVICT_RUN_PATH, "--recipe", "adakv", "--driver", "decode", "--budget", "32", "--prompt",
+                              "Once upon a time there was a big dog", "--steps", "64"});
+  INFO(r.err);
+  CHECK(r.status == 0);
+  CHECK(r.out.rfind("Once upon a time there was a big dog", 0) == 0);
 }

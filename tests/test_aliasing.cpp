@@ -4,7 +4,7 @@
 // (compact's ragged metadata cases are in test_compact.cpp; select's in test_select.cpp.)
 #include "support.hpp"
 
-#include <kvevict/lookahead.hpp>
+#include <kvevict/train/lookahead.hpp>
 #include <kvevict/metrics.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/recipes.hpp>

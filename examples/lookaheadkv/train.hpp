@@ -42,7 +42,7 @@
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
 
-#include <kvevict/lookahead.hpp>
+#include <kvevict/train/lookahead.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>

@@ -27,6 +27,20 @@ struct workspace {
 
 namespace detail {
 
+/// The `bytes` of scratch at `scratch` (a workspace's carved part; null or 0: none) must not share
+/// memory with any of `ranges` (each with `begin`/`end` addresses; empty ranges never overlap).
+/// Error: "fn: the workspace and <names[i]> overlap in memory".
+template <class Range, std::size_t N>
+status check_scratch_disjoint(const char* fn, const void* scratch, std::size_t bytes, const Range (&ranges)[N],
+                              const char* const (&names)[N]) noexcept {
+  if (scratch == nullptr || bytes == 0) return {};
+  const auto b = reinterpret_cast<std::uintptr_t>(scratch), e = b + bytes;
+  for (std::size_t i = 0; i < N; ++i)
+    if (ranges[i].begin < ranges[i].end && ranges[i].begin < e && b < ranges[i].end)
+      return status::error(errc::overlap, "%s: the workspace and %s overlap in memory", fn, names[i]);
+  return {};
+}
+
 /// Hands out aligned sub-buffers of a workspace, computing the same layout in both phases.
 ///   workspace_carver c(ws);
 ///   float* a = c.take<float>(n);  int* b = c.take<int>(m);
@@ -52,12 +66,7 @@ class workspace_carver {
   /// empty ranges never overlap). Error: "fn: the workspace and <names[i]> overlap in memory".
   template <class Range, std::size_t N>
   status check_disjoint(const char* fn, const Range (&ranges)[N], const char* const (&names)[N]) const noexcept {
-    if (ws_.is_query() || offset_ == 0) return {};
-    const auto b = reinterpret_cast<std::uintptr_t>(ws_.data), e = b + offset_;
-    for (std::size_t i = 0; i < N; ++i)
-      if (ranges[i].begin < ranges[i].end && ranges[i].begin < e && b < ranges[i].end)
-        return status::error(errc::overlap, "%s: the workspace and %s overlap in memory", fn, names[i]);
-    return {};
+    return check_scratch_disjoint(fn, ws_.is_query() ? nullptr : ws_.data, offset_, ranges, names);
   }
 
   /// On a query, stores the size needed; otherwise checks the buffer was big enough.

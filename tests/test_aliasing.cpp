@@ -1,7 +1,9 @@
 // Aliasing between any two arguments of the public entry points that take a workspace (issue 17):
-// the scratch a call carves must not share memory with what it reads or writes. Each case places
-// the workspace over one argument and expects errc::overlap, with that argument untouched.
-// (compact's ragged metadata cases are in test_compact.cpp; select's in test_select.cpp.)
+// the scratch a call carves must not share memory with what it reads or writes (scoring,
+// postprocess, recipe_scores, LookaheadKV's math, the LAVa loss, Kendall's tau, the recalls, the
+// footprint). Each case places the workspace over one argument and expects errc::overlap, with
+// that argument untouched. (compact's ragged metadata cases are in test_compact.cpp; select's and
+// the budget allocators' in test_select.cpp / test_budget.cpp.)
 #include "support.hpp"
 
 #include <kvevict/train/lookahead.hpp>
@@ -146,4 +148,43 @@ TEST_CASE("aliasing: LookaheadKV, LAVa loss and Kendall tau refuse a workspace o
   ws = over(per.data(), kneed);
   require_error(kendall_tau_b(ws, av, av, mean, per.data()), errc::overlap, "kendall_tau_b: the workspace and per_row overlap");
   CHECK(per[0] == -7);
+}
+
+TEST_CASE("aliasing: the recalls and the footprint refuse a workspace over an argument") {
+  std::vector<float> truth = {1, 2, 3, 4, 4, 3, 2, 1}, est = {1, 2, 3, 4, 1, 2, 3, 4};
+  const auto tv = value_of(make_matrix_view<const float>(truth.data(), 2, 4));
+  const auto ev = value_of(make_matrix_view<const float>(est.data(), 2, 4));
+  std::vector<double> per(64, -7);
+  double mean = 0;
+  workspace ws;
+  REQUIRE(recall_at_k(ws, ev, tv, 2, mean, per.data()).ok());
+  const std::size_t need = ws.bytes;
+  REQUIRE(need <= per.size() * sizeof(double));
+  ws = over(per.data(), need);
+  require_error(recall_at_k(ws, ev, tv, 2, mean, per.data()), errc::overlap, "recall_at_k: the workspace and per_row overlap");
+  CHECK(per[0] == -7);
+  std::vector<float> tbig(need / 4 + 16);
+  std::copy(truth.begin(), truth.end(), tbig.begin());
+  const auto tbv = value_of(make_matrix_view<const float>(tbig.data(), 2, 4));
+  ws = over(tbig.data(), need);
+  require_error(recall_at_k(ws, ev, tbv, 2, mean), errc::overlap, "the workspace and truth overlap");
+  // kept lists inside the scratch
+  std::vector<pos_t> kbig(need / 4 + 16, 0);
+  kbig[0] = 0, kbig[1] = 1, kbig[2] = 2, kbig[3] = 3;
+  const auto kv = value_of(make_matrix_view<const pos_t>(kbig.data(), 2, 2));
+  ws = workspace{};
+  REQUIRE(kept_recall_at_k(ws, kv, tv, 2, mean).ok());
+  ws = over(kbig.data(), ws.bytes);
+  require_error(kept_recall_at_k(ws, kv, tv, 2, mean), errc::overlap, "kept_recall_at_k: the workspace and kept overlap");
+
+  // the footprint: the scratch over the schedule
+  std::vector<pos_t> sched(256, -1);
+  const auto rec = make_eviction_recorder(sched.data(), 1, 1, 4);
+  REQUIRE(static_cast<bool>(rec));
+  const auto sv = value_of(rec->schedule(4));
+  kv_usage usage;
+  ws = workspace{};
+  REQUIRE(measure_kv_usage(ws, sv, usage).ok());
+  ws = over(sched.data(), ws.bytes);
+  require_error(measure_kv_usage(ws, sv, usage), errc::overlap, "the workspace and the schedule overlap");
 }

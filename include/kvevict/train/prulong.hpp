@@ -26,6 +26,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <cstring>
 #include <string>
 #include <system_error>
@@ -532,15 +533,23 @@ status parse_head_mask_tsv(const char* text, std::size_t len, matrix_view<T> val
 template <class T>
 status read_head_mask_tsv(const char* path, matrix_view<T> values, const head_mask_tsv_options& opts = {}) {
   if (path == nullptr) return status::error(errc::null_pointer, "read_head_mask_tsv: path is null");
+  // a regular file of bounded size only: a FIFO would block the open, /dev/zero never ends
+  std::error_code ec;
+  const auto kind = std::filesystem::status(path, ec).type();
+  if (kind != std::filesystem::file_type::not_found && kind != std::filesystem::file_type::regular)
+    return status::error(errc::io_error, "read_head_mask_tsv: %s is not a regular file", path);
+  constexpr std::size_t max_bytes = std::size_t(64) << 20;  // a mask of [layers][heads] values is tiny
   std::FILE* f = std::fopen(path, "rb");
   if (f == nullptr) return status::error(errc::io_error, "read_head_mask_tsv: cannot open %s", path);
   std::string text;
   char buf[4096];
   std::size_t got = 0;
-  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
+  while (text.size() <= max_bytes && (got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
   const bool bad = std::ferror(f) != 0;
   std::fclose(f);
   if (bad) return status::error(errc::io_error, "read_head_mask_tsv: error reading %s", path);
+  if (text.size() > max_bytes)
+    return status::error(errc::io_error, "read_head_mask_tsv: %s is larger than %zu bytes", path, max_bytes);
   status st = parse_head_mask_tsv(text.data(), text.size(), values, opts);
   if (!st.ok()) return status::error(st.code(), "%s (file %s)", st.message(), path);
   return st;
@@ -585,11 +594,19 @@ status write_head_mask_tsv(const char* path, matrix_view<V> values) {
   if (path == nullptr) return status::error(errc::null_pointer, "write_head_mask_tsv: path is null");
   std::string text;
   KVEVICT_TRY(format_head_mask_tsv(values, text));
-  std::FILE* f = std::fopen(path, "wb");
+  // written next to the destination, renamed into place only when complete: a failed write
+  // (a full disk) leaves the previous file untouched and no partial file
+  const std::string tmp = std::string(path) + ".kvevict-tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) return status::error(errc::io_error, "write_head_mask_tsv: cannot open %s for writing", path);
   const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   const bool closed = std::fclose(f) == 0;
-  if (!ok || !closed) return status::error(errc::io_error, "write_head_mask_tsv: error writing %s", path);
+  std::error_code ec;
+  if (ok && closed) std::filesystem::rename(tmp, path, ec);
+  if (!ok || !closed || ec) {
+    std::filesystem::remove(tmp, ec);
+    return status::error(errc::io_error, "write_head_mask_tsv: error writing %s", path);
+  }
   return {};
 }
 

@@ -20,6 +20,7 @@
 #include <runner/run_options.hpp>
 #include <runner/runner.hpp>
 #include <report/svg.hpp>
+#include <runner/shipped_models.hpp>
 #include <runner/tokenizer.hpp>
 
 #include "io.hpp"

@@ -7,6 +7,7 @@
 #include "cli.hpp"
 
 #include <runner/evict.hpp>
+#include <runner/shipped_models.hpp>
 
 #include <CLI/CLI.hpp>
 
@@ -15,15 +16,11 @@
 #include <string>
 #include <vector>
 
-#ifndef KVEVICT_SOURCE_DIR
-#  define KVEVICT_SOURCE_DIR "."
-#endif
-
 namespace kvrun {
 
 struct run_options {
-  std::string model = KVEVICT_SOURCE_DIR "/models/stories260K.bin";
-  std::string tokenizer = KVEVICT_SOURCE_DIR "/models/tok512.bin";
+  std::string model = shipped_model("stories260K.bin");
+  std::string tokenizer = shipped_model("tok512.bin");
   std::string prompt = "Once upon a time";
   int steps = 256;
   float temperature = 0.0f;
@@ -38,7 +35,7 @@ struct run_options {
   std::string driver = "postfill";
   evict_options evict;
   index_t calibration = 8;
-  std::string lookahead_module = KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin";
+  std::string lookahead_module = shipped_model("lookahead/stories260K-n16.bin");
   // report
   bool report = false;
   std::string out_dir = ".";

@@ -54,6 +54,18 @@ const lookahead_module& the_module() {
   return m;
 }
 
+// The lookaheadkv method's scores: a scorer bound to the shipped module (the evictor's prompt_scorer).
+lookahead_scorer& the_scorer() {
+  static lookahead_scorer s;
+  static const bool bound = [] {
+    const status st = s.init(the_model(), the_module());
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    return true;
+  }();
+  (void)bound;
+  return s;
+}
+
 // Two model-generated test pairs with short prompts (72..200 tokens) and 16-token responses.
 const std::vector<text_pair>& the_pairs() {
   static std::vector<text_pair> p = [] {
@@ -808,7 +820,7 @@ TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-hea
         o.budget = B;
         o.alloc = a;
         evictor ev;
-        REQUIRE_OK(ev.init(the_model(), o, nullptr, &the_module()));
+        REQUIRE_OK(ev.init(the_model(), o, nullptr, &the_scorer()));
         kv_cache cache;
         REQUIRE_OK(cache.init(c));
         std::vector<pos_t> buf(static_cast<std::size_t>(L * H * P));
@@ -878,7 +890,7 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
       const std::string driver_name_ = driver_name(d);
       CAPTURE(driver_name_);
       evictor ev;
-      REQUIRE_OK(ev.init(the_model(), o, &duo, &the_module()));
+      REQUIRE_OK(ev.init(the_model(), o, &duo, &the_scorer()));
       kv_cache cache;
       REQUIRE_OK(cache.init(c));
       REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr, &tp.response));
@@ -1055,12 +1067,13 @@ TEST_CASE("eviction options and evictor errors") {
   small.dim = 32;
   small.hidden_dim = 64;
   REQUIRE_OK(other.shape(lookahead_dims::of(small), lookahead_config{}));
-  require_error(ev.init(the_model(), opts(method::lookaheadkv), nullptr, &other), errc::shape_mismatch,
+  lookahead_scorer other_scorer;  // the evictor takes the scorer, which checks its module
+  require_error(other_scorer.init(the_model(), other), errc::shape_mismatch,
                 "lookahead module was trained for dim 32 but the model has dim 64");
   // no window: a 5-token prompt is fine, and a budget of at least the prompt keeps it whole
   evict_options lo = opts(method::lookaheadkv);
   lo.budget = 4;
-  REQUIRE_OK(ev.init(the_model(), lo, nullptr, &the_module()));
+  REQUIRE_OK(ev.init(the_model(), lo, nullptr, &the_scorer()));
   cache.clear();
   REQUIRE_OK(ev.prefill(run, cache, prompt, nullptr));
   CHECK(cache.total_rows() == 4 * c.n_layers * c.n_kv_heads);

@@ -26,11 +26,12 @@
 // init() except the workspace's first growth.
 #pragma once
 
-#include <runner/kv_cache.hpp>
 #include <lookaheadkv/module.hpp>
-#include <lookaheadkv/train.hpp>
+#include <runner/evict.hpp>
+#include <runner/kv_cache.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
+#include <runner/workers.hpp>
 
 #include <kvevict/gqa.hpp>
 #include <kvevict/lookahead.hpp>
@@ -77,7 +78,7 @@ status pool_and_reduce(Backend be, const lookahead_score_options& o, kvevict::ma
 
 }  // namespace lkv
 
-class lookahead_scorer {
+class lookahead_scorer : public prompt_scorer {
  public:
   /// Binds the scorer to a module for model `m` (both must outlive it) and allocates its buffers
   /// for prompts up to seq_len. Errors: the module was trained for another model (the first
@@ -108,7 +109,7 @@ class lookahead_scorer {
   /// same bits either way. Errors: not initialised, the runner's model is not the scorer's, a
   /// ragged or empty cache, then the runner's (no room for the block, positions past the context)
   /// and the stages'.
-  status score(runner& run, kv_cache& cache) {
+  status score(runner& run, kv_cache& cache) override {
     if (model_ == nullptr) return status::error(errc::invalid_argument, "lookahead_scorer: not initialised (call init)");
     if (&run.get_model() != model_)
       return status::error(errc::invalid_argument, "lookahead_scorer: the runner runs another model than the scorer's");
@@ -119,7 +120,7 @@ class lookahead_scorer {
   /// Prompt rows scored by the last score().
   index_t tokens() const { return T_; }
   /// Layer l's final scores [H_kv][T] (pooled, GQA-reduced; higher = keep) of the last score().
-  kvevict::matrix_view<const float> scores(int l) const {
+  kvevict::matrix_view<const float> scores(int l) const override {
     const config& c = model_->cfg();
     return *kvevict::make_matrix_view<const float>(scores_.data() + index_t(l) * c.n_kv_heads * T_, c.n_kv_heads, T_);
   }
@@ -183,7 +184,7 @@ class lookahead_scorer {
       const auto prefix = cache.dense_keys(ev.layer, T);
       if (!prefix) return prefix.error();
       auto raw = *kvevict::make_matrix_view(raw_.data() + index_t(ev.layer) * H * T, H, T);
-      KVEVICT_TRY(lkv::with_workspace(ws_, [&](kvevict::workspace& ws) {
+      KVEVICT_TRY(with_workspace(ws_, [&](kvevict::workspace& ws) {
         return kvevict::attention_scores(be, ws, ev.queries, *prefix, ev.keys, raw);
       }));
       auto out = *kvevict::make_matrix_view(scores_.data() + index_t(ev.layer) * Hkv * T, Hkv, T);

@@ -21,7 +21,7 @@
 //   decode        plain prefill; then after every decoded token decode_driver::step per layer
 //                 (H2O accumulates attention every step) and a compaction when it evicts.
 // LAQ / LAQ++ (laq.hpp) and the response oracle are post-fill methods with an external query block;
-// LookaheadKV (lookaheadkv/scores.hpp) is post-fill with the trained module's scores.
+// LookaheadKV is post-fill with a prompt_scorer's scores (lookaheadkv/scores.hpp: the trained module's).
 #pragma once
 
 #include <runner/generate.hpp>
@@ -66,7 +66,7 @@ enum class method : int {
   duo,            ///< DuoAttention-style head types from a calibration pass
   laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (laq.hpp)
   laq_pp,         ///< LAQ++: pseudo queries and the prompt's window
-  lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (lookaheadkv/scores.hpp)
+  lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (a prompt_scorer)
   oracle,         ///< the true response's queries (an upper bound)
 };
 inline constexpr method all_methods[] = {method::full,   method::streaming_llm, method::h2o,   method::tova,
@@ -373,18 +373,24 @@ inline kvevict::kv_view<const float> view_rows(kvevict::kv_view<const float> v, 
                                             v.stride(0), v.stride(1));
 }
 
+/// Whether recipe `r` scores with an observation window of queries (the SnapKV family: snapkv,
+/// vatp, lava, cake), rather than every query (H2O), the last one (TOVA) or none (Knorm,
+/// StreamingLLM).
+inline bool is_window_recipe(const kvevict::recipe& r) {
+  using kvevict::recipe_kind;
+  return r.kind != recipe_kind::h2o && r.kind != recipe_kind::tova && r.kind != recipe_kind::knorm &&
+         r.kind != recipe_kind::streaming_llm;
+}
+
 /// The query rows recipe `r` reads from a block whose last row is the prompt's last token
 /// (`rows` rows in all): every row for H2O, the last one for TOVA, the last `window` for the
 /// window recipes, none for Knorm / StreamingLLM (external-block recipes get their block elsewhere).
 inline kvevict::kv_view<const float> recipe_rows(const kvevict::recipe& r, kvevict::kv_view<const float> block) {
   const index_t n = block.extent(1);
-  switch (r.kind) {
-    case kvevict::recipe_kind::h2o: return block;
-    case kvevict::recipe_kind::tova: return view_rows(block, n - 1, 1);
-    case kvevict::recipe_kind::knorm:
-    case kvevict::recipe_kind::streaming_llm: return {};
-    default: return view_rows(block, n - r.window, r.window);
-  }
+  if (is_window_recipe(r)) return view_rows(block, n - r.window, r.window);
+  if (r.kind == kvevict::recipe_kind::h2o) return block;
+  if (r.kind == kvevict::recipe_kind::tova) return view_rows(block, n - 1, 1);
+  return {};
 }
 
 /// Layer l of the runner's cache as the drivers read it.
@@ -426,6 +432,17 @@ inline status cake_window_preference(kvevict::kv_view<const float> window_querie
   KVEVICT_TRY(kvevict::cake_layer_stats(kvevict::seq, *kvevict::make_kv_view<const float>(att, hq, w, prefix), &st));
   return kvevict::cake_preference(st, kvevict::cake_options{}, &pref);
 }
+
+/// Scores a method computes outside the recipes for a prefilled, not yet evicted prompt (method
+/// lookaheadkv: examples/lookaheadkv/scores.hpp's lookahead_scorer, a trained module's estimate).
+/// score() may run extra blocks on the cache but leaves it as it was; scores(l) is then layer l's
+/// [H_kv][P], higher = keep.
+class prompt_scorer {
+ public:
+  virtual ~prompt_scorer() = default;
+  virtual status score(runner& run, kv_cache& cache) = 0;
+  virtual kvevict::matrix_view<const float> scores(int l) const = 0;
+};
 
 // ---------------------------------------------------------------------------------------------
 // Budgets

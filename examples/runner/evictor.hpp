@@ -5,7 +5,7 @@
 
 #include <runner/evict.hpp>
 #include <runner/laq.hpp>
-#include <lookaheadkv/scores.hpp>
+#include <runner/workers.hpp>
 
 #include <cstring>
 
@@ -15,21 +15,17 @@ class evictor {
  public:
   /// Checks the options against the model (check_evict_options) and binds the evictor to `m`
   /// (which must outlive it). `duo`: the head types of the duo method (duo_calibration.hpp), copied.
-  /// `lookahead`: the trained module of the lookaheadkv method (lookaheadkv/module.hpp; must outlive
-  /// the evictor; ignored by the other methods). Errors: the options', duo without head types,
-  /// lookaheadkv without a module or with a module trained for another model (the first differing
-  /// dimension is named).
-  status init(const model& m, const evict_options& o, const duo_heads* duo = nullptr,
-              const lookahead_module* lookahead = nullptr) {
+  /// `scorer`: the scores of the lookaheadkv method (a lookahead_scorer bound to a trained module
+  /// for `m`, lookaheadkv/scores.hpp; must outlive the evictor; ignored by the other methods).
+  /// Errors: the options', duo without head types, lookaheadkv without a scorer.
+  status init(const model& m, const evict_options& o, const duo_heads* duo = nullptr, prompt_scorer* scorer = nullptr) {
     KVEVICT_TRY(check_evict_options(m.cfg(), o));
     if (allocator_of(o) == allocator_kind::duo &&
         (duo == nullptr || static_cast<index_t>(duo->global.size()) != index_t(m.cfg().n_layers) * m.cfg().n_kv_heads))
       return status::error(errc::invalid_argument, "--recipe duo needs head types from a calibration pass");
-    if (o.recipe == method::lookaheadkv) {
-      if (lookahead == nullptr)
-        return status::error(errc::invalid_argument, "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
-      KVEVICT_TRY(scorer_.init(m, *lookahead));
-    }
+    if (o.recipe == method::lookaheadkv && scorer == nullptr)
+      return status::error(errc::invalid_argument, "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
+    scorer_ = scorer;
     model_ = &m;
     o_ = o;
     rec_ = make_recipe(o);
@@ -267,7 +263,7 @@ class evictor {
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
   driver_scratch scratch_, decode_scratch_;
-  lookahead_scorer scorer_;
+  prompt_scorer* scorer_ = nullptr;
   std::vector<float> lkv_scores_;
   std::vector<double> lkv_entropy_;
   std::vector<index_t> lkv_totals_;
@@ -294,22 +290,22 @@ class evictor {
   status check_prompt_length(index_t P) const {
     if (o_.recipe == method::full) return {};
     const bool windowed = o_.recipe != method::lookaheadkv &&
-                          (kvevict::detail::is_window_kind(rec_.kind) || rec_.kind == kvevict::recipe_kind::h2o ||
+                          (is_window_recipe(rec_) || rec_.kind == kvevict::recipe_kind::h2o ||
                            o_.recipe == method::laq || o_.recipe == method::laq_pp ||
                            allocator_of(o_) == allocator_kind::cake);
     if (windowed && o_.driver != driver_kind::decode && o_.window >= P)
       return status::error(errc::invalid_argument,
                            "the prompt has %lld tokens, not more than --window %lld: %s needs a longer prompt",
                            static_cast<long long>(P), static_cast<long long>(o_.window), method_name(o_.recipe));
-    if (o_.driver == driver_kind::decode && kvevict::detail::is_window_kind(rec_.kind) && o_.window > P)
+    if (o_.driver == driver_kind::decode && is_window_recipe(rec_) && o_.window > P)
       return status::error(errc::invalid_argument, "the prompt has %lld tokens, fewer than --window %lld",
                            static_cast<long long>(P), static_cast<long long>(o_.window));
     return {};
   }
 
-  // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the module's n lookahead rows run as one
-  // extra block after the prompt (lookahead_scorer::score; their KV is rolled back, the prompt's
-  // untouched), their scores [H_kv][P] per layer (max pool 7, GQA mean), the sinks (0 unless
+  // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the scorer's scores [H_kv][P] per layer (for
+  // lookahead_scorer: the module's n lookahead rows run as one extra block after the prompt, their
+  // KV rolled back, the prompt's untouched; max pool 7, GQA mean), the sinks (0 unless
   // --sinks) protected, then the allocator's budgets and a plain top-k per head -- no suffix window,
   // as the paper (appendix F) -- and every layer compacted. A budget of at least the prompt keeps
   // everything without running the module. The dropped rows are recorded at step P.
@@ -323,10 +319,10 @@ class evictor {
       alloc_.total = cache.total_rows();
       return {};
     }
-    KVEVICT_TRY(scorer_.score(run, cache));
+    KVEVICT_TRY(scorer_->score(run, cache));
     lkv_scores_.resize(static_cast<std::size_t>(L * H * P));
     for (int l = 0; l < L; ++l) {
-      const auto src = scorer_.scores(l);
+      const auto src = scorer_->scores(l);
       const auto dst = *kvevict::make_matrix_view(lkv_scores_.data() + index_t(l) * H * P, H, P);
       for (index_t h = 0; h < H; ++h)
         for (index_t t = 0; t < P; ++t) dst(h, t) = src(h, t);
@@ -356,7 +352,7 @@ class evictor {
           for (index_t h = 0; h < H; ++h)
             lkv_cu_[static_cast<std::size_t>(h + 1)] = lkv_cu_[static_cast<std::size_t>(h)] + alloc_.budgets[static_cast<std::size_t>(l * H + h)];
           lkv_pos_.resize(static_cast<std::size_t>(lkv_cu_.back()));
-          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+          KVEVICT_TRY(with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
             return kvevict::recipe_select(kvevict::seq, ws, rec_, sv,
                                           kvevict::ragged_positions_out{lkv_pos_.data(), lkv_cu_.data(), H});
           }));
@@ -366,7 +362,7 @@ class evictor {
           kvevict::adakv_options ao;
           ao.prot = prot;
           lkv_pos_.resize(static_cast<std::size_t>(B * H));
-          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+          KVEVICT_TRY(with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
             return kvevict::adakv_budgets(kvevict::seq, ws, sv, nullptr, B, ao, lkv_cu_.data(), lkv_pos_.data());
           }));
           break;
@@ -374,7 +370,7 @@ class evictor {
         case allocator_kind::lava:
           keep = lkv_totals_[static_cast<std::size_t>(l)];
           lkv_pos_.resize(static_cast<std::size_t>(keep));
-          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+          KVEVICT_TRY(with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
             return kvevict::select_topk_flat(kvevict::seq, ws, sv, nullptr, keep, nullptr, lkv_cu_.data(), lkv_pos_.data());
           }));
           break;

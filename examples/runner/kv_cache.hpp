@@ -43,8 +43,8 @@ class kv_cache {
                            static_cast<long long>(capacity), c.seq_len);
     if (capacity == 0) capacity = c.seq_len;
     index_t rows = 0, floats = 0;
-    if (!kvevict::detail::checked_mul(index_t(c.n_layers) * c.n_kv_heads, capacity, rows) ||
-        !kvevict::detail::checked_mul(rows, c.head_size(), floats) || capacity > INT32_MAX / (c.n_kv_heads + 1))
+    if (!detail::checked_mul(index_t(c.n_layers) * c.n_kv_heads, capacity, rows) ||
+        !detail::checked_mul(rows, c.head_size(), floats) || capacity > INT32_MAX / (c.n_kv_heads + 1))
       return status::error(errc::size_overflow, "kv_cache: %d layers x %d heads x %lld rows overflow", c.n_layers,
                            c.n_kv_heads, static_cast<long long>(capacity));
     layers_ = c.n_layers;

@@ -10,15 +10,17 @@
 //
 // Every error (bad option, missing or malformed model/tokenizer, prompt too long) is one line on
 // stderr and exit status 1 (2 for command-line syntax errors).
+#include <lookaheadkv/data.hpp>
+#include <lookaheadkv/module.hpp>
+#include <lookaheadkv/scores.hpp>
+#include <report/report.hpp>
+#include <report/svg.hpp>
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
-#include <lookaheadkv/module.hpp>
 #include <runner/model.hpp>
-#include <report/report.hpp>
 #include <runner/runner.hpp>
-#include <report/svg.hpp>
 #include <runner/tokenizer.hpp>
 
 #include <CLI/CLI.hpp>
@@ -94,7 +96,7 @@ bool write_file(const std::string& path, const std::string& text) {
 kvevict::status calibrate_duo(const kvrun::model& model, const kvrun::evict_options& e, kvevict::index_t count,
                               int threads, kvrun::duo_heads& out) {
   std::vector<std::vector<int>> texts;
-  KVEVICT_TRY(kvrun::duo_calibration_texts(model, kvrun::pair_options{}, count, texts, threads));
+  KVEVICT_TRY(kvrun::training_texts(model, kvrun::pair_options{}, count, texts, threads));
   kvrun::duo_calibration_options o;
   o.sinks = kvrun::sinks_of(e);
   o.recent = e.duo_recent;
@@ -318,9 +320,13 @@ int main(int argc, char** argv) {
     if (kvrun::allocator_of(o.evict) == kvrun::allocator_kind::duo)
       if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
     kvrun::lookahead_module lookahead;
-    if (method == kvrun::method::lookaheadkv && !load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+    kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
+    if (method == kvrun::method::lookaheadkv) {
+      if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+      if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);
+    }
     kvrun::evictor ev;
-    if (auto st = ev.init(model, o.evict, &duo, &lookahead); !st.ok()) return fail("", st);
+    if (auto st = ev.init(model, o.evict, &duo, &scorer); !st.ok()) return fail("", st);
     std::vector<int> response;  // the oracle's block: the full cache's continuation, same sampler
     if (method == kvrun::method::oracle) {
       kvrun::sampler s0;

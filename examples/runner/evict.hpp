@@ -537,6 +537,20 @@ struct driver_scratch {
   }
 };
 
+/// init()s driver `d` with `cfg` (recording into `rec`, may be null) on state memory from `s`, and
+/// hands out its workspace, sized by the driver's own query.
+template <class Driver, class Config>
+status init_driver(Driver& d, driver_scratch& s, const Config& cfg, kvevict::eviction_recorder* rec,
+                   kvevict::workspace& ws) {
+  const auto bytes = Driver::state_bytes(cfg);
+  if (!bytes) return bytes.error();
+  KVEVICT_TRY(d.init(cfg, s.state_for(*bytes), *bytes, rec));
+  const auto wb = d.workspace_bytes(kvevict::seq);
+  if (!wb) return wb.error();
+  ws = s.workspace_for(*wb);
+  return {};
+}
+
 /// What post_fill_decide hands the driver for layer l.
 struct layer_inputs {
   kvevict::layer_kv<float> kv;                 ///< the layer's rows (the cache, or a view of some of its rows)
@@ -551,12 +565,8 @@ struct layer_inputs {
 template <class Inputs>
 status post_fill_decide(kvevict::post_fill_driver& d, driver_scratch& s, const kvevict::post_fill_config& cfg,
                         Inputs&& inputs, kvevict::eviction_recorder* rec) {
-  const auto bytes = kvevict::post_fill_driver::state_bytes(cfg);
-  if (!bytes) return bytes.error();
-  KVEVICT_TRY(d.init(cfg, s.state_for(*bytes), *bytes, rec));
-  const auto wb = d.workspace_bytes(kvevict::seq);
-  if (!wb) return wb.error();
-  kvevict::workspace ws = s.workspace_for(*wb);
+  kvevict::workspace ws;
+  KVEVICT_TRY(init_driver(d, s, cfg, rec, ws));
   for (int l = 0; l < static_cast<int>(cfg.model.layers); ++l) {
     layer_inputs in;
     KVEVICT_TRY(inputs(l, in));

@@ -422,24 +422,14 @@ class evictor {
       cc.total = alloc_.alloc.total;
       cc.split = a == allocator_kind::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
       cc.weight = a == allocator_kind::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
-      const auto bytes = kvevict::cascade_driver::state_bytes(cc);
-      if (!bytes) return bytes.error();
-      KVEVICT_TRY(cd_.init(cc, scratch_.state_for(*bytes), *bytes, rec));
-      const auto wb = cd_.workspace_bytes(kvevict::seq);
-      if (!wb) return wb.error();
-      ws = scratch_.workspace_for(*wb);
+      KVEVICT_TRY(init_driver(cd_, scratch_, cc, rec, ws));
     } else {
       kvevict::post_fill_config pc;
       pc.model = shape_of(c);
       pc.tokens = P;
       pc.rec = rec_;
       pc.alloc = alloc_.alloc;
-      const auto bytes = kvevict::post_fill_driver::state_bytes(pc);
-      if (!bytes) return bytes.error();
-      KVEVICT_TRY(pf_.init(pc, scratch_.state_for(*bytes), *bytes, rec));
-      const auto wb = pf_.workspace_bytes(kvevict::seq);
-      if (!wb) return wb.error();
-      ws = scratch_.workspace_for(*wb);
+      KVEVICT_TRY(init_driver(pf_, scratch_, pc, rec, ws));
     }
     double hook_s = 0.0;
     forward_hooks hk;
@@ -487,12 +477,8 @@ class evictor {
     cc.queries = patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
     cc.target = kvevict::chunk_target::budget;
     cc.alloc = alloc_.alloc;
-    const auto bytes = kvevict::chunked_driver::state_bytes(cc);
-    if (!bytes) return bytes.error();
-    KVEVICT_TRY(ch_.init(cc, scratch_.state_for(*bytes), *bytes, rec));
-    const auto wb = ch_.workspace_bytes(kvevict::seq);
-    if (!wb) return wb.error();
-    kvevict::workspace ws = scratch_.workspace_for(*wb);
+    kvevict::workspace ws;
+    KVEVICT_TRY(init_driver(ch_, scratch_, cc, rec, ws));
     chunk_q_.reset(c, w);
     patch_q_.reset(c, w);
     std::vector<pos_t> patch_pos;

@@ -82,10 +82,6 @@ int fail(const std::string& message) {
   return 1;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 bool write_file(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;
@@ -305,10 +301,10 @@ int main(int argc, char** argv) {
     if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
     const auto t0 = std::chrono::steady_clock::now();
     if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);
-    prefill_s = seconds_since(t0);
+    prefill_s = kvrun::seconds_since(t0);
     const auto t1 = std::chrono::steady_clock::now();
     if (auto st = kvrun::continue_generation(run, cache, sampler, o.steps, generated); !st.ok()) return fail("", st);
-    decode_s = seconds_since(t1);
+    decode_s = kvrun::seconds_since(t1);
   } else {
     // the evicted cache: prefill with eviction (evictor.hpp), then run.c's sampling loop with
     // decode-time eviction when the driver is decode. The cache and the runner are sized for the
@@ -352,7 +348,7 @@ int main(int argc, char** argv) {
       if (auto st = ev.decode(run, cache, next); !st.ok()) return fail("", st);
       logits = run.logits(0);
     }
-    decode_s = seconds_since(t1);
+    decode_s = kvrun::seconds_since(t1);
     if (o.stats) {
       const kvevict::index_t n = cache.next_position();
       kvevict::kv_usage usage;

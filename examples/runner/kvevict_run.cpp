@@ -13,8 +13,7 @@
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
 #include <lookaheadkv/scores.hpp>
-#include <report/report.hpp>
-#include <report/svg.hpp>
+#include <report/report_cli.hpp>
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
@@ -30,8 +29,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -59,13 +56,7 @@ struct options {
   kvrun::evict_options evict;
   kvevict::index_t calibration = 8;
   std::string lookahead_module = KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin";
-  // report
-  bool report = false;
-  std::string out_dir = ".";
-  kvevict::index_t prompts = 32;
-  std::vector<kvevict::index_t> budgets{16, 32, 64, 128};
-  std::vector<std::string> recipes, drivers;
-  bool all_drivers = false;
+  kvrun::report_cli report;  // --report and its options (report/report_cli.hpp)
 };
 
 int fail(const char* what, const kvevict::status& st) {
@@ -80,12 +71,6 @@ int fail_file(const std::string& path, const kvevict::status& st) {
 int fail(const std::string& message) {
   std::fprintf(stderr, "kvevict-run: %s\n", message.c_str());
   return 1;
-}
-
-bool write_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary);
-  f << text;
-  return static_cast<bool>(f.flush());
 }
 
 // The duo method's head types: a calibration pass over `count` model-generated training texts.
@@ -109,51 +94,17 @@ bool load_lookahead(const std::string& path, const kvrun::model& model, kvrun::l
   return false;
 }
 
-// kvevict-run --report: the table on stdout, JSON and SVG in --out-dir, progress on stderr.
+// kvevict-run --report (docs/report.md): its options checked, the module loaded if needed, the run.
 int run_report(const options& o, const kvrun::model& model, const std::string& command) {
   kvrun::report_options r;
-  r.prompts = o.prompts;
-  r.budgets = o.budgets;
-  r.base = o.evict;
-  r.calibration = o.calibration;
-  r.threads = o.threads;
-  r.all_drivers = o.all_drivers;
-  for (const std::string& name : o.recipes) {
-    kvrun::method m;
-    if (auto st = kvrun::parse_method(name, m); !st.ok()) return fail("--recipes: ", st);
-    r.recipes.push_back(m);
-  }
-  for (const std::string& name : o.drivers) {
-    kvrun::driver_kind d;
-    if (auto st = kvrun::parse_driver(name, d); !st.ok()) return fail("--drivers: ", st);
-    r.drivers.push_back(d);
-  }
-  for (const kvevict::index_t b : o.budgets)
-    if (b < 1 || b > model.cfg().seq_len)
-      return fail("--budgets: " + std::to_string(b) + " is outside [1, " + std::to_string(model.cfg().seq_len) + "]");
-  if (o.prompts < 1) return fail("--prompts must be >= 1, got " + std::to_string(o.prompts));
-  if (std::error_code ec; !std::filesystem::is_directory(o.out_dir, ec))
-    return fail("--out-dir " + o.out_dir + " is not a directory");
-  if (o.calibration < 1) return fail("--calibration must be >= 1, got " + std::to_string(o.calibration));
-  kvrun::lookahead_module lookahead;  // every method runs unless --recipes leaves lookaheadkv out
-  if (r.recipes.empty() || std::find(r.recipes.begin(), r.recipes.end(), kvrun::method::lookaheadkv) != r.recipes.end()) {
+  if (auto st = o.report.options(model, o.evict, o.calibration, o.threads, r); !st.ok()) return fail("", st);
+  kvrun::lookahead_module lookahead;
+  if (kvrun::needs_lookahead(r)) {
     if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
     r.lookahead = &lookahead;
     r.lookahead_path = o.lookahead_module;
   }
-  std::vector<kvrun::report_config> configs;
-  if (auto st = kvrun::report_configs(model.cfg(), r, configs); !st.ok()) return fail("", st);
-  r.progress = [](const char* line) { std::fprintf(stderr, "%s\n", line); };
-  kvrun::report_result result;
-  if (auto st = kvrun::run_report(model, r, result); !st.ok()) return fail("", st);
-  std::fputs(kvrun::report_table(result).c_str(), stdout);
-  std::string name = o.model;
-  if (const auto slash = name.find_last_of('/'); slash != std::string::npos) name = name.substr(slash + 1);
-  if (const auto dot = name.rfind(".bin"); dot != std::string::npos && dot + 4 == name.size()) name.resize(dot);
-  const std::string json = o.out_dir + "/report.json", svg = o.out_dir + "/report.svg";
-  if (!write_file(json, kvrun::report_json(result, name, command))) return fail("cannot write " + json);
-  if (!write_file(svg, kvrun::report_svg(result, name))) return fail("cannot write " + svg);
-  std::fprintf(stderr, "report: wrote %s and %s\n", json.c_str(), svg.c_str());
+  if (auto st = o.report.run(model, r, o.model, command); !st.ok()) return fail("", st);
   return 0;
 }
 
@@ -208,19 +159,7 @@ int main(int argc, char** argv) {
       app.add_option("--lookahead-module", o.lookahead_module,
                      "lookaheadkv (and --report): the trained LookaheadKV module (docs/lookaheadkv.md)")
           ->capture_default_str();
-  // the quality report (docs/report.md)
-  app.add_flag("--report", o.report, "run the quality report: table on stdout, report.json and report.svg in --out-dir");
-  std::vector<CLI::Option*> report_opts;
-  report_opts.push_back(app.add_option("--out-dir", o.out_dir, "report: directory for report.json and report.svg")
-                            ->capture_default_str());
-  report_opts.push_back(app.add_option("--prompts", o.prompts, "report: test prompts")->capture_default_str());
-  report_opts.push_back(app.add_option("--budgets", o.budgets, "report: budgets, comma-separated")
-                            ->delimiter(',')
-                            ->capture_default_str());
-  report_opts.push_back(app.add_option("--recipes", o.recipes, "report: only these recipes (comma-separated)")->delimiter(','));
-  report_opts.push_back(app.add_option("--drivers", o.drivers, "report: only these drivers (comma-separated)")->delimiter(','));
-  report_opts.push_back(app.add_flag("--all-drivers", o.all_drivers,
-                                     "report: every supported recipe x driver pair, not the default matrix"));
+  o.report.add_to(app);  // the quality report (docs/report.md)
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -240,15 +179,15 @@ int main(int argc, char** argv) {
   // eviction options only with an eviction recipe; report options only with --report
   kvrun::method method = kvrun::method::full;
   if (auto st = kvrun::parse_method(o.recipe, method); !st.ok()) return fail("--recipe: ", st);
-  if (!o.report && method == kvrun::method::full)
+  if (!o.report.enabled && method == kvrun::method::full)
     for (const CLI::Option* opt : evict_opts)
       if (opt->count() > 0) return fail(opt->get_name() + " needs --recipe (without it the cache is not evicted)");
-  if (o.report && recipe_opt->count() > 0)
+  if (o.report.enabled && recipe_opt->count() > 0)
     return fail("--report runs every recipe: use --recipes to choose some");
-  if (!o.report)
-    for (const CLI::Option* opt : report_opts)
+  if (!o.report.enabled)
+    for (const CLI::Option* opt : o.report.need_report)
       if (opt->count() > 0) return fail(opt->get_name() + " needs --report");
-  if (!o.report && method != kvrun::method::lookaheadkv && lookahead_opt->count() > 0)
+  if (!o.report.enabled && method != kvrun::method::lookaheadkv && lookahead_opt->count() > 0)
     return fail("--lookahead-module needs --recipe lookaheadkv or --report");
   o.evict.recipe = method;
   if (!o.allocator.empty()) {
@@ -261,7 +200,7 @@ int main(int argc, char** argv) {
   kvrun::model model;
   if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail_file(o.model, st);
   const kvrun::config& c = model.cfg();
-  if (o.report) {
+  if (o.report.enabled) {
     if (o.evict.chunk < 1) return fail("--chunk must be >= 1, got " + std::to_string(o.evict.chunk));
     std::string command = "kvevict-run";
     for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];

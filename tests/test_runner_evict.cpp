@@ -321,7 +321,8 @@ TEST_CASE("every post-fill method keeps exactly the library's answer on the runn
     const index_t P = static_cast<index_t>(tp.prompt.size());
     const prefilled full = prefill_full(run, tp.prompt);
     for (const index_t B : {index_t(16), index_t(40)})
-      for (const method m : all_methods) {
+      for (const named<method>& mn : method_names) {
+        const method m = mn.value;
         if (m == method::full || m == method::laq || m == method::laq_pp || m == method::lookaheadkv || m == method::oracle)
           continue;
         const std::string method_name_ = method_name(m);
@@ -878,8 +879,10 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
   }
   const duo_heads duo = calibrated_heads();
   int runs = 0;
-  for (const method m : all_methods)
-    for (const driver_kind d : all_drivers) {
+  for (const named<method>& mn : method_names)
+    for (const named<driver_kind>& dn : driver_names) {
+      const method m = mn.value;
+      const driver_kind d = dn.value;
       evict_options o;
       o.recipe = m;
       o.driver = d;

@@ -122,7 +122,7 @@ struct report_result {
 };
 
 /// The configurations of a report, in table order: full first, then per budget the methods in
-/// all_methods order, each with its drivers in all_drivers order. Errors: a configuration the
+/// method_names order, each with its drivers in driver_names order. Errors: a configuration the
 /// evictor refuses (e.g. a budget below a method's protected tokens), naming it; lookaheadkv named
 /// without a module.
 inline status report_configs(const config& c, const report_options& o, std::vector<report_config>& out) {
@@ -133,11 +133,13 @@ inline status report_configs(const config& c, const report_options& o, std::vect
   if (named_lookahead && o.lookahead == nullptr)
     return status::error(errc::invalid_argument, "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
   for (const index_t b : o.budgets)
-    for (const method m : all_methods) {
+    for (const named<method>& mn : method_names) {
+      const method m = mn.value;
       if (m == method::full) continue;
       if (m == method::lookaheadkv && o.lookahead == nullptr) continue;
       if (!o.recipes.empty() && std::find(o.recipes.begin(), o.recipes.end(), m) == o.recipes.end()) continue;
-      for (const driver_kind d : all_drivers) {
+      for (const named<driver_kind>& dn : driver_names) {
+        const driver_kind d = dn.value;
         if (!o.drivers.empty() && std::find(o.drivers.begin(), o.drivers.end(), d) == o.drivers.end()) continue;
         evict_options e = o.base;
         e.recipe = m;

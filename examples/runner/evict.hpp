@@ -69,91 +69,69 @@ enum class method : int {
   lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (a prompt_scorer)
   oracle,         ///< the true response's queries (an upper bound)
 };
-inline constexpr method all_methods[] = {method::full,   method::streaming_llm, method::h2o,   method::tova,
-                                         method::snapkv, method::pyramidkv,     method::knorm, method::vatp,
-                                         method::adakv,  method::cake,          method::lava,  method::duo,
-                                         method::laq,    method::laq_pp,        method::lookaheadkv,
-                                         method::oracle};
-
 /// How budgets are shared by layers and heads (`--allocator`).
 enum class allocator_kind : int { uniform, pyramid, adakv, lava, cake, duo };
-inline constexpr allocator_kind all_allocators[] = {allocator_kind::uniform, allocator_kind::pyramid,
-                                                    allocator_kind::adakv,   allocator_kind::lava,
-                                                    allocator_kind::cake,    allocator_kind::duo};
 
 /// When eviction runs (`--driver`).
 enum class driver_kind : int { postfill, layerwise, chunked_naive, chunked_patched, decode };
-inline constexpr driver_kind all_drivers[] = {driver_kind::postfill, driver_kind::layerwise, driver_kind::chunked_naive,
-                                              driver_kind::chunked_patched, driver_kind::decode};
 
-constexpr const char* method_name(method m) noexcept {
-  switch (m) {
-    case method::full: return "full";
-    case method::streaming_llm: return "streaming_llm";
-    case method::h2o: return "h2o";
-    case method::tova: return "tova";
-    case method::snapkv: return "snapkv";
-    case method::pyramidkv: return "pyramidkv";
-    case method::knorm: return "knorm";
-    case method::vatp: return "vatp";
-    case method::adakv: return "adakv";
-    case method::cake: return "cake";
-    case method::lava: return "lava";
-    case method::duo: return "duo";
-    case method::laq: return "laq";
-    case method::laq_pp: return "laq++";
-    case method::lookaheadkv: return "lookaheadkv";
-    case method::oracle: return "oracle";
-  }
-  return "unknown";
-}
-constexpr const char* allocator_name(allocator_kind a) noexcept {
-  switch (a) {
-    case allocator_kind::uniform: return "uniform";
-    case allocator_kind::pyramid: return "pyramid";
-    case allocator_kind::adakv: return "adakv";
-    case allocator_kind::lava: return "lava";
-    case allocator_kind::cake: return "cake";
-    case allocator_kind::duo: return "duo";
-  }
-  return "unknown";
-}
-constexpr const char* driver_name(driver_kind d) noexcept {
-  switch (d) {
-    case driver_kind::postfill: return "postfill";
-    case driver_kind::layerwise: return "layerwise";
-    case driver_kind::chunked_naive: return "chunked-naive";
-    case driver_kind::chunked_patched: return "chunked-patched";
-    case driver_kind::decode: return "decode";
-  }
-  return "unknown";
-}
+/// An option value and its command-line name; the tables list every value, in this order.
+template <class E>
+struct named {
+  E value;
+  const char* name;
+};
+inline constexpr named<method> method_names[] = {
+    {method::full, "full"},   {method::streaming_llm, "streaming_llm"}, {method::h2o, "h2o"},
+    {method::tova, "tova"},   {method::snapkv, "snapkv"},               {method::pyramidkv, "pyramidkv"},
+    {method::knorm, "knorm"}, {method::vatp, "vatp"},                   {method::adakv, "adakv"},
+    {method::cake, "cake"},   {method::lava, "lava"},                   {method::duo, "duo"},
+    {method::laq, "laq"},     {method::laq_pp, "laq++"},                {method::lookaheadkv, "lookaheadkv"},
+    {method::oracle, "oracle"}};
+inline constexpr named<allocator_kind> allocator_names[] = {
+    {allocator_kind::uniform, "uniform"}, {allocator_kind::pyramid, "pyramid"}, {allocator_kind::adakv, "adakv"},
+    {allocator_kind::lava, "lava"},       {allocator_kind::cake, "cake"},       {allocator_kind::duo, "duo"}};
+inline constexpr named<driver_kind> driver_names[] = {{driver_kind::postfill, "postfill"},
+                                                      {driver_kind::layerwise, "layerwise"},
+                                                      {driver_kind::chunked_naive, "chunked-naive"},
+                                                      {driver_kind::chunked_patched, "chunked-patched"},
+                                                      {driver_kind::decode, "decode"}};
 
 namespace detail {
-template <class E, std::size_t N, class Name>
-status parse_name(std::string_view text, const E (&all)[N], Name name, const char* what, E& out) {
+template <class E, std::size_t N>
+constexpr const char* name_of(const named<E> (&all)[N], E e) noexcept {
+  for (const named<E>& n : all)
+    if (n.value == e) return n.name;
+  return "unknown";
+}
+template <class E, std::size_t N>
+status parse_name(std::string_view text, const named<E> (&all)[N], const char* what, E& out) {
   std::string names;
-  for (const E e : all) {
-    if (text == name(e)) {
-      out = e;
+  for (const named<E>& n : all) {
+    if (text == n.name) {
+      out = n.value;
       return {};
     }
     names += names.empty() ? "" : ", ";
-    names += name(e);
+    names += n.name;
   }
   return status::error(errc::invalid_argument, "unknown %s '%.*s' (expected one of: %s)", what,
                        static_cast<int>(text.size()), text.data(), names.c_str());
 }
 }  // namespace detail
 
+constexpr const char* method_name(method m) noexcept { return detail::name_of(method_names, m); }
+constexpr const char* allocator_name(allocator_kind a) noexcept { return detail::name_of(allocator_names, a); }
+constexpr const char* driver_name(driver_kind d) noexcept { return detail::name_of(driver_names, d); }
+
 inline status parse_method(std::string_view s, method& out) {
-  return detail::parse_name(s, all_methods, method_name, "recipe", out);
+  return detail::parse_name(s, method_names, "recipe", out);
 }
 inline status parse_allocator(std::string_view s, allocator_kind& out) {
-  return detail::parse_name(s, all_allocators, allocator_name, "allocator", out);
+  return detail::parse_name(s, allocator_names, "allocator", out);
 }
 inline status parse_driver(std::string_view s, driver_kind& out) {
-  return detail::parse_name(s, all_drivers, driver_name, "driver", out);
+  return detail::parse_name(s, driver_names, "driver", out);
 }
 
 // ---------------------------------------------------------------------------------------------

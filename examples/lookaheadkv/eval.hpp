@@ -67,6 +67,19 @@ struct pair_result {
 inline index_t snapkv_window(const eval_options& o, index_t P) { return std::max<index_t>(1, std::min(o.window, P / 2)); }
 
 /// Everything one thread needs to evaluate pairs: a runner, caches, a scorer per module.
+/// SnapKV's ranking with window w: its recipe with the evaluation's pooling and GQA reduction,
+/// nothing protected.
+inline kvevict::recipe snapkv_ranking(const eval_options& o, index_t w) {
+  kvevict::recipe r = kvevict::recipe::snapkv();
+  r.window = w;
+  r.n_recent = 0;
+  r.pool = o.pooling.pool;
+  r.kernel = o.pooling.kernel;
+  r.gqa = o.pooling.gqa;
+  r.order = o.pooling.order;
+  return r;
+}
+
 class pair_evaluator {
  public:
   /// modules: the LookaheadKV modules to compare (method names follow "oracle", "snapkv").
@@ -119,13 +132,7 @@ class pair_evaluator {
     for (int l = 0; l < L; ++l) {
       auto gt = *kvevict::make_matrix_view<const float>(gt_.data() + index_t(l) * H * P, H, P);
       KVEVICT_TRY(kvevict::gqa_reduce(kvevict::seq, gt, ranking(0, l, P), kvevict::gqa_op::mean));
-      kvevict::recipe r = kvevict::recipe::snapkv();
-      r.window = w;
-      r.n_recent = 0;
-      r.pool = opts_.pooling.pool;
-      r.kernel = opts_.pooling.kernel;
-      r.gqa = opts_.pooling.gqa;
-      r.order = opts_.pooling.order;
+      const kvevict::recipe r = snapkv_ranking(opts_, w);
       auto q = *kvevict::make_kv_view<const float>(window_q_.data() + index_t(l) * H * w * hs, H, w, hs);
       auto keys = full_.dense_keys(l, P);
       if (!keys) return keys.error();
@@ -335,13 +342,7 @@ inline status time_prefill(const model& m, const lookahead_module& mod, const ev
   auto ms = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
   for (const text_pair& p : pairs) {
     const index_t P = static_cast<index_t>(p.prompt.size()), w = snapkv_window(o, P);
-    kvevict::recipe r = kvevict::recipe::snapkv();
-    r.window = w;
-    r.n_recent = 0;
-    r.pool = o.pooling.pool;
-    r.kernel = o.pooling.kernel;
-    r.gqa = o.pooling.gqa;
-    r.order = o.pooling.order;
+    const kvevict::recipe r = snapkv_ranking(o, w);
     double hook_ms = 0;
     forward_hooks snap_hook;
     snap_hook.after_layer = [&](const layer_event& ev) -> status {

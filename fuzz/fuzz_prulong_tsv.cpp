@@ -1,7 +1,7 @@
-// libFuzzer target: the head-mask TSV parser (kvevict/prulong.hpp) on arbitrary bytes. Any input must
+// libFuzzer target: the head-mask TSV parser (kvevict/train/prulong.hpp) on arbitrary bytes. Any input must
 // give a status (never a crash, an overread or UB); accepted inputs must round-trip through
 // format_head_mask_tsv (exactly for float storage), and a shape mismatch must be reported, never written past.
-#include <kvevict/prulong.hpp>
+#include <kvevict/train/prulong.hpp>
 
 #include <cstdint>
 #include <cstdlib>

@@ -5,7 +5,7 @@
 #include <kvevict/gqa.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/protect.hpp>
-#include <kvevict/prulong.hpp>
+#include <kvevict/train/prulong.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/select.hpp>
 #include <kvevict/weight.hpp>

@@ -1,14 +1,14 @@
 // The CUDA compaction kernels' logic, run on the host: the host-device functions of
-// detail/compact_block.hpp called by kvevict/cuda/compact.cuh's kernels, driven here by the same
+// detail/block/compact_block.hpp called by kvevict/cuda/compact.cuh's kernels, driven here by the same
 // loops (rows per group of lanes, heads x parts, tickets), compared bit for bit with the host
 // compact / compact_inplace / append. The in-place tiles run under a random scheduler that
 // interleaves the blocks of a head at every step the GPU could; without the ordering rule the
 // same scheduler corrupts the cache (checked, so the test can see an ordering bug).
-#include "emulated_block.hpp"
+#include <kvevict/detail/block/host_block.hpp>
 #include "support.hpp"
 
 #include <kvevict/compact.hpp>
-#include <kvevict/detail/compact_block.hpp>
+#include <kvevict/detail/block/compact_block.hpp>
 #include <kvevict/numeric.hpp>
 
 #include <algorithm>
@@ -17,7 +17,7 @@
 #include <vector>
 
 using namespace kvevict;
-using kvtest::host_block;
+using kvevict::detail::host_block;
 using kvtest::value_of;
 
 namespace {

@@ -593,7 +593,7 @@ TEST_CASE("drivers: post-fill with uniform budgets and SnapKV equals recipe_scor
       std::vector<std::int32_t> kcu(static_cast<std::size_t>(H + 1));
       REQUIRE(budget_offsets(cfg.alloc.budgets, l, kcu.data()).ok());
       std::vector<pos_t> kpos(static_cast<std::size_t>(kcu.back()));
-      std::vector<unsigned char> sb(select_topk_workspace_size(seq, P));
+      std::vector<unsigned char> sb(select_topk_workspace_bytes(seq, P));
       workspace sws{sb.data(), sb.size()};
       REQUIRE(recipe_select(seq, sws, r, value_of(make_matrix_view<const float>(sc.data(), H, P)),
                             ragged_positions_out{kpos.data(), kcu.data(), H})

@@ -28,11 +28,11 @@ float from_bits(std::uint32_t u) {
   return f;
 }
 
-// The selection order, written independently of detail/score_order.hpp: is a above b?
+// The selection order, written independently of detail/base/score_order.hpp: is a above b?
 bool ranks_above(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) {
     if (!std::isnan(a) || !std::isnan(b)) return std::isnan(b);
-    // two NaNs (documented in detail/score_order.hpp): sign clear below sign set; then by payload,
+    // two NaNs (documented in detail/base/score_order.hpp): sign clear below sign set; then by payload,
     // larger higher with the sign clear, smaller higher with the sign set
     if (std::signbit(a) != std::signbit(b)) return std::signbit(a);
     return std::signbit(a) ? bits(a) < bits(b) : bits(a) > bits(b);

@@ -1,10 +1,10 @@
-// Tests of kvevict/lookahead.hpp: Lookahead LoRA (forward bit-identity outside the lookahead rows,
+// Tests of kvevict/train/lookahead.hpp: Lookahead LoRA (forward bit-identity outside the lookahead rows,
 // backward against central finite differences), the window scores of one head and their backward
 // (finite differences), and the KL / ListNet loss with its gradient (finite differences, invariants).
 // Finite differences run in double; the float instantiations are compared with the double ones.
 #include "support.hpp"
 
-#include <kvevict/lookahead.hpp>
+#include <kvevict/train/lookahead.hpp>
 
 #include <algorithm>
 #include <cmath>

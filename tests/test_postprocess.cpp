@@ -1,12 +1,13 @@
 // postprocess_scores (host) against the chain of the individual stages, bit for bit; the CUDA
-// post-processing decomposition run on the host (detail/pool_block.hpp, detail/postprocess_device.hpp
+// post-processing decomposition run on the host (detail/block/pool_block.hpp, detail/block/postprocess_device.hpp
 // with serial_ctx: pooling blocks, tiles with staged spans, per-block global path, staged norms, the
 // head-max reduction tree) against the host stages, bit for bit; every documented error.
 #include "support.hpp"
 
-#include <kvevict/detail/pool_block.hpp>
-#include <kvevict/detail/postprocess_device.hpp>
-#include <kvevict/detail/score_device.hpp>
+#include <kvevict/detail/block/host_block.hpp>
+#include <kvevict/detail/block/pool_block.hpp>
+#include <kvevict/detail/block/postprocess_device.hpp>
+#include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/pool.hpp>
@@ -206,6 +207,7 @@ case_data<V> random_case(std::mt19937_64& g, int trial) {
   c.opt.weight = trial % 4 == 0 ? value_weight::head_max : value_weight::per_token;
   c.opt.n_sink = kvtest::uniform_int(g, 0, 4);
   c.opt.n_recent = kvtest::uniform_int(g, 0, 8);
+  c.opt.unpooled_tail = trial % 5 == 3 ? (trial * 7) % (c.T + 3) : 0;  // past the row length too
   return c;
 }
 
@@ -217,20 +219,32 @@ std::vector<float> chain(const case_data<V>& c) {
   const auto ov = value_of(make_matrix_view(out.data(), c.hkv, c.T));
   pool_options po;
   po.divisor = c.opt.divisor;
+  // row r of length L pooled over its first P = L - unpooled_tail positions, [P, L) copied
+  const auto row_length = [&](index_t kv_head) { return c.use_row_lengths ? index_t{c.row_lengths[static_cast<std::size_t>(kv_head)]} : c.T; };
+  const auto pooled_of = [&](index_t kv_head) {
+    return static_cast<std::int32_t>(std::max<index_t>(0, row_length(kv_head) - c.opt.unpooled_tail));
+  };
+  const auto copy_tail = [&](const float* from, index_t fs, float* to, index_t ts, index_t kv_head) {
+    for (index_t t = pooled_of(kv_head); t < row_length(kv_head); ++t) to[t * ts] = from[t * fs];
+  };
   if (c.opt.order == gqa_order::pool_first) {
     std::vector<float> tmp(static_cast<std::size_t>(hq * c.T), -4.f);
     std::vector<std::int32_t> qlen;
-    for (index_t q = 0; q < hq; ++q) qlen.push_back(c.row_lengths[static_cast<std::size_t>(q / c.g)]);
+    for (index_t q = 0; q < hq; ++q) qlen.push_back(pooled_of(q / c.g));
     REQUIRE(pool1d(seq, c.in_view(), value_of(make_matrix_view(tmp.data(), hq, c.T)), c.opt.pool, c.opt.kernel,
-                   c.use_row_lengths ? qlen.data() : nullptr, po)
+                   c.use_row_lengths || c.opt.unpooled_tail > 0 ? qlen.data() : nullptr, po)
                 .ok());
+    for (index_t q = 0; q < hq; ++q) copy_tail(c.in.data() + q * c.T, 1, tmp.data() + q * c.T, 1, q / c.g);
     REQUIRE(gqa_reduce(seq, value_of(make_matrix_view<const float>(tmp.data(), hq, c.T)), ov, c.opt.gqa).ok());
   } else {
     std::vector<float> tmp(static_cast<std::size_t>(c.hkv * c.T), -4.f);
     REQUIRE(gqa_reduce(seq, c.in_view(), value_of(make_matrix_view(tmp.data(), c.hkv, c.T)), c.opt.gqa).ok());
+    std::vector<std::int32_t> plen;
+    for (index_t h = 0; h < c.hkv; ++h) plen.push_back(pooled_of(h));
     REQUIRE(pool1d(seq, value_of(make_matrix_view<const float>(tmp.data(), c.hkv, c.T)), ov, c.opt.pool, c.opt.kernel,
-                   c.rl(), po)
+                   c.use_row_lengths || c.opt.unpooled_tail > 0 ? plen.data() : nullptr, po)
                 .ok());
+    for (index_t h = 0; h < c.hkv; ++h) copy_tail(tmp.data() + h * c.T, 1, out.data() + h * c.T, 1, h);
   }
   if (c.opt.weight_values) REQUIRE(weight_by_value_norm(seq, ov, c.values_view(), c.opt.weight, c.vl()).ok());
   REQUIRE(protect(seq, ov, c.opt.n_sink, c.opt.n_recent, c.rl()).ok());
@@ -256,30 +270,10 @@ template <class V>
 std::vector<float> emulated_fused(const case_data<V>& c) {
   using namespace detail;
   std::vector<float> out(static_cast<std::size_t>(c.hkv * c.T), -3.f);
-  pp_params a{};
-  a.in = c.in.data();
-  a.is0 = c.T;
-  a.is1 = 1;
-  a.out = out.data();
-  a.os0 = c.T;
-  a.os1 = 1;
-  a.hkv = c.hkv;
-  a.g = c.g;
-  a.T = c.T;
-  a.op = c.opt.gqa;
-  a.order = c.opt.order;
-  a.pool = c.opt.pool;
-  a.kernel = c.opt.kernel;
-  a.div = c.opt.divisor;
-  a.weight = c.opt.weight_values;
-  a.mode = c.opt.weight;
-  a.protect = true;
-  a.n_sink = c.opt.n_sink;
-  a.n_recent = c.opt.n_recent;
-  a.row_lengths = c.rl();
-  a.value_lengths = c.opt.weight_values ? c.vl() : nullptr;
-  const pp_values<V> vals{c.values.data(), c.tv * c.d, c.d, 1, c.tv, c.d};
   std::vector<float> factors(static_cast<std::size_t>(c.hkv), 0.f);
+  const auto ov = value_of(make_matrix_view(out.data(), c.hkv, c.T));
+  const pp_params a = make_pp_params(c.in_view(), ov, c.opt, c.rl(), c.vl(), factors.data());
+  const pp_values<V> vals{c.values.data(), c.tv * c.d, c.d, 1, c.tv, c.d};
   if (c.opt.weight_values && c.opt.weight == value_weight::head_max) {
     constexpr index_t tile = 256;
     for (index_t h = 0; h < c.hkv; ++h) {
@@ -306,8 +300,7 @@ std::vector<float> emulated_fused(const case_data<V>& c) {
       factors[static_cast<std::size_t>(h)] = lanes[0];
     }
   }
-  a.factors = factors.data();
-  const bool block_path = c.opt.pool != pool_kind::none && c.opt.kernel / 2 > pp_max_radius;
+  const bool block_path = pp_choose_variant(c.opt.pool, c.opt.kernel) == pp_variant::blocks;
   std::vector<float> stash(static_cast<std::size_t>(c.hkv * c.T), qnan);
   for (index_t h = 0; h < c.hkv; ++h) {
     const index_t L = a.row_lengths ? a.row_lengths[h] : c.T;
@@ -318,8 +311,8 @@ std::vector<float> emulated_fused(const case_data<V>& c) {
       for (index_t t0 = 0; t0 < L; t0 += pp_tile)
         pp_run_tile(serial_ctx{}, a, vals, h, L, vlen, t0, span.data(), st.data(), acc.data());
     } else {
-      // blocks in reverse order: nothing may depend on the order of the GPU's threads
-      for (index_t b = pp_blocks(a.kernel, L) - 1; b >= 0; --b)
+      // work items in reverse order: nothing may depend on the order of the GPU's threads
+      for (index_t b = pp_items_per_row(a) - 1; b >= 0; --b)
         pp_run_block(a, vals, h, L, vlen, b, stash.data() + h * c.T);
     }
   }
@@ -472,6 +465,9 @@ TEST_CASE("postprocess_scores: errors") {
   b = o;
   b.divisor = static_cast<avg_divisor>(4);
   require_error(run(iv, ov, b), errc::invalid_argument, "options.divisor = 4 is not an avg_divisor");
+  b = o;
+  b.unpooled_tail = -2;
+  require_error(run(iv, ov, b), errc::invalid_argument, "postprocess_scores: opt.unpooled_tail = -2 must be >= 0");
   b = o;
   b.kernel = 4;
   require_error(run(iv, ov, b), errc::invalid_argument, "kernel = 4 is even");

@@ -1,10 +1,10 @@
-// Tests of kvevict/prulong.hpp: hard-concrete gates (range, closed-form expected L0 against the
+// Tests of kvevict/train/prulong.hpp: hard-concrete gates (range, closed-form expected L0 against the
 // empirical frequency, gradients against central finite differences in double), the expected
 // sparsity and the Lagrangian (gradients by finite differences, a descent/ascent run that reaches
 // the target), the top-k discretisation (exactly k, ties, infinities) and the TSV head-mask files.
 #include "support.hpp"
 
-#include <kvevict/prulong.hpp>
+#include <kvevict/train/prulong.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -147,7 +147,7 @@ std::vector<double> naive_recipe(const recipe& r, const problem& p) {
       s = naive_gqa(naive_pool(raw, p.hq, T, pooled, r.pool, r.kernel), p.hq, p.hkv, T, r.gqa);
     else
       s = naive_pool(naive_gqa(raw, p.hq, p.hkv, T, r.gqa), p.hkv, T, pooled, r.pool, r.kernel);
-    if (r.kind == recipe_kind::vatp || r.kind == recipe_kind::lava)
+    if (r.weight_values)
       for (index_t h = 0; h < p.hkv; ++h) {
         double head_max = 0;
         std::vector<double> l1(static_cast<std::size_t>(T));
@@ -185,7 +185,7 @@ std::vector<float> run_scores(Backend be, const recipe& r, const problem& p) {
   auto s = value_of(make_matrix_view(out.data(), p.hkv, p.T));
   workspace ws;
   REQUIRE(recipe_scores(be, ws, r, q, k, v, s, bk).ok());
-  const auto predicted = recipe_scores_workspace_size(be, r, p.hq, p.w, p.hkv, p.T, p.d, p.bk.empty() ? 0 : p.w);
+  const auto predicted = recipe_scores_workspace_bytes(be, r, p.hq, p.w, p.hkv, p.T, p.d, p.bk.empty() ? 0 : p.w);
   REQUIRE(predicted.ok());
   CHECK(*predicted == ws.bytes);
   std::vector<unsigned char> buf(ws.bytes + 64);
@@ -266,12 +266,12 @@ TEST_CASE("recipes: every recipe's scores match the naive reference; selection m
         const auto sv = value_of(make_matrix_view<const float>(got.data(), hkv, T));
         workspace ws;
         REQUIRE(recipe_select(seq, ws, r, sv, kv).ok());  // size query
-        CHECK(ws.bytes == select_topk_workspace_size(seq, T));
+        CHECK(ws.bytes == select_topk_workspace_bytes(seq, T));
         std::vector<unsigned char> buf(ws.bytes);
         ws.data = buf.data();
         REQUIRE(recipe_select(seq, ws, r, sv, kv).ok());
         std::vector<pos_t> kept_par(kept.size());
-        std::vector<unsigned char> buf_par(select_topk_workspace_size(par, T));
+        std::vector<unsigned char> buf_par(select_topk_workspace_bytes(par, T));
         workspace ws_par{buf_par.data(), buf_par.size()};
         REQUIRE(recipe_select(par, ws_par, r, sv, value_of(make_matrix_view(kept_par.data(), hkv, budget))).ok());
         REQUIRE(kept == kept_par);
@@ -358,7 +358,7 @@ TEST_CASE("recipes: bad input gives specific errors") {
   // budgets: below the protected window, above the prompt
   std::vector<pos_t> kept(2 * 21);
   auto sv = value_of(make_matrix_view<const float>(out.data(), 2, 20));
-  std::vector<unsigned char> buf(select_topk_workspace_size(seq, 20));
+  std::vector<unsigned char> buf(select_topk_workspace_bytes(seq, 20));
   workspace sws{buf.data(), buf.size()};
   recipe r8 = recipe::snapkv();
   r8.n_recent = 8;

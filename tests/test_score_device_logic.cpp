@@ -1,11 +1,11 @@
 // The per-element logic of the CUDA attention-score kernels, run on the host in the kernels'
-// decomposition (tests/score_device_emulation.hpp: tiles, statistics runs, splits, the merge's lanes
+// decomposition (include/kvevict/detail/block/score_emulation.hpp: tiles, statistics runs, splits, the merge's lanes
 // and shuffle tree, head-aligned blocks, per-column pushes), against a naive double-precision
 // reference with the bound stated in docs/cuda.md, and against attention_scores on seq (NaN
 // pattern identical, values within both bounds). Random inputs in float, float16 and bfloat16, every
 // reduce mode, with and without block keys, prefix or all columns, GQA-reduced output (which must
 // equal gqa_reduce of the per-head output bit for bit), NaN and infinities.
-#include "score_device_emulation.hpp"
+#include <kvevict/detail/block/score_emulation.hpp>
 #include "support.hpp"
 
 #include <kvevict/gqa.hpp>
@@ -178,7 +178,7 @@ void run_case(std::mt19937_64& g, index_t hkv, index_t group, index_t w, index_t
   std::vector<unsigned char> mem(ws.bytes + 64);
   ws.data = mem.data();
   REQUIRE(attention_scores(seq, ws, qv, split.prefix, block, hv, opt).ok());
-  REQUIRE(kvemu::emulate_cuda_attention_scores(qv, split.prefix, block, ev, ekv, op, opt).ok());
+  REQUIRE(kvevict::detail::emulate_cuda_attention_scores(qv, split.prefix, block, ev, ekv, op, opt).ok());
   // the GQA-reduced output is gqa_reduce of the per-head output, bit for bit
   REQUIRE(gqa_reduce(seq, matrix_view<const float>(ev), value_of(make_matrix_view(kv_ref.data(), hkv, oc)), op).ok());
   for (std::size_t i = 0; i < static_cast<std::size_t>(hkv * oc); ++i) {
@@ -271,7 +271,7 @@ TEST_CASE("cuda score logic: many splits (long prefix) and a row whose logits ar
   std::vector<unsigned char> mem(ws.bytes);
   ws.data = mem.data();
   REQUIRE(attention_scores(seq, ws, qv, split.prefix, split.window, value_of(make_matrix_view(host.data(), 1, 8))).ok());
-  REQUIRE(kvemu::emulate_cuda_attention_scores(qv, split.prefix, split.window, value_of(make_matrix_view(emu.data(), 1, 8)),
+  REQUIRE(kvevict::detail::emulate_cuda_attention_scores(qv, split.prefix, split.window, value_of(make_matrix_view(emu.data(), 1, 8)),
                                                matrix_view<float>{}, gqa_op::mean, opt)
               .ok());
   for (std::size_t j = 0; j < 8; ++j) {
@@ -360,10 +360,10 @@ TEST_CASE("cuda score logic: checks shared with the host name the output") {
   const auto qv = value_of(make_kv_view<const float>(q.data(), 2, 3, 4));
   const auto s = value_of(split_window(value_of(make_kv_view<const float>(k.data(), 1, 8, 4)), 3));
   // an out_kv with the wrong number of rows
-  require_error(kvemu::emulate_cuda_attention_scores(qv, s.prefix, s.window, matrix_view<float>{},
+  require_error(kvevict::detail::emulate_cuda_attention_scores(qv, s.prefix, s.window, matrix_view<float>{},
                                                      value_of(make_matrix_view(out.data(), 2, 5)), gqa_op::mean, {}),
                 errc::shape_mismatch, "out_kv has 2 rows but there are 1 KV heads");
-  require_error(kvemu::emulate_cuda_attention_scores(qv, s.prefix, s.window, matrix_view<float>{},
+  require_error(kvevict::detail::emulate_cuda_attention_scores(qv, s.prefix, s.window, matrix_view<float>{},
                                                      value_of(make_matrix_view(out.data(), 1, 6)), gqa_op::mean, {}),
                 errc::shape_mismatch, "out_kv has 6 columns; expected P = 5 (prefix columns) or P + w = 8");
 }

@@ -1,14 +1,14 @@
 // The CUDA selection kernels' logic, run on the host. The kernels of kvevict/cuda/select.cuh are
 // grid-stride loops, tickets and barriers around the host-device functions of
-// detail/select_block.hpp; here the same functions run under a serial "block" that executes every
+// detail/block/select_block.hpp; here the same functions run under a serial "block" that executes every
 // thread's part in a random order, with the work items of each kernel in a random order and the
 // multi-block tickets emulated, and the results are compared with the host select_topk /
 // select_topk_flat (seq). Also: the per-digit and per-key pieces one by one (bucket predicate,
 // emit rule, chunked emit, padded shared-memory banks), the plans and the workspace formula.
-#include "emulated_block.hpp"
+#include <kvevict/detail/block/host_block.hpp>
 #include "support.hpp"
 
-#include <kvevict/detail/select_block.hpp>
+#include <kvevict/detail/block/select_block.hpp>
 #include <kvevict/select.hpp>
 
 #include <algorithm>
@@ -24,7 +24,7 @@ using kvtest::value_of;
 
 namespace {
 
-using kvtest::host_block;
+using kvevict::detail::host_block;
 
 // ---- scores ---------------------------------------------------------------------------------------
 

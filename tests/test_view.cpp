@@ -1,6 +1,6 @@
 #include "support.hpp"
 
-#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/base/checks.hpp>
 #include <kvevict/view.hpp>
 
 #include <cstdint>

@@ -71,7 +71,7 @@ inline status run(const options& opt, std::string& summary) {
   KVEVICT_TRY(detail::load_rank3(opt.k_path, "keys", ka, k));
   const index_t hkv = ka.shape[0], T = ka.shape[1], d = ka.shape[2];
   recipe r = opt.r;
-  const bool reads_values = r.kind == recipe_kind::vatp || r.kind == recipe_kind::lava;
+  const bool reads_values = r.weight_values;
   if (reads_values || !opt.v_path.empty()) {
     if (opt.v_path.empty())
       return status::error(errc::invalid_argument, "recipe %s weights by values: give --v", recipe_name(r.kind));

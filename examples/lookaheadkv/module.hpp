@@ -7,7 +7,7 @@
 //
 // A module holds `n_lookahead` soft token embeddings (appended after the prompt) and, for every
 // layer and every linear layer named in `placement`, a Lookahead LoRA adapter A [in][r], B [r][out]
-// (kvevict/lookahead.hpp's convention: delta(x) = (alpha / r) (x A) B, active on the lookahead rows
+// (kvevict/train/lookahead.hpp's convention: delta(x) = (alpha / r) (x A) B, active on the lookahead rows
 // only). All parameters live in one flat vector (embeddings first, then layer by layer, target by
 // target in the order q, k, v, o, w1, w2, w3, A then B), which is what the optimizer updates and
 // what the file stores. `basic_lookahead_module<double>` exists for the finite-difference tests.
@@ -27,7 +27,7 @@
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
 
-#include <kvevict/lookahead.hpp>
+#include <kvevict/train/lookahead.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 

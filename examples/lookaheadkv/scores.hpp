@@ -34,7 +34,7 @@
 #include <runner/workers.hpp>
 
 #include <kvevict/gqa.hpp>
-#include <kvevict/lookahead.hpp>
+#include <kvevict/train/lookahead.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/recipes.hpp>
 #include <kvevict/score.hpp>

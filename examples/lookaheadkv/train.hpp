@@ -43,7 +43,7 @@
 #include <runner/runner.hpp>
 #include <runner/workers.hpp>
 
-#include <kvevict/lookahead.hpp>
+#include <kvevict/train/lookahead.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>

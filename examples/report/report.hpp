@@ -218,7 +218,7 @@ inline status ground_truth(const config& c, const kv_cache& full, const block_ca
   const index_t P = full.next_position(), m = response_q.rows(), H = c.n_kv_heads;
   const kvevict::recipe r = ground_truth_recipe();
   w.gt.assign(static_cast<std::size_t>(c.n_layers * H * P), 0.0f);
-  const auto need = kvevict::recipe_scores_workspace_size(kvevict::seq, r, c.n_heads, m, H, P, c.head_size(), m);
+  const auto need = kvevict::recipe_scores_workspace_bytes(kvevict::seq, r, c.n_heads, m, H, P, c.head_size(), m);
   if (!need) return need.error();
   kvevict::workspace ws = w.workspace_for(*need);
   for (int l = 0; l < c.n_layers; ++l) {

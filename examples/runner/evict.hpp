@@ -32,7 +32,7 @@
 #include <kvevict/budget.hpp>
 #include <kvevict/driver.hpp>
 #include <kvevict/metrics.hpp>
-#include <kvevict/prulong.hpp>
+#include <kvevict/train/prulong.hpp>
 #include <kvevict/recipes.hpp>
 
 #include <algorithm>

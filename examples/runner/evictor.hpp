@@ -553,7 +553,7 @@ class evictor {
     if (rec_.kind == kvevict::recipe_kind::h2o) {  // the prompt's accumulated attention, unprotected
       kvevict::recipe hr = rec_;
       hr.n_sink = hr.n_recent = 0;
-      const auto need = kvevict::recipe_scores_workspace_size(kvevict::seq, hr, c.n_heads, P, H, P, c.head_size());
+      const auto need = kvevict::recipe_scores_workspace_bytes(kvevict::seq, hr, c.n_heads, P, H, P, c.head_size());
       if (!need) return need.error();
       sws = decode_scratch_.workspace_for(*need);
       initial.resize(static_cast<std::size_t>(H * P));

@@ -15,8 +15,8 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 

@@ -11,7 +11,7 @@
 // Ops (all fp32, deterministic, the same on every backend):
 //   sum   in[h*g][t] + in[h*g+1][t] + ... + in[h*g+g-1][t], added left to right (j ascending)
 //   mean  that sum divided by (float)g (one rounded division)          [kvpress: mean]
-//   max   the largest in the total score order (detail/score_order.hpp)  [LAVa: max]
+//   max   the largest in the total score order (detail/base/score_order.hpp)  [LAVa: max]
 // NaN: sum and mean propagate NaN (IEEE arithmetic). max ranks NaN below everything, as
 // selection does, so a NaN of one query head does not hide the others' scores; the result is
 // NaN only when all g values are NaN. (PyTorch's max would propagate the NaN instead.)
@@ -22,42 +22,19 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
-#include <kvevict/detail/score_order.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/base/score_order.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
+#include <kvevict/gqa_types.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
 
 #include <algorithm>
 
 namespace kvevict {
 
-enum class gqa_op {
-  mean,  ///< arithmetic mean over the group (default of kvpress's SnapKV)
-  max,   ///< maximum in the total score order (LAVa); NaN only if the whole group is NaN
-  sum,   ///< sum over the group, j ascending
-};
-
-/// Short name of a gqa_op ("mean", "max", "sum"; "unknown" for values outside the enum).
-constexpr const char* gqa_op_name(gqa_op op) noexcept {
-  switch (op) {
-    case gqa_op::mean: return "mean";
-    case gqa_op::max: return "max";
-    case gqa_op::sum: return "sum";
-  }
-  return "unknown";
-}
-
 namespace detail {
-
-/// acc <- acc (op) x, for the j-th member of a group (j >= 1); acc starts as the member j = 0.
-KVEVICT_HOST_DEVICE inline float gqa_combine(gqa_op op, float acc, float x) noexcept {
-  return op == gqa_op::max ? total_order_max(acc, x) : acc + x;
-}
-/// The reduced score of a group of g members from its accumulator.
-KVEVICT_HOST_DEVICE inline float gqa_finish(gqa_op op, float acc, index_t g) noexcept {
-  return op == gqa_op::mean ? acc / static_cast<float>(g) : acc;
-}
 
 inline constexpr index_t gqa_chunk = 256;  // columns per work item (a stack accumulator)
 

@@ -1,4 +1,6 @@
-// kvevict/kvevict.hpp: every host-side public header. CUDA launchers are in <kvevict/cuda/*.cuh>.
+// kvevict/kvevict.hpp: every host-side public header of the eviction pipeline. CUDA launchers are in
+// <kvevict/cuda/*.cuh>; the training math (LookaheadKV, PruLong: host code that owns memory) is in
+// <kvevict/train/*.hpp>, included on purpose only.
 #pragma once
 
 #include <kvevict/backend.hpp>
@@ -7,13 +9,11 @@
 #include <kvevict/config.hpp>
 #include <kvevict/driver.hpp>
 #include <kvevict/gqa.hpp>
-#include <kvevict/lookahead.hpp>
 #include <kvevict/metrics.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/protect.hpp>
-#include <kvevict/prulong.hpp>
 #include <kvevict/recipes.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/select.hpp>

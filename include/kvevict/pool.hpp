@@ -8,7 +8,7 @@
 //   none  out[i] = in[i] (a copy; kernel still validated)
 //   max   out[i] = max of the in-range window positions (padding ignored, i.e. -inf padding,
 //         like F.max_pool1d(padding=k//2)); the max is taken in the total score order of
-//         detail/score_order.hpp: NaN ranks below everything, so the result is NaN only if every
+//         detail/base/score_order.hpp: NaN ranks below everything, so the result is NaN only if every
 //         in-range position of the window is NaN (PyTorch's max_pool1d propagates NaN instead).
 //   avg   out[i] = (sum of the in-range window positions) / k: zero padding, divisor = kernel size,
 //         like F.avg_pool1d(padding=k//2) with its default count_include_pad=True (what
@@ -31,65 +31,20 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
-#include <kvevict/detail/score_order.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/base/score_order.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
+#include <kvevict/pool_types.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
 
 #include <algorithm>
 #include <cstdint>
 
 namespace kvevict {
 
-enum class pool_kind {
-  none,  ///< copy
-  max,   ///< max over the window, out-of-range positions ignored (-inf padding)
-  avg,   ///< mean over the window with zero padding (divisor per pool_options)
-};
-
-/// Divisor of avg pooling at the borders of a row.
-enum class avg_divisor {
-  kernel,  ///< always k: zero padding counted (PyTorch count_include_pad=True, KVCache-Factory)
-  valid,   ///< the number of in-range positions of the window (count_include_pad=False)
-};
-
-struct pool_options {
-  avg_divisor divisor = avg_divisor::kernel;
-};
-
-constexpr const char* pool_kind_name(pool_kind k) noexcept {
-  switch (k) {
-    case pool_kind::none: return "none";
-    case pool_kind::max: return "max";
-    case pool_kind::avg: return "avg";
-  }
-  return "unknown";
-}
-
 namespace detail {
-
-/// Max pooling works on score keys (detail/score_order.hpp): an unsigned max, branch-free, that
-/// returns one of the inputs bit for bit. Between the passes the keys live in the output row.
-struct pool_max_traits {
-  using value = std::uint32_t;
-  static constexpr bool is_max = true;
-  KVEVICT_HOST_DEVICE static value load(float x) noexcept { return total_order_key(x); }
-  KVEVICT_HOST_DEVICE static value op(value a, value b) noexcept { return a > b ? a : b; }
-  KVEVICT_HOST_DEVICE static void stash(float* y, value v) noexcept { *y = bits_float(v); }
-  KVEVICT_HOST_DEVICE static value unstash(const float* y) noexcept { return float_bits(*y); }
-  KVEVICT_HOST_DEVICE static float finish(value v) noexcept { return total_order_from_key(v); }
-};
-/// Average pooling sums floats.
-struct pool_sum_traits {
-  using value = float;
-  static constexpr bool is_max = false;
-  KVEVICT_HOST_DEVICE static value load(float x) noexcept { return x; }
-  KVEVICT_HOST_DEVICE static value op(value a, value b) noexcept { return a + b; }
-  KVEVICT_HOST_DEVICE static void stash(float* y, value v) noexcept { *y = v; }
-  KVEVICT_HOST_DEVICE static value unstash(const float* y) noexcept { return *y; }
-  KVEVICT_HOST_DEVICE static float finish(value v) noexcept { return v; }
-};
 
 /// One row of max or avg pooling (see the header comment), in O(n) for any kernel.
 /// x: n inputs, stride sx; y: n outputs, stride sy (must not overlap x); kernel = 2r + 1 >= 1.

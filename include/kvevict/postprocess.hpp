@@ -9,21 +9,25 @@
 //   order = gqa_first:   pool(gqa over the group of in[q])[t]                   (g times less pooling)
 // then, if opt.weight_values, times ||v_t||_1 (per_token) or max_k ||v_k||_1 (head_max) of KV head h
 // for t < value_lengths[h] (or every t), then protected (sinks and recent window of the row of L).
+// Pooling covers the first P = L - opt.unpooled_tail positions (pool() sees a row of P); positions in
+// [P, L) skip it and keep the group's reduced scores (the SnapKV family's window columns).
 // Positions t >= L are not written. The value of every written position is bit for bit that of the
 // chain of the individual stages with the same arguments:
-//   pool_first: pool1d(in -> tmp [H_q][T], kind, kernel, lengths of each query head's KV head)
+//   pool_first: pool1d(in -> tmp [H_q][T], kind, kernel, pooled lengths P of each query head's KV head),
+//               tmp[q][t] = in[q][t] for t in [P, L)
 //               gqa_reduce(tmp -> out) ; weight_by_value_norm(out, values, mode, value_lengths) ;
 //               protect(out, n_sink, n_recent, row_lengths)
-//   gqa_first:  gqa_reduce(in -> tmp [H_kv][T]) ; pool1d(tmp -> out, ..., row_lengths) ; weight ; protect
+//   gqa_first:  gqa_reduce(in -> tmp [H_kv][T]) ; pool1d(tmp -> out, ..., pooled lengths P),
+//               out[h][t] = tmp[h][t] for t in [P, L) ; weight ; protect
 // (the chain would also write positions >= L; this call leaves them alone). Pooling `none` is a copy,
 // so the order does not matter then. The CUDA overload (<kvevict/cuda/postprocess.cuh>) is one kernel
 // that reads the per-query-head scores once and gives the same bits.
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
-#include <kvevict/detail/softmax.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/pool.hpp>
@@ -31,31 +35,13 @@
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/weight.hpp>
+#include <kvevict/postprocess_types.hpp>
 #include <kvevict/workspace.hpp>
 
 #include <cstdint>
 #include <type_traits>
 
 namespace kvevict {
-
-/// Whether the group's query heads are reduced after pooling each of them (pool_first, as kvpress's
-/// SnapKV: pool per query head, then mean over the group) or before pooling once (gqa_first).
-enum class gqa_order : int {
-  pool_first = 0,
-  gqa_first = 1,
-};
-
-struct postprocess_options {
-  gqa_op gqa = gqa_op::mean;                  ///< mean (kvpress, LookaheadKV), max (LAVa) or sum
-  gqa_order order = gqa_order::pool_first;
-  pool_kind pool = pool_kind::max;            ///< max 7: LookaheadKV, LAVa; KVCache-Factory: avg 5
-  index_t kernel = 7;                         ///< odd, >= 1
-  avg_divisor divisor = avg_divisor::kernel;  ///< avg pooling's border divisor (pool_options)
-  bool weight_values = false;                 ///< multiply by value norms (needs values)
-  value_weight weight = value_weight::per_token;  ///< VATP per token, LAVa head max
-  index_t n_sink = 0;                         ///< protected first positions of each row
-  index_t n_recent = 0;                       ///< protected last positions of each row
-};
 
 namespace detail {
 
@@ -74,6 +60,9 @@ status check_postprocess(const char* fn, const matrix_view<const float>& in, con
   po.divisor = opt.divisor;
   KVEVICT_TRY(check_pool_params(fn, opt.pool, opt.kernel, po));
   KVEVICT_TRY(check_protect_params(fn, opt.n_sink, opt.n_recent));
+  if (opt.unpooled_tail < 0)
+    return status::error(errc::invalid_argument, "%s: opt.unpooled_tail = %lld must be >= 0", fn,
+                         static_cast<long long>(opt.unpooled_tail));
   KVEVICT_TRY(check_gqa_shapes(fn, in.extent(0), out.extent(0), in.extent(1), out.extent(1)));
   if (range_of(in).intersects(range_of(out)))
     return status::error(errc::overlap, "%s: in and out overlap in memory (use a separate output)", fn);
@@ -99,6 +88,17 @@ KVEVICT_HOST_DEVICE inline float postprocess_finish(float v, index_t t, bool wei
   return protect_value(v, t, sink_end, recent_begin);
 }
 
+/// The host's scratch: a row of T floats per KV head when pooling (the layout of both phases).
+inline status carve_postprocess_host(const char* fn, workspace& ws, index_t hkv, index_t T,
+                                     const postprocess_options& opt, float*& tmp) {
+  index_t tmp_floats = 0;
+  if (opt.pool != pool_kind::none && !checked_mul(hkv, T, tmp_floats))
+    return status::error(errc::size_overflow, "%s: the scratch size overflows", fn);
+  workspace_carver carver(ws);
+  tmp = carver.take<float>(static_cast<std::size_t>(tmp_floats));
+  return carver.finish(fn);
+}
+
 template <class Backend, class VE>
 status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const matrix_view<const float>& in,
                                const matrix_view<float>& out, const kv_view<const VE>& values, bool has_values,
@@ -109,12 +109,8 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
   KVEVICT_TRY(check_lengths(fn, "row_lengths", row_lengths, hkv, T));
   if (opt.weight_values) KVEVICT_TRY(check_lengths(fn, "value_lengths", value_lengths, hkv, values.extent(1)));
   const bool pooled = opt.pool != pool_kind::none;
-  index_t tmp_floats = 0;
-  if (pooled && !checked_mul(hkv, T, tmp_floats))
-    return status::error(errc::size_overflow, "%s: the scratch size overflows", fn);
-  workspace_carver carver(ws);
-  float* const tmp = carver.take<float>(static_cast<std::size_t>(tmp_floats));
-  KVEVICT_TRY(carver.finish(fn));
+  float* tmp = nullptr;
+  KVEVICT_TRY(carve_postprocess_host(fn, ws, hkv, T, opt, tmp));
   if (ws.is_query() || hkv == 0 || T == 0) return {};
   const index_t g = hq / hkv;
   const float* const ip = in.data_handle();
@@ -122,6 +118,7 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
   const index_t is0 = in.stride(0), is1 = in.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   parallel_for(be, hkv, [&](index_t h) {
     const index_t L = row_lengths != nullptr ? row_lengths[h] : T;
+    const index_t P = pooled_length(L, opt.unpooled_tail);
     float* const o = op + h * os0;
     float* const t = tmp + h * T;  // only when pooled
     const float* const first = ip + (h * g) * is0;
@@ -135,12 +132,20 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
         for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_combine(opt.gqa, x[p * xs], row[p * is1]);
       }
       for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_finish(opt.gqa, x[p * xs], g);
-      if (pooled) pool_row(opt.pool, opt.divisor, t, 1, o, os1, L, opt.kernel);
+      if (pooled) {
+        pool_row(opt.pool, opt.divisor, t, 1, o, os1, P, opt.kernel);
+        for (index_t p = P; p < L; ++p) o[p * os1] = t[p];
+      }
     } else {
-      // pool each query head of the group and combine in head order; the output row accumulates
-      pool_row(opt.pool, opt.divisor, first, is1, o, os1, L, opt.kernel);
+      // pool each query head of the group (its unpooled tail copied) and combine in head order; the
+      // output row accumulates
+      const auto pool_with_tail = [&](const float* x, float* y, index_t ys) {
+        pool_row(opt.pool, opt.divisor, x, is1, y, ys, P, opt.kernel);
+        for (index_t p = P; p < L; ++p) y[p * ys] = x[p * is1];
+      };
+      pool_with_tail(first, o, os1);
       for (index_t j = 1; j < g; ++j) {
-        pool_row(opt.pool, opt.divisor, ip + (h * g + j) * is0, is1, t, 1, L, opt.kernel);
+        pool_with_tail(ip + (h * g + j) * is0, t, 1);
         for (index_t p = 0; p < L; ++p) o[p * os1] = gqa_combine(opt.gqa, o[p * os1], t[p]);
       }
       for (index_t p = 0; p < L; ++p) o[p * os1] = gqa_finish(opt.gqa, o[p * os1], g);
@@ -190,6 +195,21 @@ status postprocess_scores(Backend be, workspace& ws, matrix_view<const float> in
   using VE = std::remove_const_t<V>;
   return detail::postprocess_scores_impl<Backend, VE>("postprocess_scores", be, ws, in, out, kv_view<const VE>(values),
                                                       true, opt, row_lengths, value_lengths);
+}
+
+/// Workspace bytes postprocess_scores needs on a host backend for `query_heads` x `tokens` scores
+/// reduced to `kv_heads` rows, weighted by values of `value_tokens` tokens (what its size query
+/// reports, from shapes alone). Errors: negative sizes, overflow.
+template <class Backend>
+result<std::size_t> postprocess_scores_workspace_bytes(Backend, index_t query_heads, index_t kv_heads, index_t tokens,
+                                                       index_t value_tokens, const postprocess_options& opt) {
+  constexpr const char* fn = "postprocess_scores_workspace_bytes";
+  if (query_heads < 0 || kv_heads < 0 || tokens < 0 || value_tokens < 0)
+    return status::error(errc::invalid_argument, "%s: sizes must be >= 0", fn);
+  workspace q;
+  float* tmp = nullptr;
+  KVEVICT_TRY(detail::carve_postprocess_host(fn, q, kv_heads, tokens, opt, tmp));
+  return q.bytes;
 }
 
 /// postprocess_scores without value weighting (opt.weight_values must be false).

@@ -23,11 +23,12 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
 
 #include <cstdint>
 
@@ -62,32 +63,6 @@ inline status check_budget(const char* fn, index_t budget, index_t length, index
 }
 
 namespace detail {
-
-/// The protected score of position t of a row whose protected positions are [0, sink_end) and
-/// [recent_begin, n): +inf there, FLT_MAX for any other +inf, v unchanged otherwise.
-KVEVICT_HOST_DEVICE inline float protect_value(float v, index_t t, index_t sink_end, index_t recent_begin) {
-  const float inf = bits_float(0x7f800000u);  // +inf
-  const float top = bits_float(0x7f7fffffu);  // FLT_MAX
-  if (t < sink_end || t >= recent_begin) return inf;
-  return v == inf ? top : v;
-}
-
-/// First position after the sinks of a row of n: min(n_sink, n).
-KVEVICT_HOST_DEVICE inline index_t protect_sink_end(index_t n, index_t n_sink) { return n_sink < n ? n_sink : n; }
-/// First position of the recent window of a row of n: max(0, n - n_recent).
-KVEVICT_HOST_DEVICE inline index_t protect_recent_begin(index_t n, index_t n_recent) {
-  return n_recent < n ? n - n_recent : 0;
-}
-
-/// One row of protect(): n scores with stride s.
-KVEVICT_HOST_DEVICE inline void protect_row(float* row, index_t s, index_t n, index_t n_sink, index_t n_recent) {
-  const index_t sink_end = protect_sink_end(n, n_sink);
-  const index_t recent_begin = protect_recent_begin(n, n_recent);
-  for (index_t t = 0; t < n; ++t) {
-    float& v = row[t * s];
-    v = protect_value(v, t, sink_end, recent_begin);
-  }
-}
 
 /// n_sink and n_recent non-negative. Shared by every backend.
 inline status check_protect_params(const char* fn, index_t n_sink, index_t n_recent) {

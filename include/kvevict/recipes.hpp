@@ -10,16 +10,18 @@
 // heads and layers (PyramidKV, AdaKV, LAVa, CAKE, DuoAttention) are the budget allocators' job;
 // recipe_select also takes per-head budgets in ragged form.
 //
-// recipe_scores runs, for the attention recipes:
-//   score    attention of the recipe's queries over the prompt keys (score.hpp), per query head
-//   pool     1-D max/avg over the prompt columns (pool.hpp); with the prompt-window query source
-//            only the prefix columns [0, T - w) are pooled, as KVCache-Factory pools
-//            attn[..., -w:, :-w] (the window columns keep their raw scores)
-//   gqa      mean / max / sum over each group (gqa.hpp), before or after pooling (`order`)
-//   weight   value norms (weight.hpp): VATP per token, LAVa per-head max
-//   protect  the first n_sink and last n_recent tokens set to +inf (protect.hpp)
-// and for the others: Knorm = -||k||_2 (key_norm_scores), StreamingLLM = the token's position
-// (so the most recent tokens rank highest after the sinks).
+// recipe_scores is two calls, on every backend (seq, par, and cuda_t with <kvevict/cuda/recipes.cuh>):
+//   score         attention of the recipe's queries over the prompt keys (score.hpp), per query
+//                 head, into a [H_q][T] scratch
+//   postprocess   postprocess_scores (postprocess.hpp) with the recipe's own postprocess_options:
+//                 pool / gqa in the recipe's `order`, value weighting (weight_values: VATP per token,
+//                 LAVa per-head max), protection of the first n_sink and last n_recent tokens. With
+//                 the prompt-window query source only the prefix columns [0, T - w) are pooled, as
+//                 KVCache-Factory pools attn[..., -w:, :-w]: recipe_scores sets unpooled_tail = w
+//                 (the window columns keep their raw scores, still GQA-reduced, weighted, protected)
+// and for the others (no attention: pooling, GQA and weighting do not apply): Knorm = -||k||_2
+// (key_norm_scores), StreamingLLM = the token's position (position_scores: the most recent tokens
+// rank highest after the sinks), then protect.
 //
 // Query sources of the attention recipes (the `queries` argument):
 //   prompt_window   [H_q][w][d]: the last w prompt tokens' queries (SnapKV family); their keys are
@@ -33,23 +35,19 @@
 //   none            Knorm and StreamingLLM read no queries (pass an empty view).
 // Queries and keys are post-RoPE. Element types float, float16, bfloat16; fp32 arithmetic.
 //
-// Scratch: recipe_scores needs two [H_q][T] fp32 score buffers, H_q row lengths and the scoring stage's own
-// workspace, all from the caller (two-phase protocol; recipe_scores_workspace_size gives the
-// size from shapes alone). Nothing allocates.
+// Scratch: recipe_scores needs one [H_q][T] fp32 score buffer plus the scoring and post-processing
+// stages' own workspaces, all from the caller (two-phase protocol; recipe_scores_workspace_bytes gives
+// the size from shapes alone). Nothing allocates.
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
-#include <kvevict/gqa.hpp>
-#include <kvevict/pool.hpp>
+#include <kvevict/detail/base/checks.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/select.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
-#include <kvevict/weight.hpp>
 #include <kvevict/workspace.hpp>
 
 #include <algorithm>
@@ -75,21 +73,18 @@ enum class query_source {
   external_block,  ///< queries placed after the prompt, with optional own keys
 };
 
-/// Every parameter of a recipe. Named constructors give the published defaults; each documents
-/// where it deviates from the paper or from KVCache-Factory / kvpress, and why.
-struct recipe {
+/// Every parameter of a recipe: the post-processing options it inherits (pool, kernel, divisor, gqa,
+/// order, weight_values, weight, n_sink, n_recent) and the scoring ones. Named constructors give the
+/// published defaults; each documents where it deviates from the paper or from KVCache-Factory /
+/// kvpress, and why. unpooled_tail stays 0: recipe_scores derives it from the query source.
+struct recipe : postprocess_options {
   recipe_kind kind = recipe_kind::snapkv;
   query_source source = query_source::prompt_window;  ///< window recipes only
   index_t window = 32;                                ///< observation window w (prompt_window)
-  pool_kind pool = pool_kind::max;
-  index_t kernel = 7;
-  pool_options pool_opts{};
-  gqa_op gqa = gqa_op::mean;
-  gqa_order order = gqa_order::pool_first;
-  index_t n_sink = 0;     ///< first tokens always kept
-  index_t n_recent = 32;  ///< last tokens always kept (SnapKV family: the window itself)
   score_options score{};  ///< row reduction (mean, sum, mean_visible, mean + gamma var), scale
-  value_weight weight = value_weight::per_token;  ///< used by vatp (per_token) and lava (head_max)
+
+  /// SnapKV's defaults: postprocess_options' with the last 32 tokens (the window) kept.
+  recipe() { n_recent = 32; }
 
   /// SnapKV (Li et al. 2024) as KVCache-Factory runs it: window 32, mean over the window rows,
   /// max pool 7, GQA mean (pool then reduce), the window always kept. kvpress's SnapKVPress uses
@@ -100,10 +95,7 @@ struct recipe {
   /// StreamingLLM (Xiao et al. 2024): 4 attention sinks + the most recent tokens; the budget
   /// decides how many recent tokens (budget - n_sink). No attention is computed.
   static recipe streaming_llm(index_t sinks = 4) {
-    recipe r;
-    r.kind = recipe_kind::streaming_llm;
-    r.pool = pool_kind::none;
-    r.kernel = 1;
+    recipe r = unpooled(recipe_kind::streaming_llm);
     r.n_sink = sinks;
     r.n_recent = 0;
     return r;
@@ -115,10 +107,7 @@ struct recipe {
   /// between heavy hitters and recent tokens; here the recent part is fixed (n_recent), as in
   /// KVCache-Factory, so budgets compare across recipes.
   static recipe h2o() {
-    recipe r;
-    r.kind = recipe_kind::h2o;
-    r.pool = pool_kind::none;
-    r.kernel = 1;
+    recipe r = unpooled(recipe_kind::h2o);
     r.score.reduce = score_reduce::sum;
     return r;
   }
@@ -128,10 +117,7 @@ struct recipe {
   /// scored like any other column). Deviation: kvpress's TOVAPress averages over all heads, giving
   /// every head the same kept set; here each KV head selects its own.
   static recipe tova() {
-    recipe r;
-    r.kind = recipe_kind::tova;
-    r.pool = pool_kind::none;
-    r.kernel = 1;
+    recipe r = unpooled(recipe_kind::tova);
     r.n_recent = 0;
     return r;
   }
@@ -139,10 +125,7 @@ struct recipe {
   /// Knorm (Devoto et al. 2024, kvpress KnormPress): keep the keys of smallest L2 norm; nothing
   /// protected.
   static recipe knorm() {
-    recipe r;
-    r.kind = recipe_kind::knorm;
-    r.pool = pool_kind::none;
-    r.kernel = 1;
+    recipe r = unpooled(recipe_kind::knorm);
     r.n_recent = 0;
     return r;
   }
@@ -153,6 +136,7 @@ struct recipe {
   static recipe vatp() {
     recipe r;
     r.kind = recipe_kind::vatp;
+    r.weight_values = true;
     r.weight = value_weight::per_token;
     return r;
   }
@@ -165,6 +149,7 @@ struct recipe {
     recipe r;
     r.kind = recipe_kind::lava;
     r.gqa = gqa_op::max;
+    r.weight_values = true;
     r.weight = value_weight::head_max;
     return r;
   }
@@ -179,6 +164,16 @@ struct recipe {
     r.score.gamma = 200.0f;
     r.pool = pool_kind::avg;
     r.kernel = 5;
+    return r;
+  }
+
+ private:
+  /// A recipe of kind k whose scores are not pooled (kernel 1).
+  static recipe unpooled(recipe_kind k) {
+    recipe r;
+    r.kind = k;
+    r.pool = pool_kind::none;
+    r.kernel = 1;
     return r;
   }
 };
@@ -239,6 +234,10 @@ inline status check_recipe(const char* fn, const recipe& r) {
   if (r.n_sink < 0 || r.n_recent < 0)
     return status::error(errc::invalid_argument, "%s: n_sink (%lld) and n_recent (%lld) must be >= 0", fn,
                          static_cast<long long>(r.n_sink), static_cast<long long>(r.n_recent));
+  if (r.unpooled_tail != 0)
+    return status::error(errc::invalid_argument,
+                         "%s: unpooled_tail %lld is set by recipe_scores from the query source (leave it 0)", fn,
+                         static_cast<long long>(r.unpooled_tail));
   if (is_window_kind(r.kind) && r.source == query_source::prompt_window && r.window < 1)
     return status::error(errc::invalid_argument, "%s: window %lld must be >= 1", fn, static_cast<long long>(r.window));
   return check_score_options(fn, r.score);
@@ -250,7 +249,7 @@ struct recipe_block {
   index_t prefix = 0;      ///< prefix keys attended (P)
   bool block_keys = false;
   index_t out_cols = 0;    ///< columns the score stage writes ([H_q][out_cols] inside [H_q][T])
-  index_t pooled = 0;      ///< columns pooled (the rest keep their raw scores)
+  index_t unpooled_tail = 0;  ///< last columns not pooled (the prompt window's own)
 };
 
 inline status recipe_block_shape(const char* fn, const recipe& r, index_t query_rows, index_t tokens,
@@ -260,14 +259,14 @@ inline status recipe_block_shape(const char* fn, const recipe& r, index_t query_
       if (query_rows != tokens)
         return status::error(errc::shape_mismatch, "%s: h2o needs every prompt query ([H_q][%lld][d]), got %lld rows",
                              fn, static_cast<long long>(tokens), static_cast<long long>(query_rows));
-      b = {tokens, 0, true, tokens, tokens};
+      b = {tokens, 0, true, tokens, 0};
       return {};
     case recipe_kind::tova:
       if (query_rows != 1 || tokens < 1)
         return status::error(errc::shape_mismatch, "%s: tova needs the last prompt token's query ([H_q][1][d]) and "
                              "at least one key, got %lld rows over %lld tokens", fn,
                              static_cast<long long>(query_rows), static_cast<long long>(tokens));
-      b = {1, tokens - 1, true, tokens, tokens};
+      b = {1, tokens - 1, true, tokens, 0};
       return {};
     default: break;
   }
@@ -278,7 +277,7 @@ inline status recipe_block_shape(const char* fn, const recipe& r, index_t query_
     if (r.window > tokens)
       return status::error(errc::invalid_argument, "%s: window %lld is longer than the %lld prompt tokens", fn,
                            static_cast<long long>(r.window), static_cast<long long>(tokens));
-    b = {r.window, tokens - r.window, true, tokens, tokens - r.window};
+    b = {r.window, tokens - r.window, true, tokens, r.window};
     return {};
   }
   if (query_rows < 1)
@@ -286,8 +285,15 @@ inline status recipe_block_shape(const char* fn, const recipe& r, index_t query_
   if (block_key_rows != 0 && block_key_rows != query_rows)
     return status::error(errc::shape_mismatch, "%s: block_keys holds %lld tokens but the query block %lld", fn,
                          static_cast<long long>(block_key_rows), static_cast<long long>(query_rows));
-  b = {query_rows, tokens, block_key_rows != 0, tokens, tokens};
+  b = {query_rows, tokens, block_key_rows != 0, tokens, 0};
   return {};
+}
+
+/// The post-processing recipe_scores runs for a recipe with a query block of shape b.
+inline postprocess_options recipe_postprocess(const recipe& r, const recipe_block& b) {
+  postprocess_options opt = r;
+  opt.unpooled_tail = b.unpooled_tail;
+  return opt;
 }
 
 }  // namespace detail
@@ -296,22 +302,24 @@ inline status recipe_block_shape(const char* fn, const recipe& r, index_t query_
 /// shapes alone: `query_heads` x `query_rows` queries (see the query sources above), `kv_heads`
 /// x `tokens` prompt keys of dimension `dim`, `block_key_rows` own keys of an external block.
 template <class Backend>
-result<std::size_t> recipe_scores_workspace_size(Backend be, const recipe& r, index_t query_heads,
+result<std::size_t> recipe_scores_workspace_bytes(Backend be, const recipe& r, index_t query_heads,
                                                  index_t query_rows, index_t kv_heads, index_t tokens, index_t dim,
                                                  index_t block_key_rows = 0) {
-  constexpr const char* fn = "recipe_scores_workspace_size";
+  constexpr const char* fn = "recipe_scores_workspace_bytes";
   KVEVICT_TRY(detail::check_recipe(fn, r));
   if (!uses_attention(r.kind)) return std::size_t{0};
   detail::recipe_block b;
   KVEVICT_TRY(detail::recipe_block_shape(fn, r, query_rows, tokens, block_key_rows, b));
   const auto inner =
-      attention_scores_workspace_size(be, query_heads, kv_heads, b.w, b.prefix, dim, b.block_keys, b.out_cols, r.score);
+      attention_scores_workspace_bytes(be, query_heads, kv_heads, b.w, b.prefix, dim, b.block_keys, b.out_cols, r.score);
   if (!inner) return inner.error();
+  const auto post =
+      postprocess_scores_workspace_bytes(be, query_heads, kv_heads, tokens, tokens, detail::recipe_postprocess(r, b));
+  if (!post) return post.error();
   workspace q;
   detail::workspace_carver c(q);
-  (void)c.take<float>(static_cast<std::size_t>(query_heads * tokens));  // raw per-query-head scores
-  (void)c.take<float>(static_cast<std::size_t>(query_heads * tokens));  // pooled / reduced
-  (void)c.take<std::int32_t>(static_cast<std::size_t>(query_heads));    // pooled length per row
+  (void)c.take<float>(static_cast<std::size_t>(query_heads * tokens));  // per-query-head scores
+  (void)c.take<unsigned char>(*post);
   (void)c.take<unsigned char>(*inner);
   KVEVICT_TRY(c.finish(fn));
   return q.bytes;
@@ -341,8 +349,7 @@ status recipe_scores(Backend be, workspace& ws, const recipe& r, kv_view<Q> quer
                          static_cast<long long>(hkv), static_cast<long long>(T));
   if (detail::range_of(scores).intersects(detail::range_of(keys)))
     return status::error(errc::overlap, "%s: scores overlaps keys in memory", fn);
-  const bool weighted = r.kind == recipe_kind::vatp || r.kind == recipe_kind::lava;
-  if (weighted) {
+  if (r.weight_values) {
     KVEVICT_TRY(detail::check_view(fn, "values", values));
     if (values.extent(0) != hkv || values.extent(1) != T)
       return status::error(errc::shape_mismatch, "%s: %s weights by values, which must be [%lld][%lld][d] (got [%lld][%lld])",
@@ -355,15 +362,10 @@ status recipe_scores(Backend be, workspace& ws, const recipe& r, kv_view<Q> quer
       ws.bytes = 0;
       return {};
     }
-    if (r.kind == recipe_kind::knorm) {
+    if (r.kind == recipe_kind::knorm)
       KVEVICT_TRY(key_norm_scores(be, keys, scores));
-    } else {  // streaming_llm: recency is the score (exact in fp32 for T < 2^24)
-      if (T > (index_t(1) << 24))
-        return status::error(errc::invalid_argument, "%s: streaming_llm scores positions exactly up to 2^24 tokens", fn);
-      detail::parallel_for(be, hkv, [&](index_t h) {
-        for (index_t t = 0; t < T; ++t) scores(h, t) = static_cast<float>(t);
-      });
-    }
+    else
+      KVEVICT_TRY(position_scores(be, scores));
     return protect(be, scores, r.n_sink, r.n_recent);
   }
 
@@ -376,53 +378,34 @@ status recipe_scores(Backend be, workspace& ws, const recipe& r, kv_view<Q> quer
   const index_t block_rows = r.source == query_source::external_block ? block_keys.extent(1) : 0;
   KVEVICT_TRY(detail::recipe_block_shape(fn, r, queries.extent(1), T, block_rows, b));
   const auto inner_bytes =
-      attention_scores_workspace_size(be, hq, hkv, b.w, b.prefix, queries.extent(2), b.block_keys, b.out_cols, r.score);
+      attention_scores_workspace_bytes(be, hq, hkv, b.w, b.prefix, queries.extent(2), b.block_keys, b.out_cols, r.score);
   if (!inner_bytes) return inner_bytes.error();
+  const postprocess_options post = detail::recipe_postprocess(r, b);
+  const auto post_bytes = postprocess_scores_workspace_bytes(be, hq, hkv, T, T, post);
+  if (!post_bytes) return post_bytes.error();
 
   detail::workspace_carver carver(ws);
   float* raw = carver.take<float>(static_cast<std::size_t>(hq * T));
-  float* tmp = carver.take<float>(static_cast<std::size_t>(hq * T));
-  std::int32_t* lens = carver.take<std::int32_t>(static_cast<std::size_t>(hq));
+  workspace post_ws{carver.take<unsigned char>(*post_bytes), *post_bytes};
   workspace inner{carver.take<unsigned char>(*inner_bytes), *inner_bytes};
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
 
-  const auto raw_all = *make_matrix_view(raw, hq, T);
-  const auto tmp_all = *make_matrix_view(tmp, hq, T);
+  // 1. attention scores, per query head, into raw [H_q][T]
   const kv_view<const QE> q = queries;
   const kv_view<const KE> k = keys;
-  // 1. attention scores, per query head, into raw[:, :out_cols]
-  {
-    const auto out = *make_matrix_view(raw, hq, b.out_cols, T);
-    if (r.kind == recipe_kind::h2o || r.kind == recipe_kind::tova || r.source == query_source::prompt_window) {
-      const auto split = split_window(k, b.w);
-      if (!split) return split.error();
-      KVEVICT_TRY(attention_scores(be, inner, q, split->prefix, split->window, out, r.score));
-    } else {
-      KVEVICT_TRY(attention_scores(be, inner, q, k, kv_view<const KE>(block_keys), out, r.score));
-    }
-  }
-  // 2. pool (prefix columns only for the prompt window) and reduce the GQA groups, in the
-  //    recipe's order; columns past the pooled length keep their raw scores
-  for (index_t h = 0; h < hq; ++h) lens[h] = static_cast<std::int32_t>(b.pooled);
-  auto pool_rows = [&](matrix_view<const float> in, matrix_view<float> out) -> status {
-    detail::parallel_for(be, in.extent(0), [&](index_t row) {
-      for (index_t t = b.pooled; t < T; ++t) out(row, t) = in(row, t);
-    });
-    return pool1d(be, in, out, r.pool, r.kernel, lens, r.pool_opts);
-  };
-  if (r.order == gqa_order::pool_first) {
-    KVEVICT_TRY(pool_rows(raw_all, tmp_all));
-    KVEVICT_TRY(gqa_reduce(be, tmp_all, scores, r.gqa));
+  const auto out = *make_matrix_view(raw, hq, b.out_cols, T);
+  if (r.kind == recipe_kind::h2o || r.kind == recipe_kind::tova || r.source == query_source::prompt_window) {
+    const auto split = split_window(k, b.w);
+    if (!split) return split.error();
+    KVEVICT_TRY(attention_scores(be, inner, q, split->prefix, split->window, out, r.score));
   } else {
-    const auto reduced = *make_matrix_view(tmp, hkv, T);
-    KVEVICT_TRY(gqa_reduce(be, raw_all, reduced, r.gqa));
-    KVEVICT_TRY(pool_rows(reduced, scores));
+    KVEVICT_TRY(attention_scores(be, inner, q, k, kv_view<const KE>(block_keys), out, r.score));
   }
-  // 3. value-norm weighting (VATP, LAVa)
-  if (weighted) KVEVICT_TRY(weight_by_value_norm(be, scores, kv_view<const VE>(values), r.weight));
-  // 4. protection
-  return protect(be, scores, r.n_sink, r.n_recent);
+  // 2. pool / GQA reduce, weight, protect
+  const matrix_view<const float> per_head = *make_matrix_view<const float>(raw, hq, T);
+  if (r.weight_values) return postprocess_scores(be, post_ws, per_head, scores, kv_view<const VE>(values), post);
+  return postprocess_scores(be, post_ws, per_head, scores, post);
 }
 
 /// Dense selection with one budget per head: kept [H_kv][budget] receives each head's `budget`

@@ -6,6 +6,7 @@
 //   h2o_scores(be, ws, queries, keys, out, normalised)      H2O: the block is the whole prompt
 //   tova_scores(be, ws, last_query, keys, out)              TOVA: the block is the last token
 //   key_norm_scores(be, keys, out)                          Knorm: -||k||_2
+//   position_scores(be, out)                                StreamingLLM: the position t
 //   split_window(keys, w)                                   [:, :T-w] and [:, T-w:] views, no copies
 //
 // A *block* is w post-RoPE query rows [H_q][w][d]: the last w prompt tokens (SnapKV, PyramidKV,
@@ -23,14 +24,16 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
-#include <kvevict/detail/score_host.hpp>
-#include <kvevict/detail/softmax.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/host/score_host.hpp>
+#include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>
+#include <kvevict/score_types.hpp>
+#include <kvevict/detail/base/score_checks.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -38,163 +41,8 @@
 
 namespace kvevict {
 
-/// How a column's attention is reduced over the w query rows of the block.
-enum class score_reduce : int {
-  /// sum_i p_ij / w (rows that do not see column j count as 0). SnapKV as written in the paper and
-  /// in kvpress, LookaheadKV, LAQ, ground truth (LookaheadKV Eq. 1), LAVa/VATP windows. Default.
-  mean = 0,
-  /// sum_i p_ij. KVCache-Factory's SnapKV/PyramidKV/H2O code and H2O's accumulated attention.
-  /// Same ranking as mean within a head (a constant factor).
-  sum = 1,
-  /// sum_i p_ij / #{rows i that see column j}: normalised H2O (kvpress ObservedAttentionPress).
-  /// Equals mean on prefix columns; differs on block columns (block column c is seen by w - c rows).
-  mean_visible = 2,
-  /// mean_i p_ij + gamma * var_i p_ij over all w rows (CAKE's eviction indicator).
-  mean_plus_variance = 3,
-};
-
-/// Variance estimator of mean_plus_variance.
-enum class variance_estimator : int {
-  /// Divide by w - 1: what CAKE's public code computes (torch.var's default). Default. For w = 1
-  /// the variance is defined as 0 here (torch gives NaN).
-  unbiased = 0,
-  /// Divide by w.
-  biased = 1,
-};
-
-struct score_options {
-  score_reduce reduce = score_reduce::mean;
-  /// Logit scale: logits are scale * (q . k). 0 (default) means 1/sqrt(d). Must be finite, >= 0.
-  float scale = 0.0f;
-  /// CAKE's gamma (mean_plus_variance only; 200 as in CAKE and DESIGN.md). Finite, >= 0.
-  float gamma = 200.0f;
-  variance_estimator variance = variance_estimator::unbiased;
-  /// Logits as fused multiply-adds (one rounding per term) instead of separately rounded products
-  /// and sums. Faster on CPUs with FMA (about 15% at 32K context with AVX-512); the bits differ from
-  /// the default in the last places but are again the same on every kernel and CPU; on CPUs without
-  /// FMA (or builds without the x86 dispatch) it uses the much slower software fmaf. Default off.
-  bool fused_multiply_add = false;
-};
-
-/// SnapKV's split of one cache into the prefix [H][0, T-w) and the window [H][T-w, T): two strided
-/// sub-views of the same memory, no copies. Any layout (head-major, token-major, padded).
-template <class T>
-struct window_split {
-  kv_view<T> prefix;
-  kv_view<T> window;
-};
-
 namespace detail {
 KVEVICT_SCORE_ABI_BEGIN
-
-struct score_shape {
-  index_t hq = 0, hkv = 0, group = 1, w = 0, p = 0, d = 0;
-  index_t cols = 0;      ///< visible columns: p + (has_block ? w : 0)
-  index_t out_cols = 0;  ///< p or p + w
-  bool has_block = false;
-  float scale = 1.0f;
-};
-
-inline status check_score_options(const char* fn, const score_options& opt) {
-  const int r = static_cast<int>(opt.reduce);
-  if (r < 0 || r > 3) return status::error(errc::invalid_argument, "%s: unknown score_reduce value %d", fn, r);
-  const int v = static_cast<int>(opt.variance);
-  if (v < 0 || v > 1) return status::error(errc::invalid_argument, "%s: unknown variance_estimator value %d", fn, v);
-  if (!(opt.scale >= 0.0f) || !std::isfinite(opt.scale))
-    return status::error(errc::invalid_argument, "%s: scale must be finite and >= 0 (0 = 1/sqrt(d)), got %g", fn,
-                         static_cast<double>(opt.scale));
-  if (!(opt.gamma >= 0.0f) || !std::isfinite(opt.gamma))
-    return status::error(errc::invalid_argument, "%s: gamma must be finite and >= 0, got %g", fn,
-                         static_cast<double>(opt.gamma));
-  return {};
-}
-
-/// The inputs of attention_scores (views, options, shapes): everything but the output, whose column
-/// count it leaves in sh.out_cols = 0. Shared by every backend (the CUDA launchers call it too).
-template <class QE, class KE>
-status check_attention_inputs(const char* fn, const kv_view<const QE>& q, const kv_view<const KE>& prefix,
-                              const kv_view<const KE>& block, const score_options& opt, score_shape& sh) {
-  KVEVICT_TRY(check_view(fn, "queries", q));
-  KVEVICT_TRY(check_view(fn, "prefix_keys", prefix));
-  // a block_keys view with 0 tokens (e.g. a default-constructed kv_view) means "none" and is never
-  // read, so its other extents and strides do not matter
-  if (block.extent(1) != 0) KVEVICT_TRY(check_view(fn, "block_keys", block));
-  KVEVICT_TRY(check_score_options(fn, opt));
-  sh.hq = q.extent(0);
-  sh.w = q.extent(1);
-  sh.d = q.extent(2);
-  sh.hkv = prefix.extent(0);
-  sh.p = prefix.extent(1);
-  if (sh.w == 0) return status::error(errc::invalid_argument, "%s: the query block is empty (w = 0)", fn);
-  if (sh.hkv == 0) return status::error(errc::invalid_argument, "%s: prefix_keys has no heads", fn);
-  if (sh.hq % sh.hkv != 0)
-    return status::error(errc::shape_mismatch, "%s: %lld query heads are not a multiple of %lld KV heads (GQA)", fn,
-                         static_cast<long long>(sh.hq), static_cast<long long>(sh.hkv));
-  sh.group = sh.hq / sh.hkv;
-  if (sh.d == 0) return status::error(errc::invalid_argument, "%s: head dim is 0", fn);
-  if (prefix.extent(2) != sh.d)
-    return status::error(errc::shape_mismatch, "%s: head dims differ (queries %lld, prefix_keys %lld)", fn,
-                         static_cast<long long>(sh.d), static_cast<long long>(prefix.extent(2)));
-  sh.has_block = block.extent(1) != 0;
-  if (sh.has_block) {
-    if (block.extent(0) != sh.hkv)
-      return status::error(errc::shape_mismatch, "%s: block_keys has %lld heads, prefix_keys %lld", fn,
-                           static_cast<long long>(block.extent(0)), static_cast<long long>(sh.hkv));
-    if (block.extent(2) != sh.d)
-      return status::error(errc::shape_mismatch, "%s: head dims differ (queries %lld, block_keys %lld)", fn,
-                           static_cast<long long>(sh.d), static_cast<long long>(block.extent(2)));
-    if (block.extent(1) != sh.w)
-      return status::error(errc::shape_mismatch,
-                           "%s: block_keys holds %lld tokens but the query block has w = %lld rows", fn,
-                           static_cast<long long>(block.extent(1)), static_cast<long long>(sh.w));
-  }
-  if (!checked_add(sh.p, sh.has_block ? sh.w : 0, sh.cols))
-    return status::error(errc::size_overflow, "%s: P + w overflows", fn);
-  sh.out_cols = 0;
-  sh.scale = opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.d))) : opt.scale;
-  return {};
-}
-
-/// An output of attention_scores named `name` with `rows` rows (H_q per query head, H_kv after a GQA
-/// reduction) for the inputs described by sh: P or (with block keys) P + w columns, no overlap with
-/// the inputs. Sets sh.out_cols. Shared by every backend.
-template <class QE, class KE>
-status check_score_output(const char* fn, const char* name, const matrix_view<float>& out, index_t rows,
-                          const char* rows_what, const kv_view<const QE>& q, const kv_view<const KE>& prefix,
-                          const kv_view<const KE>& block, score_shape& sh) {
-  KVEVICT_TRY(check_view(fn, name, out));
-  if (out.extent(0) != rows)
-    return status::error(errc::shape_mismatch, "%s: %s has %lld rows but there are %lld %s", fn, name,
-                         static_cast<long long>(out.extent(0)), static_cast<long long>(rows), rows_what);
-  sh.out_cols = out.extent(1);
-  if (sh.out_cols != sh.p && !(sh.has_block && sh.out_cols == sh.cols)) {
-    if (sh.has_block)
-      return status::error(errc::shape_mismatch,
-                           "%s: %s has %lld columns; expected P = %lld (prefix columns) or P + w = %lld (all "
-                           "visible columns)",
-                           fn, name, static_cast<long long>(sh.out_cols), static_cast<long long>(sh.p),
-                           static_cast<long long>(sh.cols));
-    return status::error(errc::shape_mismatch,
-                         "%s: %s has %lld columns; expected P = %lld (no block keys were given, so there are no "
-                         "block columns)",
-                         fn, name, static_cast<long long>(sh.out_cols), static_cast<long long>(sh.p));
-  }
-  const auto o = range_of(out);
-  if (o.intersects(range_of(q))) return status::error(errc::overlap, "%s: %s overlaps queries in memory", fn, name);
-  if (o.intersects(range_of(prefix)))
-    return status::error(errc::overlap, "%s: %s overlaps prefix_keys in memory", fn, name);
-  if (sh.has_block && o.intersects(range_of(block)))
-    return status::error(errc::overlap, "%s: %s overlaps block_keys in memory", fn, name);
-  return {};
-}
-
-template <class QE, class KE>
-status check_attention_scores(const char* fn, const kv_view<const QE>& q, const kv_view<const KE>& prefix,
-                              const kv_view<const KE>& block, const matrix_view<float>& out,
-                              const score_options& opt, score_shape& sh) {
-  KVEVICT_TRY(check_attention_inputs(fn, q, prefix, block, opt, sh));
-  return check_score_output(fn, "out", out, sh.hq, "query heads", q, prefix, block, sh);
-}
 
 /// Sizes of the per-thread scratch of one attention_scores call (floats, each piece a multiple of
 /// 16 floats so every piece starts 64-byte aligned relative to the slot).
@@ -215,7 +63,7 @@ inline status make_score_plan(const char* fn, const score_shape& sh, int threads
   pl.welford = opt.reduce == score_reduce::mean_plus_variance;
   if (sh.hq == 0 || sh.out_cols == 0) return {};  // nothing to compute
   // split each GQA group over several tasks only when there are fewer KV heads than threads;
-  // results do not depend on the split (see detail/score_host.hpp)
+  // results do not depend on the split (see detail/host/score_host.hpp)
   index_t want = (pl.threads + sh.hkv - 1) / sh.hkv;
   if (want > sh.group) want = sh.group;
   if (want < 1) want = 1;
@@ -249,25 +97,6 @@ inline status make_score_plan(const char* fn, const score_shape& sh, int threads
   ok = ok && checked_mul(t, pl.threads, t) && checked_mul(t, static_cast<index_t>(sizeof(float)), t);
   if (!ok) return status::error(errc::size_overflow, "%s: the scratch size overflows a 64-bit index", fn);
   return {};
-}
-
-/// out[h][j] from the column's accumulators over the w rows: acc = sum of p (or the Welford mean for
-/// mean_plus_variance, with m2 its sum of squared deviations); seen = rows that see the column. Shared
-/// by every backend.
-KVEVICT_HOST_DEVICE inline float score_finalize(score_reduce reduce, float acc, float m2, index_t w, index_t seen,
-                                                float gamma, variance_estimator var) {
-  switch (reduce) {
-    case score_reduce::sum: return acc;
-    case score_reduce::mean: return acc / static_cast<float>(w);
-    case score_reduce::mean_visible: return acc / static_cast<float>(seen);
-    case score_reduce::mean_plus_variance: {
-      float v = 0.0f;
-      if (var == variance_estimator::biased) v = m2 / static_cast<float>(w);
-      else if (w > 1) v = m2 / static_cast<float>(w - 1);
-      return add_rn(acc, mul_rn(gamma, v));
-    }
-  }
-  return acc;
 }
 
 template <class Backend, class QE, class KE>
@@ -406,36 +235,13 @@ status attention_scores(Backend be, workspace& ws, kv_view<Q> queries, kv_view<K
 /// block keys): what its size query reports, without views (for composite stages and engines
 /// that size one arena per shape). Errors: the shape errors of attention_scores.
 template <class Backend>
-result<std::size_t> attention_scores_workspace_size(Backend be, index_t query_heads, index_t kv_heads, index_t w,
+result<std::size_t> attention_scores_workspace_bytes(Backend be, index_t query_heads, index_t kv_heads, index_t w,
                                                     index_t prefix_len, index_t dim, bool block_keys,
                                                     index_t out_cols, const score_options& opt = {}) {
-  constexpr const char* fn = "attention_scores_workspace_size";
-  KVEVICT_TRY(detail::check_score_options(fn, opt));
-  if (query_heads < 0 || kv_heads <= 0 || w <= 0 || prefix_len < 0 || dim <= 0 || out_cols < 0)
-    return status::error(errc::invalid_argument,
-                         "%s: shapes must be positive (query_heads %lld, kv_heads %lld, w %lld, prefix_len %lld, dim "
-                         "%lld, out_cols %lld)",
-                         fn, static_cast<long long>(query_heads), static_cast<long long>(kv_heads),
-                         static_cast<long long>(w), static_cast<long long>(prefix_len), static_cast<long long>(dim),
-                         static_cast<long long>(out_cols));
-  if (query_heads % kv_heads != 0)
-    return status::error(errc::shape_mismatch, "%s: %lld query heads are not a multiple of %lld KV heads (GQA)", fn,
-                         static_cast<long long>(query_heads), static_cast<long long>(kv_heads));
+  constexpr const char* fn = "attention_scores_workspace_bytes";
   detail::score_shape sh;
-  sh.hq = query_heads;
-  sh.hkv = kv_heads;
-  sh.group = query_heads / kv_heads;
-  sh.w = w;
-  sh.p = prefix_len;
-  sh.d = dim;
-  sh.has_block = block_keys;
-  if (!detail::checked_add(prefix_len, block_keys ? w : 0, sh.cols))
-    return status::error(errc::size_overflow, "%s: P + w overflows", fn);
-  if (out_cols != sh.p && !(block_keys && out_cols == sh.cols))
-    return status::error(errc::shape_mismatch, "%s: out_cols %lld is neither P = %lld nor P + w = %lld", fn,
-                         static_cast<long long>(out_cols), static_cast<long long>(sh.p),
-                         static_cast<long long>(sh.cols));
-  sh.out_cols = out_cols;
+  KVEVICT_TRY(detail::score_shape_from_sizes(fn, query_heads, kv_heads, w, prefix_len, dim, block_keys, out_cols, opt,
+                                             sh));
   detail::score_plan pl;
   KVEVICT_TRY(detail::make_score_plan(fn, sh, detail::thread_count(be), opt, pl));
   return static_cast<std::size_t>(pl.slot_floats * pl.threads) * sizeof(float);
@@ -587,6 +393,16 @@ status check_key_norm_scores(const char* fn, const kv_view<const KE>& keys, cons
     return status::error(errc::overlap, "%s: out overlaps keys in memory", fn);
   return {};
 }
+
+/// The checks of position_scores, shared by every backend: a valid view of at most 2^24 columns
+/// (every position exact in fp32).
+inline status check_position_scores(const char* fn, const matrix_view<float>& out) {
+  KVEVICT_TRY(check_view(fn, "out", out));
+  if (out.extent(1) > (index_t(1) << 24))
+    return status::error(errc::invalid_argument, "%s: positions are exact in fp32 only up to 2^24 tokens (got %lld)",
+                         fn, static_cast<long long>(out.extent(1)));
+  return {};
+}
 }  // namespace detail
 
 /// Knorm: out[h][t] = -||keys[h][t]||_2 (low-norm keys draw attention, so they score high; as
@@ -604,6 +420,19 @@ status key_norm_scores(Backend be, kv_view<K> keys_in, matrix_view<float> out) {
     const index_t h = i / tokens, t = i % tokens;
     out.data_handle()[h * out.stride(0) + t * out.stride(1)] =
         detail::key_norm_score(detail::kv_row(keys, h, t), d, keys.stride(2));
+  });
+  return {};
+}
+
+/// StreamingLLM's recency score: out[h][t] = t, so that after the sinks the most recent tokens rank
+/// highest. out [R][T], T <= 2^24 (exact in fp32). No workspace. Errors: invalid view; T > 2^24
+/// (invalid_argument).
+template <class Backend>
+status position_scores(Backend be, matrix_view<float> out) {
+  KVEVICT_TRY(detail::check_position_scores("position_scores", out));
+  const index_t tokens = out.extent(1);
+  detail::parallel_for(be, out.extent(0), [&](index_t h) {
+    for (index_t t = 0; t < tokens; ++t) out.data_handle()[h * out.stride(0) + t * out.stride(1)] = static_cast<float>(t);
   });
   return {};
 }

@@ -24,8 +24,8 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/select_host.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/host/select_host.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>
@@ -186,11 +186,11 @@ inline status check_select_flat_ws(const char* fn, const workspace& ws, std::siz
 /// `columns` columns: what its size query reports, without views (for composite stages and
 /// engines that size one arena per shape). Never fails for columns >= 0.
 template <class Backend>
-std::size_t select_topk_workspace_size(Backend be, index_t columns) {
+std::size_t select_topk_workspace_bytes(Backend be, index_t columns) {
   workspace q;
   detail::workspace_carver carver(q);
   (void)detail::carve_select_ws(carver, columns < 0 ? 0 : columns, detail::thread_count(be));
-  (void)carver.finish("select_topk_workspace_size");
+  (void)carver.finish("select_topk_workspace_bytes");
   return q.bytes;
 }
 

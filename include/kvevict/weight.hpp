@@ -15,38 +15,21 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
-#include <kvevict/detail/softmax.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
+#include <kvevict/weight_types.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
 
 #include <cstdint>
 #include <type_traits>
 
 namespace kvevict {
 
-enum class value_weight : int {
-  per_token = 0,  ///< VATP: score_j * ||v_j||_1
-  head_max = 1,   ///< LAVa: score_j * max_k ||v_k||_1 over the head's value tokens
-};
-
 namespace detail {
-/// ||v||_1 of one value row: sequential fp32 sum of |v_t| over t = 0..d-1 (identical on every
-/// backend). NaN in v gives NaN.
-/// s + |v_0| + |v_1| + ... + |v_{n-1}|, added left to right: value_l1_norm continued over a further
-/// piece of the row (the CUDA kernels stage rows through shared memory in pieces).
-template <class V>
-KVEVICT_HOST_DEVICE inline float value_l1_accumulate(float s, const V* v, index_t n, index_t stride) {
-  for (index_t t = 0; t < n; ++t) s += bits_float(float_bits(to_float(v[t * stride])) & 0x7fffffffu);
-  return s;
-}
-template <class V>
-KVEVICT_HOST_DEVICE inline float value_l1_norm(const V* v, index_t d, index_t stride) {
-  return value_l1_accumulate(0.0f, v, d, stride);
-}
-
 /// mode inside the value_weight enum.
 inline status check_weight_mode(const char* fn, value_weight mode) {
   const int m = static_cast<int>(mode);

@@ -1,6 +1,8 @@
 // Compiles every public kvevict header, host and CUDA, under nvcc (for sm_80 and sm_90, warnings
 // as errors), and instantiates each CUDA launcher for every element type.
 #include <kvevict/kvevict.hpp>
+#include <kvevict/train/lookahead.hpp>
+#include <kvevict/train/prulong.hpp>
 #include <kvevict/cuda/compact.cuh>
 
 namespace kvevict {

@@ -138,6 +138,7 @@ void weighting_and_fused(std::mt19937_64& g, int trial) {
   o.weight = mode;
   o.n_sink = static_cast<index_t>(g() % 5);
   o.n_recent = static_cast<index_t>(g() % 40);
+  o.unpooled_tail = trial % 5 == 2 ? (trial * 11) % (T + 3) : 0;  // the SnapKV window's columns
   const bool use_rl = trial % 4 == 1;
   std::vector<float> fh(static_cast<std::size_t>(hkv * T), -6.f);
   workspace hws;

@@ -1,11 +1,11 @@
-// The radix-select primitives of <kvevict/detail/radix.hpp> on the device: keys and digits per
+// The radix-select primitives of <kvevict/detail/base/radix.hpp> on the device: keys and digits per
 // element, and a one-thread-per-row selection built only from those primitives (histograms,
 // bucket choice, narrowing, the keep rule), compared with the host select_topk. This pins that
 // the primitives compile for sm_80/sm_90 and mean the same thing on both sides. Skips without a
 // usable device.
 #include "gpu_check.cuh"
 
-#include <kvevict/detail/radix.hpp>
+#include <kvevict/detail/base/radix.hpp>
 #include <kvevict/select.hpp>
 
 #include <cstring>

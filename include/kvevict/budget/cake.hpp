@@ -14,7 +14,7 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/budget/common.hpp>
 #include <kvevict/budget/lava.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/score.hpp>
 
 #include <cmath>

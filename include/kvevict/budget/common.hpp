@@ -12,7 +12,7 @@
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/base/checks.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>

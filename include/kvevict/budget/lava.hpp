@@ -11,7 +11,7 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/budget/common.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 
 #include <cmath>
 

@@ -1,11 +1,11 @@
-// The CUDA side of the block-generic algorithms (detail/select_block.hpp, detail/compact_block.hpp):
+// The CUDA side of the block-generic algorithms (detail/block/select_block.hpp, detail/block/compact_block.hpp):
 // a thread block as a Block (each / sync / exclusive_sum / atomic_add), the device error counter
 // and small launch helpers. Not API; included by kvevict/cuda/select.cuh and compact.cuh.
 #pragma once
 
 #include <kvevict/config.hpp>
 #include <kvevict/cuda/error.cuh>
-#include <kvevict/detail/select_block.hpp>
+#include <kvevict/detail/block/select_block.hpp>
 
 #include <cub/block/block_scan.cuh>
 #include <cuda/atomic>

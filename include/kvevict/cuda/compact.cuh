@@ -29,7 +29,7 @@
 
 #include <kvevict/compact.hpp>
 #include <kvevict/cuda/block.cuh>
-#include <kvevict/detail/compact_block.hpp>
+#include <kvevict/detail/block/compact_block.hpp>
 #include <kvevict/workspace.hpp>
 
 #include <cstdint>

@@ -5,7 +5,7 @@
 
 #include <kvevict/config.hpp>
 #include <kvevict/cuda/error.cuh>
-#include <kvevict/detail/score_device.hpp>
+#include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/weight.hpp>
 
@@ -66,7 +66,7 @@ __device__ float staged_row_reduce(const T* base, index_t rs, index_t es, int nr
   return s;
 }
 
-/// The GPU context of the host-device tile routines (detail/postprocess_device.hpp): the CTA's
+/// The GPU context of the host-device tile routines (detail/block/postprocess_device.hpp): the CTA's
 /// threads share each loop, sync() is a barrier, value norms are staged through `stage`
 /// (stage_rows x stage_ld floats of shared memory). Needs blockDim.x == stage_rows.
 struct cta_ctx {

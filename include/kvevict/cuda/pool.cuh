@@ -16,9 +16,9 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/cuda/error.cuh>
 #include <kvevict/cuda/launch.cuh>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/pool_block.hpp>
-#include <kvevict/detail/postprocess_device.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/block/pool_block.hpp>
+#include <kvevict/detail/block/postprocess_device.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(stage_rows) pp_tile_kernel(const pp_params a, 
   __shared__ float acc[pp_tile];
   __shared__ float stage[stage_rows * stage_ld];
   const cta_ctx ctx{stage};
-  const index_t tiles = (a.T + pp_tile - 1) / pp_tile, items = a.hkv * tiles;
+  const index_t tiles = pp_tiles_per_row(a.T), items = a.hkv * tiles;
   for (index_t item = blockIdx.x; item < items; item += gridDim.x) {
     const index_t h = item / tiles, t0 = (item % tiles) * pp_tile;
     index_t L = 0, vlen = 0;
@@ -57,33 +57,30 @@ __global__ void __launch_bounds__(stage_rows) pp_tile_kernel(const pp_params a, 
   }
 }
 
-/// One thread per (KV head or row, pooling block): pp_run_block, for kernels above 2 * pp_max_radius + 1.
+/// One thread per (KV head or row, work item of pp_run_block), for kernels above 2 * pp_max_radius + 1.
 /// stash: [hkv][T] floats (pool_first with a group of several heads), else unused.
 template <class VE>
 __global__ void __launch_bounds__(stage_rows) pp_block_kernel(const pp_params a, const pp_values<VE> vals, float* stash,
-                                                             index_t blocks_per_row, int* bad) {
-  const index_t items = a.hkv * blocks_per_row;
+                                                             index_t items_per_row, int* bad) {
+  const index_t items = a.hkv * items_per_row;
   const index_t stride = static_cast<index_t>(gridDim.x) * blockDim.x;
   for (index_t it = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; it < items; it += stride) {
-    const index_t h = it / blocks_per_row, b = it % blocks_per_row;
+    const index_t h = it / items_per_row, b = it % items_per_row;
     index_t L = 0, vlen = 0;
-    if (!pp_row_lengths(a, vals.tv, h, L, vlen, bad, b == 0) || b >= pp_blocks(a.kernel, L)) continue;
+    if (!pp_row_lengths(a, vals.tv, h, L, vlen, bad, b == 0)) continue;
     pp_run_block(a, vals, h, L, vlen, b, stash != nullptr ? stash + h * a.T : nullptr);
   }
 }
 
-/// Upper bound of the pooling blocks of any row of length <= T.
-inline index_t pp_blocks_bound(index_t kernel, index_t T) { return pp_blocks(kernel, T) > 0 ? pp_blocks(kernel, T) : 1; }
-
-/// Launches the fused work: tiled when the kernel fits (or there is no pooling), else by blocks.
+/// Launches the fused work in the decomposition pp_choose_variant picks.
 template <class VE>
 status pp_launch(const char* fn, cuda_t be, const pp_params& a, const pp_values<VE>& vals, float* stash, int* bad) {
   if (a.hkv == 0 || a.T == 0) return {};
-  if (a.pool == pool_kind::none || a.kernel / 2 <= pp_max_radius) {
-    const index_t tiles = (a.T + pp_tile - 1) / pp_tile;
+  if (pp_choose_variant(a.pool, a.kernel) == pp_variant::tiles) {
+    const index_t tiles = pp_tiles_per_row(a.T);
     pp_tile_kernel<VE><<<grid_for(a.hkv * tiles), stage_rows, 0, stream_of(be)>>>(a, vals, bad);
   } else {
-    const index_t bpr = pp_blocks_bound(a.kernel, a.T);
+    const index_t bpr = pp_items_per_row(a);
     pp_block_kernel<VE><<<grid_for((a.hkv * bpr + stage_rows - 1) / stage_rows), stage_rows, 0, stream_of(be)>>>(
         a, vals, stash, bpr, bad);
   }
@@ -105,24 +102,16 @@ inline status pool1d(cuda_t be, matrix_view<const float> in, matrix_view<float> 
   KVEVICT_TRY(detail::check_device_alignment(fn, "in", in.data_handle()));
   KVEVICT_TRY(detail::check_device_alignment(fn, "out", out.data_handle()));
   KVEVICT_TRY(detail::check_device_alignment(fn, "row_lengths", row_lengths));
-  detail::pp_params a{};
-  a.in = in.data_handle();
-  a.is0 = in.stride(0);
-  a.is1 = in.stride(1);
-  a.out = out.data_handle();
-  a.os0 = out.stride(0);
-  a.os1 = out.stride(1);
-  a.hkv = in.extent(0);
-  a.g = 1;
-  a.T = in.extent(1);
-  a.op = gqa_op::sum;  // one member: the input itself, no arithmetic (NaN bits kept)
-  a.order = gqa_order::gqa_first;
-  a.pool = kind;
-  a.kernel = kernel;
-  a.div = options.divisor;
-  a.weight = false;
+  // the fused work with groups of one row, no weighting and no protection: gqa `sum` over one member
+  // is the input itself, no arithmetic (NaN bits kept)
+  postprocess_options o;
+  o.gqa = gqa_op::sum;
+  o.order = gqa_order::gqa_first;
+  o.pool = kind;
+  o.kernel = kernel;
+  o.divisor = options.divisor;
+  detail::pp_params a = detail::make_pp_params(in, out, o, row_lengths, nullptr, nullptr);
   a.protect = false;
-  a.row_lengths = row_lengths;
   return detail::pp_launch<float>(fn, be, a, detail::pp_values<float>{}, nullptr, bad_rows);
 }
 

@@ -22,7 +22,7 @@
 #include <kvevict/cuda/pool.cuh>
 #include <kvevict/cuda/protect.cuh>
 #include <kvevict/cuda/weight.cuh>
-#include <kvevict/detail/postprocess_device.hpp>
+#include <kvevict/detail/block/postprocess_device.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/workspace.hpp>
@@ -32,6 +32,28 @@
 
 namespace kvevict {
 namespace detail {
+
+/// The GPU's workspace layout (both phases): with head_max weighting the per-tile partial maxima
+/// and the per-head factors, with the block path and pool_first over groups a stash row per KV head.
+/// Pointers of parts not needed are null.
+inline status carve_postprocess_cuda(const char* fn, workspace& ws, index_t hq, index_t hkv, index_t T, index_t tv,
+                                     const postprocess_options& opt, float*& partial, float*& factors, float*& stash) {
+  const bool head_max = opt.weight_values && opt.weight == value_weight::head_max;
+  const bool block_path = pp_choose_variant(opt.pool, opt.kernel) == pp_variant::blocks;
+  const index_t g = hkv > 0 ? hq / hkv : 1;
+  index_t partial_floats = 0, stash_floats = 0;
+  bool ok = true;
+  if (head_max) ok = ok && checked_mul(hkv, value_norm_tiles(tv), partial_floats);
+  if (block_path && opt.order == gqa_order::pool_first && g > 1) ok = ok && checked_mul(hkv, T, stash_floats);
+  if (!ok) return status::error(errc::size_overflow, "%s: the workspace size overflows", fn);
+  workspace_carver carver(ws);
+  partial = carver.take<float>(static_cast<std::size_t>(partial_floats));
+  factors = carver.take<float>(static_cast<std::size_t>(head_max ? hkv : 0));
+  stash = carver.take<float>(static_cast<std::size_t>(stash_floats));
+  if (!head_max) partial = factors = nullptr;
+  if (stash_floats == 0) stash = nullptr;
+  return carver.finish(fn);
+}
 
 template <class VE>
 status postprocess_scores_cuda(const char* fn, cuda_t be, workspace& ws, const matrix_view<const float>& in,
@@ -47,49 +69,14 @@ status postprocess_scores_cuda(const char* fn, cuda_t be, workspace& ws, const m
     KVEVICT_TRY(check_device_alignment(fn, "value_lengths", value_lengths));
   }
   const index_t hkv = out.extent(0), T = in.extent(1);
-  const bool head_max = opt.weight_values && opt.weight == value_weight::head_max;
-  const bool block_path = opt.pool != pool_kind::none && opt.kernel / 2 > pp_max_radius;
-  const index_t g = hkv > 0 ? in.extent(0) / hkv : 1;
-  index_t partial_floats = 0, stash_floats = 0;
-  bool ok = true;
-  if (head_max) ok = ok && checked_mul(hkv, value_norm_tiles(values.extent(1)), partial_floats);
-  if (block_path && opt.order == gqa_order::pool_first && g > 1) ok = ok && checked_mul(hkv, T, stash_floats);
-  if (!ok) return status::error(errc::size_overflow, "%s: the workspace size overflows", fn);
-  workspace_carver carver(ws);
-  float* const partial = carver.take<float>(static_cast<std::size_t>(partial_floats));
-  float* const factors = carver.take<float>(static_cast<std::size_t>(head_max ? hkv : 0));
-  float* const stash = carver.take<float>(static_cast<std::size_t>(stash_floats));
-  KVEVICT_TRY(carver.finish(fn));
+  float *partial = nullptr, *factors = nullptr, *stash = nullptr;
+  KVEVICT_TRY(carve_postprocess_cuda(fn, ws, in.extent(0), hkv, T, opt.weight_values ? values.extent(1) : 0, opt,
+                                     partial, factors, stash));
   if (ws.is_query() || hkv == 0 || T == 0) return {};
-  pp_params a{};
-  a.in = in.data_handle();
-  a.is0 = in.stride(0);
-  a.is1 = in.stride(1);
-  a.out = out.data_handle();
-  a.os0 = out.stride(0);
-  a.os1 = out.stride(1);
-  a.hkv = hkv;
-  a.g = g;
-  a.T = T;
-  a.op = opt.gqa;
-  a.order = opt.order;
-  a.pool = opt.pool;
-  a.kernel = opt.kernel;
-  a.div = opt.divisor;
-  a.weight = opt.weight_values;
-  a.mode = opt.weight;
-  a.protect = true;
-  a.n_sink = opt.n_sink;
-  a.n_recent = opt.n_recent;
-  a.row_lengths = row_lengths;
-  a.value_lengths = opt.weight_values ? value_lengths : nullptr;
-  a.factors = factors;
-  pp_values<VE> vals{};
-  if (opt.weight_values)
-    vals = {values.data_handle(), values.stride(0), values.stride(1), values.stride(2), values.extent(1),
-            values.extent(2)};
-  if (head_max) KVEVICT_TRY(value_norm_max_launch(fn, be, vals, a.value_lengths, hkv, partial, factors));
-  return pp_launch(fn, be, a, vals, stash_floats > 0 ? stash : nullptr, bad_rows);
+  const pp_params a = make_pp_params(in, out, opt, row_lengths, value_lengths, factors);
+  const pp_values<VE> vals = make_pp_values(values, opt.weight_values);
+  if (factors != nullptr) KVEVICT_TRY(value_norm_max_launch(fn, be, vals, a.value_lengths, hkv, partial, factors));
+  return pp_launch(fn, be, a, vals, stash, bad_rows);
 }
 
 }  // namespace detail
@@ -106,6 +93,20 @@ status postprocess_scores(cuda_t be, workspace& ws, matrix_view<const float> in,
   using VE = std::remove_const_t<V>;
   return detail::postprocess_scores_cuda<VE>("postprocess_scores(cuda)", be, ws, in, out, kv_view<const VE>(values),
                                              true, opt, row_lengths, value_lengths, bad_rows);
+}
+
+/// postprocess_scores_workspace_bytes for the GPU overload (see its workspace above).
+inline result<std::size_t> postprocess_scores_workspace_bytes(cuda_t, index_t query_heads, index_t kv_heads,
+                                                              index_t tokens, index_t value_tokens,
+                                                              const postprocess_options& opt) {
+  constexpr const char* fn = "postprocess_scores_workspace_bytes(cuda)";
+  if (query_heads < 0 || kv_heads < 0 || tokens < 0 || value_tokens < 0)
+    return status::error(errc::invalid_argument, "%s: sizes must be >= 0", fn);
+  workspace q;
+  float *partial = nullptr, *factors = nullptr, *stash = nullptr;
+  KVEVICT_TRY(detail::carve_postprocess_cuda(fn, q, query_heads, kv_heads, tokens, opt.weight_values ? value_tokens : 0,
+                                             opt, partial, factors, stash));
+  return q.bytes;
 }
 
 /// postprocess_scores on the GPU without value weighting (opt.weight_values must be false).

@@ -8,12 +8,12 @@
 // synchronises the host or allocates: the two-phase workspace holds each row's softmax statistics.
 //
 // The attention matrix is never materialised: pass 1 computes each query row's softmax statistics
-// (max, sum) tile by tile with the online merge of detail/softmax.hpp; pass 2 recomputes the logits
+// (max, sum) tile by tile with the online merge of detail/base/softmax.hpp; pass 2 recomputes the logits
 // tile by tile and adds the probabilities into the per-column reduction. One CTA per (KV head, key
 // tile) holds the tile's keys in shared memory for every query row of the GQA group.
 //
 // Results are deterministic (fixed decomposition and summation order, no atomics) and bit-identical
-// to the host emulation of the same decomposition (tests/score_device_emulation.hpp); they differ
+// to the host emulation of the same decomposition (include/kvevict/detail/block/score_emulation.hpp); they differ
 // from the host backends only by summation order, within the bound of docs/cuda.md. The
 // GQA-reduced output equals gqa_reduce of the per-head output bit for bit.
 #pragma once
@@ -21,9 +21,9 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/cuda/error.cuh>
 #include <kvevict/cuda/launch.cuh>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/score_device.hpp>
-#include <kvevict/detail/softmax.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/block/score_device.hpp>
+#include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/score.hpp>
@@ -295,6 +295,15 @@ status cs_launch(const char* fn, cuda_t be, const cuda_score_args<QE, KE>& a) {
   return cuda_status(cudaGetLastError(), fn);
 }
 
+/// The CUDA attention_scores' workspace (both phases): per-split and per-row softmax statistics.
+inline status carve_cuda_score(const char* fn, workspace& ws, const cuda_score_plan& pl, softmax_stats*& part,
+                               softmax_stats*& rowst) {
+  workspace_carver carver(ws);
+  part = carver.take<softmax_stats>(static_cast<std::size_t>(pl.part_entries));
+  rowst = carver.take<softmax_stats>(static_cast<std::size_t>(pl.rows_total));
+  return carver.finish(fn);
+}
+
 /// The CUDA attention_scores: per-head output out_h (unless it has 0 rows and out_kv is given) and/or
 /// the GQA-reduced out_kv (if kv_requested).
 template <class QE, class KE>
@@ -331,10 +340,8 @@ status attention_scores_cuda(const char* fn, cuda_t be, workspace& ws, const kv_
   if (!ws.is_query() && reinterpret_cast<std::uintptr_t>(ws.data) % alignof(softmax_stats) != 0)
     return status::error(errc::invalid_argument, "%s: workspace data is not aligned to %zu bytes", fn,
                          alignof(softmax_stats));
-  workspace_carver carver(ws);
-  softmax_stats* const part = carver.take<softmax_stats>(static_cast<std::size_t>(pl.part_entries));
-  softmax_stats* const rowst = carver.take<softmax_stats>(static_cast<std::size_t>(pl.rows_total));
-  KVEVICT_TRY(carver.finish(fn));
+  softmax_stats *part = nullptr, *rowst = nullptr;
+  KVEVICT_TRY(carve_cuda_score(fn, ws, pl, part, rowst));
   if (ws.is_query() || pl.rows_total == 0) return {};
 
   cuda_score_args<QE, KE> a{};
@@ -383,6 +390,13 @@ status attention_scores_cuda(const char* fn, cuda_t be, workspace& ws, const kv_
 
 /// Knorm on the GPU: CTA item (KV head, tile of stage_rows tokens), the key rows staged through shared
 /// memory, thread t summing row t's squares in order k = 0..d-1 (key_sq_accumulate), then -sqrt.
+/// position_scores: out[h][t] = t, one thread per element, grid-stride.
+__global__ void __launch_bounds__(256) position_kernel(float* out, index_t os0, index_t os1, index_t R, index_t T) {
+  const index_t items = R * T, stride = static_cast<index_t>(gridDim.x) * blockDim.x;
+  for (index_t it = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; it < items; it += stride)
+    out[(it / T) * os0 + (it % T) * os1] = static_cast<float>(it % T);
+}
+
 template <class KE>
 __global__ void __launch_bounds__(stage_rows) key_norm_kernel(kv_view<const KE> keys, float* out, index_t os0,
                                                               index_t os1) {
@@ -509,6 +523,34 @@ status key_norm_scores(cuda_t be, kv_view<K> keys_in, matrix_view<float> out) {
   detail::key_norm_kernel<KE><<<detail::grid_for(keys.extent(0) * tiles), detail::stage_rows, 0, detail::stream_of(be)>>>(
       keys, out.data_handle(), out.stride(0), out.stride(1));
   return detail::cuda_status(cudaGetLastError(), fn);
+}
+
+/// position_scores on the GPU (out in device memory): out[h][t] = t, exact. No workspace.
+inline status position_scores(cuda_t be, matrix_view<float> out) {
+  constexpr const char* fn = "position_scores(cuda)";
+  KVEVICT_TRY(detail::check_position_scores(fn, out));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "out", out.data_handle()));
+  const index_t R = out.extent(0), T = out.extent(1);
+  if (R == 0 || T == 0) return {};
+  detail::position_kernel<<<detail::grid_for((R * T + 255) / 256), 256, 0, detail::stream_of(be)>>>(
+      out.data_handle(), out.stride(0), out.stride(1), R, T);
+  return detail::cuda_status(cudaGetLastError(), fn);
+}
+
+/// attention_scores_workspace_bytes for the GPU overload (its two softmax-statistics buffers).
+inline result<std::size_t> attention_scores_workspace_bytes(cuda_t, index_t query_heads, index_t kv_heads, index_t w,
+                                                           index_t prefix_len, index_t dim, bool block_keys,
+                                                           index_t out_cols, const score_options& opt = {}) {
+  constexpr const char* fn = "attention_scores_workspace_bytes(cuda)";
+  detail::score_shape sh;
+  KVEVICT_TRY(detail::score_shape_from_sizes(fn, query_heads, kv_heads, w, prefix_len, dim, block_keys, out_cols, opt,
+                                             sh));
+  detail::cuda_score_plan pl;
+  KVEVICT_TRY(detail::make_cuda_score_plan(fn, sh, pl));
+  workspace q;
+  detail::softmax_stats *part = nullptr, *rowst = nullptr;
+  KVEVICT_TRY(detail::carve_cuda_score(fn, q, pl, part, rowst));
+  return q.bytes;
 }
 
 }  // namespace kvevict

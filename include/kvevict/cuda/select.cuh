@@ -21,7 +21,7 @@
 #pragma once
 
 #include <kvevict/cuda/block.cuh>
-#include <kvevict/detail/select_block.hpp>
+#include <kvevict/detail/block/select_block.hpp>
 #include <kvevict/select.hpp>
 
 namespace kvevict {
@@ -55,7 +55,7 @@ __device__ inline score_keys row_keys(const matrix_view<const float>& scores, in
 }
 
 // The kernels: grid-stride loops over work items, tickets, fences and barriers around the
-// host-device item functions of detail/select_block.hpp. Every block has select_block_threads
+// host-device item functions of detail/block/select_block.hpp. Every block has select_block_threads
 // (256) threads; shared memory per block: select_smem (42008 B) + the block scan's temporary
 // storage (2336 B), 44344 B in all: under the 48 KiB static limit of sm_80 and sm_90.
 

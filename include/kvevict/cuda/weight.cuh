@@ -12,8 +12,8 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/cuda/error.cuh>
 #include <kvevict/cuda/launch.cuh>
-#include <kvevict/detail/postprocess_device.hpp>
-#include <kvevict/detail/softmax.hpp>
+#include <kvevict/detail/block/postprocess_device.hpp>
+#include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/weight.hpp>

@@ -208,10 +208,10 @@ class cascade_driver {
     if (cfg_.split == cascade_split::flattened) {
       const index_t row = cfg_.total < H * N ? cfg_.total : H * N;
       cq = detail::select_bytes(be, allocator::flattened, H, N);
-      const std::size_t one = select_topk_workspace_size(be, row);
+      const std::size_t one = select_topk_workspace_bytes(be, row);
       cq = one > cq ? one : cq;
     } else {
-      cq = select_topk_workspace_size(be, N);
+      cq = select_topk_workspace_bytes(be, N);
     }
     detail::workspace_carver c(ws);
     w.scores = c.take<float>(static_cast<std::size_t>(H * N));

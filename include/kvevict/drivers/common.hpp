@@ -19,8 +19,8 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/budget.hpp>
 #include <kvevict/compact.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/metrics/footprint.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/recipes.hpp>
@@ -523,12 +523,12 @@ template <class Backend>
 result<std::size_t> head_score_bytes(Backend be, const recipe& r, index_t g, index_t rows, index_t C, index_t d,
                                      bool block_keys) {
   if (!uses_attention(r.kind)) return std::size_t{0};
-  auto a = recipe_scores_workspace_size(be, r, g, rows, 1, C, d, 0);
+  auto a = recipe_scores_workspace_bytes(be, r, g, rows, 1, C, d, 0);
   if (!a) return a.error();
   std::size_t n = *a;
   if (block_keys && r.kind != recipe_kind::h2o && r.kind != recipe_kind::tova &&
       r.source == query_source::external_block) {
-    auto b = recipe_scores_workspace_size(be, r, g, rows, 1, C, d, rows);
+    auto b = recipe_scores_workspace_bytes(be, r, g, rows, 1, C, d, rows);
     if (!b) return b.error();
     n = *b > n ? *b : n;
   }
@@ -615,7 +615,7 @@ inline void keep_all_rows(const std::int32_t* lens, index_t H, std::int32_t* cu,
 /// select_topk_flat's), computed with the carvers those functions use.
 template <class Backend>
 std::size_t select_bytes(Backend be, allocator kind, index_t H, index_t C) {
-  std::size_t n = select_topk_workspace_size(be, C);
+  std::size_t n = select_topk_workspace_bytes(be, C);
   if (kind == allocator::flattened || kind == allocator::lava || kind == allocator::adakv) {
     workspace q;
     workspace_carver c(q);

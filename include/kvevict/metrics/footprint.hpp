@@ -21,7 +21,7 @@
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/base/checks.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>

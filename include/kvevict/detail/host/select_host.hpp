@@ -15,9 +15,9 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/config.hpp>
-#include <kvevict/detail/radix.hpp>
+#include <kvevict/detail/base/radix.hpp>
 #include <kvevict/view.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/workspace.hpp>
 
 #include <algorithm>

@@ -1,25 +1,14 @@
-// The CUDA selection kernels' algorithms, written once for a "block" of cooperating threads and
-// compiled both for the GPU (kvevict/cuda/select.cuh, where a block is a CUDA thread block) and for
-// the host (tests/test_select_device_logic.cpp, where a serial emulator runs every thread's part in
-// turn). Not API.
-//
-// A Block provides:
-//   int  size() const                         threads in the block
-//   void each(F f)                            f(tid) for every thread (device: for this thread)
-//   void sync()                               barrier (host: nothing)
-//   void exclusive_sum(V v, Then then)        own = v(tid) (unsigned long long); block-wide
-//                                             exclusive prefix sum in tid order; then(tid, own,
-//                                             prefix, total) on every thread; ends with a barrier
-//   void atomic_add(std::uint32_t*, std::uint32_t), atomic_add(unsigned long long*, unsigned long long)
-// Code outside each() runs on every thread of a CUDA block and once on the host; it only computes
-// values that are the same on every thread (uniform) and reads memory written before a barrier.
-// All writes happen inside each(). Every per-key and per-digit decision is a function of
-// detail/radix.hpp, the same functions the host backends use, so the GPU keeps exactly the tokens
-// the host keeps.
+// The CUDA selection kernels' algorithms, written once for a Block of cooperating threads
+// (detail/block/block.hpp) and compiled both for the GPU (kvevict/cuda/select.cuh, where a block is a
+// CUDA thread block) and for the host (tests/test_select_device_logic.cpp, with the emulator of
+// detail/block/host_block.hpp). Every per-key and per-digit decision is a function of
+// detail/base/radix.hpp, the same functions the host backends use, so the GPU keeps exactly the tokens
+// the host keeps. Not API.
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/detail/radix.hpp>
+#include <kvevict/detail/block/block.hpp>
+#include <kvevict/detail/base/radix.hpp>
 #include <kvevict/workspace.hpp>
 
 #include <cstddef>
@@ -27,8 +16,6 @@
 
 namespace kvevict::detail {
 
-using ucount = unsigned long long;  ///< 64-bit counters (CUDA's atomicAdd has no std::uint64_t overload)
-static_assert(sizeof(ucount) == 8, "ucount must be 64-bit");
 
 inline constexpr int select_block_threads = 256;  ///< threads of every selection block on the GPU
 inline constexpr int emit_items = 8;               ///< consecutive keys per thread in an emit tile
@@ -456,7 +443,7 @@ KVEVICT_HOST_DEVICE void chunk_emit(Block& blk, const Keys& keys, index_t begin,
 }
 
 // ---- the flattened (layer-wise) selection -----------------------------------------------------
-// Same steps as the host's select_flat (detail/select_host.hpp), with the same per-row quantities:
+// Same steps as the host's select_flat (detail/host/select_host.hpp), with the same per-row quantities:
 // floors as full-key thresholds (one row_state per row, from the selection above), then three
 // passes over the remaining entries of the layer with one histogram per row and their sum, then
 // per-row counts (the layer's tied entries go to the lowest rows first) and one emit per row.

@@ -32,8 +32,9 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/config.hpp>
-#include <kvevict/detail/parallel.hpp>
-#include <kvevict/detail/softmax.hpp>
+#include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/base/softmax.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/view.hpp>
 
@@ -118,23 +119,6 @@ template <class T>
 const T* kv_row(const kv_view<const T>& v, index_t h, index_t t) {
   return v.data_handle() + h * v.stride(0) + t * v.stride(1);
 }
-
-/// Exact widening to fp32 written without branches, so packing loops vectorise (SSE2 is enough);
-/// same values as to_float (tests/test_score.cpp checks all 65536 fp16 patterns; NaN payloads may
-/// come out quieted). fp16 zero/subnormal m becomes (2^-14 + m 2^-24) - 2^-14, exact and free of
-/// denormal operands (immune to DAZ/FTZ).
-KVEVICT_HOST_DEVICE inline float widen_f16_bits(std::uint32_t h) noexcept {
-  const std::uint32_t em = h & 0x7fffu;
-  const std::uint32_t e = em & 0x7c00u;
-  const std::uint32_t infnan = 0u - static_cast<std::uint32_t>(e == 0x7c00u);
-  const std::uint32_t zsub = 0u - static_cast<std::uint32_t>(e == 0u);
-  std::uint32_t u = (em << 13) + 0x38000000u;  // rebias the exponent, 15 -> 127
-  u += infnan & 0x38000000u;                   // exponent 31 -> 255
-  u += zsub & 0x00800000u;                     // zero/subnormal: 2^-14 + m 2^-24
-  const float f = bits_float(u) - bits_float(zsub & 0x38800000u);  // minus 2^-14 (or 0)
-  return bits_float(float_bits(f) | ((h & 0x8000u) << 16));
-}
-KVEVICT_HOST_DEVICE inline float widen_bf16_bits(std::uint32_t h) noexcept { return bits_float(h << 16); }
 
 /// Widens n elements (stride ds) into dst[0..n) fp32. Reads the 16-bit patterns as integers so the
 /// loops vectorise.

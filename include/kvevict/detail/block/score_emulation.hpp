@@ -1,23 +1,21 @@
 // Host emulation of the CUDA attention-score kernels (<kvevict/cuda/score.cuh>): the same
 // decomposition (row blocks, key tiles, two statistics runs per tile, splits, the merge's lanes and
 // shuffle tree, head-aligned pass-2 blocks, per-column pushes in row order, GQA combination in head
-// order) calling exactly the host-device functions of <kvevict/detail/score_device.hpp>. Used by the
+// order) calling exactly the host-device functions of <kvevict/detail/block/score_device.hpp>. Used by the
 // host test test_score_device_logic (against attention_scores on seq) and by the GPU test (the
-// device must match it bit for bit). Plain loops; every element computed once per pass.
+// device must match it bit for bit). Plain loops; every element computed once per pass. Host only
+// (owns std::vectors); nothing in the library's call paths includes it.
 #pragma once
 
-#include <kvevict/detail/score_device.hpp>
-#include <kvevict/gqa.hpp>
-#include <kvevict/score.hpp>
+#include <kvevict/detail/block/score_device.hpp>
+#include <kvevict/detail/base/score_checks.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/score_types.hpp>
 
 #include <vector>
 
-namespace kvemu {
+namespace kvevict::detail {
 
-using kvevict::index_t;
-using kvevict::kv_view;
-using kvevict::matrix_view;
-using kvevict::detail::softmax_stats;
 
 template <class QE, class KE>
 struct emulated_scorer {
@@ -138,4 +136,4 @@ kvevict::status emulate_cuda_attention_scores(kv_view<const QE> q, kv_view<const
   return {};
 }
 
-}  // namespace kvemu
+}  // namespace kvevict::detail

@@ -8,17 +8,18 @@
 //                 windows need (pp_tile + 2r of them) staged once in `span` (GQA-reduced first, or
 //                 each query head of the group in turn), pooled block by block (pool_block) into
 //                 `acc`, then GQA-finished, weighted and protected into the output
-//   pp_run_block  rows whose pooling radius exceeds pp_max_radius: the outputs of one pooling block,
-//                 reading the inputs from global memory (one GPU thread per block)
+//   pp_run_block  rows whose pooling radius exceeds pp_max_radius: the outputs of one pooling block
+//                 (or one chunk of the unpooled tail), reading the inputs from global memory (one GPU
+//                 thread per block)
+//   pp_choose_variant  which of the two the launcher runs (the host emulation asks it too)
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/detail/pool_block.hpp>
-#include <kvevict/detail/softmax.hpp>
-#include <kvevict/gqa.hpp>
-#include <kvevict/postprocess.hpp>
-#include <kvevict/protect.hpp>
-#include <kvevict/weight.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/postprocess_types.hpp>
+#include <kvevict/view.hpp>
+#include <kvevict/detail/block/pool_block.hpp>
+#include <kvevict/detail/base/softmax.hpp>
 
 #include <cstdint>
 
@@ -27,20 +28,6 @@ namespace kvevict::detail {
 inline constexpr index_t pp_tile = 1024;        ///< outputs per tile (per CTA work item)
 inline constexpr index_t pp_max_radius = 1024;  ///< largest kernel / 2 of the tiled path (kernel <= 2049)
 inline constexpr index_t pp_span = pp_tile + 2 * pp_max_radius;  ///< staged inputs of one tile
-
-/// The host context: one thread runs every loop in order; barriers do nothing.
-struct serial_ctx {
-  template <class F>
-  KVEVICT_HOST_DEVICE void each(index_t n, const F& f) const {
-    for (index_t i = 0; i < n; ++i) f(i);
-  }
-  KVEVICT_HOST_DEVICE void sync() const {}
-  /// norms[t] = ||row t||_1 for t < n, row t's element k at base[t * rs + k * es].
-  template <class VE>
-  KVEVICT_HOST_DEVICE void l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) const {
-    for (index_t t = 0; t < n; ++t) norms[t] = value_l1_norm(base + t * rs, d, es);
-  }
-};
 
 /// Arguments of the fused post-processing (and of pooling alone: g = 1, no weighting, no protection).
 struct pp_params {
@@ -58,6 +45,7 @@ struct pp_params {
   value_weight mode;
   bool protect;
   index_t n_sink, n_recent;
+  index_t unpooled_tail;              ///< postprocess_options::unpooled_tail
   const std::int32_t* row_lengths;    ///< [H_kv] or null
   const std::int32_t* value_lengths;  ///< [H_kv] or null
   const float* factors;               ///< head_max: [H_kv] max value norms
@@ -88,20 +76,23 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
   const index_t nout = hi - t0;
   const bool pooled = a.pool != pool_kind::none;
   const bool pool_first = pooled && a.order == gqa_order::pool_first;
+  const index_t P = pooled_length(L, a.unpooled_tail);
   if (!pooled) {
     ctx.each(nout, [&](index_t i) { acc[i] = pp_gqa_at(a, h, t0 + i); });
-  } else {
-    const index_t r = pool_radius(a.kernel, L);
+  } else if (t0 < P) {
+    // the pooled outputs [t0, ph) of the tile, pooling a row of P
+    const index_t ph = hi < P ? hi : P;
+    const index_t r = pool_radius(a.kernel, P);
     const index_t base = t0 - r;  // span[p - base] holds input p
-    const index_t plo = t0 - r > 0 ? t0 - r : 0, phi = hi + r < L ? hi + r : L;
-    const index_t b_lo = pool_first_block(a.kernel, L, t0), nb = pool_last_block(a.kernel, L, hi) - b_lo + 1;
+    const index_t plo = t0 - r > 0 ? t0 - r : 0, phi = ph + r < P ? ph + r : P;
+    const index_t b_lo = pool_first_block(a.kernel, P, t0), nb = pool_last_block(a.kernel, P, ph) - b_lo + 1;
     const auto x = [&](index_t p) { return span[p - base]; };
     if (!pool_first) {
       ctx.each(phi - plo, [&](index_t k) { span[plo + k - base] = pp_gqa_at(a, h, plo + k); });
       ctx.sync();
       ctx.each(nb, [&](index_t bi) {
-        pool_block_any(a.pool, a.div, x, stash, t0, 1, [&](index_t i, float v) { acc[i - t0] = v; }, L, a.kernel,
-                       b_lo + bi, t0, hi);
+        pool_block_any(a.pool, a.div, x, stash, t0, 1, [&](index_t i, float v) { acc[i - t0] = v; }, P, a.kernel,
+                       b_lo + bi, t0, ph);
       });
     } else {
       for (index_t j = 0; j < a.g; ++j) {
@@ -112,12 +103,15 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
         ctx.each(nb, [&](index_t bi) {
           pool_block_any(
               a.pool, a.div, x, stash, t0, 1,
-              [&](index_t i, float v) { acc[i - t0] = j == 0 ? v : gqa_combine(a.op, acc[i - t0], v); }, L, a.kernel,
-              b_lo + bi, t0, hi);
+              [&](index_t i, float v) { acc[i - t0] = j == 0 ? v : gqa_combine(a.op, acc[i - t0], v); }, P, a.kernel,
+              b_lo + bi, t0, ph);
         });
       }
     }
   }
+  // the unpooled tail's outputs of the tile: the group's reduced scores (finished already)
+  const index_t raw0 = pooled && t0 < P ? P : t0;
+  if (pooled && raw0 < hi) ctx.each(hi - raw0, [&](index_t k) { acc[raw0 - t0 + k] = pp_gqa_at(a, h, raw0 + k); });
   ctx.sync();
   // per-token value norms of the weighted outputs, into stash (free again)
   const index_t wend = a.weight ? (L < vlen ? L : vlen) : 0;
@@ -131,7 +125,7 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
   ctx.each(nout, [&](index_t i) {
     const index_t t = t0 + i;
     float v = acc[i];
-    if (pool_first) v = gqa_finish(a.op, v, a.g);
+    if (pool_first && t < P) v = gqa_finish(a.op, v, a.g);
     const bool weighted = i < nw;
     const float f = a.mode == value_weight::per_token ? (weighted ? stash[i] : 0.0f) : factor;
     v = weighted ? mul_rn(v, f) : v;
@@ -139,14 +133,22 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
   });
 }
 
-/// The outputs of pooling block b of KV head h's row (length L, value length vlen), for kernels wider
-/// than the tiled path allows: inputs read from global memory; stash: the pool_first scratch row of
-/// the head (T floats, stride 1), unused for gqa_first (which stashes in the output row itself, as
-/// pool_row_impl does). One GPU thread per block; every output of the block is owned by the caller.
+/// Number of pooling blocks of a row of n positions.
+KVEVICT_HOST_DEVICE inline index_t pp_blocks(index_t kernel, index_t n) {
+  return n <= 0 ? 0 : (n + 2 * pool_radius(kernel, n)) / (2 * pool_radius(kernel, n) + 1);
+}
+
+/// The outputs of work item b of KV head h's row (length L, value length vlen), for kernels wider
+/// than the tiled path allows; inputs read from global memory. Items [0, pp_blocks(kernel, P)) are the
+/// pooling blocks of the pooled part (P = pooled_length(L, unpooled_tail)), the next ones chunks of
+/// pp_tile positions of the unpooled tail; items past those write nothing. stash: the pool_first
+/// scratch row of the head (T floats, stride 1), unused for gqa_first (which stashes in the output row
+/// itself, as pool_row_impl does). One GPU thread per item; every output of the item is its own.
 template <class VE>
 KVEVICT_HOST_DEVICE void pp_run_block(const pp_params& a, const pp_values<VE>& vals, index_t h, index_t L, index_t vlen,
                                       index_t b, float* stash) {
   float* const o = a.out + h * a.os0;
+  const index_t P = pooled_length(L, a.unpooled_tail);
   const index_t wend = a.weight ? (L < vlen ? L : vlen) : 0;
   const index_t sink_end = a.protect ? protect_sink_end(L, a.n_sink) : -1;
   const index_t recent_begin = a.protect ? protect_recent_begin(L, a.n_recent) : L;
@@ -159,9 +161,16 @@ KVEVICT_HOST_DEVICE void pp_run_block(const pp_params& a, const pp_values<VE>& v
     v = weighted ? mul_rn(v, f) : v;
     o[t * a.os1] = a.protect ? protect_value(v, t, sink_end, recent_begin) : v;
   };
+  const index_t nb = pp_blocks(a.kernel, P);
+  if (b >= nb) {  // a chunk of the unpooled tail: the group's reduced scores
+    const index_t lo = P + (b - nb) * pp_tile;
+    const index_t hi = lo + pp_tile < L ? lo + pp_tile : L;
+    for (index_t t = lo; t < hi; ++t) finish(t, pp_gqa_at(a, h, t));
+    return;
+  }
   if (a.order == gqa_order::gqa_first || a.g == 1) {
     const auto x = [&](index_t p) { return pp_gqa_at(a, h, p); };
-    pool_block_any(a.pool, a.div, x, o, 0, a.os1, finish, L, a.kernel, b, 0, L);
+    pool_block_any(a.pool, a.div, x, o, 0, a.os1, finish, P, a.kernel, b, 0, P);
     return;
   }
   for (index_t j = 0; j < a.g; ++j) {
@@ -169,17 +178,74 @@ KVEVICT_HOST_DEVICE void pp_run_block(const pp_params& a, const pp_values<VE>& v
     const auto x = [&](index_t p) { return row[p * a.is1]; };
     pool_block_any(
         a.pool, a.div, x, stash, 0, 1,
-        [&](index_t i, float v) { o[i * a.os1] = j == 0 ? v : gqa_combine(a.op, o[i * a.os1], v); }, L, a.kernel, b, 0,
-        L);
+        [&](index_t i, float v) { o[i * a.os1] = j == 0 ? v : gqa_combine(a.op, o[i * a.os1], v); }, P, a.kernel, b, 0,
+        P);
   }
-  const index_t k = 2 * pool_radius(a.kernel, L) + 1;
-  const index_t last = (b + 1) * k < L ? (b + 1) * k : L;
+  const index_t k = 2 * pool_radius(a.kernel, P) + 1;
+  const index_t last = (b + 1) * k < P ? (b + 1) * k : P;
   for (index_t t = b * k; t < last; ++t) finish(t, gqa_finish(a.op, o[t * a.os1], a.g));
 }
 
-/// Number of pooling blocks of a row of n positions (pp_run_block's b ranges over [0, this)).
-KVEVICT_HOST_DEVICE inline index_t pp_blocks(index_t kernel, index_t n) {
-  return n <= 0 ? 0 : (n + 2 * pool_radius(kernel, n)) / (2 * pool_radius(kernel, n) + 1);
+/// The two decompositions of the fused work (and of pooling alone). The launcher and the host
+/// emulation both ask pp_choose_variant, so they cannot disagree.
+enum class pp_variant {
+  tiles,   ///< one CTA per (row, tile of pp_tile outputs): pp_run_tile
+  blocks,  ///< one thread per (row, work item of pp_run_block): kernels wider than 2 * pp_max_radius + 1
+};
+
+KVEVICT_HOST_DEVICE inline pp_variant pp_choose_variant(pool_kind pool, index_t kernel) {
+  return pool == pool_kind::none || kernel / 2 <= pp_max_radius ? pp_variant::tiles : pp_variant::blocks;
+}
+
+/// Tiles of a row of T positions (pp_variant::tiles: t0 = tile x pp_tile).
+KVEVICT_HOST_DEVICE inline index_t pp_tiles_per_row(index_t T) { return (T + pp_tile - 1) / pp_tile; }
+
+/// Work items per row that cover any row of length <= T (pp_variant::blocks): the pooling blocks of a
+/// row of T, at least 1, then the unpooled tail's chunks.
+KVEVICT_HOST_DEVICE inline index_t pp_items_per_row(const pp_params& a) {
+  const index_t blocks = pp_blocks(a.kernel, a.T) > 0 ? pp_blocks(a.kernel, a.T) : 1;
+  const index_t tail = a.unpooled_tail < a.T ? a.unpooled_tail : a.T;
+  return blocks + (tail + pp_tile - 1) / pp_tile;
+}
+
+/// The fused post-processing's arguments from postprocess_scores' (every backend's launcher and the
+/// host emulation build them here). factors: head_max weighting's per-head factors or null.
+inline pp_params make_pp_params(const matrix_view<const float>& in, const matrix_view<float>& out,
+                                const postprocess_options& opt, const std::int32_t* row_lengths,
+                                const std::int32_t* value_lengths, const float* factors) {
+  pp_params a{};
+  a.in = in.data_handle();
+  a.is0 = in.stride(0);
+  a.is1 = in.stride(1);
+  a.out = out.data_handle();
+  a.os0 = out.stride(0);
+  a.os1 = out.stride(1);
+  a.hkv = out.extent(0);
+  a.g = a.hkv > 0 ? in.extent(0) / a.hkv : 1;
+  a.T = in.extent(1);
+  a.op = opt.gqa;
+  a.order = opt.order;
+  a.pool = opt.pool;
+  a.kernel = opt.kernel;
+  a.div = opt.divisor;
+  a.weight = opt.weight_values;
+  a.mode = opt.weight;
+  a.protect = true;
+  a.n_sink = opt.n_sink;
+  a.n_recent = opt.n_recent;
+  a.unpooled_tail = opt.unpooled_tail;
+  a.row_lengths = row_lengths;
+  a.value_lengths = opt.weight_values ? value_lengths : nullptr;
+  a.factors = factors;
+  return a;
+}
+
+/// The value rows of postprocess_scores' values view (empty when not weighting).
+template <class VE>
+inline pp_values<VE> make_pp_values(const kv_view<const VE>& values, bool weight_values) {
+  if (!weight_values) return pp_values<VE>{};
+  return {values.data_handle(), values.stride(0), values.stride(1), values.stride(2), values.extent(1),
+          values.extent(2)};
 }
 
 }  // namespace kvevict::detail

@@ -1,6 +1,6 @@
 // The decomposition of the CUDA attention-score kernels (<kvevict/cuda/score.cuh>) and every piece of
 // arithmetic they do, as host-device functions, so that host tests can run the same decomposition
-// (tests/score_device_emulation.hpp) and compare it with the host backends. Nothing here is API.
+// (include/kvevict/detail/block/score_emulation.hpp) and compare it with the host backends. Nothing here is API.
 //
 //   pass 1 (statistics) one CTA per (KV head, block of up to cs_rows query rows of its GQA group,
 //                       range of key tiles): logits of the block against each key tile of cs_keys
@@ -18,9 +18,10 @@
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/detail/softmax.hpp>
-#include <kvevict/gqa.hpp>
-#include <kvevict/score.hpp>
+#include <kvevict/detail/base/score_checks.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/score_types.hpp>
+#include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/status.hpp>
 
 #include <cmath>

@@ -12,7 +12,8 @@
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/pool.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/pool_types.hpp>
 
 namespace kvevict::detail {
 

@@ -1,4 +1,4 @@
-// kvevict/lookahead.hpp: the math of LookaheadKV (Ahn et al., "LookaheadKV: fast and accurate KV
+// kvevict/train/lookahead.hpp: the math of LookaheadKV (Ahn et al., "LookaheadKV: fast and accurate KV
 // cache eviction by glimpsing into the future without generation"): Lookahead LoRA, the lookahead
 // window scores of one head with their backward pass, and the KL / ListNet training loss with its
 // exact gradient. These are building blocks for training and running LookaheadKV; no model code.
@@ -20,8 +20,8 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/config.hpp>
-#include <kvevict/detail/checks.hpp>
-#include <kvevict/detail/parallel.hpp>
+#include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>

@@ -1,4 +1,4 @@
-// kvevict/prulong.hpp: the math of PruLong (Bhaskar et al., "Cache me if you can", §4 and
+// kvevict/train/prulong.hpp: the math of PruLong (Bhaskar et al., "Cache me if you can", §4 and
 // appendix B) and the head-mask files of DuoAttention / PruLong.
 //
 // Each KV head (layer i, head j) has a gate z in [0, 1]: 1 = retrieval head (full KV cache),
@@ -19,7 +19,7 @@
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/detail/checks.hpp>
+#include <kvevict/detail/base/checks.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 

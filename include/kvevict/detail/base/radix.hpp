@@ -19,7 +19,7 @@
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/detail/score_order.hpp>
+#include <kvevict/detail/base/score_order.hpp>
 #include <kvevict/numeric.hpp>
 
 #include <cstdint>

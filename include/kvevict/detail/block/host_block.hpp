@@ -1,10 +1,12 @@
 // A CUDA thread block emulated on the host, for the tests of the block-generic kernel logic
-// (detail/select_block.hpp, detail/compact_block.hpp): every phase runs each thread's part in turn,
+// (detail/block/select_block.hpp, detail/block/compact_block.hpp): every phase runs each thread's part in turn,
 // in a random order (a race-free block program gives the same result for every order, as it must
 // on the GPU), and the block-wide exclusive sum is computed serially.
 #pragma once
 
-#include <kvevict/detail/select_block.hpp>
+#include <kvevict/config.hpp>
+#include <kvevict/detail/block/block.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -12,10 +14,9 @@
 #include <random>
 #include <vector>
 
-namespace kvtest {
+namespace kvevict::detail {
 
 struct host_block {
-  using ucount = kvevict::detail::ucount;
   int n;
   std::mt19937_64* g;
   std::vector<int> order;
@@ -48,4 +49,19 @@ struct host_block {
   void atomic_add(ucount* p, ucount v) { *p += v; }
 };
 
-}  // namespace kvtest
+
+/// The host context: one thread runs every loop in order; barriers do nothing.
+struct serial_ctx {
+  template <class F>
+  KVEVICT_HOST_DEVICE void each(index_t n, const F& f) const {
+    for (index_t i = 0; i < n; ++i) f(i);
+  }
+  KVEVICT_HOST_DEVICE void sync() const {}
+  /// norms[t] = ||row t||_1 for t < n, row t's element k at base[t * rs + k * es].
+  template <class VE>
+  KVEVICT_HOST_DEVICE void l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) const {
+    for (index_t t = 0; t < n; ++t) norms[t] = value_l1_norm(base + t * rs, d, es);
+  }
+};
+
+}  // namespace kvevict::detail

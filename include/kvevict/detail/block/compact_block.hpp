@@ -1,6 +1,6 @@
 // The CUDA compaction kernels' logic as host-device functions (kvevict/cuda/compact.cuh runs them
 // on the GPU; tests/test_compact_device_logic.cpp runs them on the host under the emulated block
-// of detail/select_block.hpp). Not API.
+// of detail/block/select_block.hpp). Not API.
 //
 // Row copies: a row of `dim` elements is copied in units. When both rows are contiguous (element
 // stride 1), the unit is the widest of 16, 8, 4, 2, 1 bytes that divides every base address, byte
@@ -9,7 +9,7 @@
 #pragma once
 
 #include <kvevict/config.hpp>
-#include <kvevict/detail/select_block.hpp>
+#include <kvevict/detail/block/select_block.hpp>
 #include <kvevict/view.hpp>
 
 #include <cstdint>

@@ -1,0 +1,31 @@
+// kvevict/pool_types.hpp: the kinds and options of 1-D pooling (pool.hpp is the stage).
+#pragma once
+
+namespace kvevict {
+
+enum class pool_kind {
+  none,  ///< copy
+  max,   ///< max over the window, out-of-range positions ignored (-inf padding)
+  avg,   ///< mean over the window with zero padding (divisor per pool_options)
+};
+
+/// Divisor of avg pooling at the borders of a row.
+enum class avg_divisor {
+  kernel,  ///< always k: zero padding counted (PyTorch count_include_pad=True, KVCache-Factory)
+  valid,   ///< the number of in-range positions of the window (count_include_pad=False)
+};
+
+struct pool_options {
+  avg_divisor divisor = avg_divisor::kernel;
+};
+
+constexpr const char* pool_kind_name(pool_kind k) noexcept {
+  switch (k) {
+    case pool_kind::none: return "none";
+    case pool_kind::max: return "max";
+    case pool_kind::avg: return "avg";
+  }
+  return "unknown";
+}
+
+}  // namespace kvevict

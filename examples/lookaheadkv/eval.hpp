@@ -50,7 +50,7 @@ namespace kvrun {
 struct eval_options {
   std::vector<index_t> budgets{16, 32, 64, 128};
   index_t window = 32;  ///< SnapKV's observation window (min(window, P / 2) for short prompts)
-  lookahead_score_options pooling;  ///< pooling / GQA of both SnapKV and LookaheadKV (max 7, mean)
+  kvevict::postprocess_options pooling;  ///< pool / kernel / gqa / order of SnapKV and LookaheadKV (max 7, mean)
 };
 
 /// Kept-set rules of the KL and kept-recall columns.

@@ -22,29 +22,10 @@ using kvtest::value_of;
 
 namespace {
 
-// ---- unit choice, as compact.cuh makes it ------------------------------------------------------------
-
-std::uint64_t bits_of(const void* p) { return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)); }
-template <class T>
-std::uint64_t view_bits(const kv_view<T>& v) {
-  return bits_of(v.data_handle()) | static_cast<std::uint64_t>(v.stride(0)) * sizeof(T) |
-         static_cast<std::uint64_t>(v.stride(1)) * sizeof(T);
-}
-template <class T>
-int unit_for(bool contiguous, std::uint64_t bits, index_t dim) {
-  return contiguous ? detail::copy_unit_bytes(bits | static_cast<std::uint64_t>(dim) * sizeof(T)) : 0;
-}
-template <class F>
-void with_unit(int unit, F&& f) {
-  switch (unit) {
-    case 16: return f(std::integral_constant<int, 16>{});
-    case 8: return f(std::integral_constant<int, 8>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 1: return f(std::integral_constant<int, 1>{});
-    default: return f(std::integral_constant<int, 0>{});
-  }
-}
+// the unit choice is compact.cuh's own (detail/block/compact_block.hpp)
+using detail::unit_for;
+using detail::view_bits;
+using detail::with_unit;
 
 // ---- caches -------------------------------------------------------------------------------------------
 
@@ -113,7 +94,7 @@ int emulate_ragged(const kv_view<const T>& src, const ragged_positions& kept, T*
                    std::int32_t* lens, index_t row_stride) {
   const index_t H = kept.heads, dim = src.extent(2);
   int bad = 0;
-  with_unit(dim == 0 ? 16 : unit_for<T>(src.stride(2) == 1, view_bits(src) | bits_of(dst) | std::uint64_t(row_stride) * sizeof(T), dim),
+  with_unit(dim == 0 ? 16 : unit_for<T>(src.stride(2) == 1, view_bits(src) | detail::addr_bits(dst) | std::uint64_t(row_stride) * sizeof(T), dim),
             [&](auto u) {
               constexpr int U = decltype(u)::value;
               const detail::row_copy<T, U> rc{dim, src.stride(2), 1};
@@ -229,7 +210,7 @@ template <class T>
 int emulate_append(const ragged_cache<T>& cache, const kv_view<const T>& rows, index_t parts) {
   const index_t H = cache.heads, n = rows.extent(1), dim = cache.dim;
   int bad = 0;
-  const std::uint64_t bits = view_bits(rows) | bits_of(cache.data) | std::uint64_t(cache.row_stride) * sizeof(T);
+  const std::uint64_t bits = view_bits(rows) | detail::addr_bits(cache.data) | std::uint64_t(cache.row_stride) * sizeof(T);
   with_unit(dim == 0 ? 16 : unit_for<T>(rows.stride(2) == 1, bits, dim), [&](auto u) {
     constexpr int U = decltype(u)::value;
     const detail::row_copy<T, U> rc{dim, rows.stride(2), 1};
@@ -492,7 +473,7 @@ TEST_CASE("compact device logic: in place on a ragged cache, and invalid heads l
     REQUIRE(compact_inplace(seq, ragged_cache<float>{store_ref.data(), cap.data(), lens_ref.data(), H, D, rs}, kept).ok());
     const ragged_cache<float> rc{store.data(), cap.data(), lens.data(), H, D, rs};
     const detail::ragged_inplace_heads<float> heads{rc, kept};
-    const std::uint64_t bits = bits_of(store.data()) | std::uint64_t(rs) * sizeof(float);
+    const std::uint64_t bits = detail::addr_bits(store.data()) | std::uint64_t(rs) * sizeof(float);
     CHECK(emulate_inplace<float>(g, heads, true, bits, D, 1, static_cast<int>(kvtest::uniform_int(g, 1, 3)),
                                  trial % 3 == 0 ? 0 : -1, true) == 0);
     REQUIRE(lens == lens_ref);

@@ -43,35 +43,6 @@ using compact_block_t = cuda_block<compact_threads>;
 
 // ---- host: unit and grid choices ------------------------------------------------------------------
 
-inline std::uint64_t addr_bits(const void* p) { return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)); }
-
-/// Unit of a copy between rows at `a` and `b` with the given byte strides (0: element by element
-/// because an element stride is not 1).
-template <class T>
-int unit_for(bool contiguous, std::uint64_t bits, index_t dim) {
-  if (!contiguous) return 0;
-  return copy_unit_bytes(bits | static_cast<std::uint64_t>(dim) * sizeof(T));
-}
-
-template <class T>
-std::uint64_t view_bits(const kv_view<T>& v) {
-  return addr_bits(v.data_handle()) | static_cast<std::uint64_t>(v.stride(0)) * sizeof(T) |
-         static_cast<std::uint64_t>(v.stride(1)) * sizeof(T);
-}
-
-/// Runs f(std::integral_constant<int, Unit>) for the unit chosen at run time.
-template <class F>
-status with_unit(int unit, F&& f) {
-  switch (unit) {
-    case 16: return f(std::integral_constant<int, 16>{});
-    case 8: return f(std::integral_constant<int, 8>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 1: return f(std::integral_constant<int, 1>{});
-    default: return f(std::integral_constant<int, 0>{});
-  }
-}
-
 /// Blocks per head for per-head grids: about 4096 blocks in all, at most 1024 per head.
 inline index_t parts_per_head(index_t heads, index_t target = 4096, index_t most = 1024) {
   const index_t h = heads > 0 ? heads : 1;

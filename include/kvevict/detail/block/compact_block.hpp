@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace kvevict::detail {
 
@@ -51,6 +52,35 @@ struct unit_of<1> {
 KVEVICT_HOST_DEVICE constexpr int copy_unit_bytes(std::uint64_t bits) noexcept {
   const std::uint64_t x = bits | 16u;
   return static_cast<int>(x & (~x + 1u));
+}
+
+/// The copy unit the launchers choose (and the host emulation with them): the address bits of a
+/// pointer, of a view (base and row strides), the unit of rows of `dim` elements of T (0: element by
+/// element, because an element stride is not 1), and the call of f with that unit as a constant.
+inline std::uint64_t addr_bits(const void* p) { return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)); }
+
+template <class T>
+std::uint64_t view_bits(const kv_view<T>& v) {
+  return addr_bits(v.data_handle()) | static_cast<std::uint64_t>(v.stride(0)) * sizeof(T) |
+         static_cast<std::uint64_t>(v.stride(1)) * sizeof(T);
+}
+
+template <class T>
+int unit_for(bool contiguous, std::uint64_t bits, index_t dim) {
+  if (!contiguous) return 0;
+  return copy_unit_bytes(bits | static_cast<std::uint64_t>(dim) * sizeof(T));
+}
+
+template <class F>
+auto with_unit(int unit, F&& f) -> decltype(f(std::integral_constant<int, 0>{})) {
+  switch (unit) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 1: return f(std::integral_constant<int, 1>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
 }
 
 /// Threads cooperating on one row: the smallest power of two >= the row's units, at most 32.

@@ -258,8 +258,8 @@ void run_cascade(benchmark::State& st, const model_shape& s, index_t T, bool kve
   const index_t L = s.layers, H = s.hkv, B = budget_for(T);
   cascade_run r;
   r.cfg = cascade_config{L, H, T, lc.prot(), B * H * L, cascade_split::flattened};
-  const auto bytes = layer_cascade::memory_bytes(r.cfg);
-  if (!ok(st, bytes.ok() ? status{} : bytes.error(), "memory_bytes")) return;
+  const auto bytes = layer_cascade::state_bytes(r.cfg);
+  if (!ok(st, bytes.ok() ? status{} : bytes.error(), "state_bytes")) return;
   r.memory.resize(*bytes);
   if (!ok(st, r.c.init(r.cfg, r.memory.data(), r.memory.size()), "init")) return;
   if (!ok(st, r.c.add_layer(be, r.sc.ws(), 0, lc.layer(0), lc.weights[0]), "size query")) return;

@@ -1,5 +1,10 @@
-# Locates CCCL (Thrust, CUB, libcu++) from the CUDA Toolkit, the only dependency of kvevict::kvevict.
-# Used by the build and by the installed kvevictConfig.cmake.
+# Locates CCCL (libcu++ for cuda::std::mdspan, CUB, Thrust: headers only), the only dependency of
+# kvevict::kvevict. Used by the build and by the installed kvevictConfig.cmake. Two ways, tried in
+# this order (find_package's own order):
+#   1. a standalone CCCL: CCCL_DIR=<dir holding cccl-config.cmake>, or its install prefix in
+#      CMAKE_PREFIX_PATH (NVIDIA's header-only CCCL, also packaged for conda and pip); no toolkit needed
+#   2. the CUDA Toolkit's copy, <toolkit>/lib64/cmake/cccl (CUDA_PATH, CUDA_HOME, CUDAToolkit_ROOT,
+#      /usr/local/cuda)
 if(NOT TARGET CCCL::libcudacxx)
   set(_kvevict_cccl_hints)
   foreach(_root IN ITEMS "$ENV{CUDA_PATH}" "$ENV{CUDA_HOME}" "${CUDAToolkit_ROOT}" "/usr/local/cuda")
@@ -7,13 +12,17 @@ if(NOT TARGET CCCL::libcudacxx)
       list(APPEND _kvevict_cccl_hints "${_root}/lib64/cmake" "${_root}/lib/cmake")
     endif()
   endforeach()
+  list(REMOVE_DUPLICATES _kvevict_cccl_hints)
   find_package(CCCL CONFIG QUIET COMPONENTS libcudacxx CUB HINTS ${_kvevict_cccl_hints})
   if(NOT CCCL_FOUND OR NOT TARGET CCCL::libcudacxx OR NOT TARGET CCCL::CUB)
     message(FATAL_ERROR
-      "kvevict needs CCCL (libcu++ for cuda::std::mdspan, CUB and Thrust), which ships with the CUDA "
-      "Toolkit under <cuda>/lib64/cmake/cccl/cccl-config.cmake. It was not found in: "
-      "${_kvevict_cccl_hints}. Install the CUDA Toolkit (12.x or 13.x) or pass "
-      "-DCCCL_DIR=<dir containing cccl-config.cmake>.")
+      "kvevict needs CCCL's headers (libcu++ for cuda::std::mdspan, CUB, Thrust) and found none. "
+      "Two ways to provide them:\n"
+      "  1. a standalone CCCL, no CUDA toolkit needed (NVIDIA's header-only CCCL from "
+      "github.com/NVIDIA/cccl, also packaged for conda and pip): pass "
+      "-DCCCL_DIR=<dir containing cccl-config.cmake>, or add its install prefix to CMAKE_PREFIX_PATH;\n"
+      "  2. the CUDA Toolkit 12.x or 13.x, which ships CCCL under <toolkit>/lib64/cmake/cccl; searched "
+      "in ${_kvevict_cccl_hints}; set CUDA_PATH or CUDAToolkit_ROOT for another location.")
   endif()
   unset(_kvevict_cccl_hints)
 endif()

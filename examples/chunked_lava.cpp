@@ -13,7 +13,7 @@
 //      (drv.patch()), as extra queries whose KV is not kept (the final chunk contains them)
 //   3. per layer: drv.add_layer(be, ws, l, cache view, queries, patch keys)
 //   4. drv.decide(be, ws)                        (LAVa shares the budget across layers here)
-//   5. per layer: compact keys, values and positions with drv.kept(l)
+//   5. per layer: compact_layer(keys, values, positions, drv.kept(l))
 #include <kvevict/driver.hpp>
 #include <kvevict/metrics.hpp>
 
@@ -103,11 +103,7 @@ struct layer_cache {
     return append(seq, p(), *pview);
   }
   // keeps the rows a driver lists (ascending row indices per head): keys, values and positions
-  status compact(ragged_positions kept) {
-    KVEVICT_TRY(compact_inplace(seq, with(k(), tmp_lens), kept));
-    KVEVICT_TRY(compact_inplace(seq, with(v(), tmp_lens), kept));
-    return compact_inplace(seq, p(), kept);
-  }
+  status compact(ragged_positions kept) { return compact_layer(seq, k(), v(), p(), kept); }
   template <class T>
   ragged_cache<T> with(ragged_cache<T> c, std::vector<std::int32_t>& scratch) {
     std::copy(lens.begin(), lens.end(), scratch.begin());

@@ -203,7 +203,7 @@ void fuzz_cascade(input& in) {
   cfg.prot = {in.small(3), in.small(6)};
   cfg.split = static_cast<cascade_split>(in.take(1) % 3);
   cfg.total = static_cast<index_t>(in.take(2)) - 5;
-  const auto bytes = layer_cascade::memory_bytes(cfg);
+  const auto bytes = layer_cascade::state_bytes(cfg);
   if (!bytes.ok()) return;
   std::vector<unsigned char> mem(*bytes);
   layer_cascade c;

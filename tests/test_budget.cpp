@@ -716,7 +716,7 @@ void cascade_matches_reselection(Backend be, cascade_split split, std::uint64_t 
     CAPTURE(H);
     CAPTURE(N);
     CAPTURE(cfg.total);
-    const std::size_t bytes = value_of(layer_cascade::memory_bytes(cfg));
+    const std::size_t bytes = value_of(layer_cascade::state_bytes(cfg));
     std::vector<unsigned char> mem(bytes);
     layer_cascade c;
     REQUIRE(c.init(cfg, mem.data(), bytes).ok());
@@ -845,7 +845,7 @@ TEST_CASE("layer_cascade: a worked example and the memory bound") {
   cfg.prompt_length = 10;
   cfg.prot = {0, 2};
   cfg.total = 48;
-  const std::size_t bytes = value_of(layer_cascade::memory_bytes(cfg));
+  const std::size_t bytes = value_of(layer_cascade::state_bytes(cfg));
   std::vector<unsigned char> mem(bytes + 3);
   layer_cascade c;
   REQUIRE(c.init(cfg, mem.data() + 3, bytes).ok());  // any alignment
@@ -881,7 +881,7 @@ TEST_CASE("layer_cascade: errors") {
   cfg.prompt_length = 10;
   cfg.prot = {1, 2};
   cfg.total = 20;
-  const std::size_t bytes = value_of(layer_cascade::memory_bytes(cfg));
+  const std::size_t bytes = value_of(layer_cascade::state_bytes(cfg));
   std::vector<unsigned char> mem(bytes);
   layer_cascade c;
   std::vector<float> s(20, 0.5f);
@@ -891,7 +891,7 @@ TEST_CASE("layer_cascade: errors") {
 
   auto bad = cfg;
   bad.layers = 0;
-  require_error(layer_cascade::memory_bytes(bad).error(), errc::invalid_argument, "0 layers");
+  require_error(layer_cascade::state_bytes(bad).error(), errc::invalid_argument, "0 layers");
   bad = cfg;
   bad.heads = 0;
   require_error(c.init(bad, mem.data(), bytes), errc::invalid_argument, "0 KV heads");
@@ -917,7 +917,7 @@ TEST_CASE("layer_cascade: errors") {
   bad.prompt_length = 1 << 12;
   require_error(c.init(bad, mem.data(), bytes), errc::invalid_argument, "int32 offsets");
   require_error(c.init(cfg, nullptr, bytes), errc::null_pointer, "memory is null");
-  require_error(c.init(cfg, mem.data(), bytes - 1), errc::workspace_too_small, "memory_bytes");
+  require_error(c.init(cfg, mem.data(), bytes - 1), errc::workspace_too_small, "state_bytes");
 
   REQUIRE(c.init(cfg, mem.data(), bytes).ok());
   REQUIRE(c.add_layer(seq, q, 0, cmat(s, 2, 10), 1.0).ok());
@@ -1239,7 +1239,7 @@ TEST_CASE("docs example: LAVa end to end, one layer at a time, with cascading") 
   cfg.prot = {0, w};
   cfg.total = B * Hkv * L;
   cfg.split = cascade_split::flattened;
-  std::vector<unsigned char> mem(value_of(layer_cascade::memory_bytes(cfg)));
+  std::vector<unsigned char> mem(value_of(layer_cascade::state_bytes(cfg)));
   layer_cascade cascade;
   REQUIRE(cascade.init(cfg, mem.data(), mem.size()).ok());
 
@@ -1305,4 +1305,84 @@ TEST_CASE("docs example: LAVa end to end, one layer at a time, with cascading") 
     }
   }
   CHECK(total == cfg.total);
+}
+
+// =================================================================================================
+// Named budget schemes -> allocations (budget/allocation.hpp)
+
+TEST_CASE("budget: allocation_from_name gives each scheme's allocator and budgets") {
+  const index_t L = 3, H = 2, P = 40;
+  const protection prot{2, 4};
+  for (const budget_scheme s : all_budget_schemes) {
+    CAPTURE(budget_scheme_name(s));
+    REQUIRE(value_of(budget_scheme_from_name(budget_scheme_name(s))) == s);
+    for (const index_t B : {index_t{6}, index_t{17}, index_t{40}, index_t{90}}) {
+      CAPTURE(B);
+      const index_t Bc = std::min(B, P);
+      std::vector<std::int32_t> got(static_cast<std::size_t>(L * H), -1), want(got.size(), -1);
+      const auto gv = value_of(make_matrix_view(got.data(), L, H));
+      const auto wv = value_of(make_matrix_view(want.data(), L, H));
+      std::vector<std::uint8_t> mask{1, 0, 0, 0, 0, 1};
+      allocation_request req;
+      req.budget = B;
+      req.prompt = P;
+      req.prot = prot;
+      req.retrieval = value_of(make_matrix_view<const std::uint8_t>(mask.data(), L, H));
+      allocation a;
+      index_t kept = -1;
+      REQUIRE(allocation_from_name(budget_scheme_name(s), req, gv, &a, &kept).ok());
+      index_t want_kept = Bc * L * H;
+      switch (s) {
+        case budget_scheme::uniform:
+        case budget_scheme::adakv:
+          CHECK(a.kind == (s == budget_scheme::adakv ? allocator::adakv : allocator::per_head));
+          REQUIRE(uniform_budgets(Bc * L * H, P, prot, wv).ok());
+          break;
+        case budget_scheme::pyramid: {
+          CHECK(a.kind == allocator::per_head);
+          pyramid_options po;
+          po.prot = prot;
+          REQUIRE(pyramid_budgets(Bc, P, po, wv).ok());
+          break;
+        }
+        case budget_scheme::lava:
+        case budget_scheme::cake:
+          CHECK(a.kind == (s == budget_scheme::lava ? allocator::lava : allocator::cake));
+          CHECK(a.total == Bc * L * H);
+          CHECK(a.budgets.data_handle() == nullptr);
+          break;
+        case budget_scheme::duo: {
+          CHECK(a.kind == allocator::per_head);
+          duo_options dopt;
+          dopt.streaming = prot;
+          REQUIRE(duo_budgets(req.retrieval, P, dopt, wv, &want_kept).ok());
+          break;
+        }
+      }
+      CHECK(got == want);
+      CHECK(kept == want_kept);
+      if (a.kind != allocator::lava && a.kind != allocator::cake) CHECK(a.budgets.data_handle() == got.data());
+    }
+  }
+  // errors: out unchanged
+  std::vector<std::int32_t> b(static_cast<std::size_t>(L * H));
+  const auto bv = value_of(make_matrix_view(b.data(), L, H));
+  allocation a;
+  a.total = 123;
+  allocation_request req;
+  req.budget = 10;
+  req.prompt = P;
+  req.prot = prot;
+  require_error(allocation_from_name("pyramidkv", req, bv, &a), errc::invalid_argument, "unknown budget scheme 'pyramidkv'");
+  require_error(allocation_from_name("duo", req, bv, &a), errc::shape_mismatch, "duo needs the [3][2] retrieval-head mask");
+  req.budget = 4;  // below the 6 protected tokens
+  require_error(allocation_from_name("uniform", req, bv, &a), errc::invalid_argument, "protected");
+  req.budget = -1;
+  require_error(make_allocation(budget_scheme::lava, req, bv, &a), errc::invalid_argument, "budget -1 per head");
+  req.budget = 10;
+  require_error(make_allocation(static_cast<budget_scheme>(9), req, bv, &a), errc::invalid_argument,
+                "unknown budget_scheme value 9");
+  require_error(make_allocation(budget_scheme::uniform, req, bv, nullptr), errc::null_pointer, "out is null");
+  CHECK(a.total == 123);
+  CHECK(a.kind == allocator::per_head);
 }

@@ -108,8 +108,11 @@ struct engine_layer {
   std::vector<pos_t> positions(index_t h) const {
     return {pos.begin() + h * C, pos.begin() + h * C + lens[static_cast<std::size_t>(h)]};
   }
-  /// What an engine does with a driver's answer: compact keys, values and positions in place.
-  void compact(ragged_positions kept) {
+  ragged_cache<pos_t> pc() { return {pos.data(), cu.data(), lens.data(), H, 1, 1}; }
+  /// What an engine does with a driver's answer: compact keys, values and positions at once.
+  void compact(ragged_positions kept) { REQUIRE(compact_layer(seq, kc(), vc(), pc(), kept).ok()); }
+  /// The same with three compact_inplace calls (the lengths copied, the caches share them).
+  void compact_by_stages(ragged_positions kept) {
     auto with_scratch = [&](auto c) {
       std::copy(lens.begin(), lens.end(), scratch.begin());
       c.lens = scratch.data();
@@ -184,6 +187,22 @@ std::vector<float> ref_head_scores(const recipe& r, const synth& s, index_t l, i
   REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
   out.resize(static_cast<std::size_t>(n));
   return out;
+}
+
+/// What an engine or a trained scorer hands to add_layer_scores / step_scores: recipe r's scores
+/// of every head's rows of `lay`, [H][C] (row h: its first lens[h] columns).
+std::vector<float> layer_scores(const recipe& r, const synth& s, index_t l, const engine_layer& lay,
+                                const std::vector<float>& qblock, index_t qrows, const std::vector<float>* block_keys) {
+  std::vector<float> out(static_cast<std::size_t>(lay.H * lay.C), 0.f);
+  for (index_t h = 0; h < lay.H; ++h) {
+    const auto sc = ref_head_scores(r, s, l, h, lay.positions(h), qblock, qrows, block_keys);
+    std::copy(sc.begin(), sc.end(), out.begin() + h * lay.C);
+  }
+  return out;
+}
+
+matrix_view<const float> scores_view(const std::vector<float>& sc, index_t H, index_t C) {
+  return value_of(make_matrix_view<const float>(sc.data(), H, C));
 }
 
 /// Selection order of the library: higher first, ties to the lower (head, row).
@@ -364,7 +383,7 @@ template <class Backend>
 std::vector<std::vector<std::vector<pos_t>>> run_post_fill(Backend be, const post_fill_config& cfg, const pf_setup& u,
                                                            std::vector<engine_layer>& layers,
                                                            const std::vector<double>& weights,
-                                                           eviction_recorder* rec = nullptr) {
+                                                           eviction_recorder* rec = nullptr, bool by_scores = false) {
   std::vector<unsigned char> mem(value_of(post_fill_driver::state_bytes(cfg)));
   post_fill_driver d;
   REQUIRE(d.init(cfg, mem.data(), mem.size(), rec).ok());
@@ -378,9 +397,15 @@ std::vector<std::vector<std::vector<pos_t>>> run_post_fill(Backend be, const pos
   for (index_t l = 0; l < u.s.L; ++l) {
     const auto qb = gather_queries(u.s, l, qpos);
     const auto bk = u.block_keys ? gather_keys(u.s, l, qpos) : std::vector<float>{};
-    const status st = d.add_layer(be, ws, l, layers[static_cast<std::size_t>(l)].view(), block_view(qb, u.s.Hq, qr, u.s.d),
-                                  u.block_keys ? block_view(bk, u.s.H, qr, u.s.d) : kv_view<const float>{},
-                                  weights.empty() ? 0.0 : weights[static_cast<std::size_t>(l)]);
+    const double wl = weights.empty() ? 0.0 : weights[static_cast<std::size_t>(l)];
+    const auto& lay = layers[static_cast<std::size_t>(l)];
+    // by_scores: the engine scores with the recipe itself and hands the scores over
+    const auto sc = by_scores ? layer_scores(cfg.rec, u.s, l, lay, qb, qr, &bk) : std::vector<float>{};
+    const status st = by_scores ? d.add_layer_scores(be, ws, l, layers[static_cast<std::size_t>(l)].view(),
+                                                     scores_view(sc, u.s.H, lay.C), wl)
+                                : d.add_layer(be, ws, l, layers[static_cast<std::size_t>(l)].view(),
+                                              block_view(qb, u.s.Hq, qr, u.s.d),
+                                              u.block_keys ? block_view(bk, u.s.H, qr, u.s.d) : kv_view<const float>{}, wl);
     REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
     const bool per_layer = cfg.alloc.kind != allocator::lava && cfg.alloc.kind != allocator::cake;
     CHECK(d.ready(l) == per_layer);
@@ -535,11 +560,13 @@ TEST_CASE("drivers: post-fill with per-layer allocators matches the reference (r
         CAPTURE(ri);
         CAPTURE(static_cast<int>(kind));
         const auto ref = ref_post_fill(cfg, u, layers, {});
-        auto layers_par = layers;
+        auto layers_par = layers, layers_sc = layers;
         const auto got = run_post_fill(seq, cfg, u, layers, {});
         const auto got_par = run_post_fill(par, cfg, u, layers_par, {});
         REQUIRE(got == ref);
         REQUIRE(got_par == got);
+        // add_layer_scores fed recipe_scores' output == add_layer
+        REQUIRE(run_post_fill(seq, cfg, u, layers_sc, {}, nullptr, true) == got);
         ++cases;
       }
   CHECK(cases == 4 * 9 * 3);
@@ -632,10 +659,11 @@ TEST_CASE("drivers: post-fill with LAVa and CAKE budgets (all layers) matches th
     }
     CAPTURE(seed);
     const auto ref = ref_post_fill(cfg, u, layers, prefs);
-    auto layers_par = layers;
+    auto layers_par = layers, layers_sc = layers;
     const auto got = run_post_fill(seq, cfg, u, layers, prefs);
     REQUIRE(got == ref);
     REQUIRE(run_post_fill(par, cfg, u, layers_par, prefs) == got);
+    REQUIRE(run_post_fill(seq, cfg, u, layers_sc, prefs, nullptr, true) == got);  // add_layer_scores
     index_t kept = 0;
     for (auto& lay : got)
       for (auto& hd : lay) kept += static_cast<index_t>(hd.size());
@@ -730,9 +758,15 @@ TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's ca
     REQUIRE(drv.init(cfg, mem.data(), mem.size(), &rec).ok());
     aligned_buf wb;
     workspace ws = make_ws(drv, seq, wb);
+    // a second driver fed the engine's own scores (add_layer_scores)
+    std::vector<unsigned char> mem_sc(mem.size());
+    cascade_driver drv_sc;
+    REQUIRE(drv_sc.init(cfg, mem_sc.data(), mem_sc.size()).ok());
+    aligned_buf wb_sc;
+    workspace ws_sc = make_ws(drv_sc, seq, wb_sc);
     // by hand: the same stages and a layer_cascade of its own
     cascade_config cc{L, H, N, {r.n_sink, r.n_recent}, cfg.total, cfg.split};
-    std::vector<unsigned char> cmem(value_of(layer_cascade::memory_bytes(cc)));
+    std::vector<unsigned char> cmem(value_of(layer_cascade::state_bytes(cc)));
     layer_cascade hand;
     REQUIRE(hand.init(cc, cmem.data(), cmem.size()).ok());
     auto layers = make_layers(L, H, d, N);
@@ -750,6 +784,12 @@ TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's ca
         std::copy(per.back().begin(), per.back().end(), sc.begin() + h * N);
       }
       const auto sv = value_of(make_matrix_view<const float>(sc.data(), H, N));
+      REQUIRE(drv_sc.add_layer_scores(seq, ws_sc, l, e.view(), sv, prefs[static_cast<std::size_t>(l)]).ok());
+      CHECK(drv_sc.layer_weight(l) == drv.layer_weight(l));
+      for (index_t j = 0; j <= l; ++j) {
+        CHECK(drv_sc.changed(j) == drv.changed(j));
+        CHECK(to_lists(drv_sc.kept(j)) == to_lists(drv.kept(j)));
+      }
       double weight = prefs[static_cast<std::size_t>(l)];
       if (lava_split) {
         lava_entropy_options eo;
@@ -841,7 +881,7 @@ index_t floor_frac(double p, index_t n) { return n <= 0 ? 0 : static_cast<index_
 /// Runs the chunked driver over an engine; returns, per chunk, the kept positions [layer][head].
 template <class Backend>
 std::vector<std::vector<std::vector<std::vector<pos_t>>>> run_chunked(Backend be, const chunk_case& c,
-                                                                     eviction_recorder* rec) {
+                                                                     eviction_recorder* rec, bool by_scores = false) {
   const chunked_config cfg = chunk_cfg(c);
   const index_t L = c.s.L, H = c.s.H, w = c.r.window;
   std::vector<unsigned char> mem(value_of(chunked_driver::state_bytes(cfg)));
@@ -864,8 +904,12 @@ std::vector<std::vector<std::vector<std::vector<pos_t>>>> run_chunked(Backend be
       lay.append(c.s, l, b, e);
       const auto qb = gather_queries(c.s, l, qpos);
       const auto pk = gather_keys(c.s, l, qpos);
-      const status st = d.add_layer(be, ws, l, lay.view(), block_view(qb, c.s.Hq, qr, c.s.d),
-                                    pb.count > 0 && c.patch_keys ? block_view(pk, H, qr, c.s.d) : kv_view<const float>{});
+      const bool keys = pb.count > 0 && c.patch_keys;
+      const auto sc = by_scores ? layer_scores(d.chunk_recipe(), c.s, l, lay, qb, qr, keys ? &pk : nullptr)
+                                : std::vector<float>{};
+      const status st = by_scores ? d.add_layer_scores(be, ws, l, lay.view(), scores_view(sc, H, lay.C))
+                                  : d.add_layer(be, ws, l, lay.view(), block_view(qb, c.s.Hq, qr, c.s.d),
+                                                keys ? block_view(pk, H, qr, c.s.d) : kv_view<const float>{});
       REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
     }
     REQUIRE(d.decide(be, ws).ok());
@@ -1055,6 +1099,7 @@ TEST_CASE("drivers: chunked naive / patched, budget / fraction, every allocator,
         const auto got = run_chunked(seq, c, &rec);
         REQUIRE(got == ref);
         REQUIRE(run_chunked(par, c, nullptr) == got);
+        REQUIRE(run_chunked(seq, c, nullptr, true) == got);  // add_layer_scores with chunk_recipe()'s scores
         for (index_t l = 0; l < L; ++l)
           for (index_t h = 0; h < H; ++h) CHECK(recorded(rec, l, h, c.N) == ref_at[l][h]);
         // footprint over the prompt: the recorder's schedule against the naive count
@@ -1174,7 +1219,7 @@ std::vector<pos_t> decode_query_positions(const recipe& r, index_t t) {
 /// Runs the decode driver; returns, per step, the positions every (layer, head) holds afterwards.
 template <class Backend>
 std::vector<std::vector<std::vector<std::vector<pos_t>>>> run_decode(Backend be, const decode_case& c,
-                                                                    eviction_recorder* rec) {
+                                                                    eviction_recorder* rec, bool by_scores = false) {
   const decode_config cfg = decode_cfg(c);
   const index_t L = c.s.L, H = c.s.H;
   std::vector<unsigned char> mem(value_of(decode_driver::state_bytes(cfg)));
@@ -1196,7 +1241,18 @@ std::vector<std::vector<std::vector<std::vector<pos_t>>>> run_decode(Backend be,
       const bool needs = c.r.kind == recipe_kind::h2o || d.evicts_next(l);
       const auto qpos = needs ? decode_query_positions(c.r, t) : std::vector<pos_t>{};
       const auto qb = gather_queries(c.s, l, qpos);
-      const status st = d.step(be, ws, l, lay.view(), block_view(qb, c.s.Hq, static_cast<index_t>(qpos.size()), c.s.d));
+      const auto qr = static_cast<index_t>(qpos.size());
+      // by_scores: H2O hands over the new token's attention (a TOVA recipe without protection),
+      // the others their eviction scores when the step may evict
+      recipe sr = c.r;
+      if (c.r.kind == recipe_kind::h2o) {
+        sr.kind = recipe_kind::tova;
+        sr.n_sink = sr.n_recent = 0;
+      }
+      const auto sc = by_scores && needs ? layer_scores(sr, c.s, l, lay, qb, qr, nullptr) : std::vector<float>{};
+      const status st = by_scores ? d.step_scores(be, ws, l, lay.view(),
+                                                  needs ? scores_view(sc, H, lay.C) : matrix_view<const float>{})
+                                  : d.step(be, ws, l, lay.view(), block_view(qb, c.s.Hq, qr, c.s.d));
       REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
       CHECK(d.tokens(l) == t + 1);
       if (d.evicted(l)) lay.compact(d.kept(l));
@@ -1287,6 +1343,7 @@ TEST_CASE("drivers: decode-time eviction with TOVA, window recipes, Knorm, Strea
       const auto got = run_decode(seq, c, nullptr);
       REQUIRE(got == ref_decode(c));
       REQUIRE(run_decode(par, c, nullptr) == got);
+      REQUIRE(run_decode(seq, c, nullptr, true) == got);  // step_scores with recipe_scores' output
       ++cases;
     }
   CHECK(cases == 24);
@@ -1310,6 +1367,7 @@ TEST_CASE("drivers: decode-time H2O equals a naive accumulated-attention simulat
     CAPTURE(seed);
     const auto got = run_decode(seq, c, nullptr);
     REQUIRE(run_decode(par, c, nullptr) == got);
+    REQUIRE(run_decode(seq, c, nullptr, true) == got);  // step_scores with each step's attention
     // naive: per head, held positions with their accumulated attention (double), softmax of the new
     // token's query over the held keys, mean over the group's query heads
     const index_t grp = Hq / H;
@@ -2046,4 +2104,133 @@ TEST_CASE("drivers: chunked patched eviction and decode-time H2O on the runner's
   for (index_t j = 1; j <= 32; ++j) per_row += j + 2 * (B + j);
   for (index_t j = 1; j <= 4; ++j) per_row += 2 * (B + j);
   CHECK(usage.resident == per_row * L * H);
+}
+
+// =================================================================================================
+// compact_layer and the scores entry points' own errors
+
+TEST_CASE("drivers: compact_layer equals compacting keys, values and positions one by one; errors write nothing") {
+  for (std::uint64_t seed = 201; seed <= 212; ++seed) {
+    auto g = kvtest::rng(seed);
+    const index_t H = kvtest::uniform_int(g, 1, 4), d = kvtest::uniform_int(g, 1, 9), C = kvtest::uniform_int(g, 4, 30);
+    const synth s = make_synth(seed, 1, H, H, d, C);
+    engine_layer a(H, d, C);
+    for (index_t h = 0; h < H; ++h)
+      for (index_t p = 0; p < C; ++p)
+        if (kvtest::uniform_int(g, 0, 3) > 0) a.push(s, 0, h, static_cast<pos_t>(p));
+    // kept: a random ascending subset of every head's rows
+    std::vector<std::int32_t> cu{0};
+    std::vector<pos_t> kpos;
+    for (index_t h = 0; h < H; ++h) {
+      for (std::int32_t j = 0; j < a.lens[static_cast<std::size_t>(h)]; ++j)
+        if (kvtest::uniform_int(g, 0, 1) == 1) kpos.push_back(j);
+      cu.push_back(static_cast<std::int32_t>(kpos.size()));
+    }
+    kpos.push_back(0);  // never empty storage
+    const ragged_positions kept{kpos.data(), cu.data(), H};
+    engine_layer b = a;
+    a.compact(kept);
+    b.compact_by_stages(kept);
+    CHECK(a.lens == b.lens);
+    for (index_t h = 0; h < H; ++h) {
+      CHECK(a.positions(h) == b.positions(h));
+      const auto n = static_cast<std::size_t>(a.lens[static_cast<std::size_t>(h)]);
+      CHECK(std::equal(a.keys.begin() + h * C * d, a.keys.begin() + h * C * d + n * d, b.keys.begin() + h * C * d));
+      CHECK(std::equal(a.values.begin() + h * C * d, a.values.begin() + h * C * d + n * d, b.values.begin() + h * C * d));
+    }
+  }
+  // separate length arrays: all three updated
+  const index_t H = 2, d = 3, C = 6;
+  const synth s = make_synth(7, 1, H, H, d, C);
+  engine_layer e(H, d, C);
+  e.append(s, 0, 0, C);
+  std::vector<std::int32_t> vl(e.lens), pl(e.lens);
+  ragged_cache<float> vc = e.vc();
+  vc.lens = vl.data();
+  ragged_cache<pos_t> pc = e.pc();
+  pc.lens = pl.data();
+  std::vector<std::int32_t> cu{0, 2, 3};
+  std::vector<pos_t> kp{1, 4, 5};
+  const ragged_positions kept{kp.data(), cu.data(), H};
+  const engine_layer before = e;
+  // errors: nothing is written
+  std::vector<pos_t> bad{4, 1, 5};
+  require_error(compact_layer(seq, e.kc(), vc, pc, ragged_positions{bad.data(), cu.data(), H}), errc::not_sorted,
+                "strictly ascending");
+  std::vector<pos_t> past{1, 6, 5};
+  require_error(compact_layer(seq, e.kc(), vc, pc, ragged_positions{past.data(), cu.data(), H}), errc::out_of_range,
+                "outside [0, 6)");
+  require_error(compact_layer(seq, e.kc(), vc, pc, ragged_positions{kp.data(), cu.data(), 1}), errc::shape_mismatch,
+                "kept lists 1 heads, the layer has 2");
+  vl[1] = 5;
+  require_error(compact_layer(seq, e.kc(), vc, pc, kept), errc::shape_mismatch, "head 1 holds 6 key rows, 5 value rows");
+  vl[1] = 6;
+  ragged_positions inside{e.pos.data(), cu.data(), H};
+  require_error(compact_layer(seq, e.kc(), vc, pc, inside), errc::overlap, "kept");
+  ragged_cache<pos_t> wide = pc;
+  wide.dim = 2;
+  CHECK_FALSE(compact_layer(seq, e.kc(), vc, wide, kept).ok());
+  CHECK(e.keys == before.keys);
+  CHECK(e.values == before.values);
+  CHECK(e.pos == before.pos);
+  CHECK(e.lens == before.lens);
+  REQUIRE(compact_layer(par, e.kc(), vc, pc, kept).ok());
+  CHECK(e.lens == std::vector<std::int32_t>{2, 1});
+  CHECK(vl == e.lens);
+  CHECK(pl == e.lens);
+  CHECK(e.positions(0) == std::vector<pos_t>{1, 4});
+  CHECK(e.positions(1) == std::vector<pos_t>{5});
+  CHECK(std::equal(e.keys.begin(), e.keys.begin() + d, s.key(0, 1, 0)));
+  CHECK(std::equal(e.values.begin() + (C + 0) * d, e.values.begin() + (C + 1) * d, s.value(0, 5, 1)));
+}
+
+TEST_CASE("drivers: the scores entry points check the scores; they need no queries") {
+  const index_t L = 2, H = 2, Hq = 4, d = 8, P = 20;
+  const synth s = make_synth(3, L, H, Hq, d, P);
+  std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H), 10);
+  post_fill_config cfg;
+  cfg.model = {L, H, Hq, d};
+  cfg.tokens = P;
+  cfg.rec = small_window(recipe::snapkv(), 4);
+  cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+  std::vector<unsigned char> mem(value_of(post_fill_driver::state_bytes(cfg)));
+  post_fill_driver drv;
+  auto layers = make_layers(L, H, d, P);
+  for (index_t l = 0; l < L; ++l) layers[static_cast<std::size_t>(l)].append(s, l, 0, P);
+  std::vector<float> sc(static_cast<std::size_t>(H * P), 1.0f);
+  workspace none;
+  require_error(drv.add_layer_scores(seq, none, 0, layers[0].view(), scores_view(sc, H, P)), errc::invalid_argument,
+                "not initialised (init)");
+  REQUIRE(drv.init(cfg, mem.data(), mem.size()).ok());
+  aligned_buf wb;
+  workspace ws = make_ws(drv, seq, wb);
+  workspace q;  // the same two-phase size as add_layer
+  REQUIRE(drv.add_layer_scores(seq, q, 0, layers[0].view(), scores_view(sc, H, P)).ok());
+  CHECK(q.bytes == ws.bytes);
+  require_error(drv.add_layer_scores(seq, ws, 0, layers[0].view(), scores_view(sc, H, P - 1)), errc::shape_mismatch,
+                "scores are [2][19], expected [2 KV heads][at least 20 rows]");
+  require_error(drv.add_layer_scores(seq, ws, 0, layers[0].view(), scores_view(sc, 1, P)), errc::shape_mismatch,
+                "scores are [1][20]");
+  sc[7] = std::nanf("");
+  require_error(drv.add_layer_scores(seq, ws, 0, layers[0].view(), scores_view(sc, H, P)), errc::invalid_argument,
+                "scores[0][7] is NaN");
+  sc[7] = 0.5f;
+  require_error(drv.add_layer_scores(seq, ws, 1, layers[1].view(), scores_view(sc, H, P)), errc::invalid_argument,
+                "layer 1 given, expected layer 0");
+  // accepted without the window's queries; the protected rows are kept whatever the scores say
+  for (index_t h = 0; h < H; ++h)
+    for (index_t j = 0; j < P; ++j) sc[static_cast<std::size_t>(h * P + j)] = -float(j);
+  REQUIRE(drv.add_layer_scores(seq, ws, 0, layers[0].view(), scores_view(sc, H, P)).ok());
+  REQUIRE(drv.ready(0));
+  const auto k = to_lists(drv.kept(0));
+  for (index_t h = 0; h < H; ++h) {
+    const auto& kh = k[static_cast<std::size_t>(h)];
+    REQUIRE(kh.size() == 10u);
+    // the last 4 rows (n_recent = the window) are protected; the other 6 score highest at the
+    // lowest positions (the sinks among them)
+    std::vector<pos_t> want = range_of(0, 6);
+    for (index_t j = P - 4; j < P; ++j) want.push_back(static_cast<pos_t>(j));
+    CHECK(cfg.rec.n_sink <= 6);
+    CHECK(kh == want);
+  }
 }

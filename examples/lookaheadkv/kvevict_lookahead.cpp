@@ -14,6 +14,7 @@
 #include <lookaheadkv/train.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
+#include <runner/shipped_models.hpp>
 
 #include <CLI/CLI.hpp>
 
@@ -25,10 +26,6 @@
 #include <string>
 #include <vector>
 
-
-#ifndef KVEVICT_SOURCE_DIR
-#  define KVEVICT_SOURCE_DIR "."
-#endif
 
 namespace {
 
@@ -62,7 +59,7 @@ void progress_line(const char* what, index_t done, index_t total, const clock_si
 // ---- options -------------------------------------------------------------------------------
 
 struct common_options {
-  std::string model = KVEVICT_SOURCE_DIR "/models/stories260K.bin";
+  std::string model = kvrun::shipped_model("stories260K.bin");
   int threads = 0;
   index_t response = 64;
 };
@@ -76,7 +73,7 @@ struct train_cli {
 };
 
 struct eval_cli {
-  std::string module = KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin";
+  std::string module = kvrun::shipped_model("lookahead/stories260K-n16.bin");
   std::string json;
   index_t test_pairs = 128;
   std::vector<index_t> budgets{16, 32, 64, 128};

@@ -69,8 +69,9 @@ enum class method : int {
   lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (a prompt_scorer)
   oracle,         ///< the true response's queries (an upper bound)
 };
-/// How budgets are shared by layers and heads (`--allocator`).
-enum class allocator_kind : int { uniform, pyramid, adakv, lava, cake, duo };
+/// How budgets are shared by layers and heads (`--allocator`): the library's budget schemes
+/// (kvevict/budget/allocation.hpp), under their names.
+using kvevict::budget_scheme;
 
 /// When eviction runs (`--driver`).
 enum class driver_kind : int { postfill, layerwise, chunked_naive, chunked_patched, decode };
@@ -88,9 +89,13 @@ inline constexpr named<method> method_names[] = {
     {method::cake, "cake"},   {method::lava, "lava"},                   {method::duo, "duo"},
     {method::laq, "laq"},     {method::laq_pp, "laq++"},                {method::lookaheadkv, "lookaheadkv"},
     {method::oracle, "oracle"}};
-inline constexpr named<allocator_kind> allocator_names[] = {
-    {allocator_kind::uniform, "uniform"}, {allocator_kind::pyramid, "pyramid"}, {allocator_kind::adakv, "adakv"},
-    {allocator_kind::lava, "lava"},       {allocator_kind::cake, "cake"},       {allocator_kind::duo, "duo"}};
+inline constexpr named<budget_scheme> allocator_names[] = {
+    {budget_scheme::uniform, kvevict::budget_scheme_name(budget_scheme::uniform)},
+    {budget_scheme::pyramid, kvevict::budget_scheme_name(budget_scheme::pyramid)},
+    {budget_scheme::adakv, kvevict::budget_scheme_name(budget_scheme::adakv)},
+    {budget_scheme::lava, kvevict::budget_scheme_name(budget_scheme::lava)},
+    {budget_scheme::cake, kvevict::budget_scheme_name(budget_scheme::cake)},
+    {budget_scheme::duo, kvevict::budget_scheme_name(budget_scheme::duo)}};
 inline constexpr named<driver_kind> driver_names[] = {{driver_kind::postfill, "postfill"},
                                                       {driver_kind::layerwise, "layerwise"},
                                                       {driver_kind::chunked_naive, "chunked-naive"},
@@ -121,13 +126,13 @@ status parse_name(std::string_view text, const named<E> (&all)[N], const char* w
 }  // namespace detail
 
 constexpr const char* method_name(method m) noexcept { return detail::name_of(method_names, m); }
-constexpr const char* allocator_name(allocator_kind a) noexcept { return detail::name_of(allocator_names, a); }
+constexpr const char* allocator_name(budget_scheme a) noexcept { return detail::name_of(allocator_names, a); }
 constexpr const char* driver_name(driver_kind d) noexcept { return detail::name_of(driver_names, d); }
 
 inline status parse_method(std::string_view s, method& out) {
   return detail::parse_name(s, method_names, "recipe", out);
 }
-inline status parse_allocator(std::string_view s, allocator_kind& out) {
+inline status parse_allocator(std::string_view s, budget_scheme& out) {
   return detail::parse_name(s, allocator_names, "allocator", out);
 }
 inline status parse_driver(std::string_view s, driver_kind& out) {
@@ -143,7 +148,7 @@ struct evict_options {
   /// Tokens kept per KV head on average (the papers' "B per head": B x H x L in the model),
   /// protected tokens included. A budget of at least the prompt keeps everything.
   index_t budget = 64;
-  std::optional<allocator_kind> alloc;  ///< empty: the method's (default_allocator)
+  std::optional<budget_scheme> alloc;  ///< empty: the method's (default_allocator)
   driver_kind driver = driver_kind::postfill;
   /// Observation window w of the window recipes (SnapKV family, LAQ++'s suffix window), and the
   /// recent tokens every window recipe, H2O and LAQ protect.
@@ -156,17 +161,17 @@ struct evict_options {
 };
 
 /// The allocator a method uses unless told otherwise.
-constexpr allocator_kind default_allocator(method m) noexcept {
+constexpr budget_scheme default_allocator(method m) noexcept {
   switch (m) {
-    case method::pyramidkv: return allocator_kind::pyramid;
-    case method::adakv: return allocator_kind::adakv;
-    case method::cake: return allocator_kind::cake;
-    case method::lava: return allocator_kind::lava;
-    case method::duo: return allocator_kind::duo;
-    default: return allocator_kind::uniform;
+    case method::pyramidkv: return budget_scheme::pyramid;
+    case method::adakv: return budget_scheme::adakv;
+    case method::cake: return budget_scheme::cake;
+    case method::lava: return budget_scheme::lava;
+    case method::duo: return budget_scheme::duo;
+    default: return budget_scheme::uniform;
   }
 }
-inline allocator_kind allocator_of(const evict_options& o) { return o.alloc ? *o.alloc : default_allocator(o.recipe); }
+inline budget_scheme allocator_of(const evict_options& o) { return o.alloc ? *o.alloc : default_allocator(o.recipe); }
 inline index_t sinks_of(const evict_options& o) {
   if (o.sinks >= 0) return o.sinks;
   return o.recipe == method::streaming_llm || o.recipe == method::duo ? 4 : 0;
@@ -237,7 +242,7 @@ inline index_t protected_tokens(const evict_options& o) {
 /// Checks the options against the model, before any prompt is seen (prompt-dependent checks
 /// happen in evictor::prefill). The messages name the command-line options.
 inline status check_evict_options(const config& c, const evict_options& o) {
-  const allocator_kind a = allocator_of(o);
+  const budget_scheme a = allocator_of(o);
   const driver_kind d = o.driver;
   const char* rn = method_name(o.recipe);
   auto err = [](const char* fmt, auto... args) { return status::error(errc::invalid_argument, fmt, args...); };
@@ -257,33 +262,33 @@ inline status check_evict_options(const config& c, const evict_options& o) {
     return err("--budget %lld is below the %lld tokens %s protects (sinks %lld + recent %lld)",
                static_cast<long long>(o.budget), static_cast<long long>(prot), rn,
                static_cast<long long>(sinks_of(o)), static_cast<long long>(prot - sinks_of(o)));
-  if ((a == allocator_kind::duo) != (o.recipe == method::duo))
+  if ((a == budget_scheme::duo) != (o.recipe == method::duo))
     return err("--allocator duo and --recipe duo go together (duo's head types decide every budget)");
   const bool query_block = o.recipe == method::laq || o.recipe == method::laq_pp || o.recipe == method::oracle ||
                            o.recipe == method::lookaheadkv;
   if (query_block && d != driver_kind::postfill)
     return err("--recipe %s needs the whole prompt prefilled first: use --driver postfill", rn);
-  if (o.recipe == method::lookaheadkv && (a == allocator_kind::cake || a == allocator_kind::duo))
+  if (o.recipe == method::lookaheadkv && (a == budget_scheme::cake || a == budget_scheme::duo))
     return err("--recipe lookaheadkv does not take --allocator %s (uniform, pyramid, adakv or lava: the allocators "
                "that budget from per-head scores)",
                allocator_name(a));
-  if (o.recipe == method::laq_pp && a == allocator_kind::duo) return err("--recipe laq++ does not take --allocator duo");
+  if (o.recipe == method::laq_pp && a == budget_scheme::duo) return err("--recipe laq++ does not take --allocator duo");
   switch (d) {
     case driver_kind::postfill: break;
     case driver_kind::layerwise:
-      if (a == allocator_kind::duo) return err("--driver layerwise does not take --allocator duo (use postfill)");
+      if (a == budget_scheme::duo) return err("--driver layerwise does not take --allocator duo (use postfill)");
       break;
     case driver_kind::chunked_naive:
     case driver_kind::chunked_patched:
       if (o.recipe == method::h2o || o.recipe == method::tova)
         return err("--driver %s scores chunks with an observation window: %s is not supported (use postfill or decode)",
                    driver_name(d), rn);
-      if (a == allocator_kind::cake || a == allocator_kind::duo)
+      if (a == budget_scheme::cake || a == budget_scheme::duo)
         return err("--driver %s does not take --allocator %s (uniform, pyramid, adakv or lava)", driver_name(d),
                    allocator_name(a));
       break;
     case driver_kind::decode:
-      if (a == allocator_kind::lava || a == allocator_kind::cake || a == allocator_kind::duo)
+      if (a == budget_scheme::lava || a == budget_scheme::cake || a == budget_scheme::duo)
         return err("--driver decode does not take --allocator %s (uniform, pyramid or adakv)", allocator_name(a));
       break;
   }
@@ -440,59 +445,36 @@ struct duo_heads {
   std::vector<double> global;  ///< [L][H_kv]
 };
 
-/// The allocation of `a` for per-head budget B (clamped to P: a budget of at least the prompt keeps
-/// everything) over a P-token prompt with protection `prot`:
-///   uniform   per_head, uniform_budgets(B H L)
-///   pyramid   per_head, pyramid_budgets(B, P) (exact rounding, beta 20)
-///   adakv     adakv with every layer at B H (alpha 0.2, kvpress's floor)
-///   lava      lava, total B H L
-///   cake      cake, total B H L (the driver takes each layer's preference)
-///   duo       per_head, duo_budgets of the mask that gives the `duo_retrieval_heads(B H L)` most
-///             global heads the whole prompt and the others sinks + recent
-inline status make_allocation(const config& c, allocator_kind a, index_t budget, index_t P, kvevict::protection prot,
+/// The allocation of scheme `a` for per-head budget B (clamped to P: a budget of at least the
+/// prompt keeps everything) over a P-token prompt with protection `prot`: kvevict::make_allocation
+/// (docs/budget.md), duo with the `duo_retrieval_heads(B H L)` most global heads of the calibration
+/// as retrieval heads (prulong_topk_mask).
+inline status plan_allocation(const config& c, budget_scheme a, index_t budget, index_t P, kvevict::protection prot,
                               const duo_heads* duo, allocation_plan& out) {
   const index_t L = c.n_layers, H = c.n_kv_heads, B = std::min(budget, P);
   out = allocation_plan{};
   out.budgets.assign(static_cast<std::size_t>(L * H), 0);
-  const auto view = *kvevict::make_matrix_view(out.budgets.data(), L, H);
-  out.alloc.budgets = view;
-  out.total = B * H * L;
-  switch (a) {
-    case allocator_kind::uniform:
-      out.alloc.kind = kvevict::allocator::per_head;
-      return kvevict::uniform_budgets(B * H * L, P, prot, view);
-    case allocator_kind::pyramid: {
-      out.alloc.kind = kvevict::allocator::per_head;
-      kvevict::pyramid_options po;
-      po.prot = prot;
-      return kvevict::pyramid_budgets(B, P, po, view);
-    }
-    case allocator_kind::adakv:
-      out.alloc.kind = kvevict::allocator::adakv;
-      return kvevict::uniform_budgets(B * H * L, P, prot, view);
-    case allocator_kind::lava:
-    case allocator_kind::cake:
-      out.alloc.kind = a == allocator_kind::lava ? kvevict::allocator::lava : kvevict::allocator::cake;
-      out.alloc.budgets = {};
-      out.alloc.total = B * H * L;
-      out.budgets.clear();
-      return {};
-    case allocator_kind::duo: {
-      if (duo == nullptr || static_cast<index_t>(duo->global.size()) != L * H)
-        return status::error(errc::invalid_argument, "duo: the head types need a calibration (duo_calibration.hpp)");
-      kvevict::duo_options dopt;
-      dopt.streaming = prot;
-      const auto k = kvevict::duo_retrieval_heads(B * H * L, L, H, P, dopt);
-      if (!k) return k.error();
-      std::vector<std::uint8_t> mask(static_cast<std::size_t>(L * H));
-      const auto mview = *kvevict::make_matrix_view(mask.data(), L, H);
-      KVEVICT_TRY(kvevict::prulong_topk_mask(*kvevict::make_matrix_view(duo->global.data(), L, H), *k, mview));
-      out.alloc.kind = kvevict::allocator::per_head;
-      out.retrieval_heads = *k;
-      return kvevict::duo_budgets(kvevict::matrix_view<const std::uint8_t>(mview), P, dopt, view, &out.total);
-    }
+  kvevict::allocation_request req;
+  req.budget = budget;
+  req.prompt = P;
+  req.prot = prot;
+  std::vector<std::uint8_t> mask;
+  if (a == budget_scheme::duo) {
+    if (duo == nullptr || static_cast<index_t>(duo->global.size()) != L * H)
+      return status::error(errc::invalid_argument, "duo: the head types need a calibration (duo_calibration.hpp)");
+    kvevict::duo_options dopt;
+    dopt.streaming = prot;
+    const auto k = kvevict::duo_retrieval_heads(B * H * L, L, H, P, dopt);
+    if (!k) return k.error();
+    mask.assign(static_cast<std::size_t>(L * H), 0);
+    const auto mview = *kvevict::make_matrix_view(mask.data(), L, H);
+    KVEVICT_TRY(kvevict::prulong_topk_mask(*kvevict::make_matrix_view(duo->global.data(), L, H), *k, mview));
+    req.retrieval = mview;
+    out.retrieval_heads = *k;
   }
-  return status::error(errc::invalid_argument, "unknown allocator %d", static_cast<int>(a));
+  KVEVICT_TRY(kvevict::make_allocation(a, req, *kvevict::make_matrix_view(out.budgets.data(), L, H), &out.alloc, &out.total));
+  if (a == budget_scheme::lava || a == budget_scheme::cake) out.budgets.clear();  // a total, no matrix
+  return {};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -535,6 +517,9 @@ struct layer_inputs {
   kvevict::kv_view<const float> queries;       ///< the recipe's query block
   kvevict::kv_view<const float> block_keys;    ///< an external block's own keys, or empty
   double weight = 0.0;                         ///< cake: the layer's preference
+  /// Scores computed elsewhere ([H_kv][>= rows], e.g. a prompt_scorer's): given, the driver takes
+  /// them (add_layer_scores) and the queries are not read.
+  kvevict::matrix_view<const float> scores{};
 };
 
 /// Post-fill eviction with kvevict::post_fill_driver: init, add_layer for every layer with
@@ -548,7 +533,8 @@ status post_fill_decide(kvevict::post_fill_driver& d, driver_scratch& s, const k
   for (int l = 0; l < static_cast<int>(cfg.model.layers); ++l) {
     layer_inputs in;
     KVEVICT_TRY(inputs(l, in));
-    KVEVICT_TRY(d.add_layer(kvevict::seq, ws, l, in.kv, in.queries, in.block_keys, in.weight));
+    if (in.scores.data_handle() != nullptr) KVEVICT_TRY(d.add_layer_scores(kvevict::seq, ws, l, in.kv, in.scores, in.weight));
+    else KVEVICT_TRY(d.add_layer(kvevict::seq, ws, l, in.kv, in.queries, in.block_keys, in.weight));
   }
   return d.decide(kvevict::seq, ws);
 }

@@ -20,6 +20,7 @@
 #include <runner/kv_cache.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
+#include <runner/shipped_models.hpp>
 #include <runner/tokenizer.hpp>
 
 #include <CLI/CLI.hpp>
@@ -32,15 +33,11 @@
 #include <string>
 #include <vector>
 
-#ifndef KVEVICT_SOURCE_DIR
-#  define KVEVICT_SOURCE_DIR "."
-#endif
-
 namespace {
 
 struct options {
-  std::string model = KVEVICT_SOURCE_DIR "/models/stories260K.bin";
-  std::string tokenizer = KVEVICT_SOURCE_DIR "/models/tok512.bin";
+  std::string model = kvrun::shipped_model("stories260K.bin");
+  std::string tokenizer = kvrun::shipped_model("tok512.bin");
   std::string prompt = "Once upon a time";
   int steps = 256;
   float temperature = 0.0f;
@@ -55,7 +52,7 @@ struct options {
   std::string driver = "postfill";
   kvrun::evict_options evict;
   kvevict::index_t calibration = 8;
-  std::string lookahead_module = KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin";
+  std::string lookahead_module = kvrun::shipped_model("lookahead/stories260K-n16.bin");
   kvrun::report_cli report;  // --report and its options (report/report_cli.hpp)
 };
 
@@ -191,7 +188,7 @@ int main(int argc, char** argv) {
     return fail("--lookahead-module needs --recipe lookaheadkv or --report");
   o.evict.recipe = method;
   if (!o.allocator.empty()) {
-    kvrun::allocator_kind a;
+    kvrun::budget_scheme a;
     if (auto st = kvrun::parse_allocator(o.allocator, a); !st.ok()) return fail("--allocator: ", st);
     o.evict.alloc = a;
   }
@@ -252,7 +249,7 @@ int main(int argc, char** argv) {
     if (auto st = cache.init(c); !st.ok()) return fail("", st);
     if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
     kvrun::duo_heads duo;
-    if (kvrun::allocator_of(o.evict) == kvrun::allocator_kind::duo)
+    if (kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo)
       if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
     kvrun::lookahead_module lookahead;
     kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores

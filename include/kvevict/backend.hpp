@@ -1,7 +1,8 @@
 // kvevict/backend.hpp: the execution backends every stage is overloaded on.
 //
 //   kvevict::seq   plain loops on the calling thread (the reference for determinism)
-//   kvevict::par   OpenMP on the host; without -fopenmp it runs the seq code path
+//   kvevict::par   OpenMP on the host; needs OpenMP (CMake: link kvevict::openmp): using it in a
+//                  translation unit compiled without OpenMP is a compile error, not a silent seq
 //   kvevict::cuda  kernels on a CUDA stream (overloads live in <kvevict/cuda/*.cuh>)
 //
 // Every backend returns bit-identical kept sets and compacted caches for the same inputs.
@@ -39,5 +40,22 @@ constexpr bool par_is_parallel() noexcept {
   return false;
 #endif
 }
+
+namespace detail {
+
+/// par_is_parallel() as a dependent constant: a static_assert on it fires only when instantiated.
+template <class Backend>
+inline constexpr bool openmp_for = par_is_parallel();
+
+/// Instantiated, as require_openmp<par_t>, by every par code path (in detail/base/parallel.hpp):
+/// par without OpenMP would quietly run on one thread, so it does not compile instead.
+template <class Backend>
+constexpr void require_openmp() noexcept {
+  static_assert(openmp_for<Backend>,
+                "kvevict::par needs OpenMP, and this translation unit is compiled without it: link "
+                "kvevict::openmp in CMake (or compile with -fopenmp), or use kvevict::seq (one thread)");
+}
+
+}  // namespace detail
 
 }  // namespace kvevict

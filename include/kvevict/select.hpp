@@ -256,6 +256,17 @@ status select_topk(Backend be, workspace& ws, matrix_view<const float> scores, c
   return {};
 }
 
+/// Workspace bytes select_topk_flat needs on backend `be` for `rows` score rows of `columns`
+/// columns: what its size query reports, without views. Never fails for rows, columns >= 0.
+template <class Backend>
+std::size_t select_topk_flat_workspace_bytes(Backend be, index_t rows, index_t columns) {
+  workspace q;
+  detail::workspace_carver carver(q);
+  (void)detail::carve_flat_ws(carver, rows < 0 ? 0 : rows, columns < 0 ? 0 : columns, detail::thread_count(be));
+  (void)carver.finish("select_topk_flat_workspace_bytes");
+  return q.bytes;
+}
+
 /// Flattened (layer-wise) selection, as AdaKV and LAVa allocate head budgets: keeps `total`
 /// entries of the layer. Row r first keeps its own best floors[r] tokens (its safeguard floor;
 /// floors null = no floor); the remaining total - sum(floors) entries are the best (row, position)

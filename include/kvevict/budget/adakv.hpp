@@ -3,7 +3,7 @@
 // docs/budget.md.
 #pragma once
 
-#include <kvevict/budget/common.hpp>
+#include <kvevict/budget/apportion.hpp>
 #include <kvevict/select.hpp>
 
 #include <cmath>
@@ -79,6 +79,12 @@ inline byte_range ws_range(const workspace& ws) {
   return {b, b + ws.bytes};
 }
 
+/// Where select_topk_flat's scratch starts in adakv_budgets' workspace: after H int32 floors,
+/// 64-byte aligned.
+inline std::size_t adakv_select_offset(index_t heads) {
+  return (static_cast<std::size_t>(heads > 0 ? heads : 0) * sizeof(std::int32_t) + 63) / 64 * 64;
+}
+
 /// A workspace starting `offset` bytes into `ws` (a query when ws is a query).
 inline workspace sub_workspace(const workspace& ws, std::size_t offset) {
   workspace s;
@@ -89,6 +95,13 @@ inline workspace sub_workspace(const workspace& ws, std::size_t offset) {
 }
 
 }  // namespace detail
+
+/// Workspace bytes adakv_budgets needs on backend `be` for scores [heads][columns]: what its size
+/// query reports, without views (H int32 floors, then select_topk_flat's workspace).
+template <class Backend>
+std::size_t adakv_budgets_workspace_bytes(Backend be, index_t heads, index_t columns) {
+  return detail::adakv_select_offset(heads) + select_topk_flat_workspace_bytes(be, heads, columns);
+}
 
 /// AdaKV for one layer: scores [H][T] (one row per KV head, protected with protect(opt.prot);
 /// row h's candidates are its first lengths[h] columns, all T when lengths is null), per-head
@@ -125,9 +138,8 @@ status adakv_budgets(Backend be, workspace& ws, matrix_view<const float> scores,
   if (budget < 0)
     return status::error(errc::invalid_argument, "%s: budget %lld is negative", fn, static_cast<long long>(budget));
   // the floors go first in the workspace, select_topk_flat's scratch after them
-  detail::workspace_carver carver(ws);
-  std::int32_t* floors = carver.take<std::int32_t>(static_cast<std::size_t>(H));
-  const std::size_t offset = (carver.used() + 63) / 64 * 64;
+  const std::size_t offset = detail::adakv_select_offset(H);
+  auto* floors = ws.is_query() ? nullptr : reinterpret_cast<std::int32_t*>(ws.data);
   workspace sel = detail::sub_workspace(ws, offset);
   workspace query;
   const index_t total_q = budget > INT32_MAX / H ? 0 : budget * H;  // range checked below

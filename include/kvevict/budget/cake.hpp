@@ -5,14 +5,14 @@
 //   cake_layer_stats(be, attention, &stats)   H_l (entropy) and V_l (variance) of a layer's window attention
 //   cake_preference(stats, opt, &p)           P_l = H_l^(1/tau1) V_l^(1/tau2)
 //   cake_budgets(p, L, B, N, prot, out)       one-shot per-head budgets proportional to P_l
-//   layer_cascade (budget/cascade.hpp)        CAKE's cascading (per_head split)
+//   layer_cascade (budget/layer_cascade.hpp)        CAKE's cascading (per_head split)
 //
 // CAKE's eviction indicator (mean + gamma var of the window attention, gamma = 200) is the score
 // stage's score_reduce::mean_plus_variance; within a layer every head keeps the same number of tokens.
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/budget/common.hpp>
+#include <kvevict/budget/apportion.hpp>
 #include <kvevict/budget/lava.hpp>
 #include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/score.hpp>

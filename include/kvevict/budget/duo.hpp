@@ -7,7 +7,7 @@
 // file read with read_head_mask_tsv), or any calibration.
 #pragma once
 
-#include <kvevict/budget/common.hpp>
+#include <kvevict/budget/apportion.hpp>
 
 #include <type_traits>
 

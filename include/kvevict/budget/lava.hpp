@@ -3,14 +3,14 @@
 //
 //   lava_layer_entropy(be, scores, lengths, opt, &e) e_l of one layer (Eq. 7-8)
 //   lava_layer_budgets(e, L, H, N, prot, total, out) one-shot (post-fill) layer totals
-//   layer_cascade (budget/cascade.hpp)              the layer-by-layer version (Algorithm 2)
+//   layer_cascade (budget/layer_cascade.hpp)              the layer-by-layer version (Algorithm 2)
 //
 // Within a layer, heads share the layer total through the flattened selection (Algorithm 1):
 // select_topk_flat(be, ws, scores, lengths, layer_total, nullptr, cu, pos).
 #pragma once
 
 #include <kvevict/backend.hpp>
-#include <kvevict/budget/common.hpp>
+#include <kvevict/budget/apportion.hpp>
 #include <kvevict/detail/base/parallel.hpp>
 
 #include <cmath>

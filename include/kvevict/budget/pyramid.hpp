@@ -9,7 +9,7 @@
 // and KVCache-Factory's short-prompt fallbacks: N < B keeps everything, N < 2 P keeps B everywhere.
 #pragma once
 
-#include <kvevict/budget/common.hpp>
+#include <kvevict/budget/apportion.hpp>
 
 namespace kvevict {
 

@@ -2,7 +2,7 @@
 // StreamingLLM, ... LAVa Table 4: B_{l,h} = B / (H L)). docs/budget.md.
 #pragma once
 
-#include <kvevict/budget/common.hpp>
+#include <kvevict/budget/apportion.hpp>
 
 namespace kvevict {
 

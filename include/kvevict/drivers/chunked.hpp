@@ -19,9 +19,10 @@
 // new chunk) with the query block and evicts down to the budget or p% of the evictable rows.
 #pragma once
 
-#include <kvevict/drivers/common.hpp>
+#include <kvevict/drivers/detail/driver_skeleton.hpp>
 
 #include <cmath>
+#include <cstdio>
 
 namespace kvevict {
 
@@ -73,12 +74,15 @@ struct patch_block {
 /// sinks, because the prompt's recent window is the patch, whose KV is not in the cache. Knorm and
 /// StreamingLLM read no queries: both modes score them alike (naive).
 /// Recording: a chunk [s, e) evicts at step e.
-class chunked_driver {
+class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, chunked_config> {
+  friend class detail::driver_skeleton<chunked_driver, chunked_config>;
+  friend class detail::prefill_driver_skeleton<chunked_driver, chunked_config>;
+
  public:
-  static result<std::size_t> state_bytes(const chunked_config& cfg) {
-    KVEVICT_TRY(validate("chunked_driver::state_bytes", cfg));
-    return plan(cfg).layout.bytes();
-  }
+  static constexpr const char* name = "chunked_driver";
+
+  // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton; add_layer / add_layer_scores
+  // below (their own signatures) go through detail::prefill_driver_skeleton.
 
   /// Errors: model shape; tokens outside [1, INT32_MAX]; capacity outside [1, INT32_MAX / H];
   /// an invalid recipe, H2O / TOVA (unsupported), an external_block source, a window longer than
@@ -87,33 +91,27 @@ class chunked_driver {
   /// per-head budgets (or layer budgets per head) below n_sink + n_recent; lava total negative
   /// or below L H (n_sink + n_recent); recorder shape; memory null or too small.
   status init(const chunked_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
-    constexpr const char* fn = "chunked_driver::init";
-    KVEVICT_TRY(validate(fn, cfg));
-    KVEVICT_TRY(detail::check_recorder(fn, recorder, cfg.model, cfg.tokens));
+    unsigned char* base = nullptr;
+    KVEVICT_TRY(bind("chunked_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));
     const plan_t p = plan(cfg);
-    KVEVICT_TRY(detail::check_state_memory(fn, memory, bytes, p.layout.bytes()));
-    unsigned char* base = detail::align64(memory);
-    cfg_ = cfg;
     cfg_.alloc.budgets = {};
-    rec_ = recorder;
-    mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
     budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
     expect_ = reinterpret_cast<std::int32_t*>(base + p.expect);
     kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
     kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
     ready_ = base + p.ready;
-    weight_ = reinterpret_cast<double*>(base + p.weight);
-    lens_ = reinterpret_cast<std::int32_t*>(base + p.lens);
-    scores_ = p.lava ? reinterpret_cast<float*>(base + p.scores) : nullptr;
-    rowpos_ = p.lava ? reinterpret_cast<pos_t*>(base + p.rowpos) : nullptr;
     const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    held_ = {p.lava ? reinterpret_cast<float*>(base + p.scores) : nullptr,
+             p.lava ? reinterpret_cast<pos_t*>(base + p.rowpos) : nullptr,
+             reinterpret_cast<std::int32_t*>(base + p.lens), reinterpret_cast<double*>(base + p.weight), H,
+             cfg.capacity};
     for (index_t l = 0; l < L; ++l) {
       ready_[l] = 0;
-      weight_[l] = 0.0;
+      held_.weight[l] = 0.0;
       for (index_t h = 0; h < H; ++h) {
         budgets_[l * H + h] = has_matrix(cfg.alloc.kind) && cfg.target == chunk_target::budget ? cfg.alloc.budgets(l, h) : 0;
         expect_[l * H + h] = 0;
-        lens_[l * H + h] = 0;
+        held_.lens[l * H + h] = 0;
       }
       for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
     }
@@ -125,15 +123,6 @@ class chunked_driver {
     chunks_ = 0;
     ok_ = true;
     return {};
-  }
-
-  template <class Backend>
-  result<std::size_t> workspace_bytes(Backend be) const {
-    if (!ok_) return status::error(errc::invalid_argument, "chunked_driver::workspace_bytes: not initialised (init)");
-    workspace q;
-    ws_layout w;
-    KVEVICT_TRY(carve(be, q, w));
-    return q.bytes;
   }
 
   /// Starts the chunk of prompt positions [begin, end). Errors (nothing changes): not initialised;
@@ -210,95 +199,38 @@ class chunked_driver {
   /// than the capacity; queries or patch keys of the wrong shape; workspace too small or
   /// overlapping the state; the recorder's errors.
   template <class Backend, class T, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
+  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries,
                    kv_view<const T> patch_keys = {}) {
-    constexpr const char* fn = "chunked_driver::add_layer";
-    using QE = std::remove_const_t<Q>;
-    const kv_view<const QE> queries = queries_in;
-    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
-    ws_layout w;
-    KVEVICT_TRY(carve(be, ws, w));
-    if (ws.is_query()) return {};
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
-    if (!open_) return status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
-    if (layer != next_ || layer >= L)
-      return next_ >= L ? status::error(errc::invalid_argument,
-                                        "%s: layer %lld given, but all %lld layers of chunk [%lld, %lld) were added", fn,
-                                        static_cast<long long>(layer), static_cast<long long>(L),
-                                        static_cast<long long>(begin_), static_cast<long long>(end_))
-                        : status::error(errc::invalid_argument,
-                                        "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
-                                        static_cast<long long>(layer), static_cast<long long>(next_));
-    const index_t n = end_ - begin_;
-    detail::row_rules rr;
-    rr.tokens = end_;
-    rr.capacity = C;
-    rr.tail = n;
-    rr.tail_what = "the chunk's tokens";
-    KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
-    for (index_t h = 0; h < H; ++h)
-      if (kv.keys.lens[h] != expect_[layer * H + h] + n)
-        return status::error(errc::shape_mismatch,
-                             "%s: layer %lld head %lld holds %d rows; after the previous chunk it kept %d and the "
-                             "chunk adds %lld, so it should hold %lld (was it compacted with kept(%lld)?)",
-                             fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
-                             expect_[layer * H + h], static_cast<long long>(n),
-                             static_cast<long long>(expect_[layer * H + h] + n), static_cast<long long>(layer));
-    KVEVICT_TRY(detail::check_layer_rows(fn, layer, kv, rr));
-    const bool patch = patch_active();
-    KVEVICT_TRY(detail::check_queries(fn, queries, query_rows(), cfg_.model, patch_keys, patch));
-    if (detail::ws_range(ws).intersects(mem_))
-      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
-
-    const recipe r = chunk_recipe();
-    float* scores = lava() ? scores_ + layer * H * C : w.scores;
-    KVEVICT_TRY(detail::score_layer(be, w.sc, r, kv, cfg_.model.query_heads / H, queries, patch_keys, scores, C));
-    const auto sv = detail::rows_view<const float>(scores, H, C, C);
-    const std::int32_t* lens = kv.keys.lens;
-    if (lava()) {
-      lava_entropy_options eo;
-      eo.prot = {r.n_sink, r.n_recent};
-      eo.norm = cfg_.alloc.lava_norm;
-      double e = 0.0;
-      KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
-      for (index_t h = 0; h < H; ++h) {
-        lens_[layer * H + h] = lens[h];
-        std::memcpy(rowpos_ + (layer * H + h) * C, kv.positions + kv.keys.cu_capacity[h],
-                    static_cast<std::size_t>(lens[h]) * sizeof(pos_t));
-      }
-      weight_[layer] = e;
-      next_ = layer + 1;
-      return {};
-    }
-    // per-layer allocators: how many rows each head / the layer keeps, then select
-    index_t total = 0;
-    for (index_t h = 0; h < H; ++h) {
-      const index_t W = protected_count(lens[h], r.n_sink, r.n_recent);
-      w.counts[h] = static_cast<std::int32_t>(cfg_.target == chunk_target::budget
-                                                  ? (budgets_[layer * H + h] < lens[h] ? budgets_[layer * H + h] : lens[h])
-                                                  : lens[h] - evict_count(lens[h] - W));
-      total += budgets_[layer * H + h];
-    }
-    if (cfg_.alloc.kind != allocator::per_head) {
-      index_t held = 0, W = 0;
-      for (index_t h = 0; h < H; ++h) {
-        held += lens[h];
-        W += protected_count(lens[h], r.n_sink, r.n_recent);
-      }
-      total = cfg_.target == chunk_target::budget ? (total < held ? total : held) : held - evict_count(held - W);
-    }
-    adakv_options ao;
-    ao.alpha = cfg_.alloc.adakv_alpha;
-    ao.floor = cfg_.alloc.floor_rule;
-    ao.prot = {r.n_sink, r.n_recent};
-    KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao,
-                                     kept_cu_ + layer * (H + 1), kept_pos_ + layer * H * C));
-    KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, kept(layer, true), end_, w.evicted, w.evicted_cu));
-    commit(layer);
-    next_ = layer + 1;
-    if (next_ == L) ++chunks_;
-    return {};
+    return add_layer_queries("chunked_driver::add_layer", be, ws, layer, kv, queries, patch_keys, 0.0);
   }
+
+  /// add_layer with scores an engine or a trained scorer computed for the layer's current cache
+  /// instead of the query block: scores [H][>= rows of a head] (row h: head h's rows, the first
+  /// kv.keys.lens[h] columns, in the cache's order), higher = keep. The driver copies them and
+  /// protects what the chunk protects (chunk_protection()), so recipe_scores' output with the
+  /// chunk's recipe gives exactly add_layer's result. Workspace: add_layer's.
+  /// Errors (nothing changes): add_layer's, except the query ones; scores of the wrong shape or NaN.
+  template <class Backend, class T>
+  status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+                          matrix_view<const float> scores) {
+    return add_layer_given_scores("chunked_driver::add_layer_scores", be, ws, layer, kv, scores, 0.0);
+  }
+
+  /// The recipe the current chunk is scored with: naive / final chunks as a prompt window of the
+  /// chunk's last query_rows() rows, patched non-final chunks as an external block (the patch)
+  /// with only the sinks protected. What an engine scoring the chunk itself reproduces.
+  recipe chunk_recipe() const {
+    recipe r = cfg_.rec;
+    if (patch_active()) {
+      r.source = query_source::external_block;
+      r.n_recent = 0;
+    } else if (attention_) {
+      r.window = query_rows();
+    }
+    return r;
+  }
+  /// The protected tokens of the current chunk's heads (chunk_recipe()'s {n_sink, n_recent}).
+  protection chunk_protection() const { return detail::recipe_protection(chunk_recipe()); }
 
   /// After the chunk's last layer: the lava allocator shares the model's target (budget mode:
   /// min(total, rows held); fraction: rows held - floor(p x evictable rows)) by the layers'
@@ -308,11 +240,10 @@ class chunked_driver {
   template <class Backend>
   status decide(Backend be, workspace& ws) {
     constexpr const char* fn = "chunked_driver::decide";
-    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
-    ws_layout w;
-    KVEVICT_TRY(carve(be, ws, w));
+    detail::call_scratch w;
+    KVEVICT_TRY(open_call(fn, be, ws, w));
     if (ws.is_query()) return {};
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads;
     if (!open_) return status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
     if (next_ < L)
       return status::error(errc::invalid_argument, "%s: only %lld of %lld layers of chunk [%lld, %lld) were added", fn,
@@ -322,33 +253,18 @@ class chunked_driver {
     if (decided_)
       return status::error(errc::invalid_argument, "%s: chunk [%lld, %lld) was already decided", fn,
                            static_cast<long long>(begin_), static_cast<long long>(end_));
-    if (detail::ws_range(ws).intersects(mem_))
-      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
-    const recipe r = chunk_recipe();
+    KVEVICT_TRY(check_ws(fn, ws));
     index_t prot_sum = 0, held = 0;
-    for (index_t l = 0; l < L; ++l) {
-      index_t wl = 0, nl = 0;
-      for (index_t h = 0; h < H; ++h) {
-        wl += protected_count(lens_[l * H + h], r.n_sink, r.n_recent);
-        nl += lens_[l * H + h];
-      }
-      w.caps[l] = nl - wl;
-      w.totals[l] = wl;
-      prot_sum += wl;
-      held += nl;
-    }
+    held_.protected_totals(L, chunk_protection(), w.caps, w.totals, &prot_sum, &held);
     index_t keep = cfg_.target == chunk_target::budget ? (cfg_.alloc.total < held ? cfg_.alloc.total : held)
                                                        : held - evict_count(held - prot_sum);
     if (keep < prot_sum) keep = prot_sum;  // not reached: init checks total >= L H (n_sink + n_recent)
-    KVEVICT_TRY(apportion(keep - prot_sum, weight_, w.caps, L, w.shares));
+    KVEVICT_TRY(held_.share_lava_totals(L, keep - prot_sum, w.caps, w.shares, w.totals));
     for (index_t l = 0; l < L; ++l) {
-      const std::int32_t* lens = lens_ + l * H;
-      const auto sv = detail::rows_view<const float>(scores_ + l * H * C, H, C, C);
-      KVEVICT_TRY(detail::select_layer(be, w.sel, allocator::lava, sv, lens, nullptr, w.totals[l] + w.shares[l],
-                                       adakv_options{}, kept_cu_ + l * (H + 1), kept_pos_ + l * H * C));
-      KVEVICT_TRY(detail::record_dropped(
-          rec_, l, H, [&](index_t h) { return rowpos_ + (l * H + h) * C; }, lens, kept(l, true), end_, w.evicted,
-          w.evicted_cu));
+      KVEVICT_TRY(detail::select_layer(be, w.sel, allocator::lava, held_.scores_view(l), held_.lens + l * H, nullptr,
+                                       w.totals[l], adakv_options{}, kept_cu_ + l * (H + 1),
+                                       kept_pos_ + l * H * cfg_.capacity));
+      KVEVICT_TRY(held_.record(rec_, l, kept(l, true), end_, w));
       commit(l);
     }
     decided_ = true;
@@ -375,9 +291,8 @@ class chunked_driver {
   }
   /// lava: layer l's entropy in the current chunk.
   double layer_weight(index_t layer) const noexcept {
-    return ok_ && layer >= 0 && layer < cfg_.model.layers ? weight_[layer] : 0.0;
+    return ok_ && layer >= 0 && layer < cfg_.model.layers ? held_.weight[layer] : 0.0;
   }
-  const chunked_config& config() const noexcept { return cfg_; }
 
  private:
   struct plan_t {
@@ -386,18 +301,6 @@ class chunked_driver {
                 rowpos = 0;
     bool lava = false;
   };
-  struct ws_layout {
-    float* scores = nullptr;
-    detail::score_scratch sc;
-    workspace sel;
-    std::int32_t* counts = nullptr;
-    pos_t* evicted = nullptr;
-    std::int32_t* evicted_cu = nullptr;
-    index_t* caps = nullptr;
-    index_t* shares = nullptr;
-    index_t* totals = nullptr;
-  };
-
   static bool has_matrix(allocator k) {
     return k == allocator::per_head || k == allocator::flattened || k == allocator::adakv;
   }
@@ -411,17 +314,94 @@ class chunked_driver {
     return e < 0 ? 0 : (e > evictable ? evictable : e);
   }
 
-  /// The recipe a chunk is scored with: naive / final chunks as a prompt window of the chunk's
-  /// last rows, patched non-final chunks as an external block with only the sinks protected.
-  recipe chunk_recipe() const {
-    recipe r = cfg_.rec;
-    if (patch_active()) {
-      r.source = query_source::external_block;
-      r.n_recent = 0;
-    } else if (attention_) {
-      r.window = query_rows();
+  /// Where layer l's scores go: the state (lava keeps them until decide) or the workspace.
+  float* scores_of(index_t layer, const detail::call_scratch& w) const {
+    return lava() ? held_.layer_scores(layer) : w.scores;
+  }
+
+  // the hooks of prefill_driver_skeleton's add_layer_queries / add_layer_given_scores
+  index_t query_rows_now() const { return query_rows(); }
+  bool block_keys_now() const { return patch_active(); }
+  recipe score_recipe() const { return chunk_recipe(); }
+  index_t score_columns() const { return cfg_.capacity; }
+  status check_call_rest(const char* fn, const workspace& ws, index_t, const std::int32_t*, double) const {
+    return check_ws(fn, ws);
+  }
+
+  /// add_layer's and add_layer_scores' checks: a chunk begun, the layer in order, its layout, its
+  /// rows (what it kept after the previous chunk, then the chunk's rows).
+  template <class T>
+  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, bool) const {
+    const index_t H = cfg_.model.kv_heads;
+    if (!open_) return status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
+    char scope[64];
+    std::snprintf(scope, sizeof scope, " of chunk [%lld, %lld)", static_cast<long long>(begin_),
+                  static_cast<long long>(end_));
+    KVEVICT_TRY(check_order(fn, layer, next_, cfg_.model.layers, scope));
+    const index_t n = end_ - begin_;
+    detail::row_rules rr;
+    rr.tokens = end_;
+    rr.capacity = cfg_.capacity;
+    rr.tail = n;
+    rr.tail_what = "the chunk's tokens";
+    KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
+    for (index_t h = 0; h < H; ++h)
+      if (kv.keys.lens[h] != expect_[layer * H + h] + n)
+        return status::error(errc::shape_mismatch,
+                             "%s: layer %lld head %lld holds %d rows; after the previous chunk it kept %d and the "
+                             "chunk adds %lld, so it should hold %lld (was it compacted with kept(%lld)?)",
+                             fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
+                             expect_[layer * H + h], static_cast<long long>(n),
+                             static_cast<long long>(expect_[layer * H + h] + n), static_cast<long long>(layer));
+    return detail::check_layer_rows(fn, layer, kv, rr);
+  }
+
+  /// A scored layer (scores: scores_of(layer), protected): lava keeps it until decide(); per-layer
+  /// allocators count what each head / the layer keeps, select, record and answer.
+  template <class Backend, class T>
+  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>& kv, const float* scores,
+                    double) {
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
+    const auto sv = detail::rows_view<const float>(scores, H, C, C);
+    const std::int32_t* lens = kv.keys.lens;
+    const protection prot = chunk_protection();
+    if (lava()) {
+      lava_entropy_options eo;
+      eo.prot = prot;
+      eo.norm = cfg_.alloc.lava_norm;
+      double e = 0.0;
+      KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
+      held_.store(layer, kv, e);
+      next_ = layer + 1;
+      return {};
     }
-    return r;
+    index_t total = 0;
+    for (index_t h = 0; h < H; ++h) {
+      const index_t W = protected_count(lens[h], prot.n_sink, prot.n_recent);
+      w.counts[h] = static_cast<std::int32_t>(cfg_.target == chunk_target::budget
+                                                  ? (budgets_[layer * H + h] < lens[h] ? budgets_[layer * H + h] : lens[h])
+                                                  : lens[h] - evict_count(lens[h] - W));
+      total += budgets_[layer * H + h];
+    }
+    if (cfg_.alloc.kind != allocator::per_head) {
+      index_t held = 0, W = 0;
+      for (index_t h = 0; h < H; ++h) {
+        held += lens[h];
+        W += protected_count(lens[h], prot.n_sink, prot.n_recent);
+      }
+      total = cfg_.target == chunk_target::budget ? (total < held ? total : held) : held - evict_count(held - W);
+    }
+    adakv_options ao;
+    ao.alpha = cfg_.alloc.adakv_alpha;
+    ao.floor = cfg_.alloc.floor_rule;
+    ao.prot = prot;
+    KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao,
+                                     kept_cu_ + layer * (H + 1), kept_pos_ + layer * H * C));
+    KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, kept(layer, true), end_, w.evicted, w.evicted_cu));
+    commit(layer);
+    next_ = layer + 1;
+    if (next_ == L) ++chunks_;
+    return {};
   }
 
   void commit(index_t layer) {
@@ -503,37 +483,20 @@ class chunked_driver {
   }
 
   template <class Backend>
-  status carve(Backend be, workspace& ws, ws_layout& w) const {
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
-    const index_t g = cfg_.model.query_heads / H, d = cfg_.model.head_dim;
+  status carve(Backend be, workspace& ws, detail::call_scratch& w) const {
+    detail::call_scratch_shape s = scratch_shape(cfg_.capacity);
+    s.scores = !lava();
     // the largest of the two scoring shapes: a prompt window of w rows, an external block of w rows
-    int slots = 1, slots2 = 1;
-    std::size_t slot = 0;
-    {
-      const auto a = detail::score_slot_bytes(be, cfg_.rec, g, cfg_.rec.window, C, d, false, H, &slots);
-      if (!a) return a.error();
-      slot = *a;
-      if (cfg_.queries == chunk_queries::patched && attention_) {
-        recipe ext = cfg_.rec;
-        ext.source = query_source::external_block;
-        ext.n_recent = 0;
-        const auto b = detail::score_slot_bytes(be, ext, g, cfg_.rec.window, C, d, true, H, &slots2);
-        if (!b) return b.error();
-        slot = *b > slot ? *b : slot;
-      }
+    KVEVICT_TRY(fit_score_slots(be, cfg_.rec, cfg_.rec.window, false, s));
+    if (cfg_.queries == chunk_queries::patched && attention_) {
+      recipe ext = cfg_.rec;
+      ext.source = query_source::external_block;
+      ext.n_recent = 0;
+      KVEVICT_TRY(fit_score_slots(be, ext, cfg_.rec.window, true, s));
     }
-    const std::size_t sel = detail::select_bytes(be, cfg_.alloc.kind, H, C);
-    detail::workspace_carver c(ws);
-    w.scores = c.take<float>(lava() ? 0 : static_cast<std::size_t>(H * C));
-    detail::carve_score_scratch(c, w.sc, slot, slots > slots2 ? slots : slots2, H);
-    w.sel = workspace{c.take<unsigned char>(sel), sel};
-    w.counts = c.take<std::int32_t>(static_cast<std::size_t>(H));
-    w.evicted = c.take<pos_t>(static_cast<std::size_t>(H * C));
-    w.evicted_cu = c.take<std::int32_t>(static_cast<std::size_t>(H + 1));
-    w.caps = c.take<index_t>(static_cast<std::size_t>(L));
-    w.shares = c.take<index_t>(static_cast<std::size_t>(L));
-    w.totals = c.take<index_t>(static_cast<std::size_t>(L));
-    return c.finish("chunked_driver");
+    s.sel = detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
+    s.layers = cfg_.model.layers;
+    return detail::carve_call_scratch(name, ws, s, w);
   }
 
   ragged_positions kept(index_t layer, bool) const noexcept {
@@ -541,21 +504,15 @@ class chunked_driver {
     return {kept_pos_ + layer * H * cfg_.capacity, kept_cu_ + layer * (H + 1), H};
   }
 
-  chunked_config cfg_{};
-  eviction_recorder* rec_ = nullptr;
-  detail::byte_range mem_{};
   std::int32_t* budgets_ = nullptr;
   std::int32_t* expect_ = nullptr;
   pos_t* kept_pos_ = nullptr;
   std::int32_t* kept_cu_ = nullptr;
   unsigned char* ready_ = nullptr;
-  double* weight_ = nullptr;
-  std::int32_t* lens_ = nullptr;
-  float* scores_ = nullptr;
-  pos_t* rowpos_ = nullptr;
+  detail::held_layers held_{};
   bool attention_ = false;
   index_t begin_ = 0, end_ = 0, next_ = 0, chunks_ = 0;
-  bool decided_ = true, open_ = false, ok_ = false;
+  bool decided_ = true, open_ = false;
 };
 
 }  // namespace kvevict

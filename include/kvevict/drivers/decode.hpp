@@ -16,7 +16,7 @@
 // gather queries); on other steps an empty view is accepted.
 #pragma once
 
-#include <kvevict/drivers/common.hpp>
+#include <kvevict/drivers/detail/driver_skeleton.hpp>
 
 namespace kvevict {
 
@@ -47,12 +47,13 @@ struct decode_config {
 /// min(rows, sum_h budgets(l, h)), heads compete; adakv: B_l = sum_h budgets(l, h) / H per head with
 /// AdaKV's floor when the layer holds more than B_l H. Recording: evictions at step `tokens`
 /// (the number of tokens processed, the new token included).
-class decode_driver {
+class decode_driver : public detail::driver_skeleton<decode_driver, decode_config> {
+  friend class detail::driver_skeleton<decode_driver, decode_config>;
+
  public:
-  static result<std::size_t> state_bytes(const decode_config& cfg) {
-    KVEVICT_TRY(validate("decode_driver::state_bytes", cfg));
-    return plan(cfg).layout.bytes();
-  }
+  static constexpr const char* name = "decode_driver";
+
+  // state_bytes(cfg), workspace_bytes(be), config(): detail::driver_skeleton.
 
   /// Errors: model shape; capacity outside [1, INT32_MAX / H]; interval < 1; an invalid recipe;
   /// query_rows missing for / given to a recipe that does not take it; a window longer than the
@@ -60,16 +61,10 @@ class decode_driver {
   /// n_recent per head (or per head on average for flattened / adakv), adakv totals not a multiple
   /// of H; recorder shape; memory null or too small.
   status init(const decode_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
-    constexpr const char* fn = "decode_driver::init";
-    KVEVICT_TRY(validate(fn, cfg));
-    KVEVICT_TRY(detail::check_recorder(fn, recorder, cfg.model, 1));
+    unsigned char* base = nullptr;
+    KVEVICT_TRY(bind("decode_driver::init", cfg, memory, bytes, recorder, 1, &base));
     const plan_t p = plan(cfg);
-    KVEVICT_TRY(detail::check_state_memory(fn, memory, bytes, p.layout.bytes()));
-    unsigned char* base = detail::align64(memory);
-    cfg_ = cfg;
     cfg_.alloc.budgets = {};
-    rec_ = recorder;
-    mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
     budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
     held_ = reinterpret_cast<std::int32_t*>(base + p.held);
     tokens_ = reinterpret_cast<index_t*>(base + p.tokens);
@@ -94,15 +89,6 @@ class decode_driver {
     block_keys_ = bk;
     ok_ = true;
     return {};
-  }
-
-  template <class Backend>
-  result<std::size_t> workspace_bytes(Backend be) const {
-    if (!ok_) return status::error(errc::invalid_argument, "decode_driver::workspace_bytes: not initialised (init)");
-    workspace q;
-    ws_layout w;
-    KVEVICT_TRY(carve(be, q, w));
-    return q.bytes;
   }
 
   /// Starts (or restarts) decoding on layer l: kv is its cache after `tokens` tokens (positions
@@ -174,108 +160,70 @@ class decode_driver {
     constexpr const char* fn = "decode_driver::step";
     using QE = std::remove_const_t<Q>;
     const kv_view<const QE> queries = queries_in;
-    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
-    ws_layout w;
-    KVEVICT_TRY(carve(be, ws, w));
+    detail::call_scratch w;
+    step_clock at;
+    KVEVICT_TRY(open_step(fn, be, ws, w, layer, kv, at));
     if (ws.is_query()) return {};
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
-    if (layer < 0 || layer >= L)
-      return status::error(errc::out_of_range, "%s: layer %lld is outside [0, %lld)", fn, static_cast<long long>(layer),
-                           static_cast<long long>(L));
-    if (!(flags_[layer] & begun))
-      return status::error(errc::invalid_argument, "%s: layer %lld was not begun (begin)", fn,
-                           static_cast<long long>(layer));
-    flags_[layer] = begun;  // the previous answer is spent, whatever this step gives
-    const index_t now = tokens_[layer] + 1;
-    if (now >= INT32_MAX)
-      return status::error(errc::invalid_argument, "%s: %lld tokens do not fit int32 positions", fn,
-                           static_cast<long long>(now));
-    const bool due = (now - start_[layer]) % cfg_.interval == 0;
-    detail::row_rules rr;
-    rr.tokens = now;
-    rr.capacity = C;
-    rr.tail = 1;
-    rr.tail_what = "the new token";
-    KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
-    for (index_t h = 0; h < H; ++h)
-      if (kv.keys.lens[h] != held_[layer * H + h] + 1)
-        return status::error(errc::shape_mismatch,
-                             "%s: layer %lld head %lld holds %d rows; it held %d and a step adds one (was it compacted "
-                             "with kept(%lld)?)",
-                             fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
-                             held_[layer * H + h], static_cast<long long>(layer));
-    KVEVICT_TRY(detail::check_layer_rows(fn, layer, kv, rr));
+    const index_t now = at.now;
+    const bool due = at.due;
     // the queries this step reads (steps that read none ignore them)
     const bool scoring = due && !h2o_ && evict_rows_ > 0;
     if (h2o_) KVEVICT_TRY(detail::check_queries(fn, queries, 1, cfg_.model, block_keys, false));
     if (scoring) KVEVICT_TRY(detail::check_queries(fn, queries, evict_rows_, cfg_.model, block_keys, block_keys_));
     if (scoring && evict_tail_ > 0) {
+      detail::row_rules rr;
+      rr.tokens = now;
+      rr.capacity = cfg_.capacity;
       rr.tail = evict_tail_;
       rr.tail_what = evict_tail_ == 1 ? "the newest token (TOVA's query)" : "the window's tokens (the last decoded)";
       KVEVICT_TRY(detail::check_layer_rows(fn, layer, kv, rr));
     }
-    if (detail::ws_range(ws).intersects(mem_))
-      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
+    KVEVICT_TRY(check_ws(fn, ws));
 
-    const std::int32_t* lens = kv.keys.lens;
-    const index_t g = cfg_.model.query_heads / H;
+    const index_t H = cfg_.model.kv_heads, g = cfg_.model.query_heads / H;
+    const bool evicting = due && over_budget(layer, kv.keys.lens);
     if (h2o_) {  // the new token's attention over every row (its own included), added to the sums
       recipe r = cfg_.rec;
       r.kind = recipe_kind::tova;
       r.n_sink = r.n_recent = 0;
-      KVEVICT_TRY(detail::score_layer(be, w.sc, r, kv, g, queries, kv_view<const T>{}, w.scores, C));
-      for (index_t h = 0; h < H; ++h) {
-        const float* a = acc_ + (layer * H + h) * C;
-        float* n = w.acc + h * C;
-        for (index_t j = 0; j < lens[h]; ++j) n[j] = (j + 1 < lens[h] ? a[j] : 0.0f) + w.scores[h * C + j];
-      }
+      KVEVICT_TRY(detail::score_layer(be, w.sc, r, kv, g, queries, kv_view<const T>{}, w.scores, cfg_.capacity));
+      accumulate(w, layer, kv.keys.lens);
+    } else if (evicting) {
+      KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, g, queries, block_keys, w.scores, cfg_.capacity));
     }
-    if (!due || !over_budget(layer, lens)) {
-      for (index_t h = 0; h < H; ++h) {
-        held_[layer * H + h] = lens[h];
-        if (h2o_)
-          std::memcpy(acc_ + (layer * H + h) * C, w.acc + h * C, static_cast<std::size_t>(lens[h]) * sizeof(float));
-      }
-      tokens_[layer] = now;
-      return {};
-    }
-    // eviction scores
+    return finish_step(be, w, layer, kv, now, evicting);
+  }
+
+  /// step with scores an engine or a trained scorer computed instead of the queries: scores
+  /// [H][>= rows of a head] (row h: head h's rows, the first kv.keys.lens[h] columns, in the
+  /// cache's order). H2O: the new token's attention over every row, at every step (the driver
+  /// adds it to its sums; recipe_scores of a TOVA recipe without protection gives it); other
+  /// recipes: the eviction scores, higher = keep, read only on steps that evict (evicts_next(l)
+  /// and the layer above its budget; an empty view is accepted otherwise); the driver protects
+  /// the recipe's {n_sink, n_recent} on its copy. recipe_scores' output gives exactly step's
+  /// result. Workspace: step's.
+  /// Errors (nothing changes but evicted(l)): step's, except the query ones; scores of the wrong
+  /// shape or NaN.
+  template <class Backend, class T>
+  status step_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, matrix_view<const float> scores) {
+    constexpr const char* fn = "decode_driver::step_scores";
+    detail::call_scratch w;
+    step_clock at;
+    KVEVICT_TRY(open_step(fn, be, ws, w, layer, kv, at));
+    if (ws.is_query()) return {};
+    const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
+    const bool evicting = at.due && over_budget(layer, kv.keys.lens);
+    if (h2o_ || evicting) KVEVICT_TRY(detail::check_layer_scores(fn, scores, kv.keys.lens, H));
+    KVEVICT_TRY(check_ws(fn, ws));
     if (h2o_) {
       for (index_t h = 0; h < H; ++h)
-        std::memcpy(w.scores + h * C, w.acc + h * C, static_cast<std::size_t>(lens[h]) * sizeof(float));
-      KVEVICT_TRY(protect(be, detail::rows_view(w.scores, H, C, C), cfg_.rec.n_sink, cfg_.rec.n_recent, lens));
-    } else {
-      KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, g, queries, block_keys, w.scores, C));
+        for (index_t j = 0; j < kv.keys.lens[h]; ++j) w.scores[h * C + j] = scores(h, j);
+      accumulate(w, layer, kv.keys.lens);
+    } else if (evicting) {
+      KVEVICT_TRY(detail::take_layer_scores(be, scores, kv.keys.lens, H, detail::recipe_protection(cfg_.rec),
+                                            w.scores, C));
     }
-    const auto sv = detail::rows_view<const float>(w.scores, H, C, C);
-    index_t total = 0;
-    for (index_t h = 0; h < H; ++h) {
-      const std::int32_t b = budgets_[layer * H + h];
-      w.counts[h] = b < lens[h] ? b : lens[h];
-      total += b;
-    }
-    index_t held = 0;
-    for (index_t h = 0; h < H; ++h) held += lens[h];
-    if (total > held) total = held;
-    adakv_options ao;
-    ao.alpha = cfg_.alloc.adakv_alpha;
-    ao.floor = cfg_.alloc.floor_rule;
-    ao.prot = detail::recipe_protection(cfg_.rec);
-    std::int32_t* cu = kept_cu_ + layer * (H + 1);
-    pos_t* pos = kept_pos_ + layer * H * C;
-    KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao, cu, pos));
-    const ragged_positions k{pos, cu, H};
-    KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, k, now, w.evicted, w.evicted_cu));
-    for (index_t h = 0; h < H; ++h) {
-      if (h2o_) {  // the accumulators follow the cache
-        float* a = acc_ + (layer * H + h) * C;
-        for (index_t i = 0; i < k.length(h); ++i) a[i] = w.acc[h * C + pos[cu[h] + i]];
-      }
-      held_[layer * H + h] = static_cast<std::int32_t>(k.length(h));
-    }
-    tokens_[layer] = now;
-    flags_[layer] = begun | evicted_flag;
-    return {};
+    return finish_step(be, w, layer, kv, at.now, evicting);
   }
 
   /// Did the last step of layer l drop rows? Then compact the layer with kept(l).
@@ -305,7 +253,6 @@ class decode_driver {
                ? acc_ + (layer * cfg_.model.kv_heads + head) * cfg_.capacity
                : nullptr;
   }
-  const decode_config& config() const noexcept { return cfg_; }
 
  private:
   static constexpr unsigned char begun = 1, evicted_flag = 2;
@@ -315,16 +262,6 @@ class decode_driver {
     std::size_t budgets = 0, held = 0, tokens = 0, start = 0, flags = 0, kept_pos = 0, kept_cu = 0, acc = 0;
     bool h2o = false;
   };
-  struct ws_layout {
-    float* scores = nullptr;
-    float* acc = nullptr;  // H2O: the sums after this step, committed when the step succeeds
-    detail::score_scratch sc;
-    workspace sel;
-    std::int32_t* counts = nullptr;
-    pos_t* evicted = nullptr;
-    std::int32_t* evicted_cu = nullptr;
-  };
-
   /// The query block read at an eviction: rows, block keys, and how many last rows are its own.
   static status eviction_queries(const char* fn, const recipe& r, index_t given, index_t* rows, bool* block_keys,
                                  index_t* tail) {
@@ -340,15 +277,7 @@ class decode_driver {
         *tail = 1;
         break;
       default:
-        if (r.source == query_source::external_block) {
-          if (given < 1)
-            return status::error(errc::invalid_argument,
-                                 "%s: query_rows = %lld: an external_block recipe needs the block's row count", fn,
-                                 static_cast<long long>(given));
-          *rows = given;
-          *block_keys = true;
-          return {};
-        }
+        if (r.source == query_source::external_block) return detail::external_block_queries(fn, given, rows, block_keys);
         need = r.window;
         *tail = r.window;
     }
@@ -398,32 +327,125 @@ class decode_driver {
   }
 
   template <class Backend>
-  status carve(Backend be, workspace& ws, ws_layout& w) const {
+  status carve(Backend be, workspace& ws, detail::call_scratch& w) const {
+    detail::call_scratch_shape s = scratch_shape(cfg_.capacity);
+    s.acc = h2o_;
+    recipe r = cfg_.rec;
+    if (h2o_) r.kind = recipe_kind::tova;  // H2O scores each step's token like TOVA
+    KVEVICT_TRY(fit_score_slots(be, r, h2o_ ? 1 : evict_rows_, !h2o_ && block_keys_, s));
+    s.sel = detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
+    return detail::carve_call_scratch(name, ws, s, w);
+  }
+
+  /// The tokens a step brings its layer to, and whether an eviction is due at it.
+  struct step_clock {
+    index_t now = 0;
+    bool due = false;
+  };
+
+  /// step's and step_scores' first steps: initialised, the workspace carved (a size query ends
+  /// here), then the layer: begun, its layout, every head holding its previous rows plus the new
+  /// token's row at position tokens(l). The previous answer is spent.
+  template <class Backend, class T>
+  status open_step(const char* fn, Backend be, workspace& ws, detail::call_scratch& w, index_t layer,
+                   const layer_kv<T>& kv, step_clock& at) {
+    KVEVICT_TRY(open_call(fn, be, ws, w));
+    if (ws.is_query()) return {};
+    return check_step_layer(fn, layer, kv, &at.now, &at.due);
+  }
+
+  template <class T>
+  status check_step_layer(const char* fn, index_t layer, const layer_kv<T>& kv, index_t* now, bool* due) {
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads;
+    if (layer < 0 || layer >= L)
+      return status::error(errc::out_of_range, "%s: layer %lld is outside [0, %lld)", fn, static_cast<long long>(layer),
+                           static_cast<long long>(L));
+    if (!(flags_[layer] & begun))
+      return status::error(errc::invalid_argument, "%s: layer %lld was not begun (begin)", fn,
+                           static_cast<long long>(layer));
+    flags_[layer] = begun;  // the previous answer is spent, whatever this step gives
+    *now = tokens_[layer] + 1;
+    if (*now >= INT32_MAX)
+      return status::error(errc::invalid_argument, "%s: %lld tokens do not fit int32 positions", fn,
+                           static_cast<long long>(*now));
+    *due = (*now - start_[layer]) % cfg_.interval == 0;
+    detail::row_rules rr;
+    rr.tokens = *now;
+    rr.capacity = cfg_.capacity;
+    rr.tail = 1;
+    rr.tail_what = "the new token";
+    KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
+    for (index_t h = 0; h < H; ++h)
+      if (kv.keys.lens[h] != held_[layer * H + h] + 1)
+        return status::error(errc::shape_mismatch,
+                             "%s: layer %lld head %lld holds %d rows; it held %d and a step adds one (was it compacted "
+                             "with kept(%lld)?)",
+                             fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
+                             held_[layer * H + h], static_cast<long long>(layer));
+    return detail::check_layer_rows(fn, layer, kv, rr);
+  }
+
+  /// H2O: the step's sums (w.acc) = the held sums (the new row: 0) + this step's attention (w.scores).
+  void accumulate(detail::call_scratch& w, index_t layer, const std::int32_t* lens) const {
     const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
-    const index_t g = cfg_.model.query_heads / H, d = cfg_.model.head_dim;
-    int slots = 1;
-    std::size_t slot = 0;
-    if (h2o_) {
-      recipe r = cfg_.rec;
-      r.kind = recipe_kind::tova;
-      const auto a = detail::score_slot_bytes(be, r, g, 1, C, d, false, H, &slots);
-      if (!a) return a.error();
-      slot = *a;
-    } else {
-      const auto a = detail::score_slot_bytes(be, cfg_.rec, g, evict_rows_, C, d, block_keys_, H, &slots);
-      if (!a) return a.error();
-      slot = *a;
+    for (index_t h = 0; h < H; ++h) {
+      const float* a = acc_ + (layer * H + h) * C;
+      float* n = w.acc + h * C;
+      for (index_t j = 0; j < lens[h]; ++j) n[j] = (j + 1 < lens[h] ? a[j] : 0.0f) + w.scores[h * C + j];
     }
-    const std::size_t sel = detail::select_bytes(be, cfg_.alloc.kind, H, C);
-    detail::workspace_carver c(ws);
-    w.scores = c.take<float>(static_cast<std::size_t>(H * C));
-    w.acc = c.take<float>(h2o_ ? static_cast<std::size_t>(H * C) : 0);
-    detail::carve_score_scratch(c, w.sc, slot, slots, H);
-    w.sel = workspace{c.take<unsigned char>(sel), sel};
-    w.counts = c.take<std::int32_t>(static_cast<std::size_t>(H));
-    w.evicted = c.take<pos_t>(static_cast<std::size_t>(H * C));
-    w.evicted_cu = c.take<std::int32_t>(static_cast<std::size_t>(H + 1));
-    return c.finish("decode_driver");
+  }
+
+  /// The end of a step: without an eviction the layer's rows (and H2O sums) are committed; with
+  /// one, the eviction scores (w.scores, protected; H2O: the sums, protected here) select what
+  /// the layer keeps, the dropped rows are recorded and kept(l) answers.
+  template <class Backend, class T>
+  status finish_step(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>& kv, index_t now,
+                     bool evicting) {
+    const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
+    const std::int32_t* lens = kv.keys.lens;
+    if (!evicting) {
+      for (index_t h = 0; h < H; ++h) {
+        held_[layer * H + h] = lens[h];
+        if (h2o_)
+          std::memcpy(acc_ + (layer * H + h) * C, w.acc + h * C, static_cast<std::size_t>(lens[h]) * sizeof(float));
+      }
+      tokens_[layer] = now;
+      return {};
+    }
+    if (h2o_) {
+      for (index_t h = 0; h < H; ++h)
+        std::memcpy(w.scores + h * C, w.acc + h * C, static_cast<std::size_t>(lens[h]) * sizeof(float));
+      KVEVICT_TRY(protect(be, detail::rows_view(w.scores, H, C, C), cfg_.rec.n_sink, cfg_.rec.n_recent, lens));
+    }
+    const auto sv = detail::rows_view<const float>(w.scores, H, C, C);
+    index_t total = 0;
+    for (index_t h = 0; h < H; ++h) {
+      const std::int32_t b = budgets_[layer * H + h];
+      w.counts[h] = b < lens[h] ? b : lens[h];
+      total += b;
+    }
+    index_t held = 0;
+    for (index_t h = 0; h < H; ++h) held += lens[h];
+    if (total > held) total = held;
+    adakv_options ao;
+    ao.alpha = cfg_.alloc.adakv_alpha;
+    ao.floor = cfg_.alloc.floor_rule;
+    ao.prot = detail::recipe_protection(cfg_.rec);
+    std::int32_t* cu = kept_cu_ + layer * (H + 1);
+    pos_t* pos = kept_pos_ + layer * H * C;
+    KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao, cu, pos));
+    const ragged_positions k{pos, cu, H};
+    KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, k, now, w.evicted, w.evicted_cu));
+    for (index_t h = 0; h < H; ++h) {
+      if (h2o_) {  // the accumulators follow the cache
+        float* a = acc_ + (layer * H + h) * C;
+        for (index_t i = 0; i < k.length(h); ++i) a[i] = w.acc[h * C + pos[cu[h] + i]];
+      }
+      held_[layer * H + h] = static_cast<std::int32_t>(k.length(h));
+    }
+    tokens_[layer] = now;
+    flags_[layer] = begun | evicted_flag;
+    return {};
   }
 
   /// Does layer l hold more than its allocation lets it keep?
@@ -439,9 +461,6 @@ class decode_driver {
     return cfg_.alloc.kind == allocator::per_head ? over : held > total;
   }
 
-  decode_config cfg_{};
-  eviction_recorder* rec_ = nullptr;
-  detail::byte_range mem_{};
   std::int32_t* budgets_ = nullptr;
   std::int32_t* held_ = nullptr;
   index_t* tokens_ = nullptr;
@@ -453,7 +472,6 @@ class decode_driver {
   index_t evict_rows_ = 0, evict_tail_ = 0;
   bool block_keys_ = false;
   bool h2o_ = false;
-  bool ok_ = false;
 };
 
 }  // namespace kvevict

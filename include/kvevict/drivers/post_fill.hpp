@@ -12,7 +12,7 @@
 // weights are kept in the driver's state until decide().
 #pragma once
 
-#include <kvevict/drivers/common.hpp>
+#include <kvevict/drivers/detail/driver_skeleton.hpp>
 
 namespace kvevict {
 
@@ -49,15 +49,7 @@ inline status prompt_queries(const char* fn, const recipe& r, index_t tokens, in
       rr->tail_what = "the last prompt token (TOVA's query)";
       break;
     default:
-      if (r.source == query_source::external_block) {
-        if (given < 1)
-          return status::error(errc::invalid_argument,
-                               "%s: query_rows = %lld: an external_block recipe needs the block's row count", fn,
-                               static_cast<long long>(given));
-        *rows = given;
-        *block_keys = true;
-        return {};
-      }
+      if (r.source == query_source::external_block) return detail::external_block_queries(fn, given, rows, block_keys);
       if (r.window > tokens)
         return status::error(errc::invalid_argument, "%s: the recipe's window %lld is longer than the %lld tokens", fn,
                              static_cast<long long>(r.window), static_cast<long long>(tokens));
@@ -87,13 +79,32 @@ inline status prompt_queries(const char* fn, const recipe& r, index_t tokens, in
 ///   cake        every head must hold the whole prompt; per-head budgets cake_budgets(preferences,
 ///               total / (L H), P) (the preferences are add_layer's `weight`)
 /// Recording: the rows a layer drops are marked evicted at step P (the prompt length).
-class post_fill_driver {
+///
+/// add_layer(be, ws, layer, kv, queries [, block_keys] [, weight]): layer `layer` (layers in order
+/// 0..L-1) was prefilled: kv is its cache (every head's rows, positions < P), queries the recipe's
+/// query block [H_q][rows][d] (the last w prompt tokens' queries for window recipes, every prompt
+/// query for H2O, the last one for TOVA, the external block for external_block recipes, an empty
+/// view for Knorm / StreamingLLM), block_keys the external block's own keys [H][rows][d] or an
+/// empty view, weight the layer's CAKE preference (cake allocator only;
+/// cake_preference(cake_layer_stats(window attention))). add_layer_scores(be, ws, layer, kv,
+/// scores [, weight]): the same with the engine's scores (no query rows needed in the cache).
+/// Per-layer allocators select there (ready(layer) afterwards); lava / cake keep the scores.
+/// Workspace: two-phase (a query, ws.data == nullptr, only sets ws.bytes: workspace_bytes(be)).
+/// Errors (nothing changes): not initialised; layer out of order or past L; already decided; the
+/// layer's layout (heads, dim, offsets, lens, null pointers), key and value row counts that differ,
+/// more than P rows in a head, positions not ascending or outside [0, P); the window's rows (or
+/// TOVA's last token, or H2O's whole prompt) missing from a head; queries or block keys of the
+/// wrong shape; scores of the wrong shape or NaN; a cake preference NaN, infinite or negative;
+/// budgets above a head's rows or below its protected tokens; scores a lava entropy refuses;
+/// workspace too small or overlapping the state; the recorder's errors (a row already evicted).
+class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver, post_fill_config> {
+  friend class detail::driver_skeleton<post_fill_driver, post_fill_config>;
+  friend class detail::prefill_driver_skeleton<post_fill_driver, post_fill_config>;
+
  public:
-  /// Bytes of state memory init() needs for cfg. Errors: as init's configuration errors.
-  static result<std::size_t> state_bytes(const post_fill_config& cfg) {
-    KVEVICT_TRY(validate("post_fill_driver::state_bytes", cfg));
-    return plan(cfg).layout.bytes();
-  }
+  static constexpr const char* name = "post_fill_driver";
+
+  // state_bytes(cfg), workspace_bytes(be), add_layer, add_layer_scores: detail::prefill_driver_skeleton.
 
   /// Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
   /// resets it. The recorder (optional; layers x kv_heads, capacity >= P) must outlive the driver.
@@ -105,33 +116,26 @@ class post_fill_driver {
   /// negative or above L H P, cake total not a multiple of L H or its per-head budget below the
   /// protected tokens; adakv alpha outside [0, 1]; recorder shape; memory null or too small.
   status init(const post_fill_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
-    constexpr const char* fn = "post_fill_driver::init";
-    KVEVICT_TRY(validate(fn, cfg));
-    KVEVICT_TRY(detail::check_recorder(fn, recorder, cfg.model, cfg.tokens));
+    unsigned char* base = nullptr;
+    KVEVICT_TRY(bind("post_fill_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));
     const plan_t p = plan(cfg);
-    KVEVICT_TRY(detail::check_state_memory(fn, memory, bytes, p.layout.bytes()));
-    unsigned char* base = detail::align64(memory);
-    cfg_ = cfg;
     cfg_.alloc.budgets = {};
-    rec_ = recorder;
-    mem_ = {reinterpret_cast<std::uintptr_t>(memory), reinterpret_cast<std::uintptr_t>(memory) + bytes};
     budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
     kept_off_ = reinterpret_cast<index_t*>(base + p.kept_off);
     kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
     kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
     ready_ = base + p.ready;
-    weight_ = reinterpret_cast<double*>(base + p.weight);
-    scores_ = p.all_layer ? reinterpret_cast<float*>(base + p.scores) : nullptr;
-    lens_ = reinterpret_cast<std::int32_t*>(base + p.lens);
-    rowpos_ = p.all_layer ? reinterpret_cast<pos_t*>(base + p.rowpos) : nullptr;
     const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    held_ = {p.all_layer ? reinterpret_cast<float*>(base + p.scores) : nullptr,
+             p.all_layer ? reinterpret_cast<pos_t*>(base + p.rowpos) : nullptr,
+             reinterpret_cast<std::int32_t*>(base + p.lens), reinterpret_cast<double*>(base + p.weight), H, cfg.tokens};
     for (index_t l = 0; l <= L; ++l) kept_off_[l] = p.kept_off_values(cfg, l);
     for (index_t l = 0; l < L; ++l) {
       ready_[l] = 0;
-      weight_[l] = 0.0;
+      held_.weight[l] = 0.0;
       for (index_t h = 0; h < H; ++h) {
         budgets_[l * H + h] = has_matrix(cfg.alloc.kind) ? cfg.alloc.budgets(l, h) : 0;
-        lens_[l * H + h] = 0;
+        held_.lens[l * H + h] = 0;
       }
       for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
     }
@@ -145,87 +149,6 @@ class post_fill_driver {
     return {};
   }
 
-  /// Workspace bytes add_layer and decide need on backend `be` (what their size queries report).
-  template <class Backend>
-  result<std::size_t> workspace_bytes(Backend be) const {
-    if (!ok_) return status::error(errc::invalid_argument, "post_fill_driver::workspace_bytes: not initialised (init)");
-    workspace q;
-    ws_layout w;
-    KVEVICT_TRY(carve(be, q, w));
-    return q.bytes;
-  }
-
-  /// Layer `layer` (layers in order 0..L-1) was prefilled: kv is its cache (every head's rows,
-  /// positions < P), queries the recipe's query block [H_q][rows][d] (the last w prompt tokens'
-  /// queries for window recipes, every prompt query for H2O, the last one for TOVA, the external
-  /// block for external_block recipes, an empty view for Knorm / StreamingLLM), block_keys the
-  /// external block's own keys [H][rows][d] or an empty view, weight the layer's CAKE preference
-  /// (cake allocator only; cake_preference(cake_layer_stats(window attention))).
-  /// Per-layer allocators select here (ready(layer) afterwards); lava / cake keep the scores.
-  /// Workspace: two-phase (a query, ws.data == nullptr, only sets ws.bytes: workspace_bytes(be)).
-  /// Errors (nothing changes): not initialised; layer out of order or past L; already decided;
-  /// the layer's layout (heads, dim, offsets, lens, null pointers), key and value row counts that
-  /// differ, more than P rows in a head, positions not ascending or outside [0, P); the window's
-  /// rows (or TOVA's last token, or H2O's whole prompt) missing from a head; queries or block keys
-  /// of the wrong shape; a cake preference NaN, infinite or negative; budgets above a head's rows
-  /// or below its protected tokens; scores a lava entropy refuses (negative, NaN); workspace too
-  /// small or overlapping the state; the recorder's errors (a row already evicted).
-  template <class Backend, class T, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
-                   kv_view<const T> block_keys = {}, double weight = 0.0) {
-    constexpr const char* fn = "post_fill_driver::add_layer";
-    using QE = std::remove_const_t<Q>;
-    const kv_view<const QE> queries = queries_in;
-    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
-    ws_layout w;
-    KVEVICT_TRY(carve(be, ws, w));
-    if (ws.is_query()) return {};
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.tokens;
-    if (decided_) return status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
-    if (layer != added_ || layer >= L)
-      return added_ >= L ? status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added",
-                                         fn, static_cast<long long>(layer), static_cast<long long>(L))
-                         : status::error(errc::invalid_argument,
-                                         "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
-                                         static_cast<long long>(layer), static_cast<long long>(added_));
-    KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rules_));
-    KVEVICT_TRY(detail::check_queries(fn, queries, query_rows_, cfg_.model, block_keys, block_keys_));
-    KVEVICT_TRY(check_ws(fn, ws));
-    if (cfg_.alloc.kind == allocator::cake && (!(weight >= 0.0) || weight - weight != 0.0))
-      return status::error(errc::invalid_argument,
-                           "%s: layer %lld's CAKE preference is %g (must be finite and >= 0)", fn,
-                           static_cast<long long>(layer), weight);
-    const std::int32_t* lens = kv.keys.lens;
-    if (!all_layer_) KVEVICT_TRY(check_layer_budget(fn, layer, lens));
-
-    float* scores = all_layer_ ? scores_ + layer * H * C : w.scores;
-    KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, cfg_.model.query_heads / H, queries, block_keys, scores, C));
-    const auto sv = detail::rows_view<const float>(scores, H, C, C);
-    if (all_layer_) {
-      double e = weight;
-      if (cfg_.alloc.kind == allocator::lava) {
-        lava_entropy_options eo;
-        eo.prot = detail::recipe_protection(cfg_.rec);
-        eo.norm = cfg_.alloc.lava_norm;
-        KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
-      }
-      for (index_t h = 0; h < H; ++h) {
-        lens_[layer * H + h] = lens[h];
-        std::memcpy(rowpos_ + (layer * H + h) * C, kv.positions + kv.keys.cu_capacity[h],
-                    static_cast<std::size_t>(lens[h]) * sizeof(pos_t));
-      }
-      weight_[layer] = e;
-      added_ = layer + 1;
-      return {};
-    }
-    for (index_t h = 0; h < H; ++h) lens_[layer * H + h] = lens[h];
-    KVEVICT_TRY(select_one(be, w, layer, sv, lens));
-    KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, kept(layer, true), cfg_.tokens, w.evicted, w.evicted_cu));
-    ready_[layer] = 1;
-    added_ = layer + 1;
-    return {};
-  }
-
   /// After every layer was added: the all-layer allocators compute the budgets and select every
   /// layer (ready(l) afterwards); the per-layer ones have nothing left to do. Workspace: as
   /// add_layer's. Errors: not initialised; layers missing; called twice; lava: total below the
@@ -234,11 +157,10 @@ class post_fill_driver {
   template <class Backend>
   status decide(Backend be, workspace& ws) {
     constexpr const char* fn = "post_fill_driver::decide";
-    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
-    ws_layout w;
-    KVEVICT_TRY(carve(be, ws, w));
+    detail::call_scratch w;
+    KVEVICT_TRY(open_call(fn, be, ws, w));
     if (ws.is_query()) return {};
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.tokens;
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads;
     if (decided_) return status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
     if (added_ < L)
       return status::error(errc::invalid_argument, "%s: only %lld of %lld layers were added", fn,
@@ -252,38 +174,23 @@ class post_fill_driver {
     if (cfg_.alloc.kind == allocator::lava) {
       // layer totals: protected rows + apportion(total - protected, entropies, evictable rows)
       index_t prot_sum = 0, rows = 0;
-      for (index_t l = 0; l < L; ++l) {
-        index_t wl = 0, nl = 0;
-        for (index_t h = 0; h < H; ++h) {
-          wl += protected_count(lens_[l * H + h], prot.n_sink, prot.n_recent);
-          nl += lens_[l * H + h];
-        }
-        w.caps[l] = nl - wl;
-        w.totals[l] = wl;
-        prot_sum += wl;
-        rows += nl;
-      }
+      held_.protected_totals(L, prot, w.caps, w.totals, &prot_sum, &rows);
       if (cfg_.alloc.total < prot_sum || cfg_.alloc.total > rows)
         return status::error(errc::invalid_argument,
                              "%s: lava total %lld is outside [%lld, %lld] (the layers' protected rows, their rows)", fn,
                              static_cast<long long>(cfg_.alloc.total), static_cast<long long>(prot_sum),
                              static_cast<long long>(rows));
-      KVEVICT_TRY(apportion(cfg_.alloc.total - prot_sum, weight_, w.caps, L, w.shares));
-      for (index_t l = 0; l < L; ++l) w.totals[l] += w.shares[l];
+      KVEVICT_TRY(held_.share_lava_totals(L, cfg_.alloc.total - prot_sum, w.caps, w.shares, w.totals));
     } else {  // cake: every head holds the whole prompt (checked by add_layer)
-      KVEVICT_TRY(cake_budgets(weight_, cfg_.alloc.total / (L * H), cfg_.tokens, prot,
+      KVEVICT_TRY(cake_budgets(held_.weight, cfg_.alloc.total / (L * H), cfg_.tokens, prot,
                                detail::rows_view(budgets_, L, H, H)));
     }
     for (index_t l = 0; l < L; ++l) {
-      const auto sv = detail::rows_view<const float>(scores_ + l * H * C, H, C, C);
-      const std::int32_t* lens = lens_ + l * H;
       const allocator kind = cfg_.alloc.kind == allocator::lava ? allocator::lava : allocator::per_head;
-      KVEVICT_TRY(detail::select_layer(be, w.sel, kind, sv, lens, budgets_ + l * H,
+      KVEVICT_TRY(detail::select_layer(be, w.sel, kind, held_.scores_view(l), held_.lens + l * H, budgets_ + l * H,
                                        kind == allocator::lava ? w.totals[l] : 0, adakv_options{},
                                        kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
-      KVEVICT_TRY(detail::record_dropped(
-          rec_, l, H, [&](index_t h) { return rowpos_ + (l * H + h) * C; }, lens, kept(l, true), cfg_.tokens,
-          w.evicted, w.evicted_cu));
+      KVEVICT_TRY(held_.record(rec_, l, kept(l, true), cfg_.tokens, w));
       ready_[l] = 1;
     }
     decided_ = true;
@@ -294,8 +201,7 @@ class post_fill_driver {
   /// after decide()).
   bool ready(index_t layer) const noexcept { return ok_ && layer >= 0 && layer < cfg_.model.layers && ready_[layer]; }
   /// The rows layer l keeps, per head ascending (indices into the rows of the cache given to
-  /// add_layer): compact_inplace(be, keys_l, kept(l)), the same for values and positions, or
-  /// kvrun::kv_cache::compact(l, kept(l)). Empty until ready(l).
+  /// add_layer): compact_layer(be, keys_l, values_l, positions_l, kept(l)). Empty until ready(l).
   ragged_positions kept(index_t layer) const noexcept { return ready(layer) ? kept(layer, true) : ragged_positions{}; }
   /// Tokens layer l keeps over all its heads (0 until ready).
   index_t layer_total(index_t layer) const noexcept {
@@ -303,11 +209,10 @@ class post_fill_driver {
   }
   /// lava: layer l's normalised entropy; cake: its preference; others 0.
   double layer_weight(index_t layer) const noexcept {
-    return ok_ && layer >= 0 && layer < added_ ? weight_[layer] : 0.0;
+    return ok_ && layer >= 0 && layer < added_ ? held_.weight[layer] : 0.0;
   }
   index_t layers_added() const noexcept { return added_; }
   bool decided() const noexcept { return decided_; }
-  const post_fill_config& config() const noexcept { return cfg_; }
 
  private:
   struct plan_t {
@@ -332,17 +237,6 @@ class post_fill_driver {
       }
       return off;
     }
-  };
-
-  struct ws_layout {
-    float* scores = nullptr;
-    detail::score_scratch sc;
-    workspace sel;
-    pos_t* evicted = nullptr;
-    std::int32_t* evicted_cu = nullptr;
-    index_t* caps = nullptr;
-    index_t* shares = nullptr;
-    index_t* totals = nullptr;
   };
 
   static bool has_matrix(allocator k) {
@@ -401,34 +295,79 @@ class post_fill_driver {
   }
 
   template <class Backend>
-  status carve(Backend be, workspace& ws, ws_layout& w) const {
-    constexpr const char* fn = "post_fill_driver";
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.tokens;
-    int slots = 1;
-    const auto slot = detail::score_slot_bytes(be, cfg_.rec, cfg_.model.query_heads / H, query_rows_, C,
-                                               cfg_.model.head_dim, block_keys_, H, &slots);
-    if (!slot) return slot.error();
-    const std::size_t sel = detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, H, C);
-    detail::workspace_carver c(ws);
-    w.scores = c.take<float>(all_layer_ ? 0 : static_cast<std::size_t>(H * C));
-    detail::carve_score_scratch(c, w.sc, *slot, slots, H);
-    w.sel = workspace{c.take<unsigned char>(sel), sel};
-    w.evicted = c.take<pos_t>(static_cast<std::size_t>(H * C));
-    w.evicted_cu = c.take<std::int32_t>(static_cast<std::size_t>(H + 1));
-    w.caps = c.take<index_t>(static_cast<std::size_t>(L));
-    w.shares = c.take<index_t>(static_cast<std::size_t>(L));
-    w.totals = c.take<index_t>(static_cast<std::size_t>(L));
-    return c.finish(fn);
+  status carve(Backend be, workspace& ws, detail::call_scratch& w) const {
+    detail::call_scratch_shape s = scratch_shape(cfg_.tokens);
+    s.scores = !all_layer_;
+    KVEVICT_TRY(fit_score_slots(be, cfg_.rec, query_rows_, block_keys_, s));
+    s.sel = detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, s.H, s.C);
+    s.layers = cfg_.model.layers;
+    return detail::carve_call_scratch(name, ws, s, w);
   }
 
-  status check_ws(const char* fn, const workspace& ws) const {
-    if (detail::ws_range(ws).intersects(mem_))
-      return status::error(errc::overlap, "%s: the workspace overlaps the driver's state memory", fn);
+  /// Where layer l's scores go: the state (all-layer allocators keep them) or the workspace.
+  float* scores_of(index_t layer, const detail::call_scratch& w) const {
+    return all_layer_ ? held_.layer_scores(layer) : w.scores;
+  }
+
+  // the hooks of prefill_driver_skeleton's add_layer_queries / add_layer_given_scores
+  index_t query_rows_now() const { return query_rows_; }
+  bool block_keys_now() const { return block_keys_; }
+  const recipe& score_recipe() const { return cfg_.rec; }
+  index_t score_columns() const { return cfg_.tokens; }
+
+  /// The call and the layer: not decided, in order, its layout and rows (the query path: the
+  /// query rows must be in it; the scores path: only cake needs every head to hold the prompt).
+  template <class T>
+  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, bool by_scores) const {
+    if (decided_) return status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
+    KVEVICT_TRY(check_order(fn, layer, added_, cfg_.model.layers));
+    detail::row_rules rr = rules_;
+    if (by_scores) {
+      rr = {};
+      rr.tokens = rr.capacity = cfg_.tokens;
+      rr.whole = cfg_.alloc.kind == allocator::cake;
+    }
+    return detail::check_layer(fn, layer, kv, cfg_.model.kv_heads, cfg_.model.head_dim, rr);
+  }
+
+  /// The workspace, the cake preference and (per-layer allocators) the layer's budget.
+  status check_call_rest(const char* fn, const workspace& ws, index_t l, const std::int32_t* lens,
+                         double weight) const {
+    KVEVICT_TRY(check_ws(fn, ws));
+    if (cfg_.alloc.kind == allocator::cake) KVEVICT_TRY(detail::check_layer_weight(fn, l, weight, "CAKE preference"));
+    return all_layer_ ? status{} : check_budget_fits(fn, l, lens);
+  }
+
+  /// A scored layer (scores: scores_of(layer), protected): all-layer allocators keep it until
+  /// decide(); per-layer ones select, record and answer.
+  template <class Backend, class T>
+  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>& kv, const float* scores,
+                    double weight) {
+    const index_t H = cfg_.model.kv_heads, C = cfg_.tokens;
+    const auto sv = detail::rows_view<const float>(scores, H, C, C);
+    const std::int32_t* lens = kv.keys.lens;
+    if (all_layer_) {
+      double e = weight;
+      if (cfg_.alloc.kind == allocator::lava) {
+        lava_entropy_options eo;
+        eo.prot = detail::recipe_protection(cfg_.rec);
+        eo.norm = cfg_.alloc.lava_norm;
+        KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
+      }
+      held_.store(layer, kv, e);
+      added_ = layer + 1;
+      return {};
+    }
+    for (index_t h = 0; h < H; ++h) held_.lens[layer * H + h] = lens[h];
+    KVEVICT_TRY(select_one(be, w, layer, sv, lens));
+    KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, kept(layer, true), cfg_.tokens, w.evicted, w.evicted_cu));
+    ready_[layer] = 1;
+    added_ = layer + 1;
     return {};
   }
 
   /// Per-layer allocators: the layer's budget against what it holds.
-  status check_layer_budget(const char* fn, index_t l, const std::int32_t* lens) const {
+  status check_budget_fits(const char* fn, index_t l, const std::int32_t* lens) const {
     const index_t H = cfg_.model.kv_heads;
     index_t sum = 0, held = 0, prot = 0;
     for (index_t h = 0; h < H; ++h) {
@@ -451,7 +390,7 @@ class post_fill_driver {
   }
 
   template <class Backend>
-  status select_one(Backend be, ws_layout& w, index_t l, const matrix_view<const float>& sv, const std::int32_t* lens) {
+  status select_one(Backend be, detail::call_scratch& w, index_t l, const matrix_view<const float>& sv, const std::int32_t* lens) {
     const index_t H = cfg_.model.kv_heads;
     index_t total = 0;
     for (index_t h = 0; h < H; ++h) total += budgets_[l * H + h];
@@ -468,25 +407,18 @@ class post_fill_driver {
     return {kept_pos_ + kept_off_[layer], kept_cu_ + layer * (H + 1), H};
   }
 
-  post_fill_config cfg_{};
-  eviction_recorder* rec_ = nullptr;
-  detail::byte_range mem_{};
   std::int32_t* budgets_ = nullptr;
   index_t* kept_off_ = nullptr;
   pos_t* kept_pos_ = nullptr;
   std::int32_t* kept_cu_ = nullptr;
   unsigned char* ready_ = nullptr;
-  double* weight_ = nullptr;
-  float* scores_ = nullptr;
-  std::int32_t* lens_ = nullptr;
-  pos_t* rowpos_ = nullptr;
+  detail::held_layers held_{};
   detail::row_rules rules_{};
   index_t query_rows_ = 0;
   bool block_keys_ = false;
   bool all_layer_ = false;
   index_t added_ = 0;
   bool decided_ = false;
-  bool ok_ = false;
 };
 
 }  // namespace kvevict

@@ -4,6 +4,8 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/config.hpp>
 
+#include <type_traits>
+
 namespace kvevict::detail {
 
 // The par code differs with and without -fopenmp; the inline namespace gives the two versions
@@ -15,9 +17,11 @@ inline namespace par_serial {
 #endif
 
 /// Threads a backend runs on (and per-thread scratch is sized for): 1 for seq; for par the
-/// requested threads, or the OpenMP default when 0 (1 without OpenMP).
+/// requested threads, or the OpenMP default when 0 (par does not compile without OpenMP).
 inline int thread_count(seq_t) noexcept { return 1; }
-inline int thread_count(par_t p) noexcept {
+template <class P, std::enable_if_t<std::is_same_v<P, par_t>, int> = 0>  // a template: see require_openmp
+int thread_count(P p) noexcept {
+  require_openmp<P>();
 #if defined(_OPENMP)
   return p.threads > 0 ? p.threads : (omp_get_max_threads() > 0 ? omp_get_max_threads() : 1);
 #else
@@ -35,6 +39,7 @@ void parallel_for(seq_t, index_t n, F&& f) {
 /// par: statically scheduled OpenMP loop (deterministic partition; f must not depend on order).
 template <class F>
 void parallel_for(par_t p, index_t n, F&& f) {
+  require_openmp<std::conditional_t<true, par_t, F>>();  // dependent on F, one specialization: one error
 #if defined(_OPENMP)
   if (n > 1) {
     const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();

@@ -1,4 +1,4 @@
-// kvevict/budget/cascade.hpp: layer-by-layer prefill with cascading budgets (LAVa Algorithm 2,
+// kvevict/budget/layer_cascade.hpp: layer-by-layer prefill with cascading budgets (LAVa Algorithm 2,
 // CAKE's cascading cache management). docs/budget.md.
 //
 // The engine prefills one layer at a time. After layer l, the budgets of layers 0..l are recomputed
@@ -8,7 +8,7 @@
 // evicted never comes back.
 //
 //   layer_cascade c;
-//   c.init(cfg, memory, layer_cascade::memory_bytes(cfg).value());
+//   c.init(cfg, memory, layer_cascade::state_bytes(cfg).value());
 //   for each layer l:
 //     scores_l  = protected scores [H][N] (LAVa: window -> GQA max -> pool -> weight head_max -> protect)
 //     weight_l  = lava_layer_entropy(scores_l) or cake_preference(cake_layer_stats(attention_l))
@@ -18,7 +18,7 @@
 #pragma once
 
 #include <kvevict/budget/adakv.hpp>
-#include <kvevict/budget/common.hpp>
+#include <kvevict/budget/apportion.hpp>
 #include <kvevict/budget/lava.hpp>
 #include <kvevict/select.hpp>
 
@@ -47,7 +47,7 @@ struct cascade_config {
 };
 
 /// The cascading state (see the file comment). Non-owning: it lives in memory the engine provides
-/// (memory_bytes), about 12 bytes per token the model keeps (score, prompt position and the last
+/// (state_bytes), about 12 bytes per token the model keeps (score, prompt position and the last
 /// step's kept index) plus O(L H) offsets: the stored scores never exceed cfg.total tokens, because
 /// after every step the layers hold at most the evictable budget plus their protected tokens.
 /// Copying the object copies the pointers (both copies then share the memory).
@@ -55,7 +55,7 @@ struct cascade_config {
 /// Budget rule of a step (after layer m): with E the evictable budget (flattened: total - L H W
 /// tokens; per_head: total / H - L W tokens per head) and caps_j the evictable tokens (per head for
 /// per_head) layer j still holds (a new layer: all of them),
-///   alloc_j = apportion(min(E, sum caps), weights_0..m, caps)        (budget/common.hpp)
+///   alloc_j = apportion(min(E, sum caps), weights_0..m, caps)        (budget/apportion.hpp)
 /// i.e. proportional to the weights over the layers so far, capped by what each layer holds (which
 /// makes every budget non-increasing over the steps), largest remainder with ties to the lower layer.
 /// A layer keeps H W + alloc_j tokens (flattened) or W + alloc_j per head (per_head). After the last
@@ -67,23 +67,23 @@ class layer_cascade {
  public:
   /// Bytes of memory init() needs for cfg (64 bytes of alignment slack included).
   /// Errors: as init's configuration errors.
-  static result<std::size_t> memory_bytes(const cascade_config& cfg) {
-    KVEVICT_TRY(validate("layer_cascade::memory_bytes", cfg));
+  static result<std::size_t> state_bytes(const cascade_config& cfg) {
+    KVEVICT_TRY(validate("layer_cascade::state_bytes", cfg));
     return layout_of(cfg).end + 64;
   }
 
-  /// Binds the state to `memory` (bytes >= memory_bytes(cfg); any alignment) and resets it.
+  /// Binds the state to `memory` (bytes >= state_bytes(cfg); any alignment) and resets it.
   /// Errors: zero layers or heads; prompt_length outside [1, INT32_MAX]; negative n_sink/n_recent;
   /// total negative, below the L H W protected tokens or above the prompt (L H N); per_head with a
   /// total that is not a multiple of H; H N above INT32_MAX (int32 offsets); unknown split; memory
-  /// null or smaller than memory_bytes (workspace_too_small).
+  /// null or smaller than state_bytes (workspace_too_small).
   status init(const cascade_config& cfg, void* memory, std::size_t bytes) {
     constexpr const char* fn = "layer_cascade::init";
     KVEVICT_TRY(validate(fn, cfg));
     const layout lay = layout_of(cfg);
     if (memory == nullptr) return status::error(errc::null_pointer, "%s: memory is null", fn);
     if (bytes < lay.end + 64)
-      return status::error(errc::workspace_too_small, "%s: memory has %zu bytes, %zu needed (memory_bytes)", fn, bytes,
+      return status::error(errc::workspace_too_small, "%s: memory has %zu bytes, %zu needed (state_bytes)", fn, bytes,
                            lay.end + 64);
     auto* base = static_cast<unsigned char*>(memory);
     base += (64 - reinterpret_cast<std::uintptr_t>(base) % 64) % 64;
@@ -116,6 +116,15 @@ class layer_cascade {
     return {};
   }
 
+  /// Workspace bytes add_layer needs on backend `be`: the largest selection of a step, from the
+  /// selections' own size queries (flattened: select_topk_flat over [H][N] or select_topk over one
+  /// row of min(total, H N) scores; per_head: select_topk over [H][N]). Errors: not initialised.
+  template <class Backend>
+  result<std::size_t> workspace_bytes(Backend be) const {
+    if (!ready_) return status::error(errc::invalid_argument, "layer_cascade::workspace_bytes: not initialised (init)");
+    return selection_bytes(be);
+  }
+
   /// Layer `layer` (= layers_added(): layers come in order) was prefilled; `scores` [H][N] are its
   /// protected scores (protect(cfg.prot): protected positions +inf, no other +inf), `weight` its
   /// LAVa entropy / CAKE preference. Recomputes the budgets of layers 0..layer, selects this layer's
@@ -140,29 +149,10 @@ class layer_cascade {
                            static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
                            static_cast<long long>(H), static_cast<long long>(N));
     const bool flat = cfg_.split == cascade_split::flattened;
-    // workspace: the largest selection this object ever runs
-    std::size_t need = 0;
-    {
-      workspace q;
-      if (flat) {
-        KVEVICT_TRY(select_topk_flat(be, q, scores, nullptr, 0, nullptr, step_cu_, nullptr));
-        need = q.bytes;
-        const index_t tmax = cfg_.total < H * N ? cfg_.total : H * N;
-        workspace q2;
-        KVEVICT_TRY(select_topk(be, q2, row_view(scores_, tmax), nullptr, kept_view(step_, 1, 0)));
-        need = q2.bytes > need ? q2.bytes : need;
-      } else {
-        KVEVICT_TRY(select_topk(be, q, scores, nullptr, kept_view(step_, H, 0)));
-        need = q.bytes;
-      }
-    }
-    if (ws.is_query()) {
-      ws.bytes = need;
-      return {};
-    }
-    if (ws.bytes < need)
-      return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
-                           fn, ws.bytes, need);
+    detail::workspace_carver carver(ws);
+    (void)carver.take<unsigned char>(selection_bytes(be));
+    KVEVICT_TRY(carver.finish(fn));
+    if (ws.is_query()) return {};
     if (added_ == L)
       return status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added already", fn,
                            static_cast<long long>(layer), static_cast<long long>(L));
@@ -283,6 +273,15 @@ class layer_cascade {
                            "a layer keeps the same number)",
                            fn, static_cast<long long>(cfg.total), static_cast<long long>(cfg.heads));
     return {};
+  }
+
+  template <class Backend>
+  std::size_t selection_bytes(Backend be) const {
+    const index_t H = cfg_.heads, N = cfg_.prompt_length;
+    if (cfg_.split != cascade_split::flattened) return select_topk_workspace_bytes(be, N);
+    const std::size_t flat = select_topk_flat_workspace_bytes(be, H, N);
+    const std::size_t one = select_topk_workspace_bytes(be, cfg_.total < H * N ? cfg_.total : H * N);
+    return flat > one ? flat : one;
   }
 
   bool valid(index_t layer) const noexcept { return ready_ && layer >= 0 && layer < added_; }

@@ -1,4 +1,4 @@
-// kvevict/budget/common.hpp: what every budget allocator shares (docs/budget.md).
+// kvevict/budget/apportion.hpp: what every budget allocator shares (docs/budget.md).
 //
 //   protection                          the sinks and recent window every head keeps (protect())
 //   budget_offsets(budgets, H, cu)      per-head budgets -> the cu[H+1] offsets of select_topk's

@@ -1,0 +1,32 @@
+// runner/shipped_models.hpp: where kvevict-run and kvevict-lookahead find the files shipped in
+// models/ (the stories260K checkpoint and tokenizer, the trained LookaheadKV module) by default.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <system_error>
+
+#ifndef KVEVICT_SOURCE_DIR
+#  define KVEVICT_SOURCE_DIR "."
+#endif
+
+namespace kvrun {
+
+/// The shipped file `name` (a path under models/). An installed tool uses its installed copy,
+/// <directory of the executable>/KVEVICT_MODELS_FROM_BINDIR/name (cmake/kvevictInstall.cmake sets
+/// the macro from the GNU install directories, e.g. "../share/kvevict/models"), found through
+/// /proc/self/exe, so a moved install prefix still works. Anywhere else (a binary in the build
+/// tree) it is the source tree's models/name.
+inline std::string shipped_model(const std::string& name) {
+#ifdef KVEVICT_MODELS_FROM_BINDIR
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const std::filesystem::path installed = (exe.parent_path() / KVEVICT_MODELS_FROM_BINDIR / name).lexically_normal();
+    if (std::filesystem::is_regular_file(installed, ec)) return installed.string();
+  }
+#endif
+  return KVEVICT_SOURCE_DIR "/models/" + name;
+}
+
+}  // namespace kvrun

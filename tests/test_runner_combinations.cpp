@@ -10,6 +10,7 @@
 #include <runner/evictor.hpp>
 #include <runner/tokenizer.hpp>
 #include <lookaheadkv/module.hpp>
+#include <lookaheadkv/scores.hpp>
 
 #include <cmath>
 #include <string>
@@ -44,6 +45,8 @@ TEST_CASE("every supported recipe x allocator x driver runs at every budget from
   const config& c = the_model().cfg();
   lookahead_module module;
   REQUIRE(load_module(KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin", module).ok());
+  lookahead_scorer scorer;
+  REQUIRE(scorer.init(the_model(), module).ok());
   const std::vector<int> prompt = encode("Once upon a time there was a big dog");
   const index_t P = static_cast<index_t>(prompt.size());
   REQUIRE(P > 8);  // longer than the default window
@@ -58,9 +61,9 @@ TEST_CASE("every supported recipe x allocator x driver runs at every budget from
   REQUIRE(run.init(the_model(), {0, 0, 1}).ok());
 
   int combos = 0, runs = 0;
-  for (const method m : all_methods)
-    for (const allocator_kind a : all_allocators)
-      for (const driver_kind d : all_drivers) {
+  for (const auto& [m, m_name] : method_names)
+    for (const auto& [a, a_name] : allocator_names)
+      for (const auto& [d, d_name] : driver_names) {
         evict_options o;
         o.recipe = m;
         o.alloc = a;
@@ -71,11 +74,11 @@ TEST_CASE("every supported recipe x allocator x driver runs at every budget from
           o.budget = B;
           if (!check_evict_options(c, o).ok()) continue;  // unsupported, or B below the protection
           any = true;
-          const std::string name = std::string(method_name(m)) + " / " + allocator_name(a) + " / " + driver_name(d) +
+          const std::string name = std::string(m_name) + " / " + a_name + " / " + d_name +
                                    " / budget " + std::to_string(B);
           CAPTURE(name);
           evictor ev;
-          status st = ev.init(the_model(), o, &duo, &module);
+          status st = ev.init(the_model(), o, &duo, &scorer);
           REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
           kv_cache cache;
           REQUIRE(cache.init(c).ok());

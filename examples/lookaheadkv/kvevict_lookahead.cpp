@@ -30,9 +30,6 @@
 #include <string>
 #include <vector>
 
-#if defined(_OPENMP)
-#  include <omp.h>
-#endif
 
 namespace {
 
@@ -261,11 +258,7 @@ int cmd_train(const common_options& c, train_cli& t) {
               "validation loss %.5f\n",
               t.out.c_str(), static_cast<long long>(t.opt.steps), static_cast<long long>(t.opt.batch), secs,
               total.seconds(),
-#if defined(_OPENMP)
-              c.threads > 0 ? c.threads : omp_get_max_threads(),
-#else
-              1,
-#endif
+              kvrun::thread_count(c.threads),
               tr, va);
   return 0;
 }

@@ -10,16 +10,18 @@
 //
 // Every error (bad option, missing or malformed model/tokenizer, prompt too long) is one line on
 // stderr and exit status 1 (2 for command-line syntax errors).
+#include <lookaheadkv/data.hpp>
+#include <lookaheadkv/module.hpp>
+#include <lookaheadkv/scores.hpp>
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
-#include <lookaheadkv/module.hpp>
 #include <runner/model.hpp>
 #include <report/report.hpp>
+#include <report/svg.hpp>
 #include <runner/run_options.hpp>
 #include <runner/runner.hpp>
-#include <report/svg.hpp>
 #include <runner/shipped_models.hpp>
 #include <runner/tokenizer.hpp>
 
@@ -49,15 +51,11 @@ int fail_file(const std::string& path, const kvevict::status& st) {
 }
 int fail(const std::string& message) { return kvevict::program::fail("kvevict-run", message); }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 // The duo method's head types: a calibration pass over `count` model-generated training texts.
 kvevict::status calibrate_duo(const kvrun::model& model, const kvrun::evict_options& e, kvevict::index_t count,
                               int threads, kvrun::duo_heads& out) {
   std::vector<std::vector<int>> texts;
-  KVEVICT_TRY(kvrun::duo_calibration_texts(model, kvrun::pair_options{}, count, texts, threads));
+  KVEVICT_TRY(kvrun::training_texts(model, kvrun::pair_options{}, count, texts, threads));
   kvrun::duo_calibration_options o;
   o.sinks = kvrun::sinks_of(e);
   o.recent = e.duo_recent;
@@ -74,7 +72,7 @@ bool load_lookahead(const std::string& path, const kvrun::model& model, kvrun::l
   return false;
 }
 
-// kvevict-run --report: the table on stdout, JSON and SVG in --out-dir, progress on stderr.
+// kvevict-run --report (docs/report.md): its options checked, the module loaded if needed, the run.
 int run_report(const options& o, const kvrun::model& model, const std::string& command) {
   kvrun::report_options r;
   r.prompts = o.prompts;
@@ -181,10 +179,10 @@ int run(int argc, char** argv) {
     if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
     const auto t0 = std::chrono::steady_clock::now();
     if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);
-    prefill_s = seconds_since(t0);
+    prefill_s = kvrun::seconds_since(t0);
     const auto t1 = std::chrono::steady_clock::now();
     if (auto st = kvrun::continue_generation(run, cache, sampler, o.steps, generated); !st.ok()) return fail("", st);
-    decode_s = seconds_since(t1);
+    decode_s = kvrun::seconds_since(t1);
   } else {
     // the evicted cache: prefill with eviction (evictor.hpp), then run.c's sampling loop with
     // decode-time eviction when the driver is decode. The cache and the runner are sized for the
@@ -193,12 +191,16 @@ int run(int argc, char** argv) {
     if (auto st = cache.init(c); !st.ok()) return fail("", st);
     if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
     kvrun::duo_heads duo;
-    if (kvrun::allocator_of(o.evict) == kvrun::allocator_kind::duo)
+    if (kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo)
       if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
     kvrun::lookahead_module lookahead;
-    if (method == kvrun::method::lookaheadkv && !load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+    kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
+    if (method == kvrun::method::lookaheadkv) {
+      if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+      if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);
+    }
     kvrun::evictor ev;
-    if (auto st = ev.init(model, o.evict, &duo, &lookahead); !st.ok()) return fail("", st);
+    if (auto st = ev.init(model, o.evict, &duo, &scorer); !st.ok()) return fail("", st);
     std::vector<int> response;  // the oracle's block: the full cache's continuation, same sampler
     if (method == kvrun::method::oracle) {
       kvrun::sampler s0;
@@ -224,7 +226,7 @@ int run(int argc, char** argv) {
       if (auto st = ev.decode(run, cache, next); !st.ok()) return fail("", st);
       logits = run.logits(0);
     }
-    decode_s = seconds_since(t1);
+    decode_s = kvrun::seconds_since(t1);
     if (o.stats) {
       const kvevict::index_t n = cache.next_position();
       kvevict::kv_usage usage;

@@ -102,8 +102,6 @@ inline status parse_header(const unsigned char* bytes, config& c) {
 /// Number of floats after the header that a valid checkpoint with config `c` holds; false if it
 /// does not fit in 63 bits.
 inline bool checkpoint_floats(const config& c, index_t& total) {
-  using kvevict::detail::checked_add;
-  using kvevict::detail::checked_mul;
   const index_t L = c.n_layers, d = c.dim, h = c.hidden_dim, v = c.vocab_size, kv = c.kv_dim();
   index_t t = 0, a = 0;
   auto add = [&](index_t x) { return checked_add(t, x, t); };
@@ -158,8 +156,8 @@ inline status check_checkpoint(const unsigned char* header, index_t size, config
                          static_cast<long long>(size), checkpoint_header_bytes);
   KVEVICT_TRY(parse_header(header, c));
   index_t floats = 0, bytes = 0;
-  if (!checkpoint_floats(c, floats) || !kvevict::detail::checked_mul(floats, index_t(sizeof(float)), bytes) ||
-      !kvevict::detail::checked_add(bytes, index_t(checkpoint_header_bytes), bytes))
+  if (!checkpoint_floats(c, floats) || !detail::checked_mul(floats, index_t(sizeof(float)), bytes) ||
+      !detail::checked_add(bytes, index_t(checkpoint_header_bytes), bytes))
     return status::error(errc::format_error, "checkpoint: header sizes overflow 64 bits (dim %d, hidden %d, %d layers, vocab %d, seq_len %d)",
                          c.dim, c.hidden_dim, c.n_layers, c.vocab_size, c.seq_len);
   if (bytes != size) return size_mismatch(c, bytes, size);

@@ -155,7 +155,7 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
     return err("--lookahead-module needs --recipe lookaheadkv or --report");
   o.evict.recipe = method;
   if (!o.allocator.empty()) {
-    allocator_kind a;
+    budget_scheme a;
     if (auto st = parse_allocator(o.allocator, a); !st.ok()) return err_st("--allocator: ", st);
     o.evict.alloc = a;
   }

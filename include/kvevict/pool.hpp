@@ -104,13 +104,7 @@ KVEVICT_HOST_DEVICE inline void pool_row_impl(avg_divisor div, const float* x, i
 
 /// in and out: valid views of the same shape.
 inline status check_pool1d_views(const char* fn, const matrix_view<const float>& in, const matrix_view<float>& out) {
-  KVEVICT_TRY(check_view(fn, "in", in));
-  KVEVICT_TRY(check_view(fn, "out", out));
-  if (in.extent(0) != out.extent(0) || in.extent(1) != out.extent(1))
-    return status::error(errc::shape_mismatch, "%s: in is [%lld][%lld] but out is [%lld][%lld]", fn,
-                         static_cast<long long>(in.extent(0)), static_cast<long long>(in.extent(1)),
-                         static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)));
-  return {};
+  return check_same_shape_views(fn, "in", in, "out", out);
 }
 
 /// kind and divisor inside their enums, kernel odd and >= 1. Shared by every backend.

@@ -202,18 +202,6 @@ std::int64_t tied_pairs(const index_t* perm, index_t n, Same same) {
   return pairs;
 }
 
-/// Two valid views of the same [R][T] shape (the compared score matrices of a metric).
-inline status check_same_shape(const char* fn, const char* a_name, const matrix_view<const float>& a,
-                               const char* b_name, const matrix_view<const float>& b) {
-  KVEVICT_TRY(check_view(fn, a_name, a));
-  KVEVICT_TRY(check_view(fn, b_name, b));
-  if (a.extent(0) != b.extent(0) || a.extent(1) != b.extent(1))
-    return status::error(errc::shape_mismatch, "%s: %s is [%lld][%lld] but %s is [%lld][%lld]", fn, a_name,
-                         static_cast<long long>(a.extent(0)), static_cast<long long>(a.extent(1)), b_name,
-                         static_cast<long long>(b.extent(0)), static_cast<long long>(b.extent(1)));
-  return {};
-}
-
 }  // namespace detail::metrics_impl
 
 /// recall@k per row r: |top-k(estimate[r]) ∩ top-k(truth[r])| / k, and its mean over the rows.
@@ -226,7 +214,7 @@ inline status recall_at_k(workspace& ws, matrix_view<const float> estimate, matr
                           double& mean, double* per_row = nullptr) {
   constexpr const char* fn = "recall_at_k";
   namespace mi = detail::metrics_impl;
-  KVEVICT_TRY(mi::check_same_shape(fn, "estimate", estimate, "truth", truth));
+  KVEVICT_TRY(detail::check_same_shape_views(fn, "estimate", estimate, "truth", truth));
   KVEVICT_TRY(mi::check_truth_args(fn, truth, k, per_row));
   KVEVICT_TRY(mi::check_not_inside(fn, per_row, truth.extent(0), estimate, "estimate"));
   const index_t cols = truth.extent(1);
@@ -290,7 +278,7 @@ inline status kendall_tau_b(workspace& ws, matrix_view<const float> a, matrix_vi
                             double* per_row = nullptr) {
   constexpr const char* fn = "kendall_tau_b";
   namespace mi = detail::metrics_impl;
-  KVEVICT_TRY(mi::check_same_shape(fn, "a", a, "b", b));
+  KVEVICT_TRY(detail::check_same_shape_views(fn, "a", a, "b", b));
   const index_t rows = a.extent(0), n = a.extent(1);
   if (rows < 1) return status::error(errc::invalid_argument, "%s: there are no rows to average", fn);
   if (n < 2)

@@ -219,12 +219,7 @@ inline status recall_at_k(workspace& ws, matrix_view<const float> estimate, matr
                           double& mean, double* per_row = nullptr) {
   constexpr const char* fn = "recall_at_k";
   namespace mi = detail::metrics_impl;
-  KVEVICT_TRY(detail::check_view(fn, "estimate", estimate));
-  KVEVICT_TRY(detail::check_view(fn, "truth", truth));
-  if (estimate.extent(0) != truth.extent(0) || estimate.extent(1) != truth.extent(1))
-    return status::error(errc::shape_mismatch, "%s: estimate is [%lld][%lld] but truth is [%lld][%lld]", fn,
-                         static_cast<long long>(estimate.extent(0)), static_cast<long long>(estimate.extent(1)),
-                         static_cast<long long>(truth.extent(0)), static_cast<long long>(truth.extent(1)));
+  KVEVICT_TRY(detail::check_same_shape_views(fn, "estimate", estimate, "truth", truth));
   KVEVICT_TRY(mi::check_truth_args(fn, truth, k, per_row));
   KVEVICT_TRY(mi::check_not_inside(fn, per_row, truth.extent(0), estimate, "estimate"));
   const index_t cols = truth.extent(1);
@@ -290,12 +285,7 @@ inline status kendall_tau_b(workspace& ws, matrix_view<const float> a, matrix_vi
                             double* per_row = nullptr) {
   constexpr const char* fn = "kendall_tau_b";
   namespace mi = detail::metrics_impl;
-  KVEVICT_TRY(detail::check_view(fn, "a", a));
-  KVEVICT_TRY(detail::check_view(fn, "b", b));
-  if (a.extent(0) != b.extent(0) || a.extent(1) != b.extent(1))
-    return status::error(errc::shape_mismatch, "%s: a is [%lld][%lld] but b is [%lld][%lld]", fn,
-                         static_cast<long long>(a.extent(0)), static_cast<long long>(a.extent(1)),
-                         static_cast<long long>(b.extent(0)), static_cast<long long>(b.extent(1)));
+  KVEVICT_TRY(detail::check_same_shape_views(fn, "a", a, "b", b));
   const index_t rows = a.extent(0), n = a.extent(1);
   if (rows < 1) return status::error(errc::invalid_argument, "%s: there are no rows to average", fn);
   if (n < 2)

@@ -22,6 +22,7 @@
 #include <kvevict/config.hpp>
 #include <kvevict/detail/base/checks.hpp>
 #include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/base/real_math.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>
@@ -98,11 +99,6 @@ namespace detail {
 
 template <class T>
 inline constexpr bool is_real_v = std::is_same_v<T, float> || std::is_same_v<T, double>;
-
-KVEVICT_HOST_DEVICE inline float exp_t(float x) { return ::expf(x); }
-KVEVICT_HOST_DEVICE inline double exp_t(double x) { return ::exp(x); }
-KVEVICT_HOST_DEVICE inline float sqrt_t(float x) { return ::sqrtf(x); }
-KVEVICT_HOST_DEVICE inline double sqrt_t(double x) { return ::sqrt(x); }
 
 template <class T>
 KVEVICT_HOST_DEVICE inline bool finite_t(T x) {

@@ -1,42 +1,44 @@
-// The README's example, compiled and run as a test: after prefill, an engine evicts its cache with
-// SnapKV (score -> select -> compact), taking every scratch buffer from a two-phase size query.
-// The cache here is synthetic; an engine passes views of its own buffers.
+// SnapKV on one layer of an engine's cache: score, select, compact, every scratch buffer from a
+// two-phase size query. The cache here is synthetic; an engine passes views of its own buffers.
+// Built and run as a test; README.md shows this file verbatim (test example.readme_verbatim).
 #include <kvevict/kvevict.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <vector>
 
 using namespace kvevict;
 
-// SnapKV on one layer: k_cache / v_cache token-major [T][H_kv][D]; window_q the last w prompt
-// tokens' post-RoPE queries [H_q][w][D]; each KV head keeps `budget` tokens into k_out / v_out
-// [H_kv][budget][D], their positions into kept [H_kv][budget] (ascending).
+// k_cache, v_cache: the engine's token-major [T][H_kv][D] buffers; window_q: the last w prompt
+// tokens' post-RoPE queries [H_q][w][D]. Each KV head keeps `budget` tokens: their positions into
+// kept [H_kv][budget] (ascending), their rows into k_out / v_out [H_kv][budget][D].
 status snapkv_evict(const float* k_cache, const float* v_cache, const float* window_q, index_t hq, index_t hkv,
                     index_t T, index_t D, index_t w, index_t budget, float* k_out, float* v_out, pos_t* kept,
                     std::vector<unsigned char>& scratch, std::vector<float>& scores) {
-  recipe r = recipe::snapkv();  // window 32, max pool 7, GQA mean, window kept
+  recipe r = recipe::snapkv();  // max pool 7, GQA mean, the window kept
   r.window = w;
   r.n_recent = w;
-  auto keys = make_kv_view(k_cache, hkv, T, D, kv_layout::token_major);  // no copy
+  auto keys = make_kv_view(k_cache, hkv, T, D, kv_layout::token_major);  // views, no copy
   auto vals = make_kv_view(v_cache, hkv, T, D, kv_layout::token_major);
   auto q = make_kv_view(window_q, hq, w, D);
   scores.resize(static_cast<std::size_t>(hkv * T));
-  auto s = make_matrix_view(scores.data(), hkv, T);
+  auto s = make_matrix_view<const float>(scores.data(), hkv, T);
+  auto s_out = make_matrix_view(scores.data(), hkv, T);
   auto sel = make_matrix_view(kept, hkv, budget);
-  if (!keys || !vals || !q || !s || !sel) return status::error(errc::invalid_argument, "snapkv_evict: bad shapes");
+  if (!keys || !vals || !q || !s || !s_out || !sel) return status::error(errc::invalid_argument, "snapkv_evict: bad shapes");
 
-  workspace ws;  // phase 1: ws.data == nullptr asks for the size
-  KVEVICT_TRY(recipe_scores(par, ws, r, *q, *keys, *vals, *s));
-  scratch.resize(ws.bytes);  // an engine sizes this once, for its largest prompt
-  ws.data = scratch.data();
-  KVEVICT_TRY(recipe_scores(par, ws, r, *q, *keys, *vals, *s));  // phase 2: scores [H_kv][T]
-
-  workspace sel_ws;
-  KVEVICT_TRY(recipe_select(par, sel_ws, r, matrix_view<const float>(*s), *sel));
-  scratch.resize(std::max(scratch.size(), sel_ws.bytes));
-  sel_ws.data = scratch.data();
-  KVEVICT_TRY(recipe_select(par, sel_ws, r, matrix_view<const float>(*s), *sel));
+  // Each stage runs twice, the CUB way: a size query (ws.data == nullptr), then the work in
+  // `scratch` (an engine sizes it once, for its longest prompt).
+  auto two_phase = [&](auto&& stage) -> status {
+    workspace ws;
+    KVEVICT_TRY(stage(ws));
+    scratch.resize(std::max(scratch.size(), ws.bytes));
+    ws.data = scratch.data();
+    return stage(ws);
+  };
+  KVEVICT_TRY(two_phase([&](workspace& ws) { return recipe_scores(par, ws, r, *q, *keys, *vals, *s_out); }));
+  KVEVICT_TRY(two_phase([&](workspace& ws) { return recipe_select(par, ws, r, *s, *sel); }));
 
   auto kept_c = make_matrix_view<const pos_t>(kept, hkv, budget);
   KVEVICT_TRY(compact(par, *keys, *kept_c, *make_kv_view(k_out, hkv, budget, D)));
@@ -62,7 +64,8 @@ int main() {
     for (index_t j = 0; j < budget; ++j) std::printf(" %d", kept[h * budget + j]);
     std::printf("\n");
   }
-  // a budget below the protected window is refused with a specific message, nothing written
+  // a budget below the protected window is refused with a specific status, nothing written:
+  // "recipe_select: budget 7 is below the 8 protected tokens (n_sink 0 + n_recent 8 of a row of 96)"
   st = snapkv_evict(k.data(), v.data(), q.data(), hq, hkv, T, D, w, w - 1, k_out.data(), v_out.data(), kept.data(),
                     scratch, scores);
   std::printf("budget %lld: %s\n", static_cast<long long>(w - 1), st.message());

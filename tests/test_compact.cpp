@@ -244,3 +244,80 @@ TEST_CASE("compact ragged: bad offsets, capacity and lengths") {
   auto wrong_rows = value_of(make_kv_view(cache.data(), 3, 1, 2));
   require_error(append(seq, rc, wrong_rows), errc::shape_mismatch, "cache has 2 heads");
 }
+
+TEST_CASE("compact ragged: offsets or lengths stored inside the rows a call writes are refused, nothing written") {
+  // issue 17: compact into a ragged_cache whose lens lay inside dst's rows returned OK and
+  // corrupted a kept row. Every int32 array a ragged call reads or writes is checked against what
+  // it writes. One buffer holds the rows; the metadata is placed inside it.
+  const index_t H = 2, T = 4, D = 2;
+  std::vector<float> src_buf(H * T * D);
+  std::iota(src_buf.begin(), src_buf.end(), 1.f);
+  const auto src = value_of(make_kv_view<const float>(src_buf.data(), H, T, D));
+  const std::vector<pos_t> pos = {0, 2, 1, 3};
+  const std::int32_t cu[] = {0, 2, 4};
+  const ragged_positions kept(pos.data(), cu, H);
+
+  // rows for capacity 3 per head (6 rows x 2 floats) followed by room for metadata in the same buffer
+  alignas(8) std::int32_t block[32] = {};
+  float* rows = reinterpret_cast<float*>(block);
+  std::int32_t capacity[] = {0, 3, 6};
+  std::int32_t lens[] = {0, 0};
+  const auto untouched = [&] { return std::all_of(block, block + 12, [](std::int32_t x) { return x == 0; }); };
+
+  // lens inside dst's rows (the reported case), and inside src, kept or the offsets
+  ragged_cache<float> dst{rows, capacity, block + 5, H, D, D};
+  require_error(compact(seq, src, kept, dst), errc::overlap, "dst and dst.lens overlap");
+  CHECK(untouched());
+  dst.lens = const_cast<std::int32_t*>(cu);
+  require_error(compact(seq, src, kept, dst), errc::overlap, "kept.cu and dst.lens overlap");
+  dst.lens = reinterpret_cast<std::int32_t*>(src_buf.data());
+  require_error(compact(seq, src, kept, dst), errc::overlap, "src and dst.lens overlap");
+  dst.lens = const_cast<std::int32_t*>(pos.data());
+  require_error(compact(seq, src, kept, dst), errc::overlap, "kept and dst.lens overlap");
+  dst.lens = capacity + 1;
+  require_error(compact(seq, src, kept, dst), errc::overlap, "dst.cu_capacity and dst.lens overlap");
+  // the capacity offsets inside the rows
+  std::int32_t* cap_in_rows = block + 8;
+  cap_in_rows[0] = 0, cap_in_rows[1] = 3, cap_in_rows[2] = 6;  // 12 floats of rows: block[0, 12)
+  ragged_cache<float> dst2{rows, cap_in_rows, lens, H, D, D};
+  require_error(compact(seq, src, kept, dst2), errc::overlap, "dst.cu_capacity and dst overlap");
+  cap_in_rows[0] = cap_in_rows[1] = cap_in_rows[2] = 0;
+  dst.lens = lens;
+  REQUIRE(compact(seq, src, kept, dst).ok());  // the same call with separate metadata works
+  CHECK(lens[0] == 2);
+  CHECK(rows[2] == 5.f);  // head 0 row 1 = src[0][2]
+
+  // into a ragged_view: kept.cu or cu_lens inside the rows
+  std::fill(block, block + 32, 0);
+  std::int32_t* cu_in_rows = block + 4;
+  cu_in_rows[0] = 0, cu_in_rows[1] = 2, cu_in_rows[2] = 4;
+  ragged_view<float> view{rows, cu_in_rows, H, D, D};
+  require_error(compact(seq, src, ragged_positions(pos.data(), cu_in_rows, H), view), errc::overlap,
+                "kept.cu and dst overlap");
+  std::int32_t cu_copy[] = {0, 2, 4};
+  require_error(compact(seq, src, ragged_positions(pos.data(), cu_copy, H), view), errc::overlap,
+                "dst.cu_lens and dst overlap");
+
+  // in place and append: the cache's own lens inside its rows
+  std::fill(block, block + 32, 0);
+  std::int32_t* lens_in_rows = block + 2;
+  lens_in_rows[0] = 2, lens_in_rows[1] = 2;
+  std::int32_t cap[] = {0, 3, 6};
+  ragged_cache<float> cache{rows, cap, lens_in_rows, H, D, D};
+  const pos_t keep_one[] = {1, 0};
+  const std::int32_t cu_one[] = {0, 1, 2};
+  require_error(compact_inplace(seq, cache, ragged_positions(keep_one, cu_one, H)), errc::overlap,
+                "cache and cache.lens overlap");
+  const float more[] = {9, 9, 9, 9};
+  const auto more_v = value_of(make_kv_view<const float>(more, H, 1, D));
+  require_error(append(seq, cache, more_v), errc::overlap, "cache and cache.lens overlap");
+  std::int32_t ok_lens[] = {2, 2};
+  cache.lens = ok_lens;
+  cache.cu_capacity = cu_in_rows;  // offsets inside the rows
+  cu_in_rows[0] = 0, cu_in_rows[1] = 3, cu_in_rows[2] = 6;
+  require_error(append(seq, cache, more_v), errc::overlap, "cache.cu_capacity and cache overlap");
+  require_error(compact_inplace(seq, cache, ragged_positions(keep_one, cu_one, H)), errc::overlap,
+                "cache.cu_capacity and cache overlap");
+  CHECK(ok_lens[0] == 2);
+  CHECK(ok_lens[1] == 2);
+}

@@ -252,14 +252,14 @@ TEST_CASE("block attention (causal block over fixed prompt KV): both outputs' ba
       auto qh = lkv::mat<const double>(q.data() + h * s.hs, s.n, s.hs, s.H * s.hs);
       auto kph = lkv::mat<const double>(kp.data() + gk * s.P * s.hs, s.P, s.hs, s.hs);
       auto kbh = lkv::mat<const double>(kb.data() + gk * s.hs, s.n, s.hs, s.Hkv * s.hs);
-      require_ok(lkv::with_workspace(ws, [&](kvevict::workspace& w) {
+      require_ok(with_workspace(ws, [&](kvevict::workspace& w) {
         return kvevict::lookahead_window_scores(kvevict::seq, w, qh, kph, kbh, lkv::vec(lib_s.data(), s.P));
       }));
       for (index_t j = 0; j < s.P; ++j)
         CHECK(est[static_cast<std::size_t>(h * s.P + j)] == doctest::Approx(lib_s[static_cast<std::size_t>(j)]).epsilon(1e-13));
       kvevict::lookahead_window_options o;
       o.accumulate = true;
-      require_ok(lkv::with_workspace(ws, [&](kvevict::workspace& w) {
+      require_ok(with_workspace(ws, [&](kvevict::workspace& w) {
         return kvevict::lookahead_window_scores_backward(
             kvevict::seq, w, qh, kph, kbh, lkv::vec<const double>(dest.data() + h * s.P, s.P),
             lkv::mat(lib_dq.data() + h * s.hs, s.n, s.hs, s.H * s.hs), lkv::mat(lib_dk.data() + gk * s.hs, s.n, s.hs, s.Hkv * s.hs), o);
@@ -447,7 +447,7 @@ TEST_CASE("lookahead_scores: the runner's lookahead rows equal the training forw
       // attention_scores on the training forward's queries and keys, and the sample's prompt keys
       std::vector<float> ref(static_cast<std::size_t>(H * P)), pooled(ref.size()), reduced(static_cast<std::size_t>(Hkv * P));
       auto out = *kvevict::make_matrix_view(ref.data(), H, P);
-      require_ok(lkv::with_workspace(ws, [&](kvevict::workspace& w) {
+      require_ok(with_workspace(ws, [&](kvevict::workspace& w) {
         return kvevict::attention_scores(kvevict::seq, w, heads_view(bp.queries(l), H, n, hs, c.dim),
                                          *kvevict::make_kv_view<const float>(s.keys.data() + index_t(l) * Hkv * P * hs, Hkv, P, hs),
                                          heads_view(bp.keys(l), Hkv, n, hs, c.kv_dim()), out);

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 using namespace kvevict;
@@ -523,4 +524,23 @@ TEST_CASE("head-mask TSV: every documented error") {
   vn(1, 1) = NAN;
   require_error(binarize_head_mask(vn.v, 0.5, b.v), errc::invalid_argument, "values[1][1] is NaN");
   require_error(binarize_head_mask(v.v, 0.5, v.v), errc::overlap, "mask overlaps values");
+}
+
+TEST_CASE("head-mask TSV files: only bounded regular files are read; writes replace the file whole") {
+  const tmp_dir tmp;
+  mat<float> m(2, 2);
+  // a FIFO would block the open and /dev/zero never ends: both refused before reading
+  const std::string fifo = tmp.path("masks.fifo");
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  require_error(read_head_mask_tsv(fifo.c_str(), m.v), errc::io_error, "is not a regular file");
+  require_error(read_head_mask_tsv("/dev/zero", m.v), errc::io_error, "/dev/zero is not a regular file");
+  require_error(read_head_mask_tsv(tmp.dir.string().c_str(), m.v), errc::io_error, "is not a regular file");
+  // a write that succeeds leaves no temporary file; one into a missing directory writes nothing
+  const std::string path = tmp.path("masks.tsv");
+  std::fill(m.buf.begin(), m.buf.end(), 1.0f);
+  REQUIRE(write_head_mask_tsv(path.c_str(), m.v).ok());
+  CHECK(!std::filesystem::exists(path + ".kvevict-tmp"));
+  mat<float> back(2, 2);
+  REQUIRE(read_head_mask_tsv(path.c_str(), back.v).ok());
+  CHECK(back.v(1, 1) == 1.0f);
 }

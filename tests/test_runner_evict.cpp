@@ -54,6 +54,18 @@ const lookahead_module& the_module() {
   return m;
 }
 
+// The lookaheadkv method's scores: a scorer bound to the shipped module (the evictor's prompt_scorer).
+lookahead_scorer& the_scorer() {
+  static lookahead_scorer s;
+  static const bool bound = [] {
+    const status st = s.init(the_model(), the_module());
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    return true;
+  }();
+  (void)bound;
+  return s;
+}
+
 // Two model-generated test pairs with short prompts (72..200 tokens) and 16-token responses.
 const std::vector<text_pair>& the_pairs() {
   static std::vector<text_pair> p = [] {
@@ -224,7 +236,7 @@ std::vector<double> layer_entropies(const std::vector<std::vector<float>>& score
 }
 
 // The library's answer of one allocator over per-layer scores of a T-token prompt.
-positions library_select(allocator_kind a, const recipe& r, const std::vector<std::vector<float>>& scores, index_t T,
+positions library_select(budget_scheme a, const recipe& r, const std::vector<std::vector<float>>& scores, index_t T,
                          index_t B, const std::vector<double>& cake_pref, const duo_heads* duo) {
   const config& c = the_model().cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads;
@@ -232,17 +244,17 @@ positions library_select(allocator_kind a, const recipe& r, const std::vector<st
   std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H), static_cast<std::int32_t>(B));
   const auto bview = *kvevict::make_matrix_view(budgets.data(), L, H);
   switch (a) {
-    case allocator_kind::uniform: return select_per_head(r, scores, T, budgets);
-    case allocator_kind::pyramid: {
+    case budget_scheme::uniform: return select_per_head(r, scores, T, budgets);
+    case budget_scheme::pyramid: {
       kvevict::pyramid_options po;
       po.prot = prot;
       REQUIRE_OK(kvevict::pyramid_budgets(B, T, po, bview));
       return select_per_head(r, scores, T, budgets);
     }
-    case allocator_kind::cake:
+    case budget_scheme::cake:
       REQUIRE_OK(kvevict::cake_budgets(cake_pref.data(), B, T, prot, bview));
       return select_per_head(r, scores, T, budgets);
-    case allocator_kind::duo: {
+    case budget_scheme::duo: {
       kvevict::duo_options dopt;
       dopt.streaming = prot;
       const index_t k = kvtest::value_of(kvevict::duo_retrieval_heads(B * H * L, L, H, T, dopt));
@@ -252,7 +264,7 @@ positions library_select(allocator_kind a, const recipe& r, const std::vector<st
       REQUIRE_OK(kvevict::duo_budgets(*kvevict::make_matrix_view<const std::uint8_t>(mask.data(), L, H), T, dopt, bview));
       return select_per_head(r, scores, T, budgets);
     }
-    case allocator_kind::adakv: {
+    case budget_scheme::adakv: {
       positions out;
       for (int l = 0; l < L; ++l) {
         std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1));
@@ -267,7 +279,7 @@ positions library_select(allocator_kind a, const recipe& r, const std::vector<st
       }
       return out;
     }
-    case allocator_kind::lava: {
+    case budget_scheme::lava: {
       const std::vector<double> e = layer_entropies(scores, T, prot);
       std::vector<index_t> totals(static_cast<std::size_t>(L));
       REQUIRE_OK(kvevict::lava_layer_budgets(e.data(), L, H, T, prot, B * H * L, totals.data()));
@@ -309,7 +321,8 @@ TEST_CASE("every post-fill method keeps exactly the library's answer on the runn
     const index_t P = static_cast<index_t>(tp.prompt.size());
     const prefilled full = prefill_full(run, tp.prompt);
     for (const index_t B : {index_t(16), index_t(40)})
-      for (const method m : all_methods) {
+      for (const named<method>& mn : method_names) {
+        const method m = mn.value;
         if (m == method::full || m == method::laq || m == method::laq_pp || m == method::lookaheadkv || m == method::oracle)
           continue;
         const std::string method_name_ = method_name(m);
@@ -332,7 +345,7 @@ TEST_CASE("every post-fill method keeps exactly the library's answer on the runn
             r, full.cache, P, [&](int l) { return reference_queries(r, full.q, l, P); },
             [](int) { return kvevict::kv_view<const float>{}; });
         const std::vector<double> pref =
-            default_allocator(m) == allocator_kind::cake ? cake_preferences(full.cache, full.q, P, o.window) : std::vector<double>{};
+            default_allocator(m) == budget_scheme::cake ? cake_preferences(full.cache, full.q, P, o.window) : std::vector<double>{};
         const positions want = library_select(default_allocator(m), r, scores, P, B, pref, &duo);
         CHECK(held(cache) == want);
         index_t total = 0;
@@ -349,8 +362,8 @@ TEST_CASE("every allocator under SnapKV scores, and the driver's recorder marks 
   const text_pair& tp = the_pairs()[0];
   const index_t P = static_cast<index_t>(tp.prompt.size()), B = 24;
   const prefilled full = prefill_full(run, tp.prompt);
-  for (const allocator_kind a : {allocator_kind::uniform, allocator_kind::pyramid, allocator_kind::adakv,
-                                 allocator_kind::lava, allocator_kind::cake}) {
+  for (const budget_scheme a : {budget_scheme::uniform, budget_scheme::pyramid, budget_scheme::adakv,
+                                 budget_scheme::lava, budget_scheme::cake}) {
     const std::string allocator_name_ = allocator_name(a);
       CAPTURE(allocator_name_);
     evict_options o;
@@ -369,7 +382,7 @@ TEST_CASE("every allocator under SnapKV scores, and the driver's recorder marks 
         r, full.cache, P, [&](int l) { return reference_queries(r, full.q, l, P); },
         [](int) { return kvevict::kv_view<const float>{}; });
     const positions want =
-        library_select(a, r, scores, P, B, a == allocator_kind::cake ? cake_preferences(full.cache, full.q, P, o.window) : std::vector<double>{}, nullptr);
+        library_select(a, r, scores, P, B, a == budget_scheme::cake ? cake_preferences(full.cache, full.q, P, o.window) : std::vector<double>{}, nullptr);
     CHECK(held(cache) == want);
     // the schedule: kept keys never evicted, the others at step P
     for (int l = 0; l < c.n_layers; ++l)
@@ -628,7 +641,7 @@ TEST_CASE("LAQ: stage 1 is SnapKV on a copy plus greedy pseudo decoding; stage 2
     const auto s1 = reference_scores(
         snap, full.cache, P, [&](int l) { return reference_queries(snap, full.q, l, P); },
         [](int) { return kvevict::kv_view<const float>{}; });
-    const positions keep1 = library_select(allocator_kind::uniform, snap, s1, P, B, {}, nullptr);
+    const positions keep1 = library_select(budget_scheme::uniform, snap, s1, P, B, {}, nullptr);
     for (int l = 0; l < L; ++l) {
       std::vector<pos_t> rows;
       std::vector<std::int32_t> cu{0};
@@ -649,7 +662,7 @@ TEST_CASE("LAQ: stage 1 is SnapKV on a copy plus greedy pseudo decoding; stage 2
     }
 
     for (const method m : {method::laq, method::laq_pp})
-      for (const allocator_kind a : {allocator_kind::uniform, allocator_kind::pyramid, allocator_kind::lava, allocator_kind::cake}) {
+      for (const budget_scheme a : {budget_scheme::uniform, budget_scheme::pyramid, budget_scheme::lava, budget_scheme::cake}) {
         const std::string method_name_ = method_name(m);
       CAPTURE(method_name_);
         const std::string allocator_name_ = allocator_name(a);
@@ -664,7 +677,7 @@ TEST_CASE("LAQ: stage 1 is SnapKV on a copy plus greedy pseudo decoding; stage 2
         REQUIRE_OK(cache.init(c));
         REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr));
         CHECK(ev.pseudo_tokens() == toks);
-        const std::vector<double> pref = a == allocator_kind::cake ? cake_preferences(full.cache, full.q, P, w) : std::vector<double>{};
+        const std::vector<double> pref = a == budget_scheme::cake ? cake_preferences(full.cache, full.q, P, w) : std::vector<double>{};
         positions want;
         if (m == method::laq) {
           for (int l = 0; l < L; ++l) {  // the captured block is the one stage 2 used
@@ -771,7 +784,7 @@ TEST_CASE("the oracle's scores are the ground truth of recall (naive double refe
   const recipe r = detail::ground_truth_recipe();
   std::vector<std::vector<float>> gt;
   for (int l = 0; l < L; ++l) gt.emplace_back(w.gt.begin() + l * H * P, w.gt.begin() + (l + 1) * H * P);
-  CHECK(held(cache) == library_select(allocator_kind::uniform, r, gt, P, B, {}, nullptr));
+  CHECK(held(cache) == library_select(budget_scheme::uniform, r, gt, P, B, {}, nullptr));
 }
 
 TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-head-score allocator, plain top-k; the lookahead KV dropped") {
@@ -798,7 +811,7 @@ TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-hea
     recipe r = recipe::snapkv();  // nothing protected: LookaheadKV keeps no window
     r.n_recent = 0;
     for (const index_t B : {index_t(16), index_t(40)})
-      for (const allocator_kind a : {allocator_kind::uniform, allocator_kind::pyramid, allocator_kind::adakv, allocator_kind::lava}) {
+      for (const budget_scheme a : {budget_scheme::uniform, budget_scheme::pyramid, budget_scheme::adakv, budget_scheme::lava}) {
         const std::string allocator_name_ = allocator_name(a);
         CAPTURE(allocator_name_);
         CAPTURE(B);
@@ -808,7 +821,7 @@ TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-hea
         o.budget = B;
         o.alloc = a;
         evictor ev;
-        REQUIRE_OK(ev.init(the_model(), o, nullptr, &the_module()));
+        REQUIRE_OK(ev.init(the_model(), o, nullptr, &the_scorer()));
         kv_cache cache;
         REQUIRE_OK(cache.init(c));
         std::vector<pos_t> buf(static_cast<std::size_t>(L * H * P));
@@ -828,7 +841,7 @@ TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-hea
               CHECK(buf[static_cast<std::size_t>((l * H + h) * P + j)] == (kept ? kvevict::never_evicted : static_cast<pos_t>(P)));
             }
           }
-        if (a != allocator_kind::uniform || B != 16) continue;
+        if (a != budget_scheme::uniform || B != 16) continue;
         // decoding with the kept cache: bit for bit the full cache compacted by hand to `want`
         kv_cache byhand = full.cache;
         for (int l = 0; l < L; ++l) {
@@ -866,8 +879,10 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
   }
   const duo_heads duo = calibrated_heads();
   int runs = 0;
-  for (const method m : all_methods)
-    for (const driver_kind d : all_drivers) {
+  for (const named<method>& mn : method_names)
+    for (const named<driver_kind>& dn : driver_names) {
+      const method m = mn.value;
+      const driver_kind d = dn.value;
       evict_options o;
       o.recipe = m;
       o.driver = d;
@@ -878,7 +893,7 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
       const std::string driver_name_ = driver_name(d);
       CAPTURE(driver_name_);
       evictor ev;
-      REQUIRE_OK(ev.init(the_model(), o, &duo, &the_module()));
+      REQUIRE_OK(ev.init(the_model(), o, &duo, &the_scorer()));
       kv_cache cache;
       REQUIRE_OK(cache.init(c));
       REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr, &tp.response));
@@ -990,7 +1005,7 @@ TEST_CASE("eviction options and evictor errors") {
   o.driver = driver_kind::chunked_naive;
   require_error(check_evict_options(c, o), errc::invalid_argument, "does not take --allocator cake");
   o = opts(method::snapkv);
-  o.alloc = allocator_kind::duo;
+  o.alloc = budget_scheme::duo;
   require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo and --recipe duo go together");
   o = opts(method::duo);
   o.budget = 12;
@@ -1002,9 +1017,9 @@ TEST_CASE("eviction options and evictor errors") {
                   "--recipe lookaheadkv needs the whole prompt prefilled first: use --driver postfill");
   }
   o = opts(method::lookaheadkv);
-  o.alloc = allocator_kind::cake;
+  o.alloc = budget_scheme::cake;
   require_error(check_evict_options(c, o), errc::invalid_argument, "--recipe lookaheadkv does not take --allocator cake");
-  o.alloc = allocator_kind::duo;
+  o.alloc = budget_scheme::duo;
   require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo and --recipe duo go together");
   o = opts(method::lookaheadkv);
   o.sinks = 4;
@@ -1013,7 +1028,7 @@ TEST_CASE("eviction options and evictor errors") {
 
   method m;
   require_error(parse_method("snapky", m), errc::invalid_argument, "unknown recipe 'snapky' (expected one of: full, streaming_llm");
-  allocator_kind a;
+  budget_scheme a;
   require_error(parse_allocator("even", a), errc::invalid_argument, "unknown allocator 'even'");
   driver_kind d;
   require_error(parse_driver("chunked", d), errc::invalid_argument, "unknown driver 'chunked'");
@@ -1055,12 +1070,13 @@ TEST_CASE("eviction options and evictor errors") {
   small.dim = 32;
   small.hidden_dim = 64;
   REQUIRE_OK(other.shape(lookahead_dims::of(small), lookahead_config{}));
-  require_error(ev.init(the_model(), opts(method::lookaheadkv), nullptr, &other), errc::shape_mismatch,
+  lookahead_scorer other_scorer;  // the evictor takes the scorer, which checks its module
+  require_error(other_scorer.init(the_model(), other), errc::shape_mismatch,
                 "lookahead module was trained for dim 32 but the model has dim 64");
   // no window: a 5-token prompt is fine, and a budget of at least the prompt keeps it whole
   evict_options lo = opts(method::lookaheadkv);
   lo.budget = 4;
-  REQUIRE_OK(ev.init(the_model(), lo, nullptr, &the_module()));
+  REQUIRE_OK(ev.init(the_model(), lo, nullptr, &the_scorer()));
   cache.clear();
   REQUIRE_OK(ev.prefill(run, cache, prompt, nullptr));
   CHECK(cache.total_rows() == 4 * c.n_layers * c.n_kv_heads);

@@ -26,8 +26,8 @@ struct options {
   std::string q_path, k_path, v_path, block_keys_path;
   std::string scores_path = "scores.npy", kept_path = "kept.npy";
   recipe r = recipe::snapkv();
-  index_t window = 0;  ///< 0: the number of query rows in q.npy
-  index_t budget = -1; ///< tokens kept per KV head (protected ones included)
+  index_t window = 0;  ///< 0: the number of query rows in q.npy; otherwise >= 1
+  index_t budget = -1; ///< tokens kept per KV head (protected ones included); required, >= 0
   index_t sinks = -1;  ///< first tokens always kept; -1: the recipe's default
   index_t recent = -1; ///< last tokens always kept; -1: the recipe's default (window recipes: w)
   bool parallel = false;
@@ -54,23 +54,49 @@ inline status to_f32(const npy::array& a, const char* name, std::vector<float>& 
   return {};
 }
 
+/// Reads a rank-3 tensor with no zero-sized axis: every size the tool derives (scores, kept
+/// lists, workspaces) is then bounded by the elements the files really hold.
 inline status load_rank3(const std::string& path, const char* what, npy::array& a, std::vector<float>& data) {
   KVEVICT_TRY(npy::read(path, a));
   if (a.shape.size() != 3)
     return status::error(errc::shape_mismatch, "%s: %s must have 3 dimensions [heads][tokens][dim], got %zu",
                          path.c_str(), what, a.shape.size());
+  for (std::size_t i = 0; i < 3; ++i)
+    if (a.shape[i] == 0)
+      return status::error(errc::shape_mismatch, "%s: %s are [%lld][%lld][%lld]: an empty axis leaves nothing to score",
+                           path.c_str(), what, static_cast<long long>(a.shape[0]), static_cast<long long>(a.shape[1]),
+                           static_cast<long long>(a.shape[2]));
   return to_f32(a, path.c_str(), data);
+}
+
+/// The options' own ranges and the paths, before any file is read (docs/conventions.md).
+inline status check_options(const options& opt) {
+  if (opt.budget < 0) return status::error(errc::invalid_argument, "give the number of tokens to keep per head with --budget (>= 0)");
+  if (opt.window < 0)
+    return status::error(errc::invalid_argument, "--window must be >= 1, got %lld", static_cast<long long>(opt.window));
+  if (opt.sinks < -1 || opt.recent < -1) return status::error(errc::invalid_argument, "--sinks and --recent must be >= 0");
+  if (opt.k_path.empty()) return status::error(errc::invalid_argument, "give the keys with --k");
+  if (opt.scores_path.empty() || opt.kept_path.empty())
+    return status::error(errc::invalid_argument, "--scores and --kept must name files");
+  return io::check_paths({{"--q", opt.q_path}, {"--k", opt.k_path}, {"--v", opt.v_path}, {"--block-keys", opt.block_keys_path}},
+                         {{"--scores", opt.scores_path}, {"--kept", opt.kept_path}});
 }
 
 }  // namespace detail
 
 /// Runs the tool; on success writes the two output files and fills `summary` with one line.
+/// Every input given is read and checked, used or not (a missing --q is an error even for a recipe
+/// that reads no queries); both outputs are written all or nothing, after all the work.
 inline status run(const options& opt, std::string& summary) {
+  KVEVICT_TRY(detail::check_options(opt));
+  recipe r = opt.r;
+  if (!opt.block_keys_path.empty() && r.source != query_source::external_block)
+    return status::error(errc::invalid_argument, "--block-keys is only read with --source external");
   npy::array qa, ka, va, ba;
   std::vector<float> q, k, v, bk;
   KVEVICT_TRY(detail::load_rank3(opt.k_path, "keys", ka, k));
   const index_t hkv = ka.shape[0], T = ka.shape[1], d = ka.shape[2];
-  recipe r = opt.r;
+  if (!opt.q_path.empty()) KVEVICT_TRY(detail::load_rank3(opt.q_path, "queries", qa, q));
   const bool reads_values = r.weight_values;
   if (reads_values || !opt.v_path.empty()) {
     if (opt.v_path.empty())
@@ -86,7 +112,6 @@ inline status run(const options& opt, std::string& summary) {
   const float* qdata = nullptr;
   if (uses_attention(r.kind)) {
     if (opt.q_path.empty()) return status::error(errc::invalid_argument, "recipe %s needs queries: give --q", recipe_name(r.kind));
-    KVEVICT_TRY(detail::load_rank3(opt.q_path, "queries", qa, q));
     hq = qa.shape[0];
     rows = qa.shape[1];
     if (qa.shape[2] != d)
@@ -108,12 +133,7 @@ inline status run(const options& opt, std::string& summary) {
   }
   if (opt.sinks >= 0) r.n_sink = opt.sinks;
   if (opt.recent >= 0) r.n_recent = opt.recent;
-  if (!opt.block_keys_path.empty()) {
-    if (r.source != query_source::external_block)
-      return status::error(errc::invalid_argument, "--block-keys is only read with --source external");
-    KVEVICT_TRY(detail::load_rank3(opt.block_keys_path, "block keys", ba, bk));
-  }
-  if (opt.budget < 0) return status::error(errc::invalid_argument, "give the number of tokens to keep per head with --budget");
+  if (!opt.block_keys_path.empty()) KVEVICT_TRY(detail::load_rank3(opt.block_keys_path, "block keys", ba, bk));
   if (opt.budget > T)
     return status::error(errc::invalid_argument, "budget %lld is larger than the prompt (%lld tokens)",
                          static_cast<long long>(opt.budget), static_cast<long long>(T));
@@ -149,8 +169,16 @@ inline status run(const options& opt, std::string& summary) {
   };
   KVEVICT_TRY(opt.parallel ? work(par) : work(seq));
 
-  KVEVICT_TRY(npy::write_f32(opt.scores_path, {hkv, T}, scores.data()));
-  KVEVICT_TRY(npy::write_i32(opt.kept_path, {hkv, opt.budget}, kept.data()));
+  npy::array scores_a, kept_a;
+  std::vector<unsigned char> scores_file, kept_file;
+  KVEVICT_TRY(npy::make_array(npy::dtype::float32, {hkv, T}, scores.data(), scores_a));
+  KVEVICT_TRY(npy::make_array(npy::dtype::int32, {hkv, opt.budget}, kept.data(), kept_a));
+  KVEVICT_TRY(npy::serialize(scores_a, scores_file));
+  KVEVICT_TRY(npy::serialize(kept_a, kept_file));
+  io::output_transaction out;
+  KVEVICT_TRY(out.stage(opt.scores_path, scores_file));
+  KVEVICT_TRY(out.stage(opt.kept_path, kept_file));
+  KVEVICT_TRY(out.commit());
   char line[256];
   std::snprintf(line, sizeof line, "%s: kept %lld of %lld tokens in each of %lld KV heads -> %s, %s", recipe_name(r.kind),
                 static_cast<long long>(opt.budget), static_cast<long long>(T), static_cast<long long>(hkv),

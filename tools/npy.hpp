@@ -11,10 +11,14 @@
 // other input gives a kvevict::status (errc::format_error, or errc::io_error for the file system)
 // with ONE specific line naming the file, e.g.
 //   q.npy: truncated: header says 2x3x4 float32 (96 bytes) but 80 bytes follow
-// The reader never reads past its input, and allocates only after checking the sizes against the
-// real file size (a lying header cannot make it allocate more than the file holds).
+// The reader never reads past its input, accepts only regular files of bounded size, and
+// allocates only after checking the sizes against the real file size (a lying header cannot make
+// it allocate more than the file holds); an empty array's other dimensions are bounded too. The
+// writer is atomic (programs/io.hpp).
 // docs/npy.md lists the accepted subset and every error.
 #pragma once
+
+#include "io.hpp"
 
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
@@ -337,6 +341,17 @@ inline status parse_header(const unsigned char* p, std::size_t avail, std::uint6
   if (!shape_bytes(h.shape, h.rank, h.type, h.data_bytes))
     return status::error(errc::format_error, "%s: shape %.120s %s has more bytes than fit in 64 bits", name,
                          shp.c_str(), dtype_name(h.type));
+  if (h.data_bytes == 0 && h.rank > 0) {
+    // an empty array's other dimensions are backed by no data: bound them as if the zeros were 1,
+    // so that a 0 x 10^12 header cannot make a consumer allocate or write for 10^12 elements
+    std::int64_t logical = 0;
+    std::int64_t ones[max_rank];
+    for (std::size_t i = 0; i < h.rank; ++i) ones[i] = h.shape[i] == 0 ? 1 : h.shape[i];
+    if (!shape_bytes(ones, h.rank, h.type, logical) || static_cast<std::uint64_t>(logical) > io::limit::npy_bytes)
+      return status::error(errc::format_error, "%s: empty array %.120s %s: its non-zero dimensions exceed the "
+                           "%llu-byte input limit", name, shp.c_str(), dtype_name(h.type),
+                           static_cast<unsigned long long>(io::limit::npy_bytes));
+  }
   h.data_offset = preamble + hlen;
   const std::uint64_t follow = total - h.data_offset, want = static_cast<std::uint64_t>(h.data_bytes);
   if (follow < want)
@@ -373,30 +388,21 @@ inline status parse(const void* data, std::size_t size, const char* name, array&
   return {};
 }
 
-/// Reads a .npy file. Errors: errc::io_error (cannot open / read, not a regular file) or
-/// errc::format_error (see docs/npy.md), each message starting with the path.
+/// Reads a .npy file: a regular file of at most io::limit::npy_bytes (programs/io.hpp). Errors:
+/// errc::io_error (cannot open / read, not a regular file, too large) or errc::format_error (see
+/// docs/npy.md), each message starting with the path.
 inline status read(const std::string& path, array& out) {
   out = array{};
   const char* name = path.c_str();
   std::error_code ec;
-  const auto st = std::filesystem::status(path, ec);
-  if (st.type() == std::filesystem::file_type::not_found)
+  if (std::filesystem::status(path, ec).type() == std::filesystem::file_type::not_found)
     return status::error(errc::io_error, "%s: no such file", name);
-  if (ec) return status::error(errc::io_error, "%s: cannot access: %s", name, ec.message().c_str());
-  if (st.type() != std::filesystem::file_type::regular)
-    return status::error(errc::io_error, "%s: not a regular file", name);
-  const std::uintmax_t total = std::filesystem::file_size(path, ec);
-  if (ec) return status::error(errc::io_error, "%s: cannot get the size: %s", name, ec.message().c_str());
-  std::FILE* f = std::fopen(name, "rb");
-  if (f == nullptr) return status::error(errc::io_error, "%s: cannot open: %s", name, std::strerror(errno));
-  struct closer {
-    std::FILE* f;
-    ~closer() { std::fclose(f); }
-  } close_f{f};
+  io::input_file in;
+  KVEVICT_TRY(io::input_file::open(path, "npy", io::limit::npy_bytes, in));
+  const std::uint64_t total = in.size();
   // the preamble (at most 12 bytes), then exactly the header it announces (bounded by the file size)
   std::vector<unsigned char> head(static_cast<std::size_t>(total < 12 ? total : 12));
-  if (std::fread(head.data(), 1, head.size(), f) != head.size())
-    return status::error(errc::io_error, "%s: cannot read: %s", name, std::strerror(errno));
+  KVEVICT_TRY(in.read_exact(head.data(), head.size()));
   detail::header h;
   if (head.size() >= 10 && head[6] >= 1 && head[6] <= 3 && head[7] == 0 && head[0] == 0x93) {
     const std::size_t preamble = head[6] == 1 ? 10 : 12;
@@ -404,17 +410,15 @@ inline status read(const std::string& path, array& out) {
     if (hlen <= max_header_bytes && preamble + hlen <= total) {
       const std::size_t have = head.size();
       head.resize(preamble + hlen);
-      if (head.size() > have &&
-          std::fread(head.data() + have, 1, head.size() - have, f) != head.size() - have)
-        return status::error(errc::io_error, "%s: cannot read the header: %s", name, std::strerror(errno));
+      KVEVICT_TRY(in.read_exact(head.data() + have, head.size() - have));
     }
   }
   KVEVICT_TRY(detail::parse_header(head.data(), head.size(), total, name, h));
   // the sizes now agree with the file: allocating data_bytes is bounded by the file size
   detail::fill_array(h, out);
   out.bytes.resize(static_cast<std::size_t>(h.data_bytes));
-  if (std::fseek(f, static_cast<long>(h.data_offset), SEEK_SET) != 0 ||
-      std::fread(out.bytes.data(), 1, out.bytes.size(), f) != out.bytes.size()) {
+  if (std::fseek(in.get(), static_cast<long>(h.data_offset), SEEK_SET) != 0 ||
+      !in.read_exact(out.bytes.data(), out.bytes.size()).ok()) {
     out = array{};
     return status::error(errc::io_error, "%s: cannot read the data (file changed while reading?)", name);
   }
@@ -459,17 +463,16 @@ inline status serialize(const array& a, std::vector<unsigned char>& out) {
   return {};
 }
 
-/// Writes `a` to `path` (.npy v1.0). Errors: serialize's, or errc::io_error naming the path.
+/// Writes `a` to `path` (.npy v1.0) atomically: a temporary file renamed into place when complete
+/// (programs/io.hpp); on failure the previous file is untouched. Errors: serialize's, or
+/// errc::io_error naming the path. Programs writing several outputs stage serialize()'s bytes in
+/// one io::output_transaction instead.
 inline status write(const std::string& path, const array& a) {
   std::vector<unsigned char> file;
   KVEVICT_TRY(serialize(a, file));
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) return status::error(errc::io_error, "%s: cannot create: %s", path.c_str(), std::strerror(errno));
-  const bool wrote = std::fwrite(file.data(), 1, file.size(), f) == file.size();
-  const int err = errno;
-  if (std::fclose(f) != 0 || !wrote)
-    return status::error(errc::io_error, "%s: cannot write: %s", path.c_str(), std::strerror(wrote ? errno : err));
-  return {};
+  io::output_transaction out;
+  KVEVICT_TRY(out.stage(path, file));
+  return out.commit();
 }
 
 /// An array of the given type and shape holding a copy of `data` (elements in C order).

@@ -20,22 +20,19 @@
 // quality report; training never sees it) [test_seed_base, ...).
 #pragma once
 
+#include <lookaheadkv/module.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
-#include <lookaheadkv/module.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
+#include <runner/workers.hpp>
 
 #include <kvevict/status.hpp>
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <vector>
 
-#if defined(_OPENMP)
-#  include <omp.h>
-#endif
 
 namespace kvrun {
 
@@ -121,42 +118,34 @@ inline status make_pairs(const model& m, pair_options o, std::uint64_t seed_begi
   KVEVICT_TRY(detail::resolve_pair_options(m.cfg(), o));
   const index_t n = seed_end > seed_begin ? static_cast<index_t>(seed_end - seed_begin) : 0;
   std::vector<text_pair> pairs(static_cast<std::size_t>(n));
-#if defined(_OPENMP)
-  const int nt = threads > 0 ? threads : omp_get_max_threads();
-#else
-  const int nt = 1;
-  (void)threads;
-#endif
-  std::vector<status> errors(static_cast<std::size_t>(nt));
-  std::atomic<index_t> done{0};
-#if defined(_OPENMP)
-#  pragma omp parallel num_threads(nt)
-#endif
-  {
-#if defined(_OPENMP)
-    const int t = omp_get_thread_num();
-#else
-    const int t = 0;
-#endif
-    runner run;
-    kv_cache cache;
-    status& err = errors[static_cast<std::size_t>(t)];
-    err = run.init(m, {1, 0, 1});
-    if (err.ok()) err = cache.init(m.cfg());
-#if defined(_OPENMP)
-#  pragma omp for schedule(dynamic, 1)
-#endif
-    for (index_t i = 0; i < n; ++i) {
-      if (!err.ok()) continue;
-      err = detail::make_pair(run, cache, o, seed_begin + static_cast<std::uint64_t>(i), pairs[static_cast<std::size_t>(i)]);
-      const index_t d = ++done;
-      if (t == 0 && progress) progress(d, n);
-    }
-  }
-  for (const status& e : errors)
-    if (!e.ok()) return e;
+  std::vector<runner_worker> workers(static_cast<std::size_t>(thread_count(threads)));
+  for (runner_worker& w : workers) KVEVICT_TRY(w.init(m, {1, 0, 1}));
+  KVEVICT_TRY(for_each_item(
+      workers, n,
+      [&](runner_worker& w, index_t i) {
+        return detail::make_pair(w.run, w.cache, o, seed_begin + static_cast<std::uint64_t>(i),
+                                 pairs[static_cast<std::size_t>(i)]);
+      },
+      [&](index_t d, int t) {
+        if (t == 0 && progress) progress(d, n);
+      }));
   if (progress) progress(n, n);
   out = std::move(pairs);
+  return {};
+}
+
+/// Training texts (the Duo calibration's): `count` pairs of the training seed range
+/// [train_seed_base, +count) (prompt followed by its greedy response), generated with options `po`.
+inline status training_texts(const model& m, const pair_options& po, index_t count, std::vector<std::vector<int>>& texts,
+                             int threads = 0) {
+  std::vector<text_pair> pairs;
+  KVEVICT_TRY(make_pairs(m, po, train_seed_base, train_seed_base + static_cast<std::uint64_t>(count), pairs, threads));
+  texts.clear();
+  for (const text_pair& p : pairs) {
+    std::vector<int> t = p.prompt;
+    t.insert(t.end(), p.response.begin(), p.response.end());
+    texts.push_back(std::move(t));
+  }
   return {};
 }
 

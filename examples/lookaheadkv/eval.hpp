@@ -20,13 +20,14 @@
 //             mean over the m - 1 positions of KL(softmax(full) || softmax(evicted)), in double
 #pragma once
 
-#include <runner/kv_cache.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
 #include <lookaheadkv/scores.hpp>
 #include <lookaheadkv/train.hpp>
+#include <runner/kv_cache.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
+#include <runner/workers.hpp>
 
 #include <kvevict/gqa.hpp>
 #include <kvevict/metrics/ranking.hpp>
@@ -49,7 +50,7 @@ namespace kvrun {
 struct eval_options {
   std::vector<index_t> budgets{16, 32, 64, 128};
   index_t window = 32;  ///< SnapKV's observation window (min(window, P / 2) for short prompts)
-  lookahead_score_options pooling;  ///< pooling / GQA of both SnapKV and LookaheadKV (max 7, mean)
+  kvevict::postprocess_options pooling;  ///< pool / kernel / gqa / order of SnapKV and LookaheadKV (max 7, mean)
 };
 
 /// Kept-set rules of the KL and kept-recall columns.
@@ -66,6 +67,19 @@ struct pair_result {
 inline index_t snapkv_window(const eval_options& o, index_t P) { return std::max<index_t>(1, std::min(o.window, P / 2)); }
 
 /// Everything one thread needs to evaluate pairs: a runner, caches, a scorer per module.
+/// SnapKV's ranking with window w: its recipe with the evaluation's pooling and GQA reduction,
+/// nothing protected.
+inline kvevict::recipe snapkv_ranking(const eval_options& o, index_t w) {
+  kvevict::recipe r = kvevict::recipe::snapkv();
+  r.window = w;
+  r.n_recent = 0;
+  r.pool = o.pooling.pool;
+  r.kernel = o.pooling.kernel;
+  r.gqa = o.pooling.gqa;
+  r.order = o.pooling.order;
+  return r;
+}
+
 class pair_evaluator {
  public:
   /// modules: the LookaheadKV modules to compare (method names follow "oracle", "snapkv").
@@ -118,17 +132,11 @@ class pair_evaluator {
     for (int l = 0; l < L; ++l) {
       auto gt = *kvevict::make_matrix_view<const float>(gt_.data() + index_t(l) * H * P, H, P);
       KVEVICT_TRY(kvevict::gqa_reduce(kvevict::seq, gt, ranking(0, l, P), kvevict::gqa_op::mean));
-      kvevict::recipe r = kvevict::recipe::snapkv();
-      r.window = w;
-      r.n_recent = 0;
-      r.pool = opts_.pooling.pool;
-      r.kernel = opts_.pooling.kernel;
-      r.gqa = opts_.pooling.gqa;
-      r.order = opts_.pooling.order;
+      const kvevict::recipe r = snapkv_ranking(opts_, w);
       auto q = *kvevict::make_kv_view<const float>(window_q_.data() + index_t(l) * H * w * hs, H, w, hs);
       auto keys = full_.dense_keys(l, P);
       if (!keys) return keys.error();
-      KVEVICT_TRY(lkv::with_workspace(ws_, [&](kvevict::workspace& ws) {
+      KVEVICT_TRY(with_workspace(ws_, [&](kvevict::workspace& ws) {
         return kvevict::recipe_scores(kvevict::seq, ws, r, q, *keys, kvevict::kv_view<const float>{}, ranking(1, l, P));
       }));
     }
@@ -154,7 +162,7 @@ class pair_evaluator {
       const index_t protect_n = std::min(w, k / 2);
       for (std::size_t meth = 0; meth < M; ++meth) {
         double rec = 0;
-        KVEVICT_TRY(lkv::with_workspace(ws_, [&](kvevict::workspace& ws) {
+        KVEVICT_TRY(with_workspace(ws_, [&](kvevict::workspace& ws) {
           return kvevict::recall_at_k(ws, all_layers(meth, P), truth, k, rec);
         }));
         out.recall[meth * NB + b] = rec;
@@ -169,13 +177,13 @@ class pair_evaluator {
               for (index_t t = 0; t < P; ++t) sc(h, t) = src(h, t);
             if (rule == static_cast<int>(keep_rule::window)) KVEVICT_TRY(kvevict::protect(kvevict::seq, sc, 0, protect_n));
             auto kept = *kvevict::make_matrix_view(kept_.data() + index_t(l) * Hkv * k, Hkv, k);
-            KVEVICT_TRY(lkv::with_workspace(ws_, [&](kvevict::workspace& ws) {
+            KVEVICT_TRY(with_workspace(ws_, [&](kvevict::workspace& ws) {
               return kvevict::select_topk(kvevict::seq, ws, kvevict::matrix_view<const float>(sc), nullptr, kept);
             }));
           }
           double kr = 0;
           auto kept_all = *kvevict::make_matrix_view<const kvevict::pos_t>(kept_.data(), L * Hkv, k);
-          KVEVICT_TRY(lkv::with_workspace(ws_, [&](kvevict::workspace& ws) {
+          KVEVICT_TRY(with_workspace(ws_, [&](kvevict::workspace& ws) {
             return kvevict::kept_recall_at_k(ws, kept_all, truth, k, kr);
           }));
           out.kept_recall[rule][meth * NB + b] = kr;
@@ -251,38 +259,17 @@ inline status evaluate_pairs(const model& m, const std::vector<const lookahead_m
                              const std::vector<text_pair>& pairs, std::vector<pair_result>& out, int threads = 0,
                              const std::function<void(index_t, index_t)>& progress = {}) {
   std::vector<pair_result> res(pairs.size());
-#if defined(_OPENMP)
-  const int nt = threads > 0 ? threads : omp_get_max_threads();
-#else
-  const int nt = 1;
-  (void)threads;
-#endif
-  std::vector<status> errors(static_cast<std::size_t>(nt));
-  std::atomic<index_t> done{0};
-#if defined(_OPENMP)
-#  pragma omp parallel num_threads(nt)
-#endif
-  {
-#if defined(_OPENMP)
-    const int t = omp_get_thread_num();
-#else
-    const int t = 0;
-#endif
-    pair_evaluator ev;
-    status& err = errors[static_cast<std::size_t>(t)];
-    err = ev.init(m, modules, o);
-#if defined(_OPENMP)
-#  pragma omp for schedule(dynamic, 1)
-#endif
-    for (std::size_t i = 0; i < pairs.size(); ++i) {
-      if (!err.ok()) continue;
-      err = ev.evaluate(pairs[i], res[i]);
-      const index_t d = ++done;
-      if (t == 0 && progress) progress(d, static_cast<index_t>(pairs.size()));
-    }
-  }
-  for (const status& e : errors)
-    if (!e.ok()) return e;
+  std::vector<pair_evaluator> workers(static_cast<std::size_t>(thread_count(threads)));
+  for (pair_evaluator& w : workers) KVEVICT_TRY(w.init(m, modules, o));
+  const auto n = static_cast<index_t>(pairs.size());
+  KVEVICT_TRY(for_each_item(
+      workers, n,
+      [&](pair_evaluator& w, index_t i) {
+        return w.evaluate(pairs[static_cast<std::size_t>(i)], res[static_cast<std::size_t>(i)]);
+      },
+      [&](index_t d, int t) {
+        if (t == 0 && progress) progress(d, n);
+      }));
   if (progress) progress(static_cast<index_t>(pairs.size()), static_cast<index_t>(pairs.size()));
   out = std::move(res);
   return {};
@@ -355,13 +342,7 @@ inline status time_prefill(const model& m, const lookahead_module& mod, const ev
   auto ms = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
   for (const text_pair& p : pairs) {
     const index_t P = static_cast<index_t>(p.prompt.size()), w = snapkv_window(o, P);
-    kvevict::recipe r = kvevict::recipe::snapkv();
-    r.window = w;
-    r.n_recent = 0;
-    r.pool = o.pooling.pool;
-    r.kernel = o.pooling.kernel;
-    r.gqa = o.pooling.gqa;
-    r.order = o.pooling.order;
+    const kvevict::recipe r = snapkv_ranking(o, w);
     double hook_ms = 0;
     forward_hooks snap_hook;
     snap_hook.after_layer = [&](const layer_event& ev) -> status {
@@ -372,7 +353,7 @@ inline status time_prefill(const model& m, const lookahead_module& mod, const ev
       auto keys = cache.dense_keys(ev.layer, P);
       if (!keys) return keys.error();
       auto out_v = *kvevict::make_matrix_view(snap.data() + index_t(ev.layer) * c.n_kv_heads * P, c.n_kv_heads, P);
-      const status st = lkv::with_workspace(ws, [&](kvevict::workspace& wsp) {
+      const status st = with_workspace(ws, [&](kvevict::workspace& wsp) {
         if (threads > 1)
           return kvevict::recipe_scores(kvevict::par_t{threads}, wsp, r, q, *keys, kvevict::kv_view<const float>{}, out_v);
         return kvevict::recipe_scores(kvevict::seq, wsp, r, q, *keys, kvevict::kv_view<const float>{}, out_v);

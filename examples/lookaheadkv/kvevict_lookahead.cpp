@@ -16,6 +16,10 @@
 #include <runner/runner.hpp>
 #include <runner/shipped_models.hpp>
 
+#include "cli.hpp"
+#include "io.hpp"
+#include "main.hpp"
+
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -26,19 +30,13 @@
 #include <string>
 #include <vector>
 
-#if defined(_OPENMP)
-#  include <omp.h>
-#endif
 
 namespace {
 
 using kvevict::index_t;
 using kvevict::status;
 
-int fail(const std::string& message) {
-  std::fprintf(stderr, "kvevict-lookahead: %s\n", message.c_str());
-  return 1;
-}
+int fail(const std::string& message) { return kvevict::program::fail("kvevict-lookahead", message); }
 int fail(const status& st) { return fail(st.message()); }
 // A file's format errors name the file (open errors already do).
 int fail_file(const std::string& path, const status& st) {
@@ -91,24 +89,24 @@ struct eval_cli {
 };
 
 void add_train_options(CLI::App* app, train_cli& t) {
-  app->add_option("--n-lookahead", t.cfg.n_lookahead, "lookahead tokens")->capture_default_str();
-  app->add_option("--rank", t.cfg.rank, "LoRA rank r")->capture_default_str();
+  app->add_option("--n-lookahead", t.cfg.n_lookahead, "lookahead tokens")->check(kvevict::program::integer<index_t>())->capture_default_str();
+  app->add_option("--rank", t.cfg.rank, "LoRA rank r")->check(kvevict::program::integer<index_t>())->capture_default_str();
   app->add_option("--alpha", t.cfg.alpha, "LoRA alpha (scale alpha / r)")->capture_default_str();
   app->add_option("--placement", t.placement, "LoRA targets: all, qv, emb (embeddings only) or a '+' list of q,k,v,o,w1,w2,w3")
       ->capture_default_str();
-  app->add_option("--train-pairs", t.train_pairs, "training pairs (seeds 1..N)")->capture_default_str();
-  app->add_option("--val-pairs", t.val_pairs, "validation pairs for the periodic held-out loss")->capture_default_str();
-  app->add_option("--steps", t.opt.steps, "Adam steps")->capture_default_str();
-  app->add_option("--batch", t.opt.batch, "samples per step")->capture_default_str();
+  app->add_option("--train-pairs", t.train_pairs, "training pairs (seeds 1..N)")->check(kvevict::program::integer<index_t>())->capture_default_str();
+  app->add_option("--val-pairs", t.val_pairs, "validation pairs for the periodic held-out loss")->check(kvevict::program::integer<index_t>())->capture_default_str();
+  app->add_option("--steps", t.opt.steps, "Adam steps")->check(kvevict::program::integer<index_t>())->capture_default_str();
+  app->add_option("--batch", t.opt.batch, "samples per step")->check(kvevict::program::integer<index_t>())->capture_default_str();
   app->add_option("--lr", t.opt.lr, "peak learning rate (cosine schedule to 0)")->capture_default_str();
   app->add_option("--warmup", t.opt.warmup, "fraction of steps with linear warmup")->capture_default_str();
   app->add_option("--beta1", t.opt.beta1, "Adam beta1")->capture_default_str();
   app->add_option("--beta2", t.opt.beta2, "Adam beta2")->capture_default_str();
   app->add_option("--clip", t.opt.clip, "global gradient-norm clipping (0: off)")->capture_default_str();
-  app->add_option("--seed", t.opt.seed, "seed of the initialisation and the sample order")->capture_default_str();
-  app->add_option("--log-every", t.opt.log_every, "print the running loss every N steps")->capture_default_str();
+  app->add_option("--seed", t.opt.seed, "seed of the initialisation and the sample order")->check(kvevict::program::integer<std::uint64_t>())->capture_default_str();
+  app->add_option("--log-every", t.opt.log_every, "print the running loss every N steps")->check(kvevict::program::integer<index_t>())->capture_default_str();
   app->add_option("--validate-every", t.opt.validate_every, "validation loss every N steps (0: at the end)")
-      ->capture_default_str();
+      ->check(kvevict::program::integer<index_t>())->capture_default_str();
 }
 
 // ---- shared steps ----------------------------------------------------------------------------
@@ -184,6 +182,59 @@ std::string summary_json(const kvrun::summary& s) {
   return "{\"mean\": " + num(s.mean) + ", \"sem\": " + num(s.sem) + ", \"n\": " + std::to_string(s.n) + "}";
 }
 
+// ---- checks before any work (docs/conventions.md, "Programs") ---------------------------------
+
+std::string range_error(const char* option, double v, const char* range) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%s %g is outside %s", option, v, range);
+  return buf;
+}
+
+// The training options' ranges and meanings, and the output path (before minutes of training).
+std::string check_train(const common_options& c, const train_cli& t, bool needs_out) {
+  const auto& o = t.opt;
+  if (t.train_pairs < 1) return "--train-pairs must be >= 1, got " + std::to_string(t.train_pairs);
+  if (t.val_pairs < 1) return "--val-pairs must be >= 1, got " + std::to_string(t.val_pairs);
+  if (o.steps < 1) return "--steps must be >= 1, got " + std::to_string(o.steps);
+  if (o.batch < 1) return "--batch must be >= 1, got " + std::to_string(o.batch);
+  if (o.log_every < 1) return "--log-every must be >= 1, got " + std::to_string(o.log_every);
+  if (o.validate_every < 0) return "--validate-every must be >= 0, got " + std::to_string(o.validate_every);
+  if (!(std::isfinite(o.lr) && o.lr > 0)) return range_error("--lr", o.lr, "(0, inf)");
+  if (!(o.warmup >= 0 && o.warmup <= 1)) return range_error("--warmup", o.warmup, "[0, 1]");
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) return range_error("--beta1", o.beta1, "[0, 1)");
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) return range_error("--beta2", o.beta2, "[0, 1)");
+  if (!(std::isfinite(o.clip) && o.clip >= 0)) return range_error("--clip", o.clip, "[0, inf) (0: off)");
+  if (const status st = kvrun::lookahead_module::check_shape({1, 1, 1, 1, 1, 1}, t.cfg); !st.ok())
+    return std::string("--n-lookahead, --rank or --alpha: ") + st.message();
+  if (needs_out) {
+    if (t.out.empty()) return "train: --out is required";
+    if (const status st = kvevict::io::check_paths({{"--model", c.model}}, {{"--out", t.out}}); !st.ok())
+      return st.message();
+  }
+  return {};
+}
+
+// The evaluation options' ranges and meanings, and the JSON output path.
+std::string check_eval(const common_options& c, const eval_cli& e) {
+  if (e.test_pairs < 1) return "--test-pairs must be >= 1, got " + std::to_string(e.test_pairs);
+  if (e.window < 1) return "--window must be >= 1, got " + std::to_string(e.window);
+  if (e.timing_pairs < 1) return "--timing-pairs must be >= 1, got " + std::to_string(e.timing_pairs);
+  if (e.timing_reps < 1) return "--timing-reps must be >= 1, got " + std::to_string(e.timing_reps);
+  if (e.timing_threads < 0) return "--timing-threads must be >= 0, got " + std::to_string(e.timing_threads);
+  if (e.budgets.empty()) return "--budgets: give at least one budget";
+  if (e.ablation) {
+    for (index_t n : e.ablation_n)
+      if (n < 1) return "--ablation-n: " + std::to_string(n) + " is not >= 1";
+    if (e.ablation_steps < 1) return "--ablation-steps must be >= 1, got " + std::to_string(e.ablation_steps);
+    if (e.ablation_train_pairs < 1)
+      return "--ablation-train-pairs must be >= 1, got " + std::to_string(e.ablation_train_pairs);
+  }
+  if (const status st = kvevict::io::check_paths({{"--model", c.model}, {"--module", e.module}}, {{"--json", e.json}});
+      !st.ok())
+    return st.message();
+  return {};
+}
+
 // ---- commands -------------------------------------------------------------------------------
 
 int cmd_train(const common_options& c, train_cli& t) {
@@ -207,11 +258,7 @@ int cmd_train(const common_options& c, train_cli& t) {
               "validation loss %.5f\n",
               t.out.c_str(), static_cast<long long>(t.opt.steps), static_cast<long long>(t.opt.batch), secs,
               total.seconds(),
-#if defined(_OPENMP)
-              c.threads > 0 ? c.threads : omp_get_max_threads(),
-#else
-              1,
-#endif
+              kvrun::thread_count(c.threads),
               tr, va);
   return 0;
 }
@@ -510,25 +557,21 @@ int cmd_eval(const common_options& c, eval_cli& e) {
     }
     js << "\n  ],\n  \"per_pair_layout\": \"[method][budget] in the order of methods and budgets above\",\n"
        << "  \"total_seconds\": " << num(total.seconds()) << "\n}\n";
-    std::FILE* f = std::fopen(e.json.c_str(), "wb");
-    if (f == nullptr) return fail("cannot create " + e.json);
-    const std::string s = js.str();
-    const bool ok = std::fwrite(s.data(), 1, s.size(), f) == s.size();
-    if (std::fclose(f) != 0 || !ok) return fail("writing " + e.json + " failed");
+    kvevict::io::output_transaction out;
+    if (auto st = out.stage(e.json, js.str()); !st.ok()) return fail(st);
+    if (auto st = out.commit(); !st.ok()) return fail(st);
     std::printf("wrote %s\n", e.json.c_str());
   }
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   CLI::App app{"kvevict-lookahead: train and evaluate LookaheadKV modules for a llama2.c model", "kvevict-lookahead"};
   app.require_subcommand(1);
   common_options c;
   app.add_option("--model", c.model, "llama2.c checkpoint")->capture_default_str();
-  app.add_option("--threads", c.threads, "OpenMP threads (0 = OMP_NUM_THREADS or all cores)")->capture_default_str();
-  app.add_option("--response", c.response, "response tokens per pair (greedy)")->capture_default_str();
+  app.add_option("--threads", c.threads, "OpenMP threads (0 = OMP_NUM_THREADS or all cores)")->check(kvevict::program::integer<int>())->capture_default_str();
+  app.add_option("--response", c.response, "response tokens per pair (greedy)")->check(kvevict::program::integer<index_t>())->capture_default_str();
 
   train_cli t;
   auto* train = app.add_subcommand("train", "train a module on model-generated pairs and save it");
@@ -539,19 +582,19 @@ int main(int argc, char** argv) {
   auto* eval = app.add_subcommand("eval", "held-out recall@k, KL and prefill cost of a module vs SnapKV and the oracle");
   eval->add_option("--module", e.module, "trained module")->capture_default_str();
   eval->add_option("--json", e.json, "write every number to this JSON file");
-  eval->add_option("--test-pairs", e.test_pairs, "held-out pairs")->capture_default_str();
-  eval->add_option("--budgets", e.budgets, "KV budgets per head")->delimiter(',')->capture_default_str();
-  eval->add_option("--window", e.window, "SnapKV observation window (min(window, P/2))")->capture_default_str();
-  eval->add_option("--timing-pairs", e.timing_pairs, "longest prompts timed")->capture_default_str();
-  eval->add_option("--timing-reps", e.timing_reps, "timed rounds per prompt")->capture_default_str();
-  eval->add_option("--timing-threads", e.timing_threads, "threads of the timed prefills")->capture_default_str();
+  eval->add_option("--test-pairs", e.test_pairs, "held-out pairs")->check(kvevict::program::integer<index_t>())->capture_default_str();
+  eval->add_option("--budgets", e.budgets, "KV budgets per head")->delimiter(',')->check(kvevict::program::integer<index_t>())->capture_default_str();
+  eval->add_option("--window", e.window, "SnapKV observation window (min(window, P/2))")->check(kvevict::program::integer<index_t>())->capture_default_str();
+  eval->add_option("--timing-pairs", e.timing_pairs, "longest prompts timed")->check(kvevict::program::integer<index_t>())->capture_default_str();
+  eval->add_option("--timing-reps", e.timing_reps, "timed rounds per prompt")->check(kvevict::program::integer<index_t>())->capture_default_str();
+  eval->add_option("--timing-threads", e.timing_threads, "threads of the timed prefills")->check(kvevict::program::integer<int>())->capture_default_str();
   eval->add_flag("--ablation", e.ablation, "also train and evaluate the n_lookahead x placement grid (Table 5)");
-  eval->add_option("--ablation-n", e.ablation_n, "lookahead sizes of the ablation")->delimiter(',')->capture_default_str();
+  eval->add_option("--ablation-n", e.ablation_n, "lookahead sizes of the ablation")->delimiter(',')->check(kvevict::program::integer<index_t>())->capture_default_str();
   eval->add_option("--ablation-placements", e.ablation_placements, "placements of the ablation")
       ->delimiter(',')
       ->capture_default_str();
-  eval->add_option("--ablation-steps", e.ablation_steps, "training steps per ablation module")->capture_default_str();
-  eval->add_option("--ablation-train-pairs", e.ablation_train_pairs, "training pairs of the ablation")->capture_default_str();
+  eval->add_option("--ablation-steps", e.ablation_steps, "training steps per ablation module")->check(kvevict::program::integer<index_t>())->capture_default_str();
+  eval->add_option("--ablation-train-pairs", e.ablation_train_pairs, "training pairs of the ablation")->check(kvevict::program::integer<index_t>())->capture_default_str();
 
   train_cli sw;
   std::vector<double> lrs{2e-3, 5e-3, 1e-2};
@@ -573,13 +616,29 @@ int main(int argc, char** argv) {
       std::fputs(app.help().c_str(), stdout);
       return 0;
     }
-    std::fprintf(stderr, "kvevict-lookahead: %s (see --help)\n", err.what());
+    kvevict::program::print_error("kvevict-lookahead", (std::string(err.what()) + " (see --help)").c_str());
     return 2;
   }
   if (c.threads < 0) return fail("--threads must be >= 0, got " + std::to_string(c.threads));
   if (c.response < 2) return fail("--response must be >= 2, got " + std::to_string(c.response));
+  // every option of the subcommand is checked before any work (outputs included)
+  std::string bad;
+  if (*train) bad = check_train(c, t, true);
+  if (*sweep) {
+    bad = check_train(c, sw, false);
+    for (double lr : lrs)
+      if (bad.empty() && !(std::isfinite(lr) && lr > 0)) bad = range_error("--lrs:", lr, "(0, inf)");
+  }
+  if (*eval) bad = check_eval(c, e);
+  if (!bad.empty()) return fail(bad);
   if (*train) return cmd_train(c, t);
   if (*eval) return cmd_eval(c, e);
   if (*sweep) return cmd_sweep(c, sw, lrs);
   return cmd_info(info_module);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return kvevict::program::guarded_main("kvevict-lookahead", [&] { return run(argc, argv); });
 }

@@ -24,6 +24,8 @@
 // The size must be exactly 52 + 4 x (parameter count); every value must be finite.
 #pragma once
 
+#include "io.hpp"
+
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
 
@@ -188,6 +190,27 @@ class basic_lookahead_module {
   /// Shapes only, every parameter 0. Errors (invalid_argument): n_lookahead or rank < 1,
   /// non-finite alpha, unknown placement bits, dims that are not a valid model.
   status shape(const lookahead_dims& d, const lookahead_config& c) {
+    KVEVICT_TRY(check_shape(d, c));
+    index_t count = 0;  // before allocating: dims from a file may be absurd
+    if (!count_params(d, c, count))
+      return status::error(errc::invalid_argument, "lookahead module: dims (dim %d, %d layers, hidden %d, vocab %d) "
+                           "give more parameters than fit in 64 bits", d.dim, d.n_layers, d.hidden_dim, d.vocab_size);
+    dims_ = d;
+    cfg_ = c;
+    index_t off = c.n_lookahead * d.dim;
+    offsets_.assign(static_cast<std::size_t>(d.n_layers) * lora_targets, -1);
+    for (int l = 0; l < d.n_layers; ++l)
+      for (projection p : lora_order) {
+        if (!adapted(p)) continue;
+        offsets_[slot(l, p)] = off;
+        off += c.rank * (d.in(p) + d.out(p));
+      }
+    params_.assign(static_cast<std::size_t>(off), T(0));
+    return {};
+  }
+
+  /// shape()'s checks of the dims and the config, allocating nothing.
+  static status check_shape(const lookahead_dims& d, const lookahead_config& c) {
     if (d.dim < 1 || d.n_layers < 1 || d.n_heads < 1 || d.n_kv_heads < 1 || d.hidden_dim < 1 || d.vocab_size < 1 ||
         d.dim % d.n_heads != 0 || d.n_heads % d.n_kv_heads != 0)
       return status::error(errc::invalid_argument,
@@ -203,18 +226,25 @@ class basic_lookahead_module {
       return status::error(errc::invalid_argument, "lookahead module: alpha is not finite (%g)", static_cast<double>(c.alpha));
     if ((c.placement & ~lora_all) != 0)
       return status::error(errc::invalid_argument, "lookahead module: unknown placement bits 0x%x", c.placement);
-    dims_ = d;
-    cfg_ = c;
-    index_t off = c.n_lookahead * d.dim;
-    offsets_.assign(static_cast<std::size_t>(d.n_layers) * lora_targets, -1);
-    for (int l = 0; l < d.n_layers; ++l)
-      for (projection p : lora_order) {
-        if (!adapted(p)) continue;
-        offsets_[slot(l, p)] = off;
-        off += c.rank * (d.in(p) + d.out(p));
-      }
-    params_.assign(static_cast<std::size_t>(off), T(0));
     return {};
+  }
+
+  /// The number of parameters shape(d, c) allocates, computed without allocating and without
+  /// overflow (false if it does not fit in 64 bits). shape()'s other checks are not repeated.
+  static bool count_params(const lookahead_dims& d, const lookahead_config& c, index_t& count) {
+    const auto checked_mul = [](index_t a, index_t b, index_t& r) { return !__builtin_mul_overflow(a, b, &r); };
+    index_t per_layer = 0, t = 0;
+    for (projection p : lora_order)
+      if ((c.placement & lora_bit(p)) != 0) {
+        if (!checked_mul(index_t(c.rank), d.in(p) + d.out(p), t) || t > INT64_MAX - per_layer) return false;
+        per_layer += t;
+      }
+    index_t layers = 0, head = 0;
+    if (!checked_mul(index_t(d.n_layers), per_layer, layers) || !checked_mul(index_t(c.n_lookahead), index_t(d.dim), head) ||
+        layers > INT64_MAX - head)
+      return false;
+    count = head + layers;
+    return true;
   }
 
   /// Shapes for model config `mc` and the paper's initialisation, deterministic in `seed`:
@@ -359,10 +389,19 @@ inline status deserialize(const unsigned char* data, std::size_t size, lookahead
   c.rank = static_cast<std::int32_t>(detail::get_u32(data + 40));
   c.alpha = detail::bits_float(detail::get_u32(data + 44));
   c.placement = detail::get_u32(data + 48);
-  lookahead_module m;
-  if (const status st = m.shape({v[0], v[1], v[2], v[3], v[4], v[5]}, c); !st.ok())
+  // the size the header implies is checked against the input before shape() allocates anything
+  const lookahead_dims dims{v[0], v[1], v[2], v[3], v[4], v[5]};
+  if (const status st = lookahead_module::check_shape(dims, c); !st.ok())
     return status::error(errc::format_error, "%s", st.message());
-  const std::size_t want = lookahead_header_bytes + static_cast<std::size_t>(m.param_count()) * 4;
+  index_t count = 0;
+  if (!lookahead_module::count_params(dims, c, count) || count > static_cast<index_t>((SIZE_MAX - lookahead_header_bytes) / 4))
+    return status::error(errc::format_error, "lookahead module: the header (dim %d, %d layers, hidden %d, vocab %d, "
+                         "rank %lld, n_lookahead %lld) declares more parameters than any file holds", v[0], v[1], v[4],
+                         v[5], static_cast<long long>(c.rank), static_cast<long long>(c.n_lookahead));
+  const std::size_t want = lookahead_header_bytes + static_cast<std::size_t>(count) * 4;
+  lookahead_module m;
+  if (size == want)
+    if (const status st = m.shape(dims, c); !st.ok()) return status::error(errc::format_error, "%s", st.message());
   if (size != want)
     return status::error(errc::format_error,
                          "lookahead module: the header (n_lookahead %lld, rank %lld, placement %s, dim %d, %d layers) "
@@ -381,30 +420,19 @@ inline status deserialize(const unsigned char* data, std::size_t size, lookahead
   return {};
 }
 
-/// Writes the module to `path`. Errors: io_error.
+/// Writes the module to `path` atomically (programs/io.hpp: a temporary file renamed into place
+/// when complete; on failure the previous file is untouched). Errors: io_error.
 inline status save_module(const lookahead_module& m, const std::string& path) {
-  const auto bytes = serialize(m);
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr)
-    return status::error(errc::io_error, "lookahead module: cannot create '%s': %s", path.c_str(), std::strerror(errno));
-  const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const bool closed = std::fclose(f) == 0;
-  if (!ok || !closed) return status::error(errc::io_error, "lookahead module: writing '%s' failed", path.c_str());
-  return {};
+  kvevict::io::output_transaction out;
+  KVEVICT_TRY(out.stage(path, serialize(m)));
+  return out.commit();
 }
 
-/// Reads a module file. Errors: io_error (cannot open / read), then those of deserialize().
+/// Reads a module file: a regular file of at most io::limit::module_bytes. Errors: io_error
+/// (cannot open / read, not a regular file, too large), then those of deserialize().
 inline status load_module(const std::string& path, lookahead_module& out) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr)
-    return status::error(errc::io_error, "lookahead module: cannot open '%s': %s", path.c_str(), std::strerror(errno));
   std::vector<unsigned char> bytes;
-  unsigned char buf[65536];
-  std::size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
-  const bool err = std::ferror(f) != 0;
-  std::fclose(f);
-  if (err) return status::error(errc::io_error, "lookahead module: reading '%s' failed", path.c_str());
+  KVEVICT_TRY(kvevict::io::read_file(path, "lookahead module", kvevict::io::limit::module_bytes, bytes));
   return deserialize(bytes.data(), bytes.size(), out);
 }
 

@@ -18,7 +18,8 @@
 // fp32 softmax over prompt + block, mean over the lookahead rows, prompt columns):
 // raw_scores(l) [H_q][T]. Then, as the paper (appendix F: the SnapKV settings, no suffix window):
 // max pooling with kernel 7 over the prompt columns and the mean over each GQA group, pooled
-// before the group reduction as the library's SnapKV recipe: scores(l) [H_kv][T]. Nothing is
+// before the group reduction as the library's SnapKV recipe (postprocess_scores with the scorer's
+// postprocess_options): scores(l) [H_kv][T]. Nothing is
 // protected: the caller's protect / budget stages decide (LookaheadKV keeps no suffix window).
 //
 // The cache must be dense (every head of every layer holding the same T >= 1 rows: a prefilled,
@@ -26,30 +27,21 @@
 // init() except the workspace's first growth.
 #pragma once
 
-#include <runner/kv_cache.hpp>
 #include <lookaheadkv/module.hpp>
-#include <lookaheadkv/train.hpp>
+#include <runner/evict.hpp>
+#include <runner/kv_cache.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
+#include <runner/workers.hpp>
 
-#include <kvevict/gqa.hpp>
+#include <kvevict/postprocess.hpp>
 #include <kvevict/train/lookahead.hpp>
-#include <kvevict/pool.hpp>
-#include <kvevict/recipes.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/status.hpp>
 
 #include <vector>
 
 namespace kvrun {
-
-/// Pooling and GQA reduction of the estimate. Defaults: the paper's (SnapKV's settings, appendix F).
-struct lookahead_score_options {
-  kvevict::pool_kind pool = kvevict::pool_kind::max;
-  index_t kernel = 7;
-  kvevict::gqa_op gqa = kvevict::gqa_op::mean;
-  kvevict::gqa_order order = kvevict::gqa_order::pool_first;
-};
 
 namespace lkv {
 
@@ -61,32 +53,20 @@ kvevict::matrix_view<T> strided(T* p, index_t rows, index_t cols, index_t s0, in
                                                                            cuda::std::array<index_t, 2>{s0, s1}));
 }
 
-/// Pools raw [H_q][T] per query head and reduces the groups into out [H_kv][T] (or the other
-/// order), with tmp [H_q][T] scratch.
-template <class Backend>
-status pool_and_reduce(Backend be, const lookahead_score_options& o, kvevict::matrix_view<const float> raw,
-                       kvevict::matrix_view<float> tmp, kvevict::matrix_view<float> out) {
-  if (o.order == kvevict::gqa_order::pool_first) {
-    KVEVICT_TRY(kvevict::pool1d(be, raw, tmp, o.pool, o.kernel));
-    return kvevict::gqa_reduce(be, kvevict::matrix_view<const float>(tmp), out, o.gqa);
-  }
-  auto reduced = *kvevict::make_matrix_view(tmp.data_handle(), out.extent(0), out.extent(1));
-  KVEVICT_TRY(kvevict::gqa_reduce(be, raw, reduced, o.gqa));
-  return kvevict::pool1d(be, kvevict::matrix_view<const float>(reduced), out, o.pool, o.kernel);
-}
-
 }  // namespace lkv
 
-class lookahead_scorer {
+class lookahead_scorer : public prompt_scorer {
  public:
   /// Binds the scorer to a module for model `m` (both must outlive it) and allocates its buffers
   /// for prompts up to seq_len. Errors: the module was trained for another model (the first
   /// differing dimension is named), invalid pooling options.
-  status init(const model& m, const lookahead_module& mod, const lookahead_score_options& o = {}) {
+  status init(const model& m, const lookahead_module& mod, const kvevict::postprocess_options& o = {}) {
     KVEVICT_TRY(mod.check_model(m.cfg()));
     if (o.kernel < 1 || o.kernel % 2 == 0)
       return status::error(errc::invalid_argument, "lookahead_scorer: pooling kernel %lld must be odd and >= 1",
                            static_cast<long long>(o.kernel));
+    if (o.weight_values)
+      return status::error(errc::invalid_argument, "lookahead_scorer: value weighting is not part of LookaheadKV's scores");
     model_ = &m;
     mod_ = &mod;
     opts_ = o;
@@ -94,7 +74,6 @@ class lookahead_scorer {
     const auto TL = static_cast<std::size_t>(c.seq_len) * static_cast<std::size_t>(c.n_layers);
     raw_.assign(TL * static_cast<std::size_t>(c.n_heads), 0.0f);
     scores_.assign(TL * static_cast<std::size_t>(c.n_kv_heads), 0.0f);
-    tmp_.assign(static_cast<std::size_t>(c.seq_len) * static_cast<std::size_t>(c.n_heads), 0.0f);
     const index_t widest = std::max<index_t>(c.dim, c.hidden_dim);
     xa_.assign(static_cast<std::size_t>(mod.n_lookahead() * mod.rank()), 0.0f);
     delta_.assign(static_cast<std::size_t>(mod.n_lookahead() * widest), 0.0f);
@@ -108,7 +87,7 @@ class lookahead_scorer {
   /// same bits either way. Errors: not initialised, the runner's model is not the scorer's, a
   /// ragged or empty cache, then the runner's (no room for the block, positions past the context)
   /// and the stages'.
-  status score(runner& run, kv_cache& cache) {
+  status score(runner& run, kv_cache& cache) override {
     if (model_ == nullptr) return status::error(errc::invalid_argument, "lookahead_scorer: not initialised (call init)");
     if (&run.get_model() != model_)
       return status::error(errc::invalid_argument, "lookahead_scorer: the runner runs another model than the scorer's");
@@ -119,7 +98,7 @@ class lookahead_scorer {
   /// Prompt rows scored by the last score().
   index_t tokens() const { return T_; }
   /// Layer l's final scores [H_kv][T] (pooled, GQA-reduced; higher = keep) of the last score().
-  kvevict::matrix_view<const float> scores(int l) const {
+  kvevict::matrix_view<const float> scores(int l) const override {
     const config& c = model_->cfg();
     return *kvevict::make_matrix_view<const float>(scores_.data() + index_t(l) * c.n_kv_heads * T_, c.n_kv_heads, T_);
   }
@@ -133,8 +112,8 @@ class lookahead_scorer {
  private:
   const model* model_ = nullptr;
   const lookahead_module* mod_ = nullptr;
-  lookahead_score_options opts_;
-  std::vector<float> raw_, scores_, tmp_, xa_, delta_;
+  kvevict::postprocess_options opts_;
+  std::vector<float> raw_, scores_, xa_, delta_;
   std::vector<unsigned char> ws_;
   index_t T_ = 0;
 
@@ -183,12 +162,13 @@ class lookahead_scorer {
       const auto prefix = cache.dense_keys(ev.layer, T);
       if (!prefix) return prefix.error();
       auto raw = *kvevict::make_matrix_view(raw_.data() + index_t(ev.layer) * H * T, H, T);
-      KVEVICT_TRY(lkv::with_workspace(ws_, [&](kvevict::workspace& ws) {
+      KVEVICT_TRY(with_workspace(ws_, [&](kvevict::workspace& ws) {
         return kvevict::attention_scores(be, ws, ev.queries, *prefix, ev.keys, raw);
       }));
       auto out = *kvevict::make_matrix_view(scores_.data() + index_t(ev.layer) * Hkv * T, Hkv, T);
-      return lkv::pool_and_reduce(be, opts_, kvevict::matrix_view<const float>(raw),
-                                  *kvevict::make_matrix_view(tmp_.data(), H, T), out);
+      return with_workspace(ws_, [&](kvevict::workspace& ws) {
+        return kvevict::postprocess_scores(be, ws, kvevict::matrix_view<const float>(raw), out, opts_);
+      });
     };
     return run.forward_extra(cache, embeddings(mod_->embeddings(), n), logits_mode::none, hooks);
   }

@@ -36,11 +36,12 @@
 // bit-identical to those the runner computes at inference (tested).
 #pragma once
 
-#include <runner/kv_cache.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
+#include <runner/kv_cache.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
+#include <runner/workers.hpp>
 
 #include <kvevict/train/lookahead.hpp>
 #include <kvevict/score.hpp>
@@ -49,7 +50,6 @@
 #include <kvevict/workspace.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -57,9 +57,6 @@
 #include <limits>
 #include <vector>
 
-#if defined(_OPENMP)
-#  include <omp.h>
-#endif
 
 namespace kvrun {
 
@@ -340,17 +337,6 @@ void block_attention_backward(const attention_shape& s, const T* q, const T* kb,
   }
 }
 
-/// Calls f(ws) twice, the CUB way: a size query, then the work with `buf` grown to the size
-/// (it only grows, so a worker stops allocating once it has seen its largest shapes).
-template <class F>
-status with_workspace(std::vector<unsigned char>& buf, F&& f) {
-  kvevict::workspace q;
-  KVEVICT_TRY(f(q));
-  if (buf.size() < std::max<std::size_t>(q.bytes, 1)) buf.resize(std::max<std::size_t>(q.bytes, 1));
-  kvevict::workspace ws{buf.data(), buf.size()};
-  return f(ws);
-}
-
 template <class T>
 kvevict::matrix_view<T> mat(T* p, index_t rows, index_t cols, index_t row_stride) {
   return *kvevict::make_matrix_view<T>(p, rows, cols, row_stride);
@@ -407,7 +393,7 @@ inline status ground_truth(runner& run, kv_cache& cache, const std::vector<int>&
     const auto prefix = cache.dense_keys(ev.layer, T);
     if (!prefix) return prefix.error();
     const auto out = *kvevict::make_matrix_view(gt.data() + index_t(ev.layer) * H * T, H, T);
-    return lkv::with_workspace(ws_buf, [&](kvevict::workspace& ws) {
+    return with_workspace(ws_buf, [&](kvevict::workspace& ws) {
       return kvevict::attention_scores(kvevict::seq, ws, ev.queries, *prefix, ev.keys, out);
     });
   };
@@ -457,45 +443,21 @@ inline status make_training_samples(const model& m, pair_options o, std::uint64_
   const index_t n = seed_end > seed_begin ? static_cast<index_t>(seed_end - seed_begin) : 0;
   std::vector<text_pair> pairs(static_cast<std::size_t>(n));
   std::vector<lookahead_sample> samples(static_cast<std::size_t>(n));
-#if defined(_OPENMP)
-  const int nt = threads > 0 ? threads : omp_get_max_threads();
-#else
-  const int nt = 1;
-  (void)threads;
-#endif
-  std::vector<status> errors(static_cast<std::size_t>(nt));
-  std::atomic<index_t> done{0};
-#if defined(_OPENMP)
-#  pragma omp parallel num_threads(nt)
-#endif
-  {
-#if defined(_OPENMP)
-    const int t = omp_get_thread_num();
-#else
-    const int t = 0;
-#endif
-    runner run;
-    kv_cache cache;
-    std::vector<unsigned char> ws;
-    status& err = errors[static_cast<std::size_t>(t)];
-    err = run.init(m, {0, 0, 1});
-    if (err.ok()) err = cache.init(m.cfg());
-#if defined(_OPENMP)
-#  pragma omp for schedule(dynamic, 1)
-#endif
-    for (index_t i = 0; i < n; ++i) {
-      if (!err.ok()) continue;
-      const auto k = static_cast<std::size_t>(i);
-      cache_checkpoint cp;
-      err = detail::make_pair(run, cache, o, seed_begin + static_cast<std::uint64_t>(i), pairs[k], &cp);
-      if (err.ok()) err = cache.rollback(cp);
-      if (err.ok()) err = sample_from_cache(run, cache, pairs[k].response, samples[k], ws);
-      const index_t d = ++done;
-      if (t == 0 && progress) progress(d, n);
-    }
-  }
-  for (const status& e : errors)
-    if (!e.ok()) return e;
+  std::vector<runner_worker> workers(static_cast<std::size_t>(thread_count(threads)));
+  for (runner_worker& w : workers) KVEVICT_TRY(w.init(m));
+  const status st = for_each_item(
+      workers, n,
+      [&](runner_worker& w, index_t i) {
+        const auto k = static_cast<std::size_t>(i);
+        cache_checkpoint cp;
+        KVEVICT_TRY(detail::make_pair(w.run, w.cache, o, seed_begin + static_cast<std::uint64_t>(i), pairs[k], &cp));
+        KVEVICT_TRY(w.cache.rollback(cp));
+        return sample_from_cache(w.run, w.cache, pairs[k].response, samples[k], w.scratch);
+      },
+      [&](index_t d, int t) {
+        if (t == 0 && progress) progress(d, n);
+      });
+  KVEVICT_TRY(st);
   if (progress) progress(n, n);
   pairs_out = std::move(pairs);
   samples_out = std::move(samples);
@@ -506,36 +468,12 @@ inline status make_training_samples(const model& m, pair_options o, std::uint64_
 inline status prepare_samples(const model& m, const std::vector<text_pair>& pairs, std::vector<lookahead_sample>& out,
                               int threads = 0) {
   std::vector<lookahead_sample> samples(pairs.size());
-#if defined(_OPENMP)
-  const int nt = threads > 0 ? threads : omp_get_max_threads();
-#else
-  const int nt = 1;
-  (void)threads;
-#endif
-  std::vector<status> errors(static_cast<std::size_t>(nt));
-#if defined(_OPENMP)
-#  pragma omp parallel num_threads(nt)
-#endif
-  {
-#if defined(_OPENMP)
-    const int t = omp_get_thread_num();
-#else
-    const int t = 0;
-#endif
-    runner run;
-    kv_cache cache;
-    std::vector<unsigned char> ws;
-    status& err = errors[static_cast<std::size_t>(t)];
-    err = run.init(m, {0, 0, 1});
-    if (err.ok()) err = cache.init(m.cfg());
-#if defined(_OPENMP)
-#  pragma omp for schedule(dynamic, 1)
-#endif
-    for (std::size_t i = 0; i < pairs.size(); ++i)
-      if (err.ok()) err = prepare_sample(run, cache, pairs[i], samples[i], ws);
-  }
-  for (const status& e : errors)
-    if (!e.ok()) return e;
+  std::vector<runner_worker> workers(static_cast<std::size_t>(thread_count(threads)));
+  for (runner_worker& w : workers) KVEVICT_TRY(w.init(m));
+  KVEVICT_TRY(for_each_item(workers, static_cast<index_t>(pairs.size()), [&](runner_worker& w, index_t i) {
+    const auto k = static_cast<std::size_t>(i);
+    return prepare_sample(w.run, w.cache, pairs[k], samples[k], w.scratch);
+  }));
   out = std::move(samples);
   return {};
 }
@@ -660,7 +598,7 @@ class lookahead_backprop {
     auto gt = lkv::mat<const T>(s.gt.data(), R, P_, P_);
     auto est = lkv::mat<const T>(est_.data(), R, P_, P_);
     auto dest = want_grad ? lkv::mat<T>(dest_.data(), R, P_, P_) : kvevict::matrix_view<T>{};
-    return lkv::with_workspace(ws_, [&](kvevict::workspace& ws) {
+    return with_workspace(ws_, [&](kvevict::workspace& ws) {
       return kvevict::lookahead_kl_loss(kvevict::seq, ws, gt, est, value, dest);
     });
   }
@@ -773,7 +711,7 @@ class lookahead_backprop {
     auto dxv = lkv::mat<T>(dx, n_, in, in);
     kvevict::lora_backward_options o;
     o.accumulate_dx = accumulate;
-    return lkv::with_workspace(ws_, [&](kvevict::workspace& ws) {
+    return with_workspace(ws_, [&](kvevict::workspace& ws) {
       return kvevict::lora_linear_backward(kvevict::seq, ws, xv, fm.weight_t(l, p), mod.adapter(l, p),
                                            kvevict::row_range{0, n_}, xav, dyv, mod.grad_views(l, p, grad), dxv, o);
     });
@@ -827,21 +765,13 @@ inline status mean_loss(const frozen_model<float>& fm, const lookahead_module& m
   for (const auto& s : samples) maxP = std::max(maxP, s.P);
   std::vector<double> losses(samples.size(), 0.0);
   std::vector<status> errors(samples.size());
-#if defined(_OPENMP)
-  const int nt = threads > 0 ? threads : omp_get_max_threads();
-#  pragma omp parallel num_threads(nt)
-#else
-  (void)threads;
-#endif
-  {
-    lookahead_backprop<float> bp;
-    const status st = bp.init(fm, mod, maxP);
-#if defined(_OPENMP)
-#  pragma omp for schedule(dynamic, 1)
-#endif
-    for (std::size_t i = 0; i < samples.size(); ++i)
-      errors[i] = st.ok() ? bp.loss_and_grad(fm, mod, samples[i], &losses[i], nullptr) : st;
-  }
+  std::vector<lookahead_backprop<float>> workers(static_cast<std::size_t>(thread_count(threads)));
+  for (auto& w : workers) KVEVICT_TRY(w.init(fm, mod, maxP));
+  KVEVICT_TRY(for_each_item(workers, static_cast<index_t>(samples.size()), [&](lookahead_backprop<float>& w, index_t i) {
+    const auto k = static_cast<std::size_t>(i);
+    errors[k] = w.loss_and_grad(fm, mod, samples[k], &losses[k], nullptr);
+    return status{};  // every sample runs; the first failure in sample order is returned below
+  }));
   double sum = 0;
   for (std::size_t i = 0; i < samples.size(); ++i) {
     KVEVICT_TRY(errors[i]);
@@ -871,11 +801,7 @@ inline status train_module(const frozen_model<float>& fm, const std::vector<look
   KVEVICT_TRY(mod.check_model(fm.cfg));
   index_t maxP = 1;
   for (const auto& s : train) maxP = std::max(maxP, s.P);
-#if defined(_OPENMP)
-  const int nt = o.threads > 0 ? o.threads : omp_get_max_threads();
-#else
-  const int nt = 1;
-#endif
+  const int nt = thread_count(o.threads);
   const auto np = static_cast<std::size_t>(mod.param_count());
   const auto B = static_cast<std::size_t>(o.batch);
   std::vector<float> grads(B * np, 0.0f), m1(np, 0.0f), m2(np, 0.0f);
@@ -905,19 +831,13 @@ inline status train_module(const frozen_model<float>& fm, const std::vector<look
   std::vector<std::size_t> batch(B);
   for (index_t step = 0; step < o.steps; ++step) {
     for (auto& b : batch) b = next_sample();
-#if defined(_OPENMP)
-#  pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-#endif
-    for (std::size_t b = 0; b < B; ++b) {
-#if defined(_OPENMP)
-      auto& w = workers[static_cast<std::size_t>(omp_get_thread_num())];
-#else
-      auto& w = workers[0];
-#endif
+    KVEVICT_TRY(for_each_item(workers, static_cast<index_t>(B), [&](lookahead_backprop<float>& w, index_t i) {
+      const auto b = static_cast<std::size_t>(i);
       float* gb = grads.data() + b * np;
       std::fill(gb, gb + np, 0.0f);
       errors[b] = w.loss_and_grad(fm, mod, train[batch[b]], &losses[b], gb);
-    }
+      return status{};  // every sample runs; failures are reported below, in sample order
+    }));
     for (std::size_t b = 0; b < B; ++b) {
       if (!errors[b].ok() && step > 0)  // non-finite activations after an update: the run diverged
         return status::error(errors[b].code(), "train: step %lld failed (training diverged? lower the learning rate %g): %s",

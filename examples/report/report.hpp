@@ -31,21 +31,19 @@
 
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
+#include <runner/workers.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
+#include <lookaheadkv/scores.hpp>
 
 #include <kvevict/metrics.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
-#if defined(_OPENMP)
-#  include <omp.h>
-#endif
 
 namespace kvrun {
 
@@ -124,7 +122,7 @@ struct report_result {
 };
 
 /// The configurations of a report, in table order: full first, then per budget the methods in
-/// all_methods order, each with its drivers in all_drivers order. Errors: a configuration the
+/// method_names order, each with its drivers in driver_names order. Errors: a configuration the
 /// evictor refuses (e.g. a budget below a method's protected tokens), naming it; lookaheadkv named
 /// without a module.
 inline status report_configs(const config& c, const report_options& o, std::vector<report_config>& out) {
@@ -135,11 +133,13 @@ inline status report_configs(const config& c, const report_options& o, std::vect
   if (named_lookahead && o.lookahead == nullptr)
     return status::error(errc::invalid_argument, "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
   for (const index_t b : o.budgets)
-    for (const method m : all_methods) {
+    for (const named<method>& mn : method_names) {
+      const method m = mn.value;
       if (m == method::full) continue;
       if (m == method::lookaheadkv && o.lookahead == nullptr) continue;
       if (!o.recipes.empty() && std::find(o.recipes.begin(), o.recipes.end(), m) == o.recipes.end()) continue;
-      for (const driver_kind d : all_drivers) {
+      for (const named<driver_kind>& dn : driver_names) {
+        const driver_kind d = dn.value;
         if (!o.drivers.empty() && std::find(o.drivers.begin(), o.drivers.end(), d) == o.drivers.end()) continue;
         evict_options e = o.base;
         e.recipe = m;
@@ -192,6 +192,7 @@ struct report_worker {
   kv_cache full, cache;
   block_capture prompt_q, response_q;
   evictor ev;
+  lookahead_scorer lookahead;  // bound to report_options::lookahead, if any
   std::vector<float> gt;                 // [L][H][P] ground truth
   std::vector<double> full_logp, logq;   // [m][V], [V]
   std::vector<pos_t> schedule;           // [L][H][N]
@@ -286,7 +287,7 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     e.driver = rc.driver;
     e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
     e.alloc.reset();
-    KVEVICT_TRY(w.ev.init(mdl, e, &duo, o.lookahead));
+    KVEVICT_TRY(w.ev.init(mdl, e, &duo, o.lookahead != nullptr ? &w.lookahead : nullptr));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
@@ -349,11 +350,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   out = report_result{};
   out.options = o;
   out.options.progress = {};
-#if defined(_OPENMP)
-  const int nt = o.threads > 0 ? o.threads : omp_get_max_threads();
-#else
-  const int nt = 1;
-#endif
+  const int nt = thread_count(o.threads);
   out.threads = nt;
   char line[256];
   auto say = [&](const char* s) {
@@ -377,7 +374,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
     std::snprintf(line, sizeof line, "report: duo calibration on %lld training texts", static_cast<long long>(o.calibration));
     say(line);
     std::vector<std::vector<int>> texts;
-    KVEVICT_TRY(duo_calibration_texts(mdl, o.pairs, o.calibration, texts, nt));
+    KVEVICT_TRY(training_texts(mdl, o.pairs, o.calibration, texts, nt));
     duo_calibration_options dco;
     dco.sinks = o.base.sinks >= 0 ? o.base.sinks : 4;
     dco.recent = o.base.duo_recent;
@@ -389,44 +386,27 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   say(line);
   const index_t n = o.prompts;
   std::vector<std::vector<prompt_result>> results(static_cast<std::size_t>(n));
-  std::vector<status> errors(static_cast<std::size_t>(nt));
-  std::atomic<index_t> done{0};
-#if defined(_OPENMP)
-#  pragma omp parallel num_threads(nt)
-#endif
-  {
-#if defined(_OPENMP)
-    const int t = omp_get_thread_num();
-#else
-    const int t = 0;
-#endif
-    detail::report_worker w;
-    status& err = errors[static_cast<std::size_t>(t)];
-    err = w.run.init(mdl, {0, 0, 1});
-    if (err.ok()) err = w.full.init(c);
-    if (err.ok()) err = w.cache.init(c);
-#if defined(_OPENMP)
-#  pragma omp for schedule(dynamic, 1)
-#endif
-    for (index_t i = 0; i < n; ++i) {
-      if (!err.ok()) continue;
-      err = detail::evaluate_prompt(mdl, o, configs, out.duo, pairs[static_cast<std::size_t>(i)], w,
-                                    results[static_cast<std::size_t>(i)]);
-      const index_t d = ++done;
-      if (o.progress) {
+  std::vector<detail::report_worker> workers(static_cast<std::size_t>(nt));
+  for (detail::report_worker& w : workers) {
+    KVEVICT_TRY(w.run.init(mdl, {0, 0, 1}));
+    KVEVICT_TRY(w.full.init(c));
+    KVEVICT_TRY(w.cache.init(c));
+    if (o.lookahead != nullptr) KVEVICT_TRY(w.lookahead.init(mdl, *o.lookahead));
+  }
+  KVEVICT_TRY(for_each_item(
+      workers, n,
+      [&](detail::report_worker& w, index_t i) {
+        return detail::evaluate_prompt(mdl, o, configs, out.duo, pairs[static_cast<std::size_t>(i)], w,
+                                       results[static_cast<std::size_t>(i)]);
+      },
+      [&](index_t d, int) {
+        if (!o.progress) return;
         char msg[160];
         std::snprintf(msg, sizeof msg, "report: %lld/%lld prompts (%.0f%%), %.1f s", static_cast<long long>(d),
                       static_cast<long long>(n), 100.0 * static_cast<double>(d) / static_cast<double>(n),
                       seconds_since(t_start));
-#if defined(_OPENMP)
-#  pragma omp critical(kvrun_report_progress)
-#endif
         o.progress(msg);
-      }
-    }
-  }
-  for (const status& e : errors)
-    if (!e.ok()) return e;
+      }));
 
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
     config_result cr;

@@ -15,12 +15,12 @@
 // (kvevict::duo_retrieval_heads, kvevict::prulong_topk_mask, kvevict::duo_budgets). This is a
 // calibration by attention statistics, not DuoAttention's optimisation; docs/report.md says so.
 //
-// Calibration text: model-generated (prompt, response) pairs of the TRAINING seed range
-// (lookaheadkv/data.hpp), disjoint from the report's test prompts.
+// Calibration text: any texts; kvevict-run and the report use model-generated (prompt, response)
+// pairs of the TRAINING seed range (lookaheadkv/data.hpp, training_texts), disjoint from the
+// report's test prompts.
 #pragma once
 
 #include <runner/evict.hpp>
-#include <lookaheadkv/data.hpp>
 
 #include <cmath>
 #include <vector>
@@ -91,21 +91,6 @@ inline status duo_calibrate(const model& m, const std::vector<std::vector<int>>&
   }
   out.global.resize(sum.size());
   for (std::size_t i = 0; i < sum.size(); ++i) out.global[i] = sum[i] / static_cast<double>(texts.size());
-  return {};
-}
-
-/// Calibration texts: `count` pairs of the training seed range [train_seed_base, +count) (prompt
-/// followed by its greedy response), generated with pair options `po`.
-inline status duo_calibration_texts(const model& m, const pair_options& po, index_t count,
-                                    std::vector<std::vector<int>>& texts, int threads = 0) {
-  std::vector<text_pair> pairs;
-  KVEVICT_TRY(make_pairs(m, po, train_seed_base, train_seed_base + static_cast<std::uint64_t>(count), pairs, threads));
-  texts.clear();
-  for (const text_pair& p : pairs) {
-    std::vector<int> t = p.prompt;
-    t.insert(t.end(), p.response.begin(), p.response.end());
-    texts.push_back(std::move(t));
-  }
   return {};
 }
 

@@ -21,7 +21,7 @@
 //   decode        plain prefill; then after every decoded token decode_driver::step per layer
 //                 (H2O accumulates attention every step) and a compaction when it evicts.
 // LAQ / LAQ++ (laq.hpp) and the response oracle are post-fill methods with an external query block;
-// LookaheadKV (lookaheadkv/scores.hpp) is post-fill with the trained module's scores.
+// LookaheadKV is post-fill with a prompt_scorer's scores (lookaheadkv/scores.hpp: the trained module's).
 #pragma once
 
 #include <runner/generate.hpp>
@@ -66,94 +66,77 @@ enum class method : int {
   duo,            ///< DuoAttention-style head types from a calibration pass
   laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (laq.hpp)
   laq_pp,         ///< LAQ++: pseudo queries and the prompt's window
-  lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (lookaheadkv/scores.hpp)
+  lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (a prompt_scorer)
   oracle,         ///< the true response's queries (an upper bound)
 };
-inline constexpr method all_methods[] = {method::full,   method::streaming_llm, method::h2o,   method::tova,
-                                         method::snapkv, method::pyramidkv,     method::knorm, method::vatp,
-                                         method::adakv,  method::cake,          method::lava,  method::duo,
-                                         method::laq,    method::laq_pp,        method::lookaheadkv,
-                                         method::oracle};
-
-/// How budgets are shared by layers and heads (`--allocator`).
-enum class allocator_kind : int { uniform, pyramid, adakv, lava, cake, duo };
-inline constexpr allocator_kind all_allocators[] = {allocator_kind::uniform, allocator_kind::pyramid,
-                                                    allocator_kind::adakv,   allocator_kind::lava,
-                                                    allocator_kind::cake,    allocator_kind::duo};
+/// How budgets are shared by layers and heads (`--allocator`): the library's budget schemes
+/// (kvevict/budget/allocation.hpp), under their names.
+using kvevict::budget_scheme;
 
 /// When eviction runs (`--driver`).
 enum class driver_kind : int { postfill, layerwise, chunked_naive, chunked_patched, decode };
-inline constexpr driver_kind all_drivers[] = {driver_kind::postfill, driver_kind::layerwise, driver_kind::chunked_naive,
-                                              driver_kind::chunked_patched, driver_kind::decode};
 
-constexpr const char* method_name(method m) noexcept {
-  switch (m) {
-    case method::full: return "full";
-    case method::streaming_llm: return "streaming_llm";
-    case method::h2o: return "h2o";
-    case method::tova: return "tova";
-    case method::snapkv: return "snapkv";
-    case method::pyramidkv: return "pyramidkv";
-    case method::knorm: return "knorm";
-    case method::vatp: return "vatp";
-    case method::adakv: return "adakv";
-    case method::cake: return "cake";
-    case method::lava: return "lava";
-    case method::duo: return "duo";
-    case method::laq: return "laq";
-    case method::laq_pp: return "laq++";
-    case method::lookaheadkv: return "lookaheadkv";
-    case method::oracle: return "oracle";
-  }
-  return "unknown";
-}
-constexpr const char* allocator_name(allocator_kind a) noexcept {
-  switch (a) {
-    case allocator_kind::uniform: return "uniform";
-    case allocator_kind::pyramid: return "pyramid";
-    case allocator_kind::adakv: return "adakv";
-    case allocator_kind::lava: return "lava";
-    case allocator_kind::cake: return "cake";
-    case allocator_kind::duo: return "duo";
-  }
-  return "unknown";
-}
-constexpr const char* driver_name(driver_kind d) noexcept {
-  switch (d) {
-    case driver_kind::postfill: return "postfill";
-    case driver_kind::layerwise: return "layerwise";
-    case driver_kind::chunked_naive: return "chunked-naive";
-    case driver_kind::chunked_patched: return "chunked-patched";
-    case driver_kind::decode: return "decode";
-  }
-  return "unknown";
-}
+/// An option value and its command-line name; the tables list every value, in this order.
+template <class E>
+struct named {
+  E value;
+  const char* name;
+};
+inline constexpr named<method> method_names[] = {
+    {method::full, "full"},   {method::streaming_llm, "streaming_llm"}, {method::h2o, "h2o"},
+    {method::tova, "tova"},   {method::snapkv, "snapkv"},               {method::pyramidkv, "pyramidkv"},
+    {method::knorm, "knorm"}, {method::vatp, "vatp"},                   {method::adakv, "adakv"},
+    {method::cake, "cake"},   {method::lava, "lava"},                   {method::duo, "duo"},
+    {method::laq, "laq"},     {method::laq_pp, "laq++"},                {method::lookaheadkv, "lookaheadkv"},
+    {method::oracle, "oracle"}};
+inline constexpr named<budget_scheme> allocator_names[] = {
+    {budget_scheme::uniform, kvevict::budget_scheme_name(budget_scheme::uniform)},
+    {budget_scheme::pyramid, kvevict::budget_scheme_name(budget_scheme::pyramid)},
+    {budget_scheme::adakv, kvevict::budget_scheme_name(budget_scheme::adakv)},
+    {budget_scheme::lava, kvevict::budget_scheme_name(budget_scheme::lava)},
+    {budget_scheme::cake, kvevict::budget_scheme_name(budget_scheme::cake)},
+    {budget_scheme::duo, kvevict::budget_scheme_name(budget_scheme::duo)}};
+inline constexpr named<driver_kind> driver_names[] = {{driver_kind::postfill, "postfill"},
+                                                      {driver_kind::layerwise, "layerwise"},
+                                                      {driver_kind::chunked_naive, "chunked-naive"},
+                                                      {driver_kind::chunked_patched, "chunked-patched"},
+                                                      {driver_kind::decode, "decode"}};
 
 namespace detail {
-template <class E, std::size_t N, class Name>
-status parse_name(std::string_view text, const E (&all)[N], Name name, const char* what, E& out) {
+template <class E, std::size_t N>
+constexpr const char* name_of(const named<E> (&all)[N], E e) noexcept {
+  for (const named<E>& n : all)
+    if (n.value == e) return n.name;
+  return "unknown";
+}
+template <class E, std::size_t N>
+status parse_name(std::string_view text, const named<E> (&all)[N], const char* what, E& out) {
   std::string names;
-  for (const E e : all) {
-    if (text == name(e)) {
-      out = e;
+  for (const named<E>& n : all) {
+    if (text == n.name) {
+      out = n.value;
       return {};
     }
     names += names.empty() ? "" : ", ";
-    names += name(e);
+    names += n.name;
   }
   return status::error(errc::invalid_argument, "unknown %s '%.*s' (expected one of: %s)", what,
                        static_cast<int>(text.size()), text.data(), names.c_str());
 }
 }  // namespace detail
 
+constexpr const char* method_name(method m) noexcept { return detail::name_of(method_names, m); }
+constexpr const char* allocator_name(budget_scheme a) noexcept { return detail::name_of(allocator_names, a); }
+constexpr const char* driver_name(driver_kind d) noexcept { return detail::name_of(driver_names, d); }
+
 inline status parse_method(std::string_view s, method& out) {
-  return detail::parse_name(s, all_methods, method_name, "recipe", out);
+  return detail::parse_name(s, method_names, "recipe", out);
 }
-inline status parse_allocator(std::string_view s, allocator_kind& out) {
-  return detail::parse_name(s, all_allocators, allocator_name, "allocator", out);
+inline status parse_allocator(std::string_view s, budget_scheme& out) {
+  return detail::parse_name(s, allocator_names, "allocator", out);
 }
 inline status parse_driver(std::string_view s, driver_kind& out) {
-  return detail::parse_name(s, all_drivers, driver_name, "driver", out);
+  return detail::parse_name(s, driver_names, "driver", out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -165,7 +148,7 @@ struct evict_options {
   /// Tokens kept per KV head on average (the papers' "B per head": B x H x L in the model),
   /// protected tokens included. A budget of at least the prompt keeps everything.
   index_t budget = 64;
-  std::optional<allocator_kind> alloc;  ///< empty: the method's (default_allocator)
+  std::optional<budget_scheme> alloc;  ///< empty: the method's (default_allocator)
   driver_kind driver = driver_kind::postfill;
   /// Observation window w of the window recipes (SnapKV family, LAQ++'s suffix window), and the
   /// recent tokens every window recipe, H2O and LAQ protect.
@@ -178,17 +161,17 @@ struct evict_options {
 };
 
 /// The allocator a method uses unless told otherwise.
-constexpr allocator_kind default_allocator(method m) noexcept {
+constexpr budget_scheme default_allocator(method m) noexcept {
   switch (m) {
-    case method::pyramidkv: return allocator_kind::pyramid;
-    case method::adakv: return allocator_kind::adakv;
-    case method::cake: return allocator_kind::cake;
-    case method::lava: return allocator_kind::lava;
-    case method::duo: return allocator_kind::duo;
-    default: return allocator_kind::uniform;
+    case method::pyramidkv: return budget_scheme::pyramid;
+    case method::adakv: return budget_scheme::adakv;
+    case method::cake: return budget_scheme::cake;
+    case method::lava: return budget_scheme::lava;
+    case method::duo: return budget_scheme::duo;
+    default: return budget_scheme::uniform;
   }
 }
-inline allocator_kind allocator_of(const evict_options& o) { return o.alloc ? *o.alloc : default_allocator(o.recipe); }
+inline budget_scheme allocator_of(const evict_options& o) { return o.alloc ? *o.alloc : default_allocator(o.recipe); }
 inline index_t sinks_of(const evict_options& o) {
   if (o.sinks >= 0) return o.sinks;
   return o.recipe == method::streaming_llm || o.recipe == method::duo ? 4 : 0;
@@ -259,7 +242,7 @@ inline index_t protected_tokens(const evict_options& o) {
 /// Checks the options against the model, before any prompt is seen (prompt-dependent checks
 /// happen in evictor::prefill). The messages name the command-line options.
 inline status check_evict_options(const config& c, const evict_options& o) {
-  const allocator_kind a = allocator_of(o);
+  const budget_scheme a = allocator_of(o);
   const driver_kind d = o.driver;
   const char* rn = method_name(o.recipe);
   auto err = [](const char* fmt, auto... args) { return status::error(errc::invalid_argument, fmt, args...); };
@@ -279,33 +262,36 @@ inline status check_evict_options(const config& c, const evict_options& o) {
     return err("--budget %lld is below the %lld tokens %s protects (sinks %lld + recent %lld)",
                static_cast<long long>(o.budget), static_cast<long long>(prot), rn,
                static_cast<long long>(sinks_of(o)), static_cast<long long>(prot - sinks_of(o)));
-  if ((a == allocator_kind::duo) != (o.recipe == method::duo))
+  if ((a == budget_scheme::duo) != (o.recipe == method::duo))
     return err("--allocator duo and --recipe duo go together (duo's head types decide every budget)");
   const bool query_block = o.recipe == method::laq || o.recipe == method::laq_pp || o.recipe == method::oracle ||
                            o.recipe == method::lookaheadkv;
   if (query_block && d != driver_kind::postfill)
     return err("--recipe %s needs the whole prompt prefilled first: use --driver postfill", rn);
-  if (o.recipe == method::lookaheadkv && (a == allocator_kind::cake || a == allocator_kind::duo))
+  if (o.recipe == method::lookaheadkv && (a == budget_scheme::cake || a == budget_scheme::duo))
     return err("--recipe lookaheadkv does not take --allocator %s (uniform, pyramid, adakv or lava: the allocators "
                "that budget from per-head scores)",
                allocator_name(a));
-  if (o.recipe == method::laq_pp && a == allocator_kind::duo) return err("--recipe laq++ does not take --allocator duo");
+  if (o.recipe == method::laq_pp && a == budget_scheme::duo) return err("--recipe laq++ does not take --allocator duo");
+  if (o.recipe == method::knorm && a == budget_scheme::lava)  // lava_layer_entropy needs scores >= 0
+    return err("--recipe knorm does not take --allocator lava (LAVa's entropy needs attention-like scores >= 0; "
+               "knorm's are negated key norms)");
   switch (d) {
     case driver_kind::postfill: break;
     case driver_kind::layerwise:
-      if (a == allocator_kind::duo) return err("--driver layerwise does not take --allocator duo (use postfill)");
+      if (a == budget_scheme::duo) return err("--driver layerwise does not take --allocator duo (use postfill)");
       break;
     case driver_kind::chunked_naive:
     case driver_kind::chunked_patched:
       if (o.recipe == method::h2o || o.recipe == method::tova)
         return err("--driver %s scores chunks with an observation window: %s is not supported (use postfill or decode)",
                    driver_name(d), rn);
-      if (a == allocator_kind::cake || a == allocator_kind::duo)
+      if (a == budget_scheme::cake || a == budget_scheme::duo)
         return err("--driver %s does not take --allocator %s (uniform, pyramid, adakv or lava)", driver_name(d),
                    allocator_name(a));
       break;
     case driver_kind::decode:
-      if (a == allocator_kind::lava || a == allocator_kind::cake || a == allocator_kind::duo)
+      if (a == budget_scheme::lava || a == budget_scheme::cake || a == budget_scheme::duo)
         return err("--driver decode does not take --allocator %s (uniform, pyramid or adakv)", allocator_name(a));
       break;
   }
@@ -373,18 +359,24 @@ inline kvevict::kv_view<const float> view_rows(kvevict::kv_view<const float> v, 
                                             v.stride(0), v.stride(1));
 }
 
+/// Whether recipe `r` scores with an observation window of queries (the SnapKV family: snapkv,
+/// vatp, lava, cake), rather than every query (H2O), the last one (TOVA) or none (Knorm,
+/// StreamingLLM).
+inline bool is_window_recipe(const kvevict::recipe& r) {
+  using kvevict::recipe_kind;
+  return r.kind != recipe_kind::h2o && r.kind != recipe_kind::tova && r.kind != recipe_kind::knorm &&
+         r.kind != recipe_kind::streaming_llm;
+}
+
 /// The query rows recipe `r` reads from a block whose last row is the prompt's last token
 /// (`rows` rows in all): every row for H2O, the last one for TOVA, the last `window` for the
 /// window recipes, none for Knorm / StreamingLLM (external-block recipes get their block elsewhere).
 inline kvevict::kv_view<const float> recipe_rows(const kvevict::recipe& r, kvevict::kv_view<const float> block) {
   const index_t n = block.extent(1);
-  switch (r.kind) {
-    case kvevict::recipe_kind::h2o: return block;
-    case kvevict::recipe_kind::tova: return view_rows(block, n - 1, 1);
-    case kvevict::recipe_kind::knorm:
-    case kvevict::recipe_kind::streaming_llm: return {};
-    default: return view_rows(block, n - r.window, r.window);
-  }
+  if (is_window_recipe(r)) return view_rows(block, n - r.window, r.window);
+  if (r.kind == kvevict::recipe_kind::h2o) return block;
+  if (r.kind == kvevict::recipe_kind::tova) return view_rows(block, n - 1, 1);
+  return {};
 }
 
 /// Layer l of the runner's cache as the drivers read it.
@@ -427,6 +419,17 @@ inline status cake_window_preference(kvevict::kv_view<const float> window_querie
   return kvevict::cake_preference(st, kvevict::cake_options{}, &pref);
 }
 
+/// Scores a method computes outside the recipes for a prefilled, not yet evicted prompt (method
+/// lookaheadkv: examples/lookaheadkv/scores.hpp's lookahead_scorer, a trained module's estimate).
+/// score() may run extra blocks on the cache but leaves it as it was; scores(l) is then layer l's
+/// [H_kv][P], higher = keep.
+class prompt_scorer {
+ public:
+  virtual ~prompt_scorer() = default;
+  virtual status score(runner& run, kv_cache& cache) = 0;
+  virtual kvevict::matrix_view<const float> scores(int l) const = 0;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Budgets
 
@@ -439,65 +442,58 @@ struct allocation_plan {
   index_t total = 0;                  ///< tokens the model keeps after the eviction (all heads, layers)
 };
 
+/// The most rows one head can keep after an eviction under `a` (docs/drivers.md, "Capacity"): its
+/// own budget with per_head budgets (the largest over the model: PyramidKV's shallow layers get
+/// more than B), its whole layer's total with flattened or adakv selection (one head may take its
+/// layer's entire share). A driver's capacity must be this plus the rows added between evictions.
+inline index_t max_head_rows(const kvevict::allocation& a) {
+  const auto& b = a.budgets;
+  index_t most = 0;
+  for (index_t l = 0; l < b.extent(0); ++l) {
+    index_t layer = 0;
+    for (index_t h = 0; h < b.extent(1); ++h)
+      layer = a.kind == kvevict::allocator::per_head ? std::max<index_t>(layer, b(l, h)) : layer + b(l, h);
+    most = std::max(most, layer);
+  }
+  return most;
+}
+
 /// Duo head types: the calibration's "globalness" per (layer, KV head) (duo_calibration.hpp);
 /// the most global heads become retrieval heads.
 struct duo_heads {
   std::vector<double> global;  ///< [L][H_kv]
 };
 
-/// The allocation of `a` for per-head budget B (clamped to P: a budget of at least the prompt keeps
-/// everything) over a P-token prompt with protection `prot`:
-///   uniform   per_head, uniform_budgets(B H L)
-///   pyramid   per_head, pyramid_budgets(B, P) (exact rounding, beta 20)
-///   adakv     adakv with every layer at B H (alpha 0.2, kvpress's floor)
-///   lava      lava, total B H L
-///   cake      cake, total B H L (the driver takes each layer's preference)
-///   duo       per_head, duo_budgets of the mask that gives the `duo_retrieval_heads(B H L)` most
-///             global heads the whole prompt and the others sinks + recent
-inline status make_allocation(const config& c, allocator_kind a, index_t budget, index_t P, kvevict::protection prot,
+/// The allocation of scheme `a` for per-head budget B (clamped to P: a budget of at least the
+/// prompt keeps everything) over a P-token prompt with protection `prot`: kvevict::make_allocation
+/// (docs/budget.md), duo with the `duo_retrieval_heads(B H L)` most global heads of the calibration
+/// as retrieval heads (prulong_topk_mask).
+inline status plan_allocation(const config& c, budget_scheme a, index_t budget, index_t P, kvevict::protection prot,
                               const duo_heads* duo, allocation_plan& out) {
   const index_t L = c.n_layers, H = c.n_kv_heads, B = std::min(budget, P);
   out = allocation_plan{};
   out.budgets.assign(static_cast<std::size_t>(L * H), 0);
-  const auto view = *kvevict::make_matrix_view(out.budgets.data(), L, H);
-  out.alloc.budgets = view;
-  out.total = B * H * L;
-  switch (a) {
-    case allocator_kind::uniform:
-      out.alloc.kind = kvevict::allocator::per_head;
-      return kvevict::uniform_budgets(B * H * L, P, prot, view);
-    case allocator_kind::pyramid: {
-      out.alloc.kind = kvevict::allocator::per_head;
-      kvevict::pyramid_options po;
-      po.prot = prot;
-      return kvevict::pyramid_budgets(B, P, po, view);
-    }
-    case allocator_kind::adakv:
-      out.alloc.kind = kvevict::allocator::adakv;
-      return kvevict::uniform_budgets(B * H * L, P, prot, view);
-    case allocator_kind::lava:
-    case allocator_kind::cake:
-      out.alloc.kind = a == allocator_kind::lava ? kvevict::allocator::lava : kvevict::allocator::cake;
-      out.alloc.budgets = {};
-      out.alloc.total = B * H * L;
-      out.budgets.clear();
-      return {};
-    case allocator_kind::duo: {
-      if (duo == nullptr || static_cast<index_t>(duo->global.size()) != L * H)
-        return status::error(errc::invalid_argument, "duo: the head types need a calibration (duo_calibration.hpp)");
-      kvevict::duo_options dopt;
-      dopt.streaming = prot;
-      const auto k = kvevict::duo_retrieval_heads(B * H * L, L, H, P, dopt);
-      if (!k) return k.error();
-      std::vector<std::uint8_t> mask(static_cast<std::size_t>(L * H));
-      const auto mview = *kvevict::make_matrix_view(mask.data(), L, H);
-      KVEVICT_TRY(kvevict::prulong_topk_mask(*kvevict::make_matrix_view(duo->global.data(), L, H), *k, mview));
-      out.alloc.kind = kvevict::allocator::per_head;
-      out.retrieval_heads = *k;
-      return kvevict::duo_budgets(kvevict::matrix_view<const std::uint8_t>(mview), P, dopt, view, &out.total);
-    }
+  kvevict::allocation_request req;
+  req.budget = budget;
+  req.prompt = P;
+  req.prot = prot;
+  std::vector<std::uint8_t> mask;
+  if (a == budget_scheme::duo) {
+    if (duo == nullptr || static_cast<index_t>(duo->global.size()) != L * H)
+      return status::error(errc::invalid_argument, "duo: the head types need a calibration (duo_calibration.hpp)");
+    kvevict::duo_options dopt;
+    dopt.streaming = prot;
+    const auto k = kvevict::duo_retrieval_heads(B * H * L, L, H, P, dopt);
+    if (!k) return k.error();
+    mask.assign(static_cast<std::size_t>(L * H), 0);
+    const auto mview = *kvevict::make_matrix_view(mask.data(), L, H);
+    KVEVICT_TRY(kvevict::prulong_topk_mask(*kvevict::make_matrix_view(duo->global.data(), L, H), *k, mview));
+    req.retrieval = mview;
+    out.retrieval_heads = *k;
   }
-  return status::error(errc::invalid_argument, "unknown allocator %d", static_cast<int>(a));
+  KVEVICT_TRY(kvevict::make_allocation(a, req, *kvevict::make_matrix_view(out.budgets.data(), L, H), &out.alloc, &out.total));
+  if (a == budget_scheme::lava || a == budget_scheme::cake) out.budgets.clear();  // a total, no matrix
+  return {};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -520,12 +516,29 @@ struct driver_scratch {
   }
 };
 
+/// init()s driver `d` with `cfg` (recording into `rec`, may be null) on state memory from `s`, and
+/// hands out its workspace, sized by the driver's own query.
+template <class Driver, class Config>
+status init_driver(Driver& d, driver_scratch& s, const Config& cfg, kvevict::eviction_recorder* rec,
+                   kvevict::workspace& ws) {
+  const auto bytes = Driver::state_bytes(cfg);
+  if (!bytes) return bytes.error();
+  KVEVICT_TRY(d.init(cfg, s.state_for(*bytes), *bytes, rec));
+  const auto wb = d.workspace_bytes(kvevict::seq);
+  if (!wb) return wb.error();
+  ws = s.workspace_for(*wb);
+  return {};
+}
+
 /// What post_fill_decide hands the driver for layer l.
 struct layer_inputs {
   kvevict::layer_kv<float> kv;                 ///< the layer's rows (the cache, or a view of some of its rows)
   kvevict::kv_view<const float> queries;       ///< the recipe's query block
   kvevict::kv_view<const float> block_keys;    ///< an external block's own keys, or empty
   double weight = 0.0;                         ///< cake: the layer's preference
+  /// Scores computed elsewhere ([H_kv][>= rows], e.g. a prompt_scorer's): given, the driver takes
+  /// them (add_layer_scores) and the queries are not read.
+  kvevict::matrix_view<const float> scores{};
 };
 
 /// Post-fill eviction with kvevict::post_fill_driver: init, add_layer for every layer with
@@ -534,16 +547,13 @@ struct layer_inputs {
 template <class Inputs>
 status post_fill_decide(kvevict::post_fill_driver& d, driver_scratch& s, const kvevict::post_fill_config& cfg,
                         Inputs&& inputs, kvevict::eviction_recorder* rec) {
-  const auto bytes = kvevict::post_fill_driver::state_bytes(cfg);
-  if (!bytes) return bytes.error();
-  KVEVICT_TRY(d.init(cfg, s.state_for(*bytes), *bytes, rec));
-  const auto wb = d.workspace_bytes(kvevict::seq);
-  if (!wb) return wb.error();
-  kvevict::workspace ws = s.workspace_for(*wb);
+  kvevict::workspace ws;
+  KVEVICT_TRY(init_driver(d, s, cfg, rec, ws));
   for (int l = 0; l < static_cast<int>(cfg.model.layers); ++l) {
     layer_inputs in;
     KVEVICT_TRY(inputs(l, in));
-    KVEVICT_TRY(d.add_layer(kvevict::seq, ws, l, in.kv, in.queries, in.block_keys, in.weight));
+    if (in.scores.data_handle() != nullptr) KVEVICT_TRY(d.add_layer_scores(kvevict::seq, ws, l, in.kv, in.scores, in.weight));
+    else KVEVICT_TRY(d.add_layer(kvevict::seq, ws, l, in.kv, in.queries, in.block_keys, in.weight));
   }
   return d.decide(kvevict::seq, ws);
 }

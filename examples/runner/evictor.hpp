@@ -5,7 +5,7 @@
 
 #include <runner/evict.hpp>
 #include <runner/laq.hpp>
-#include <lookaheadkv/scores.hpp>
+#include <runner/workers.hpp>
 
 #include <cstring>
 
@@ -15,21 +15,17 @@ class evictor {
  public:
   /// Checks the options against the model (check_evict_options) and binds the evictor to `m`
   /// (which must outlive it). `duo`: the head types of the duo method (duo_calibration.hpp), copied.
-  /// `lookahead`: the trained module of the lookaheadkv method (lookaheadkv/module.hpp; must outlive
-  /// the evictor; ignored by the other methods). Errors: the options', duo without head types,
-  /// lookaheadkv without a module or with a module trained for another model (the first differing
-  /// dimension is named).
-  status init(const model& m, const evict_options& o, const duo_heads* duo = nullptr,
-              const lookahead_module* lookahead = nullptr) {
+  /// `scorer`: the scores of the lookaheadkv method (a lookahead_scorer bound to a trained module
+  /// for `m`, lookaheadkv/scores.hpp; must outlive the evictor; ignored by the other methods).
+  /// Errors: the options', duo without head types, lookaheadkv without a scorer.
+  status init(const model& m, const evict_options& o, const duo_heads* duo = nullptr, prompt_scorer* scorer = nullptr) {
     KVEVICT_TRY(check_evict_options(m.cfg(), o));
-    if (allocator_of(o) == allocator_kind::duo &&
+    if (allocator_of(o) == budget_scheme::duo &&
         (duo == nullptr || static_cast<index_t>(duo->global.size()) != index_t(m.cfg().n_layers) * m.cfg().n_kv_heads))
       return status::error(errc::invalid_argument, "--recipe duo needs head types from a calibration pass");
-    if (o.recipe == method::lookaheadkv) {
-      if (lookahead == nullptr)
-        return status::error(errc::invalid_argument, "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
-      KVEVICT_TRY(scorer_.init(m, *lookahead));
-    }
+    if (o.recipe == method::lookaheadkv && scorer == nullptr)
+      return status::error(errc::invalid_argument, "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
+    scorer_ = scorer;
     model_ = &m;
     o_ = o;
     rec_ = make_recipe(o);
@@ -132,7 +128,7 @@ class evictor {
       laq_union_block(c, cache, P, w, prompt_q, block_, union_);
       // the allocation of the whole prompt with the window protected, then the window taken out:
       // the driver selects among the first P - w rows, which it sees as the whole layer
-      KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, w}, nullptr, alloc_));
+      KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, w}, nullptr, alloc_));
       if (alloc_.alloc.kind == kvevict::allocator::cake) {
         std::vector<double> pref(static_cast<std::size_t>(L));
         for (int l = 0; l < L; ++l) KVEVICT_TRY(window_preference(prompt_q.queries(l, P - w, w), cache, l, P, pref[l]));
@@ -194,7 +190,7 @@ class evictor {
       blk = response;
     }
     if (blk != nullptr) pc.query_rows = blk->rows();
-    KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, P, prot, &duo_, alloc_));
+    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, prot, &duo_, alloc_));
     pc.alloc = alloc_.alloc;
     const bool cake = alloc_.alloc.kind == kvevict::allocator::cake;
     KVEVICT_TRY(post_fill_decide(
@@ -267,13 +263,7 @@ class evictor {
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
   driver_scratch scratch_, decode_scratch_;
-  lookahead_scorer scorer_;
-  std::vector<float> lkv_scores_;
-  std::vector<double> lkv_entropy_;
-  std::vector<index_t> lkv_totals_;
-  std::vector<pos_t> lkv_pos_, lkv_dropped_;
-  std::vector<std::int32_t> lkv_cu_, lkv_dropped_cu_;
-  std::vector<unsigned char> lkv_ws_;
+  prompt_scorer* scorer_ = nullptr;
 
   const config& cfg() const { return model_->cfg(); }
 
@@ -294,111 +284,49 @@ class evictor {
   status check_prompt_length(index_t P) const {
     if (o_.recipe == method::full) return {};
     const bool windowed = o_.recipe != method::lookaheadkv &&
-                          (kvevict::detail::is_window_kind(rec_.kind) || rec_.kind == kvevict::recipe_kind::h2o ||
+                          (is_window_recipe(rec_) || rec_.kind == kvevict::recipe_kind::h2o ||
                            o_.recipe == method::laq || o_.recipe == method::laq_pp ||
-                           allocator_of(o_) == allocator_kind::cake);
+                           allocator_of(o_) == budget_scheme::cake);
     if (windowed && o_.driver != driver_kind::decode && o_.window >= P)
       return status::error(errc::invalid_argument,
                            "the prompt has %lld tokens, not more than --window %lld: %s needs a longer prompt",
                            static_cast<long long>(P), static_cast<long long>(o_.window), method_name(o_.recipe));
-    if (o_.driver == driver_kind::decode && kvevict::detail::is_window_kind(rec_.kind) && o_.window > P)
+    if (o_.driver == driver_kind::decode && is_window_recipe(rec_) && o_.window > P)
       return status::error(errc::invalid_argument, "the prompt has %lld tokens, fewer than --window %lld",
                            static_cast<long long>(P), static_cast<long long>(o_.window));
     return {};
   }
 
-  // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the module's n lookahead rows run as one
-  // extra block after the prompt (lookahead_scorer::score; their KV is rolled back, the prompt's
-  // untouched), their scores [H_kv][P] per layer (max pool 7, GQA mean), the sinks (0 unless
+  // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the scorer's scores [H_kv][P] per layer (for
+  // lookahead_scorer: the module's n lookahead rows run as one extra block after the prompt, their
+  // KV rolled back, the prompt's untouched; max pool 7, GQA mean), the sinks (0 unless
   // --sinks) protected, then the allocator's budgets and a plain top-k per head -- no suffix window,
   // as the paper (appendix F) -- and every layer compacted. A budget of at least the prompt keeps
   // everything without running the module. The dropped rows are recorded at step P.
   status evict_lookahead(runner& run, kv_cache& cache, kvevict::eviction_recorder* rec) {
     const config& c = cfg();
-    const index_t P = cache.next_position(), L = c.n_layers, H = c.n_kv_heads, B = std::min(o_.budget, P);
-    const kvevict::protection prot{rec_.n_sink, 0};
-    const allocator_kind a = allocator_of(o_);
-    KVEVICT_TRY(make_allocation(c, a, o_.budget, P, prot, nullptr, alloc_));
-    if (B == P) {
+    const index_t P = cache.next_position();
+    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, 0}, nullptr, alloc_));
+    if (o_.budget >= P) {  // everything is kept: the module is not run
       alloc_.total = cache.total_rows();
       return {};
     }
-    KVEVICT_TRY(scorer_.score(run, cache));
-    lkv_scores_.resize(static_cast<std::size_t>(L * H * P));
-    for (int l = 0; l < L; ++l) {
-      const auto src = scorer_.scores(l);
-      const auto dst = *kvevict::make_matrix_view(lkv_scores_.data() + index_t(l) * H * P, H, P);
-      for (index_t h = 0; h < H; ++h)
-        for (index_t t = 0; t < P; ++t) dst(h, t) = src(h, t);
-      KVEVICT_TRY(kvevict::protect(kvevict::seq, dst, prot.n_sink, prot.n_recent));
-    }
-    auto layer_scores = [&](int l) {
-      return *kvevict::make_matrix_view<const float>(lkv_scores_.data() + index_t(l) * H * P, H, P);
-    };
-    lkv_totals_.assign(static_cast<std::size_t>(L), 0);
-    if (a == allocator_kind::lava) {  // entropy layer budgets over the whole model, flattened within a layer
-      lkv_entropy_.assign(static_cast<std::size_t>(L), 0.0);
-      kvevict::lava_entropy_options eo;
-      eo.prot = prot;
-      for (int l = 0; l < L; ++l)
-        KVEVICT_TRY(kvevict::lava_layer_entropy(kvevict::seq, layer_scores(l), nullptr, eo, &lkv_entropy_[static_cast<std::size_t>(l)]));
-      KVEVICT_TRY(kvevict::lava_layer_budgets(lkv_entropy_.data(), L, H, P, prot, alloc_.alloc.total, lkv_totals_.data()));
-    }
-    lkv_cu_.resize(static_cast<std::size_t>(H + 1));
-    lkv_dropped_cu_.resize(static_cast<std::size_t>(H + 1));
-    for (int l = 0; l < L; ++l) {
-      const auto sv = layer_scores(l);
-      index_t keep = 0;
-      switch (a) {
-        case allocator_kind::uniform:
-        case allocator_kind::pyramid: {
-          lkv_cu_[0] = 0;
-          for (index_t h = 0; h < H; ++h)
-            lkv_cu_[static_cast<std::size_t>(h + 1)] = lkv_cu_[static_cast<std::size_t>(h)] + alloc_.budgets[static_cast<std::size_t>(l * H + h)];
-          lkv_pos_.resize(static_cast<std::size_t>(lkv_cu_.back()));
-          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
-            return kvevict::recipe_select(kvevict::seq, ws, rec_, sv,
-                                          kvevict::ragged_positions_out{lkv_pos_.data(), lkv_cu_.data(), H});
-          }));
-          break;
-        }
-        case allocator_kind::adakv: {
-          kvevict::adakv_options ao;
-          ao.prot = prot;
-          lkv_pos_.resize(static_cast<std::size_t>(B * H));
-          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
-            return kvevict::adakv_budgets(kvevict::seq, ws, sv, nullptr, B, ao, lkv_cu_.data(), lkv_pos_.data());
-          }));
-          break;
-        }
-        case allocator_kind::lava:
-          keep = lkv_totals_[static_cast<std::size_t>(l)];
-          lkv_pos_.resize(static_cast<std::size_t>(keep));
-          KVEVICT_TRY(lkv::with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
-            return kvevict::select_topk_flat(kvevict::seq, ws, sv, nullptr, keep, nullptr, lkv_cu_.data(), lkv_pos_.data());
-          }));
-          break;
-        case allocator_kind::cake:
-        case allocator_kind::duo:
-          return status::error(errc::invalid_argument, "--recipe lookaheadkv does not take --allocator %s", allocator_name(a));
-      }
-      const kvevict::ragged_positions kept{lkv_pos_.data(), lkv_cu_.data(), H};
-      if (rec != nullptr) {  // every row of a whole prompt is its own position
-        lkv_dropped_.clear();
-        lkv_dropped_cu_[0] = 0;
-        for (index_t h = 0; h < H; ++h) {
-          const pos_t* k = kept.pos + kept.cu[h];
-          for (index_t j = 0, i = 0; j < P; ++j) {
-            if (i < kept.length(h) && k[i] == j) ++i;
-            else lkv_dropped_.push_back(static_cast<pos_t>(j));
-          }
-          lkv_dropped_cu_[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(lkv_dropped_.size());
-        }
-        if (!lkv_dropped_.empty())
-          KVEVICT_TRY(rec->mark_evicted(l, kvevict::ragged_positions{lkv_dropped_.data(), lkv_dropped_cu_.data(), H}, P));
-      }
-      KVEVICT_TRY(cache.compact(l, kept));
-    }
+    KVEVICT_TRY(scorer_->score(run, cache));
+    kvevict::post_fill_config pc;
+    pc.model = shape_of(c);
+    pc.tokens = P;
+    pc.rec = rec_;        // protects the sinks only (make_recipe)
+    pc.rec.window = 1;    // no queries are read on the scores path: any prompt fits the window
+    pc.alloc = alloc_.alloc;
+    KVEVICT_TRY(post_fill_decide(
+        pf_, scratch_, pc,
+        [&](int l, layer_inputs& in) {
+          in.kv = layer_view(cache, l);
+          in.scores = scorer_->scores(l);
+          return status{};
+        },
+        rec));
+    KVEVICT_TRY(compact_kept(cache, pf_));
     alloc_.total = cache.total_rows();
     return {};
   }
@@ -414,9 +342,9 @@ class evictor {
   status prefill_layerwise(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
     const config& c = cfg();
     const index_t P = static_cast<index_t>(prompt.size());
-    const allocator_kind a = allocator_of(o_);
-    const bool cascade = a == allocator_kind::lava || a == allocator_kind::cake;
-    KVEVICT_TRY(make_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    const budget_scheme a = allocator_of(o_);
+    const bool cascade = a == budget_scheme::lava || a == budget_scheme::cake;
+    KVEVICT_TRY(plan_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     kvevict::workspace ws;
     if (cascade) {
       kvevict::cascade_driver_config cc;
@@ -424,26 +352,16 @@ class evictor {
       cc.tokens = P;
       cc.rec = rec_;
       cc.total = alloc_.alloc.total;
-      cc.split = a == allocator_kind::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
-      cc.weight = a == allocator_kind::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
-      const auto bytes = kvevict::cascade_driver::state_bytes(cc);
-      if (!bytes) return bytes.error();
-      KVEVICT_TRY(cd_.init(cc, scratch_.state_for(*bytes), *bytes, rec));
-      const auto wb = cd_.workspace_bytes(kvevict::seq);
-      if (!wb) return wb.error();
-      ws = scratch_.workspace_for(*wb);
+      cc.split = a == budget_scheme::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
+      cc.weight = a == budget_scheme::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
+      KVEVICT_TRY(init_driver(cd_, scratch_, cc, rec, ws));
     } else {
       kvevict::post_fill_config pc;
       pc.model = shape_of(c);
       pc.tokens = P;
       pc.rec = rec_;
       pc.alloc = alloc_.alloc;
-      const auto bytes = kvevict::post_fill_driver::state_bytes(pc);
-      if (!bytes) return bytes.error();
-      KVEVICT_TRY(pf_.init(pc, scratch_.state_for(*bytes), *bytes, rec));
-      const auto wb = pf_.workspace_bytes(kvevict::seq);
-      if (!wb) return wb.error();
-      ws = scratch_.workspace_for(*wb);
+      KVEVICT_TRY(init_driver(pf_, scratch_, pc, rec, ws));
     }
     double hook_s = 0.0;
     forward_hooks hk;
@@ -453,7 +371,7 @@ class evictor {
       const auto q = recipe_rows(rec_, ev.queries);
       if (cascade) {
         double weight = 0.0;
-        if (a == allocator_kind::cake) KVEVICT_TRY(window_preference(view_rows(ev.queries, P - o_.window, o_.window), cache, l, P, weight));
+        if (a == budget_scheme::cake) KVEVICT_TRY(window_preference(view_rows(ev.queries, P - o_.window, o_.window), cache, l, P, weight));
         KVEVICT_TRY(cd_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q, {}, weight));
         KVEVICT_TRY(cache.compact(l, cd_.kept(l)));
         for (int j = 0; j < l; ++j)
@@ -482,7 +400,7 @@ class evictor {
     const config& c = cfg();
     const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
     const bool patched = o_.driver == driver_kind::chunked_patched;
-    KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     kvevict::chunked_config cc;
     cc.model = shape_of(c);
     cc.tokens = P;
@@ -491,12 +409,8 @@ class evictor {
     cc.queries = patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
     cc.target = kvevict::chunk_target::budget;
     cc.alloc = alloc_.alloc;
-    const auto bytes = kvevict::chunked_driver::state_bytes(cc);
-    if (!bytes) return bytes.error();
-    KVEVICT_TRY(ch_.init(cc, scratch_.state_for(*bytes), *bytes, rec));
-    const auto wb = ch_.workspace_bytes(kvevict::seq);
-    if (!wb) return wb.error();
-    kvevict::workspace ws = scratch_.workspace_for(*wb);
+    kvevict::workspace ws;
+    KVEVICT_TRY(init_driver(ch_, scratch_, cc, rec, ws));
     chunk_q_.reset(c, w);
     patch_q_.reset(c, w);
     std::vector<pos_t> patch_pos;
@@ -556,10 +470,12 @@ class evictor {
     // max(B, P) tokens (a prompt shorter than B does not bound it; PyramidKV's shape is computed
     // over the prompt when B < P)
     const index_t bound = std::max(o_.budget, P);
-    KVEVICT_TRY(make_allocation(c, allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     kvevict::decode_config dc;
     dc.model = shape_of(c);
-    dc.capacity = std::min<index_t>(cache.capacity(), bound + o_.evict_every);
+    // a head holds at most the prompt, or what it may keep after an eviction, plus the tokens
+    // decoded until the next one (with adakv one head may keep its layer's whole share)
+    dc.capacity = std::min<index_t>(cache.capacity(), std::max(P, max_head_rows(alloc_.alloc)) + o_.evict_every);
     dc.interval = o_.evict_every;
     dc.rec = rec_;
     dc.alloc = alloc_.alloc;

@@ -15,9 +15,11 @@
 #include <runner/model.hpp>
 
 #include <kvevict/compact.hpp>
+#include <kvevict/drivers/compact_layer.hpp>
 #include <kvevict/view.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace kvrun {
@@ -43,8 +45,8 @@ class kv_cache {
                            static_cast<long long>(capacity), c.seq_len);
     if (capacity == 0) capacity = c.seq_len;
     index_t rows = 0, floats = 0;
-    if (!kvevict::detail::checked_mul(index_t(c.n_layers) * c.n_kv_heads, capacity, rows) ||
-        !kvevict::detail::checked_mul(rows, c.head_size(), floats) || capacity > INT32_MAX / (c.n_kv_heads + 1))
+    if (!detail::checked_mul(index_t(c.n_layers) * c.n_kv_heads, capacity, rows) ||
+        !detail::checked_mul(rows, c.head_size(), floats) || capacity > INT32_MAX / (c.n_kv_heads + 1))
       return status::error(errc::size_overflow, "kv_cache: %d layers x %d heads x %lld rows overflow", c.n_layers,
                            c.n_kv_heads, static_cast<long long>(capacity));
     layers_ = c.n_layers;
@@ -56,7 +58,6 @@ class kv_cache {
     values_.assign(static_cast<std::size_t>(floats), 0.0f);
     positions_.assign(static_cast<std::size_t>(rows), 0);
     lens_.assign(static_cast<std::size_t>(index_t(layers_) * heads_), 0);
-    scratch_lens_.assign(static_cast<std::size_t>(heads_), 0);
     cu_capacity_.resize(static_cast<std::size_t>(heads_) + 1);
     for (index_t h = 0; h <= heads_; ++h) cu_capacity_[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * capacity);
     layer_epoch_.assign(static_cast<std::size_t>(layers_), 0);
@@ -117,7 +118,7 @@ class kv_cache {
   /// and positions alike. No allocation. next_position() is unchanged.
   /// Errors: out_of_range (l not a layer), shape_mismatch (kept.heads != kv_heads()),
   /// invalid_argument (inside a rolled-back block, see runner::forward_extra), overlap (kept lists
-  /// stored inside the cache), and every error of kvevict::compact_inplace (malformed offsets, rows
+  /// stored inside the cache), and every error of kvevict::compact_layer (malformed offsets, rows
   /// out of range, not ascending). Nothing is changed on error.
   status compact(int l, kvevict::ragged_positions kept) {
     if (l < 0 || l >= layers_)
@@ -128,25 +129,20 @@ class kv_cache {
     if (kept.heads != heads_)
       return status::error(errc::shape_mismatch, "kv_cache::compact: kept lists %lld heads, the cache has %lld",
                            static_cast<long long>(kept.heads), static_cast<long long>(heads_));
-    // kept lists living inside this cache's buffers would be overwritten midway: refuse them before
-    // the first gather, so that an error leaves everything unchanged
-    KVEVICT_TRY(kvevict::detail::check_ragged_positions("kv_cache::compact", kept));
-    const kvevict::detail::byte_range kept_range =
-        kvevict::detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0);
-    if (kept_range.intersects(kvevict::detail::rows_range(keys_.data(), index_t(keys_.size()), 1)) ||
-        kept_range.intersects(kvevict::detail::rows_range(values_.data(), index_t(values_.size()), 1)) ||
-        kept_range.intersects(kvevict::detail::rows_range(positions_.data(), index_t(positions_.size()), 1)))
-      return status::error(errc::overlap, "kv_cache::compact: the kept lists lie inside the cache's own memory");
-    // keys, values and positions each need the current lengths while they are checked and
-    // gathered: the first two gathers use a copy, the last one updates the shared lengths
-    auto with_scratch = [&](auto c) {
-      std::copy(lengths(l), lengths(l) + heads_, scratch_lens_.begin());
-      c.lens = scratch_lens_.data();
-      return c;
-    };
-    KVEVICT_TRY(kvevict::compact_inplace(kvevict::seq, with_scratch(positions(l)), kept));
-    KVEVICT_TRY(kvevict::compact_inplace(kvevict::seq, with_scratch(values(l)), kept));
-    KVEVICT_TRY(kvevict::compact_inplace(kvevict::seq, keys(l), kept));
+    // kept lists living inside this cache's buffers (any layer's) would be overwritten midway:
+    // refuse them before a row moves (compact_layer checks the offsets, rows and this layer's memory)
+    if (kept.pos != nullptr && kept.cu != nullptr && kept.heads > 0 && kept.cu[kept.heads] > 0) {
+      const auto* first = reinterpret_cast<const unsigned char*>(kept.pos);
+      const auto* last = reinterpret_cast<const unsigned char*>(kept.pos + kept.cu[kept.heads]);
+      auto inside = [&](const auto& buf) {
+        const auto* b = reinterpret_cast<const unsigned char*>(buf.data());
+        const auto* e = reinterpret_cast<const unsigned char*>(buf.data() + buf.size());
+        return std::less<const unsigned char*>{}(first, e) && std::less<const unsigned char*>{}(b, last);
+      };
+      if (inside(keys_) || inside(values_) || inside(positions_))
+        return status::error(errc::overlap, "kv_cache::compact: the kept lists lie inside the cache's own memory");
+    }
+    KVEVICT_TRY(kvevict::compact_layer(kvevict::seq, keys(l), values(l), positions(l), kept));
     ++epoch_;
     ++layer_epoch_[static_cast<std::size_t>(l)];
     return {};
@@ -188,7 +184,6 @@ class kv_cache {
   std::vector<float> keys_, values_;     // [layer][kv_head][capacity][head_size]
   std::vector<pos_t> positions_;         // [layer][kv_head][capacity]
   std::vector<std::int32_t> lens_;       // [layer][kv_head]
-  std::vector<std::int32_t> scratch_lens_;
   std::vector<std::int32_t> cu_capacity_;  // {0, capacity, 2 capacity, ...}: the same for every layer
   std::vector<std::uint64_t> layer_epoch_;  // compactions per layer
   pos_t next_position_ = 0;

@@ -10,19 +10,23 @@
 //
 // Every error (bad option, missing or malformed model/tokenizer, prompt too long) is one line on
 // stderr and exit status 1 (2 for command-line syntax errors).
+#include <lookaheadkv/data.hpp>
+#include <lookaheadkv/module.hpp>
+#include <lookaheadkv/scores.hpp>
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
-#include <lookaheadkv/module.hpp>
 #include <runner/model.hpp>
 #include <report/report.hpp>
-#include <runner/runner.hpp>
 #include <report/svg.hpp>
+#include <runner/run_options.hpp>
+#include <runner/runner.hpp>
 #include <runner/shipped_models.hpp>
 #include <runner/tokenizer.hpp>
 
-#include <CLI/CLI.hpp>
+#include "io.hpp"
+#include "main.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -30,68 +34,28 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
 namespace {
 
-struct options {
-  std::string model = kvrun::shipped_model("stories260K.bin");
-  std::string tokenizer = kvrun::shipped_model("tok512.bin");
-  std::string prompt = "Once upon a time";
-  int steps = 256;
-  float temperature = 0.0f;
-  float topp = 0.9f;
-  std::uint64_t seed = 42;
-  int threads = 0;
-  bool ids = false;
-  bool stats = false;
-  // eviction
-  std::string recipe = "full";
-  std::string allocator;
-  std::string driver = "postfill";
-  kvrun::evict_options evict;
-  kvevict::index_t calibration = 8;
-  std::string lookahead_module = kvrun::shipped_model("lookahead/stories260K-n16.bin");
-  // report
-  bool report = false;
-  std::string out_dir = ".";
-  kvevict::index_t prompts = 32;
-  std::vector<kvevict::index_t> budgets{16, 32, 64, 128};
-  std::vector<std::string> recipes, drivers;
-  bool all_drivers = false;
-};
+using options = kvrun::run_options;
 
 int fail(const char* what, const kvevict::status& st) {
-  std::fprintf(stderr, "kvevict-run: %s%s\n", what, st.message());
-  return 1;
+  return kvevict::program::fail("kvevict-run", std::string(what) + st.message());
 }
 // A file's format errors name the file (open errors already do).
 int fail_file(const std::string& path, const kvevict::status& st) {
   if (st.code() == kvevict::errc::io_error) return fail("", st);
   return fail((path + ": ").c_str(), st);
 }
-int fail(const std::string& message) {
-  std::fprintf(stderr, "kvevict-run: %s\n", message.c_str());
-  return 1;
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-bool write_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary);
-  f << text;
-  return static_cast<bool>(f.flush());
-}
+int fail(const std::string& message) { return kvevict::program::fail("kvevict-run", message); }
 
 // The duo method's head types: a calibration pass over `count` model-generated training texts.
 kvevict::status calibrate_duo(const kvrun::model& model, const kvrun::evict_options& e, kvevict::index_t count,
                               int threads, kvrun::duo_heads& out) {
   std::vector<std::vector<int>> texts;
-  KVEVICT_TRY(kvrun::duo_calibration_texts(model, kvrun::pair_options{}, count, texts, threads));
+  KVEVICT_TRY(kvrun::training_texts(model, kvrun::pair_options{}, count, texts, threads));
   kvrun::duo_calibration_options o;
   o.sinks = kvrun::sinks_of(e);
   o.recent = e.duo_recent;
@@ -108,7 +72,7 @@ bool load_lookahead(const std::string& path, const kvrun::model& model, kvrun::l
   return false;
 }
 
-// kvevict-run --report: the table on stdout, JSON and SVG in --out-dir, progress on stderr.
+// kvevict-run --report (docs/report.md): its options checked, the module loaded if needed, the run.
 int run_report(const options& o, const kvrun::model& model, const std::string& command) {
   kvrun::report_options r;
   r.prompts = o.prompts;
@@ -133,7 +97,12 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   if (o.prompts < 1) return fail("--prompts must be >= 1, got " + std::to_string(o.prompts));
   if (std::error_code ec; !std::filesystem::is_directory(o.out_dir, ec))
     return fail("--out-dir " + o.out_dir + " is not a directory");
-  if (o.calibration < 1) return fail("--calibration must be >= 1, got " + std::to_string(o.calibration));
+  const std::string json = o.out_dir + "/report.json", svg = o.out_dir + "/report.svg";
+  // both outputs are checked now, before minutes of work, and written together at the end
+  if (auto st = kvevict::io::check_paths({{"--model", o.model}, {"--lookahead-module", o.lookahead_module}},
+                                         {{"report.json", json}, {"report.svg", svg}});
+      !st.ok())
+    return fail("--out-dir: ", st);
   kvrun::lookahead_module lookahead;  // every method runs unless --recipes leaves lookaheadkv out
   if (r.recipes.empty() || std::find(r.recipes.begin(), r.recipes.end(), kvrun::method::lookaheadkv) != r.recipes.end()) {
     if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
@@ -149,113 +118,23 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   std::string name = o.model;
   if (const auto slash = name.find_last_of('/'); slash != std::string::npos) name = name.substr(slash + 1);
   if (const auto dot = name.rfind(".bin"); dot != std::string::npos && dot + 4 == name.size()) name.resize(dot);
-  const std::string json = o.out_dir + "/report.json", svg = o.out_dir + "/report.svg";
-  if (!write_file(json, kvrun::report_json(result, name, command))) return fail("cannot write " + json);
-  if (!write_file(svg, kvrun::report_svg(result, name))) return fail("cannot write " + svg);
+  kvevict::io::output_transaction out;
+  if (auto st = out.stage(json, kvrun::report_json(result, name, command)); !st.ok()) return fail("", st);
+  if (auto st = out.stage(svg, kvrun::report_svg(result, name)); !st.ok()) return fail("", st);
+  if (auto st = out.commit(); !st.ok()) return fail("", st);
   std::fprintf(stderr, "report: wrote %s and %s\n", json.c_str(), svg.c_str());
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   options o;
-  CLI::App app{"kvevict-run: generate text with the kvevict reference runner (llama2.c checkpoints)", "kvevict-run"};
-  app.add_option("--model", o.model, "llama2.c checkpoint")->capture_default_str();
-  app.add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer (vocabulary size must match the model)")
-      ->capture_default_str();
-  app.add_option("--prompt", o.prompt, "prompt text (BOS and a dummy-prefix space are added)")->capture_default_str();
-  app.add_option("--steps", o.steps, "positions to run, prompt included (run.c's -n); 1..seq_len")
-      ->capture_default_str();
-  app.add_option("--temperature", o.temperature, "0 = greedy; > 0 samples softmax(logits / temperature)")
-      ->capture_default_str();
-  app.add_option("--topp", o.topp, "top-p (nucleus) threshold when sampling; 0 or 1 = plain sampling")
-      ->capture_default_str();
-  app.add_option("--seed", o.seed, "xorshift seed for sampling (nonzero; run.c's -s)")->capture_default_str();
-  app.add_option("--threads", o.threads, "OpenMP threads for long blocks (0 = OMP_NUM_THREADS or all cores)")
-      ->capture_default_str();
-  app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
-  app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost and footprint) on stderr");
-  // eviction (docs/runner.md, "Eviction")
-  auto* recipe_opt = app.add_option("--recipe", o.recipe,
-                                    "eviction method: full (no eviction), streaming_llm, h2o, tova, snapkv, pyramidkv, "
-                                    "knorm, vatp, adakv, cake, lava, duo, laq, laq++, lookaheadkv, oracle")
-                         ->capture_default_str();
-  std::vector<CLI::Option*> evict_opts;
-  evict_opts.push_back(app.add_option("--budget", o.evict.budget, "tokens kept per KV head, protected ones included")
-                           ->capture_default_str());
-  evict_opts.push_back(app.add_option("--allocator", o.allocator,
-                                      "uniform, pyramid, adakv, lava, cake or duo (default: the recipe's)"));
-  evict_opts.push_back(app.add_option("--driver", o.driver, "postfill, layerwise, chunked-naive, chunked-patched or decode")
-                           ->capture_default_str());
-  evict_opts.push_back(app.add_option("--window", o.evict.window,
-                                      "observation window; the recent tokens window recipes, H2O and LAQ keep")
-                           ->capture_default_str());
-  evict_opts.push_back(app.add_option("--sinks", o.evict.sinks,
-                                      "first tokens always kept (-1: the recipe's: 4 for streaming_llm and duo, else 0)")
-                           ->capture_default_str());
-  evict_opts.push_back(app.add_option("--chunk", o.evict.chunk, "chunked drivers: tokens per chunk")->capture_default_str());
-  evict_opts.push_back(app.add_option("--evict-every", o.evict.evict_every, "decode driver: evict every N decoded tokens")
-                           ->capture_default_str());
-  evict_opts.push_back(app.add_option("--laq-steps", o.evict.laq_steps, "laq, laq++: pseudo-decoded tokens")
-                           ->capture_default_str());
-  evict_opts.push_back(app.add_option("--duo-recent", o.evict.duo_recent, "duo: recent tokens of a streaming head")
-                           ->capture_default_str());
-  evict_opts.push_back(app.add_option("--calibration", o.calibration, "duo: calibration texts (training split)")
-                           ->capture_default_str());
-  auto* lookahead_opt =
-      app.add_option("--lookahead-module", o.lookahead_module,
-                     "lookaheadkv (and --report): the trained LookaheadKV module (docs/lookaheadkv.md)")
-          ->capture_default_str();
-  // the quality report (docs/report.md)
-  app.add_flag("--report", o.report, "run the quality report: table on stdout, report.json and report.svg in --out-dir");
-  std::vector<CLI::Option*> report_opts;
-  report_opts.push_back(app.add_option("--out-dir", o.out_dir, "report: directory for report.json and report.svg")
-                            ->capture_default_str());
-  report_opts.push_back(app.add_option("--prompts", o.prompts, "report: test prompts")->capture_default_str());
-  report_opts.push_back(app.add_option("--budgets", o.budgets, "report: budgets, comma-separated")
-                            ->delimiter(',')
-                            ->capture_default_str());
-  report_opts.push_back(app.add_option("--recipes", o.recipes, "report: only these recipes (comma-separated)")->delimiter(','));
-  report_opts.push_back(app.add_option("--drivers", o.drivers, "report: only these drivers (comma-separated)")->delimiter(','));
-  report_opts.push_back(app.add_flag("--all-drivers", o.all_drivers,
-                                     "report: every supported recipe x driver pair, not the default matrix"));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::fputs(app.help().c_str(), stdout);
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "kvevict-run: %s (see --help)\n", e.what());
-    return 2;
+  std::string message;
+  if (const int code = kvrun::parse_run_options(argc, argv, o, message); code >= 0) {
+    if (code == 0) std::fputs(message.c_str(), stdout);  // --help
+    else fail(message);
+    return code;
   }
-
-  if (!(o.temperature >= 0.0f) || !std::isfinite(o.temperature))
-    return fail("--temperature must be finite and >= 0, got " + std::to_string(o.temperature));
-  if (!(o.topp >= 0.0f && o.topp <= 1.0f)) return fail("--topp must be in [0, 1], got " + std::to_string(o.topp));
-  if (o.seed == 0) return fail("--seed must be nonzero (the xorshift generator never leaves state 0)");
-  if (o.threads < 0) return fail("--threads must be >= 0, got " + std::to_string(o.threads));
-
-  // eviction options only with an eviction recipe; report options only with --report
-  kvrun::method method = kvrun::method::full;
-  if (auto st = kvrun::parse_method(o.recipe, method); !st.ok()) return fail("--recipe: ", st);
-  if (!o.report && method == kvrun::method::full)
-    for (const CLI::Option* opt : evict_opts)
-      if (opt->count() > 0) return fail(opt->get_name() + " needs --recipe (without it the cache is not evicted)");
-  if (o.report && recipe_opt->count() > 0)
-    return fail("--report runs every recipe: use --recipes to choose some");
-  if (!o.report)
-    for (const CLI::Option* opt : report_opts)
-      if (opt->count() > 0) return fail(opt->get_name() + " needs --report");
-  if (!o.report && method != kvrun::method::lookaheadkv && lookahead_opt->count() > 0)
-    return fail("--lookahead-module needs --recipe lookaheadkv or --report");
-  o.evict.recipe = method;
-  if (!o.allocator.empty()) {
-    kvrun::allocator_kind a;
-    if (auto st = kvrun::parse_allocator(o.allocator, a); !st.ok()) return fail("--allocator: ", st);
-    o.evict.alloc = a;
-  }
-  if (auto st = kvrun::parse_driver(o.driver, o.evict.driver); !st.ok()) return fail("--driver: ", st);
+  const kvrun::method method = o.evict.recipe;
 
   kvrun::model model;
   if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail_file(o.model, st);
@@ -300,10 +179,10 @@ int main(int argc, char** argv) {
     if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
     const auto t0 = std::chrono::steady_clock::now();
     if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);
-    prefill_s = seconds_since(t0);
+    prefill_s = kvrun::seconds_since(t0);
     const auto t1 = std::chrono::steady_clock::now();
     if (auto st = kvrun::continue_generation(run, cache, sampler, o.steps, generated); !st.ok()) return fail("", st);
-    decode_s = seconds_since(t1);
+    decode_s = kvrun::seconds_since(t1);
   } else {
     // the evicted cache: prefill with eviction (evictor.hpp), then run.c's sampling loop with
     // decode-time eviction when the driver is decode. The cache and the runner are sized for the
@@ -312,12 +191,16 @@ int main(int argc, char** argv) {
     if (auto st = cache.init(c); !st.ok()) return fail("", st);
     if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
     kvrun::duo_heads duo;
-    if (kvrun::allocator_of(o.evict) == kvrun::allocator_kind::duo)
+    if (kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo)
       if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
     kvrun::lookahead_module lookahead;
-    if (method == kvrun::method::lookaheadkv && !load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+    kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
+    if (method == kvrun::method::lookaheadkv) {
+      if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+      if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);
+    }
     kvrun::evictor ev;
-    if (auto st = ev.init(model, o.evict, &duo, &lookahead); !st.ok()) return fail("", st);
+    if (auto st = ev.init(model, o.evict, &duo, &scorer); !st.ok()) return fail("", st);
     std::vector<int> response;  // the oracle's block: the full cache's continuation, same sampler
     if (method == kvrun::method::oracle) {
       kvrun::sampler s0;
@@ -343,7 +226,7 @@ int main(int argc, char** argv) {
       if (auto st = ev.decode(run, cache, next); !st.ok()) return fail("", st);
       logits = run.logits(0);
     }
-    decode_s = seconds_since(t1);
+    decode_s = kvrun::seconds_since(t1);
     if (o.stats) {
       const kvevict::index_t n = cache.next_position();
       kvevict::kv_usage usage;
@@ -379,4 +262,10 @@ int main(int argc, char** argv) {
                  decoded > 0 ? decoded / decode_s : 0.0, run.threads());
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return kvevict::program::guarded_main("kvevict-run", [&] { return run(argc, argv); });
 }

@@ -40,14 +40,14 @@ inline status laq_pseudo_queries(runner& run, const kv_cache& full, const block_
   copy = full;
   evict_options stage1 = o;
   stage1.recipe = method::snapkv;
-  stage1.alloc = allocator_kind::uniform;
+  stage1.alloc = budget_scheme::uniform;
   stage1.sinks = sinks_of(o);
   kvevict::post_fill_config cfg;
   cfg.model = shape_of(c);
   cfg.tokens = P;
   cfg.rec = make_recipe(stage1);
   allocation_plan a;
-  KVEVICT_TRY(make_allocation(c, allocator_kind::uniform, o.budget, P, {cfg.rec.n_sink, cfg.rec.n_recent}, nullptr, a));
+  KVEVICT_TRY(plan_allocation(c, budget_scheme::uniform, o.budget, P, {cfg.rec.n_sink, cfg.rec.n_recent}, nullptr, a));
   cfg.alloc = a.alloc;
   KVEVICT_TRY(post_fill_decide(
       d, s, cfg,

@@ -17,6 +17,8 @@
 // before anything is allocated, so a lying header is an error, never a huge allocation.
 #pragma once
 
+#include "io.hpp"
+
 #include <runner/ops.hpp>
 
 #include <kvevict/status.hpp>
@@ -100,8 +102,6 @@ inline status parse_header(const unsigned char* bytes, config& c) {
 /// Number of floats after the header that a valid checkpoint with config `c` holds; false if it
 /// does not fit in 63 bits.
 inline bool checkpoint_floats(const config& c, index_t& total) {
-  using kvevict::detail::checked_add;
-  using kvevict::detail::checked_mul;
   const index_t L = c.n_layers, d = c.dim, h = c.hidden_dim, v = c.vocab_size, kv = c.kv_dim();
   index_t t = 0, a = 0;
   auto add = [&](index_t x) { return checked_add(t, x, t); };
@@ -156,8 +156,8 @@ inline status check_checkpoint(const unsigned char* header, index_t size, config
                          static_cast<long long>(size), checkpoint_header_bytes);
   KVEVICT_TRY(parse_header(header, c));
   index_t floats = 0, bytes = 0;
-  if (!checkpoint_floats(c, floats) || !kvevict::detail::checked_mul(floats, index_t(sizeof(float)), bytes) ||
-      !kvevict::detail::checked_add(bytes, index_t(checkpoint_header_bytes), bytes))
+  if (!checkpoint_floats(c, floats) || !detail::checked_mul(floats, index_t(sizeof(float)), bytes) ||
+      !detail::checked_add(bytes, index_t(checkpoint_header_bytes), bytes))
     return status::error(errc::format_error, "checkpoint: header sizes overflow 64 bits (dim %d, hidden %d, %d layers, vocab %d, seq_len %d)",
                          c.dim, c.hidden_dim, c.n_layers, c.vocab_size, c.seq_len);
   if (bytes != size) return size_mismatch(c, bytes, size);
@@ -215,15 +215,15 @@ class model {
   }
 
   /// Loads a checkpoint file. Errors: io_error (cannot open or read) and every error of load().
+  /// A regular file of at most io::limit::model_bytes (programs/io.hpp: FIFOs and devices are
+  /// refused, never read).
   static status load_file(const std::string& path, model& out) {
-    std::FILE* f = std::fopen(path.c_str(), "rb");
-    if (f == nullptr)
-      return status::error(errc::io_error, "checkpoint: cannot open '%s': %s", path.c_str(), std::strerror(errno));
+    kvevict::io::input_file in;
+    KVEVICT_TRY(kvevict::io::input_file::open(path, "checkpoint", kvevict::io::limit::model_bytes, in));
     model m;
-    const status st = m.read_file(f, path);
-    std::fclose(f);
-    if (st.ok()) out = std::move(m);
-    return st;
+    KVEVICT_TRY(m.read_file(in.get(), in.size(), path));
+    out = std::move(m);
+    return {};
   }
 
  private:
@@ -241,13 +241,11 @@ class model {
   const float* layer(int l) const { return store_.data() + layers_off() + index_t(l) * layer_floats(); }
   float* mut(const float* p) { return store_.data() + (p - store_.data()); }
 
-  status read_file(std::FILE* f, const std::string& path) {
+  // `size`: the file's size when opened; every size in the header is checked against it.
+  status read_file(std::FILE* f, std::uint64_t file_size, const std::string& path) {
     unsigned char header[checkpoint_header_bytes] = {};
     const std::size_t got = std::fread(header, 1, sizeof header, f);
-    if (std::fseek(f, 0, SEEK_END) != 0)
-      return status::error(errc::io_error, "checkpoint: cannot seek in '%s'", path.c_str());
-    const long size = std::ftell(f);
-    if (size < 0) return status::error(errc::io_error, "checkpoint: cannot tell the size of '%s'", path.c_str());
+    const auto size = static_cast<index_t>(file_size);
     if (got < sizeof header && static_cast<std::size_t>(size) >= sizeof header)
       return status::error(errc::io_error, "checkpoint: cannot read the header of '%s'", path.c_str());
     config c;

@@ -16,9 +16,28 @@
 #  include <omp.h>
 #endif
 
+namespace kvrun {
+
+/// The threads a `threads` option asks for: itself when > 0, otherwise every OpenMP thread (1
+/// without OpenMP).
+inline int thread_count(int threads) {
+#if defined(_OPENMP)
+  return threads > 0 ? threads : omp_get_max_threads();
+#else
+  (void)threads;
+  return 1;
+#endif
+}
+
+}  // namespace kvrun
+
 namespace kvrun::detail {
 
 using kvevict::index_t;
+
+/// a * b and a + b into `out`; false if an operand is negative or the result overflows index_t.
+inline bool checked_mul(index_t a, index_t b, index_t& out) { return a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, &out); }
+inline bool checked_add(index_t a, index_t b, index_t& out) { return a >= 0 && b >= 0 && !__builtin_add_overflow(a, b, &out); }
 
 /// Below this many multiply-adds (about half a millisecond on one core) a loop runs on the calling
 /// thread: an OpenMP region costs microseconds on an idle machine and milliseconds when another

@@ -28,9 +28,6 @@
 #include <functional>
 #include <vector>
 
-#if defined(_OPENMP)
-#  include <omp.h>
-#endif
 
 namespace kvrun {
 
@@ -111,11 +108,7 @@ class runner {
     model_ = &m;
     max_block_ = o.max_block > 0 ? o.max_block : c.seq_len;
     max_rows_ = o.max_rows > 0 ? o.max_rows : c.seq_len;
-#if defined(_OPENMP)
-    threads_ = o.threads > 0 ? o.threads : omp_get_max_threads();
-#else
-    threads_ = 1;
-#endif
+    threads_ = thread_count(o.threads);
     const auto B = static_cast<std::size_t>(max_block_);
     x_.assign(B * c.dim, 0.0f);
     xb_.assign(B * c.dim, 0.0f);

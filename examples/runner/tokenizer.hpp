@@ -8,6 +8,8 @@
 // tokens.
 #pragma once
 
+#include "io.hpp"
+
 #include <kvevict/status.hpp>
 
 #include <algorithm>
@@ -100,17 +102,10 @@ class tokenizer {
   }
 
   /// Reads a tokenizer file. Errors: io_error (cannot open or read) and every error of load().
+  /// A regular file of at most io::limit::tokenizer_bytes (programs/io.hpp).
   static status load_file(const std::string& path, int vocab_size, tokenizer& out) {
-    std::FILE* f = std::fopen(path.c_str(), "rb");
-    if (f == nullptr)
-      return status::error(errc::io_error, "tokenizer: cannot open '%s': %s", path.c_str(), std::strerror(errno));
-    std::string bytes;
-    char buf[1 << 16];
-    std::size_t got = 0;
-    while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) bytes.append(buf, got);
-    const bool failed = std::ferror(f) != 0;
-    std::fclose(f);
-    if (failed) return status::error(errc::io_error, "tokenizer: reading '%s' failed", path.c_str());
+    std::vector<unsigned char> bytes;
+    KVEVICT_TRY(kvevict::io::read_file(path, "tokenizer", kvevict::io::limit::tokenizer_bytes, bytes));
     return load(bytes.data(), bytes.size(), vocab_size, out);
   }
 

@@ -131,6 +131,28 @@ inline byte_range positions_range(const pos_t* p, index_t n) {
   return {b, b + static_cast<std::uintptr_t>(n) * sizeof(pos_t)};
 }
 
+inline byte_range ints_range(const std::int32_t* p, index_t n) { return p ? positions_range(p, n) : byte_range{}; }
+
+/// A named byte range for the aliasing check of the ragged forms.
+struct named_range {
+  const char* name;
+  byte_range r;
+};
+/// Everything a call writes (rows, lengths) must be disjoint from everything else it touches:
+/// lengths stored inside the rows, or offsets inside the lengths, would be corrupted mid-call.
+template <std::size_t W, std::size_t R>
+status check_disjoint(const char* fn, const named_range (&written)[W], const named_range (&read)[R]) {
+  for (std::size_t i = 0; i < W; ++i) {
+    for (std::size_t j = 0; j < i; ++j)
+      if (written[i].r.intersects(written[j].r))
+        return status::error(errc::overlap, "%s: %s and %s overlap in memory", fn, written[j].name, written[i].name);
+    for (std::size_t j = 0; j < R; ++j)
+      if (written[i].r.intersects(read[j].r))
+        return status::error(errc::overlap, "%s: %s and %s overlap in memory", fn, read[j].name, written[i].name);
+  }
+  return {};
+}
+
 inline status overlap_error(const char* fn, const char* a, const char* b) {
   return status::error(errc::overlap, "%s: %s and %s overlap in memory%s", fn, a, b,
                        " (use compact_inplace to compact a cache onto itself)");
@@ -271,6 +293,12 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_view
   if (detail::range_of(src).intersects(dst_range)) return detail::overlap_error(fn, "src", "dst");
   if (detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0).intersects(dst_range))
     return detail::overlap_error(fn, "kept", "dst");
+  {
+    const detail::named_range written[] = {{"dst", dst_range}};
+    const detail::named_range read[] = {{"kept.cu", detail::ints_range(kept.cu, kept.heads + 1)},
+                                        {"dst.cu_lens", detail::ints_range(dst.cu_lens, dst.heads + 1)}};
+    KVEVICT_TRY(detail::check_disjoint(fn, written, read));
+  }
   KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t) { return src.extent(1); }, false));
   const index_t dim = src.extent(2);
   detail::parallel_for(be, dst.total_rows(), [&](index_t r) {
@@ -302,8 +330,16 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_cach
                            static_cast<long long>(dst.capacity(h)));
   const auto dst_range = detail::rows_range(dst.data, rows, dst.row_stride);
   if (detail::range_of(src).intersects(dst_range)) return detail::overlap_error(fn, "src", "dst");
-  if (detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0).intersects(dst_range))
-    return detail::overlap_error(fn, "kept", "dst");
+  const auto kept_range = detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0);
+  if (kept_range.intersects(dst_range)) return detail::overlap_error(fn, "kept", "dst");
+  {
+    const detail::named_range written[] = {{"dst", dst_range}, {"dst.lens", detail::ints_range(dst.lens, dst.heads)}};
+    const detail::named_range read[] = {{"src", detail::range_of(src)},
+                                        {"kept", kept_range},
+                                        {"kept.cu", detail::ints_range(kept.cu, kept.heads + 1)},
+                                        {"dst.cu_capacity", detail::ints_range(dst.cu_capacity, dst.heads + 1)}};
+    KVEVICT_TRY(detail::check_disjoint(fn, written, read));
+  }
   KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t) { return src.extent(1); }, false));
   const index_t dim = src.extent(2);
   detail::parallel_for(be, dst.heads, [&](index_t h) {
@@ -329,9 +365,17 @@ status compact_inplace(Backend be, ragged_cache<T> cache, ragged_positions kept)
     if (cache.lens[h] < 0 || cache.lens[h] > cache.capacity(h))
       return status::error(errc::out_of_range, "%s: cache.lens[%lld] = %d is outside [0, %lld]", fn,
                            static_cast<long long>(h), cache.lens[h], static_cast<long long>(cache.capacity(h)));
-  if (detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0)
-          .intersects(detail::rows_range(cache.data, rows, cache.row_stride)))
-    return detail::overlap_error(fn, "kept", "cache");
+  const auto cache_range = detail::rows_range(cache.data, rows, cache.row_stride);
+  const auto kept_range = detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0);
+  if (kept_range.intersects(cache_range)) return detail::overlap_error(fn, "kept", "cache");
+  {
+    const detail::named_range written[] = {{"cache", cache_range},
+                                           {"cache.lens", detail::ints_range(cache.lens, cache.heads)}};
+    const detail::named_range read[] = {{"kept", kept_range},
+                                        {"kept.cu", detail::ints_range(kept.cu, kept.heads + 1)},
+                                        {"cache.cu_capacity", detail::ints_range(cache.cu_capacity, cache.heads + 1)}};
+    KVEVICT_TRY(detail::check_disjoint(fn, written, read));
+  }
   KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t h) { return index_t(cache.lens[h]); }, true));
   detail::parallel_for(be, cache.heads, [&](index_t h) {
     const index_t n = kept.length(h);
@@ -365,8 +409,15 @@ status append(Backend be, ragged_cache<T> cache, kv_view<S> rows_in) {
                            static_cast<long long>(h), cache.lens[h], static_cast<long long>(cache.capacity(h)),
                            static_cast<long long>(n));
   }
-  if (detail::range_of(rows).intersects(detail::rows_range(cache.data, total, cache.row_stride)))
-    return detail::overlap_error(fn, "rows", "cache");
+  const auto cache_range = detail::rows_range(cache.data, total, cache.row_stride);
+  if (detail::range_of(rows).intersects(cache_range)) return detail::overlap_error(fn, "rows", "cache");
+  {
+    const detail::named_range written[] = {{"cache", cache_range},
+                                           {"cache.lens", detail::ints_range(cache.lens, cache.heads)}};
+    const detail::named_range read[] = {{"rows", detail::range_of(rows)},
+                                        {"cache.cu_capacity", detail::ints_range(cache.cu_capacity, cache.heads + 1)}};
+    KVEVICT_TRY(detail::check_disjoint(fn, written, read));
+  }
   detail::parallel_for(be, cache.heads, [&](index_t h) {
     for (index_t i = 0; i < n; ++i)
       detail::copy_row_host(cache.row(h, cache.lens[h] + i), 1, detail::row_ptr(rows, h, i), rows.stride(2), cache.dim);

@@ -38,6 +38,7 @@
 #include <kvevict/view.hpp>
 #include <kvevict/pool_types.hpp>
 #include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/detail/block/pool_block.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -96,30 +97,14 @@ KVEVICT_HOST_DEVICE inline void pool_row_impl(avg_divisor div, const float* x, i
       if (i < 0) continue;
       V w = Op::unstash(y + i * sy);  // suffix of i's block: the whole window when i starts a block (m == k - 1)
       if (m != k - 1 && have) w = block - 1 < r ? acc : Op::op(w, acc);  // left part empty iff block - 1 < r
-      float out = Op::finish(w);
-      if constexpr (!Op::is_max) {
-        if (div == avg_divisor::valid) {
-          const index_t lo = i - r_full < 0 ? 0 : i - r_full;
-          const index_t hi = i + r_full > n - 1 ? n - 1 : i + r_full;
-          out = out / static_cast<float>(hi - lo + 1);
-        } else {
-          out = out / kernel_f;  // count_include_pad: always the kernel size
-        }
-      }
-      y[i * sy] = out;
+      y[i * sy] = pool_output<Op>(div, w, i, n, r_full, kernel_f);
     }
   }
 }
 
 /// in and out: valid views of the same shape.
 inline status check_pool1d_views(const char* fn, const matrix_view<const float>& in, const matrix_view<float>& out) {
-  KVEVICT_TRY(check_view(fn, "in", in));
-  KVEVICT_TRY(check_view(fn, "out", out));
-  if (in.extent(0) != out.extent(0) || in.extent(1) != out.extent(1))
-    return status::error(errc::shape_mismatch, "%s: in is [%lld][%lld] but out is [%lld][%lld]", fn,
-                         static_cast<long long>(in.extent(0)), static_cast<long long>(in.extent(1)),
-                         static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)));
-  return {};
+  return check_same_shape_views(fn, "in", in, "out", out);
 }
 
 /// kind and divisor inside their enums, kernel odd and >= 1. Shared by every backend.

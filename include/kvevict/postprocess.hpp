@@ -111,6 +111,14 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
   const bool pooled = opt.pool != pool_kind::none;
   float* tmp = nullptr;
   KVEVICT_TRY(carve_postprocess_host(fn, ws, hkv, T, opt, tmp));
+  const auto ints = [](const std::int32_t* p, index_t n) {
+    const auto b = reinterpret_cast<std::uintptr_t>(p);
+    return p ? byte_range{b, b + static_cast<std::uintptr_t>(n) * sizeof(std::int32_t)} : byte_range{};
+  };
+  const byte_range touched[] = {range_of(out), range_of(in), has_values ? range_of(values) : byte_range{},
+                                ints(row_lengths, hkv), ints(value_lengths, hkv)};
+  KVEVICT_TRY(check_scratch_disjoint(fn, tmp, pooled ? static_cast<std::size_t>(hkv * T) * sizeof(float) : 0, touched,
+                                     {"out", "in", "values", "row_lengths", "value_lengths"}));
   if (ws.is_query() || hkv == 0 || T == 0) return {};
   const index_t g = hq / hkv;
   const float* const ip = in.data_handle();

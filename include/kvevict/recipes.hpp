@@ -389,6 +389,9 @@ status recipe_scores(Backend be, workspace& ws, const recipe& r, kv_view<Q> quer
   workspace post_ws{carver.take<unsigned char>(*post_bytes), *post_bytes};
   workspace inner{carver.take<unsigned char>(*inner_bytes), *inner_bytes};
   KVEVICT_TRY(carver.finish(fn));
+  const detail::byte_range touched[] = {detail::range_of(scores), detail::range_of(queries), detail::range_of(keys),
+                                        detail::range_of(values), detail::range_of(block_keys)};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"scores", "queries", "keys", "values", "block_keys"}));
   if (ws.is_query()) return {};
 
   // 1. attention scores, per query head, into raw [H_q][T]

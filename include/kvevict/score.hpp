@@ -100,9 +100,12 @@ inline status make_score_plan(const char* fn, const score_shape& sh, int threads
 }
 
 /// The host's scratch: one slot of slot_floats floats per thread (the layout of both phases).
-inline status carve_score_host(const char* fn, workspace& ws, const score_plan& pl, float*& scratch) {
+/// `end`: the bytes from ws.data to the end of the scratch (what must not overlap the inputs).
+inline status carve_score_host(const char* fn, workspace& ws, const score_plan& pl, float*& scratch,
+                               std::size_t& end) {
   workspace_carver carver(ws);
   scratch = carver.take<float>(static_cast<std::size_t>(pl.slot_floats * pl.threads));
+  end = carver.used();
   return carver.finish(fn);
 }
 
@@ -117,7 +120,11 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
   score_plan pl;
   KVEVICT_TRY(make_score_plan(fn, sh, thread_count(be), opt, pl));
   float* scratch = nullptr;
-  KVEVICT_TRY(carve_score_host(fn, ws, pl, scratch));
+  std::size_t scratch_end = 0;
+  KVEVICT_TRY(carve_score_host(fn, ws, pl, scratch, scratch_end));
+  const byte_range touched[] = {range_of(out), range_of(q), range_of(prefix), range_of(block)};
+  KVEVICT_TRY(check_scratch_disjoint(fn, ws.is_query() ? nullptr : ws.data, scratch_end, touched,
+                                     {"out", "queries", "prefix_keys", "block_keys"}));
   if (ws.is_query() || pl.tasks == 0) return {};
 
   const index_t w = sh.w, p = sh.p, d = sh.d, oc = sh.out_cols;
@@ -249,7 +256,8 @@ result<std::size_t> attention_scores_workspace_bytes(Backend be, index_t query_h
   KVEVICT_TRY(detail::make_score_plan(fn, sh, detail::thread_count(be), opt, pl));
   workspace q;
   float* scratch = nullptr;
-  KVEVICT_TRY(detail::carve_score_host(fn, q, pl, scratch));
+  std::size_t end = 0;
+  KVEVICT_TRY(detail::carve_score_host(fn, q, pl, scratch, end));
   return q.bytes;
 }
 

@@ -36,6 +36,20 @@ inline constexpr std::size_t workspace_max_align = 64;
 /// alignment (tests check them; one load and branch per sub-buffer, nothing per element).
 inline void (*workspace_take_hook)(const void* p, std::size_t type_align, std::size_t align) = nullptr;
 
+/// The `bytes` of scratch at `scratch` (a workspace's carved part; null or 0: none) must not share
+/// memory with any of `ranges` (each with `begin`/`end` addresses; empty ranges never overlap).
+/// Error: "fn: the workspace and <names[i]> overlap in memory".
+template <class Range, std::size_t N>
+status check_scratch_disjoint(const char* fn, const void* scratch, std::size_t bytes, const Range (&ranges)[N],
+                              const char* const (&names)[N]) noexcept {
+  if (scratch == nullptr || bytes == 0) return {};
+  const auto b = reinterpret_cast<std::uintptr_t>(scratch), e = b + bytes;
+  for (std::size_t i = 0; i < N; ++i)
+    if (ranges[i].begin < ranges[i].end && ranges[i].begin < e && b < ranges[i].end)
+      return status::error(errc::overlap, "%s: the workspace and %s overlap in memory", fn, names[i]);
+  return {};
+}
+
 /// Hands out aligned sub-buffers of a workspace, computing the same layout in both phases.
 ///   workspace_carver c(ws);
 ///   float* a = c.take<float>(n);  int* b = c.take<int>(m);
@@ -76,6 +90,14 @@ class workspace_carver {
   /// buffer smaller than its query fails on every base, not only on unlucky ones).
   /// A layout of 0 bytes needs nothing (its pointers are never dereferenced).
   std::size_t needed() const noexcept { return offset_ > 0 ? workspace_max_align - 1 + offset_ : 0; }
+
+  /// After finish() on a real buffer: the bytes carved so far must not share memory with anything
+  /// else the call reads or writes (`ranges[i]` has `begin`/`end` addresses, e.g. detail::byte_range;
+  /// empty ranges never overlap). Error: "fn: the workspace and <names[i]> overlap in memory".
+  template <class Range, std::size_t N>
+  status check_disjoint(const char* fn, const Range (&ranges)[N], const char* const (&names)[N]) const noexcept {
+    return check_scratch_disjoint(fn, ws_.is_query() ? nullptr : ws_.data, used(), ranges, names);
+  }
 
   /// On a query, stores the size needed; otherwise checks the buffer was big enough.
   status finish(const char* fn) noexcept {

@@ -77,6 +77,15 @@ inline status check_budget_out(const char* fn, const matrix_view<std::int32_t>& 
   return check_layers_heads(fn, *layers, *heads);
 }
 
+/// The inputs every per-prompt allocator takes: its [L][H] output, the prompt length and the
+/// protected tokens (checked in that order).
+inline status check_allocator_args(const char* fn, const matrix_view<std::int32_t>& out, index_t prompt_length,
+                                   const protection& prot, index_t* layers, index_t* heads) {
+  KVEVICT_TRY(check_budget_out(fn, out, layers, heads));
+  KVEVICT_TRY(check_prompt_length(fn, prompt_length));
+  return check_protection(fn, prot);
+}
+
 }  // namespace detail
 
 /// Offsets of per-head budgets: cu[0] = 0, cu[h+1] = cu[h] + budgets[h]. {pos, cu, H} is then the

@@ -152,9 +152,7 @@ inline status cake_budgets(const double* preferences, index_t budget, index_t pr
                            matrix_view<std::int32_t> out) {
   constexpr const char* fn = "cake_budgets";
   index_t L = 0, H = 0;
-  KVEVICT_TRY(detail::check_budget_out(fn, out, &L, &H));
-  KVEVICT_TRY(detail::check_prompt_length(fn, prompt_length));
-  KVEVICT_TRY(detail::check_protection(fn, prot));
+  KVEVICT_TRY(detail::check_allocator_args(fn, out, prompt_length, prot, &L, &H));
   KVEVICT_TRY(detail::check_head_budget(fn, budget, prompt_length, prot));
   KVEVICT_TRY(detail::check_layer_weights(fn, "preference", preferences, L));
   const index_t W = protected_count(prompt_length, prot.n_sink, prot.n_recent);

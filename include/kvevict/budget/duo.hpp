@@ -23,6 +23,23 @@ struct duo_options {
   index_t retrieval_budget = -1;
 };
 
+namespace detail {
+/// Checks prompt_length and opt, then gives the two head budgets of a DuoAttention split:
+/// *streaming = the protected tokens, *retrieval = the prompt or opt.retrieval_budget.
+inline status duo_head_budgets(const char* fn, index_t prompt_length, const duo_options& opt, index_t* streaming,
+                               index_t* retrieval) {
+  KVEVICT_TRY(check_prompt_length(fn, prompt_length));
+  KVEVICT_TRY(check_protection(fn, opt.streaming));
+  *streaming = protected_count(prompt_length, opt.streaming.n_sink, opt.streaming.n_recent);
+  *retrieval = prompt_length;
+  if (opt.retrieval_budget != -1) {
+    KVEVICT_TRY(check_head_budget(fn, opt.retrieval_budget, prompt_length, opt.streaming));
+    *retrieval = opt.retrieval_budget;
+  }
+  return {};
+}
+}  // namespace detail
+
 /// Per-head budgets of a head-type mask: out[l][h] = prompt_length or opt.retrieval_budget for a
 /// retrieval head (mask 1), protected_count(prompt_length, opt.streaming) for a streaming head
 /// (mask 0). *total (if not null) receives their sum, the tokens the model keeps. The mask decides
@@ -47,14 +64,8 @@ status duo_budgets(matrix_view<M> mask_in, index_t prompt_length, const duo_opti
                          static_cast<long long>(L), static_cast<long long>(H));
   if (detail::range_of(mask).intersects(detail::range_of(out)))
     return status::error(errc::overlap, "%s: mask and budgets overlap in memory", fn);
-  KVEVICT_TRY(detail::check_prompt_length(fn, prompt_length));
-  KVEVICT_TRY(detail::check_protection(fn, opt.streaming));
-  const index_t stream = protected_count(prompt_length, opt.streaming.n_sink, opt.streaming.n_recent);
-  index_t full = prompt_length;
-  if (opt.retrieval_budget != -1) {
-    KVEVICT_TRY(detail::check_head_budget(fn, opt.retrieval_budget, prompt_length, opt.streaming));
-    full = opt.retrieval_budget;
-  }
+  index_t stream = 0, full = 0;
+  KVEVICT_TRY(detail::duo_head_budgets(fn, prompt_length, opt, &stream, &full));
   for (index_t l = 0; l < L; ++l)
     for (index_t h = 0; h < H; ++h) {
       const double v = static_cast<double>(mask(l, h));
@@ -107,14 +118,8 @@ inline result<index_t> duo_retrieval_heads(index_t total, index_t layers, index_
                                            const duo_options& opt) {
   constexpr const char* fn = "duo_retrieval_heads";
   KVEVICT_TRY(detail::check_layers_heads(fn, layers, heads));
-  KVEVICT_TRY(detail::check_prompt_length(fn, prompt_length));
-  KVEVICT_TRY(detail::check_protection(fn, opt.streaming));
-  const index_t S = protected_count(prompt_length, opt.streaming.n_sink, opt.streaming.n_recent);
-  index_t R = prompt_length;
-  if (opt.retrieval_budget != -1) {
-    KVEVICT_TRY(detail::check_head_budget(fn, opt.retrieval_budget, prompt_length, opt.streaming));
-    R = opt.retrieval_budget;
-  }
+  index_t S = 0, R = 0;
+  KVEVICT_TRY(detail::duo_head_budgets(fn, prompt_length, opt, &S, &R));
   index_t all = 0, floor_total = 0;
   if (!detail::checked_mul(layers, heads, all) || !detail::checked_mul(all, S, floor_total))
     return status::error(errc::size_overflow, "%s: %lld layers x %lld heads overflow", fn, static_cast<long long>(layers),

@@ -75,59 +75,68 @@ status lava_layer_entropy(Backend be, matrix_view<const float> scores, const std
     index_t bad = -1;
   };
   head_sum part[chunk];
+  // Both passes: head_of(h, b, e) for each head's unprotected range [b, e), spread over the threads
+  // 64 heads at a time, then merge(h, result) in head order (an error from merge stops the pass).
+  const auto per_head = [&](const auto& head_of, const auto& merge) -> status {
+    for (index_t h0 = 0; h0 < H; h0 += chunk) {
+      const index_t n = H - h0 < chunk ? H - h0 : chunk;
+      detail::parallel_for(be, n, [&](index_t k) {
+        index_t b = 0, e = 0;
+        range(h0 + k, &b, &e);
+        part[k] = head_of(h0 + k, b, e);
+      });
+      for (index_t k = 0; k < n; ++k) KVEVICT_TRY(merge(h0 + k, part[k]));
+    }
+    return {};
+  };
   double S = 0.0;
   index_t M = 0;
-  for (index_t h0 = 0; h0 < H; h0 += chunk) {
-    const index_t n = H - h0 < chunk ? H - h0 : chunk;
-    detail::parallel_for(be, n, [&](index_t k) {
-      index_t b = 0, e = 0;
-      range(h0 + k, &b, &e);
-      head_sum hs;
-      for (index_t t = b; t < e; ++t) {
-        const float v = scores(h0 + k, t);
-        if (!(v >= 0.0f) || v == detail::bits_float(0x7f800000u)) {
-          hs.bad = t;
-          break;
+  KVEVICT_TRY(per_head(
+      [&](index_t h, index_t b, index_t e) {
+        head_sum hs;
+        for (index_t t = b; t < e; ++t) {
+          const float v = scores(h, t);
+          if (!(v >= 0.0f) || v == detail::bits_float(0x7f800000u)) {
+            hs.bad = t;
+            break;
+          }
+          hs.sum += static_cast<double>(v);
         }
-        hs.sum += static_cast<double>(v);
-      }
-      part[k] = hs;
-    });
-    for (index_t k = 0; k < n; ++k) {
-      if (part[k].bad >= 0) {
-        const float v = scores(h0 + k, part[k].bad);
-        return status::error(errc::invalid_argument,
-                             "%s: scores[%lld][%lld] = %g (unprotected LAVa scores must be finite and >= 0; a NaN "
-                             "would make the entropy NaN)",
-                             fn, static_cast<long long>(h0 + k), static_cast<long long>(part[k].bad),
-                             static_cast<double>(v));
-      }
-      index_t b = 0, e = 0;
-      range(h0 + k, &b, &e);
-      M += e - b;
-      S += part[k].sum;
-    }
-  }
+        return hs;
+      },
+      [&](index_t h, const head_sum& hs) -> status {
+        if (hs.bad >= 0) {
+          const float v = scores(h, hs.bad);
+          return status::error(errc::invalid_argument,
+                               "%s: scores[%lld][%lld] = %g (unprotected LAVa scores must be finite and >= 0; a NaN "
+                               "would make the entropy NaN)",
+                               fn, static_cast<long long>(h), static_cast<long long>(hs.bad), static_cast<double>(v));
+        }
+        index_t b = 0, e = 0;
+        range(h, &b, &e);
+        M += e - b;
+        S += hs.sum;
+        return {};
+      }));
   if (M == 0 || !(S > 0.0) || (opt.norm == entropy_norm::log_count && M <= 1)) {
     *entropy = 0.0;
     return {};
   }
   // pass 2: sum p log p per head, heads combined in order
   double acc = 0.0;
-  for (index_t h0 = 0; h0 < H; h0 += chunk) {
-    const index_t n = H - h0 < chunk ? H - h0 : chunk;
-    detail::parallel_for(be, n, [&](index_t k) {
-      index_t b = 0, e = 0;
-      range(h0 + k, &b, &e);
-      double a = 0.0;
-      for (index_t t = b; t < e; ++t) {
-        const double p = static_cast<double>(scores(h0 + k, t)) / S;
-        if (p > 0.0) a += p * std::log(p);
-      }
-      part[k].sum = a;
-    });
-    for (index_t k = 0; k < n; ++k) acc += part[k].sum;
-  }
+  KVEVICT_TRY(per_head(
+      [&](index_t h, index_t b, index_t e) {
+        head_sum hs;
+        for (index_t t = b; t < e; ++t) {
+          const double p = static_cast<double>(scores(h, t)) / S;
+          if (p > 0.0) hs.sum += p * std::log(p);
+        }
+        return hs;
+      },
+      [&](index_t, const head_sum& hs) -> status {
+        acc += hs.sum;
+        return {};
+      }));
   const double ent = acc < 0.0 ? -acc : 0.0;
   *entropy = opt.norm == entropy_norm::log_count ? ent / std::log(static_cast<double>(M)) : ent / static_cast<double>(M);
   return {};

@@ -51,9 +51,7 @@ inline status pyramid_budgets(index_t budget, index_t prompt_length, const pyram
                               matrix_view<std::int32_t> out) {
   constexpr const char* fn = "pyramid_budgets";
   index_t L = 0, H = 0;
-  KVEVICT_TRY(detail::check_budget_out(fn, out, &L, &H));
-  KVEVICT_TRY(detail::check_prompt_length(fn, prompt_length));
-  KVEVICT_TRY(detail::check_protection(fn, opt.prot));
+  KVEVICT_TRY(detail::check_allocator_args(fn, out, prompt_length, opt.prot, &L, &H));
   if (opt.rounding != pyramid_rounding::exact && opt.rounding != pyramid_rounding::kvcache_factory)
     return status::error(errc::invalid_argument, "%s: unknown pyramid_rounding value %d", fn,
                          static_cast<int>(opt.rounding));

@@ -18,9 +18,7 @@ inline status uniform_budgets(index_t total, index_t prompt_length, const protec
                               matrix_view<std::int32_t> out) {
   constexpr const char* fn = "uniform_budgets";
   index_t L = 0, H = 0;
-  KVEVICT_TRY(detail::check_budget_out(fn, out, &L, &H));
-  KVEVICT_TRY(detail::check_prompt_length(fn, prompt_length));
-  KVEVICT_TRY(detail::check_protection(fn, prot));
+  KVEVICT_TRY(detail::check_allocator_args(fn, out, prompt_length, prot, &L, &H));
   if (total < 0)
     return status::error(errc::invalid_argument, "%s: total budget %lld is negative", fn, static_cast<long long>(total));
   index_t heads = 0;

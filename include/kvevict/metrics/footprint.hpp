@@ -108,6 +108,8 @@ inline status measure_rows(const char* fn, workspace& ws, const eviction_schedul
   workspace_carver carver(ws);
   std::int64_t* ends = carver.take<std::int64_t>(static_cast<std::size_t>(n));
   KVEVICT_TRY(carver.finish(fn));
+  const byte_range touched[] = {range_of(s)};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"the schedule"}));
   if (ws.is_query()) return {};
   for (index_t l = l0; l < l1; ++l)
     for (index_t h = h0; h < h1; ++h)

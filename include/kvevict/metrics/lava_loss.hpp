@@ -215,6 +215,10 @@ status lava_output_loss(workspace& ws, matrix_view<const float> attention, kv_vi
   detail::workspace_carver carver(ws);
   double* x = carver.take<double>(static_cast<std::size_t>(s.hq * s.d));
   KVEVICT_TRY(carver.finish(fn));
+  const auto lb = reinterpret_cast<std::uintptr_t>(&loss);
+  const detail::byte_range touched[] = {detail::range_of(attention), detail::range_of(values), detail::range_of(w_o),
+                                        detail::range_of(keep), {lb, lb + sizeof(double)}};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"attention", "values", "w_o", "keep", "loss"}));
   if (ws.is_query()) return {};
   KVEVICT_TRY(li::check_data(fn, attention, values, w_o, s));
   for (index_t h = 0; h < s.hq; ++h) {

@@ -92,13 +92,18 @@ inline status check_k(const char* fn, index_t k, index_t cols) {
 /// are marked 1.
 template <class Validate, class Hits>
 status recall_rows(const char* fn, workspace& ws, const matrix_view<const float>& truth, index_t k, double& mean,
-                   double* per_row, bool est_scratch, Validate validate, Hits hits) {
+                   double* per_row, const byte_range& input, const char* input_name, bool est_scratch,
+                   Validate validate, Hits hits) {
   const index_t rows = truth.extent(0), cols = truth.extent(1);
   workspace_carver carver(ws);
   pos_t* idx = carver.take<pos_t>(static_cast<std::size_t>(cols));
   unsigned char* mark = carver.take<unsigned char>(static_cast<std::size_t>(cols));
   pos_t* est = carver.take<pos_t>(est_scratch ? static_cast<std::size_t>(cols) : 0);
   KVEVICT_TRY(carver.finish(fn));
+  const auto pb = reinterpret_cast<std::uintptr_t>(per_row);
+  const byte_range touched[] = {range_of(truth), input,
+                                {pb, per_row ? pb + static_cast<std::uintptr_t>(rows) * sizeof(double) : pb}};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"truth", input_name, "per_row"}));
   if (ws.is_query()) return {};
   KVEVICT_TRY(check_no_nan(fn, "truth", truth));
   std::memset(mark, 0, static_cast<std::size_t>(cols));
@@ -140,9 +145,9 @@ status check_kept_lists(const char* fn, index_t rows, index_t cols, Count count,
 
 template <class Count, class At>
 status kept_recall_rows(const char* fn, workspace& ws, const matrix_view<const float>& truth, index_t k,
-                        double& mean, double* per_row, Count count, At at) {
+                        double& mean, double* per_row, const byte_range& kept, Count count, At at) {
   return recall_rows(
-      fn, ws, truth, k, mean, per_row, false,
+      fn, ws, truth, k, mean, per_row, kept, "kept", false,
       [&](unsigned char* mark) { return check_kept_lists(fn, truth.extent(0), truth.extent(1), count, at, mark); },
       [&](index_t r, const unsigned char* mark, pos_t*) {
         index_t h = 0;
@@ -214,17 +219,12 @@ inline status recall_at_k(workspace& ws, matrix_view<const float> estimate, matr
                           double& mean, double* per_row = nullptr) {
   constexpr const char* fn = "recall_at_k";
   namespace mi = detail::metrics_impl;
-  KVEVICT_TRY(detail::check_view(fn, "estimate", estimate));
-  KVEVICT_TRY(detail::check_view(fn, "truth", truth));
-  if (estimate.extent(0) != truth.extent(0) || estimate.extent(1) != truth.extent(1))
-    return status::error(errc::shape_mismatch, "%s: estimate is [%lld][%lld] but truth is [%lld][%lld]", fn,
-                         static_cast<long long>(estimate.extent(0)), static_cast<long long>(estimate.extent(1)),
-                         static_cast<long long>(truth.extent(0)), static_cast<long long>(truth.extent(1)));
+  KVEVICT_TRY(detail::check_same_shape_views(fn, "estimate", estimate, "truth", truth));
   KVEVICT_TRY(mi::check_truth_args(fn, truth, k, per_row));
   KVEVICT_TRY(mi::check_not_inside(fn, per_row, truth.extent(0), estimate, "estimate"));
   const index_t cols = truth.extent(1);
   return mi::recall_rows(
-      fn, ws, truth, k, mean, per_row, true, [](unsigned char*) { return status{}; },
+      fn, ws, truth, k, mean, per_row, detail::range_of(estimate), "estimate", true, [](unsigned char*) { return status{}; },
       [&](index_t r, const unsigned char* mark, pos_t* est) {
         mi::top_k_positions([&](index_t c) { return estimate(r, c); }, cols, k, est);
         index_t h = 0;
@@ -250,8 +250,10 @@ inline status kept_recall_at_k(workspace& ws, ragged_positions kept, matrix_view
   if (kept.pos == nullptr && kept.cu[kept.heads] > 0)
     return status::error(errc::null_pointer, "%s: kept.pos is null but %d positions are listed", fn, kept.cu[kept.heads]);
   KVEVICT_TRY(mi::check_positions_not_inside(fn, per_row, truth.extent(0), kept.pos, kept.cu[kept.heads]));
+  const auto kb = reinterpret_cast<std::uintptr_t>(kept.pos);
+  const detail::byte_range kept_range{kb, kept.pos ? kb + static_cast<std::uintptr_t>(kept.cu[kept.heads]) * sizeof(pos_t) : kb};
   return mi::kept_recall_rows(
-      fn, ws, truth, k, mean, per_row, [&](index_t r) { return kept.length(r); },
+      fn, ws, truth, k, mean, per_row, kept_range, [&](index_t r) { return kept.length(r); },
       [&](index_t r, index_t i) { return kept.pos[kept.cu[r] + i]; });
 }
 
@@ -267,7 +269,7 @@ inline status kept_recall_at_k(workspace& ws, matrix_view<const pos_t> kept, mat
                          static_cast<long long>(kept.extent(0)), static_cast<long long>(truth.extent(0)));
   KVEVICT_TRY(mi::check_not_inside(fn, per_row, truth.extent(0), kept, "kept"));
   return mi::kept_recall_rows(
-      fn, ws, truth, k, mean, per_row, [&](index_t) { return kept.extent(1); },
+      fn, ws, truth, k, mean, per_row, detail::range_of(kept), [&](index_t) { return kept.extent(1); },
       [&](index_t r, index_t i) { return kept(r, i); });
 }
 
@@ -283,12 +285,7 @@ inline status kendall_tau_b(workspace& ws, matrix_view<const float> a, matrix_vi
                             double* per_row = nullptr) {
   constexpr const char* fn = "kendall_tau_b";
   namespace mi = detail::metrics_impl;
-  KVEVICT_TRY(detail::check_view(fn, "a", a));
-  KVEVICT_TRY(detail::check_view(fn, "b", b));
-  if (a.extent(0) != b.extent(0) || a.extent(1) != b.extent(1))
-    return status::error(errc::shape_mismatch, "%s: a is [%lld][%lld] but b is [%lld][%lld]", fn,
-                         static_cast<long long>(a.extent(0)), static_cast<long long>(a.extent(1)),
-                         static_cast<long long>(b.extent(0)), static_cast<long long>(b.extent(1)));
+  KVEVICT_TRY(detail::check_same_shape_views(fn, "a", a, "b", b));
   const index_t rows = a.extent(0), n = a.extent(1);
   if (rows < 1) return status::error(errc::invalid_argument, "%s: there are no rows to average", fn);
   if (n < 2)
@@ -303,6 +300,10 @@ inline status kendall_tau_b(workspace& ws, matrix_view<const float> a, matrix_vi
   index_t* perm = carver.take<index_t>(static_cast<std::size_t>(n));
   index_t* tmp = carver.take<index_t>(static_cast<std::size_t>(n));
   KVEVICT_TRY(carver.finish(fn));
+  const auto pb = reinterpret_cast<std::uintptr_t>(per_row);
+  const detail::byte_range touched[] = {detail::range_of(a), detail::range_of(b),
+                                        {pb, per_row ? pb + static_cast<std::uintptr_t>(rows) * sizeof(double) : pb}};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"a", "b", "per_row"}));
   if (ws.is_query()) return {};
   KVEVICT_TRY(mi::check_no_nan(fn, "a", a));
   KVEVICT_TRY(mi::check_no_nan(fn, "b", b));

@@ -22,6 +22,7 @@
 #include <kvevict/config.hpp>
 #include <kvevict/detail/base/checks.hpp>
 #include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/base/real_math.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>
@@ -98,11 +99,6 @@ namespace detail {
 
 template <class T>
 inline constexpr bool is_real_v = std::is_same_v<T, float> || std::is_same_v<T, double>;
-
-KVEVICT_HOST_DEVICE inline float exp_t(float x) { return ::expf(x); }
-KVEVICT_HOST_DEVICE inline double exp_t(double x) { return ::exp(x); }
-KVEVICT_HOST_DEVICE inline float sqrt_t(float x) { return ::sqrtf(x); }
-KVEVICT_HOST_DEVICE inline double sqrt_t(double x) { return ::sqrt(x); }
 
 template <class T>
 KVEVICT_HOST_DEVICE inline bool finite_t(T x) {
@@ -330,6 +326,8 @@ status lora_linear_backward(Backend be, workspace& ws, matrix_view<X> x_in, matr
   detail::workspace_carver carver(ws);
   T* dt = carver.take<T>(static_cast<std::size_t>(m * r));
   if (auto st = carver.finish(fn); !st.ok() || ws.is_query()) return st;
+  const detail::byte_range touched[] = {outs[0], outs[1], outs[2], ins[0], ins[1], ins[2], ins[3], ins[4], ins[5]};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"grad.da", "grad.db", "dx", "x", "w", "adapter.a", "adapter.b", "xa", "dy"}));
 
   if (m == 0) return {};  // no lookahead rows: every gradient term is empty
   const T scale = ad.alpha / static_cast<T>(r);
@@ -577,6 +575,8 @@ status lookahead_window_scores(Backend be, workspace& ws, matrix_view<Q> q_in, m
   detail::workspace_carver carver(ws);
   T* probs = carver.take<T>(static_cast<std::size_t>(n * width));
   if (auto st = carver.finish(fn); !st.ok() || ws.is_query()) return st;
+  const detail::byte_range touched[] = {sr, detail::range_of(q), detail::range_of(kp), detail::range_of(kb)};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"s", "q", "k_prefix", "k_block"}));
 
   const T c = detail::window_scale<T>(opts, q.extent(1));
   detail::window_probs(be, q, kp, kb, c, probs);
@@ -643,6 +643,8 @@ status lookahead_window_scores_backward(Backend be, workspace& ws, matrix_view<Q
   T* gq = carver.take<T>(static_cast<std::size_t>(n * d));
   T* gk = carver.take<T>(static_cast<std::size_t>(n * d));
   if (auto st = carver.finish(fn); !st.ok() || ws.is_query()) return st;
+  const detail::byte_range touched[] = {detail::range_of(dq), detail::range_of(dkb), ins[0], ins[1], ins[2], ins[3]};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"dq", "dk_block", "q", "k_prefix", "k_block", "ds"}));
 
   const T c = detail::window_scale<T>(opts, d);
   detail::window_probs(be, q, kp, kb, c, probs);
@@ -759,6 +761,10 @@ status lookahead_kl_loss(Backend be, workspace& ws, matrix_view<GT> gt_in, matri
   detail::workspace_carver carver(ws);
   double* sums = carver.take<double>(static_cast<std::size_t>(2 * R));
   if (auto st = carver.finish(fn); !st.ok() || ws.is_query()) return st;
+  const auto lb = reinterpret_cast<std::uintptr_t>(loss);
+  const detail::byte_range touched[] = {detail::range_of(gt), detail::range_of(est), detail::range_of(grad_est),
+                                        {lb, lb + sizeof(double)}};
+  KVEVICT_TRY(carver.check_disjoint(fn, touched, {"gt", "est", "grad_est", "loss"}));
 
   // validation (sequential: the first offending element is reported), row sums saved
   for (index_t r = 0; r < R; ++r) {

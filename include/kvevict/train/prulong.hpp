@@ -20,12 +20,14 @@
 
 #include <kvevict/config.hpp>
 #include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/real_math.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <cstring>
 #include <string>
 #include <system_error>
@@ -43,23 +45,18 @@ struct hard_concrete_params {
 
 namespace detail {
 
-KVEVICT_HOST_DEVICE inline float hc_exp(float x) { return ::expf(x); }
-KVEVICT_HOST_DEVICE inline double hc_exp(double x) { return ::exp(x); }
-KVEVICT_HOST_DEVICE inline float hc_log(float x) { return ::logf(x); }
-KVEVICT_HOST_DEVICE inline double hc_log(double x) { return ::log(x); }
-
 /// Overflow-free logistic function: 1/(1+e^-x) for x >= 0, e^x/(1+e^x) otherwise; +-inf give 1/0.
 template <class T>
 KVEVICT_HOST_DEVICE inline T sigmoid(T x) {
-  if (x >= T(0)) return T(1) / (T(1) + hc_exp(-x));
-  const T e = hc_exp(x);
+  if (x >= T(0)) return T(1) / (T(1) + exp_t(-x));
+  const T e = exp_t(x);
   return e / (T(1) + e);
 }
 
 /// The pre-clamp value g = sigmoid((log u - log(1-u) + log_alpha)/beta) (r - l) + l, and s.
 template <class T>
 KVEVICT_HOST_DEVICE inline T hard_concrete_stretched(T log_alpha, T u, const hard_concrete_params<T>& p, T* s_out) {
-  const T s = sigmoid((hc_log(u) - hc_log(T(1) - u) + log_alpha) / p.beta);
+  const T s = sigmoid((log_t(u) - log_t(T(1) - u) + log_alpha) / p.beta);
   if (s_out) *s_out = s;
   return s * (p.r - p.l) + p.l;
 }
@@ -97,7 +94,7 @@ KVEVICT_HOST_DEVICE inline T hard_concrete_deterministic(T log_alpha, const hard
 /// Expected L0 of one gate, P(z > 0) = sigmoid(log_alpha - beta * log(-l / r)) (closed form).
 template <class T>
 KVEVICT_HOST_DEVICE inline T hard_concrete_expected_l0(T log_alpha, const hard_concrete_params<T>& p = {}) {
-  return detail::sigmoid(log_alpha - p.beta * detail::hc_log(-p.l / p.r));
+  return detail::sigmoid(log_alpha - p.beta * detail::log_t(-p.l / p.r));
 }
 
 /// d P(z > 0) / d log_alpha = P (1 - P).
@@ -173,6 +170,18 @@ status check_output(const char* fn, const char* name, const matrix_view<T>& out,
   if (range_of(out).intersects(range_of(in)))
     return status::error(errc::overlap, "%s: %s overlaps log_alpha in memory", fn, name);
   return {};
+}
+
+/// The penalty functions' checks: log_alpha [L][H] not empty; grad (extent 0: not wanted) a valid
+/// [L][H] output apart from log_alpha.
+template <class T, class U>
+status check_penalty_args(const char* fn, const char* grad_name, const matrix_view<U>& la, const matrix_view<T>& grad) {
+  const index_t L = la.extent(0), H = la.extent(1);
+  if (L * H == 0) return status::error(errc::invalid_argument, "%s: log_alpha is empty ([%lld][%lld])", fn,
+                                       static_cast<long long>(L), static_cast<long long>(H));
+  if (grad.extent(0) == 0) return {};
+  KVEVICT_TRY(check_output(fn, grad_name, grad, la));
+  return check_same_shape(fn, grad_name, L, H, grad);
 }
 
 }  // namespace detail
@@ -252,13 +261,8 @@ status prulong_expected_sparsity(matrix_view<LA> log_alpha_in, double* s,
   KVEVICT_TRY(detail::check_params(fn, p));
   if (s == nullptr) return status::error(errc::null_pointer, "%s: s is null", fn);
   const index_t L = la.extent(0), H = la.extent(1), M = L * H;
-  if (M == 0) return status::error(errc::invalid_argument, "%s: log_alpha is empty ([%lld][%lld])", fn,
-                                   static_cast<long long>(L), static_cast<long long>(H));
+  KVEVICT_TRY(detail::check_penalty_args(fn, "grad", la, grad));
   const bool want = grad.extent(0) != 0;
-  if (want) {
-    KVEVICT_TRY(detail::check_output(fn, "grad", grad, la));
-    KVEVICT_TRY(detail::check_same_shape(fn, "grad", L, H, grad));
-  }
   double kept = 0.0;
   for (index_t i = 0; i < L; ++i)
     for (index_t j = 0; j < H; ++j) {
@@ -292,13 +296,8 @@ status prulong_lagrangian(matrix_view<LA> log_alpha_in, double target, double la
   KVEVICT_TRY(detail::check_log_alpha(fn, la, false));
   KVEVICT_TRY(detail::check_params(fn, p));
   const index_t L = la.extent(0), H = la.extent(1), M = L * H;
-  if (M == 0) return status::error(errc::invalid_argument, "%s: log_alpha is empty ([%lld][%lld])", fn,
-                                   static_cast<long long>(L), static_cast<long long>(H));
+  KVEVICT_TRY(detail::check_penalty_args(fn, "grad_log_alpha", la, grad_log_alpha));
   const bool want = grad_log_alpha.extent(0) != 0;
-  if (want) {
-    KVEVICT_TRY(detail::check_output(fn, "grad_log_alpha", grad_log_alpha, la));
-    KVEVICT_TRY(detail::check_same_shape(fn, "grad_log_alpha", L, H, grad_log_alpha));
-  }
   double s = 0.0;
   KVEVICT_TRY(prulong_expected_sparsity(la, &s, matrix_view<T>{}, p));
   const prulong_penalty pen = prulong_penalty_at(s, target, lambda1, lambda2);
@@ -532,15 +531,23 @@ status parse_head_mask_tsv(const char* text, std::size_t len, matrix_view<T> val
 template <class T>
 status read_head_mask_tsv(const char* path, matrix_view<T> values, const head_mask_tsv_options& opts = {}) {
   if (path == nullptr) return status::error(errc::null_pointer, "read_head_mask_tsv: path is null");
+  // a regular file of bounded size only: a FIFO would block the open, /dev/zero never ends
+  std::error_code ec;
+  const auto kind = std::filesystem::status(path, ec).type();
+  if (kind != std::filesystem::file_type::not_found && kind != std::filesystem::file_type::regular)
+    return status::error(errc::io_error, "read_head_mask_tsv: %s is not a regular file", path);
+  constexpr std::size_t max_bytes = std::size_t(64) << 20;  // a mask of [layers][heads] values is tiny
   std::FILE* f = std::fopen(path, "rb");
   if (f == nullptr) return status::error(errc::io_error, "read_head_mask_tsv: cannot open %s", path);
   std::string text;
   char buf[4096];
   std::size_t got = 0;
-  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
+  while (text.size() <= max_bytes && (got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
   const bool bad = std::ferror(f) != 0;
   std::fclose(f);
   if (bad) return status::error(errc::io_error, "read_head_mask_tsv: error reading %s", path);
+  if (text.size() > max_bytes)
+    return status::error(errc::io_error, "read_head_mask_tsv: %s is larger than %zu bytes", path, max_bytes);
   status st = parse_head_mask_tsv(text.data(), text.size(), values, opts);
   if (!st.ok()) return status::error(st.code(), "%s (file %s)", st.message(), path);
   return st;
@@ -585,11 +592,19 @@ status write_head_mask_tsv(const char* path, matrix_view<V> values) {
   if (path == nullptr) return status::error(errc::null_pointer, "write_head_mask_tsv: path is null");
   std::string text;
   KVEVICT_TRY(format_head_mask_tsv(values, text));
-  std::FILE* f = std::fopen(path, "wb");
+  // written next to the destination, renamed into place only when complete: a failed write
+  // (a full disk) leaves the previous file untouched and no partial file
+  const std::string tmp = std::string(path) + ".kvevict-tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) return status::error(errc::io_error, "write_head_mask_tsv: cannot open %s for writing", path);
   const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   const bool closed = std::fclose(f) == 0;
-  if (!ok || !closed) return status::error(errc::io_error, "write_head_mask_tsv: error writing %s", path);
+  std::error_code ec;
+  if (ok && closed) std::filesystem::rename(tmp, path, ec);
+  if (!ok || !closed || ec) {
+    std::filesystem::remove(tmp, ec);
+    return status::error(errc::io_error, "write_head_mask_tsv: error writing %s", path);
+  }
   return {};
 }
 

@@ -22,6 +22,19 @@ status check_view(const char* fn, const char* name, const cuda::std::mdspan<T, E
   return check_extents_strides(what, ext, str, sizeof(T), v.data_handle());
 }
 
+/// Two valid matrix views of the same shape ("fn: a is [..][..] but b is [..][..]" otherwise).
+template <class A, class B>
+status check_same_shape_views(const char* fn, const char* a_name, const matrix_view<A>& a, const char* b_name,
+                              const matrix_view<B>& b) {
+  KVEVICT_TRY(check_view(fn, a_name, a));
+  KVEVICT_TRY(check_view(fn, b_name, b));
+  if (a.extent(0) != b.extent(0) || a.extent(1) != b.extent(1))
+    return status::error(errc::shape_mismatch, "%s: %s is [%lld][%lld] but %s is [%lld][%lld]", fn, a_name,
+                         static_cast<long long>(a.extent(0)), static_cast<long long>(a.extent(1)), b_name,
+                         static_cast<long long>(b.extent(0)), static_cast<long long>(b.extent(1)));
+  return {};
+}
+
 /// Byte range [begin, end) a view touches (empty range for empty views).
 struct byte_range {
   std::uintptr_t begin = 0, end = 0;

@@ -10,11 +10,13 @@ namespace kvevict::detail {
 
 // The par code differs with and without -fopenmp; the inline namespace gives the two versions
 // different mangled names, so mixing translation units built both ways is not an ODR violation.
+// Every header whose body differs with -fopenmp opens this same namespace through the macro.
 #if defined(_OPENMP)
-inline namespace par_openmp {
+#define KVEVICT_DETAIL_PAR_NAMESPACE par_openmp
 #else
-inline namespace par_serial {
+#define KVEVICT_DETAIL_PAR_NAMESPACE par_serial
 #endif
+inline namespace KVEVICT_DETAIL_PAR_NAMESPACE {
 
 /// Threads a backend runs on (and per-thread scratch is sized for): 1 for seq; for par the
 /// requested threads, or the OpenMP default when 0 (par does not compile without OpenMP).

@@ -23,6 +23,24 @@ KVEVICT_HOST_DEVICE inline index_t pool_radius(index_t kernel, index_t n) {
   return r_full < n ? r_full : n;
 }
 
+/// Output i's pooled value from its window's reduction w: Op::finish(w), for avg divided by the
+/// window's real positions (avg_divisor::valid) or by the kernel (count_include_pad).
+template <class Op>
+KVEVICT_HOST_DEVICE inline float pool_output(avg_divisor div, typename Op::value w, index_t i, index_t n,
+                                             index_t r_full, float kernel_f) {
+  float out = Op::finish(w);
+  if constexpr (!Op::is_max) {
+    if (div == avg_divisor::valid) {
+      const index_t lo = i - r_full < 0 ? 0 : i - r_full;
+      const index_t hi = i + r_full > n - 1 ? n - 1 : i + r_full;
+      out = out / static_cast<float>(hi - lo + 1);
+    } else {
+      out = out / kernel_f;  // count_include_pad: always the kernel size
+    }
+  }
+  return out;
+}
+
 /// The outputs i in [max(lo, b·k), min(b·k + k, hi)) of a row of n inputs (0 <= lo, hi <= n), with
 /// the operations and order of pool_row_impl<Op>:
 ///   x(p)           input p, called only for p in [0, n) ∩ [lo - r, hi + r)
@@ -74,17 +92,7 @@ KVEVICT_HOST_DEVICE inline void pool_block(avg_divisor div, const X& x, float* s
       if (i < first) continue;
       V w = Op::unstash(stash + (i - stash0) * stash_stride);
       if (i > e0 && have) w = block - 1 < r ? acc : Op::op(w, acc);
-      float out = Op::finish(w);
-      if constexpr (!Op::is_max) {
-        if (div == avg_divisor::valid) {
-          const index_t plo = i - r_full < 0 ? 0 : i - r_full;
-          const index_t phi = i + r_full > n - 1 ? n - 1 : i + r_full;
-          out = out / static_cast<float>(phi - plo + 1);
-        } else {
-          out = out / kernel_f;
-        }
-      }
-      emit(i, out);
+      emit(i, pool_output<Op>(div, w, i, n, r_full, kernel_f));
     }
   }
 }

@@ -28,11 +28,7 @@ namespace kvevict::detail {
 
 // Code whose body differs with and without -fopenmp lives in the inline namespace parallel.hpp
 // uses, so translation units built both ways never share a mangled name (no ODR violation).
-#if defined(_OPENMP)
-inline namespace par_openmp {
-#else
-inline namespace par_serial {
-#endif
+inline namespace KVEVICT_DETAIL_PAR_NAMESPACE {
 
 /// Rows at least this long are split among the threads when rows are left over (see above).
 inline constexpr index_t coop_min_length = 32768;

@@ -1,0 +1,26 @@
+# cmake -DREADME=<README.md> -DEXAMPLE=<file.cpp> -P readme_verbatim.cmake: fails unless the code
+# block after README's "<!-- the block below is <name> verbatim -->" marker equals EXAMPLE byte for
+# byte, so the README's example is always the one that is compiled and run.
+file(READ ${README} readme)
+file(READ ${EXAMPLE} example)
+get_filename_component(name ${EXAMPLE} NAME)
+set(marker "<!-- the block below is examples/${name} verbatim -->\n```cpp\n")
+string(FIND "${readme}" "${marker}" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "${README}: no code block marked '<!-- the block below is examples/${name} verbatim -->'")
+endif()
+string(LENGTH "${marker}" marker_length)
+math(EXPR begin "${at} + ${marker_length}")
+string(SUBSTRING "${readme}" ${begin} -1 rest)
+string(FIND "${rest}" "\n```\n" end)
+if(end EQUAL -1)
+  message(FATAL_ERROR "${README}: the code block of examples/${name} is not closed")
+endif()
+math(EXPR end "${end} + 1")
+string(SUBSTRING "${rest}" 0 ${end} block)
+if(NOT block STREQUAL example)
+  file(WRITE ${CMAKE_CURRENT_BINARY_DIR}/readme_block.cpp "${block}")
+  message(FATAL_ERROR "README.md's code block differs from examples/${name} "
+                      "(diff ${CMAKE_CURRENT_BINARY_DIR}/readme_block.cpp ${EXAMPLE}): copy the file into the README")
+endif()
+message(STATUS "README.md shows examples/${name} verbatim")

@@ -1,0 +1,166 @@
+// kvevict-run's command line (docs/runner.md): the options, their parsing, and every check that
+// needs no file (docs/conventions.md, "Programs": every number validated before any work). A
+// function of its own so that the fuzzer (fuzz/fuzz_run_options.cpp) exercises exactly what the
+// program runs.
+#pragma once
+
+#include "cli.hpp"
+
+#include <runner/evict.hpp>
+#include <runner/shipped_models.hpp>
+
+#include <CLI/CLI.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvrun {
+
+struct run_options {
+  std::string model = shipped_model("stories260K.bin");
+  std::string tokenizer = shipped_model("tok512.bin");
+  std::string prompt = "Once upon a time";
+  int steps = 256;
+  float temperature = 0.0f;
+  float topp = 0.9f;
+  std::uint64_t seed = 42;
+  int threads = 0;
+  bool ids = false;
+  bool stats = false;
+  // eviction
+  std::string recipe = "full";
+  std::string allocator;
+  std::string driver = "postfill";
+  evict_options evict;
+  index_t calibration = 8;
+  std::string lookahead_module = shipped_model("lookahead/stories260K-n16.bin");
+  // report
+  bool report = false;
+  std::string out_dir = ".";
+  index_t prompts = 32;
+  std::vector<index_t> budgets{16, 32, 64, 128};
+  std::vector<std::string> recipes, drivers;
+  bool all_drivers = false;
+};
+
+/// Parses and checks kvevict-run's command line. Returns -1 to go on (`o` filled, o.evict.recipe
+/// parsed); otherwise the exit status, with `message` the help text (0), an error line without
+/// the program's name (1), or a command-line syntax error (2).
+inline int parse_run_options(int argc, const char* const* argv, run_options& o, std::string& message) {
+  const auto err = [&](const std::string& m) {
+    message = m;
+    return 1;
+  };
+  const auto err_st = [&](const char* prefix, const status& st) { return err(std::string(prefix) + st.message()); };
+  CLI::App app{"kvevict-run: generate text with the kvevict reference runner (llama2.c checkpoints)", "kvevict-run"};
+  app.add_option("--model", o.model, "llama2.c checkpoint")->capture_default_str();
+  app.add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer (vocabulary size must match the model)")
+      ->capture_default_str();
+  app.add_option("--prompt", o.prompt, "prompt text (BOS and a dummy-prefix space are added)")->capture_default_str();
+  app.add_option("--steps", o.steps, "positions to run, prompt included (run.c's -n); 1..seq_len")
+      ->check(kvevict::program::integer<int>())->capture_default_str();
+  app.add_option("--temperature", o.temperature, "0 = greedy; > 0 samples softmax(logits / temperature)")
+      ->capture_default_str();
+  app.add_option("--topp", o.topp, "top-p (nucleus) threshold when sampling; 0 or 1 = plain sampling")
+      ->capture_default_str();
+  app.add_option("--seed", o.seed, "xorshift seed for sampling (nonzero; run.c's -s)")->check(kvevict::program::integer<std::uint64_t>())->capture_default_str();
+  app.add_option("--threads", o.threads, "OpenMP threads for long blocks (0 = OMP_NUM_THREADS or all cores)")
+      ->check(kvevict::program::integer<int>())->capture_default_str();
+  app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
+  app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost and footprint) on stderr");
+  // eviction (docs/runner.md, "Eviction")
+  auto* recipe_opt = app.add_option("--recipe", o.recipe,
+                                    "eviction method: full (no eviction), streaming_llm, h2o, tova, snapkv, pyramidkv, "
+                                    "knorm, vatp, adakv, cake, lava, duo, laq, laq++, lookaheadkv, oracle")
+                         ->capture_default_str();
+  std::vector<CLI::Option*> evict_opts;
+  evict_opts.push_back(app.add_option("--budget", o.evict.budget, "tokens kept per KV head, protected ones included")
+                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  evict_opts.push_back(app.add_option("--allocator", o.allocator,
+                                      "uniform, pyramid, adakv, lava, cake or duo (default: the recipe's)"));
+  evict_opts.push_back(app.add_option("--driver", o.driver, "postfill, layerwise, chunked-naive, chunked-patched or decode")
+                           ->capture_default_str());
+  evict_opts.push_back(app.add_option("--window", o.evict.window,
+                                      "observation window; the recent tokens window recipes, H2O and LAQ keep")
+                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  evict_opts.push_back(app.add_option("--sinks", o.evict.sinks,
+                                      "first tokens always kept (-1: the recipe's: 4 for streaming_llm and duo, else 0)")
+                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  evict_opts.push_back(app.add_option("--chunk", o.evict.chunk, "chunked drivers: tokens per chunk")->check(kvevict::program::integer<index_t>())->capture_default_str());
+  evict_opts.push_back(app.add_option("--evict-every", o.evict.evict_every, "decode driver: evict every N decoded tokens")
+                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  evict_opts.push_back(app.add_option("--laq-steps", o.evict.laq_steps, "laq, laq++: pseudo-decoded tokens")
+                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  evict_opts.push_back(app.add_option("--duo-recent", o.evict.duo_recent, "duo: recent tokens of a streaming head")
+                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  evict_opts.push_back(app.add_option("--calibration", o.calibration, "duo: calibration texts (training split)")
+                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  auto* lookahead_opt =
+      app.add_option("--lookahead-module", o.lookahead_module,
+                     "lookaheadkv (and --report): the trained LookaheadKV module (docs/lookaheadkv.md)")
+          ->capture_default_str();
+  // the quality report (docs/report.md)
+  app.add_flag("--report", o.report, "run the quality report: table on stdout, report.json and report.svg in --out-dir");
+  std::vector<CLI::Option*> report_opts;
+  report_opts.push_back(app.add_option("--out-dir", o.out_dir, "report: directory for report.json and report.svg")
+                            ->capture_default_str());
+  report_opts.push_back(app.add_option("--prompts", o.prompts, "report: test prompts")->check(kvevict::program::integer<index_t>())->capture_default_str());
+  report_opts.push_back(app.add_option("--budgets", o.budgets, "report: budgets, comma-separated")
+                            ->delimiter(',')
+                            ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  report_opts.push_back(app.add_option("--recipes", o.recipes, "report: only these recipes (comma-separated)")->delimiter(','));
+  report_opts.push_back(app.add_option("--drivers", o.drivers, "report: only these drivers (comma-separated)")->delimiter(','));
+  report_opts.push_back(app.add_flag("--all-drivers", o.all_drivers,
+                                     "report: every supported recipe x driver pair, not the default matrix"));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    message = app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    message = std::string(e.what()) + " (see --help)";
+    return 2;
+  }
+
+  if (!(o.temperature >= 0.0f) || !std::isfinite(o.temperature))
+    return err("--temperature must be finite and >= 0, got " + std::to_string(o.temperature));
+  if (!(o.topp >= 0.0f && o.topp <= 1.0f)) return err("--topp must be in [0, 1], got " + std::to_string(o.topp));
+  if (o.seed == 0) return err("--seed must be nonzero (the xorshift generator never leaves state 0)");
+  if (o.threads < 0) return err("--threads must be >= 0, got " + std::to_string(o.threads));
+  // every count is checked here, before any file is read or any work starts (docs/conventions.md)
+  if (o.calibration < 1) return err("--calibration must be >= 1, got " + std::to_string(o.calibration));
+  if (o.prompts < 1) return err("--prompts must be >= 1, got " + std::to_string(o.prompts));
+  if (o.evict.window < 1) return err("--window must be >= 1, got " + std::to_string(o.evict.window));
+  if (o.evict.sinks < -1) return err("--sinks must be >= 0 (or -1: the recipe's), got " + std::to_string(o.evict.sinks));
+  if (o.evict.budget < 1) return err("--budget must be >= 1, got " + std::to_string(o.evict.budget));
+  if (o.evict.chunk < 1) return err("--chunk must be >= 1, got " + std::to_string(o.evict.chunk));
+  if (o.evict.evict_every < 1) return err("--evict-every must be >= 1, got " + std::to_string(o.evict.evict_every));
+  if (o.evict.laq_steps < 1) return err("--laq-steps must be >= 1, got " + std::to_string(o.evict.laq_steps));
+  if (o.evict.duo_recent < 0) return err("--duo-recent must be >= 0, got " + std::to_string(o.evict.duo_recent));
+
+  // eviction options only with an eviction recipe; report options only with --report
+  method method = method::full;
+  if (auto st = parse_method(o.recipe, method); !st.ok()) return err_st("--recipe: ", st);
+  if (!o.report && method == method::full)
+    for (const CLI::Option* opt : evict_opts)
+      if (opt->count() > 0) return err(opt->get_name() + " needs --recipe (without it the cache is not evicted)");
+  if (o.report && recipe_opt->count() > 0)
+    return err("--report runs every recipe: use --recipes to choose some");
+  if (!o.report)
+    for (const CLI::Option* opt : report_opts)
+      if (opt->count() > 0) return err(opt->get_name() + " needs --report");
+  if (!o.report && method != method::lookaheadkv && lookahead_opt->count() > 0)
+    return err("--lookahead-module needs --recipe lookaheadkv or --report");
+  o.evict.recipe = method;
+  if (!o.allocator.empty()) {
+    budget_scheme a;
+    if (auto st = parse_allocator(o.allocator, a); !st.ok()) return err_st("--allocator: ", st);
+    o.evict.alloc = a;
+  }
+  if (auto st = parse_driver(o.driver, o.evict.driver); !st.ok()) return err_st("--driver: ", st);
+  return -1;
+}
+
+}  // namespace kvrun

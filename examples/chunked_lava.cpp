@@ -159,7 +159,14 @@ int main() {
   model_state model;
   std::vector<layer_cache> cache(static_cast<std::size_t>(L), layer_cache(capacity));
   std::vector<float> q, k, v, patch_k;
-  std::vector<std::int64_t> counters(static_cast<std::size_t>(N));
+  std::vector<unsigned char> usage_scratch;  // measure_kv_usage's workspace, sized by its own query
+  const auto measure = [&](const auto& schedule, kv_usage& usage) -> status {
+    workspace query;
+    KVEVICT_TRY(measure_kv_usage(query, schedule, usage));
+    if (usage_scratch.size() < query.bytes) usage_scratch.resize(query.bytes);
+    workspace mws{usage_scratch.data(), usage_scratch.size()};
+    return measure_kv_usage(mws, schedule, usage);
+  };
   std::printf("chunked patched LAVa: %lld layers x %lld KV heads (%lld query heads), prompt %lld, chunk %lld, "
               "window %lld, budget %lld tokens (%lld per head)\n\n",
               ll(L), ll(H), ll(Hq), ll(N), ll(CHUNK), ll(W), ll(total), ll(BUDGET));
@@ -213,19 +220,17 @@ int main() {
     }
     // KV footprint and peak over the tokens processed so far (each key counts from its creation
     // to its eviction, normalised to full causal attention)
-    workspace mws{counters.data(), counters.size() * sizeof(std::int64_t)};
     kv_usage usage;
     auto sched = rec.schedule(e);
     if (!sched) return fail(sched.error());
-    if (status st = measure_kv_usage(mws, *sched, usage); !st) return fail(st);
+    if (status st = measure(*sched, usage); !st) return fail(st);
     std::printf("  cache now %lld rows; KV footprint so far %.1f%%, peak KV %.1f%%\n\n", ll(held),
                 100.0 * usage.footprint(), 100.0 * usage.peak_kv());
     s = e;
   }
 
-  workspace mws{counters.data(), counters.size() * sizeof(std::int64_t)};
   kv_usage usage;
-  if (status st = measure_kv_usage(mws, *rec.schedule(N), usage); !st) return fail(st);
+  if (status st = measure(*rec.schedule(N), usage); !st) return fail(st);
   std::printf("prefill of %lld tokens: KV footprint %.1f%% and peak KV %.1f%% of full attention\n",
               ll(N), 100.0 * usage.footprint(), 100.0 * usage.peak_kv());
   std::printf("(post-fill eviction keeps the whole prompt until the end: footprint 100%%, peak 100%%)\n");

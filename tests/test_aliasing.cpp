@@ -56,7 +56,9 @@ TEST_CASE("aliasing: a workspace over an argument of a scoring stage is refused,
   REQUIRE(window_scores(seq, ws, qv, kv, ov).ok());
 
   // postprocess: the scratch over in, out or the lengths
-  std::vector<float> in(static_cast<std::size_t>(hq * T), 1.f), pp(static_cast<std::size_t>(hkv * T), -7.f);
+  // 64 spare floats: a workspace over out or in spans the query's answer (the carver's alignment
+  // padding included), which may exceed the views themselves
+  std::vector<float> in(static_cast<std::size_t>(hq * T) + 64, 1.f), pp(static_cast<std::size_t>(hkv * T) + 64, -7.f);
   const auto inv = value_of(make_matrix_view<const float>(in.data(), hq, T));
   const auto ppv = value_of(make_matrix_view(pp.data(), hkv, T));
   postprocess_options po;

@@ -160,12 +160,12 @@ int main() {
   std::vector<layer_cache> cache(static_cast<std::size_t>(L), layer_cache(capacity));
   std::vector<float> q, k, v, patch_k;
   std::vector<unsigned char> usage_scratch;  // measure_kv_usage's workspace, sized by its own query
-  const auto measure = [&](const auto& schedule, kv_usage& usage) -> status {
+  const auto measure = [&](const auto& to_measure, kv_usage& usage) -> status {
     workspace query;
-    KVEVICT_TRY(measure_kv_usage(query, schedule, usage));
+    KVEVICT_TRY(measure_kv_usage(query, to_measure, usage));
     if (usage_scratch.size() < query.bytes) usage_scratch.resize(query.bytes);
     workspace mws{usage_scratch.data(), usage_scratch.size()};
-    return measure_kv_usage(mws, schedule, usage);
+    return measure_kv_usage(mws, to_measure, usage);
   };
   std::printf("chunked patched LAVa: %lld layers x %lld KV heads (%lld query heads), prompt %lld, chunk %lld, "
               "window %lld, budget %lld tokens (%lld per head)\n\n",

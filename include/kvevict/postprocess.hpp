@@ -117,7 +117,12 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
   };
   const byte_range touched[] = {range_of(out), range_of(in), has_values ? range_of(values) : byte_range{},
                                 ints(row_lengths, hkv), ints(value_lengths, hkv)};
-  KVEVICT_TRY(check_scratch_disjoint(fn, tmp, pooled ? static_cast<std::size_t>(hkv * T) * sizeof(float) : 0, touched,
+  // the workspace counts from ws.data (the carver's alignment padding included), as every stage's check does
+  const std::size_t scratch_end =
+      ws.is_query() || !pooled ? 0
+                               : static_cast<std::size_t>(reinterpret_cast<const unsigned char*>(tmp + hkv * T) -
+                                                          static_cast<const unsigned char*>(ws.data));
+  KVEVICT_TRY(check_scratch_disjoint(fn, ws.is_query() ? nullptr : ws.data, scratch_end, touched,
                                      {"out", "in", "values", "row_lengths", "value_lengths"}));
   if (ws.is_query() || hkv == 0 || T == 0) return {};
   const index_t g = hq / hkv;

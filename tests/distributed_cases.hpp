@@ -5,6 +5,7 @@
 // what differs.
 #pragma once
 
+#include <kvevict/budget/layer_cascade.hpp>
 #include <kvevict/distributed.hpp>
 #include <kvevict/protect.hpp>
 
@@ -250,6 +251,89 @@ std::string check_layer_budgets(Comm& comm, std::uint64_t seed) {
   if (st.ok()) st = kvevict::cake_budgets(gathered.data(), B, N, prot, kvevict::make_matrix_view(cg.data(), L, H).value());
   if (!st.ok()) return std::string("cake_budgets failed: ") + st.message();
   return cw == cg ? "" : "cake budgets differ";
+}
+
+/// Pipeline-parallel cascade: stage s holds layer_shard(L, P, s)'s layers. Before its prefill it
+/// gathers the earlier layers' weights (one gather per stage boundary, the later stages
+/// contributing nothing), adds them as remote layers, adds its own layers, then gathers every weight
+/// and adds the later layers as remote: its layers must hold what the single-process cascade holds.
+template <class Comm>
+std::string check_pipeline_cascade(Comm& comm, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  const int P = comm.size();
+  kvevict::cascade_config cfg;
+  cfg.layers = pick(g, P, 2 * P + 3);
+  cfg.heads = pick(g, 1, 3);
+  cfg.prompt_length = pick(g, 4, 60);
+  cfg.prot = {pick(g, 0, 1), pick(g, 0, 2)};
+  cfg.split = pick(g, 0, 1) ? kvevict::cascade_split::per_head : kvevict::cascade_split::flattened;
+  const index_t L = cfg.layers, H = cfg.heads, N = cfg.prompt_length;
+  const index_t W = kvevict::protected_count(N, cfg.prot.n_sink, cfg.prot.n_recent);
+  cfg.total = pick(g, L * W, L * N) * H;  // a multiple of H (per_head)
+  std::vector<layer> layers;
+  std::vector<double> weights;
+  for (index_t l = 0; l < L; ++l) {
+    layer x;
+    x.ranks = 1;
+    x.rows_per_rank = H;
+    x.T = N;
+    x.scores.resize(static_cast<std::size_t>(H * N));
+    for (auto& v : x.scores) v = static_cast<float>(pick(g, 0, 3 + static_cast<std::int64_t>(l % 3)));
+    protect_rows(x, cfg.prot);
+    layers.push_back(x);
+    weights.push_back(pick(g, 0, 4) == 0 ? 0.0 : static_cast<double>(pick(g, 1, 100)) / 7.0);
+  }
+  const auto run = [&](kvevict::layer_cascade& c, std::vector<unsigned char>& mem, index_t first, index_t count,
+                       const std::vector<double>& w_before, const std::vector<double>& w_after) -> kvevict::status {
+    mem.assign(kvevict::layer_cascade::state_bytes(cfg).value(), 0);
+    KVEVICT_TRY(c.init(cfg, mem.data(), mem.size()));
+    std::vector<unsigned char> wsm(c.workspace_bytes(kvevict::seq).value());
+    kvevict::workspace ws{wsm.data(), wsm.size()};
+    for (index_t l = 0; l < first; ++l) KVEVICT_TRY(c.add_remote_layer(kvevict::seq, ws, l, w_before[static_cast<std::size_t>(l)]));
+    for (index_t l = first; l < first + count; ++l)
+      KVEVICT_TRY(c.add_layer(kvevict::seq, ws, l, layers[static_cast<std::size_t>(l)].view(0, H), weights[static_cast<std::size_t>(l)]));
+    for (index_t l = first + count; l < L; ++l)
+      KVEVICT_TRY(c.add_remote_layer(kvevict::seq, ws, l, w_after[static_cast<std::size_t>(l)]));
+    return {};
+  };
+  kvevict::layer_cascade one, mine;
+  std::vector<unsigned char> one_mem, mine_mem;
+  auto st = run(one, one_mem, 0, L, weights, weights);
+  if (!st.ok()) return std::string("single-process cascade failed: ") + st.message();
+  const kvevict::shard_range range = kvevict::layer_shard(L, P, comm.rank()).value();
+  // the weights of the layers before each stage, gathered at each stage boundary
+  std::vector<double> before(static_cast<std::size_t>(L), -1.0), after(static_cast<std::size_t>(L), -1.0);
+  for (int s = 0; s < P; ++s) {
+    const index_t a = kvevict::layer_shard(L, P, s).value().first;
+    if (a == 0) continue;
+    const index_t b = std::min(range.first + range.count, a), e = range.first < a ? range.first : a;
+    const kvevict::shard_range part{e, b - e};
+    std::vector<double> out(static_cast<std::size_t>(a));
+    st = with_workspace([&](kvevict::workspace& ws) {
+      return kvevict::gather_layer_values(ws, comm, part, weights.data() + part.first, a, out.data());
+    });
+    if (!st.ok()) return std::string("prefix gather failed: ") + st.message();
+    if (s == comm.rank()) std::copy(out.begin(), out.end(), before.begin());
+  }
+  st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::gather_layer_values(ws, comm, range, weights.data() + range.first, L, after.data());
+  });
+  if (!st.ok()) return std::string("gather failed: ") + st.message();
+  st = run(mine, mine_mem, range.first, range.count, before, after);
+  if (!st.ok()) return std::string("stage cascade failed: ") + st.message();
+  for (index_t l = 0; l < L; ++l) {
+    const kvevict::ragged_positions a = one.positions(l), b = mine.positions(l);
+    const bool own = l >= range.first && l < range.first + range.count;
+    if (!own) {
+      if (b.cu[H] != 0) return "a remote layer holds tokens";
+      continue;
+    }
+    for (index_t h = 0; h <= H; ++h)
+      if (a.cu[h] != b.cu[h]) return "layer " + std::to_string(l) + ": per-head counts differ";
+    if (a.cu[H] > 0 && std::memcmp(a.pos, b.pos, static_cast<std::size_t>(a.cu[H]) * sizeof(pos_t)) != 0)
+      return "layer " + std::to_string(l) + ": kept positions differ";
+  }
+  return "";
 }
 
 /// Rank `odd` passes a different budget (or, when `bad_lengths`, an invalid length): every rank

@@ -58,6 +58,12 @@ TEST_CASE("layer-sharded LAVa / CAKE budgets: gathered layer values give the sin
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_layer_budgets(c, s); });
 }
 
+TEST_CASE("pipeline-parallel cascade: each stage's layers hold what the single-process cascade holds") {
+  for (int ranks : {1, 2, 3, 4})
+    for (std::uint64_t seed = 0; seed < 25; ++seed)
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_pipeline_cascade(c, s); });
+}
+
 TEST_CASE("sharded calls: an inconsistent or invalid rank fails every rank with the same error") {
   for (int ranks : {2, 3, 4})
     for (int odd = 0; odd < ranks; ++odd)
@@ -138,4 +144,47 @@ TEST_CASE("counting_comm: bytes sent per rank per flattened layer selection") {
       CHECK(calls[static_cast<std::size_t>(r)] == 6);
     }
   }
+}
+
+TEST_CASE("counting_comm: bytes sent per rank by the LAVa entropy, the CAKE statistics and the layer gather") {
+  // each: an agreement of 9 int64 (72 B), then allgathers of the rank's per-head records
+  // (LAVa: two of R lava_head, CAKE: one of R cake_row) or one allreduce of 2 L doubles (gather)
+  const index_t R = 3, T = 40, w = 4, L = 7;
+  std::vector<std::string> errors(4);
+  std::vector<std::uint64_t> lava(4), cake(4), gather(4);
+  thread_world::run(4, [&](thread_comm& c) {
+    const auto me = static_cast<std::size_t>(c.rank());
+    counting_comm<thread_comm> counted(c);
+    std::vector<float> s(static_cast<std::size_t>(R * T), 0.5f), a(static_cast<std::size_t>(R * w * T), 0.25f);
+    double e = 0.0;
+    status st = kvtest::dist::with_workspace([&](workspace& ws) {
+      return lava_layer_entropy(seq, ws, counted, make_matrix_view<const float>(s.data(), R, T).value(), nullptr,
+                                lava_entropy_options{}, &e);
+    });
+    lava[me] = counted.bytes();
+    counted.reset();
+    cake_stats cs;
+    if (st.ok())
+      st = kvtest::dist::with_workspace([&](workspace& ws) {
+        return cake_layer_stats(seq, ws, counted, make_kv_view<const float>(a.data(), R, w, T).value(), &cs);
+      });
+    cake[me] = counted.bytes();
+    counted.reset();
+    const double v[2] = {1.0, 2.0};
+    double all[L] = {};
+    const shard_range mine = layer_shard(L, 4, c.rank()).value();
+    if (st.ok())
+      st = kvtest::dist::with_workspace(
+          [&](workspace& ws) { return gather_layer_values(ws, counted, mine, v, L, all); });
+    gather[me] = counted.bytes();
+    errors[me] = st.ok() ? "" : st.message();
+  });
+  for (std::size_t r = 0; r < 4; ++r) {
+    CHECK(errors[r] == "");
+    CHECK(lava[r] == 72 + 2 * R * sizeof(detail::lava_head));
+    CHECK(cake[r] == 72 + R * sizeof(detail::cake_row));
+    CHECK(gather[r] == 72 + 2 * L * sizeof(double));
+  }
+  CHECK(sizeof(detail::lava_head) == 32);
+  CHECK(sizeof(detail::cake_row) == 40);
 }

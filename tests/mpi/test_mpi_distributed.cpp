@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
       expect(rank, "lava_layer_entropy", seed, d::check_lava_entropy(comm, seed));
       expect(rank, "cake_layer_stats", seed, d::check_cake_stats(comm, seed));
       expect(rank, "layer budgets", seed, d::check_layer_budgets(comm, seed));
+      expect(rank, "pipeline cascade", seed, d::check_pipeline_cascade(comm, seed));
     }
     // inconsistent configuration / invalid arguments on one rank: every rank fails, none hangs
     for (int odd = 0; odd < comm.size(); ++odd)

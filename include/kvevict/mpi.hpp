@@ -5,6 +5,10 @@
 //   kvevict::mpi_comm comm(MPI_COMM_WORLD);      // or the tensor- / pipeline-parallel group
 //   adakv_budgets(seq, ws, comm, my_scores, nullptr, B, opt, cu, pos);
 //
+// Only MPI's C API is used: OpenMPI's deprecated C++ bindings, which <mpi.h> pulls in and which warn
+// under -Wcast-function-type when MPI's headers are not system includes (CMake's MPI::MPI_CXX makes
+// them system includes), can be left out with -DOMPI_SKIP_MPICXX.
+//
 // MPI errors: with MPI's default handler (MPI_ERRORS_ARE_FATAL) a failing collective aborts the
 // job; with MPI_ERRORS_RETURN on the communicator, it comes back as errc::io_error naming the call.
 #pragma once

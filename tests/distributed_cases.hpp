@@ -336,6 +336,31 @@ std::string check_pipeline_cascade(Comm& comm, std::uint64_t seed) {
   return "";
 }
 
+/// H = 2P + 1 KV heads: head_shard refuses the split on every rank, and ranks that split unevenly
+/// anyway (the last one holding 3 heads) get the same disagreement error on every rank.
+template <class Comm>
+std::string check_uneven_heads(Comm& comm) {
+  const int P = comm.size();
+  const index_t H = 2 * P + 1, T = 8;
+  const auto shard = kvevict::head_shard(H, P, comm.rank());
+  const std::string want = std::to_string(H) + " KV heads are not divisible by " + std::to_string(P) + " ranks";
+  if (P > 1 && (shard.ok() || std::string(shard.error().message()).find(want) == std::string::npos))
+    return "head_shard accepted or misreported an uneven split";
+  const index_t n = comm.rank() == P - 1 ? 3 : 2;
+  std::vector<float> s(static_cast<std::size_t>(n * T), 1.0f);
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(n + 1));
+  const auto st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::select_topk_flat(kvevict::seq, ws, comm, kvevict::make_matrix_view<const float>(s.data(), n, T).value(),
+                                     nullptr, 4, nullptr, cu.data(), nullptr);
+  });
+  if (P == 1) return st.ok() ? "" : std::string("one rank failed: ") + st.message();
+  const std::string msg = st.message();
+  if (st.ok() || st.code() != kvevict::errc::invalid_argument || msg.find("disagree") == std::string::npos ||
+      msg.find("3 rows x 8 columns per rank") == std::string::npos)
+    return "unexpected result for an uneven split: " + msg;
+  return "";
+}
+
 /// Rank `odd` passes a different budget (or, when `bad_lengths`, an invalid length): every rank
 /// must fail with the same error, none may hang. Returns "" when this rank saw that error.
 template <class Comm>

@@ -839,6 +839,29 @@ TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's ca
                   .ok());
     }
     for (index_t l = 0; l < L; ++l) CHECK(to_lists(drv2.positions(l)) == to_lists(drv.positions(l)));
+    // pipeline parallelism: two stages, each adding the other's layers by their weights only
+    for (int stage = 0; stage < 2; ++stage) {
+      const index_t a = stage == 0 ? 0 : L / 2, b = stage == 0 ? L / 2 : L;
+      std::vector<unsigned char> pm(mem.size());
+      cascade_driver ps;
+      REQUIRE(ps.init(cfg, pm.data(), pm.size()).ok());
+      aligned_buf pb;
+      workspace pws = make_ws(ps, seq, pb);
+      for (index_t l = 0; l < L; ++l) {
+        if (l < a || l >= b) {
+          REQUIRE(ps.add_remote_layer(seq, pws, l, drv.layer_weight(l)).ok());
+          CHECK(ps.layer_total(l) == 0);
+          continue;
+        }
+        engine_layer e(H, d, N);
+        e.append(s, l, 0, N);
+        const auto qb = gather_queries(s, l, range_of(N - w, N));
+        REQUIRE(ps.add_layer(seq, pws, l, e.view(), block_view(qb, Hq, w, d), kv_view<const float>{},
+                             prefs[static_cast<std::size_t>(l)])
+                    .ok());
+      }
+      for (index_t l = a; l < b; ++l) CHECK(to_lists(ps.positions(l)) == to_lists(drv.positions(l)));
+    }
   }
 }
 

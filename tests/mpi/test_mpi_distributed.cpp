@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
       for (bool bad_lengths : {false, true})
         expect(rank, bad_lengths ? "invalid lengths on one rank" : "different total on one rank",
                static_cast<std::uint64_t>(odd), d::check_disagreement(comm, odd, bad_lengths));
+    expect(rank, "heads not divisible by the ranks", 0, d::check_uneven_heads(comm));
     long long counts[2] = {passes, failures};
     MPI_Allreduce(MPI_IN_PLACE, counts, 2, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
     if (rank == 0)

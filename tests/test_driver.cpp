@@ -824,20 +824,21 @@ TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's ca
           CHECK(rec.storage()(l, h, p) == (held ? never_evicted : static_cast<pos_t>(N)));
         }
     }
+    // layer l prefilled into a fresh engine cache and handed to `into`
+    const auto prefill = [&](cascade_driver& into, auto be, workspace& into_ws, index_t l) {
+      engine_layer e(H, d, N);
+      e.append(s, l, 0, N);
+      const auto qb = gather_queries(s, l, range_of(N - w, N));
+      return into.add_layer(be, into_ws, l, e.view(), block_view(qb, Hq, w, d), kv_view<const float>{},
+                            prefs[static_cast<std::size_t>(l)]);
+    };
     // par: the same answers
     std::vector<unsigned char> mem2(mem.size());
     cascade_driver drv2;
     REQUIRE(drv2.init(cfg, mem2.data(), mem2.size()).ok());
     aligned_buf wb2;
     workspace ws2 = make_ws(drv2, par, wb2);
-    for (index_t l = 0; l < L; ++l) {
-      engine_layer e(H, d, N);
-      e.append(s, l, 0, N);
-      const auto qb = gather_queries(s, l, range_of(N - w, N));
-      REQUIRE(drv2.add_layer(par, ws2, l, e.view(), block_view(qb, Hq, w, d), kv_view<const float>{},
-                             prefs[static_cast<std::size_t>(l)])
-                  .ok());
-    }
+    for (index_t l = 0; l < L; ++l) REQUIRE(prefill(drv2, par, ws2, l).ok());
     for (index_t l = 0; l < L; ++l) CHECK(to_lists(drv2.positions(l)) == to_lists(drv.positions(l)));
     // pipeline parallelism: two stages, each adding the other's layers by their weights only
     for (int stage = 0; stage < 2; ++stage) {
@@ -853,12 +854,7 @@ TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's ca
           CHECK(ps.layer_total(l) == 0);
           continue;
         }
-        engine_layer e(H, d, N);
-        e.append(s, l, 0, N);
-        const auto qb = gather_queries(s, l, range_of(N - w, N));
-        REQUIRE(ps.add_layer(seq, pws, l, e.view(), block_view(qb, Hq, w, d), kv_view<const float>{},
-                             prefs[static_cast<std::size_t>(l)])
-                    .ok());
+        REQUIRE(prefill(ps, seq, pws, l).ok());
       }
       for (index_t l = a; l < b; ++l) CHECK(to_lists(ps.positions(l)) == to_lists(drv.positions(l)));
     }

@@ -107,6 +107,20 @@ status run_sharded_flat(Backend be, Comm& comm, const matrix_view<const float>& 
   return {};
 }
 
+/// Every rank's per-head records (`heads` of them) from the workspace; on a real buffer, after this
+/// rank's own checks (st), the workspace must not overlap `input`.
+template <class Rec>
+Rec* carve_head_records(const char* fn, workspace& ws, index_t heads, const byte_range& input, const char* name,
+                        status& st) {
+  workspace_carver carver(ws);
+  Rec* all = carver.take<Rec>(static_cast<std::size_t>(heads));
+  if (st.ok()) st = carver.finish(fn);
+  const byte_range inputs[] = {input};
+  const char* const names[] = {name};
+  if (st.ok() && !ws.is_query()) st = carver.check_disjoint(fn, inputs, names);
+  return all;
+}
+
 /// Room for the positions this rank keeps: min(total, the sum of its lengths).
 inline index_t sharded_room(index_t total, index_t sum_len) noexcept { return total < sum_len ? total : sum_len; }
 
@@ -208,11 +222,8 @@ status lava_layer_entropy(Backend be, workspace& ws, Comm& comm, matrix_view<con
   status st = detail::check_lava_entropy(fn, scores, lengths, opt, entropy);
   const index_t R = st.ok() ? scores.extent(0) : 0, T = st.ok() ? scores.extent(1) : 0;
   const index_t heads = R * comm.size();
-  detail::workspace_carver carver(ws);
-  detail::lava_head* all = carver.take<detail::lava_head>(static_cast<std::size_t>(heads));
-  if (st.ok()) st = carver.finish(fn);
+  auto* all = detail::carve_head_records<detail::lava_head>(fn, ws, heads, detail::range_of(scores), "scores", st);
   if (ws.is_query()) return st;
-  if (st.ok()) st = carver.check_disjoint(fn, {detail::range_of(scores)}, {"scores"});
   detail::config_line config;
   config.print("n_sink %lld, n_recent %lld, norm %d, %lld heads x %lld columns per rank",
                static_cast<long long>(opt.prot.n_sink), static_cast<long long>(opt.prot.n_recent),
@@ -250,11 +261,8 @@ status cake_layer_stats(Backend be, workspace& ws, Comm& comm, kv_view<const flo
   status st = detail::check_cake_stats(fn, attention, out, var);
   const index_t R = st.ok() ? attention.extent(0) : 0;
   const index_t heads = R * comm.size();
-  detail::workspace_carver carver(ws);
-  detail::cake_row* all = carver.take<detail::cake_row>(static_cast<std::size_t>(heads));
-  if (st.ok()) st = carver.finish(fn);
+  auto* all = detail::carve_head_records<detail::cake_row>(fn, ws, heads, detail::range_of(attention), "attention", st);
   if (ws.is_query()) return st;
-  if (st.ok()) st = carver.check_disjoint(fn, {detail::range_of(attention)}, {"attention"});
   detail::config_line config;
   config.print("variance estimator %d, %lld heads x %lld rows x %lld columns per rank", static_cast<int>(var),
                static_cast<long long>(R), static_cast<long long>(st.ok() ? attention.extent(1) : 0),

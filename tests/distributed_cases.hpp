@@ -81,6 +81,15 @@ kvevict::status with_workspace(Call call) {
   return call(ws);
 }
 
+/// The sharded calls' backend: seq for even seeds, par with 2 threads for odd ones (the
+/// single-process reference is always seq: the backends must agree). The harnesses lower
+/// detail::par_min_elements so that par really runs threads on these small layers.
+template <class F>
+kvevict::status on_backend(std::uint64_t seed, F call) {
+  return seed % 2 == 1 ? with_workspace([&](kvevict::workspace& ws) { return call(kvevict::par_t{2}, ws); })
+                       : with_workspace([&](kvevict::workspace& ws) { return call(kvevict::seq, ws); });
+}
+
 /// This rank's rows of a single-process result: offsets rebased to 0 and its positions.
 struct rows_part {
   std::vector<std::int32_t> cu;
@@ -124,8 +133,8 @@ std::string check_flat(Comm& comm, std::uint64_t seed) {
   const rows_part want = part_of(cu, pos, mine, n, positions);
   std::vector<std::int32_t> got_cu(static_cast<std::size_t>(n + 1));
   std::vector<pos_t> got_pos(static_cast<std::size_t>(total) + 1);
-  st = with_workspace([&](kvevict::workspace& ws) {
-    return kvevict::select_topk_flat(kvevict::seq, ws, comm, L.view(mine, n), L.lengths_of(mine), total,
+  st = on_backend(seed, [&](auto be, kvevict::workspace& ws) {
+    return kvevict::select_topk_flat(be, ws, comm, L.view(mine, n), L.lengths_of(mine), total,
                                      use_floors ? floors.data() + mine : nullptr, got_cu.data(),
                                      positions ? got_pos.data() : nullptr);
   });
@@ -169,8 +178,8 @@ std::string check_adakv(Comm& comm, std::uint64_t seed) {
   const rows_part want = part_of(cu, pos, mine, n, true);
   std::vector<std::int32_t> got_cu(static_cast<std::size_t>(n + 1));
   std::vector<pos_t> got_pos(static_cast<std::size_t>(B * H) + 1);
-  st = with_workspace([&](kvevict::workspace& ws) {
-    return kvevict::adakv_budgets(kvevict::seq, ws, comm, L.view(mine, n), nullptr, B, opt, got_cu.data(),
+  st = on_backend(seed, [&](auto be, kvevict::workspace& ws) {
+    return kvevict::adakv_budgets(be, ws, comm, L.view(mine, n), nullptr, B, opt, got_cu.data(),
                                   got_pos.data());
   });
   if (!st.ok()) return std::string("sharded call failed: ") + st.message();
@@ -191,8 +200,8 @@ std::string check_lava_entropy(Comm& comm, std::uint64_t seed) {
   double want = -1.0, got = -2.0;
   auto st = kvevict::lava_layer_entropy(kvevict::seq, L.view(0, H), L.lengths_of(0), opt, &want);
   if (!st.ok()) return std::string("single-process call failed: ") + st.message();
-  st = with_workspace([&](kvevict::workspace& ws) {
-    return kvevict::lava_layer_entropy(kvevict::seq, ws, comm, L.view(mine, n), L.lengths_of(mine), opt, &got);
+  st = on_backend(seed, [&](auto be, kvevict::workspace& ws) {
+    return kvevict::lava_layer_entropy(be, ws, comm, L.view(mine, n), L.lengths_of(mine), opt, &got);
   });
   if (!st.ok()) return std::string("sharded call failed: ") + st.message();
   return std::memcmp(&want, &got, sizeof(double)) == 0 ? "" : "lava entropy differs from the single-process call";
@@ -212,8 +221,9 @@ std::string check_cake_stats(Comm& comm, std::uint64_t seed) {
   kvevict::cake_stats want, got;
   auto st = kvevict::cake_layer_stats(kvevict::seq, all, &want, var);
   if (!st.ok()) return std::string("single-process call failed: ") + st.message();
-  st = with_workspace(
-      [&](kvevict::workspace& ws) { return kvevict::cake_layer_stats(kvevict::seq, ws, comm, mine, &got, var); });
+  st = on_backend(seed, [&](auto be, kvevict::workspace& ws) {
+    return kvevict::cake_layer_stats(be, ws, comm, mine, &got, var);
+  });
   if (!st.ok()) return std::string("sharded call failed: ") + st.message();
   if (std::memcmp(&want.entropy, &got.entropy, sizeof(double)) != 0 ||
       std::memcmp(&want.variance, &got.variance, sizeof(double)) != 0)

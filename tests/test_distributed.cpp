@@ -17,11 +17,15 @@ using kvtest::thread_world;
 
 namespace {
 
-/// Runs check(comm, seed) on `ranks` threads; every rank's answer must be "".
+/// Runs check(comm, seed) on `ranks` threads; every rank's answer must be "". par runs its threads
+/// even on these small layers (par_min_elements lowered while the ranks run).
 template <class Check>
 void on_ranks(int ranks, std::uint64_t seed, Check check) {
+  const index_t saved = detail::par_min_elements();
+  detail::par_min_elements() = 1;
   std::vector<std::string> out(static_cast<std::size_t>(ranks));
   thread_world::run(ranks, [&](thread_comm& c) { out[static_cast<std::size_t>(c.rank())] = check(c, seed); });
+  detail::par_min_elements() = saved;
   for (int r = 0; r < ranks; ++r) {
     CAPTURE(seed);
     CAPTURE(ranks);

@@ -19,7 +19,8 @@
 //                                     send may be this rank's own slot of recv (in place)
 //
 // single_process is the identity (one rank); <kvevict/mpi.hpp> adapts an MPI communicator;
-// counting_comm wraps any communicator and counts what this rank sends.
+// counting_comm wraps any communicator and counts what this rank sends; comm_ref holds any of them
+// behind one type (for configurations).
 #pragma once
 
 #include <kvevict/config.hpp>
@@ -27,6 +28,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace kvevict {
 
@@ -82,6 +84,50 @@ class counting_comm {
   }
   Comm* inner_;
   std::uint64_t bytes_ = 0, calls_ = 0;
+};
+
+/// Any communicator behind one plain type, for configurations that hold one (post_fill_config::tp):
+/// a reference (the communicator must outlive it) that itself satisfies the contract.
+/// Default-constructed: no communicator (one rank; its collectives are the identity).
+class comm_ref {
+ public:
+  comm_ref() = default;
+  template <class Comm, class = std::enable_if_t<!std::is_same_v<std::decay_t<Comm>, comm_ref>>>
+  explicit comm_ref(Comm& c) noexcept
+      : obj_(&c),
+        rank_(c.rank()),
+        size_(c.size()),
+        sum_i_([](void* o, std::int64_t* d, index_t n) { return static_cast<Comm*>(o)->allreduce_sum(d, n); }),
+        sum_d_([](void* o, double* d, index_t n) { return static_cast<Comm*>(o)->allreduce_sum(d, n); }),
+        scan_([](void* o, const std::int64_t* in, std::int64_t* out, index_t n) {
+          return static_cast<Comm*>(o)->exscan_sum(in, out, n);
+        }),
+        gather_([](void* o, const void* send, std::size_t bytes, void* recv) {
+          return static_cast<Comm*>(o)->allgather(send, bytes, recv);
+        }) {}
+  bool active() const noexcept { return obj_ != nullptr; }
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  status allreduce_sum(std::int64_t* data, index_t n) const {
+    return obj_ ? sum_i_(obj_, data, n) : single_process{}.allreduce_sum(data, n);
+  }
+  status allreduce_sum(double* data, index_t n) const {
+    return obj_ ? sum_d_(obj_, data, n) : single_process{}.allreduce_sum(data, n);
+  }
+  status exscan_sum(const std::int64_t* in, std::int64_t* out, index_t n) const {
+    return obj_ ? scan_(obj_, in, out, n) : single_process{}.exscan_sum(in, out, n);
+  }
+  status allgather(const void* send, std::size_t bytes, void* recv) const {
+    return obj_ ? gather_(obj_, send, bytes, recv) : single_process{}.allgather(send, bytes, recv);
+  }
+
+ private:
+  void* obj_ = nullptr;
+  int rank_ = 0, size_ = 1;
+  status (*sum_i_)(void*, std::int64_t*, index_t) = nullptr;
+  status (*sum_d_)(void*, double*, index_t) = nullptr;
+  status (*scan_)(void*, const std::int64_t*, std::int64_t*, index_t) = nullptr;
+  status (*gather_)(void*, const void*, std::size_t, void*) = nullptr;
 };
 
 /// A rank's contiguous slice of `total` items (heads of a layer, or layers of a model).

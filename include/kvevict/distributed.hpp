@@ -126,6 +126,19 @@ inline index_t sharded_room(index_t total, index_t sum_len) noexcept { return to
 
 }  // namespace detail
 
+/// Workspace bytes of the sharded select_topk_flat (with_floors: the sharded adakv_budgets) for
+/// `rows` rows of `columns` columns on backend `be`: what their size queries report, without views.
+template <class Backend>
+std::size_t sharded_flat_workspace_bytes(Backend be, index_t rows, index_t columns, bool with_floors) {
+  workspace q;
+  detail::workspace_carver carver(q);
+  rows = rows < 0 ? 0 : rows;
+  if (with_floors) (void)carver.take<std::int32_t>(static_cast<std::size_t>(rows));
+  (void)detail::carve_sharded_flat_ws(carver, rows, columns < 0 ? 0 : columns, detail::thread_count(be));
+  (void)carver.finish("sharded_flat_workspace_bytes");
+  return q.bytes;
+}
+
 /// Head-sharded flattened selection (AdaKV / LAVa across the heads of a layer): `scores` [R][T]
 /// holds this rank's R rows (rank r: global rows [r R, (r + 1) R)), `total` and the floors'
 /// meaning are the layer's, as in select_topk_flat over all P R rows. kept_cu[R + 1] receives

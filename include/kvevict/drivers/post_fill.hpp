@@ -138,7 +138,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   /// below the protected tokens or above the prompt, layer totals below the protected tokens
   /// (flattened, adakv) or not a multiple of H (adakv); budgets not [L][H]; lava / cake total
   /// negative or above L H P, cake total not a multiple of L H or its per-head budget below the
-  /// protected tokens; adakv alpha outside [0, 1]; recorder shape; memory null or too small.
+  /// protected tokens; adakv alpha outside [0, 1]; a tensor-parallel communicator of more than one
+  /// rank with lava or cake (unsupported); recorder shape; memory null or too small.
   status init(const post_fill_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
     unsigned char* base = nullptr;
     KVEVICT_TRY(bind("post_fill_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));

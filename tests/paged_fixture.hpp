@@ -54,14 +54,14 @@ struct paged_fixture {
 inline paged_fixture make_paged_fixture(std::mt19937_64& g, kvevict::index_t S, kvevict::index_t H,
                                         kvevict::index_t d, kvevict::index_t page_size, kvevict::page_lists lists,
                                         kvevict::page_layout layout, kvevict::index_t max_len,
-                                        kvevict::index_t spare = 3) {
+                                        kvevict::index_t spare = 3, kvevict::index_t min_len = 0) {
   paged_fixture f;
   f.S = S, f.H = H, f.d = d, f.dv = d + 1, f.page_size = page_size, f.lists = lists, f.layout = layout;
   const kvevict::index_t n_lists = f.list_count();
   std::vector<kvevict::index_t> len(static_cast<std::size_t>(n_lists));
   kvevict::index_t total_pages = 0;
   for (auto& l : len) {
-    l = uniform_int(g, 0, max_len);
+    l = uniform_int(g, min_len, max_len);
     total_pages += (l + page_size - 1) / page_size;
   }
   f.pages = total_pages + spare;

@@ -408,3 +408,57 @@ TEST_CASE("paged compaction: a token-major contiguous cache is a pool with one p
   // sequence 1, head 1, row 1 is its token 6: element (s=1, t=6, h=1, 0) of the original cache
   CHECK(k[((1 * C + 1) * H + 1) * d] == static_cast<float>(((1 * C + 6) * H + 1) * d));
 }
+
+TEST_CASE("paged window scores are bit-identical to window_scores on dense copies of the rows") {
+  auto g = kvtest::rng(1305);
+  for (const index_t ps : page_sizes)
+    for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head})
+      for (const bool include_window : {false, true}) {
+        CAPTURE(ps);
+        CAPTURE(include_window);
+        const index_t w = 4, G = 2;  // query heads per KV head
+        paged_fixture f = kvtest::make_paged_fixture(g, 3, 2, 16, ps, lists, page_layout::nhd, 2 * ps + 9, 3, w);
+        kvtest::dense_copy dense = kvtest::dense_of(f);
+        const index_t R = f.rows(), Hq = f.H * G;
+        index_t C = 1;
+        for (auto n : f.row_len) C = std::max<index_t>(C, include_window ? n : n - w);
+        const auto qdata = kvtest::random_floats(g, static_cast<std::size_t>(f.S * Hq * w * f.d));
+        auto q = kvtest::value_of(make_kv_view<const float>(qdata.data(), f.S * Hq, w, f.d));
+        std::vector<float> paged(static_cast<std::size_t>(f.S * Hq * C), 3.f), ref(paged.size(), 3.f);
+        auto pv = kvtest::value_of(make_matrix_view(paged.data(), f.S * Hq, C));
+        const status st = two_phase([&](workspace& ws) { return paged_window_scores(par, ws, q, f.layer(), pv, include_window); });
+        REQUIRE_MESSAGE(st.ok(), st.message());
+        for (index_t r = 0; r < R; ++r) {
+          const index_t n = f.row_len[static_cast<std::size_t>(r)];
+          auto keys = kvtest::value_of(make_kv_view<const float>(dense.keys.row(r, 0), 1, n, f.d));
+          auto qr = kvtest::value_of(make_kv_view<const float>(qdata.data() + r * G * w * f.d, G, w, f.d));
+          auto out = kvtest::value_of(make_matrix_view(ref.data() + r * G * C, G, include_window ? n : n - w, C));
+          REQUIRE(two_phase([&](workspace& ws) { return window_scores(seq, ws, qr, keys, out); }).ok());
+        }
+        CHECK(kvtest::bytes_of(paged) == kvtest::bytes_of(ref));
+      }
+}
+
+TEST_CASE("paged window scores: bad input") {
+  auto g = kvtest::rng(1306);
+  paged_fixture f = kvtest::make_paged_fixture(g, 2, 2, 8, 4, page_lists::per_head, page_layout::hnd, 12, 3, 5);
+  std::vector<float> qd(2 * 4 * 3 * 8), out(2 * 4 * 20);
+  auto q = kvtest::value_of(make_kv_view<const float>(qd.data(), 8, 3, 8));
+  auto ov = kvtest::value_of(make_matrix_view(out.data(), 8, 20));
+  auto run = [&](kv_view<const float> qq, matrix_view<float> oo) {
+    return two_phase([&](workspace& ws) { return paged_window_scores(seq, ws, qq, f.layer(), oo); });
+  };
+  // a row shorter than the window
+  const index_t shortest = *std::min_element(f.row_len.begin(), f.row_len.end());
+  std::vector<float> qlong(static_cast<std::size_t>(8 * (shortest + 1) * 8));
+  auto ql = kvtest::value_of(make_kv_view<const float>(qlong.data(), 8, shortest + 1, 8));
+  kvtest::require_error(run(ql, ov), errc::invalid_argument,
+                        "fewer than the window's " + std::to_string(shortest + 1));
+  auto q7 = kvtest::value_of(make_kv_view<const float>(qd.data(), 7, 3, 8));
+  kvtest::require_error(run(q7, ov), errc::shape_mismatch, "not sequences (2) x a multiple of 2 KV heads");
+  auto qd4 = kvtest::value_of(make_kv_view<const float>(qd.data(), 8, 3, 4));
+  kvtest::require_error(run(qd4, ov), errc::shape_mismatch, "queries have dim 4, the keys 8");
+  REQUIRE(f.indices.size() >= 2);
+  f.indices[0] = f.indices[1];
+  kvtest::require_error(run(q, ov), errc::invalid_argument, "page");
+}

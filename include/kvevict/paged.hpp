@@ -9,8 +9,9 @@
 //                                                                    list, freed pages reported
 //   shrink_page_table(indptr, indices, last_page_len, lists, page_size, lengths)
 //                                                                    the engine's table after it
-//   paged_key_norm_scores(be, layer, out)                            Knorm on paged keys
-//   paged_weight_by_value_norm(be, scores, layer, mode)              VATP / LAVa value norms
+//   paged_window_scores(be, ws, window_queries, layer, out)         SnapKV-family window scores
+//   paged_key_norm_scores(be, ws, layer, out)                        Knorm on paged keys
+//   paged_weight_by_value_norm(be, ws, scores, layer, mode)              VATP / LAVa value norms
 //
 // Rows of a paged layer are (sequence, KV head) pairs r = s * kv_heads + h (paged_types.hpp);
 // scores over a paged layer are a matrix [rows][>= the longest row] whose row r's first
@@ -26,6 +27,7 @@
 #include <kvevict/detail/base/paged_checks.hpp>
 #include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/detail/host/paged_keys.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/paged_types.hpp>
 #include <kvevict/score.hpp>
@@ -297,6 +299,118 @@ status check_paged_scores_out(const char* fn, const char* name, const paged_laye
   return {};
 }
 }  // namespace detail
+
+namespace detail {
+/// The score plan of one row's window call: g query heads over one KV head, block w, prefix p.
+inline status paged_window_plan(const char* fn, index_t g, index_t w, index_t p, index_t d, bool include_window,
+                                int threads, const score_options& opt, score_shape& sh, score_plan& pl) {
+  KVEVICT_TRY(score_shape_from_sizes(fn, g, 1, w, p, d, true, include_window ? p + w : p, opt, sh));
+  sh.scale = opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))) : opt.scale;
+  return make_score_plan(fn, sh, threads, opt, pl);
+}
+
+template <class Q, class T>
+status check_paged_window(const char* fn, const kv_view<const Q>& q, const paged_layer<T>& L,
+                          const matrix_view<float>& out, bool include_window, index_t& g) {
+  KVEVICT_TRY(check_view(fn, "window_queries", q));
+  KVEVICT_TRY(check_view(fn, "out", out));
+  const index_t S = L.sequences, H = L.kv_heads, w = q.extent(1);
+  if (S == 0) return {};
+  if (q.extent(0) % S != 0 || (q.extent(0) / S) % H != 0 || q.extent(0) == 0)
+    return status::error(errc::shape_mismatch,
+                         "%s: window_queries have %lld heads, not sequences (%lld) x a multiple of %lld KV heads", fn,
+                         static_cast<long long>(q.extent(0)), static_cast<long long>(S), static_cast<long long>(H));
+  g = q.extent(0) / S / H;
+  if (q.extent(2) != L.keys.dim)
+    return status::error(errc::shape_mismatch, "%s: queries have dim %lld, the keys %lld", fn,
+                         static_cast<long long>(q.extent(2)), static_cast<long long>(L.keys.dim));
+  if (w < 1) return status::error(errc::invalid_argument, "%s: the window is empty", fn);
+  if (out.extent(0) != q.extent(0))
+    return status::error(errc::shape_mismatch, "%s: out has %lld rows, expected one per query head (%lld)", fn,
+                         static_cast<long long>(out.extent(0)), static_cast<long long>(q.extent(0)));
+  for (index_t r = 0; r < L.rows(); ++r) {
+    const index_t n = L.length(r), cols = include_window ? n : n - w;
+    if (n < w)
+      return status::error(errc::invalid_argument, "%s: row %lld (sequence %lld, head %lld) holds %lld tokens, fewer than "
+                           "the window's %lld", fn, static_cast<long long>(r), static_cast<long long>(r / H),
+                           static_cast<long long>(r % H), static_cast<long long>(n), static_cast<long long>(w));
+    if (cols > out.extent(1))
+      return status::error(errc::shape_mismatch, "%s: row %lld needs %lld score columns, out has %lld", fn,
+                           static_cast<long long>(r), static_cast<long long>(cols),
+                           static_cast<long long>(out.extent(1)));
+  }
+  const byte_range o = range_of(out);
+  if (o.intersects(range_of(q)) || o.intersects(pool_range(L.keys)) || o.intersects(pool_range(L.values)))
+    return status::error(errc::overlap, "%s: out overlaps the queries or the page pools", fn);
+  return {};
+}
+}  // namespace detail
+
+/// SnapKV-family window scores over a paged layer, without copies: row r = (s, h) holding n_r
+/// tokens is scored with its last w tokens as the block (attention_scores with prefix = tokens
+/// [0, n_r - w), block = tokens [n_r - w, n_r), causal inside the block), by the same kernels as
+/// window_scores, so the scores are bit-identical to window_scores on a dense copy of the row.
+///   window_queries [S * H_q][w][d]   sequence s's query heads at rows s*H_q .. (GQA: query head
+///                                    q of a sequence reads KV head q / (H_q / H_kv))
+///   out            [S * H_q][C]      row s*H_q + q: columns [0, n_r - w) (prefix, what SnapKV
+///                                    ranks), or [0, n_r) with include_window; the rest untouched
+/// Every row must hold at least w tokens. Workspace: paged_workspace_bytes plus attention_scores'
+/// for the widest row C allows (it depends on C, not on the table). Rows run one after another
+/// (par: each row's call is parallel inside). Errors: validate_paged_layer's; query heads not
+/// S x a multiple of H_kv, dims differing, w = 0, a row shorter than w, out rows or columns too
+/// few, out overlapping the inputs; bad options; workspace too small.
+template <class Backend, class Q, class T>
+status paged_window_scores(Backend be, workspace& ws, kv_view<Q> window_queries, paged_layer<T> layer,
+                           matrix_view<float> out, bool include_window = false, const score_options& opt = {}) {
+  static_assert(is_kv_element_v<std::remove_const_t<Q>> && is_kv_element_v<std::remove_const_t<T>>,
+                "paged_window_scores: float, float16 or bfloat16");
+  using QE = std::remove_const_t<Q>;
+  constexpr const char* fn = "paged_window_scores";
+  const kv_view<const QE> q = window_queries;
+  KVEVICT_TRY(detail::check_paged_shape(fn, layer));
+  index_t g = 1;
+  KVEVICT_TRY(detail::check_score_options(fn, opt));
+  // the scratch of the widest row out allows
+  const index_t w = q.extent(1), d = layer.keys.dim, C = out.extent(1);
+  const int threads = detail::thread_count(be);
+  detail::score_shape sh_max;
+  detail::score_plan pl_max;
+  const index_t hq = layer.sequences > 0 && layer.kv_heads > 0 ? q.extent(0) / layer.sequences / layer.kv_heads : 1;
+  KVEVICT_TRY(detail::paged_window_plan(fn, hq > 0 ? hq : 1, w > 0 ? w : 1, include_window ? (C > w ? C - w : 0) : C,
+                                        d > 0 ? d : 1, include_window, threads, opt, sh_max, pl_max));
+  detail::workspace_carver c(ws);
+  std::uint64_t* bitmap = c.take<std::uint64_t>(static_cast<std::size_t>(detail::paged_check_words(layer)));
+  float* scratch = c.take<float>(static_cast<std::size_t>(pl_max.slot_floats * pl_max.threads));
+  KVEVICT_TRY(c.finish(fn));
+  if (ws.is_query()) return {};
+  detail::byte_range tr[3];
+  detail::table_ranges(layer.table, tr);
+  const detail::byte_range touched[] = {tr[0], tr[1], tr[2], detail::range_of(out), detail::range_of(q),
+                                        detail::pool_range(layer.keys)};
+  KVEVICT_TRY(c.check_disjoint(fn, touched, {"table.indptr", "table.indices", "table.last_page_len", "out",
+                                             "window_queries", "the key pool"}));
+  KVEVICT_TRY(detail::check_page_table(fn, layer.table, layer.keys.pages, layer.keys.page_size, bitmap));
+  KVEVICT_TRY(detail::check_paged_window(fn, q, layer, out, include_window, g));
+  using exts3 = cuda::std::dextents<index_t, 3>;
+  using exts2 = cuda::std::dextents<index_t, 2>;
+  const cuda::std::array<index_t, 3> qs{q.stride(0), q.stride(1), q.stride(2)};
+  const cuda::std::array<index_t, 2> os{out.stride(0), out.stride(1)};
+  for (index_t r = 0; r < layer.rows(); ++r) {
+    const index_t n = layer.length(r), s = r / layer.kv_heads, h = r % layer.kv_heads;
+    const index_t head0 = s * g * layer.kv_heads + h * g;
+    detail::score_shape sh;
+    detail::score_plan pl;
+    KVEVICT_TRY(detail::paged_window_plan(fn, g, w, n - w, d, include_window, threads, opt, sh, pl));
+    if (pl.tasks == 0) continue;
+    const kv_view<const QE> qr(q.data_handle() + head0 * q.stride(0),
+                               cuda::std::layout_stride::mapping<exts3>(exts3(g, w, d), qs));
+    const matrix_view<float> orow(out.data_handle() + head0 * out.stride(0),
+                                  cuda::std::layout_stride::mapping<exts2>(exts2(g, sh.out_cols), os));
+    detail::attention_scores_run(be, sh, pl, scratch, qr, detail::paged_keys_of(layer, r, 0),
+                                 detail::paged_keys_of(layer, r, n - w), orow, opt);
+  }
+  return {};
+}
 
 /// Knorm over a paged layer: out[r][j] = -||key of row r, token j||_2 (the same function as
 /// key_norm_scores, so the same bits as on a dense cache). Columns past a row's length are not

@@ -1,0 +1,155 @@
+// CUDA overload of <kvevict/paged.hpp>'s compact_paged. Same semantics as the host backends;
+// launches are asynchronous on the backend's stream and never synchronise the host.
+//
+//   compact_paged(cuda_t, ws, layer, kept, out [, bad])   kept rows to the front of each list,
+//                                                         freed page ids and lengths reported
+//
+// Every pointer holds device memory (pools, table, kept lists, outputs). Checked on the host before
+// any launch: the pools' geometry, the layer's shape, kept's row count, null pointers, alignment
+// and the workspace. The table, kept lists and lengths are device data: the kernels check them
+// (detail/block/paged_block.hpp) and the call is all or nothing: if any page id is outside the
+// pool or listed twice, any list's offsets or last_page_len are bad, any kept list is bad, heads of
+// a per-sequence list keep different counts, or the freed pages exceed out.freed_capacity, nothing
+// is written (pools, lengths, freed pages, count) and the problems are added to `*bad` (a device
+// int the caller zeroes; optional). Workspace: 4 B per pool page + about 2 KiB per row.
+#pragma once
+
+#include <kvevict/cuda/block.cuh>
+#include <kvevict/cuda/compact.cuh>
+#include <kvevict/cuda/launch.cuh>
+#include <kvevict/detail/block/paged_block.hpp>
+#include <kvevict/paged.hpp>
+#include <kvevict/workspace.hpp>
+
+#include <cstdint>
+
+namespace kvevict {
+namespace detail {
+
+/// Step 1: count every listed page (grid-stride); a listed count outside [0, pool pages] is one
+/// problem (nothing is marked).
+__global__ void __launch_bounds__(compact_threads)
+    paged_mark_kernel(page_table table, index_t pool_pages, std::uint32_t* marks, bad_counter bad) {
+  const index_t listed = table.indptr[table.lists];
+  if (listed < 0 || listed > pool_pages) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) bad.add(1);
+    return;
+  }
+  const auto count = [](std::uint32_t* m) { atomicAdd(m, 1u); };
+  int n = 0;
+  for (index_t i = index_t(blockIdx.x) * compact_threads + threadIdx.x; i < listed;
+       i += index_t(gridDim.x) * compact_threads)
+    n += paged_mark_page(table, i, pool_pages, marks, count);
+  bad.add(n);
+}
+
+/// Step 2: block r (grid-stride) validates row r.
+template <class T>
+__global__ void __launch_bounds__(compact_threads)
+    paged_validate_kernel(paged_inplace_heads<T> heads, const std::uint32_t* marks, bad_counter bad) {
+  __shared__ typename compact_block_t::temp_storage tmp;
+  compact_block_t blk{tmp};
+  for (index_t r = blockIdx.x; r < heads.heads(); r += gridDim.x) {
+    const index_t n = paged_validate_row(blk, heads, r, marks);
+    if (threadIdx.x == 0) bad.add(static_cast<int>(n < 1 << 30 ? n : 1 << 30));
+    __syncthreads();
+  }
+}
+
+/// Step 3: one block decides (all or nothing) and writes the lengths and freed pages.
+template <class T>
+__global__ void __launch_bounds__(compact_threads)
+    paged_finish_kernel(paged_inplace_heads<T> heads, const int* problems, paged_compaction_out out,
+                        index_t* head_rows, bad_counter bad) {
+  __shared__ typename compact_block_t::temp_storage tmp;
+  compact_block_t blk{tmp};
+  const index_t added = paged_finish(blk, heads, *problems, out, head_rows);
+  if (threadIdx.x == 0) bad.add(static_cast<int>(added));
+}
+
+/// The in-place tiles over one pool's rows (the sync counters zeroed first).
+template <class T>
+status launch_paged_copy(cudaStream_t st, const char* fn, const paged_inplace_heads<T>& heads, const index_t* head_rows,
+                         unsigned* counters) {
+  const index_t R = heads.heads();
+  const auto r = static_cast<std::size_t>(R);
+  KVEVICT_TRY(cuda_status(cudaMemsetAsync(counters, 0, r * (2 + static_cast<std::size_t>(inplace_ring)) * sizeof(unsigned), st), fn));
+  const page_pool<T>& p = heads.pool;
+  const std::uint64_t bits = addr_bits(p.data) | static_cast<std::uint64_t>(p.page_stride) * sizeof(T) |
+                             static_cast<std::uint64_t>(p.token_stride) * sizeof(T) |
+                             static_cast<std::uint64_t>(p.head_stride) * sizeof(T);
+  return with_unit(unit_for<T>(true, bits, p.dim), [&](auto u) {
+    constexpr int U = decltype(u)::value;
+    const row_copy<T, U> rc{p.dim, 1, 1};
+    const index_t tile_rows = inplace_tile_rows(rc.units(), rc.unit_bytes());
+    const index_t parts = parts_per_head(R, 1024, inplace_max_parts);
+    const inplace_sync sync{counters, counters + R, counters + 2 * R};
+    inplace_copy_kernel<T, U, paged_inplace_heads<T>>
+        <<<grid_blocks(R * parts), compact_threads, 0, st>>>(heads, rc, tile_rows, parts, head_rows, sync);
+    return launch_status(fn);
+  });
+}
+
+}  // namespace detail
+
+/// Paged compaction on the GPU (see the file comment; the host form's semantics). Device pointers
+/// throughout; `bad` (optional, device) receives the number of problems found in device data.
+/// Host-side errors: the pools' geometry and shape (check_paged_shape), kept with another row
+/// count, null pointers, misaligned device arrays, workspace too small or overlapping the first
+/// element of the pools.
+template <class T>
+status compact_paged(cuda_t be, workspace& ws, paged_layer<T> layer, ragged_positions kept, paged_compaction_out out,
+                     int* bad = nullptr) {
+  static_assert(!std::is_const_v<T>, "compact_paged: the pools are written");
+  constexpr const char* fn = "compact_paged(cuda)";
+  KVEVICT_TRY(detail::check_paged_shape(fn, layer));
+  const index_t R = layer.rows(), P = layer.keys.pages;
+  const auto r = static_cast<std::size_t>(R);
+  detail::workspace_carver c(ws);
+  std::uint32_t* marks = c.take<std::uint32_t>(static_cast<std::size_t>(P));
+  int* problems = c.take<int>(1);
+  index_t* head_rows = c.take<index_t>(r);
+  unsigned* counters = c.take<unsigned>(r * (2 + static_cast<std::size_t>(detail::inplace_ring)));
+  KVEVICT_TRY(c.finish(fn));
+  if (ws.is_query()) return {};
+  if (kept.heads != R)
+    return status::error(errc::shape_mismatch, "%s: kept lists %lld rows, the layer has %lld (sequences x KV heads)", fn,
+                         static_cast<long long>(kept.heads), static_cast<long long>(R));
+  if (kept.cu == nullptr) return status::error(errc::null_pointer, "%s: kept.cu offsets are null", fn);
+  if (layer.table.indptr == nullptr || (layer.table.lists > 0 && layer.table.last_page_len == nullptr))
+    return status::error(errc::null_pointer, "%s: table.indptr or table.last_page_len is null", fn);
+  if ((layer.table.lists > 0 && out.lengths == nullptr) || out.freed_count == nullptr ||
+      (out.freed_capacity > 0 && out.freed_pages == nullptr))
+    return status::error(errc::null_pointer, "%s: out.lengths, out.freed_pages or out.freed_count is null", fn);
+  if (out.freed_capacity < 0) return status::error(errc::invalid_argument, "%s: out.freed_capacity is negative", fn);
+  KVEVICT_TRY(detail::check_kept_alignment(fn, kept));
+  const char* names[] = {"table.indptr", "table.indices", "table.last_page_len", "out.lengths", "out.freed_pages",
+                         "out.freed_count"};
+  const std::int32_t* arrays[] = {layer.table.indptr, layer.table.indices, layer.table.last_page_len,
+                                  out.lengths,        out.freed_pages,     out.freed_count};
+  for (int i = 0; i < 6; ++i) KVEVICT_TRY(detail::check_device_alignment(fn, names[i], arrays[i]));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "keys.data", layer.keys.data));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "values.data", layer.values.data));
+  const detail::byte_range first[] = {detail::first_row(layer.keys.data, layer.keys.dim),
+                                      detail::first_row(layer.values.data, layer.values.dim)};
+  KVEVICT_TRY(c.check_disjoint(fn, first, {"the key pool", "the value pool"}));
+  if (R == 0 && layer.table.lists == 0) return {};
+  const cudaStream_t st = detail::stream_of(be);
+  KVEVICT_TRY(detail::cuda_status(cudaMemsetAsync(marks, 0, static_cast<std::size_t>(P) * sizeof(std::uint32_t), st), fn));
+  KVEVICT_TRY(detail::cuda_status(cudaMemsetAsync(problems, 0, sizeof(int), st), fn));
+  const detail::bad_counter count{bad, problems};
+  const detail::paged_inplace_heads<T> kh{layer.keys, layer.table, kept, layer.kv_heads, layer.lists};
+  const detail::paged_inplace_heads<T> vh{layer.values, layer.table, kept, layer.kv_heads, layer.lists};
+  detail::paged_mark_kernel<<<detail::grid_blocks((P + detail::compact_threads - 1) / detail::compact_threads),
+                              detail::compact_threads, 0, st>>>(layer.table, P, marks, count);
+  KVEVICT_TRY(detail::launch_status(fn));
+  detail::paged_validate_kernel<T><<<detail::grid_blocks(R), detail::compact_threads, 0, st>>>(kh, marks, count);
+  KVEVICT_TRY(detail::launch_status(fn));
+  detail::paged_finish_kernel<T><<<1, detail::compact_threads, 0, st>>>(kh, problems, out, head_rows, count);
+  KVEVICT_TRY(detail::launch_status(fn));
+  if (R == 0) return {};
+  KVEVICT_TRY(detail::launch_paged_copy(st, fn, kh, head_rows, counters));
+  return detail::launch_paged_copy(st, fn, vh, head_rows, counters);
+}
+
+}  // namespace kvevict

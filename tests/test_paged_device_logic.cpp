@@ -1,0 +1,170 @@
+// The CUDA paged compaction's logic (detail/block/paged_block.hpp: mark, validate, finish, then the
+// in-place tiles of compact_block.hpp over paged rows) run on the host under the emulated block:
+// identical pools and outputs to compact_paged(seq) on random layouts, and all or nothing on bad
+// device data (nothing written, the problems counted).
+#include "paged_fixture.hpp"
+
+#include <kvevict/detail/block/host_block.hpp>
+#include <kvevict/detail/block/paged_block.hpp>
+#include <kvevict/paged.hpp>
+
+using namespace kvevict;
+using kvtest::paged_fixture;
+
+namespace {
+
+struct outputs {
+  std::vector<std::int32_t> lengths, freed;
+  std::int32_t count = -1;
+  paged_compaction_out view(index_t capacity) { return {lengths.data(), freed.data(), capacity, &count}; }
+};
+
+outputs room(const paged_fixture& f) {
+  outputs o;
+  o.lengths.assign(static_cast<std::size_t>(f.list_count()) + 1, -7);
+  o.freed.assign(static_cast<std::size_t>(f.pages) + 1, -7);
+  return o;
+}
+
+/// The launcher's kernels in order, one emulated block at a time; tiles of `tile_rows` rows (-1:
+/// the kernel's choice, 0: rows copied directly). Returns the problems counted.
+index_t emulate(std::mt19937_64& g, paged_layer<float> L, ragged_positions kept, paged_compaction_out out,
+                index_t tile_rows_override) {
+  const index_t P = L.keys.pages, R = L.rows();
+  std::vector<std::uint32_t> marks(static_cast<std::size_t>(std::max<index_t>(P, 1)), 0);
+  index_t problems = 0;
+  const index_t listed = L.table.indptr[L.table.lists];
+  if (listed < 0 || listed > P) ++problems;
+  else
+    for (index_t i = 0; i < listed; ++i)
+      problems += detail::paged_mark_page(L.table, i, P, marks.data(), [](std::uint32_t* m) { ++*m; });
+  detail::host_block blk(32, g);
+  const detail::paged_inplace_heads<float> kh{L.keys, L.table, kept, L.kv_heads, L.lists};
+  const detail::paged_inplace_heads<float> vh{L.values, L.table, kept, L.kv_heads, L.lists};
+  for (index_t r = 0; r < R; ++r) problems += detail::paged_validate_row(blk, kh, r, marks.data());
+  std::vector<index_t> head_rows(static_cast<std::size_t>(std::max<index_t>(R, 1)), -5);
+  problems += detail::paged_finish(blk, kh, problems, out, head_rows.data());
+  for (const auto* heads : {&kh, &vh}) {
+    const index_t dim = heads->pool.dim;
+    detail::with_unit(detail::unit_for<float>(true, detail::addr_bits(heads->pool.data), dim), [&](auto u) {
+      constexpr int U = decltype(u)::value;
+      const detail::row_copy<float, U> rc{dim, 1, 1};
+      const index_t tile_rows =
+          tile_rows_override >= 0 ? tile_rows_override : detail::inplace_tile_rows(rc.units(), rc.unit_bytes());
+      std::vector<unsigned char> stage(static_cast<std::size_t>(std::max<index_t>(tile_rows, 1) * rc.units() * rc.unit_bytes() + 16));
+      for (index_t r = 0; r < R; ++r) {
+        const index_t n = head_rows[static_cast<std::size_t>(r)];
+        if (n < 0) continue;
+        for (index_t c = 0;; ++c) {
+          if (!detail::inplace_tile_read(blk, *heads, rc, r, n, c, tile_rows, stage.data())) break;
+          detail::inplace_tile_write(blk, *heads, rc, r, n, c, tile_rows, stage.data());
+        }
+      }
+    });
+  }
+  return problems;
+}
+
+std::vector<std::vector<pos_t>> random_kept(std::mt19937_64& g, const paged_fixture& f) {
+  std::vector<std::vector<pos_t>> kept(static_cast<std::size_t>(f.rows()));
+  index_t shared = 0;
+  for (index_t r = 0; r < f.rows(); ++r) {
+    const index_t n = f.row_len[static_cast<std::size_t>(r)];
+    if (f.lists == page_lists::per_head || r % f.H == 0) shared = kvtest::uniform_int(g, 0, n);
+    std::vector<pos_t> all(static_cast<std::size_t>(n));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), g);
+    all.resize(static_cast<std::size_t>(shared));
+    std::sort(all.begin(), all.end());
+    kept[static_cast<std::size_t>(r)] = all;
+  }
+  return kept;
+}
+
+struct flat {
+  std::vector<pos_t> pos;
+  std::vector<std::int32_t> cu{0};
+};
+flat flatten(const std::vector<std::vector<pos_t>>& k) {
+  flat f;
+  for (const auto& row : k) {
+    f.pos.insert(f.pos.end(), row.begin(), row.end());
+    f.cu.push_back(static_cast<std::int32_t>(f.pos.size()));
+  }
+  f.pos.push_back(0);
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("paged compaction device logic == compact_paged(seq) on random layouts") {
+  auto g = kvtest::rng(1321);
+  for (const index_t ps : {index_t(1), index_t(16), index_t(64)})
+    for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head})
+      for (const index_t tiles : {index_t(-1), index_t(0), index_t(1), index_t(3)}) {
+        CAPTURE(ps);
+        CAPTURE(tiles);
+        paged_fixture a = kvtest::make_paged_fixture(g, 3, 2, 8, ps, lists,
+                                                     tiles % 2 ? page_layout::nhd : page_layout::hnd, 3 * ps + 5);
+        paged_fixture b = a;
+        const flat k = flatten(random_kept(g, a));
+        const ragged_positions kv{k.pos.data(), k.cu.data(), a.rows()};
+        outputs oa = room(a), ob = room(b);
+        workspace q;
+        REQUIRE(compact_paged(seq, q, a.layer(), kv, oa.view(a.pages)).ok());
+        std::vector<unsigned char> mem(q.bytes);
+        workspace ws{mem.data(), q.bytes};
+        REQUIRE(compact_paged(seq, ws, a.layer(), kv, oa.view(a.pages)).ok());
+        CHECK(emulate(g, b.layer(), kv, ob.view(b.pages), tiles) == 0);
+        CHECK(a.kpool == b.kpool);
+        CHECK(a.vpool == b.vpool);
+        CHECK(oa.lengths == ob.lengths);
+        CHECK(oa.freed == ob.freed);
+        CHECK(oa.count == ob.count);
+      }
+}
+
+TEST_CASE("paged compaction device logic: bad device data moves nothing and is counted") {
+  auto g = kvtest::rng(1322);
+  paged_fixture base = kvtest::make_paged_fixture(g, 3, 2, 4, 4, page_lists::per_head, page_layout::nhd, 13, 3, 5);
+  const flat k0 = flatten(random_kept(g, base));
+  auto expect_nothing = [&](auto mutate, index_t capacity) {
+    paged_fixture f = base;
+    flat k = k0;
+    mutate(f, k);
+    outputs o = room(f);
+    const auto kp = f.kpool, vp = f.vpool;
+    CHECK(emulate(g, f.layer(), ragged_positions{k.pos.data(), k.cu.data(), f.rows()}, o.view(capacity), -1) > 0);
+    CHECK(f.kpool == kp);
+    CHECK(f.vpool == vp);
+    CHECK(o.lengths == room(f).lengths);
+    CHECK(o.freed == room(f).freed);
+    CHECK(o.count == -1);
+  };
+  const index_t cap = base.pages;
+  expect_nothing([](paged_fixture& f, flat&) { f.indices[0] = static_cast<std::int32_t>(f.pages); }, cap);
+  expect_nothing([](paged_fixture& f, flat&) { f.indices[1] = f.indices[0]; }, cap);
+  expect_nothing([](paged_fixture& f, flat&) { f.last[2] = 0; }, cap);
+  expect_nothing([](paged_fixture& f, flat&) { f.last[2] = static_cast<std::int32_t>(f.page_size + 1); }, cap);
+  expect_nothing([](paged_fixture& f, flat&) { f.indptr[1] = f.indptr[2] + 1; }, cap);
+  expect_nothing(
+      [](paged_fixture&, flat& k) {
+        for (std::size_t r = 0; r + 1 < k.cu.size(); ++r)
+          if (k.cu[r + 1] - k.cu[r] >= 2) {
+            std::swap(k.pos[static_cast<std::size_t>(k.cu[r])], k.pos[static_cast<std::size_t>(k.cu[r] + 1)]);
+            return;
+          }
+      },
+      cap);
+  expect_nothing([](paged_fixture&, flat&) {}, 0);  // the freed pages do not fit
+  // per-sequence lists whose heads keep different counts
+  paged_fixture ps = kvtest::make_paged_fixture(g, 2, 2, 4, 4, page_lists::per_sequence, page_layout::hnd, 13, 3, 5);
+  flat k;
+  k.cu = {0, 1, 1, 1, 1};
+  k.pos = {0, 0};
+  outputs o = room(ps);
+  const auto kp = ps.kpool;
+  CHECK(emulate(g, ps.layer(), ragged_positions{k.pos.data(), k.cu.data(), 4}, o.view(ps.pages), -1) > 0);
+  CHECK(ps.kpool == kp);
+  CHECK(o.count == -1);
+}

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
+#include <kvevict/compact.hpp>
 #include <kvevict/detail/base/checks.hpp>
 #include <kvevict/detail/host/select_host.hpp>
 #include <kvevict/select.hpp>

@@ -1,8 +1,9 @@
 // Compiles the CUDA selection and compaction launchers under nvcc (sm_80 and sm_90, warnings as
 // errors) and instantiates every kernel they launch: dense and ragged top-k with one and several
 // blocks per row, the flattened selection, and every compaction (dense, ragged_view, ragged_cache,
-// in place dense and ragged, append) for each KV element type and every copy unit.
+// in place dense and ragged, append, paged) for each KV element type and every copy unit.
 #include <kvevict/cuda/compact.cuh>
+#include <kvevict/cuda/paged.cuh>
 #include <kvevict/cuda/select.cuh>
 
 namespace kvevict {
@@ -27,7 +28,8 @@ status flat(workspace& ws, matrix_view<const float> scores, const std::int32_t* 
   template status compact<const T, T>(cuda_t, kv_view<const T>, ragged_positions, ragged_cache<T>, int*);      \
   template status compact_inplace<T>(cuda_t, workspace&, kv_view<T>, matrix_view<const pos_t>, int*);          \
   template status compact_inplace<T>(cuda_t, workspace&, ragged_cache<T>, ragged_positions, int*);             \
-  template status append<T, const T>(cuda_t, ragged_cache<T>, kv_view<const T>, int*);
+  template status append<T, const T>(cuda_t, ragged_cache<T>, kv_view<const T>, int*);                         \
+  template status compact_paged<T>(cuda_t, workspace&, paged_layer<T>, ragged_positions, paged_compaction_out, int*);
 
 KVEVICT_INSTANTIATE_COMPACT(float)
 KVEVICT_INSTANTIATE_COMPACT(float16)

@@ -6,31 +6,17 @@
 // pages equal a naive row-by-row simulation, and seq == par.
 #include <kvevict/paged.hpp>
 
+#include "fuzz_input.hpp"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 using namespace kvevict;
+using kvfuzz::require;
 
 namespace {
-
-struct input {
-  const std::uint8_t* p;
-  std::size_t n;
-  std::uint32_t take(int bytes) {
-    std::uint32_t v = 0;
-    for (int i = 0; i < bytes; ++i) {
-      v = v << 8 | (n > 0 ? *p : 0u);
-      if (n > 0) ++p, --n;
-    }
-    return v;
-  }
-};
-
-void require(bool ok) {
-  if (!ok) __builtin_trap();
-}
 
 /// The table's validity, checked the slow and obvious way.
 bool naive_table_ok(const std::vector<std::int32_t>& indptr, const std::vector<std::int32_t>& indices,
@@ -82,7 +68,7 @@ outcome run(Backend be, const paged_layer<float>& proto, std::vector<float> k, s
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  input in{data, size};
+  kvfuzz::input in{data, size};
   const std::uint32_t flags = in.take(1);
   const bool per_head = flags & 1, hnd = flags & 2;
   const index_t ps = 1 + in.take(1) % 8, pages = in.take(1) % 24, S = in.take(1) % 4, H = 1 + in.take(1) % 3;

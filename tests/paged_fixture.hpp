@@ -110,4 +110,73 @@ inline dense_copy dense_of(paged_fixture& f) {
   return c;
 }
 
+/// A two-phase call with a workspace of exactly the queried size (misaligned bases included).
+template <class F>
+kvevict::status two_phase(F&& call) {
+  kvevict::workspace q;
+  KVEVICT_TRY(call(q));
+  std::vector<unsigned char> mem;
+  kvevict::workspace ws = shifted_workspace(mem, q.bytes, 0xa5);
+  return call(ws);
+}
+
+/// Random strictly ascending kept lists, one per row; per-sequence tables keep one count per
+/// sequence (every head of a list the same count).
+inline std::vector<std::vector<kvevict::pos_t>> random_kept(std::mt19937_64& g, const paged_fixture& f) {
+  std::vector<std::vector<kvevict::pos_t>> kept(static_cast<std::size_t>(f.rows()));
+  kvevict::index_t shared = 0;
+  for (kvevict::index_t r = 0; r < f.rows(); ++r) {
+    const kvevict::index_t n = f.row_len[static_cast<std::size_t>(r)];
+    if (f.lists == kvevict::page_lists::per_head || r % f.H == 0) shared = uniform_int(g, 0, n);
+    std::vector<kvevict::pos_t> all(static_cast<std::size_t>(n));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), g);
+    all.resize(static_cast<std::size_t>(shared));
+    std::sort(all.begin(), all.end());
+    kept[static_cast<std::size_t>(r)] = all;
+  }
+  return kept;
+}
+
+/// Kept lists as one ragged list (pos never empty).
+struct flat_kept {
+  std::vector<kvevict::pos_t> pos;
+  std::vector<std::int32_t> cu{0};
+  kvevict::ragged_positions view(kvevict::index_t rows) const { return {pos.data(), cu.data(), rows}; }
+};
+inline flat_kept flatten(const std::vector<std::vector<kvevict::pos_t>>& k) {
+  flat_kept f;
+  for (const auto& row : k) {
+    f.pos.insert(f.pos.end(), row.begin(), row.end());
+    f.cu.push_back(static_cast<std::int32_t>(f.pos.size()));
+  }
+  f.pos.push_back(0);
+  return f;
+}
+
+/// The outputs of a paged compaction, filled with a marker (-7) so writes show.
+struct paged_outputs {
+  std::vector<std::int32_t> lengths, freed;
+  std::int32_t count = -7;
+  kvevict::paged_compaction_out out(kvevict::index_t capacity) {
+    return {lengths.data(), freed.data(), capacity, &count};
+  }
+  kvevict::paged_compaction_out out() { return out(static_cast<kvevict::index_t>(freed.size())); }
+};
+inline paged_outputs room_for(const paged_fixture& f) {
+  paged_outputs o;
+  o.lengths.assign(static_cast<std::size_t>(f.list_count()) + 1, -7);
+  o.freed.assign(static_cast<std::size_t>(f.pages) + 1, -7);
+  return o;
+}
+/// Two compactions of equal layouts gave the same pools and outputs.
+inline void check_same_compaction(const paged_fixture& a, const paged_outputs& oa, const paged_fixture& b,
+                                  const paged_outputs& ob) {
+  CHECK(a.kpool == b.kpool);
+  CHECK(a.vpool == b.vpool);
+  CHECK(oa.lengths == ob.lengths);
+  CHECK(oa.freed == ob.freed);
+  CHECK(oa.count == ob.count);
+}
+
 }  // namespace kvtest

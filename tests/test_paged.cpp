@@ -11,67 +11,15 @@
 #include <set>
 
 using namespace kvevict;
+using kvtest::flat_kept;
+using kvtest::flatten;
 using kvtest::paged_fixture;
+using kvtest::room_for;
+using compaction = kvtest::paged_outputs;
+using kvtest::random_kept;
+using kvtest::two_phase;
 
 namespace {
-
-/// A two-phase call with a workspace of exactly the queried size (misaligned bases included).
-template <class F>
-status two_phase(F&& call) {
-  workspace q;
-  KVEVICT_TRY(call(q));
-  std::vector<unsigned char> mem;
-  workspace ws = kvtest::shifted_workspace(mem, q.bytes, 0xa5);
-  return call(ws);
-}
-
-/// Random strictly ascending kept lists: per-sequence tables keep one count per sequence.
-std::vector<std::vector<pos_t>> random_kept(std::mt19937_64& g, const paged_fixture& f) {
-  std::vector<std::vector<pos_t>> kept(static_cast<std::size_t>(f.rows()));
-  index_t shared = 0;
-  for (index_t r = 0; r < f.rows(); ++r) {
-    const index_t n = f.row_len[static_cast<std::size_t>(r)];
-    const bool first_of_seq = f.lists == page_lists::per_head || r % f.H == 0;
-    if (first_of_seq) shared = kvtest::uniform_int(g, 0, n);
-    std::vector<pos_t> all(static_cast<std::size_t>(n));
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), g);
-    all.resize(static_cast<std::size_t>(shared));
-    std::sort(all.begin(), all.end());
-    kept[static_cast<std::size_t>(r)] = all;
-  }
-  return kept;
-}
-
-struct flat_kept {
-  std::vector<pos_t> pos;
-  std::vector<std::int32_t> cu{0};
-  ragged_positions view(index_t rows) const { return {pos.data(), cu.data(), rows}; }
-};
-flat_kept flatten(const std::vector<std::vector<pos_t>>& k) {
-  flat_kept f;
-  for (const auto& row : k) {
-    f.pos.insert(f.pos.end(), row.begin(), row.end());
-    f.cu.push_back(static_cast<std::int32_t>(f.pos.size()));
-  }
-  f.pos.push_back(0);  // never empty
-  return f;
-}
-
-struct compaction {
-  std::vector<std::int32_t> lengths, freed;
-  std::int32_t count = -1;
-  paged_compaction_out out() {
-    return {lengths.data(), freed.data(), static_cast<index_t>(freed.size()), &count};
-  }
-};
-
-compaction room_for(const paged_fixture& f) {
-  compaction c;
-  c.lengths.assign(static_cast<std::size_t>(f.list_count()) + 1, -1);
-  c.freed.assign(static_cast<std::size_t>(f.pages) + 1, -1);
-  return c;
-}
 
 const index_t page_sizes[] = {1, 16, 64};
 
@@ -154,7 +102,7 @@ TEST_CASE("paged compaction keeps the rows dense compaction keeps, on random lay
           }
           REQUIRE(c.count == static_cast<std::int32_t>(expect_freed.size()));
           CHECK(std::vector<std::int32_t>(c.freed.begin(), c.freed.begin() + c.count) == expect_freed);
-          CHECK(c.freed[static_cast<std::size_t>(c.count)] == -1);  // nothing past the count
+          CHECK(c.freed[static_cast<std::size_t>(c.count)] == -7);  // nothing past the count
           // the engine's table afterwards: kept pages + freed pages = the pages before, once each
           REQUIRE(shrink_page_table(f.indptr.data(), f.indices.data(), f.last.data(), f.list_count(), ps,
                                     c.lengths.data())
@@ -183,11 +131,7 @@ TEST_CASE("paged compaction: seq and par give identical pools and outputs") {
     compaction ca = room_for(a), cb = room_for(b);
     REQUIRE(two_phase([&](workspace& ws) { return compact_paged(seq, ws, a.layer(), fk.view(a.rows()), ca.out()); }).ok());
     REQUIRE(two_phase([&](workspace& ws) { return compact_paged(par, ws, b.layer(), fk.view(b.rows()), cb.out()); }).ok());
-    CHECK(a.kpool == b.kpool);
-    CHECK(a.vpool == b.vpool);
-    CHECK(ca.lengths == cb.lengths);
-    CHECK(ca.freed == cb.freed);
-    CHECK(ca.count == cb.count);
+    kvtest::check_same_compaction(a, ca, b, cb);
   }
 }
 
@@ -296,7 +240,7 @@ TEST_CASE("paged compaction: every bad input fails before any write, the pool un
           }
       },
       errc::not_sorted, "strictly ascending");
-  expect([&](paged_fixture&, flat_kept&, compaction& c) { c.freed.assign(1, -1); }, errc::capacity_exceeded,
+  expect([&](paged_fixture&, flat_kept&, compaction& c) { c.freed.assign(1, -7); }, errc::capacity_exceeded,
          "pages are freed");
   expect([&](paged_fixture&, flat_kept&, compaction& c) { c.lengths.clear(), c.lengths.shrink_to_fit(); },
          errc::null_pointer, "out.lengths");

@@ -10,17 +10,9 @@
 #include <kvevict/select.hpp>
 
 using namespace kvevict;
+using kvtest::two_phase;
 
 namespace {
-
-template <class F>
-status two_phase(F&& call) {
-  workspace q;
-  KVEVICT_TRY(call(q));
-  std::vector<unsigned char> mem;
-  workspace ws = kvtest::shifted_workspace(mem, q.bytes, 0xa5);
-  return call(ws);
-}
 
 /// A random batch: S sequences x H heads, lengths in [0, max_len], scores from a few values (ties).
 struct batch_case {

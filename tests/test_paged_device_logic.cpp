@@ -10,21 +10,12 @@
 
 using namespace kvevict;
 using kvtest::paged_fixture;
+using outputs = kvtest::paged_outputs;
+using kvtest::random_kept;
+using flat = kvtest::flat_kept;
+using kvtest::flatten;
 
 namespace {
-
-struct outputs {
-  std::vector<std::int32_t> lengths, freed;
-  std::int32_t count = -1;
-  paged_compaction_out view(index_t capacity) { return {lengths.data(), freed.data(), capacity, &count}; }
-};
-
-outputs room(const paged_fixture& f) {
-  outputs o;
-  o.lengths.assign(static_cast<std::size_t>(f.list_count()) + 1, -7);
-  o.freed.assign(static_cast<std::size_t>(f.pages) + 1, -7);
-  return o;
-}
 
 /// The launcher's kernels in order, one emulated block at a time; tiles of `tile_rows` rows (-1:
 /// the kernel's choice, 0: rows copied directly). Returns the problems counted.
@@ -65,36 +56,6 @@ index_t emulate(std::mt19937_64& g, paged_layer<float> L, ragged_positions kept,
   return problems;
 }
 
-std::vector<std::vector<pos_t>> random_kept(std::mt19937_64& g, const paged_fixture& f) {
-  std::vector<std::vector<pos_t>> kept(static_cast<std::size_t>(f.rows()));
-  index_t shared = 0;
-  for (index_t r = 0; r < f.rows(); ++r) {
-    const index_t n = f.row_len[static_cast<std::size_t>(r)];
-    if (f.lists == page_lists::per_head || r % f.H == 0) shared = kvtest::uniform_int(g, 0, n);
-    std::vector<pos_t> all(static_cast<std::size_t>(n));
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), g);
-    all.resize(static_cast<std::size_t>(shared));
-    std::sort(all.begin(), all.end());
-    kept[static_cast<std::size_t>(r)] = all;
-  }
-  return kept;
-}
-
-struct flat {
-  std::vector<pos_t> pos;
-  std::vector<std::int32_t> cu{0};
-};
-flat flatten(const std::vector<std::vector<pos_t>>& k) {
-  flat f;
-  for (const auto& row : k) {
-    f.pos.insert(f.pos.end(), row.begin(), row.end());
-    f.cu.push_back(static_cast<std::int32_t>(f.pos.size()));
-  }
-  f.pos.push_back(0);
-  return f;
-}
-
 }  // namespace
 
 TEST_CASE("paged compaction device logic == compact_paged(seq) on random layouts") {
@@ -109,18 +70,14 @@ TEST_CASE("paged compaction device logic == compact_paged(seq) on random layouts
         paged_fixture b = a;
         const flat k = flatten(random_kept(g, a));
         const ragged_positions kv{k.pos.data(), k.cu.data(), a.rows()};
-        outputs oa = room(a), ob = room(b);
+        outputs oa = kvtest::room_for(a), ob = kvtest::room_for(b);
         workspace q;
-        REQUIRE(compact_paged(seq, q, a.layer(), kv, oa.view(a.pages)).ok());
+        REQUIRE(compact_paged(seq, q, a.layer(), kv, oa.out(a.pages)).ok());
         std::vector<unsigned char> mem(q.bytes);
         workspace ws{mem.data(), q.bytes};
-        REQUIRE(compact_paged(seq, ws, a.layer(), kv, oa.view(a.pages)).ok());
-        CHECK(emulate(g, b.layer(), kv, ob.view(b.pages), tiles) == 0);
-        CHECK(a.kpool == b.kpool);
-        CHECK(a.vpool == b.vpool);
-        CHECK(oa.lengths == ob.lengths);
-        CHECK(oa.freed == ob.freed);
-        CHECK(oa.count == ob.count);
+        REQUIRE(compact_paged(seq, ws, a.layer(), kv, oa.out(a.pages)).ok());
+        CHECK(emulate(g, b.layer(), kv, ob.out(b.pages), tiles) == 0);
+        kvtest::check_same_compaction(a, oa, b, ob);
       }
 }
 
@@ -132,14 +89,14 @@ TEST_CASE("paged compaction device logic: bad device data moves nothing and is c
     paged_fixture f = base;
     flat k = k0;
     mutate(f, k);
-    outputs o = room(f);
+    outputs o = kvtest::room_for(f);
     const auto kp = f.kpool, vp = f.vpool;
-    CHECK(emulate(g, f.layer(), ragged_positions{k.pos.data(), k.cu.data(), f.rows()}, o.view(capacity), -1) > 0);
+    CHECK(emulate(g, f.layer(), ragged_positions{k.pos.data(), k.cu.data(), f.rows()}, o.out(capacity), -1) > 0);
     CHECK(f.kpool == kp);
     CHECK(f.vpool == vp);
-    CHECK(o.lengths == room(f).lengths);
-    CHECK(o.freed == room(f).freed);
-    CHECK(o.count == -1);
+    CHECK(o.lengths == kvtest::room_for(f).lengths);
+    CHECK(o.freed == kvtest::room_for(f).freed);
+    CHECK(o.count == -7);
   };
   const index_t cap = base.pages;
   expect_nothing([](paged_fixture& f, flat&) { f.indices[0] = static_cast<std::int32_t>(f.pages); }, cap);
@@ -162,9 +119,9 @@ TEST_CASE("paged compaction device logic: bad device data moves nothing and is c
   flat k;
   k.cu = {0, 1, 1, 1, 1};
   k.pos = {0, 0};
-  outputs o = room(ps);
+  outputs o = kvtest::room_for(ps);
   const auto kp = ps.kpool;
-  CHECK(emulate(g, ps.layer(), ragged_positions{k.pos.data(), k.cu.data(), 4}, o.view(ps.pages), -1) > 0);
+  CHECK(emulate(g, ps.layer(), ragged_positions{k.pos.data(), k.cu.data(), 4}, o.out(ps.pages), -1) > 0);
   CHECK(ps.kpool == kp);
-  CHECK(o.count == -1);
+  CHECK(o.count == -7);
 }

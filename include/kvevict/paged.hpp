@@ -75,17 +75,15 @@ result<page_pool<T>> make_token_major_pool(T* data, index_t sequences, index_t c
   return make_page_pool(data, sequences, capacity, heads, dim, page_layout::nhd);
 }
 
-/// last_page_len from token counts (vLLM keeps seq_lens and block tables): list r holds
-/// lengths[r] tokens in its indptr[r+1] - indptr[r] pages. Errors: indptr null, not starting at 0
-/// or not monotone; a length negative, above its pages' room ("exceeds its pages") or leaving its
-/// last page empty (a list must hold no unused page: every page full except the last).
-inline status last_page_lengths(const std::int32_t* indptr, index_t lists, const std::int32_t* lengths,
-                                index_t page_size, std::int32_t* last_page_len) {
-  constexpr const char* fn = "last_page_lengths";
+namespace detail {
+/// What last_page_lengths and shrink_page_table read: a page size >= 1, CSR offsets, lengths
+/// within each list's pages' room.
+inline status check_list_lengths(const char* fn, const std::int32_t* indptr, index_t lists,
+                                 const std::int32_t* lengths, index_t page_size, const std::int32_t* last_page_len) {
   if (page_size < 1)
     return status::error(errc::invalid_argument, "%s: page_size is %lld (must be >= 1)", fn,
                          static_cast<long long>(page_size));
-  KVEVICT_TRY(detail::check_offsets(fn, "indptr", indptr, lists));
+  KVEVICT_TRY(check_offsets(fn, "indptr", indptr, lists));
   if (lists > 0 && (lengths == nullptr || last_page_len == nullptr))
     return status::error(errc::null_pointer, "%s: lengths or last_page_len is null", fn);
   for (index_t r = 0; r < lists; ++r) {
@@ -94,6 +92,21 @@ inline status last_page_lengths(const std::int32_t* indptr, index_t lists, const
       return status::error(errc::out_of_range, "%s: list %lld's length %lld exceeds its %lld pages of %lld tokens", fn,
                            static_cast<long long>(r), static_cast<long long>(len), static_cast<long long>(n),
                            static_cast<long long>(page_size));
+  }
+  return {};
+}
+}  // namespace detail
+
+/// last_page_len from token counts (vLLM keeps seq_lens and block tables): list r holds
+/// lengths[r] tokens in its indptr[r+1] - indptr[r] pages. Errors: indptr null, not starting at 0
+/// or not monotone; a length negative, above its pages' room ("exceeds its pages") or leaving its
+/// last page empty (a list must hold no unused page: every page full except the last).
+inline status last_page_lengths(const std::int32_t* indptr, index_t lists, const std::int32_t* lengths,
+                                index_t page_size, std::int32_t* last_page_len) {
+  constexpr const char* fn = "last_page_lengths";
+  KVEVICT_TRY(detail::check_list_lengths(fn, indptr, lists, lengths, page_size, last_page_len));
+  for (index_t r = 0; r < lists; ++r) {
+    const index_t n = indptr[r + 1] - indptr[r], len = lengths[r];
     if (n > 0 && len <= (n - 1) * page_size)
       return status::error(errc::invalid_argument,
                            "%s: list %lld holds %lld tokens in %lld pages of %lld: its last page would be empty", fn,
@@ -257,18 +270,8 @@ status compact_paged(Backend be, workspace& ws, paged_layer<T> layer, ragged_pos
 inline status shrink_page_table(std::int32_t* indptr, std::int32_t* indices, std::int32_t* last_page_len, index_t lists,
                                 index_t page_size, const std::int32_t* lengths) {
   constexpr const char* fn = "shrink_page_table";
-  if (page_size < 1)
-    return status::error(errc::invalid_argument, "%s: page_size is %lld (must be >= 1)", fn,
-                         static_cast<long long>(page_size));
-  KVEVICT_TRY(detail::check_offsets(fn, "indptr", indptr, lists));
-  if (lists > 0 && (lengths == nullptr || last_page_len == nullptr))
-    return status::error(errc::null_pointer, "%s: lengths or last_page_len is null", fn);
+  KVEVICT_TRY(detail::check_list_lengths(fn, indptr, lists, lengths, page_size, last_page_len));
   if (indptr[lists] > 0 && indices == nullptr) return status::error(errc::null_pointer, "%s: indices is null", fn);
-  for (index_t r = 0; r < lists; ++r)
-    if (lengths[r] < 0 || lengths[r] > index_t(indptr[r + 1] - indptr[r]) * page_size)
-      return status::error(errc::out_of_range, "%s: list %lld's length %d exceeds its %d pages of %lld tokens", fn,
-                           static_cast<long long>(r), lengths[r], indptr[r + 1] - indptr[r],
-                           static_cast<long long>(page_size));
   std::int32_t at = 0;
   for (index_t r = 0; r < lists; ++r) {
     const std::int32_t begin = indptr[r], n = static_cast<std::int32_t>((lengths[r] + page_size - 1) / page_size);

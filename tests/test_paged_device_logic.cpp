@@ -1,9 +1,12 @@
 // The CUDA paged compaction's logic (detail/block/paged_block.hpp: mark, validate, finish, then the
 // in-place tiles of compact_block.hpp over paged rows) run on the host under the emulated block:
 // identical pools and outputs to compact_paged(seq) on random layouts, and all or nothing on bad
-// device data (nothing written, the problems counted).
+// device data (nothing written, the problems counted). Also the batched selection's offsets
+// (detail/block/batch_block.hpp) and the paged Knorm kernel's rows.
 #include "paged_fixture.hpp"
 
+#include <kvevict/batch.hpp>
+#include <kvevict/detail/block/batch_block.hpp>
 #include <kvevict/detail/block/host_block.hpp>
 #include <kvevict/detail/block/paged_block.hpp>
 #include <kvevict/paged.hpp>
@@ -124,4 +127,67 @@ TEST_CASE("paged compaction device logic: bad device data moves nothing and is c
   CHECK(emulate(g, ps.layer(), ragged_positions{k.pos.data(), k.cu.data(), 4}, o.out(ps.pages), -1) > 0);
   CHECK(ps.kpool == kp);
   CHECK(o.count == -7);
+}
+
+TEST_CASE("batched selection device logic: the offsets of select_topk_batch, all or nothing") {
+  auto g = kvtest::rng(1323);
+  for (int trial = 0; trial < 20; ++trial) {
+    const index_t S = kvtest::uniform_int(g, 0, 70), H = kvtest::uniform_int(g, 1, 8), T = kvtest::uniform_int(g, 1, 300);
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(S) + 1), lens(static_cast<std::size_t>(S * H) + 1);
+    for (auto& b : budgets) b = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, T + 5));
+    for (auto& l : lens) l = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, T));
+    std::vector<float> scores(static_cast<std::size_t>(std::max<index_t>(S * H * T, 1)));
+    std::vector<std::int32_t> host_cu(static_cast<std::size_t>(S * H + 1)), dev_cu(host_cu.size(), -9);
+    std::vector<pos_t> pos(static_cast<std::size_t>(S * H * T + 1));
+    const auto sv = kvtest::value_of(make_matrix_view<const float>(scores.data(), S * H, T));
+    REQUIRE(kvtest::two_phase([&](workspace& ws) {
+              return select_topk_batch(seq, ws, batch_padded(sv, S, H, lens.data()), budgets.data(),
+                                       batch_budget::per_head, host_cu.data(), pos.data(), static_cast<index_t>(pos.size()));
+            }).ok());
+    detail::host_block blk(32, g);
+    CHECK(detail::batch_offsets(blk, budgets.data(), lens.data(), S * H, H, T, static_cast<index_t>(pos.size()),
+                                dev_cu.data()) == 0);
+    CHECK(dev_cu == host_cu);
+    // all or nothing: a capacity one short, a negative budget, a length above T
+    if (host_cu.back() > 0) {
+      std::fill(dev_cu.begin(), dev_cu.end(), -9);
+      CHECK(detail::batch_offsets(blk, budgets.data(), lens.data(), S * H, H, T, host_cu.back() - 1, dev_cu.data()) == 1);
+      CHECK(std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }));
+    }
+    if (S > 0) {
+      auto bad_budgets = budgets;
+      bad_budgets[0] = -1;
+      CHECK(detail::batch_offsets(blk, bad_budgets.data(), lens.data(), S * H, H, T, 1 << 30, dev_cu.data()) == H);
+      CHECK(std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }));
+      auto bad_lens = lens;
+      bad_lens[0] = static_cast<std::int32_t>(T + 1);
+      CHECK(detail::batch_offsets(blk, budgets.data(), bad_lens.data(), S * H, H, T, 1 << 30, dev_cu.data()) == 1);
+    }
+  }
+}
+
+TEST_CASE("paged Knorm device logic: the rows a kernel reads, and the same scores as the host") {
+  auto g = kvtest::rng(1324);
+  for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head}) {
+    paged_fixture f = kvtest::make_paged_fixture(g, 4, 2, 8, 16, lists, page_layout::hnd, 70);
+    const index_t R = f.rows(), C = 80;
+    std::vector<float> host(static_cast<std::size_t>(R * C), 5.f), dev(host);
+    REQUIRE(kvtest::two_phase([&](workspace& ws) {
+              return paged_key_norm_scores(seq, ws, f.layer(), kvtest::value_of(make_matrix_view(host.data(), R, C)));
+            }).ok());
+    const paged_layer<float> L = f.layer();
+    for (index_t r = 0; r < R; ++r) {  // the kernel's body, row by row
+      const index_t n = detail::paged_readable_row(L, r, C);
+      REQUIRE(n == f.row_len[static_cast<std::size_t>(r)]);
+      for (index_t j = 0; j < n; ++j) dev[static_cast<std::size_t>(r * C + j)] = detail::key_norm_score(L.key(r, j), f.d, 1);
+    }
+    CHECK(kvtest::bytes_of(host) == kvtest::bytes_of(dev));
+    // rows the table does not describe are skipped
+    CHECK(detail::paged_readable_row(L, 0, f.row_len[0] > 0 ? f.row_len[0] - 1 : -1) == -1);
+    REQUIRE(!f.indices.empty());
+    f.indices[0] = static_cast<std::int32_t>(f.pages);
+    index_t skipped = 0;
+    for (index_t r = 0; r < R; ++r) skipped += detail::paged_readable_row(f.layer(), r, C) < 0 ? 1 : 0;
+    CHECK(skipped == (lists == page_lists::per_head ? 1 : 2));  // the rows of the list holding page 0
+  }
 }

@@ -3,6 +3,7 @@
 //
 //   compact_paged(cuda_t, ws, layer, kept, out [, bad])   kept rows to the front of each list,
 //                                                         freed page ids and lengths reported
+//   paged_key_norm_scores(cuda_t, layer, out [, bad])     Knorm through the page lists
 //
 // Every pointer holds device memory (pools, table, kept lists, outputs). Checked on the host before
 // any launch: the pools' geometry, the layer's shape, kept's row count, null pointers, alignment
@@ -65,6 +66,22 @@ __global__ void __launch_bounds__(compact_threads)
   compact_block_t blk{tmp};
   const index_t added = paged_finish(blk, heads, *problems, out, head_rows);
   if (threadIdx.x == 0) bad.add(static_cast<int>(added));
+}
+
+/// Knorm: block r (grid-stride) scores row r's tokens; a row its table does not describe (bad
+/// offsets, last page, page ids, or more tokens than out's columns) is skipped and counted.
+template <class T>
+__global__ void __launch_bounds__(compact_threads)
+    paged_key_norm_kernel(paged_layer<T> layer, matrix_view<float> out, bad_counter bad) {
+  for (index_t r = blockIdx.x; r < layer.rows(); r += gridDim.x) {
+    const index_t n = paged_readable_row(layer, r, out.extent(1));
+    if (n < 0) {
+      if (threadIdx.x == 0) bad.add(1);
+      continue;
+    }
+    for (index_t j = threadIdx.x; j < n; j += compact_threads)
+      out.data_handle()[r * out.stride(0) + j * out.stride(1)] = key_norm_score(layer.key(r, j), layer.keys.dim, 1);
+  }
 }
 
 /// The in-place tiles over one pool's rows (the sync counters zeroed first).
@@ -150,6 +167,33 @@ status compact_paged(cuda_t be, workspace& ws, paged_layer<T> layer, ragged_posi
   if (R == 0) return {};
   KVEVICT_TRY(detail::launch_paged_copy(st, fn, kh, head_rows, counters));
   return detail::launch_paged_copy(st, fn, vh, head_rows, counters);
+}
+
+/// Knorm over a paged layer on the GPU: out[r][j] = -||key of row r, token j||_2 (the same
+/// function as the host), out [rows][C] device memory; columns past a row's length untouched.
+/// Host-side errors: the layer's shape, out not a valid [rows][*] view or overlapping the first
+/// key row, misaligned tables. Device-side: rows whose table entries are bad or hold more than C
+/// tokens are skipped and counted into *bad.
+template <class T>
+status paged_key_norm_scores(cuda_t be, paged_layer<T> layer, matrix_view<float> out, int* bad = nullptr) {
+  static_assert(is_kv_element_v<std::remove_const_t<T>>, "paged_key_norm_scores: float, float16 or bfloat16");
+  constexpr const char* fn = "paged_key_norm_scores(cuda)";
+  KVEVICT_TRY(detail::check_paged_shape(fn, layer));
+  KVEVICT_TRY(detail::check_view(fn, "out", out));
+  if (out.extent(0) != layer.rows())
+    return status::error(errc::shape_mismatch, "%s: out has %lld rows, the layer %lld", fn,
+                         static_cast<long long>(out.extent(0)), static_cast<long long>(layer.rows()));
+  if (layer.table.indptr == nullptr || (layer.table.lists > 0 && layer.table.last_page_len == nullptr))
+    return status::error(errc::null_pointer, "%s: table.indptr or table.last_page_len is null", fn);
+  KVEVICT_TRY(detail::check_device_alignment(fn, "table.indptr", layer.table.indptr));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "table.indices", layer.table.indices));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "table.last_page_len", layer.table.last_page_len));
+  if (detail::range_of(out).intersects(detail::first_row(layer.keys.data, layer.keys.dim)))
+    return status::error(errc::overlap, "%s: out overlaps the key pool", fn);
+  if (layer.rows() == 0) return {};
+  detail::paged_key_norm_kernel<T><<<detail::grid_blocks(layer.rows()), detail::compact_threads, 0,
+                                     detail::stream_of(be)>>>(layer, out, detail::bad_counter{bad, nullptr});
+  return detail::launch_status(fn);
 }
 
 }  // namespace kvevict

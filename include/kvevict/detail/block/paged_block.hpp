@@ -154,4 +154,18 @@ KVEVICT_HOST_DEVICE index_t paged_finish(Block& blk, const paged_inplace_heads<T
   return added;
 }
 
+/// Row r's token count for a kernel that reads it (the paged scores), or -1 if its list's offsets
+/// or last page are bad, a page id is outside the pool, or it holds more than `cols` tokens.
+template <class T>
+KVEVICT_HOST_DEVICE index_t paged_readable_row(const paged_layer<T>& L, index_t r, index_t cols) {
+  index_t pages = 0, length = 0;
+  const index_t l = L.list_of(r);
+  if (!paged_list_ok(L.table, l, L.keys.page_size, pages, length) || length > cols) return -1;
+  for (index_t i = 0; i < pages; ++i) {
+    const std::int32_t p = L.table.indices[L.table.indptr[l] + i];
+    if (p < 0 || p >= L.keys.pages) return -1;
+  }
+  return length;
+}
+
 }  // namespace kvevict::detail

@@ -191,3 +191,33 @@ TEST_CASE("paged Knorm device logic: the rows a kernel reads, and the same score
     CHECK(skipped == (lists == page_lists::per_head ? 1 : 2));  // the rows of the list holding page 0
   }
 }
+
+TEST_CASE("paged value-norm device logic: the kernel's per-thread parts give the host's weights") {
+  auto g = kvtest::rng(1325);
+  for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head})
+    for (const value_weight mode : {value_weight::per_token, value_weight::head_max}) {
+      paged_fixture f = kvtest::make_paged_fixture(g, 3, 2, 8, 16, lists, page_layout::nhd, 60);
+      const index_t R = f.rows(), group = 2, C = 64, threads = 256;
+      std::vector<float> host(static_cast<std::size_t>(R * group * C));
+      for (auto& x : host) x = static_cast<float>(kvtest::uniform_int(g, 1, 9));
+      std::vector<float> dev = host;
+      REQUIRE(kvtest::two_phase([&](workspace& ws) {
+                return paged_weight_by_value_norm(seq, ws, kvtest::value_of(make_matrix_view(host.data(), R * group, C)),
+                                                  f.layer(), mode);
+              }).ok());
+      const paged_layer<float> L = f.layer();
+      for (index_t r = 0; r < R; ++r) {  // the kernel's block for row r, threads in a random order
+        const index_t n = detail::paged_readable_row(L, r, C);
+        REQUIRE(n >= 0);
+        std::vector<int> order(static_cast<std::size_t>(threads));
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), g);
+        float row_max = 0.0f;
+        if (mode == value_weight::head_max)
+          for (int t : order) row_max = detail::max_nan(row_max, detail::paged_value_max_part(L, r, n, t, threads));
+        for (int t : order)
+          detail::paged_weight_part(L, r, n, group, dev.data(), C, 1, mode == value_weight::head_max, row_max, t, threads);
+      }
+      CHECK(kvtest::bytes_of(host) == kvtest::bytes_of(dev));
+    }
+}

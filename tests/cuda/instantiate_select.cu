@@ -33,7 +33,8 @@ status flat(workspace& ws, matrix_view<const float> scores, const std::int32_t* 
   template status compact_paged<T>(cuda_t, workspace&, paged_layer<T>, ragged_positions, paged_compaction_out, int*);
 
 #define KVEVICT_INSTANTIATE_PAGED_SCORES(T) \
-  template status paged_key_norm_scores<T>(cuda_t, paged_layer<T>, matrix_view<float>, int*);
+  template status paged_key_norm_scores<T>(cuda_t, paged_layer<T>, matrix_view<float>, int*); \
+  template status paged_weight_by_value_norm<T>(cuda_t, matrix_view<float>, paged_layer<T>, value_weight, int*);
 
 KVEVICT_INSTANTIATE_PAGED_SCORES(float)
 KVEVICT_INSTANTIATE_PAGED_SCORES(float16)

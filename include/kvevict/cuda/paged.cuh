@@ -4,6 +4,7 @@
 //   compact_paged(cuda_t, ws, layer, kept, out [, bad])   kept rows to the front of each list,
 //                                                         freed page ids and lengths reported
 //   paged_key_norm_scores(cuda_t, layer, out [, bad])     Knorm through the page lists
+//   paged_weight_by_value_norm(cuda_t, scores, layer, mode [, bad])   VATP / LAVa value norms
 //
 // Every pointer holds device memory (pools, table, kept lists, outputs). Checked on the host before
 // any launch: the pools' geometry, the layer's shape, kept's row count, null pointers, alignment
@@ -81,6 +82,31 @@ __global__ void __launch_bounds__(compact_threads)
     }
     for (index_t j = threadIdx.x; j < n; j += compact_threads)
       out.data_handle()[r * out.stride(0) + j * out.stride(1)] = key_norm_score(layer.key(r, j), layer.keys.dim, 1);
+  }
+}
+
+/// Value weighting: block r (grid-stride) weights row r's `group` score rows; head_max reduces the
+/// threads' maxima in shared memory first. Rows the table does not describe are skipped, counted.
+template <class T>
+__global__ void __launch_bounds__(compact_threads)
+    paged_weight_kernel(paged_layer<T> layer, matrix_view<float> scores, index_t group, bool head_max,
+                        bad_counter bad) {
+  __shared__ float part[compact_threads];
+  for (index_t r = blockIdx.x; r < layer.rows(); r += gridDim.x) {
+    const index_t n = paged_readable_row(layer, r, scores.extent(1));
+    if (n < 0) {
+      if (threadIdx.x == 0) bad.add(1);
+      continue;
+    }
+    float row_max = 0.0f;
+    if (head_max) {
+      part[threadIdx.x] = paged_value_max_part(layer, r, n, static_cast<int>(threadIdx.x), compact_threads);
+      __syncthreads();
+      for (int i = 0; i < compact_threads; ++i) row_max = max_nan(row_max, part[i]);
+      __syncthreads();
+    }
+    paged_weight_part(layer, r, n, group, scores.data_handle(), scores.stride(0), scores.stride(1), head_max, row_max,
+                      static_cast<int>(threadIdx.x), compact_threads);
   }
 }
 
@@ -193,6 +219,34 @@ status paged_key_norm_scores(cuda_t be, paged_layer<T> layer, matrix_view<float>
   if (layer.rows() == 0) return {};
   detail::paged_key_norm_kernel<T><<<detail::grid_blocks(layer.rows()), detail::compact_threads, 0,
                                      detail::stream_of(be)>>>(layer, out, detail::bad_counter{bad, nullptr});
+  return detail::launch_status(fn);
+}
+
+/// VATP (per_token) / LAVa (head_max) value weighting over a paged layer on the GPU, in place on
+/// scores [rows x group][C] (device memory), the host form's semantics. Host-side errors: the
+/// layer's shape, scores' rows not a multiple of the layer's rows, an unknown mode, misaligned
+/// tables, scores overlapping the first value row. Device-side: rows whose table entries are bad
+/// (or longer than C) are left as they are and counted into *bad.
+template <class T>
+status paged_weight_by_value_norm(cuda_t be, matrix_view<float> scores, paged_layer<T> layer, value_weight mode,
+                                  int* bad = nullptr) {
+  static_assert(is_kv_element_v<std::remove_const_t<T>>, "paged_weight_by_value_norm: float, float16 or bfloat16");
+  constexpr const char* fn = "paged_weight_by_value_norm(cuda)";
+  KVEVICT_TRY(detail::check_paged_shape(fn, layer));
+  KVEVICT_TRY(detail::check_weight_mode(fn, mode));
+  KVEVICT_TRY(detail::check_view(fn, "scores", scores));
+  const index_t R = layer.rows();
+  if (R == 0) return {};
+  if (scores.extent(0) == 0 || scores.extent(0) % R != 0)
+    return status::error(errc::shape_mismatch, "%s: scores have %lld rows, not a multiple of the layer's %lld rows", fn,
+                         static_cast<long long>(scores.extent(0)), static_cast<long long>(R));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "table.indptr", layer.table.indptr));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "table.indices", layer.table.indices));
+  KVEVICT_TRY(detail::check_device_alignment(fn, "table.last_page_len", layer.table.last_page_len));
+  if (detail::range_of(scores).intersects(detail::first_row(layer.values.data, layer.values.dim)))
+    return status::error(errc::overlap, "%s: scores overlap the value pool", fn);
+  detail::paged_weight_kernel<T><<<detail::grid_blocks(R), detail::compact_threads, 0, detail::stream_of(be)>>>(
+      layer, scores, scores.extent(0) / R, mode == value_weight::head_max, detail::bad_counter{bad, nullptr});
   return detail::launch_status(fn);
 }
 

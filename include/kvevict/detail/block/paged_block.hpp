@@ -15,6 +15,8 @@
 #pragma once
 
 #include <kvevict/config.hpp>
+#include <kvevict/detail/base/softmax.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
 #include <kvevict/detail/block/compact_block.hpp>
 #include <kvevict/paged_types.hpp>
 #include <kvevict/view.hpp>
@@ -166,6 +168,25 @@ KVEVICT_HOST_DEVICE index_t paged_readable_row(const paged_layer<T>& L, index_t 
     if (p < 0 || p >= L.keys.pages) return -1;
   }
   return length;
+}
+
+/// Value weighting of row r (rows of `group` score rows each, n readable tokens), thread tid of
+/// `threads`: per_token multiplies column j by ||v_j||_1; head_max first needs the row's max norm,
+/// which paged_value_max_part computes per thread (merged with max_nan: NaN wins, order free).
+template <class T>
+KVEVICT_HOST_DEVICE float paged_value_max_part(const paged_layer<T>& L, index_t r, index_t n, int tid, int threads) {
+  float m = 0.0f;
+  for (index_t j = tid; j < n; j += threads) m = max_nan(m, value_l1_norm(L.value(r, j), L.values.dim, 1));
+  return m;
+}
+template <class T>
+KVEVICT_HOST_DEVICE void paged_weight_part(const paged_layer<T>& L, index_t r, index_t n, index_t group, float* scores,
+                                           index_t s0, index_t s1, bool head_max, float row_max, int tid,
+                                           int threads) {
+  for (index_t j = tid; j < n; j += threads) {
+    const float f = head_max ? row_max : value_l1_norm(L.value(r, j), L.values.dim, 1);
+    for (index_t q = r * group; q < (r + 1) * group; ++q) scores[q * s0 + j * s1] *= f;
+  }
 }
 
 }  // namespace kvevict::detail

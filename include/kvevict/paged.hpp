@@ -1,5 +1,6 @@
 // kvevict/paged.hpp: stages over paged KV caches, in the engines' own layouts, without copies
-// (docs/paged.md). Host backends (seq, par); CUDA compaction in <kvevict/cuda/paged.cuh>.
+// (docs/paged.md). Host backends (seq, par); the CUDA compaction, Knorm and value norms are in
+// <kvevict/cuda/paged.cuh>.
 //
 //   make_page_pool(data, pages, page_size, heads, dim, layout)     an NHD / HND pool
 //   make_token_major_pool(data, sequences, capacity, heads, dim)    llama.cpp-style [S][T][H][d]
@@ -11,7 +12,7 @@
 //                                                                    the engine's table after it
 //   paged_window_scores(be, ws, window_queries, layer, out)         SnapKV-family window scores
 //   paged_key_norm_scores(be, ws, layer, out)                        Knorm on paged keys
-//   paged_weight_by_value_norm(be, ws, scores, layer, mode)              VATP / LAVa value norms
+//   paged_weight_by_value_norm(be, ws, scores, layer, mode)          VATP / LAVa value norms
 //
 // Rows of a paged layer are (sequence, KV head) pairs r = s * kv_heads + h (paged_types.hpp);
 // scores over a paged layer are a matrix [rows][>= the longest row] whose row r's first

@@ -272,25 +272,22 @@ inline void select_row_coop(const score_row& row, index_t n, index_t k, pos_row 
 }
 #endif
 
-/// Selects every row: row r keeps k_of(r) of its len_of(r) scores into out_of(r).
-template <class LenOf, class KOf, class OutOf>
-void select_rows(seq_t, const matrix_view<const float>& scores, LenOf len_of, KOf k_of, OutOf out_of,
-                 const select_ws& ws) noexcept {
-  for (index_t r = 0; r < scores.extent(0); ++r)
-    select_row(score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}, len_of(r), k_of(r),
-               out_of(r), ws.slot(0));
+/// Selects every row: row r (row_of(r), a score_row) keeps k_of(r) of its len_of(r) scores into
+/// out_of(r); `columns` bounds every row's length (the cooperative split's threshold).
+template <class RowOf, class LenOf, class KOf, class OutOf>
+void select_rows_of(seq_t, index_t R, index_t, RowOf row_of, LenOf len_of, KOf k_of, OutOf out_of,
+                    const select_ws& ws) noexcept {
+  for (index_t r = 0; r < R; ++r) select_row(row_of(r), len_of(r), k_of(r), out_of(r), ws.slot(0));
 }
 
-template <class LenOf, class KOf, class OutOf>
-void select_rows(par_t, const matrix_view<const float>& scores, LenOf len_of, KOf k_of, OutOf out_of,
-                 const select_ws& ws) noexcept {
-  const index_t R = scores.extent(0);
-  auto row_of = [&](index_t r) { return score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}; };
+template <class RowOf, class LenOf, class KOf, class OutOf>
+void select_rows_of(par_t, index_t R, index_t columns, RowOf row_of, LenOf len_of, KOf k_of, OutOf out_of,
+                    const select_ws& ws) noexcept {
 #if defined(_OPENMP)
   const int P = ws.workers;
   // rows [0, split) one per thread; rows [split, R) (fewer than P) by the whole team if long
-  const index_t split = scores.extent(1) >= coop_min_length ? R - R % P : R;
-  if (P > 1 && (R > 1 || split < R) && R * scores.extent(1) >= par_min_elements()) {
+  const index_t split = columns >= coop_min_length ? R - R % P : R;
+  if (P > 1 && (R > 1 || split < R) && R * columns >= par_min_elements()) {
 #  pragma omp parallel num_threads(P)
     {
       const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -308,8 +305,18 @@ void select_rows(par_t, const matrix_view<const float>& scores, LenOf len_of, KO
     }
     return;
   }
+#else
+  (void)columns;
 #endif
   for (index_t r = 0; r < R; ++r) select_row(row_of(r), len_of(r), k_of(r), out_of(r), ws.slot(0));
+}
+
+/// select_rows_of over the rows of a score matrix.
+template <class Backend, class LenOf, class KOf, class OutOf>
+void select_rows(Backend be, const matrix_view<const float>& scores, LenOf len_of, KOf k_of, OutOf out_of,
+                 const select_ws& ws) noexcept {
+  auto row_of = [&](index_t r) { return score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}; };
+  select_rows_of(be, scores.extent(0), scores.extent(1), row_of, len_of, k_of, out_of, ws);
 }
 
 /// Calls f(r, worker) for every row r; par spreads rows over the threads (dynamic schedule:

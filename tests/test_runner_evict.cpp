@@ -139,7 +139,9 @@ recipe reference_recipe(method m, index_t w, index_t duo_recent) {
   recipe r;
   switch (m) {
     case method::streaming_llm: return recipe::streaming_llm(4);
+    case method::duo_heuristic:
     case method::duo:
+    case method::prulong:
       r = recipe::streaming_llm(4);
       r.n_recent = duo_recent;
       return r;
@@ -351,7 +353,7 @@ TEST_CASE("every post-fill method keeps exactly the library's answer on the runn
         index_t total = 0;
         for (const auto& v : want) total += static_cast<index_t>(v.size());
         CHECK(cache.total_rows() == total);
-        if (m != method::duo) CHECK(total == B * c.n_kv_heads * c.n_layers);  // exact totals
+        if (!uses_head_types(m)) CHECK(total == B * c.n_kv_heads * c.n_layers);  // exact totals
       }
   }
 }
@@ -906,7 +908,7 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
       CHECK(same);
       ++runs;
     }
-  CHECK(runs == 52);  // the supported (method, driver) pairs
+  CHECK(runs == 66);  // the supported (method, driver) pairs (52 before duo, prulong and streaming heads in every driver)
 }
 
 TEST_CASE("CAKE's window preference and the duo calibration against naive double references") {
@@ -1006,10 +1008,10 @@ TEST_CASE("eviction options and evictor errors") {
   require_error(check_evict_options(c, o), errc::invalid_argument, "does not take --allocator cake");
   o = opts(method::snapkv);
   o.alloc = budget_scheme::duo;
-  require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo and --recipe duo go together");
-  o = opts(method::duo);
+  require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo goes with --recipe duo, prulong or duo-heuristic");
+  o = opts(method::duo_heuristic);
   o.budget = 12;
-  require_error(check_evict_options(c, o), errc::invalid_argument, "below the 16 tokens duo protects");
+  require_error(check_evict_options(c, o), errc::invalid_argument, "below the 16 tokens duo-heuristic protects");
   for (const driver_kind dk : {driver_kind::layerwise, driver_kind::chunked_naive, driver_kind::chunked_patched, driver_kind::decode}) {
     o = opts(method::lookaheadkv);
     o.driver = dk;
@@ -1020,7 +1022,7 @@ TEST_CASE("eviction options and evictor errors") {
   o.alloc = budget_scheme::cake;
   require_error(check_evict_options(c, o), errc::invalid_argument, "--recipe lookaheadkv does not take --allocator cake");
   o.alloc = budget_scheme::duo;
-  require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo and --recipe duo go together");
+  require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo goes with --recipe duo, prulong or duo-heuristic");
   o = opts(method::lookaheadkv);
   o.sinks = 4;
   o.budget = 3;
@@ -1041,7 +1043,7 @@ TEST_CASE("eviction options and evictor errors") {
   REQUIRE_OK(cache.init(c));
   const std::vector<int> prompt{1, 403, 407, 261, 378};
   require_error(ev.prefill(run, cache, prompt, nullptr), errc::invalid_argument, "evictor: not initialised");
-  require_error(ev.init(the_model(), opts(method::duo)), errc::invalid_argument, "--recipe duo needs head types");
+  require_error(ev.init(the_model(), opts(method::duo_heuristic)), errc::invalid_argument, "--recipe duo-heuristic needs head types");
   REQUIRE_OK(ev.init(the_model(), opts(method::snapkv)));
   require_error(ev.prefill(run, cache, prompt, nullptr), errc::invalid_argument,
                 "the prompt has 5 tokens, not more than --window 8: snapkv needs a longer prompt");

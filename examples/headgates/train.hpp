@@ -109,7 +109,7 @@ struct adam_state {
 
 /// Settings shared by both trainers.
 struct gate_train_options {
-  index_t steps = 60;
+  index_t steps = 100;
   index_t batch = 4;
   std::uint64_t seed = 1;
   int threads = 0;
@@ -186,8 +186,8 @@ status gate_loop(const gated_lm<float>& lm, const std::vector<gate_sample>& samp
 struct prulong_train_options {
   double target = 0.5;          ///< final target sparsity t (fraction of streaming heads)
   double target_warmup = 0.8;   ///< t rises linearly from 0 over this fraction of the steps (800 of 1000)
-  double lr = 1.0;              ///< Adam on log_alpha (Table 5)
-  double lr_lambda = 1.0;       ///< Adam ascent on lambda1, lambda2 (Table 5)
+  double lr = 0.2;              ///< Adam on log_alpha (Table 5: 1 over 1000 steps; see docs/prulong.md)
+  double lr_lambda = 0.2;       ///< Adam ascent on lambda1, lambda2 (Table 5: 1)
   double warmup = 0.1;          ///< linear warmup of the learning rates, then linear decay
   double final_lr = 0.01;       ///< ... to this fraction of the peak
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;

@@ -67,10 +67,14 @@ status load(const common_options& c, kvrun::model& m, kvrun::gated_lm<float>& lm
   return {};
 }
 
-void log_line(const char* what, const kvrun::gate_progress& p) {
-  std::fprintf(stderr, "%s step %4lld/%lld  loss %.5f  sparsity %.3f  %s %.3f  lambda %.3f %.3f  (%.0f s)\n", what,
-               static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.sparsity,
-               what[0] == 'p' ? "target" : "mean alpha", p.target, p.lambda1, p.lambda2, p.seconds);
+void log_line(const char* what, const kvrun::gate_progress& p, bool prulong) {
+  if (prulong)
+    std::fprintf(stderr, "%s step %4lld/%lld  loss %.5f  sparsity %.3f  target %.3f  lambda %.3f %.3f  (%.0f s)\n", what,
+                 static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.sparsity, p.target, p.lambda1,
+                 p.lambda2, p.seconds);
+  else
+    std::fprintf(stderr, "%s step %4lld/%lld  loss %.3e  alpha < 0.5: %.3f  mean alpha %.3f  (%.0f s)\n", what,
+                 static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.sparsity, p.target, p.seconds);
 }
 
 int cmd_prulong(common_options& c, const std::vector<double>& sparsities, const std::string& out_dir,
@@ -87,7 +91,7 @@ int cmd_prulong(common_options& c, const std::vector<double>& sparsities, const 
     kvrun::prulong_result r;
     char tag[32];
     std::snprintf(tag, sizeof tag, "prulong t=%.2f", s);
-    if (auto st = kvrun::train_prulong(lm, samples, c.train, p, r, [&](const kvrun::gate_progress& pr) { log_line(tag, pr); });
+    if (auto st = kvrun::train_prulong(lm, samples, c.train, p, r, [&](const kvrun::gate_progress& pr) { log_line(tag, pr, true); });
         !st.ok())
       return fail(st);
     print_gates("log_alpha", r.log_alpha, L, H);
@@ -116,7 +120,7 @@ int cmd_duo(common_options& c, const std::string& out, const kvrun::duo_train_op
   const auto t0 = std::chrono::steady_clock::now();
   if (auto st = kvrun::duo_targets(lm, samples, c.threads); !st.ok()) return fail(st);
   kvrun::duo_result r;
-  if (auto st = kvrun::train_duo(lm, samples, c.train, p, r, [&](const kvrun::gate_progress& pr) { log_line("duo", pr); });
+  if (auto st = kvrun::train_duo(lm, samples, c.train, p, r, [&](const kvrun::gate_progress& pr) { log_line("duo", pr, false); });
       !st.ok())
     return fail(st);
   print_gates("alpha", r.alpha, L, H);

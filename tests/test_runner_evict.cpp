@@ -911,6 +911,52 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
   CHECK(runs == 66);  // the supported (method, driver) pairs (52 before duo, prulong and streaming heads in every driver)
 }
 
+TEST_CASE("trained head types: streaming heads hold their sinks + window after the prefill and every decoded token in the layer-wise, chunked and decode drivers") {
+  const config& c = the_model().cfg();
+  runner run = make_runner();
+  const text_pair& tp = the_pairs()[0];
+  const index_t P = static_cast<index_t>(tp.prompt.size());
+  duo_heads heads;
+  REQUIRE_OK(head_types_from_file(c, KVEVICT_SOURCE_DIR "/models/prulong/stories260K-s50.tsv", -1.0, heads));
+  CHECK(heads.retrieval == 10);
+  duo_heads duo75;
+  REQUIRE_OK(head_types_from_file(c, KVEVICT_SOURCE_DIR "/models/duo/stories260K.tsv", 0.75, duo75));
+  CHECK(duo75.retrieval == 5);
+  for (const driver_kind d : {driver_kind::layerwise, driver_kind::chunked_naive, driver_kind::chunked_patched, driver_kind::decode})
+    for (const method m : {method::prulong, method::duo}) {
+      const std::string name = std::string(method_name(m)) + " / " + driver_name(d);
+      CAPTURE(name);
+      evict_options o;
+      o.recipe = m;
+      o.driver = d;
+      o.chunk = 32;
+      evictor ev;
+      REQUIRE_OK(ev.init(the_model(), o, m == method::prulong ? &heads : &duo75));
+      kv_cache cache;
+      REQUIRE_OK(cache.init(c));
+      REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr));
+      const std::vector<std::uint8_t>& mask = ev.allocation().retrieval;
+      REQUIRE(mask.size() == static_cast<std::size_t>(c.n_layers * c.n_kv_heads));
+      index_t retrieval = 0;
+      for (std::uint8_t v : mask) retrieval += v;
+      CHECK(retrieval == (m == method::prulong ? 10 : 5));
+      for (index_t step = 0; step <= 3; ++step) {
+        const index_t tokens = P + step;
+        for (int l = 0; l < c.n_layers; ++l)
+          for (index_t h = 0; h < c.n_kv_heads; ++h) {
+            std::vector<pos_t> want;
+            for (index_t p = 0; p < tokens; ++p)
+              if (mask[static_cast<std::size_t>(l * c.n_kv_heads + h)] != 0 || p < 4 || p > tokens - 12)
+                want.push_back(static_cast<pos_t>(p));
+            std::vector<pos_t> have;
+            for (index_t j = 0; j < cache.length(l, h); ++j) have.push_back(cache.position(l, h, j));
+            CHECK(have == want);
+          }
+        if (step < 3) REQUIRE_OK(ev.decode(run, cache, tp.response[static_cast<std::size_t>(step)]));
+      }
+    }
+}
+
 TEST_CASE("CAKE's window preference and the duo calibration against naive double references") {
   const config& c = the_model().cfg();
   const index_t L = c.n_layers, Hq = c.n_heads, H = c.n_kv_heads, d = c.head_size(), g = c.group_size();

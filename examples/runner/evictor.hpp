@@ -215,12 +215,14 @@ class evictor {
   }
 
   /// Decodes `token` on `cache` (runner::decode); with the decode driver, decode_driver::step runs
-  /// for every layer afterwards and the layers it evicts are compacted. The logits are
-  /// run.logits(0).
+  /// for every layer afterwards and the layers it evicts are compacted; with head types (duo,
+  /// prulong, duo-heuristic) and any driver but postfill, the streaming heads drop what left their
+  /// window. The logits are run.logits(0).
   status decode(runner& run, kv_cache& cache, int token) {
-    if (o_.recipe == method::full || o_.driver != driver_kind::decode) return run.decode(cache, token);
+    const bool streaming = o_.recipe != method::full && head_types() && o_.driver != driver_kind::postfill;
+    if (!streaming && (o_.recipe == method::full || o_.driver != driver_kind::decode)) return run.decode(cache, token);
     const config& c = cfg();
-    if (head_types()) {  // streaming heads drop the key that left their window, every step
+    if (streaming) {  // after a streaming prefill, streaming heads drop the key that left their window, every step
       KVEVICT_TRY(run.decode(cache, token));
       const auto t0 = std::chrono::steady_clock::now();
       for (int l = 0; l < c.n_layers; ++l) KVEVICT_TRY(stream_layer(cache, l, cache.next_position()));
@@ -280,6 +282,7 @@ class evictor {
   // their sinks and recent window at every step (kvevict::streaming_heads_driver), retrieval heads
   // everything; alloc_ (plan_allocation) holds the head types.
   bool head_types() const { return allocator_of(o_) == budget_scheme::duo; }
+  // capacity: the cache's (the heads grow by the decoded tokens after the prefill).
   status init_streaming_heads(kvevict::eviction_recorder* rec, index_t capacity) {
     const config& c = cfg();
     kvevict::streaming_heads_config sc;
@@ -377,7 +380,7 @@ class evictor {
     KVEVICT_TRY(plan_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     kvevict::workspace ws;
     if (head_types()) {
-      KVEVICT_TRY(init_streaming_heads(rec, P));
+      KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
     } else if (cascade) {
       kvevict::cascade_driver_config cc;
       cc.model = shape_of(c);
@@ -495,7 +498,7 @@ class evictor {
   // window (naive and patched are the same: nothing is scored).
   status prefill_chunked_heads(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
     const index_t P = static_cast<index_t>(prompt.size());
-    KVEVICT_TRY(init_streaming_heads(rec, P));
+    KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
     double forward_s = 0.0, evict_s = 0.0;
     for (index_t s = 0, e = 0; s < P; s = e) {
       e = std::min(s + o_.chunk, P);

@@ -275,16 +275,12 @@ tensor output(py::handle out, const char* name, const tensor& like, std::vector<
   py::object made;
   if (like.from == origin::torch) {
     py::module_ torch = py::module_::import("torch");
-    const char* tname = type == dtype::f32 ? "float32" : type == dtype::i32 ? "int32" : type == dtype::f16 ? "float16"
-                        : type == dtype::bf16 ? "bfloat16" : type == dtype::u8 ? "uint8" : "float64";
-    made = torch.attr("empty")(py::cast(shape), py::arg("dtype") = torch.attr(tname),
+    made = torch.attr("empty")(py::cast(shape), py::arg("dtype") = torch.attr(dtype_name(type)),
                                py::arg("device") = like.object.attr("device"));
   } else {
     if (like.cuda) raise(errc::unsupported, std::string(name) + ": pass out= for a CUDA DLPack input");
     if (type == dtype::bf16) raise(errc::invalid_argument, std::string(name) + ": NumPy has no bfloat16; pass out=");
-    const char* nname = type == dtype::f32 ? "float32" : type == dtype::i32 ? "int32" : type == dtype::f16 ? "float16"
-                        : type == dtype::u8 ? "uint8" : "float64";
-    made = py::module_::import("numpy").attr("empty")(py::cast(shape), py::arg("dtype") = nname);
+    made = py::module_::import("numpy").attr("empty")(py::cast(shape), py::arg("dtype") = dtype_name(type));
   }
   return as_tensor(made, name, static_cast<int>(shape.size()), true);
 }

@@ -1,0 +1,113 @@
+"""The kvpress-style presses: [batch, heads, tokens, dim] in, compacted caches out."""
+import numpy as np
+import pytest
+import torch
+
+import kvevict
+from kvevict import presses
+from conftest import KV_DTYPES, randn, topk_sorted
+
+B, HQ, H, T, D = 2, 4, 2, 128, 16
+
+
+def cache(gen, dtype=torch.float32):
+    return (randn(gen, B, H, T, D, dtype=dtype), randn(gen, B, H, T, D, dtype=dtype),
+            randn(gen, B, HQ, T, D, dtype=dtype))
+
+
+def gather(x, kept):
+    return torch.gather(x, 2, kept.long()[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_snapkv_press_is_the_recipe_then_topk_then_gather(gen, dtype):
+    k, v, q = cache(gen, dtype)
+    press = presses.SnapKV(budget=48, window=16)
+    ko, vo = press(k, v, q)
+    assert ko.shape == (B, H, 48, D) and ko.dtype == dtype
+    for b in range(B):
+        r = kvevict.Recipe.snapkv()
+        r.window = 16
+        r.n_recent = 16
+        s = kvevict.recipe_scores(r, q[b, :, -16:], k[b])
+        kept = kvevict.recipe_select(r, s, 48)
+        assert torch.equal(press.last_kept[b], kept)
+        assert torch.equal(ko[b], gather(k[b:b + 1], kept[None])[0])
+        assert torch.equal(vo[b], gather(v[b:b + 1], kept[None])[0])
+
+
+def test_compression_ratio_and_default_recipes(gen):
+    k, v, q = cache(gen)
+    ko, _ = presses.Knorm(compression_ratio=0.75)(k, v)
+    assert ko.shape[2] == 32
+    # Knorm keeps the keys of smallest norm
+    kept = topk_sorted(-k.double().norm(dim=-1), 32)
+    assert torch.equal(ko, gather(k, kept))
+    ko, _ = presses.StreamingLLM(budget=20)(k, v)
+    assert torch.equal(ko, torch.cat([k[:, :, :4], k[:, :, -16:]], dim=2))
+
+
+@pytest.mark.parametrize("cls", [presses.SnapKV, presses.H2O, presses.TOVA, presses.Knorm, presses.VATP,
+                                 presses.StreamingLLM, presses.CAKE])
+def test_uniform_presses_keep_the_budget(gen, cls):
+    k, v, q = cache(gen)
+    ko, vo = cls(budget=40)(k, v, q)
+    assert ko.shape == (B, H, 40, D) and vo.shape == (B, H, 40, D)
+
+
+def test_adakv_press_is_ragged(gen):
+    k, v, q = cache(gen)
+    press = presses.AdaKV(presses.SnapKV(budget=40), alpha=0.2)
+    rk, rv = press(k, v, q)
+    assert isinstance(rk, presses.Ragged)
+    lengths = rk.lengths()
+    assert lengths.shape == (B, H) and (lengths.sum(axis=1) == 40 * H).all()
+    assert (lengths >= 32).all()  # the protected window (32) is every head's floor at least
+    for b in range(B):
+        pos, cu = press.last_kept[b]
+        for h in range(H):
+            p = pos[cu[h]:cu[h + 1]].long()
+            assert torch.equal(rk.head(b, h), k[b, h, p]) and torch.equal(rv.head(b, h), v[b, h, p])
+            off = b * H + h
+            assert torch.equal(rk.positions[rk.cu[off]:rk.cu[off + 1]].long(), p)
+
+
+def test_lava_and_cake_share_budgets_across_layers(gen):
+    layers = [cache(gen) for _ in range(3)]
+    out = presses.LAVa(budget=48).evict_layers(layers)
+    kept = sum(int(rk.lengths().sum()) for rk, _ in out)
+    assert kept == 48 * H * B * 3
+    out = presses.CAKE(budget=48).evict_layers(layers)
+    per_layer = [int(rk.lengths().sum()) for rk, _ in out]
+    assert sum(per_layer) == 48 * H * B * 3 and len(set(per_layer)) > 1
+    out = presses.PyramidKV(budget=48).evict_layers(layers)
+    per_layer = [int(rk.lengths().sum()) for rk, _ in out]
+    assert sum(per_layer) == 48 * H * B * 3 and per_layer[0] > per_layer[2]
+
+
+def test_pyramid_press_single_layer_and_duo(gen):
+    k, v, q = cache(gen)
+    rk, _ = presses.PyramidKV(budget=48)(k, v, q, layer=0, num_layers=4)
+    assert (rk.lengths() > 48).all()
+    duo = presses.Duo(np.array([[1, 0]]), n_sink=4, n_recent=8)
+    rk, rv = duo(k, v, q, layer=0)
+    assert rk.lengths().tolist() == [[T, 12]] * B
+    assert torch.equal(rk.head(0, 1), torch.cat([k[0, 1, :4], k[0, 1, -8:]]))
+
+
+def test_numpy_press(gen):
+    k, v, q = (x.numpy() for x in cache(gen))
+    ko, vo = presses.SnapKV(budget=40)(k, v, q)
+    assert isinstance(ko, np.ndarray) and ko.shape == (B, H, 40, D)
+
+
+def test_press_errors(gen):
+    k, v, q = cache(gen)
+    with pytest.raises(ValueError, match="exactly one of budget and compression_ratio"):
+        presses.SnapKV()
+    with pytest.raises(ValueError, match="needs queries"):
+        presses.SnapKV(budget=40)(k, v)
+    with pytest.raises(ValueError, match=r"\[batch, heads, tokens, dim\]"):
+        presses.SnapKV(budget=40)(k[0], v[0], q[0])
+    with pytest.raises(kvevict.Error, match="budget|protected"):
+        presses.SnapKV(budget=8)(k, v, q)  # below the 32 protected window tokens

@@ -85,3 +85,14 @@ def test_hook_evicts_and_a_large_budget_changes_nothing(model, tok):
             pos = cache.positions[layer][h].tolist()
             assert pos == sorted(pos) and pos[-8:] == list(range(len(ids) - 8, len(ids)))
     assert float(R.kl_divergence(full[:1], full[:1])[0]) == 0.0
+
+
+def test_compare_presses_example_runs(model, tok):
+    import importlib.util
+    path = os.path.join(SOURCE_DIR, "python", "examples", "compare_presses.py")
+    spec = importlib.util.spec_from_file_location("compare_presses", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    res = example.evaluate(model, tok, [8, 64], context=80, continuation=8)
+    for name, ((kl_small, _), (kl_large, agree_large)) in res.items():
+        assert kl_small >= 0 and kl_large >= 0 and 0 <= agree_large <= 1

@@ -70,5 +70,6 @@ void bind_stages(py::module_& m);
 void bind_recipes(py::module_& m);
 void bind_budget(py::module_& m);
 void bind_extras(py::module_& m);
+void bind_drivers(py::module_& m);
 
 }  // namespace kvevict::python

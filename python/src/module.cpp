@@ -186,4 +186,5 @@ PYBIND11_MODULE(_core, m) {
   bind_stages(m);
   bind_budget(m);
   bind_extras(m);
+  bind_drivers(m);
 }

@@ -111,3 +111,33 @@ def test_press_errors(gen):
         presses.SnapKV(budget=40)(k[0], v[0], q[0])
     with pytest.raises(kvevict.Error, match="budget|protected"):
         presses.SnapKV(budget=8)(k, v, q)  # below the 32 protected window tokens
+
+
+@pytest.mark.parametrize("scheme", ["uniform", "pyramid", "adakv", "lava", "cake"])
+def test_post_fill_driver(gen, scheme):
+    """kvevict's post-fill driver over three layers: the kept rows of every layer, the budgets the
+    scheme promises, and (uniform) the recipe's own selection."""
+    L = 3
+    layers = [cache(gen) for _ in range(L)]
+    r = kvevict.Recipe.snapkv()
+    r.window, r.n_recent = 16, 16
+    d = kvevict.PostFillDriver(r, L, H, HQ, D, T, scheme=scheme, budget=40)
+    cake = presses.CAKE(budget=40, window=16)
+    for l, (k, v, q) in enumerate(layers):
+        pref = cake.cake_preference(q[0], k[0]) if scheme == "cake" else 0.0
+        d.add_layer(l, k[0], v[0], queries=q[0, :, -16:], cake_preference=pref)
+    d.decide()
+    total = 0
+    for l, (k, v, q) in enumerate(layers):
+        assert d.ready(l)
+        pos, cu = d.kept(l)
+        total += int(cu[-1])
+        for h in range(H):  # the protected window is kept by every head
+            assert set(range(T - 16, T)) <= set(pos[cu[h]:cu[h + 1]].tolist())
+        if scheme == "uniform":
+            s = kvevict.recipe_scores(r, q[0, :, -16:], k[0])
+            assert torch.equal(torch.as_tensor(pos).view(H, 40), torch.as_tensor(kvevict.recipe_select(r, s, 40)))
+    assert total == 40 * H * L
+    k, v, q = layers[0]
+    with pytest.raises(kvevict.Error, match="post_fill_driver::add_layer"):  # layers come once, in order
+        d.add_layer(0, k[0], v[0], queries=q[0, :, -16:])

@@ -10,71 +10,110 @@ namespace kvevict::python {
 
 namespace {
 
+/// A layer's cache for a driver: keys and values [H][C][d] head-major (C = capacity, >= the rows a
+/// head holds; padded strides allowed), lens [H] int32 (default: every head holds C rows) and the
+/// original positions [H][C] int32 (default 0..C-1). Calls f(layer_kv<T>, T{}) while the views live.
+template <class F>
+void with_layer(py::handle k_, py::handle v_, py::handle lens_, py::handle pos_,
+                std::initializer_list<const tensor*> more, F&& f) {
+  const tensor k = as_tensor(k_, "keys", 3), v = as_tensor(v_, "values", 3);
+  std::vector<const tensor*> all{&k, &v};
+  all.insert(all.end(), more.begin(), more.end());
+  for (const tensor* t : all) require_kv({&k, t});
+  const index_t H = k.shape[0], C = k.shape[1];
+  const tensor lens = as_optional(lens_, "lens", 1);
+  const std::int32_t* held = int32_array(lens, H);
+  const tensor p = as_optional(pos_, "positions", 2);
+  if (p.data != nullptr) {
+    require_dtype(p, {dtype::i32});
+    require_host(p);
+    if (p.shape[0] != H || p.shape[1] != C)
+      raise(errc::shape_mismatch, "positions is " + p.shape_string() + " but must be [" + std::to_string(H) + ", " +
+                                      std::to_string(C) + "]");
+  }
+  dispatch_kv(k, [&](auto e) {
+    using T = decltype(e);
+    std::vector<std::int32_t> kcu(static_cast<std::size_t>(H) + 1), klen(static_cast<std::size_t>(H));
+    std::vector<std::int32_t> vcu(kcu.size()), vlen(klen.size());
+    auto keys = value_or_raise(ragged_from_dense(kv<const T>(k), kcu.data(), klen.data()));
+    auto values = value_or_raise(ragged_from_dense(kv<const T>(v), vcu.data(), vlen.data()));
+    if (held != nullptr) {
+      std::copy_n(held, H, klen.begin());
+      std::copy_n(held, H, vlen.begin());
+    }
+    // the rows' original positions, laid out like the key rows (head h from kcu[h])
+    std::vector<pos_t> pos(static_cast<std::size_t>(H > 0 ? kcu[static_cast<std::size_t>(H)] : 0), 0);
+    for (index_t h = 0; h < H; ++h)
+      for (index_t j = 0; j < C && kcu[static_cast<std::size_t>(h)] + j < kcu[static_cast<std::size_t>(h) + 1]; ++j)
+        pos[static_cast<std::size_t>(kcu[static_cast<std::size_t>(h)] + j)] =
+            p.data != nullptr ? static_cast<const pos_t*>(p.data)[h * p.strides[0] + j * p.strides[1]]
+                              : static_cast<pos_t>(j);
+    f(make_layer_kv(keys, values, pos.data()), e);
+  });
+}
+
+matrix_view<const float> score_view(const tensor& scores) {
+  require_dtype(scores, {dtype::f32});
+  require_host(scores);
+  return mat<const float>(scores);
+}
+
+/// A driver's kept rows of one layer as new (positions, cu) NumPy arrays.
+py::tuple kept_arrays(const ragged_positions& k) {
+  tensor like;
+  const tensor cu = output(py::none(), "cu", like, {k.heads + 1}, dtype::i32);
+  const tensor pos = output(py::none(), "positions", like, {k.cu[k.heads]}, dtype::i32);
+  std::copy_n(k.cu, k.heads + 1, static_cast<std::int32_t*>(cu.data));
+  std::copy_n(k.pos, k.cu[k.heads], static_cast<pos_t*>(pos.data));
+  return py::make_tuple(pos.object, cu.object);
+}
+
+/// A named scheme's allocation into `budgets` ([L][H], the caller's vector).
+allocation make_budgets(budget_scheme scheme, const recipe& r, index_t layers, index_t kv_heads, index_t prompt,
+                        index_t budget, py::handle retrieval_, std::vector<std::int32_t>& budgets) {
+  if (layers <= 0 || kv_heads <= 0) raise(errc::invalid_argument, "drivers: layers and kv_heads must be positive");
+  budgets.assign(static_cast<std::size_t>(layers * kv_heads), 0);
+  allocation_request req;
+  req.budget = budget;
+  req.prompt = prompt;
+  req.prot = protection{r.n_sink, r.n_recent};
+  const tensor retrieval = as_optional(retrieval_, "retrieval", 2);
+  if (retrieval.data != nullptr) {
+    require_dtype(retrieval, {dtype::u8, dtype::boolean});
+    require_host(retrieval);
+    req.retrieval = mat<const std::uint8_t>(retrieval);
+  }
+  allocation a;
+  throw_if(make_allocation(scheme, req, value_or_raise(make_matrix_view(budgets.data(), layers, kv_heads)), &a));
+  return a;
+}
+
 class post_fill {
  public:
   post_fill(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
-            budget_scheme scheme, index_t budget, py::handle retrieval_, index_t query_rows)
-      : budgets_(static_cast<std::size_t>(layers > 0 && kv_heads > 0 ? layers * kv_heads : 0), 0) {
+            budget_scheme scheme, index_t budget, py::handle retrieval_, index_t query_rows) {
     cfg_.model = model_shape{layers, kv_heads, query_heads, head_dim};
     cfg_.tokens = tokens;
     cfg_.query_rows = query_rows;
     cfg_.rec = r;
-    allocation_request req;
-    req.budget = budget;
-    req.prompt = tokens;
-    req.prot = protection{r.n_sink, r.n_recent};
-    const tensor retrieval = as_optional(retrieval_, "retrieval", 2);
-    if (retrieval.data != nullptr) {
-      require_dtype(retrieval, {dtype::u8, dtype::boolean});
-      require_host(retrieval);
-      req.retrieval = mat<const std::uint8_t>(retrieval);
-    }
-    if (budgets_.empty()) raise(errc::invalid_argument, "PostFillDriver: layers and kv_heads must be positive");
-    const auto bv = value_or_raise(make_matrix_view(budgets_.data(), layers, kv_heads));
-    throw_if(make_allocation(scheme, req, bv, &cfg_.alloc));
+    cfg_.alloc = make_budgets(scheme, r, layers, kv_heads, tokens, budget, retrieval_, budgets_);
     state_.resize(value_or_raise(post_fill_driver::state_bytes(cfg_)));
     throw_if(driver_.init(cfg_, state_.data(), state_.size()));
   }
 
   void add_layer(index_t layer, py::handle k_, py::handle v_, py::handle q_, py::handle s_, py::handle pos_,
                  py::handle bk_, double weight) {
-    const tensor k = as_tensor(k_, "keys", 3), v = as_tensor(v_, "values", 3);
     const tensor q = as_optional(q_, "queries", 3), bk = as_optional(bk_, "block_keys", 3);
-    require_kv({&k, &v, &q, &bk});
     const tensor scores = as_optional(s_, "scores", 2);
-    const index_t H = k.shape[0], T = k.shape[1];
-    // the rows' original positions, laid out like the key rows (head h at h * capacity)
-    std::vector<pos_t> pos;
-    const tensor p = as_optional(pos_, "positions", 2);
-    if (p.data != nullptr) {
-      require_dtype(p, {dtype::i32});
-      require_host(p);
-      if (p.shape[0] != H || p.shape[1] != T)
-        raise(errc::shape_mismatch, "positions is " + p.shape_string() + " but must be [" + std::to_string(H) + ", " +
-                                        std::to_string(T) + "]");
-    }
-    dispatch_kv(k, [&](auto e) {
-      using T_ = decltype(e);
-      std::vector<std::int32_t> kcu(static_cast<std::size_t>(H) + 1), klen(static_cast<std::size_t>(H));
-      std::vector<std::int32_t> vcu(kcu.size()), vlen(klen.size());
-      const auto keys = value_or_raise(ragged_from_dense(kv<const T_>(k), kcu.data(), klen.data()));
-      const auto values = value_or_raise(ragged_from_dense(kv<const T_>(v), vcu.data(), vlen.data()));
-      pos.assign(static_cast<std::size_t>(H > 0 ? kcu[static_cast<std::size_t>(H)] : 0), 0);
-      for (index_t h = 0; h < H; ++h)
-        for (index_t j = 0; j < T; ++j)
-          pos[static_cast<std::size_t>(kcu[static_cast<std::size_t>(h)] + j)] =
-              p.data != nullptr ? static_cast<const pos_t*>(p.data)[h * p.strides[0] + j * p.strides[1]]
-                                : static_cast<pos_t>(j);
-      const auto kvl = make_layer_kv(keys, values, pos.data());
+    with_layer(k_, v_, py::none(), pos_, {&q, &bk}, [&](const auto& kvl, auto e) {
+      using T = decltype(e);
       std::lock_guard<std::mutex> lock(mutex_);
       if (scores.data != nullptr) {
-        require_dtype(scores, {dtype::f32});
-        require_host(scores);
-        const auto sv = mat<const float>(scores);
+        const auto sv = score_view(scores);
         run_ws([&](workspace& ws) { return driver_.add_layer_scores(backend(), ws, layer, kvl, sv, weight); });
       } else {
-        const auto qv = optional_kv<T_>(q);
-        const auto bv = optional_kv<T_>(bk);
+        const auto qv = optional_kv<T>(q);
+        const auto bv = optional_kv<T>(bk);
         run_ws([&](workspace& ws) { return driver_.add_layer(backend(), ws, layer, kvl, qv, bv, weight); });
       }
     });
@@ -91,13 +130,7 @@ class post_fill {
     if (!driver_.ready(layer))
       raise(errc::invalid_argument, "PostFillDriver.kept: layer " + std::to_string(layer) +
                                         " is not decided yet (add it; lava and cake: call decide())");
-    const ragged_positions k = driver_.kept(layer);
-    tensor like;
-    const tensor cu = output(py::none(), "cu", like, {k.heads + 1}, dtype::i32);
-    const tensor pos = output(py::none(), "positions", like, {k.cu[k.heads]}, dtype::i32);
-    std::copy_n(k.cu, k.heads + 1, static_cast<std::int32_t*>(cu.data));
-    std::copy_n(k.pos, k.cu[k.heads], static_cast<pos_t*>(pos.data));
-    return py::make_tuple(pos.object, cu.object);
+    return kept_arrays(driver_.kept(layer));
   }
 
   index_t layer_total(index_t layer) const { return driver_.layer_total(layer); }
@@ -114,6 +147,66 @@ class post_fill {
   std::vector<std::int32_t> budgets_;
   std::vector<unsigned char> state_;
   post_fill_driver driver_;
+  std::mutex mutex_;
+};
+
+class decode {
+ public:
+  decode(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t capacity,
+         index_t interval, budget_scheme scheme, index_t budget, index_t prompt_length, index_t query_rows) {
+    if (scheme != budget_scheme::uniform && scheme != budget_scheme::pyramid && scheme != budget_scheme::adakv)
+      raise(errc::invalid_argument, std::string("DecodeDriver: scheme '") + budget_scheme_name(scheme) +
+                                        "' is not a per-layer scheme (uniform, pyramid, adakv)");
+    cfg_.model = model_shape{layers, kv_heads, query_heads, head_dim};
+    cfg_.capacity = capacity;
+    cfg_.interval = interval;
+    cfg_.query_rows = query_rows;
+    cfg_.rec = r;
+    cfg_.alloc = make_budgets(scheme, r, layers, kv_heads, prompt_length > 0 ? prompt_length : capacity, budget,
+                              py::none(), budgets_);
+    state_.resize(value_or_raise(decode_driver::state_bytes(cfg_)));
+    throw_if(driver_.init(cfg_, state_.data(), state_.size()));
+  }
+
+  void begin(index_t layer, py::handle k_, py::handle v_, py::handle lens_, py::handle pos_, index_t tokens,
+             py::handle initial_) {
+    const tensor initial = as_optional(initial_, "initial", 2);
+    with_layer(k_, v_, lens_, pos_, {}, [&](const auto& kvl, auto) {
+      const auto iv = initial.data != nullptr ? score_view(initial) : matrix_view<const float>{};
+      std::lock_guard<std::mutex> lock(mutex_);
+      run([&] { return driver_.begin(layer, kvl, tokens, iv); });
+    });
+  }
+
+  py::object step(index_t layer, py::handle k_, py::handle v_, py::handle lens_, py::handle pos_, py::handle q_,
+                  py::handle s_, py::handle bk_) {
+    const tensor q = as_optional(q_, "queries", 3), bk = as_optional(bk_, "block_keys", 3);
+    const tensor scores = as_optional(s_, "scores", 2);
+    std::lock_guard<std::mutex> lock(mutex_);
+    with_layer(k_, v_, lens_, pos_, {&q, &bk}, [&](const auto& kvl, auto e) {
+      using T = decltype(e);
+      if (scores.data != nullptr) {
+        const auto sv = score_view(scores);
+        run_ws([&](workspace& ws) { return driver_.step_scores(backend(), ws, layer, kvl, sv); });
+      } else {
+        const auto qv = optional_kv<T>(q);
+        const auto bv = optional_kv<T>(bk);
+        run_ws([&](workspace& ws) { return driver_.step(backend(), ws, layer, kvl, qv, bv); });
+      }
+    });
+    if (!driver_.evicted(layer)) return py::none();
+    return kept_arrays(driver_.kept(layer));
+  }
+
+  bool evicts_next(index_t layer) const { return driver_.evicts_next(layer); }
+  index_t tokens(index_t layer) const { return driver_.tokens(layer); }
+  index_t held(index_t layer, index_t head) const { return driver_.held(layer, head); }
+
+ private:
+  decode_config cfg_;
+  std::vector<std::int32_t> budgets_;
+  std::vector<unsigned char> state_;
+  decode_driver driver_;
   std::mutex mutex_;
 };
 
@@ -138,6 +231,22 @@ void bind_drivers(py::module_& m) {
       .def("layer_total", &post_fill::layer_total, "layer"_a)
       .def_property_readonly("allocator", &post_fill::kind)
       .def_property_readonly("budgets", &post_fill::budgets);
+  py::class_<decode>(m, "DecodeDriver",
+                     "Decode-time eviction back to a budget every `interval` steps (kvevict::decode_driver). Each "
+                     "layer's cache is a capacity buffer [H][C][d] with lens [H] rows held and positions [H][C].")
+      .def(py::init<const recipe&, index_t, index_t, index_t, index_t, index_t, index_t, budget_scheme, index_t,
+                    index_t, index_t>(),
+           "recipe"_a, "layers"_a, "kv_heads"_a, "query_heads"_a, "head_dim"_a, "capacity"_a, "interval"_a = 1,
+           "scheme"_a = budget_scheme::uniform, "budget"_a = 64, "prompt_length"_a = 0, "query_rows"_a = 0)
+      .def("begin", &decode::begin, "layer"_a, "keys"_a, "values"_a, "lens"_a = py::none(), "positions"_a = py::none(),
+           "tokens"_a = 0, "initial"_a = py::none(), "After the prefill: the layer's cache and the tokens processed.")
+      .def("step", &decode::step, "layer"_a, "keys"_a, "values"_a, "lens"_a = py::none(), "positions"_a = py::none(),
+           "queries"_a = py::none(), "scores"_a = py::none(), "block_keys"_a = py::none(),
+           "After the engine appended the new token's row: None, or (positions, cu) of the rows each head keeps "
+           "(compact the layer with them).")
+      .def("evicts_next", &decode::evicts_next, "layer"_a)
+      .def("tokens", &decode::tokens, "layer"_a)
+      .def("held", &decode::held, "layer"_a, "head"_a);
 }
 
 }  // namespace kvevict::python

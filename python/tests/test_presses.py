@@ -141,3 +141,35 @@ def test_post_fill_driver(gen, scheme):
     k, v, q = layers[0]
     with pytest.raises(kvevict.Error, match="post_fill_driver::add_layer"):  # layers come once, in order
         d.add_layer(0, k[0], v[0], queries=q[0, :, -16:])
+
+
+def test_decode_driver_tova(gen):
+    """kvevict's decode driver with TOVA, back to the budget after every decoded token: each step
+    keeps what recipe_scores + recipe_select keep on the layer's rows."""
+    B_, C = 24, 25
+    keys, values = torch.zeros(H, C, D), torch.zeros(H, C, D)
+    positions = torch.zeros(H, C, dtype=torch.int32)
+    keys[:, :B_], values[:, :B_] = randn(gen, H, B_, D), randn(gen, H, B_, D)
+    positions[:, :B_] = torch.arange(B_, dtype=torch.int32)
+    lens = torch.full((H,), B_, dtype=torch.int32)
+    r = kvevict.Recipe.tova()
+    d = kvevict.DecodeDriver(r, 1, H, HQ, D, C, interval=1, budget=B_)
+    d.begin(0, keys, values, lens, positions, tokens=B_)
+    for t in range(3):
+        assert d.evicts_next(0)
+        keys[:, B_], values[:, B_] = randn(gen, H, D), randn(gen, H, D)
+        positions[:, B_] = B_ + t
+        lens.fill_(C)
+        q = randn(gen, HQ, 1, D)
+        kept = d.step(0, keys, values, lens, positions, queries=q)
+        assert kept is not None
+        pos, cu = kept
+        ref = kvevict.recipe_select(r, kvevict.recipe_scores(r, q, keys), B_)
+        assert torch.equal(torch.as_tensor(pos).view(H, B_), torch.as_tensor(ref))
+        for h in range(H):  # the engine compacts: keys, values and positions alike
+            rows = torch.as_tensor(pos[cu[h]:cu[h + 1]]).long()
+            keys[h, :B_], values[h, :B_], positions[h, :B_] = keys[h, rows], values[h, rows], positions[h, rows]
+        lens.fill_(B_)
+        assert d.tokens(0) == B_ + t + 1 and d.held(0, 0) == B_
+    with pytest.raises(kvevict.Error, match="decode_driver::step"):
+        d.step(0, keys, values, lens, positions, queries=randn(gen, HQ, 1, D))  # no new row appended

@@ -150,6 +150,58 @@ class post_fill {
   std::mutex mutex_;
 };
 
+class cascade {
+ public:
+  cascade(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
+          index_t total, cascade_split split, weight_source weight, entropy_norm norm, index_t query_rows) {
+    cfg_.model = model_shape{layers, kv_heads, query_heads, head_dim};
+    cfg_.tokens = tokens;
+    cfg_.query_rows = query_rows;
+    cfg_.rec = r;
+    cfg_.total = total;
+    cfg_.split = split;
+    cfg_.weight = weight;
+    cfg_.norm = norm;
+    state_.resize(value_or_raise(cascade_driver::state_bytes(cfg_)));
+    throw_if(driver_.init(cfg_, state_.data(), state_.size()));
+  }
+
+  void add_layer(index_t layer, py::handle k_, py::handle v_, py::handle q_, py::handle s_, py::handle pos_,
+                 py::handle bk_, double weight) {
+    const tensor q = as_optional(q_, "queries", 3), bk = as_optional(bk_, "block_keys", 3);
+    const tensor scores = as_optional(s_, "scores", 2);
+    std::lock_guard<std::mutex> lock(mutex_);
+    with_layer(k_, v_, py::none(), pos_, {&q, &bk}, [&](const auto& kvl, auto e) {
+      using T = decltype(e);
+      if (scores.data != nullptr) {
+        const auto sv = score_view(scores);
+        run_ws([&](workspace& ws) { return driver_.add_layer_scores(backend(), ws, layer, kvl, sv, weight); });
+      } else {
+        const auto qv = optional_kv<T>(q);
+        const auto bv = optional_kv<T>(bk);
+        run_ws([&](workspace& ws) { return driver_.add_layer(backend(), ws, layer, kvl, qv, bv, weight); });
+      }
+    });
+  }
+
+  bool changed(index_t layer) const { return driver_.changed(layer); }
+  py::tuple kept(index_t layer) const { return kept_arrays(checked(layer, driver_.kept(layer))); }
+  py::tuple positions(index_t layer) const { return kept_arrays(checked(layer, driver_.positions(layer))); }
+  index_t layer_total(index_t layer) const { return driver_.layer_total(layer); }
+  index_t held_rows() const { return driver_.held_rows(); }
+  index_t peak_rows() const { return driver_.peak_rows(); }
+
+ private:
+  static const ragged_positions& checked(index_t layer, const ragged_positions& k) {
+    if (k.cu == nullptr) raise(errc::invalid_argument, "CascadeDriver: layer " + std::to_string(layer) + " holds nothing yet");
+    return k;
+  }
+  cascade_driver_config cfg_;
+  std::vector<unsigned char> state_;
+  cascade_driver driver_;
+  std::mutex mutex_;
+};
+
 class decode {
  public:
   decode(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t capacity,
@@ -231,6 +283,24 @@ void bind_drivers(py::module_& m) {
       .def("layer_total", &post_fill::layer_total, "layer"_a)
       .def_property_readonly("allocator", &post_fill::kind)
       .def_property_readonly("budgets", &post_fill::budgets);
+  py::class_<cascade>(m, "CascadeDriver",
+                      "Layer-by-layer prefill with cascading budgets (kvevict::cascade_driver: LAVa Algorithm 2, "
+                      "CAKE): after add_layer(l), compact layer l with kept(l) and every earlier layer j with "
+                      "changed(j) with kept(j).")
+      .def(py::init<const recipe&, index_t, index_t, index_t, index_t, index_t, index_t, cascade_split, weight_source,
+                    entropy_norm, index_t>(),
+           "recipe"_a, "layers"_a, "kv_heads"_a, "query_heads"_a, "head_dim"_a, "tokens"_a, "total"_a,
+           "split"_a = cascade_split::flattened, "weight"_a = weight_source::lava_entropy,
+           "norm"_a = entropy_norm::log_count, "query_rows"_a = 0)
+      .def("add_layer", &cascade::add_layer, "layer"_a, "keys"_a, "values"_a, "queries"_a = py::none(),
+           "scores"_a = py::none(), "positions"_a = py::none(), "block_keys"_a = py::none(), "weight"_a = 0.0,
+           "Layer `layer` (in order) was prefilled over the whole prompt: keys, values [H][N][d].")
+      .def("changed", &cascade::changed, "layer"_a)
+      .def("kept", &cascade::kept, "layer"_a, "(positions, cu): rows of what the layer held before this step.")
+      .def("positions", &cascade::positions, "layer"_a, "(positions, cu): the original positions the layer holds.")
+      .def("layer_total", &cascade::layer_total, "layer"_a)
+      .def_property_readonly("held_rows", &cascade::held_rows)
+      .def_property_readonly("peak_rows", &cascade::peak_rows);
   py::class_<decode>(m, "DecodeDriver",
                      "Decode-time eviction back to a budget every `interval` steps (kvevict::decode_driver). Each "
                      "layer's cache is a capacity buffer [H][C][d] with lens [H] rows held and positions [H][C].")

@@ -87,6 +87,10 @@ void bind_enums(py::module_& m) {
                            {{"uniform", budget_scheme::uniform}, {"pyramid", budget_scheme::pyramid},
                             {"adakv", budget_scheme::adakv}, {"lava", budget_scheme::lava},
                             {"cake", budget_scheme::cake}, {"duo", budget_scheme::duo}});
+  bind_enum<cascade_split>(m, "CascadeSplit",
+                           {{"flattened", cascade_split::flattened}, {"per_head", cascade_split::per_head}});
+  bind_enum<weight_source>(m, "WeightSource",
+                           {{"lava_entropy", weight_source::lava_entropy}, {"caller", weight_source::caller}});
   bind_enum<allocator>(m, "Allocator", {{"per_head", allocator::per_head}, {"flattened", allocator::flattened},
                                         {"adakv", allocator::adakv}, {"lava", allocator::lava}, {"cake", allocator::cake}});
 }

@@ -173,3 +173,32 @@ def test_decode_driver_tova(gen):
         assert d.tokens(0) == B_ + t + 1 and d.held(0, 0) == B_
     with pytest.raises(kvevict.Error, match="decode_driver::step"):
         d.step(0, keys, values, lens, positions, queries=randn(gen, HQ, 1, D))  # no new row appended
+
+
+@pytest.mark.parametrize("split,weight", [("flattened", "lava_entropy"), ("per_head", "caller")])
+def test_cascade_driver(gen, split, weight):
+    """kvevict's layer-wise cascade (LAVa / CAKE): the engine compacts the new layer and every
+    changed earlier layer; the model never holds more than the total, and ends holding it."""
+    L, total = 3, 40 * H * 3
+    r = kvevict.Recipe.lava() if split == "flattened" else kvevict.Recipe.cake()
+    r.window, r.n_recent = 16, 16
+    d = kvevict.CascadeDriver(r, L, H, HQ, D, T, total, split=split, weight=weight)
+    cake = presses.CAKE(budget=40, window=16)
+    held = []  # per layer, per head: the original positions the engine's cache holds
+    for l in range(L):
+        k, v, q = cache(gen)
+        pref = cake.cake_preference(q[0], k[0]) if weight == "caller" else 0.0
+        d.add_layer(l, k[0], v[0], queries=q[0, :, -16:], weight=pref)
+        pos, cu = d.kept(l)
+        held.append([pos[cu[h]:cu[h + 1]].tolist() for h in range(H)])
+        for j in range(l):
+            if d.changed(j):
+                pos, cu = d.kept(j)
+                held[j] = [[held[j][h][i] for i in pos[cu[h]:cu[h + 1]]] for h in range(H)]
+        assert d.held_rows == sum(len(x) for layer in held for x in layer) <= total
+    assert d.held_rows == total and d.peak_rows <= total + H * T
+    for j in range(L):
+        pos, cu = d.positions(j)
+        assert [pos[cu[h]:cu[h + 1]].tolist() for h in range(H)] == held[j]
+        for h in range(H):
+            assert set(range(T - 16, T)) <= set(held[j][h])  # the window stays

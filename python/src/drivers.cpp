@@ -202,6 +202,76 @@ class cascade {
   std::mutex mutex_;
 };
 
+class chunked {
+ public:
+  chunked(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
+          index_t capacity, chunk_queries queries, chunk_target target, double fraction, budget_scheme scheme,
+          index_t budget) {
+    if (scheme == budget_scheme::cake)
+      raise(errc::invalid_argument, "ChunkedDriver: the cake scheme is post-fill only (uniform, pyramid, adakv, lava, duo)");
+    cfg_.model = model_shape{layers, kv_heads, query_heads, head_dim};
+    cfg_.tokens = tokens;
+    cfg_.capacity = capacity;
+    cfg_.rec = r;
+    cfg_.queries = queries;
+    cfg_.target = target;
+    cfg_.fraction = fraction;
+    cfg_.alloc = make_budgets(scheme, r, layers, kv_heads, tokens, budget, py::none(), budgets_);
+    state_.resize(value_or_raise(chunked_driver::state_bytes(cfg_)));
+    throw_if(driver_.init(cfg_, state_.data(), state_.size()));
+  }
+
+  void begin_chunk(index_t begin, index_t end) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    throw_if(driver_.begin_chunk(begin, end));
+  }
+
+  void add_layer(index_t layer, py::handle k_, py::handle v_, py::handle lens_, py::handle pos_, py::handle q_,
+                 py::handle s_, py::handle pk_) {
+    const tensor q = as_optional(q_, "queries", 3), pk = as_optional(pk_, "patch_keys", 3);
+    const tensor scores = as_optional(s_, "scores", 2);
+    std::lock_guard<std::mutex> lock(mutex_);
+    with_layer(k_, v_, lens_, pos_, {&q, &pk}, [&](const auto& kvl, auto e) {
+      using T = decltype(e);
+      if (scores.data != nullptr) {
+        const auto sv = score_view(scores);
+        run_ws([&](workspace& ws) { return driver_.add_layer_scores(backend(), ws, layer, kvl, sv); });
+      } else {
+        const auto qv = optional_kv<T>(q);
+        const auto pv = optional_kv<T>(pk);
+        run_ws([&](workspace& ws) { return driver_.add_layer(backend(), ws, layer, kvl, qv, pv); });
+      }
+    });
+  }
+
+  void decide() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    run_ws([&](workspace& ws) { return driver_.decide(backend(), ws); });
+  }
+
+  py::tuple patch() const {
+    const patch_block p = driver_.patch();
+    return py::make_tuple(static_cast<index_t>(p.first), p.count);
+  }
+  index_t query_rows() const { return driver_.query_rows(); }
+  bool final_chunk() const { return driver_.final_chunk(); }
+  bool ready(index_t layer) const { return driver_.ready(layer); }
+  py::tuple kept(index_t layer) const {
+    if (!driver_.ready(layer))
+      raise(errc::invalid_argument, "ChunkedDriver.kept: layer " + std::to_string(layer) +
+                                        " has not been decided for this chunk (add it; lava: call decide())");
+    return kept_arrays(driver_.kept(layer));
+  }
+  index_t held(index_t layer, index_t head) const { return driver_.held(layer, head); }
+
+ private:
+  chunked_config cfg_;
+  std::vector<std::int32_t> budgets_;
+  std::vector<unsigned char> state_;
+  chunked_driver driver_;
+  std::mutex mutex_;
+};
+
 class decode {
  public:
   decode(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t capacity,
@@ -301,6 +371,26 @@ void bind_drivers(py::module_& m) {
       .def("layer_total", &cascade::layer_total, "layer"_a)
       .def_property_readonly("held_rows", &cascade::held_rows)
       .def_property_readonly("peak_rows", &cascade::peak_rows);
+  py::class_<chunked>(m, "ChunkedDriver",
+                      "Eviction during chunked prefill, naive or patched (kvevict::chunked_driver): per chunk "
+                      "begin_chunk(s, e), add_layer for every layer with query_rows() queries (and the patch's keys), "
+                      "decide(), then compact each layer with kept(l).")
+      .def(py::init<const recipe&, index_t, index_t, index_t, index_t, index_t, index_t, chunk_queries, chunk_target,
+                    double, budget_scheme, index_t>(),
+           "recipe"_a, "layers"_a, "kv_heads"_a, "query_heads"_a, "head_dim"_a, "tokens"_a, "capacity"_a,
+           "queries"_a = chunk_queries::patched, "target"_a = chunk_target::budget, "fraction"_a = 0.5,
+           "scheme"_a = budget_scheme::uniform, "budget"_a = 64)
+      .def("begin_chunk", &chunked::begin_chunk, "begin"_a, "end"_a)
+      .def("add_layer", &chunked::add_layer, "layer"_a, "keys"_a, "values"_a, "lens"_a = py::none(),
+           "positions"_a = py::none(), "queries"_a = py::none(), "scores"_a = py::none(), "patch_keys"_a = py::none(),
+           "The layer's current cache (kept rows + the chunk) as a capacity buffer [H][C][d] with lens and positions.")
+      .def("decide", &chunked::decide)
+      .def("patch", &chunked::patch, "(first, count) of the extra query positions after this chunk (patched mode).")
+      .def("query_rows", &chunked::query_rows)
+      .def("final_chunk", &chunked::final_chunk)
+      .def("ready", &chunked::ready, "layer"_a)
+      .def("kept", &chunked::kept, "layer"_a, "(positions, cu): rows of the layer's current cache each head keeps.")
+      .def("held", &chunked::held, "layer"_a, "head"_a);
   py::class_<decode>(m, "DecodeDriver",
                      "Decode-time eviction back to a budget every `interval` steps (kvevict::decode_driver). Each "
                      "layer's cache is a capacity buffer [H][C][d] with lens [H] rows held and positions [H][C].")

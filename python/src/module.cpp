@@ -91,6 +91,8 @@ void bind_enums(py::module_& m) {
                            {{"flattened", cascade_split::flattened}, {"per_head", cascade_split::per_head}});
   bind_enum<weight_source>(m, "WeightSource",
                            {{"lava_entropy", weight_source::lava_entropy}, {"caller", weight_source::caller}});
+  bind_enum<chunk_queries>(m, "ChunkQueries", {{"naive", chunk_queries::naive}, {"patched", chunk_queries::patched}});
+  bind_enum<chunk_target>(m, "ChunkTarget", {{"budget", chunk_target::budget}, {"fraction", chunk_target::fraction}});
   bind_enum<allocator>(m, "Allocator", {{"per_head", allocator::per_head}, {"flattened", allocator::flattened},
                                         {"adakv", allocator::adakv}, {"lava", allocator::lava}, {"cake", allocator::cake}});
 }

@@ -202,3 +202,39 @@ def test_cascade_driver(gen, split, weight):
         assert [pos[cu[h]:cu[h + 1]].tolist() for h in range(H)] == held[j]
         for h in range(H):
             assert set(range(T - 16, T)) <= set(held[j][h])  # the window stays
+
+
+def test_chunked_driver_naive(gen):
+    """kvevict's chunked-prefill driver (naive): two chunks of 64 down to 40 rows per head; the first
+    chunk alone is a post-fill eviction of its rows, and the prompt's last window survives."""
+    B_, W, CH = 40, 16, 64
+    C = B_ + CH
+    r = kvevict.Recipe.snapkv()
+    r.window, r.n_recent = W, W
+    d = kvevict.ChunkedDriver(r, 1, H, HQ, D, T, C, queries="naive", budget=B_)
+    k_all, v_all = randn(gen, H, T, D), randn(gen, H, T, D)
+    keys, values = torch.zeros(H, C, D), torch.zeros(H, C, D)
+    positions = torch.zeros(H, C, dtype=torch.int32)
+    lens = torch.zeros(H, dtype=torch.int32)
+    for s in range(0, T, CH):
+        d.begin_chunk(s, s + CH)
+        n = int(lens[0])
+        keys[:, n:n + CH], values[:, n:n + CH] = k_all[:, s:s + CH], v_all[:, s:s + CH]
+        positions[:, n:n + CH] = torch.arange(s, s + CH, dtype=torch.int32)
+        lens.fill_(n + CH)
+        assert d.query_rows() == W and d.patch()[1] == 0
+        q = randn(gen, HQ, W, D)
+        d.add_layer(0, keys, values, lens, positions, queries=q)
+        d.decide()
+        pos, cu = d.kept(0)
+        if s == 0:
+            ref = kvevict.recipe_select(r, kvevict.recipe_scores(r, q, keys[:, :CH]), B_)
+            assert torch.equal(torch.as_tensor(pos).view(H, B_), torch.as_tensor(ref))
+        for h in range(H):
+            rows = torch.as_tensor(pos[cu[h]:cu[h + 1]]).long()
+            m = rows.numel()
+            keys[h, :m], values[h, :m], positions[h, :m] = keys[h, rows], values[h, rows], positions[h, rows]
+            lens[h] = m
+    assert lens.tolist() == [B_] * H and d.final_chunk()
+    for h in range(H):
+        assert positions[h, B_ - W:B_].tolist() == list(range(T - W, T))

@@ -3,6 +3,9 @@
 #pragma once
 
 #include "tensor.hpp"
+#if KVEVICT_PYTHON_CUDA
+#  include "cuda_bridge.hpp"
+#endif
 
 #include <kvevict/kvevict.hpp>
 
@@ -31,18 +34,23 @@ void run_ws(F&& f, int slot = 0) {
   throw_if(f(ws));
 }
 
-/// Every given (non-empty) tensor holds KV elements of one type, on the host (CUDA: see cuda.md).
-inline void require_kv(std::initializer_list<const tensor*> ts) {
+/// Every given (non-empty) tensor holds KV elements of one type.
+inline void require_kv_type(std::initializer_list<const tensor*> ts) {
   const tensor* first = nullptr;
   for (const tensor* t : ts) {
     if (t->data == nullptr && t->ndim == 0) continue;
     require_dtype(*t, {dtype::f32, dtype::f16, dtype::bf16});
-    require_host(*t);
     if (first == nullptr) first = t;
     else if (t->type != first->type)
       raise(errc::invalid_argument, t->name + " is " + dtype_name(t->type) + " but " + first->name + " is " +
                                         dtype_name(first->type) + " (one element type per call)");
   }
+}
+
+/// Every given (non-empty) tensor holds KV elements of one type, on the host.
+inline void require_kv(std::initializer_list<const tensor*> ts) {
+  require_kv_type(ts);
+  for (const tensor* t : ts) require_host(*t);
 }
 
 /// A host float32 matrix argument.
@@ -64,6 +72,12 @@ std::vector<index_t> offsets_of(const tensor& counts, index_t rows);
 
 /// A new 1-D int32 tensor of n entries like `like` (PyTorch or NumPy), filled from `values`.
 tensor int32_vector(const tensor& like, const char* name, const std::vector<index_t>& values);
+
+#if KVEVICT_PYTHON_CUDA
+/// The CUDA path (cuda_bridge.hpp): PyTorch CUDA tensors, one device, on the device's current stream.
+gpu::raw raw_of(const tensor& t);
+CUstream_st* cuda_stream_of(std::initializer_list<const tensor*> ts);
+#endif
 
 void bind_enums(py::module_& m);
 void bind_stages(py::module_& m);

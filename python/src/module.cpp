@@ -29,6 +29,16 @@ py::object recipe_scores_py(const recipe& r, py::handle q_, py::handle k_, py::h
                             py::handle out_) {
   const tensor k = as_tensor(k_, "keys", 3);
   const tensor q = as_optional(q_, "queries", 3), v = as_optional(v_, "values", 3), b = as_optional(b_, "block_keys", 3);
+#if KVEVICT_PYTHON_CUDA
+  if (k.cuda) {
+    require_kv_type({&k, &q, &v, &b});
+    if (b.data != nullptr) raise(errc::unsupported, "recipe_scores: block_keys on CUDA are not bound");
+    CUstream_st* stream = cuda_stream_of({&k, &q, &v});
+    const tensor out = output(out_, "out", k, {k.shape[0], k.shape[1]}, dtype::f32);
+    run([&] { return gpu::recipe_scores(r, raw_of(q), raw_of(k), raw_of(v), raw_of(out), stream); });
+    return out.object;
+  }
+#endif
   require_kv({&k, &q, &v, &b});
   const tensor out = output(out_, "out", k, {k.shape[0], k.shape[1]}, dtype::f32);
   dispatch_kv(k, [&](auto e) {
@@ -41,6 +51,20 @@ py::object recipe_scores_py(const recipe& r, py::handle q_, py::handle k_, py::h
 }
 
 py::object recipe_select_py(const recipe& r, py::handle s_, py::handle budget, py::handle out_) {
+#if KVEVICT_PYTHON_CUDA
+  const tensor maybe_cuda = as_tensor(s_, "scores", 2);
+  if (maybe_cuda.cuda) {
+    require_dtype(maybe_cuda, {dtype::f32});
+    if (!py::isinstance<py::int_>(budget))
+      raise(errc::unsupported, "recipe_select: per-head (ragged) budgets on CUDA are not bound");
+    const auto k = budget.cast<index_t>();
+    if (k < 0) raise(errc::invalid_argument, "recipe_select: budget " + std::to_string(k) + " is negative");
+    CUstream_st* stream = cuda_stream_of({&maybe_cuda});
+    const tensor out = output(out_, "out", maybe_cuda, {maybe_cuda.shape[0], k}, dtype::i32);
+    run([&] { return gpu::recipe_select(r, raw_of(maybe_cuda), raw_of(out), stream); });
+    return out.object;
+  }
+#endif
   const tensor s = float_matrix(s_, "scores");
   const auto sv = mat<const float>(s);
   if (py::isinstance<py::int_>(budget)) {
@@ -186,7 +210,8 @@ PYBIND11_MODULE(_core, m) {
   register_errors(m);
   m.def("set_num_threads", &set_num_threads, "OpenMP threads of every call (0 = OpenMP's default).");
   m.def("num_threads", &num_threads);
-  m.attr("has_cuda") = false;
+  // CUDA tensors: recipe_scores, dense recipe_select and dense compact on cuda_t when built with CUDA
+  m.attr("has_cuda") = static_cast<bool>(KVEVICT_PYTHON_CUDA);
   bind_enums(m);
   bind_recipes(m);
   bind_stages(m);

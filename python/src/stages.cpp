@@ -191,6 +191,17 @@ py::tuple select_flat(py::handle s_, index_t total, py::handle lengths_, py::han
 
 py::object compact_dense(py::handle src_, py::handle kept_, py::handle out_) {
   const tensor src = as_tensor(src_, "src", 3);
+#if KVEVICT_PYTHON_CUDA
+  if (src.cuda) {
+    require_kv_type({&src});
+    const tensor kept = as_tensor(kept_, "kept", 2);
+    require_dtype(kept, {dtype::i32});
+    CUstream_st* stream = cuda_stream_of({&src, &kept});
+    const tensor out = output(out_, "out", src, {src.shape[0], kept.shape[1], src.shape[2]}, src.type);
+    run([&] { return gpu::compact(raw_of(src), raw_of(kept), raw_of(out), stream); });
+    return out.object;
+  }
+#endif
   require_kv({&src});
   const tensor kept = as_tensor(kept_, "kept", 2);
   require_dtype(kept, {dtype::i32});

@@ -1,5 +1,5 @@
 // python/src/tensor.cpp: reading PyTorch / NumPy / DLPack tensors as borrowed views (tensor.hpp).
-#include "tensor.hpp"
+#include "common.hpp"
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -312,6 +312,35 @@ workspace scratch(std::size_t bytes, int slot) {
   if (b.size() < bytes || b.empty()) b.resize(bytes > 64 ? bytes : 64);
   return workspace{b.data(), b.size()};
 }
+
+#if KVEVICT_PYTHON_CUDA
+gpu::raw raw_of(const tensor& t) {
+  gpu::raw r;
+  r.data = t.data;
+  r.ndim = t.ndim;
+  for (std::size_t i = 0; i < 4; ++i) {
+    r.shape[i] = t.shape[i];
+    r.strides[i] = t.strides[i];
+  }
+  r.elem = t.type == dtype::f32 ? 0 : t.type == dtype::f16 ? 1 : t.type == dtype::bf16 ? 2 : 3;
+  return r;
+}
+
+CUstream_st* cuda_stream_of(std::initializer_list<const tensor*> ts) {
+  const tensor* first = nullptr;
+  for (const tensor* t : ts) {
+    if (t->data == nullptr && t->ndim == 0) continue;
+    if (!t->cuda || t->from != origin::torch)
+      raise(errc::unsupported, t->name + ": the CUDA path takes PyTorch CUDA tensors only (every tensor of the call)");
+    if (first == nullptr) first = t;
+    else if (t->device != first->device) raise(errc::invalid_argument, t->name + " is on another GPU than " + first->name);
+  }
+  if (first == nullptr) raise(errc::invalid_argument, "no CUDA tensor given");
+  const py::object stream =
+      py::module_::import("torch").attr("cuda").attr("current_stream")(first->object.attr("device"));
+  return reinterpret_cast<CUstream_st*>(stream.attr("cuda_stream").cast<std::uintptr_t>());
+}
+#endif
 
 void register_errors(py::module_& m) {
   static py::handle error_type;

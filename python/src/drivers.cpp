@@ -88,6 +88,28 @@ allocation make_budgets(budget_scheme scheme, const recipe& r, index_t layers, i
   return a;
 }
 
+/// A prefill driver's add_layer (queries and block keys) or add_layer_scores (scores), `extra` its
+/// trailing arguments (the layer's weight; none for the chunked driver).
+template <class Driver, class... Extra>
+void add_prefill_layer(Driver& d, std::mutex& mu, index_t layer, py::handle k_, py::handle v_, py::handle lens_,
+                       py::handle pos_, py::handle q_, py::handle s_, py::handle bk_, const char* bk_name,
+                       Extra... extra) {
+  const tensor q = as_optional(q_, "queries", 3), bk = as_optional(bk_, bk_name, 3);
+  const tensor scores = as_optional(s_, "scores", 2);
+  std::lock_guard<std::mutex> lock(mu);
+  with_layer(k_, v_, lens_, pos_, {&q, &bk}, [&](const auto& kvl, auto e) {
+    using T = decltype(e);
+    if (scores.data != nullptr) {
+      const auto sv = score_view(scores);
+      run_ws([&](workspace& ws) { return d.add_layer_scores(backend(), ws, layer, kvl, sv, extra...); });
+    } else {
+      const auto qv = optional_kv<T>(q);
+      const auto bv = optional_kv<T>(bk);
+      run_ws([&](workspace& ws) { return d.add_layer(backend(), ws, layer, kvl, qv, bv, extra...); });
+    }
+  });
+}
+
 class post_fill {
  public:
   post_fill(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
@@ -103,20 +125,7 @@ class post_fill {
 
   void add_layer(index_t layer, py::handle k_, py::handle v_, py::handle q_, py::handle s_, py::handle pos_,
                  py::handle bk_, double weight) {
-    const tensor q = as_optional(q_, "queries", 3), bk = as_optional(bk_, "block_keys", 3);
-    const tensor scores = as_optional(s_, "scores", 2);
-    with_layer(k_, v_, py::none(), pos_, {&q, &bk}, [&](const auto& kvl, auto e) {
-      using T = decltype(e);
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (scores.data != nullptr) {
-        const auto sv = score_view(scores);
-        run_ws([&](workspace& ws) { return driver_.add_layer_scores(backend(), ws, layer, kvl, sv, weight); });
-      } else {
-        const auto qv = optional_kv<T>(q);
-        const auto bv = optional_kv<T>(bk);
-        run_ws([&](workspace& ws) { return driver_.add_layer(backend(), ws, layer, kvl, qv, bv, weight); });
-      }
-    });
+    add_prefill_layer(driver_, mutex_, layer, k_, v_, py::none(), pos_, q_, s_, bk_, "block_keys", weight);
   }
 
   void decide() {
@@ -168,20 +177,7 @@ class cascade {
 
   void add_layer(index_t layer, py::handle k_, py::handle v_, py::handle q_, py::handle s_, py::handle pos_,
                  py::handle bk_, double weight) {
-    const tensor q = as_optional(q_, "queries", 3), bk = as_optional(bk_, "block_keys", 3);
-    const tensor scores = as_optional(s_, "scores", 2);
-    std::lock_guard<std::mutex> lock(mutex_);
-    with_layer(k_, v_, py::none(), pos_, {&q, &bk}, [&](const auto& kvl, auto e) {
-      using T = decltype(e);
-      if (scores.data != nullptr) {
-        const auto sv = score_view(scores);
-        run_ws([&](workspace& ws) { return driver_.add_layer_scores(backend(), ws, layer, kvl, sv, weight); });
-      } else {
-        const auto qv = optional_kv<T>(q);
-        const auto bv = optional_kv<T>(bk);
-        run_ws([&](workspace& ws) { return driver_.add_layer(backend(), ws, layer, kvl, qv, bv, weight); });
-      }
-    });
+    add_prefill_layer(driver_, mutex_, layer, k_, v_, py::none(), pos_, q_, s_, bk_, "block_keys", weight);
   }
 
   bool changed(index_t layer) const { return driver_.changed(layer); }
@@ -228,20 +224,7 @@ class chunked {
 
   void add_layer(index_t layer, py::handle k_, py::handle v_, py::handle lens_, py::handle pos_, py::handle q_,
                  py::handle s_, py::handle pk_) {
-    const tensor q = as_optional(q_, "queries", 3), pk = as_optional(pk_, "patch_keys", 3);
-    const tensor scores = as_optional(s_, "scores", 2);
-    std::lock_guard<std::mutex> lock(mutex_);
-    with_layer(k_, v_, lens_, pos_, {&q, &pk}, [&](const auto& kvl, auto e) {
-      using T = decltype(e);
-      if (scores.data != nullptr) {
-        const auto sv = score_view(scores);
-        run_ws([&](workspace& ws) { return driver_.add_layer_scores(backend(), ws, layer, kvl, sv); });
-      } else {
-        const auto qv = optional_kv<T>(q);
-        const auto pv = optional_kv<T>(pk);
-        run_ws([&](workspace& ws) { return driver_.add_layer(backend(), ws, layer, kvl, qv, pv); });
-      }
-    });
+    add_prefill_layer(driver_, mutex_, layer, k_, v_, lens_, pos_, q_, s_, pk_, "patch_keys");
   }
 
   void decide() {

@@ -110,7 +110,24 @@ void add_prefill_layer(Driver& d, std::mutex& mu, index_t layer, py::handle k_, 
   });
 }
 
-class post_fill {
+/// What every bound driver holds: its configuration, a copy of its budgets, its state memory (owned
+/// here) and a lock (one call at a time per driver; the work runs without the GIL).
+template <class Driver, class Config>
+struct bound_driver {
+  Config cfg_;
+  std::vector<std::int32_t> budgets_;
+  std::vector<unsigned char> state_;
+  Driver driver_;
+  std::mutex mutex_;
+
+  /// Binds the driver to its state memory once cfg_ is complete.
+  void start() {
+    state_.resize(value_or_raise(Driver::state_bytes(cfg_)));
+    throw_if(driver_.init(cfg_, state_.data(), state_.size()));
+  }
+};
+
+class post_fill : bound_driver<post_fill_driver, post_fill_config> {
  public:
   post_fill(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
             budget_scheme scheme, index_t budget, py::handle retrieval_, index_t query_rows) {
@@ -119,8 +136,7 @@ class post_fill {
     cfg_.query_rows = query_rows;
     cfg_.rec = r;
     cfg_.alloc = make_budgets(scheme, r, layers, kv_heads, tokens, budget, retrieval_, budgets_);
-    state_.resize(value_or_raise(post_fill_driver::state_bytes(cfg_)));
-    throw_if(driver_.init(cfg_, state_.data(), state_.size()));
+    start();
   }
 
   void add_layer(index_t layer, py::handle k_, py::handle v_, py::handle q_, py::handle s_, py::handle pos_,
@@ -150,16 +166,9 @@ class post_fill {
     std::copy(budgets_.begin(), budgets_.end(), static_cast<std::int32_t*>(b.data));
     return b.object;
   }
-
- private:
-  post_fill_config cfg_;
-  std::vector<std::int32_t> budgets_;
-  std::vector<unsigned char> state_;
-  post_fill_driver driver_;
-  std::mutex mutex_;
 };
 
-class cascade {
+class cascade : bound_driver<cascade_driver, cascade_driver_config> {
  public:
   cascade(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
           index_t total, cascade_split split, weight_source weight, entropy_norm norm, index_t query_rows) {
@@ -171,8 +180,7 @@ class cascade {
     cfg_.split = split;
     cfg_.weight = weight;
     cfg_.norm = norm;
-    state_.resize(value_or_raise(cascade_driver::state_bytes(cfg_)));
-    throw_if(driver_.init(cfg_, state_.data(), state_.size()));
+    start();
   }
 
   void add_layer(index_t layer, py::handle k_, py::handle v_, py::handle q_, py::handle s_, py::handle pos_,
@@ -192,13 +200,9 @@ class cascade {
     if (k.cu == nullptr) raise(errc::invalid_argument, "CascadeDriver: layer " + std::to_string(layer) + " holds nothing yet");
     return k;
   }
-  cascade_driver_config cfg_;
-  std::vector<unsigned char> state_;
-  cascade_driver driver_;
-  std::mutex mutex_;
 };
 
-class chunked {
+class chunked : bound_driver<chunked_driver, chunked_config> {
  public:
   chunked(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
           index_t capacity, chunk_queries queries, chunk_target target, double fraction, budget_scheme scheme,
@@ -213,8 +217,7 @@ class chunked {
     cfg_.target = target;
     cfg_.fraction = fraction;
     cfg_.alloc = make_budgets(scheme, r, layers, kv_heads, tokens, budget, py::none(), budgets_);
-    state_.resize(value_or_raise(chunked_driver::state_bytes(cfg_)));
-    throw_if(driver_.init(cfg_, state_.data(), state_.size()));
+    start();
   }
 
   void begin_chunk(index_t begin, index_t end) {
@@ -246,16 +249,9 @@ class chunked {
     return kept_arrays(driver_.kept(layer));
   }
   index_t held(index_t layer, index_t head) const { return driver_.held(layer, head); }
-
- private:
-  chunked_config cfg_;
-  std::vector<std::int32_t> budgets_;
-  std::vector<unsigned char> state_;
-  chunked_driver driver_;
-  std::mutex mutex_;
 };
 
-class decode {
+class decode : bound_driver<decode_driver, decode_config> {
  public:
   decode(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t capacity,
          index_t interval, budget_scheme scheme, index_t budget, index_t prompt_length, index_t query_rows) {
@@ -269,8 +265,7 @@ class decode {
     cfg_.rec = r;
     cfg_.alloc = make_budgets(scheme, r, layers, kv_heads, prompt_length > 0 ? prompt_length : capacity, budget,
                               py::none(), budgets_);
-    state_.resize(value_or_raise(decode_driver::state_bytes(cfg_)));
-    throw_if(driver_.init(cfg_, state_.data(), state_.size()));
+    start();
   }
 
   void begin(index_t layer, py::handle k_, py::handle v_, py::handle lens_, py::handle pos_, index_t tokens,
@@ -306,13 +301,6 @@ class decode {
   bool evicts_next(index_t layer) const { return driver_.evicts_next(layer); }
   index_t tokens(index_t layer) const { return driver_.tokens(layer); }
   index_t held(index_t layer, index_t head) const { return driver_.held(layer, head); }
-
- private:
-  decode_config cfg_;
-  std::vector<std::int32_t> budgets_;
-  std::vector<unsigned char> state_;
-  decode_driver driver_;
-  std::mutex mutex_;
 };
 
 }  // namespace

@@ -853,7 +853,8 @@ TEST_CASE("decode-time eviction through continue_generation keeps original posit
   sampler greedy;
   REQUIRE(greedy.init(512, 0.0f, 0.9f, 1).ok());
   int steps_seen = 0, evictions = 0;
-  const decode_hook evict = [&](kv_cache& c) {
+  const decode_step evict = [&](kv_cache& c, int token) {
+    KVEVICT_TRY(s.r.decode(c, token));
     ++steps_seen;
     if (c.length(0, 0) <= 40) return status{};
     ++evictions;
@@ -869,7 +870,7 @@ TEST_CASE("decode-time eviction through continue_generation keeps original posit
     return status{};
   };
   std::vector<int> out;
-  REQUIRE(continue_generation(s.r, s.cache, greedy, 200, out, evict).ok());
+  REQUIRE(continue_generation(s.r, s.cache, greedy, 200, out, nullptr, evict).ok());
   CHECK(s.cache.next_position() == static_cast<pos_t>(20 + steps_seen));
   CHECK(evictions > 5);
   CHECK(s.cache.total_rows() <= 5 * 4 * 40);

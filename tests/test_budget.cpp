@@ -1401,3 +1401,83 @@ TEST_CASE("budget: allocation_from_name gives each scheme's allocator and budget
   CHECK(a.total == 123);
   CHECK(a.kind == allocator::per_head);
 }
+
+TEST_CASE("max_head_rows: a head's own budget (per_head), its layer's total (flattened, adakv), 0 without a matrix") {
+  std::vector<std::int32_t> b{3, 5, 7, 2, 1, 1};
+  allocation a;
+  a.budgets = value_of(make_matrix_view<const std::int32_t>(b.data(), 3, 2));
+  a.kind = allocator::per_head;
+  CHECK(max_head_rows(a) == 7);
+  a.kind = allocator::flattened;
+  CHECK(max_head_rows(a) == 9);
+  a.kind = allocator::adakv;
+  CHECK(max_head_rows(a) == 9);
+  a.kind = allocator::lava;
+  a.budgets = {};
+  a.total = 60;
+  CHECK(max_head_rows(a) == 0);
+}
+
+TEST_CASE("cake_window_preference: the window rows' softmax over the prefix, then CAKE's statistics, bit for bit") {
+  for (std::uint64_t seed = 1; seed <= 20; ++seed) {
+    CAPTURE(seed);
+    auto g = kvtest::rng(seed);
+    const index_t hkv = uniform_int(g, 1, 3), hq = hkv * uniform_int(g, 1, 3), d = 2 * uniform_int(g, 1, 4);
+    const index_t w = uniform_int(g, 1, 6), P = w + uniform_int(g, 1, 30);
+    const auto q = kvtest::random_floats(g, static_cast<std::size_t>(hq * w * d), -2.f, 2.f);
+    const auto k = kvtest::random_floats(g, static_cast<std::size_t>(hkv * P * d), -2.f, 2.f);
+    const auto qv = value_of(make_kv_view(q.data(), hq, w, d));
+    const auto kv = value_of(make_kv_view(k.data(), hkv, P, d));
+    // the reference: each row's logits stored, exponentiated in place, the prefix normalised
+    const index_t prefix = P - w, group = hq / hkv;
+    std::vector<float> att(static_cast<std::size_t>(hq * w * prefix)), row(static_cast<std::size_t>(P));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (index_t h = 0; h < hq; ++h)
+      for (index_t i = 0; i < w; ++i) {
+        const index_t visible = prefix + i + 1;
+        float mx = -INFINITY, sum = 0.0f;
+        for (index_t j = 0; j < visible; ++j) {
+          float s = 0.0f;
+          for (index_t x = 0; x < d; ++x) s += qv(h, i, x) * kv(h / group, j, x);
+          row[static_cast<std::size_t>(j)] = s * scale;
+          mx = std::max(mx, row[static_cast<std::size_t>(j)]);
+        }
+        for (index_t j = 0; j < visible; ++j) sum += (row[static_cast<std::size_t>(j)] = std::exp(row[static_cast<std::size_t>(j)] - mx));
+        for (index_t j = 0; j < prefix; ++j) att[static_cast<std::size_t>((h * w + i) * prefix + j)] = row[static_cast<std::size_t>(j)] / sum;
+      }
+    cake_stats st;
+    REQUIRE(cake_layer_stats(seq, value_of(make_kv_view(static_cast<const float*>(att.data()), hq, w, prefix)), &st).ok());
+    double want = 0.0, got = -1.0, got_par = -1.0;
+    REQUIRE(cake_preference(st, {}, &want).ok());
+    workspace query;
+    REQUIRE(cake_window_preference(seq, query, qv, kv, {}, &got).ok());
+    CHECK(query.bytes >= att.size() * sizeof(float));
+    std::vector<unsigned char> mem;
+    for (int shift = 0; shift < 4; ++shift) {
+      workspace ws = kvtest::shifted_workspace(mem, query.bytes);
+      REQUIRE(cake_window_preference(seq, ws, qv, kv, {}, &got).ok());
+      REQUIRE(cake_window_preference(par_t{2}, ws, qv, kv, {}, &got_par).ok());
+      CHECK(got == want);
+      CHECK(got_par == want);
+    }
+  }
+  std::vector<float> q(2 * 3 * 4, 0.5f), k(1 * 3 * 4, 0.25f), small(4);
+  const auto qv = value_of(make_kv_view(static_cast<const float*>(q.data()), 2, 3, 4));
+  const auto kv = value_of(make_kv_view(static_cast<const float*>(k.data()), 1, 3, 4));
+  std::vector<unsigned char> mem(4096);
+  workspace ws{mem.data(), mem.size()};
+  double p = 0.0;
+  require_error(cake_window_preference(seq, ws, qv, kv, {}, &p), errc::invalid_argument, "leaves no prefix");
+  require_error(cake_window_preference(seq, ws, value_of(make_kv_view(static_cast<const float*>(q.data()), 3, 2, 4)),
+                                       value_of(make_kv_view(static_cast<const float*>(k.data()), 2, 1, 6)), {}, &p),
+                errc::shape_mismatch, "queries [3][2][4] over keys [2][1][6]");
+  const auto q1 = value_of(make_kv_view(static_cast<const float*>(q.data()), 2, 1, 4));
+  require_error(cake_window_preference(seq, ws, q1, kv, {}, nullptr), errc::null_pointer, "pref is null");
+  workspace tiny{mem.data(), 8};
+  require_error(cake_window_preference(seq, tiny, q1, kv, {}, &p), errc::workspace_too_small, "cake_window_preference");
+  std::vector<float> big(1024, 0.25f);  // keys [1][3][32] at its start, the workspace over them
+  const auto qb = value_of(make_kv_view(static_cast<const float*>(big.data()) + 512, 2, 1, 32));
+  const auto kb = value_of(make_kv_view(static_cast<const float*>(big.data()), 1, 3, 32));
+  workspace over{big.data(), 400};
+  require_error(cake_window_preference(seq, over, qb, kb, {}, &p), errc::overlap, "the workspace and keys overlap");
+}

@@ -3,6 +3,7 @@
 // through the whole frozen stories260K model (gates, log_alpha, the Lagrange multipliers) against
 // central finite differences in double; a short training run moving the gates as intended.
 #include "support.hpp"
+#include "support/shipped.hpp"
 
 #include <headgates/gated.hpp>
 #include <headgates/train.hpp>
@@ -22,21 +23,10 @@ namespace {
 
 void require_ok(const status& st) { REQUIRE_MESSAGE(st.ok(), std::string(st.message())); }
 
-const model& stories() {
-  static model m;
-  static const bool loaded = [] {
-    const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", m);
-    REQUIRE_MESSAGE(st.ok(), st.message());
-    return true;
-  }();
-  (void)loaded;
-  return m;
-}
-
 // a short model-generated text of the training split (its first n tokens)
 std::vector<int> text(index_t n) {
   std::vector<gate_sample> s;
-  require_ok(make_gate_samples(stories(), 1, 1, s));
+  require_ok(make_gate_samples(kvtest::shipped_model(), 1, 1, s));
   REQUIRE(static_cast<index_t>(s[0].tokens.size()) >= n);
   return {s[0].tokens.begin(), s[0].tokens.begin() + n};
 }
@@ -60,7 +50,7 @@ TEST_CASE("streaming columns: the sinks then the recent window, the row itself i
 }
 
 TEST_CASE("gated model: open gates compute the runner's model (next-token loss from the runner's logits)") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   const config& c = m.cfg();
   const std::vector<int> t = text(40);
   gated_lm<float> lm;
@@ -96,7 +86,7 @@ TEST_CASE("gated model: open gates compute the runner's model (next-token loss f
 }
 
 TEST_CASE("PruLong: d(next-token loss + Lagrangian)/d(log_alpha, lambda1, lambda2) through the whole model = central differences") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   const config& c = m.cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads, n = 24;
   const auto LH = static_cast<std::size_t>(L * H);
@@ -148,7 +138,7 @@ TEST_CASE("PruLong: d(next-token loss + Lagrangian)/d(log_alpha, lambda1, lambda
 }
 
 TEST_CASE("DuoAttention: d(distillation loss)/d(alpha) through the whole model = central differences") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   const config& c = m.cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads, n = 24, from = 10;
   const auto LH = static_cast<std::size_t>(L * H);
@@ -190,7 +180,7 @@ TEST_CASE("DuoAttention: d(distillation loss)/d(alpha) through the whole model =
 }
 
 TEST_CASE("gate training: a short run moves PruLong's sparsity towards its target and lowers Duo's gates") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   gated_lm<float> lm;
   lm.from(m);
   std::vector<gate_sample> samples;

@@ -4,6 +4,7 @@
 // lookahead rows; the module file (round trip and every load error); reproducible training; a
 // short training run lowering the loss; the scorer (scores.hpp) against the library's attention_scores.
 #include "support.hpp"
+#include "support/shipped.hpp"
 
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
@@ -67,17 +68,6 @@ model make_model(const tiny_spec& s, std::uint64_t seed) {
 }
 
 const tiny_spec tiny{16, 24, 3, 4, 2, 40, 64};
-
-const model& stories() {
-  static model m;
-  static const bool loaded = [] {
-    const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", m);
-    REQUIRE_MESSAGE(st.ok(), st.message());
-    return true;
-  }();
-  (void)loaded;
-  return m;
-}
 
 void require_ok(const status& st) { REQUIRE_MESSAGE(st.ok(), std::string(st.message())); }
 
@@ -370,7 +360,7 @@ TEST_CASE("whole chain on a tiny random model: gradients of embeddings and every
 }
 
 TEST_CASE("whole chain on stories260K: a few coordinates of every kind match central differences") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   const lookahead_sample s = sample_of(m, random_pair(m, 40, 12, 5));
   lookahead_config c;
   c.n_lookahead = 4;
@@ -404,7 +394,7 @@ pair_options small_pairs() {
 const small_data& stories_data() {
   static small_data d;
   static const bool made = [] {
-    require_ok(make_training_samples(stories(), small_pairs(), 100, 112, d.pairs, d.samples, 2));
+    require_ok(make_training_samples(kvtest::shipped_model(), small_pairs(), 100, 112, d.pairs, d.samples, 2));
     return true;
   }();
   (void)made;
@@ -414,7 +404,7 @@ const small_data& stories_data() {
 }  // namespace
 
 TEST_CASE("lookahead_scores: the runner's lookahead rows equal the training forward, and the scores are attention_scores") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   const config& c = m.cfg();
   const auto& d = stories_data();
   lookahead_config cfg;
@@ -478,7 +468,7 @@ TEST_CASE("lookahead_scores: the runner's lookahead rows equal the training forw
 }
 
 TEST_CASE("LoRA is inactive outside the lookahead rows: prompt KV and logits are bit-identical with and without the module") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   const config& c = m.cfg();
   const auto& d = stories_data();
   lookahead_config cfg;
@@ -557,7 +547,7 @@ TEST_CASE("LoRA is inactive outside the lookahead rows: prompt KV and logits are
 // The module file
 
 TEST_CASE("module file: round trip, and every load error") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   lookahead_config cfg;
   cfg.n_lookahead = 5;
   cfg.rank = 3;
@@ -647,7 +637,7 @@ TEST_CASE("module file: round trip, and every load error") {
 }
 
 TEST_CASE("lookahead_scorer errors: ragged cache, no room for the block, another model's runner") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   lookahead_config cfg;
   cfg.n_lookahead = 8;
   lookahead_module mod;
@@ -684,7 +674,7 @@ TEST_CASE("lookahead_scorer errors: ragged cache, no room for the block, another
 // Data and training
 
 TEST_CASE("pairs: a function of the seed alone; samples from the generation equal a fresh prefill") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   const auto& d = stories_data();
   std::vector<text_pair> again;
   require_ok(make_pairs(m, small_pairs(), 104, 107, again, 1));
@@ -719,7 +709,7 @@ TEST_CASE("pairs: a function of the seed alone; samples from the generation equa
 }
 
 TEST_CASE("training: same seed gives the same module bits (any thread count); a short run lowers the loss") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   const auto& d = stories_data();
   frozen_model<float> fm;
   fm.from(m);
@@ -811,6 +801,6 @@ TEST_CASE("lookahead_backprop errors: not initialised, prompt + block past the c
   require_ok(bp.loss_and_grad(fm, mod, s, &loss, nullptr));
   CHECK(loss > 0);
   frozen_model<double> fs;
-  fs.from(stories());
+  fs.from(kvtest::shipped_model());
   require_error(bp.init(fs, mod, 20), errc::shape_mismatch, "trained for dim 16 but the model has dim 64");
 }

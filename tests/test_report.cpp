@@ -4,6 +4,7 @@
 // budget; means equal to the per-prompt numbers; footprints and recalls in range), the quality
 // numbers do not depend on the thread count, and the table and the plot hold every row.
 #include "support.hpp"
+#include "support/shipped.hpp"
 
 #include <report/report.hpp>
 #include <report/svg.hpp>
@@ -149,29 +150,9 @@ class json_reader {
   }
 };
 
-const model& the_model() {
-  static model m = [] {
-    model x;
-    const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", x);
-    REQUIRE_MESSAGE(st.ok(), st.message());
-    return x;
-  }();
-  return m;
-}
-
-const lookahead_module& the_module() {
-  static lookahead_module m = [] {
-    lookahead_module x;
-    const status st = load_module(KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin", x);
-    REQUIRE_MESSAGE(st.ok(), st.message());
-    return x;
-  }();
-  return m;
-}
-
 report_options tiny(int threads) {
   report_options o;
-  o.lookahead = &the_module();
+  o.lookahead = &kvtest::shipped_module();
   o.lookahead_path = "stories260K-n16.bin";
   o.prompts = 2;
   o.budgets = {24, 512};
@@ -186,7 +167,7 @@ report_options tiny(int threads) {
 
 TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a table and a plot") {
   report_result r;
-  const status st = run_report(the_model(), tiny(2), r);
+  const status st = run_report(kvtest::shipped_model(), tiny(2), r);
   REQUIRE_MESSAGE(st.ok(), st.message());
   const std::string text = report_json(r, "stories260K", "test");
   const json j = json_reader(text).parse();
@@ -251,7 +232,7 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
 
   // the numbers do not depend on the thread count (only the times do)
   report_result r1;
-  REQUIRE(run_report(the_model(), tiny(1), r1).ok());
+  REQUIRE(run_report(kvtest::shipped_model(), tiny(1), r1).ok());
   REQUIRE(r1.rows.size() == r.rows.size());
   for (std::size_t i = 0; i < r.rows.size(); ++i)
     for (std::size_t p = 0; p < 2; ++p) {
@@ -283,28 +264,28 @@ TEST_CASE("report options errors") {
   report_options o = tiny(1);
   std::vector<report_config> cfgs;
   o.budgets = {4};
-  kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument,
+  kvtest::require_error(report_configs(kvtest::shipped_model().cfg(), o, cfgs), errc::invalid_argument,
                         "report: h2o / postfill / budget 4: --budget 4 is below the 8 tokens h2o protects");
   o.budgets = {};
-  kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument, "--budgets: no budget given");
+  kvtest::require_error(report_configs(kvtest::shipped_model().cfg(), o, cfgs), errc::invalid_argument, "--budgets: no budget given");
   o = tiny(1);
   o.recipes = {method::h2o};
   o.drivers = {driver_kind::chunked_naive};
-  kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument, "no configuration matches");
+  kvtest::require_error(report_configs(kvtest::shipped_model().cfg(), o, cfgs), errc::invalid_argument, "no configuration matches");
   o = tiny(1);
   o.prompts = 0;
   report_result r;
-  kvtest::require_error(run_report(the_model(), o, r), errc::invalid_argument, "--prompts must be >= 1, got 0");
+  kvtest::require_error(run_report(kvtest::shipped_model(), o, r), errc::invalid_argument, "--prompts must be >= 1, got 0");
   o = tiny(1);
   o.all_drivers = true;
   o.budgets = {24};
-  REQUIRE(report_configs(the_model().cfg(), o, cfgs).ok());
+  REQUIRE(report_configs(kvtest::shipped_model().cfg(), o, cfgs).ok());
   CHECK(cfgs.size() == 1 + 51);  // every supported pair but full's (duo-heuristic: every driver since streaming heads)
   // without a module, lookaheadkv is left out of every method and refused when named
   o.lookahead = nullptr;
-  REQUIRE(report_configs(the_model().cfg(), o, cfgs).ok());
+  REQUIRE(report_configs(kvtest::shipped_model().cfg(), o, cfgs).ok());
   CHECK(cfgs.size() == 1 + 50);
   o.recipes = {method::snapkv, method::lookaheadkv};
-  kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument,
+  kvtest::require_error(report_configs(kvtest::shipped_model().cfg(), o, cfgs), errc::invalid_argument,
                         "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
 }

@@ -5,6 +5,7 @@
 // each eviction no head may hold more than the prompt plus the decoded tokens, and every decoded
 // step must give finite logits.
 #include "support.hpp"
+#include "support/shipped.hpp"
 
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
@@ -20,19 +21,9 @@ using namespace kvrun;
 
 namespace {
 
-const model& the_model() {
-  static model m = [] {
-    model x;
-    const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", x);
-    REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
-    return x;
-  }();
-  return m;
-}
-
 std::vector<int> encode(const char* text) {
   tokenizer tok;
-  const status st = tokenizer::load_file(KVEVICT_SOURCE_DIR "/models/tok512.bin", the_model().cfg().vocab_size, tok);
+  const status st = tokenizer::load_file(KVEVICT_SOURCE_DIR "/models/tok512.bin", kvtest::shipped_model().cfg().vocab_size, tok);
   REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
   std::vector<int> ids;
   REQUIRE(tok.encode(text, true, false, ids).ok());
@@ -42,11 +33,11 @@ std::vector<int> encode(const char* text) {
 }  // namespace
 
 TEST_CASE("every supported recipe x allocator x driver runs at every budget from 1 to above the prompt") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   lookahead_module module;
   REQUIRE(load_module(KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin", module).ok());
   lookahead_scorer scorer;
-  REQUIRE(scorer.init(the_model(), module).ok());
+  REQUIRE(scorer.init(kvtest::shipped_model(), module).ok());
   const std::vector<int> prompt = encode("Once upon a time there was a big dog");
   const index_t P = static_cast<index_t>(prompt.size());
   REQUIRE(P > 8);  // longer than the default window
@@ -54,11 +45,11 @@ TEST_CASE("every supported recipe x allocator x driver runs at every budget from
   // duo's head types from a tiny calibration (one text longer than its sinks + recent window)
   duo_heads duo;
   const status cal = duo_calibrate(
-      the_model(), {encode("Lily and Ben went to the park. They saw a big dog. The dog was friendly and wanted to play.")},
+      kvtest::shipped_model(), {encode("Lily and Ben went to the park. They saw a big dog. The dog was friendly and wanted to play.")},
       {}, duo);
   REQUIRE_MESSAGE(cal.ok(), cal.message());
   runner run;
-  REQUIRE(run.init(the_model(), {0, 0, 1}).ok());
+  REQUIRE(run.init(kvtest::shipped_model(), {0, 0, 1}).ok());
 
   int combos = 0, runs = 0;
   for (const auto& [m, m_name] : method_names)
@@ -78,7 +69,7 @@ TEST_CASE("every supported recipe x allocator x driver runs at every budget from
                                    " / budget " + std::to_string(B);
           CAPTURE(name);
           evictor ev;
-          status st = ev.init(the_model(), o, &duo, &scorer);
+          status st = ev.init(kvtest::shipped_model(), o, &duo, &scorer);
           REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
           kv_cache cache;
           REQUIRE(cache.init(c).ok());

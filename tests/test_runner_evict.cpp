@@ -8,6 +8,7 @@
 // reproducing the full cache's logits; the calibration and CAKE helpers against naive references;
 // every documented error.
 #include "support.hpp"
+#include "support/shipped.hpp"
 
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
@@ -33,32 +34,11 @@ using kvtest::require_error;
 
 namespace {
 
-const model& the_model() {
-  static model m = [] {
-    model x;
-    const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", x);
-    REQUIRE_MESSAGE(st.ok(), st.message());
-    return x;
-  }();
-  return m;
-}
-
-// The shipped LookaheadKV module for stories260K.
-const lookahead_module& the_module() {
-  static lookahead_module m = [] {
-    lookahead_module x;
-    const status st = load_module(KVEVICT_SOURCE_DIR "/models/lookahead/stories260K-n16.bin", x);
-    REQUIRE_MESSAGE(st.ok(), st.message());
-    return x;
-  }();
-  return m;
-}
-
 // The lookaheadkv method's scores: a scorer bound to the shipped module (the evictor's prompt_scorer).
 lookahead_scorer& the_scorer() {
   static lookahead_scorer s;
   static const bool bound = [] {
-    const status st = s.init(the_model(), the_module());
+    const status st = s.init(kvtest::shipped_model(), kvtest::shipped_module());
     REQUIRE_MESSAGE(st.ok(), st.message());
     return true;
   }();
@@ -74,7 +54,7 @@ const std::vector<text_pair>& the_pairs() {
     o.max_prompt = 200;
     o.short_fraction = 0.0;
     std::vector<text_pair> x;
-    const status st = make_pairs(the_model(), o, test_seed_base + 7, test_seed_base + 9, x, 1);
+    const status st = make_pairs(kvtest::shipped_model(), o, test_seed_base + 7, test_seed_base + 9, x, 1);
     REQUIRE_MESSAGE(st.ok(), st.message());
     return x;
   }();
@@ -105,7 +85,7 @@ struct prefilled {
   std::vector<float> logits;
 };
 prefilled prefill_full(runner& run, const std::vector<int>& prompt) {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   prefilled p;
   REQUIRE_OK(p.cache.init(c));
   p.q.reset(c, static_cast<index_t>(prompt.size()));
@@ -116,7 +96,7 @@ prefilled prefill_full(runner& run, const std::vector<int>& prompt) {
 
 runner make_runner() {
   runner r;
-  REQUIRE_OK(r.init(the_model(), {0, 0, 1}));
+  REQUIRE_OK(r.init(kvtest::shipped_model(), {0, 0, 1}));
   return r;
 }
 
@@ -173,7 +153,7 @@ kvevict::kv_view<const float> reference_queries(const recipe& r, const block_cap
 std::vector<std::vector<float>> reference_scores(const recipe& r, const kv_cache& c, index_t T,
                                                  const std::function<kvevict::kv_view<const float>(int)>& queries,
                                                  const std::function<kvevict::kv_view<const float>(int)>& block_keys) {
-  const config& cf = the_model().cfg();
+  const config& cf = kvtest::shipped_model().cfg();
   std::vector<std::vector<float>> out;
   for (int l = 0; l < cf.n_layers; ++l) {
     std::vector<float> s(static_cast<std::size_t>(cf.n_kv_heads * T));
@@ -191,7 +171,7 @@ std::vector<std::vector<float>> reference_scores(const recipe& r, const kv_cache
 // Per-head budgets [L][H] -> ragged recipe_select of each layer.
 positions select_per_head(const recipe& r, const std::vector<std::vector<float>>& scores, index_t T,
                           const std::vector<std::int32_t>& budgets) {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t H = c.n_kv_heads;
   positions out;
   for (int l = 0; l < c.n_layers; ++l) {
@@ -209,7 +189,7 @@ positions select_per_head(const recipe& r, const std::vector<std::vector<float>>
 
 // Flattened selection of layer totals (LAVa): select_topk_flat per layer.
 positions select_flat(const std::vector<std::vector<float>>& scores, index_t T, const std::vector<index_t>& totals) {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t H = c.n_kv_heads;
   positions out;
   for (int l = 0; l < c.n_layers; ++l) {
@@ -225,7 +205,7 @@ positions select_flat(const std::vector<std::vector<float>>& scores, index_t T, 
 }
 
 std::vector<double> layer_entropies(const std::vector<std::vector<float>>& scores, index_t T, kvevict::protection prot) {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   std::vector<double> e;
   for (int l = 0; l < c.n_layers; ++l) {
     double x = 0.0;
@@ -240,7 +220,7 @@ std::vector<double> layer_entropies(const std::vector<std::vector<float>>& score
 // The library's answer of one allocator over per-layer scores of a T-token prompt.
 positions library_select(budget_scheme a, const recipe& r, const std::vector<std::vector<float>>& scores, index_t T,
                          index_t B, const std::vector<double>& cake_pref, const duo_heads* duo) {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads;
   const kvevict::protection prot{r.n_sink, r.n_recent};
   std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H), static_cast<std::int32_t>(B));
@@ -293,10 +273,12 @@ positions library_select(budget_scheme a, const recipe& r, const std::vector<std
 
 std::vector<double> cake_preferences(const kv_cache& full, const block_capture& q, index_t P, index_t w) {
   std::vector<double> pref;
-  std::vector<float> scratch;
   for (int l = 0; l < full.layers(); ++l) {
     double p = 0.0;
-    REQUIRE_OK(cake_window_preference(q.queries(l, P - w, w), kvtest::value_of(full.dense_keys(l, P)), scratch, p));
+    with_workspace([&](kvevict::workspace& ws) {
+      return kvevict::cake_window_preference(kvevict::seq, ws, q.queries(l, P - w, w),
+                                             kvtest::value_of(full.dense_keys(l, P)), kvevict::cake_options{}, &p);
+    });
     pref.push_back(p);
   }
   return pref;
@@ -307,7 +289,7 @@ duo_heads calibrated_heads() {
     std::vector<std::vector<int>> texts;
     for (const text_pair& p : the_pairs()) texts.push_back(p.prompt);
     duo_heads x;
-    REQUIRE_OK(duo_calibrate(the_model(), texts, {}, x));
+    REQUIRE_OK(duo_calibrate(kvtest::shipped_model(), texts, {}, x));
     return x;
   }();
   return d;
@@ -316,7 +298,7 @@ duo_heads calibrated_heads() {
 }  // namespace
 
 TEST_CASE("every post-fill method keeps exactly the library's answer on the runner's tensors") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   runner run = make_runner();
   const duo_heads duo = calibrated_heads();
   for (const text_pair& tp : the_pairs()) {
@@ -335,7 +317,7 @@ TEST_CASE("every post-fill method keeps exactly the library's answer on the runn
         o.recipe = m;
         o.budget = B;
         evictor ev;
-        REQUIRE_OK(ev.init(the_model(), o, &duo));
+        REQUIRE_OK(ev.init(kvtest::shipped_model(), o, &duo));
         kv_cache cache;
         REQUIRE_OK(cache.init(c));
         REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr));
@@ -359,7 +341,7 @@ TEST_CASE("every post-fill method keeps exactly the library's answer on the runn
 }
 
 TEST_CASE("every allocator under SnapKV scores, and the driver's recorder marks the prompt rows dropped at step P") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   runner run = make_runner();
   const text_pair& tp = the_pairs()[0];
   const index_t P = static_cast<index_t>(tp.prompt.size()), B = 24;
@@ -373,7 +355,7 @@ TEST_CASE("every allocator under SnapKV scores, and the driver's recorder marks 
     o.alloc = a;
     o.budget = B;
     evictor ev;
-    REQUIRE_OK(ev.init(the_model(), o));
+    REQUIRE_OK(ev.init(kvtest::shipped_model(), o));
     kv_cache cache;
     REQUIRE_OK(cache.init(c));
     std::vector<pos_t> buf(static_cast<std::size_t>(c.n_layers * c.n_kv_heads * P));
@@ -399,7 +381,7 @@ TEST_CASE("every allocator under SnapKV scores, and the driver's recorder marks 
 }
 
 TEST_CASE("layer-wise eviction: per-layer allocators keep the post-fill sets; the cascades keep the top entries of their final budgets") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads;
   runner run = make_runner();
   for (const text_pair& tp : the_pairs()) {
@@ -413,7 +395,7 @@ TEST_CASE("layer-wise eviction: per-layer allocators keep the post-fill sets; th
       o.budget = B;
       o.driver = driver_kind::layerwise;
       evictor lw;
-      REQUIRE_OK(lw.init(the_model(), o));
+      REQUIRE_OK(lw.init(kvtest::shipped_model(), o));
       kv_cache cache;
       REQUIRE_OK(cache.init(c));
       REQUIRE_OK(lw.prefill(run, cache, tp.prompt, nullptr));
@@ -421,7 +403,7 @@ TEST_CASE("layer-wise eviction: per-layer allocators keep the post-fill sets; th
       if (m != method::lava && m != method::cake) {
         o.driver = driver_kind::postfill;
         evictor pf;
-        REQUIRE_OK(pf.init(the_model(), o));
+        REQUIRE_OK(pf.init(kvtest::shipped_model(), o));
         kv_cache c2;
         REQUIRE_OK(c2.init(c));
         REQUIRE_OK(pf.prefill(run, c2, tp.prompt, nullptr));
@@ -457,7 +439,7 @@ TEST_CASE("layer-wise eviction: per-layer allocators keep the post-fill sets; th
 }
 
 TEST_CASE("chunked eviction, naive and patched, equals a chunk-by-chunk reference built from the stages") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads;
   runner run = make_runner();
   const text_pair& tp = the_pairs()[1];
@@ -471,7 +453,7 @@ TEST_CASE("chunked eviction, naive and patched, equals a chunk-by-chunk referenc
     o.window = w;
     o.driver = patched ? driver_kind::chunked_patched : driver_kind::chunked_naive;
     evictor ev;
-    REQUIRE_OK(ev.init(the_model(), o));
+    REQUIRE_OK(ev.init(kvtest::shipped_model(), o));
     kv_cache got;
     REQUIRE_OK(got.init(c));
     REQUIRE_OK(ev.prefill(run, got, tp.prompt, nullptr));
@@ -525,7 +507,7 @@ TEST_CASE("chunked eviction, naive and patched, equals a chunk-by-chunk referenc
 }
 
 TEST_CASE("decode-time H2O and SnapKV equal a step-by-step reference built from the stages") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads;
   runner run = make_runner();
   const text_pair& tp = the_pairs()[0];
@@ -542,7 +524,7 @@ TEST_CASE("decode-time H2O and SnapKV equal a step-by-step reference built from 
       o.evict_every = every;
       o.driver = driver_kind::decode;
       evictor ev;
-      REQUIRE_OK(ev.init(the_model(), o));
+      REQUIRE_OK(ev.init(kvtest::shipped_model(), o));
       kv_cache got;
       REQUIRE_OK(got.init(c));
       REQUIRE_OK(ev.prefill(run, got, tp.prompt, nullptr));
@@ -631,7 +613,7 @@ TEST_CASE("decode-time H2O and SnapKV equal a step-by-step reference built from 
 }
 
 TEST_CASE("LAQ: stage 1 is SnapKV on a copy plus greedy pseudo decoding; stage 2 is the external-block recipe on its queries") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads;
   runner run = make_runner();
   for (const text_pair& tp : the_pairs()) {
@@ -674,7 +656,7 @@ TEST_CASE("LAQ: stage 1 is SnapKV on a copy plus greedy pseudo decoding; stage 2
         o.budget = B;
         o.alloc = a;
         evictor ev;
-        REQUIRE_OK(ev.init(the_model(), o));
+        REQUIRE_OK(ev.init(kvtest::shipped_model(), o));
         kv_cache cache;
         REQUIRE_OK(cache.init(c));
         REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr));
@@ -733,7 +715,7 @@ TEST_CASE("LAQ: stage 1 is SnapKV on a copy plus greedy pseudo decoding; stage 2
 }
 
 TEST_CASE("the oracle's scores are the ground truth of recall (naive double reference); it keeps their top-B (recall 1)") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads, d = c.head_size(), g = c.group_size();
   runner run = make_runner();
   const text_pair& tp = the_pairs()[0];
@@ -775,7 +757,7 @@ TEST_CASE("the oracle's scores are the ground truth of recall (naive double refe
   o.recipe = method::oracle;
   o.budget = B;
   evictor ev;
-  REQUIRE_OK(ev.init(the_model(), o));
+  REQUIRE_OK(ev.init(kvtest::shipped_model(), o));
   kv_cache cache;
   REQUIRE_OK(cache.init(c));
   REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr, &tp.response));
@@ -790,7 +772,7 @@ TEST_CASE("the oracle's scores are the ground truth of recall (naive double refe
 }
 
 TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-head-score allocator, plain top-k; the lookahead KV dropped") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t L = c.n_layers, H = c.n_kv_heads;
   runner run = make_runner();
   for (const text_pair& tp : the_pairs()) {
@@ -799,7 +781,7 @@ TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-hea
     // the scores: lookahead_scorer on a copy of the prefilled prompt (the copy is unchanged after it)
     kv_cache scored = full.cache;
     lookahead_scorer scorer;
-    REQUIRE_OK(scorer.init(the_model(), the_module()));
+    REQUIRE_OK(scorer.init(kvtest::shipped_model(), kvtest::shipped_module()));
     REQUIRE_OK(scorer.score(run, scored));
     CHECK(held(scored) == held(full.cache));
     std::vector<std::vector<float>> scores;
@@ -823,7 +805,7 @@ TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-hea
         o.budget = B;
         o.alloc = a;
         evictor ev;
-        REQUIRE_OK(ev.init(the_model(), o, nullptr, &the_scorer()));
+        REQUIRE_OK(ev.init(kvtest::shipped_model(), o, nullptr, &the_scorer()));
         kv_cache cache;
         REQUIRE_OK(cache.init(c));
         std::vector<pos_t> buf(static_cast<std::size_t>(L * H * P));
@@ -868,7 +850,7 @@ TEST_CASE("LookaheadKV: the scorer's scores on the prefilled prompt, any per-hea
 }
 
 TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, every method and driver") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   runner run = make_runner();
   const text_pair& tp = the_pairs()[1];
   const index_t P = static_cast<index_t>(tp.prompt.size());
@@ -895,7 +877,7 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
       const std::string driver_name_ = driver_name(d);
       CAPTURE(driver_name_);
       evictor ev;
-      REQUIRE_OK(ev.init(the_model(), o, &duo, &the_scorer()));
+      REQUIRE_OK(ev.init(kvtest::shipped_model(), o, &duo, &the_scorer()));
       kv_cache cache;
       REQUIRE_OK(cache.init(c));
       REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr, &tp.response));
@@ -912,7 +894,7 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
 }
 
 TEST_CASE("trained head types: streaming heads hold their sinks + window after the prefill and every decoded token in the layer-wise, chunked and decode drivers") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   runner run = make_runner();
   const text_pair& tp = the_pairs()[0];
   const index_t P = static_cast<index_t>(tp.prompt.size());
@@ -931,7 +913,7 @@ TEST_CASE("trained head types: streaming heads hold their sinks + window after t
       o.driver = d;
       o.chunk = 32;
       evictor ev;
-      REQUIRE_OK(ev.init(the_model(), o, m == method::prulong ? &heads : &duo75));
+      REQUIRE_OK(ev.init(kvtest::shipped_model(), o, m == method::prulong ? &heads : &duo75));
       kv_cache cache;
       REQUIRE_OK(cache.init(c));
       REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr));
@@ -958,7 +940,7 @@ TEST_CASE("trained head types: streaming heads hold their sinks + window after t
 }
 
 TEST_CASE("CAKE's window preference and the duo calibration against naive double references") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   const index_t L = c.n_layers, Hq = c.n_heads, H = c.n_kv_heads, d = c.head_size(), g = c.group_size();
   runner run = make_runner();
   const text_pair& tp = the_pairs()[0];
@@ -999,7 +981,7 @@ TEST_CASE("CAKE's window preference and the duo calibration against naive double
   }
   // duo: the attention mass outside 4 sinks + 12 recent keys, per KV head
   duo_heads got;
-  REQUIRE_OK(duo_calibrate(the_model(), {tp.prompt}, {}, got));
+  REQUIRE_OK(duo_calibrate(kvtest::shipped_model(), {tp.prompt}, {}, got));
   for (int l = 0; l < L; ++l)
     for (index_t h = 0; h < H; ++h) {
       double mass = 0.0;
@@ -1016,7 +998,7 @@ TEST_CASE("CAKE's window preference and the duo calibration against naive double
 }
 
 TEST_CASE("eviction options and evictor errors") {
-  const config& c = the_model().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   auto opts = [](method m) {
     evict_options o;
     o.recipe = m;
@@ -1089,29 +1071,29 @@ TEST_CASE("eviction options and evictor errors") {
   REQUIRE_OK(cache.init(c));
   const std::vector<int> prompt{1, 403, 407, 261, 378};
   require_error(ev.prefill(run, cache, prompt, nullptr), errc::invalid_argument, "evictor: not initialised");
-  require_error(ev.init(the_model(), opts(method::duo_heuristic)), errc::invalid_argument, "--recipe duo-heuristic needs head types");
-  REQUIRE_OK(ev.init(the_model(), opts(method::snapkv)));
+  require_error(ev.init(kvtest::shipped_model(), opts(method::duo_heuristic)), errc::invalid_argument, "--recipe duo-heuristic needs head types");
+  REQUIRE_OK(ev.init(kvtest::shipped_model(), opts(method::snapkv)));
   require_error(ev.prefill(run, cache, prompt, nullptr), errc::invalid_argument,
                 "the prompt has 5 tokens, not more than --window 8: snapkv needs a longer prompt");
   require_error(ev.prefill(run, cache, {}, nullptr), errc::invalid_argument, "evictor: the prompt has no tokens");
   REQUIRE_OK(run.forward(cache, tokens(prompt)));
   require_error(ev.prefill(run, cache, prompt, nullptr), errc::invalid_argument, "evictor: the cache is not empty (next position 5)");
   cache.clear();
-  REQUIRE_OK(ev.init(the_model(), opts(method::oracle)));
+  REQUIRE_OK(ev.init(kvtest::shipped_model(), opts(method::oracle)));
   require_error(ev.prefill(run, cache, the_pairs()[0].prompt, nullptr), errc::invalid_argument,
                 "oracle: the true response is needed");
   evict_options ch = opts(method::snapkv);
   ch.driver = driver_kind::chunked_naive;
-  REQUIRE_OK(ev.init(the_model(), ch));
+  REQUIRE_OK(ev.init(kvtest::shipped_model(), ch));
   block_capture q;
   require_error(ev.evict_prefilled(run, cache, q, nullptr, nullptr), errc::invalid_argument,
                 "evict_prefilled: the chunked-naive driver runs during the prefill");
   // the streaming method needs no window: a 5-token prompt is fine
-  REQUIRE_OK(ev.init(the_model(), opts(method::streaming_llm)));
+  REQUIRE_OK(ev.init(kvtest::shipped_model(), opts(method::streaming_llm)));
   REQUIRE_OK(ev.prefill(run, cache, prompt, nullptr));
 
   // LookaheadKV: a module is needed and must match the model
-  require_error(ev.init(the_model(), opts(method::lookaheadkv)), errc::invalid_argument,
+  require_error(ev.init(kvtest::shipped_model(), opts(method::lookaheadkv)), errc::invalid_argument,
                 "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
   lookahead_module other;
   config small = c;
@@ -1119,12 +1101,12 @@ TEST_CASE("eviction options and evictor errors") {
   small.hidden_dim = 64;
   REQUIRE_OK(other.shape(lookahead_dims::of(small), lookahead_config{}));
   lookahead_scorer other_scorer;  // the evictor takes the scorer, which checks its module
-  require_error(other_scorer.init(the_model(), other), errc::shape_mismatch,
+  require_error(other_scorer.init(kvtest::shipped_model(), other), errc::shape_mismatch,
                 "lookahead module was trained for dim 32 but the model has dim 64");
   // no window: a 5-token prompt is fine, and a budget of at least the prompt keeps it whole
   evict_options lo = opts(method::lookaheadkv);
   lo.budget = 4;
-  REQUIRE_OK(ev.init(the_model(), lo, nullptr, &the_scorer()));
+  REQUIRE_OK(ev.init(kvtest::shipped_model(), lo, nullptr, &the_scorer()));
   cache.clear();
   REQUIRE_OK(ev.prefill(run, cache, prompt, nullptr));
   CHECK(cache.total_rows() == 4 * c.n_layers * c.n_kv_heads);

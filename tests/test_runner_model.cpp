@@ -3,6 +3,7 @@
 // threads, extra blocks and rollback, ragged (evicted) caches against a dense masked reference,
 // the layer and projection hooks, decode-time eviction, and every documented error.
 #include "support.hpp"
+#include "support/shipped.hpp"
 
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
@@ -108,17 +109,6 @@ std::vector<unsigned char> read_file_bytes(const char* path) {
   while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) b.insert(b.end(), buf, buf + n);
   std::fclose(f);
   return b;
-}
-
-const model& stories() {
-  static model m;
-  static const bool loaded = [] {
-    const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", m);
-    REQUIRE_MESSAGE(st.ok(), st.message());
-    return true;
-  }();
-  (void)loaded;
-  return m;
 }
 
 // The raw floats of stories260K.bin, for the naive reference.
@@ -490,7 +480,7 @@ TEST_CASE("forward matches a naive transformer (full cache, block prefill and de
 TEST_CASE("forward on stories260K matches the naive transformer, and the hook sees its q, k, v") {
   const auto& ids = story_tokens();
   naive_transformer ref(stories_spec, stories_raw().data());
-  session run(stories());
+  session run(kvtest::shipped_model());
   const auto prompt = slice(ids, 0, 20);
   REQUIRE(run.r.forward(run.cache, tokens(prompt), logits_mode::all).ok());
   double worst = 0;
@@ -552,7 +542,7 @@ TEST_CASE("forward on stories260K matches the naive transformer, and the hook se
 TEST_CASE("a prefill block gives the logits of one token at a time") {
   const auto& ids = story_tokens();
   REQUIRE(ids.size() > 100);
-  session block(stories()), one(stories());
+  session block(kvtest::shipped_model()), one(kvtest::shipped_model());
   block.forward(ids, logits_mode::all);
   const auto n = static_cast<index_t>(ids.size());
   double worst = 0;
@@ -571,7 +561,7 @@ TEST_CASE("a prefill block gives the logits of one token at a time") {
 TEST_CASE("chunked prefill (chunks of 1, 7, 64) equals one block, and greedy continues alike") {
   const auto& ids = story_tokens();
   const auto n = ids.size();
-  session full(stories());
+  session full(kvtest::shipped_model());
   full.forward(ids);
   const auto full_logits = full.logits_rows();
   sampler greedy;
@@ -580,7 +570,7 @@ TEST_CASE("chunked prefill (chunks of 1, 7, 64) equals one block, and greedy con
   REQUIRE(continue_generation(full.r, full.cache, greedy, static_cast<index_t>(n) + 40, full_out).ok());
   for (const std::size_t chunk : {std::size_t(1), std::size_t(7), std::size_t(64)}) {
     CAPTURE(chunk);
-    session chunked(stories());
+    session chunked(kvtest::shipped_model());
     for (std::size_t b = 0; b < n; b += chunk) chunked.forward(slice(ids, b, std::min(n, b + chunk)));
     CHECK(chunked.cache.next_position() == static_cast<pos_t>(n));
     const double d = rel_diff(chunked.r.logits(0), full_logits.data(), 512);
@@ -597,7 +587,7 @@ TEST_CASE("the thread count does not change a single bit") {
   std::vector<int> ids;
   while (ids.size() < 400) ids.insert(ids.end(), story_tokens().begin(), story_tokens().end());
   ids.resize(400);
-  session one(stories(), 1), two(stories(), 2);
+  session one(kvtest::shipped_model(), 1), two(kvtest::shipped_model(), 2);
   one.forward(ids, logits_mode::all);
   two.forward(ids, logits_mode::all);
   const auto a = one.logits_rows(), b = two.logits_rows();
@@ -608,7 +598,7 @@ TEST_CASE("the thread count does not change a single bit") {
 
 TEST_CASE("extra blocks run like any block, then the cache is exactly as before") {
   const auto& ids = story_tokens();
-  session s(stories());
+  session s(kvtest::shipped_model());
   s.forward(slice(ids, 0, 40));
   const kv_cache before = s.cache;
   const auto extra = slice(ids, 40, 48);
@@ -676,7 +666,7 @@ TEST_CASE("a ragged (evicted) cache gives the logits of dense attention masked t
     const model* m;
   };
   const auto rm = make_random_model({16, 24, 3, 4, 2, 29, 80, false}, 21);
-  const model_case cases[] = {{"stories260K", stories_spec, stories_raw().data(), &stories()},
+  const model_case cases[] = {{"stories260K", stories_spec, stories_raw().data(), &kvtest::shipped_model()},
                               {"random GQA", rm.s, rm.w.data(), &rm.m}};
   for (const auto& mc : cases) {
     const std::string case_name = mc.name;
@@ -775,7 +765,7 @@ TEST_CASE("layer hooks: compacting during prefill (cascading) equals compacting 
       first[static_cast<std::size_t>(l)].add_head(random_subset(g, 60, k1));
       second[static_cast<std::size_t>(l)].add_head(random_subset(g, k1, k2));
     }
-  session during(stories()), after(stories());
+  session during(kvtest::shipped_model()), after(kvtest::shipped_model());
   forward_hooks hooks;
   std::vector<pos_t> seen_positions;
   hooks.after_layer = [&](const layer_event& ev) {
@@ -806,7 +796,7 @@ TEST_CASE("projection hooks change only the rows they touch (LookaheadKV-style a
   const auto& ids = story_tokens();
   const auto blk = slice(ids, 0, 12);
   const index_t first_lookahead = 8;
-  session plain(stories()), adapted(stories());
+  session plain(kvtest::shipped_model()), adapted(kvtest::shipped_model());
   plain.forward(blk, logits_mode::all);
   int calls[7] = {};
   forward_hooks hooks;
@@ -847,8 +837,8 @@ TEST_CASE("an embeddings block equals the token block") {
   const auto& ids = story_tokens();
   const auto blk = slice(ids, 0, 16);
   std::vector<float> rows;
-  for (const int t : blk) rows.insert(rows.end(), stories().embedding(t), stories().embedding(t) + 64);
-  session a(stories()), b(stories());
+  for (const int t : blk) rows.insert(rows.end(), kvtest::shipped_model().embedding(t), kvtest::shipped_model().embedding(t) + 64);
+  session a(kvtest::shipped_model()), b(kvtest::shipped_model());
   a.forward(blk, logits_mode::all);
   REQUIRE(b.r.forward(b.cache, embeddings(rows.data(), 16), logits_mode::all).ok());
   CHECK(a.logits_rows() == b.logits_rows());
@@ -858,12 +848,13 @@ TEST_CASE("an embeddings block equals the token block") {
 TEST_CASE("decode-time eviction through continue_generation keeps original positions") {
   // StreamingLLM-style: whenever a head holds more than 40 rows, keep 4 sinks + the 28 most recent
   const auto prompt = slice(story_tokens(), 0, 20);
-  session s(stories());
+  session s(kvtest::shipped_model());
   s.forward(prompt);
   sampler greedy;
   REQUIRE(greedy.init(512, 0.0f, 0.9f, 1).ok());
   int steps_seen = 0, evictions = 0;
-  const decode_hook evict = [&](kv_cache& c) {
+  const decode_step evict = [&](kv_cache& c, int token) {
+    KVEVICT_TRY(s.r.decode(c, token));
     ++steps_seen;
     if (c.length(0, 0) <= 40) return status{};
     ++evictions;
@@ -879,7 +870,7 @@ TEST_CASE("decode-time eviction through continue_generation keeps original posit
     return status{};
   };
   std::vector<int> out;
-  REQUIRE(continue_generation(s.r, s.cache, greedy, 200, out, evict).ok());
+  REQUIRE(continue_generation(s.r, s.cache, greedy, 200, out, nullptr, evict).ok());
   CHECK(s.cache.next_position() == static_cast<pos_t>(20 + steps_seen));
   CHECK(evictions > 5);
   CHECK(s.cache.total_rows() <= 5 * 4 * 40);
@@ -892,7 +883,7 @@ TEST_CASE("decode-time eviction through continue_generation keeps original posit
 }
 
 TEST_CASE("runner errors") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   const auto& ids = story_tokens();
   kv_cache cache;
   REQUIRE(cache.init(m.cfg(), 64).ok());
@@ -988,7 +979,7 @@ TEST_CASE("runner errors") {
 }
 
 TEST_CASE("kv_cache errors") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   kv_cache c;
   require_error(c.init(m.cfg(), -1), errc::invalid_argument, "capacity -1 is outside [0, seq_len 512]");
   require_error(c.init(m.cfg(), 513), errc::invalid_argument, "capacity 513 is outside");
@@ -1030,7 +1021,7 @@ TEST_CASE("kv_cache errors") {
 }
 
 TEST_CASE("generate errors") {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   runner r;
   REQUIRE(r.init(m).ok());
   kv_cache c;

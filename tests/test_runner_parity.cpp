@@ -2,6 +2,7 @@
 // KV cache, greedy and sampled generation, token for token. The expected ids were produced by
 // run.c itself (see docs/runner.md, "Parity"), not by this runner.
 #include "support.hpp"
+#include "support/shipped.hpp"
 
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
@@ -67,17 +68,6 @@ const std::vector<int> once_sampled_t1_seed42 = {
     415, 261, 413, 411, 265, 423, 344, 363, 328, 426, 326, 337, 266, 335, 345, 279, 276, 314, 432, 269, 366,
     329, 429, 314, 411, 329};
 
-const model& stories() {
-  static model m;
-  static const bool loaded = [] {
-    const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", m);
-    REQUIRE_MESSAGE(st.ok(), st.message());
-    return true;
-  }();
-  (void)loaded;
-  return m;
-}
-
 const tokenizer& tok512() {
   static tokenizer t;
   static const bool loaded = [] {
@@ -92,7 +82,7 @@ const tokenizer& tok512() {
 // Generates like `kvevict-run`: encode, prefill, decode to `steps` positions; returns prompt + output.
 std::vector<int> run_like_cli(const std::string& prompt_text, float temperature, std::uint64_t seed, int threads,
                               index_t steps = 256) {
-  const model& m = stories();
+  const model& m = kvtest::shipped_model();
   std::vector<int> prompt;
   REQUIRE(tok512().encode(prompt_text, true, false, prompt).ok());
   runner r;
@@ -112,7 +102,7 @@ std::vector<int> run_like_cli(const std::string& prompt_text, float temperature,
 }  // namespace
 
 TEST_CASE("the shipped model and tokenizer load with the documented shapes") {
-  const config& c = stories().cfg();
+  const config& c = kvtest::shipped_model().cfg();
   CHECK(c.dim == 64);
   CHECK(c.hidden_dim == 172);
   CHECK(c.n_layers == 5);

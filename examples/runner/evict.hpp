@@ -28,12 +28,13 @@
 #include <runner/kv_cache.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
+#include <runner/workers.hpp>
 
 #include <kvevict/budget.hpp>
 #include <kvevict/driver.hpp>
 #include <kvevict/metrics.hpp>
-#include <kvevict/train/prulong.hpp>
 #include <kvevict/recipes.hpp>
+#include <kvevict/train/prulong.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -311,6 +312,12 @@ inline status check_evict_options(const config& c, const evict_options& o) {
 // ---------------------------------------------------------------------------------------------
 // Captured blocks
 
+/// Rows [first, first + n) of a [H][T][d] view.
+inline kvevict::kv_view<const float> view_rows(kvevict::kv_view<const float> v, index_t first, index_t n) {
+  return *kvevict::make_kv_view<const float>(v.data_handle() + first * v.stride(1), v.extent(0), n, v.extent(2),
+                                            v.stride(0), v.stride(1));
+}
+
 /// The post-RoPE queries and keys of one block of `rows` rows at every layer, copied by a forward
 /// hook: queries [L][H_q][rows][d], keys [L][H_kv][rows][d]. The views it hands out are what the
 /// drivers and the recipes read.
@@ -333,13 +340,18 @@ class block_capture {
     if (at < 0 || first < 0 || at + n > rows_ || first + n > ev.rows || ev.layer >= layers_)
       return status::error(errc::out_of_range, "block_capture: rows [%lld, %lld) of a %lld-row capture",
                            static_cast<long long>(at), static_cast<long long>(at + n), static_cast<long long>(rows_));
-    for (index_t h = 0; h < hq_; ++h)
-      for (index_t i = 0; i < n; ++i)
-        for (index_t x = 0; x < d_; ++x) query_row(ev.layer, h, at + i)[x] = ev.queries(h, first + i, x);
-    for (index_t h = 0; h < hkv_; ++h)
-      for (index_t i = 0; i < n; ++i)
-        for (index_t x = 0; x < d_; ++x) key_row(ev.layer, h, at + i)[x] = ev.keys(h, first + i, x);
+    put(ev.layer, at, view_rows(ev.queries, first, n), view_rows(ev.keys, first, n));
     return {};
+  }
+  /// Copies the rows of q [H_q][n][d] and k [H_kv][n][d] (or empty) into rows [at, at + n) of
+  /// layer l (in range: the caller's to check).
+  void put(int l, index_t at, kvevict::kv_view<const float> q, kvevict::kv_view<const float> k = {}) {
+    for (index_t h = 0; h < q.extent(0); ++h)
+      for (index_t i = 0; i < q.extent(1); ++i)
+        for (index_t x = 0; x < d_; ++x) query_row(l, h, at + i)[x] = q(h, i, x);
+    for (index_t h = 0; h < k.extent(0); ++h)
+      for (index_t i = 0; i < k.extent(1); ++i)
+        for (index_t x = 0; x < d_; ++x) key_row(l, h, at + i)[x] = k(h, i, x);
   }
   /// A hook storing every block row at rows [at, ...).
   forward_hooks hooks(index_t at = 0) {
@@ -362,12 +374,6 @@ class block_capture {
   index_t layers_ = 0, hq_ = 0, hkv_ = 0, d_ = 0, rows_ = 0;
   std::vector<float> q_, k_;
 };
-
-/// Rows [first, first + n) of a [H][T][d] view.
-inline kvevict::kv_view<const float> view_rows(kvevict::kv_view<const float> v, index_t first, index_t n) {
-  return *kvevict::make_kv_view<const float>(v.data_handle() + first * v.stride(1), v.extent(0), n, v.extent(2),
-                                            v.stride(0), v.stride(1));
-}
 
 /// Whether recipe `r` scores with an observation window of queries (the SnapKV family: snapkv,
 /// vatp, lava, cake), rather than every query (H2O), the last one (TOVA) or none (Knorm,
@@ -394,41 +400,6 @@ inline kvevict::layer_kv<float> layer_view(kv_cache& c, int l) {
   return *kvevict::make_layer_kv(c.keys(l), c.values(l), c.positions(l));
 }
 
-/// CAKE's layer preference P_l = H_l V_l (tau 1) from the attention of the last w prompt rows over
-/// the prefix columns [0, P - w), materialised here ([H_q][w][P - w], fp32 softmax over each
-/// row's visible keys, as the score stage computes it): the score stage never materialises
-/// attention, and CAKE's statistics need the probabilities (docs/budget.md, "Not done").
-/// window_queries [H_q][w][d] at positions P - w .. P - 1; keys [H_kv][P][d].
-inline status cake_window_preference(kvevict::kv_view<const float> window_queries, kvevict::kv_view<const float> keys,
-                                     std::vector<float>& scratch, double& pref) {
-  const index_t hq = window_queries.extent(0), w = window_queries.extent(1), d = window_queries.extent(2);
-  const index_t hkv = keys.extent(0), P = keys.extent(1), prefix = P - w, group = hq / hkv;
-  if (prefix < 1)
-    return status::error(errc::invalid_argument, "cake: the window (%lld) leaves no prefix of the %lld-token prompt",
-                         static_cast<long long>(w), static_cast<long long>(P));
-  scratch.resize(static_cast<std::size_t>(hq * w * prefix + P));
-  float* att = scratch.data();
-  float* row = scratch.data() + hq * w * prefix;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  for (index_t h = 0; h < hq; ++h)
-    for (index_t i = 0; i < w; ++i) {
-      const index_t visible = prefix + i + 1;
-      float mx = -INFINITY;
-      for (index_t j = 0; j < visible; ++j) {
-        float s = 0.0f;
-        for (index_t x = 0; x < d; ++x) s += window_queries(h, i, x) * keys(h / group, j, x);
-        row[j] = s * scale;
-        mx = std::max(mx, row[j]);
-      }
-      float sum = 0.0f;
-      for (index_t j = 0; j < visible; ++j) sum += (row[j] = std::exp(row[j] - mx));
-      for (index_t j = 0; j < prefix; ++j) att[(h * w + i) * prefix + j] = row[j] / sum;
-    }
-  kvevict::cake_stats st;
-  KVEVICT_TRY(kvevict::cake_layer_stats(kvevict::seq, *kvevict::make_kv_view<const float>(att, hq, w, prefix), &st));
-  return kvevict::cake_preference(st, kvevict::cake_options{}, &pref);
-}
-
 /// Scores a method computes outside the recipes for a prefilled, not yet evicted prompt (method
 /// lookaheadkv: examples/lookaheadkv/scores.hpp's lookahead_scorer, a trained module's estimate).
 /// score() may run extra blocks on the cache but leaves it as it was; scores(l) is then layer l's
@@ -452,22 +423,6 @@ struct allocation_plan {
   std::vector<std::uint8_t> retrieval;  ///< duo: [L][H], 1 = retrieval head, 0 = streaming head
   index_t total = 0;                  ///< tokens the model keeps after the eviction (all heads, layers)
 };
-
-/// The most rows one head can keep after an eviction under `a` (docs/drivers.md, "Capacity"): its
-/// own budget with per_head budgets (the largest over the model: PyramidKV's shallow layers get
-/// more than B), its whole layer's total with flattened or adakv selection (one head may take its
-/// layer's entire share). A driver's capacity must be this plus the rows added between evictions.
-inline index_t max_head_rows(const kvevict::allocation& a) {
-  const auto& b = a.budgets;
-  index_t most = 0;
-  for (index_t l = 0; l < b.extent(0); ++l) {
-    index_t layer = 0;
-    for (index_t h = 0; h < b.extent(1); ++h)
-      layer = a.kind == kvevict::allocator::per_head ? std::max<index_t>(layer, b(l, h)) : layer + b(l, h);
-    most = std::max(most, layer);
-  }
-  return most;
-}
 
 /// Duo head types: a ranking per (layer, KV head) -- the calibration's "globalness"
 /// (duo_calibration.hpp) or a trained head-mask file's values (DuoAttention's alpha, PruLong's
@@ -545,17 +500,9 @@ inline kvevict::model_shape shape_of(const config& c) {
   return {c.n_layers, c.n_kv_heads, c.n_heads, c.head_size()};
 }
 
-/// A driver's state memory and workspace, kept between calls (they only grow).
+/// A driver's state memory and workspace, kept between calls (they only grow: grown()).
 struct driver_scratch {
   std::vector<unsigned char> state, ws;
-  unsigned char* state_for(std::size_t bytes) {
-    if (state.size() < bytes) state.resize(bytes);
-    return state.data();
-  }
-  kvevict::workspace workspace_for(std::size_t bytes) {
-    if (ws.size() < bytes) ws.resize(bytes);
-    return {ws.empty() ? nullptr : ws.data(), ws.size()};
-  }
 };
 
 /// init()s driver `d` with `cfg` (recording into `rec`, may be null) on state memory from `s`, and
@@ -565,10 +512,10 @@ status init_driver(Driver& d, driver_scratch& s, const Config& cfg, kvevict::evi
                    kvevict::workspace& ws) {
   const auto bytes = Driver::state_bytes(cfg);
   if (!bytes) return bytes.error();
-  KVEVICT_TRY(d.init(cfg, s.state_for(*bytes), *bytes, rec));
+  KVEVICT_TRY(d.init(cfg, grown(s.state, *bytes), *bytes, rec));
   const auto wb = d.workspace_bytes(kvevict::seq);
   if (!wb) return wb.error();
-  ws = s.workspace_for(*wb);
+  ws = {grown(s.ws, *wb), s.ws.size()};
   return {};
 }
 

@@ -126,7 +126,7 @@ class evictor {
       KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o_, stage1_, pf_, scratch_, block_,
                                      pseudo_tokens_));
       const index_t w = o_.window, prefix = P - w;
-      laq_union_block(c, cache, P, w, prompt_q, block_, union_);
+      KVEVICT_TRY(laq_union_block(c, cache, P, w, prompt_q, block_, union_));
       // the allocation of the whole prompt with the window protected, then the window taken out:
       // the driver selects among the first P - w rows, which it sees as the whole layer
       KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, w}, nullptr, alloc_));
@@ -174,12 +174,6 @@ class evictor {
       return {};
     }
 
-    if (o_.recipe == method::lookaheadkv) {
-      KVEVICT_TRY(evict_lookahead(run, cache, rec));
-      evict_s_ = seconds_since(t0);
-      return {};
-    }
-
     const block_capture* blk = nullptr;
     if (o_.recipe == method::laq) {
       KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o_, stage1_, pf_, scratch_, block_,
@@ -192,13 +186,27 @@ class evictor {
     }
     if (blk != nullptr) pc.query_rows = blk->rows();
     KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, prot, &duo_, alloc_));
+    // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the scorer's scores [H_kv][P] per layer
+    // (lookahead_scorer: the module's lookahead rows run as an extra block, its KV rolled back),
+    // the sinks protected (0 unless --sinks), no suffix window (the paper's appendix F); a budget
+    // of at least the prompt keeps everything without running the module.
+    const bool scored = o_.recipe == method::lookaheadkv;
+    if (scored && o_.budget >= P) {
+      alloc_.total = cache.total_rows();
+      evict_s_ = seconds_since(t0);
+      return {};
+    }
+    if (scored) KVEVICT_TRY(scorer_->score(run, cache));
+    if (scored) pc.rec.window = 1;  // no queries are read on the scores path: any prompt fits the window
     pc.alloc = alloc_.alloc;
     const bool cake = alloc_.alloc.kind == kvevict::allocator::cake;
     KVEVICT_TRY(post_fill_decide(
         pf_, scratch_, pc,
         [&](int l, layer_inputs& in) {
           in.kv = layer_view(cache, l);
-          if (blk != nullptr) {
+          if (scored) {
+            in.scores = scorer_->scores(l);
+          } else if (blk != nullptr) {
             in.queries = blk->queries(l, 0, blk->rows());
             in.block_keys = blk->keys(l, 0, blk->rows());
           } else {
@@ -237,9 +245,6 @@ class evictor {
     };
     KVEVICT_TRY(run.decode(cache, token, hk));
     const auto t0 = std::chrono::steady_clock::now();
-    const auto wb = dd_.workspace_bytes(kvevict::seq);
-    if (!wb) return wb.error();
-    kvevict::workspace ws = decode_scratch_.workspace_for(*wb);
     for (int l = 0; l < c.n_layers; ++l) {
       kvevict::kv_view<const float> q;
       switch (rec_.kind) {
@@ -249,7 +254,7 @@ class evictor {
         case kvevict::recipe_kind::streaming_llm: break;
         default: q = recent_q_.queries(l, 0, o_.window);
       }
-      KVEVICT_TRY(dd_.step(kvevict::seq, ws, l, layer_view(cache, l), q));
+      KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, l, layer_view(cache, l), q));
       if (dd_.evicted(l)) KVEVICT_TRY(cache.compact(l, dd_.kept(l)));
     }
     evict_s_ += seconds_since(t0);
@@ -262,7 +267,8 @@ class evictor {
   kvevict::recipe rec_;
   duo_heads duo_;
   allocation_plan alloc_;
-  std::vector<float> logits_, pref_scratch_;
+  std::vector<float> logits_;
+  std::vector<unsigned char> pref_scratch_, decode_scratch_;
   double prefill_s_ = 0.0, evict_s_ = 0.0;
   block_capture prompt_q_, response_q_, block_, union_, chunk_q_, patch_q_, step_q_, recent_q_;
   std::vector<int> pseudo_tokens_;
@@ -273,7 +279,8 @@ class evictor {
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
   kvevict::streaming_heads_driver sh_;
-  driver_scratch scratch_, decode_scratch_;
+  driver_scratch scratch_;
+  kvevict::workspace decode_ws_;  // the decode driver's (in scratch_.ws)
   prompt_scorer* scorer_ = nullptr;
 
   const config& cfg() const { return model_->cfg(); }
@@ -292,7 +299,7 @@ class evictor {
     sc.retrieval = *kvevict::make_matrix_view<const std::uint8_t>(alloc_.retrieval.data(), c.n_layers, c.n_kv_heads);
     const auto bytes = kvevict::streaming_heads_driver::state_bytes(sc);
     if (!bytes) return bytes.error();
-    return sh_.init(sc, scratch_.state_for(*bytes), *bytes, rec);
+    return sh_.init(sc, grown(scratch_.state, *bytes), *bytes, rec);
   }
   status stream_layer(kv_cache& cache, int l, index_t tokens) {
     KVEVICT_TRY(sh_.update(l, layer_view(cache, l), tokens));
@@ -330,44 +337,12 @@ class evictor {
     return {};
   }
 
-  // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the scorer's scores [H_kv][P] per layer (for
-  // lookahead_scorer: the module's n lookahead rows run as one extra block after the prompt, their
-  // KV rolled back, the prompt's untouched; max pool 7, GQA mean), the sinks (0 unless
-  // --sinks) protected, then the allocator's budgets and a plain top-k per head -- no suffix window,
-  // as the paper (appendix F) -- and every layer compacted. A budget of at least the prompt keeps
-  // everything without running the module. The dropped rows are recorded at step P.
-  status evict_lookahead(runner& run, kv_cache& cache, kvevict::eviction_recorder* rec) {
-    const config& c = cfg();
-    const index_t P = cache.next_position();
-    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, 0}, nullptr, alloc_));
-    if (o_.budget >= P) {  // everything is kept: the module is not run
-      alloc_.total = cache.total_rows();
-      return {};
-    }
-    KVEVICT_TRY(scorer_->score(run, cache));
-    kvevict::post_fill_config pc;
-    pc.model = shape_of(c);
-    pc.tokens = P;
-    pc.rec = rec_;        // protects the sinks only (make_recipe)
-    pc.rec.window = 1;    // no queries are read on the scores path: any prompt fits the window
-    pc.alloc = alloc_.alloc;
-    KVEVICT_TRY(post_fill_decide(
-        pf_, scratch_, pc,
-        [&](int l, layer_inputs& in) {
-          in.kv = layer_view(cache, l);
-          in.scores = scorer_->scores(l);
-          return status{};
-        },
-        rec));
-    KVEVICT_TRY(compact_kept(cache, pf_));
-    alloc_.total = cache.total_rows();
-    return {};
-  }
-
   status window_preference(kvevict::kv_view<const float> window_q, const kv_cache& cache, int l, index_t P, double& pref) {
     const auto keys = cache.dense_keys(l, P);
     if (!keys) return keys.error();
-    return cake_window_preference(window_q, *keys, pref_scratch_, pref);
+    return with_workspace(pref_scratch_, [&](kvevict::workspace& ws) {
+      return kvevict::cake_window_preference(kvevict::seq, ws, window_q, *keys, kvevict::cake_options{}, &pref);
+    });
   }
 
   // Layer by layer, inside the prefill: cascade_driver for lava / cake, post_fill_driver one layer
@@ -543,13 +518,11 @@ class evictor {
     dc.model = shape_of(c);
     // a head holds at most the prompt, or what it may keep after an eviction, plus the tokens
     // decoded until the next one (with adakv one head may keep its layer's whole share)
-    dc.capacity = std::min<index_t>(cache.capacity(), std::max(P, max_head_rows(alloc_.alloc)) + o_.evict_every);
+    dc.capacity = std::min<index_t>(cache.capacity(), std::max(P, kvevict::max_head_rows(alloc_.alloc)) + o_.evict_every);
     dc.interval = o_.evict_every;
     dc.rec = rec_;
     dc.alloc = alloc_.alloc;
-    const auto bytes = kvevict::decode_driver::state_bytes(dc);
-    if (!bytes) return bytes.error();
-    KVEVICT_TRY(dd_.init(dc, scratch_.state_for(*bytes), *bytes, rec));
+    KVEVICT_TRY(init_driver(dd_, scratch_, dc, rec, decode_ws_));
     std::vector<float> initial;
     kvevict::workspace sws;
     if (rec_.kind == kvevict::recipe_kind::h2o) {  // the prompt's accumulated attention, unprotected
@@ -557,7 +530,7 @@ class evictor {
       hr.n_sink = hr.n_recent = 0;
       const auto need = kvevict::recipe_scores_workspace_bytes(kvevict::seq, hr, c.n_heads, P, H, P, c.head_size());
       if (!need) return need.error();
-      sws = decode_scratch_.workspace_for(*need);
+      sws = {grown(decode_scratch_, *need), decode_scratch_.size()};
       initial.resize(static_cast<std::size_t>(H * P));
     }
     for (int l = 0; l < L; ++l) {
@@ -578,12 +551,7 @@ class evictor {
     step_q_.reset(c, 1);
     recent_q_.reset(c, w);
     const index_t have = std::min(w, P);
-    for (int l = 0; l < L; ++l) {
-      const auto last = prompt_q_.queries(l, P - have, have);
-      for (index_t h = 0; h < c.n_heads; ++h)
-        for (index_t i = 0; i < have; ++i)
-          for (index_t x = 0; x < c.head_size(); ++x) recent_q_.query_row(l, h, w - have + i)[x] = last(h, i, x);
-    }
+    for (int l = 0; l < L; ++l) recent_q_.put(l, w - have, prompt_q_.queries(l, P - have, have));
     evict_s_ = seconds_since(t0);
     alloc_.total = cache.total_rows();
     return {};
@@ -596,8 +564,8 @@ class evictor {
     for (index_t h = 0; h < c.n_heads; ++h) {
       float* first = recent_q_.query_row(ev.layer, h, 0);
       std::memmove(first, first + d, static_cast<std::size_t>((w - 1) * d) * sizeof(float));
-      for (index_t x = 0; x < d; ++x) first[(w - 1) * d + x] = ev.queries(h, 0, x);
     }
+    recent_q_.put(ev.layer, w - 1, ev.queries);
   }
 };
 

@@ -126,30 +126,31 @@ class sampler {
   }
 };
 
-/// Called after each decode step of continue_generation (the place for decode-time eviction).
-using decode_hook = std::function<status(kv_cache&)>;
+/// One decode step of continue_generation: feeds the token to the cache and leaves its logits in
+/// runner::logits(0) (e.g. the evictor's decode, which adds decode-time eviction).
+using decode_step = std::function<status(kv_cache&, int)>;
 
-/// Samples from the logits of the last forward (runner::logits(0)) and keeps decoding, run.c's
-/// way: each sampled token is appended to `out` and fed back, until the cache's next_position()
-/// reaches `steps` (a sampled token is still emitted then, but not fed back) or BOS is sampled
-/// (not emitted). `after_decode` runs after every decode step. Errors: invalid_argument for
-/// steps above the context or below the tokens already processed; then those of
-/// runner::forward and of the hook.
+/// Samples from `logits` (null: the last forward's last row) and keeps decoding, run.c's way:
+/// each sampled token is appended to `out` and fed back with `decode` (empty: runner::decode),
+/// until the cache's next_position() reaches `steps` (a sampled token is still emitted then, but
+/// not fed back) or BOS is sampled (not emitted). Errors: invalid_argument for steps above the
+/// context or below the tokens already processed; then those of `decode`.
 inline status continue_generation(runner& r, kv_cache& cache, sampler& s, index_t steps, std::vector<int>& out,
-                                  const decode_hook& after_decode = {}) {
+                                  const float* logits = nullptr, const decode_step& decode = {}) {
   const config& c = r.get_model().cfg();
   if (steps > c.seq_len || steps < cache.next_position())
     return status::error(errc::invalid_argument, "generate: steps %lld is outside [%d tokens processed, seq_len %d]",
                          static_cast<long long>(steps), cache.next_position(), c.seq_len);
-  if (r.logits_rows() < 1)
+  if (logits == nullptr && r.logits_rows() < 1)
     return status::error(errc::invalid_argument, "generate: the last forward computed no logits to sample from");
+  if (logits == nullptr) logits = r.logits(r.logits_rows() - 1);
   for (;;) {
-    const int next = s.sample(r.logits(r.logits_rows() - 1));
+    const int next = s.sample(logits);
     if (next == bos_token) break;
     out.push_back(next);
     if (cache.next_position() >= steps) break;
-    KVEVICT_TRY(r.decode(cache, next));
-    if (after_decode) KVEVICT_TRY(after_decode(cache));
+    KVEVICT_TRY(decode ? decode(cache, next) : r.decode(cache, next));
+    logits = r.logits(0);
   }
   return {};
 }
@@ -158,9 +159,9 @@ inline status continue_generation(runner& r, kv_cache& cache, sampler& s, index_
 /// to `steps` positions in all (prompt included, like run.c's -n). `out` receives the generated
 /// tokens (not the prompt). Errors, before anything runs: invalid_argument for an empty prompt, a
 /// non-empty cache, steps above the context or a prompt longer than `steps`; then those of
-/// runner::forward, continue_generation and the hook.
+/// runner::forward and continue_generation.
 inline status generate(runner& r, kv_cache& cache, sampler& s, const std::vector<int>& prompt, index_t steps,
-                       std::vector<int>& out, const decode_hook& after_decode = {}) {
+                       std::vector<int>& out) {
   out.clear();
   if (prompt.empty()) return status::error(errc::invalid_argument, "generate: the prompt has no tokens");
   if (steps > r.get_model().cfg().seq_len)
@@ -172,7 +173,7 @@ inline status generate(runner& r, kv_cache& cache, sampler& s, const std::vector
     return status::error(errc::invalid_argument, "generate: the prompt has %zu tokens, more than steps %lld", prompt.size(),
                          static_cast<long long>(steps));
   KVEVICT_TRY(r.forward(cache, tokens(prompt), logits_mode::last));
-  return continue_generation(r, cache, s, steps, out, after_decode);
+  return continue_generation(r, cache, s, steps, out);
 }
 
 /// The text of ids[1..] as run.c prints it: each piece decoded after its predecessor, one-byte

@@ -166,44 +166,42 @@ int run(int argc, char** argv) {
     return fail("the prompt has " + std::to_string(prompt.size()) + " tokens, more than --steps " +
                 std::to_string(o.steps) + " (steps count the prompt too)");
 
+  // The full cache is sized for the prompt and the steps; the evicted one for the whole context:
+  // LAQ decodes pseudo tokens past the prompt and the oracle runs the response.
+  const bool full = method == kvrun::method::full;
   kvrun::runner run;
   kvrun::kv_cache cache;
   kvrun::sampler sampler;
+  if (auto st = run.init(model, {full ? static_cast<kvevict::index_t>(prompt.size()) : 0, full ? o.steps : 0, o.threads});
+      !st.ok())
+    return fail("", st);
+  if (auto st = cache.init(c, full ? o.steps : 0); !st.ok()) return fail("", st);
+  if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
+  kvrun::duo_heads duo;
+  kvrun::lookahead_module lookahead;
+  kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
+  kvrun::evictor ev;
+  std::vector<kvevict::pos_t> schedule;
+  kvevict::eviction_recorder recorder;
   std::vector<int> generated;
-  double prefill_s = 0.0, decode_s = 0.0;
-  if (method == kvrun::method::full) {
-    if (auto st = run.init(model, {/*max_block=*/static_cast<kvevict::index_t>(prompt.size()), /*max_rows=*/o.steps, o.threads});
-        !st.ok())
-      return fail("", st);
-    if (auto st = cache.init(c, o.steps); !st.ok()) return fail("", st);
-    if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
+  const float* logits = nullptr;  // of the first generated token
+  kvrun::decode_step decode;      // evicted: the evictor's decode (decode-time eviction)
+  double prefill_s = 0.0;
+  if (full) {
     const auto t0 = std::chrono::steady_clock::now();
     if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);
     prefill_s = kvrun::seconds_since(t0);
-    const auto t1 = std::chrono::steady_clock::now();
-    if (auto st = kvrun::continue_generation(run, cache, sampler, o.steps, generated); !st.ok()) return fail("", st);
-    decode_s = kvrun::seconds_since(t1);
-  } else {
-    // the evicted cache: prefill with eviction (evictor.hpp), then run.c's sampling loop with
-    // decode-time eviction when the driver is decode. The cache and the runner are sized for the
-    // whole context: LAQ decodes pseudo tokens past the prompt and the oracle runs the response.
-    if (auto st = run.init(model, {0, 0, o.threads}); !st.ok()) return fail("", st);
-    if (auto st = cache.init(c); !st.ok()) return fail("", st);
-    if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
-    kvrun::duo_heads duo;
+  } else {  // prefill with eviction (evictor.hpp)
     if (method == kvrun::method::duo || method == kvrun::method::prulong) {
       if (auto st = kvrun::head_types_from_file(c, o.head_mask, o.head_sparsity, duo); !st.ok())
         return fail_file(o.head_mask, st);
     } else if (kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo) {
       if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
     }
-    kvrun::lookahead_module lookahead;
-    kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
     if (method == kvrun::method::lookaheadkv) {
       if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
       if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);
     }
-    kvrun::evictor ev;
     if (auto st = ev.init(model, o.evict, &duo, &scorer); !st.ok()) return fail("", st);
     std::vector<int> response;  // the oracle's block: the full cache's continuation, same sampler
     if (method == kvrun::method::oracle) {
@@ -213,40 +211,35 @@ int run(int argc, char** argv) {
       cache.clear();
       if (response.empty()) return fail("oracle: the full cache generates nothing after this prompt");
     }
-    std::vector<kvevict::pos_t> schedule(static_cast<std::size_t>(c.n_layers) * static_cast<std::size_t>(c.n_kv_heads) *
-                                         static_cast<std::size_t>(o.steps));
+    schedule.resize(static_cast<std::size_t>(c.n_layers) * static_cast<std::size_t>(c.n_kv_heads) *
+                    static_cast<std::size_t>(o.steps));
     const auto made = kvevict::make_eviction_recorder(schedule.data(), c.n_layers, c.n_kv_heads, o.steps);
     if (!made) return fail("", made.error());
-    kvevict::eviction_recorder recorder = *made;
+    recorder = *made;
     if (auto st = ev.prefill(run, cache, prompt, &recorder, &response); !st.ok()) return fail("", st);
     prefill_s = ev.prefill_seconds();
-    const auto t1 = std::chrono::steady_clock::now();
-    const float* logits = ev.next_logits();
-    for (;;) {
-      const int next = sampler.sample(logits);
-      if (next == kvrun::bos_token) break;
-      generated.push_back(next);
-      if (cache.next_position() >= o.steps) break;
-      if (auto st = ev.decode(run, cache, next); !st.ok()) return fail("", st);
-      logits = run.logits(0);
+    logits = ev.next_logits();
+    decode = [&](kvrun::kv_cache& kv, int token) { return ev.decode(run, kv, token); };
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  if (auto st = kvrun::continue_generation(run, cache, sampler, o.steps, generated, logits, decode); !st.ok())
+    return fail("", st);
+  const double decode_s = kvrun::seconds_since(t1);
+  if (o.stats && !full) {
+    const kvevict::index_t n = cache.next_position();
+    kvevict::kv_usage usage;
+    if (auto sched = recorder.schedule(n); sched) {
+      std::vector<unsigned char> wsb(static_cast<std::size_t>(n) * sizeof(std::int64_t) + 64);
+      kvevict::workspace ws{wsb.data(), wsb.size()};
+      (void)kvevict::measure_kv_usage(ws, *sched, usage);
     }
-    decode_s = kvrun::seconds_since(t1);
-    if (o.stats) {
-      const kvevict::index_t n = cache.next_position();
-      kvevict::kv_usage usage;
-      if (auto sched = recorder.schedule(n); sched) {
-        std::vector<unsigned char> wsb(static_cast<std::size_t>(n) * sizeof(std::int64_t) + 64);
-        kvevict::workspace ws{wsb.data(), wsb.size()};
-        (void)kvevict::measure_kv_usage(ws, *sched, usage);
-      }
-      std::fprintf(stderr,
-                   "eviction: %s, %s driver, budget %lld: %lld KV rows held after the prefill (of %lld); %.3f ms of "
-                   "eviction; KV footprint %.3f, peak KV %.3f over %lld tokens\n",
-                   o.recipe.c_str(), kvrun::driver_name(o.evict.driver), static_cast<long long>(o.evict.budget),
-                   static_cast<long long>(ev.allocation().total),
-                   static_cast<long long>(prompt.size()) * c.n_layers * c.n_kv_heads, ev.evict_seconds() * 1e3,
-                   usage.footprint(), usage.peak_kv(), static_cast<long long>(n));
-    }
+    std::fprintf(stderr,
+                 "eviction: %s, %s driver, budget %lld: %lld KV rows held after the prefill (of %lld); %.3f ms of "
+                 "eviction; KV footprint %.3f, peak KV %.3f over %lld tokens\n",
+                 o.recipe.c_str(), kvrun::driver_name(o.evict.driver), static_cast<long long>(o.evict.budget),
+                 static_cast<long long>(ev.allocation().total),
+                 static_cast<long long>(prompt.size()) * c.n_layers * c.n_kv_heads, ev.evict_seconds() * 1e3,
+                 usage.footprint(), usage.peak_kv(), static_cast<long long>(n));
   }
 
   std::vector<int> all = prompt;

@@ -75,19 +75,17 @@ inline status laq_pseudo_queries(runner& run, const kv_cache& full, const block_
 /// keys. Scored over the prompt's first P - w rows, the block attends exactly as the two parts
 /// did: a window row over the prefix and the window up to itself, a pseudo row over the whole
 /// prompt and the pseudo rows up to itself.
-inline void laq_union_block(const config& c, const kv_cache& full, index_t P, index_t w, const block_capture& prompt_q,
-                            const block_capture& pseudo, block_capture& out) {
-  const index_t n = pseudo.rows(), d = c.head_size();
+inline status laq_union_block(const config& c, const kv_cache& full, index_t P, index_t w, const block_capture& prompt_q,
+                              const block_capture& pseudo, block_capture& out) {
+  const index_t n = pseudo.rows();
   out.reset(c, w + n);
   for (int l = 0; l < c.n_layers; ++l) {
-    const auto wq = prompt_q.queries(l, P - w, w), pq = pseudo.queries(l, 0, n), pk = pseudo.keys(l, 0, n);
-    for (index_t h = 0; h < c.n_heads; ++h)
-      for (index_t i = 0; i < w + n; ++i)
-        for (index_t x = 0; x < d; ++x) out.query_row(l, h, i)[x] = i < w ? wq(h, i, x) : pq(h, i - w, x);
-    for (index_t h = 0; h < c.n_kv_heads; ++h)
-      for (index_t i = 0; i < w + n; ++i)
-        for (index_t x = 0; x < d; ++x) out.key_row(l, h, i)[x] = i < w ? full.key_row(l, h, P - w + i)[x] : pk(h, i - w, x);
+    const auto keys = full.dense_keys(l, P);
+    if (!keys) return keys.error();
+    out.put(l, 0, prompt_q.queries(l, P - w, w), view_rows(*keys, P - w, w));
+    out.put(l, w, pseudo.queries(l, 0, n), pseudo.keys(l, 0, n));
   }
+  return {};
 }
 
 }  // namespace kvrun

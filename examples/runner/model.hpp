@@ -25,10 +25,8 @@
 #include <kvevict/view.hpp>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -118,28 +116,6 @@ inline bool checkpoint_floats(const config& c, index_t& total) {
   return ok;
 }
 
-/// Reads floats from the memory after a header.
-struct memory_reader {
-  const unsigned char* p;
-  void read(float* dst, index_t n) {
-    std::memcpy(dst, p, static_cast<std::size_t>(n) * sizeof(float));
-    p += n * static_cast<index_t>(sizeof(float));
-  }
-  void skip(index_t n) { p += n * static_cast<index_t>(sizeof(float)); }
-};
-
-/// Reads floats from an open file; remembers the first failure.
-struct file_reader {
-  std::FILE* f;
-  bool ok = true;
-  void read(float* dst, index_t n) {
-    if (ok && std::fread(dst, sizeof(float), static_cast<std::size_t>(n), f) != static_cast<std::size_t>(n)) ok = false;
-  }
-  void skip(index_t n) {
-    if (ok && std::fseek(f, static_cast<long>(n * static_cast<index_t>(sizeof(float))), SEEK_CUR) != 0) ok = false;
-  }
-};
-
 inline status size_mismatch(const config& c, index_t needed, index_t have) {
   return status::error(errc::format_error,
                        "checkpoint: header (dim %d, hidden %d, %d layers, %d/%d heads, vocab %d, seq_len %d) needs "
@@ -208,22 +184,18 @@ class model {
     config c;
     KVEVICT_TRY(detail::check_checkpoint(bytes, static_cast<index_t>(size), c));
     model m;
-    detail::memory_reader r{bytes + checkpoint_header_bytes};
-    m.read_weights(c, r);
+    m.read_weights(c, bytes + checkpoint_header_bytes);
     out = std::move(m);
     return {};
   }
 
-  /// Loads a checkpoint file. Errors: io_error (cannot open or read) and every error of load().
-  /// A regular file of at most io::limit::model_bytes (programs/io.hpp: FIFOs and devices are
-  /// refused, never read).
+  /// Loads a checkpoint file: the whole file read (programs/io.hpp: a regular file of at most
+  /// io::limit::model_bytes; FIFOs and devices are refused, never read), then load().
+  /// Errors: io_error (cannot open or read) and every error of load().
   static status load_file(const std::string& path, model& out) {
-    kvevict::io::input_file in;
-    KVEVICT_TRY(kvevict::io::input_file::open(path, "checkpoint", kvevict::io::limit::model_bytes, in));
-    model m;
-    KVEVICT_TRY(m.read_file(in.get(), in.size(), path));
-    out = std::move(m);
-    return {};
+    std::vector<unsigned char> bytes;
+    KVEVICT_TRY(kvevict::io::read_file(path, "checkpoint", kvevict::io::limit::model_bytes, bytes));
+    return load(bytes.data(), bytes.size(), out);
   }
 
  private:
@@ -241,50 +213,36 @@ class model {
   const float* layer(int l) const { return store_.data() + layers_off() + index_t(l) * layer_floats(); }
   float* mut(const float* p) { return store_.data() + (p - store_.data()); }
 
-  // `size`: the file's size when opened; every size in the header is checked against it.
-  status read_file(std::FILE* f, std::uint64_t file_size, const std::string& path) {
-    unsigned char header[checkpoint_header_bytes] = {};
-    const std::size_t got = std::fread(header, 1, sizeof header, f);
-    const auto size = static_cast<index_t>(file_size);
-    if (got < sizeof header && static_cast<std::size_t>(size) >= sizeof header)
-      return status::error(errc::io_error, "checkpoint: cannot read the header of '%s'", path.c_str());
-    config c;
-    KVEVICT_TRY(detail::check_checkpoint(header, size, c));
-    if (std::fseek(f, static_cast<long>(checkpoint_header_bytes), SEEK_SET) != 0)
-      return status::error(errc::io_error, "checkpoint: cannot seek in '%s'", path.c_str());
-    detail::file_reader r{f};
-    read_weights(c, r);
-    if (!r.ok) return status::error(errc::io_error, "checkpoint: reading the weights of '%s' failed", path.c_str());
-    return {};
-  }
-
-  // Copies the weights out of llama2.c's order into this model's layout. The input size has been
-  // checked against the header, so every read is in bounds.
-  template <class Reader>
-  void read_weights(const config& c, Reader& r) {
+  // Copies the weights at `src` out of llama2.c's order into this model's layout. The input size has
+  // been checked against the header, so every read is in bounds.
+  void read_weights(const config& c, const unsigned char* src) {
     cfg_ = c;
     const index_t d = c.dim, h = c.hidden_dim, v = c.vocab_size, kv = c.kv_dim(), L = c.n_layers;
     store_.assign(static_cast<std::size_t>(layers_off() + L * layer_floats()), 0.0f);
     std::vector<float> tmp(static_cast<std::size_t>(std::max({d * d, d * h, v * d})));
+    auto read = [&](float* dst, index_t n) {
+      std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
+      src += n * static_cast<index_t>(sizeof(float));
+    };
 
     // [out][in] from the file -> column block [col0, col0 + out) of a [in][width] matrix
     auto transpose_into = [&](float* dst, index_t width, index_t col0, index_t out, index_t in) {
-      r.read(tmp.data(), out * in);
+      read(tmp.data(), out * in);
       for (index_t o = 0; o < out; ++o)
         for (index_t i = 0; i < in; ++i) dst[i * width + col0 + o] = tmp[static_cast<std::size_t>(o * in + i)];
     };
-    r.read(store_.data(), v * d);  // embedding
-    for (int l = 0; l < L; ++l) r.read(mut(attn_norm(l)), d);
+    read(store_.data(), v * d);  // embedding
+    for (int l = 0; l < L; ++l) read(mut(attn_norm(l)), d);
     for (int l = 0; l < L; ++l) transpose_into(mut(wqkv(l)), qkv_width(), 0, d, d);
     for (int l = 0; l < L; ++l) transpose_into(mut(wqkv(l)), qkv_width(), d, kv, d);
     for (int l = 0; l < L; ++l) transpose_into(mut(wqkv(l)), qkv_width(), d + kv, kv, d);
     for (int l = 0; l < L; ++l) transpose_into(mut(wo(l)), d, 0, d, d);
-    for (int l = 0; l < L; ++l) r.read(mut(ffn_norm(l)), d);
+    for (int l = 0; l < L; ++l) read(mut(ffn_norm(l)), d);
     for (int l = 0; l < L; ++l) transpose_into(mut(w13(l)), 2 * h, 0, h, d);
     for (int l = 0; l < L; ++l) transpose_into(mut(w2(l)), d, 0, d, h);
     for (int l = 0; l < L; ++l) transpose_into(mut(w13(l)), 2 * h, h, h, d);
-    r.read(mut(final_norm()), d);
-    r.skip(index_t(c.seq_len) * c.head_size());  // the two legacy RoPE tables
+    read(mut(final_norm()), d);
+    src += index_t(c.seq_len) * c.head_size() * static_cast<index_t>(sizeof(float));  // the two legacy RoPE tables
     float* cls = mut(classifier());
     if (c.shared_classifier) {
       for (index_t o = 0; o < v; ++o)

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace kvrun {
@@ -57,19 +58,23 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   };
   const auto err_st = [&](const char* prefix, const status& st) { return err(std::string(prefix) + st.message()); };
   CLI::App app{"kvevict-run: generate text with the kvevict reference runner (llama2.c checkpoints)", "kvevict-run"};
+  // an integer option: its text checked as a whole number of its type, its default in --help
+  const auto integer = [&app](const char* name, auto& value, const char* help) {
+    return app.add_option(name, value, help)
+        ->check(kvevict::program::integer<std::remove_reference_t<decltype(value)>>())
+        ->capture_default_str();
+  };
   app.add_option("--model", o.model, "llama2.c checkpoint")->capture_default_str();
   app.add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer (vocabulary size must match the model)")
       ->capture_default_str();
   app.add_option("--prompt", o.prompt, "prompt text (BOS and a dummy-prefix space are added)")->capture_default_str();
-  app.add_option("--steps", o.steps, "positions to run, prompt included (run.c's -n); 1..seq_len")
-      ->check(kvevict::program::integer<int>())->capture_default_str();
+  integer("--steps", o.steps, "positions to run, prompt included (run.c's -n); 1..seq_len");
   app.add_option("--temperature", o.temperature, "0 = greedy; > 0 samples softmax(logits / temperature)")
       ->capture_default_str();
   app.add_option("--topp", o.topp, "top-p (nucleus) threshold when sampling; 0 or 1 = plain sampling")
       ->capture_default_str();
-  app.add_option("--seed", o.seed, "xorshift seed for sampling (nonzero; run.c's -s)")->check(kvevict::program::integer<std::uint64_t>())->capture_default_str();
-  app.add_option("--threads", o.threads, "OpenMP threads for long blocks (0 = OMP_NUM_THREADS or all cores)")
-      ->check(kvevict::program::integer<int>())->capture_default_str();
+  integer("--seed", o.seed, "xorshift seed for sampling (nonzero; run.c's -s)");
+  integer("--threads", o.threads, "OpenMP threads for long blocks (0 = OMP_NUM_THREADS or all cores)");
   app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
   app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost and footprint) on stderr");
   // eviction (docs/runner.md, "Eviction")
@@ -78,27 +83,21 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
                                     "knorm, vatp, adakv, cake, lava, duo-heuristic, duo, prulong, laq, laq++, lookaheadkv, oracle")
                          ->capture_default_str();
   std::vector<CLI::Option*> evict_opts;
-  evict_opts.push_back(app.add_option("--budget", o.evict.budget, "tokens kept per KV head, protected ones included")
-                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  evict_opts.push_back(integer("--budget", o.evict.budget, "tokens kept per KV head, protected ones included"));
   evict_opts.push_back(app.add_option("--allocator", o.allocator,
                                       "uniform, pyramid, adakv, lava, cake or duo (default: the recipe's)"));
   evict_opts.push_back(app.add_option("--driver", o.driver, "postfill, layerwise, chunked-naive, chunked-patched or decode")
                            ->capture_default_str());
-  evict_opts.push_back(app.add_option("--window", o.evict.window,
-                                      "observation window; the recent tokens window recipes, H2O and LAQ keep")
-                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
-  evict_opts.push_back(app.add_option("--sinks", o.evict.sinks,
-                                      "first tokens always kept (-1: the recipe's: 4 for streaming_llm, duo, prulong, duo-heuristic, else 0)")
-                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
-  evict_opts.push_back(app.add_option("--chunk", o.evict.chunk, "chunked drivers: tokens per chunk")->check(kvevict::program::integer<index_t>())->capture_default_str());
-  evict_opts.push_back(app.add_option("--evict-every", o.evict.evict_every, "decode driver: evict every N decoded tokens")
-                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
-  evict_opts.push_back(app.add_option("--laq-steps", o.evict.laq_steps, "laq, laq++: pseudo-decoded tokens")
-                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
-  evict_opts.push_back(app.add_option("--duo-recent", o.evict.duo_recent, "duo, prulong, duo-heuristic: recent tokens of a streaming head")
-                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
-  evict_opts.push_back(app.add_option("--calibration", o.calibration, "duo-heuristic: calibration texts (training split)")
-                           ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  evict_opts.push_back(integer("--window", o.evict.window,
+                               "observation window; the recent tokens window recipes, H2O and LAQ keep"));
+  evict_opts.push_back(integer("--sinks", o.evict.sinks,
+                               "first tokens always kept (-1: the recipe's: 4 for streaming_llm, duo, prulong, "
+                               "duo-heuristic, else 0)"));
+  evict_opts.push_back(integer("--chunk", o.evict.chunk, "chunked drivers: tokens per chunk"));
+  evict_opts.push_back(integer("--evict-every", o.evict.evict_every, "decode driver: evict every N decoded tokens"));
+  evict_opts.push_back(integer("--laq-steps", o.evict.laq_steps, "laq, laq++: pseudo-decoded tokens"));
+  evict_opts.push_back(integer("--duo-recent", o.evict.duo_recent, "duo, prulong, duo-heuristic: recent tokens of a streaming head"));
+  evict_opts.push_back(integer("--calibration", o.calibration, "duo-heuristic: calibration texts (training split)"));
   auto* head_mask_opt = app.add_option("--head-mask", o.head_mask,
                                        "duo, prulong: trained head-mask TSV (default: models/duo/stories260K.tsv, "
                                        "models/prulong/stories260K-s50.tsv)");
@@ -114,7 +113,7 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   std::vector<CLI::Option*> report_opts;
   report_opts.push_back(app.add_option("--out-dir", o.out_dir, "report: directory for report.json and report.svg")
                             ->capture_default_str());
-  report_opts.push_back(app.add_option("--prompts", o.prompts, "report: test prompts")->check(kvevict::program::integer<index_t>())->capture_default_str());
+  report_opts.push_back(integer("--prompts", o.prompts, "report: test prompts"));
   report_opts.push_back(app.add_option("--budgets", o.budgets, "report: budgets, comma-separated")
                             ->delimiter(',')
                             ->check(kvevict::program::integer<index_t>())->capture_default_str());

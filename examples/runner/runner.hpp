@@ -253,6 +253,11 @@ class runner {
     float* qkv = qkv_.data();
     float* h13 = h13_.data();
     pos_t* pos = pos_.data();
+    // a failed projection or hook: the block's rows leave layers [0, upto) again
+    const auto fail = [&](const status& st, int upto) {
+      undo_append(cache, upto, n);
+      return st;
+    };
 
     for (index_t i = 0; i < n; ++i) {
       pos[i] = b.positions != nullptr ? b.positions[i] : static_cast<pos_t>(cache.next_position() + i);
@@ -267,10 +272,7 @@ class runner {
       status st = call_projection(hooks, l, projection::q, n, xb, d, d, qkv, qs, d);
       if (st.ok()) st = call_projection(hooks, l, projection::k, n, xb, d, d, qkv + d, qs, kvd);
       if (st.ok()) st = call_projection(hooks, l, projection::v, n, xb, d, d, qkv + d + kvd, qs, kvd);
-      if (!st.ok()) {
-        undo_append(cache, l, n);
-        return st;
-      }
+      if (!st.ok()) return fail(st, l);
       for (index_t i = 0; i < n; ++i) {
         float* row = qkv + i * qs;
         for (index_t j = 0; j < d + kvd; j += 2) {  // every query head, then every key head
@@ -296,10 +298,7 @@ class runner {
       });
       detail::matmul(threads_, xb, d, n, d, m.wo(l), d, tmp, d);
       st = call_projection(hooks, l, projection::o, n, xb, d, d, tmp, d, d);
-      if (!st.ok()) {
-        undo_append(cache, l + 1, n);
-        return st;
-      }
+      if (!st.ok()) return fail(st, l + 1);
       for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
 
       // FFN: RMSNorm, w1|w3, SwiGLU, w2
@@ -307,17 +306,11 @@ class runner {
       detail::matmul(threads_, xb, d, n, d, m.w13(l), 2 * hidden, h13, 2 * hidden);
       st = call_projection(hooks, l, projection::w1, n, xb, d, d, h13, 2 * hidden, hidden);
       if (st.ok()) st = call_projection(hooks, l, projection::w3, n, xb, d, d, h13 + hidden, 2 * hidden, hidden);
-      if (!st.ok()) {
-        undo_append(cache, l + 1, n);
-        return st;
-      }
+      if (!st.ok()) return fail(st, l + 1);
       for (index_t i = 0; i < n; ++i) detail::swiglu(h13 + i * 2 * hidden, h13 + i * 2 * hidden + hidden, hidden);
       detail::matmul(threads_, h13, 2 * hidden, n, hidden, m.w2(l), d, tmp, d);
       st = call_projection(hooks, l, projection::w2, n, h13, 2 * hidden, hidden, tmp, d, d);
-      if (!st.ok()) {
-        undo_append(cache, l + 1, n);
-        return st;
-      }
+      if (!st.ok()) return fail(st, l + 1);
       for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
 
       if (hooks.after_layer) {
@@ -330,10 +323,7 @@ class runner {
         ev.values = *kvevict::make_kv_view<const float>(qkv + d + kvd, Hkv, n, hs, hs, qs);
         ev.rolled_back = rolled_back;
         st = hooks.after_layer(ev);
-        if (!st.ok()) {
-          undo_append(cache, l + 1, n);
-          return st;
-        }
+        if (!st.ok()) return fail(st, l + 1);
       }
     }
 

@@ -72,14 +72,19 @@ status for_each_item(std::vector<Worker>& workers, index_t n, Work&& work) {
   return for_each_item(workers, n, work, [](index_t, int) {});
 }
 
-/// Calls f(ws) twice, the CUB way: a size query, then the work with `buf` grown to the size
-/// (it only grows, so a worker stops allocating once it has seen its largest shapes).
+/// `buf` grown to at least `bytes` (and 1): it only grows, so a worker stops allocating once it
+/// has seen its largest shapes.
+inline unsigned char* grown(std::vector<unsigned char>& buf, std::size_t bytes) {
+  if (buf.size() < std::max<std::size_t>(bytes, 1)) buf.resize(std::max<std::size_t>(bytes, 1));
+  return buf.data();
+}
+
+/// Calls f(ws) twice, the CUB way: a size query, then the work with `buf` grown to the size.
 template <class F>
 status with_workspace(std::vector<unsigned char>& buf, F&& f) {
   kvevict::workspace q;
   KVEVICT_TRY(f(q));
-  if (buf.size() < std::max<std::size_t>(q.bytes, 1)) buf.resize(std::max<std::size_t>(q.bytes, 1));
-  kvevict::workspace ws{buf.data(), buf.size()};
+  kvevict::workspace ws{grown(buf, q.bytes), buf.size()};
   return f(ws);
 }
 

@@ -53,6 +53,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string_view>
+#include <type_traits>
 
 namespace kvevict {
 
@@ -428,13 +429,18 @@ status recipe_select(Backend be, workspace& ws, const recipe& r, matrix_view<con
 
 /// Ragged selection with per-head budgets (from a budget allocator): head h keeps
 /// kept.cu[h+1] - kept.cu[h] tokens, each at least its protected count. Workspace: select_topk's.
+/// On cuda_t kept.cu is device memory and is never read on the host (nothing synchronises):
+/// select_topk(cuda) checks the offsets and budget <= T on the device (a bad head is skipped,
+/// docs/cuda.md); a budget below the protected count is not detected there (the head then keeps
+/// its best protected positions), so a device caller keeps budgets >= n_sink + n_recent itself,
+/// as every allocator in budget/ does.
 template <class Backend>
 status recipe_select(Backend be, workspace& ws, const recipe& r, matrix_view<const float> scores,
                      ragged_positions_out kept) {
   constexpr const char* fn = "recipe_select";
   KVEVICT_TRY(detail::check_recipe(fn, r));
   KVEVICT_TRY(detail::check_view(fn, "scores", scores));
-  if (!ws.is_query()) {
+  if (!ws.is_query() && !std::is_same_v<Backend, cuda_t>) {
     KVEVICT_TRY(detail::check_offsets(fn, "kept.cu", kept.cu, kept.heads));
     for (index_t h = 0; h < kept.heads; ++h)
       KVEVICT_TRY(check_budget(fn, kept.length(h), scores.extent(1), r.n_sink, r.n_recent));

@@ -19,5 +19,7 @@ KVEVICT_INSTANTIATE_RECIPE(bfloat16, bfloat16, bfloat16)
 template result<std::size_t> recipe_scores_workspace_bytes<cuda_t>(cuda_t, const recipe&, index_t, index_t, index_t,
                                                                   index_t, index_t, index_t);
 template status recipe_select<cuda_t>(cuda_t, workspace&, const recipe&, matrix_view<const float>, matrix_view<pos_t>);
+template status recipe_select<cuda_t>(cuda_t, workspace&, const recipe&, matrix_view<const float>,
+                                      ragged_positions_out);
 
 }  // namespace kvevict

@@ -68,6 +68,23 @@ struct allocation {
   /// lava: entropy normalisation (lava_entropy_options; the protection is the recipe's).
   entropy_norm lava_norm = entropy_norm::log_count;
 };
+/// The most rows one head can hold after an eviction under `a` (docs/drivers.md, "Capacity"): its
+/// own budget with per_head budgets (the largest over the model: PyramidKV's shallow layers get
+/// more than B), its whole layer's total with flattened or adakv selection (one head may take its
+/// layer's entire share); 0 for lava and cake (no budget matrix). A decode driver's capacity is
+/// this plus the rows added between evictions.
+inline index_t max_head_rows(const allocation& a) noexcept {
+  const auto& b = a.budgets;
+  index_t most = 0;
+  for (index_t l = 0; l < b.extent(0); ++l) {
+    index_t layer = 0;
+    for (index_t h = 0; h < b.extent(1); ++h)
+      layer = a.kind == allocator::per_head ? (b(l, h) > layer ? index_t(b(l, h)) : layer) : layer + b(l, h);
+    most = layer > most ? layer : most;
+  }
+  return most;
+}
+
 namespace detail {
 
 inline status check_allocation_options(const char* fn, const allocation& a) {

@@ -3,6 +3,7 @@
 // docs/budget.md.
 //
 //   cake_layer_stats(be, attention, &stats)   H_l (entropy) and V_l (variance) of a layer's window attention
+//   cake_window_preference(be, ws, q, k, opt, &p)  the same from the window's queries and the keys
 //   cake_preference(stats, opt, &p)           P_l = H_l^(1/tau1) V_l^(1/tau2)
 //   cake_budgets(p, L, B, N, prot, out)       one-shot per-head budgets proportional to P_l
 //   layer_cascade (budget/layer_cascade.hpp)        CAKE's cascading (per_head split)
@@ -17,7 +18,9 @@
 #include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/score.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace kvevict {
 
@@ -148,6 +151,58 @@ inline status cake_preference(const cake_stats& stats, const cake_options& opt, 
                          stats.entropy, stats.variance, opt.tau1, opt.tau2);
   *pref = p;
   return {};
+}
+
+/// CAKE's layer preference for an engine without eager attention: the attention of the w window
+/// queries [H_q][w][d] (positions P - w .. P - 1) over keys [H_kv][P][d] (query head q reads KV head
+/// q / (H_q / H_kv)), each row an fp32 softmax over the keys it sees (scale 1/sqrt(d), max
+/// subtracted, std::exp, summed left to right) kept over the prefix columns [0, P - w), then
+/// cake_layer_stats and cake_preference. Host only: the rows run one after another on every
+/// backend (seq_t, par_t). Workspace: two-phase, the [H_q][w][P - w] fp32 attention.
+/// Errors: invalid views; head sizes that differ, H_q not a multiple of H_kv; no prefix (w >= P);
+/// pref null; workspace too small; those of cake_layer_stats and cake_preference.
+template <class Backend>
+status cake_window_preference(Backend be, workspace& ws, kv_view<const float> window_queries, kv_view<const float> keys,
+                              const cake_options& opt, double* pref) {
+  constexpr const char* fn = "cake_window_preference";
+  static_assert(!std::is_same_v<Backend, cuda_t>, "cake_window_preference runs on the host");
+  KVEVICT_TRY(detail::check_view(fn, "window_queries", window_queries));
+  KVEVICT_TRY(detail::check_view(fn, "keys", keys));
+  if (pref == nullptr) return status::error(errc::null_pointer, "%s: pref is null", fn);
+  const index_t hq = window_queries.extent(0), w = window_queries.extent(1), d = window_queries.extent(2);
+  const index_t hkv = keys.extent(0), P = keys.extent(1), prefix = P - w;
+  if (keys.extent(2) != d || hkv < 1 || hq % hkv != 0)
+    return status::error(errc::shape_mismatch, "%s: queries [%lld][%lld][%lld] over keys [%lld][%lld][%lld]", fn,
+                         static_cast<long long>(hq), static_cast<long long>(w), static_cast<long long>(d),
+                         static_cast<long long>(hkv), static_cast<long long>(P), static_cast<long long>(keys.extent(2)));
+  if (prefix < 1)
+    return status::error(errc::invalid_argument, "%s: the window (%lld) leaves no prefix of the %lld keys", fn,
+                         static_cast<long long>(w), static_cast<long long>(P));
+  detail::workspace_carver c(ws);
+  float* att = c.take<float>(static_cast<std::size_t>(hq * w * prefix));
+  KVEVICT_TRY(c.finish(fn));
+  if (ws.is_query()) return {};
+  const detail::byte_range in[] = {detail::range_of(window_queries), detail::range_of(keys)};
+  const char* const names[] = {"window_queries", "keys"};
+  KVEVICT_TRY(c.check_disjoint(fn, in, names));
+  const index_t group = hq / hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  auto logit = [&](index_t h, index_t i, index_t j) {
+    float s = 0.0f;
+    for (index_t x = 0; x < d; ++x) s += window_queries(h, i, x) * keys(h / group, j, x);
+    return s * scale;
+  };
+  for (index_t h = 0; h < hq; ++h)
+    for (index_t i = 0; i < w; ++i) {  // three passes over the visible keys: max, sum, the prefix's probabilities
+      const index_t visible = prefix + i + 1;
+      float mx = -INFINITY, sum = 0.0f;
+      for (index_t j = 0; j < visible; ++j) mx = std::max(mx, logit(h, i, j));
+      for (index_t j = 0; j < visible; ++j) sum += std::exp(logit(h, i, j) - mx);
+      for (index_t j = 0; j < prefix; ++j) att[(h * w + i) * prefix + j] = std::exp(logit(h, i, j) - mx) / sum;
+    }
+  cake_stats st;
+  KVEVICT_TRY(cake_layer_stats(be, *make_kv_view<const float>(att, hq, w, prefix), &st));
+  return cake_preference(st, opt, pref);
 }
 
 /// One-shot CAKE budgets (every layer's preference known): per-head budgets out[l][h] ([L][H] int32,

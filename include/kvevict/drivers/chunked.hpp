@@ -74,7 +74,8 @@ struct patch_block {
 /// sinks, because the prompt's recent window is the patch, whose KV is not in the cache. Knorm and
 /// StreamingLLM read no queries: both modes score them alike (naive).
 /// Recording: a chunk [s, e) evicts at step e.
-class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, chunked_config> {
+class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, chunked_config>,
+                       private detail::layer_store {
   friend class detail::driver_skeleton<chunked_driver, chunked_config>;
   friend class detail::prefill_driver_skeleton<chunked_driver, chunked_config>;
 
@@ -95,26 +96,11 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     KVEVICT_TRY(bind("chunked_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));
     const plan_t p = plan(cfg);
     cfg_.alloc.budgets = {};
-    budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
-    expect_ = reinterpret_cast<std::int32_t*>(base + p.expect);
-    kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
-    kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
-    ready_ = base + p.ready;
     const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
-    held_ = {p.lava ? reinterpret_cast<float*>(base + p.scores) : nullptr,
-             p.lava ? reinterpret_cast<pos_t*>(base + p.rowpos) : nullptr,
-             reinterpret_cast<std::int32_t*>(base + p.lens), reinterpret_cast<double*>(base + p.weight), H,
-             cfg.capacity};
-    for (index_t l = 0; l < L; ++l) {
-      ready_[l] = 0;
-      held_.weight[l] = 0.0;
-      for (index_t h = 0; h < H; ++h) {
-        budgets_[l * H + h] = has_matrix(cfg.alloc.kind) && cfg.target == chunk_target::budget ? cfg.alloc.budgets(l, h) : 0;
-        expect_[l * H + h] = 0;
-        held_.lens[l * H + h] = 0;
-      }
-      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
-    }
+    const bool matrix = has_matrix(cfg.alloc.kind) && cfg.target == chunk_target::budget;
+    bind_store(base, p, L, H, cfg.capacity, [&](index_t l, index_t h) { return matrix ? cfg.alloc.budgets(l, h) : 0; });
+    expect_ = reinterpret_cast<std::int32_t*>(base + p.expect);
+    for (index_t i = 0; i < L * H; ++i) expect_[i] = 0;
     attention_ = uses_attention(cfg.rec.kind);
     begin_ = end_ = 0;
     next_ = L;  // "the previous chunk is complete"
@@ -295,15 +281,9 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   }
 
  private:
-  struct plan_t {
-    detail::mem_plan layout;
-    std::size_t budgets = 0, expect = 0, kept_pos = 0, kept_cu = 0, ready = 0, weight = 0, lens = 0, scores = 0,
-                rowpos = 0;
-    bool lava = false;
+  struct plan_t : store_plan {
+    std::size_t expect = 0;
   };
-  static bool has_matrix(allocator k) {
-    return k == allocator::per_head || k == allocator::flattened || k == allocator::adakv;
-  }
   bool lava() const noexcept { return cfg_.alloc.kind == allocator::lava; }
   bool patched() const noexcept { return cfg_.queries == chunk_queries::patched && attention_; }
   bool patch_active() const noexcept { return patched() && !final_chunk(); }
@@ -465,20 +445,9 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
 
   static plan_t plan(const chunked_config& c) {
     plan_t p;
-    const auto L = static_cast<std::size_t>(c.model.layers), H = static_cast<std::size_t>(c.model.kv_heads),
-               C = static_cast<std::size_t>(c.capacity);
-    p.lava = c.alloc.kind == allocator::lava;
-    p.budgets = p.layout.take(L * H * sizeof(std::int32_t));
-    p.expect = p.layout.take(L * H * sizeof(std::int32_t));
-    p.kept_pos = p.layout.take(L * H * C * sizeof(pos_t));
-    p.kept_cu = p.layout.take(L * (H + 1) * sizeof(std::int32_t));
-    p.ready = p.layout.take(L);
-    p.weight = p.layout.take(L * sizeof(double));
-    p.lens = p.layout.take(L * H * sizeof(std::int32_t));
-    if (p.lava) {
-      p.scores = p.layout.take(L * H * C * sizeof(float));
-      p.rowpos = p.layout.take(L * H * C * sizeof(pos_t));
-    }
+    const index_t L = c.model.layers, H = c.model.kv_heads;
+    p.take_store(L, H, c.capacity, L * H * c.capacity, c.alloc.kind == allocator::lava);
+    p.expect = p.layout.take(static_cast<std::size_t>(L * H) * sizeof(std::int32_t));
     return p;
   }
 
@@ -504,12 +473,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     return {kept_pos_ + layer * H * cfg_.capacity, kept_cu_ + layer * (H + 1), H};
   }
 
-  std::int32_t* budgets_ = nullptr;
   std::int32_t* expect_ = nullptr;
-  pos_t* kept_pos_ = nullptr;
-  std::int32_t* kept_cu_ = nullptr;
-  unsigned char* ready_ = nullptr;
-  detail::held_layers held_{};
   bool attention_ = false;
   index_t begin_ = 0, end_ = 0, next_ = 0, chunks_ = 0;
   bool decided_ = true, open_ = false;

@@ -104,7 +104,8 @@ inline status prompt_queries(const char* fn, const recipe& r, index_t tokens, in
 /// wrong shape; scores of the wrong shape or NaN; a cake preference NaN, infinite or negative;
 /// budgets above a head's rows or below its protected tokens; scores a lava entropy refuses;
 /// workspace too small or overlapping the state; the recorder's errors (a row already evicted).
-class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver, post_fill_config> {
+class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver, post_fill_config>,
+                         private detail::layer_store {
   friend class detail::driver_skeleton<post_fill_driver, post_fill_config>;
   friend class detail::prefill_driver_skeleton<post_fill_driver, post_fill_config>;
 
@@ -145,25 +146,11 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     KVEVICT_TRY(bind("post_fill_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));
     const plan_t p = plan(cfg);
     cfg_.alloc.budgets = {};
-    budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
-    kept_off_ = reinterpret_cast<index_t*>(base + p.kept_off);
-    kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
-    kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
-    ready_ = base + p.ready;
     const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
-    held_ = {p.all_layer ? reinterpret_cast<float*>(base + p.scores) : nullptr,
-             p.all_layer ? reinterpret_cast<pos_t*>(base + p.rowpos) : nullptr,
-             reinterpret_cast<std::int32_t*>(base + p.lens), reinterpret_cast<double*>(base + p.weight), H, cfg.tokens};
+    bind_store(base, p, L, H, cfg.tokens,
+               [&](index_t l, index_t h) { return has_matrix(cfg.alloc.kind) ? cfg.alloc.budgets(l, h) : 0; });
+    kept_off_ = reinterpret_cast<index_t*>(base + p.kept_off);
     for (index_t l = 0; l <= L; ++l) kept_off_[l] = p.kept_off_values(cfg, l);
-    for (index_t l = 0; l < L; ++l) {
-      ready_[l] = 0;
-      held_.weight[l] = 0.0;
-      for (index_t h = 0; h < H; ++h) {
-        budgets_[l * H + h] = has_matrix(cfg.alloc.kind) ? cfg.alloc.budgets(l, h) : 0;
-        held_.lens[l * H + h] = 0;
-      }
-      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
-    }
     all_layer_ = p.all_layer;
     query_rows_ = p.query_rows;
     block_keys_ = p.block_keys;
@@ -240,10 +227,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   bool decided() const noexcept { return decided_; }
 
  private:
-  struct plan_t {
-    detail::mem_plan layout;
-    std::size_t budgets = 0, kept_off = 0, kept_pos = 0, kept_cu = 0, ready = 0, weight = 0, scores = 0, lens = 0,
-                rowpos = 0;
+  struct plan_t : store_plan {
+    std::size_t kept_off = 0;
     bool all_layer = false, block_keys = false;
     index_t query_rows = 0;
     detail::row_rules rules;
@@ -267,10 +252,6 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   /// Layers selected across the tensor-parallel ranks (a rank may then keep up to all its rows).
   static bool sharded(const post_fill_config& c) {
     return c.tp.size() > 1 && (c.alloc.kind == allocator::flattened || c.alloc.kind == allocator::adakv);
-  }
-
-  static bool has_matrix(allocator k) {
-    return k == allocator::per_head || k == allocator::flattened || k == allocator::adakv;
   }
 
   static status validate(const char* fn, const post_fill_config& c) {
@@ -308,24 +289,13 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
 
   static plan_t plan(const post_fill_config& c) {
     plan_t p;
-    const auto L = static_cast<std::size_t>(c.model.layers), H = static_cast<std::size_t>(c.model.kv_heads),
-               C = static_cast<std::size_t>(c.tokens);
     p.all_layer = !has_matrix(c.alloc.kind);
     (void)detail::prompt_queries("", c.rec, c.tokens, c.query_rows, &p.query_rows, &p.block_keys, &p.rules);
     p.rules.tokens = c.tokens;
     p.rules.capacity = c.tokens;
     if (c.alloc.kind == allocator::cake) p.rules.whole = true;  // cake_budgets shares one prompt length
-    p.budgets = p.layout.take(L * H * sizeof(std::int32_t));
-    p.kept_off = p.layout.take((L + 1) * sizeof(index_t));
-    p.kept_pos = p.layout.take(static_cast<std::size_t>(p.kept_off_values(c, c.model.layers)) * sizeof(pos_t));
-    p.kept_cu = p.layout.take(L * (H + 1) * sizeof(std::int32_t));
-    p.ready = p.layout.take(L);
-    p.weight = p.layout.take(L * sizeof(double));
-    p.lens = p.layout.take(L * H * sizeof(std::int32_t));
-    if (p.all_layer) {
-      p.scores = p.layout.take(L * H * C * sizeof(float));
-      p.rowpos = p.layout.take(L * H * C * sizeof(pos_t));
-    }
+    p.take_store(c.model.layers, c.model.kv_heads, c.tokens, p.kept_off_values(c, c.model.layers), p.all_layer);
+    p.kept_off = p.layout.take(static_cast<std::size_t>(c.model.layers + 1) * sizeof(index_t));
     return p;
   }
 
@@ -460,12 +430,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     return {kept_pos_ + kept_off_[layer], kept_cu_ + layer * (H + 1), H};
   }
 
-  std::int32_t* budgets_ = nullptr;
   index_t* kept_off_ = nullptr;
-  pos_t* kept_pos_ = nullptr;
-  std::int32_t* kept_cu_ = nullptr;
-  unsigned char* ready_ = nullptr;
-  detail::held_layers held_{};
   detail::row_rules rules_{};
   index_t query_rows_ = 0;
   bool block_keys_ = false;

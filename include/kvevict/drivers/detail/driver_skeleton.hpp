@@ -558,5 +558,66 @@ struct held_layers {
   }
 };
 
+/// What post_fill_driver and chunked_driver keep per layer in their state memory: per-head
+/// budgets [L][H], the kept lists (positions and offsets [L][H + 1]), ready flags [L] and the held
+/// layers (row counts, weights; with an all-layer allocator also scores and row positions [L][H][C]).
+class layer_store {
+ protected:
+  struct store_plan {
+    mem_plan layout;
+    std::size_t budgets = 0, kept_pos = 0, kept_cu = 0, ready = 0, weight = 0, lens = 0, scores = 0, rowpos = 0;
+    bool hold_scores = false;
+    /// Takes the pieces for L layers of H heads, kept lists of `kept_rows` positions in all and
+    /// (hold: an all-layer allocator) C columns of held scores per head.
+    void take_store(index_t L, index_t H, index_t C, index_t kept_rows, bool hold) {
+      const auto l = static_cast<std::size_t>(L), h = static_cast<std::size_t>(H), c = static_cast<std::size_t>(C);
+      hold_scores = hold;
+      budgets = layout.take(l * h * sizeof(std::int32_t));
+      kept_pos = layout.take(static_cast<std::size_t>(kept_rows) * sizeof(pos_t));
+      kept_cu = layout.take(l * (h + 1) * sizeof(std::int32_t));
+      ready = layout.take(l);
+      weight = layout.take(l * sizeof(double));
+      lens = layout.take(l * h * sizeof(std::int32_t));
+      if (hold) {
+        scores = layout.take(l * h * c * sizeof(float));
+        rowpos = layout.take(l * h * c * sizeof(pos_t));
+      }
+    }
+  };
+
+  /// Allocators that come with a budget matrix.
+  static bool has_matrix(allocator k) {
+    return k == allocator::per_head || k == allocator::flattened || k == allocator::adakv;
+  }
+
+  /// Binds the pieces at `base` and resets them: budgets_[l][h] = budget_of(l, h), nothing kept,
+  /// ready or held.
+  template <class BudgetOf>
+  void bind_store(unsigned char* base, const store_plan& p, index_t L, index_t H, index_t C, BudgetOf budget_of) {
+    budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
+    kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
+    kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
+    ready_ = base + p.ready;
+    held_ = {p.hold_scores ? reinterpret_cast<float*>(base + p.scores) : nullptr,
+             p.hold_scores ? reinterpret_cast<pos_t*>(base + p.rowpos) : nullptr,
+             reinterpret_cast<std::int32_t*>(base + p.lens), reinterpret_cast<double*>(base + p.weight), H, C};
+    for (index_t l = 0; l < L; ++l) {
+      ready_[l] = 0;
+      held_.weight[l] = 0.0;
+      for (index_t h = 0; h < H; ++h) {
+        budgets_[l * H + h] = budget_of(l, h);
+        held_.lens[l * H + h] = 0;
+      }
+      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
+    }
+  }
+
+  std::int32_t* budgets_ = nullptr;
+  pos_t* kept_pos_ = nullptr;
+  std::int32_t* kept_cu_ = nullptr;
+  unsigned char* ready_ = nullptr;
+  held_layers held_{};
+};
+
 }  // namespace detail
 }  // namespace kvevict

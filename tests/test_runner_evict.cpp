@@ -634,9 +634,9 @@ TEST_CASE("LAQ: stage 1 is SnapKV on a copy plus greedy pseudo decoding; stage 2
   const index_t L = c.n_layers, H = c.n_kv_heads;
   runner run = make_runner();
   for (const text_pair& tp : the_pairs()) {
-    const index_t P = static_cast<index_t>(tp.prompt.size()), B = 24, w = 8, steps = 8;
+    const index_t P = static_cast<index_t>(tp.prompt.size()), B = 24, w = 8, steps = evict_options{}.laq_steps;
     const prefilled full = prefill_full(run, tp.prompt);
-    // stage 1 by hand: SnapKV on a copy, then 8 greedy tokens with their queries and keys
+    // stage 1 by hand: SnapKV on a copy, then the default count of greedy tokens with their queries and keys
     kv_cache copy = full.cache;
     const recipe snap = reference_recipe(method::snapkv, w, 0);
     const auto s1 = reference_scores(
@@ -907,7 +907,7 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
       CHECK(same);
       ++runs;
     }
-  CHECK(runs == 52);  // the supported (method, driver) pairs
+  CHECK(runs == 53);  // the supported (method, driver) pairs
 }
 
 TEST_CASE("CAKE's window preference and the duo calibration against naive double references") {

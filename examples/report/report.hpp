@@ -80,7 +80,7 @@ inline bool default_matrix(method m, driver_kind d) {
 }
 
 struct report_options {
-  index_t prompts = 32;
+  index_t prompts = 128;
   std::vector<index_t> budgets{16, 32, 64, 128};
   std::vector<method> recipes;       ///< empty: every method (full is always the first row)
   std::vector<driver_kind> drivers;  ///< empty: every driver of the matrix

@@ -39,7 +39,7 @@ struct run_options {
   // report
   bool report = false;
   std::string out_dir = ".";
-  index_t prompts = 32;
+  index_t prompts = 128;  ///< enough to separate the methods (docs/report.md: ~20 min on 2 cores)
   std::vector<index_t> budgets{16, 32, 64, 128};
   std::vector<std::string> recipes, drivers;
   bool all_drivers = false;

@@ -438,7 +438,14 @@ TEST_CASE("hostile: declared dimensions are checked against the real file size b
   put_i32(header, 16, 1 << 30);  // n_layers
   write_bytes(d.file("huge_layers.bin"), header);
   require_one_line_failure(run({lkv, "info", "--module", d.file("huge_layers.bin")}, small), "kvevict-lookahead",
-                           "needs");
+                           "1073741824 layers is more than the 65536 supported");
+  // the same with no adapted projection: the parameter count (16 x 64 embedding values) then
+  // matches a 4 KiB file, and only the layer bound stops a per-layer table of gigabytes (fuzzing)
+  put_i32(header, 48, 0);  // placement
+  write_bytes(d.file("emb_only_huge_layers.bin"), header + std::string(4 * 16 * 64, '\0'));
+  require_one_line_failure(run({lkv, "info", "--module", d.file("emb_only_huge_layers.bin")}, small), "kvevict-lookahead",
+                           "1073741824 layers is more than the 65536 supported");
+  put_i32(header, 48, 127);
   put_i32(header, 16, 5);
   put_i32(header, 12, 1 << 30);  // dim: the parameter count overflows nothing but is absurd
   put_i32(header, 28, 1 << 30);  // hidden

@@ -187,8 +187,11 @@ inline constexpr std::size_t lookahead_header_bytes = 52;
 template <class T>
 class basic_lookahead_module {
  public:
+  static constexpr int max_layers = 1 << 16;
+
   /// Shapes only, every parameter 0. Errors (invalid_argument): n_lookahead or rank < 1,
-  /// non-finite alpha, unknown placement bits, dims that are not a valid model.
+  /// non-finite alpha, unknown placement bits, dims that are not a valid model, more than
+  /// max_layers layers.
   status shape(const lookahead_dims& d, const lookahead_config& c) {
     KVEVICT_TRY(check_shape(d, c));
     index_t count = 0;  // before allocating: dims from a file may be absurd
@@ -216,6 +219,11 @@ class basic_lookahead_module {
       return status::error(errc::invalid_argument,
                            "lookahead module: invalid model dims (dim %d, %d layers, %d/%d heads, hidden %d, vocab %d)",
                            d.dim, d.n_layers, d.n_heads, d.n_kv_heads, d.hidden_dim, d.vocab_size);
+    // shape() keeps a per-layer offset table whatever the placement: with no adapted projection a
+    // tiny file could otherwise declare 2^31 layers and cost gigabytes of table
+    if (d.n_layers > max_layers)
+      return status::error(errc::invalid_argument, "lookahead module: %d layers is more than the %d supported", d.n_layers,
+                           max_layers);
     if (c.n_lookahead < 1 || c.n_lookahead > (1 << 20))
       return status::error(errc::invalid_argument, "lookahead module: n_lookahead %lld is outside [1, 2^20]",
                            static_cast<long long>(c.n_lookahead));

@@ -45,7 +45,7 @@ struct run_options {
   bool all_drivers = false;
   // the footprint protocol (docs/report.md, "Critical KV footprint")
   bool footprint = false;
-  std::vector<double> fractions{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9};
+  std::vector<double> fractions{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98};
   // which of the defaults the command line changed (the report and the footprint sweep pick their own)
   bool budgets_given = false, laq_steps_given = false, draft_tokens_given = false;
 };

@@ -6,6 +6,8 @@
 #include <kvevict/budget.hpp>
 #include <kvevict/protect.hpp>
 
+#include "fuzz_input.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,20 +16,11 @@
 #include <vector>
 
 using namespace kvevict;
+using kvfuzz::require;
 
 namespace {
 
-struct input {
-  const std::uint8_t* p;
-  std::size_t n;
-  std::uint32_t take(int bytes) {
-    std::uint32_t v = 0;
-    for (int i = 0; i < bytes; ++i) {
-      v = v << 8 | (n > 0 ? *p : 0u);
-      if (n > 0) ++p, --n;
-    }
-    return v;
-  }
+struct input : kvfuzz::input {
   index_t small(index_t mod) { return static_cast<index_t>(take(2) % static_cast<std::uint32_t>(mod)); }
   float score() {
     const std::uint32_t kind = take(1);
@@ -46,10 +39,6 @@ struct input {
     return d;
   }
 };
-
-void require(bool ok) {
-  if (!ok) __builtin_trap();
-}
 
 bool ranks_before(float a, index_t ra, index_t pa, float b, index_t rb, index_t pb) {
   const bool a_nan = std::isnan(a), b_nan = std::isnan(b);

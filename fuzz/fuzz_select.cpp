@@ -4,6 +4,8 @@
 // or return exactly what a naive sort-based reference returns; seq and par must agree.
 #include <kvevict/select.hpp>
 
+#include "fuzz_input.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,21 +14,10 @@
 #include <vector>
 
 using namespace kvevict;
+using kvfuzz::input;
+using kvfuzz::require;
 
 namespace {
-
-struct input {
-  const std::uint8_t* p;
-  std::size_t n;
-  std::uint32_t take(int bytes) {
-    std::uint32_t v = 0;
-    for (int i = 0; i < bytes; ++i) {
-      v = v << 8 | (n > 0 ? *p : 0u);
-      if (n > 0) ++p, --n;
-    }
-    return v;
-  }
-};
 
 bool ranks_before(float a, index_t pa, float b, index_t pb) {
   const bool a_nan = std::isnan(a), b_nan = std::isnan(b);
@@ -43,10 +34,6 @@ std::vector<pos_t> naive_topk(const float* row, index_t stride, index_t n, index
   idx.resize(static_cast<std::size_t>(k));
   std::sort(idx.begin(), idx.end());
   return idx;
-}
-
-void require(bool ok) {
-  if (!ok) __builtin_trap();
 }
 
 template <class Backend>

@@ -4,6 +4,7 @@
 // recipe stage, select by full sorts, compute budgets from the allocators' formulas and simulate
 // eviction schedules step by step.
 #include "support.hpp"
+#include "thread_comm.hpp"
 
 #include <kvevict/driver.hpp>
 #include <kvevict/metrics.hpp>
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -572,6 +574,100 @@ TEST_CASE("drivers: post-fill with per-layer allocators matches the reference (r
   CHECK(cases == 4 * 9 * 3);
 }
 
+TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-process rows (flattened, adakv)") {
+  for (std::uint64_t seed = 1; seed <= 6; ++seed)
+    for (allocator kind : {allocator::flattened, allocator::adakv})
+      for (int ranks : {2, 3}) {
+        auto g = kvtest::rng(seed * 17 + static_cast<std::uint64_t>(kind) * 5 + static_cast<std::uint64_t>(ranks));
+        const index_t L = kvtest::uniform_int(g, 1, 3), Hl = kvtest::uniform_int(g, 1, 2), H = Hl * ranks;
+        const index_t d = 4, P = kvtest::uniform_int(g, 20, 40), w = 4;
+        const recipe r = small_window(recipe::snapkv(), w);
+        const synth s = make_synth(seed, L, H, H, d, P);
+        const index_t B = kvtest::uniform_int(g, w, P);
+        std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H), static_cast<std::int32_t>(B));
+        post_fill_config cfg;
+        cfg.model = {L, H, H, d};
+        cfg.tokens = P;
+        cfg.rec = r;
+        cfg.alloc.kind = kind;
+        cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+        // every layer's scores, computed once: the single-process driver and the ranks get the same
+        std::vector<std::vector<float>> scores;
+        for (index_t l = 0; l < L; ++l) {
+          engine_layer e(H, d, P);
+          e.append(s, l, 0, P);
+          scores.push_back(layer_scores(r, s, l, e, gather_queries(s, l, range_of(P - w, P)), w, nullptr));
+        }
+        // bad_rank >= 0: that rank's scores hold a NaN in the last layer (every rank must fail)
+        const auto run = [&](post_fill_driver& drv, const post_fill_config& c, index_t first, int bad_rank, int rank)
+            -> status {
+          const index_t n = c.model.kv_heads;
+          aligned_buf wb;
+          workspace ws = make_ws(drv, seq, wb);
+          for (index_t l = 0; l < L; ++l) {
+            engine_layer e(n, d, P);
+            e.append(s, l, 0, P);
+            std::vector<float> mine(scores[static_cast<std::size_t>(l)].begin() + first * P,
+                                    scores[static_cast<std::size_t>(l)].begin() + (first + n) * P);
+            if (rank == bad_rank && l == L - 1) mine[1] = std::numeric_limits<float>::quiet_NaN();
+            KVEVICT_TRY(drv.add_layer_scores(seq, ws, l, e.view(), scores_view(mine, n, P)));
+          }
+          return drv.decide(seq, ws);
+        };
+        std::vector<unsigned char> mem(value_of(post_fill_driver::state_bytes(cfg)));
+        post_fill_driver one;
+        REQUIRE(one.init(cfg, mem.data(), mem.size()).ok());
+        REQUIRE(run(one, cfg, 0, -1, 0).ok());
+        for (int bad_rank : {-1, ranks - 1}) {
+          std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+          std::vector<std::vector<std::vector<std::vector<pos_t>>>> kept(static_cast<std::size_t>(ranks));
+          kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& c) {
+            const auto me = static_cast<std::size_t>(c.rank());
+            post_fill_config rc = cfg;
+            rc.model.kv_heads = rc.model.query_heads = Hl;
+            rc.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data() + Hl * c.rank(), L, Hl, H));
+            rc.tp = comm_ref(c);
+            post_fill_driver drv;
+            std::vector<unsigned char> rm(post_fill_driver::state_bytes(rc).value());
+            status st = drv.init(rc, rm.data(), rm.size());
+            if (st.ok()) st = run(drv, rc, Hl * c.rank(), bad_rank, c.rank());
+            errors[me] = st.ok() ? "" : st.message();
+            if (st.ok())
+              for (index_t l = 0; l < L; ++l) kept[me].push_back(to_lists(drv.kept(l)));
+          });
+          for (int rk = 0; rk < ranks; ++rk) {
+            CAPTURE(seed);
+            CAPTURE(static_cast<int>(kind));
+            CAPTURE(rk);
+            const auto me = static_cast<std::size_t>(rk);
+            if (bad_rank >= 0) {  // the same error everywhere, naming the rank with the NaN
+              CHECK(errors[me].find("rank " + std::to_string(bad_rank) + " of " + std::to_string(ranks)) !=
+                    std::string::npos);
+              CHECK(errors[me].find("NaN") != std::string::npos);
+              continue;
+            }
+            REQUIRE(errors[me] == "");
+            for (index_t l = 0; l < L; ++l) {
+              const auto all = to_lists(one.kept(l));
+              const std::vector<std::vector<pos_t>> part(all.begin() + Hl * rk, all.begin() + Hl * (rk + 1));
+              CHECK(kept[me][static_cast<std::size_t>(l)] == part);
+            }
+          }
+        }
+      }
+  // lava and cake (all-layer allocators) do not take a communicator
+  post_fill_config bad;
+  bad.model = {2, 2, 2, 4};
+  bad.tokens = 16;
+  bad.alloc.kind = allocator::lava;
+  bad.alloc.total = 32;
+  kvtest::thread_world world(2);
+  kvtest::thread_comm rank0(world, 0);  // no collective runs: the configuration is refused first
+  bad.tp = comm_ref(rank0);
+  kvtest::require_error(post_fill_driver::state_bytes(bad).error(), errc::unsupported,
+                        "the lava allocator does not take a tensor-parallel communicator");
+}
+
 TEST_CASE("drivers: post-fill with uniform budgets and SnapKV equals recipe_scores + recipe_select per layer") {
   for (std::uint64_t seed = 11; seed <= 14; ++seed) {
     auto g = kvtest::rng(seed);
@@ -824,21 +920,40 @@ TEST_CASE("drivers: cascading equals layer_cascade used by hand; the engine's ca
           CHECK(rec.storage()(l, h, p) == (held ? never_evicted : static_cast<pos_t>(N)));
         }
     }
+    // layer l prefilled into a fresh engine cache and handed to `into`
+    const auto prefill = [&](cascade_driver& into, auto be, workspace& into_ws, index_t l) {
+      engine_layer e(H, d, N);
+      e.append(s, l, 0, N);
+      const auto qb = gather_queries(s, l, range_of(N - w, N));
+      return into.add_layer(be, into_ws, l, e.view(), block_view(qb, Hq, w, d), kv_view<const float>{},
+                            prefs[static_cast<std::size_t>(l)]);
+    };
     // par: the same answers
     std::vector<unsigned char> mem2(mem.size());
     cascade_driver drv2;
     REQUIRE(drv2.init(cfg, mem2.data(), mem2.size()).ok());
     aligned_buf wb2;
     workspace ws2 = make_ws(drv2, par, wb2);
-    for (index_t l = 0; l < L; ++l) {
-      engine_layer e(H, d, N);
-      e.append(s, l, 0, N);
-      const auto qb = gather_queries(s, l, range_of(N - w, N));
-      REQUIRE(drv2.add_layer(par, ws2, l, e.view(), block_view(qb, Hq, w, d), kv_view<const float>{},
-                             prefs[static_cast<std::size_t>(l)])
-                  .ok());
-    }
+    for (index_t l = 0; l < L; ++l) REQUIRE(prefill(drv2, par, ws2, l).ok());
     for (index_t l = 0; l < L; ++l) CHECK(to_lists(drv2.positions(l)) == to_lists(drv.positions(l)));
+    // pipeline parallelism: two stages, each adding the other's layers by their weights only
+    for (int stage = 0; stage < 2; ++stage) {
+      const index_t a = stage == 0 ? 0 : L / 2, b = stage == 0 ? L / 2 : L;
+      std::vector<unsigned char> pm(mem.size());
+      cascade_driver ps;
+      REQUIRE(ps.init(cfg, pm.data(), pm.size()).ok());
+      aligned_buf pb;
+      workspace pws = make_ws(ps, seq, pb);
+      for (index_t l = 0; l < L; ++l) {
+        if (l < a || l >= b) {
+          REQUIRE(ps.add_remote_layer(seq, pws, l, drv.layer_weight(l)).ok());
+          CHECK(ps.layer_total(l) == 0);
+          continue;
+        }
+        REQUIRE(prefill(ps, seq, pws, l).ok());
+      }
+      for (index_t l = a; l < b; ++l) CHECK(to_lists(ps.positions(l)) == to_lists(drv.positions(l)));
+    }
   }
 }
 

@@ -338,11 +338,11 @@ TEST_CASE("report options errors") {
   o.all_drivers = true;
   o.budgets = {24};
   REQUIRE(report_configs(the_model().cfg(), o, cfgs).ok());
-  CHECK(cfgs.size() == 1 + 48);  // every supported pair but full's
+  CHECK(cfgs.size() == 1 + 52);  // every supported pair but full's (duo-heuristic: every driver since streaming heads)
   // without a module, lookaheadkv is left out of every method and refused when named
   o.lookahead = nullptr;
   REQUIRE(report_configs(the_model().cfg(), o, cfgs).ok());
-  CHECK(cfgs.size() == 1 + 47);
+  CHECK(cfgs.size() == 1 + 51);
   o.recipes = {method::snapkv, method::lookaheadkv};
   kvtest::require_error(report_configs(the_model().cfg(), o, cfgs), errc::invalid_argument,
                         "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");

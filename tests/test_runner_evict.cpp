@@ -139,7 +139,9 @@ recipe reference_recipe(method m, index_t w, index_t duo_recent) {
   recipe r;
   switch (m) {
     case method::streaming_llm: return recipe::streaming_llm(4);
+    case method::duo_heuristic:
     case method::duo:
+    case method::prulong:
       r = recipe::streaming_llm(4);
       r.n_recent = duo_recent;
       return r;
@@ -352,7 +354,7 @@ TEST_CASE("every post-fill method keeps exactly the library's answer on the runn
         index_t total = 0;
         for (const auto& v : want) total += static_cast<index_t>(v.size());
         CHECK(cache.total_rows() == total);
-        if (m != method::duo) CHECK(total == B * c.n_kv_heads * c.n_layers);  // exact totals
+        if (!uses_head_types(m)) CHECK(total == B * c.n_kv_heads * c.n_layers);  // exact totals
       }
   }
 }
@@ -907,7 +909,53 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
       CHECK(same);
       ++runs;
     }
-  CHECK(runs == 53);  // the supported (method, driver) pairs
+  CHECK(runs == 67);  // the supported (method, driver) pairs (52 before duo, prulong and streaming heads in every driver; speckv)
+}
+
+TEST_CASE("trained head types: streaming heads hold their sinks + window after the prefill and every decoded token in the layer-wise, chunked and decode drivers") {
+  const config& c = the_model().cfg();
+  runner run = make_runner();
+  const text_pair& tp = the_pairs()[0];
+  const index_t P = static_cast<index_t>(tp.prompt.size());
+  duo_heads heads;
+  REQUIRE_OK(head_types_from_file(c, KVEVICT_SOURCE_DIR "/models/prulong/stories260K-s50.tsv", -1.0, heads));
+  CHECK(heads.retrieval == 10);
+  duo_heads duo75;
+  REQUIRE_OK(head_types_from_file(c, KVEVICT_SOURCE_DIR "/models/duo/stories260K.tsv", 0.75, duo75));
+  CHECK(duo75.retrieval == 5);
+  for (const driver_kind d : {driver_kind::layerwise, driver_kind::chunked_naive, driver_kind::chunked_patched, driver_kind::decode})
+    for (const method m : {method::prulong, method::duo}) {
+      const std::string name = std::string(method_name(m)) + " / " + driver_name(d);
+      CAPTURE(name);
+      evict_options o;
+      o.recipe = m;
+      o.driver = d;
+      o.chunk = 32;
+      evictor ev;
+      REQUIRE_OK(ev.init(the_model(), o, m == method::prulong ? &heads : &duo75));
+      kv_cache cache;
+      REQUIRE_OK(cache.init(c));
+      REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr));
+      const std::vector<std::uint8_t>& mask = ev.allocation().retrieval;
+      REQUIRE(mask.size() == static_cast<std::size_t>(c.n_layers * c.n_kv_heads));
+      index_t retrieval = 0;
+      for (std::uint8_t v : mask) retrieval += v;
+      CHECK(retrieval == (m == method::prulong ? 10 : 5));
+      for (index_t step = 0; step <= 3; ++step) {
+        const index_t tokens = P + step;
+        for (int l = 0; l < c.n_layers; ++l)
+          for (index_t h = 0; h < c.n_kv_heads; ++h) {
+            std::vector<pos_t> want;
+            for (index_t p = 0; p < tokens; ++p)
+              if (mask[static_cast<std::size_t>(l * c.n_kv_heads + h)] != 0 || p < 4 || p > tokens - 12)
+                want.push_back(static_cast<pos_t>(p));
+            std::vector<pos_t> have;
+            for (index_t j = 0; j < cache.length(l, h); ++j) have.push_back(cache.position(l, h, j));
+            CHECK(have == want);
+          }
+        if (step < 3) REQUIRE_OK(ev.decode(run, cache, tp.response[static_cast<std::size_t>(step)]));
+      }
+    }
 }
 
 TEST_CASE("CAKE's window preference and the duo calibration against naive double references") {
@@ -1007,10 +1055,10 @@ TEST_CASE("eviction options and evictor errors") {
   require_error(check_evict_options(c, o), errc::invalid_argument, "does not take --allocator cake");
   o = opts(method::snapkv);
   o.alloc = budget_scheme::duo;
-  require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo and --recipe duo go together");
-  o = opts(method::duo);
+  require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo goes with --recipe duo, prulong or duo-heuristic");
+  o = opts(method::duo_heuristic);
   o.budget = 12;
-  require_error(check_evict_options(c, o), errc::invalid_argument, "below the 16 tokens duo protects");
+  require_error(check_evict_options(c, o), errc::invalid_argument, "below the 16 tokens duo-heuristic protects");
   for (const driver_kind dk : {driver_kind::layerwise, driver_kind::chunked_naive, driver_kind::chunked_patched, driver_kind::decode}) {
     o = opts(method::lookaheadkv);
     o.driver = dk;
@@ -1021,7 +1069,7 @@ TEST_CASE("eviction options and evictor errors") {
   o.alloc = budget_scheme::cake;
   require_error(check_evict_options(c, o), errc::invalid_argument, "--recipe lookaheadkv does not take --allocator cake");
   o.alloc = budget_scheme::duo;
-  require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo and --recipe duo go together");
+  require_error(check_evict_options(c, o), errc::invalid_argument, "--allocator duo goes with --recipe duo, prulong or duo-heuristic");
   o = opts(method::lookaheadkv);
   o.sinks = 4;
   o.budget = 3;
@@ -1042,7 +1090,7 @@ TEST_CASE("eviction options and evictor errors") {
   REQUIRE_OK(cache.init(c));
   const std::vector<int> prompt{1, 403, 407, 261, 378};
   require_error(ev.prefill(run, cache, prompt, nullptr), errc::invalid_argument, "evictor: not initialised");
-  require_error(ev.init(the_model(), opts(method::duo)), errc::invalid_argument, "--recipe duo needs head types");
+  require_error(ev.init(the_model(), opts(method::duo_heuristic)), errc::invalid_argument, "--recipe duo-heuristic needs head types");
   REQUIRE_OK(ev.init(the_model(), opts(method::snapkv)));
   require_error(ev.prefill(run, cache, prompt, nullptr), errc::invalid_argument,
                 "the prompt has 5 tokens, not more than --window 8: snapkv needs a longer prompt");

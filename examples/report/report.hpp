@@ -180,6 +180,7 @@ inline status report_configs(const config& c, const report_options& o, std::vect
       const method m = mn.value;
       if (m == method::full) continue;
       if (m == method::lookaheadkv && o.lookahead == nullptr) continue;
+      if (m == method::duo || m == method::prulong) continue;  // trained masks: not in the report yet (docs/prulong.md)
       if (!o.recipes.empty() && std::find(o.recipes.begin(), o.recipes.end(), m) == o.recipes.end()) continue;
       for (const named<driver_kind>& dn : driver_names) {
         const driver_kind d = dn.value;
@@ -472,7 +473,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   }
   out.response = static_cast<index_t>(pairs.front().response.size());
 
-  const bool need_duo = std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::duo; });
+  const bool need_duo = std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::duo_heuristic; });
   if (need_duo) {
     std::snprintf(line, sizeof line, "report: duo calibration on %lld training texts", static_cast<long long>(o.calibration));
     say(line);

@@ -56,7 +56,9 @@ inline const char* method_colour(method m) {
     case method::adakv: return "#2ca02c";
     case method::cake: return "#ff7f0e";
     case method::lava: return "#d62728";
-    case method::duo: return "#e377c2";
+    case method::duo_heuristic: return "#e377c2";
+    case method::duo: return "#c51b8a";
+    case method::prulong: return "#7a0177";
     case method::laq: return "#393b79";
     case method::laq_pp: return "#637939";
     case method::speckv: return "#e6550d";

@@ -63,7 +63,9 @@ enum class method : int {
   adakv,          ///< SnapKV scores, AdaKV head budgets
   cake,           ///< CAKE indicator and layer preferences
   lava,           ///< LAVa scores and entropy layer budgets
-  duo,            ///< DuoAttention-style head types from a calibration pass
+  duo_heuristic,  ///< Duo head types from an attention-mass calibration (duo_calibration.hpp), not trained
+  duo,            ///< DuoAttention: head types from trained gates (a head-mask TSV, kvevict-headgates duo)
+  prulong,        ///< PruLong: head types from a trained mask (a head-mask TSV, kvevict-headgates prulong)
   laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (laq.hpp)
   laq_pp,         ///< LAQ++: pseudo queries and the prompt's window
   speckv,         ///< SpecKV: a draft model's response as the query block (speckv.hpp)
@@ -87,7 +89,8 @@ inline constexpr named<method> method_names[] = {
     {method::full, "full"},   {method::streaming_llm, "streaming_llm"}, {method::h2o, "h2o"},
     {method::tova, "tova"},   {method::snapkv, "snapkv"},               {method::pyramidkv, "pyramidkv"},
     {method::knorm, "knorm"}, {method::vatp, "vatp"},                   {method::adakv, "adakv"},
-    {method::cake, "cake"},   {method::lava, "lava"},                   {method::duo, "duo"},
+    {method::cake, "cake"},   {method::lava, "lava"},                   {method::duo_heuristic, "duo-heuristic"},
+    {method::duo, "duo"},     {method::prulong, "prulong"},
     {method::laq, "laq"},     {method::laq_pp, "laq++"},                {method::speckv, "speckv"},
     {method::lookaheadkv, "lookaheadkv"},                               {method::oracle, "oracle"}};
 inline constexpr named<budget_scheme> allocator_names[] = {
@@ -127,6 +130,10 @@ status parse_name(std::string_view text, const named<E> (&all)[N], const char* w
 }  // namespace detail
 
 constexpr const char* method_name(method m) noexcept { return detail::name_of(method_names, m); }
+/// The methods whose head types (retrieval / streaming heads) decide everything: the duo allocator.
+constexpr bool uses_head_types(method m) noexcept {
+  return m == method::duo_heuristic || m == method::duo || m == method::prulong;
+}
 constexpr const char* allocator_name(budget_scheme a) noexcept { return detail::name_of(allocator_names, a); }
 constexpr const char* driver_name(driver_kind d) noexcept { return detail::name_of(driver_names, d); }
 
@@ -176,14 +183,16 @@ constexpr budget_scheme default_allocator(method m) noexcept {
     case method::adakv: return budget_scheme::adakv;
     case method::cake: return budget_scheme::cake;
     case method::lava: return budget_scheme::lava;
-    case method::duo: return budget_scheme::duo;
+    case method::duo_heuristic:
+    case method::duo:
+    case method::prulong: return budget_scheme::duo;
     default: return budget_scheme::uniform;
   }
 }
 inline budget_scheme allocator_of(const evict_options& o) { return o.alloc ? *o.alloc : default_allocator(o.recipe); }
 inline index_t sinks_of(const evict_options& o) {
   if (o.sinks >= 0) return o.sinks;
-  return o.recipe == method::streaming_llm || o.recipe == method::duo ? 4 : 0;
+  return o.recipe == method::streaming_llm || uses_head_types(o.recipe) ? 4 : 0;
 }
 
 /// The kvevict recipe a method scores with (its protection is the method's).
@@ -203,7 +212,9 @@ inline kvevict::recipe make_recipe(const evict_options& o) {
     case method::vatp: r = recipe::vatp(); break;
     case method::cake: r = recipe::cake(); break;
     case method::lava: r = recipe::lava(); break;
+    case method::duo_heuristic:
     case method::duo:
+    case method::prulong:
       r = recipe::streaming_llm(s);
       r.n_recent = o.duo_recent;
       return r;
@@ -279,8 +290,8 @@ inline status check_evict_options(const config& c, const evict_options& o) {
     return err("--budget %lld is below the %lld tokens %s protects (sinks %lld + recent %lld)",
                static_cast<long long>(o.budget), static_cast<long long>(prot), rn,
                static_cast<long long>(sinks_of(o)), static_cast<long long>(prot - sinks_of(o)));
-  if ((a == budget_scheme::duo) != (o.recipe == method::duo))
-    return err("--allocator duo and --recipe duo go together (duo's head types decide every budget)");
+  if ((a == budget_scheme::duo) != uses_head_types(o.recipe))
+    return err("--allocator duo goes with --recipe duo, prulong or duo-heuristic (their head types decide every budget)");
   const bool query_block = o.recipe == method::laq || o.recipe == method::laq_pp || o.recipe == method::oracle ||
                            o.recipe == method::lookaheadkv || o.recipe == method::speckv;
   if (query_block && d != driver_kind::postfill)
@@ -296,22 +307,21 @@ inline status check_evict_options(const config& c, const evict_options& o) {
   switch (d) {
     case driver_kind::postfill: break;
     case driver_kind::layerwise:
-      if (a == budget_scheme::duo) return err("--driver layerwise does not take --allocator duo (use postfill)");
       break;
     case driver_kind::chunked_naive:
     case driver_kind::chunked_patched:
       if (o.recipe == method::h2o || o.recipe == method::tova)
         return err("--driver %s scores chunks with an observation window: %s is not supported (use postfill or decode)",
                    driver_name(d), rn);
-      if (a == budget_scheme::cake || a == budget_scheme::duo)
+      if (a == budget_scheme::cake)
         return err("--driver %s does not take --allocator %s (uniform, pyramid, adakv or lava)", driver_name(d),
                    allocator_name(a));
       if (o.chunk_fraction >= 0.0 && a == budget_scheme::adakv)
         return err("--chunk-fraction does not take --allocator adakv (its heads share a layer budget; use the budget)");
       break;
     case driver_kind::decode:
-      if (a == budget_scheme::lava || a == budget_scheme::cake || a == budget_scheme::duo)
-        return err("--driver decode does not take --allocator %s (uniform, pyramid or adakv)", allocator_name(a));
+      if (a == budget_scheme::lava || a == budget_scheme::cake)
+        return err("--driver decode does not take --allocator %s (uniform, pyramid, adakv or duo)", allocator_name(a));
       break;
   }
   return {};
@@ -458,6 +468,7 @@ struct allocation_plan {
   kvevict::allocation alloc;
   std::vector<std::int32_t> budgets;  ///< [L][H] (per_head, adakv); empty for lava / cake
   index_t retrieval_heads = -1;       ///< duo: heads that keep the whole prompt
+  std::vector<std::uint8_t> retrieval;  ///< duo: [L][H], 1 = retrieval head, 0 = streaming head
   index_t total = 0;                  ///< tokens the model keeps after the eviction (all heads, layers)
 };
 
@@ -477,11 +488,40 @@ inline index_t max_head_rows(const kvevict::allocation& a) {
   return most;
 }
 
-/// Duo head types: the calibration's "globalness" per (layer, KV head) (duo_calibration.hpp);
-/// the most global heads become retrieval heads.
+/// Duo head types: a ranking per (layer, KV head) -- the calibration's "globalness"
+/// (duo_calibration.hpp) or a trained head-mask file's values (DuoAttention's alpha, PruLong's
+/// mask) -- whose top heads become retrieval heads: `retrieval` of them when >= 0 (a trained
+/// mask's own count, or the count of a chosen sparsity), else as many as the budget affords.
 struct duo_heads {
   std::vector<double> global;  ///< [L][H_kv]
+  index_t retrieval = -1;
 };
+
+/// The head types of a trained head-mask TSV file (DuoAttention's alpha, PruLong's mask; values
+/// clipped to [0, 1] like DuoAttention's loader): its values rank the heads; `sparsity` in [0, 1]
+/// makes floor(L H (1 - sparsity)) of them retrieval heads, a negative sparsity the heads >= 0.5
+/// (DuoAttention's threshold; a PruLong mask's own ones). Errors: the file's (read_head_mask_tsv,
+/// the model's shape), a sparsity above 1.
+inline status head_types_from_file(const config& c, const std::string& path, double sparsity, duo_heads& out) {
+  const index_t L = c.n_layers, H = c.n_kv_heads;
+  if (!(sparsity <= 1.0))
+    return status::error(errc::invalid_argument, "--head-sparsity %g is above 1 (a fraction of streaming heads)", sparsity);
+  std::vector<double> v(static_cast<std::size_t>(L * H));
+  kvevict::head_mask_tsv_options opt;
+  opt.range = kvevict::head_mask_range::clip;
+  KVEVICT_TRY(kvevict::read_head_mask_tsv(path.c_str(), *kvevict::make_matrix_view(v.data(), L, H), opt));
+  index_t k = 0;
+  if (sparsity >= 0) {
+    const auto r = kvevict::prulong_retrieval_heads(L * H, sparsity);
+    if (!r) return r.error();
+    k = *r;
+  } else {
+    for (double x : v) k += x >= 0.5 ? 1 : 0;
+  }
+  out.global = std::move(v);
+  out.retrieval = k;
+  return {};
+}
 
 /// The allocation of scheme `a` for per-head budget B (clamped to P: a budget of at least the
 /// prompt keeps everything) over a P-token prompt with protection `prot`: kvevict::make_allocation
@@ -502,15 +542,17 @@ inline status plan_allocation(const config& c, budget_scheme a, index_t budget, 
       return status::error(errc::invalid_argument, "duo: the head types need a calibration (duo_calibration.hpp)");
     kvevict::duo_options dopt;
     dopt.streaming = prot;
-    const auto k = kvevict::duo_retrieval_heads(B * H * L, L, H, P, dopt);
-    if (!k) return k.error();
+    const auto by_budget = kvevict::duo_retrieval_heads(B * H * L, L, H, P, dopt);
+    if (!by_budget) return by_budget.error();
+    const index_t k = duo->retrieval >= 0 ? std::min(duo->retrieval, L * H) : *by_budget;  // a mask's count wins
     mask.assign(static_cast<std::size_t>(L * H), 0);
     const auto mview = *kvevict::make_matrix_view(mask.data(), L, H);
-    KVEVICT_TRY(kvevict::prulong_topk_mask(*kvevict::make_matrix_view(duo->global.data(), L, H), *k, mview));
+    KVEVICT_TRY(kvevict::prulong_topk_mask(*kvevict::make_matrix_view(duo->global.data(), L, H), k, mview));
     req.retrieval = mview;
-    out.retrieval_heads = *k;
+    out.retrieval_heads = k;
   }
   KVEVICT_TRY(kvevict::make_allocation(a, req, *kvevict::make_matrix_view(out.budgets.data(), L, H), &out.alloc, &out.total));
+  out.retrieval = std::move(mask);
   if (a == budget_scheme::lava || a == budget_scheme::cake) out.budgets.clear();  // a total, no matrix
   return {};
 }

@@ -22,7 +22,8 @@ class evictor {
     KVEVICT_TRY(check_evict_options(m.cfg(), o));
     if (allocator_of(o) == budget_scheme::duo &&
         (duo == nullptr || static_cast<index_t>(duo->global.size()) != index_t(m.cfg().n_layers) * m.cfg().n_kv_heads))
-      return status::error(errc::invalid_argument, "--recipe duo needs head types from a calibration pass");
+      return status::error(errc::invalid_argument, "--recipe %s needs head types (a calibration pass or a head-mask file)",
+                           method_name(o.recipe));
     if (o.recipe == method::lookaheadkv && scorer == nullptr)
       return status::error(errc::invalid_argument, "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
     scorer_ = scorer;
@@ -217,11 +218,20 @@ class evictor {
   }
 
   /// Decodes `token` on `cache` (runner::decode); with the decode driver, decode_driver::step runs
-  /// for every layer afterwards and the layers it evicts are compacted. The logits are
-  /// run.logits(0).
+  /// for every layer afterwards and the layers it evicts are compacted; with head types (duo,
+  /// prulong, duo-heuristic) and any driver but postfill, the streaming heads drop what left their
+  /// window. The logits are run.logits(0).
   status decode(runner& run, kv_cache& cache, int token) {
-    if (o_.recipe == method::full || o_.driver != driver_kind::decode) return run.decode(cache, token);
+    const bool streaming = o_.recipe != method::full && head_types() && o_.driver != driver_kind::postfill;
+    if (!streaming && (o_.recipe == method::full || o_.driver != driver_kind::decode)) return run.decode(cache, token);
     const config& c = cfg();
+    if (streaming) {  // after a streaming prefill, streaming heads drop the key that left their window, every step
+      KVEVICT_TRY(run.decode(cache, token));
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int l = 0; l < c.n_layers; ++l) KVEVICT_TRY(stream_layer(cache, l, cache.next_position()));
+      evict_s_ += seconds_since(t0);
+      return {};
+    }
     forward_hooks hk;
     hk.after_layer = [&](const layer_event& ev) -> status {
       KVEVICT_TRY(step_q_.store(ev, 0));
@@ -265,6 +275,7 @@ class evictor {
   kvevict::cascade_driver cd_;
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
+  kvevict::streaming_heads_driver sh_;
   driver_scratch scratch_, decode_scratch_;
   prompt_scorer* scorer_ = nullptr;
 
@@ -272,6 +283,28 @@ class evictor {
   // The methods whose query block is a response the caller runs: the true one (oracle), a draft
   // model's (speckv).
   bool external_response() const { return o_.recipe == method::oracle || o_.recipe == method::speckv; }
+
+  // Duo / PruLong head types with the layer-wise, chunked and decode drivers: streaming heads keep
+  // their sinks and recent window at every step (kvevict::streaming_heads_driver), retrieval heads
+  // everything; alloc_ (plan_allocation) holds the head types.
+  bool head_types() const { return allocator_of(o_) == budget_scheme::duo; }
+  // capacity: the cache's (the heads grow by the decoded tokens after the prefill).
+  status init_streaming_heads(kvevict::eviction_recorder* rec, index_t capacity) {
+    const config& c = cfg();
+    kvevict::streaming_heads_config sc;
+    sc.model = shape_of(c);
+    sc.capacity = capacity;
+    sc.streaming = {rec_.n_sink, rec_.n_recent};
+    sc.retrieval = *kvevict::make_matrix_view<const std::uint8_t>(alloc_.retrieval.data(), c.n_layers, c.n_kv_heads);
+    const auto bytes = kvevict::streaming_heads_driver::state_bytes(sc);
+    if (!bytes) return bytes.error();
+    return sh_.init(sc, scratch_.state_for(*bytes), *bytes, rec);
+  }
+  status stream_layer(kv_cache& cache, int l, index_t tokens) {
+    KVEVICT_TRY(sh_.update(l, layer_view(cache, l), tokens));
+    if (sh_.evicted(l)) KVEVICT_TRY(cache.compact(l, sh_.kept(l)));
+    return {};
+  }
 
   void keep_logits(const runner& run) { logits_.assign(run.logits(0), run.logits(0) + cfg().vocab_size); }
 
@@ -352,7 +385,9 @@ class evictor {
     const bool cascade = a == budget_scheme::lava || a == budget_scheme::cake;
     KVEVICT_TRY(plan_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     kvevict::workspace ws;
-    if (cascade) {
+    if (head_types()) {
+      KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
+    } else if (cascade) {
       kvevict::cascade_driver_config cc;
       cc.model = shape_of(c);
       cc.tokens = P;
@@ -375,7 +410,9 @@ class evictor {
       const auto t0 = std::chrono::steady_clock::now();
       const int l = ev.layer;
       const auto q = recipe_rows(rec_, ev.queries);
-      if (cascade) {
+      if (head_types()) {
+        KVEVICT_TRY(stream_layer(cache, l, P));
+      } else if (cascade) {
         double weight = 0.0;
         if (a == budget_scheme::cake) KVEVICT_TRY(window_preference(view_rows(ev.queries, P - o_.window, o_.window), cache, l, P, weight));
         KVEVICT_TRY(cd_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q, {}, weight));
@@ -391,7 +428,7 @@ class evictor {
     };
     const auto t0 = std::chrono::steady_clock::now();
     KVEVICT_TRY(run.forward(cache, tokens(prompt), logits_mode::last, hk));
-    if (!cascade) KVEVICT_TRY(pf_.decide(kvevict::seq, ws));
+    if (!cascade && !head_types()) KVEVICT_TRY(pf_.decide(kvevict::seq, ws));
     const double total = seconds_since(t0);
     keep_logits(run);
     alloc_.total = cache.total_rows();
@@ -407,6 +444,7 @@ class evictor {
     const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
     const bool patched = o_.driver == driver_kind::chunked_patched;
     KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    if (head_types()) return prefill_chunked_heads(run, cache, prompt, rec);
     kvevict::chunked_config cc;
     cc.model = shape_of(c);
     cc.tokens = P;
@@ -462,6 +500,29 @@ class evictor {
     return {};
   }
 
+  // Chunked prefill with head types: every chunk attends over the streaming heads' sinks and
+  // window and the retrieval heads' whole prefix, then the streaming heads drop what left their
+  // window (naive and patched are the same: nothing is scored).
+  status prefill_chunked_heads(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
+    const index_t P = static_cast<index_t>(prompt.size());
+    KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
+    double forward_s = 0.0, evict_s = 0.0;
+    for (index_t s = 0, e = 0; s < P; s = e) {
+      e = std::min(s + o_.chunk, P);
+      auto t0 = std::chrono::steady_clock::now();
+      KVEVICT_TRY(run.forward(cache, tokens(prompt.data() + s, e - s), logits_mode::last));
+      forward_s += seconds_since(t0);
+      keep_logits(run);
+      t0 = std::chrono::steady_clock::now();
+      for (int l = 0; l < cfg().n_layers; ++l) KVEVICT_TRY(stream_layer(cache, l, e));
+      evict_s += seconds_since(t0);
+    }
+    alloc_.total = cache.total_rows();
+    prefill_s_ = forward_s;
+    evict_s_ = evict_s;
+    return {};
+  }
+
   // Decode-time eviction: a plain prefill (the prompt stays whole until the first eviction step),
   // then decode() steps the driver. H2O starts from the prompt's accumulated attention.
   status prefill_decode(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
@@ -478,6 +539,13 @@ class evictor {
     // over the prompt when B < P)
     const index_t bound = std::max(o_.budget, P);
     KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    if (head_types()) {  // the streaming heads drop to their window now, then stream every step
+      KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
+      for (int l = 0; l < L; ++l) KVEVICT_TRY(stream_layer(cache, l, P));
+      evict_s_ = seconds_since(t0);
+      alloc_.total = cache.total_rows();
+      return {};
+    }
     kvevict::decode_config dc;
     dc.model = shape_of(c);
     // a head holds at most the prompt, or what it may keep after an eviction, plus the tokens

@@ -55,7 +55,7 @@ int fail_file(const std::string& path, const kvevict::status& st) {
 }
 int fail(const std::string& message) { return kvevict::program::fail("kvevict-run", message); }
 
-// The duo method's head types: a calibration pass over `count` model-generated training texts.
+// The duo-heuristic method's head types: a calibration pass over `count` model-generated training texts.
 kvevict::status calibrate_duo(const kvrun::model& model, const kvrun::evict_options& e, kvevict::index_t count,
                               int threads, kvrun::duo_heads& out) {
   std::vector<std::vector<int>> texts;
@@ -241,8 +241,12 @@ int run(int argc, char** argv) {
     if (auto st = cache.init(c); !st.ok()) return fail("", st);
     if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
     kvrun::duo_heads duo;
-    if (kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo)
+    if (method == kvrun::method::duo || method == kvrun::method::prulong) {
+      if (auto st = kvrun::head_types_from_file(c, o.head_mask, o.head_sparsity, duo); !st.ok())
+        return fail_file(o.head_mask, st);
+    } else if (kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo) {
       if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
+    }
     kvrun::lookahead_module lookahead;
     kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
     if (method == kvrun::method::lookaheadkv) {

@@ -35,6 +35,8 @@ struct run_options {
   std::string driver = "postfill";
   evict_options evict;
   index_t calibration = 8;
+  std::string head_mask;      ///< duo, prulong: the trained head-mask TSV ("": the shipped one)
+  double head_sparsity = -1;  ///< duo, prulong: fraction of streaming heads (-1: the file's own)
   std::string lookahead_module = shipped_model("lookahead/stories260K-n16.bin");
   // report
   bool report = false;
@@ -78,7 +80,7 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   // eviction (docs/runner.md, "Eviction")
   auto* recipe_opt = app.add_option("--recipe", o.recipe,
                                     "eviction method: full (no eviction), streaming_llm, h2o, tova, snapkv, pyramidkv, "
-                                    "knorm, vatp, adakv, cake, lava, duo, laq, laq++, lookaheadkv, oracle")
+                                    "knorm, vatp, adakv, cake, lava, duo-heuristic, duo, prulong, laq, laq++, lookaheadkv, oracle")
                          ->capture_default_str();
   std::vector<CLI::Option*> evict_opts;
   evict_opts.push_back(app.add_option("--budget", o.evict.budget, "tokens kept per KV head, protected ones included")
@@ -91,7 +93,7 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
                                       "observation window; the recent tokens window recipes, H2O and LAQ keep")
                            ->check(kvevict::program::integer<index_t>())->capture_default_str());
   evict_opts.push_back(app.add_option("--sinks", o.evict.sinks,
-                                      "first tokens always kept (-1: the recipe's: 4 for streaming_llm and duo, else 0)")
+                                      "first tokens always kept (-1: the recipe's: 4 for streaming_llm, duo, prulong, duo-heuristic, else 0)")
                            ->check(kvevict::program::integer<index_t>())->capture_default_str());
   evict_opts.push_back(app.add_option("--chunk", o.evict.chunk, "chunked drivers: tokens per chunk")->check(kvevict::program::integer<index_t>())->capture_default_str());
   evict_opts.push_back(app.add_option("--evict-every", o.evict.evict_every, "decode driver: evict every N decoded tokens")
@@ -109,10 +111,16 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
                                       "chunked drivers: evict this fraction of each head's rows after every chunk "
                                       "(-1: down to the budget)")
                            ->capture_default_str());
-  evict_opts.push_back(app.add_option("--duo-recent", o.evict.duo_recent, "duo: recent tokens of a streaming head")
+  evict_opts.push_back(app.add_option("--duo-recent", o.evict.duo_recent, "duo, prulong, duo-heuristic: recent tokens of a streaming head")
                            ->check(kvevict::program::integer<index_t>())->capture_default_str());
-  evict_opts.push_back(app.add_option("--calibration", o.calibration, "duo: calibration texts (training split)")
+  evict_opts.push_back(app.add_option("--calibration", o.calibration, "duo-heuristic: calibration texts (training split)")
                            ->check(kvevict::program::integer<index_t>())->capture_default_str());
+  auto* head_mask_opt = app.add_option("--head-mask", o.head_mask,
+                                       "duo, prulong: trained head-mask TSV (default: models/duo/stories260K.tsv, "
+                                       "models/prulong/stories260K-s50.tsv)");
+  auto* head_sparsity_opt = app.add_option("--head-sparsity", o.head_sparsity,
+                                           "duo, prulong: fraction of streaming heads, the mask's top heads kept "
+                                           "(default: the mask's own, values >= 0.5)");
   auto* lookahead_opt =
       app.add_option("--lookahead-module", o.lookahead_module,
                      "lookaheadkv (and --report): the trained LookaheadKV module (docs/lookaheadkv.md)")
@@ -189,6 +197,13 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
       if (opt->count() > 0) return err(opt->get_name() + " needs --report");
   if (!sweep && method != method::lookaheadkv && lookahead_opt->count() > 0)
     return err("--lookahead-module needs --recipe lookaheadkv or --report");
+  if (method != method::duo && method != method::prulong)
+    for (const CLI::Option* opt : {head_mask_opt, head_sparsity_opt})
+      if (opt->count() > 0) return err(opt->get_name() + " needs --recipe duo or prulong");
+  if (head_sparsity_opt->count() > 0 && !(o.head_sparsity >= 0.0 && o.head_sparsity <= 1.0))
+    return err("--head-sparsity must be in [0, 1], got " + std::to_string(o.head_sparsity));
+  if (o.head_mask.empty())
+    o.head_mask = shipped_model(method == method::prulong ? "prulong/stories260K-s50.tsv" : "duo/stories260K.tsv");
   o.evict.recipe = method;
   if (!o.allocator.empty()) {
     budget_scheme a;

@@ -15,6 +15,8 @@
 //                                                       to a budget or p% per chunk
 //   <kvevict/drivers/decode.hpp>     decode_driver      back to a budget every N decode steps
 //                                                       (H2O accumulation, TOVA, windows, ...)
+//   <kvevict/drivers/streaming_heads.hpp> streaming_heads_driver  DuoAttention / PruLong head types
+//                                                       at every step (chunks, layers, decoding)
 //
 // Every driver answers with the rows of the engine's current cache each KV head keeps (ascending
 // row indices, for compact_layer / compact_inplace) and records its schedule into an
@@ -28,3 +30,4 @@
 #include <kvevict/drivers/decode.hpp>
 #include <kvevict/drivers/layer_kv.hpp>
 #include <kvevict/drivers/post_fill.hpp>
+#include <kvevict/drivers/streaming_heads.hpp>

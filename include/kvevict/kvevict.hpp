@@ -4,6 +4,7 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
+#include <kvevict/batch.hpp>
 #include <kvevict/budget.hpp>
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
@@ -11,6 +12,7 @@
 #include <kvevict/gqa.hpp>
 #include <kvevict/metrics.hpp>
 #include <kvevict/numeric.hpp>
+#include <kvevict/paged.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/protect.hpp>

@@ -109,6 +109,11 @@ inline status carve_score_host(const char* fn, workspace& ws, const score_plan& 
   return carver.finish(fn);
 }
 
+template <class Backend, class QE, class KS>
+void attention_scores_run(Backend be, const score_shape& sh, const score_plan& pl, float* scratch,
+                          const kv_view<const QE>& q, const KS& prefix, const KS& block, const matrix_view<float>& out,
+                          const score_options& opt);
+
 template <class Backend, class QE, class KE>
 status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv_view<const QE>& q,
                              const kv_view<const KE>& prefix, const kv_view<const KE>& block,
@@ -126,7 +131,16 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
   KVEVICT_TRY(check_scratch_disjoint(fn, ws.is_query() ? nullptr : ws.data, scratch_end, touched,
                                      {"out", "queries", "prefix_keys", "block_keys"}));
   if (ws.is_query() || pl.tasks == 0) return {};
+  attention_scores_run(be, sh, pl, scratch, q, prefix, block, out, opt);
+  return {};
+}
 
+/// The work of attention_scores on validated inputs, over any key source KS (a kv_view, or the
+/// paged keys of detail/host/paged_keys.hpp): the same kernels, so the same bits.
+template <class Backend, class QE, class KS>
+void attention_scores_run(Backend be, const score_shape& sh, const score_plan& pl, float* scratch,
+                          const kv_view<const QE>& q, const KS& prefix, const KS& block, const matrix_view<float>& out,
+                          const score_options& opt) {
   const index_t w = sh.w, p = sh.p, d = sh.d, oc = sh.out_cols;
   const score_isa isa = score_isa_active();
   float* const odata = out.data_handle();
@@ -177,7 +191,6 @@ status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv
       }
     }
   });
-  return {};
 }
 
 template <class T>

@@ -180,6 +180,36 @@ inline status check_select_flat_ws(const char* fn, const workspace& ws, std::siz
   return check_ws_overlap(fn, ws, used, ranges, names, 5);
 }
 
+
+/// Flattened form: floors[r] in [0, length of row r]; sums = {sum of the lengths, sum of the floors}.
+inline status check_flat_floors(const char* fn, const lengths_of& len, const std::int32_t* floors, index_t rows,
+                                index_t* sums) {
+  sums[0] = sums[1] = 0;
+  for (index_t r = 0; r < rows; ++r) {
+    sums[0] += len(r);
+    if (floors == nullptr) continue;
+    if (floors[r] < 0 || floors[r] > len(r))
+      return status::error(errc::out_of_range, "%s: floors[%lld] = %d is outside [0, %lld] (the row's length)", fn,
+                           static_cast<long long>(r), floors[r], static_cast<long long>(len(r)));
+    sums[1] += floors[r];
+  }
+  return {};
+}
+/// Flattened form: sum(floors) <= total <= sum(lengths).
+inline status check_flat_total(const char* fn, index_t total, index_t sum_len, index_t sum_floor) {
+  if (total > sum_len)
+    return status::error(errc::invalid_argument, "%s: total = %lld is larger than the %lld entries of the rows", fn,
+                         static_cast<long long>(total), static_cast<long long>(sum_len));
+  if (sum_floor > total)
+    return status::error(errc::invalid_argument, "%s: the floors add up to %lld, more than total = %lld", fn,
+                         static_cast<long long>(sum_floor), static_cast<long long>(total));
+  return {};
+}
+struct floors_of {
+  const std::int32_t* floors;
+  index_t operator()(index_t r) const noexcept { return floors ? index_t(floors[r]) : index_t(0); }
+};
+
 }  // namespace detail
 
 /// Workspace bytes select_topk (dense or ragged) needs on backend `be` for score rows of
@@ -296,23 +326,11 @@ status select_topk_flat(Backend be, workspace& ws, matrix_view<const float> scor
   KVEVICT_TRY(detail::check_select_flat_ws(fn, ws, carver.used(), scores, row_lengths, total, floors, kept_cu, kept_pos));
   KVEVICT_TRY(detail::check_row_lengths(fn, row_lengths, R, T));
   const detail::lengths_of len{row_lengths, T};
-  index_t sum_len = 0, sum_floor = 0;
-  for (index_t r = 0; r < R; ++r) {
-    sum_len += len(r);
-    if (floors == nullptr) continue;
-    if (floors[r] < 0 || floors[r] > len(r))
-      return status::error(errc::out_of_range, "%s: floors[%lld] = %d is outside [0, %lld] (the row's length)", fn,
-                           static_cast<long long>(r), floors[r], static_cast<long long>(len(r)));
-    sum_floor += floors[r];
-  }
-  if (total > sum_len)
-    return status::error(errc::invalid_argument, "%s: total = %lld is larger than the %lld entries of the rows", fn,
-                         static_cast<long long>(total), static_cast<long long>(sum_len));
-  if (sum_floor > total)
-    return status::error(errc::invalid_argument, "%s: the floors add up to %lld, more than total = %lld", fn,
-                         static_cast<long long>(sum_floor), static_cast<long long>(total));
-  detail::select_flat(be, scores, len, [floors](index_t r) { return floors ? index_t(floors[r]) : index_t(0); },
-                      total, kept_cu, kept_pos, fws);
+  index_t sums[2] = {};  // the rows' lengths and floors
+  KVEVICT_TRY(detail::check_flat_floors(fn, len, floors, R, sums));
+  KVEVICT_TRY(detail::check_flat_total(fn, total, sums[0], sums[1]));
+  detail::flat_layer_local layer;
+  (void)detail::select_flat(be, scores, len, detail::floors_of{floors}, total, kept_cu, kept_pos, fws, layer);
   return {};
 }
 

@@ -118,23 +118,109 @@ std::size_t adakv_budgets_workspace_bytes(Backend be, index_t heads, index_t col
 /// NaN or outside [0, 1]; unknown floor rule; negative n_sink/n_recent; lengths outside [0, T];
 /// scores not protected (a protected position not +inf, or +inf elsewhere); kept_cu null; outputs
 /// overlapping the inputs, each other or the workspace; workspace too small.
-template <class Backend>
-status adakv_budgets(Backend be, workspace& ws, matrix_view<const float> scores, const std::int32_t* lengths,
-                     index_t budget, const adakv_options& opt, std::int32_t* kept_cu, pos_t* kept_pos) {
-  constexpr const char* fn = "adakv_budgets";
-  KVEVICT_TRY(detail::check_select_scores(fn, scores));
-  const index_t H = scores.extent(0), T = scores.extent(1);
+namespace detail {
+
+/// adakv_budgets' checks of everything but the scores' values and the lengths.
+inline status check_adakv_args(const char* fn, const matrix_view<const float>& scores, const std::int32_t* kept_cu,
+                               index_t budget, const adakv_options& opt) {
+  KVEVICT_TRY(check_select_scores(fn, scores));
+  const index_t H = scores.extent(0);
   if (H <= 0)
     return status::error(errc::invalid_argument, "%s: scores has %lld heads (at least 1 needed)", fn,
                          static_cast<long long>(H));
   if (kept_cu == nullptr) return status::error(errc::null_pointer, "%s: kept_cu is null", fn);
-  KVEVICT_TRY(detail::check_protection(fn, opt.prot));
+  KVEVICT_TRY(check_protection(fn, opt.prot));
   if (!(opt.alpha >= 0.0 && opt.alpha <= 1.0))
     return status::error(errc::invalid_argument, "%s: alpha = %g is outside [0, 1]", fn, opt.alpha);
   if (opt.floor != adakv_floor::budget && opt.floor != adakv_floor::evictable)
     return status::error(errc::invalid_argument, "%s: unknown adakv_floor value %d", fn, static_cast<int>(opt.floor));
   if (budget < 0)
     return status::error(errc::invalid_argument, "%s: budget %lld is negative", fn, static_cast<long long>(budget));
+  return {};
+}
+
+/// The workspace must not overlap scores, lengths or kept_cu.
+inline status check_adakv_ws(const char* fn, const workspace& ws, const matrix_view<const float>& scores,
+                             const std::int32_t* lengths, const std::int32_t* kept_cu) {
+  const index_t H = scores.extent(0);
+  const byte_range wr = ws_range(ws);
+  if (wr.intersects(range_of(scores))) return select_overlap(fn, "the workspace", "scores");
+  if (wr.intersects(array_range(lengths, H, sizeof(std::int32_t)))) return select_overlap(fn, "the workspace", "lengths");
+  if (wr.intersects(array_range(kept_cu, H + 1, sizeof(std::int32_t))))
+    return select_overlap(fn, "the workspace", "kept_cu");
+  return {};
+}
+
+/// Per head: lengths in [0, T], budget >= the head's protected tokens; *sum_len = sum of the lengths.
+inline status check_adakv_heads(const char* fn, const matrix_view<const float>& scores, const std::int32_t* lengths,
+                                index_t budget, const protection& prot, index_t* sum_len) {
+  const index_t H = scores.extent(0), T = scores.extent(1);
+  KVEVICT_TRY(check_row_lengths(fn, lengths, H, T));
+  const lengths_of len{lengths, T};
+  *sum_len = 0;
+  for (index_t h = 0; h < H; ++h) {
+    *sum_len += len(h);
+    const index_t W = protected_count(len(h), prot.n_sink, prot.n_recent);
+    if (budget < W)
+      return status::error(errc::invalid_argument,
+                           "%s: budget %lld is below the %lld protected tokens of head %lld (n_sink %lld + n_recent "
+                           "%lld of %lld tokens)",
+                           fn, static_cast<long long>(budget), static_cast<long long>(W), static_cast<long long>(h),
+                           static_cast<long long>(prot.n_sink), static_cast<long long>(prot.n_recent),
+                           static_cast<long long>(len(h)));
+  }
+  return {};
+}
+
+/// The layer keeps budget x heads tokens: at most the sum of its lengths and INT32_MAX.
+inline status check_adakv_total(const char* fn, index_t budget, index_t heads, index_t sum_len) {
+  if (budget > sum_len / heads)
+    return status::error(errc::invalid_argument,
+                         "%s: budget %lld x %lld heads is above the prompt (%lld tokens in the layer)", fn,
+                         static_cast<long long>(budget), static_cast<long long>(heads), static_cast<long long>(sum_len));
+  if (budget * heads > INT32_MAX)
+    return status::error(errc::invalid_argument, "%s: budget %lld x %lld heads is above %d (int32 offsets)", fn,
+                         static_cast<long long>(budget), static_cast<long long>(heads), INT32_MAX);
+  return {};
+}
+
+/// Protected scores checked, then floors[h] = adakv_head_floor of every head.
+inline status adakv_floors(const char* fn, const matrix_view<const float>& scores, const std::int32_t* lengths,
+                           index_t budget, const adakv_options& opt, std::int32_t* floors) {
+  const lengths_of len{lengths, scores.extent(1)};
+  const index_t H = scores.extent(0);
+  for (index_t h = 0; h < H; ++h) KVEVICT_TRY(check_protected_scores(fn, scores, h, len(h), opt.prot));
+  for (index_t h = 0; h < H; ++h)
+    floors[h] = static_cast<std::int32_t>(adakv_head_floor(
+        budget, len(h), protected_count(len(h), opt.prot.n_sink, opt.prot.n_recent), opt.alpha, opt.floor));
+  return {};
+}
+
+}  // namespace detail
+
+/// AdaKV for one layer: scores [H][T] (one row per KV head, protected with protect(opt.prot);
+/// row h's candidates are its first lengths[h] columns, all T when lengths is null), per-head
+/// budget B: the layer keeps exactly B x H tokens. Head h first keeps its own best
+/// adakv_head_floor(B, len_h, protected_count(len_h, prot), alpha, opt.floor) tokens, then the
+/// remaining entries of the layer compete jointly (ties: lower head, then lower position) —
+/// select_topk_flat. Outputs: kept_cu[H + 1] offsets of the per-head counts (count_h = kept_cu[h+1]
+/// - kept_cu[h] is head h's budget; kept_cu[H] = B H), and, when kept_pos is not null, head h's
+/// kept positions ascending at kept_pos[kept_cu[h] ..] (room for B H positions): {kept_pos, kept_cu,
+/// H} is a ragged_positions for compact(). Each head's kept set is its own top-count_h.
+///
+/// Workspace (two-phase; a query checks views and pointers only): H int32 floors, then
+/// select_topk_flat's workspace for [H][T] (docs/select.md).
+/// Errors (nothing written): invalid scores view; no heads; budget negative, below a head's
+/// protected tokens, or with B x H above the prompt (the sum of the lengths) or INT32_MAX; alpha
+/// NaN or outside [0, 1]; unknown floor rule; negative n_sink/n_recent; lengths outside [0, T];
+/// scores not protected (a protected position not +inf, or +inf elsewhere); kept_cu null; outputs
+/// overlapping the inputs, each other or the workspace; workspace too small.
+template <class Backend>
+status adakv_budgets(Backend be, workspace& ws, matrix_view<const float> scores, const std::int32_t* lengths,
+                     index_t budget, const adakv_options& opt, std::int32_t* kept_cu, pos_t* kept_pos) {
+  constexpr const char* fn = "adakv_budgets";
+  KVEVICT_TRY(detail::check_adakv_args(fn, scores, kept_cu, budget, opt));
+  const index_t H = scores.extent(0);
   // the floors go first in the workspace, select_topk_flat's scratch (its own query's size) after them
   workspace query;
   const index_t total_q = budget > INT32_MAX / H ? 0 : budget * H;  // range checked below
@@ -144,39 +230,13 @@ status adakv_budgets(Backend be, workspace& ws, matrix_view<const float> scores,
   workspace sel = detail::carve_adakv_ws(carver, H, query.bytes, floors);
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
-  const detail::byte_range wr = detail::ws_range(ws);
-  if (wr.intersects(detail::range_of(scores))) return detail::select_overlap(fn, "the workspace", "scores");
-  if (wr.intersects(detail::array_range(lengths, H, sizeof(std::int32_t))))
-    return detail::select_overlap(fn, "the workspace", "lengths");
-  if (wr.intersects(detail::array_range(kept_cu, H + 1, sizeof(std::int32_t))))
-    return detail::select_overlap(fn, "the workspace", "kept_cu");
-  KVEVICT_TRY(detail::check_row_lengths(fn, lengths, H, T));
-  const detail::lengths_of len{lengths, T};
+  KVEVICT_TRY(detail::check_adakv_ws(fn, ws, scores, lengths, kept_cu));
   index_t sum_len = 0;
-  for (index_t h = 0; h < H; ++h) {
-    sum_len += len(h);
-    if (budget < protected_count(len(h), opt.prot.n_sink, opt.prot.n_recent))
-      return status::error(errc::invalid_argument,
-                           "%s: budget %lld is below the %lld protected tokens of head %lld (n_sink %lld + n_recent "
-                           "%lld of %lld tokens)",
-                           fn, static_cast<long long>(budget),
-                           static_cast<long long>(protected_count(len(h), opt.prot.n_sink, opt.prot.n_recent)),
-                           static_cast<long long>(h), static_cast<long long>(opt.prot.n_sink),
-                           static_cast<long long>(opt.prot.n_recent), static_cast<long long>(len(h)));
-  }
-  if (budget > sum_len / H)
-    return status::error(errc::invalid_argument,
-                         "%s: budget %lld x %lld heads is above the prompt (%lld tokens in the layer)", fn,
-                         static_cast<long long>(budget), static_cast<long long>(H), static_cast<long long>(sum_len));
-  if (budget * H > INT32_MAX)
-    return status::error(errc::invalid_argument, "%s: budget %lld x %lld heads is above %d (int32 offsets)", fn,
-                         static_cast<long long>(budget), static_cast<long long>(H), INT32_MAX);
-  if (wr.intersects(detail::array_range(kept_pos, budget * H, sizeof(pos_t))))
+  KVEVICT_TRY(detail::check_adakv_heads(fn, scores, lengths, budget, opt.prot, &sum_len));
+  KVEVICT_TRY(detail::check_adakv_total(fn, budget, H, sum_len));
+  if (detail::ws_range(ws).intersects(detail::array_range(kept_pos, budget * H, sizeof(pos_t))))
     return detail::select_overlap(fn, "the workspace", "kept_pos");
-  for (index_t h = 0; h < H; ++h) KVEVICT_TRY(detail::check_protected_scores(fn, scores, h, len(h), opt.prot));
-  for (index_t h = 0; h < H; ++h)
-    floors[h] = static_cast<std::int32_t>(adakv_head_floor(
-        budget, len(h), protected_count(len(h), opt.prot.n_sink, opt.prot.n_recent), opt.alpha, opt.floor));
+  KVEVICT_TRY(detail::adakv_floors(fn, scores, lengths, budget, opt, floors));
   return select_topk_flat(be, sel, scores, lengths, budget * H, floors, kept_cu, kept_pos);
 }
 

@@ -73,6 +73,29 @@ inline cake_row cake_row_stats(const kv_view<const float>& a, index_t r, varianc
   return out;
 }
 
+/// Adds rows[0, n) (global rows first ..) to `total` in row order, or the first bad probability's error.
+inline status cake_merge(const char* fn, const cake_row* rows, index_t n, index_t first, cake_stats* total) {
+  for (index_t k = 0; k < n; ++k) {
+    if (rows[k].bad_i >= 0)
+      return status::error(errc::invalid_argument, "%s: attention[%lld][%lld][%lld] = %g is not a probability in [0, 1]",
+                           fn, static_cast<long long>(first + k), static_cast<long long>(rows[k].bad_i),
+                           static_cast<long long>(rows[k].bad_j), static_cast<double>(rows[k].bad));
+    total->entropy += rows[k].entropy;
+    total->variance += rows[k].variance;
+  }
+  return {};
+}
+
+/// Argument checks of cake_layer_stats.
+inline status check_cake_stats(const char* fn, const kv_view<const float>& attention, const cake_stats* out,
+                               variance_estimator var) {
+  KVEVICT_TRY(check_view(fn, "attention", attention));
+  if (out == nullptr) return status::error(errc::null_pointer, "%s: out is null", fn);
+  if (var != variance_estimator::unbiased && var != variance_estimator::biased)
+    return status::error(errc::invalid_argument, "%s: unknown variance_estimator value %d", fn, static_cast<int>(var));
+  return {};
+}
+
 }  // namespace detail
 
 /// CAKE's layer statistics from the attention probabilities of the observation window:
@@ -92,10 +115,7 @@ template <class Backend>
 status cake_layer_stats(Backend be, kv_view<const float> attention, cake_stats* out,
                         variance_estimator var = variance_estimator::unbiased) {
   constexpr const char* fn = "cake_layer_stats";
-  KVEVICT_TRY(detail::check_view(fn, "attention", attention));
-  if (out == nullptr) return status::error(errc::null_pointer, "%s: out is null", fn);
-  if (var != variance_estimator::unbiased && var != variance_estimator::biased)
-    return status::error(errc::invalid_argument, "%s: unknown variance_estimator value %d", fn, static_cast<int>(var));
+  KVEVICT_TRY(detail::check_cake_stats(fn, attention, out, var));
   const index_t R = attention.extent(0);
   constexpr index_t chunk = 64;
   detail::cake_row rows[chunk];
@@ -103,15 +123,7 @@ status cake_layer_stats(Backend be, kv_view<const float> attention, cake_stats* 
   for (index_t r0 = 0; r0 < R; r0 += chunk) {
     const index_t n = R - r0 < chunk ? R - r0 : chunk;
     detail::parallel_for(be, n, [&](index_t k) { rows[k] = detail::cake_row_stats(attention, r0 + k, var); });
-    for (index_t k = 0; k < n; ++k) {
-      if (rows[k].bad_i >= 0)
-        return status::error(errc::invalid_argument,
-                             "%s: attention[%lld][%lld][%lld] = %g is not a probability in [0, 1]", fn,
-                             static_cast<long long>(r0 + k), static_cast<long long>(rows[k].bad_i),
-                             static_cast<long long>(rows[k].bad_j), static_cast<double>(rows[k].bad));
-      total.entropy += rows[k].entropy;
-      total.variance += rows[k].variance;
-    }
+    KVEVICT_TRY(detail::cake_merge(fn, rows, n, r0, &total));
   }
   *out = total;
   return {};

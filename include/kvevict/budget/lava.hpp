@@ -44,13 +44,14 @@ struct lava_entropy_options {
 /// heads and prompt): the budgets are proportional to e and the normaliser is a common factor.
 /// Errors: invalid view; no heads; lengths outside [0, T]; negative n_sink/n_recent; unknown norm;
 /// an unprotected score NaN, negative or +inf (NaN entropies are refused); entropy null.
-template <class Backend>
-status lava_layer_entropy(Backend be, matrix_view<const float> scores, const std::int32_t* lengths,
-                          const lava_entropy_options& opt, double* entropy) {
-  constexpr const char* fn = "lava_layer_entropy";
-  KVEVICT_TRY(detail::check_view(fn, "scores", scores));
+namespace detail {
+
+/// Argument checks of lava_layer_entropy (everything but the scores' values).
+inline status check_lava_entropy(const char* fn, const matrix_view<const float>& scores, const std::int32_t* lengths,
+                                 const lava_entropy_options& opt, const double* entropy) {
+  KVEVICT_TRY(check_view(fn, "scores", scores));
   if (entropy == nullptr) return status::error(errc::null_pointer, "%s: entropy is null", fn);
-  KVEVICT_TRY(detail::check_protection(fn, opt.prot));
+  KVEVICT_TRY(check_protection(fn, opt.prot));
   if (opt.norm != entropy_norm::log_count && opt.norm != entropy_norm::count)
     return status::error(errc::invalid_argument, "%s: unknown entropy_norm value %d", fn, static_cast<int>(opt.norm));
   const index_t H = scores.extent(0), T = scores.extent(1);
@@ -62,83 +63,121 @@ status lava_layer_entropy(Backend be, matrix_view<const float> scores, const std
       if (lengths[h] < 0 || lengths[h] > T)
         return status::error(errc::out_of_range, "%s: lengths[%lld] = %d is outside [0, %lld]", fn,
                              static_cast<long long>(h), lengths[h], static_cast<long long>(T));
-  const auto range = [&](index_t h, index_t* b, index_t* e) {
-    const index_t len = lengths != nullptr ? lengths[h] : T;
-    *b = opt.prot.n_sink < len ? opt.prot.n_sink : len;
-    const index_t rb = opt.prot.n_recent < len ? len - opt.prot.n_recent : 0;
-    *e = rb > *b ? rb : *b;
-  };
-  // pass 1: per-head sums (and the first offending entry), 64 heads at a time on the stack
-  constexpr index_t chunk = 64;
-  struct head_sum {
-    double sum = 0.0;
-    index_t bad = -1;
-  };
-  head_sum part[chunk];
-  // Both passes: head_of(h, b, e) for each head's unprotected range [b, e), spread over the threads
-  // 64 heads at a time, then merge(h, result) in head order (an error from merge stops the pass).
-  const auto per_head = [&](const auto& head_of, const auto& merge) -> status {
-    for (index_t h0 = 0; h0 < H; h0 += chunk) {
-      const index_t n = H - h0 < chunk ? H - h0 : chunk;
-      detail::parallel_for(be, n, [&](index_t k) {
-        index_t b = 0, e = 0;
-        range(h0 + k, &b, &e);
-        part[k] = head_of(h0 + k, b, e);
-      });
-      for (index_t k = 0; k < n; ++k) KVEVICT_TRY(merge(h0 + k, part[k]));
+  return {};
+}
+
+/// One head's share of the entropy: pass 1 (sum of its unprotected scores, their count, the first
+/// offending entry), pass 2 (sum of p log p). Trivially copyable: sharded calls allgather it.
+struct lava_head {
+  double sum = 0.0;
+  index_t count = 0;
+  index_t bad = -1;    ///< column of the first unprotected score NaN, negative or +inf
+  float bad_value = 0.0f;
+};
+
+/// The unprotected columns [b, e) of a head of `len` tokens.
+inline void lava_range(index_t len, const protection& p, index_t* b, index_t* e) noexcept {
+  *b = p.n_sink < len ? p.n_sink : len;
+  const index_t rb = p.n_recent < len ? len - p.n_recent : 0;
+  *e = rb > *b ? rb : *b;
+}
+
+/// Pass 1 (S == 0: sums and checks) or pass 2 (S > 0: sum of p log p, p = s / S) over rows
+/// [h0, h0 + n) of `scores`, into out[0, n); parallel over rows (the per-row sums are sequential).
+template <class Backend>
+void lava_heads(Backend be, const matrix_view<const float>& scores, const std::int32_t* lengths, const protection& prot,
+                index_t h0, index_t n, double S, lava_head* out) {
+  detail::parallel_for(be, n, [&](index_t k) {
+    const index_t h = h0 + k;
+    index_t b = 0, e = 0;
+    lava_range(lengths != nullptr ? lengths[h] : scores.extent(1), prot, &b, &e);
+    lava_head hs;
+    hs.count = e - b;
+    for (index_t t = b; t < e; ++t) {
+      const float v = scores(h, t);
+      if (S > 0.0) {
+        const double p = static_cast<double>(v) / S;
+        if (p > 0.0) hs.sum += p * std::log(p);
+      } else if (!(v >= 0.0f) || v == detail::bits_float(0x7f800000u)) {
+        hs.bad = t;
+        hs.bad_value = v;
+        break;
+      } else {
+        hs.sum += static_cast<double>(v);
+      }
     }
-    return {};
-  };
+    out[k] = hs;
+  });
+}
+
+/// Pass 1's merge in head order: S, M, or the error of the first offending head (`first` = the
+/// global index of heads[0]).
+inline status lava_merge_sums(const char* fn, const lava_head* heads, index_t n, index_t first, double* S,
+                              index_t* M) {
+  for (index_t h = 0; h < n; ++h) {
+    if (heads[h].bad >= 0)
+      return status::error(errc::invalid_argument,
+                           "%s: scores[%lld][%lld] = %g (unprotected LAVa scores must be finite and >= 0; a NaN would "
+                           "make the entropy NaN)",
+                           fn, static_cast<long long>(first + h), static_cast<long long>(heads[h].bad),
+                           static_cast<double>(heads[h].bad_value));
+    *M += heads[h].count;
+    *S += heads[h].sum;
+  }
+  return {};
+}
+
+/// True when the entropy is 0 without a second pass (no entries, all-zero scores, M <= 1).
+inline bool lava_trivial(double S, index_t M, entropy_norm norm) noexcept {
+  return M == 0 || !(S > 0.0) || (norm == entropy_norm::log_count && M <= 1);
+}
+/// The normalised entropy from sum p log p.
+inline double lava_normalise(double acc, index_t M, entropy_norm norm) {
+  const double ent = acc < 0.0 ? -acc : 0.0;
+  return norm == entropy_norm::log_count ? ent / std::log(static_cast<double>(M)) : ent / static_cast<double>(M);
+}
+
+}  // namespace detail
+
+/// The normalised entropy of one layer's LAVa scores (Eq. 7-8): over the unprotected entries of
+/// every head (row h: columns [min(n_sink, len_h), len_h - n_recent) of its first len_h = lengths[h]
+/// columns, all T when lengths is null), p = s / sum(s) and
+///   e = -sum p log p / log M   (log_count, default)      e = -sum p log p / M   (count)
+/// with M the number of those entries and 0 log 0 = 0. e = 0 when M <= 1 (log_count), M = 0, or
+/// every score is 0. Sums in double: per head in column order, heads combined in order, so seq and
+/// par give identical bits (LAVa's code adds 1e-16 inside the division and the log, which changes e
+/// by ~1e-16 relative). Two passes over the scores, one log per entry; parallel over heads.
+/// Both normalisations give the same layer budgets whenever every layer has the same M (the same
+/// heads and prompt): the budgets are proportional to e and the normaliser is a common factor.
+/// Errors: invalid view; no heads; lengths outside [0, T]; negative n_sink/n_recent; unknown norm;
+/// an unprotected score NaN, negative or +inf (NaN entropies are refused); entropy null.
+template <class Backend>
+status lava_layer_entropy(Backend be, matrix_view<const float> scores, const std::int32_t* lengths,
+                          const lava_entropy_options& opt, double* entropy) {
+  constexpr const char* fn = "lava_layer_entropy";
+  KVEVICT_TRY(detail::check_lava_entropy(fn, scores, lengths, opt, entropy));
+  const index_t H = scores.extent(0);
+  // 64 heads at a time on the stack, merged in head order
+  constexpr index_t chunk = 64;
+  detail::lava_head part[chunk];
   double S = 0.0;
   index_t M = 0;
-  KVEVICT_TRY(per_head(
-      [&](index_t h, index_t b, index_t e) {
-        head_sum hs;
-        for (index_t t = b; t < e; ++t) {
-          const float v = scores(h, t);
-          if (!(v >= 0.0f) || v == detail::bits_float(0x7f800000u)) {
-            hs.bad = t;
-            break;
-          }
-          hs.sum += static_cast<double>(v);
-        }
-        return hs;
-      },
-      [&](index_t h, const head_sum& hs) -> status {
-        if (hs.bad >= 0) {
-          const float v = scores(h, hs.bad);
-          return status::error(errc::invalid_argument,
-                               "%s: scores[%lld][%lld] = %g (unprotected LAVa scores must be finite and >= 0; a NaN "
-                               "would make the entropy NaN)",
-                               fn, static_cast<long long>(h), static_cast<long long>(hs.bad), static_cast<double>(v));
-        }
-        index_t b = 0, e = 0;
-        range(h, &b, &e);
-        M += e - b;
-        S += hs.sum;
-        return {};
-      }));
-  if (M == 0 || !(S > 0.0) || (opt.norm == entropy_norm::log_count && M <= 1)) {
+  for (index_t h0 = 0; h0 < H; h0 += chunk) {
+    const index_t n = H - h0 < chunk ? H - h0 : chunk;
+    detail::lava_heads(be, scores, lengths, opt.prot, h0, n, 0.0, part);
+    KVEVICT_TRY(detail::lava_merge_sums(fn, part, n, h0, &S, &M));
+  }
+  if (detail::lava_trivial(S, M, opt.norm)) {
     *entropy = 0.0;
     return {};
   }
-  // pass 2: sum p log p per head, heads combined in order
   double acc = 0.0;
-  KVEVICT_TRY(per_head(
-      [&](index_t h, index_t b, index_t e) {
-        head_sum hs;
-        for (index_t t = b; t < e; ++t) {
-          const double p = static_cast<double>(scores(h, t)) / S;
-          if (p > 0.0) hs.sum += p * std::log(p);
-        }
-        return hs;
-      },
-      [&](index_t, const head_sum& hs) -> status {
-        acc += hs.sum;
-        return {};
-      }));
-  const double ent = acc < 0.0 ? -acc : 0.0;
-  *entropy = opt.norm == entropy_norm::log_count ? ent / std::log(static_cast<double>(M)) : ent / static_cast<double>(M);
+  for (index_t h0 = 0; h0 < H; h0 += chunk) {
+    const index_t n = H - h0 < chunk ? H - h0 : chunk;
+    detail::lava_heads(be, scores, lengths, opt.prot, h0, n, S, part);
+    for (index_t k = 0; k < n; ++k) acc += part[k].sum;
+  }
+  *entropy = detail::lava_normalise(acc, M, opt.norm);
   return {};
 }
 

@@ -96,6 +96,7 @@ class layer_cascade {
     held_cu_ = reinterpret_cast<std::int32_t*>(base + lay.held_cu);
     step_cu_ = reinterpret_cast<std::int32_t*>(base + lay.step_cu);
     changed_ = base + lay.changed;
+    remote_ = base + lay.remote;
     scores_ = reinterpret_cast<float*>(base + lay.scores);
     pos_ = reinterpret_cast<pos_t*>(base + lay.pos);
     step_ = reinterpret_cast<pos_t*>(base + lay.step);
@@ -107,6 +108,7 @@ class layer_cascade {
       alloc_[l] = 0;
       next_[l] = 0;
       changed_[l] = 0;
+      remote_[l] = 0;
       for (index_t h = 0; h <= H; ++h) held_cu_[l * (H + 1) + h] = step_cu_[l * (H + 1) + h] = 0;
     }
     for (index_t l = 0; l <= L; ++l) off_[l] = 0;
@@ -141,34 +143,71 @@ class layer_cascade {
   template <class Backend>
   status add_layer(Backend be, workspace& ws, index_t layer, matrix_view<const float> scores, double weight) {
     constexpr const char* fn = "layer_cascade::add_layer";
-    if (!ready_) return status::error(errc::invalid_argument, "%s: the cascade is not initialised (init)", fn);
-    if (broken_)
-      return status::error(errc::invalid_argument, "%s: an earlier step failed half-way; init() the cascade again", fn);
+    KVEVICT_TRY(check_ready(fn));
     KVEVICT_TRY(detail::check_select_scores(fn, scores));
-    const index_t L = cfg_.layers, H = cfg_.heads, N = cfg_.prompt_length;
+    const index_t H = cfg_.heads, N = cfg_.prompt_length;
     if (scores.extent(0) != H || scores.extent(1) != N)
       return status::error(errc::shape_mismatch, "%s: scores is [%lld][%lld], expected [%lld heads][%lld tokens]", fn,
                            static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
                            static_cast<long long>(H), static_cast<long long>(N));
-    const bool flat = cfg_.split == cascade_split::flattened;
     KVEVICT_TRY(carve_selection(be, ws, fn));
     if (ws.is_query()) return {};
-    if (added_ == L)
-      return status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added already", fn,
-                           static_cast<long long>(layer), static_cast<long long>(L));
-    if (layer != added_)
-      return status::error(errc::invalid_argument, "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
-                           static_cast<long long>(layer), static_cast<long long>(added_));
-    if (!(weight >= 0.0) || weight - weight != 0.0)
-      return status::error(errc::invalid_argument, "%s: the weight (entropy / preference) of layer %lld is %g (must be "
-                           "finite and >= 0)", fn, static_cast<long long>(layer), weight);
+    KVEVICT_TRY(check_order(fn, layer, weight));
     const detail::byte_range wr = detail::ws_range(ws);
     if (mem_.intersects(detail::range_of(scores)))
       return detail::select_overlap(fn, "scores", "the cascade's memory");
     if (wr.intersects(mem_)) return detail::select_overlap(fn, "the workspace", "the cascade's memory");
     if (wr.intersects(detail::range_of(scores))) return detail::select_overlap(fn, "the workspace", "scores");
     for (index_t h = 0; h < H; ++h) KVEVICT_TRY(detail::check_protected_scores(fn, scores, h, N, cfg_.prot));
+    return step(be, ws, layer, weight, &scores);
+  }
 
+  /// Pipeline parallelism (docs/distributed.md): layer `layer` (= layers_added()) is held by another
+  /// stage. It takes part in the budget rule by its weight (and, later, by what it would hold), so
+  /// this stage's own layers shrink exactly as on one process, but nothing of it is stored here: it
+  /// holds no tokens, kept(layer) and positions(layer) are empty and changed(layer) is false.
+  /// A stage holding layers [a, b) calls add_remote_layer for layers [0, a) (their weights from the
+  /// earlier stages), add_layer for its own, then add_remote_layer for [b, L) once their weights are
+  /// known (gather_layer_values); its layers then hold what the single-process cascade holds.
+  /// Workspace: add_layer's (the lower layers' re-selections). Errors: add_layer's (no scores).
+  template <class Backend>
+  status add_remote_layer(Backend be, workspace& ws, index_t layer, double weight) {
+    constexpr const char* fn = "layer_cascade::add_remote_layer";
+    KVEVICT_TRY(check_ready(fn));
+    KVEVICT_TRY(carve_selection(be, ws, fn));
+    if (ws.is_query()) return {};
+    KVEVICT_TRY(check_order(fn, layer, weight));
+    if (detail::ws_range(ws).intersects(mem_)) return detail::select_overlap(fn, "the workspace", "the cascade's memory");
+    return step(be, ws, layer, weight, nullptr);
+  }
+
+ private:
+  status check_ready(const char* fn) const {
+    if (!ready_) return status::error(errc::invalid_argument, "%s: the cascade is not initialised (init)", fn);
+    if (broken_)
+      return status::error(errc::invalid_argument, "%s: an earlier step failed half-way; init() the cascade again", fn);
+    return {};
+  }
+  /// Layers come in order, at most L of them; a weight is finite and >= 0.
+  status check_order(const char* fn, index_t layer, double weight) const {
+    if (added_ == cfg_.layers)
+      return status::error(errc::invalid_argument, "%s: layer %lld given, but all %lld layers were added already", fn,
+                           static_cast<long long>(layer), static_cast<long long>(cfg_.layers));
+    if (layer != added_)
+      return status::error(errc::invalid_argument, "%s: layer %lld given, expected layer %lld (layers come in order)", fn,
+                           static_cast<long long>(layer), static_cast<long long>(added_));
+    if (!(weight >= 0.0) || weight - weight != 0.0)
+      return status::error(errc::invalid_argument, "%s: the weight (entropy / preference) of layer %lld is %g (must be "
+                           "finite and >= 0)", fn, static_cast<long long>(layer), weight);
+    return {};
+  }
+
+  /// One step of the cascade: the budgets of layers 0..m, the lower layers shrunk, then layer m
+  /// selected from `scores` (null: a layer held by another stage, which stores nothing here).
+  template <class Backend>
+  status step(Backend be, workspace& ws, index_t layer, double weight, const matrix_view<const float>* scores) {
+    const index_t H = cfg_.heads, N = cfg_.prompt_length;
+    const bool flat = cfg_.split == cascade_split::flattened;
     // 1. budgets of layers 0..m
     const index_t m = layer;
     weight_[m] = weight;
@@ -184,11 +223,21 @@ class layer_cascade {
     status st;
     index_t at = 0;
     for (index_t j = 0; j < m && st.ok(); ++j) {
+      if (remote_[j] != 0) {  // holds nothing here
+        off_[j] = at;
+        continue;
+      }
       st = flat ? reselect_flat(be, ws, j, at) : reselect_per_head(be, ws, j, at);
       at = off_[j] + count(held_cu(j));
     }
     // 3. the new layer
-    if (st.ok()) st = flat ? select_new_flat(be, ws, scores, m, at) : select_new_per_head(be, ws, scores, m, at);
+    remote_[m] = scores == nullptr ? 1 : 0;
+    if (scores == nullptr) {
+      off_[m] = at;
+      changed_[m] = 0;
+    } else if (st.ok()) {
+      st = flat ? select_new_flat(be, ws, *scores, m, at) : select_new_per_head(be, ws, *scores, m, at);
+    }
     if (!st.ok()) {
       broken_ = true;
       return st;
@@ -198,6 +247,8 @@ class layer_cascade {
     added_ = m + 1;
     return {};
   }
+
+ public:
 
   const cascade_config& config() const noexcept { return cfg_; }
   /// Layers added so far.
@@ -227,8 +278,8 @@ class layer_cascade {
 
  private:
   struct layout {
-    std::size_t weight = 0, alloc = 0, next = 0, off = 0, held_cu = 0, step_cu = 0, changed = 0, scores = 0, pos = 0,
-                step = 0, end = 0;
+    std::size_t weight = 0, alloc = 0, next = 0, off = 0, held_cu = 0, step_cu = 0, changed = 0, remote = 0,
+                scores = 0, pos = 0, step = 0, end = 0;
   };
 
   static layout layout_of(const cascade_config& cfg) {
@@ -248,6 +299,7 @@ class layer_cascade {
     y.held_cu = take(L * (H + 1) * sizeof(std::int32_t));
     y.step_cu = take(L * (H + 1) * sizeof(std::int32_t));
     y.changed = take(L);
+    y.remote = take(L);
     y.scores = take(cap * sizeof(float));
     y.pos = take(cap * sizeof(pos_t));
     y.step = take(cap * sizeof(pos_t));
@@ -418,6 +470,7 @@ class layer_cascade {
   std::int32_t* held_cu_ = nullptr;
   std::int32_t* step_cu_ = nullptr;
   unsigned char* changed_ = nullptr;
+  unsigned char* remote_ = nullptr;  // 1: a layer held by another pipeline stage
   float* scores_ = nullptr;
   pos_t* pos_ = nullptr;
   pos_t* step_ = nullptr;

@@ -85,6 +85,27 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     return {};
   }
 
+  /// Pipeline parallelism (docs/distributed.md): layer `layer` (in order) is prefilled by another
+  /// stage, whose weight (its layer_weight()) reached this one (gather_layer_values). It takes part
+  /// in the budget rule and holds nothing here; this stage's layers that shrink are re-selected and
+  /// recorded as in add_layer (changed(j) / kept(j) afterwards). A stage holding layers [a, b) adds
+  /// [0, a) remotely, its own layers with add_layer, then [b, L) remotely once their weights are
+  /// known: its layers end holding what one process holds.
+  /// Errors (nothing changes): not initialised; layer out of order or past L; weight NaN, infinite
+  /// or negative; workspace too small or overlapping the state; the recorder's errors.
+  template <class Backend>
+  status add_remote_layer(Backend be, workspace& ws, index_t layer, double weight) {
+    constexpr const char* fn = "cascade_driver::add_remote_layer";
+    detail::call_scratch w;
+    KVEVICT_TRY(open_call(fn, be, ws, w));
+    if (ws.is_query()) return {};
+    KVEVICT_TRY(check_order(fn, layer, cascade_.layers_added(), cfg_.model.layers));
+    KVEVICT_TRY(check_ws(fn, ws));
+    KVEVICT_TRY(detail::check_layer_weight(fn, layer, weight, "weight"));
+    KVEVICT_TRY(cascade_.add_remote_layer(be, w.sel, layer, weight));
+    return record_changed(layer);
+  }
+
   /// The cascade's answers (budget/layer_cascade.hpp): the new layer's kept rows are prompt positions
   /// (= rows of its un-evicted cache); a lower layer's are rows of what it held before the step.
   bool changed(index_t layer) const noexcept { return ok_ && cascade_.changed(layer); }
@@ -178,9 +199,14 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     const index_t before = cascade_.held_total();
     KVEVICT_TRY(cascade_.add_layer(be, w.sel, layer, sv, e));
     if (before + H * N > peak_) peak_ = before + H * N;
+    return record_changed(layer);
+  }
+
+  /// Records every layer <= `layer` whose holdings the last step changed (retain_only at step N).
+  status record_changed(index_t layer) {
     if (rec_ != nullptr)
       for (index_t j = 0; j <= layer; ++j)
-        if (cascade_.changed(j)) KVEVICT_TRY(rec_->retain_only(j, cascade_.positions(j), N));
+        if (cascade_.changed(j)) KVEVICT_TRY(rec_->retain_only(j, cascade_.positions(j), cfg_.tokens));
     return {};
   }
 

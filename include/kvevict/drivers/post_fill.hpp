@@ -12,6 +12,7 @@
 // weights are kept in the driver's state until decide().
 #pragma once
 
+#include <kvevict/distributed.hpp>
 #include <kvevict/drivers/detail/driver_skeleton.hpp>
 
 namespace kvevict {
@@ -26,6 +27,12 @@ struct post_fill_config {
   index_t query_rows = 0;
   recipe rec = recipe::snapkv();
   allocation alloc;
+  /// Tensor parallelism (docs/distributed.md): this rank's driver holds model.kv_heads of the
+  /// layer's model.kv_heads x tp.size() KV heads (head_shard), every rank running the same calls.
+  /// flattened layers keep tp.size() x this rank's budget sum, adakv layers B x all heads, selected
+  /// across the ranks exactly as one process would (per_head needs no communicator). Empty: one
+  /// process. lava and cake (all-layer) with more than one rank: not supported (error).
+  comm_ref tp;
 };
 
 namespace detail {
@@ -104,7 +111,24 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
  public:
   static constexpr const char* name = "post_fill_driver";
 
-  // state_bytes(cfg), workspace_bytes(be), add_layer, add_layer_scores: detail::prefill_driver_skeleton.
+  // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton.
+
+  /// detail::prefill_driver_skeleton's add_layer and add_layer_scores (documented above); with a
+  /// tensor-parallel communicator a call failing on one rank fails on every rank.
+  template <class Backend, class T, class Q>
+  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries,
+                   kv_view<const T> block_keys = {}, double weight = 0.0) {
+    in_collective_ = false;
+    return joined("post_fill_driver::add_layer", ws,
+                  prefill_driver_skeleton::add_layer(be, ws, layer, kv, queries, block_keys, weight));
+  }
+  template <class Backend, class T>
+  status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+                          matrix_view<const float> scores, double weight = 0.0) {
+    in_collective_ = false;
+    return joined("post_fill_driver::add_layer_scores", ws,
+                  prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores, weight));
+  }
 
   /// Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
   /// resets it. The recorder (optional; layers x kv_heads, capacity >= P) must outlive the driver.
@@ -114,7 +138,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   /// below the protected tokens or above the prompt, layer totals below the protected tokens
   /// (flattened, adakv) or not a multiple of H (adakv); budgets not [L][H]; lava / cake total
   /// negative or above L H P, cake total not a multiple of L H or its per-head budget below the
-  /// protected tokens; adakv alpha outside [0, 1]; recorder shape; memory null or too small.
+  /// protected tokens; adakv alpha outside [0, 1]; a tensor-parallel communicator of more than one
+  /// rank with lava or cake (unsupported); recorder shape; memory null or too small.
   status init(const post_fill_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
     unsigned char* base = nullptr;
     KVEVICT_TRY(bind("post_fill_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));
@@ -228,7 +253,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
       index_t off = 0;
       for (index_t j = 0; j < l; ++j) {
         index_t cap = H * C;
-        if (has_matrix(c.alloc.kind)) {
+        if (has_matrix(c.alloc.kind) && !sharded(c)) {
           index_t s = 0;
           for (index_t h = 0; h < H; ++h) s += c.alloc.budgets(j, h);
           cap = s;
@@ -238,6 +263,11 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
       return off;
     }
   };
+
+  /// Layers selected across the tensor-parallel ranks (a rank may then keep up to all its rows).
+  static bool sharded(const post_fill_config& c) {
+    return c.tp.size() > 1 && (c.alloc.kind == allocator::flattened || c.alloc.kind == allocator::adakv);
+  }
 
   static bool has_matrix(allocator k) {
     return k == allocator::per_head || k == allocator::flattened || k == allocator::adakv;
@@ -249,6 +279,11 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     KVEVICT_TRY(detail::check_capacity(fn, "tokens", c.tokens, H));
     KVEVICT_TRY(detail::check_recipe(fn, c.rec));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
+    if (c.tp.size() > 1 && (c.alloc.kind == allocator::lava || c.alloc.kind == allocator::cake))
+      return status::error(errc::unsupported,
+                           "%s: the %s allocator does not take a tensor-parallel communicator (per_head, flattened and "
+                           "adakv do; docs/distributed.md)",
+                           fn, allocator_name(c.alloc.kind));
     index_t rows = 0;
     bool bk = false;
     detail::row_rules rr;
@@ -299,7 +334,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     detail::call_scratch_shape s = scratch_shape(cfg_.tokens);
     s.scores = !all_layer_;
     KVEVICT_TRY(fit_score_slots(be, cfg_.rec, query_rows_, block_keys_, s));
-    s.sel = detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, s.H, s.C);
+    s.sel = sharded(cfg_) ? sharded_flat_workspace_bytes(be, s.H, s.C, cfg_.alloc.kind == allocator::adakv)
+                          : detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, s.H, s.C);
     s.layers = cfg_.model.layers;
     return detail::carve_call_scratch(name, ws, s, w);
   }
@@ -398,8 +434,25 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     ao.alpha = cfg_.alloc.adakv_alpha;
     ao.floor = cfg_.alloc.floor_rule;
     ao.prot = detail::recipe_protection(cfg_.rec);
+    if (sharded(cfg_)) {  // every rank joins the selection (no keep-everything shortcut: it is local)
+      in_collective_ = true;
+      comm_ref tp = cfg_.tp;
+      if (cfg_.alloc.kind == allocator::adakv)
+        return adakv_budgets(be, w.sel, tp, sv, lens, total / H, ao, kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]);
+      return select_topk_flat(be, w.sel, tp, sv, lens, total * tp.size(), nullptr, kept_cu_ + l * (H + 1),
+                              kept_pos_ + kept_off_[l]);
+    }
     return detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, budgets_ + l * H, total, ao,
                                 kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]);
+  }
+
+  /// Tensor parallelism: a call that failed on this rank before its layer's selection still joins
+  /// the selection's agreement, so the other ranks return the same error instead of waiting.
+  status joined(const char* fn, const workspace& ws, const status& st) {
+    if (st.ok() || ws.is_query() || !sharded(cfg_) || in_collective_) return st;
+    comm_ref tp = cfg_.tp;
+    std::int64_t sums[2] = {};
+    return detail::agree(tp, fn, st, detail::config_line{}, sums, 2);
   }
 
   ragged_positions kept(index_t layer, bool) const noexcept {
@@ -419,6 +472,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   bool all_layer_ = false;
   index_t added_ = 0;
   bool decided_ = false;
+  bool in_collective_ = false;  // this call reached its layer's sharded selection
 };
 
 }  // namespace kvevict

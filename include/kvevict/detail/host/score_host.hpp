@@ -120,6 +120,11 @@ const T* kv_row(const kv_view<const T>& v, index_t h, index_t t) {
   return v.data_handle() + h * v.stride(0) + t * v.stride(1);
 }
 
+/// The element type of a key source: a kv_view<const K>, or any type with element_type, a
+/// kv_row(source, head, token) overload and stride(2) (the paged keys of detail/host/paged_keys.hpp).
+template <class KS>
+using key_elem_t = std::remove_const_t<typename KS::element_type>;
+
 /// Widens n elements (stride ds) into dst[0..n) fp32. Reads the 16-bit patterns as integers so the
 /// loops vectorise.
 template <class T>
@@ -249,9 +254,9 @@ __attribute__((target("avx512f,avx2,f16c"))) inline void score_pack16_avx512(flo
 
 /// Packs keys j0 .. j0+nb-1 of KV head g into [key group of P::nr][d][P::nr] fp32, zero padding up
 /// to a multiple of P::nr. Column j < p is prefix key j, column j >= p block key j - p.
-template <class P, class K>
+template <class P, class KS>
 KVEVICT_ALWAYS_INLINE void score_pack_keys(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp,
-                                           const kv_view<const K>& prefix, const kv_view<const K>& block, index_t g,
+                                           const KS& prefix, const KS& block, index_t g,
                                            index_t p, index_t j0, index_t nb, index_t d) {
   constexpr index_t nr = P::nr;
   const index_t groups = (nb + nr - 1) / nr;
@@ -260,7 +265,7 @@ KVEVICT_ALWAYS_INLINE void score_pack_keys(float* KVEVICT_RESTRICT dst, float* K
     if constexpr (std::is_same_v<P, score_profile_avx512>) {
       // a whole group of contiguous key rows: widen and transpose 16 x 16 blocks in registers
       if (gi * nr + nr <= nb) {
-        const K* rows[nr];
+        const key_elem_t<KS>* rows[nr];
         bool contiguous = true;
         for (index_t c = 0; c < nr; ++c) {
           const index_t j = j0 + gi * nr + c;
@@ -361,10 +366,10 @@ KVEVICT_ALWAYS_INLINE softmax_stats score_chunk_exp(float* KVEVICT_RESTRICT s, i
 /// and the columns up to the next multiple of P::nr hold finite junk never read), then, while the
 /// panel is in cache, each row's chunk c: max, e^(x - max) in place, sum, merged into st[r].
 /// vis[r] = columns row r sees; cmax[r * nchunks + c] receives the chunk's max.
-template <class P, bool Fused, class K>
+template <class P, bool Fused, class KS>
 KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t ld, const float* KVEVICT_RESTRICT qpack,
                                             index_t nrows, float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp,
-                                            const kv_view<const K>& prefix, const kv_view<const K>& block, index_t g,
+                                            const KS& prefix, const KS& block, index_t g,
                                             index_t p, index_t c0, index_t n, index_t d, float scale, const index_t* vis,
                                             float* KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats* st) {
   const index_t rows_pad = round_up(nrows, P::mr);
@@ -389,33 +394,33 @@ KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t
 // One compiled function per profile (the target attribute cannot depend on a template argument).
 #define KVEVICT_SCORE_PANEL_ARGS                                                                              \
   float *KVEVICT_RESTRICT buf, index_t ld, const float *KVEVICT_RESTRICT qpack, index_t nrows,                 \
-      float *KVEVICT_RESTRICT kpack, float *KVEVICT_RESTRICT tmp, const kv_view<const K>&prefix,              \
-      const kv_view<const K>&block, index_t g, index_t p, index_t c0, index_t n, index_t d, float scale,      \
+      float *KVEVICT_RESTRICT kpack, float *KVEVICT_RESTRICT tmp, const KS&prefix,              \
+      const KS&block, index_t g, index_t p, index_t c0, index_t n, index_t d, float scale,      \
       const index_t *vis, float *KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats *st
 #define KVEVICT_SCORE_PANEL_CALL buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st
 
-template <bool Fused, class K>
+template <bool Fused, class KS>
 KVEVICT_NO_CONTRACT void score_panel_sse2(KVEVICT_SCORE_PANEL_ARGS) {
-  score_panel_body<score_profile_sse2, Fused, K>(KVEVICT_SCORE_PANEL_CALL);
+  score_panel_body<score_profile_sse2, Fused, KS>(KVEVICT_SCORE_PANEL_CALL);
 }
 
 #if KVEVICT_SCORE_X86_DISPATCH
-template <class K>
+template <class KS>
 __attribute__((target("avx2,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx2(KVEVICT_SCORE_PANEL_ARGS) {
-  score_panel_body<score_profile_avx2, false, K>(KVEVICT_SCORE_PANEL_CALL);
+  score_panel_body<score_profile_avx2, false, KS>(KVEVICT_SCORE_PANEL_CALL);
 }
-template <class K>
+template <class KS>
 __attribute__((target("avx2,fma,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx2_fma(KVEVICT_SCORE_PANEL_ARGS) {
-  score_panel_body<score_profile_avx2, true, K>(KVEVICT_SCORE_PANEL_CALL);
+  score_panel_body<score_profile_avx2, true, KS>(KVEVICT_SCORE_PANEL_CALL);
 }
-template <class K>
+template <class KS>
 __attribute__((target("avx512f,avx2,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx512(KVEVICT_SCORE_PANEL_ARGS) {
-  score_panel_body<score_profile_avx512, false, K>(KVEVICT_SCORE_PANEL_CALL);
+  score_panel_body<score_profile_avx512, false, KS>(KVEVICT_SCORE_PANEL_CALL);
 }
-template <class K>
+template <class KS>
 __attribute__((target("avx512f,avx2,fma,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx512_fma(
     KVEVICT_SCORE_PANEL_ARGS) {
-  score_panel_body<score_profile_avx512, true, K>(KVEVICT_SCORE_PANEL_CALL);
+  score_panel_body<score_profile_avx512, true, KS>(KVEVICT_SCORE_PANEL_CALL);
 }
 #endif
 #undef KVEVICT_SCORE_PANEL_ARGS
@@ -468,11 +473,11 @@ inline score_isa score_isa_active() {
 
 /// The softmax of a block of rows, panel by panel (panels of score_chunk columns, see
 /// score_panel_body), with the block's queries packed for profile P.
-template <class P, bool Fused, class Q, class K>
+template <class P, bool Fused, class Q, class KS>
 void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT_RESTRICT qpack,
                          float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp, const kv_view<const Q>& q,
-                         index_t head0, index_t w, index_t row0, index_t nrows, const kv_view<const K>& prefix,
-                         const kv_view<const K>& block, index_t g, index_t p, index_t cols, float scale,
+                         index_t head0, index_t w, index_t row0, index_t nrows, const KS& prefix,
+                         const KS& block, index_t g, index_t p, index_t cols, float scale,
                          const index_t* vis, float* KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats* st) {
   const index_t d = q.extent(2);
   score_pack_queries<P>(qpack, tmp, q, head0, w, row0, nrows);
@@ -480,22 +485,22 @@ void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT
   for (index_t c0 = 0; c0 < cols; c0 += score_chunk) {
     const index_t n = cols - c0 < score_chunk ? cols - c0 : score_chunk;
     if constexpr (std::is_same_v<P, score_profile_sse2>) {
-      score_panel_sse2<Fused, K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
+      score_panel_sse2<Fused, KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
                                  nchunks, st);
 #if KVEVICT_SCORE_X86_DISPATCH
     } else if constexpr (std::is_same_v<P, score_profile_avx2>) {
       if constexpr (Fused)
-        score_panel_avx2_fma<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
+        score_panel_avx2_fma<KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
                                 nchunks, st);
       else
-        score_panel_avx2<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks,
+        score_panel_avx2<KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks,
                             st);
     } else {
       if constexpr (Fused)
-        score_panel_avx512_fma<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
+        score_panel_avx512_fma<KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
                                   nchunks, st);
       else
-        score_panel_avx512<K>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
+        score_panel_avx512<KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
                               nchunks, st);
 #endif
     }
@@ -504,10 +509,10 @@ void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT
 
 /// score_block_softmax with the active profile. Fused logits on the AVX2 profile need FMA; without
 /// it they run on the SSE2 profile (software fmaf: same bits, slower).
-template <class Q, class K>
+template <class Q, class KS>
 void score_block_softmax_dispatch(score_isa isa, bool fused, float* buf, index_t ld, float* qpack, float* kpack,
                                   float* tmp, const kv_view<const Q>& q, index_t head0, index_t w, index_t row0,
-                                  index_t nrows, const kv_view<const K>& prefix, const kv_view<const K>& block,
+                                  index_t nrows, const KS& prefix, const KS& block,
                                   index_t g, index_t p, index_t cols, float scale, const index_t* vis, float* cmax,
                                   index_t nchunks, softmax_stats* st) {
 #define KVEVICT_SCORE_BLOCK_CALL                                                                                 \
@@ -517,7 +522,7 @@ void score_block_softmax_dispatch(score_isa isa, bool fused, float* buf, index_t
   // [2^-48, 2^32], far inside fp32's normal range), so rounding q*k and then the sum gives the same
   // bits as one fused multiply-add: fp16 x fp16 logits take the (faster) fused kernel whenever the
   // CPU has FMA. Not for bf16 (its products can overflow or underflow in fp32) or fp32.
-  if constexpr (std::is_same_v<Q, float16> && std::is_same_v<K, float16>) {
+  if constexpr (std::is_same_v<Q, float16> && std::is_same_v<key_elem_t<KS>, float16>) {
     if (isa == score_isa::avx512 || (isa == score_isa::avx2 && score_cpu_has_fma())) fused = true;
   }
   if (isa == score_isa::avx512)

@@ -272,25 +272,22 @@ inline void select_row_coop(const score_row& row, index_t n, index_t k, pos_row 
 }
 #endif
 
-/// Selects every row: row r keeps k_of(r) of its len_of(r) scores into out_of(r).
-template <class LenOf, class KOf, class OutOf>
-void select_rows(seq_t, const matrix_view<const float>& scores, LenOf len_of, KOf k_of, OutOf out_of,
-                 const select_ws& ws) noexcept {
-  for (index_t r = 0; r < scores.extent(0); ++r)
-    select_row(score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}, len_of(r), k_of(r),
-               out_of(r), ws.slot(0));
+/// Selects every row: row r (row_of(r), a score_row) keeps k_of(r) of its len_of(r) scores into
+/// out_of(r); `columns` bounds every row's length (the cooperative split's threshold).
+template <class RowOf, class LenOf, class KOf, class OutOf>
+void select_rows_of(seq_t, index_t R, index_t, RowOf row_of, LenOf len_of, KOf k_of, OutOf out_of,
+                    const select_ws& ws) noexcept {
+  for (index_t r = 0; r < R; ++r) select_row(row_of(r), len_of(r), k_of(r), out_of(r), ws.slot(0));
 }
 
-template <class LenOf, class KOf, class OutOf>
-void select_rows(par_t, const matrix_view<const float>& scores, LenOf len_of, KOf k_of, OutOf out_of,
-                 const select_ws& ws) noexcept {
-  const index_t R = scores.extent(0);
-  auto row_of = [&](index_t r) { return score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}; };
+template <class RowOf, class LenOf, class KOf, class OutOf>
+void select_rows_of(par_t, index_t R, index_t columns, RowOf row_of, LenOf len_of, KOf k_of, OutOf out_of,
+                    const select_ws& ws) noexcept {
 #if defined(_OPENMP)
   const int P = ws.workers;
   // rows [0, split) one per thread; rows [split, R) (fewer than P) by the whole team if long
-  const index_t split = scores.extent(1) >= coop_min_length ? R - R % P : R;
-  if (P > 1 && (R > 1 || split < R) && R * scores.extent(1) >= par_min_elements()) {
+  const index_t split = columns >= coop_min_length ? R - R % P : R;
+  if (P > 1 && (R > 1 || split < R) && R * columns >= par_min_elements()) {
 #  pragma omp parallel num_threads(P)
     {
       const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -308,8 +305,18 @@ void select_rows(par_t, const matrix_view<const float>& scores, LenOf len_of, KO
     }
     return;
   }
+#else
+  (void)columns;
 #endif
   for (index_t r = 0; r < R; ++r) select_row(row_of(r), len_of(r), k_of(r), out_of(r), ws.slot(0));
+}
+
+/// select_rows_of over the rows of a score matrix.
+template <class Backend, class LenOf, class KOf, class OutOf>
+void select_rows(Backend be, const matrix_view<const float>& scores, LenOf len_of, KOf k_of, OutOf out_of,
+                 const select_ws& ws) noexcept {
+  auto row_of = [&](index_t r) { return score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}; };
+  select_rows_of(be, scores.extent(0), scores.extent(1), row_of, len_of, k_of, out_of, ws);
 }
 
 /// Calls f(r, worker) for every row r; par spreads rows over the threads (dynamic schedule:
@@ -383,6 +390,27 @@ inline flat_ws carve_flat_ws(workspace_carver& c, index_t rows, index_t columns,
   return w;
 }
 
+/// The rows of select_flat's layer are all here (one process).
+struct flat_layer_local {
+  index_t floors(index_t local) const noexcept { return local; }
+  /// Scans the buckets from the highest down until sum_r max(floor_r, upto_r) >= total.
+  template <class FloorOf, class HistOf>
+  int choose_bucket(int bins, index_t R, FloorOf floor_of, HistOf hist_of, flat_row* rows, index_t total) const noexcept {
+    int b = bins - 1;
+    for (;; --b) {
+      index_t sum = 0;
+      for (index_t r = 0; r < R; ++r) {
+        flat_row& fr = rows[r];
+        fr.upto = (b == bins - 1 ? fr.above : fr.upto) + hist_of(r)[b];
+        sum += std::max(floor_of(r), fr.upto);
+      }
+      if (sum >= total || b == 0) return b;
+    }
+  }
+  /// Tied keys left for the rows once every row has its base count.
+  index_t tied_share(index_t total, index_t base_sum, index_t) const noexcept { return total - base_sum; }
+};
+
 /// Flattened selection: every row r first keeps its best floor_of(r) tokens; then the best
 /// `total - sum(floors)` of the remaining (row, position) entries of all rows are kept, ties
 /// between equal scores going to the lower row, then the lower position. Writes cu[R + 1] and, if
@@ -396,18 +424,24 @@ inline flat_ws carve_flat_ws(workspace_carver& c, index_t rows, index_t columns,
 /// computed from the per-row histograms. The floors never need their own thresholds. Rows whose
 /// floor binds beyond the layer threshold (count_r > keys of r at or above it) are selected on
 /// their own for the positions.
-template <class Backend, class LenOf, class FloorOf>
-void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_of, FloorOf floor_of, index_t total,
-                 std::int32_t* cu, pos_t* pos, const flat_ws& ws) noexcept {
+///
+/// `layer` combines the rows of the layer: flat_layer_local when this call holds every row; a
+/// sharded layer (distributed.hpp) sums the bucket counts over the ranks and hands each rank its
+/// share of the tied keys, which gives every rank exactly the rows one process would keep for its
+/// rows. Returns false only when the layer's communication failed (then the outputs are partial).
+template <class Backend, class LenOf, class FloorOf, class Layer>
+bool select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_of, FloorOf floor_of, index_t total,
+                 std::int32_t* cu, pos_t* pos, const flat_ws& ws, Layer& layer) noexcept {
   const index_t R = scores.extent(0), T = scores.extent(1);
   const int P = ws.sel.workers;
   auto row_of = [&](index_t r) { return score_row{scores.data_handle() + r * scores.stride(0), scores.stride(1)}; };
   auto hist_of = [&](index_t r) { return ws.row_hist + r * radix_bins; };
-  index_t floors = 0;
+  index_t local_floors = 0;
   for (index_t r = 0; r < R; ++r) {
     ws.rows[r] = flat_row{};
-    floors += floor_of(r);
+    local_floors += floor_of(r);
   }
+  const index_t floors = layer.floors(local_floors);
 
   radix_threshold g;
   if (total > floors) {  // otherwise every row keeps exactly its floor
@@ -425,17 +459,9 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
         histogram_candidates(cand, fr.cand_n, p, h);
       });
       // the highest bucket b with sum_r max(floor_r, keys of r above the prefix or in bins >= b)
-      // >= total (below it the sum is < total: the invariant of every pass)
-      int b = bins - 1;
-      for (;; --b) {
-        index_t sum = 0;
-        for (index_t r = 0; r < R; ++r) {
-          flat_row& fr = ws.rows[r];
-          fr.upto = (b == bins - 1 ? fr.above : fr.upto) + hist_of(r)[b];
-          sum += std::max(floor_of(r), fr.upto);
-        }
-        if (sum >= total || b == 0) break;
-      }
+      // >= total (below it the sum is < total: the invariant of every pass); sets every fr.upto
+      const int b = layer.choose_bucket(bins, R, floor_of, hist_of, ws.rows, total);
+      if (b < 0) return false;
       index_t cand_total = 0;
       for (index_t r = 0; r < R; ++r) {
         flat_row& fr = ws.rows[r];
@@ -475,8 +501,15 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
   }
 
   // counts: max(floor, keys above the threshold) plus the remaining tied keys, lowest rows first
-  index_t left = total;
-  for (index_t r = 0; r < R; ++r) left -= std::max(floor_of(r), ws.rows[r].above);
+  index_t base_sum = 0, tied_sum = 0;
+  for (index_t r = 0; r < R; ++r) {
+    const flat_row& fr = ws.rows[r];
+    const index_t f = floor_of(r), base = std::max(f, fr.above);
+    base_sum += base;
+    tied_sum += std::max(f, fr.above + fr.tied) - base;
+  }
+  index_t left = layer.tied_share(total, base_sum, tied_sum);  // the tied keys these rows may keep
+  if (left < 0) return false;
   cu[0] = 0;
   for (index_t r = 0; r < R; ++r) {
     flat_row& fr = ws.rows[r];
@@ -487,7 +520,7 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
     cu[r + 1] = static_cast<std::int32_t>(cu[r] + fr.count);
   }
 
-  if (pos == nullptr) return;
+  if (pos == nullptr) return true;
   for_rows(be, R, T, P, [&](index_t r, int w) {
     const flat_row& fr = ws.rows[r];
     const index_t n = len_of(r);
@@ -501,6 +534,7 @@ void select_flat(Backend be, const matrix_view<const float>& scores, LenOf len_o
       select_row(row_of(r), n, fr.count, out, ws.sel.slot(w));
     }
   });
+  return true;
 }
 
 }  // inline namespace

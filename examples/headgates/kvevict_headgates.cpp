@@ -1,0 +1,210 @@
+// kvevict-headgates: train PruLong and DuoAttention head masks for a runner model (docs/prulong.md).
+//
+//   kvevict-headgates prulong --out-dir models/prulong     one mask per sparsity (25, 50, 75 %)
+//   kvevict-headgates duo --out models/duo/stories260K.tsv  DuoAttention's alpha per KV head
+//
+// Masks are head-mask TSV files (<kvevict/train/prulong.hpp>): one line per layer, one value per KV
+// head, 1 = retrieval head (full KV cache), 0 = streaming head (sinks + recent window); Duo's file
+// holds the trained alpha in [0, 1] (DuoAttention's full_attention_heads.tsv). Progress goes to
+// stderr; every error is one line on stderr and exit status 1 (2 for command-line syntax errors).
+#include <headgates/gated.hpp>
+#include <headgates/train.hpp>
+#include <runner/model.hpp>
+#include <runner/shipped_models.hpp>
+
+#include "cli.hpp"
+#include "io.hpp"
+#include "main.hpp"
+
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace {
+
+using kvevict::index_t;
+using kvevict::status;
+
+int fail(const std::string& message) { return kvevict::program::fail("kvevict-headgates", message); }
+int fail(const status& st) { return fail(st.message()); }
+
+struct common_options {
+  std::string model = kvrun::shipped_model("stories260K.bin");
+  int threads = 0;
+  index_t texts = 64;
+  kvrun::gate_train_options train;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void print_gates(const char* what, const std::vector<double>& v, index_t L, index_t H) {
+  std::fprintf(stderr, "%s (layer x KV head):\n", what);
+  for (index_t l = 0; l < L; ++l) {
+    std::fprintf(stderr, "  layer %lld:", static_cast<long long>(l));
+    for (index_t h = 0; h < H; ++h) std::fprintf(stderr, " %8.3f", v[static_cast<std::size_t>(l * H + h)]);
+    std::fprintf(stderr, "\n");
+  }
+}
+
+status load(const common_options& c, kvrun::model& m, kvrun::gated_lm<float>& lm, std::vector<kvrun::gate_sample>& samples) {
+  KVEVICT_TRY(kvrun::model::load_file(c.model, m));
+  lm.from(m);
+  const auto t0 = std::chrono::steady_clock::now();
+  KVEVICT_TRY(kvrun::make_gate_samples(m, c.texts, c.threads, samples));
+  std::size_t tokens = 0;
+  for (const auto& s : samples) tokens += s.tokens.size();
+  std::fprintf(stderr, "%lld training texts (seeds %llu..%llu, %zu tokens) generated in %.1f s\n",
+               static_cast<long long>(c.texts), static_cast<unsigned long long>(kvrun::train_seed_base),
+               static_cast<unsigned long long>(kvrun::train_seed_base + static_cast<std::uint64_t>(c.texts) - 1), tokens,
+               seconds_since(t0));
+  return {};
+}
+
+void log_line(const char* what, const kvrun::gate_progress& p, bool prulong) {
+  if (prulong)
+    std::fprintf(stderr, "%s step %4lld/%lld  loss %.5f  sparsity %.3f  target %.3f  lambda %.3f %.3f  (%.0f s)\n", what,
+                 static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.sparsity, p.target, p.lambda1,
+                 p.lambda2, p.seconds);
+  else
+    std::fprintf(stderr, "%s step %4lld/%lld  loss %.3e  alpha < 0.5: %.3f  mean alpha %.3f  (%.0f s)\n", what,
+                 static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.sparsity, p.target, p.seconds);
+}
+
+int cmd_prulong(common_options& c, const std::vector<double>& sparsities, const std::string& out_dir,
+                kvrun::prulong_train_options p) {
+  kvrun::model m;
+  kvrun::gated_lm<float> lm;
+  std::vector<kvrun::gate_sample> samples;
+  if (auto st = load(c, m, lm, samples); !st.ok()) return fail(st);
+  const index_t L = m.cfg().n_layers, H = m.cfg().n_kv_heads;
+  const std::string stem = std::filesystem::path(c.model).stem().string();
+  for (double s : sparsities) {
+    p.target = s;
+    const auto t0 = std::chrono::steady_clock::now();
+    kvrun::prulong_result r;
+    char tag[32];
+    std::snprintf(tag, sizeof tag, "prulong t=%.2f", s);
+    if (auto st = kvrun::train_prulong(lm, samples, c.train, p, r, [&](const kvrun::gate_progress& pr) { log_line(tag, pr, true); });
+        !st.ok())
+      return fail(st);
+    print_gates("log_alpha", r.log_alpha, L, H);
+    char name[64];
+    std::snprintf(name, sizeof name, "%s-s%02d.tsv", stem.c_str(), static_cast<int>(std::lround(s * 100)));
+    const std::string path = (std::filesystem::path(out_dir) / name).string();
+    if (auto st = kvevict::write_head_mask_tsv(path.c_str(), kvrun::lkv::mat<const float>(r.mask.data(), L, H, H)); !st.ok())
+      return fail(st);
+    index_t k = 0;
+    for (float v : r.mask) k += v > 0.5f ? 1 : 0;
+    std::printf("wrote %s: %lld of %lld heads retrieval (target sparsity %.2f, expected sparsity at the end %.3f), "
+                "%lld steps x batch %lld in %.1f s\n",
+                path.c_str(), static_cast<long long>(k), static_cast<long long>(L * H), s, r.sparsity,
+                static_cast<long long>(c.train.steps), static_cast<long long>(c.train.batch), seconds_since(t0));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+int cmd_duo(common_options& c, const std::string& out, const kvrun::duo_train_options& p) {
+  kvrun::model m;
+  kvrun::gated_lm<float> lm;
+  std::vector<kvrun::gate_sample> samples;
+  if (auto st = load(c, m, lm, samples); !st.ok()) return fail(st);
+  const index_t L = m.cfg().n_layers, H = m.cfg().n_kv_heads;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (auto st = kvrun::duo_targets(lm, samples, c.threads); !st.ok()) return fail(st);
+  kvrun::duo_result r;
+  if (auto st = kvrun::train_duo(lm, samples, c.train, p, r, [&](const kvrun::gate_progress& pr) { log_line("duo", pr, false); });
+      !st.ok())
+    return fail(st);
+  print_gates("alpha", r.alpha, L, H);
+  if (auto st = kvevict::write_head_mask_tsv(out.c_str(), kvrun::lkv::mat<const double>(r.alpha.data(), L, H, H)); !st.ok())
+    return fail(st);
+  index_t k = 0;
+  for (double a : r.alpha) k += a >= 0.5 ? 1 : 0;
+  std::printf("wrote %s: alpha per KV head; %lld of %lld heads are retrieval heads at threshold 0.5; %lld steps x batch "
+              "%lld in %.1f s\n",
+              out.c_str(), static_cast<long long>(k), static_cast<long long>(L * H), static_cast<long long>(c.train.steps),
+              static_cast<long long>(c.train.batch), seconds_since(t0));
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"kvevict-headgates: train PruLong and DuoAttention head masks for a llama2.c model", "kvevict-headgates"};
+  app.require_subcommand(1);
+  common_options c;
+  using kvevict::program::integer;
+  app.add_option("--model", c.model, "llama2.c checkpoint")->capture_default_str();
+  app.add_option("--threads", c.threads, "OpenMP threads (0 = OMP_NUM_THREADS or all cores)")->check(integer<int>())->capture_default_str();
+  app.add_option("--texts", c.texts, "training texts (model-generated, training seeds 1..N)")->check(integer<index_t>())->capture_default_str();
+  app.add_option("--steps", c.train.steps, "optimizer steps")->check(integer<index_t>())->capture_default_str();
+  app.add_option("--batch", c.train.batch, "texts per step")->check(integer<index_t>())->capture_default_str();
+  app.add_option("--seed", c.train.seed, "seed of the sample order, the initialisation and the gate samples")
+      ->check(integer<std::uint64_t>())->capture_default_str();
+  app.add_option("--sink", c.train.window.sink, "streaming heads: first tokens kept")->check(integer<index_t>())->capture_default_str();
+  app.add_option("--recent", c.train.window.recent, "streaming heads: recent tokens kept (the current one included)")
+      ->check(integer<index_t>())->capture_default_str();
+  app.add_option("--log-every", c.train.log_every, "progress every N steps")->check(integer<index_t>())->capture_default_str();
+
+  std::vector<double> sparsities{0.25, 0.5, 0.75};
+  std::string out_dir;
+  kvrun::prulong_train_options pp;
+  auto* prulong = app.add_subcommand("prulong", "PruLong: hard-concrete gates, next-token loss, Lagrangian sparsity; one mask per sparsity");
+  prulong->add_option("--sparsities", sparsities, "target sparsities (fraction of streaming heads)")->delimiter(',')->capture_default_str();
+  prulong->add_option("--out-dir", out_dir, "directory of the masks <model>-s<percent>.tsv")->required();
+  prulong->add_option("--lr", pp.lr, "Adam learning rate of log_alpha")->capture_default_str();
+  prulong->add_option("--lr-lambda", pp.lr_lambda, "Adam learning rate (ascent) of lambda1, lambda2")->capture_default_str();
+  prulong->add_option("--target-warmup", pp.target_warmup, "fraction of the steps over which the target rises from 0")->capture_default_str();
+
+  std::string duo_out;
+  kvrun::duo_train_options dp;
+  auto* duo = app.add_subcommand("duo", "DuoAttention: alpha gates, distillation of the final hidden states, L1 penalty");
+  duo->add_option("--out", duo_out, "alpha TSV file to write")->required();
+  duo->add_option("--lr", dp.lr, "Adam learning rate of alpha")->capture_default_str();
+  duo->add_option("--reg", dp.reg, "weight of the L1 penalty (mean alpha)")->capture_default_str();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  } catch (const CLI::ParseError& err) {
+    if (err.get_exit_code() == 0) {
+      std::fputs(app.help().c_str(), stdout);
+      return 0;
+    }
+    kvevict::program::print_error("kvevict-headgates", (std::string(err.what()) + " (see --help)").c_str());
+    return 2;
+  }
+  if (c.threads < 0) return fail("--threads must be >= 0, got " + std::to_string(c.threads));
+  if (c.texts < 1) return fail("--texts must be >= 1, got " + std::to_string(c.texts));
+  if (c.train.steps < 1) return fail("--steps must be >= 1, got " + std::to_string(c.train.steps));
+  if (c.train.batch < 1) return fail("--batch must be >= 1, got " + std::to_string(c.train.batch));
+  if (c.train.log_every < 1) return fail("--log-every must be >= 1, got " + std::to_string(c.train.log_every));
+  if (c.train.window.sink < 0 || c.train.window.recent < 1)
+    return fail("--sink must be >= 0 and --recent >= 1, got " + std::to_string(c.train.window.sink) + " and " +
+                std::to_string(c.train.window.recent));
+  c.train.threads = c.threads;
+  if (*prulong) {
+    for (double s : sparsities)
+      if (!(s >= 0 && s <= 1)) return fail("--sparsities: " + std::to_string(s) + " is outside [0, 1]");
+    if (sparsities.empty()) return fail("--sparsities: give at least one sparsity");
+    std::error_code ec;
+    if (!std::filesystem::is_directory(out_dir, ec)) return fail("--out-dir: '" + out_dir + "' is not a directory");
+    return cmd_prulong(c, sparsities, out_dir, pp);
+  }
+  if (auto st = kvevict::io::check_paths({{"--model", c.model}}, {{"--out", duo_out}}); !st.ok()) return fail(st);
+  return cmd_duo(c, duo_out, dp);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return kvevict::program::guarded_main("kvevict-headgates", [&] { return run(argc, argv); });
+}

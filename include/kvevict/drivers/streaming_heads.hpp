@@ -1,0 +1,172 @@
+// kvevict/drivers/streaming_heads.hpp: DuoAttention / PruLong head types applied at every point
+// the cache grows (docs/drivers.md, "Streaming heads").
+//
+//   streaming_heads_driver d;
+//   d.init(cfg, memory, streaming_heads_driver::state_bytes(cfg).value(), &recorder /*optional*/);
+//   whenever the engine appended rows to layer l (a prefill chunk, a layer's whole prefill, a
+//   decoded token) and `tokens` tokens have been processed:
+//     d.update(l, layer_kv_l, tokens);
+//     if (d.evicted(l)) compact layer l with d.kept(l);
+//
+// Retrieval heads (mask 1) keep every row; streaming heads (mask 0) keep the rows whose original
+// position is a sink (< n_sink) or among the n_recent - 1 newest (> tokens - n_recent): with its own
+// key, the next query (position `tokens`) then sees exactly the sinks and n_recent recent keys, the
+// window of StreamingLLM, DuoAttention and PruLong (the current key included). After every update
+// a streaming head holds min(tokens, n_sink + n_recent - 1) rows, and one-token steps record
+// exactly eviction_recorder::set_streaming's schedule, so the KV footprint and the peak a recorder
+// measures are what a DuoAttention / PruLong engine holds, in the chunked prefill, the layer-wise
+// prefill and decoding alike. No scores, no queries, no workspace.
+#pragma once
+
+#include <kvevict/drivers/detail/driver_skeleton.hpp>
+
+namespace kvevict {
+
+struct streaming_heads_config {
+  model_shape model;
+  /// C: the most rows a head holds when update() is called (sizes the state).
+  index_t capacity = 0;
+  /// The streaming heads' sinks and recent window (the current token's key included: n_recent >= 1).
+  protection streaming;
+  /// [layers][kv_heads]: 1 = retrieval head (full cache), 0 = streaming head; copied by init().
+  matrix_view<const std::uint8_t> retrieval;
+};
+
+/// Streaming heads at every step (see the file comment and docs/drivers.md).
+class streaming_heads_driver : public detail::driver_skeleton<streaming_heads_driver, streaming_heads_config> {
+  friend class detail::driver_skeleton<streaming_heads_driver, streaming_heads_config>;
+
+ public:
+  static constexpr const char* name = "streaming_heads_driver";
+
+  // state_bytes(cfg), workspace_bytes(be) (always 0), config(): detail::driver_skeleton.
+
+  /// Errors: model shape; capacity outside [1, INT32_MAX / H]; n_sink < 0 or n_recent < 1; a mask
+  /// that is not [L][H] or holds a value other than 0 and 1; recorder shape; memory null or too small.
+  status init(const streaming_heads_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
+    unsigned char* base = nullptr;
+    KVEVICT_TRY(bind("streaming_heads_driver::init", cfg, memory, bytes, recorder, 1, &base));
+    const plan_t p = plan(cfg);
+    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    mask_ = base + p.mask;
+    evicted_ = base + p.evicted;
+    kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
+    kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
+    drop_pos_ = reinterpret_cast<pos_t*>(base + p.drop_pos);
+    drop_cu_ = reinterpret_cast<std::int32_t*>(base + p.drop_cu);
+    for (index_t l = 0; l < L; ++l) {
+      evicted_[l] = 0;
+      for (index_t h = 0; h < H; ++h) mask_[l * H + h] = cfg.retrieval(l, h) != 0 ? 1 : 0;
+      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
+    }
+    cfg_.retrieval = {};
+    ok_ = true;
+    return {};
+  }
+
+  /// Layer l holds kv after `tokens` tokens (every position < tokens, at most C rows per head, in
+  /// arrival order): kept(l) keeps every row of a retrieval head and the sinks and the positions
+  /// > tokens - n_recent of a streaming head; evicted(l) says whether a row is dropped (recorded at
+  /// step `tokens`). Layers may come in any order, as often as the engine likes.
+  /// Errors (nothing changes but evicted(l), false after any error): not initialised; layer outside
+  /// [0, L); the layer's layout and positions; more rows than the capacity; tokens outside
+  /// [1, INT32_MAX); the recorder's errors.
+  template <class T>
+  status update(index_t layer, const layer_kv<T>& kv, index_t tokens) {
+    constexpr const char* fn = "streaming_heads_driver::update";
+    if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
+    if (layer < 0 || layer >= L)
+      return status::error(errc::out_of_range, "%s: layer %lld is outside [0, %lld)", fn, static_cast<long long>(layer),
+                           static_cast<long long>(L));
+    evicted_[layer] = 0;
+    if (tokens < 1 || tokens >= INT32_MAX)
+      return status::error(errc::invalid_argument, "%s: tokens = %lld is outside [1, %d)", fn,
+                           static_cast<long long>(tokens), INT32_MAX);
+    detail::row_rules rr;
+    rr.tokens = tokens;
+    rr.capacity = C;
+    KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rr));
+    const index_t recent_from = tokens - cfg_.streaming.n_recent + 1;  // the next query's key completes the window
+    std::int32_t* cu = kept_cu_ + layer * (H + 1);
+    pos_t* pos = kept_pos_ + layer * H * C;
+    bool dropped = false;
+    cu[0] = 0;
+    for (index_t h = 0; h < H; ++h) {
+      const pos_t* p = kv.positions + kv.keys.cu_capacity[h];
+      const index_t n = kv.keys.lens[h];
+      std::int32_t at = cu[h];
+      for (index_t j = 0; j < n; ++j)
+        if (mask_[layer * H + h] != 0 || p[j] < cfg_.streaming.n_sink || p[j] >= recent_from)
+          pos[at++] = static_cast<pos_t>(j);
+      dropped = dropped || at - cu[h] != n;
+      cu[h + 1] = at;
+    }
+    const ragged_positions k{pos, cu, H};
+    if (dropped) KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, k, tokens, drop_pos_, drop_cu_));
+    evicted_[layer] = dropped ? 1 : 0;
+    return {};
+  }
+
+  /// Did the last update of layer l drop a row? (Then compact it with kept(l).)
+  bool evicted(index_t layer) const noexcept { return ok_ && layer >= 0 && layer < cfg_.model.layers && evicted_[layer] != 0; }
+  /// The rows of layer l to keep after its last update (row indices, ascending per head).
+  ragged_positions kept(index_t layer) const noexcept {
+    const index_t H = cfg_.model.kv_heads;
+    return {kept_pos_ + layer * H * cfg_.capacity, kept_cu_ + layer * (H + 1), H};
+  }
+  /// Is head (l, h) a retrieval head?
+  bool retrieval(index_t layer, index_t head) const noexcept { return mask_[layer * cfg_.model.kv_heads + head] != 0; }
+
+ private:
+  struct plan_t {
+    detail::mem_plan layout;
+    std::size_t mask = 0, evicted = 0, kept_pos = 0, kept_cu = 0, drop_pos = 0, drop_cu = 0;
+  };
+
+  static status validate(const char* fn, const streaming_heads_config& c) {
+    KVEVICT_TRY(detail::check_model(fn, c.model));
+    KVEVICT_TRY(detail::check_capacity(fn, "capacity", c.capacity, c.model.kv_heads));
+    if (c.streaming.n_sink < 0 || c.streaming.n_recent < 1)
+      return status::error(errc::invalid_argument, "%s: n_sink = %lld must be >= 0 and n_recent = %lld >= 1 (the current key)", fn,
+                           static_cast<long long>(c.streaming.n_sink), static_cast<long long>(c.streaming.n_recent));
+    KVEVICT_TRY(detail::check_view(fn, "retrieval", c.retrieval));
+    if (c.retrieval.extent(0) != c.model.layers || c.retrieval.extent(1) != c.model.kv_heads)
+      return status::error(errc::shape_mismatch, "%s: the retrieval mask is [%lld][%lld], expected [%lld layers][%lld heads]",
+                           fn, static_cast<long long>(c.retrieval.extent(0)), static_cast<long long>(c.retrieval.extent(1)),
+                           static_cast<long long>(c.model.layers), static_cast<long long>(c.model.kv_heads));
+    for (index_t l = 0; l < c.model.layers; ++l)
+      for (index_t h = 0; h < c.model.kv_heads; ++h)
+        if (c.retrieval(l, h) > 1)
+          return status::error(errc::invalid_argument, "%s: retrieval[%lld][%lld] = %d is neither 0 nor 1", fn,
+                               static_cast<long long>(l), static_cast<long long>(h), static_cast<int>(c.retrieval(l, h)));
+    return {};
+  }
+
+  static plan_t plan(const streaming_heads_config& c) {
+    plan_t p;
+    const auto L = static_cast<std::size_t>(c.model.layers), H = static_cast<std::size_t>(c.model.kv_heads),
+               C = static_cast<std::size_t>(c.capacity);
+    p.mask = p.layout.take(L * H);
+    p.evicted = p.layout.take(L);
+    p.kept_pos = p.layout.take(L * H * C * sizeof(pos_t));
+    p.kept_cu = p.layout.take(L * (H + 1) * sizeof(std::int32_t));
+    p.drop_pos = p.layout.take(H * C * sizeof(pos_t));
+    p.drop_cu = p.layout.take((H + 1) * sizeof(std::int32_t));
+    return p;
+  }
+
+  template <class Backend>
+  status carve(Backend, workspace&, detail::call_scratch&) const {
+    return {};  // no scores, no selection: nothing to carve
+  }
+
+  unsigned char* mask_ = nullptr;
+  unsigned char* evicted_ = nullptr;
+  pos_t* kept_pos_ = nullptr;
+  std::int32_t* kept_cu_ = nullptr;
+  pos_t* drop_pos_ = nullptr;
+  std::int32_t* drop_cu_ = nullptr;
+};
+
+}  // namespace kvevict

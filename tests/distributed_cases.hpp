@@ -1,0 +1,405 @@
+// The sharded-eviction checks shared by tests/test_distributed.cpp (ranks as threads) and
+// tests/mpi/test_mpi_distributed.cpp (ranks as MPI processes). Every rank builds the same random
+// layer from the seed, runs the single-process call over all heads, runs the sharded call over its
+// own heads, and compares its part. Each check returns "" when this rank's part is identical, else
+// what differs.
+#pragma once
+
+#include <kvevict/budget/layer_cascade.hpp>
+#include <kvevict/distributed.hpp>
+#include <kvevict/protect.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace kvtest::dist {
+
+using kvevict::index_t;
+using kvevict::pos_t;
+
+/// A layer of P x R rows of T scores (row-major), the rows of rank r being [r R, (r + 1) R).
+struct layer {
+  index_t ranks = 1, rows_per_rank = 1, T = 0;
+  std::vector<float> scores;
+  std::vector<std::int32_t> lengths;  // empty: every row is T long
+  index_t rows() const { return ranks * rows_per_rank; }
+  const std::int32_t* lengths_of(index_t first) const { return lengths.empty() ? nullptr : lengths.data() + first; }
+  kvevict::matrix_view<const float> view(index_t first, index_t n) const {
+    return kvevict::make_matrix_view<const float>(scores.data() + first * T, n, T).value();
+  }
+};
+
+inline std::int64_t pick(std::mt19937_64& g, std::int64_t lo, std::int64_t hi) {
+  return std::uniform_int_distribution<std::int64_t>(lo, hi)(g);
+}
+
+/// kind 0: uniform; 1: ties ({0, 1, 2}); 2: all equal; 3: ties with NaN, +-inf and -0 sprinkled;
+/// 4: non-negative (LAVa).
+inline layer make_layer(std::mt19937_64& g, index_t ranks, int kind, bool ragged) {
+  layer L;
+  L.ranks = ranks;
+  L.rows_per_rank = pick(g, 1, 4);
+  L.T = pick(g, 0, 1) == 0 ? pick(g, 1, 40) : pick(g, 1, 700);
+  L.scores.resize(static_cast<std::size_t>(L.rows() * L.T));
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), -0.0f, 0.0f};
+  for (auto& x : L.scores) {
+    switch (kind) {
+      case 0: x = u(g); break;
+      case 1: x = static_cast<float>(pick(g, 0, 2)); break;
+      case 2: x = 0.5f; break;
+      case 3: x = pick(g, 0, 9) == 0 ? specials[pick(g, 0, 4)] : static_cast<float>(pick(g, 0, 2)); break;
+      default: x = pick(g, 0, 3) == 0 ? 0.0f : std::fabs(u(g)); break;
+    }
+  }
+  if (ragged) {
+    L.lengths.resize(static_cast<std::size_t>(L.rows()));
+    for (auto& n : L.lengths) n = static_cast<std::int32_t>(pick(g, 0, L.T));
+  }
+  return L;
+}
+
+template <class T>
+std::string differs(const char* what, const std::vector<T>& want, const T* got, std::size_t n) {
+  if (want.size() == n && (n == 0 || std::memcmp(want.data(), got, n * sizeof(T)) == 0)) return "";
+  return std::string(what) + " differs from the single-process call";
+}
+
+/// Workspace of a two-phase call, queried then sized exactly.
+template <class Call>
+kvevict::status with_workspace(Call call) {
+  kvevict::workspace q;
+  if (auto st = call(q); !st.ok()) return st;
+  std::vector<unsigned char> mem(q.bytes);
+  kvevict::workspace ws{mem.data(), mem.size()};
+  return call(ws);
+}
+
+/// The sharded calls' backend: seq for even seeds, par with 2 threads for odd ones (the
+/// single-process reference is always seq: the backends must agree). The harnesses lower
+/// detail::par_min_elements so that par really runs threads on these small layers.
+template <class F>
+kvevict::status on_backend(std::uint64_t seed, F call) {
+  return seed % 2 == 1 ? with_workspace([&](kvevict::workspace& ws) { return call(kvevict::par_t{2}, ws); })
+                       : with_workspace([&](kvevict::workspace& ws) { return call(kvevict::seq, ws); });
+}
+
+/// This rank's rows of a single-process result: offsets rebased to 0 and its positions.
+struct rows_part {
+  std::vector<std::int32_t> cu;
+  std::vector<pos_t> pos;
+};
+inline rows_part part_of(const std::vector<std::int32_t>& cu, const std::vector<pos_t>& pos, index_t first, index_t n,
+                         bool positions) {
+  rows_part p;
+  for (index_t r = 0; r <= n; ++r) p.cu.push_back(cu[static_cast<std::size_t>(first + r)] - cu[static_cast<std::size_t>(first)]);
+  if (positions)
+    p.pos.assign(pos.begin() + cu[static_cast<std::size_t>(first)], pos.begin() + cu[static_cast<std::size_t>(first + n)]);
+  return p;
+}
+
+/// Sharded select_topk_flat against select_topk_flat over every row.
+template <class Comm>
+std::string check_flat(Comm& comm, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  const int kind = static_cast<int>(pick(g, 0, 3));
+  const layer L = make_layer(g, comm.size(), kind, pick(g, 0, 1) == 1);
+  const index_t R = L.rows(), mine = L.rows_per_rank * comm.rank(), n = L.rows_per_rank;
+  std::vector<std::int32_t> floors;
+  index_t sum_len = 0, sum_floor = 0;
+  const bool use_floors = pick(g, 0, 1) == 1;
+  for (index_t r = 0; r < R; ++r) {
+    const index_t len = L.lengths.empty() ? L.T : L.lengths[static_cast<std::size_t>(r)];
+    sum_len += len;
+    if (use_floors) floors.push_back(static_cast<std::int32_t>(pick(g, 0, len / 2)));
+    if (use_floors) sum_floor += floors.back();
+  }
+  const index_t total = pick(g, 0, 4) == 0 ? (pick(g, 0, 1) ? sum_floor : sum_len) : pick(g, sum_floor, sum_len);
+  const bool positions = pick(g, 0, 4) != 0;
+  const std::int32_t* fl_all = use_floors ? floors.data() : nullptr;
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(R + 1));
+  std::vector<pos_t> pos(static_cast<std::size_t>(total));
+  auto st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::select_topk_flat(kvevict::seq, ws, L.view(0, R), L.lengths_of(0), total, fl_all, cu.data(),
+                                     positions ? pos.data() : nullptr);
+  });
+  if (!st.ok()) return std::string("single-process call failed: ") + st.message();
+  const rows_part want = part_of(cu, pos, mine, n, positions);
+  std::vector<std::int32_t> got_cu(static_cast<std::size_t>(n + 1));
+  std::vector<pos_t> got_pos(static_cast<std::size_t>(total) + 1);
+  st = on_backend(seed, [&](auto be, kvevict::workspace& ws) {
+    return kvevict::select_topk_flat(be, ws, comm, L.view(mine, n), L.lengths_of(mine), total,
+                                     use_floors ? floors.data() + mine : nullptr, got_cu.data(),
+                                     positions ? got_pos.data() : nullptr);
+  });
+  if (!st.ok()) return std::string("sharded call failed: ") + st.message();
+  std::string d = differs("kept_cu", want.cu, got_cu.data(), got_cu.size());
+  if (d.empty() && positions) d = differs("kept_pos", want.pos, got_pos.data(), static_cast<std::size_t>(got_cu[n]));
+  return d;
+}
+
+/// Scores protected with prot (+inf at the protected positions of each row's length).
+inline void protect_rows(layer& L, const kvevict::protection& prot) {
+  for (index_t r = 0; r < L.rows(); ++r) {
+    const index_t len = L.lengths.empty() ? L.T : L.lengths[static_cast<std::size_t>(r)];
+    for (index_t t = 0; t < len; ++t) {
+      float& x = L.scores[static_cast<std::size_t>(r * L.T + t)];
+      const bool prot_t = t < prot.n_sink || t >= len - prot.n_recent;
+      if (prot_t) x = std::numeric_limits<float>::infinity();
+      else if (std::isinf(x) || std::isnan(x)) x = 0.25f;
+    }
+  }
+}
+
+/// Sharded adakv_budgets against adakv_budgets over every head.
+template <class Comm>
+std::string check_adakv(Comm& comm, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  layer L = make_layer(g, comm.size(), static_cast<int>(pick(g, 0, 3)), false);
+  kvevict::adakv_options opt;
+  opt.alpha = pick(g, 0, 3) == 0 ? 0.0 : static_cast<double>(pick(g, 0, 10)) / 10.0;
+  opt.floor = pick(g, 0, 1) ? kvevict::adakv_floor::evictable : kvevict::adakv_floor::budget;
+  opt.prot = {pick(g, 0, 2), pick(g, 0, 3)};
+  protect_rows(L, opt.prot);
+  const index_t W = kvevict::protected_count(L.T, opt.prot.n_sink, opt.prot.n_recent);
+  const index_t B = pick(g, W, L.T), H = L.rows(), mine = L.rows_per_rank * comm.rank(), n = L.rows_per_rank;
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1));
+  std::vector<pos_t> pos(static_cast<std::size_t>(B * H));
+  auto st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::adakv_budgets(kvevict::seq, ws, L.view(0, H), nullptr, B, opt, cu.data(), pos.data());
+  });
+  if (!st.ok()) return std::string("single-process call failed: ") + st.message();
+  const rows_part want = part_of(cu, pos, mine, n, true);
+  std::vector<std::int32_t> got_cu(static_cast<std::size_t>(n + 1));
+  std::vector<pos_t> got_pos(static_cast<std::size_t>(B * H) + 1);
+  st = on_backend(seed, [&](auto be, kvevict::workspace& ws) {
+    return kvevict::adakv_budgets(be, ws, comm, L.view(mine, n), nullptr, B, opt, got_cu.data(),
+                                  got_pos.data());
+  });
+  if (!st.ok()) return std::string("sharded call failed: ") + st.message();
+  std::string d = differs("adakv kept_cu", want.cu, got_cu.data(), got_cu.size());
+  if (d.empty()) d = differs("adakv kept_pos", want.pos, got_pos.data(), static_cast<std::size_t>(got_cu[n]));
+  return d;
+}
+
+/// Sharded lava_layer_entropy against lava_layer_entropy over every head, bit for bit.
+template <class Comm>
+std::string check_lava_entropy(Comm& comm, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  const layer L = make_layer(g, comm.size(), 4, pick(g, 0, 1) == 1);
+  kvevict::lava_entropy_options opt;
+  opt.prot = {pick(g, 0, 2), pick(g, 0, 3)};
+  opt.norm = pick(g, 0, 1) ? kvevict::entropy_norm::count : kvevict::entropy_norm::log_count;
+  const index_t H = L.rows(), mine = L.rows_per_rank * comm.rank(), n = L.rows_per_rank;
+  double want = -1.0, got = -2.0;
+  auto st = kvevict::lava_layer_entropy(kvevict::seq, L.view(0, H), L.lengths_of(0), opt, &want);
+  if (!st.ok()) return std::string("single-process call failed: ") + st.message();
+  st = on_backend(seed, [&](auto be, kvevict::workspace& ws) {
+    return kvevict::lava_layer_entropy(be, ws, comm, L.view(mine, n), L.lengths_of(mine), opt, &got);
+  });
+  if (!st.ok()) return std::string("sharded call failed: ") + st.message();
+  return std::memcmp(&want, &got, sizeof(double)) == 0 ? "" : "lava entropy differs from the single-process call";
+}
+
+/// Sharded cake_layer_stats against cake_layer_stats over every head, bit for bit.
+template <class Comm>
+std::string check_cake_stats(Comm& comm, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  const index_t per = pick(g, 1, 3), w = pick(g, 1, 6), C = pick(g, 1, 50), R = per * comm.size();
+  std::vector<float> a(static_cast<std::size_t>(R * w * C));
+  std::uniform_real_distribution<float> u(0.f, 1.f);
+  for (auto& x : a) x = pick(g, 0, 4) == 0 ? 0.0f : u(g);
+  const auto var = pick(g, 0, 1) ? kvevict::variance_estimator::biased : kvevict::variance_estimator::unbiased;
+  const auto all = kvevict::make_kv_view<const float>(a.data(), R, w, C).value();
+  const auto mine = kvevict::make_kv_view<const float>(a.data() + per * comm.rank() * w * C, per, w, C).value();
+  kvevict::cake_stats want, got;
+  auto st = kvevict::cake_layer_stats(kvevict::seq, all, &want, var);
+  if (!st.ok()) return std::string("single-process call failed: ") + st.message();
+  st = on_backend(seed, [&](auto be, kvevict::workspace& ws) {
+    return kvevict::cake_layer_stats(be, ws, comm, mine, &got, var);
+  });
+  if (!st.ok()) return std::string("sharded call failed: ") + st.message();
+  if (std::memcmp(&want.entropy, &got.entropy, sizeof(double)) != 0 ||
+      std::memcmp(&want.variance, &got.variance, sizeof(double)) != 0)
+    return "cake statistics differ from the single-process call";
+  return "";
+}
+
+/// Layer-sharded LAVa and CAKE budgets: each stage computes its layers' weights, gathers all of
+/// them and allocates; the budgets equal the single-process allocation over all layers.
+template <class Comm>
+std::string check_layer_budgets(Comm& comm, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  const index_t L = pick(g, comm.size(), 3 * comm.size() + 2), H = pick(g, 1, 4), N = pick(g, 8, 200);
+  const kvevict::protection prot{pick(g, 0, 2), pick(g, 0, 4)};
+  const index_t W = kvevict::protected_count(N, prot.n_sink, prot.n_recent);
+  std::vector<double> weights(static_cast<std::size_t>(L));
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (auto& x : weights) x = pick(g, 0, 5) == 0 ? 0.0 : u(g);
+  const kvevict::shard_range mine = kvevict::layer_shard(L, comm.size(), comm.rank()).value();
+  std::vector<double> gathered(static_cast<std::size_t>(L), -1.0);
+  auto st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::gather_layer_values(ws, comm, mine, weights.data() + mine.first, L, gathered.data());
+  });
+  if (!st.ok()) return std::string("gather failed: ") + st.message();
+  if (std::memcmp(weights.data(), gathered.data(), weights.size() * sizeof(double)) != 0)
+    return "gathered layer values differ";
+  const index_t B = pick(g, W, N), total = pick(g, L * H * W, L * H * N);
+  std::vector<index_t> want(static_cast<std::size_t>(L)), got(static_cast<std::size_t>(L));
+  st = kvevict::lava_layer_budgets(weights.data(), L, H, N, prot, total, want.data());
+  if (st.ok()) st = kvevict::lava_layer_budgets(gathered.data(), L, H, N, prot, total, got.data());
+  if (!st.ok()) return std::string("lava_layer_budgets failed: ") + st.message();
+  if (want != got) return "lava layer budgets differ";
+  std::vector<std::int32_t> cw(static_cast<std::size_t>(L * H)), cg(cw.size());
+  st = kvevict::cake_budgets(weights.data(), B, N, prot, kvevict::make_matrix_view(cw.data(), L, H).value());
+  if (st.ok()) st = kvevict::cake_budgets(gathered.data(), B, N, prot, kvevict::make_matrix_view(cg.data(), L, H).value());
+  if (!st.ok()) return std::string("cake_budgets failed: ") + st.message();
+  return cw == cg ? "" : "cake budgets differ";
+}
+
+/// Pipeline-parallel cascade: stage s holds layer_shard(L, P, s)'s layers. Before its prefill it
+/// gathers the earlier layers' weights (one gather per stage boundary, the later stages
+/// contributing nothing), adds them as remote layers, adds its own layers, then gathers every weight
+/// and adds the later layers as remote: its layers must hold what the single-process cascade holds.
+template <class Comm>
+std::string check_pipeline_cascade(Comm& comm, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  const int P = comm.size();
+  kvevict::cascade_config cfg;
+  cfg.layers = pick(g, P, 2 * P + 3);
+  cfg.heads = pick(g, 1, 3);
+  cfg.prompt_length = pick(g, 4, 60);
+  cfg.prot = {pick(g, 0, 1), pick(g, 0, 2)};
+  cfg.split = pick(g, 0, 1) ? kvevict::cascade_split::per_head : kvevict::cascade_split::flattened;
+  const index_t L = cfg.layers, H = cfg.heads, N = cfg.prompt_length;
+  const index_t W = kvevict::protected_count(N, cfg.prot.n_sink, cfg.prot.n_recent);
+  cfg.total = pick(g, L * W, L * N) * H;  // a multiple of H (per_head)
+  std::vector<layer> layers;
+  std::vector<double> weights;
+  for (index_t l = 0; l < L; ++l) {
+    layer x;
+    x.ranks = 1;
+    x.rows_per_rank = H;
+    x.T = N;
+    x.scores.resize(static_cast<std::size_t>(H * N));
+    for (auto& v : x.scores) v = static_cast<float>(pick(g, 0, 3 + static_cast<std::int64_t>(l % 3)));
+    protect_rows(x, cfg.prot);
+    layers.push_back(x);
+    weights.push_back(pick(g, 0, 4) == 0 ? 0.0 : static_cast<double>(pick(g, 1, 100)) / 7.0);
+  }
+  const auto run = [&](kvevict::layer_cascade& c, std::vector<unsigned char>& mem, index_t first, index_t count,
+                       const std::vector<double>& w_before, const std::vector<double>& w_after) -> kvevict::status {
+    mem.assign(kvevict::layer_cascade::state_bytes(cfg).value(), 0);
+    KVEVICT_TRY(c.init(cfg, mem.data(), mem.size()));
+    std::vector<unsigned char> wsm(c.workspace_bytes(kvevict::seq).value());
+    kvevict::workspace ws{wsm.data(), wsm.size()};
+    for (index_t l = 0; l < first; ++l) KVEVICT_TRY(c.add_remote_layer(kvevict::seq, ws, l, w_before[static_cast<std::size_t>(l)]));
+    for (index_t l = first; l < first + count; ++l)
+      KVEVICT_TRY(c.add_layer(kvevict::seq, ws, l, layers[static_cast<std::size_t>(l)].view(0, H), weights[static_cast<std::size_t>(l)]));
+    for (index_t l = first + count; l < L; ++l)
+      KVEVICT_TRY(c.add_remote_layer(kvevict::seq, ws, l, w_after[static_cast<std::size_t>(l)]));
+    return {};
+  };
+  kvevict::layer_cascade one, mine;
+  std::vector<unsigned char> one_mem, mine_mem;
+  auto st = run(one, one_mem, 0, L, weights, weights);
+  if (!st.ok()) return std::string("single-process cascade failed: ") + st.message();
+  const kvevict::shard_range range = kvevict::layer_shard(L, P, comm.rank()).value();
+  // the weights of the layers before each stage, gathered at each stage boundary
+  std::vector<double> before(static_cast<std::size_t>(L), -1.0), after(static_cast<std::size_t>(L), -1.0);
+  for (int s = 0; s < P; ++s) {
+    const index_t a = kvevict::layer_shard(L, P, s).value().first;
+    if (a == 0) continue;
+    const index_t b = std::min(range.first + range.count, a), e = range.first < a ? range.first : a;
+    const kvevict::shard_range part{e, b - e};
+    std::vector<double> out(static_cast<std::size_t>(a));
+    st = with_workspace([&](kvevict::workspace& ws) {
+      return kvevict::gather_layer_values(ws, comm, part, weights.data() + part.first, a, out.data());
+    });
+    if (!st.ok()) return std::string("prefix gather failed: ") + st.message();
+    if (s == comm.rank()) std::copy(out.begin(), out.end(), before.begin());
+  }
+  st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::gather_layer_values(ws, comm, range, weights.data() + range.first, L, after.data());
+  });
+  if (!st.ok()) return std::string("gather failed: ") + st.message();
+  st = run(mine, mine_mem, range.first, range.count, before, after);
+  if (!st.ok()) return std::string("stage cascade failed: ") + st.message();
+  for (index_t l = 0; l < L; ++l) {
+    const kvevict::ragged_positions a = one.positions(l), b = mine.positions(l);
+    const bool own = l >= range.first && l < range.first + range.count;
+    if (!own) {
+      if (b.cu[H] != 0) return "a remote layer holds tokens";
+      continue;
+    }
+    for (index_t h = 0; h <= H; ++h)
+      if (a.cu[h] != b.cu[h]) return "layer " + std::to_string(l) + ": per-head counts differ";
+    if (a.cu[H] > 0 && std::memcmp(a.pos, b.pos, static_cast<std::size_t>(a.cu[H]) * sizeof(pos_t)) != 0)
+      return "layer " + std::to_string(l) + ": kept positions differ";
+  }
+  return "";
+}
+
+/// H = 2P + 1 KV heads: head_shard refuses the split on every rank, and ranks that split unevenly
+/// anyway (the last one holding 3 heads) get the same disagreement error on every rank.
+template <class Comm>
+std::string check_uneven_heads(Comm& comm) {
+  const int P = comm.size();
+  const index_t H = 2 * P + 1, T = 8;
+  const auto shard = kvevict::head_shard(H, P, comm.rank());
+  const std::string want = std::to_string(H) + " KV heads are not divisible by " + std::to_string(P) + " ranks";
+  if (P > 1 && (shard.ok() || std::string(shard.error().message()).find(want) == std::string::npos))
+    return "head_shard accepted or misreported an uneven split";
+  const index_t n = comm.rank() == P - 1 ? 3 : 2;
+  std::vector<float> s(static_cast<std::size_t>(n * T), 1.0f);
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(n + 1));
+  const auto st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::select_topk_flat(kvevict::seq, ws, comm, kvevict::make_matrix_view<const float>(s.data(), n, T).value(),
+                                     nullptr, 4, nullptr, cu.data(), nullptr);
+  });
+  if (P == 1) return st.ok() ? "" : std::string("one rank failed: ") + st.message();
+  const std::string msg = st.message();
+  if (st.ok() || st.code() != kvevict::errc::invalid_argument || msg.find("disagree") == std::string::npos ||
+      msg.find("3 rows x 8 columns per rank") == std::string::npos)
+    return "unexpected result for an uneven split: " + msg;
+  return "";
+}
+
+/// Rank `odd` passes a different budget (or, when `bad_lengths`, an invalid length): every rank
+/// must fail with the same error, none may hang. Returns "" when this rank saw that error.
+template <class Comm>
+std::string check_disagreement(Comm& comm, int odd, bool bad_lengths) {
+  const index_t n = 2, T = 16;
+  std::vector<float> s(static_cast<std::size_t>(n * T), 1.0f);
+  std::vector<std::int32_t> lengths(static_cast<std::size_t>(n), static_cast<std::int32_t>(T));
+  if (bad_lengths && comm.rank() == odd) lengths[1] = 99;
+  const index_t total = !bad_lengths && comm.rank() == odd ? 7 : 6;
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(n + 1));
+  std::vector<pos_t> pos(static_cast<std::size_t>(n * T));
+  const auto st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::select_topk_flat(kvevict::seq, ws, comm, kvevict::make_matrix_view<const float>(s.data(), n, T).value(),
+                                     lengths.data(), total, nullptr, cu.data(), pos.data());
+  });
+  const std::string msg = st.message();
+  if (st.ok()) return "a rank passing an inconsistent configuration was not reported";
+  if (bad_lengths) {
+    const std::string want = "rank " + std::to_string(odd) + " of " + std::to_string(comm.size());
+    if (st.code() != kvevict::errc::out_of_range || msg.find(want) == std::string::npos ||
+        msg.find("row_lengths[1] = 99") == std::string::npos)
+      return "unexpected error: " + msg;
+  } else if (st.code() != kvevict::errc::invalid_argument || msg.find("disagree") == std::string::npos ||
+             msg.find("total 7") == std::string::npos) {
+    return "unexpected error: " + msg;
+  }
+  for (const std::int32_t c : cu)
+    if (c != 0) return "outputs written despite the error";
+  return "";
+}
+
+}  // namespace kvtest::dist

@@ -1,0 +1,56 @@
+// The sharded-eviction checks of tests/distributed_cases.hpp with ranks as MPI processes
+// (kvevict/mpi.hpp), run by CTest as `mpirun -np 2` and `-np 4`. Every rank compares its part with
+// the single-process call; the failure count is summed so every rank exits with the same code.
+// Ends with rank 0 printing "N passed, M failed".
+#include "../distributed_cases.hpp"
+
+#include <kvevict/mpi.hpp>
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+int failures = 0, passes = 0;
+
+void expect(int rank, const char* what, std::uint64_t seed, const std::string& err) {
+  if (err.empty()) {
+    ++passes;
+    return;
+  }
+  ++failures;
+  std::fprintf(stderr, "rank %d: %s (seed %llu): %s\n", rank, what, static_cast<unsigned long long>(seed), err.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  {
+    kvevict::mpi_comm comm(MPI_COMM_WORLD);
+    kvevict::detail::par_min_elements() = 1;  // par runs its threads even on these small layers
+    const int rank = comm.rank();
+    namespace d = kvtest::dist;
+    for (std::uint64_t seed = 0; seed < 40; ++seed) {
+      expect(rank, "select_topk_flat", seed, d::check_flat(comm, seed));
+      expect(rank, "adakv_budgets", seed, d::check_adakv(comm, seed));
+      expect(rank, "lava_layer_entropy", seed, d::check_lava_entropy(comm, seed));
+      expect(rank, "cake_layer_stats", seed, d::check_cake_stats(comm, seed));
+      expect(rank, "layer budgets", seed, d::check_layer_budgets(comm, seed));
+      expect(rank, "pipeline cascade", seed, d::check_pipeline_cascade(comm, seed));
+    }
+    // inconsistent configuration / invalid arguments on one rank: every rank fails, none hangs
+    for (int odd = 0; odd < comm.size(); ++odd)
+      for (bool bad_lengths : {false, true})
+        expect(rank, bad_lengths ? "invalid lengths on one rank" : "different total on one rank",
+               static_cast<std::uint64_t>(odd), d::check_disagreement(comm, odd, bad_lengths));
+    expect(rank, "heads not divisible by the ranks", 0, d::check_uneven_heads(comm));
+    long long counts[2] = {passes, failures};
+    MPI_Allreduce(MPI_IN_PLACE, counts, 2, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    if (rank == 0)
+      std::printf("test_mpi_distributed on %d ranks: %lld passed, %lld failed\n", comm.size(), counts[0], counts[1]);
+    failures = static_cast<int>(counts[1]);
+  }
+  MPI_Finalize();
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,236 @@
+// PruLong / DuoAttention head-gate training (examples/headgates/*.hpp): the streaming columns, the
+// gated model with open gates against the runner, and the exact gradients of both objectives
+// through the whole frozen stories260K model (gates, log_alpha, the Lagrange multipliers) against
+// central finite differences in double; a short training run moving the gates as intended.
+#include "support.hpp"
+
+#include <headgates/gated.hpp>
+#include <headgates/train.hpp>
+#include <runner/kv_cache.hpp>
+#include <runner/model.hpp>
+#include <runner/runner.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace kvrun;
+
+namespace {
+
+void require_ok(const status& st) { REQUIRE_MESSAGE(st.ok(), std::string(st.message())); }
+
+const model& stories() {
+  static model m;
+  static const bool loaded = [] {
+    const status st = model::load_file(KVEVICT_SOURCE_DIR "/models/stories260K.bin", m);
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    return true;
+  }();
+  (void)loaded;
+  return m;
+}
+
+// a short model-generated text of the training split (its first n tokens)
+std::vector<int> text(index_t n) {
+  std::vector<gate_sample> s;
+  require_ok(make_gate_samples(stories(), 1, 1, s));
+  REQUIRE(static_cast<index_t>(s[0].tokens.size()) >= n);
+  return {s[0].tokens.begin(), s[0].tokens.begin() + n};
+}
+
+}  // namespace
+
+TEST_CASE("streaming columns: the sinks then the recent window, the row itself included") {
+  const streaming_window w{2, 3};
+  for (index_t i = 0; i < 12; ++i) {
+    const gates::row_columns rc = gates::streaming_columns(i, w);
+    std::vector<index_t> want;
+    for (index_t j = 0; j <= i; ++j)
+      if (j < w.sink || j > i - w.recent) want.push_back(j);
+    REQUIRE(rc.count == static_cast<index_t>(want.size()));
+    CHECK(rc.count <= w.sink + w.recent);
+    for (index_t c = 0; c < rc.count; ++c) CHECK(rc.col(c) == want[static_cast<std::size_t>(c)]);
+    const gates::row_columns f = gates::full_columns(i);
+    REQUIRE(f.count == i + 1);
+    for (index_t c = 0; c <= i; ++c) CHECK(f.col(c) == c);
+  }
+}
+
+TEST_CASE("gated model: open gates compute the runner's model (next-token loss from the runner's logits)") {
+  const model& m = stories();
+  const config& c = m.cfg();
+  const std::vector<int> t = text(40);
+  gated_lm<float> lm;
+  lm.from(m);
+  gated_backprop<float> bp;
+  require_ok(bp.init(lm, 40, {2, 3}));
+  const std::vector<float> ones(static_cast<std::size_t>(c.n_layers * c.n_kv_heads), 1.0f);
+  require_ok(bp.forward(lm, t.data(), 40, ones.data()));
+  double loss = 0;
+  require_ok(bp.next_token_loss(lm, t.data(), &loss, false));
+  runner run;
+  require_ok(run.init(m, {0, 0, 1}));
+  kv_cache cache;
+  require_ok(cache.init(c));
+  require_ok(run.forward(cache, tokens(t), logits_mode::all));
+  double ref = 0;
+  for (index_t i = 0; i + 1 < 40; ++i) {
+    const float* lg = run.logits(i);
+    double mx = lg[0], sum = 0;
+    for (int v = 1; v < c.vocab_size; ++v) mx = std::max(mx, double(lg[v]));
+    for (int v = 0; v < c.vocab_size; ++v) sum += std::exp(double(lg[v]) - mx);
+    ref += std::log(sum) + mx - lg[t[static_cast<std::size_t>(i + 1)]];
+  }
+  ref /= 39;
+  std::printf("gated model, open gates: next-token loss %.6f, runner %.6f\n", loss, ref);
+  CHECK(std::fabs(loss - ref) < 1e-4);
+  // closed gates differ (the window 2 + 3 is shorter than the text)
+  const std::vector<float> zeros(ones.size(), 0.0f);
+  require_ok(bp.forward(lm, t.data(), 40, zeros.data()));
+  double closed = 0;
+  require_ok(bp.next_token_loss(lm, t.data(), &closed, false));
+  CHECK(std::fabs(closed - loss) > 1e-3);
+}
+
+TEST_CASE("PruLong: d(next-token loss + Lagrangian)/d(log_alpha, lambda1, lambda2) through the whole model = central differences") {
+  const model& m = stories();
+  const config& c = m.cfg();
+  const index_t L = c.n_layers, H = c.n_kv_heads, n = 24;
+  const auto LH = static_cast<std::size_t>(L * H);
+  const std::vector<int> t = text(n);
+  gated_lm<double> lm;
+  lm.from(m);
+  gated_backprop<double> bp;
+  require_ok(bp.init(lm, n, {2, 3}));
+  auto g = kvtest::rng(16);
+  std::uniform_real_distribution<double> la_d(-0.5, 0.5), u_d(0.4, 0.6);  // every gate strictly inside (0, 1)
+  std::vector<double> la(LH), u(LH), z, dz, dzl;
+  for (std::size_t i = 0; i < LH; ++i) la[i] = la_d(g), u[i] = u_d(g);
+  const double target = 0.4, l1 = 0.7, l2 = 1.3;
+  // the trainer's objective: the sample's loss plus the Lagrangian at the same log_alpha
+  auto objective = [&](const std::vector<double>& a, double lam1, double lam2, std::vector<double>* grad, double* dl1,
+                       double* dl2) {
+    double loss = 0;
+    if (grad) grad->assign(LH, 0.0);
+    require_ok(prulong_sample_loss(bp, lm, t, a.data(), u.data(), &loss, grad ? grad->data() : nullptr, z, dz, dzl));
+    kvevict::prulong_lagrangian_result r;
+    kvevict::prulong_grad_options acc{true};
+    require_ok(kvevict::prulong_lagrangian(lkv::mat<const double>(a.data(), L, H, H), target, lam1, lam2, &r,
+                                                   grad ? lkv::mat<double>(grad->data(), L, H, H) : kvevict::matrix_view<double>{},
+                                                   acc));
+    if (dl1) *dl1 = r.penalty.grad_lambda1;
+    if (dl2) *dl2 = r.penalty.grad_lambda2;
+    return loss + r.penalty.value;
+  };
+  std::vector<double> grad;
+  double dl1 = 0, dl2 = 0;
+  objective(la, l1, l2, &grad, &dl1, &dl2);
+  const double h = 1e-5;
+  double worst = 0;
+  for (std::size_t i = 0; i < LH; ++i) {
+    std::vector<double> p = la, q = la;
+    p[i] += h;
+    q[i] -= h;
+    const double fd = (objective(p, l1, l2, nullptr, nullptr, nullptr) - objective(q, l1, l2, nullptr, nullptr, nullptr)) / (2 * h);
+    const double err = std::fabs(fd - grad[i]) / std::max(1e-3, std::fabs(fd));
+    worst = std::max(worst, err);
+    CHECK_MESSAGE(err < 1e-5, "log_alpha ", i, ": analytic ", grad[i], " vs central difference ", fd);
+  }
+  const double fd1 = (objective(la, l1 + h, l2, nullptr, nullptr, nullptr) - objective(la, l1 - h, l2, nullptr, nullptr, nullptr)) / (2 * h);
+  const double fd2 = (objective(la, l1, l2 + h, nullptr, nullptr, nullptr) - objective(la, l1, l2 - h, nullptr, nullptr, nullptr)) / (2 * h);
+  CHECK(std::fabs(fd1 - dl1) < 1e-8);
+  CHECK(std::fabs(fd2 - dl2) < 1e-8);
+  std::printf("PruLong gradient check (%zu log_alpha, %lld tokens): worst relative error %.2e; lambda1 %.3e vs %.3e, lambda2 %.3e vs %.3e\n",
+              LH, static_cast<long long>(n), worst, dl1, fd1, dl2, fd2);
+}
+
+TEST_CASE("DuoAttention: d(distillation loss)/d(alpha) through the whole model = central differences") {
+  const model& m = stories();
+  const config& c = m.cfg();
+  const index_t L = c.n_layers, H = c.n_kv_heads, n = 24, from = 10;
+  const auto LH = static_cast<std::size_t>(L * H);
+  const std::vector<int> t = text(n);
+  gated_lm<double> lm;
+  lm.from(m);
+  gated_backprop<double> bp;
+  require_ok(bp.init(lm, n, {2, 3}));
+  const std::vector<double> ones(LH, 1.0);
+  require_ok(bp.forward(lm, t.data(), n, ones.data()));
+  const std::vector<double> target(bp.hidden(), bp.hidden() + n * c.dim);
+  auto g = kvtest::rng(17);
+  std::uniform_real_distribution<double> a_d(0.2, 0.8);
+  std::vector<double> alpha(LH);
+  for (double& a : alpha) a = a_d(g);
+  auto loss_at = [&](const std::vector<double>& a, std::vector<double>* grad) {
+    double loss = 0;
+    if (grad) grad->assign(LH, 0.0);
+    require_ok(duo_sample_loss(bp, lm, t, target.data(), from, a.data(), &loss, grad ? grad->data() : nullptr));
+    return loss;
+  };
+  std::vector<double> grad;
+  const double at_alpha = loss_at(alpha, &grad);
+  CHECK(at_alpha > 0);
+  CHECK(loss_at(ones, nullptr) == 0.0);  // the full model reproduces its own hidden states
+  const double h = 1e-5;
+  double worst = 0;
+  for (std::size_t i = 0; i < LH; ++i) {
+    std::vector<double> p = alpha, q = alpha;
+    p[i] += h;
+    q[i] -= h;
+    const double fd = (loss_at(p, nullptr) - loss_at(q, nullptr)) / (2 * h);
+    const double err = std::fabs(fd - grad[i]) / std::max(1e-6, std::fabs(fd));
+    worst = std::max(worst, err);
+    CHECK_MESSAGE(err < 1e-5, "alpha ", i, ": analytic ", grad[i], " vs central difference ", fd);
+  }
+  std::printf("DuoAttention gradient check (%zu alpha, %lld tokens): worst relative error %.2e\n", LH,
+              static_cast<long long>(n), worst);
+}
+
+TEST_CASE("gate training: a short run moves PruLong's sparsity towards its target and lowers Duo's gates") {
+  const model& m = stories();
+  gated_lm<float> lm;
+  lm.from(m);
+  std::vector<gate_sample> samples;
+  require_ok(make_gate_samples(m, 2, 2, samples));
+  for (gate_sample& s : samples) {  // short texts keep the test fast
+    s.tokens.resize(48);
+    s.response_from = 32;
+  }
+  gate_train_options o;
+  o.steps = 12;
+  o.batch = 2;
+  o.threads = 2;
+  prulong_train_options p;
+  p.target = 0.5;
+  p.lr = p.lr_lambda = 1.0;  // Table 5's rates: the gates move within the few steps of a test
+  prulong_result r;
+  require_ok(train_prulong(lm, samples, o, p, r));
+  std::printf("PruLong, 12 steps: expected sparsity %.3f (target 0.5), lambda1 %.3f, lambda2 %.3f\n", r.sparsity, r.lambda1, r.lambda2);
+  CHECK(r.sparsity > 0.05);  // from 0.002 at the initialisation
+  double ones = 0;
+  for (float v : r.mask) ones += v;
+  CHECK(ones == 10.0);  // the top-k discretisation at 50 % of 20 heads
+  // the same seed gives the same gates with one thread
+  gate_train_options o1 = o;
+  o1.threads = 1;
+  prulong_result r1;
+  require_ok(train_prulong(lm, samples, o1, p, r1));
+  CHECK(r1.log_alpha == r.log_alpha);
+
+  require_ok(duo_targets(lm, samples, 2));
+  duo_train_options d;
+  d.reg = 0.5;
+  duo_result dr;
+  require_ok(train_duo(lm, samples, o, d, dr));
+  double mean = 0;
+  for (double a : dr.alpha) {
+    CHECK(a >= 0.0);
+    CHECK(a <= 1.0);
+    mean += a / static_cast<double>(dr.alpha.size());
+  }
+  std::printf("Duo, 12 steps: mean alpha %.3f\n", mean);
+  CHECK(mean < 1.0);
+}

@@ -25,6 +25,10 @@ seq = torch.set_num_threads(1), par = torch.set_num_threads(<cores>). Output: a 
 like Google Benchmark's (benchmarks[].name, real_time in us, aggregate median), with the names of
 bench_evict's cases:  evict/snapkv/<variant>/<seq|par>/shape=...,hq=...,hkv=...,d=...,T=...,w=...,B=...,kv=...
 
+kvevict_binding (with --binding-path, or when `import kvevict` works): the same eviction through the
+Python binding (python/, docs/python.md): recipe_scores + recipe_select + compact on views of the
+same tensors (fp16 read natively, no conversion), with kvevict.set_num_threads as the thread count.
+
 --check-tool PATH runs the kvevict command-line tool (build/.../tools/kvevict) on the same tensors
 for each runner-sized and 4K case and reports how many kept positions agree (they differ only
 where two scores are within rounding of each other at the budget's edge).
@@ -88,7 +92,32 @@ def scores_lean(q, k, w, kernel):
     return F.pad(s, (0, w), value=s.max().item())
 
 
+def binding_recipe(w, kernel):
+    import kvevict
+    r = kvevict.Recipe.snapkv()  # kvpress's SnapKVPress settings: avg pool, the window kept
+    r.window, r.n_recent, r.pool, r.kernel = w, w, "avg", kernel
+    return r
+
+
+def evict_binding(q, k, v, w, budget, kernel, phases):
+    import kvevict
+    r = binding_recipe(w, kernel)
+    t0 = time.perf_counter()
+    s = kvevict.recipe_scores(r, q[0], k[0])
+    t1 = time.perf_counter()
+    kept = kvevict.recipe_select(r, s, budget)
+    t2 = time.perf_counter()
+    k2, v2 = kvevict.compact(k[0], kept), kvevict.compact(v[0], kept)
+    t3 = time.perf_counter()
+    phases[0] += t1 - t0
+    phases[1] += t2 - t1
+    phases[2] += t3 - t2
+    return s, k2, v2
+
+
 def evict(q, k, v, w, budget, kernel, variant, phases):
+    if variant == "kvevict_binding":
+        return evict_binding(q, k, v, w, budget, kernel, phases)
     t0 = time.perf_counter()
     s = (scores_kvpress if variant == "torch_kvpress" else scores_lean)(q, k, w, kernel)
     t1 = time.perf_counter()
@@ -156,6 +185,18 @@ def check_with_tool(tool, q, k, v, w, budget, kernel):
     return same / torch_kept.size
 
 
+def check_binding(q, k, w, budget, kernel):
+    """Kept positions of the binding vs torch's topk on the same tensors: overlap fraction."""
+    import kvevict
+    with torch.inference_mode():
+        s = scores_kvpress(q.float(), k.float(), w, kernel)
+        torch_kept = torch.sort(s.topk(budget, dim=-1).indices, dim=-1).values[0]
+    r = binding_recipe(w, kernel)
+    kept = kvevict.recipe_select(r, kvevict.recipe_scores(r, q[0], k[0]), budget)
+    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(torch_kept, kept))
+    return same / torch_kept.numel()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -165,10 +206,19 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of the par cases")
     ap.add_argument("--variants", default="torch_kvpress,torch_lean")
     ap.add_argument("--check-tool", default=None, help="path of the kvevict tool, to cross-check kept sets")
+    ap.add_argument("--binding-path", default="", help="directory holding the kvevict Python package (build/release/python)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition (a quick self-test)")
     a = ap.parse_args()
 
     kernel = 5
+    if a.binding_path:
+        sys.path.insert(0, a.binding_path)
+    try:
+        import kvevict
+        if "kvevict_binding" not in a.variants:
+            a.variants += ",kvevict_binding"
+    except ImportError:
+        kvevict = None
     if a.smoke:
         cases = [(SMOKE, 96, 16), (RUNNER, 512, 64)]
         a.reps, a.min_rep_seconds = 1, 0.0
@@ -195,8 +245,17 @@ def main():
                 if a.smoke and agree < 0.99:  # the CTest smoke run fails when the two disagree
                     print("FAILED: kvevict's tool and the PyTorch path keep different positions", flush=True)
                     failed = True
+            if kvevict is not None:
+                agree = check_binding(q, k, shape["w"], budget, kernel)
+                print(f"check vs kvevict binding: {shape['name']} T={T} B={budget} {kvname}: "
+                      f"{agree * 100:.3f}% of the kept positions agree", flush=True)
+                if a.smoke and agree < 0.99:
+                    print("FAILED: kvevict's binding and the PyTorch path keep different positions", flush=True)
+                    failed = True
             for backend, threads in (("seq", 1), ("par", a.threads)):
                 torch.set_num_threads(threads)
+                if kvevict is not None:
+                    kvevict.set_num_threads(threads)
                 for variant in a.variants.split(","):
                     per_rep, iters, ph = time_case(q, k, v, shape["w"], budget, kernel, variant, a.reps,
                                                    a.min_rep_seconds)

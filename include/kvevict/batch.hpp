@@ -219,9 +219,10 @@ status select_topk_batch(Backend be, workspace& ws, batch_rows rows, const std::
     for (index_t h = 0; h < H; ++h) tokens += acc.length(s * H + h);
     const index_t keep = budgets[s] * H < tokens ? budgets[s] * H : tokens;
     const std::int32_t base = kept_cu[s * H];
-    detail::select_flat(
+    detail::flat_layer_local layer;  // one process holds every head of the sequence
+    (void)detail::select_flat(
         be, sub, [&](index_t h) { return acc.length(s * H + h); }, [](index_t) { return index_t(0); }, keep, local_cu,
-        kept_pos + base, fws);
+        kept_pos + base, fws, layer);
     for (index_t h = 0; h < H; ++h) kept_cu[s * H + h + 1] = base + local_cu[h + 1];
   }
   return {};

@@ -6,8 +6,10 @@
 #include "support.hpp"
 #include "support/shipped.hpp"
 
+#include <report/footprint.hpp>
 #include <report/report.hpp>
 #include <report/svg.hpp>
+#include <report/tables.hpp>
 
 #include <cctype>
 #include <cmath>
@@ -179,8 +181,8 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
   CHECK(j["duo_global"].items.size() == 20);
   const json& rows = j["rows"];
   REQUIRE(rows.items.size() == r.rows.size());
-  // full, then per budget: 15 post-fill methods, 2 layer-wise cascades, 4 chunked, 4 decode
-  CHECK(rows.items.size() == 1 + 2 * 25);
+  // full, then per budget: 16 post-fill methods, 2 layer-wise cascades, 4 chunked, 4 decode
+  CHECK(rows.items.size() == 1 + 2 * 26);
   CHECK(j["lookahead_module"]["n_lookahead"].num == 16);
   int oracle_rows = 0, full_budget_rows = 0, lookahead_rows = 0;
   for (const json& row : rows.items) {
@@ -188,7 +190,7 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
     CAPTURE(name);
     const json& mean = row["mean"];
     const json& per = row["per_prompt"];
-    for (const char* f : {"recall", "kl", "agreement", "footprint", "peak", "kept", "evict_ms", "prefill_ms", "overhead"}) {
+    for (const char* f : {"recall", "kl", "agreement", "top1", "footprint", "peak", "kept", "evict_ms", "prefill_ms", "overhead"}) {
       REQUIRE(per[f].items.size() == 2);
       if (std::string(f) != "evict_ms" && std::string(f) != "prefill_ms" && std::string(f) != "overhead")
         CHECK(mean[f].num == doctest::Approx((per[f][0].num + per[f][1].num) / 2).epsilon(1e-8));
@@ -209,8 +211,34 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
     CHECK(mean["agreement"].num <= m);
     CHECK(mean["kl"].num >= 0.0);
     const bool full = row["recipe"].str == "full" || (row["budget"].kind == json::number_v && row["budget"].num == 512);
+    CHECK(mean["top1"].num >= 0.0);
+    CHECK(mean["top1"].num <= 1.0);
+    // the paired difference to SnapKV post-fill at the same budget: the mean of the per-prompt
+    // differences (0 for SnapKV itself), none for the full row
+    if (row["recipe"].str == "full") {
+      CHECK(row["vs_snapkv"].kind == json::null_v);
+    } else {
+      const json* snap = nullptr;
+      for (const json& other : rows.items)
+        if (other["recipe"].str == "snapkv" && other["driver"].str == "postfill" && other["budget"].num == row["budget"].num)
+          snap = &other;
+      REQUIRE(snap != nullptr);
+      for (const char* f : {"kl", "recall", "agreement", "top1"}) {
+        CAPTURE(f);
+        const double d0 = per[f][0].num - (*snap)["per_prompt"][f][0].num, d1 = per[f][1].num - (*snap)["per_prompt"][f][1].num;
+        CHECK(row["vs_snapkv"][f]["mean"].num == doctest::Approx((d0 + d1) / 2).epsilon(1e-8));
+        CHECK(row["vs_snapkv"][f]["sem"].num == doctest::Approx(std::fabs(d0 - d1) / 2).epsilon(1e-6));
+        const double p = row["vs_snapkv"][f]["p"].num;
+        CHECK((p >= 0.0 && p <= 1.0));
+        if (row["recipe"].str == "snapkv" && row["driver"].str == "postfill") {
+          CHECK(row["vs_snapkv"][f]["mean"].num == 0.0);
+          CHECK(p == 1.0);
+        }
+      }
+    }
     if (full) {  // nothing evicted: the full cache's numbers exactly
       ++full_budget_rows;
+      CHECK(mean["top1"].num == 1.0);
       CHECK(mean["kl"].num == 0.0);
       CHECK(mean["agreement"].num == m);
       CHECK(mean["recall"].num == 1.0);
@@ -228,7 +256,9 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
   }
   CHECK(oracle_rows == 2);
   CHECK(lookahead_rows == 2);
-  CHECK(full_budget_rows == 1 + 25);
+  CHECK(full_budget_rows == 1 + 26);
+  REQUIRE(j["speckv_draft_match"].items.size() == 2);
+  for (const json& x : j["speckv_draft_match"].items) CHECK((x.num >= 0.0 && x.num <= 1.0));
 
   // the numbers do not depend on the thread count (only the times do)
   report_result r1;
@@ -255,7 +285,16 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
   CHECK(svg.find("</svg>") != std::string::npos);
   std::size_t lines = 0;
   for (std::size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++lines;
-  CHECK(lines == 2 * 25);  // two panels, one line per (recipe, driver)
+  CHECK(lines == 2 * 26);  // two panels, one line per (recipe, driver)
+  // the Markdown tables: every row, the counts, the reference and the significance legend
+  const std::string md = report_markdown(r, "t");
+  CHECK(md.find("LAQ / LAQ++ pseudo tokens: 16; SpecKV draft tokens: 16 (draft: the first 2 layers + output head); "
+                "LookaheadKV lookahead tokens: 16") != std::string::npos);
+  CHECK(md.find("| snapkv | ") != std::string::npos);
+  CHECK(md.find("(reference)") != std::string::npos);
+  CHECK(md.find("| speckv | ") != std::string::npos);
+  CHECK(md.find("| lava / chunked-patched | ") != std::string::npos);
+  CHECK(md.find("Bonferroni") != std::string::npos);
   CHECK(svg.find(">lookaheadkv</text>") != std::string::npos);
   CHECK(svg.find(">snapkv / chunked-patched</text>") != std::string::npos);
 }
@@ -280,12 +319,102 @@ TEST_CASE("report options errors") {
   o.all_drivers = true;
   o.budgets = {24};
   REQUIRE(report_configs(kvtest::shipped_model().cfg(), o, cfgs).ok());
-  CHECK(cfgs.size() == 1 + 51);  // every supported pair but full's (duo-heuristic: every driver since streaming heads)
+  CHECK(cfgs.size() == 1 + 52);  // every supported pair but full's (duo-heuristic: every driver since streaming heads)
   // without a module, lookaheadkv is left out of every method and refused when named
   o.lookahead = nullptr;
   REQUIRE(report_configs(kvtest::shipped_model().cfg(), o, cfgs).ok());
-  CHECK(cfgs.size() == 1 + 50);
+  CHECK(cfgs.size() == 1 + 51);
   o.recipes = {method::snapkv, method::lookaheadkv};
   kvtest::require_error(report_configs(kvtest::shipped_model().cfg(), o, cfgs), errc::invalid_argument,
                         "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
+}
+
+TEST_CASE("the footprint protocol: budget and per-chunk fraction sweeps, critical footprints from the measured curves") {
+  footprint_options f;
+  f.report = tiny(2);
+  f.recipes = {method::snapkv};
+  f.drivers = {driver_kind::postfill, driver_kind::chunked_naive, driver_kind::chunked_patched};
+  f.budgets = {16, 48};
+  f.fractions = {0.2, 0.6};
+  f.bootstrap = 20;
+  footprint_result r;
+  const status st = run_footprint(kvtest::shipped_model(), f, r);
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  REQUIRE(r.curves.size() == 3);
+  CHECK(!r.curves[0].curve.by_fraction);
+  CHECK(r.curves[1].curve.by_fraction);
+  CHECK(r.curves[2].curve.driver == driver_kind::chunked_patched);
+  for (const curve_result& c : r.curves) {
+    REQUIRE(c.rows.size() == 2);
+    // the critical footprint is the library's on the curve's mean points, full performance 1
+    std::vector<kvevict::curve_point> pts;
+    for (const std::size_t i : c.rows) pts.push_back({r.report.rows[i].footprint, r.report.rows[i].top1});
+    kvevict::critical_footprint_result want;
+    REQUIRE(kvevict::critical_footprint(pts.data(), 2, 1.0, want).ok());
+    CHECK(c.top1.at.footprint == want.footprint);
+    CHECK(c.top1.at.kind == want.kind);
+    CHECK(c.top1.se >= 0.0);
+  }
+  // evicting more per chunk holds less: the footprint falls with p
+  for (const std::size_t k : {std::size_t(1), std::size_t(2)}) {
+    const config_result &lo = r.report.rows[r.curves[k].rows[0]], &hi = r.report.rows[r.curves[k].rows[1]];
+    CHECK(lo.cfg.fraction == 0.2);
+    CHECK(hi.cfg.fraction == 0.6);
+    CHECK(hi.footprint < lo.footprint);
+  }
+  // a larger budget holds more after a post-fill eviction
+  CHECK(r.report.rows[r.curves[0].rows[1]].footprint > r.report.rows[r.curves[0].rows[0]].footprint);
+  const json j = json_reader(footprint_json(r, "stories260K", "test")).parse();
+  REQUIRE(j["curves"].items.size() == 3);
+  CHECK(j["curves"][1]["sweep"].str == "chunk_fraction");
+  CHECK(j["curves"][0]["critical"]["top1"]["footprint"].num == doctest::Approx(r.curves[0].top1.at.footprint).epsilon(1e-8));
+  CHECK(j["curves"][2]["points"][1]["per_prompt"]["top1"].items.size() == 2);
+  const std::string md = footprint_markdown(r);
+  CHECK(md.find("| snapkv / chunked-patched | p per chunk |") != std::string::npos);
+  CHECK(md.find("Patched − naive chunking") != std::string::npos);
+  const std::string svg = footprint_svg(r, "stories260K");
+  std::size_t lines = 0;
+  for (std::size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++lines;
+  CHECK(lines == 3);
+
+  // errors: a fraction outside (0, 1); no supported pair
+  footprint_options bad = f;
+  bad.fractions = {1.5};
+  kvtest::require_error(run_footprint(kvtest::shipped_model(), bad, r), errc::invalid_argument, "footprint: fraction 1.5 is outside (0, 1)");
+  bad = f;
+  bad.recipes = {method::h2o};
+  bad.drivers = {driver_kind::chunked_naive};
+  kvtest::require_error(run_footprint(kvtest::shipped_model(), bad, r), errc::invalid_argument, "footprint: no supported (recipe, driver) pair");
+}
+
+TEST_CASE("speckv's draft model: the first layers and the output head; all layers reproduce the model's greedy text") {
+  const model& m = kvtest::shipped_model();
+  model two;
+  REQUIRE(m.first_layers(2, two).ok());
+  CHECK(two.cfg().n_layers == 2);
+  CHECK(two.cfg().dim == m.cfg().dim);
+  CHECK(std::equal(m.classifier(), m.classifier() + m.cfg().dim * m.cfg().vocab_size, two.classifier()));
+  kvtest::require_error(m.first_layers(0, two), errc::invalid_argument, "model: 0 first layers of a 5-layer model");
+  speckv_drafter d;
+  kvtest::require_error(d.init(m, 6), errc::invalid_argument, "--draft-layers 6 is outside [1, 5]");
+  REQUIRE(d.init(m, m.cfg().n_layers).ok());
+  const std::vector<int> prompt{1, 403, 407, 261, 378, 425};
+  std::vector<int> draft;
+  REQUIRE(d.draft(prompt, 8, draft).ok());
+  REQUIRE(draft.size() == 8);
+  // the full model's greedy continuation
+  runner run;
+  REQUIRE(run.init(m, {0, 0, 1}).ok());
+  kv_cache cache;
+  REQUIRE(cache.init(m.cfg()).ok());
+  REQUIRE(run.forward(cache, tokens(prompt)).ok());
+  std::vector<int> want;
+  int tok = sampler::argmax(run.logits(0), m.cfg().vocab_size);
+  for (int i = 0; i < 8; ++i) {
+    want.push_back(tok);
+    REQUIRE(run.decode(cache, tok).ok());
+    tok = sampler::argmax(run.logits(0), m.cfg().vocab_size);
+  }
+  CHECK(draft == want);
+  kvtest::require_error(d.draft(prompt, 600, draft), errc::invalid_argument, "do not fit the context of 512");
 }

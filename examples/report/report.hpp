@@ -16,6 +16,9 @@
 //   agreement   greedy tokens generated with the evicted cache before the first one that differs
 //               from the full cache's response (computed from the teacher-forced logits: while the
 //               tokens agree, greedy generation feeds exactly the teacher-forced inputs);
+//   top1        teacher-forced top-1 agreement: the fraction of the m response positions whose
+//               argmax equals the full cache's greedy token (1 for the full cache: the footprint
+//               protocol's performance, footprint.hpp);
 //   footprint, peak   kvevict::measure_kv_usage of the schedule the driver recorded over the
 //               P + m - 1 tokens whose queries run (prefill and decode);
 //   evict_ms, prefill_ms   medians over the prompts of the eviction work and of the prefill's
@@ -23,6 +26,8 @@
 //   overhead    median over the prompts of (prefill_ms + evict_ms) / prefill_ms, both measured on
 //               the same prompt by the same thread (post-fill rows share one timed prefill per
 //               prompt): the prefill-time cost of a method relative to the prefill alone.
+// Every row also carries its paired difference to SnapKV (post-fill, same budget) on the same
+// prompts: the mean of the per-prompt differences and its standard error (paired_difference).
 // LookaheadKV needs report_options::lookahead (the trained module); without one, "every method"
 // leaves it out.
 // Prompts run in parallel (one runner per thread, single-threaded forwards); every number but the
@@ -31,6 +36,7 @@
 
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
+#include <runner/speckv.hpp>
 #include <runner/workers.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
@@ -39,9 +45,11 @@
 #include <kvevict/metrics.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 
@@ -52,6 +60,7 @@ struct report_config {
   method recipe = method::snapkv;
   driver_kind driver = driver_kind::postfill;
   index_t budget = 0;
+  double fraction = -1.0;  ///< chunked drivers: evict_options::chunk_fraction (-1: down to the budget)
 };
 
 /// The drivers each method runs with in the default report: every method post-fill; the cascades
@@ -71,7 +80,7 @@ inline bool default_matrix(method m, driver_kind d) {
 }
 
 struct report_options {
-  index_t prompts = 32;
+  index_t prompts = 128;
   std::vector<index_t> budgets{16, 32, 64, 128};
   std::vector<method> recipes;       ///< empty: every method (full is always the first row)
   std::vector<driver_kind> drivers;  ///< empty: every driver of the matrix
@@ -84,6 +93,9 @@ struct report_options {
   }();
   std::uint64_t seed_begin = test_seed_base;
   index_t calibration = 8;  ///< duo calibration texts (training seeds)
+  /// Run exactly these configurations (after `full`, which is always first) instead of the matrix
+  /// built from budgets / recipes / drivers (the footprint sweep, footprint.hpp).
+  std::vector<report_config> configs;
   /// The lookaheadkv method's trained module (must outlive the report); null: lookaheadkv is left
   /// out of "every method" and refused when named in `recipes`.
   const lookahead_module* lookahead = nullptr;
@@ -93,21 +105,31 @@ struct report_options {
 };
 
 struct prompt_result {
-  double recall = 0.0, kl = 0.0, footprint = 0.0, peak = 0.0, evict_ms = 0.0, prefill_ms = 0.0;
+  double recall = 0.0, kl = 0.0, top1 = 0.0, footprint = 0.0, peak = 0.0, evict_ms = 0.0, prefill_ms = 0.0;
   double overhead = 1.0;  ///< (prefill_ms + evict_ms) / prefill_ms
   index_t agreement = 0;
   index_t kept = 0;  ///< KV rows held after the prefill's eviction (all layers and heads)
+};
+
+/// A paired difference over the prompts: mean of (row - reference) per prompt, its standard error
+/// (sample standard deviation / sqrt(n)) and z = mean / sem; `valid` = a reference row exists.
+struct paired_difference {
+  bool valid = false;
+  double mean = 0.0, sem = 0.0;
+  double z() const { return sem > 0.0 ? mean / sem : (mean == 0.0 ? 0.0 : (mean > 0 ? HUGE_VAL : -HUGE_VAL)); }
 };
 
 struct config_result {
   report_config cfg;
   std::vector<prompt_result> prompts;  ///< per prompt, in prompt order
   // over the prompts: means, and medians of the times
-  double recall = 0.0, kl = 0.0, agreement = 0.0, footprint = 0.0, peak = 0.0, evict_ms = 0.0, prefill_ms = 0.0,
-         kept = 0.0;
+  double recall = 0.0, kl = 0.0, agreement = 0.0, top1 = 0.0, footprint = 0.0, peak = 0.0, evict_ms = 0.0,
+         prefill_ms = 0.0, kept = 0.0;
   double overhead = 1.0;  ///< median over the prompts of prompt_result::overhead
   // standard errors of the means (sample standard deviation / sqrt(prompts); 0 for one prompt)
-  double recall_sem = 0.0, kl_sem = 0.0, agreement_sem = 0.0;
+  double recall_sem = 0.0, kl_sem = 0.0, agreement_sem = 0.0, top1_sem = 0.0;
+  /// Paired differences to SnapKV post-fill at the same budget (row - snapkv) on the same prompts.
+  paired_difference d_kl, d_recall, d_agreement, d_top1;
 };
 
 struct report_result {
@@ -116,6 +138,9 @@ struct report_result {
   std::vector<index_t> prompt_lengths;
   index_t response = 0;
   duo_heads duo;
+  /// Per prompt (with speckv rows): the fraction of SpecKV's draft tokens equal to the full cache's
+  /// greedy response at the same position (how good the derived draft model is).
+  std::vector<double> draft_match;
   std::vector<config_result> rows;
   double seconds = 0.0;
   int threads = 1;
@@ -128,6 +153,24 @@ struct report_result {
 inline status report_configs(const config& c, const report_options& o, std::vector<report_config>& out) {
   out.clear();
   out.push_back({method::full, driver_kind::postfill, 0});
+  if (!o.configs.empty()) {
+    for (const report_config& rc : o.configs) {
+      evict_options e = o.base;
+      e.recipe = rc.recipe;
+      e.driver = rc.driver;
+      e.budget = rc.budget;
+      e.chunk_fraction = rc.fraction;
+      e.alloc.reset();
+      if (rc.recipe == method::full) continue;
+      if (rc.recipe == method::lookaheadkv && o.lookahead == nullptr)
+        return status::error(errc::invalid_argument, "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
+      if (const status st = check_evict_options(c, e); !st.ok())
+        return status::error(errc::invalid_argument, "report: %s / %s / budget %lld: %s", method_name(rc.recipe),
+                             driver_name(rc.driver), static_cast<long long>(rc.budget), st.message());
+      out.push_back(rc);
+    }
+    return {};
+  }
   if (o.budgets.empty()) return status::error(errc::invalid_argument, "--budgets: no budget given");
   const bool named_lookahead = std::find(o.recipes.begin(), o.recipes.end(), method::lookaheadkv) != o.recipes.end();
   if (named_lookahead && o.lookahead == nullptr)
@@ -194,6 +237,10 @@ struct report_worker {
   block_capture prompt_q, response_q;
   evictor ev;
   lookahead_scorer lookahead;  // bound to report_options::lookahead, if any
+  speckv_drafter drafter;      // the speckv rows' draft model
+  std::vector<int> draft;      // a prompt's draft tokens
+  block_capture draft_q;       // their queries and keys under the target model (full cache)
+  double draft_match = 0.0;    // the fraction of the draft tokens equal to the full cache's response
   std::vector<float> gt;                 // [L][H][P] ground truth
   std::vector<double> full_logp, logq;   // [m][V], [V]
   std::vector<pos_t> schedule;           // [L][H][N]
@@ -279,6 +326,19 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
   KVEVICT_TRY(ground_truth(c, w.full, w.response_q, w));
   w.logq.resize(static_cast<std::size_t>(V));
   w.schedule.resize(static_cast<std::size_t>(L * H * N));
+  // SpecKV: the draft (the same for every budget), run by the target as a query block; its time
+  // is added to every speckv row's eviction time
+  double draft_ms = 0.0;
+  if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; })) {
+    KVEVICT_TRY(w.drafter.draft(tp.prompt, o.base.draft_tokens, w.draft));
+    index_t same = 0;
+    for (std::size_t i = 0; i < w.draft.size() && i < tp.response.size(); ++i) same += w.draft[i] == tp.response[i];
+    w.draft_match = static_cast<double>(same) / static_cast<double>(w.draft.size());
+    const auto t1 = std::chrono::steady_clock::now();
+    w.draft_q.reset(c, static_cast<index_t>(w.draft.size()));
+    KVEVICT_TRY(w.run.forward_extra(w.full, tokens(w.draft), logits_mode::none, w.draft_q.hooks()));
+    draft_ms = (w.drafter.seconds() + seconds_since(t1)) * 1e3;
+  }
 
   out.assign(configs.size(), prompt_result{});
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
@@ -287,6 +347,7 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     e.recipe = rc.recipe;
     e.driver = rc.driver;
     e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
+    e.chunk_fraction = rc.fraction;
     e.alloc.reset();
     KVEVICT_TRY(w.ev.init(mdl, e, &duo, o.lookahead != nullptr ? &w.lookahead : nullptr));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
@@ -295,7 +356,8 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     prompt_result& r = out[ci];
     if (rc.driver == driver_kind::postfill) {
       w.cache = w.full;
-      KVEVICT_TRY(w.ev.evict_prefilled(w.run, w.cache, w.prompt_q, first.data(), &rec, &w.response_q));
+      KVEVICT_TRY(w.ev.evict_prefilled(w.run, w.cache, w.prompt_q, first.data(), &rec,
+                                       rc.recipe == method::speckv ? &w.draft_q : &w.response_q));
       r.prefill_ms = prefill_ms;
     } else {
       w.cache.clear();
@@ -313,7 +375,9 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
       const float* logits = t == 0 ? w.ev.next_logits() : w.run.logits(0);
       log_softmax(logits, V, w.logq.data());
       kl += kl_divergence(w.full_logp.data() + t * V, w.logq.data(), V);
-      if (agreeing && sampler::argmax(logits, static_cast<int>(V)) == tp.response[static_cast<std::size_t>(t)]) ++r.agreement;
+      const bool same = sampler::argmax(logits, static_cast<int>(V)) == tp.response[static_cast<std::size_t>(t)];
+      if (same) r.top1 += 1.0;
+      if (agreeing && same) ++r.agreement;
       else agreeing = false;
       if (t + 1 < m) {
         if (t == 0 || rc.driver == driver_kind::decode) KVEVICT_TRY(held_recall(c, w.cache, P, k, w, step_recall));
@@ -322,8 +386,9 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
       }
     }
     r.kl = kl / static_cast<double>(m);
+    r.top1 /= static_cast<double>(m);
     r.recall = m > 1 ? recall / static_cast<double>(m - 1) : 0.0;
-    r.evict_ms = w.ev.evict_seconds() * 1e3;
+    r.evict_ms = w.ev.evict_seconds() * 1e3 + (rc.recipe == method::speckv ? draft_ms : 0.0);
     r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;
     const auto sched = rec.schedule(N);
     if (!sched) return sched.error();
@@ -336,6 +401,44 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     r.peak = usage.peak_kv();
   }
   return {};
+}
+
+/// Mean and standard error of the per-prompt differences get(a) - get(b).
+template <class Get>
+paired_difference paired(const config_result& a, const config_result& b, Get get) {
+  paired_difference d;
+  const std::size_t n = a.prompts.size();
+  if (n == 0 || b.prompts.size() != n) return d;
+  d.valid = true;
+  for (std::size_t i = 0; i < n; ++i) d.mean += get(a.prompts[i]) - get(b.prompts[i]);
+  d.mean /= static_cast<double>(n);
+  if (n > 1) {
+    double v = 0.0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const double x = get(a.prompts[i]) - get(b.prompts[i]) - d.mean;
+      v += x * x;
+    }
+    d.sem = std::sqrt(v / static_cast<double>(n - 1) / static_cast<double>(n));
+  }
+  return d;
+}
+
+/// Every row's paired differences to SnapKV post-fill (down to the budget) at its budget, when the
+/// report has that row.
+inline void pair_with_snapkv(std::vector<config_result>& rows) {
+  for (config_result& r : rows) {
+    if (r.cfg.budget <= 0 || r.cfg.fraction >= 0.0) continue;
+    const config_result* ref = nullptr;
+    for (const config_result& s : rows)
+      if (s.cfg.recipe == method::snapkv && s.cfg.driver == driver_kind::postfill && s.cfg.budget == r.cfg.budget &&
+          s.cfg.fraction < 0.0)
+        ref = &s;
+    if (ref == nullptr) continue;
+    r.d_kl = paired(r, *ref, [](const prompt_result& p) { return p.kl; });
+    r.d_recall = paired(r, *ref, [](const prompt_result& p) { return p.recall; });
+    r.d_agreement = paired(r, *ref, [](const prompt_result& p) { return static_cast<double>(p.agreement); });
+    r.d_top1 = paired(r, *ref, [](const prompt_result& p) { return p.top1; });
+  }
 }
 
 }  // namespace detail
@@ -387,18 +490,23 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   say(line);
   const index_t n = o.prompts;
   std::vector<std::vector<prompt_result>> results(static_cast<std::size_t>(n));
+  std::vector<double> draft_match(static_cast<std::size_t>(n), 0.0);
   std::vector<detail::report_worker> workers(static_cast<std::size_t>(nt));
   for (detail::report_worker& w : workers) {
     KVEVICT_TRY(w.run.init(mdl, {0, 0, 1}));
     KVEVICT_TRY(w.full.init(c));
     KVEVICT_TRY(w.cache.init(c));
     if (o.lookahead != nullptr) KVEVICT_TRY(w.lookahead.init(mdl, *o.lookahead));
+    if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; }))
+      KVEVICT_TRY(w.drafter.init(mdl, o.base.draft_layers));
   }
   KVEVICT_TRY(for_each_item(
       workers, n,
       [&](detail::report_worker& w, index_t i) {
-        return detail::evaluate_prompt(mdl, o, configs, out.duo, pairs[static_cast<std::size_t>(i)], w,
-                                       results[static_cast<std::size_t>(i)]);
+        const status st = detail::evaluate_prompt(mdl, o, configs, out.duo, pairs[static_cast<std::size_t>(i)], w,
+                                                  results[static_cast<std::size_t>(i)]);
+        draft_match[static_cast<std::size_t>(i)] = w.draft_match;
+        return st;
       },
       [&](index_t d, int) {
         if (!o.progress) return;
@@ -419,6 +527,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
       cr.recall += r.recall;
       cr.kl += r.kl;
       cr.agreement += static_cast<double>(r.agreement);
+      cr.top1 += r.top1;
       cr.footprint += r.footprint;
       cr.peak += r.peak;
       cr.kept += static_cast<double>(r.kept);
@@ -430,26 +539,32 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
     cr.recall /= dn;
     cr.kl /= dn;
     cr.agreement /= dn;
+    cr.top1 /= dn;
     cr.footprint /= dn;
     cr.peak /= dn;
     cr.kept /= dn;
     if (n > 1) {
-      double vr = 0.0, vk = 0.0, va = 0.0;
+      double vr = 0.0, vk = 0.0, va = 0.0, vt = 0.0;
       for (const prompt_result& r : cr.prompts) {
         vr += (r.recall - cr.recall) * (r.recall - cr.recall);
         vk += (r.kl - cr.kl) * (r.kl - cr.kl);
         va += (static_cast<double>(r.agreement) - cr.agreement) * (static_cast<double>(r.agreement) - cr.agreement);
+        vt += (r.top1 - cr.top1) * (r.top1 - cr.top1);
       }
       const double f = 1.0 / (dn - 1.0) / dn;
       cr.recall_sem = std::sqrt(vr * f);
       cr.kl_sem = std::sqrt(vk * f);
       cr.agreement_sem = std::sqrt(va * f);
+      cr.top1_sem = std::sqrt(vt * f);
     }
     cr.evict_ms = detail::median(ev);
     cr.prefill_ms = detail::median(pf);
     cr.overhead = detail::median(ov);
     out.rows.push_back(std::move(cr));
   }
+  detail::pair_with_snapkv(out.rows);
+  if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; }))
+    out.draft_match = std::move(draft_match);
   out.seconds = seconds_since(t_start);
   return {};
 }
@@ -525,6 +640,15 @@ void json_array(std::string& s, const std::vector<T>& v, F&& put) {
 }
 }  // namespace detail
 
+/// Two-sided p-value of a paired difference under the normal approximation (z = mean / sem; with
+/// 100+ prompts the t distribution's quantiles are within 1% of the normal's). 1 for no reference,
+/// 0 for a nonzero difference without spread (every prompt moved the same way by the same amount).
+inline double two_sided_p(const paired_difference& d) {
+  if (!d.valid) return 1.0;
+  if (d.sem <= 0.0) return d.mean == 0.0 ? 1.0 : 0.0;
+  return std::erfc(std::fabs(d.mean / d.sem) / std::sqrt(2.0));
+}
+
 /// Every number of the report, with its configuration and seeds. `model_path`, `command`: recorded
 /// as given.
 inline std::string report_json(const report_result& r, const std::string& model_path, const std::string& command) {
@@ -565,7 +689,8 @@ inline std::string report_json(const report_result& r, const std::string& model_
   json_array(s, o.budgets, inum);
   s += ", \"window\": " + std::to_string(o.base.window) + ", \"sinks\": " + std::to_string(o.base.sinks) +
        " , \"chunk\": " + std::to_string(o.base.chunk) + ", \"evict_every\": " + std::to_string(o.base.evict_every) +
-       ", \"laq_steps\": " + std::to_string(o.base.laq_steps) + ", \"duo_recent\": " + std::to_string(o.base.duo_recent) +
+       ", \"laq_steps\": " + std::to_string(o.base.laq_steps) + ", \"draft_tokens\": " + std::to_string(o.base.draft_tokens) +
+       ", \"draft_layers\": " + std::to_string(o.base.draft_layers) + ", \"duo_recent\": " + std::to_string(o.base.duo_recent) +
        ", \"calibration_texts\": " + std::to_string(o.calibration) + ", \"all_drivers\": " +
        (o.all_drivers ? "true" : "false") + ", \"threads\": " + std::to_string(r.threads) + "},\n";
   key("lookahead_module");
@@ -580,6 +705,9 @@ inline std::string report_json(const report_result& r, const std::string& model_
   }
   key("duo_global");
   json_array(s, r.duo.global, num);
+  s += ",\n";
+  key("speckv_draft_match");
+  json_array(s, r.draft_match, num);
   s += ",\n";
   key("seconds");
   num(r.seconds);
@@ -601,12 +729,18 @@ inline std::string report_json(const report_result& r, const std::string& model_
     s += ", \"budget\": ";
     if (c.cfg.budget > 0) inum(c.cfg.budget);
     else s += "null";
+    if (c.cfg.fraction >= 0.0) {
+      s += ", \"chunk_fraction\": ";
+      num(c.cfg.fraction);
+    }
     s += ",\n     \"mean\": {\"recall\": ";
     num(c.recall);
     s += ", \"kl\": ";
     num(c.kl);
     s += ", \"agreement\": ";
     num(c.agreement);
+    s += ", \"top1\": ";
+    num(c.top1);
     s += ", \"footprint\": ";
     num(c.footprint);
     s += ", \"peak\": ";
@@ -619,7 +753,29 @@ inline std::string report_json(const report_result& r, const std::string& model_
     num(c.kl_sem);
     s += ", \"agreement\": ";
     num(c.agreement_sem);
-    s += "}, \"median\": {\"evict_ms\": ";
+    s += ", \"top1\": ";
+    num(c.top1_sem);
+    s += "}, \"vs_snapkv\": ";
+    if (!c.d_kl.valid) {
+      s += "null";
+    } else {
+      s += "{";
+      const std::pair<const char*, const paired_difference*> ds[] = {
+          {"kl", &c.d_kl}, {"recall", &c.d_recall}, {"agreement", &c.d_agreement}, {"top1", &c.d_top1}};
+      for (std::size_t k = 0; k < 4; ++k) {
+        s += k > 0 ? ", " : "";
+        json_string(s, ds[k].first);
+        s += ": {\"mean\": ";
+        num(ds[k].second->mean);
+        s += ", \"sem\": ";
+        num(ds[k].second->sem);
+        s += ", \"p\": ";
+        num(two_sided_p(*ds[k].second));
+        s += "}";
+      }
+      s += "}";
+    }
+    s += ", \"median\": {\"evict_ms\": ";
     num(c.evict_ms);
     s += ", \"prefill_ms\": ";
     num(c.prefill_ms);
@@ -636,6 +792,8 @@ inline std::string report_json(const report_result& r, const std::string& model_
     field("kl", [](const prompt_result& p) { return p.kl; });
     s += ", ";
     field("agreement", [](const prompt_result& p) { return p.agreement; });
+    s += ", ";
+    field("top1", [](const prompt_result& p) { return p.top1; });
     s += ", ";
     field("footprint", [](const prompt_result& p) { return p.footprint; });
     s += ", ";

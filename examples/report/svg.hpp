@@ -61,6 +61,7 @@ inline const char* method_colour(method m) {
     case method::prulong: return "#7a0177";
     case method::laq: return "#393b79";
     case method::laq_pp: return "#637939";
+    case method::speckv: return "#e6550d";
     case method::lookaheadkv: return "#ff1493";
     case method::oracle: return "#000000";
   }

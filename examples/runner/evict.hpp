@@ -69,6 +69,7 @@ enum class method : int {
   prulong,        ///< PruLong: head types from a trained mask (a head-mask TSV, kvevict-headgates prulong)
   laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (laq.hpp)
   laq_pp,         ///< LAQ++: pseudo queries and the prompt's window
+  speckv,         ///< SpecKV: a draft model's response as the query block (speckv.hpp)
   lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (a prompt_scorer)
   oracle,         ///< the true response's queries (an upper bound)
 };
@@ -91,8 +92,8 @@ inline constexpr named<method> method_names[] = {
     {method::knorm, "knorm"}, {method::vatp, "vatp"},                   {method::adakv, "adakv"},
     {method::cake, "cake"},   {method::lava, "lava"},                   {method::duo_heuristic, "duo-heuristic"},
     {method::duo, "duo"},     {method::prulong, "prulong"},
-    {method::laq, "laq"},     {method::laq_pp, "laq++"},                {method::lookaheadkv, "lookaheadkv"},
-    {method::oracle, "oracle"}};
+    {method::laq, "laq"},     {method::laq_pp, "laq++"},                {method::speckv, "speckv"},
+    {method::lookaheadkv, "lookaheadkv"},                               {method::oracle, "oracle"}};
 inline constexpr named<budget_scheme> allocator_names[] = {
     {budget_scheme::uniform, kvevict::budget_scheme_name(budget_scheme::uniform)},
     {budget_scheme::pyramid, kvevict::budget_scheme_name(budget_scheme::pyramid)},
@@ -163,8 +164,16 @@ struct evict_options {
   index_t window = 8;
   index_t sinks = -1;        ///< protected first tokens; -1: the method's (4 for streaming_llm and duo, else 0)
   index_t chunk = 64;        ///< chunked drivers: tokens per chunk
+  /// Chunked drivers: evict this fraction p of each head's evictable rows after every chunk (the
+  /// footprint paper's "evict p% at each pre-filling step"); -1: down to the budget instead.
+  double chunk_fraction = -1.0;
   index_t evict_every = 1;   ///< decode driver: evict every N decoded tokens
-  index_t laq_steps = 8;     ///< LAQ: pseudo-decoded tokens (the paper's 8)
+  /// LAQ: pseudo-decoded tokens; SpecKV: draft tokens. 16 = the shipped LookaheadKV module's
+  /// lookahead tokens: the LookaheadKV paper (appendix F) gives LAQ, SpecKV and LookaheadKV the same
+  /// count (32 there), so the three are compared at equal counts (LAQ's own paper uses 8).
+  index_t laq_steps = 16;
+  index_t draft_tokens = 16;
+  index_t draft_layers = 2;  ///< SpecKV: the draft model is the first N layers + the output head (speckv.hpp)
   index_t duo_recent = 12;   ///< duo: recent tokens of a streaming head (it keeps sinks + these)
 };
 
@@ -211,6 +220,7 @@ inline kvevict::recipe make_recipe(const evict_options& o) {
       r.n_recent = o.duo_recent;
       return r;
     case method::laq:  // SnapKV scoring with the pseudo queries as an external block; the window kept
+    case method::speckv:  // the same with the draft response's queries (as LAQ: a fair pairing)
       r = recipe::snapkv();
       r.source = kvevict::query_source::external_block;
       break;
@@ -268,6 +278,13 @@ inline status check_evict_options(const config& c, const evict_options& o) {
   if (o.evict_every < 1) return err("--evict-every must be >= 1, got %lld", static_cast<long long>(o.evict_every));
   if (o.laq_steps < 1 || o.laq_steps > c.seq_len)
     return err("--laq-steps %lld is outside [1, %d]", static_cast<long long>(o.laq_steps), c.seq_len);
+  if (o.draft_tokens < 1 || o.draft_tokens > c.seq_len)
+    return err("--draft-tokens %lld is outside [1, %d]", static_cast<long long>(o.draft_tokens), c.seq_len);
+  if (o.draft_layers < 1 || o.draft_layers > c.n_layers)
+    return err("--draft-layers %lld is outside [1, %d] (the model's layers)", static_cast<long long>(o.draft_layers),
+               c.n_layers);
+  if (!(o.chunk_fraction == -1.0 || (o.chunk_fraction >= 0.0 && o.chunk_fraction <= 1.0)))
+    return err("--chunk-fraction %g is outside [0, 1] (or -1: evict down to the budget)", o.chunk_fraction);
   if (o.duo_recent < 0) return err("--duo-recent must be >= 0, got %lld", static_cast<long long>(o.duo_recent));
   const index_t prot = protected_tokens(o);
   if (o.budget < prot)
@@ -277,7 +294,7 @@ inline status check_evict_options(const config& c, const evict_options& o) {
   if ((a == budget_scheme::duo) != uses_head_types(o.recipe))
     return err("--allocator duo goes with --recipe duo, prulong or duo-heuristic (their head types decide every budget)");
   const bool query_block = o.recipe == method::laq || o.recipe == method::laq_pp || o.recipe == method::oracle ||
-                           o.recipe == method::lookaheadkv;
+                           o.recipe == method::lookaheadkv || o.recipe == method::speckv;
   if (query_block && d != driver_kind::postfill)
     return err("--recipe %s needs the whole prompt prefilled first: use --driver postfill", rn);
   if (o.recipe == method::lookaheadkv && (a == budget_scheme::cake || a == budget_scheme::duo))
@@ -300,6 +317,8 @@ inline status check_evict_options(const config& c, const evict_options& o) {
       if (a == budget_scheme::cake)
         return err("--driver %s does not take --allocator %s (uniform, pyramid, adakv or lava)", driver_name(d),
                    allocator_name(a));
+      if (o.chunk_fraction >= 0.0 && a == budget_scheme::adakv)
+        return err("--chunk-fraction does not take --allocator adakv (its heads share a layer budget; use the budget)");
       break;
     case driver_kind::decode:
       if (a == budget_scheme::lava || a == budget_scheme::cake)

@@ -51,15 +51,16 @@ class evictor {
   double evict_seconds() const { return evict_s_; }
 
   /// Prefills `prompt` (BOS first) into the empty `cache` with eviction as configured; afterwards
-  /// next_logits() holds the logits of the first generated token. `response`: the oracle's query
-  /// block (the true continuation; method oracle only). `rec` (may be null) receives the schedule
+  /// next_logits() holds the logits of the first generated token. `response`: the query block of
+  /// the oracle (the true continuation) or of speckv (the draft response, speckv.hpp). `rec` (may be null) receives the schedule
   /// (capacity at least the prompt). Errors: a non-empty cache, an empty prompt, a prompt too short
   /// for the window, the oracle without a response, and the drivers' / runner's errors.
   status prefill(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec,
                  const std::vector<int>* response = nullptr) {
     KVEVICT_TRY(check_prefill(cache, static_cast<index_t>(prompt.size())));
-    if (o_.recipe == method::oracle && (response == nullptr || response->empty()))
-      return status::error(errc::invalid_argument, "oracle: the true response is needed as the query block");
+    if (external_response() && (response == nullptr || response->empty()))
+      return status::error(errc::invalid_argument, "%s: the %s is needed as the query block", method_name(o_.recipe),
+                           o_.recipe == method::oracle ? "true response" : "draft response (speckv.hpp)");
     const config& c = cfg();
     const index_t P = static_cast<index_t>(prompt.size());
     prefill_s_ = evict_s_ = 0.0;
@@ -71,9 +72,10 @@ class evictor {
         prefill_s_ = seconds_since(t0);
         keep_logits(run);
         const block_capture* resp = nullptr;
-        if (o_.recipe == method::oracle) {
+        if (external_response()) {
           if (P + static_cast<index_t>(response->size()) > cache.capacity())
-            return status::error(errc::invalid_argument, "oracle: the prompt and the response do not fit the cache");
+            return status::error(errc::invalid_argument, "%s: the prompt and the response do not fit the cache",
+                                 method_name(o_.recipe));
           response_q_.reset(c, static_cast<index_t>(response->size()));
           KVEVICT_TRY(run.forward_extra(cache, tokens(*response), logits_mode::none, response_q_.hooks()));
           resp = &response_q_;
@@ -95,7 +97,7 @@ class evictor {
   /// The post-fill methods on a cache that already holds the whole prompt, not evicted (the report
   /// shares one prefill between them): prompt_q = the prefill's queries of every prompt row,
   /// prefill_logits its last row's logits, response = the true response's queries and keys
-  /// (oracle). Only for the postfill driver. prefill_seconds() is left at 0.
+  /// (oracle) or the draft response's (speckv). Only for the postfill driver. prefill_seconds() is left at 0.
   status evict_prefilled(runner& run, kv_cache& cache, const block_capture& prompt_q, const float* prefill_logits,
                          kvevict::eviction_recorder* rec, const block_capture* response = nullptr) {
     const config& c = cfg();
@@ -179,9 +181,10 @@ class evictor {
       KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o_, stage1_, pf_, scratch_, block_,
                                      pseudo_tokens_));
       blk = &block_;
-    } else if (o_.recipe == method::oracle) {
+    } else if (external_response()) {
       if (response == nullptr || response->rows() < 1)
-        return status::error(errc::invalid_argument, "oracle: the true response is needed as the query block");
+        return status::error(errc::invalid_argument, "%s: its response is needed as the query block",
+                             method_name(o_.recipe));
       blk = response;
     }
     if (blk != nullptr) pc.query_rows = blk->rows();
@@ -284,6 +287,9 @@ class evictor {
   prompt_scorer* scorer_ = nullptr;
 
   const config& cfg() const { return model_->cfg(); }
+  // The methods whose query block is a response the caller runs: the true one (oracle), a draft
+  // model's (speckv).
+  bool external_response() const { return o_.recipe == method::oracle || o_.recipe == method::speckv; }
 
   // Duo / PruLong head types with the layer-wise, chunked and decode drivers: streaming heads keep
   // their sinks and recent window at every step (kvevict::streaming_heads_driver), retrieval heads
@@ -325,7 +331,7 @@ class evictor {
     if (o_.recipe == method::full) return {};
     const bool windowed = o_.recipe != method::lookaheadkv &&
                           (is_window_recipe(rec_) || rec_.kind == kvevict::recipe_kind::h2o ||
-                           o_.recipe == method::laq || o_.recipe == method::laq_pp ||
+                           o_.recipe == method::laq || o_.recipe == method::laq_pp || o_.recipe == method::speckv ||
                            allocator_of(o_) == budget_scheme::cake);
     if (windowed && o_.driver != driver_kind::decode && o_.window >= P)
       return status::error(errc::invalid_argument,
@@ -420,7 +426,8 @@ class evictor {
     cc.capacity = P;
     cc.rec = rec_;
     cc.queries = patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
-    cc.target = kvevict::chunk_target::budget;
+    cc.target = o_.chunk_fraction >= 0.0 ? kvevict::chunk_target::fraction : kvevict::chunk_target::budget;
+    cc.fraction = o_.chunk_fraction >= 0.0 ? o_.chunk_fraction : cc.fraction;
     cc.alloc = alloc_.alloc;
     kvevict::workspace ws;
     KVEVICT_TRY(init_driver(ch_, scratch_, cc, rec, ws));

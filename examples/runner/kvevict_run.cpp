@@ -7,6 +7,7 @@
 //   kvevict-run --recipe h2o --driver decode --budget 64            decode-time eviction
 //   kvevict-run --prompt "..." --recipe lookaheadkv --budget 32    LookaheadKV with the shipped module
 //   kvevict-run --report --out-dir docs/report                     the quality report (docs/report.md)
+//   kvevict-run --footprint --out-dir docs/report                  the critical-footprint protocol
 //
 // Every error (bad option, missing or malformed model/tokenizer, prompt too long) is one line on
 // stderr and exit status 1 (2 for command-line syntax errors).
@@ -18,11 +19,14 @@
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
 #include <runner/model.hpp>
+#include <report/footprint.hpp>
 #include <report/report.hpp>
 #include <report/svg.hpp>
+#include <report/tables.hpp>
 #include <runner/run_options.hpp>
 #include <runner/runner.hpp>
 #include <runner/shipped_models.hpp>
+#include <runner/speckv.hpp>
 #include <runner/tokenizer.hpp>
 
 #include "io.hpp"
@@ -72,24 +76,25 @@ bool load_lookahead(const std::string& path, const kvrun::model& model, kvrun::l
   return false;
 }
 
-// kvevict-run --report (docs/report.md): its options checked, the module loaded if needed, the run.
-int run_report(const options& o, const kvrun::model& model, const std::string& command) {
-  kvrun::report_options r;
+// The report's and the footprint sweep's common options: counts, recipes, drivers and the output
+// directory checked, the module loaded when a recipe needs it. LAQ's pseudo tokens and SpecKV's
+// draft tokens default to the module's lookahead tokens (the LookaheadKV paper's equal counts).
+// Returns 0 to go on, else the exit status.
+int sweep_options(const options& o, const kvrun::model& model, kvrun::lookahead_module& lookahead,
+                  kvrun::report_options& r, std::vector<kvrun::method>& recipes, std::vector<kvrun::driver_kind>& drivers) {
   r.prompts = o.prompts;
-  r.budgets = o.budgets;
   r.base = o.evict;
   r.calibration = o.calibration;
   r.threads = o.threads;
-  r.all_drivers = o.all_drivers;
   for (const std::string& name : o.recipes) {
     kvrun::method m;
     if (auto st = kvrun::parse_method(name, m); !st.ok()) return fail("--recipes: ", st);
-    r.recipes.push_back(m);
+    recipes.push_back(m);
   }
   for (const std::string& name : o.drivers) {
     kvrun::driver_kind d;
     if (auto st = kvrun::parse_driver(name, d); !st.ok()) return fail("--drivers: ", st);
-    r.drivers.push_back(d);
+    drivers.push_back(d);
   }
   for (const kvevict::index_t b : o.budgets)
     if (b < 1 || b > model.cfg().seq_len)
@@ -97,32 +102,77 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   if (o.prompts < 1) return fail("--prompts must be >= 1, got " + std::to_string(o.prompts));
   if (std::error_code ec; !std::filesystem::is_directory(o.out_dir, ec))
     return fail("--out-dir " + o.out_dir + " is not a directory");
-  const std::string json = o.out_dir + "/report.json", svg = o.out_dir + "/report.svg";
-  // both outputs are checked now, before minutes of work, and written together at the end
-  if (auto st = kvevict::io::check_paths({{"--model", o.model}, {"--lookahead-module", o.lookahead_module}},
-                                         {{"report.json", json}, {"report.svg", svg}});
-      !st.ok())
-    return fail("--out-dir: ", st);
-  kvrun::lookahead_module lookahead;  // every method runs unless --recipes leaves lookaheadkv out
-  if (r.recipes.empty() || std::find(r.recipes.begin(), r.recipes.end(), kvrun::method::lookaheadkv) != r.recipes.end()) {
+  if (recipes.empty() || std::find(recipes.begin(), recipes.end(), kvrun::method::lookaheadkv) != recipes.end()) {
     if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
     r.lookahead = &lookahead;
     r.lookahead_path = o.lookahead_module;
+    if (!o.laq_steps_given) r.base.laq_steps = lookahead.n_lookahead();
+    if (!o.draft_tokens_given) r.base.draft_tokens = lookahead.n_lookahead();
   }
+  r.progress = [](const char* line) { std::fprintf(stderr, "%s\n", line); };
+  return 0;
+}
+
+std::string model_name(const std::string& path) {
+  std::string name = path;
+  if (const auto slash = name.find_last_of('/'); slash != std::string::npos) name = name.substr(slash + 1);
+  if (const auto dot = name.rfind(".bin"); dot != std::string::npos && dot + 4 == name.size()) name.resize(dot);
+  return name;
+}
+
+// kvevict-run --footprint (docs/report.md, "Critical KV footprint"): the sweep, its table, JSON and plot.
+int run_footprint(const options& o, const kvrun::model& model, const std::string& command) {
+  kvrun::footprint_options f;
+  kvrun::lookahead_module lookahead;
+  if (const int code = sweep_options(o, model, lookahead, f.report, f.recipes, f.drivers); code != 0) return code;
+  if (o.budgets_given) f.budgets = o.budgets;
+  f.fractions = o.fractions;
+  const std::string json = o.out_dir + "/footprint.json", md = o.out_dir + "/footprint.md",
+                    svg = o.out_dir + "/footprint.svg";
+  if (auto st = kvevict::io::check_paths({{"--model", o.model}, {"--lookahead-module", o.lookahead_module}},
+                                         {{"footprint.json", json}, {"footprint.md", md}, {"footprint.svg", svg}});
+      !st.ok())
+    return fail("--out-dir: ", st);
+  kvrun::footprint_result result;
+  if (auto st = kvrun::run_footprint(model, f, result); !st.ok()) return fail("", st);
+  const std::string table = kvrun::footprint_markdown(result);
+  std::fputs(table.c_str(), stdout);
+  const std::string name = model_name(o.model);
+  kvevict::io::output_transaction out;
+  if (auto st = out.stage(json, kvrun::footprint_json(result, name, command)); !st.ok()) return fail("", st);
+  if (auto st = out.stage(md, table); !st.ok()) return fail("", st);
+  if (auto st = out.stage(svg, kvrun::footprint_svg(result, name)); !st.ok()) return fail("", st);
+  if (auto st = out.commit(); !st.ok()) return fail("", st);
+  std::fprintf(stderr, "footprint: wrote %s, %s and %s (%.1f s)\n", json.c_str(), md.c_str(), svg.c_str(),
+               result.report.seconds);
+  return 0;
+}
+
+// kvevict-run --report (docs/report.md): its options checked, the module loaded if needed, the run.
+int run_report(const options& o, const kvrun::model& model, const std::string& command) {
+  kvrun::report_options r;
+  kvrun::lookahead_module lookahead;  // every method runs unless --recipes leaves lookaheadkv out
+  if (const int code = sweep_options(o, model, lookahead, r, r.recipes, r.drivers); code != 0) return code;
+  r.budgets = o.budgets;
+  r.all_drivers = o.all_drivers;
+  const std::string json = o.out_dir + "/report.json", svg = o.out_dir + "/report.svg", md = o.out_dir + "/tables.md";
+  // the outputs are checked now, before minutes of work, and written together at the end
+  if (auto st = kvevict::io::check_paths({{"--model", o.model}, {"--lookahead-module", o.lookahead_module}},
+                                         {{"report.json", json}, {"report.svg", svg}, {"tables.md", md}});
+      !st.ok())
+    return fail("--out-dir: ", st);
   std::vector<kvrun::report_config> configs;
   if (auto st = kvrun::report_configs(model.cfg(), r, configs); !st.ok()) return fail("", st);
-  r.progress = [](const char* line) { std::fprintf(stderr, "%s\n", line); };
   kvrun::report_result result;
   if (auto st = kvrun::run_report(model, r, result); !st.ok()) return fail("", st);
   std::fputs(kvrun::report_table(result).c_str(), stdout);
-  std::string name = o.model;
-  if (const auto slash = name.find_last_of('/'); slash != std::string::npos) name = name.substr(slash + 1);
-  if (const auto dot = name.rfind(".bin"); dot != std::string::npos && dot + 4 == name.size()) name.resize(dot);
+  const std::string name = model_name(o.model);
   kvevict::io::output_transaction out;
   if (auto st = out.stage(json, kvrun::report_json(result, name, command)); !st.ok()) return fail("", st);
   if (auto st = out.stage(svg, kvrun::report_svg(result, name)); !st.ok()) return fail("", st);
+  if (auto st = out.stage(md, kvrun::report_markdown(result, "Quality report tables: " + name)); !st.ok()) return fail("", st);
   if (auto st = out.commit(); !st.ok()) return fail("", st);
-  std::fprintf(stderr, "report: wrote %s and %s\n", json.c_str(), svg.c_str());
+  std::fprintf(stderr, "report: wrote %s, %s and %s\n", json.c_str(), svg.c_str(), md.c_str());
   return 0;
 }
 
@@ -139,11 +189,11 @@ int run(int argc, char** argv) {
   kvrun::model model;
   if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail_file(o.model, st);
   const kvrun::config& c = model.cfg();
-  if (o.report) {
+  if (o.report || o.footprint) {
     if (o.evict.chunk < 1) return fail("--chunk must be >= 1, got " + std::to_string(o.evict.chunk));
     std::string command = "kvevict-run";
     for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
-    return run_report(o, model, command);
+    return o.report ? run_report(o, model, command) : run_footprint(o, model, command);
   }
   if (auto st = kvrun::check_evict_options(c, o.evict); !st.ok()) return fail("", st);
   kvrun::tokenizer tok;
@@ -210,6 +260,11 @@ int run(int argc, char** argv) {
       if (auto st = kvrun::generate(run, cache, s0, prompt, o.steps, response); !st.ok()) return fail("", st);
       cache.clear();
       if (response.empty()) return fail("oracle: the full cache generates nothing after this prompt");
+    }
+    if (method == kvrun::method::speckv) {  // the draft model's response (speckv.hpp)
+      kvrun::speckv_drafter drafter;
+      if (auto st = drafter.init(model, o.evict.draft_layers); !st.ok()) return fail("", st);
+      if (auto st = drafter.draft(prompt, o.evict.draft_tokens, response); !st.ok()) return fail("", st);
     }
     schedule.resize(static_cast<std::size_t>(c.n_layers) * static_cast<std::size_t>(c.n_kv_heads) *
                     static_cast<std::size_t>(o.steps));

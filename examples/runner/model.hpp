@@ -172,6 +172,19 @@ class model {
   float rope_cos(pos_t p, int i) const { return rope_cos_[static_cast<std::size_t>(index_t(p) * (cfg_.head_size() / 2) + i)]; }
   float rope_sin(pos_t p, int i) const { return rope_sin_[static_cast<std::size_t>(index_t(p) * (cfg_.head_size() / 2) + i)]; }
 
+  /// The model made of this one's first `layers` layers, its final RMSNorm and its classifier
+  /// (SpecKV's draft model, speckv.hpp: the layers are stored last, so this is a prefix copy).
+  /// Error: layers outside [1, n_layers].
+  status first_layers(int layers, model& out) const {
+    if (layers < 1 || layers > cfg_.n_layers)
+      return status::error(errc::invalid_argument, "model: %d first layers of a %d-layer model", layers, cfg_.n_layers);
+    model m = *this;
+    m.cfg_.n_layers = layers;
+    m.store_.resize(static_cast<std::size_t>(m.layers_off() + index_t(layers) * m.layer_floats()));
+    out = std::move(m);
+    return {};
+  }
+
   /// Loads a checkpoint held in memory (`size` bytes at `data`). On failure `out` is unchanged.
   /// Errors (format_error): input shorter than the header; non-positive dim, hidden_dim,
   /// n_layers, n_heads, n_kv_heads or seq_len; vocab_size 0 or INT32_MIN; dim not divisible by

@@ -42,10 +42,15 @@ struct run_options {
   // report
   bool report = false;
   std::string out_dir = ".";
-  index_t prompts = 32;
+  index_t prompts = 128;  ///< enough to separate the methods (docs/report.md: ~20 min on 2 cores)
   std::vector<index_t> budgets{16, 32, 64, 128};
   std::vector<std::string> recipes, drivers;
   bool all_drivers = false;
+  // the footprint protocol (docs/report.md, "Critical KV footprint")
+  bool footprint = false;
+  std::vector<double> fractions{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98};
+  // which of the defaults the command line changed (the report and the footprint sweep pick their own)
+  bool budgets_given = false, laq_steps_given = false, draft_tokens_given = false;
 };
 
 /// Parses and checks kvevict-run's command line. Returns -1 to go on (`o` filled, o.evict.recipe
@@ -95,7 +100,16 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
                                "duo-heuristic, else 0)"));
   evict_opts.push_back(integer("--chunk", o.evict.chunk, "chunked drivers: tokens per chunk"));
   evict_opts.push_back(integer("--evict-every", o.evict.evict_every, "decode driver: evict every N decoded tokens"));
-  evict_opts.push_back(integer("--laq-steps", o.evict.laq_steps, "laq, laq++: pseudo-decoded tokens"));
+  auto* laq_steps_opt = integer("--laq-steps", o.evict.laq_steps, "laq, laq++: pseudo-decoded tokens");
+  evict_opts.push_back(laq_steps_opt);
+  auto* draft_tokens_opt = integer("--draft-tokens", o.evict.draft_tokens, "speckv: draft tokens");
+  evict_opts.push_back(draft_tokens_opt);
+  evict_opts.push_back(integer("--draft-layers", o.evict.draft_layers,
+                               "speckv: the draft model is the first N layers with the output head"));
+  evict_opts.push_back(app.add_option("--chunk-fraction", o.evict.chunk_fraction,
+                                      "chunked drivers: evict this fraction of each head's rows after every chunk "
+                                      "(-1: down to the budget)")
+                           ->capture_default_str());
   evict_opts.push_back(integer("--duo-recent", o.evict.duo_recent, "duo, prulong, duo-heuristic: recent tokens of a streaming head"));
   evict_opts.push_back(integer("--calibration", o.calibration, "duo-heuristic: calibration texts (training split)"));
   auto* head_mask_opt = app.add_option("--head-mask", o.head_mask,
@@ -110,13 +124,21 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
           ->capture_default_str();
   // the quality report (docs/report.md)
   app.add_flag("--report", o.report, "run the quality report: table on stdout, report.json and report.svg in --out-dir");
+  app.add_flag("--footprint", o.footprint,
+               "run the footprint protocol: critical KV footprints (table on stdout; footprint.json, .md, .svg in "
+               "--out-dir)");
   std::vector<CLI::Option*> report_opts;
   report_opts.push_back(app.add_option("--out-dir", o.out_dir, "report: directory for report.json and report.svg")
                             ->capture_default_str());
   report_opts.push_back(integer("--prompts", o.prompts, "report: test prompts"));
-  report_opts.push_back(app.add_option("--budgets", o.budgets, "report: budgets, comma-separated")
+  auto* budgets_opt = app.add_option("--budgets", o.budgets, "report: budgets, comma-separated (--footprint: its sweep)")
+                          ->delimiter(',')
+                          ->check(kvevict::program::integer<index_t>())->capture_default_str();
+  report_opts.push_back(budgets_opt);
+  auto* fractions_opt = app.add_option("--fractions", o.fractions,
+                                       "footprint: the chunked drivers' per-chunk eviction fractions, comma-separated")
                             ->delimiter(',')
-                            ->check(kvevict::program::integer<index_t>())->capture_default_str());
+                            ->capture_default_str();
   report_opts.push_back(app.add_option("--recipes", o.recipes, "report: only these recipes (comma-separated)")->delimiter(','));
   report_opts.push_back(app.add_option("--drivers", o.drivers, "report: only these drivers (comma-separated)")->delimiter(','));
   report_opts.push_back(app.add_flag("--all-drivers", o.all_drivers,
@@ -131,6 +153,9 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
     return 2;
   }
 
+  o.budgets_given = budgets_opt->count() > 0;
+  o.laq_steps_given = laq_steps_opt->count() > 0;
+  o.draft_tokens_given = draft_tokens_opt->count() > 0;
   if (!(o.temperature >= 0.0f) || !std::isfinite(o.temperature))
     return err("--temperature must be finite and >= 0, got " + std::to_string(o.temperature));
   if (!(o.topp >= 0.0f && o.topp <= 1.0f)) return err("--topp must be in [0, 1], got " + std::to_string(o.topp));
@@ -146,19 +171,28 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   if (o.evict.evict_every < 1) return err("--evict-every must be >= 1, got " + std::to_string(o.evict.evict_every));
   if (o.evict.laq_steps < 1) return err("--laq-steps must be >= 1, got " + std::to_string(o.evict.laq_steps));
   if (o.evict.duo_recent < 0) return err("--duo-recent must be >= 0, got " + std::to_string(o.evict.duo_recent));
+  if (o.evict.draft_tokens < 1) return err("--draft-tokens must be >= 1, got " + std::to_string(o.evict.draft_tokens));
+  if (o.evict.draft_layers < 1) return err("--draft-layers must be >= 1, got " + std::to_string(o.evict.draft_layers));
+  if (!(o.evict.chunk_fraction == -1.0 || (o.evict.chunk_fraction >= 0.0 && o.evict.chunk_fraction <= 1.0)))
+    return err("--chunk-fraction must be in [0, 1] or -1, got " + std::to_string(o.evict.chunk_fraction));
+  for (const double f : o.fractions)
+    if (!(f > 0.0 && f < 1.0)) return err("--fractions: " + std::to_string(f) + " is outside (0, 1)");
+  if (o.report && o.footprint) return err("--report and --footprint are two runs: give one");
+  if (!o.footprint && fractions_opt->count() > 0) return err("--fractions needs --footprint");
 
   // eviction options only with an eviction recipe; report options only with --report
   method method = method::full;
   if (auto st = parse_method(o.recipe, method); !st.ok()) return err_st("--recipe: ", st);
-  if (!o.report && method == method::full)
+  const bool sweep = o.report || o.footprint;
+  if (!sweep && method == method::full)
     for (const CLI::Option* opt : evict_opts)
       if (opt->count() > 0) return err(opt->get_name() + " needs --recipe (without it the cache is not evicted)");
-  if (o.report && recipe_opt->count() > 0)
-    return err("--report runs every recipe: use --recipes to choose some");
-  if (!o.report)
+  if (sweep && recipe_opt->count() > 0)
+    return err(std::string(o.report ? "--report" : "--footprint") + " runs every recipe: use --recipes to choose some");
+  if (!sweep)
     for (const CLI::Option* opt : report_opts)
       if (opt->count() > 0) return err(opt->get_name() + " needs --report");
-  if (!o.report && method != method::lookaheadkv && lookahead_opt->count() > 0)
+  if (!sweep && method != method::lookaheadkv && lookahead_opt->count() > 0)
     return err("--lookahead-module needs --recipe lookaheadkv or --report");
   if (method != method::duo && method != method::prulong)
     for (const CLI::Option* opt : {head_mask_opt, head_sparsity_opt})

@@ -6,9 +6,14 @@
 // program after parsing, with a message naming the option and the value.
 //
 //   app.add_option("--budget", budget, "...")->check(kvevict::program::integer<kvevict::index_t>());
+//   if (const int code = kvevict::program::parse_or_exit(app, argc, argv, "kvevict-x"); code >= 0) return code;
 #pragma once
 
+#include "main.hpp"
+
 #include <CLI/CLI.hpp>
+
+#include <cstdio>
 
 #include <cerrno>
 #include <cstdlib>
@@ -44,6 +49,32 @@ CLI::Validator integer() {
         return {};
       },
       "INTEGER", "decimal integer");
+}
+
+/// Parses the command line: -1 to go on; otherwise the exit status, with `message` the help text
+/// (0) or the command-line syntax error, "(see --help)" appended (2).
+inline int parse_command_line(CLI::App& app, int argc, const char* const* argv, std::string& message) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) {  // --help (CLI::CallForHelp) and the like
+      message = app.help();
+      return 0;
+    }
+    message = std::string(e.what()) + " (see --help)";
+    return 2;
+  }
+  return -1;
+}
+
+/// parse_command_line, printed: -1 to go on; else the help on stdout (exit status 0) or the
+/// syntax error as `<program>: <error> (see --help)` on stderr (exit status 2).
+inline int parse_or_exit(CLI::App& app, int argc, const char* const* argv, const char* program) {
+  std::string message;
+  const int code = parse_command_line(app, argc, argv, message);
+  if (code == 0) std::fputs(message.c_str(), stdout);
+  if (code > 0) print_error(program, message.c_str());
+  return code;
 }
 
 }  // namespace kvevict::program

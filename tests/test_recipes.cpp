@@ -328,6 +328,28 @@ TEST_CASE("recipes: names round-trip, defaults are the documented ones") {
   CHECK(recipe::cake().score.gamma == 200.0f);
 }
 
+TEST_CASE("recipes: recipe_queries are the rows each recipe reads from the prompt's queries") {
+  const index_t H = 2, P = 10, D = 3;
+  std::vector<float> q(H * P * D, 1.0f);
+  const auto all = value_of(make_kv_view<const float>(q.data(), H, P, D));
+  for (const recipe& r : {recipe::streaming_llm(), recipe::h2o(), recipe::tova(), recipe::snapkv(), recipe::knorm(),
+                          recipe::vatp(), recipe::lava(), recipe::cake()}) {
+    recipe w = r;
+    w.window = 4;
+    const auto rows = value_of(recipe_queries(w, all));
+    const index_t want = uses_window(r.kind) ? 4 : r.kind == recipe_kind::h2o ? P : r.kind == recipe_kind::tova ? 1 : 0;
+    CHECK(uses_window(r.kind) == (uses_attention(r.kind) && r.kind != recipe_kind::h2o && r.kind != recipe_kind::tova));
+    REQUIRE(rows.extent(1) == want);
+    if (want > 0) {
+      CHECK(rows.extent(0) == H);
+      CHECK(&rows(1, want - 1, 2) == &all(1, P - 1, 2));  // the prompt's last query is the block's last
+    }
+  }
+  recipe longer = recipe::snapkv();
+  longer.window = P + 1;
+  require_error(recipe_queries(longer, all).error(), errc::out_of_range, "token_range");
+}
+
 TEST_CASE("recipes: bad input gives specific errors") {
   auto g = kvtest::rng(5);
   const problem p = make_problem(g, 4, 2, 20, 4, 32, false);

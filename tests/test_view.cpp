@@ -51,6 +51,29 @@ TEST_CASE("kv views: bad shapes are specific errors") {
   require_error(make_matrix_view(&x, 3, 4, 2).error(), errc::overlap, "alias");
 }
 
+TEST_CASE("kv views: token_range is the same elements, in both layouts; bad ranges are errors") {
+  const index_t H = 3, T = 7, D = 2;
+  std::vector<float> buf(H * T * D);
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i);
+  for (kv_layout layout : {kv_layout::head_major, kv_layout::token_major}) {
+    const auto v = value_of(make_kv_view(buf.data(), H, T, D, layout));
+    for (index_t first = 0; first <= T; ++first)
+      for (index_t n = 0; first + n <= T; ++n) {
+        const auto r = value_of(token_range(v, first, n));
+        REQUIRE(r.extent(0) == H);
+        REQUIRE(r.extent(1) == n);
+        REQUIRE(r.extent(2) == D);
+        for (index_t h = 0; h < H; ++h)
+          for (index_t t = 0; t < n; ++t)
+            for (index_t d = 0; d < D; ++d) REQUIRE(&r(h, t, d) == &v(h, first + t, d));
+      }
+    require_error(token_range(v, 5, 3).error(), errc::out_of_range, "token_range: tokens [5, 5 + 3) of a view of 7 tokens");
+    require_error(token_range(v, -1, 1).error(), errc::out_of_range, "token_range");
+    require_error(token_range(v, 0, -1).error(), errc::out_of_range, "token_range");
+    require_error(token_range(v, 8, 0).error(), errc::out_of_range, "token_range");
+  }
+}
+
 TEST_CASE("check_view catches hand-built views the factories would reject") {
   float x[4] = {};
   using exts = cuda::std::dextents<index_t, 2>;

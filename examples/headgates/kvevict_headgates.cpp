@@ -169,19 +169,7 @@ int run(int argc, char** argv) {
   duo->add_option("--lr", dp.lr, "Adam learning rate of alpha")->capture_default_str();
   duo->add_option("--reg", dp.reg, "weight of the L1 penalty (mean alpha)")->capture_default_str();
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::fputs(app.help().c_str(), stdout);
-    return 0;
-  } catch (const CLI::ParseError& err) {
-    if (err.get_exit_code() == 0) {
-      std::fputs(app.help().c_str(), stdout);
-      return 0;
-    }
-    kvevict::program::print_error("kvevict-headgates", (std::string(err.what()) + " (see --help)").c_str());
-    return 2;
-  }
+  if (const int code = kvevict::program::parse_or_exit(app, argc, argv, "kvevict-headgates"); code >= 0) return code;
   if (c.threads < 0) return fail("--threads must be >= 0, got " + std::to_string(c.threads));
   if (c.texts < 1) return fail("--texts must be >= 1, got " + std::to_string(c.texts));
   if (c.train.steps < 1) return fail("--steps must be >= 1, got " + std::to_string(c.train.steps));

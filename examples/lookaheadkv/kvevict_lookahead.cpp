@@ -606,19 +606,7 @@ int run(int argc, char** argv) {
   auto* info = app.add_subcommand("info", "print a module file's header");
   info->add_option("--module", info_module, "module file")->required();
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::fputs(app.help().c_str(), stdout);
-    return 0;
-  } catch (const CLI::ParseError& err) {
-    if (err.get_exit_code() == 0) {
-      std::fputs(app.help().c_str(), stdout);
-      return 0;
-    }
-    kvevict::program::print_error("kvevict-lookahead", (std::string(err.what()) + " (see --help)").c_str());
-    return 2;
-  }
+  if (const int code = kvevict::program::parse_or_exit(app, argc, argv, "kvevict-lookahead"); code >= 0) return code;
   if (c.threads < 0) return fail("--threads must be >= 0, got " + std::to_string(c.threads));
   if (c.response < 2) return fail("--response must be >= 2, got " + std::to_string(c.response));
   // every option of the subcommand is checked before any work (outputs included)

@@ -97,6 +97,23 @@ inline std::string report_markdown(const report_result& r, const std::string& ti
         return &c;
     return nullptr;
   };
+  // The budgets' header row, then a row per kind (post-fill ones only if asked): its label and, per
+  // budget, cell(result) (ending in " |") or an empty cell where the kind has no result.
+  const auto table = [&](bool postfill_only, const auto& cell) {
+    for (const index_t B : budgets) s += " B = " + std::to_string(B) + " |";
+    s += "\n| --- |";
+    for (std::size_t i = 0; i < budgets.size(); ++i) s += " ---: |";
+    s += "\n";
+    for (const report_config& k : kinds) {
+      if (postfill_only && k.driver != driver_kind::postfill) continue;
+      s += "| " + detail::row_label(k) + " |";
+      for (const index_t B : budgets) {
+        const config_result* c = find(k, B);
+        s += c == nullptr ? std::string(" |") : cell(*c);
+      }
+      s += "\n";
+    }
+  };
   struct metric {
     const char* title;
     const char* fmt;    // mean ± sem
@@ -124,70 +141,31 @@ inline std::string report_markdown(const report_result& r, const std::string& ti
     std::snprintf(b, sizeof b, "\n## %s\n\nm = %lld comparisons, Bonferroni bound p < %.2g.\n\n| method |", m.title,
                   static_cast<long long>(comparisons), bonferroni);
     s += b;
-    for (const index_t B : budgets) s += " B = " + std::to_string(B) + " |";
-    s += "\n| --- |";
-    for (std::size_t i = 0; i < budgets.size(); ++i) s += " ---: |";
-    s += "\n";
-    for (const report_config& k : kinds) {
-      s += "| " + detail::row_label(k) + " |";
-      for (const index_t B : budgets) {
-        const config_result* c = find(k, B);
-        if (c != nullptr) {
-          std::snprintf(b, sizeof b, m.fmt, c->*m.mean, c->*m.sem);
-          s += std::string(" ") + b;
-          const paired_difference& d = c->*m.d;
-          if (c->cfg.recipe == method::snapkv && c->cfg.driver == driver_kind::postfill) {
-            s += " (reference)";
-          } else if (d.valid) {
-            std::snprintf(b, sizeof b, m.d_fmt, d.mean, d.sem);
-            s += std::string(" (") + b + detail::significance_mark(d, bonferroni) + ")";
-          }
-        }
-        s += " |";
+    table(false, [&](const config_result& c) {
+      std::snprintf(b, sizeof b, m.fmt, c.*m.mean, c.*m.sem);
+      std::string cell = std::string(" ") + b;
+      const paired_difference& d = c.*m.d;
+      if (c.cfg.recipe == method::snapkv && c.cfg.driver == driver_kind::postfill) {
+        cell += " (reference)";
+      } else if (d.valid) {
+        std::snprintf(b, sizeof b, m.d_fmt, d.mean, d.sem);
+        cell += std::string(" (") + b + detail::significance_mark(d, bonferroni) + ")";
       }
-      s += "\n";
-    }
+      return cell + " |";
+    });
   }
 
   s += "\n## KV footprint / peak KV (means over the prompts)\n\n| method |";
-  for (const index_t B : budgets) s += " B = " + std::to_string(B) + " |";
-  s += "\n| --- |";
-  for (std::size_t i = 0; i < budgets.size(); ++i) s += " ---: |";
-  s += "\n";
-  for (const report_config& k : kinds) {
-    s += "| " + detail::row_label(k) + " |";
-    for (const index_t B : budgets) {
-      const config_result* c = find(k, B);
-      if (c == nullptr) {
-        s += " |";
-        continue;
-      }
-      std::snprintf(b, sizeof b, " %.3f / %.3f |", c->footprint, c->peak);
-      s += b;
-    }
-    s += "\n";
-  }
-
+  table(false, [&](const config_result& c) {
+    std::snprintf(b, sizeof b, " %.3f / %.3f |", c.footprint, c.peak);
+    return std::string(b);
+  });
   s += "\n## Eviction time (median ms) and (prefill + eviction) / prefill (median), post-fill rows\n\n";
   s += "Times are wall-clock on a shared machine: only their order of magnitude and the ratios are comparable.\n\n| method |";
-  for (const index_t B : budgets) s += " B = " + std::to_string(B) + " |";
-  s += "\n| --- |";
-  for (std::size_t i = 0; i < budgets.size(); ++i) s += " ---: |";
-  s += "\n";
-  for (const report_config& k : kinds) {
-    if (k.driver != driver_kind::postfill) continue;
-    s += "| " + detail::row_label(k) + " |";
-    for (const index_t B : budgets) {
-      const config_result* c = find(k, B);
-      if (c == nullptr) {
-        s += " |";
-        continue;
-      }
-      std::snprintf(b, sizeof b, " %.2f (%+.1f%%) |", c->evict_ms, (c->overhead - 1.0) * 100.0);
-      s += b;
-    }
-    s += "\n";
-  }
+  table(true, [&](const config_result& c) {
+    std::snprintf(b, sizeof b, " %.2f (%+.1f%%) |", c.evict_ms, (c.overhead - 1.0) * 100.0);
+    return std::string(b);
+  });
   return s;
 }
 

@@ -261,6 +261,38 @@ inline index_t protected_tokens(const evict_options& o) {
   return r.n_sink + r.n_recent;
 }
 
+/// The counts' ranges, the command-line parser's (c null: only the lower bounds, before the model
+/// is read) and check_evict_options' (the upper bounds from the model c too).
+inline status check_evict_counts(const evict_options& o, const config* c) {
+  const index_t ctx = c != nullptr ? c->seq_len : -1, layers = c != nullptr ? c->n_layers : -1;
+  struct count {
+    const char* name;
+    index_t value, lo, hi;  // hi < 0: no upper bound
+    const char* what;
+  };
+  const count counts[] = {{"--budget", o.budget, 1, ctx, " (the model's context)"},
+                          {"--window", o.window, 1, ctx, ""},
+                          {"--sinks", o.sinks, -1, ctx, ""},
+                          {"--chunk", o.chunk, 1, -1, ""},
+                          {"--evict-every", o.evict_every, 1, -1, ""},
+                          {"--laq-steps", o.laq_steps, 1, ctx, ""},
+                          {"--draft-tokens", o.draft_tokens, 1, ctx, ""},
+                          {"--draft-layers", o.draft_layers, 1, layers, " (the model's layers)"},
+                          {"--duo-recent", o.duo_recent, 0, -1, ""}};
+  for (const count& n : counts) {
+    if (n.hi >= 0 && (n.value < n.lo || n.value > n.hi))
+      return status::error(errc::invalid_argument, "%s %lld is outside [%lld, %lld]%s", n.name,
+                           static_cast<long long>(n.value), static_cast<long long>(n.lo), static_cast<long long>(n.hi),
+                           n.what);
+    if (n.value < n.lo)
+      return status::error(errc::invalid_argument, "%s must be >= %lld, got %lld", n.name, static_cast<long long>(n.lo),
+                           static_cast<long long>(n.value));
+  }
+  if (!(o.chunk_fraction == -1.0 || (o.chunk_fraction >= 0.0 && o.chunk_fraction <= 1.0)))
+    return status::error(errc::invalid_argument, "--chunk-fraction must be in [0, 1] or -1, got %f", o.chunk_fraction);
+  return {};
+}
+
 /// Checks the options against the model, before any prompt is seen (prompt-dependent checks
 /// happen in evictor::prefill). The messages name the command-line options.
 inline status check_evict_options(const config& c, const evict_options& o) {
@@ -269,23 +301,7 @@ inline status check_evict_options(const config& c, const evict_options& o) {
   const char* rn = method_name(o.recipe);
   auto err = [](const char* fmt, auto... args) { return status::error(errc::invalid_argument, fmt, args...); };
   if (o.recipe == method::full) return {};
-  if (o.budget < 1 || o.budget > c.seq_len)
-    return err("--budget %lld is outside [1, %d] (the model's context)", static_cast<long long>(o.budget), c.seq_len);
-  if (o.window < 1 || o.window > c.seq_len)
-    return err("--window %lld is outside [1, %d]", static_cast<long long>(o.window), c.seq_len);
-  if (o.sinks < -1 || o.sinks > c.seq_len) return err("--sinks %lld is outside [0, %d]", static_cast<long long>(o.sinks), c.seq_len);
-  if (o.chunk < 1) return err("--chunk must be >= 1, got %lld", static_cast<long long>(o.chunk));
-  if (o.evict_every < 1) return err("--evict-every must be >= 1, got %lld", static_cast<long long>(o.evict_every));
-  if (o.laq_steps < 1 || o.laq_steps > c.seq_len)
-    return err("--laq-steps %lld is outside [1, %d]", static_cast<long long>(o.laq_steps), c.seq_len);
-  if (o.draft_tokens < 1 || o.draft_tokens > c.seq_len)
-    return err("--draft-tokens %lld is outside [1, %d]", static_cast<long long>(o.draft_tokens), c.seq_len);
-  if (o.draft_layers < 1 || o.draft_layers > c.n_layers)
-    return err("--draft-layers %lld is outside [1, %d] (the model's layers)", static_cast<long long>(o.draft_layers),
-               c.n_layers);
-  if (!(o.chunk_fraction == -1.0 || (o.chunk_fraction >= 0.0 && o.chunk_fraction <= 1.0)))
-    return err("--chunk-fraction %g is outside [0, 1] (or -1: evict down to the budget)", o.chunk_fraction);
-  if (o.duo_recent < 0) return err("--duo-recent must be >= 0, got %lld", static_cast<long long>(o.duo_recent));
+  KVEVICT_TRY(check_evict_counts(o, &c));
   const index_t prot = protected_tokens(o);
   if (o.budget < prot)
     return err("--budget %lld is below the %lld tokens %s protects (sinks %lld + recent %lld)",
@@ -331,12 +347,6 @@ inline status check_evict_options(const config& c, const evict_options& o) {
 // ---------------------------------------------------------------------------------------------
 // Captured blocks
 
-/// Rows [first, first + n) of a [H][T][d] view.
-inline kvevict::kv_view<const float> view_rows(kvevict::kv_view<const float> v, index_t first, index_t n) {
-  return *kvevict::make_kv_view<const float>(v.data_handle() + first * v.stride(1), v.extent(0), n, v.extent(2),
-                                            v.stride(0), v.stride(1));
-}
-
 /// The post-RoPE queries and keys of one block of `rows` rows at every layer, copied by a forward
 /// hook: queries [L][H_q][rows][d], keys [L][H_kv][rows][d]. The views it hands out are what the
 /// drivers and the recipes read.
@@ -359,7 +369,7 @@ class block_capture {
     if (at < 0 || first < 0 || at + n > rows_ || first + n > ev.rows || ev.layer >= layers_)
       return status::error(errc::out_of_range, "block_capture: rows [%lld, %lld) of a %lld-row capture",
                            static_cast<long long>(at), static_cast<long long>(at + n), static_cast<long long>(rows_));
-    put(ev.layer, at, view_rows(ev.queries, first, n), view_rows(ev.keys, first, n));
+    put(ev.layer, at, *kvevict::token_range(ev.queries, first, n), *kvevict::token_range(ev.keys, first, n));
     return {};
   }
   /// Copies the rows of q [H_q][n][d] and k [H_kv][n][d] (or empty) into rows [at, at + n) of
@@ -393,26 +403,6 @@ class block_capture {
   index_t layers_ = 0, hq_ = 0, hkv_ = 0, d_ = 0, rows_ = 0;
   std::vector<float> q_, k_;
 };
-
-/// Whether recipe `r` scores with an observation window of queries (the SnapKV family: snapkv,
-/// vatp, lava, cake), rather than every query (H2O), the last one (TOVA) or none (Knorm,
-/// StreamingLLM).
-inline bool is_window_recipe(const kvevict::recipe& r) {
-  using kvevict::recipe_kind;
-  return r.kind != recipe_kind::h2o && r.kind != recipe_kind::tova && r.kind != recipe_kind::knorm &&
-         r.kind != recipe_kind::streaming_llm;
-}
-
-/// The query rows recipe `r` reads from a block whose last row is the prompt's last token
-/// (`rows` rows in all): every row for H2O, the last one for TOVA, the last `window` for the
-/// window recipes, none for Knorm / StreamingLLM (external-block recipes get their block elsewhere).
-inline kvevict::kv_view<const float> recipe_rows(const kvevict::recipe& r, kvevict::kv_view<const float> block) {
-  const index_t n = block.extent(1);
-  if (is_window_recipe(r)) return view_rows(block, n - r.window, r.window);
-  if (r.kind == kvevict::recipe_kind::h2o) return block;
-  if (r.kind == kvevict::recipe_kind::tova) return view_rows(block, n - 1, 1);
-  return {};
-}
 
 /// Layer l of the runner's cache as the drivers read it.
 inline kvevict::layer_kv<float> layer_view(kv_cache& c, int l) {

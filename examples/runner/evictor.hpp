@@ -64,7 +64,9 @@ class evictor {
     const config& c = cfg();
     const index_t P = static_cast<index_t>(prompt.size());
     prefill_s_ = evict_s_ = 0.0;
-    switch (o_.recipe == method::full ? driver_kind::postfill : o_.driver) {
+    const driver_kind d = o_.recipe == method::full ? driver_kind::postfill : o_.driver;
+    if (head_types() && d != driver_kind::postfill) return prefill_streaming(run, cache, prompt, rec);
+    switch (d) {
       case driver_kind::postfill: {
         prompt_q_.reset(c, P);
         const auto t0 = std::chrono::steady_clock::now();
@@ -118,77 +120,33 @@ class evictor {
     evict_s_ = 0.0;
     if (o_.recipe == method::full) return {};
     const auto t0 = std::chrono::steady_clock::now();
-    const kvevict::protection prot{rec_.n_sink, rec_.n_recent};
     kvevict::post_fill_config pc;
     pc.model = shape_of(c);
     pc.tokens = P;
     pc.rec = rec_;
-
-    if (o_.recipe == method::laq_pp) {
-      KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o_, stage1_, pf_, scratch_, block_,
-                                     pseudo_tokens_));
-      const index_t w = o_.window, prefix = P - w;
-      KVEVICT_TRY(laq_union_block(c, cache, P, w, prompt_q, block_, union_));
-      // the allocation of the whole prompt with the window protected, then the window taken out:
-      // the driver selects among the first P - w rows, which it sees as the whole layer
-      KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, w}, nullptr, alloc_));
-      if (alloc_.alloc.kind == kvevict::allocator::cake) {
-        std::vector<double> pref(static_cast<std::size_t>(L));
-        for (int l = 0; l < L; ++l) KVEVICT_TRY(window_preference(prompt_q.queries(l, P - w, w), cache, l, P, pref[l]));
-        alloc_.budgets.assign(static_cast<std::size_t>(L * H), 0);
-        const auto view = *kvevict::make_matrix_view(alloc_.budgets.data(), L, H);
-        KVEVICT_TRY(kvevict::cake_budgets(pref.data(), std::min(o_.budget, P), P, {rec_.n_sink, w}, view));
-        alloc_.alloc.kind = kvevict::allocator::per_head;
-        alloc_.alloc.budgets = view;
-      }
-      if (alloc_.alloc.kind == kvevict::allocator::lava) alloc_.alloc.total -= L * H * w;
-      for (std::int32_t& b : alloc_.budgets) b -= static_cast<std::int32_t>(w);
-      pc.alloc = alloc_.alloc;
-      pc.query_rows = union_.rows();
-      prefix_lens_.assign(static_cast<std::size_t>(H), static_cast<std::int32_t>(prefix));
-      KVEVICT_TRY(post_fill_decide(
-          pf_, scratch_, pc,
-          [&](int l, layer_inputs& in) {
-            in.kv = layer_view(cache, l);
-            in.kv.keys.lens = prefix_lens_.data();
-            in.kv.values.lens = prefix_lens_.data();
-            in.queries = union_.queries(l, 0, union_.rows());
-            in.block_keys = union_.keys(l, 0, union_.rows());
-            return status{};
-          },
-          rec));
-      // kept prefix rows, then the window
-      std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1));
-      std::vector<pos_t> pos;
-      for (int l = 0; l < L; ++l) {
-        const kvevict::ragged_positions k = pf_.kept(l);
-        pos.clear();
-        cu[0] = 0;
-        for (index_t h = 0; h < H; ++h) {
-          for (index_t i = 0; i < k.length(h); ++i) pos.push_back(k.pos[k.cu[h] + i]);
-          for (index_t j = prefix; j < P; ++j) pos.push_back(static_cast<pos_t>(j));
-          cu[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(pos.size());
-        }
-        KVEVICT_TRY(cache.compact(l, kvevict::ragged_positions{pos.data(), cu.data(), H}));
-      }
-      alloc_.total = cache.total_rows();
-      evict_s_ = seconds_since(t0);
-      return {};
-    }
-
-    const block_capture* blk = nullptr;
-    if (o_.recipe == method::laq) {
+    // The query block: LAQ's pseudo queries (laq.hpp), LAQ++'s union of them with the prompt's
+    // window, or the caller's response (oracle, speckv); none: the recipe's rows of the prompt.
+    const block_capture* blk = response;
+    const bool laq_pp = o_.recipe == method::laq_pp;
+    if (o_.recipe == method::laq || laq_pp) {
       KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o_, stage1_, pf_, scratch_, block_,
                                      pseudo_tokens_));
       blk = &block_;
-    } else if (external_response()) {
-      if (response == nullptr || response->rows() < 1)
-        return status::error(errc::invalid_argument, "%s: its response is needed as the query block",
-                             method_name(o_.recipe));
-      blk = response;
+      if (laq_pp) KVEVICT_TRY(laq_union_block(c, cache, P, o_.window, prompt_q, block_, union_));
+      if (laq_pp) blk = &union_;
+    } else if (!external_response()) {
+      blk = nullptr;
+    } else if (response == nullptr || response->rows() < 1) {
+      return status::error(errc::invalid_argument, "%s: its response is needed as the query block", method_name(o_.recipe));
     }
     if (blk != nullptr) pc.query_rows = blk->rows();
-    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, prot, &duo_, alloc_));
+    // LAQ++ keeps the prompt's last w rows outside the driver, which selects among the first P - w
+    // rows as if they were the whole layer: the allocation of the whole prompt with the window
+    // protected, then the window taken out of the budgets (docs/status.md, issue 12: why this is
+    // not add_layer_scores over the whole prompt).
+    const index_t w = laq_pp ? o_.window : 0, prefix = P - w;
+    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, rec_.n_recent + w}, &duo_, alloc_));
+    if (laq_pp) KVEVICT_TRY(take_window_out(cache, prompt_q, P, w));
     // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the scorer's scores [H_kv][P] per layer
     // (lookahead_scorer: the module's lookahead rows run as an extra block, its KV rolled back),
     // the sinks protected (0 unless --sinks), no suffix window (the paper's appendix F); a budget
@@ -203,23 +161,40 @@ class evictor {
     if (scored) pc.rec.window = 1;  // no queries are read on the scores path: any prompt fits the window
     pc.alloc = alloc_.alloc;
     const bool cake = alloc_.alloc.kind == kvevict::allocator::cake;
+    prefix_lens_.assign(static_cast<std::size_t>(H), static_cast<std::int32_t>(prefix));
     KVEVICT_TRY(post_fill_decide(
         pf_, scratch_, pc,
         [&](int l, layer_inputs& in) {
           in.kv = layer_view(cache, l);
+          if (laq_pp) in.kv.keys.lens = in.kv.values.lens = prefix_lens_.data();
           if (scored) {
             in.scores = scorer_->scores(l);
           } else if (blk != nullptr) {
             in.queries = blk->queries(l, 0, blk->rows());
             in.block_keys = blk->keys(l, 0, blk->rows());
           } else {
-            in.queries = recipe_rows(rec_, prompt_q.queries(l, 0, P));
+            const auto q = kvevict::recipe_queries(rec_, prompt_q.queries(l, 0, P));
+            if (!q) return q.error();
+            in.queries = *q;
           }
           if (cake) return window_preference(prompt_q.queries(l, P - o_.window, o_.window), cache, l, P, in.weight);
           return status{};
         },
         rec));
-    KVEVICT_TRY(compact_kept(cache, pf_));
+    if (w == 0) KVEVICT_TRY(compact_kept(cache, pf_));
+    std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1));
+    std::vector<pos_t> pos;
+    for (int l = 0; l < L && w > 0; ++l) {  // LAQ++: the kept prefix rows, then the window
+      const kvevict::ragged_positions k = pf_.kept(l);
+      pos.clear();
+      cu[0] = 0;
+      for (index_t h = 0; h < H; ++h) {
+        for (index_t i = 0; i < k.length(h); ++i) pos.push_back(k.pos[k.cu[h] + i]);
+        for (index_t j = prefix; j < P; ++j) pos.push_back(static_cast<pos_t>(j));
+        cu[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(pos.size());
+      }
+      KVEVICT_TRY(cache.compact(l, kvevict::ragged_positions{pos.data(), cu.data(), H}));
+    }
     alloc_.total = cache.total_rows();
     evict_s_ = seconds_since(t0);
     return {};
@@ -330,14 +305,14 @@ class evictor {
   status check_prompt_length(index_t P) const {
     if (o_.recipe == method::full) return {};
     const bool windowed = o_.recipe != method::lookaheadkv &&
-                          (is_window_recipe(rec_) || rec_.kind == kvevict::recipe_kind::h2o ||
+                          (kvevict::uses_window(rec_.kind) || rec_.kind == kvevict::recipe_kind::h2o ||
                            o_.recipe == method::laq || o_.recipe == method::laq_pp || o_.recipe == method::speckv ||
                            allocator_of(o_) == budget_scheme::cake);
     if (windowed && o_.driver != driver_kind::decode && o_.window >= P)
       return status::error(errc::invalid_argument,
                            "the prompt has %lld tokens, not more than --window %lld: %s needs a longer prompt",
                            static_cast<long long>(P), static_cast<long long>(o_.window), method_name(o_.recipe));
-    if (o_.driver == driver_kind::decode && is_window_recipe(rec_) && o_.window > P)
+    if (o_.driver == driver_kind::decode && kvevict::uses_window(rec_.kind) && o_.window > P)
       return status::error(errc::invalid_argument, "the prompt has %lld tokens, fewer than --window %lld",
                            static_cast<long long>(P), static_cast<long long>(o_.window));
     return {};
@@ -351,6 +326,25 @@ class evictor {
     });
   }
 
+  // LAQ++: alloc_ (the whole prompt's, the window protected) with the window's w rows per head
+  // taken out, for a driver that sees the first P - w rows; CAKE's layer budgets computed here
+  // (per head) from the window's preference, as the driver would have.
+  status take_window_out(const kv_cache& cache, const block_capture& prompt_q, index_t P, index_t w) {
+    const index_t L = cfg().n_layers, H = cfg().n_kv_heads;
+    if (alloc_.alloc.kind == kvevict::allocator::cake) {
+      std::vector<double> pref(static_cast<std::size_t>(L));
+      for (int l = 0; l < L; ++l) KVEVICT_TRY(window_preference(prompt_q.queries(l, P - w, w), cache, l, P, pref[l]));
+      alloc_.budgets.assign(static_cast<std::size_t>(L * H), 0);
+      const auto view = *kvevict::make_matrix_view(alloc_.budgets.data(), L, H);
+      KVEVICT_TRY(kvevict::cake_budgets(pref.data(), std::min(o_.budget, P), P, {rec_.n_sink, w}, view));
+      alloc_.alloc.kind = kvevict::allocator::per_head;
+      alloc_.alloc.budgets = view;
+    }
+    if (alloc_.alloc.kind == kvevict::allocator::lava) alloc_.alloc.total -= L * H * w;
+    for (std::int32_t& b : alloc_.budgets) b -= static_cast<std::int32_t>(w);
+    return {};
+  }
+
   // Layer by layer, inside the prefill: cascade_driver for lava / cake, post_fill_driver one layer
   // at a time for the per-layer allocators.
   status prefill_layerwise(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
@@ -360,9 +354,7 @@ class evictor {
     const bool cascade = a == budget_scheme::lava || a == budget_scheme::cake;
     KVEVICT_TRY(plan_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     kvevict::workspace ws;
-    if (head_types()) {
-      KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
-    } else if (cascade) {
+    if (cascade) {
       kvevict::cascade_driver_config cc;
       cc.model = shape_of(c);
       cc.tokens = P;
@@ -384,18 +376,17 @@ class evictor {
     hk.after_layer = [&](const layer_event& ev) -> status {
       const auto t0 = std::chrono::steady_clock::now();
       const int l = ev.layer;
-      const auto q = recipe_rows(rec_, ev.queries);
-      if (head_types()) {
-        KVEVICT_TRY(stream_layer(cache, l, P));
-      } else if (cascade) {
+      const auto q = kvevict::recipe_queries(rec_, ev.queries);
+      if (!q) return q.error();
+      if (cascade) {
         double weight = 0.0;
-        if (a == budget_scheme::cake) KVEVICT_TRY(window_preference(view_rows(ev.queries, P - o_.window, o_.window), cache, l, P, weight));
-        KVEVICT_TRY(cd_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q, {}, weight));
+        if (a == budget_scheme::cake) KVEVICT_TRY(window_preference(*kvevict::token_range(ev.queries, P - o_.window, o_.window), cache, l, P, weight));
+        KVEVICT_TRY(cd_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), *q, {}, weight));
         KVEVICT_TRY(cache.compact(l, cd_.kept(l)));
         for (int j = 0; j < l; ++j)
           if (cd_.changed(j)) KVEVICT_TRY(cache.compact(j, cd_.kept(j)));
       } else {
-        KVEVICT_TRY(pf_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q));
+        KVEVICT_TRY(pf_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), *q));
         KVEVICT_TRY(cache.compact(l, pf_.kept(l)));
       }
       hook_s += seconds_since(t0);
@@ -403,7 +394,7 @@ class evictor {
     };
     const auto t0 = std::chrono::steady_clock::now();
     KVEVICT_TRY(run.forward(cache, tokens(prompt), logits_mode::last, hk));
-    if (!cascade && !head_types()) KVEVICT_TRY(pf_.decide(kvevict::seq, ws));
+    if (!cascade) KVEVICT_TRY(pf_.decide(kvevict::seq, ws));
     const double total = seconds_since(t0);
     keep_logits(run);
     alloc_.total = cache.total_rows();
@@ -419,7 +410,6 @@ class evictor {
     const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
     const bool patched = o_.driver == driver_kind::chunked_patched;
     KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
-    if (head_types()) return prefill_chunked_heads(run, cache, prompt, rec);
     kvevict::chunked_config cc;
     cc.model = shape_of(c);
     cc.tokens = P;
@@ -475,15 +465,21 @@ class evictor {
     return {};
   }
 
-  // Chunked prefill with head types: every chunk attends over the streaming heads' sinks and
-  // window and the retrieval heads' whole prefix, then the streaming heads drop what left their
-  // window (naive and patched are the same: nothing is scored).
-  status prefill_chunked_heads(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
+  // Head types (duo, prulong, duo-heuristic) with the layer-wise, chunked and decode drivers: the
+  // prompt forwarded in chunks (the chunked drivers' --chunk, else the whole prompt at once), after
+  // each the streaming heads drop what left their window; retrieval heads keep everything (naive
+  // and patched chunks are the same: nothing is scored). The layer-wise driver's rows are these:
+  // evicting layer l inside the forward does not change layer l + 1's input.
+  status prefill_streaming(runner& run, kv_cache& cache, const std::vector<int>& prompt, kvevict::eviction_recorder* rec) {
     const index_t P = static_cast<index_t>(prompt.size());
+    const bool chunked = o_.driver == driver_kind::chunked_naive || o_.driver == driver_kind::chunked_patched;
+    // decode: the allocation of a max(B, P)-token sequence, as prefill_decode's
+    const index_t bound = o_.driver == driver_kind::decode ? std::max(o_.budget, P) : P;
+    KVEVICT_TRY(plan_allocation(cfg(), allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
     double forward_s = 0.0, evict_s = 0.0;
     for (index_t s = 0, e = 0; s < P; s = e) {
-      e = std::min(s + o_.chunk, P);
+      e = chunked ? std::min(s + o_.chunk, P) : P;
       auto t0 = std::chrono::steady_clock::now();
       KVEVICT_TRY(run.forward(cache, tokens(prompt.data() + s, e - s), logits_mode::last));
       forward_s += seconds_since(t0);
@@ -514,13 +510,6 @@ class evictor {
     // over the prompt when B < P)
     const index_t bound = std::max(o_.budget, P);
     KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
-    if (head_types()) {  // the streaming heads drop to their window now, then stream every step
-      KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
-      for (int l = 0; l < L; ++l) KVEVICT_TRY(stream_layer(cache, l, P));
-      evict_s_ = seconds_since(t0);
-      alloc_.total = cache.total_rows();
-      return {};
-    }
     kvevict::decode_config dc;
     dc.model = shape_of(c);
     // a head holds at most the prompt, or what it may keep after an eviction, plus the tokens
@@ -532,9 +521,9 @@ class evictor {
     KVEVICT_TRY(init_driver(dd_, scratch_, dc, rec, decode_ws_));
     std::vector<float> initial;
     kvevict::workspace sws;
-    if (rec_.kind == kvevict::recipe_kind::h2o) {  // the prompt's accumulated attention, unprotected
-      kvevict::recipe hr = rec_;
-      hr.n_sink = hr.n_recent = 0;
+    kvevict::recipe hr = rec_;  // H2O: the prompt's accumulated attention, unprotected
+    hr.n_sink = hr.n_recent = 0;
+    if (rec_.kind == kvevict::recipe_kind::h2o) {
       const auto need = kvevict::recipe_scores_workspace_bytes(kvevict::seq, hr, c.n_heads, P, H, P, c.head_size());
       if (!need) return need.error();
       sws = {grown(decode_scratch_, *need), decode_scratch_.size()};
@@ -543,8 +532,6 @@ class evictor {
     for (int l = 0; l < L; ++l) {
       kvevict::matrix_view<const float> init_scores;
       if (rec_.kind == kvevict::recipe_kind::h2o) {
-        kvevict::recipe hr = rec_;
-        hr.n_sink = hr.n_recent = 0;
         const auto keys = cache.dense_keys(l, P);
         if (!keys) return keys.error();
         const auto out = *kvevict::make_matrix_view(initial.data(), H, P);

@@ -76,12 +76,30 @@ bool load_lookahead(const std::string& path, const kvrun::model& model, kvrun::l
   return false;
 }
 
+// The files a sweep writes into --out-dir.
+std::vector<kvevict::io::named_path> out_files(const options& o, std::initializer_list<const char*> names) {
+  std::vector<kvevict::io::named_path> files;
+  for (const char* n : names) files.push_back({n, o.out_dir + "/" + n});
+  return files;
+}
+
+// Writes a sweep's files (out_files) with their contents, all or nothing. Returns the exit status.
+int write_files(const std::vector<kvevict::io::named_path>& files, const std::vector<std::string>& contents) {
+  kvevict::io::output_transaction out;
+  for (std::size_t i = 0; i < files.size(); ++i)
+    if (auto st = out.stage(files[i].path, contents[i]); !st.ok()) return fail("", st);
+  if (auto st = out.commit(); !st.ok()) return fail("", st);
+  return 0;
+}
+
 // The report's and the footprint sweep's common options: counts, recipes, drivers and the output
-// directory checked, the module loaded when a recipe needs it. LAQ's pseudo tokens and SpecKV's
-// draft tokens default to the module's lookahead tokens (the LookaheadKV paper's equal counts).
+// directory checked, the module loaded when a recipe needs it, the outputs checked now (before
+// minutes of work; written together at the end). LAQ's pseudo tokens and SpecKV's draft tokens
+// default to the module's lookahead tokens (the LookaheadKV paper's equal counts).
 // Returns 0 to go on, else the exit status.
 int sweep_options(const options& o, const kvrun::model& model, kvrun::lookahead_module& lookahead,
-                  kvrun::report_options& r, std::vector<kvrun::method>& recipes, std::vector<kvrun::driver_kind>& drivers) {
+                  kvrun::report_options& r, std::vector<kvrun::method>& recipes, std::vector<kvrun::driver_kind>& drivers,
+                  const std::vector<kvevict::io::named_path>& outputs) {
   r.prompts = o.prompts;
   r.base = o.evict;
   r.calibration = o.calibration;
@@ -99,7 +117,6 @@ int sweep_options(const options& o, const kvrun::model& model, kvrun::lookahead_
   for (const kvevict::index_t b : o.budgets)
     if (b < 1 || b > model.cfg().seq_len)
       return fail("--budgets: " + std::to_string(b) + " is outside [1, " + std::to_string(model.cfg().seq_len) + "]");
-  if (o.prompts < 1) return fail("--prompts must be >= 1, got " + std::to_string(o.prompts));
   if (std::error_code ec; !std::filesystem::is_directory(o.out_dir, ec))
     return fail("--out-dir " + o.out_dir + " is not a directory");
   if (recipes.empty() || std::find(recipes.begin(), recipes.end(), kvrun::method::lookaheadkv) != recipes.end()) {
@@ -110,6 +127,9 @@ int sweep_options(const options& o, const kvrun::model& model, kvrun::lookahead_
     if (!o.draft_tokens_given) r.base.draft_tokens = lookahead.n_lookahead();
   }
   r.progress = [](const char* line) { std::fprintf(stderr, "%s\n", line); };
+  if (auto st = kvevict::io::check_paths({{"--model", o.model}, {"--lookahead-module", o.lookahead_module}}, outputs);
+      !st.ok())
+    return fail("--out-dir: ", st);
   return 0;
 }
 
@@ -124,27 +144,20 @@ std::string model_name(const std::string& path) {
 int run_footprint(const options& o, const kvrun::model& model, const std::string& command) {
   kvrun::footprint_options f;
   kvrun::lookahead_module lookahead;
-  if (const int code = sweep_options(o, model, lookahead, f.report, f.recipes, f.drivers); code != 0) return code;
+  const auto files = out_files(o, {"footprint.json", "footprint.md", "footprint.svg"});
+  if (const int code = sweep_options(o, model, lookahead, f.report, f.recipes, f.drivers, files); code != 0) return code;
   if (o.budgets_given) f.budgets = o.budgets;
   f.fractions = o.fractions;
-  const std::string json = o.out_dir + "/footprint.json", md = o.out_dir + "/footprint.md",
-                    svg = o.out_dir + "/footprint.svg";
-  if (auto st = kvevict::io::check_paths({{"--model", o.model}, {"--lookahead-module", o.lookahead_module}},
-                                         {{"footprint.json", json}, {"footprint.md", md}, {"footprint.svg", svg}});
-      !st.ok())
-    return fail("--out-dir: ", st);
   kvrun::footprint_result result;
   if (auto st = kvrun::run_footprint(model, f, result); !st.ok()) return fail("", st);
-  const std::string table = kvrun::footprint_markdown(result);
+  const std::string table = kvrun::footprint_markdown(result), name = model_name(o.model);
   std::fputs(table.c_str(), stdout);
-  const std::string name = model_name(o.model);
-  kvevict::io::output_transaction out;
-  if (auto st = out.stage(json, kvrun::footprint_json(result, name, command)); !st.ok()) return fail("", st);
-  if (auto st = out.stage(md, table); !st.ok()) return fail("", st);
-  if (auto st = out.stage(svg, kvrun::footprint_svg(result, name)); !st.ok()) return fail("", st);
-  if (auto st = out.commit(); !st.ok()) return fail("", st);
-  std::fprintf(stderr, "footprint: wrote %s, %s and %s (%.1f s)\n", json.c_str(), md.c_str(), svg.c_str(),
-               result.report.seconds);
+  if (const int code = write_files(files, {kvrun::footprint_json(result, name, command), table,
+                                           kvrun::footprint_svg(result, name)});
+      code != 0)
+    return code;
+  std::fprintf(stderr, "footprint: wrote %s, %s and %s (%.1f s)\n", files[0].path.c_str(), files[1].path.c_str(),
+               files[2].path.c_str(), result.report.seconds);
   return 0;
 }
 
@@ -152,27 +165,22 @@ int run_footprint(const options& o, const kvrun::model& model, const std::string
 int run_report(const options& o, const kvrun::model& model, const std::string& command) {
   kvrun::report_options r;
   kvrun::lookahead_module lookahead;  // every method runs unless --recipes leaves lookaheadkv out
-  if (const int code = sweep_options(o, model, lookahead, r, r.recipes, r.drivers); code != 0) return code;
+  const auto files = out_files(o, {"report.json", "report.svg", "tables.md"});
+  if (const int code = sweep_options(o, model, lookahead, r, r.recipes, r.drivers, files); code != 0) return code;
   r.budgets = o.budgets;
   r.all_drivers = o.all_drivers;
-  const std::string json = o.out_dir + "/report.json", svg = o.out_dir + "/report.svg", md = o.out_dir + "/tables.md";
-  // the outputs are checked now, before minutes of work, and written together at the end
-  if (auto st = kvevict::io::check_paths({{"--model", o.model}, {"--lookahead-module", o.lookahead_module}},
-                                         {{"report.json", json}, {"report.svg", svg}, {"tables.md", md}});
-      !st.ok())
-    return fail("--out-dir: ", st);
   std::vector<kvrun::report_config> configs;
   if (auto st = kvrun::report_configs(model.cfg(), r, configs); !st.ok()) return fail("", st);
   kvrun::report_result result;
   if (auto st = kvrun::run_report(model, r, result); !st.ok()) return fail("", st);
   std::fputs(kvrun::report_table(result).c_str(), stdout);
   const std::string name = model_name(o.model);
-  kvevict::io::output_transaction out;
-  if (auto st = out.stage(json, kvrun::report_json(result, name, command)); !st.ok()) return fail("", st);
-  if (auto st = out.stage(svg, kvrun::report_svg(result, name)); !st.ok()) return fail("", st);
-  if (auto st = out.stage(md, kvrun::report_markdown(result, "Quality report tables: " + name)); !st.ok()) return fail("", st);
-  if (auto st = out.commit(); !st.ok()) return fail("", st);
-  std::fprintf(stderr, "report: wrote %s, %s and %s\n", json.c_str(), svg.c_str(), md.c_str());
+  if (const int code = write_files(files, {kvrun::report_json(result, name, command), kvrun::report_svg(result, name),
+                                           kvrun::report_markdown(result, "Quality report tables: " + name)});
+      code != 0)
+    return code;
+  std::fprintf(stderr, "report: wrote %s, %s and %s\n", files[0].path.c_str(), files[1].path.c_str(),
+               files[2].path.c_str());
   return 0;
 }
 
@@ -190,7 +198,6 @@ int run(int argc, char** argv) {
   if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail_file(o.model, st);
   const kvrun::config& c = model.cfg();
   if (o.report || o.footprint) {
-    if (o.evict.chunk < 1) return fail("--chunk must be >= 1, got " + std::to_string(o.evict.chunk));
     std::string command = "kvevict-run";
     for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
     return o.report ? run_report(o, model, command) : run_footprint(o, model, command);

@@ -53,8 +53,9 @@ inline status laq_pseudo_queries(runner& run, const kv_cache& full, const block_
       d, s, cfg,
       [&](int l, layer_inputs& in) {
         in.kv = layer_view(copy, l);
-        in.queries = recipe_rows(cfg.rec, prompt_q.queries(l, 0, P));
-        return status{};
+        const auto q = kvevict::recipe_queries(cfg.rec, prompt_q.queries(l, 0, P));
+        if (q) in.queries = *q;
+        return q ? status{} : q.error();
       },
       nullptr));
   KVEVICT_TRY(compact_kept(copy, d));
@@ -82,7 +83,7 @@ inline status laq_union_block(const config& c, const kv_cache& full, index_t P, 
   for (int l = 0; l < c.n_layers; ++l) {
     const auto keys = full.dense_keys(l, P);
     if (!keys) return keys.error();
-    out.put(l, 0, prompt_q.queries(l, P - w, w), view_rows(*keys, P - w, w));
+    out.put(l, 0, prompt_q.queries(l, P - w, w), *kvevict::token_range(*keys, P - w, w));
     out.put(l, w, pseudo.queries(l, 0, n), pseudo.keys(l, 0, n));
   }
   return {};

@@ -143,15 +143,7 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   report_opts.push_back(app.add_option("--drivers", o.drivers, "report: only these drivers (comma-separated)")->delimiter(','));
   report_opts.push_back(app.add_flag("--all-drivers", o.all_drivers,
                                      "report: every supported recipe x driver pair, not the default matrix"));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    message = app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    message = std::string(e.what()) + " (see --help)";
-    return 2;
-  }
+  if (const int code = kvevict::program::parse_command_line(app, argc, argv, message); code >= 0) return code;
 
   o.budgets_given = budgets_opt->count() > 0;
   o.laq_steps_given = laq_steps_opt->count() > 0;
@@ -164,17 +156,7 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   // every count is checked here, before any file is read or any work starts (docs/conventions.md)
   if (o.calibration < 1) return err("--calibration must be >= 1, got " + std::to_string(o.calibration));
   if (o.prompts < 1) return err("--prompts must be >= 1, got " + std::to_string(o.prompts));
-  if (o.evict.window < 1) return err("--window must be >= 1, got " + std::to_string(o.evict.window));
-  if (o.evict.sinks < -1) return err("--sinks must be >= 0 (or -1: the recipe's), got " + std::to_string(o.evict.sinks));
-  if (o.evict.budget < 1) return err("--budget must be >= 1, got " + std::to_string(o.evict.budget));
-  if (o.evict.chunk < 1) return err("--chunk must be >= 1, got " + std::to_string(o.evict.chunk));
-  if (o.evict.evict_every < 1) return err("--evict-every must be >= 1, got " + std::to_string(o.evict.evict_every));
-  if (o.evict.laq_steps < 1) return err("--laq-steps must be >= 1, got " + std::to_string(o.evict.laq_steps));
-  if (o.evict.duo_recent < 0) return err("--duo-recent must be >= 0, got " + std::to_string(o.evict.duo_recent));
-  if (o.evict.draft_tokens < 1) return err("--draft-tokens must be >= 1, got " + std::to_string(o.evict.draft_tokens));
-  if (o.evict.draft_layers < 1) return err("--draft-layers must be >= 1, got " + std::to_string(o.evict.draft_layers));
-  if (!(o.evict.chunk_fraction == -1.0 || (o.evict.chunk_fraction >= 0.0 && o.evict.chunk_fraction <= 1.0)))
-    return err("--chunk-fraction must be in [0, 1] or -1, got " + std::to_string(o.evict.chunk_fraction));
+  if (auto st = check_evict_counts(o.evict, nullptr); !st.ok()) return err(st.message());
   for (const double f : o.fractions)
     if (!(f > 0.0 && f < 1.0)) return err("--fractions: " + std::to_string(f) + " is outside (0, 1)");
   if (o.report && o.footprint) return err("--report and --footprint are two runs: give one");

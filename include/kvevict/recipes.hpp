@@ -211,11 +211,27 @@ constexpr bool uses_attention(recipe_kind k) noexcept {
   return k != recipe_kind::streaming_llm && k != recipe_kind::knorm;
 }
 
-namespace detail {
-
-inline bool is_window_kind(recipe_kind k) noexcept {
+/// True if the recipe scores with an observation window (SnapKV, VATP, LAVa, CAKE: `window`
+/// queries), rather than every prompt query (H2O), the last one (TOVA) or none.
+constexpr bool uses_window(recipe_kind k) noexcept {
   return k == recipe_kind::snapkv || k == recipe_kind::vatp || k == recipe_kind::lava || k == recipe_kind::cake;
 }
+
+/// The query rows recipe `r` reads (query_source::prompt_window) from `prompt_queries`, the
+/// prompt's queries [H_q][P][d] with its last token last: the last r.window rows for the window
+/// recipes, every row for H2O, the last row for TOVA, none (an empty view) for Knorm and
+/// StreamingLLM. What add_layer's `queries` is when the engine keeps the whole prompt's queries.
+/// Errors: fewer than the rows the recipe reads (out_of_range).
+template <class T>
+result<kv_view<T>> recipe_queries(const recipe& r, kv_view<T> prompt_queries) {
+  const index_t n = prompt_queries.extent(1);
+  if (uses_window(r.kind)) return token_range(prompt_queries, n - r.window, r.window);
+  if (r.kind == recipe_kind::tova) return token_range(prompt_queries, n - 1, 1);
+  if (r.kind == recipe_kind::h2o) return prompt_queries;
+  return kv_view<T>{};
+}
+
+namespace detail {
 
 inline status check_recipe(const char* fn, const recipe& r) {
   const int k = static_cast<int>(r.kind);
@@ -239,7 +255,7 @@ inline status check_recipe(const char* fn, const recipe& r) {
     return status::error(errc::invalid_argument,
                          "%s: unpooled_tail %lld is set by recipe_scores from the query source (leave it 0)", fn,
                          static_cast<long long>(r.unpooled_tail));
-  if (is_window_kind(r.kind) && r.source == query_source::prompt_window && r.window < 1)
+  if (uses_window(r.kind) && r.source == query_source::prompt_window && r.window < 1)
     return status::error(errc::invalid_argument, "%s: window %lld must be >= 1", fn, static_cast<long long>(r.window));
   return check_score_options(fn, r.score);
 }

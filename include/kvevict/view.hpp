@@ -152,6 +152,18 @@ result<kv_view<T>> make_kv_view(T* data, index_t heads, index_t tokens, index_t 
   return detail::make_strided<T, 3>("make_kv_view", data, ext, str);
 }
 
+/// Tokens [first, first + n) of every head of `v`, without a copy (same strides). Errors: a range
+/// outside [0, v.extent(1)] (out_of_range).
+template <class T>
+result<kv_view<T>> token_range(kv_view<T> v, index_t first, index_t n) {
+  if (first < 0 || n < 0 || first > v.extent(1) - n)
+    return status::error(errc::out_of_range, "token_range: tokens [%lld, %lld + %lld) of a view of %lld tokens",
+                         static_cast<long long>(first), static_cast<long long>(first), static_cast<long long>(n),
+                         static_cast<long long>(v.extent(1)));
+  return make_kv_view(v.data_handle() + first * v.stride(1), v.extent(0), n, v.extent(2), v.stride(0), v.stride(1),
+                      v.stride(2));
+}
+
 /// View a row-major matrix with `row_stride` elements between rows (default: `cols`).
 template <class T>
 result<matrix_view<T>> make_matrix_view(T* data, index_t rows, index_t cols, index_t row_stride = -1) {

@@ -519,24 +519,19 @@ class evictor {
     dc.rec = rec_;
     dc.alloc = alloc_.alloc;
     KVEVICT_TRY(init_driver(dd_, scratch_, dc, rec, decode_ws_));
-    std::vector<float> initial;
-    kvevict::workspace sws;
+    std::vector<float> initial(rec_.kind == kvevict::recipe_kind::h2o ? static_cast<std::size_t>(H * P) : 0);
     kvevict::recipe hr = rec_;  // H2O: the prompt's accumulated attention, unprotected
     hr.n_sink = hr.n_recent = 0;
-    if (rec_.kind == kvevict::recipe_kind::h2o) {
-      const auto need = kvevict::recipe_scores_workspace_bytes(kvevict::seq, hr, c.n_heads, P, H, P, c.head_size());
-      if (!need) return need.error();
-      sws = {grown(decode_scratch_, *need), decode_scratch_.size()};
-      initial.resize(static_cast<std::size_t>(H * P));
-    }
     for (int l = 0; l < L; ++l) {
       kvevict::matrix_view<const float> init_scores;
       if (rec_.kind == kvevict::recipe_kind::h2o) {
         const auto keys = cache.dense_keys(l, P);
         if (!keys) return keys.error();
         const auto out = *kvevict::make_matrix_view(initial.data(), H, P);
-        KVEVICT_TRY(kvevict::recipe_scores(kvevict::seq, sws, hr, prompt_q_.queries(l, 0, P), *keys,
-                                           kvevict::kv_view<const float>{}, out));
+        KVEVICT_TRY(with_workspace(decode_scratch_, [&](kvevict::workspace& ws) {
+          return kvevict::recipe_scores(kvevict::seq, ws, hr, prompt_q_.queries(l, 0, P), *keys,
+                                        kvevict::kv_view<const float>{}, out);
+        }));
         init_scores = out;
       }
       KVEVICT_TRY(dd_.begin(l, layer_view(cache, l), P, init_scores));

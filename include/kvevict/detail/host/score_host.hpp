@@ -646,6 +646,10 @@ void score_parallel(par_t, index_t n, int threads, F&& f) {
 #endif
   for (index_t i = 0; i < n; ++i) f(i, 0);
 }
+template <class E, class F>
+void score_parallel(executor_t<E> be, index_t n, int threads, F&& f) {
+  parallel_for_workers(be, n, threads, f);
+}
 
 KVEVICT_SCORE_ABI_END
 }  // namespace kvevict::detail

@@ -25,6 +25,7 @@
 // exit with status 1.
 #pragma once
 
+#include <kvevict/backend.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
@@ -43,9 +44,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -114,6 +118,95 @@ inline const char* kv_type_name(kvevict::bfloat16) { return "bf16"; }
 
 inline const char* backend_name(seq_t) { return "seq"; }
 inline const char* backend_name(par_t) { return "par"; }
+
+// ------------------------------------------------------------------------------------------------
+// an engine's executor (kvevict::on, docs/backends.md)
+
+/// What an engine's thread pool looks like to kvevict::on: `threads - 1` persistent workers plus
+/// the calling thread; a loop is cut into `threads` contiguous ranges, range 0 runs on the caller.
+/// Workers spin for a short while (about 50 us) after each loop before sleeping on a condition
+/// variable, as engine pools commonly do. Backend name "exec" (`on(ex)`); "exec1" is the trivial
+/// executor that runs every range on the calling thread (an engine that already parallelises
+/// over sequences or layers).
+class pool_executor {
+ public:
+  explicit pool_executor(int threads) : n_(std::max(1, threads)) {
+    for (int w = 1; w < n_; ++w) workers_.emplace_back([this, w] { work(w); });
+  }
+  ~pool_executor() {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      stop_ = true;
+      ++gen_;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int concurrency() const { return n_; }
+  void parallel_for(index_t n, task_ref task) {
+    if (n_ == 1 || n < 2) return task(0, n, 0);
+    task_ = &task;
+    n_items_ = n;
+    left_.store(n_ - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> l(m_);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    run_range(0);
+    while (left_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  }
+
+ private:
+  void run_range(int w) {
+    const index_t b = n_items_ * w / n_, e = n_items_ * (w + 1) / n_;
+    if (b < e) (*task_)(b, e, w);
+  }
+  void work(int w) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      bool got = false;
+      for (int spin = 0; spin < 2000 && !got; ++spin) {
+        got = gen_.load(std::memory_order_acquire) != seen;
+        if (!got) std::this_thread::yield();
+      }
+      if (!got) {
+        std::unique_lock<std::mutex> l(m_);
+        cv_.wait(l, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+      }
+      seen = gen_.load(std::memory_order_acquire);
+      if (stop_) return;
+      run_range(w);
+      left_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+  int n_;
+  std::vector<std::thread> workers_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::atomic<std::uint64_t> gen_{0};
+  std::atomic<int> left_{0};
+  bool stop_ = false;
+  task_ref* task_ = nullptr;
+  index_t n_items_ = 0;
+};
+
+/// The executor every "exec" benchmark uses (par_threads() workers, created once).
+inline pool_executor& bench_executor() {
+  static pool_executor ex(par_threads());
+  return ex;
+}
+/// The trivial executor: every loop on the calling thread ("exec1").
+struct inline_executor {
+  int concurrency() const { return 1; }
+  void parallel_for(index_t n, task_ref task) const { task(0, n, 0); }
+};
+inline inline_executor& bench_inline_executor() {
+  static inline_executor ex;
+  return ex;
+}
+inline const char* backend_name(executor_t<pool_executor>) { return "exec"; }
+inline const char* backend_name(executor_t<inline_executor>) { return "exec1"; }
 
 inline std::string bench_name(const std::string& stage, const std::string& op, const std::string& impl,
                               const std::string& backend, const params& p) {

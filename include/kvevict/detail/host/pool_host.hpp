@@ -39,9 +39,12 @@ namespace kvevict::detail::pool_fast {
 typedef float vf8 __attribute__((vector_size(32)));
 typedef std::uint32_t vu8 __attribute__((vector_size(32)));
 typedef std::int32_t vi8 __attribute__((vector_size(32)));
+typedef float vf8u __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned loads / stores
 
-KVEVICT_POOL_INLINE void load8(const float* p, vf8& v) noexcept { std::memcpy(&v, p, sizeof v); }
-KVEVICT_POOL_INLINE void store8(float* p, const vf8& v) noexcept { std::memcpy(p, &v, sizeof v); }
+// (one unaligned vector access each: a memcpy is split into halves in the baseline copy, which
+// defeats store forwarding)
+KVEVICT_POOL_INLINE void load8(const float* p, vf8& v) noexcept { v = *reinterpret_cast<const vf8u*>(p); }
+KVEVICT_POOL_INLINE void store8(float* p, const vf8& v) noexcept { *reinterpret_cast<vf8u*>(p) = v; }
 
 /// k = total_order_key(f) on 8 lanes.
 KVEVICT_POOL_INLINE void keys8(const vf8& f, vu8& k) noexcept {

@@ -61,31 +61,47 @@ KVEVICT_POOL_INLINE void from_keys8(const vu8& k, vf8& f) noexcept {
   std::memcpy(&f, &b, sizeof f);
 }
 
-/// Max pooling of outputs [lo, hi) (all windows inside the row), 8 at a time; the tail scalar.
+/// Max pooling of outputs [lo, hi) (all windows inside the row), in chunks of `chunk` outputs: the
+/// chunk's inputs turned into keys once, then window maxima by doubling (pairs, quads, then the
+/// window as two overlapping quads or an octet plus one), 8 lanes at a time. The max of keys is
+/// associative and commutative, so any grouping gives the same bits.
 template <int K>
 KVEVICT_POOL_INLINE void max_interior(const float* x, float* y, index_t lo, index_t hi) noexcept {
   constexpr int r = K / 2;
-  index_t i = lo;
-  for (; i + 8 <= hi; i += 8) {
-    vf8 v;
-    vu8 m, k;
-    load8(x + i - r, v);
-    keys8(v, m);
-    for (int t = 1; t < K; ++t) {
-      load8(x + i - r + t, v);
+  constexpr index_t chunk = 512;
+  alignas(32) std::uint32_t kb[chunk + 16 + 8], m2[chunk + 16 + 8], m4[chunk + 16 + 8];
+  for (index_t c0 = lo; c0 < hi; c0 += chunk) {
+    const index_t nc = hi - c0 < chunk ? hi - c0 : chunk;
+    const index_t nv = (nc + 7) / 8 * 8;  // outputs computed (the last vector partly past nc: not stored)
+    const float* xs = x + c0 - r;          // input of window position 0 of output c0
+    // keys of the inputs [c0 - r, c0 + nc + r): nc + K - 1 of them; padded to what the vectors read
+    const index_t nk = nc + K - 1;
+    index_t t = 0;
+    for (; t + 8 <= nk; t += 8) {
+      vf8 v;
+      vu8 k;
+      load8(xs + t, v);
       keys8(v, k);
-      m = k > m ? k : m;
+      std::memcpy(kb + t, &k, sizeof k);
     }
-    from_keys8(m, v);
-    store8(y + i, v);
-  }
-  for (; i < hi; ++i) {
-    std::uint32_t m = total_order_key(x[i - r]);
-    for (int t = 1; t < K; ++t) {
-      const std::uint32_t k = total_order_key(x[i - r + t]);
-      m = k > m ? k : m;
+    for (; t < nk; ++t) kb[t] = total_order_key(xs[t]);
+    for (; t < nv + K + 8; ++t) kb[t] = 0;
+    // m2[i] = max(kb[i], kb[i + 1]), m4[i] = max(m2[i], m2[i + 2]) for i < nv + K
+    for (index_t i = 0; i < nv + K; ++i) m2[i] = kb[i] > kb[i + 1] ? kb[i] : kb[i + 1];
+    if constexpr (K >= 5)
+      for (index_t i = 0; i < nv + K - 2; ++i) m4[i] = m2[i] > m2[i + 2] ? m2[i] : m2[i + 2];
+    index_t i = 0;
+    for (; i < nc; ++i) {
+      std::uint32_t m;
+      if constexpr (K == 3) m = m2[i] > kb[i + 2] ? m2[i] : kb[i + 2];
+      else if constexpr (K == 5) m = m4[i] > kb[i + 4] ? m4[i] : kb[i + 4];
+      else if constexpr (K == 7) m = m4[i] > m4[i + 3] ? m4[i] : m4[i + 3];
+      else {
+        const std::uint32_t a = m4[i] > m4[i + 4] ? m4[i] : m4[i + 4];
+        m = a > kb[i + 8] ? a : kb[i + 8];
+      }
+      y[c0 + i] = total_order_from_key(m);
     }
-    y[i] = total_order_from_key(m);
   }
 }
 

@@ -99,16 +99,6 @@ inline status carve_postprocess_host(const char* fn, workspace& ws, index_t hkv,
   return carver.finish(fn);
 }
 
-/// o[p] = gqa_combine(op, o[p], x[p]) for p in [0, n) on contiguous rows: the op hoisted out of
-/// the loop so that it vectorises (the same operation per element, so the same bits).
-inline void combine_contiguous(gqa_op op, float* o, const float* x, index_t n) noexcept {
-  if (op == gqa_op::max) {
-    for (index_t p = 0; p < n; ++p) o[p] = total_order_max(o[p], x[p]);
-  } else {
-    for (index_t p = 0; p < n; ++p) o[p] = o[p] + x[p];
-  }
-}
-
 /// protect_value(gqa_finish(op, o[p], g), p, ...) for p in [0, n) on a contiguous row, by ranges
 /// (the sinks and the recent window are +inf whatever the score: the same values as per element).
 inline void finish_protect_contiguous(gqa_op op, float* o, index_t n, index_t g, index_t sink_end,

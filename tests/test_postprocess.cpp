@@ -622,6 +622,26 @@ TEST_CASE("on(executor): every stage's loops go through the caller's executor, b
     std::vector<unsigned char> smem(sw.bytes);
     sw.data = smem.data();
     REQUIRE(select_topk(be, sw, postv, nullptr, value_of(make_matrix_view(kept.data(), hkv, k))).ok());
+    // flattened selection (per-worker scratch, several passes), then weighting, protection and
+    // in-place compaction of a copy of the values
+    std::vector<std::int32_t> fcu(static_cast<std::size_t>(hkv + 1));
+    std::vector<pos_t> fpos(static_cast<std::size_t>(hkv * k));
+    workspace fw;
+    REQUIRE(select_topk_flat(be, fw, postv, nullptr, hkv * k, nullptr, fcu.data(), fpos.data()).ok());
+    std::vector<unsigned char> fmem(fw.bytes);
+    fw.data = fmem.data();
+    REQUIRE(select_topk_flat(be, fw, postv, nullptr, hkv * k, nullptr, fcu.data(), fpos.data()).ok());
+    for (std::size_t i = 0; i < fpos.size(); ++i) reduced.push_back(static_cast<float>(fpos[i]));
+    std::vector<float> wt = reduced;
+    const auto wv = value_of(make_matrix_view(wt.data(), hkv, P));
+    REQUIRE(weight_by_value_norm(be, wv, vview, value_weight::per_token).ok());
+    REQUIRE(protect(be, wv, 3, 5).ok());
+    reduced.insert(reduced.end(), wt.begin(), wt.begin() + hkv * P);
+    std::vector<float> vc = vals;
+    REQUIRE(compact_inplace(be, value_of(make_kv_view(vc.data(), hkv, T, d)),
+                            value_of(make_matrix_view<const pos_t>(kept.data(), hkv, k)))
+                .ok());
+    reduced.insert(reduced.end(), vc.begin(), vc.begin() + hkv * k * d);
     kc.assign(static_cast<std::size_t>(hkv * k * d), 0.f);
     REQUIRE(compact(be, kview, value_of(make_matrix_view<const pos_t>(kept.data(), hkv, k)),
                     value_of(make_kv_view(kc.data(), hkv, k, d)))

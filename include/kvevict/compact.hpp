@@ -299,7 +299,8 @@ status compact(Backend be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_
       const index_t h = i / blocks, j0 = (i % blocks) * detail::compact_block;
       const index_t n = std::min(detail::compact_block, k - j0);
       detail::gather_rows_host(detail::row_ptr(dst, h, j0), dst.stride(1), detail::row_ptr(src, h, 0), src.stride(1),
-                               &kept(h, j0), kept.stride(1), n, dim, false);
+                               kept.data_handle() + h * kept.stride(0) + j0 * kept.stride(1), kept.stride(1), n, dim,
+                               false);
     });
     return {};
   }
@@ -322,7 +323,7 @@ status compact_inplace(Backend be, kv_view<T> cache, matrix_view<const pos_t> ke
   detail::parallel_for(be, cache.extent(0), [&](index_t h) {
     if (cache.stride(2) == 1) {
       detail::gather_rows_host(detail::row_ptr(cache, h, 0), cache.stride(1), detail::row_ptr(cache, h, 0),
-                               cache.stride(1), &kept(h, 0), kept.stride(1), k, dim, true);
+                               cache.stride(1), kept.data_handle() + h * kept.stride(0), kept.stride(1), k, dim, true);
       return;
     }
     for (index_t j = 0; j < k; ++j) {

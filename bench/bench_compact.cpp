@@ -194,6 +194,11 @@ void reg_case(const std::string& shape, index_t H, index_t T, index_t d, index_t
     add(bench_name("compact", op_name(o), impl_name(i), "par", p),
         [=](benchmark::State& st) { run<E>(st, H, T, d, k, o, n_append, i, par); });
   }
+  // kvevict on an engine's executor (harness.hpp: par_threads() workers, or the calling thread)
+  add(bench_name("compact", op_name(o), "kvevict", "exec", p),
+      [=](benchmark::State& st) { run<E>(st, H, T, d, k, o, n_append, impl::kvevict, on(bench_executor())); });
+  add(bench_name("compact", op_name(o), "kvevict", "exec1", p),
+      [=](benchmark::State& st) { run<E>(st, H, T, d, k, o, n_append, impl::kvevict, on(bench_inline_executor())); });
 }
 
 /// fp16 (the usual KV dtype): dense over every context and budget; fp32 and the other ops at one

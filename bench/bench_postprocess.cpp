@@ -238,6 +238,12 @@ void register_benchmarks() {
             [=](benchmark::State& st) { run(st, s, T, o, which, par); });
       };
       reg("kvevict", impl::kvevict);
+      // the same call on an engine's executor (harness.hpp): a pool of par_threads() workers, and
+      // the trivial executor that runs every loop on the calling thread
+      add(bench_name("postprocess", op_name(o), "kvevict", "exec", p),
+          [=](benchmark::State& st) { run(st, s, T, o, impl::kvevict, on(bench_executor())); });
+      add(bench_name("postprocess", op_name(o), "kvevict", "exec1", p),
+          [=](benchmark::State& st) { run(st, s, T, o, impl::kvevict, on(bench_inline_executor())); });
       if (o == op::snapkv || o == op::lava) reg("kvevict_chain", impl::chain);
       reg("naive", impl::naive);
       reg("memcpy", impl::memcpy);

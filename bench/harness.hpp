@@ -25,6 +25,7 @@
 // exit with status 1.
 #pragma once
 
+#include <kvevict/backend.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
@@ -43,9 +44,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -114,6 +118,115 @@ inline const char* kv_type_name(kvevict::bfloat16) { return "bf16"; }
 
 inline const char* backend_name(seq_t) { return "seq"; }
 inline const char* backend_name(par_t) { return "par"; }
+
+// ------------------------------------------------------------------------------------------------
+// an engine's executor (kvevict::on, docs/backends.md)
+
+/// What an engine's thread pool looks like to kvevict::on: `threads - 1` persistent workers plus
+/// the calling thread. A loop is cut into up to 4 chunks per thread that every participant claims
+/// from one atomic counter (the state packs the call's generation with the next chunk, so a worker
+/// that wakes late cannot claim a later call's chunks with this one's). The caller claims chunks
+/// too and waits only for chunks a worker has already claimed: a worker that is not scheduled
+/// (a busy machine) never delays the call, the caller just does its share. Workers spin briefly
+/// (yielding) after each loop, then sleep on a condition variable. Backend name "exec" (`on(ex)`);
+/// "exec1" is the trivial executor that runs every range on the calling thread (an engine that
+/// already parallelises over sequences or layers).
+class pool_executor {
+ public:
+  explicit pool_executor(int threads) : n_(std::max(1, threads)) {
+    for (int w = 1; w < n_; ++w) workers_.emplace_back([this, w] { work(w); });
+  }
+  ~pool_executor() {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      stop_.store(true);
+      state_.fetch_add(std::uint64_t{1} << 32);
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int concurrency() const { return n_; }
+  void parallel_for(index_t n, task_ref task) {
+    if (n_ == 1 || n < 2) return task(0, n, 0);
+    task_.store(&task, std::memory_order_relaxed);
+    n_items_.store(n, std::memory_order_relaxed);
+    chunks_.store(static_cast<std::uint32_t>(std::min<index_t>(n, 4 * n_)), std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    std::uint64_t gen;
+    {
+      std::lock_guard<std::mutex> l(m_);
+      gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+      state_.store(gen << 32, std::memory_order_release);
+    }
+    cv_.notify_all();
+    run_chunks(gen, 0);
+    const std::uint32_t chunks = chunks_.load(std::memory_order_relaxed);
+    while (done_.load(std::memory_order_acquire) != chunks) std::this_thread::yield();
+    // exhausted: a worker still looking at this generation can claim nothing, whatever the next
+    // call's chunk count
+    state_.store(gen << 32 | 0xffffffffu, std::memory_order_release);
+  }
+
+ private:
+  /// Claims and runs chunks of call `gen` until none is left.
+  void run_chunks(std::uint64_t gen, int w) {
+    for (;;) {
+      std::uint64_t s = state_.load(std::memory_order_acquire);
+      const std::uint32_t chunks = chunks_.load(std::memory_order_relaxed);
+      if ((s >> 32) != gen || static_cast<std::uint32_t>(s) >= chunks) return;
+      if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
+      const index_t c = static_cast<std::uint32_t>(s), n = n_items_.load(std::memory_order_relaxed);
+      const index_t b = n * c / chunks, e = n * (c + 1) / chunks;
+      if (b < e) (*task_.load(std::memory_order_relaxed))(b, e, w);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+  void work(int w) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      std::uint64_t g = state_.load(std::memory_order_acquire) >> 32;
+      for (int spin = 0; spin < 200 && g == seen; ++spin) {
+        std::this_thread::yield();
+        g = state_.load(std::memory_order_acquire) >> 32;
+      }
+      if (g == seen) {
+        std::unique_lock<std::mutex> l(m_);
+        cv_.wait(l, [&] { return (state_.load(std::memory_order_acquire) >> 32) != seen; });
+        g = state_.load(std::memory_order_acquire) >> 32;
+      }
+      seen = g;
+      if (stop_.load()) return;
+      run_chunks(g, w);
+    }
+  }
+  int n_;
+  std::vector<std::thread> workers_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::atomic<std::uint64_t> state_{0};  // generation << 32 | next chunk
+  std::atomic<std::uint32_t> done_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<task_ref*> task_{nullptr};
+  std::atomic<index_t> n_items_{0};
+  std::atomic<std::uint32_t> chunks_{0};
+};
+
+/// The executor every "exec" benchmark uses (par_threads() workers, created once).
+inline pool_executor& bench_executor() {
+  static pool_executor ex(par_threads());
+  return ex;
+}
+/// The trivial executor: every loop on the calling thread ("exec1").
+struct inline_executor {
+  int concurrency() const { return 1; }
+  void parallel_for(index_t n, task_ref task) const { task(0, n, 0); }
+};
+inline inline_executor& bench_inline_executor() {
+  static inline_executor ex;
+  return ex;
+}
+inline const char* backend_name(executor_t<pool_executor>) { return "exec"; }
+inline const char* backend_name(executor_t<inline_executor>) { return "exec1"; }
 
 inline std::string bench_name(const std::string& stage, const std::string& op, const std::string& impl,
                               const std::string& backend, const params& p) {

@@ -314,3 +314,39 @@ TEST_CASE("score order: total_order_key is an order-preserving bijection (the or
   CHECK(detail::total_order_key(-inf) == 0x00fffffeu);  // exactly the 2^24 - 2 NaN patterns rank below -inf
   CHECK(detail::total_order_key(inf) == 0xffffffffu);
 }
+
+TEST_CASE("pool1d: the small-kernel direct path gives the two-pass algorithm's bits (max and avg)") {
+  // pool_row takes the direct sliding window (detail/host/pool_host.hpp) for contiguous rows and
+  // kernels 3..9; pool_row_impl is the O(T) two-pass algorithm whose summation order avg documents.
+  auto g = kvtest::rng(77);
+  for (int trial = 0; trial < 400; ++trial) {
+    const index_t n = kvtest::uniform_int(g, 1, 140), kernel = 2 * kvtest::uniform_int(g, 0, 5) + 1;
+    const bool specials = trial % 3 == 0, integers = trial % 4 == 1;
+    CAPTURE(trial);
+    CAPTURE(n);
+    CAPTURE(kernel);
+    std::vector<float> x(static_cast<std::size_t>(n));
+    for (auto& v : x) v = random_score(g, specials, integers);
+    if (trial % 7 == 0)  // huge terms: the association decides the rounding (and the overflow)
+      for (auto& v : x) v = (kvtest::uniform_int(g, 0, 1) ? 1.f : -1.f) * std::ldexp(1.f + static_cast<float>(kvtest::uniform_int(g, 0, 1000)) / 1000.f, static_cast<int>(kvtest::uniform_int(g, 100, 127)));
+    for (pool_kind kind : {pool_kind::max, pool_kind::avg})
+      for (avg_divisor div : {avg_divisor::kernel, avg_divisor::valid}) {
+        std::vector<float> fast(x.size(), sentinel), two_pass(x.size(), sentinel);
+        detail::pool_row(kind, div, x.data(), 1, fast.data(), 1, n, kernel);
+        if (kind == pool_kind::max) detail::pool_row_impl<detail::pool_max_traits>(div, x.data(), 1, two_pass.data(), 1, n, kernel);
+        else detail::pool_row_impl<detail::pool_sum_traits>(div, x.data(), 1, two_pass.data(), 1, n, kernel);
+        for (index_t i = 0; i < n; ++i) {
+          CAPTURE(i);
+          // a NaN sum's sign and payload follow the operand order of the additions, which the
+          // compiler may swap (+ commutes): avg promises a NaN there, not which NaN
+          const bool nan_avg = kind == pool_kind::avg && std::isnan(two_pass[i]);
+          if (nan_avg) REQUIRE(std::isnan(fast[i]));
+          else REQUIRE(bits(fast[i]) == bits(two_pass[i]));
+          const float one = kind == pool_kind::max ? detail::pool_one<detail::pool_max_traits>(div, x.data(), n, kernel, i)
+                                                   : detail::pool_one<detail::pool_sum_traits>(div, x.data(), n, kernel, i);
+          if (nan_avg) REQUIRE(std::isnan(one));
+          else REQUIRE(bits(one) == bits(two_pass[i]));
+        }
+      }
+  }
+}

@@ -8,18 +8,22 @@
 #include <kvevict/detail/block/pool_block.hpp>
 #include <kvevict/detail/block/postprocess_device.hpp>
 #include <kvevict/detail/block/score_device.hpp>
+#include <kvevict/compact.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/score.hpp>
+#include <kvevict/select.hpp>
 #include <kvevict/weight.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <vector>
 
 using namespace kvevict;
@@ -539,4 +543,134 @@ TEST_CASE("shared checks: the errors the CUDA work added to the host stages") {
                                      raw.data() + 4),
                 errc::overlap, "weight_by_value_norm: lengths lie inside scores");
   CHECK(raw[4] == 3);
+}
+
+namespace {
+
+/// An engine's executor as kvevict::on sees it: two workers (the calling thread and one
+/// std::thread per loop), ranges handed out in reverse and interleaved, every call and iteration
+/// counted, and every worker id checked to be in range and not shared by concurrent tasks.
+struct counting_executor {
+  std::atomic<long> loops{0}, iterations{0}, bad_worker{0};
+  std::atomic<int> busy[2] = {{0}, {0}};
+  int concurrency() const { return 2; }
+  void parallel_for(index_t n, task_ref task) {
+    ++loops;
+    auto run = [&](int worker) {
+      // worker w takes the chunks w, w + 2, ... from the end: a partition unlike seq's or par's
+      const index_t chunk = 3;
+      const index_t chunks = (n + chunk - 1) / chunk;
+      for (index_t c = chunks - 1 - worker; c >= 0; c -= 2) {
+        const index_t b = c * chunk, e = std::min(n, b + chunk);
+        if (busy[worker].fetch_add(1) != 0) ++bad_worker;
+        task(b, e, worker);
+        busy[worker].fetch_sub(1);
+        iterations += e - b;
+      }
+    };
+    std::thread other(run, 1);
+    run(0);
+    other.join();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("on(executor): every stage's loops go through the caller's executor, bit-identical with seq") {
+  auto g = kvtest::rng(181);
+  const index_t hq = 8, hkv = 4, T = 700, d = 16, w = 8, P = T - w, k = 96;
+  std::vector<float> q = kvtest::random_floats(g, static_cast<std::size_t>(hq * w * d), -2.f, 2.f);
+  std::vector<float> keys = kvtest::random_floats(g, static_cast<std::size_t>(hkv * T * d), -2.f, 2.f);
+  std::vector<float> vals = kvtest::random_floats(g, static_cast<std::size_t>(hkv * T * d));
+  keys[5] = keys[6];  // a tie
+  counting_executor ex;
+  const auto qv = value_of(make_kv_view<const float>(q.data(), hq, w, d));
+  const auto kview = value_of(make_kv_view<const float>(keys.data(), hkv, T, d));
+  const auto vview = value_of(make_kv_view<const float>(vals.data(), hkv, T, d));
+
+  auto pipeline = [&](auto be, std::vector<float>& scores, std::vector<float>& post, std::vector<pos_t>& kept,
+                      std::vector<float>& kc, std::vector<float>& pooled, std::vector<float>& reduced) {
+    // window scores (scratch per worker), the fused post-processing, top-k, compaction
+    scores.assign(static_cast<std::size_t>(hq * P), 0.f);
+    workspace ws;
+    REQUIRE(window_scores(be, ws, qv, kview, value_of(make_matrix_view(scores.data(), hq, P))).ok());
+    std::vector<unsigned char> mem(ws.bytes);
+    ws.data = mem.data();
+    REQUIRE(window_scores(be, ws, qv, kview, value_of(make_matrix_view(scores.data(), hq, P))).ok());
+    const auto sv = value_of(make_matrix_view<const float>(scores.data(), hq, P));
+    postprocess_options o;
+    o.pool = pool_kind::avg;
+    o.kernel = 5;
+    o.weight_values = true;
+    o.n_sink = 2;
+    post.assign(static_cast<std::size_t>(hkv * P), 0.f);
+    workspace pw;
+    REQUIRE(postprocess_scores(be, pw, sv, value_of(make_matrix_view(post.data(), hkv, P)), vview, o).ok());
+    std::vector<unsigned char> pmem(pw.bytes);
+    pw.data = pmem.data();
+    REQUIRE(postprocess_scores(be, pw, sv, value_of(make_matrix_view(post.data(), hkv, P)), vview, o).ok());
+    pooled.assign(static_cast<std::size_t>(hq * P), 0.f);
+    REQUIRE(pool1d(be, sv, value_of(make_matrix_view(pooled.data(), hq, P)), pool_kind::max, 7).ok());
+    reduced.assign(static_cast<std::size_t>(hkv * P), 0.f);
+    REQUIRE(gqa_reduce(be, value_of(make_matrix_view<const float>(pooled.data(), hq, P)),
+                       value_of(make_matrix_view(reduced.data(), hkv, P)), gqa_op::mean)
+                .ok());
+    kept.assign(static_cast<std::size_t>(hkv * k), 0);
+    workspace sw;
+    const auto postv = value_of(make_matrix_view<const float>(post.data(), hkv, P));
+    REQUIRE(select_topk(be, sw, postv, nullptr, value_of(make_matrix_view(kept.data(), hkv, k))).ok());
+    std::vector<unsigned char> smem(sw.bytes);
+    sw.data = smem.data();
+    REQUIRE(select_topk(be, sw, postv, nullptr, value_of(make_matrix_view(kept.data(), hkv, k))).ok());
+    // flattened selection (per-worker scratch, several passes), then weighting, protection and
+    // in-place compaction of a copy of the values
+    std::vector<std::int32_t> fcu(static_cast<std::size_t>(hkv + 1));
+    std::vector<pos_t> fpos(static_cast<std::size_t>(hkv * k));
+    workspace fw;
+    REQUIRE(select_topk_flat(be, fw, postv, nullptr, hkv * k, nullptr, fcu.data(), fpos.data()).ok());
+    std::vector<unsigned char> fmem(fw.bytes);
+    fw.data = fmem.data();
+    REQUIRE(select_topk_flat(be, fw, postv, nullptr, hkv * k, nullptr, fcu.data(), fpos.data()).ok());
+    for (std::size_t i = 0; i < fpos.size(); ++i) reduced.push_back(static_cast<float>(fpos[i]));
+    std::vector<float> wt = reduced;
+    const auto wv = value_of(make_matrix_view(wt.data(), hkv, P));
+    REQUIRE(weight_by_value_norm(be, wv, vview, value_weight::per_token).ok());
+    REQUIRE(protect(be, wv, 3, 5).ok());
+    reduced.insert(reduced.end(), wt.begin(), wt.begin() + hkv * P);
+    std::vector<float> vc = vals;
+    REQUIRE(compact_inplace(be, value_of(make_kv_view(vc.data(), hkv, T, d)),
+                            value_of(make_matrix_view<const pos_t>(kept.data(), hkv, k)))
+                .ok());
+    reduced.insert(reduced.end(), vc.begin(), vc.begin() + hkv * k * d);
+    kc.assign(static_cast<std::size_t>(hkv * k * d), 0.f);
+    REQUIRE(compact(be, kview, value_of(make_matrix_view<const pos_t>(kept.data(), hkv, k)),
+                    value_of(make_kv_view(kc.data(), hkv, k, d)))
+                .ok());
+  };
+  std::vector<float> s0, p0, c0, l0, r0, s1, p1, c1, l1, r1;
+  std::vector<pos_t> k0, k1;
+  pipeline(seq, s0, p0, k0, c0, l0, r0);
+  pipeline(on(ex), s1, p1, k1, c1, l1, r1);
+  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  CHECK(same_bits(s0, s1));
+  CHECK(same_bits(p0, p1));
+  CHECK(same_bits(l0, l1));
+  CHECK(same_bits(r0, r1));
+  CHECK(same_bits(c0, c1));
+  CHECK(k0 == k1);
+  // scores, the post-processing's stages, pooling, GQA, selection and compaction each ran loops on ex
+  CHECK(ex.loops.load() >= 6);
+  CHECK(ex.iterations.load() >= hq + hkv + hq + hkv + hkv);
+  CHECK(ex.bad_worker.load() == 0);
+  // the workspace of a stage with per-worker scratch is sized by the executor's concurrency
+  workspace q1, q2;
+  REQUIRE(select_topk(seq, q1, value_of(make_matrix_view<const float>(p0.data(), hkv, P)), nullptr,
+                      value_of(make_matrix_view(k0.data(), hkv, k)))
+              .ok());
+  REQUIRE(select_topk(on(ex), q2, value_of(make_matrix_view<const float>(p0.data(), hkv, P)), nullptr,
+                      value_of(make_matrix_view(k0.data(), hkv, k)))
+              .ok());
+  CHECK(q2.bytes > q1.bytes);
 }

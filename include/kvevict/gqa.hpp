@@ -62,6 +62,16 @@ inline status check_gqa_shapes(const char* fn, index_t hq, index_t hkv, index_t 
   return {};
 }
 
+/// o[p] = gqa_combine(op, o[p], x[p]) for p in [0, n) on contiguous rows: the op hoisted out of
+/// the loop so that it vectorises (the same operation per element, so the same bits).
+inline void combine_contiguous(gqa_op op, float* o, const float* x, index_t n) noexcept {
+  if (op == gqa_op::max) {
+    for (index_t p = 0; p < n; ++p) o[p] = total_order_max(o[p], x[p]);
+  } else {
+    for (index_t p = 0; p < n; ++p) o[p] = o[p] + x[p];
+  }
+}
+
 /// The checks of gqa_reduce, shared by every backend; in_place tells whether out is the first H_kv
 /// rows of in (same pointer and strides).
 inline status check_gqa_reduce(const char* fn, const matrix_view<const float>& in, const matrix_view<float>& out,
@@ -104,6 +114,21 @@ status gqa_reduce(Backend be, matrix_view<const float> in, matrix_view<float> ou
   auto run = [&](index_t h0, index_t h1, index_t c) {
     const index_t t0 = c * detail::gqa_chunk, n = std::min(detail::gqa_chunk, T - t0);
     float acc[detail::gqa_chunk];
+    if (is1 == 1 && os1 == 1) {  // contiguous rows: the same operations in vectorisable loops
+      for (index_t h = h0; h < h1; ++h) {
+        const float* row = ip + (h * g) * is0 + t0;
+        for (index_t t = 0; t < n; ++t) acc[t] = row[t];
+        for (index_t j = 1; j < g; ++j) detail::combine_contiguous(op, acc, ip + (h * g + j) * is0 + t0, n);
+        float* dst = op_ + h * os0 + t0;
+        if (op == gqa_op::mean) {
+          const float gf = static_cast<float>(g);
+          for (index_t t = 0; t < n; ++t) dst[t] = acc[t] / gf;
+        } else {
+          for (index_t t = 0; t < n; ++t) dst[t] = acc[t];
+        }
+      }
+      return;
+    }
     for (index_t h = h0; h < h1; ++h) {
       const float* row = ip + (h * g) * is0 + t0 * is1;
       for (index_t t = 0; t < n; ++t) acc[t] = row[t * is1];

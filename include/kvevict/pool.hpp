@@ -39,6 +39,7 @@
 #include <kvevict/pool_types.hpp>
 #include <kvevict/detail/base/stage_math.hpp>
 #include <kvevict/detail/block/pool_block.hpp>
+#include <kvevict/detail/host/pool_host.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -135,12 +136,60 @@ inline status check_pool1d_overlap(const char* fn, const matrix_view<const float
   return {};
 }
 
+/// Output i of pool_row_impl<Op> alone, with the same operations in the same order: the suffix of
+/// i's block (extended coordinates, right to left) and the prefix of the next block (left to
+/// right), padding skipped. O(k); for the few outputs at the ends of a row the fast path leaves.
+template <class Op>
+KVEVICT_HOST_DEVICE inline float pool_one(avg_divisor div, const float* x, index_t n, index_t kernel, index_t i) {
+  using V = typename Op::value;
+  const index_t r_full = kernel / 2;
+  const index_t r = r_full < n ? r_full : n;
+  const index_t k = 2 * r + 1;
+  const index_t j = i % k;
+  const index_t split = j == 0 ? i + k : i + k - j;  // first extended position of the next block
+  V s{}, acc{};
+  bool hs = false, hp = false;
+  for (index_t e = split - 1; e >= i; --e) {
+    const index_t p = e - r;
+    if (p >= 0 && p < n) {
+      const V v = Op::load(x[p]);
+      s = hs ? Op::op(v, s) : v;
+      hs = true;
+    }
+  }
+  V w = hs ? s : V{};
+  if (j != 0) {
+    for (index_t e = split; e < i + k; ++e) {
+      const index_t p = e - r;
+      if (p >= 0 && p < n) {
+        const V v = Op::load(x[p]);
+        acc = hp ? Op::op(acc, v) : v;
+        hp = true;
+      }
+    }
+    if (hp) w = hs ? Op::op(w, acc) : acc;
+  }
+  return pool_output<Op>(div, w, i, n, r_full, static_cast<float>(kernel));
+}
+
 /// One row of pooling of any kind.
 KVEVICT_HOST_DEVICE inline void pool_row(pool_kind kind, avg_divisor div, const float* x, index_t sx, float* y,
                                          index_t sy, index_t n, index_t kernel) {
   if (n <= 0) return;
   if (kind == pool_kind::none) {
     for (index_t i = 0; i < n; ++i) y[i * sy] = x[i * sx];
+#if !defined(__CUDA_ARCH__)
+  } else if (pool_fast_applies(sx, sy, n, kernel)) {
+    // small kernels on the host: a direct sliding window with the same bits (detail/host/pool_host.hpp)
+    const index_t r = kernel / 2;
+    const bool is_max = kind == pool_kind::max;
+    for (index_t i = 0; i < r; ++i) {
+      y[i] = is_max ? pool_one<pool_max_traits>(div, x, n, kernel, i) : pool_one<pool_sum_traits>(div, x, n, kernel, i);
+      const index_t e = n - 1 - i;
+      y[e] = is_max ? pool_one<pool_max_traits>(div, x, n, kernel, e) : pool_one<pool_sum_traits>(div, x, n, kernel, e);
+    }
+    pool_fast_interior(is_max, x, y, n, kernel);
+#endif
   } else if (kind == pool_kind::max) {
     pool_row_impl<pool_max_traits>(div, x, sx, y, sy, n, kernel);
   } else {

@@ -99,6 +99,25 @@ inline status carve_postprocess_host(const char* fn, workspace& ws, index_t hkv,
   return carver.finish(fn);
 }
 
+/// protect_value(gqa_finish(op, o[p], g), p, ...) for p in [0, n) on a contiguous row, by ranges
+/// (the sinks and the recent window are +inf whatever the score: the same values as per element).
+inline void finish_protect_contiguous(gqa_op op, float* o, index_t n, index_t g, index_t sink_end,
+                                      index_t recent_begin) noexcept {
+  const float inf = bits_float(0x7f800000u), top = bits_float(0x7f7fffffu);
+  const index_t mid_end = recent_begin > sink_end ? recent_begin : sink_end;
+  for (index_t p = 0; p < sink_end; ++p) o[p] = inf;
+  if (op == gqa_op::mean) {
+    const float gf = static_cast<float>(g);
+    for (index_t p = sink_end; p < mid_end; ++p) {
+      const float v = o[p] / gf;
+      o[p] = v == inf ? top : v;
+    }
+  } else {
+    for (index_t p = sink_end; p < mid_end; ++p) o[p] = o[p] == inf ? top : o[p];
+  }
+  for (index_t p = mid_end; p < n; ++p) o[p] = inf;
+}
+
 template <class Backend, class VE>
 status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const matrix_view<const float>& in,
                                const matrix_view<float>& out, const kv_view<const VE>& values, bool has_values,
@@ -149,6 +168,20 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
         pool_row(opt.pool, opt.divisor, t, 1, o, os1, P, opt.kernel);
         for (index_t p = P; p < L; ++p) o[p * os1] = t[p];
       }
+    } else if (os1 == 1 && is1 == 1 && !opt.weight_values) {
+      // contiguous rows, no weighting: the same steps with vectorisable loops, and the GQA finish
+      // fused with the protection (one pass)
+      pool_row(opt.pool, opt.divisor, first, 1, o, 1, P, opt.kernel);
+      for (index_t p = P; p < L; ++p) o[p] = first[p];
+      for (index_t j = 1; j < g; ++j) {
+        const float* x = ip + (h * g + j) * is0;
+        pool_row(opt.pool, opt.divisor, x, 1, t, 1, P, opt.kernel);
+        for (index_t p = P; p < L; ++p) t[p] = x[p];
+        combine_contiguous(opt.gqa, o, t, L);
+      }
+      finish_protect_contiguous(opt.gqa, o, L, g, protect_sink_end(L, opt.n_sink),
+                                protect_recent_begin(L, opt.n_recent));
+      return;
     } else {
       // pool each query head of the group (its unpooled tail copied) and combine in head order; the
       // output row accumulates

@@ -118,8 +118,8 @@ template <class Backend, class QE, class KE>
 status attention_scores_impl(const char* fn, Backend be, workspace& ws, const kv_view<const QE>& q,
                              const kv_view<const KE>& prefix, const kv_view<const KE>& block,
                              const matrix_view<float>& out, const score_options& opt) {
-  static_assert(std::is_same_v<Backend, seq_t> || std::is_same_v<Backend, par_t>,
-                "attention_scores: host backends (seq, par) here; the CUDA overload is in <kvevict/cuda/score.cuh>");
+  static_assert(is_host_backend_v<Backend>,
+                "attention_scores: host backends (seq, par, on(ex)) here; the CUDA overload is in <kvevict/cuda/score.cuh>");
   score_shape sh;
   KVEVICT_TRY(check_attention_scores(fn, q, prefix, block, out, opt, sh));
   score_plan pl;

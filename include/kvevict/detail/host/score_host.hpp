@@ -628,23 +628,11 @@ inline void score_row_welford(score_isa isa, const float* e, index_t n_visible, 
 // ---- host threading with a per-thread scratch slot ---------------------------------------------
 // Results never depend on the partition (see the file comment), so par may schedule dynamically.
 
-/// Calls f(task, slot) for task in [0, n), slot in [0, threads) unique among concurrent calls.
-template <class F>
-void score_parallel(seq_t, index_t n, int, F&& f) {
-  for (index_t i = 0; i < n; ++i) f(i, 0);
-}
-template <class F>
-void score_parallel(par_t, index_t n, int threads, F&& f) {
-#if defined(_OPENMP)
-  if (n > 1 && threads > 1) {
-#  pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (index_t i = 0; i < n; ++i) f(i, omp_get_thread_num());
-    return;
-  }
-#else
-  (void)threads;
-#endif
-  for (index_t i = 0; i < n; ++i) f(i, 0);
+/// Calls f(task, slot) for task in [0, n), slot in [0, threads) unique among concurrent calls
+/// (detail::parallel_for_workers: seq in order, par OpenMP dynamic, on(ex) the executor's workers).
+template <class Backend, class F>
+void score_parallel(Backend be, index_t n, int threads, F&& f) {
+  parallel_for_workers(be, n, threads, f);
 }
 
 KVEVICT_SCORE_ABI_END

@@ -311,6 +311,17 @@ void select_rows_of(par_t, index_t R, index_t columns, RowOf row_of, LenOf len_o
   for (index_t r = 0; r < R; ++r) select_row(row_of(r), len_of(r), k_of(r), out_of(r), ws.slot(0));
 }
 
+/// on(ex): one row per iteration through the executor, each row selected whole by one worker (the
+/// cooperative split of long rows needs barriers inside a row, which an executor does not offer;
+/// select_row and select_row_coop keep the same positions).
+template <class E, class RowOf, class LenOf, class KOf, class OutOf>
+void select_rows_of(executor_t<E> be, index_t R, index_t, RowOf row_of, LenOf len_of, KOf k_of, OutOf out_of,
+                    const select_ws& ws) noexcept {
+  parallel_for_workers(be, R, ws.workers, [&](index_t r, int w) {
+    select_row(row_of(r), len_of(r), k_of(r), out_of(r), ws.slot(w));
+  });
+}
+
 /// select_rows_of over the rows of a score matrix.
 template <class Backend, class LenOf, class KOf, class OutOf>
 void select_rows(Backend be, const matrix_view<const float>& scores, LenOf len_of, KOf k_of, OutOf out_of,
@@ -342,6 +353,10 @@ void for_rows(par_t, index_t R, index_t T, int workers, F&& f) {
   (void)workers;
 #endif
   for (index_t r = 0; r < R; ++r) f(r, 0);
+}
+template <class E, class F>
+void for_rows(executor_t<E> be, index_t R, index_t, int workers, F&& f) {
+  parallel_for_workers(be, R, workers, f);
 }
 
 /// h = histogram of pass p's digit over the keys of row[0, n) tied with `t` (every key when

@@ -21,21 +21,11 @@
 namespace kvevict {
 namespace detail {
 
-inline int driver_threads(seq_t) { return 1; }
-inline int driver_threads(par_t p) {
-#if defined(_OPENMP)
-  return p.threads > 0 ? p.threads : omp_get_max_threads();
-#else
-  (void)p;
-  return 1;
-#endif
-}
-inline int driver_thread_id() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
+/// The threads a driver's backend runs heads on: thread_count (1 for seq, par's threads or the
+/// OpenMP default, on(ex)'s concurrency).
+template <class Backend>
+int driver_threads(Backend be) {
+  return thread_count(be);
 }
 
 /// Offsets of the pieces of a driver's state memory (64-byte aligned pieces).
@@ -81,12 +71,13 @@ struct score_scratch {
   std::int32_t* flags = nullptr;
 };
 
-/// Slots: seq 1 slot of the seq size; par with H >= 2 one seq-sized slot per thread (heads run
-/// in parallel, each head sequentially inside); par with one head: one par-sized slot.
+/// Slots: seq 1 slot of the seq size; par or on(ex) with H >= 2 one seq-sized slot per thread or
+/// worker (heads run in parallel, each head sequentially inside); with one head: one slot of the
+/// backend's size.
 template <class Backend>
 result<std::size_t> score_slot_bytes(Backend be, const recipe& r, index_t g, index_t rows, index_t C, index_t d,
                                      bool block_keys, index_t H, int* count) {
-  if constexpr (std::is_same_v<Backend, par_t>) {
+  if constexpr (!std::is_same_v<Backend, seq_t>) {
     if (H >= 2) {
       *count = driver_threads(be);
       return head_score_bytes(seq, r, g, rows, C, d, block_keys);
@@ -119,14 +110,15 @@ status score_layer(Backend be, const score_scratch& s, const recipe& r, const la
     return recipe_scores(inner, w, r, qh, head_rows(kv.keys, h, n), head_rows(kv.values, h, n),
                          rows_view(scores + h * C, 1, n, C), one_head(block_keys, h));
   };
-  if constexpr (std::is_same_v<Backend, par_t>) {
+  if constexpr (!std::is_same_v<Backend, seq_t>) {
     if (H >= 2) {
-    // at most s.count threads (the slots the workspace holds), whatever OpenMP's defaults are now
-    (void)be;
-    detail::parallel_for(par_t{s.count}, H, [&](index_t h) {
-      unsigned char* slot = s.slots + static_cast<std::size_t>(driver_thread_id()) * s.slot;
+    // at most s.count workers (the slots the workspace holds), whatever OpenMP's defaults are now
+    auto heads = [&](index_t h, int worker) {
+      unsigned char* slot = s.slots + static_cast<std::size_t>(worker) * s.slot;
       s.flags[h] = one(seq, slot, h).ok() ? 0 : 1;
-    });
+    };
+    if constexpr (std::is_same_v<Backend, par_t>) detail::parallel_for_workers(par_t{s.count}, H, s.count, heads);
+    else detail::parallel_for_workers(be, H, s.count, heads);
     for (index_t h = 0; h < H; ++h)
       if (s.flags[h] != 0) return one(seq, s.slots, h);  // re-run to report the error (deterministic)
     return {};

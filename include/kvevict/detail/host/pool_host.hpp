@@ -1,0 +1,222 @@
+// Host fast path of pooling for the small kernels the recipes use (k = 3, 5, 7, 9), contiguous
+// rows: a direct sliding window, 8 outputs at a time (GCC / clang vector extensions), with the
+// bits of the O(T) algorithm in pool.hpp:
+//   max  the total-order max of the window's keys (associative and commutative on keys: any order
+//        gives the same bits);
+//   avg  every window sum is evaluated with the association of pool.hpp's two passes. Window
+//        [i - r, i + r] of an interior output i (all positions real) has, with j = i mod k and
+//        a_t = x[i - r + t]:
+//          j = 0:  a_0 + (a_1 + (... + (a_{k-2} + a_{k-1})))            (one block's suffix)
+//          j > 0:  (a_0 + (a_1 + ... + a_{k-j-1}))                        (suffix of i's block)
+//                  + (((a_{k-j} + a_{k-j+1}) + ...) + a_{k-1})             (prefix of the next)
+//        Each of the k expressions is evaluated for the 8 lanes and the lane's own phase selected,
+//        so the result is that of pool.hpp's code bit for bit (tests/test_pool.cpp compares them).
+// The r outputs at each end of a row (windows reaching outside it) use pool.hpp's row code.
+// Only for GCC / clang host code (not nvcc's front end); elsewhere pool.hpp's code runs alone.
+#pragma once
+
+#include <kvevict/config.hpp>
+#include <kvevict/detail/base/score_order.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/pool_types.hpp>
+
+#include <cstdint>
+#include <cstring>
+
+#if !defined(KVEVICT_NO_POOL_FAST_PATH) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && \
+    !defined(__NVCOMPILER)
+#  define KVEVICT_POOL_FAST_PATH 1
+#endif
+
+#if defined(KVEVICT_POOL_FAST_PATH)
+// The 8-lane helpers are always inlined, into a baseline (SSE2: two halves) and an AVX2 copy of each
+// kernel: their 32-byte vector arguments never cross a call, so GCC's ABI note does not apply.
+#  pragma GCC diagnostic push
+#  pragma GCC diagnostic ignored "-Wpsabi"
+#  define KVEVICT_POOL_INLINE __attribute__((always_inline)) inline
+namespace kvevict::detail::pool_fast {
+
+typedef float vf8 __attribute__((vector_size(32)));
+typedef std::uint32_t vu8 __attribute__((vector_size(32)));
+typedef std::int32_t vi8 __attribute__((vector_size(32)));
+typedef float vf8u __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned loads / stores
+
+// (one unaligned vector access each: a memcpy is split into halves in the baseline copy, which
+// defeats store forwarding)
+KVEVICT_POOL_INLINE void load8(const float* p, vf8& v) noexcept { v = *reinterpret_cast<const vf8u*>(p); }
+KVEVICT_POOL_INLINE void store8(float* p, const vf8& v) noexcept { *reinterpret_cast<vf8u*>(p) = v; }
+
+/// k = total_order_key(f) on 8 lanes.
+KVEVICT_POOL_INLINE void keys8(const vf8& f, vu8& k) noexcept {
+  vu8 u;
+  std::memcpy(&u, &f, sizeof u);
+  const vu8 mask = reinterpret_cast<vu8>(reinterpret_cast<vi8>(u) >> 31);
+  k = (u ^ (mask | 0x80000000u)) + 0x007fffffu;
+}
+/// f = total_order_from_key(k) on 8 lanes.
+KVEVICT_POOL_INLINE void from_keys8(const vu8& k, vf8& f) noexcept {
+  const vu8 t = k - 0x007fffffu;
+  const vu8 neg = reinterpret_cast<vu8>(reinterpret_cast<vi8>(t) >> 31);  // ones where the top bit is set
+  const vu8 b = (neg & (t ^ 0x80000000u)) | (~neg & ~t);
+  std::memcpy(&f, &b, sizeof f);
+}
+
+/// Max pooling of outputs [lo, hi) (all windows inside the row), in chunks of `chunk` outputs: the
+/// chunk's inputs turned into keys once, then window maxima by doubling (pairs, quads, then the
+/// window as two overlapping quads or an octet plus one), 8 lanes at a time. The max of keys is
+/// associative and commutative, so any grouping gives the same bits.
+template <int K>
+KVEVICT_POOL_INLINE void max_interior(const float* x, float* y, index_t lo, index_t hi) noexcept {
+  constexpr int r = K / 2;
+  constexpr index_t chunk = 512;
+  alignas(32) std::uint32_t kb[chunk + 16 + 8], m2[chunk + 16 + 8], m4[chunk + 16 + 8];
+  for (index_t c0 = lo; c0 < hi; c0 += chunk) {
+    const index_t nc = hi - c0 < chunk ? hi - c0 : chunk;
+    const index_t nv = (nc + 7) / 8 * 8;  // outputs computed (the last vector partly past nc: not stored)
+    const float* xs = x + c0 - r;          // input of window position 0 of output c0
+    // keys of the inputs [c0 - r, c0 + nc + r): nc + K - 1 of them; padded to what the vectors read
+    const index_t nk = nc + K - 1;
+    index_t t = 0;
+    for (; t + 8 <= nk; t += 8) {
+      vf8 v;
+      vu8 k;
+      load8(xs + t, v);
+      keys8(v, k);
+      std::memcpy(kb + t, &k, sizeof k);
+    }
+    for (; t < nk; ++t) kb[t] = total_order_key(xs[t]);
+    for (; t < nv + K + 8; ++t) kb[t] = 0;
+    // m2[i] = max(kb[i], kb[i + 1]), m4[i] = max(m2[i], m2[i + 2]) for i < nv + K
+    for (index_t i = 0; i < nv + K; ++i) m2[i] = kb[i] > kb[i + 1] ? kb[i] : kb[i + 1];
+    if constexpr (K >= 5)
+      for (index_t i = 0; i < nv + K - 2; ++i) m4[i] = m2[i] > m2[i + 2] ? m2[i] : m2[i + 2];
+    index_t i = 0;
+    for (; i < nc; ++i) {
+      std::uint32_t m;
+      if constexpr (K == 3) m = m2[i] > kb[i + 2] ? m2[i] : kb[i + 2];
+      else if constexpr (K == 5) m = m4[i] > kb[i + 4] ? m4[i] : kb[i + 4];
+      else if constexpr (K == 7) m = m4[i] > m4[i + 3] ? m4[i] : m4[i + 3];
+      else {
+        const std::uint32_t a = m4[i] > m4[i + 4] ? m4[i] : m4[i + 4];
+        m = a > kb[i + 8] ? a : kb[i + 8];
+      }
+      y[c0 + i] = total_order_from_key(m);
+    }
+  }
+}
+
+/// out = the window sum of phase j (see the file comment) from the k terms a[0..K) (an out
+/// parameter: no vector crosses a function boundary, see the pragma above).
+template <int K, class V>
+KVEVICT_POOL_INLINE void phase_sum(const V* a, int j, V& out) noexcept {
+  const int split = j == 0 ? K : K - j;  // terms [0, split): suffix, right to left
+  V s = a[split - 1];
+  for (int t = split - 2; t >= 0; --t) s = a[t] + s;
+  if (j == 0) {
+    out = s;
+    return;
+  }
+  V p = a[split];  // terms [split, K): prefix, left to right
+  for (int t = split + 1; t < K; ++t) p = p + a[t];
+  out = s + p;
+}
+
+/// Average pooling (divided by `div`, the kernel or the valid count, which is K inside the row) of
+/// outputs [lo, hi), all windows inside the row.
+template <int K>
+KVEVICT_POOL_INLINE void avg_interior(const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
+  constexpr int r = K / 2;
+  index_t i = lo;
+  if (i + 8 <= hi) {
+    vi8 phase;
+    for (int l = 0; l < 8; ++l) phase[l] = static_cast<std::int32_t>((i + l) % K);
+    const vf8 dv = {div, div, div, div, div, div, div, div};
+    for (; i + 8 <= hi; i += 8) {
+      vf8 a[K];
+      for (int t = 0; t < K; ++t) load8(x + i - r + t, a[t]);
+      vf8 s, e;
+      phase_sum<K>(a, 0, s);
+      for (int j = 1; j < K; ++j) {
+        phase_sum<K>(a, j, e);
+        s = phase == j ? e : s;
+      }
+      s = s / dv;
+      store8(y + i, s);
+      phase += 8 % K;
+      phase = phase >= K ? phase - K : phase;
+    }
+  }
+  for (; i < hi; ++i) {
+    float a[K] = {};
+    for (int t = 0; t < K; ++t) a[t] = x[i - r + t];
+    float s = 0.f;
+    phase_sum<K>(a, static_cast<int>(static_cast<std::uint64_t>(i) % K), s);
+    y[i] = s / div;
+  }
+}
+
+template <int K>
+void interior_base(bool is_max, const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
+  if (is_max) max_interior<K>(x, y, lo, hi);
+  else avg_interior<K>(x, y, lo, hi, div);
+}
+#  if defined(__x86_64__)
+template <int K>
+__attribute__((target("avx2"))) void interior_avx2(bool is_max, const float* x, float* y, index_t lo, index_t hi,
+                                                    float div) noexcept {
+  if (is_max) max_interior<K>(x, y, lo, hi);
+  else avg_interior<K>(x, y, lo, hi, div);
+}
+inline bool has_avx2() noexcept {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return yes;
+}
+#  endif
+/// The same operations on either copy: the ISA changes the speed, never the bits.
+template <int K>
+void interior(bool is_max, const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
+#  if defined(__x86_64__)
+  if (has_avx2()) return interior_avx2<K>(is_max, x, y, lo, hi, div);
+#  endif
+  interior_base<K>(is_max, x, y, lo, hi, div);
+}
+
+}  // namespace kvevict::detail::pool_fast
+#  undef KVEVICT_POOL_INLINE
+#  pragma GCC diagnostic pop
+#endif
+
+namespace kvevict::detail {
+
+/// True when the fast path handles a row: contiguous input and output, kernel 3, 5, 7 or 9 and a
+/// row at least a few windows long (shorter rows are all border).
+inline bool pool_fast_applies(index_t sx, index_t sy, index_t n, index_t kernel) noexcept {
+#if defined(KVEVICT_POOL_FAST_PATH)
+  return sx == 1 && sy == 1 && kernel >= 3 && kernel <= 9 && n >= 4 * kernel;
+#else
+  (void)sx, (void)sy, (void)n, (void)kernel;
+  return false;
+#endif
+}
+
+/// Interior outputs [r, n - r) of a row the fast path applies to (max or avg; div is the kernel
+/// size as a float: the divisor of every interior window for both avg_divisor values).
+inline void pool_fast_interior(bool is_max, const float* x, float* y, index_t n, index_t kernel) noexcept {
+#if defined(KVEVICT_POOL_FAST_PATH)
+  const index_t r = kernel / 2;
+  const float div = static_cast<float>(kernel);
+  switch (kernel) {
+    case 3: return pool_fast::interior<3>(is_max, x, y, r, n - r, div);
+    case 5: return pool_fast::interior<5>(is_max, x, y, r, n - r, div);
+    case 7: return pool_fast::interior<7>(is_max, x, y, r, n - r, div);
+    default: return pool_fast::interior<9>(is_max, x, y, r, n - r, div);
+  }
+#else
+  (void)is_max, (void)x, (void)y, (void)n, (void)kernel;
+#endif
+}
+
+}  // namespace kvevict::detail

@@ -1,0 +1,73 @@
+# The pip path for kvevict's Python package (docs/python.md):
+#
+#     python3 -m pip install --no-build-isolation ./python
+#
+# offline, with Debian's python3-pip, python3-setuptools, python3-pybind11 and pybind11-dev (and
+# python3-dev for the headers; scripts/setup installs them): setuptools and pybind11's setup helpers
+# compile the same host sources as the CMake target kvevict_python (python/CMakeLists.txt) against
+# the library's headers in ../include, with OpenMP (the par backend). No CUDA: the CUDA path is
+# built by CMake (the `cuda` preset) only.
+#
+# KVEVICT_PREBUILT_CORE=<path to a built _core*.so> packages that module instead of compiling (the
+# CTest python.pip uses the release build's module, so CI compiles the extension once);
+# KVEVICT_BUILD_JOBS sets the parallel compile jobs (default 2).
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+try:
+    from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+except ImportError:  # pragma: no cover - a clear message for a missing Debian package
+    sys.exit("kvevict: pybind11's setup helpers are missing (Debian: apt-get install python3-pybind11 pybind11-dev); "
+             "install with --no-build-isolation so pip uses them")
+
+here = os.path.dirname(os.path.abspath(__file__))
+include = os.path.normpath(os.path.join(here, "..", "include"))
+if not os.path.isfile(os.path.join(include, "kvevict", "kvevict.hpp")):
+    sys.exit(f"kvevict: the library's headers are not at {include}: install from a kvevict source tree "
+             "(pip install --no-build-isolation ./python from its top directory)")
+
+sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "src", "*.cpp")))
+
+ParallelCompile("KVEVICT_BUILD_JOBS", default=2).install()
+
+
+class build_core(build_ext):
+    """Compiles _core, or copies the module KVEVICT_PREBUILT_CORE names."""
+
+    def build_extension(self, ext):
+        prebuilt = os.environ.get("KVEVICT_PREBUILT_CORE")
+        if not prebuilt:
+            return super().build_extension(ext)
+        if not os.path.isfile(prebuilt):
+            raise RuntimeError(f"KVEVICT_PREBUILT_CORE={prebuilt} is not a file")
+        target = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(prebuilt, target)
+
+
+core = Pybind11Extension(
+    "kvevict._core",
+    sources,
+    include_dirs=[include],
+    define_macros=[("KVEVICT_PYTHON_CUDA", "0")],
+    cxx_std=17,
+    extra_compile_args=["-O2", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+)
+
+setup(
+    name="kvevict",
+    version="0.3.0",
+    description="KV-cache eviction stages (SnapKV, H2O, TOVA, PyramidKV, AdaKV, LAVa, CAKE, Duo, ...) on "
+    "PyTorch / NumPy tensors",
+    packages=["kvevict"],
+    package_dir={"kvevict": "kvevict"},
+    ext_modules=[core],
+    cmdclass={"build_ext": build_core},
+    python_requires=">=3.9",
+    zip_safe=False,
+)

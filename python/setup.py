@@ -5,8 +5,9 @@
 # offline, with Debian's python3-pip, python3-setuptools, python3-pybind11 and pybind11-dev (and
 # python3-dev for the headers; scripts/setup installs them): setuptools and pybind11's setup helpers
 # compile the same host sources as the CMake target kvevict_python (python/CMakeLists.txt) against
-# the library's headers in ../include, with OpenMP (the par backend). No CUDA: the CUDA path is
-# built by CMake (the `cuda` preset) only.
+# the library's headers in ../include and CCCL's (find_cccl: the CUDA toolkit's copy, or
+# CCCL_INCLUDE_DIR), with OpenMP (the par backend). No CUDA code: the CUDA path is built by CMake
+# (the `cuda` preset) only.
 #
 # KVEVICT_PREBUILT_CORE=<path to a built _core*.so> packages that module instead of compiling (the
 # CTest python.pip uses the release build's module, so CI compiles the extension once);
@@ -30,6 +31,21 @@ if not os.path.isfile(os.path.join(include, "kvevict", "kvevict.hpp")):
     sys.exit(f"kvevict: the library's headers are not at {include}: install from a kvevict source tree "
              "(pip install --no-build-isolation ./python from its top directory)")
 
+
+def find_cccl():
+    """CCCL's headers (libcu++: cuda/std/array, mdspan; the library's one dependency, header-only):
+    CCCL_INCLUDE_DIR, else the CUDA toolkit's copy under CUDA_PATH, CUDA_HOME or /usr/local/cuda
+    (include/cccl, or include for toolkits that ship it there) -- what cmake/kvevictFindCCCL.cmake finds."""
+    given = os.environ.get("CCCL_INCLUDE_DIR")
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    candidates = [given] if given else [os.path.join(r, sub) for r in roots if r for sub in ("include/cccl", "include")]
+    for c in candidates:
+        if os.path.isfile(os.path.join(c, "cuda", "std", "array")):
+            return c
+    sys.exit("kvevict: CCCL's headers (cuda/std/array) were not found in " + ", ".join(candidates) +
+             ": set CCCL_INCLUDE_DIR to a standalone CCCL's include directory, or CUDA_PATH to a CUDA toolkit")
+
+
 sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "src", "*.cpp")))
 
 ParallelCompile("KVEVICT_BUILD_JOBS", default=2).install()
@@ -52,7 +68,7 @@ class build_core(build_ext):
 core = Pybind11Extension(
     "kvevict._core",
     sources,
-    include_dirs=[include],
+    include_dirs=[include, find_cccl()],
     define_macros=[("KVEVICT_PYTHON_CUDA", "0")],
     cxx_std=17,
     extra_compile_args=["-O2", "-fopenmp"],

@@ -136,25 +136,49 @@ const std::int32_t* optional_int32(const tensor& t, index_t n) {
   return int32_array(t, n);
 }
 
-py::tuple select_flat_sharded(comm& c, py::handle scores_, index_t total, py::handle lengths_, py::handle floors_) {
-  const tensor s = float_matrix(scores_, "scores");
-  const tensor lt = as_optional(lengths_, "row_lengths", 1), ft = as_optional(floors_, "floors", 1);
+/// A sharded flat selection's output: cu [R + 1] and room for min(total, this rank's tokens)
+/// positions; select(cu, positions) runs the call, the result is (positions[:cu[R]], cu).
+template <class Select>
+py::tuple sharded_selection(const tensor& s, const std::int32_t* len, index_t total, Select&& select) {
   const index_t R = s.shape[0];
-  const std::int32_t* len = optional_int32(lt, R);
-  const std::int32_t* fl = optional_int32(ft, R);
-  if (total < 0 || total > INT32_MAX)
-    raise(errc::invalid_argument, "select_topk_flat_sharded: total = " + std::to_string(total) + " is outside [0, INT32_MAX]");
   index_t mine = 0;  // this rank's rows hold at most this many tokens
   for (index_t r = 0; r < R; ++r) mine += len != nullptr ? std::max<index_t>(len[r], 0) : s.shape[1];
   const tensor cu = output(py::none(), "cu", s, {R + 1}, dtype::i32);
   const tensor pos = output(py::none(), "positions", s, {std::min(total, mine)}, dtype::i32);
-  const auto sv = mat<const float>(s);
-  run_ws([&](workspace& ws) {
-    return select_topk_flat(backend(), ws, c, sv, len, total, fl, static_cast<std::int32_t*>(cu.data),
-                            static_cast<pos_t*>(pos.data));
-  });
+  select(static_cast<std::int32_t*>(cu.data), static_cast<pos_t*>(pos.data));
   const std::int32_t kept = static_cast<const std::int32_t*>(cu.data)[R];
   return py::make_tuple(py::object(pos.object[py::slice(py::int_(0), py::int_(kept), py::none())]), cu.object);
+}
+
+py::tuple select_flat_sharded(comm& c, py::handle scores_, index_t total, py::handle lengths_, py::handle floors_) {
+  const tensor s = float_matrix(scores_, "scores");
+  const tensor lt = as_optional(lengths_, "row_lengths", 1), ft = as_optional(floors_, "floors", 1);
+  const std::int32_t* len = optional_int32(lt, s.shape[0]);
+  const std::int32_t* fl = optional_int32(ft, s.shape[0]);
+  if (total < 0 || total > INT32_MAX)
+    raise(errc::invalid_argument, "select_topk_flat_sharded: total = " + std::to_string(total) + " is outside [0, INT32_MAX]");
+  const auto sv = mat<const float>(s);
+  return sharded_selection(s, len, total, [&](std::int32_t* cu, pos_t* pos) {
+    run_ws([&](workspace& ws) { return select_topk_flat(backend(), ws, c, sv, len, total, fl, cu, pos); });
+  });
+}
+
+py::tuple adakv_sharded(comm& c, py::handle scores_, index_t budget, py::handle lengths_, double alpha,
+                        adakv_floor floor, index_t n_sink, index_t n_recent) {
+  const tensor s = float_matrix(scores_, "scores");
+  const tensor lt = as_optional(lengths_, "lengths", 1);
+  const std::int32_t* len = optional_int32(lt, s.shape[0]);
+  const index_t heads = s.shape[0] * c.size();
+  if (budget < 0 || budget > INT32_MAX / (heads > 0 ? heads : 1))
+    raise(errc::invalid_argument, "adakv_budgets_sharded: budget " + std::to_string(budget) + " is out of range");
+  adakv_options opt;
+  opt.alpha = alpha;
+  opt.floor = floor;
+  opt.prot = protection{n_sink, n_recent};
+  const auto sv = mat<const float>(s);
+  return sharded_selection(s, len, budget * heads, [&](std::int32_t* cu, pos_t* pos) {
+    run_ws([&](workspace& ws) { return adakv_budgets(backend(), ws, c, sv, len, budget, opt, cu, pos); });
+  });
 }
 
 double lava_entropy_sharded(comm& c, py::handle scores_, py::handle lengths_, entropy_norm norm, index_t n_sink,
@@ -196,6 +220,10 @@ void bind_distributed(py::module_& m) {
         "floors"_a = py::none(),
         "Head-sharded select_topk_flat: this rank's rows [R][T] of the layer's P*R (rank order = row order); "
         "(positions, cu) of this rank's rows, exactly the single-process call's.");
+  m.def("adakv_budgets_sharded", &adakv_sharded, "comm"_a, "scores"_a, "budget"_a, "lengths"_a = py::none(),
+        "alpha"_a = 0.2, "floor"_a = adakv_floor::budget, "n_sink"_a = 0, "n_recent"_a = 0,
+        "Head-sharded AdaKV: this rank's heads [R][T] of the layer's P*R, per-head budget B; (positions, cu) of this "
+        "rank's heads, exactly their part of adakv_budgets over all heads.");
   m.def("lava_layer_entropy_sharded", &lava_entropy_sharded, "comm"_a, "scores"_a, "lengths"_a = py::none(),
         "norm"_a = entropy_norm::log_count, "n_sink"_a = 0, "n_recent"_a = 0,
         "Head-sharded LAVa entropy: every rank gets the layer's entropy over all heads, bit for bit.");

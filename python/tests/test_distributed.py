@@ -32,6 +32,21 @@ def test_sharded_flat_selection_is_exact(gen, P):
             assert p[c[i]:c[i + 1]].tolist() == pos[cu[row]:cu[row + 1]].tolist()
 
 
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_sharded_adakv_is_exact(gen, P):
+    R, T, B = 2, 20, 6
+    scores = (torch.rand(P * R, T, generator=gen) * 4).round() / 4
+    kvevict.protect(scores, 2, 0)  # two protected sinks per head, in place
+    pos, cu = kvevict.adakv_budgets(scores, B, alpha=0.25, n_sink=2)
+    got = run_ranks(kvevict.thread_comms(P), lambda r, c: kvevict.adakv_budgets_sharded(
+        c, scores[r * R:(r + 1) * R], B, alpha=0.25, n_sink=2))
+    for r, (p, c) in enumerate(got):
+        for i in range(R):
+            row = r * R + i
+            assert p[c[i]:c[i + 1]].tolist() == pos[cu[row]:cu[row + 1]].tolist()
+    assert sum(int(c[-1]) for _, c in got) == B * P * R
+
+
 @pytest.mark.parametrize("P", [2, 3])
 def test_sharded_lava_entropy_and_layer_gather(gen, P):
     R, T = 2, 16

@@ -7,10 +7,11 @@
 
 namespace kvevict::python {
 
-// metrics.cpp, paged.cpp, distributed.cpp (declared here: common.hpp lists the older files)
+// metrics.cpp, paged.cpp, distributed.cpp, ragged.cpp (declared here: common.hpp lists the older files)
 void bind_metrics(py::module_& m);
 void bind_paged(py::module_& m);
 void bind_distributed(py::module_& m);
+void bind_ragged(py::module_& m);
 
 namespace {
 
@@ -237,4 +238,5 @@ PYBIND11_MODULE(_core, m) {
   bind_metrics(m);
   bind_paged(m);
   bind_distributed(m);
+  bind_ragged(m);
 }

@@ -14,6 +14,7 @@
 # KVEVICT_BUILD_JOBS sets the parallel compile jobs (default 2).
 import glob
 import os
+import re
 import shutil
 import sys
 
@@ -44,6 +45,19 @@ def find_cccl():
             return c
     sys.exit("kvevict: CCCL's headers (cuda/std/array) were not found in " + ", ".join(candidates) +
              ": set CCCL_INCLUDE_DIR to a standalone CCCL's include directory, or CUDA_PATH to a CUDA toolkit")
+
+
+def project_version():
+    """The version of the top-level CMakeLists.txt's project() (one home for it)."""
+    path = os.path.join(here, "..", "CMakeLists.txt")
+    try:
+        with open(path) as f:
+            m = re.search(r"project\(kvevict\s+VERSION\s+([0-9.]+)", f.read())
+    except OSError:
+        m = None
+    if not m:
+        sys.exit(f"kvevict: no `project(kvevict VERSION x.y.z` in {os.path.normpath(path)}")
+    return m.group(1)
 
 
 sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "src", "*.cpp")))
@@ -77,7 +91,7 @@ core = Pybind11Extension(
 
 setup(
     name="kvevict",
-    version="0.3.0",
+    version=project_version(),
     description="KV-cache eviction stages (SnapKV, H2O, TOVA, PyramidKV, AdaKV, LAVa, CAKE, Duo, ...) on "
     "PyTorch / NumPy tensors",
     packages=["kvevict"],

@@ -17,6 +17,7 @@ prebuilt = sys.argv[3] if len(sys.argv) > 3 else ""
 shutil.rmtree(scratch, ignore_errors=True)
 tree = os.path.join(scratch, "src")
 shutil.copytree(os.path.join(source, "include"), os.path.join(tree, "include"))
+shutil.copy(os.path.join(source, "CMakeLists.txt"), tree)  # setup.py reads the version there
 shutil.copytree(os.path.join(source, "python"), os.path.join(tree, "python"),
                 ignore=shutil.ignore_patterns("tests", "examples", "build", "*.egg-info", "__pycache__"))
 target = os.path.join(scratch, "site")
@@ -36,7 +37,8 @@ assert kvevict.__file__.startswith(sys.argv[1]), kvevict.__file__
 k, q = torch.randn(1, 2, 64, 8), torch.randn(1, 4, 64, 8)
 keys, values = presses.SnapKV(budget=40, window=8)(k, k, q)
 assert keys.shape == (1, 2, 40, 8)
-print("pip-installed kvevict works:", kvevict.__file__)
+from importlib.metadata import version
+print("pip-installed kvevict", version("kvevict"), "works:", kvevict.__file__)
 """
 env = dict(os.environ, PYTHONPATH=target)
 r = subprocess.run([sys.executable, "-c", check, target], env=env, cwd=scratch, capture_output=True, text=True)

@@ -111,7 +111,8 @@ void add_prefill_layer(Driver& d, std::mutex& mu, index_t layer, py::handle k_, 
 }
 
 /// What every bound driver holds: its configuration, a copy of its budgets, its state memory (owned
-/// here) and a lock (one call at a time per driver; the work runs without the GIL).
+/// here) and a lock (one call at a time per driver; the work runs without the GIL). A public base,
+/// so pybind11 binds the methods the drivers share (decide, ready, kept_decided) from here.
 template <class Driver, class Config>
 struct bound_driver {
   Config cfg_;
@@ -125,9 +126,24 @@ struct bound_driver {
     state_.resize(value_or_raise(Driver::state_bytes(cfg_)));
     throw_if(driver_.init(cfg_, state_.data(), state_.size()));
   }
+
+  /// The all-layer decision (post-fill and chunked drivers).
+  void decide() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    run_ws([&](workspace& ws) { return driver_.decide(backend(), ws); });
+  }
+
+  bool ready(index_t layer) const { return driver_.ready(layer); }
+
+  /// A decided layer's kept rows; `name` and `hint` make the error of an undecided one.
+  py::tuple kept_decided(index_t layer, const char* name, const char* hint) const {
+    if (!driver_.ready(layer))
+      raise(errc::invalid_argument, std::string(name) + ".kept: layer " + std::to_string(layer) + hint);
+    return kept_arrays(driver_.kept(layer));
+  }
 };
 
-class post_fill : bound_driver<post_fill_driver, post_fill_config> {
+class post_fill : public bound_driver<post_fill_driver, post_fill_config> {
  public:
   post_fill(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
             budget_scheme scheme, index_t budget, py::handle retrieval_, index_t query_rows) {
@@ -144,18 +160,10 @@ class post_fill : bound_driver<post_fill_driver, post_fill_config> {
     add_prefill_layer(driver_, mutex_, layer, k_, v_, py::none(), pos_, q_, s_, bk_, "block_keys", weight);
   }
 
-  void decide() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    run_ws([&](workspace& ws) { return driver_.decide(backend(), ws); });
-  }
-
-  bool ready(index_t layer) const { return driver_.ready(layer); }
-
+  using bound_driver::decide;
+  using bound_driver::ready;
   py::tuple kept(index_t layer) const {
-    if (!driver_.ready(layer))
-      raise(errc::invalid_argument, "PostFillDriver.kept: layer " + std::to_string(layer) +
-                                        " is not decided yet (add it; lava and cake: call decide())");
-    return kept_arrays(driver_.kept(layer));
+    return kept_decided(layer, "PostFillDriver", " is not decided yet (add it; lava and cake: call decide())");
   }
 
   index_t layer_total(index_t layer) const { return driver_.layer_total(layer); }
@@ -168,7 +176,7 @@ class post_fill : bound_driver<post_fill_driver, post_fill_config> {
   }
 };
 
-class cascade : bound_driver<cascade_driver, cascade_driver_config> {
+class cascade : public bound_driver<cascade_driver, cascade_driver_config> {
  public:
   cascade(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
           index_t total, cascade_split split, weight_source weight, entropy_norm norm, index_t query_rows) {
@@ -202,7 +210,7 @@ class cascade : bound_driver<cascade_driver, cascade_driver_config> {
   }
 };
 
-class chunked : bound_driver<chunked_driver, chunked_config> {
+class chunked : public bound_driver<chunked_driver, chunked_config> {
  public:
   chunked(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
           index_t capacity, chunk_queries queries, chunk_target target, double fraction, budget_scheme scheme,
@@ -230,10 +238,8 @@ class chunked : bound_driver<chunked_driver, chunked_config> {
     add_prefill_layer(driver_, mutex_, layer, k_, v_, lens_, pos_, q_, s_, pk_, "patch_keys");
   }
 
-  void decide() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    run_ws([&](workspace& ws) { return driver_.decide(backend(), ws); });
-  }
+  using bound_driver::decide;
+  using bound_driver::ready;
 
   py::tuple patch() const {
     const patch_block p = driver_.patch();
@@ -241,17 +247,13 @@ class chunked : bound_driver<chunked_driver, chunked_config> {
   }
   index_t query_rows() const { return driver_.query_rows(); }
   bool final_chunk() const { return driver_.final_chunk(); }
-  bool ready(index_t layer) const { return driver_.ready(layer); }
   py::tuple kept(index_t layer) const {
-    if (!driver_.ready(layer))
-      raise(errc::invalid_argument, "ChunkedDriver.kept: layer " + std::to_string(layer) +
-                                        " has not been decided for this chunk (add it; lava: call decide())");
-    return kept_arrays(driver_.kept(layer));
+    return kept_decided(layer, "ChunkedDriver", " has not been decided for this chunk (add it; lava: call decide())");
   }
   index_t held(index_t layer, index_t head) const { return driver_.held(layer, head); }
 };
 
-class decode : bound_driver<decode_driver, decode_config> {
+class decode : public bound_driver<decode_driver, decode_config> {
  public:
   decode(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t capacity,
          index_t interval, budget_scheme scheme, index_t budget, index_t prompt_length, index_t query_rows) {

@@ -1,6 +1,6 @@
 // python/src/extras.cpp: the metrics (recall@k, Kendall's tau-b) and the training math
 // (LookaheadKV's LoRA layer, window scores and KL loss; PruLong's hard-concrete gates and
-// Lagrangian), float32 tensors (docs/metrics.md, docs/lookahead.md, docs/prulong.md).
+// Lagrangian) in float32 or float64 (one type per call, outputs of the inputs' type) (docs/metrics.md, docs/lookahead.md, docs/prulong.md).
 #include "common.hpp"
 
 #include <kvevict/train/lookahead.hpp>
@@ -15,16 +15,6 @@ tensor f32(py::handle obj, const char* name, int rank) {
   require_dtype(t, {dtype::f32});
   require_host(t);
   return t;
-}
-
-tensor f32_like(const tensor& like, const char* name, std::vector<index_t> shape) {
-  return output(py::none(), name, like, std::move(shape), dtype::f32);
-}
-
-vector_view<float> vec(const tensor& t) {
-  const index_t ext[1] = {t.shape[0]};
-  const index_t str[1] = {t.strides[0]};
-  return value_or_raise(detail::make_strided<float, 1>(t.name.c_str(), static_cast<float*>(t.data), ext, str));
 }
 
 py::tuple with_rows(double mean, const tensor& rows) { return py::make_tuple(mean, rows.object); }
@@ -68,49 +58,96 @@ py::tuple kendall(py::handle a_, py::handle b_) {
   return with_rows(mean, rows);
 }
 
-// ---- LookaheadKV -------------------------------------------------------------------------------
+// ---- the training math: float32 or float64 ------------------------------------------------------
 
-lora_adapter<float> adapter(const tensor& a, const tensor& b, double alpha) {
-  return lora_adapter<float>{mat<const float>(a), mat<const float>(b), static_cast<float>(alpha)};
+/// The training math's real tensors: float32 or float64 on the host, one type per call (the first's).
+struct reals {
+  dtype type = dtype::other;
+  const char* fn;
+  explicit reals(const char* f) : fn(f) {}
+  tensor operator()(py::handle obj, const char* name, int rank) {
+    tensor t = as_tensor(obj, name, rank);
+    require_dtype(t, {dtype::f32, dtype::f64});
+    require_host(t);
+    if (type == dtype::other) type = t.type;
+    else if (t.type != type)
+      raise(errc::invalid_argument, std::string(fn) + ": " + name + " is " + dtype_name(t.type) + " but the first tensor is " +
+                                        dtype_name(type) + " (one element type per call)");
+    return t;
+  }
+  /// Calls f(R{}) with R float or double.
+  template <class F>
+  decltype(auto) dispatch(F&& f) const {
+    if (type == dtype::f64) return f(double{});
+    return f(float{});
+  }
+};
+
+tensor real_like(const tensor& like, const char* name, std::vector<index_t> shape) {
+  return output(py::none(), name, like, std::move(shape), like.type);
+}
+
+template <class R>
+vector_view<R> vec(const tensor& t) {
+  const index_t ext[1] = {t.shape[0]};
+  const index_t str[1] = {t.strides[0]};
+  return value_or_raise(detail::make_strided<R, 1>(t.name.c_str(), static_cast<R*>(t.data), ext, str));
+}
+
+template <class R>
+lora_adapter<R> adapter(const tensor& a, const tensor& b, double alpha) {
+  return lora_adapter<R>{mat<const R>(a), mat<const R>(b), static_cast<R>(alpha)};
 }
 
 py::object linear(py::handle x_, py::handle w_) {
-  const tensor x = f32(x_, "x", 2), w = f32(w_, "w", 2);
-  const tensor y = f32_like(x, "y", {x.shape[0], w.shape[0]});
-  const auto xv = mat<const float>(x), wv = mat<const float>(w);
-  const auto yv = mat<float>(y);
-  run([&] { return linear_forward(backend(), xv, wv, yv); });
+  reals in("linear_forward");
+  const tensor x = in(x_, "x", 2), w = in(w_, "w", 2);
+  const tensor y = real_like(x, "y", {x.shape[0], w.shape[0]});
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto xv = mat<const R>(x), wv = mat<const R>(w);
+    const auto yv = mat<R>(y);
+    run([&] { return linear_forward(backend(), xv, wv, yv); });
+  });
   return y.object;
 }
 
 py::tuple lora_forward(py::handle x_, py::handle w_, py::handle a_, py::handle b_, double alpha, index_t begin,
                        index_t end) {
-  const tensor x = f32(x_, "x", 2), w = f32(w_, "w", 2), a = f32(a_, "a", 2), b = f32(b_, "b", 2);
+  reals in("lora_linear_forward");
+  const tensor x = in(x_, "x", 2), w = in(w_, "w", 2), a = in(a_, "a", 2), b = in(b_, "b", 2);
   if (end < begin) raise(errc::invalid_argument, "lora_linear_forward: rows end before they begin");
-  const tensor y = f32_like(x, "y", {x.shape[0], w.shape[0]});
-  const tensor xa = f32_like(x, "xa", {end - begin, a.shape[1]});
-  const auto ad = adapter(a, b, alpha);
-  const auto xv = mat<const float>(x), wv = mat<const float>(w);
-  const auto xav = mat<float>(xa), yv = mat<float>(y);
-  run([&] { return lora_linear_forward(backend(), xv, wv, ad, row_range{begin, end}, xav, yv); });
+  const tensor y = real_like(x, "y", {x.shape[0], w.shape[0]});
+  const tensor xa = real_like(x, "xa", {end - begin, a.shape[1]});
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto ad = adapter<R>(a, b, alpha);
+    const auto xv = mat<const R>(x), wv = mat<const R>(w);
+    const auto xav = mat<R>(xa), yv = mat<R>(y);
+    run([&] { return lora_linear_forward(backend(), xv, wv, ad, row_range{begin, end}, xav, yv); });
+  });
   return py::make_tuple(y.object, xa.object);
 }
 
 py::tuple lora_backward(py::handle x_, py::handle w_, py::handle a_, py::handle b_, double alpha, index_t begin,
                         index_t end, py::handle xa_, py::handle dy_) {
-  const tensor x = f32(x_, "x", 2), w = f32(w_, "w", 2), a = f32(a_, "a", 2), b = f32(b_, "b", 2);
-  const tensor xa = f32(xa_, "xa", 2), dy = f32(dy_, "dy", 2);
-  const tensor da = f32_like(a, "da", {a.shape[0], a.shape[1]}), db = f32_like(b, "db", {b.shape[0], b.shape[1]});
-  const tensor dx = f32_like(x, "dx", {end > begin ? end - begin : 0, x.shape[1]});
-  // the backward adds into the adapter's gradients: start them at zero
-  std::fill_n(static_cast<float*>(da.data), da.numel(), 0.0f);
-  std::fill_n(static_cast<float*>(db.data), db.numel(), 0.0f);
-  const auto ad = adapter(a, b, alpha);
-  const lora_adapter_grad<float> grad{mat<float>(da), mat<float>(db)};
-  const auto xv = mat<const float>(x), wv = mat<const float>(w), xav = mat<const float>(xa), dyv = mat<const float>(dy);
-  const auto dxv = mat<float>(dx);
-  run_ws([&](workspace& ws) {
-    return lora_linear_backward(backend(), ws, xv, wv, ad, row_range{begin, end}, xav, dyv, grad, dxv);
+  reals in("lora_linear_backward");
+  const tensor x = in(x_, "x", 2), w = in(w_, "w", 2), a = in(a_, "a", 2), b = in(b_, "b", 2);
+  const tensor xa = in(xa_, "xa", 2), dy = in(dy_, "dy", 2);
+  const tensor da = real_like(a, "da", {a.shape[0], a.shape[1]}), db = real_like(b, "db", {b.shape[0], b.shape[1]});
+  const tensor dx = real_like(x, "dx", {end > begin ? end - begin : 0, x.shape[1]});
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    // the backward adds into the adapter's gradients: start them at zero
+    std::fill_n(static_cast<R*>(da.data), da.numel(), R(0));
+    std::fill_n(static_cast<R*>(db.data), db.numel(), R(0));
+    const auto ad = adapter<R>(a, b, alpha);
+    const lora_adapter_grad<R> grad{mat<R>(da), mat<R>(db)};
+    const auto xv = mat<const R>(x), wv = mat<const R>(w), xav = mat<const R>(xa), dyv = mat<const R>(dy);
+    const auto dxv = mat<R>(dx);
+    run_ws([&](workspace& ws) {
+      return lora_linear_backward(backend(), ws, xv, wv, ad, row_range{begin, end}, xav, dyv, grad, dxv);
+    });
   });
   return py::make_tuple(da.object, db.object, dx.object);
 }
@@ -125,87 +162,116 @@ lookahead_window_options window_opts(double scale, const std::string& reduce) {
 }
 
 py::object lookahead_scores(py::handle q_, py::handle kp_, py::handle kb_, double scale, const std::string& reduce) {
-  const tensor q = f32(q_, "q", 2), kp = f32(kp_, "k_prefix", 2), kb = f32(kb_, "k_block", 2);
-  const tensor s = f32_like(q, "s", {kp.shape[0]});
+  reals in("lookahead_window_scores");
+  const tensor q = in(q_, "q", 2), kp = in(kp_, "k_prefix", 2), kb = in(kb_, "k_block", 2);
+  const tensor s = real_like(q, "s", {kp.shape[0]});
   const auto opt = window_opts(scale, reduce);
-  const auto qv = mat<const float>(q), kpv = mat<const float>(kp), kbv = mat<const float>(kb);
-  const auto sv = vec(s);
-  run_ws([&](workspace& ws) { return lookahead_window_scores(backend(), ws, qv, kpv, kbv, sv, opt); });
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto qv = mat<const R>(q), kpv = mat<const R>(kp), kbv = mat<const R>(kb);
+    const auto sv = vec<R>(s);
+    run_ws([&](workspace& ws) { return lookahead_window_scores(backend(), ws, qv, kpv, kbv, sv, opt); });
+  });
   return s.object;
 }
 
 py::tuple lookahead_scores_backward(py::handle q_, py::handle kp_, py::handle kb_, py::handle ds_, double scale,
                                     const std::string& reduce) {
-  const tensor q = f32(q_, "q", 2), kp = f32(kp_, "k_prefix", 2), kb = f32(kb_, "k_block", 2), ds = f32(ds_, "ds", 1);
-  const tensor dq = f32_like(q, "dq", {q.shape[0], q.shape[1]}), dkb = f32_like(kb, "dk_block", {kb.shape[0], kb.shape[1]});
+  reals in("lookahead_window_scores_backward");
+  const tensor q = in(q_, "q", 2), kp = in(kp_, "k_prefix", 2), kb = in(kb_, "k_block", 2), ds = in(ds_, "ds", 1);
+  const tensor dq = real_like(q, "dq", {q.shape[0], q.shape[1]}), dkb = real_like(kb, "dk_block", {kb.shape[0], kb.shape[1]});
   const auto opt = window_opts(scale, reduce);
-  const auto qv = mat<const float>(q), kpv = mat<const float>(kp), kbv = mat<const float>(kb);
-  const index_t ext[1] = {ds.shape[0]};
-  const index_t str[1] = {ds.strides[0]};
-  const auto dsv = value_or_raise(detail::make_strided<const float, 1>("ds", static_cast<const float*>(ds.data), ext, str));
-  const auto dqv = mat<float>(dq), dkbv = mat<float>(dkb);
-  run_ws([&](workspace& ws) {
-    return lookahead_window_scores_backward(backend(), ws, qv, kpv, kbv, dsv, dqv, dkbv, opt);
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto qv = mat<const R>(q), kpv = mat<const R>(kp), kbv = mat<const R>(kb);
+    const auto dsv = vector_view<const R>(vec<R>(ds));
+    const auto dqv = mat<R>(dq), dkbv = mat<R>(dkb);
+    run_ws([&](workspace& ws) {
+      return lookahead_window_scores_backward(backend(), ws, qv, kpv, kbv, dsv, dqv, dkbv, opt);
+    });
   });
   return py::make_tuple(dq.object, dkb.object);
 }
 
 py::tuple kl_loss(py::handle gt_, py::handle est_, double eps, const std::string& kind) {
-  const tensor gt = f32(gt_, "gt", 2), est = f32(est_, "est", 2);
+  reals in("lookahead_kl_loss");
+  const tensor gt = in(gt_, "gt", 2), est = in(est_, "est", 2);
   lookahead_loss_options o;
   o.eps = eps;
   if (kind == "kl") o.kind = lookahead_loss_kind::kl;
   else if (kind == "listnet") o.kind = lookahead_loss_kind::listnet;
   else raise(errc::invalid_argument, "lookahead_kl_loss: kind must be 'kl' or 'listnet', got '" + kind + "'");
-  const tensor grad = f32_like(est, "grad_est", {est.shape[0], est.shape[1]});
-  const auto gv = mat<const float>(gt), ev = mat<const float>(est);
-  const auto grv = mat<float>(grad);
+  const tensor grad = real_like(est, "grad_est", {est.shape[0], est.shape[1]});
   double loss = 0;
-  run_ws([&](workspace& ws) { return lookahead_kl_loss(backend(), ws, gv, ev, &loss, grv, o); });
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto gv = mat<const R>(gt), ev = mat<const R>(est);
+    const auto grv = mat<R>(grad);
+    run_ws([&](workspace& ws) { return lookahead_kl_loss(backend(), ws, gv, ev, &loss, grv, o); });
+  });
   return py::make_tuple(loss, grad.object);
 }
 
 // ---- PruLong -----------------------------------------------------------------------------------
 
-hard_concrete_params<float> hc(double l, double r, double beta) {
-  return hard_concrete_params<float>{static_cast<float>(l), static_cast<float>(r), static_cast<float>(beta)};
+template <class R>
+hard_concrete_params<R> hc(double l, double r, double beta) {
+  return hard_concrete_params<R>{static_cast<R>(l), static_cast<R>(r), static_cast<R>(beta)};
 }
 
 py::tuple sample_gates(py::handle la_, py::handle u_, double l, double r, double beta) {
-  const tensor la = f32(la_, "log_alpha", 2), u = f32(u_, "u", 2);
-  const tensor z = f32_like(la, "z", {la.shape[0], la.shape[1]}), dz = f32_like(la, "dz", {la.shape[0], la.shape[1]});
-  const auto lav = mat<const float>(la), uv = mat<const float>(u);
-  const auto zv = mat<float>(z), dzv = mat<float>(dz);
-  run([&] { return prulong_sample_gates(lav, uv, zv, dzv, hc(l, r, beta)); });
+  reals in("prulong_sample_gates");
+  const tensor la = in(la_, "log_alpha", 2), u = in(u_, "u", 2);
+  const tensor z = real_like(la, "z", {la.shape[0], la.shape[1]}), dz = real_like(la, "dz", {la.shape[0], la.shape[1]});
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto lav = mat<const R>(la), uv = mat<const R>(u);
+    const auto zv = mat<R>(z), dzv = mat<R>(dz);
+    run([&] { return prulong_sample_gates(lav, uv, zv, dzv, hc<R>(l, r, beta)); });
+  });
   return py::make_tuple(z.object, dz.object);
 }
 
 py::object deterministic_gates(py::handle la_, double l, double r, double beta) {
-  const tensor la = f32(la_, "log_alpha", 2);
-  const tensor z = f32_like(la, "z", {la.shape[0], la.shape[1]});
-  const auto lav = mat<const float>(la);
-  const auto zv = mat<float>(z);
-  run([&] { return prulong_deterministic_gates(lav, zv, hc(l, r, beta)); });
+  reals in("prulong_deterministic_gates");
+  const tensor la = in(la_, "log_alpha", 2);
+  const tensor z = real_like(la, "z", {la.shape[0], la.shape[1]});
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto lav = mat<const R>(la);
+    const auto zv = mat<R>(z);
+    run([&] { return prulong_deterministic_gates(lav, zv, hc<R>(l, r, beta)); });
+  });
   return z.object;
 }
 
 py::tuple expected_sparsity(py::handle la_, double l, double r, double beta) {
-  const tensor la = f32(la_, "log_alpha", 2);
-  const tensor grad = f32_like(la, "grad", {la.shape[0], la.shape[1]});
-  const auto lav = mat<const float>(la);
-  const auto gv = mat<float>(grad);
+  reals in("prulong_expected_sparsity");
+  const tensor la = in(la_, "log_alpha", 2);
+  const tensor grad = real_like(la, "grad", {la.shape[0], la.shape[1]});
   double s = 0;
-  run([&] { return prulong_expected_sparsity(lav, &s, gv, hc(l, r, beta)); });
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto lav = mat<const R>(la);
+    const auto gv = mat<R>(grad);
+    run([&] { return prulong_expected_sparsity(lav, &s, gv, hc<R>(l, r, beta)); });
+  });
   return py::make_tuple(s, grad.object);
 }
 
 py::dict lagrangian(py::handle la_, double target, double lambda1, double lambda2, double l, double r, double beta) {
-  const tensor la = f32(la_, "log_alpha", 2);
-  const tensor grad = f32_like(la, "grad_log_alpha", {la.shape[0], la.shape[1]});
-  const auto lav = mat<const float>(la);
-  const auto gv = mat<float>(grad);
+  reals in("prulong_lagrangian");
+  const tensor la = in(la_, "log_alpha", 2);
+  const tensor grad = real_like(la, "grad_log_alpha", {la.shape[0], la.shape[1]});
   prulong_lagrangian_result res;
-  run([&] { return prulong_lagrangian(lav, target, lambda1, lambda2, &res, gv, prulong_grad_options{}, hc(l, r, beta)); });
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto lav = mat<const R>(la);
+    const auto gv = mat<R>(grad);
+    run([&] {
+      return prulong_lagrangian(lav, target, lambda1, lambda2, &res, gv, prulong_grad_options{}, hc<R>(l, r, beta));
+    });
+  });
   py::dict d;
   d["sparsity"] = res.sparsity;
   d["target"] = res.target;
@@ -218,20 +284,28 @@ py::dict lagrangian(py::handle la_, double target, double lambda1, double lambda
 }
 
 py::object topk_mask(py::handle la_, index_t k) {
-  const tensor la = f32(la_, "log_alpha", 2);
+  reals in("prulong_topk_mask");
+  const tensor la = in(la_, "log_alpha", 2);
   const tensor mask = output(py::none(), "mask", la, {la.shape[0], la.shape[1]}, dtype::u8);
-  const auto lav = mat<const float>(la);
   const auto mv = mat<std::uint8_t>(mask);
-  run([&] { return prulong_topk_mask(lav, k, mv); });
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto lav = mat<const R>(la);
+    run([&] { return prulong_topk_mask(lav, k, mv); });
+  });
   return mask.object;
 }
 
 py::object binarize(py::handle v_, double threshold) {
-  const tensor v = f32(v_, "values", 2);
+  reals in("binarize_head_mask");
+  const tensor v = in(v_, "values", 2);
   const tensor mask = output(py::none(), "mask", v, {v.shape[0], v.shape[1]}, dtype::u8);
-  const auto vv = mat<const float>(v);
   const auto mv = mat<std::uint8_t>(mask);
-  run([&] { return binarize_head_mask(vv, threshold, mv); });
+  in.dispatch([&](auto e) {
+    using R = decltype(e);
+    const auto vv = mat<const R>(v);
+    run([&] { return binarize_head_mask(vv, threshold, mv); });
+  });
   return mask.object;
 }
 

@@ -7,6 +7,12 @@
 
 namespace kvevict::python {
 
+// metrics.cpp, paged.cpp, distributed.cpp, ragged.cpp (declared here: common.hpp lists the older files)
+void bind_metrics(py::module_& m);
+void bind_paged(py::module_& m);
+void bind_distributed(py::module_& m);
+void bind_ragged(py::module_& m);
+
 namespace {
 
 /// A pybind11 enum that also converts from its name: gqa_reduce(s, 2, "max") == gqa_reduce(s, 2, GqaOp.max).
@@ -117,6 +123,17 @@ void bind_enums(py::module_& m) {
                            {{"lava_entropy", weight_source::lava_entropy}, {"caller", weight_source::caller}});
   bind_enum<chunk_queries>(m, "ChunkQueries", {{"naive", chunk_queries::naive}, {"patched", chunk_queries::patched}});
   bind_enum<chunk_target>(m, "ChunkTarget", {{"budget", chunk_target::budget}, {"fraction", chunk_target::fraction}});
+  bind_enum<lp_norm>(m, "LpNorm", {{"l1", lp_norm::l1}, {"l2", lp_norm::l2}, {"linf", lp_norm::linf}});
+  bind_enum<wo_layout>(m, "WoLayout", {{"in_out", wo_layout::in_out}, {"out_in", wo_layout::out_in}});
+  bind_enum<empty_head>(m, "EmptyHead", {{"zero_output", empty_head::zero_output}, {"error", empty_head::error}});
+  bind_enum<crossing_rule>(m, "CrossingRule",
+                           {{"first_reach", crossing_rule::first_reach}, {"stays_above", crossing_rule::stays_above}});
+  bind_enum<critical_kind>(m, "CriticalKind", {{"interpolated", critical_kind::interpolated},
+                                               {"at_or_below_min", critical_kind::at_or_below_min},
+                                               {"above_max", critical_kind::above_max}});
+  bind_enum<page_layout>(m, "PageLayout", {{"nhd", page_layout::nhd}, {"hnd", page_layout::hnd}});
+  bind_enum<page_lists>(m, "PageLists", {{"per_sequence", page_lists::per_sequence}, {"per_head", page_lists::per_head}});
+  bind_enum<batch_budget>(m, "BatchBudget", {{"per_head", batch_budget::per_head}, {"flattened", batch_budget::flattened}});
   bind_enum<allocator>(m, "Allocator", {{"per_head", allocator::per_head}, {"flattened", allocator::flattened},
                                         {"adakv", allocator::adakv}, {"lava", allocator::lava}, {"cake", allocator::cake}});
 }
@@ -218,4 +235,8 @@ PYBIND11_MODULE(_core, m) {
   bind_budget(m);
   bind_extras(m);
   bind_drivers(m);
+  bind_metrics(m);
+  bind_paged(m);
+  bind_distributed(m);
+  bind_ragged(m);
 }

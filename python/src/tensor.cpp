@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <iterator>
 
 namespace kvevict::python {
 
@@ -174,7 +175,12 @@ void read_buffer(tensor& t, py::handle obj, int rank, bool writable) {
 
 void read_dlpack(tensor& t, py::handle obj, int rank) {
   t.from = origin::dlpack;
-  py::object capsule = obj.attr("__dlpack__")();
+  // A CUDA producer is asked to make its work visible on the legacy default stream (DLPack's
+  // stream=1), the stream the CUDA path then runs DLPack tensors on (cuda_stream_of).
+  bool on_cuda = false;
+  if (py::hasattr(obj, "__dlpack_device__"))
+    on_cuda = obj.attr("__dlpack_device__")().cast<py::tuple>()[0].cast<int>() == 2;
+  py::object capsule = on_cuda ? obj.attr("__dlpack__")(py::arg("stream") = 1) : obj.attr("__dlpack__")();
   auto* managed = static_cast<dl_managed_tensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
   if (managed == nullptr) {
     PyErr_Clear();
@@ -241,9 +247,17 @@ void require_dtype(const tensor& t, std::initializer_list<dtype> allowed) {
   raise(errc::invalid_argument, t.name + " has element type " + dtype_name(t.type) + "; expected " + names);
 }
 
+/// The bindings that run CUDA tensors on cuda_t in a CUDA build (module.cpp, stages.cpp; registered
+/// as kvevict.cuda_functions by register_errors).
+const char* const cuda_functions[] = {"recipe_scores", "recipe_select", "compact"};
+
 void require_host(const tensor& t) {
-  if (t.cuda)
-    raise(errc::unsupported, t.name + " is a CUDA tensor, and this call runs on the host only");
+  if (!t.cuda) return;
+  std::string which;
+  for (const char* f : cuda_functions) which += (which.empty() ? "" : ", ") + std::string(f);
+  raise(errc::unsupported, t.name + " is a CUDA tensor, and this call runs on the host only (CUDA tensors run in " + which +
+                               " with dense budgets" + (KVEVICT_PYTHON_CUDA ? "" : ", in builds with CUDA; this build has none") +
+                               "; kvevict.cuda_functions lists them)");
 }
 
 void require_same_device(std::initializer_list<const tensor*> ts) {
@@ -330,12 +344,16 @@ CUstream_st* cuda_stream_of(std::initializer_list<const tensor*> ts) {
   const tensor* first = nullptr;
   for (const tensor* t : ts) {
     if (t->data == nullptr && t->ndim == 0) continue;
-    if (!t->cuda || t->from != origin::torch)
-      raise(errc::unsupported, t->name + ": the CUDA path takes PyTorch CUDA tensors only (every tensor of the call)");
+    if (!t->cuda) raise(errc::invalid_argument, t->name + " is on the host but another tensor of the call is on a GPU");
     if (first == nullptr) first = t;
     else if (t->device != first->device) raise(errc::invalid_argument, t->name + " is on another GPU than " + first->name);
+    else if ((t->from == origin::dlpack) != (first->from == origin::dlpack))
+      raise(errc::unsupported, t->name + " and " + first->name +
+                                   ": PyTorch CUDA tensors run on their current stream and DLPack ones on the legacy "
+                                   "default stream; pass one kind per call");
   }
   if (first == nullptr) raise(errc::invalid_argument, "no CUDA tensor given");
+  if (first->from == origin::dlpack) return nullptr;  // the legacy default stream (read_dlpack's stream=1)
   const py::object stream =
       py::module_::import("torch").attr("cuda").attr("current_stream")(first->object.attr("device"));
   return reinterpret_cast<CUstream_st*>(stream.attr("cuda_stream").cast<std::uintptr_t>());
@@ -349,6 +367,9 @@ void register_errors(py::module_& m) {
                                         "message; e.code is the error code's name (e.g. 'shape_mismatch').",
                                         PyExc_ValueError, nullptr);
   m.attr("Error") = error_type;
+  py::tuple cuda(std::size(cuda_functions));
+  for (std::size_t i = 0; i < std::size(cuda_functions); ++i) cuda[i] = cuda_functions[i];
+  m.attr("cuda_functions") = cuda;
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

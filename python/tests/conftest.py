@@ -6,6 +6,7 @@ per published step. They restate the stage contracts of docs/score.md ... docs/c
 import math
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -27,6 +28,26 @@ KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+def run_threads(n, fn):
+    """Runs fn(i) on n threads at once; returns the results in order (the first exception re-raised)."""
+    results, errors = [None] * n, []
+
+    def body(i):
+        try:
+            results[i] = fn(i)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def randn(gen, *shape, dtype=torch.float32):

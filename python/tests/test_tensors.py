@@ -1,12 +1,11 @@
 """Zero-copy tensors in and out (PyTorch, NumPy, DLPack), layouts, and the errors for bad input."""
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 import kvevict
-from conftest import KV_DTYPES, close, randn, ref_window, topk_sorted
+from conftest import KV_DTYPES, close, randn, ref_window, run_threads, topk_sorted
 
 
 def test_out_tensors_are_written_in_place(gen):
@@ -149,27 +148,17 @@ def test_several_threads_at_once(gen):
     """The GIL is released during the work: threads overlap and each gets its own right answer."""
     inputs = [(randn(gen, 8, 32, 32), randn(gen, 2, 2048, 32)) for _ in range(4)]
     expected = [kvevict.window_scores(q, k) for q, k in inputs]
-    results = [None] * len(inputs)
-    errors = []
 
     def work(i):
-        try:
-            q, k = inputs[i]
-            for _ in range(5):
-                s = kvevict.window_scores(q, k)
-                kept = kvevict.select_topk(s, 100)
-                rows = kvevict.compact(k, kvevict.select_topk(kvevict.gqa_reduce(s, 2), 100))
-                assert rows.shape == (2, 100, 32)
-            results[i] = (s, kept)
-        except Exception as e:  # reported below
-            errors.append(e)
+        q, k = inputs[i]
+        for _ in range(5):
+            s = kvevict.window_scores(q, k)
+            kept = kvevict.select_topk(s, 100)
+            rows = kvevict.compact(k, kvevict.select_topk(kvevict.gqa_reduce(s, 2), 100))
+            assert rows.shape == (2, 100, 32)
+        return s, kept
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    results = run_threads(len(inputs), work)
     for (s, kept), ref in zip(results, expected):
         assert torch.equal(s, ref)
         assert torch.equal(kept, kvevict.select_topk(ref, 100))

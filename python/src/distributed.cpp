@@ -1,0 +1,235 @@
+// python/src/distributed.cpp: the sharded calls (kvevict/distributed.hpp) with a communicator
+// made in Python: `kvevict.Comm()` (one process: the library's single_process) or
+// `kvevict.thread_comms(P)` (P ranks that are threads of this process, exchanging through shared
+// memory), so exactness across ranks is testable without MPI (docs/python.md, docs/distributed.md).
+#include "common.hpp"
+
+#include <kvevict/distributed.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+namespace kvevict::python {
+
+namespace {
+
+/// What P thread ranks share: one slot per rank and a reusable two-phase barrier. A collective
+/// deposits every rank's bytes, waits for all, lets each rank combine the slots (in rank order,
+/// so every rank computes the same bits), then waits again before the slots are reused.
+class thread_group {
+ public:
+  explicit thread_group(int size) : size_(size), slots_(static_cast<std::size_t>(size)) {}
+  int size() const { return size_; }
+
+  template <class Combine>
+  status exchange(int rank, const void* data, std::size_t bytes, Combine&& combine) {
+    auto& slot = slots_[static_cast<std::size_t>(rank)];
+    slot.assign(static_cast<const unsigned char*>(data), static_cast<const unsigned char*>(data) + bytes);
+    KVEVICT_TRY(barrier(rank));
+    for (int r = 0; r < size_; ++r)
+      if (slots_[static_cast<std::size_t>(r)].size() != bytes)
+        return status::error(errc::shape_mismatch, "thread communicator: rank %d sent %zu bytes, rank %d %zu", rank,
+                             bytes, r, slots_[static_cast<std::size_t>(r)].size());
+    combine(slots_);
+    return barrier(rank);
+  }
+
+ private:
+  /// Waits until every rank arrived (60 s at most: a rank that never calls is an error, not a hang).
+  status barrier(int rank) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const unsigned gen = generation_;
+    if (++arrived_ == size_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return {};
+    }
+    if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return generation_ != gen; }))
+      return status::error(errc::invalid_argument,
+                           "thread communicator: rank %d waited 60 s for the other ranks (every rank must make the same "
+                           "calls, each on its own thread)",
+                           rank);
+    return {};
+  }
+
+  int size_;
+  std::vector<std::vector<unsigned char>> slots_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  unsigned generation_ = 0;
+};
+
+/// A communicator (the comm.hpp contract): one process when group_ is null, else rank_ of a
+/// thread group.
+class comm {
+ public:
+  comm() = default;
+  comm(std::shared_ptr<thread_group> g, int rank) : group_(std::move(g)), rank_(rank) {}
+  int rank() const { return rank_; }
+  int size() const { return group_ ? group_->size() : 1; }
+
+  template <class V>
+  status allreduce_sum(V* data, index_t n) {
+    if (!group_) return {};
+    return group_->exchange(rank_, data, bytes_of<V>(n), [&](const auto& slots) {
+      for (index_t i = 0; i < n; ++i) {
+        V sum = 0;
+        for (const auto& s : slots) sum += reinterpret_cast<const V*>(s.data())[i];
+        data[i] = sum;
+      }
+    });
+  }
+  status allreduce_sum(std::int64_t* data, index_t n) { return allreduce_sum<std::int64_t>(data, n); }
+  status allreduce_sum(double* data, index_t n) { return allreduce_sum<double>(data, n); }
+
+  status exscan_sum(const std::int64_t* in, std::int64_t* out, index_t n) {
+    if (!group_) {
+      std::fill_n(out, n, std::int64_t{0});
+      return {};
+    }
+    return group_->exchange(rank_, in, bytes_of<std::int64_t>(n), [&](const auto& slots) {
+      for (index_t i = 0; i < n; ++i) {
+        std::int64_t sum = 0;
+        for (int r = 0; r < rank_; ++r) sum += reinterpret_cast<const std::int64_t*>(slots[static_cast<std::size_t>(r)].data())[i];
+        out[i] = sum;
+      }
+    });
+  }
+
+  status allgather(const void* send, std::size_t bytes, void* recv) {
+    if (!group_) {
+      if (bytes > 0 && send != recv) std::memmove(recv, send, bytes);
+      return {};
+    }
+    return group_->exchange(rank_, send, bytes, [&](const auto& slots) {
+      for (std::size_t r = 0; r < slots.size(); ++r)
+        if (bytes > 0) std::memcpy(static_cast<unsigned char*>(recv) + r * bytes, slots[r].data(), bytes);
+    });
+  }
+
+ private:
+  template <class V>
+  static std::size_t bytes_of(index_t n) {
+    return static_cast<std::size_t>(n > 0 ? n : 0) * sizeof(V);
+  }
+  std::shared_ptr<thread_group> group_;
+  int rank_ = 0;
+};
+
+std::vector<comm> thread_comms(int size) {
+  if (size < 1) raise(errc::invalid_argument, "thread_comms: size must be >= 1 (got " + std::to_string(size) + ")");
+  auto g = std::make_shared<thread_group>(size);
+  std::vector<comm> out;
+  for (int r = 0; r < size; ++r) out.emplace_back(g, r);
+  return out;
+}
+
+const std::int32_t* optional_int32(const tensor& t, index_t n) {
+  if (t.data == nullptr) return nullptr;
+  require_dtype(t, {dtype::i32});
+  require_host(t);
+  return int32_array(t, n);
+}
+
+/// A sharded flat selection's output: cu [R + 1] and room for min(total, this rank's tokens)
+/// positions; select(cu, positions) runs the call, the result is (positions[:cu[R]], cu).
+template <class Select>
+py::tuple sharded_selection(const tensor& s, const std::int32_t* len, index_t total, Select&& select) {
+  const index_t R = s.shape[0];
+  index_t mine = 0;  // this rank's rows hold at most this many tokens
+  for (index_t r = 0; r < R; ++r) mine += len != nullptr ? std::max<index_t>(len[r], 0) : s.shape[1];
+  const tensor cu = output(py::none(), "cu", s, {R + 1}, dtype::i32);
+  const tensor pos = output(py::none(), "positions", s, {std::min(total, mine)}, dtype::i32);
+  select(static_cast<std::int32_t*>(cu.data), static_cast<pos_t*>(pos.data));
+  const std::int32_t kept = static_cast<const std::int32_t*>(cu.data)[R];
+  return py::make_tuple(py::object(pos.object[py::slice(py::int_(0), py::int_(kept), py::none())]), cu.object);
+}
+
+py::tuple select_flat_sharded(comm& c, py::handle scores_, index_t total, py::handle lengths_, py::handle floors_) {
+  const tensor s = float_matrix(scores_, "scores");
+  const tensor lt = as_optional(lengths_, "row_lengths", 1), ft = as_optional(floors_, "floors", 1);
+  const std::int32_t* len = optional_int32(lt, s.shape[0]);
+  const std::int32_t* fl = optional_int32(ft, s.shape[0]);
+  if (total < 0 || total > INT32_MAX)
+    raise(errc::invalid_argument, "select_topk_flat_sharded: total = " + std::to_string(total) + " is outside [0, INT32_MAX]");
+  const auto sv = mat<const float>(s);
+  return sharded_selection(s, len, total, [&](std::int32_t* cu, pos_t* pos) {
+    run_ws([&](workspace& ws) { return select_topk_flat(backend(), ws, c, sv, len, total, fl, cu, pos); });
+  });
+}
+
+py::tuple adakv_sharded(comm& c, py::handle scores_, index_t budget, py::handle lengths_, double alpha,
+                        adakv_floor floor, index_t n_sink, index_t n_recent) {
+  const tensor s = float_matrix(scores_, "scores");
+  const tensor lt = as_optional(lengths_, "lengths", 1);
+  const std::int32_t* len = optional_int32(lt, s.shape[0]);
+  const index_t heads = s.shape[0] * c.size();
+  if (budget < 0 || budget > INT32_MAX / (heads > 0 ? heads : 1))
+    raise(errc::invalid_argument, "adakv_budgets_sharded: budget " + std::to_string(budget) + " is out of range");
+  adakv_options opt;
+  opt.alpha = alpha;
+  opt.floor = floor;
+  opt.prot = protection{n_sink, n_recent};
+  const auto sv = mat<const float>(s);
+  return sharded_selection(s, len, budget * heads, [&](std::int32_t* cu, pos_t* pos) {
+    run_ws([&](workspace& ws) { return adakv_budgets(backend(), ws, c, sv, len, budget, opt, cu, pos); });
+  });
+}
+
+double lava_entropy_sharded(comm& c, py::handle scores_, py::handle lengths_, entropy_norm norm, index_t n_sink,
+                            index_t n_recent) {
+  const tensor s = float_matrix(scores_, "scores");
+  const tensor lt = as_optional(lengths_, "lengths", 1);
+  const std::int32_t* len = optional_int32(lt, s.shape[0]);
+  lava_entropy_options opt;
+  opt.prot = protection{n_sink, n_recent};
+  opt.norm = norm;
+  const auto sv = mat<const float>(s);
+  double e = 0.0;
+  run_ws([&](workspace& ws) { return lava_layer_entropy(backend(), ws, c, sv, len, opt, &e); });
+  return e;
+}
+
+std::vector<double> gather_layers(comm& c, index_t first, py::handle local_, index_t layers) {
+  const std::vector<double> local = local_.cast<std::vector<double>>();
+  std::vector<double> all(static_cast<std::size_t>(layers > 0 ? layers : 0));
+  const shard_range mine{first, static_cast<index_t>(local.size())};
+  run_ws([&](workspace& ws) { return gather_layer_values(ws, c, mine, local.data(), layers, all.data()); });
+  return all;
+}
+
+}  // namespace
+
+void bind_distributed(py::module_& m) {
+  using namespace pybind11::literals;
+  py::class_<comm>(m, "Comm",
+                   "A communicator for the sharded calls: Comm() is one process holding every head and layer "
+                   "(collectives are the identity); thread_comms(P) gives P ranks that are threads of this process.")
+      .def(py::init<>())
+      .def_property_readonly("rank", &comm::rank)
+      .def_property_readonly("size", &comm::size);
+  m.def("thread_comms", &thread_comms, "size"_a,
+        "P communicators over shared memory, rank r for the thread that plays rank r (each rank on its own thread; "
+        "the calls release the GIL).");
+  m.def("select_topk_flat_sharded", &select_flat_sharded, "comm"_a, "scores"_a, "total"_a, "row_lengths"_a = py::none(),
+        "floors"_a = py::none(),
+        "Head-sharded select_topk_flat: this rank's rows [R][T] of the layer's P*R (rank order = row order); "
+        "(positions, cu) of this rank's rows, exactly the single-process call's.");
+  m.def("adakv_budgets_sharded", &adakv_sharded, "comm"_a, "scores"_a, "budget"_a, "lengths"_a = py::none(),
+        "alpha"_a = 0.2, "floor"_a = adakv_floor::budget, "n_sink"_a = 0, "n_recent"_a = 0,
+        "Head-sharded AdaKV: this rank's heads [R][T] of the layer's P*R, per-head budget B; (positions, cu) of this "
+        "rank's heads, exactly their part of adakv_budgets over all heads.");
+  m.def("lava_layer_entropy_sharded", &lava_entropy_sharded, "comm"_a, "scores"_a, "lengths"_a = py::none(),
+        "norm"_a = entropy_norm::log_count, "n_sink"_a = 0, "n_recent"_a = 0,
+        "Head-sharded LAVa entropy: every rank gets the layer's entropy over all heads, bit for bit.");
+  m.def("gather_layer_values", &gather_layers, "comm"_a, "first"_a, "local"_a, "layers"_a,
+        "Layer-sharded: this stage's values of layers [first, first + len(local)) -> every layer's value on every "
+        "stage.");
+}
+
+}  // namespace kvevict::python

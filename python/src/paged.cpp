@@ -1,0 +1,205 @@
+// python/src/paged.cpp: paged KV caches (kvevict/paged.hpp) and batched selection
+// (kvevict/batch.hpp) on PyTorch / NumPy tensors: page pools are the caller's 4-D tensors (NHD
+// [pages][page_size][H][d] or HND [pages][H][page_size][d], any strides with contiguous rows) and
+// the block tables FlashInfer-style CSR int32 arrays (indptr, indices, last_page_len), read and
+// written in place without copies (docs/paged.md, docs/python.md).
+#include "common.hpp"
+
+namespace kvevict::python {
+
+namespace {
+
+tensor int32_1d(py::handle obj, const char* name, bool writable = false) {
+  tensor t = as_tensor(obj, name, 1, writable);
+  require_dtype(t, {dtype::i32});
+  require_host(t);
+  return t;
+}
+
+/// One layer's pools and table, as the binding reads them.
+struct paged_args {
+  tensor keys, values, indptr, indices, last;
+  index_t lists = 0;
+  index_t kv_heads = 0;
+  page_lists kind = page_lists::per_sequence;
+  page_layout layout = page_layout::nhd;
+  bool writable = false;
+
+  paged_args(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads, page_lists lk,
+             page_layout lay, bool write)
+      : kv_heads(heads), kind(lk), layout(lay), writable(write) {
+    keys = as_tensor(k, "key_pages", 4, write);
+    values = as_tensor(v, "value_pages", 4, write);
+    require_kv({&keys, &values});
+    indptr = int32_1d(ip, "indptr");
+    indices = int32_1d(ix, "indices");
+    last = int32_1d(lp, "last_page_len");
+    lists = indptr.shape[0] - 1;
+    if (lists < 0) raise(errc::invalid_argument, "indptr needs lists + 1 entries (got none)");
+    if (last.shape[0] != lists)
+      raise(errc::shape_mismatch, "last_page_len has " + std::to_string(last.shape[0]) + " entries but indptr lists " +
+                                      std::to_string(lists));
+    if (kv_heads <= 0) raise(errc::invalid_argument, "kv_heads must be positive");
+  }
+
+  template <class T>
+  page_pool<T> pool(const tensor& t) const {
+    // NHD: [pages][page_size][heads][dim]; HND: [pages][heads][page_size][dim]
+    const bool nhd = layout == page_layout::nhd;
+    page_pool<T> p;
+    p.data = static_cast<T*>(t.data);
+    p.pages = t.shape[0];
+    p.page_size = nhd ? t.shape[1] : t.shape[2];
+    p.heads = nhd ? t.shape[2] : t.shape[1];
+    p.dim = t.shape[3];
+    p.page_stride = t.strides[0];
+    p.token_stride = nhd ? t.strides[1] : t.strides[2];
+    p.head_stride = nhd ? t.strides[2] : t.strides[1];
+    if (p.dim > 1 && t.strides[3] != 1)
+      raise(errc::invalid_argument, t.name + ": the head dim must be contiguous (stride 1), got stride " +
+                                        std::to_string(t.strides[3]));
+    return p;
+  }
+
+  template <class T>
+  paged_layer<T> layer() const {
+    paged_layer<T> L;
+    L.keys = pool<T>(keys);
+    L.values = pool<T>(values);
+    L.table = page_table{int32_array(indptr, lists + 1), int32_array(indices, indices.shape[0]),
+                         int32_array(last, lists), lists};
+    L.kv_heads = kv_heads;
+    L.sequences = kind == page_lists::per_head ? (lists % kv_heads == 0 ? lists / kv_heads : -1) : lists;
+    if (L.sequences < 0)
+      raise(errc::shape_mismatch, "per-head tables list sequences x kv_heads lists; " + std::to_string(lists) +
+                                      " is not a multiple of " + std::to_string(kv_heads));
+    L.lists = kind;
+    return L;
+  }
+};
+
+/// Calls f(paged_layer<T>) for the layer's element type, after the library validated its table.
+template <class F>
+void with_paged(const paged_args& a, F&& f) {
+  dispatch_kv(a.keys, [&](auto e) {
+    using T = decltype(e);
+    const paged_layer<T> L = a.layer<T>();
+    run_ws([&](workspace& ws) { return validate_paged_layer(ws, L); }, 1);
+    f(L);
+  });
+}
+
+py::object key_norms_py(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads,
+                        page_lists lk, page_layout lay, py::handle out_) {
+  const paged_args a(k, v, ip, ix, lp, heads, lk, lay, false);
+  py::object result;
+  with_paged(a, [&](const auto& L) {
+    index_t longest = 0;
+    for (index_t r = 0; r < L.rows(); ++r) longest = std::max(longest, L.length(r));
+    const tensor out = output(out_, "out", a.keys, {L.rows(), longest}, dtype::f32);
+    if (out_.is_none()) std::fill_n(static_cast<float*>(out.data), out.numel(), 0.0f);  // columns past a row's length
+    const auto ov = mat<float>(out);
+    run_ws([&](workspace& ws) { return paged_key_norm_scores(backend(), ws, L, ov); });
+    result = out.object;
+  });
+  return result;
+}
+
+py::tuple compact_paged_py(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads,
+                           py::handle kept_, page_lists lk, page_layout lay) {
+  const paged_args a(k, v, ip, ix, lp, heads, lk, lay, true);
+  const auto t = kept_.cast<py::tuple>();
+  if (t.size() != 2) raise(errc::invalid_argument, "compact_paged: kept is (positions, cu)");
+  const tensor pos = int32_1d(t[0], "kept positions"), cu = int32_1d(t[1], "kept cu");
+  py::tuple result;
+  with_paged(a, [&](const auto& L) {
+    const index_t listed = L.table.indptr[a.lists];
+    const tensor lengths = output(py::none(), "lengths", a.indptr, {a.lists}, dtype::i32);
+    const tensor freed = output(py::none(), "freed_pages", a.indptr, {listed}, dtype::i32);
+    std::int32_t count = 0;
+    const ragged_positions kept{int32_array(pos, pos.shape[0]), int32_array(cu, L.rows() + 1), L.rows()};
+    const paged_compaction_out o{static_cast<std::int32_t*>(lengths.data), static_cast<std::int32_t*>(freed.data), listed,
+                                 &count};
+    run_ws([&](workspace& ws) { return compact_paged(backend(), ws, L, kept, o); });
+    result = py::make_tuple(lengths.object, py::object(freed.object[py::slice(py::int_(0), py::int_(count), py::none())]));
+  });
+  return result;
+}
+
+void shrink_py(py::handle ip_, py::handle ix_, py::handle lp_, index_t page_size, py::handle lengths_) {
+  const tensor ip = int32_1d(ip_, "indptr", true), ix = int32_1d(ix_, "indices", true);
+  const tensor lp = int32_1d(lp_, "last_page_len", true), len = int32_1d(lengths_, "lengths");
+  const index_t lists = ip.shape[0] - 1;
+  if (lists < 0 || lp.shape[0] != lists || len.shape[0] != lists)
+    raise(errc::shape_mismatch, "shrink_page_table: indptr [lists + 1], last_page_len [lists] and lengths [lists]");
+  auto* ipp = const_cast<std::int32_t*>(int32_array(ip, lists + 1));
+  auto* ixp = const_cast<std::int32_t*>(int32_array(ix, ix.shape[0]));
+  auto* lpp = const_cast<std::int32_t*>(int32_array(lp, lists));
+  const std::int32_t* lens = int32_array(len, lists);
+  if (ix.shape[0] < ipp[lists])
+    raise(errc::shape_mismatch, "shrink_page_table: indices has " + std::to_string(ix.shape[0]) + " entries, indptr lists " +
+                                    std::to_string(ipp[lists]));
+  run([&] { return shrink_page_table(ipp, ixp, lpp, lists, page_size, lens); });
+}
+
+py::tuple select_batch_py(py::handle scores_, py::handle budgets_, index_t kv_heads, batch_budget kind,
+                          py::handle row_lengths_, py::handle cu_seqlens_) {
+  const tensor scores = float_matrix(scores_, "scores");
+  const tensor rl = as_optional(row_lengths_, "row_lengths", 1), cs = as_optional(cu_seqlens_, "cu_seqlens", 1);
+  const tensor budgets = int32_1d(budgets_, "budgets");
+  if (rl.data != nullptr && cs.data != nullptr)
+    raise(errc::invalid_argument, "select_topk_batch: row_lengths (padded) or cu_seqlens (varlen), not both");
+  const auto sv = mat<const float>(scores);
+  batch_rows rows;
+  index_t capacity = 0;
+  if (cs.data != nullptr) {
+    require_dtype(cs, {dtype::i32});
+    const index_t S = cs.shape[0] - 1;
+    rows = batch_varlen(sv, int32_array(cs, cs.shape[0]), S);
+    capacity = scores.shape[0] * scores.shape[1];
+  } else {
+    if (kv_heads <= 0 || scores.shape[0] % kv_heads != 0)
+      raise(errc::shape_mismatch, "select_topk_batch: padded scores have sequences x kv_heads rows; " +
+                                      std::to_string(scores.shape[0]) + " is not a multiple of kv_heads " +
+                                      std::to_string(kv_heads));
+    if (rl.data != nullptr) require_dtype(rl, {dtype::i32});
+    rows = batch_padded(sv, scores.shape[0] / kv_heads, kv_heads, rl.data != nullptr ? int32_array(rl, scores.shape[0]) : nullptr);
+    capacity = scores.shape[0] * scores.shape[1];
+  }
+  if (budgets.shape[0] != rows.sequences)
+    raise(errc::shape_mismatch, "select_topk_batch: budgets has " + std::to_string(budgets.shape[0]) +
+                                    " entries for " + std::to_string(rows.sequences) + " sequences");
+  const index_t R = rows.sequences * rows.kv_heads;
+  const tensor cu = output(py::none(), "cu", scores, {R + 1}, dtype::i32);
+  const tensor pos = output(py::none(), "positions", scores, {capacity}, dtype::i32);
+  const std::int32_t* b = int32_array(budgets, rows.sequences);
+  run_ws([&](workspace& ws) {
+    return select_topk_batch(backend(), ws, rows, b, kind, static_cast<std::int32_t*>(cu.data),
+                             static_cast<pos_t*>(pos.data), capacity);
+  });
+  const std::int32_t total = static_cast<const std::int32_t*>(cu.data)[R];
+  return py::make_tuple(py::object(pos.object[py::slice(py::int_(0), py::int_(total), py::none())]), cu.object);
+}
+
+}  // namespace
+
+void bind_paged(py::module_& m) {
+  using namespace pybind11::literals;
+  m.def("paged_key_norm_scores", &key_norms_py, "key_pages"_a, "value_pages"_a, "indptr"_a, "indices"_a,
+        "last_page_len"_a, "kv_heads"_a, "lists"_a = page_lists::per_sequence, "layout"_a = page_layout::nhd,
+        "out"_a = py::none(),
+        "Knorm over a paged layer: [rows][longest row] float32, rows r = s * kv_heads + h (columns past a row's "
+        "length: 0 in a new tensor, untouched in out=).");
+  m.def("compact_paged", &compact_paged_py, "key_pages"_a, "value_pages"_a, "indptr"_a, "indices"_a,
+        "last_page_len"_a, "kv_heads"_a, "kept"_a, "lists"_a = page_lists::per_sequence, "layout"_a = page_layout::nhd,
+        "Moves each row's kept tokens (positions, cu) to the front of its list, in place in the pools: "
+        "(lengths [lists], freed page ids). The table is not written: shrink_page_table updates it.");
+  m.def("shrink_page_table", &shrink_py, "indptr"_a, "indices"_a, "last_page_len"_a, "page_size"_a, "lengths"_a,
+        "The block table after compact_paged, in place (lists keep their first ceil(length / page_size) pages).");
+  m.def("select_topk_batch", &select_batch_py, "scores"_a, "budgets"_a, "kv_heads"_a = 0, "kind"_a = batch_budget::per_head,
+        "row_lengths"_a = py::none(), "cu_seqlens"_a = py::none(),
+        "One selection for a batch: padded scores [S*H][T] (row_lengths [S*H]) or varlen [H][total] (cu_seqlens "
+        "[S+1]); budgets [S] tokens per KV head: (positions, cu) over rows r = s*H + h.");
+}
+
+}  // namespace kvevict::python

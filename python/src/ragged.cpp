@@ -1,0 +1,113 @@
+// python/src/ragged.cpp: ragged caches with capacity (kvevict::ragged_cache, docs/compact.md):
+// one [rows][d] buffer in which head h owns rows cu_capacity[h] .. cu_capacity[h+1] and holds
+// lens[h] of them; decode-time `append`, in-place compaction, and compaction of a dense cache into
+// one. The caller's tensors are read and written in place (lens included).
+#include "common.hpp"
+
+namespace kvevict::python {
+
+namespace {
+
+/// The caller's ragged cache: buffer [rows][d] (KV type, rows of contiguous elements),
+/// cu_capacity [H+1] and lens [H] (int32, contiguous; lens written by the calls).
+struct cache_args {
+  tensor buffer, cu, lens;
+  index_t heads = 0;
+
+  cache_args(py::handle b, py::handle c, py::handle l) {
+    buffer = as_tensor(b, "buffer", 2, true);
+    require_kv({&buffer});
+    cu = as_tensor(c, "cu_capacity", 1);
+    lens = as_tensor(l, "lens", 1, true);
+    for (const tensor* t : {&cu, &lens}) {
+      require_dtype(*t, {dtype::i32});
+      require_host(*t);
+    }
+    heads = lens.shape[0];
+    if (cu.shape[0] != heads + 1)
+      raise(errc::shape_mismatch, "cu_capacity has " + std::to_string(cu.shape[0]) + " entries but lens " +
+                                      std::to_string(heads) + " (it needs heads + 1)");
+    if (buffer.shape[1] > 1 && buffer.strides[1] != 1)
+      raise(errc::invalid_argument, "buffer: the head dim must be contiguous (stride 1), got stride " +
+                                        std::to_string(buffer.strides[1]));
+  }
+
+  template <class T>
+  ragged_cache<T> view() const {
+    ragged_cache<T> c;
+    c.data = static_cast<T*>(buffer.data);
+    c.cu_capacity = int32_array(cu, heads + 1);
+    c.lens = const_cast<std::int32_t*>(int32_array(lens, heads));
+    c.heads = heads;
+    c.dim = buffer.shape[1];
+    c.row_stride = buffer.strides[0];
+    const index_t rows = heads > 0 ? c.cu_capacity[heads] : 0;
+    if (rows > buffer.shape[0])
+      raise(errc::shape_mismatch, "cu_capacity lists " + std::to_string(rows) + " rows but buffer has " +
+                                      std::to_string(buffer.shape[0]));
+    return c;
+  }
+};
+
+ragged_positions kept_of(py::handle positions_, py::handle cu_, index_t heads, tensor& pos, tensor& cu) {
+  pos = as_tensor(positions_, "positions", 1);
+  cu = as_tensor(cu_, "cu", 1);
+  for (const tensor* t : {&pos, &cu}) {
+    require_dtype(*t, {dtype::i32});
+    require_host(*t);
+  }
+  return ragged_positions{int32_array(pos, pos.shape[0]), int32_array(cu, heads + 1), heads};
+}
+
+void append_py(py::handle b, py::handle c, py::handle l, py::handle rows_) {
+  const cache_args a(b, c, l);
+  const tensor rows = as_tensor(rows_, "rows", 3);
+  require_kv({&a.buffer, &rows});
+  dispatch_kv(a.buffer, [&](auto e) {
+    using T = decltype(e);
+    const auto cache = a.view<T>();
+    const auto rv = kv<const T>(rows);
+    run([&] { return append(backend(), cache, rv); });
+  });
+}
+
+void compact_inplace_py(py::handle b, py::handle c, py::handle l, py::handle positions_, py::handle cu_) {
+  const cache_args a(b, c, l);
+  tensor pos, cu;
+  const ragged_positions kept = kept_of(positions_, cu_, a.heads, pos, cu);
+  dispatch_kv(a.buffer, [&](auto e) {
+    using T = decltype(e);
+    const auto cache = a.view<T>();
+    run([&] { return compact_inplace(backend(), cache, kept); });
+  });
+}
+
+void compact_into_py(py::handle src_, py::handle positions_, py::handle cu_, py::handle b, py::handle c, py::handle l) {
+  const cache_args a(b, c, l);
+  const tensor src = as_tensor(src_, "src", 3);
+  require_kv({&a.buffer, &src});
+  tensor pos, cu;
+  const ragged_positions kept = kept_of(positions_, cu_, src.shape[0], pos, cu);
+  dispatch_kv(a.buffer, [&](auto e) {
+    using T = decltype(e);
+    const auto cache = a.view<T>();
+    const auto sv = kv<const T>(src);
+    run([&] { return compact(backend(), sv, kept, cache); });
+  });
+}
+
+}  // namespace
+
+void bind_ragged(py::module_& m) {
+  using namespace pybind11::literals;
+  m.def("append", &append_py, "buffer"_a, "cu_capacity"_a, "lens"_a, "rows"_a,
+        "Decode-time append to a ragged cache: rows [H][n][d] become rows lens[h] .. of head h's region "
+        "(buffer rows cu_capacity[h] ..), lens += n, in place; all heads checked before anything is written.");
+  m.def("compact_ragged_inplace", &compact_inplace_py, "buffer"_a, "cu_capacity"_a, "lens"_a, "positions"_a, "cu"_a,
+        "In place on a ragged cache: head h keeps its rows positions[cu[h]:cu[h+1]] (ascending, < lens[h]), packed to "
+        "the front of its region; lens[h] becomes their count.");
+  m.def("compact_into_ragged_cache", &compact_into_py, "src"_a, "positions"_a, "cu"_a, "buffer"_a, "cu_capacity"_a,
+        "lens"_a, "Gathers src [H][T][d]'s kept rows (positions, cu) into a ragged cache with capacity; lens = counts.");
+}
+
+}  // namespace kvevict::python

@@ -1,0 +1,74 @@
+"""The sharded calls with Python-made communicators: one process (Comm()) and P thread ranks
+(thread_comms(P)); every rank must get exactly the single-process answer for its rows."""
+import pytest
+import torch
+
+import kvevict
+from conftest import randn, run_threads
+
+
+def run_ranks(comms, fn):
+    """Runs fn(rank, comm) on one thread per rank; returns the results in rank order."""
+    return run_threads(len(comms), lambda r: fn(r, comms[r]))
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_sharded_flat_selection_is_exact(gen, P):
+    R, T = 2, 23
+    scores = (randn(gen, P * R, T) * 2).round() / 2  # ties across ranks go to the lower rank
+    lengths = torch.randint(5, T + 1, (P * R,), generator=gen, dtype=torch.int32)
+    total = int(lengths.sum()) * 2 // 3
+    floors = torch.full((P * R,), 2, dtype=torch.int32)
+    pos, cu = kvevict.select_topk_flat(scores, total, row_lengths=lengths, floors=floors)
+    one = kvevict.select_topk_flat_sharded(kvevict.Comm(), scores, total, row_lengths=lengths, floors=floors)
+    assert torch.equal(one[0], pos) and torch.equal(one[1], cu)
+    comms = kvevict.thread_comms(P)
+    assert [c.rank for c in comms] == list(range(P)) and all(c.size == P for c in comms)
+    got = run_ranks(comms, lambda r, c: kvevict.select_topk_flat_sharded(
+        c, scores[r * R:(r + 1) * R], total, row_lengths=lengths[r * R:(r + 1) * R], floors=floors[r * R:(r + 1) * R]))
+    for r, (p, c) in enumerate(got):
+        for i in range(R):
+            row = r * R + i
+            assert p[c[i]:c[i + 1]].tolist() == pos[cu[row]:cu[row + 1]].tolist()
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_sharded_adakv_is_exact(gen, P):
+    R, T, B = 2, 20, 6
+    scores = (torch.rand(P * R, T, generator=gen) * 4).round() / 4
+    kvevict.protect(scores, 2, 0)  # two protected sinks per head, in place
+    pos, cu = kvevict.adakv_budgets(scores, B, alpha=0.25, n_sink=2)
+    got = run_ranks(kvevict.thread_comms(P), lambda r, c: kvevict.adakv_budgets_sharded(
+        c, scores[r * R:(r + 1) * R], B, alpha=0.25, n_sink=2))
+    for r, (p, c) in enumerate(got):
+        for i in range(R):
+            row = r * R + i
+            assert p[c[i]:c[i + 1]].tolist() == pos[cu[row]:cu[row + 1]].tolist()
+    assert sum(int(c[-1]) for _, c in got) == B * P * R
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_sharded_lava_entropy_and_layer_gather(gen, P):
+    R, T = 2, 16
+    scores = torch.rand(P * R, T, generator=gen)
+    want = kvevict.lava_layer_entropy(scores, n_sink=1, n_recent=2)
+    got = run_ranks(kvevict.thread_comms(P), lambda r, c: kvevict.lava_layer_entropy_sharded(
+        c, scores[r * R:(r + 1) * R], n_sink=1, n_recent=2))
+    assert got == [want] * P  # bit for bit on every rank
+    layers = 7
+    values = [float(v) for v in torch.rand(layers, generator=gen, dtype=torch.float64)]
+    cuts = [0, 3, 5, 7] if P == 3 else [0, 4, 7]
+    got = run_ranks(kvevict.thread_comms(P), lambda r, c: kvevict.gather_layer_values(
+        c, cuts[r], values[cuts[r]:cuts[r + 1]], layers))
+    assert got == [values] * P
+
+
+def test_sharded_errors_reach_every_rank(gen):
+    P, R, T = 2, 2, 8
+    scores = torch.rand(P * R, T, generator=gen)
+    # rank 1 asks for another total: every rank returns the same error instead of waiting
+    with pytest.raises(kvevict.Error, match="total|disagree|differ"):
+        run_ranks(kvevict.thread_comms(P), lambda r, c: kvevict.select_topk_flat_sharded(
+            c, scores[r * R:(r + 1) * R], 5 + r))
+    with pytest.raises(kvevict.Error, match="size"):
+        kvevict.thread_comms(0)

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -69,9 +70,10 @@ status load(const common_options& c, kvrun::model& m, kvrun::gated_lm<float>& lm
 
 void log_line(const char* what, const kvrun::gate_progress& p, bool prulong) {
   if (prulong)
-    std::fprintf(stderr, "%s step %4lld/%lld  loss %.5f  sparsity %.3f  target %.3f  lambda %.3f %.3f  (%.0f s)\n", what,
-                 static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.sparsity, p.target, p.lambda1,
-                 p.lambda2, p.seconds);
+    std::fprintf(stderr,
+                 "%s step %4lld/%lld  loss %.5f  sparsity constrained %.3f expected %.3f achieved %.3f  target %.3f  lambda %.3f %.3f  (%.0f s)\n",
+                 what, static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.constrained, p.sparsity, p.achieved,
+                 p.target, p.lambda1, p.lambda2, p.seconds);
   else
     std::fprintf(stderr, "%s step %4lld/%lld  loss %.3e  alpha < 0.5: %.3f  mean alpha %.3f  (%.0f s)\n", what,
                  static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.sparsity, p.target, p.seconds);
@@ -102,9 +104,9 @@ int cmd_prulong(common_options& c, const std::vector<double>& sparsities, const 
       return fail(st);
     index_t k = 0;
     for (float v : r.mask) k += v > 0.5f ? 1 : 0;
-    std::printf("wrote %s: %lld of %lld heads retrieval (target sparsity %.2f, expected sparsity at the end %.3f), "
-                "%lld steps x batch %lld in %.1f s\n",
-                path.c_str(), static_cast<long long>(k), static_cast<long long>(L * H), s, r.sparsity,
+    std::printf("wrote %s: %lld of %lld heads retrieval (target sparsity %.2f; at the end: expected sparsity %.3f, "
+                "achieved (deterministic gate < 0.5) %.3f), %lld steps x batch %lld in %.1f s\n",
+                path.c_str(), static_cast<long long>(k), static_cast<long long>(L * H), s, r.sparsity, r.achieved,
                 static_cast<long long>(c.train.steps), static_cast<long long>(c.train.batch), seconds_since(t0));
     std::fflush(stdout);
   }
@@ -159,7 +161,17 @@ int run(int argc, char** argv) {
   prulong->add_option("--sparsities", sparsities, "target sparsities (fraction of streaming heads)")->delimiter(',')->capture_default_str();
   prulong->add_option("--out-dir", out_dir, "directory of the masks <model>-s<percent>.tsv")->required();
   prulong->add_option("--lr", pp.lr, "Adam learning rate of log_alpha")->capture_default_str();
-  prulong->add_option("--lr-lambda", pp.lr_lambda, "Adam learning rate (ascent) of lambda1, lambda2")->capture_default_str();
+  prulong->add_option("--lr-lambda", pp.lr_lambda, "rate of the multipliers' ascent (per unit of violation; with --lambda-rule adam: Adam's rate)")
+      ->capture_default_str();
+  prulong->add_option("--constrain", pp.constrain, "the constrained sparsity: sampled (1 - mean z of the step's gates) or expected-l0")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, kvrun::sparsity_measure>{
+          {"sampled", kvrun::sparsity_measure::sampled}, {"expected-l0", kvrun::sparsity_measure::expected_l0}}))
+      ->capture_default_str();
+  prulong->add_option("--lambda-rule", pp.lambda_rule, "multipliers: ascent (plain gradient ascent, constant rate) or adam")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, kvrun::lambda_update>{{"ascent", kvrun::lambda_update::ascent},
+                                                                                     {"adam", kvrun::lambda_update::adam}}))
+      ->capture_default_str();
+  prulong->add_option("--final-lr", pp.final_lr, "the log_alpha rate decays linearly to this fraction of its peak")->capture_default_str();
   prulong->add_option("--target-warmup", pp.target_warmup, "fraction of the steps over which the target rises from 0")->capture_default_str();
 
   std::string duo_out;

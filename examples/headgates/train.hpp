@@ -122,7 +122,8 @@ struct gate_progress {
   index_t step = 0, steps = 0;
   double loss = 0;      ///< mean data loss of the steps since the last report
   double sparsity = 0;  ///< PruLong: expected sparsity s; Duo: fraction of alpha < 0.5
-  double achieved = 0;  ///< PruLong: fraction of heads whose deterministic gate is < 0.5; Duo: as sparsity
+  double achieved = 0;  ///< PruLong: fraction of closed heads, P(z > 0) < 1/2 (prulong_closed_sparsity); Duo: as sparsity
+  double below_half = 0;  ///< PruLong: fraction of heads whose deterministic gate is < 0.5 (log_alpha < 0)
   double constrained = 0;  ///< PruLong: the sparsity the Lagrangian saw this step (sampled or expected L0)
   double target = 0;    ///< PruLong: the warmed-up target t; Duo: mean alpha
   double lambda1 = 0, lambda2 = 0;
@@ -228,9 +229,9 @@ struct prulong_train_options {
   double target = 0.5;          ///< final target sparsity t (fraction of streaming heads)
   double target_warmup = 0.5;   ///< t rises linearly from 0 over this fraction of the steps (paper: 800 of 1000)
   double lr = 0.2;              ///< Adam on log_alpha (Table 5: 1 over 1000 steps; see docs/prulong.md)
-  sparsity_measure constrain = sparsity_measure::sampled;
+  sparsity_measure constrain = sparsity_measure::expected_l0;
   lambda_update lambda_rule = lambda_update::ascent;
-  double lr_lambda = 2.0;       ///< the multipliers' rate (ascent: per unit of violation; adam: Table 5's 1)
+  double lr_lambda = 0.5;       ///< the multipliers' rate (ascent: per unit of violation; adam: Table 5's 1)
   double warmup = 0.1;          ///< linear warmup of the log_alpha rate, then linear decay
   double final_lr = 0.01;       ///< ... to this fraction of the peak
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
@@ -242,7 +243,8 @@ struct prulong_step {
   double loss = 0;      ///< the batch's mean next-token loss (before the update)
   double constrained = 0;  ///< the sparsity the Lagrangian saw (sampled or expected L0)
   double expected = 0;  ///< expected sparsity 1 - mean P(z > 0)
-  double achieved = 0;  ///< fraction of heads whose deterministic gate is < 0.5 (log_alpha < 0)
+  double achieved = 0;  ///< fraction of closed heads: P(z > 0) < 1/2 (prulong_closed_sparsity)
+  double below_half = 0;  ///< fraction of heads whose deterministic gate is < 0.5 (log_alpha < 0)
   double target = 0;    ///< the warmed-up target
   double lambda1 = 0, lambda2 = 0;
 };
@@ -250,7 +252,8 @@ struct prulong_step {
 struct prulong_result {
   std::vector<double> log_alpha;  ///< [L][Hkv]
   double lambda1 = 0, lambda2 = 0, sparsity = 0;
-  double achieved = 0;            ///< deterministic sparsity at the end (prulong_step::achieved)
+  double achieved = 0;            ///< closed heads at the end (prulong_step::achieved)
+  double below_half = 0;          ///< deterministic gate < 0.5 at the end (prulong_step::below_half)
   std::vector<float> mask;        ///< [L][Hkv]: the top-k discretisation at the target
   std::vector<prulong_step> history;  ///< every step
 };
@@ -264,13 +267,23 @@ inline double prulong_lr_factor(const prulong_train_options& p, index_t t, index
   return 1.0 - (1.0 - p.final_lr) * (x - warm) / span;
 }
 
-/// The deterministic (test-time) sparsity: the fraction of heads whose deterministic hard-concrete
-/// gate min(1, max(0, sigmoid(log_alpha) (r - l) + l)) is below 0.5, i.e. log_alpha < 0.
+/// The fraction of heads whose Louizos deterministic gate min(1, max(0, sigmoid(log_alpha) (r - l)
+/// + l)) is below 0.5, i.e. log_alpha < 0.
 inline double prulong_achieved_sparsity(const std::vector<double>& log_alpha) {
   const kvevict::hard_concrete_params<double> hp;
   index_t below = 0;
   for (const double a : log_alpha) below += kvevict::hard_concrete_deterministic(a, hp) < 0.5 ? 1 : 0;
   return log_alpha.empty() ? 0.0 : static_cast<double>(below) / static_cast<double>(log_alpha.size());
+}
+
+/// The thresholded counterpart of the expected sparsity: the fraction of closed heads, whose gate
+/// is more likely exactly 0 than not, P(z > 0) < 1/2 -- equivalently the median gate (u = 1/2) is
+/// 0, i.e. log_alpha < beta log(-l / r) (-1.599 at PruLong's parameters).
+inline double prulong_closed_sparsity(const std::vector<double>& log_alpha) {
+  const kvevict::hard_concrete_params<double> hp;
+  index_t closed = 0;
+  for (const double a : log_alpha) closed += kvevict::hard_concrete_expected_l0(a, hp) < 0.5 ? 1 : 0;
+  return log_alpha.empty() ? 0.0 : static_cast<double>(closed) / static_cast<double>(log_alpha.size());
 }
 
 /// Trains PruLong's gates. Uniforms: one per gate per sample, derived from (seed, step, slot),
@@ -339,7 +352,8 @@ inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sa
     h.loss = loss;
     h.constrained = pen.grad_lambda1 + t;
     KVEVICT_TRY(kvevict::prulong_expected_sparsity(lkv::mat<const double>(la.data(), L, H, H), &h.expected));
-    h.achieved = prulong_achieved_sparsity(la);
+    h.achieved = prulong_closed_sparsity(la);
+    h.below_half = prulong_achieved_sparsity(la);
     h.target = t;
     h.lambda1 = lambda[0];
     h.lambda2 = lambda[1];
@@ -347,6 +361,7 @@ inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sa
     meter.add(o, step, loss, log, [&](gate_progress& pr) {
       pr.sparsity = h.expected;
       pr.achieved = h.achieved;
+      pr.below_half = h.below_half;
       pr.constrained = h.constrained;
       pr.target = t;
       pr.lambda1 = lambda[0];
@@ -360,7 +375,8 @@ inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sa
   out.lambda1 = lambda[0];
   out.lambda2 = lambda[1];
   KVEVICT_TRY(kvevict::prulong_expected_sparsity(lkv::mat<const double>(la.data(), L, H, H), &out.sparsity));
-  out.achieved = prulong_achieved_sparsity(la);
+  out.achieved = prulong_closed_sparsity(la);
+  out.below_half = prulong_achieved_sparsity(la);
   const auto k = kvevict::prulong_retrieval_heads(static_cast<index_t>(LH), p.target);
   if (!k) return k.error();
   out.mask.assign(LH, 0.0f);

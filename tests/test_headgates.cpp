@@ -196,6 +196,7 @@ TEST_CASE("gate training: a short run moves PruLong's sparsity towards its targe
   prulong_train_options p;
   p.target = 0.5;
   p.lr = p.lr_lambda = 1.0;  // Table 5's rates: the gates move within the few steps of a test
+  p.lambda_rule = lambda_update::adam;  // the multipliers' Adam ascent (the shipped default, plain ascent, is slower)
   prulong_result r;
   require_ok(train_prulong(lm, samples, o, p, r));
   std::printf("PruLong, 12 steps: expected sparsity %.3f (target 0.5), lambda1 %.3f, lambda2 %.3f\n", r.sparsity, r.lambda1, r.lambda2);

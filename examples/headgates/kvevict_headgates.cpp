@@ -103,9 +103,10 @@ std::string history_svg(const std::vector<double>& targets, const std::vector<st
   s += b;
   auto px = [&](double step) { return x0 + step / static_cast<double>(steps) * w; };
   auto text = [&](double x, double y, const char* anchor, const std::string& t, const char* extra = "") {
-    std::snprintf(b, sizeof b, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\" font-size=\"12\"%s>%s</text>\n", x, y, anchor,
-                  extra, t.c_str());
+    std::snprintf(b, sizeof b, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\" font-size=\"12\"%s>", x, y, anchor, extra);
     s += b;
+    for (const char ch : t) s += ch == '<' ? std::string("&lt;") : ch == '>' ? std::string("&gt;") : ch == '&' ? std::string("&amp;") : std::string(1, ch);
+    s += "</text>\n";
   };
   const char* titles[2] = {"sparsity: expected (solid), closed heads P(z>0) < 1/2 (dashed), gate < 0.5 (dash-dot), target (dotted)",
                            "next-token loss of the step's batch (mean of 5 steps)"};

@@ -464,6 +464,14 @@ paired_difference paired(const config_result& a, const config_result& b, Get get
   return d;
 }
 
+/// Row r's paired differences (KL, recall, greedy agreement, top-1) to row ref.
+inline void set_paired(config_result& r, const config_result& ref) {
+  r.d_kl = paired(r, ref, [](const prompt_result& p) { return p.kl; });
+  r.d_recall = paired(r, ref, [](const prompt_result& p) { return p.recall; });
+  r.d_agreement = paired(r, ref, [](const prompt_result& p) { return static_cast<double>(p.agreement); });
+  r.d_top1 = paired(r, ref, [](const prompt_result& p) { return p.top1; });
+}
+
 /// Every row's paired differences to SnapKV post-fill (down to the budget) at its budget, when the
 /// report has that row.
 inline void pair_with_snapkv(std::vector<config_result>& rows) {
@@ -474,11 +482,7 @@ inline void pair_with_snapkv(std::vector<config_result>& rows) {
       if (s.cfg.recipe == method::snapkv && s.cfg.driver == driver_kind::postfill && s.cfg.budget == r.cfg.budget &&
           s.cfg.fraction < 0.0)
         ref = &s;
-    if (ref == nullptr) continue;
-    r.d_kl = paired(r, *ref, [](const prompt_result& p) { return p.kl; });
-    r.d_recall = paired(r, *ref, [](const prompt_result& p) { return p.recall; });
-    r.d_agreement = paired(r, *ref, [](const prompt_result& p) { return static_cast<double>(p.agreement); });
-    r.d_top1 = paired(r, *ref, [](const prompt_result& p) { return p.top1; });
+    if (ref != nullptr) set_paired(r, *ref);
   }
 }
 
@@ -490,11 +494,7 @@ inline void pair_with_heuristic(std::vector<config_result>& rows) {
     for (const config_result& s : rows)
       if (s.cfg.recipe == method::duo_heuristic && s.cfg.driver == r.cfg.driver && s.cfg.head_sparsity == r.cfg.head_sparsity)
         ref = &s;
-    if (ref == nullptr) continue;
-    r.d_kl = paired(r, *ref, [](const prompt_result& p) { return p.kl; });
-    r.d_recall = paired(r, *ref, [](const prompt_result& p) { return p.recall; });
-    r.d_agreement = paired(r, *ref, [](const prompt_result& p) { return static_cast<double>(p.agreement); });
-    r.d_top1 = paired(r, *ref, [](const prompt_result& p) { return p.top1; });
+    if (ref != nullptr) set_paired(r, *ref);
   }
 }
 

@@ -196,10 +196,24 @@ TEST_CASE("gate training: a short run moves PruLong's sparsity towards its targe
   prulong_train_options p;
   p.target = 0.5;
   p.lr = p.lr_lambda = 1.0;  // Table 5's rates: the gates move within the few steps of a test
+  p.lambda_rule = lambda_update::adam;  // the multipliers' Adam ascent (the shipped default, plain ascent, is slower)
   prulong_result r;
   require_ok(train_prulong(lm, samples, o, p, r));
   std::printf("PruLong, 12 steps: expected sparsity %.3f (target 0.5), lambda1 %.3f, lambda2 %.3f\n", r.sparsity, r.lambda1, r.lambda2);
   CHECK(r.sparsity > 0.05);  // from 0.002 at the initialisation
+  // every step measured: the expected and the achieved (deterministic gate < 0.5) sparsity
+  REQUIRE(r.history.size() == 12);
+  CHECK(r.history.back().expected == doctest::Approx(r.sparsity).epsilon(1e-12));
+  CHECK(r.history.back().achieved == prulong_closed_sparsity(r.log_alpha));
+  CHECK(r.history.back().below_half == prulong_achieved_sparsity(r.log_alpha));
+  CHECK(r.history.back().target == doctest::Approx(0.5));
+  index_t below = 0, closed = 0;
+  for (double a : r.log_alpha) {
+    below += a < 0.0 ? 1 : 0;                     // deterministic gate < 0.5 <=> log_alpha < 0
+    closed += a < (2.0 / 3.0) * std::log(0.1 / 1.1) ? 1 : 0;  // P(z > 0) < 1/2 <=> log_alpha < beta log(-l / r)
+  }
+  CHECK(r.below_half == static_cast<double>(below) / 20.0);
+  CHECK(r.achieved == static_cast<double>(closed) / 20.0);
   double ones = 0;
   for (float v : r.mask) ones += v;
   CHECK(ones == 10.0);  // the top-k discretisation at 50 % of 20 heads

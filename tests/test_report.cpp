@@ -42,6 +42,7 @@ struct json {
     REQUIRE(i < items.size());
     return items[i];
   }
+  bool has(const std::string& k) const { return fields.count(k) > 0; }
 };
 
 class json_reader {
@@ -161,6 +162,7 @@ report_options tiny(int threads) {
   o.pairs.response = 16;
   o.pairs.max_prompt = 160;
   o.calibration = 2;
+  o.head_sparsities = {0.5};  // 12 head-type rows: duo-heuristic, duo, prulong x 4 drivers
   o.threads = threads;
   return o;
 }
@@ -181,10 +183,11 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
   CHECK(j["duo_global"].items.size() == 20);
   const json& rows = j["rows"];
   REQUIRE(rows.items.size() == r.rows.size());
-  // full, then per budget: 16 post-fill methods, 2 layer-wise cascades, 4 chunked, 4 decode
-  CHECK(rows.items.size() == 1 + 2 * 26);
+  // full, then per budget: 16 post-fill methods, 2 layer-wise cascades, 4 chunked, 4 decode; then
+  // the head-type rows at s = 0.5 (3 methods x 4 drivers)
+  CHECK(rows.items.size() == 1 + 2 * 26 + 12);
   CHECK(j["lookahead_module"]["n_lookahead"].num == 16);
-  int oracle_rows = 0, full_budget_rows = 0, lookahead_rows = 0;
+  int oracle_rows = 0, full_budget_rows = 0, lookahead_rows = 0, head_rows = 0;
   for (const json& row : rows.items) {
     const std::string name = row["recipe"].str + " / " + row["driver"].str;
     CAPTURE(name);
@@ -214,8 +217,33 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
     CHECK(mean["top1"].num >= 0.0);
     CHECK(mean["top1"].num <= 1.0);
     // the paired difference to SnapKV post-fill at the same budget: the mean of the per-prompt
-    // differences (0 for SnapKV itself), none for the full row
-    if (row["recipe"].str == "full") {
+    // differences (0 for SnapKV itself), none for the full row; head-type rows: to duo-heuristic at
+    // the same head sparsity and driver
+    if (row.has("head_sparsity")) {
+      ++head_rows;
+      CHECK(row["head_sparsity"].num == 0.5);
+      CHECK(row["retrieval_heads"].num == 10);
+      CHECK(row["budget"].kind == json::null_v);
+      const json* ref = nullptr;
+      for (const json& other : rows.items)
+        if (other["recipe"].str == "duo-heuristic" && other["driver"].str == row["driver"].str && other.has("head_sparsity"))
+          ref = &other;
+      REQUIRE(ref != nullptr);
+      if (row["recipe"].str == "duo-heuristic") {
+        CHECK(row["vs_duo_heuristic"].kind == json::null_v);
+      } else {
+        for (const char* f : {"kl", "top1"}) {
+          const double d0 = per[f][0].num - (*ref)["per_prompt"][f][0].num, d1 = per[f][1].num - (*ref)["per_prompt"][f][1].num;
+          CHECK(row["vs_duo_heuristic"][f]["mean"].num == doctest::Approx((d0 + d1) / 2).epsilon(1e-8));
+        }
+      }
+      // streaming heads stream in the chunked driver: less KV held than after a post-fill eviction
+      if (row["driver"].str == "chunked-naive") {
+        for (const json& other : rows.items)
+          if (other["recipe"].str == row["recipe"].str && other["driver"].str == "postfill" && other.has("head_sparsity"))
+            CHECK(mean["footprint"].num < other["mean"]["footprint"].num);
+      }
+    } else if (row["recipe"].str == "full") {
       CHECK(row["vs_snapkv"].kind == json::null_v);
     } else {
       const json* snap = nullptr;
@@ -255,6 +283,8 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
     }
   }
   CHECK(oracle_rows == 2);
+  CHECK(head_rows == 12);
+  CHECK(j["head_masks"]["sparsities"].items.size() == 1);
   CHECK(lookahead_rows == 2);
   CHECK(full_budget_rows == 1 + 26);
   REQUIRE(j["speckv_draft_match"].items.size() == 2);
@@ -295,6 +325,8 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
   CHECK(md.find("| speckv | ") != std::string::npos);
   CHECK(md.find("| lava / chunked-patched | ") != std::string::npos);
   CHECK(md.find("Bonferroni") != std::string::npos);
+  CHECK(md.find("| prulong / chunked-naive | 0.50 | 10 | ") != std::string::npos);
+  CHECK(md.find("| duo-heuristic | 0.50 | 10 | ") != std::string::npos);
   CHECK(svg.find(">lookaheadkv</text>") != std::string::npos);
   CHECK(svg.find(">snapkv / chunked-patched</text>") != std::string::npos);
 }
@@ -319,11 +351,11 @@ TEST_CASE("report options errors") {
   o.all_drivers = true;
   o.budgets = {24};
   REQUIRE(report_configs(kvtest::shipped_model().cfg(), o, cfgs).ok());
-  CHECK(cfgs.size() == 1 + 52);  // every supported pair but full's (duo-heuristic: every driver since streaming heads)
+  CHECK(cfgs.size() == 1 + 52 + 12);  // every supported pair but full's (duo-heuristic: every driver since streaming heads)
   // without a module, lookaheadkv is left out of every method and refused when named
   o.lookahead = nullptr;
   REQUIRE(report_configs(kvtest::shipped_model().cfg(), o, cfgs).ok());
-  CHECK(cfgs.size() == 1 + 51);
+  CHECK(cfgs.size() == 1 + 51 + 12);
   o.recipes = {method::snapkv, method::lookaheadkv};
   kvtest::require_error(report_configs(kvtest::shipped_model().cfg(), o, cfgs), errc::invalid_argument,
                         "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
@@ -376,6 +408,26 @@ TEST_CASE("the footprint protocol: budget and per-chunk fraction sweeps, critica
   std::size_t lines = 0;
   for (std::size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++lines;
   CHECK(lines == 3);
+
+  // PruLong vs DuoAttention by fraction of streaming heads: one point per sparsity, fewer retrieval
+  // heads hold less KV
+  footprint_options hf;
+  hf.report = tiny(2);
+  hf.recipes = {method::duo, method::prulong};
+  hf.drivers = {driver_kind::postfill};
+  hf.bootstrap = 5;
+  footprint_result hr;
+  const status hst = run_footprint(kvtest::shipped_model(), hf, hr);
+  REQUIRE_MESSAGE(hst.ok(), hst.message());
+  REQUIRE(hr.curves.size() == 2);
+  for (const curve_result& c : hr.curves) {
+    CHECK(c.curve.by_head_sparsity);
+    REQUIRE(c.rows.size() == 3);
+    CHECK(hr.report.rows[c.rows[0]].cfg.head_sparsity == 0.25);
+    CHECK(hr.report.rows[c.rows[0]].footprint > hr.report.rows[c.rows[2]].footprint);
+  }
+  CHECK(json_reader(footprint_json(hr, "stories260K", "test")).parse()["curves"][1]["sweep"].str == "head_sparsity");
+  CHECK(footprint_markdown(hr).find("| prulong | streaming heads s |") != std::string::npos);
 
   // errors: a fraction outside (0, 1); no supported pair
   footprint_options bad = f;

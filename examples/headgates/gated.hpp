@@ -154,7 +154,7 @@ struct gated_lm {
 /// Forward and backward of the gated model over one token sequence, with its own activations (one
 /// per thread).
 template <class T>
-class gated_backprop {
+class gated_backprop : private model_dims {
  public:
   /// Sizes the activations for sequences of up to max_tokens. Errors: max_tokens outside
   /// [1, seq_len], a window with recent < 1 or sink < 0.
@@ -168,13 +168,7 @@ class gated_backprop {
                            static_cast<long long>(w.sink), static_cast<long long>(w.recent));
     w_ = w;
     cap_ = max_tokens;
-    L_ = c.n_layers;
-    D_ = c.dim;
-    H_ = c.n_heads;
-    Hkv_ = c.n_kv_heads;
-    hs_ = c.head_size();
-    kvd_ = c.kv_dim();
-    hid_ = c.hidden_dim;
+    set_dims(c);
     V_ = c.vocab_size;
     ws_ = std::min(cap_, w.sink + w.recent);
     const auto N = static_cast<std::size_t>(cap_), LN = static_cast<std::size_t>(L_) * N;
@@ -400,9 +394,7 @@ class gated_backprop {
 
  private:
   streaming_window w_;
-  index_t cap_ = 0, n_ = 0, ws_ = 0;
-  int L_ = 0;
-  index_t D_ = 0, H_ = 0, Hkv_ = 0, hs_ = 0, kvd_ = 0, hid_ = 0, V_ = 0;
+  index_t cap_ = 0, n_ = 0, ws_ = 0, V_ = 0;
   std::vector<T> x_, xmid_, h1_, h2_, q_, k_, v_, of_, os_, att_, u1_, u3_, sw_, r1_, r2_, pf_, ps_, rf_, hf_, dhf_, gates_;
   std::vector<T> tmp_, dx_, dxm_, dh_, datt_, dq_, dk_, dv_, dsw_, du1_, du3_, logits_, row_, wfull_, wstream_;
 

@@ -22,6 +22,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <algorithm>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -69,22 +71,100 @@ status load(const common_options& c, kvrun::model& m, kvrun::gated_lm<float>& lm
 
 void log_line(const char* what, const kvrun::gate_progress& p, bool prulong) {
   if (prulong)
-    std::fprintf(stderr, "%s step %4lld/%lld  loss %.5f  sparsity %.3f  target %.3f  lambda %.3f %.3f  (%.0f s)\n", what,
-                 static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.sparsity, p.target, p.lambda1,
-                 p.lambda2, p.seconds);
+    std::fprintf(stderr,
+                 "%s step %4lld/%lld  loss %.5f  sparsity: constrained %.3f expected %.3f closed %.3f gate<0.5 %.3f  target %.3f  "
+                 "lambda %.3f %.3f  (%.0f s)\n",
+                 what, static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.constrained, p.sparsity,
+                 p.achieved, p.below_half,
+                 p.target, p.lambda1, p.lambda2, p.seconds);
   else
     std::fprintf(stderr, "%s step %4lld/%lld  loss %.3e  alpha < 0.5: %.3f  mean alpha %.3f  (%.0f s)\n", what,
                  static_cast<long long>(p.step), static_cast<long long>(p.steps), p.loss, p.sparsity, p.target, p.seconds);
 }
 
+// The PruLong runs' sparsity (expected, achieved, target) and loss against the step, as SVG: one
+// colour per target, two panels.
+std::string history_svg(const std::vector<double>& targets, const std::vector<std::vector<kvrun::prulong_step>>& runs) {
+  const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"};
+  const double W = 900, x0 = 70, w = 620, h = 230, top[2] = {50, 340};
+  std::size_t steps = 1;
+  double lo = 1e300, hi = -1e300;
+  for (const auto& r : runs) {
+    steps = std::max(steps, r.size());
+    for (const auto& st : r) lo = std::min(lo, st.loss), hi = std::max(hi, st.loss);
+  }
+  if (!(hi > lo)) hi = lo + 1;
+  std::string s;
+  char b[512];
+  std::snprintf(b, sizeof b,
+                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"640\" font-family=\"Helvetica, Arial, sans-serif\">\n"
+                "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+                W);
+  s += b;
+  auto px = [&](double step) { return x0 + step / static_cast<double>(steps) * w; };
+  auto text = [&](double x, double y, const char* anchor, const std::string& t, const char* extra = "") {
+    std::snprintf(b, sizeof b, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\" font-size=\"12\"%s>", x, y, anchor, extra);
+    s += b;
+    for (const char ch : t) s += ch == '<' ? std::string("&lt;") : ch == '>' ? std::string("&gt;") : ch == '&' ? std::string("&amp;") : std::string(1, ch);
+    s += "</text>\n";
+  };
+  const char* titles[2] = {"sparsity: expected (solid), closed heads P(z>0) < 1/2 (dashed), gate < 0.5 (dash-dot), target (dotted)",
+                           "next-token loss of the step's batch (mean of 5 steps)"};
+  for (int panel = 0; panel < 2; ++panel) {
+    const double y0 = top[panel];
+    std::snprintf(b, sizeof b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" stroke=\"#333\"/>\n", x0,
+                  y0, w, h);
+    s += b;
+    text(x0, y0 - 10, "start", titles[panel], " font-weight=\"bold\"");
+    for (int k = 0; k <= 4; ++k) {
+      const double v = panel == 0 ? k / 4.0 : lo + (hi - lo) * k / 4.0;
+      std::snprintf(b, sizeof b, panel == 0 ? "%.2f" : "%.3f", v);
+      text(x0 - 6, y0 + h - h * k / 4.0 + 4, "end", b);
+    }
+    for (int k = 0; k <= 5; ++k) text(px(static_cast<double>(steps) * k / 5.0), y0 + h + 16, "middle", std::to_string(steps * k / 5));
+  }
+  text(x0 + w / 2, 625, "middle", "step");
+  for (std::size_t r = 0; r < runs.size(); ++r) {
+    const char* col = colours[r % 6];
+    auto line = [&](int panel, const char* dash, auto get) {
+      std::string pts;
+      for (std::size_t i = 0; i < runs[r].size(); ++i) {
+        const double v = get(i), y0 = top[panel];
+        const double y = panel == 0 ? y0 + h - h * v : y0 + h - h * (v - lo) / (hi - lo);
+        std::snprintf(b, sizeof b, "%.1f,%.1f ", px(static_cast<double>(i + 1)), y);
+        pts += b;
+      }
+      std::snprintf(b, sizeof b, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"1.6\"%s points=\"", col, dash);
+      s += b + pts + "\"/>\n";
+    };
+    const auto& hist = runs[r];
+    line(0, "", [&](std::size_t i) { return hist[i].expected; });
+    line(0, " stroke-dasharray=\"6,3\"", [&](std::size_t i) { return hist[i].achieved; });
+    line(0, " stroke-dasharray=\"1,3\"", [&](std::size_t i) { return hist[i].target; });
+    line(0, " stroke-dasharray=\"8,3,2,3\" stroke-opacity=\"0.5\"", [&](std::size_t i) { return hist[i].below_half; });
+    line(1, "", [&](std::size_t i) {
+      double m = 0;
+      std::size_t n = 0;
+      for (std::size_t j = i >= 4 ? i - 4 : 0; j <= i; ++j) m += hist[j].loss, ++n;
+      return m / static_cast<double>(n);
+    });
+    std::snprintf(b, sizeof b, "t %.2f: expected %.3f, closed %.3f, gate<0.5 %.3f", targets[r],
+                  hist.empty() ? 0.0 : hist.back().expected, hist.empty() ? 0.0 : hist.back().achieved, hist.empty() ? 0.0 : hist.back().below_half);
+    text(710, 70 + 18.0 * static_cast<double>(r), "start", b, (std::string(" fill=\"") + col + "\"").c_str());
+  }
+  s += "</svg>\n";
+  return s;
+}
+
 int cmd_prulong(common_options& c, const std::vector<double>& sparsities, const std::string& out_dir,
-                kvrun::prulong_train_options p) {
+                kvrun::prulong_train_options p, const std::string& plot) {
   kvrun::model m;
   kvrun::gated_lm<float> lm;
   std::vector<kvrun::gate_sample> samples;
   if (auto st = load(c, m, lm, samples); !st.ok()) return fail(st);
   const index_t L = m.cfg().n_layers, H = m.cfg().n_kv_heads;
   const std::string stem = std::filesystem::path(c.model).stem().string();
+  std::vector<std::vector<kvrun::prulong_step>> histories;
   for (double s : sparsities) {
     p.target = s;
     const auto t0 = std::chrono::steady_clock::now();
@@ -102,11 +182,19 @@ int cmd_prulong(common_options& c, const std::vector<double>& sparsities, const 
       return fail(st);
     index_t k = 0;
     for (float v : r.mask) k += v > 0.5f ? 1 : 0;
-    std::printf("wrote %s: %lld of %lld heads retrieval (target sparsity %.2f, expected sparsity at the end %.3f), "
-                "%lld steps x batch %lld in %.1f s\n",
-                path.c_str(), static_cast<long long>(k), static_cast<long long>(L * H), s, r.sparsity,
+    std::printf("wrote %s: %lld of %lld heads retrieval (target sparsity %.2f; at the end: expected sparsity %.3f, "
+                "closed heads (P(z > 0) < 1/2) %.3f, deterministic gate < 0.5 %.3f), %lld steps x batch %lld in %.1f s\n",
+                path.c_str(), static_cast<long long>(k), static_cast<long long>(L * H), s, r.sparsity, r.achieved, r.below_half,
                 static_cast<long long>(c.train.steps), static_cast<long long>(c.train.batch), seconds_since(t0));
     std::fflush(stdout);
+    histories.push_back(r.history);
+  }
+  if (!plot.empty()) {
+    std::FILE* f = std::fopen(plot.c_str(), "wb");
+    const std::string svg = history_svg(sparsities, histories);
+    if (f == nullptr || std::fwrite(svg.data(), 1, svg.size(), f) != svg.size() || std::fclose(f) != 0)
+      return fail("--plot: cannot write '" + plot + "'");
+    std::printf("wrote %s\n", plot.c_str());
   }
   return 0;
 }
@@ -158,8 +246,20 @@ int run(int argc, char** argv) {
   auto* prulong = app.add_subcommand("prulong", "PruLong: hard-concrete gates, next-token loss, Lagrangian sparsity; one mask per sparsity");
   prulong->add_option("--sparsities", sparsities, "target sparsities (fraction of streaming heads)")->delimiter(',')->capture_default_str();
   prulong->add_option("--out-dir", out_dir, "directory of the masks <model>-s<percent>.tsv")->required();
+  std::string plot;
+  prulong->add_option("--plot", plot, "SVG of the sparsity (expected, achieved, target) and the loss against the step");
   prulong->add_option("--lr", pp.lr, "Adam learning rate of log_alpha")->capture_default_str();
-  prulong->add_option("--lr-lambda", pp.lr_lambda, "Adam learning rate (ascent) of lambda1, lambda2")->capture_default_str();
+  prulong->add_option("--lr-lambda", pp.lr_lambda, "rate of the multipliers' ascent (per unit of violation; with --lambda-rule adam: Adam's rate)")
+      ->capture_default_str();
+  prulong->add_option("--constrain", pp.constrain, "the constrained sparsity: sampled (1 - mean z of the step's gates) or expected-l0")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, kvrun::sparsity_measure>{
+          {"sampled", kvrun::sparsity_measure::sampled}, {"expected-l0", kvrun::sparsity_measure::expected_l0}}))
+      ->capture_default_str();
+  prulong->add_option("--lambda-rule", pp.lambda_rule, "multipliers: ascent (plain gradient ascent, constant rate) or adam")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, kvrun::lambda_update>{{"ascent", kvrun::lambda_update::ascent},
+                                                                                     {"adam", kvrun::lambda_update::adam}}))
+      ->capture_default_str();
+  prulong->add_option("--final-lr", pp.final_lr, "the log_alpha rate decays linearly to this fraction of its peak")->capture_default_str();
   prulong->add_option("--target-warmup", pp.target_warmup, "fraction of the steps over which the target rises from 0")->capture_default_str();
 
   std::string duo_out;
@@ -185,7 +285,7 @@ int run(int argc, char** argv) {
     if (sparsities.empty()) return fail("--sparsities: give at least one sparsity");
     std::error_code ec;
     if (!std::filesystem::is_directory(out_dir, ec)) return fail("--out-dir: '" + out_dir + "' is not a directory");
-    return cmd_prulong(c, sparsities, out_dir, pp);
+    return cmd_prulong(c, sparsities, out_dir, pp, plot);
   }
   if (auto st = kvevict::io::check_paths({{"--model", c.model}}, {{"--out", duo_out}}); !st.ok()) return fail(st);
   return cmd_duo(c, duo_out, dp);

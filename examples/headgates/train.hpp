@@ -122,12 +122,42 @@ struct gate_progress {
   index_t step = 0, steps = 0;
   double loss = 0;      ///< mean data loss of the steps since the last report
   double sparsity = 0;  ///< PruLong: expected sparsity s; Duo: fraction of alpha < 0.5
+  double achieved = 0;  ///< PruLong: fraction of closed heads, P(z > 0) < 1/2 (prulong_closed_sparsity); Duo: as sparsity
+  double below_half = 0;  ///< PruLong: fraction of heads whose deterministic gate is < 0.5 (log_alpha < 0)
+  double constrained = 0;  ///< PruLong: the sparsity the Lagrangian saw this step (sampled or expected L0)
   double target = 0;    ///< PruLong: the warmed-up target t; Duo: mean alpha
   double lambda1 = 0, lambda2 = 0;
   double seconds = 0;
 };
 
+/// A progress callback (may be empty).
+using gate_logger = std::function<void(const gate_progress&)>;
+
 namespace detail {
+
+/// The trainers' progress: the running mean of the data loss since the last report, a report every
+/// log_every steps and at the last step (fill sets the trainer's own fields).
+struct progress_meter {
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  double loss_sum = 0;
+  index_t loss_n = 0;
+
+  template <class Fill>
+  void add(const gate_train_options& o, index_t step, double loss, const gate_logger& log, Fill&& fill) {
+    loss_sum += loss;
+    ++loss_n;
+    if (!log || ((step + 1) % o.log_every != 0 && step + 1 != o.steps)) return;
+    gate_progress pr;
+    pr.step = step + 1;
+    pr.steps = o.steps;
+    pr.loss = loss_sum / static_cast<double>(loss_n);
+    fill(pr);
+    pr.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    log(pr);
+    loss_sum = 0;
+    loss_n = 0;
+  }
+};
 
 /// Runs `steps` steps: each takes the next `batch` samples of a seeded permutation, computes
 /// per_sample(worker, sample, step, slot, grad, loss) for each into its own gradient buffer (n
@@ -182,22 +212,50 @@ status gate_loop(const gated_lm<float>& lm, const std::vector<gate_sample>& samp
 // ---------------------------------------------------------------------------------------------
 // PruLong
 
+/// How the Lagrange multipliers ascend (the min-max's max step).
+enum class lambda_update {
+  ascent,  ///< plain gradient ascent: lambda1 += lr_lambda (s - t), lambda2 += lr_lambda (s - t)^2, constant rate
+  adam,    ///< Adam ascent on the same gradients with the log_alpha schedule (PruLong's code; winds up in 100 steps)
+};
+
+/// Which sparsity the Lagrangian constrains.
+enum class sparsity_measure {
+  sampled,      ///< 1 - mean z of the step's sampled gates (PruLong's code), gradients through dz/dlog_alpha
+  expected_l0,  ///< 1 - mean P(z > 0) in closed form (the paper's appendix B)
+};
+
 /// PruLong's settings (appendix B, Table 5, scaled to minutes on this model: see docs/prulong.md).
 struct prulong_train_options {
   double target = 0.5;          ///< final target sparsity t (fraction of streaming heads)
-  double target_warmup = 0.8;   ///< t rises linearly from 0 over this fraction of the steps (800 of 1000)
+  double target_warmup = 0.5;   ///< t rises linearly from 0 over this fraction of the steps (paper: 800 of 1000)
   double lr = 0.2;              ///< Adam on log_alpha (Table 5: 1 over 1000 steps; see docs/prulong.md)
-  double lr_lambda = 0.2;       ///< Adam ascent on lambda1, lambda2 (Table 5: 1)
-  double warmup = 0.1;          ///< linear warmup of the learning rates, then linear decay
+  sparsity_measure constrain = sparsity_measure::expected_l0;
+  lambda_update lambda_rule = lambda_update::ascent;
+  double lr_lambda = 0.5;       ///< the multipliers' rate (ascent: per unit of violation; adam: Table 5's 1)
+  double warmup = 0.1;          ///< linear warmup of the log_alpha rate, then linear decay
   double final_lr = 0.01;       ///< ... to this fraction of the peak
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double init_log_alpha = 4.5;  ///< log_alpha ~ N(4.5, 0.01): every gate open
 };
 
+/// One step of a PruLong run (after its update).
+struct prulong_step {
+  double loss = 0;      ///< the batch's mean next-token loss (before the update)
+  double constrained = 0;  ///< the sparsity the Lagrangian saw (sampled or expected L0)
+  double expected = 0;  ///< expected sparsity 1 - mean P(z > 0)
+  double achieved = 0;  ///< fraction of closed heads: P(z > 0) < 1/2 (prulong_closed_sparsity)
+  double below_half = 0;  ///< fraction of heads whose deterministic gate is < 0.5 (log_alpha < 0)
+  double target = 0;    ///< the warmed-up target
+  double lambda1 = 0, lambda2 = 0;
+};
+
 struct prulong_result {
   std::vector<double> log_alpha;  ///< [L][Hkv]
   double lambda1 = 0, lambda2 = 0, sparsity = 0;
+  double achieved = 0;            ///< closed heads at the end (prulong_step::achieved)
+  double below_half = 0;          ///< deterministic gate < 0.5 at the end (prulong_step::below_half)
   std::vector<float> mask;        ///< [L][Hkv]: the top-k discretisation at the target
+  std::vector<prulong_step> history;  ///< every step
 };
 
 /// The learning-rate factor of step t: linear warmup, then linear decay to final_lr.
@@ -209,13 +267,33 @@ inline double prulong_lr_factor(const prulong_train_options& p, index_t t, index
   return 1.0 - (1.0 - p.final_lr) * (x - warm) / span;
 }
 
+/// The fraction of heads whose Louizos deterministic gate min(1, max(0, sigmoid(log_alpha) (r - l)
+/// + l)) is below 0.5, i.e. log_alpha < 0.
+inline double prulong_achieved_sparsity(const std::vector<double>& log_alpha) {
+  const kvevict::hard_concrete_params<double> hp;
+  index_t below = 0;
+  for (const double a : log_alpha) below += kvevict::hard_concrete_deterministic(a, hp) < 0.5 ? 1 : 0;
+  return log_alpha.empty() ? 0.0 : static_cast<double>(below) / static_cast<double>(log_alpha.size());
+}
+
+/// The thresholded counterpart of the expected sparsity: the fraction of closed heads, whose gate
+/// is more likely exactly 0 than not, P(z > 0) < 1/2 -- equivalently the median gate (u = 1/2) is
+/// 0, i.e. log_alpha < beta log(-l / r) (-1.599 at PruLong's parameters).
+inline double prulong_closed_sparsity(const std::vector<double>& log_alpha) {
+  const kvevict::hard_concrete_params<double> hp;
+  index_t closed = 0;
+  for (const double a : log_alpha) closed += kvevict::hard_concrete_expected_l0(a, hp) < 0.5 ? 1 : 0;
+  return log_alpha.empty() ? 0.0 : static_cast<double>(closed) / static_cast<double>(log_alpha.size());
+}
+
 /// Trains PruLong's gates. Uniforms: one per gate per sample, derived from (seed, step, slot),
 /// truncated to (1e-6, 1 - 1e-6) as in the paper. Errors: invalid options, the model's.
 inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sample>& samples, const gate_train_options& o,
-                            const prulong_train_options& p, prulong_result& out,
-                            const std::function<void(const gate_progress&)>& log = {}) {
+                            const prulong_train_options& p, prulong_result& out, const gate_logger& log = {}) {
   if (!(p.target >= 0 && p.target <= 1) || !(p.target_warmup > 0 && p.target_warmup <= 1) || !(p.lr > 0) ||
-      !(p.lr_lambda >= 0) || !(p.warmup >= 0 && p.warmup <= 1) || !(p.final_lr >= 0 && p.final_lr <= 1))
+      !(p.lr_lambda >= 0) || !(p.warmup >= 0 && p.warmup <= 1) || !(p.final_lr >= 0 && p.final_lr <= 1) ||
+      (p.lambda_rule != lambda_update::ascent && p.lambda_rule != lambda_update::adam) ||
+      (p.constrain != sparsity_measure::sampled && p.constrain != sparsity_measure::expected_l0))
     return status::error(errc::invalid_argument, "prulong: invalid options (target %g, target warmup %g, lr %g / %g)",
                          p.target, p.target_warmup, p.lr, p.lr_lambda);
   const index_t L = lm.cfg().n_layers, H = lm.cfg().n_kv_heads;
@@ -228,9 +306,8 @@ inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sa
   adam_state opt_la, opt_lambda;
   struct scratch { std::vector<float> u, z, dz, dzl; };
   std::vector<scratch> scr(static_cast<std::size_t>(o.batch));
-  const auto t0 = std::chrono::steady_clock::now();
-  double loss_sum = 0;
-  index_t loss_n = 0;
+  out.history.clear();
+  detail::progress_meter meter;
   auto per_sample = [&](gated_backprop<float>& w, const gate_sample& s, index_t step, std::size_t slot, float* grad, double* loss) {
     scratch& sc = scr[slot];
     sc.u.resize(LH);
@@ -241,31 +318,55 @@ inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sa
   auto update = [&](index_t step, const double* g, double loss) -> status {
     const double t = p.target * std::min(1.0, static_cast<double>(step + 1) / (p.target_warmup * static_cast<double>(o.steps)));
     std::vector<double> grad(g, g + LH), gl(LH);
-    kvevict::prulong_lagrangian_result r;
-    KVEVICT_TRY(kvevict::prulong_lagrangian(lkv::mat<const double>(la.data(), L, H, H), t, lambda[0], lambda[1], &r,
-                                            lkv::mat<double>(gl.data(), L, H, H)));
+    kvevict::prulong_penalty pen;
+    if (p.constrain == sparsity_measure::expected_l0) {
+      kvevict::prulong_lagrangian_result r;
+      KVEVICT_TRY(kvevict::prulong_lagrangian(lkv::mat<const double>(la.data(), L, H, H), t, lambda[0], lambda[1], &r,
+                                              lkv::mat<double>(gl.data(), L, H, H)));
+      pen = r.penalty;
+    } else {  // s = 1 - mean z over the batch's sampled gates; ds/dlog_alpha_g = -sum_b dz_bg / (B L H)
+      const auto B = static_cast<std::size_t>(o.batch);
+      const double n = static_cast<double>(B * LH);
+      double zsum = 0;
+      std::fill(gl.begin(), gl.end(), 0.0);
+      for (std::size_t b = 0; b < B; ++b)
+        for (std::size_t i = 0; i < LH; ++i) {
+          zsum += scr[b].z[i];
+          gl[i] -= scr[b].dz[i] / n;
+        }
+      pen = kvevict::prulong_penalty_at(1.0 - zsum / n, t, lambda[0], lambda[1]);
+      for (double& x : gl) x *= pen.grad_sparsity;
+    }
     for (std::size_t i = 0; i < LH; ++i) grad[i] += gl[i];
     const double f = prulong_lr_factor(p, step, o.steps);
     opt_la.step(la.data(), grad.data(), LH, p.lr * f, p.beta1, p.beta2, p.eps);
-    const double glam[2] = {r.penalty.grad_lambda1, r.penalty.grad_lambda2};
-    opt_lambda.step(lambda, glam, 2, p.lr_lambda * f, p.beta1, p.beta2, p.eps, true);
+    const double glam[2] = {pen.grad_lambda1, pen.grad_lambda2};
+    if (p.lambda_rule == lambda_update::adam) {
+      opt_lambda.step(lambda, glam, 2, p.lr_lambda * f, p.beta1, p.beta2, p.eps, true);
+    } else {  // the max step of the min-max: the multipliers rise with the violation itself
+      lambda[0] += p.lr_lambda * glam[0];
+      lambda[1] += p.lr_lambda * glam[1];
+    }
     for (std::size_t i = 0; i < LH; ++i) laf[i] = static_cast<float>(la[i]);
-    loss_sum += loss;
-    ++loss_n;
-    if (log && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) {
-      gate_progress pr;
-      pr.step = step + 1;
-      pr.steps = o.steps;
-      pr.loss = loss_sum / static_cast<double>(loss_n);
-      pr.sparsity = r.sparsity;
+    prulong_step h;
+    h.loss = loss;
+    h.constrained = pen.grad_lambda1 + t;
+    KVEVICT_TRY(kvevict::prulong_expected_sparsity(lkv::mat<const double>(la.data(), L, H, H), &h.expected));
+    h.achieved = prulong_closed_sparsity(la);
+    h.below_half = prulong_achieved_sparsity(la);
+    h.target = t;
+    h.lambda1 = lambda[0];
+    h.lambda2 = lambda[1];
+    out.history.push_back(h);
+    meter.add(o, step, loss, log, [&](gate_progress& pr) {
+      pr.sparsity = h.expected;
+      pr.achieved = h.achieved;
+      pr.below_half = h.below_half;
+      pr.constrained = h.constrained;
       pr.target = t;
       pr.lambda1 = lambda[0];
       pr.lambda2 = lambda[1];
-      pr.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      log(pr);
-      loss_sum = 0;
-      loss_n = 0;
-    }
+    });
     return {};
   };
   for (std::size_t i = 0; i < LH; ++i) laf[i] = static_cast<float>(la[i]);
@@ -274,6 +375,8 @@ inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sa
   out.lambda1 = lambda[0];
   out.lambda2 = lambda[1];
   KVEVICT_TRY(kvevict::prulong_expected_sparsity(lkv::mat<const double>(la.data(), L, H, H), &out.sparsity));
+  out.achieved = prulong_closed_sparsity(la);
+  out.below_half = prulong_achieved_sparsity(la);
   const auto k = kvevict::prulong_retrieval_heads(static_cast<index_t>(LH), p.target);
   if (!k) return k.error();
   out.mask.assign(LH, 0.0f);
@@ -319,7 +422,7 @@ inline status duo_targets(const gated_lm<float>& lm, std::vector<gate_sample>& s
 
 /// Trains DuoAttention's gates on samples whose full_hidden is set (duo_targets).
 inline status train_duo(const gated_lm<float>& lm, const std::vector<gate_sample>& samples, const gate_train_options& o,
-                        const duo_train_options& p, duo_result& out, const std::function<void(const gate_progress&)>& log = {}) {
+                        const duo_train_options& p, duo_result& out, const gate_logger& log = {}) {
   if (!(p.lr > 0) || !(p.reg >= 0) || !(p.init_alpha >= 0 && p.init_alpha <= 1))
     return status::error(errc::invalid_argument, "duo: invalid options (lr %g, reg %g, initial alpha %g)", p.lr, p.reg,
                          p.init_alpha);
@@ -330,9 +433,7 @@ inline status train_duo(const gated_lm<float>& lm, const std::vector<gate_sample
   std::vector<double> alpha(LH, p.init_alpha);
   std::vector<float> af(alpha.begin(), alpha.end());
   adam_state opt;
-  const auto t0 = std::chrono::steady_clock::now();
-  double loss_sum = 0;
-  index_t loss_n = 0;
+  detail::progress_meter meter;
   auto per_sample = [&](gated_backprop<float>& w, const gate_sample& s, index_t, std::size_t, float* grad, double* loss) {
     return duo_sample_loss(w, lm, s.tokens, s.full_hidden.data(), s.response_from, af.data(), loss, grad);
   };
@@ -341,22 +442,12 @@ inline status train_duo(const gated_lm<float>& lm, const std::vector<gate_sample
     for (std::size_t i = 0; i < LH; ++i) grad[i] += p.reg / static_cast<double>(LH);  // d(mean |alpha|), alpha >= 0
     opt.step(alpha.data(), grad.data(), LH, p.lr * duo_lr_factor(step, o.steps), p.beta1, p.beta2, p.eps);
     for (std::size_t i = 0; i < LH; ++i) af[i] = static_cast<float>(alpha[i] = std::min(1.0, std::max(0.0, alpha[i])));
-    loss_sum += loss;
-    ++loss_n;
-    if (log && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) {
-      gate_progress pr;
-      pr.step = step + 1;
-      pr.steps = o.steps;
-      pr.loss = loss_sum / static_cast<double>(loss_n);
+    meter.add(o, step, loss, log, [&](gate_progress& pr) {
       double mean = 0, below = 0;
       for (double a : alpha) mean += a / static_cast<double>(LH), below += a < 0.5 ? 1.0 / static_cast<double>(LH) : 0.0;
-      pr.sparsity = below;
+      pr.sparsity = pr.achieved = below;
       pr.target = mean;
-      pr.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      log(pr);
-      loss_sum = 0;
-      loss_n = 0;
-    }
+    });
     return {};
   };
   KVEVICT_TRY(detail::gate_loop(lm, samples, o, LH, per_sample, update));

@@ -63,6 +63,23 @@ namespace kvrun {
 // ---------------------------------------------------------------------------------------------
 // The frozen model in T
 
+/// A model's dimensions under the short names the backprop classes (lookahead_backprop,
+/// headgates' gated_backprop) use, set from its config.
+class model_dims {
+ protected:
+  int L_ = 0;
+  index_t D_ = 0, H_ = 0, Hkv_ = 0, hs_ = 0, kvd_ = 0, hid_ = 0;
+  void set_dims(const config& c) {
+    L_ = c.n_layers;
+    D_ = c.dim;
+    H_ = c.n_heads;
+    Hkv_ = c.n_kv_heads;
+    hs_ = c.head_size();
+    kvd_ = c.kv_dim();
+    hid_ = c.hidden_dim;
+  }
+};
+
 /// The runner model's weights converted to T, each linear layer stored [out][in] row-major (the
 /// library's LoRA layout), plus the RMSNorm gains and the RoPE tables (the runner's fp32 tables,
 /// converted, so the double model computes the same function).
@@ -484,7 +501,7 @@ inline status prepare_samples(const model& m, const std::vector<text_pair>& pair
 /// Forward and backward of the lookahead block for one sample, with its own activations and
 /// scratch (one per thread). Library calls run on kvevict::seq: parallelism is over samples.
 template <class T>
-class lookahead_backprop {
+class lookahead_backprop : private model_dims {
  public:
   /// Sizes the activations for prompts of up to max_prompt tokens (larger ones grow them).
   /// Errors: the module was made for another model; n_lookahead + max_prompt beyond the context.
@@ -497,13 +514,7 @@ class lookahead_backprop {
     const config& c = fm.cfg;
     n_ = mod.n_lookahead();
     r_ = mod.rank();
-    L_ = c.n_layers;
-    D_ = c.dim;
-    H_ = c.n_heads;
-    Hkv_ = c.n_kv_heads;
-    hs_ = c.head_size();
-    kvd_ = c.kv_dim();
-    hid_ = c.hidden_dim;
+    set_dims(c);
     const auto LN = static_cast<std::size_t>(L_ * n_);
     x_.assign(static_cast<std::size_t>((L_ + 1) * n_ * D_), T(0));
     xmid_.assign(LN * D_, T(0));
@@ -664,8 +675,6 @@ class lookahead_backprop {
 
  private:
   index_t n_ = 0, r_ = 0, P_ = 0, cap_ = -1;
-  int L_ = 0;
-  index_t D_ = 0, H_ = 0, Hkv_ = 0, hs_ = 0, kvd_ = 0, hid_ = 0;
   std::vector<T> x_, xmid_, h1_, h2_, att_, q_, k_, v_, u1_, u3_, gate_, r1_, r2_, xa_, tmp_, probs_, est_, dest_;
   std::vector<T> dx_, dxm_, dh_, datt_, dq_, dk_, dv_, dgate_, du1_, du3_, row_;
   std::vector<unsigned char> ws_;

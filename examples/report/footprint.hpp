@@ -35,12 +35,17 @@ struct footprint_curve {
   method recipe = method::snapkv;
   driver_kind driver = driver_kind::postfill;
   bool by_fraction = false;  ///< sweep the per-chunk fraction (chunked drivers) instead of the budget
+  /// Head-type methods: sweep the fraction of streaming heads (footprint_options::head_sparsities)
+  /// instead of the budget (duo, prulong: their trained masks; duo-heuristic: its calibration).
+  bool by_head_sparsity = false;
 };
 
 struct footprint_options {
   report_options report;  ///< prompts, pairs, module, threads, progress, the eviction options
   std::vector<index_t> budgets{8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256};
   std::vector<double> fractions{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98};
+  /// The head-sparsity sweep (PruLong ships masks at 25, 50 and 75 %).
+  std::vector<double> head_sparsities{0.25, 0.5, 0.75};
   std::vector<method> recipes;       ///< empty: the default curves' methods
   std::vector<driver_kind> drivers;  ///< empty: the default curves' drivers
   double fraction_of_full = 0.9;     ///< F
@@ -80,6 +85,10 @@ inline std::vector<footprint_curve> default_footprint_curves(bool lookahead) {
     out.push_back({m, driver_kind::decode, false});
   for (const method m : {method::snapkv, method::lava})
     for (const driver_kind d : {driver_kind::chunked_naive, driver_kind::chunked_patched}) out.push_back({m, d, true});
+  // PruLong vs DuoAttention (trained) vs the heuristic by fraction of streaming heads, post-fill and
+  // chunked (streaming heads stream from the first chunk on)
+  for (const driver_kind d : {driver_kind::postfill, driver_kind::chunked_naive})
+    for (const method m : {method::duo_heuristic, method::duo, method::prulong}) out.push_back({m, d, false, true});
   return out;
 }
 
@@ -96,7 +105,6 @@ inline status footprint_curves(const config& c, const footprint_options& o, std:
   for (const named<method>& mn : method_names) {
     const method m = mn.value;
     if (m == method::full || (m == method::lookaheadkv && !lookahead)) continue;
-    if (m == method::duo || m == method::prulong) continue;  // trained masks: not in the report yet (docs/prulong.md)
     if (!o.recipes.empty() && std::find(o.recipes.begin(), o.recipes.end(), m) == o.recipes.end()) continue;
     for (const named<driver_kind>& dn : driver_names) {
       const driver_kind d = dn.value;
@@ -106,6 +114,12 @@ inline status footprint_curves(const config& c, const footprint_options& o, std:
       e.driver = d;
       e.budget = 64;
       e.alloc.reset();
+      if (uses_head_types(m)) {  // trained masks: by head sparsity only; the heuristic: by budget too
+        if (!check_evict_options(c, e).ok()) continue;
+        if (m == method::duo_heuristic) out.push_back({m, d, false});
+        out.push_back({m, d, false, true});
+        continue;
+      }
       const bool chunked = d == driver_kind::chunked_naive || d == driver_kind::chunked_patched;
       if (chunked) e.chunk_fraction = 0.5;
       if (check_evict_options(c, e).ok()) {
@@ -195,10 +209,13 @@ inline status run_footprint(const model& mdl, const footprint_options& o, footpr
     return status::error(errc::invalid_argument, "footprint: F = %g is outside (0, 1]", o.fraction_of_full);
   report_options ro = o.report;
   ro.configs.clear();
+  ro.head_sparsities = o.head_sparsities;
   std::vector<std::vector<report_config>> per_curve;
   for (const footprint_curve& fc : curves) {
     per_curve.emplace_back();
-    if (fc.by_fraction) {
+    if (fc.by_head_sparsity) {
+      for (const double hs : o.head_sparsities) per_curve.back().push_back({fc.recipe, fc.driver, 0, -1.0, hs});
+    } else if (fc.by_fraction) {
       for (const double f : o.fractions) per_curve.back().push_back({fc.recipe, fc.driver, 64, f});
     } else {
       for (const index_t b : o.budgets) {
@@ -240,7 +257,12 @@ namespace detail {
 inline std::string curve_label(const footprint_curve& c) {
   std::string s = method_name(c.recipe);
   if (c.driver != driver_kind::postfill) s += std::string(" / ") + driver_name(c.driver);
+  if (c.by_head_sparsity && c.recipe == method::duo_heuristic) s += " (by s)";
   return s;
+}
+
+inline const char* sweep_name(const footprint_curve& c) {
+  return c.by_head_sparsity ? "head_sparsity" : c.by_fraction ? "chunk_fraction" : "budget";
 }
 
 inline std::string critical_text(const critical_point& c, bool with_se) {
@@ -289,7 +311,8 @@ inline std::string footprint_markdown(const footprint_result& r) {
       hi = std::max(hi, rr.rows[i].footprint);
     }
     std::snprintf(b, sizeof b, "| %s | %s | %s | %s | %.1f – %.1f |\n", detail::curve_label(c.curve).c_str(),
-                  c.curve.by_fraction ? "p per chunk" : "budget", detail::critical_text(c.top1, true).c_str(),
+                  c.curve.by_head_sparsity ? "streaming heads s" : c.curve.by_fraction ? "p per chunk" : "budget",
+                  detail::critical_text(c.top1, true).c_str(),
                   detail::critical_text(c.agreement, true).c_str(), 100.0 * lo, 100.0 * hi);
     s += b;
   }
@@ -324,7 +347,8 @@ inline std::string footprint_markdown(const footprint_result& r) {
     for (const std::size_t i : c.rows) {
       const config_result& x = rr.rows[i];
       char pt[32];
-      if (x.cfg.fraction >= 0.0) std::snprintf(pt, sizeof pt, "p = %.2f", x.cfg.fraction);
+      if (x.cfg.head_sparsity >= 0.0) std::snprintf(pt, sizeof pt, "s = %.2f", x.cfg.head_sparsity);
+      else if (x.cfg.fraction >= 0.0) std::snprintf(pt, sizeof pt, "p = %.2f", x.cfg.fraction);
       else std::snprintf(pt, sizeof pt, "B = %lld", static_cast<long long>(x.cfg.budget));
       std::snprintf(b, sizeof b, "| %s | %s | %.1f | %.1f | %.3f ± %.3f | %.4f ± %.4f | %.1f |\n",
                     detail::curve_label(c.curve).c_str(), pt, 100.0 * x.footprint, 100.0 * x.peak, x.top1, x.top1_sem,
@@ -376,7 +400,7 @@ inline std::string footprint_json(const footprint_result& r, const std::string& 
     s += ", \"driver\": ";
     json_string(s, driver_name(c.curve.driver));
     s += ", \"sweep\": ";
-    json_string(s, c.curve.by_fraction ? "chunk_fraction" : "budget");
+    json_string(s, detail::sweep_name(c.curve));
     s += ", \"critical\": {\"top1\": ";
     crit(c.top1);
     s += ", \"agreement\": ";
@@ -387,6 +411,10 @@ inline std::string footprint_json(const footprint_result& r, const std::string& 
       s += j > 0 ? ",\n       " : "\n       ";
       s += "{\"budget\": " + std::to_string(x.cfg.budget) + ", \"chunk_fraction\": ";
       json_number(s, x.cfg.fraction);
+      if (x.cfg.head_sparsity >= 0.0) {
+        s += ", \"head_sparsity\": ";
+        json_number(s, x.cfg.head_sparsity);
+      }
       const std::pair<const char*, double> f[] = {{"footprint", x.footprint}, {"peak", x.peak},   {"top1", x.top1},
                                                   {"top1_sem", x.top1_sem}, {"kl", x.kl},         {"kl_sem", x.kl_sem},
                                                   {"agreement", x.agreement}, {"agreement_sem", x.agreement_sem}};

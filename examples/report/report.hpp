@@ -36,6 +36,7 @@
 
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
+#include <runner/shipped_models.hpp>
 #include <runner/speckv.hpp>
 #include <runner/workers.hpp>
 #include <lookaheadkv/data.hpp>
@@ -61,6 +62,10 @@ struct report_config {
   driver_kind driver = driver_kind::postfill;
   index_t budget = 0;
   double fraction = -1.0;  ///< chunked drivers: evict_options::chunk_fraction (-1: down to the budget)
+  /// Head-type methods (duo-heuristic, duo, prulong) at a fixed fraction of streaming heads: the
+  /// top floor(L H (1 - s)) heads of the calibration / trained mask keep the whole cache, the rest
+  /// their sinks + recent window, whatever the budget (budget 0 in such a row). -1: not such a row.
+  double head_sparsity = -1.0;
 };
 
 /// The drivers each method runs with in the default report: every method post-fill; the cascades
@@ -93,6 +98,14 @@ struct report_options {
   }();
   std::uint64_t seed_begin = test_seed_base;
   index_t calibration = 8;  ///< duo calibration texts (training seeds)
+  /// The head-type rows (duo-heuristic, duo, prulong at a fraction of streaming heads, compared with
+  /// duo-heuristic at the same fraction and driver): post-fill at every fraction here, the
+  /// layer-wise, chunked and decode drivers at head_driver_sparsity. Empty: no such rows.
+  std::vector<double> head_sparsities{0.25, 0.5, 0.75};
+  double head_driver_sparsity = 0.5;
+  std::string duo_mask = shipped_model("duo/stories260K.tsv");  ///< DuoAttention's trained alpha
+  /// PruLong's masks: <prulong_masks>-s<percent>.tsv, one per sparsity (kvevict-headgates prulong)
+  std::string prulong_masks = shipped_model("prulong/stories260K");
   /// Run exactly these configurations (after `full`, which is always first) instead of the matrix
   /// built from budgets / recipes / drivers (the footprint sweep, footprint.hpp).
   std::vector<report_config> configs;
@@ -128,7 +141,8 @@ struct config_result {
   double overhead = 1.0;  ///< median over the prompts of prompt_result::overhead
   // standard errors of the means (sample standard deviation / sqrt(prompts); 0 for one prompt)
   double recall_sem = 0.0, kl_sem = 0.0, agreement_sem = 0.0, top1_sem = 0.0;
-  /// Paired differences to SnapKV post-fill at the same budget (row - snapkv) on the same prompts.
+  /// Paired differences to SnapKV post-fill at the same budget (row - snapkv) on the same prompts;
+  /// head-type rows (head_sparsity >= 0): to duo-heuristic at the same fraction and driver.
   paired_difference d_kl, d_recall, d_agreement, d_top1;
 };
 
@@ -138,6 +152,8 @@ struct report_result {
   std::vector<index_t> prompt_lengths;
   index_t response = 0;
   duo_heads duo;
+  /// Per row: the retrieval heads of a head-type row at a head sparsity (-1 for the other rows).
+  std::vector<index_t> head_retrieval;
   /// Per prompt (with speckv rows): the fraction of SpecKV's draft tokens equal to the full cache's
   /// greedy response at the same position (how good the derived draft model is).
   std::vector<double> draft_match;
@@ -158,10 +174,13 @@ inline status report_configs(const config& c, const report_options& o, std::vect
       evict_options e = o.base;
       e.recipe = rc.recipe;
       e.driver = rc.driver;
-      e.budget = rc.budget;
+      e.budget = rc.head_sparsity >= 0.0 ? o.base.budget : rc.budget;
       e.chunk_fraction = rc.fraction;
       e.alloc.reset();
       if (rc.recipe == method::full) continue;
+      if (rc.head_sparsity >= 0.0 && (!uses_head_types(rc.recipe) || rc.head_sparsity > 1.0))
+        return status::error(errc::invalid_argument, "report: %s takes no head sparsity (duo-heuristic, duo, prulong; in [0, 1])",
+                             method_name(rc.recipe));
       if (rc.recipe == method::lookaheadkv && o.lookahead == nullptr)
         return status::error(errc::invalid_argument, "report: lookaheadkv needs a trained lookahead module (--lookahead-module)");
       if (const status st = check_evict_options(c, e); !st.ok())
@@ -180,7 +199,7 @@ inline status report_configs(const config& c, const report_options& o, std::vect
       const method m = mn.value;
       if (m == method::full) continue;
       if (m == method::lookaheadkv && o.lookahead == nullptr) continue;
-      if (m == method::duo || m == method::prulong) continue;  // trained masks: not in the report yet (docs/prulong.md)
+      if (m == method::duo || m == method::prulong) continue;  // trained masks: budget-free rows, below
       if (!o.recipes.empty() && std::find(o.recipes.begin(), o.recipes.end(), m) == o.recipes.end()) continue;
       for (const named<driver_kind>& dn : driver_names) {
         const driver_kind d = dn.value;
@@ -198,6 +217,25 @@ inline status report_configs(const config& c, const report_options& o, std::vect
         out.push_back({m, d, b});
       }
     }
+  // the head-type methods at fixed fractions of streaming heads, next to each other
+  for (const double hs : o.head_sparsities) {
+    if (!(hs >= 0.0 && hs <= 1.0)) return status::error(errc::invalid_argument, "report: head sparsity %g is outside [0, 1]", hs);
+    for (const method m : {method::duo_heuristic, method::duo, method::prulong}) {
+      if (!o.recipes.empty() && std::find(o.recipes.begin(), o.recipes.end(), m) == o.recipes.end()) continue;
+      for (const driver_kind d : {driver_kind::postfill, driver_kind::layerwise, driver_kind::chunked_naive, driver_kind::decode}) {
+        if (!o.drivers.empty() && std::find(o.drivers.begin(), o.drivers.end(), d) == o.drivers.end()) continue;
+        if (d != driver_kind::postfill && hs != o.head_driver_sparsity && !o.all_drivers) continue;
+        evict_options e = o.base;
+        e.recipe = m;
+        e.driver = d;
+        e.alloc.reset();
+        if (const status st = check_evict_options(c, e); !st.ok())
+          return status::error(errc::invalid_argument, "report: %s / %s / head sparsity %g: %s", method_name(m), driver_name(d),
+                               hs, st.message());
+        out.push_back({m, d, 0, -1.0, hs});
+      }
+    }
+  }
   if (out.size() == 1)
     return status::error(errc::invalid_argument, "report: no configuration matches the --recipes / --drivers given");
   return {};
@@ -306,7 +344,7 @@ inline status held_recall(const config& c, const kv_cache& cache, index_t P, ind
 
 /// Every configuration on one prompt.
 inline status evaluate_prompt(const model& mdl, const report_options& o, const std::vector<report_config>& configs,
-                              const duo_heads& duo, const text_pair& tp, report_worker& w,
+                              const std::vector<duo_heads>& heads, const text_pair& tp, report_worker& w,
                               std::vector<prompt_result>& out) {
   const config& c = mdl.cfg();
   const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size());
@@ -349,7 +387,7 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
     e.chunk_fraction = rc.fraction;
     e.alloc.reset();
-    KVEVICT_TRY(w.ev.init(mdl, e, &duo, o.lookahead != nullptr ? &w.lookahead : nullptr));
+    KVEVICT_TRY(w.ev.init(mdl, e, &heads[ci], o.lookahead != nullptr ? &w.lookahead : nullptr));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
@@ -368,7 +406,10 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     // teacher-forced response: KL at every position, greedy agreement until the first difference,
     // recall of the prompt positions the cache holds when each response token is decoded (it
     // changes only under decode-time eviction)
-    const index_t k = rc.budget > 0 ? std::min(rc.budget, P) : P;
+    // recall's k: the budget; a head-type row's: the rows it keeps per head on average
+    const index_t k = rc.budget > 0                ? std::min(rc.budget, P)
+                      : rc.head_sparsity >= 0.0 ? std::clamp<index_t>((r.kept + L * H / 2) / (L * H), 1, P)
+                                                : P;
     bool agreeing = true;
     double kl = 0.0, recall = 0.0, step_recall = 0.0;
     for (index_t t = 0; t < m; ++t) {
@@ -423,6 +464,14 @@ paired_difference paired(const config_result& a, const config_result& b, Get get
   return d;
 }
 
+/// Row r's paired differences (KL, recall, greedy agreement, top-1) to row ref.
+inline void set_paired(config_result& r, const config_result& ref) {
+  r.d_kl = paired(r, ref, [](const prompt_result& p) { return p.kl; });
+  r.d_recall = paired(r, ref, [](const prompt_result& p) { return p.recall; });
+  r.d_agreement = paired(r, ref, [](const prompt_result& p) { return static_cast<double>(p.agreement); });
+  r.d_top1 = paired(r, ref, [](const prompt_result& p) { return p.top1; });
+}
+
 /// Every row's paired differences to SnapKV post-fill (down to the budget) at its budget, when the
 /// report has that row.
 inline void pair_with_snapkv(std::vector<config_result>& rows) {
@@ -433,12 +482,55 @@ inline void pair_with_snapkv(std::vector<config_result>& rows) {
       if (s.cfg.recipe == method::snapkv && s.cfg.driver == driver_kind::postfill && s.cfg.budget == r.cfg.budget &&
           s.cfg.fraction < 0.0)
         ref = &s;
-    if (ref == nullptr) continue;
-    r.d_kl = paired(r, *ref, [](const prompt_result& p) { return p.kl; });
-    r.d_recall = paired(r, *ref, [](const prompt_result& p) { return p.recall; });
-    r.d_agreement = paired(r, *ref, [](const prompt_result& p) { return static_cast<double>(p.agreement); });
-    r.d_top1 = paired(r, *ref, [](const prompt_result& p) { return p.top1; });
+    if (ref != nullptr) set_paired(r, *ref);
   }
+}
+
+/// Every head-type row's paired differences to duo-heuristic at the same fraction and driver.
+inline void pair_with_heuristic(std::vector<config_result>& rows) {
+  for (config_result& r : rows) {
+    if (r.cfg.head_sparsity < 0.0 || r.cfg.recipe == method::duo_heuristic) continue;
+    const config_result* ref = nullptr;
+    for (const config_result& s : rows)
+      if (s.cfg.recipe == method::duo_heuristic && s.cfg.driver == r.cfg.driver && s.cfg.head_sparsity == r.cfg.head_sparsity)
+        ref = &s;
+    if (ref != nullptr) set_paired(r, *ref);
+  }
+}
+
+/// The head types of every configuration: duo-heuristic's calibration (`calibrated`; at a head
+/// sparsity, its top heads), DuoAttention's trained alpha, PruLong's mask of that sparsity (its
+/// retrieval heads must number floor(L H (1 - s))). Errors: a mask file's.
+inline status config_head_types(const config& c, const report_options& o, const std::vector<report_config>& configs,
+                                const duo_heads& calibrated, std::vector<duo_heads>& out) {
+  out.assign(configs.size(), duo_heads{});
+  const index_t LH = c.n_layers * c.n_kv_heads;
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    const report_config& rc = configs[i];
+    duo_heads& h = out[i];
+    if (rc.recipe == method::duo_heuristic) {
+      h = calibrated;
+      if (rc.head_sparsity >= 0.0) {
+        const auto k = kvevict::prulong_retrieval_heads(LH, rc.head_sparsity);
+        if (!k) return k.error();
+        h.retrieval = *k;
+      }
+    } else if (rc.recipe == method::duo) {
+      KVEVICT_TRY(head_types_from_file(c, o.duo_mask, rc.head_sparsity, h));
+    } else if (rc.recipe == method::prulong) {
+      const double s = rc.head_sparsity >= 0.0 ? rc.head_sparsity : 0.5;
+      char suffix[32];
+      std::snprintf(suffix, sizeof suffix, "-s%02d.tsv", static_cast<int>(std::lround(s * 100)));
+      const std::string path = o.prulong_masks + suffix;
+      KVEVICT_TRY(head_types_from_file(c, path, s, h));
+      index_t ones = 0;
+      for (const double v : h.global) ones += v >= 0.5 ? 1 : 0;
+      if (ones != h.retrieval)
+        return status::error(errc::invalid_argument, "report: %s has %lld retrieval heads, sparsity %g needs %lld", path.c_str(),
+                             static_cast<long long>(ones), s, static_cast<long long>(h.retrieval));
+    }
+  }
+  return {};
 }
 
 }  // namespace detail
@@ -485,6 +577,9 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
     KVEVICT_TRY(duo_calibrate(mdl, texts, dco, out.duo));
   }
 
+  std::vector<duo_heads> heads;
+  KVEVICT_TRY(detail::config_head_types(c, o, configs, out.duo, heads));
+
   std::snprintf(line, sizeof line, "report: %zu configurations x %lld prompts on %d threads", configs.size(),
                 static_cast<long long>(o.prompts), nt);
   say(line);
@@ -503,7 +598,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   KVEVICT_TRY(for_each_item(
       workers, n,
       [&](detail::report_worker& w, index_t i) {
-        const status st = detail::evaluate_prompt(mdl, o, configs, out.duo, pairs[static_cast<std::size_t>(i)], w,
+        const status st = detail::evaluate_prompt(mdl, o, configs, heads, pairs[static_cast<std::size_t>(i)], w,
                                                   results[static_cast<std::size_t>(i)]);
         draft_match[static_cast<std::size_t>(i)] = w.draft_match;
         return st;
@@ -563,6 +658,9 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
     out.rows.push_back(std::move(cr));
   }
   detail::pair_with_snapkv(out.rows);
+  detail::pair_with_heuristic(out.rows);
+  for (std::size_t ci = 0; ci < configs.size(); ++ci)
+    out.head_retrieval.push_back(configs[ci].head_sparsity >= 0.0 ? heads[ci].retrieval : -1);
   if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; }))
     out.draft_match = std::move(draft_match);
   out.seconds = seconds_since(t_start);
@@ -592,6 +690,7 @@ inline std::string report_table(const report_result& r) {
     last_budget = c.cfg.budget;
     char b[24];
     if (c.cfg.budget > 0) std::snprintf(b, sizeof b, "%lld", static_cast<long long>(c.cfg.budget));
+    else if (c.cfg.head_sparsity >= 0.0) std::snprintf(b, sizeof b, "s=%.2f", c.cfg.head_sparsity);
     else std::snprintf(b, sizeof b, "all");
     std::snprintf(line, sizeof line, "%-7s %-14s %-16s %7.3f %9.4f %7.1f %9.3f %6.3f %9.2f %10.2f %7.3fx\n", b,
                   method_name(c.cfg.recipe), driver_name(c.cfg.driver), c.recall, c.kl, c.agreement, c.footprint, c.peak,
@@ -706,6 +805,18 @@ inline std::string report_json(const report_result& r, const std::string& model_
   key("duo_global");
   json_array(s, r.duo.global, num);
   s += ",\n";
+  if (!o.head_sparsities.empty()) {
+    key("head_masks");
+    s += "{\"duo\": ";
+    json_string(s, o.duo_mask);
+    s += ", \"prulong\": ";
+    json_string(s, o.prulong_masks + "-s<percent>.tsv");
+    s += ", \"sparsities\": ";
+    json_array(s, o.head_sparsities, num);
+    s += ", \"drivers_at\": ";
+    num(o.head_driver_sparsity);
+    s += "},\n";
+  }
   key("speckv_draft_match");
   json_array(s, r.draft_match, num);
   s += ",\n";
@@ -733,6 +844,12 @@ inline std::string report_json(const report_result& r, const std::string& model_
       s += ", \"chunk_fraction\": ";
       num(c.cfg.fraction);
     }
+    if (c.cfg.head_sparsity >= 0.0) {
+      s += ", \"head_sparsity\": ";
+      num(c.cfg.head_sparsity);
+      s += ", \"retrieval_heads\": ";
+      inum(r.head_retrieval.at(i));
+    }
     s += ",\n     \"mean\": {\"recall\": ";
     num(c.recall);
     s += ", \"kl\": ";
@@ -755,7 +872,7 @@ inline std::string report_json(const report_result& r, const std::string& model_
     num(c.agreement_sem);
     s += ", \"top1\": ";
     num(c.top1_sem);
-    s += "}, \"vs_snapkv\": ";
+    s += c.cfg.head_sparsity >= 0.0 ? "}, \"vs_duo_heuristic\": " : "}, \"vs_snapkv\": ";
     if (!c.d_kl.valid) {
       s += "null";
     } else {

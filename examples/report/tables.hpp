@@ -50,6 +50,59 @@ inline std::string report_counts(const report_result& r) {
   return b;
 }
 
+/// The head-type rows (duo-heuristic, duo, prulong at fixed fractions of streaming heads), one table:
+/// every metric with its paired difference to duo-heuristic at the same fraction and driver, and the
+/// KV footprint / peak. Empty when the report has none.
+inline std::string head_rows_markdown(const report_result& r) {
+  std::vector<std::size_t> rows;
+  for (std::size_t i = 0; i < r.rows.size(); ++i)
+    if (r.rows[i].cfg.head_sparsity >= 0.0) rows.push_back(i);
+  if (rows.empty()) return {};
+  index_t comparisons = 0;
+  for (const std::size_t i : rows) comparisons += r.rows[i].d_kl.valid ? 1 : 0;
+  const double bonferroni = comparisons > 0 ? 0.05 / static_cast<double>(comparisons) : 0.05;
+  char b[1024];
+  std::snprintf(b, sizeof b,
+                "\n## Head types: DuoAttention and PruLong (trained masks) against the heuristic, by fraction of streaming "
+                "heads\n\n"
+                "s = fraction of streaming heads: the top floor(20 (1 − s)) heads keep the whole cache, the others %lld "
+                "sinks + %lld recent tokens, in every driver (chunked: identical for naive and patched, a head type needs "
+                "no scores). duo: DuoAttention's trained alpha; prulong: PruLong's mask trained at s; duo-heuristic: the "
+                "attention-mass calibration. Recall's k: the rows a row keeps per head on average. In brackets the paired "
+                "difference to duo-heuristic at the same s and driver; `*` p < 0.05, `**` p < 0.05 / m, m = %lld "
+                "comparisons per metric (Bonferroni %.2g).\n\n",
+                static_cast<long long>(r.options.base.sinks >= 0 ? r.options.base.sinks : 4),
+                static_cast<long long>(r.options.base.duo_recent), static_cast<long long>(comparisons), bonferroni);
+  std::string s = b;
+  s += "| method / driver | s | retrieval heads | KL | top-1 | greedy agreement | recall | footprint / peak |\n"
+       "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+  for (const std::size_t i : rows) {
+    const config_result& c = r.rows[i];
+    auto cell = [&](const char* fmt, double mean, double sem, const char* dfmt, const paired_difference& d) {
+      std::string x;
+      std::snprintf(b, sizeof b, fmt, mean, sem);
+      x = b;
+      if (d.valid) {
+        std::snprintf(b, sizeof b, dfmt, d.mean, d.sem);
+        x += std::string(" (") + b + detail::significance_mark(d, bonferroni) + ")";
+      } else if (c.cfg.recipe == method::duo_heuristic) {
+        x += " (reference)";
+      }
+      return x;
+    };
+    std::snprintf(b, sizeof b, "| %s | %.2f | %lld | ", detail::row_label(c.cfg).c_str(), c.cfg.head_sparsity,
+                  static_cast<long long>(i < r.head_retrieval.size() ? r.head_retrieval[i] : -1));
+    s += b;
+    s += cell("%.4f ± %.4f", c.kl, c.kl_sem, "%+.4f ± %.4f", c.d_kl) + " | ";
+    s += cell("%.3f ± %.3f", c.top1, c.top1_sem, "%+.3f ± %.3f", c.d_top1) + " | ";
+    s += cell("%.1f ± %.1f", c.agreement, c.agreement_sem, "%+.1f ± %.1f", c.d_agreement) + " | ";
+    s += cell("%.3f ± %.3f", c.recall, c.recall_sem, "%+.3f ± %.3f", c.d_recall) + " | ";
+    std::snprintf(b, sizeof b, "%.3f / %.3f |\n", c.footprint, c.peak);
+    s += b;
+  }
+  return s;
+}
+
 /// The Markdown tables (see the file comment). `title`: the first heading.
 inline std::string report_markdown(const report_result& r, const std::string& title) {
   std::string s = "# " + title + "\n\n";
@@ -136,7 +189,8 @@ inline std::string report_markdown(const report_result& r, const std::string& ti
   for (const metric& m : metrics) {
     index_t comparisons = 0;
     for (const config_result& c : r.rows)
-      if ((c.*m.d).valid && !(c.cfg.recipe == method::snapkv && c.cfg.driver == driver_kind::postfill)) ++comparisons;
+      if ((c.*m.d).valid && c.cfg.head_sparsity < 0.0 && !(c.cfg.recipe == method::snapkv && c.cfg.driver == driver_kind::postfill))
+        ++comparisons;
     const double bonferroni = comparisons > 0 ? 0.05 / static_cast<double>(comparisons) : 0.05;
     std::snprintf(b, sizeof b, "\n## %s\n\nm = %lld comparisons, Bonferroni bound p < %.2g.\n\n| method |", m.title,
                   static_cast<long long>(comparisons), bonferroni);
@@ -154,6 +208,8 @@ inline std::string report_markdown(const report_result& r, const std::string& ti
       return cell + " |";
     });
   }
+
+  s += head_rows_markdown(r);
 
   s += "\n## KV footprint / peak KV (means over the prompts)\n\n| method |";
   table(false, [&](const config_result& c) {

@@ -225,7 +225,7 @@ int run(int argc, char** argv) {
   if (auto st = run.init(model, {full ? static_cast<kvevict::index_t>(prompt.size()) : 0, full ? o.steps : 0, o.threads});
       !st.ok())
     return fail("", st);
-  if (auto st = cache.init(c, full ? o.steps : 0); !st.ok()) return fail("", st);
+  if (auto st = cache.init(c, full ? o.steps : 0, o.page_size); !st.ok()) return fail("", st);
   if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
   kvrun::duo_heads duo;
   kvrun::lookahead_module lookahead;
@@ -312,6 +312,10 @@ int run(int argc, char** argv) {
     std::fprintf(stderr, "prefill: %zu tokens in %.3f ms (%.0f tok/s); decode: %.0f tokens in %.3f ms (%.0f tok/s); %d threads\n",
                  prompt.size(), prefill_s * 1e3, static_cast<double>(prompt.size()) / prefill_s, decoded, decode_s * 1e3,
                  decoded > 0 ? decoded / decode_s : 0.0, run.threads());
+    std::fprintf(stderr, "pages: %lld in use, peak %lld, %lld freed by eviction (%lld tokens per page, %lld in the pools)\n",
+                 static_cast<long long>(cache.pages_in_use()), static_cast<long long>(cache.peak_pages()),
+                 static_cast<long long>(cache.pages_freed()), static_cast<long long>(cache.page_size()),
+                 static_cast<long long>(cache.total_pages()));
   }
   return 0;
 }

@@ -32,6 +32,7 @@ struct run_options {
   bool stats = false;
   index_t page_size = 16;  ///< tokens per page of the paged KV cache (kv_cache.hpp)
   index_t batch = 1;       ///< sequences decoded as one batch (batch.hpp)
+  std::vector<std::string> batch_prompts;  ///< the batch's prompts after --prompt (cycled)
   // eviction
   std::string recipe = "full";
   std::string allocator;
@@ -85,7 +86,8 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
   app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost, footprint and pages) on stderr");
   integer("--page-size", o.page_size, "tokens per page of the paged KV cache");
-  integer("--batch", o.batch, "prompts run as one batch with continuous decoding: --prompt and the test split's first N-1");
+  integer("--batch", o.batch, "sequences run as one batch with continuous decoding (prompts: --prompt, --batch-prompt ..., cycled)");
+  app.add_option("--batch-prompt", o.batch_prompts, "--batch: further prompts (repeatable)");
   // eviction (docs/runner.md, "Eviction")
   auto* recipe_opt = app.add_option("--recipe", o.recipe,
                                     "eviction method: full (no eviction), streaming_llm, h2o, tova, snapkv, pyramidkv, "

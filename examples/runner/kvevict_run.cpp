@@ -177,6 +177,22 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   return 0;
 }
 
+// The prompt and its generated tokens: ids on one line (--ids) or the text.
+int print_sequence(const options& o, const kvrun::tokenizer& tok, const std::vector<int>& prompt,
+                   const std::vector<int>& generated) {
+  std::vector<int> all = prompt;
+  all.insert(all.end(), generated.begin(), generated.end());
+  if (o.ids) {
+    for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
+    std::printf("\n");
+    return 0;
+  }
+  std::string text;
+  if (auto st = kvrun::detokenize(tok, all, text); !st.ok()) return fail("", st);
+  std::printf("%s\n", text.c_str());
+  return 0;
+}
+
 // kvevict-run --batch N: sequence i's prompt is the i-th of --prompt, --batch-prompt ... (cycled),
 // all run as one batch (batch.hpp); prints each sequence's output on its own line(s), in order.
 int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& first,
@@ -206,18 +222,8 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
   std::vector<std::vector<int>> out;
   kvrun::batch_stats stats;
   if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);
-  for (std::size_t s = 0; s < prompts.size(); ++s) {
-    std::vector<int> all = prompts[s];
-    all.insert(all.end(), out[s].begin(), out[s].end());
-    if (o.ids) {
-      for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
-      std::printf("\n");
-    } else {
-      std::string text;
-      if (auto st = kvrun::detokenize(tok, all, text); !st.ok()) return fail("", st);
-      std::printf("%s\n", text.c_str());
-    }
-  }
+  for (std::size_t s = 0; s < prompts.size(); ++s)
+    if (const int code = print_sequence(o, tok, prompts[s], out[s]); code != 0) return code;
   if (o.stats)
     std::fprintf(stderr,
                  "batch: %lld sequences in %lld steps (%lld with a prefill beside decodes); pages: peak %lld held by "
@@ -351,16 +357,7 @@ int run(int argc, char** argv) {
                  usage.footprint(), usage.peak_kv(), static_cast<long long>(n));
   }
 
-  std::vector<int> all = prompt;
-  all.insert(all.end(), generated.begin(), generated.end());
-  if (o.ids) {
-    for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
-    std::printf("\n");
-  } else {
-    std::string text;
-    if (auto st = kvrun::detokenize(tok, all, text); !st.ok()) return fail("", st);
-    std::printf("%s\n", text.c_str());
-  }
+  if (const int code = print_sequence(o, tok, prompt, generated); code != 0) return code;
   if (o.stats) {
     const auto decoded = static_cast<double>(cache.next_position()) - static_cast<double>(prompt.size());
     std::fprintf(stderr, "prefill: %zu tokens in %.3f ms (%.0f tok/s); decode: %.0f tokens in %.3f ms (%.0f tok/s); %d threads\n",

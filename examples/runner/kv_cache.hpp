@@ -10,9 +10,9 @@
 // token's position after eviction. New tokens get the position next_position(), the length of the
 // sequence so far, never the compacted length.
 //
-// Eviction is kvevict::compact_paged on the layer's paged view: kept rows move to the front of
-// their head's pages and the pages no longer needed are freed (pages_freed() counts them). Each
-// (layer, head) draws its pages from its own arena of ceil(capacity / page_size) pages, lowest
+// Eviction is kvevict::compact_layer on the layer's paged view (keys, values and positions): kept
+// rows move to the front of their head's pages and the pages no longer needed are freed
+// (pages_freed() counts them). Each (layer, head) draws its pages from its own arena of ceil(capacity / page_size) pages, lowest
 // free page first, so a head's pages are consecutive: the attention and kvevict's drivers (which
 // read ragged caches, not paged layers yet) read keys(l) / dense_keys(l, rows) without copies.
 #pragma once
@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 namespace kvrun {
@@ -198,12 +199,8 @@ class kv_cache {
     layer.lists = kvevict::page_lists::per_head;
     std::int32_t freed = 0;
     kvevict::workspace ws{ws_.data(), ws_.size()};
-    KVEVICT_TRY(kvevict::compact_paged(kvevict::seq, ws, layer, kept,
+    KVEVICT_TRY(kvevict::compact_layer(kvevict::seq, ws, layer, pool(positions_, l), kept,
                                        {new_lens_.data(), freed_.data(), static_cast<index_t>(freed_.size()), &freed}));
-    // positions move as the rows did (kept was validated: ascending, inside each head)
-    pos_t* pos = positions_.data() + layer_off(l) / head_size_;
-    for (index_t h = 0; h < heads_; ++h)
-      for (index_t j = kept.cu[h]; j < kept.cu[h + 1]; ++j) pos[h * stride_ + j - kept.cu[h]] = pos[h * stride_ + kept.pos[j]];
     std::copy(new_lens_.begin(), new_lens_.end(), lens_ptr(l));
     pages_freed_ += freed;
     ++epoch_;
@@ -264,9 +261,12 @@ class kv_cache {
   std::int32_t* lens_ptr(int l) { return lens_.data() + index_t(l) * heads_; }
   index_t layer_off(int l) const { return index_t(l) * heads_ * stride_ * head_size_; }
   index_t row_off(int l, index_t h, index_t j) const { return layer_off(l) + (h * stride_ + j) * head_size_; }
-  kvevict::page_pool<float> pool(std::vector<float>& buf, int l) {
-    return *kvevict::make_page_pool(buf.data() + layer_off(l), heads_ * head_pages_, page_size_, index_t(1), head_size_,
-                                    kvevict::page_layout::hnd);
+  // layer l's page pool of keys, values (dim head_size) or positions (dim 1)
+  template <class T>
+  kvevict::page_pool<T> pool(std::vector<T>& buf, int l) {
+    const index_t dim = std::is_same_v<T, pos_t> ? 1 : head_size_;
+    return *kvevict::make_page_pool(buf.data() + layer_off(l) / head_size_ * dim, heads_ * head_pages_, page_size_,
+                                    index_t(1), dim, kvevict::page_layout::hnd);
   }
 
   kvevict::result<kvevict::kv_view<const float>> dense(const std::vector<float>& buf, const char* fn, int l,

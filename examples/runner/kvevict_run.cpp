@@ -209,16 +209,7 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
                   std::to_string(o.steps));
   }
   for (kvevict::index_t i = 0; i < o.batch; ++i) prompts.push_back(given[static_cast<std::size_t>(i) % given.size()]);
-  kvrun::batch_settings bs;
-  bs.steps = o.steps;
-  bs.page_size = o.page_size;
-  bs.temperature = o.temperature;
-  bs.topp = o.topp;
-  bs.seed = o.seed;
-  bs.threads = o.threads;
-  bs.evict = o.evict;
-  bs.duo = duo;
-  bs.scorer = scorer;
+  const kvrun::batch_settings bs{o.steps, o.page_size, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer};
   std::vector<std::vector<int>> out;
   kvrun::batch_stats stats;
   if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);

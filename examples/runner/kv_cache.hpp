@@ -53,7 +53,7 @@ class kv_cache {
       return status::error(errc::invalid_argument, "kv_cache: capacity %lld is outside [0, seq_len %d] (0 = seq_len)",
                            static_cast<long long>(capacity), c.seq_len);
     if (page_size < 1 || page_size > INT32_MAX)
-      return status::error(errc::invalid_argument, "kv_cache: page size %lld must be >= 1",
+      return status::error(errc::invalid_argument, "kv_cache: page size %lld is outside [1, 2^31 - 1]",
                            static_cast<long long>(page_size));
     if (capacity == 0) capacity = c.seq_len;
     const index_t pages = (capacity + page_size - 1) / page_size;  // per head
@@ -246,7 +246,7 @@ class kv_cache {
   std::vector<float> keys_, values_;     // [layer][kv_head][stride_][head_size]: layer l's page pool
   std::vector<pos_t> positions_;         // [layer][kv_head][stride_]
   std::vector<std::int32_t> lens_;       // [layer][kv_head]
-  std::vector<std::int32_t> cu_capacity_;  // {0, capacity, 2 capacity, ...}: the same for every layer
+  std::vector<std::int32_t> cu_capacity_;  // {0, stride_, 2 stride_, ...}: the same for every layer
   std::vector<std::uint64_t> layer_epoch_;  // compactions per layer
   // compact()'s block table (one layer's), its outputs and compact_paged's workspace
   std::vector<std::int32_t> indptr_, indices_, last_page_len_, new_lens_, freed_;

@@ -1,8 +1,10 @@
 // Paged KV caches (kvevict/paged.hpp): views, block-table validation, paged compaction and the
-// freed pages, Knorm and value norms through the paged views, against the dense paths.
+// freed pages, the paged compact_layer (positions too), Knorm and value norms through the paged
+// views, against the dense paths.
 #include "paged_fixture.hpp"
 
 #include <kvevict/compact.hpp>
+#include <kvevict/drivers/compact_layer.hpp>
 #include <kvevict/paged.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/select.hpp>
@@ -405,4 +407,69 @@ TEST_CASE("paged window scores: bad input") {
   REQUIRE(f.indices.size() >= 2);
   f.indices[0] = f.indices[1];
   kvtest::require_error(run(q, ov), errc::invalid_argument, "page");
+}
+
+TEST_CASE("paged compact_layer: keys and values as compact_paged, the positions moved with their rows") {
+  auto g = kvtest::rng(1371);
+  for (const index_t ps : page_sizes)
+    for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head})
+      for (const page_layout layout : {page_layout::nhd, page_layout::hnd}) {
+        const index_t S = kvtest::uniform_int(g, 1, 4), H = kvtest::uniform_int(g, 1, 3);
+        paged_fixture f = kvtest::make_paged_fixture(g, S, H, 8, ps, lists, layout, 3 * ps + 5);
+        CAPTURE(ps);
+        CAPTURE(static_cast<int>(lists));
+        CAPTURE(static_cast<int>(layout));
+        paged_fixture ref = f;  // the same layout, compacted by compact_paged
+        std::vector<pos_t> ppool(static_cast<std::size_t>(f.pages * ps * f.heads_per_page()), -1);
+        const auto pos_pool = kvtest::value_of(make_page_pool(ppool.data(), f.pages, ps, f.heads_per_page(), 1, layout));
+        const auto pos_of = [&](index_t r, index_t j) -> pos_t& {
+          const auto L = f.layer();
+          return *pos_pool.row(L.table.page_of(L.list_of(r), j, ps), j % ps, L.head_of(r));
+        };
+        for (index_t r = 0; r < f.rows(); ++r)
+          for (index_t j = 0; j < f.row_len[static_cast<std::size_t>(r)]; ++j) pos_of(r, j) = static_cast<pos_t>(1000 * r + j);
+        const auto kept = random_kept(g, f);
+        const flat_kept fk = flatten(kept);
+        compaction c = room_for(f), cr = room_for(ref);
+        REQUIRE(two_phase([&](workspace& ws) { return compact_paged(seq, ws, ref.layer(), fk.view(f.rows()), cr.out()); })
+                    .ok());
+        const status st = two_phase([&](workspace& ws) {
+          return compact_layer(par, ws, f.layer(), pos_pool, fk.view(f.rows()), c.out());
+        });
+        REQUIRE_MESSAGE(st.ok(), st.message());
+        kvtest::check_same_compaction(f, c, ref, cr);
+        for (index_t r = 0; r < f.rows(); ++r)
+          for (std::size_t j = 0; j < kept[static_cast<std::size_t>(r)].size(); ++j)
+            CHECK(pos_of(r, static_cast<index_t>(j)) == static_cast<pos_t>(1000 * r + kept[static_cast<std::size_t>(r)][j]));
+      }
+}
+
+TEST_CASE("paged compact_layer: a bad position pool fails before any write") {
+  auto g = kvtest::rng(1372);
+  paged_fixture f = kvtest::make_paged_fixture(g, 2, 2, 4, 4, page_lists::per_head, page_layout::hnd, 11, 3, 4);
+  const auto kept = random_kept(g, f);
+  const flat_kept fk = flatten(kept);
+  std::vector<pos_t> ppool(static_cast<std::size_t>(f.pages * 4 * 2), 5);
+  const paged_fixture before = f;
+  const auto before_pos = ppool;
+  const auto fails = [&](page_pool<pos_t> p, errc code, const char* what) {
+    compaction c = room_for(f);
+    std::vector<unsigned char> mem(paged_workspace_bytes(f.pages));
+    workspace ws{mem.data(), mem.size()};
+    kvtest::require_error(compact_layer(seq, ws, f.layer(), p, fk.view(f.rows()), c.out()), code, what);
+    CHECK(f.kpool == before.kpool);
+    CHECK(f.vpool == before.vpool);
+    CHECK(ppool == before_pos);
+    CHECK(c.count == -7);
+  };
+  fails(kvtest::value_of(make_page_pool(ppool.data(), f.pages, 4, 1, 2, page_layout::hnd)), errc::shape_mismatch,
+        "dim 1 needed");
+  fails(kvtest::value_of(make_page_pool(ppool.data(), f.pages - 1, 4, 1, 1, page_layout::hnd)), errc::shape_mismatch,
+        "the position pool has");
+  fails(kvtest::value_of(make_page_pool(ppool.data(), f.pages, 2, 1, 1, page_layout::hnd)), errc::shape_mismatch,
+        "the position pool has");
+  auto inside_keys = kvtest::value_of(make_page_pool(ppool.data(), f.pages, 4, 1, 1, page_layout::hnd));
+  inside_keys.data = reinterpret_cast<pos_t*>(f.kpool.data());
+  fails(inside_keys, errc::overlap, "positions");
+  fails({nullptr, f.pages, 4, 1, 1, 1, 1, 4}, errc::null_pointer, "positions");
 }

@@ -14,6 +14,7 @@
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
 #include <lookaheadkv/scores.hpp>
+#include <runner/batch.hpp>
 #include <runner/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
@@ -184,6 +185,55 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   return 0;
 }
 
+// The prompt and its generated tokens: ids on one line (--ids) or the text.
+int print_sequence(const options& o, const kvrun::tokenizer& tok, const std::vector<int>& prompt,
+                   const std::vector<int>& generated) {
+  std::vector<int> all = prompt;
+  all.insert(all.end(), generated.begin(), generated.end());
+  if (o.ids) {
+    for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
+    std::printf("\n");
+    return 0;
+  }
+  std::string text;
+  if (auto st = kvrun::detokenize(tok, all, text); !st.ok()) return fail("", st);
+  std::printf("%s\n", text.c_str());
+  return 0;
+}
+
+// kvevict-run --batch N: sequence i's prompt is the i-th of --prompt, --batch-prompt ... (cycled),
+// all run as one batch (batch.hpp); prints each sequence's output on its own line(s), in order.
+int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& first,
+              const kvrun::duo_heads* duo, kvrun::prompt_scorer* scorer) {
+  const kvrun::config& c = model.cfg();
+  std::vector<std::vector<int>> given{first}, prompts;
+  for (const std::string& text : o.batch_prompts) {
+    if (text.size() + 1 > static_cast<std::size_t>(c.seq_len - 1) * static_cast<std::size_t>(tok.longest_piece()))
+      return fail("--batch-prompt of " + std::to_string(text.size()) + " bytes cannot fit in the model's context");
+    given.emplace_back();
+    if (auto st = tok.encode(text, /*bos=*/true, /*eos=*/false, given.back()); !st.ok()) return fail("", st);
+    if (static_cast<int>(given.back().size()) > o.steps)
+      return fail("a --batch-prompt has " + std::to_string(given.back().size()) + " tokens, more than --steps " +
+                  std::to_string(o.steps));
+  }
+  for (kvevict::index_t i = 0; i < o.batch; ++i) prompts.push_back(given[static_cast<std::size_t>(i) % given.size()]);
+  const kvrun::batch_settings bs{o.steps, o.page_size, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer};
+  std::vector<std::vector<int>> out;
+  kvrun::batch_stats stats;
+  if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);
+  for (std::size_t s = 0; s < prompts.size(); ++s)
+    if (const int code = print_sequence(o, tok, prompts[s], out[s]); code != 0) return code;
+  if (o.stats)
+    std::fprintf(stderr,
+                 "batch: %lld sequences in %lld steps (%lld with a prefill beside decodes); pages: peak %lld held by "
+                 "the batch, %lld freed by eviction, %lld released by finished sequences (%lld tokens per page)\n",
+                 static_cast<long long>(o.batch), static_cast<long long>(stats.steps),
+                 static_cast<long long>(stats.mixed_steps), static_cast<long long>(stats.peak_pages),
+                 static_cast<long long>(stats.pages_freed), static_cast<long long>(stats.pages_released),
+                 static_cast<long long>(o.page_size));
+  return 0;
+}
+
 int run(int argc, char** argv) {
   options o;
   std::string message;
@@ -232,7 +282,7 @@ int run(int argc, char** argv) {
   if (auto st = run.init(model, {full ? static_cast<kvevict::index_t>(prompt.size()) : 0, full ? o.steps : 0, o.threads});
       !st.ok())
     return fail("", st);
-  if (auto st = cache.init(c, full ? o.steps : 0); !st.ok()) return fail("", st);
+  if (auto st = cache.init(c, full ? o.steps : 0, o.page_size); !st.ok()) return fail("", st);
   if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
   kvrun::duo_heads duo;
   kvrun::lookahead_module lookahead;
@@ -244,21 +294,22 @@ int run(int argc, char** argv) {
   const float* logits = nullptr;  // of the first generated token
   kvrun::decode_step decode;      // evicted: the evictor's decode (decode-time eviction)
   double prefill_s = 0.0;
+  if (method == kvrun::method::duo || method == kvrun::method::prulong) {
+    if (auto st = kvrun::head_types_from_file(c, o.head_mask, o.head_sparsity, duo); !st.ok())
+      return fail_file(o.head_mask, st);
+  } else if (!full && kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo) {
+    if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
+  }
+  if (method == kvrun::method::lookaheadkv) {
+    if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
+    if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);
+  }
+  if (o.batch > 1) return run_batch(o, model, tok, prompt, &duo, &scorer);  // batch.hpp
   if (full) {
     const auto t0 = std::chrono::steady_clock::now();
     if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);
     prefill_s = kvrun::seconds_since(t0);
   } else {  // prefill with eviction (evictor.hpp)
-    if (method == kvrun::method::duo || method == kvrun::method::prulong) {
-      if (auto st = kvrun::head_types_from_file(c, o.head_mask, o.head_sparsity, duo); !st.ok())
-        return fail_file(o.head_mask, st);
-    } else if (kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo) {
-      if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
-    }
-    if (method == kvrun::method::lookaheadkv) {
-      if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
-      if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);
-    }
     if (auto st = ev.init(model, o.evict, &duo, &scorer); !st.ok()) return fail("", st);
     std::vector<int> response;  // the oracle's block: the full cache's continuation, same sampler
     if (method == kvrun::method::oracle) {
@@ -304,21 +355,16 @@ int run(int argc, char** argv) {
                  usage.footprint(), usage.peak_kv(), static_cast<long long>(n));
   }
 
-  std::vector<int> all = prompt;
-  all.insert(all.end(), generated.begin(), generated.end());
-  if (o.ids) {
-    for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
-    std::printf("\n");
-  } else {
-    std::string text;
-    if (auto st = kvrun::detokenize(tok, all, text); !st.ok()) return fail("", st);
-    std::printf("%s\n", text.c_str());
-  }
+  if (const int code = print_sequence(o, tok, prompt, generated); code != 0) return code;
   if (o.stats) {
     const auto decoded = static_cast<double>(cache.next_position()) - static_cast<double>(prompt.size());
     std::fprintf(stderr, "prefill: %zu tokens in %.3f ms (%.0f tok/s); decode: %.0f tokens in %.3f ms (%.0f tok/s); %d threads\n",
                  prompt.size(), prefill_s * 1e3, static_cast<double>(prompt.size()) / prefill_s, decoded, decode_s * 1e3,
                  decoded > 0 ? decoded / decode_s : 0.0, run.threads());
+    std::fprintf(stderr, "pages: %lld in use, peak %lld, %lld freed by eviction (%lld tokens per page, %lld in the pools)\n",
+                 static_cast<long long>(cache.pages_in_use()), static_cast<long long>(cache.peak_pages()),
+                 static_cast<long long>(cache.pages_freed()), static_cast<long long>(cache.page_size()),
+                 static_cast<long long>(cache.total_pages()));
   }
   return 0;
 }

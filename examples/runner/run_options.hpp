@@ -30,6 +30,9 @@ struct run_options {
   int threads = 0;
   bool ids = false;
   bool stats = false;
+  index_t page_size = 16;  ///< tokens per page of the paged KV cache (kv_cache.hpp)
+  index_t batch = 1;       ///< sequences decoded as one batch (batch.hpp)
+  std::vector<std::string> batch_prompts;  ///< the batch's prompts after --prompt (cycled)
   // eviction
   std::string recipe = "full";
   std::string allocator;
@@ -81,7 +84,10 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   integer("--seed", o.seed, "xorshift seed for sampling (nonzero; run.c's -s)");
   integer("--threads", o.threads, "OpenMP threads for long blocks (0 = OMP_NUM_THREADS or all cores)");
   app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
-  app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost and footprint) on stderr");
+  app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost, footprint and pages) on stderr");
+  integer("--page-size", o.page_size, "tokens per page of the paged KV cache");
+  integer("--batch", o.batch, "sequences run as one batch with continuous decoding (prompts: --prompt, --batch-prompt ..., cycled)");
+  app.add_option("--batch-prompt", o.batch_prompts, "--batch: further prompts (repeatable)");
   // eviction (docs/runner.md, "Eviction")
   auto* recipe_opt = app.add_option("--recipe", o.recipe,
                                     "eviction method: full (no eviction), streaming_llm, h2o, tova, snapkv, pyramidkv, "
@@ -153,6 +159,8 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   if (!(o.topp >= 0.0f && o.topp <= 1.0f)) return err("--topp must be in [0, 1], got " + std::to_string(o.topp));
   if (o.seed == 0) return err("--seed must be nonzero (the xorshift generator never leaves state 0)");
   if (o.threads < 0) return err("--threads must be >= 0, got " + std::to_string(o.threads));
+  if (o.page_size < 1 || o.page_size > 4096) return err("--page-size must be in [1, 4096], got " + std::to_string(o.page_size));
+  if (o.batch < 1 || o.batch > 64) return err("--batch must be in [1, 64], got " + std::to_string(o.batch));
   // every count is checked here, before any file is read or any work starts (docs/conventions.md)
   if (o.calibration < 1) return err("--calibration must be >= 1, got " + std::to_string(o.calibration));
   if (o.prompts < 1) return err("--prompts must be >= 1, got " + std::to_string(o.prompts));

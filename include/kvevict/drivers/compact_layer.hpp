@@ -1,7 +1,8 @@
 // kvevict/drivers/compact_layer.hpp: applies a driver's answer to one layer of the engine's cache
 // (docs/drivers.md).
 //
-//   compact_layer(be, keys, values, positions, d.kept(l))
+//   compact_layer(be, keys, values, positions, d.kept(l))             a ragged (or dense) cache
+//   compact_layer(be, ws, paged, position_pool, d.kept(l), freed)    a paged cache (docs/paged.md)
 //
 // Keys, values and the rows' original positions are compacted together, in place: head h keeps
 // rows kept.pos[kept.cu[h] ..] (strictly ascending, each below the head's row count, the order
@@ -15,6 +16,7 @@
 #include <kvevict/detail/base/checks.hpp>
 #include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/drivers/detail/driver_checks.hpp>
+#include <kvevict/paged.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 
@@ -68,6 +70,60 @@ status compact_layer(Backend be, ragged_cache<T> keys, ragged_cache<T> values, r
     const auto n = static_cast<std::int32_t>(kept.length(h));
     keys.lens[h] = values.lens[h] = positions.lens[h] = n;
   }
+  return {};
+}
+
+/// The same on a paged layer (paged_types.hpp): keys and values by compact_paged (kept rows to the
+/// front of each list, freed pages reported in `out`, the table not written: shrink_page_table),
+/// and the rows' original positions, a pool of dim 1 with the keys' pages, page size and heads per
+/// page, read through the same table, moved alike. `kept` lists the layer's rows r = s * kv_heads
+/// + h (a driver's kept(l) for one sequence: r = h). Workspace: compact_paged's (two-phase).
+/// Errors (nothing written): the positions pool invalid, of dim != 1, shaped unlike the keys or
+/// overlapping the key / value pools, the table, kept or the outputs; then compact_paged's.
+template <class Backend, class T>
+status compact_layer(Backend be, workspace& ws, paged_layer<T> layer, page_pool<pos_t> positions, ragged_positions kept,
+                     paged_compaction_out out) {
+  constexpr const char* fn = "compact_layer";
+  static_assert(!std::is_const_v<T>, "compact_layer: the pools are written");
+  KVEVICT_TRY(detail::check_page_pool(fn, "positions", positions));
+  if (positions.dim != 1 || positions.pages != layer.keys.pages || positions.page_size != layer.keys.page_size ||
+      positions.heads != layer.keys.heads)
+    return status::error(errc::shape_mismatch,
+                         "%s: the position pool has %lld pages of %lld tokens x %lld heads x dim %lld, the keys %lld x "
+                         "%lld x %lld (dim 1 needed)",
+                         fn, static_cast<long long>(positions.pages), static_cast<long long>(positions.page_size),
+                         static_cast<long long>(positions.heads), static_cast<long long>(positions.dim),
+                         static_cast<long long>(layer.keys.pages), static_cast<long long>(layer.keys.page_size),
+                         static_cast<long long>(layer.keys.heads));
+  const index_t R = layer.rows(), lists = layer.table.lists;
+  if (kept.heads == R && kept.cu != nullptr && R >= 0) {  // compact_paged reports other kept shapes
+    detail::byte_range tr[3];
+    detail::table_ranges(layer.table, tr);
+    const detail::byte_range pr = detail::pool_range(positions);
+    const detail::byte_range others[] = {detail::pool_range(layer.keys),
+                                         detail::pool_range(layer.values),
+                                         tr[0],
+                                         tr[1],
+                                         tr[2],
+                                         detail::positions_range(kept.pos, R > 0 ? kept.cu[R] : 0),
+                                         detail::ints_range(kept.cu, R + 1),
+                                         detail::ints_range(out.lengths, lists),
+                                         detail::ints_range(out.freed_pages, out.freed_capacity),
+                                         detail::ints_range(out.freed_count, 1)};
+    for (const detail::byte_range& o : others)
+      if (pr.intersects(o)) return detail::overlap_error(fn, "positions", "the layer's pools, table, kept or outputs");
+  }
+  KVEVICT_TRY(compact_paged(be, ws, layer, kept, out));
+  if (ws.is_query()) return {};
+  // compact_paged validated kept and the table and moved the keys and values: the positions alike
+  const index_t ps = positions.page_size;
+  detail::parallel_for(be, R, [&](index_t r) {
+    const index_t n = kept.length(r), l = layer.list_of(r), h = layer.head_of(r);
+    const pos_t* k = kept.pos + kept.cu[r];
+    for (index_t j = 0; j < n; ++j)
+      if (k[j] != j)
+        *positions.row(layer.table.page_of(l, j, ps), j % ps, h) = *positions.row(layer.table.page_of(l, k[j], ps), k[j] % ps, h);
+  });
   return {};
 }
 

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 using namespace kvevict;
@@ -322,6 +323,69 @@ TEST_CASE("cuda score logic: the statistics helpers") {
     const float a1 = widen(h), b1 = to_float(h), a2 = widen(bf), b2 = to_float(bf);
     CHECK(((std::isnan(a1) && std::isnan(b1)) || bits_of(a1) == bits_of(b1)));
     CHECK(((std::isnan(a2) && std::isnan(b2)) || bits_of(a2) == bits_of(b2)));
+  }
+}
+
+namespace {
+// The worst bank conflict of one shared-memory access phase: the most distinct 4-byte words that
+// fall into one of the 32 banks (the same word twice is a broadcast, not a conflict).
+int bank_degree(const std::vector<long>& words) {
+  std::vector<std::vector<long>> banks(32);
+  for (long w : words) {
+    auto& b = banks[static_cast<std::size_t>(w % 32)];
+    if (std::find(b.begin(), b.end(), w) == b.end()) b.push_back(w);
+  }
+  std::size_t worst = 0;
+  for (const auto& b : banks) worst = std::max(worst, b.size());
+  return static_cast<int>(worst);
+}
+}  // namespace
+
+TEST_CASE("cuda score logic: shared-memory staging and logit-tile accesses are conflict-free or 2-way") {
+  using namespace detail;
+  // staging: every (row, element) of a chunk exactly once; each warp's stores s[dd * ld + row] hit 32 banks
+  for (const auto& [rows, ld] : {std::pair<int, int>{cs_rows, cs_q_ld}, std::pair<int, int>{cs_keys, cs_k_ld}}) {
+    std::vector<int> seen(static_cast<std::size_t>(rows * cs_dchunk), 0);
+    for (int e0 = 0; e0 < rows * cs_dchunk; e0 += 32) {
+      std::vector<long> words;
+      for (int lane = 0; lane < 32; ++lane) {
+        const cs_stage_slot sl = cs_stage_slot_of(e0 + lane);
+        REQUIRE(sl.row >= 0);
+        REQUIRE(sl.row < rows);
+        REQUIRE(sl.dd >= 0);
+        REQUIRE(sl.dd < cs_dchunk);
+        ++seen[static_cast<std::size_t>(sl.row * cs_dchunk + sl.dd)];
+        words.push_back(static_cast<long>(sl.dd) * ld + sl.row);
+      }
+      CHECK(bank_degree(words) == 1);
+    }
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+  }
+  // logit / probability tile: thread (tr, tk) stores rows tr*8+r, columns tk*4 .. tk*4+3 as two float2
+  // (a 64-bit access is served per half warp); the statistics runs read row tid/2, columns
+  // (tid%2)*32 + i, one float per thread.
+  constexpr int key_threads = cs_keys / cs_thread_keys;
+  for (int w = 0; w < cs_threads / 32; ++w) {
+    for (int r = 0; r < cs_thread_rows; ++r)
+      for (int pair = 0; pair < 2; ++pair)
+        for (int half_warp = 0; half_warp < 2; ++half_warp) {
+          std::vector<long> words;
+          for (int lane = half_warp * 16; lane < half_warp * 16 + 16; ++lane) {
+            const int tid = w * 32 + lane, tr = tid / key_threads, tk = tid % key_threads;
+            const long base = static_cast<long>(tr * cs_thread_rows + r) * cs_l_ld + tk * cs_thread_keys + 2 * pair;
+            words.push_back(base);
+            words.push_back(base + 1);
+          }
+          CHECK(bank_degree(words) <= 2);
+        }
+    for (int i = 0; i < cs_half; ++i) {
+      std::vector<long> words;
+      for (int lane = 0; lane < 32; ++lane) {
+        const int tid = w * 32 + lane;
+        words.push_back(static_cast<long>(tid / 2) * cs_l_ld + (tid % 2) * cs_half + i);
+      }
+      CHECK(bank_degree(words) <= 2);
+    }
   }
 }
 

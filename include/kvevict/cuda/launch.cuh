@@ -5,6 +5,8 @@
 
 #include <kvevict/config.hpp>
 #include <kvevict/cuda/error.cuh>
+#include <kvevict/cuda/simt.cuh>
+#include <kvevict/detail/block/simt_bodies.hpp>
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/weight.hpp>
@@ -34,10 +36,8 @@ status check_device_alignment(const char* fn, const char* name, const T* p) {
 /// [0, limit] returns false; if `count`, it is added once to *bad (when bad is non-null).
 __device__ inline bool device_row_length(const std::int32_t* lengths, index_t row, index_t limit, index_t& len,
                                          int* bad, bool count) {
-  len = lengths != nullptr ? static_cast<index_t>(lengths[row]) : limit;
-  if (len >= 0 && len <= limit) return true;
-  if (count && bad != nullptr) atomicAdd(bad, 1);
-  return false;
+  cuda_simt_ctx c;
+  return simt_row_length(c, lengths, row, limit, len, bad, count);
 }
 
 inline constexpr int stage_rows = 256;  ///< rows staged per step (one per thread of a 256-thread CTA)

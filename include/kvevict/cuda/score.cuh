@@ -85,11 +85,13 @@ __device__ __forceinline__ void cs_block_logits(const cuda_score_args<QE, KE>& a
     const int n = a.d - d0 < cs_dchunk ? static_cast<int>(a.d - d0) : cs_dchunk;
     __syncthreads();
     for (int e = tid; e < cs_rows * cs_dchunk; e += cs_threads) {
-      const int lr = e / cs_dchunk, dd = e % cs_dchunk;
+      const cs_stage_slot sl = cs_stage_slot_of(e);
+      const int lr = sl.row, dd = sl.dd;
       qs[dd * cs_q_ld + lr] = lr < nrows && dd < n ? widen(a.q[qoff[lr] + (d0 + dd) * a.qs2]) : 0.0f;
     }
     for (int e = tid; e < cs_keys * cs_dchunk; e += cs_threads) {
-      const int kk = e / cs_dchunk, dd = e % cs_dchunk;
+      const cs_stage_slot sl = cs_stage_slot_of(e);
+      const int kk = sl.row, dd = sl.dd;
       const index_t col = j0 + kk;
       float v = 0.0f;
       if (col < a.cols && dd < n)
@@ -117,7 +119,7 @@ __device__ __forceinline__ void cs_block_logits(const cuda_score_args<QE, KE>& a
 /// key tiles [s * tiles_per_split, ...) in order: two runs of cs_half keys per tile (threads 2r and
 /// 2r + 1), merged, then merged into the row's running statistics -> part[row][s].
 template <bool Fused, class QE, class KE>
-__global__ void __launch_bounds__(cs_threads) cs_stats_kernel(const cuda_score_args<QE, KE> a) {
+__global__ void __launch_bounds__(cs_threads, 2) cs_stats_kernel(const cuda_score_args<QE, KE> a) {
   __shared__ __align__(16) float sm[cs_tile_floats];
   __shared__ index_t qoff[cs_rows];
   constexpr int key_threads = cs_keys / cs_thread_keys;
@@ -144,10 +146,11 @@ __global__ void __launch_bounds__(cs_threads) cs_stats_kernel(const cuda_score_a
       cs_block_logits<Fused>(a, sm, qoff, nrows, g, j0, acc);
       __syncthreads();  // the staged queries and keys are no longer read
 #pragma unroll
-      for (int r = 0; r < cs_thread_rows; ++r)
-#pragma unroll
-        for (int c = 0; c < cs_thread_keys; ++c)
-          sm[(tr * cs_thread_rows + r) * cs_l_ld + tk * cs_thread_keys + c] = mul_rn(acc[r][c], a.scale);
+      for (int r = 0; r < cs_thread_rows; ++r) {  // float2 stores: 2-way at most (scalar: 4-way)
+        float2* const dst = reinterpret_cast<float2*>(sm + (tr * cs_thread_rows + r) * cs_l_ld + tk * cs_thread_keys);
+        dst[0] = make_float2(mul_rn(acc[r][0], a.scale), mul_rn(acc[r][1], a.scale));
+        dst[1] = make_float2(mul_rn(acc[r][2], a.scale), mul_rn(acc[r][3], a.scale));
+      }
       __syncthreads();
       const softmax_stats mine = score_run_stats(sm + srow * cs_l_ld + half * cs_half, 1, score_run_count(my_vis, j0, half));
       softmax_stats other;
@@ -203,13 +206,16 @@ __device__ bool cs_prob_tile(const cuda_score_args<QE, KE>& a, float* sm, index_
 #pragma unroll
   for (int r = 0; r < cs_thread_rows; ++r) {
     const int lr = tr * cs_thread_rows + r;
+    float pv[cs_thread_keys];
 #pragma unroll
     for (int c = 0; c < cs_thread_keys; ++c) {
       const int kk = tk * cs_thread_keys + c;
-      float pv = 0.0f;
-      if (lr < nrows && kk < ncols) pv = score_tile_prob(rst[lr], mul_rn(acc[r][c], a.scale), c0 + kk < rvis[lr]);
-      sm[lr * cs_l_ld + kk] = pv;
+      pv[c] = 0.0f;
+      if (lr < nrows && kk < ncols) pv[c] = score_tile_prob(rst[lr], mul_rn(acc[r][c], a.scale), c0 + kk < rvis[lr]);
     }
+    float2* const dst = reinterpret_cast<float2*>(sm + lr * cs_l_ld + tk * cs_thread_keys);  // 2-way at most
+    dst[0] = make_float2(pv[0], pv[1]);
+    dst[1] = make_float2(pv[2], pv[3]);
   }
   __syncthreads();
   return true;
@@ -220,7 +226,7 @@ __device__ bool cs_prob_tile(const cuda_score_args<QE, KE>& a, float* sm, index_
 /// column) the rows pushed in order i = 0..w-1, finalised, written, and combined over the group's
 /// heads in order (GQA output).
 template <bool Fused, class QE, class KE>
-__global__ void __launch_bounds__(cs_threads) cs_columns_kernel(const cuda_score_args<QE, KE> a) {
+__global__ void __launch_bounds__(cs_threads, 2) cs_columns_kernel(const cuda_score_args<QE, KE> a) {
   __shared__ __align__(16) float sm[cs_tile_floats];
   __shared__ index_t qoff[cs_rows];
   __shared__ index_t rvis[cs_rows];

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <kvevict/config.hpp>
+#include <kvevict/cuda/error.cuh>
+#include <kvevict/status.hpp>
 
 #include <cstdint>
 
@@ -33,6 +35,28 @@ struct cuda_simt_ctx {
   template <class T>
   __device__ T atomic_add(T* p, T v) const { return atomicAdd(p, v); }
   __device__ void fence() const { __threadfence(); }
+};
+
+/// The one __global__ of every op (detail/block/simt_bodies.hpp): its static shared memory, the
+/// context, the body.
+template <class Op, class... A>
+__global__ void __launch_bounds__(Op::threads) simt_kernel(A... a) {
+  __shared__ typename Op::shared sh;
+  cuda_simt_ctx c;
+  Op::body(c, sh, a...);
+}
+
+/// The GPU launcher: each op's kernel on `stream`; stops at the first launch error (err).
+struct cuda_launcher {
+  cudaStream_t stream;
+  const char* fn;
+  status err{};
+  template <class Op, class Shape, class... A>
+  void run(const Shape& sh, A... a) {
+    if (!err.ok()) return;
+    simt_kernel<Op, A...><<<static_cast<unsigned>(sh.grid), static_cast<unsigned>(sh.block), 0, stream>>>(a...);
+    err = cuda_status(cudaGetLastError(), fn);
+  }
 };
 
 }  // namespace kvevict::detail

@@ -121,6 +121,8 @@ class simt_executor {
     return error_.empty();
   }
   const std::string& error() const noexcept { return error_; }
+  /// Shared memory per block from now on.
+  void resize_shared(std::size_t bytes) { shared_.assign(bytes, 0); }
   /// This block's shared memory (valid inside run()).
   unsigned char* shared() noexcept { return shared_.data(); }
   template <class T>

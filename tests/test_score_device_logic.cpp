@@ -6,6 +6,8 @@
 // reduce mode, with and without block keys, prefix or all columns, GQA-reduced output (which must
 // equal gqa_reduce of the per-head output bit for bit), NaN and infinities.
 #include <kvevict/detail/block/score_emulation.hpp>
+#include <kvevict/detail/block/simt.hpp>
+#include <kvevict/detail/block/simt_bodies.hpp>
 #include "support.hpp"
 
 #include <kvevict/gqa.hpp>
@@ -435,4 +437,46 @@ TEST_CASE("cuda score logic: checks shared with the host name the output") {
 TEST_CASE("cuda score logic: report") {
   MESSAGE("largest |emulated - exact| / device bound over the randomized cases: ", worst_ratio);
   CHECK(worst_ratio <= 1.0);
+}
+
+// key_norm_scores' and position_scores' CUDA kernel bodies (key_norm_op, position_op, launched by
+// cuda/score.cuh with the same shapes) on the host SIMT executor: bit-identical with seq (float,
+// float16, bfloat16 keys; partial 256-token tiles; head dims not a multiple of the 16-element
+// staging; token-major strides; small grid caps).
+template <class KE>
+void key_norm_on_executor(std::mt19937_64& g, int trial) {
+  CAPTURE(trial);
+  const index_t H = 1 + static_cast<index_t>(g() % 3), T = 1 + static_cast<index_t>(g() % 700);
+  const index_t d = 1 + static_cast<index_t>(g() % 70);
+  const kv_layout layout = trial % 2 ? kv_layout::token_major : kv_layout::head_major;
+  std::vector<KE> k;
+  for (float x : kvtest::random_floats(g, static_cast<std::size_t>(H * T * d), -3.f, 3.f)) k.push_back(from_f<KE>(x));
+  const auto kv = *make_kv_view(static_cast<const KE*>(k.data()), H, T, d, layout);
+  std::vector<float> expect(static_cast<std::size_t>(H * T)), got(expect.size(), -1.0f);
+  REQUIRE(key_norm_scores(seq, kv, *make_matrix_view(expect.data(), H, T)).ok());
+  detail::simt_executor ex(static_cast<std::uint64_t>(trial));
+  detail::simt_launcher<detail::simt_executor> l{ex};
+  l.run<detail::key_norm_op<KE>>(detail::key_norm_shape(kv, trial % 3 == 0 ? 2 : index_t(1) << 20), kv, got.data(), T,
+                                 index_t(1));
+  REQUIRE_MESSAGE(l.ok, ex.error());
+  CHECK(std::memcmp(got.data(), expect.data(), got.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("cuda score logic: key_norm and position kernel bodies under the SIMT executor equal seq bit for bit") {
+  auto g = kvtest::rng(2105);
+  for (int trial = 0; trial < 4; ++trial) {
+    key_norm_on_executor<float>(g, trial);
+    key_norm_on_executor<float16>(g, trial + 4);
+    key_norm_on_executor<bfloat16>(g, trial + 8);
+  }
+  for (int trial = 0; trial < 4; ++trial) {
+    const index_t R = 1 + static_cast<index_t>(g() % 4), T = 1 + static_cast<index_t>(g() % 900);
+    std::vector<float> expect(static_cast<std::size_t>(R * T)), got(expect.size(), -1.0f);
+    REQUIRE(position_scores(seq, *make_matrix_view(expect.data(), R, T)).ok());
+    detail::simt_executor ex(static_cast<std::uint64_t>(trial));
+    detail::simt_launcher<detail::simt_executor> l{ex};
+    l.run<detail::position_op>(detail::position_shape(R, T, trial % 2 ? 3 : index_t(1) << 20), got.data(), T, index_t(1), R, T);
+    REQUIRE_MESSAGE(l.ok, ex.error());
+    CHECK(std::memcmp(got.data(), expect.data(), got.size() * sizeof(float)) == 0);
+  }
 }

@@ -21,6 +21,8 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/cuda/error.cuh>
 #include <kvevict/cuda/launch.cuh>
+#include <kvevict/cuda/simt.cuh>
+#include <kvevict/detail/block/simt_bodies.hpp>
 #include <kvevict/detail/base/checks.hpp>
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/detail/base/softmax.hpp>
@@ -391,31 +393,6 @@ status attention_scores_cuda(const char* fn, cuda_t be, workspace& ws, const kv_
   return opt.fused_multiply_add ? cs_launch<true>(fn, be, a) : cs_launch<false>(fn, be, a);
 }
 
-/// Knorm on the GPU: CTA item (KV head, tile of stage_rows tokens), the key rows staged through shared
-/// memory, thread t summing row t's squares in order k = 0..d-1 (key_sq_accumulate), then -sqrt.
-/// position_scores: out[h][t] = t, one thread per element, grid-stride.
-__global__ void __launch_bounds__(256) position_kernel(float* out, index_t os0, index_t os1, index_t R, index_t T) {
-  const index_t items = R * T, stride = static_cast<index_t>(gridDim.x) * blockDim.x;
-  for (index_t it = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; it < items; it += stride)
-    out[(it / T) * os0 + (it % T) * os1] = static_cast<float>(it % T);
-}
-
-template <class KE>
-__global__ void __launch_bounds__(stage_rows) key_norm_kernel(kv_view<const KE> keys, float* out, index_t os0,
-                                                              index_t os1) {
-  __shared__ float sm[stage_rows * stage_ld];
-  const index_t tokens = keys.extent(1), tiles = (tokens + stage_rows - 1) / stage_rows;
-  const index_t items = keys.extent(0) * tiles;
-  for (index_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const index_t h = item / tiles, t0 = (item % tiles) * stage_rows;
-    const int n = tokens - t0 < stage_rows ? static_cast<int>(tokens - t0) : stage_rows;
-    const KE* base = keys.data_handle() + h * keys.stride(0) + t0 * keys.stride(1);
-    const float s = staged_row_reduce(base, keys.stride(1), keys.stride(2), n, keys.extent(2), sm,
-                                      [](float acc, const float* x, int m) { return key_sq_accumulate(acc, x, m, 1); });
-    if (static_cast<int>(threadIdx.x) < n) out[h * os0 + (t0 + threadIdx.x) * os1] = -sqrtf(s);
-  }
-}
-
 }  // namespace detail
 
 /// attention_scores on the GPU (views hold device pointers). Same semantics, errors and defaults as
@@ -522,10 +499,9 @@ status key_norm_scores(cuda_t be, kv_view<K> keys_in, matrix_view<float> out) {
   KVEVICT_TRY(detail::check_device_alignment(fn, "keys", keys.data_handle()));
   KVEVICT_TRY(detail::check_device_alignment(fn, "out", out.data_handle()));
   if (keys.extent(0) == 0 || keys.extent(1) == 0) return {};
-  const index_t tiles = (keys.extent(1) + detail::stage_rows - 1) / detail::stage_rows;
-  detail::key_norm_kernel<KE><<<detail::grid_for(keys.extent(0) * tiles), detail::stage_rows, 0, detail::stream_of(be)>>>(
-      keys, out.data_handle(), out.stride(0), out.stride(1));
-  return detail::cuda_status(cudaGetLastError(), fn);
+  detail::cuda_launcher l{detail::stream_of(be), fn};
+  l.run<detail::key_norm_op<KE>>(detail::key_norm_shape(keys), keys, out.data_handle(), out.stride(0), out.stride(1));
+  return l.err;
 }
 
 /// position_scores on the GPU (out in device memory): out[h][t] = t, exact. No workspace.
@@ -535,9 +511,9 @@ inline status position_scores(cuda_t be, matrix_view<float> out) {
   KVEVICT_TRY(detail::check_device_alignment(fn, "out", out.data_handle()));
   const index_t R = out.extent(0), T = out.extent(1);
   if (R == 0 || T == 0) return {};
-  detail::position_kernel<<<detail::grid_for((R * T + 255) / 256), 256, 0, detail::stream_of(be)>>>(
-      out.data_handle(), out.stride(0), out.stride(1), R, T);
-  return detail::cuda_status(cudaGetLastError(), fn);
+  detail::cuda_launcher l{detail::stream_of(be), fn};
+  l.run<detail::position_op>(detail::position_shape(R, T), out.data_handle(), out.stride(0), out.stride(1), R, T);
+  return l.err;
 }
 
 /// attention_scores_workspace_bytes for the GPU overload (its two softmax-statistics buffers).

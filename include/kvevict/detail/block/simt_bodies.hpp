@@ -2,8 +2,9 @@
 // kernels are one-line wrappers (cuda/protect.cuh, cuda/gqa.cuh) and the host tests run the same
 // bodies under simt_executor (real barriers, warps, race checks) with the same launch shapes. Not API.
 //
-// Converted so far: protect (protect_body), gqa_reduce (gqa_reduce_body) and weight_by_value_norm
-// (its four kernels as ops, launched by weight_launch on either launcher). docs/cuda.md, "Kernel
+// Converted so far: protect (protect_body), gqa_reduce (gqa_reduce_body), weight_by_value_norm
+// (its four kernels as ops, launched by weight_launch on either launcher), key_norm_scores
+// (key_norm_op) and position_scores (position_op). docs/cuda.md, "Kernel
 // bodies on the host", lists the kernels that are not converted yet.
 //
 // An op is a struct with `threads` (the launch bound), a trivially constructible `shared` type (the
@@ -18,6 +19,8 @@
 #include <kvevict/detail/block/postprocess_device.hpp>
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/detail/base/softmax.hpp>
+#include <kvevict/detail/base/real_math.hpp>
+#include <kvevict/score.hpp>
 #include <kvevict/gqa.hpp>
 
 #include <cstdint>
@@ -280,6 +283,54 @@ void weight_launch(L& l, float* s, index_t s0, index_t s1, index_t rows, index_t
   value_norm_max_launch(l, vals, lengths, hkv, partial, factors, cap);
   l.template run<weight_head_max_op>(simt_shape{simt_grid((rows * cols + 255) / 256, cap), 256}, s, s0, s1, rows, cols,
                                      group, static_cast<const float*>(factors), lengths, vals.tv, bad);
+}
+
+// ---- key_norm_scores and position_scores --------------------------------------------------------------
+struct key_sq_step {
+  KVEVICT_HOST_DEVICE float operator()(float acc, const float* x, int m) const { return key_sq_accumulate(acc, x, m, 1); }
+};
+
+/// Knorm: item (KV head, tile of stage_rows tokens), the key rows staged through shared memory,
+/// thread t summing row t's squares in order k = 0..d-1 (key_sq_accumulate), then -sqrt.
+template <class KE>
+struct key_norm_op {
+  static constexpr int threads = stage_rows;
+  struct shared {
+    float sm[stage_rows * stage_ld];
+  };
+  template <class Ctx>
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, kv_view<const KE> keys, float* out, index_t os0,
+                                       index_t os1) {
+    const index_t tokens = keys.extent(1), tiles = (tokens + stage_rows - 1) / stage_rows;
+    const index_t items = keys.extent(0) * tiles;
+    for (index_t item = c.block(); item < items; item += c.grid_dim()) {
+      const index_t h = item / tiles, t0 = (item % tiles) * stage_rows;
+      const int n = tokens - t0 < stage_rows ? static_cast<int>(tokens - t0) : stage_rows;
+      const KE* base = keys.data_handle() + h * keys.stride(0) + t0 * keys.stride(1);
+      const float s = simt_staged_row_reduce(c, base, keys.stride(1), keys.stride(2), n, keys.extent(2), sh.sm,
+                                             key_sq_step{});
+      if (c.thread() < n) out[h * os0 + (t0 + c.thread()) * os1] = -sqrt_t(s);
+    }
+  }
+};
+template <class KE>
+inline simt_shape key_norm_shape(const kv_view<const KE>& keys, index_t cap = index_t(1) << 20) {
+  return {simt_grid(keys.extent(0) * ((keys.extent(1) + stage_rows - 1) / stage_rows), cap), stage_rows};
+}
+
+/// position_scores: out[h][t] = t, one thread per element, grid-stride.
+struct position_op {
+  static constexpr int threads = 256;
+  using shared = simt_no_shared;
+  template <class Ctx>
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared&, float* out, index_t os0, index_t os1, index_t R, index_t T) {
+    const index_t items = R * T, stride = c.grid_dim() * c.block_dim();
+    for (index_t it = c.block() * c.block_dim() + c.thread(); it < items; it += stride)
+      out[(it / T) * os0 + (it % T) * os1] = static_cast<float>(it % T);
+  }
+};
+inline simt_shape position_shape(index_t R, index_t T, index_t cap = index_t(1) << 20) {
+  return {simt_grid((R * T + 255) / 256, cap), 256};
 }
 
 }  // namespace kvevict::detail

@@ -42,6 +42,22 @@
 
 #include <ucontext.h>
 
+// Under AddressSanitizer every fiber switch is announced (start / finish_switch_fiber), so that ASan
+// knows which stack is live (no false reports, exceptions unwinding a fiber's stack included).
+#if defined(__SANITIZE_ADDRESS__)
+#  define KVEVICT_SIMT_ASAN 1
+#elif defined(__has_feature)
+#  if __has_feature(address_sanitizer)
+#    define KVEVICT_SIMT_ASAN 1
+#  endif
+#endif
+#ifndef KVEVICT_SIMT_ASAN
+#  define KVEVICT_SIMT_ASAN 0
+#endif
+#if KVEVICT_SIMT_ASAN
+#  include <sanitizer/common_interface_defs.h>
+#endif
+
 namespace kvevict::detail {
 
 class simt_executor;
@@ -87,6 +103,7 @@ class simt_thread {
   state st_ = state::ready;
   ucontext_t uc_{};
   std::vector<char> stack_;
+  void* fake_stack_ = nullptr;  ///< ASan's fake stack of this fiber while it is switched out
   // warp exchange: the value deposited (up to 8 bytes), the source lane, the kind of operation
   std::uint64_t xval_ = 0, xres_ = 0;
   int xsrc_ = 0;
@@ -157,9 +174,37 @@ class simt_executor {
   simt_thread* current_ = nullptr;
   std::string error_;
 
+  // ASan fiber annotations (no-ops without ASan)
+  void* sched_fake_ = nullptr;
+  const void* sched_bottom_ = nullptr;
+  std::size_t sched_size_ = 0;
+  static void asan_start(void** fake, const void* bottom, std::size_t size) {
+#if KVEVICT_SIMT_ASAN
+    __sanitizer_start_switch_fiber(fake, bottom, size);
+#else
+    (void)fake, (void)bottom, (void)size;
+#endif
+  }
+  static void asan_finish(void* fake, const void** bottom, std::size_t* size) {
+#if KVEVICT_SIMT_ASAN
+    __sanitizer_finish_switch_fiber(fake, bottom, size);
+#else
+    (void)fake, (void)bottom, (void)size;
+#endif
+  }
+  /// Scheduler -> thread t until it blocks or finishes.
+  void enter(simt_thread& t) {
+    current_ = &t;
+    asan_start(&sched_fake_, t.stack_.data(), t.stack_.size());
+    swapcontext(&sched_, &t.uc_);
+    asan_finish(sched_fake_, nullptr, nullptr);
+    current_ = nullptr;
+  }
+
   static void trampoline(unsigned lo, unsigned hi) {
     const std::uintptr_t p = (static_cast<std::uintptr_t>(hi) << 32) | lo;
     simt_thread* t = reinterpret_cast<simt_thread*>(p);
+    asan_finish(nullptr, &t->ex_->sched_bottom_, &t->ex_->sched_size_);
     try {
       if (t->ex_->error_.empty()) t->ex_->body_(*t);
     } catch (const aborted&) {
@@ -168,6 +213,7 @@ class simt_executor {
       t->ex_->fail(*t, std::string("exception: ") + e.what());
     }
     t->st_ = simt_thread::state::done;
+    asan_start(nullptr, t->ex_->sched_bottom_, t->ex_->sched_size_);  // this fiber's stack is done
     // returning resumes uc_link (the scheduler)
   }
 
@@ -215,10 +261,7 @@ class simt_executor {
         if (all_done) return true;
         continue;
       }
-      simt_thread* t = ready[std::uniform_int_distribution<std::size_t>(0, ready.size() - 1)(gen_)];
-      current_ = t;
-      swapcontext(&sched_, &t->uc_);
-      current_ = nullptr;
+      enter(*ready[std::uniform_int_distribution<std::size_t>(0, ready.size() - 1)(gen_)]);
     }
   }
 
@@ -226,11 +269,7 @@ class simt_executor {
   // (or skips the body if it never started) and unwinds its stack.
   void unwind() {
     for (auto& t : threads_)
-      if (t.st_ != simt_thread::state::done) {
-        current_ = &t;
-        swapcontext(&sched_, &t.uc_);
-        current_ = nullptr;
-      }
+      if (t.st_ != simt_thread::state::done) enter(t);
   }
 
   // Nothing is runnable: complete warp operations or the barrier, or report why nobody can move.
@@ -343,7 +382,9 @@ inline index_t simt_thread::grid_dim() const noexcept { return ex_->grid_; }
 
 inline void simt_thread::block_on(state s) {
   st_ = s;
+  simt_executor::asan_start(&fake_stack_, ex_->sched_bottom_, ex_->sched_size_);
   swapcontext(&uc_, &ex_->sched_);
+  simt_executor::asan_finish(fake_stack_, &ex_->sched_bottom_, &ex_->sched_size_);
   if (!ex_->error_.empty()) throw simt_executor::aborted{};  // the run failed: unwind this fiber
 }
 inline void simt_thread::sync() { block_on(state::barrier); }

@@ -9,11 +9,14 @@
 
 #include <kvevict/compact.hpp>
 #include <kvevict/detail/block/compact_block.hpp>
+#include <kvevict/detail/block/simt.hpp>
 #include <kvevict/numeric.hpp>
 
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 using namespace kvevict;
@@ -537,5 +540,140 @@ TEST_CASE("compact device logic: decode-time append, one and several blocks per 
     CHECK(lens[1] == 1);
     CHECK(lens[2] == 7);
     CHECK(store == std::vector<float>{-1.f, -1.f, 11.f, -1.f, -1.f, -1.f});
+  }
+}
+
+// ---- the SIMT host executor (detail/block/simt.hpp) itself ----------------------------------------
+
+TEST_CASE("simt executor: barriers, shared memory, warp shuffles and votes, several blocks") {
+  using detail::simt_executor;
+  using detail::simt_thread;
+  constexpr index_t threads = 128, blocks = 5;
+  auto g = kvtest::rng(2103);
+  std::vector<float> x = kvtest::random_floats(g, static_cast<std::size_t>(threads * blocks), -1.f, 1.f);
+  std::vector<float> block_sum(blocks), warp_sum(static_cast<std::size_t>(blocks * threads / 32));
+  std::vector<std::uint32_t> ballots(warp_sum.size());
+  std::vector<int> any_all(warp_sum.size());
+  unsigned ticket = 0, last_seen = 0;
+  for (std::uint64_t seed = 0; seed < 4; ++seed) {
+    simt_executor ex(seed, threads * sizeof(float));
+    ticket = 0;
+    const bool ok = ex.run(blocks, threads, [&](simt_thread& c) {
+      float* sh = ex.shared_as<float>();
+      const index_t i = c.block() * c.block_dim() + c.thread();
+      const float v = x[static_cast<std::size_t>(i)];
+      // warp tree (shfl_down) and a butterfly (shfl_xor): every lane ends with the same sum
+      float s = v;
+      for (int off = 16; off > 0; off /= 2) s += c.shfl_down(s, off);
+      long long b = i % 97;  // integers: the butterfly's order differs per lane, the exact sum does not
+      for (int m = 1; m < 32; m *= 2) b += c.shfl_xor(b, m);
+      long long exact = 0;
+      for (index_t j = i - c.lane(); j < i - c.lane() + 32; ++j) exact += j % 97;
+      const float s0 = c.shfl(s, 0);
+      const std::uint32_t bal = c.ballot(v > 0);
+      const bool any = c.any(v > 0.9f), all = c.all(v > -2.f);
+      const index_t wi = i / 32;
+      if (c.lane() == 0) {
+        warp_sum[static_cast<std::size_t>(wi)] = s0;
+        ballots[static_cast<std::size_t>(wi)] = bal;
+        any_all[static_cast<std::size_t>(wi)] = (any ? 1 : 0) + (all ? 2 : 0);
+      }
+      if (b != exact) throw std::runtime_error("the butterfly sum is wrong");
+      // block tree reduction in shared memory, a barrier between levels
+      c.st(sh + c.thread(), v);
+      c.sync();
+      for (index_t half = threads / 2; half > 0; half /= 2) {
+        float mine = 0.0f;
+        if (c.thread() < half) mine = c.ld(sh + c.thread()) + c.ld(sh + c.thread() + half);
+        c.sync();
+        if (c.thread() < half) c.st(sh + c.thread(), mine);
+        c.sync();
+      }
+      if (c.thread() == 0) {
+        block_sum[static_cast<std::size_t>(c.block())] = c.ld(sh);
+        c.fence();
+        if (c.atomic_add(&ticket, 1u) == blocks - 1) last_seen = ticket;
+      }
+    });
+    REQUIRE_MESSAGE(ok, ex.error());
+    CHECK(ex.barriers() == blocks * 15);  // 1 + 2 per level (7 levels) per block
+    CHECK(ticket == blocks);
+    CHECK(last_seen == blocks);
+    for (index_t w = 0; w < blocks * threads / 32; ++w) {
+      float s = 0.0f;  // the tree's order: ((x0 + x16) + (x8 + x24)) ... computed the same way serially
+      std::vector<float> lanes(x.begin() + w * 32, x.begin() + w * 32 + 32);
+      for (int off = 16; off > 0; off /= 2)
+        for (int l = 0; l + off < 32; ++l) lanes[static_cast<std::size_t>(l)] += lanes[static_cast<std::size_t>(l + off)];
+      s = lanes[0];
+      CHECK(warp_sum[static_cast<std::size_t>(w)] == s);
+      std::uint32_t bal = 0;
+      bool any = false, all = true;
+      for (int l = 0; l < 32; ++l) {
+        const float v = x[static_cast<std::size_t>(w * 32 + l)];
+        if (v > 0) bal |= 1u << l;
+        any = any || v > 0.9f;
+        all = all && v > -2.f;
+      }
+      CHECK(ballots[static_cast<std::size_t>(w)] == bal);
+      CHECK(any_all[static_cast<std::size_t>(w)] == (any ? 1 : 0) + (all ? 2 : 0));
+    }
+    for (index_t b = 0; b < blocks; ++b) {
+      std::vector<float> v(x.begin() + b * threads, x.begin() + (b + 1) * threads);
+      for (index_t half = threads / 2; half > 0; half /= 2)
+        for (index_t t = 0; t < half; ++t) v[static_cast<std::size_t>(t)] += v[static_cast<std::size_t>(t + half)];
+      CHECK(block_sum[static_cast<std::size_t>(b)] == v[0]);
+    }
+  }
+}
+
+TEST_CASE("simt executor: a missing barrier is a shared-memory race; a divergent barrier and a broken warp are reported") {
+  using detail::simt_executor;
+  using detail::simt_thread;
+  constexpr index_t threads = 64;
+  {  // the reduction above without the barriers between its levels
+    simt_executor ex(1, threads * sizeof(float));
+    const bool ok = ex.run(2, threads, [&](simt_thread& c) {
+      float* sh = ex.shared_as<float>();
+      c.st(sh + c.thread(), 1.0f);
+      c.sync();
+      for (index_t half = threads / 2; half > 0; half /= 2)  // no barrier between the levels
+        if (c.thread() < half) c.st(sh + c.thread(), c.ld(sh + c.thread()) + c.ld(sh + c.thread() + half));
+    });
+    CHECK_FALSE(ok);
+    CHECK(ex.error().find("shared-memory race") != std::string::npos);
+  }
+  {  // write-write on one word (two threads store to the same slot in one epoch)
+    simt_executor ex(2, 16);
+    CHECK_FALSE(ex.run(1, 32, [&](simt_thread& c) { c.st(ex.shared_as<int>() + c.thread() % 4, 1); }));
+    CHECK(ex.error().find("write after a write") != std::string::npos);
+  }
+  {  // atomics on one word do not race with each other
+    simt_executor ex(3, 16);
+    CHECK(ex.run(1, 64, [&](simt_thread& c) { c.atomic_add(ex.shared_as<unsigned>(), 1u); }));
+  }
+  {  // a barrier inside a branch that only some threads take
+    simt_executor ex(4);
+    CHECK_FALSE(ex.run(1, threads, [&](simt_thread& c) {
+      if (c.thread() < 40) c.sync();
+    }));
+    CHECK(ex.error().find("barrier divergence") != std::string::npos);
+  }
+  {  // a shuffle that some lanes of the warp skip
+    simt_executor ex(5);
+    CHECK_FALSE(ex.run(1, 32, [&](simt_thread& c) {
+      if (c.lane() < 31) (void)c.shfl_xor(1.0f, 1);
+    }));
+    CHECK(ex.error().find("warp operation") != std::string::npos);
+  }
+  {  // an exception in a body fails the run and unwinds every other thread
+    simt_executor ex(6, 64);
+    CHECK_FALSE(ex.run(3, 32, [&](simt_thread& c) {
+      std::vector<int> held(100, 1);  // must be freed by the unwinding (the sanitize build checks leaks)
+      c.sync();
+      if (c.block() == 1 && c.thread() == 7) throw std::runtime_error("boom");
+      c.sync();
+      held[0] += 1;
+    }));
+    CHECK(ex.error().find("boom") != std::string::npos);
   }
 }

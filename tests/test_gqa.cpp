@@ -1,5 +1,7 @@
 #include "support.hpp"
 
+#include <kvevict/detail/block/simt.hpp>
+#include <kvevict/detail/block/simt_bodies.hpp>
 #include <kvevict/gqa.hpp>
 
 #include <algorithm>
@@ -237,4 +239,35 @@ TEST_CASE("gqa_reduce: bad input gives specific errors and writes nothing") {
                 errc::null_pointer, "gqa_reduce: in: data is null");
   matrix_view<float> aliased(out.data(), cuda::std::layout_stride::mapping<exts>(exts(3, 5), cuda::std::array<index_t, 2>{1, 1}));
   require_error(gqa_reduce(seq, iv, aliased, gqa_op::sum), errc::overlap, "gqa_reduce: out: strides make distinct");
+}
+
+// The CUDA kernel's own body (detail::gqa_reduce_body, wrapped by cuda/gqa.cuh) on the host SIMT
+// executor with the launcher's shape (and a small grid cap): bit-identical with gqa_reduce(seq), out
+// of place and in place, every op, NaN and infinities included.
+TEST_CASE("gqa_reduce: the CUDA kernel body under the SIMT executor equals seq bit for bit") {
+  auto g = kvtest::rng(2102);
+  const gqa_op ops[] = {gqa_op::mean, gqa_op::max, gqa_op::sum};
+  for (int trial = 0; trial < 12; ++trial) {
+    CAPTURE(trial);
+    const index_t hkv = 1 + static_cast<index_t>(g() % 3), grp = 1 + static_cast<index_t>(g() % 4);
+    const index_t hq = hkv * grp, T = 1 + static_cast<index_t>(g() % 600);
+    const gqa_op op = ops[trial % 3];
+    const bool in_place = trial % 2 == 1;
+    std::vector<float> in = kvtest::random_floats(g, static_cast<std::size_t>(hq * T), -2.f, 2.f);
+    in[static_cast<std::size_t>(g() % in.size())] = std::numeric_limits<float>::quiet_NaN();
+    in[static_cast<std::size_t>(g() % in.size())] = -std::numeric_limits<float>::infinity();
+    std::vector<float> expect = in, got = in, out_e(static_cast<std::size_t>(hkv * T)), out_g(out_e.size());
+    const auto iv = *make_matrix_view(static_cast<const float*>(expect.data()), hq, T);
+    float* oe = in_place ? expect.data() : out_e.data();
+    float* og = in_place ? got.data() : out_g.data();
+    REQUIRE(gqa_reduce(seq, iv, *make_matrix_view(oe, hkv, T), op).ok());
+    const detail::simt_shape sh = detail::gqa_reduce_shape(hkv, T, in_place, trial % 4 == 0 ? 3 : index_t(1) << 20);
+    detail::simt_executor ex(static_cast<std::uint64_t>(trial));
+    REQUIRE_MESSAGE(ex.run(sh.grid, sh.block, [&](detail::simt_thread& c) {
+      detail::gqa_reduce_body(c, got.data(), T, 1, og, T, 1, hkv, grp, T, op, in_place);
+    }), ex.error());
+    const std::vector<float>& e = in_place ? expect : out_e;
+    const std::vector<float>& r = in_place ? got : out_g;
+    CHECK(std::memcmp(r.data(), e.data(), r.size() * sizeof(float)) == 0);
+  }
 }

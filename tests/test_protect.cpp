@@ -1,5 +1,7 @@
 #include "support.hpp"
 
+#include <kvevict/detail/block/simt.hpp>
+#include <kvevict/detail/block/simt_bodies.hpp>
 #include <kvevict/protect.hpp>
 
 #include <algorithm>
@@ -160,4 +162,47 @@ TEST_CASE("protect: bad input gives specific errors and writes nothing") {
   require_error(protect(seq, null_view, 1, 1), errc::null_pointer, "protect: scores: data is null");
   matrix_view<float> empty(nullptr, cuda::std::layout_stride::mapping<exts>(exts(0, 5), cuda::std::array<index_t, 2>{5, 1}));
   CHECK(protect(seq, empty, 1, 1).ok());
+}
+
+// The CUDA kernel's own body (detail::protect_body, the one cuda/protect.cuh wraps) on the host SIMT
+// executor, with the launcher's shape (and small grid caps: the grid-stride loop): bit-identical with
+// protect(seq); rows whose device length is invalid are untouched and counted once each.
+TEST_CASE("protect: the CUDA kernel body under the SIMT executor equals seq bit for bit") {
+  auto g = kvtest::rng(2101);
+  for (int trial = 0; trial < 12; ++trial) {
+    CAPTURE(trial);
+    const index_t R = 1 + static_cast<index_t>(g() % 5), T = 1 + static_cast<index_t>(g() % 700);
+    const index_t n_sink = static_cast<index_t>(g() % 6), n_recent = static_cast<index_t>(g() % 40);
+    std::vector<float> s = kvtest::random_floats(g, static_cast<std::size_t>(R * T), -3.f, 3.f);
+    if (T > 3) s[static_cast<std::size_t>(T / 2)] = std::numeric_limits<float>::infinity();
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(R));
+    for (auto& l : lens) l = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(T + 1));
+    const bool with_lengths = trial % 3 != 0;
+    std::vector<float> expect = s;
+    REQUIRE(protect(seq, *make_matrix_view(expect.data(), R, T), n_sink, n_recent, with_lengths ? lens.data() : nullptr).ok());
+    // device lengths may be invalid: those rows are skipped and counted (the host refuses the call)
+    std::vector<std::int32_t> dlens = lens;
+    int bad_rows = 0;
+    if (with_lengths && trial % 2 == 1) {
+      dlens[0] = static_cast<std::int32_t>(T + 1);
+      expect.assign(s.begin(), s.end());
+      std::vector<std::int32_t> ok = lens;
+      for (index_t r = 1; r < R; ++r) {
+        auto row = *make_matrix_view(expect.data() + r * T, 1, T);
+        REQUIRE(protect(seq, row, n_sink, n_recent, ok.data() + r).ok());
+      }
+      bad_rows = 1;
+    }
+    const index_t cap = trial % 4 == 0 ? 2 : index_t(1) << 20;
+    const detail::simt_shape sh = detail::protect_shape(R, T, cap);
+    detail::simt_executor ex(static_cast<std::uint64_t>(trial));
+    int bad = 0;
+    std::vector<float> got = s;
+    const std::int32_t* lp = with_lengths ? dlens.data() : nullptr;
+    REQUIRE_MESSAGE(ex.run(sh.grid, sh.block, [&](detail::simt_thread& c) {
+      detail::protect_body(c, got.data(), T, 1, R, T, n_sink, n_recent, lp, &bad);
+    }), ex.error());
+    CHECK(std::memcmp(got.data(), expect.data(), got.size() * sizeof(float)) == 0);
+    CHECK(bad == bad_rows);
+  }
 }

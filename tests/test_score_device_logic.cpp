@@ -6,6 +6,8 @@
 // reduce mode, with and without block keys, prefix or all columns, GQA-reduced output (which must
 // equal gqa_reduce of the per-head output bit for bit), NaN and infinities.
 #include <kvevict/detail/block/score_emulation.hpp>
+#include <kvevict/detail/block/simt.hpp>
+#include <kvevict/detail/block/simt_bodies.hpp>
 #include "support.hpp"
 
 #include <kvevict/gqa.hpp>
@@ -16,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 using namespace kvevict;
@@ -325,6 +328,69 @@ TEST_CASE("cuda score logic: the statistics helpers") {
   }
 }
 
+namespace {
+// The worst bank conflict of one shared-memory access phase: the most distinct 4-byte words that
+// fall into one of the 32 banks (the same word twice is a broadcast, not a conflict).
+int bank_degree(const std::vector<long>& words) {
+  std::vector<std::vector<long>> banks(32);
+  for (long w : words) {
+    auto& b = banks[static_cast<std::size_t>(w % 32)];
+    if (std::find(b.begin(), b.end(), w) == b.end()) b.push_back(w);
+  }
+  std::size_t worst = 0;
+  for (const auto& b : banks) worst = std::max(worst, b.size());
+  return static_cast<int>(worst);
+}
+}  // namespace
+
+TEST_CASE("cuda score logic: shared-memory staging and logit-tile accesses are conflict-free or 2-way") {
+  using namespace detail;
+  // staging: every (row, element) of a chunk exactly once; each warp's stores s[dd * ld + row] hit 32 banks
+  for (const auto& [rows, ld] : {std::pair<int, int>{cs_rows, cs_q_ld}, std::pair<int, int>{cs_keys, cs_k_ld}}) {
+    std::vector<int> seen(static_cast<std::size_t>(rows * cs_dchunk), 0);
+    for (int e0 = 0; e0 < rows * cs_dchunk; e0 += 32) {
+      std::vector<long> words;
+      for (int lane = 0; lane < 32; ++lane) {
+        const cs_stage_slot sl = cs_stage_slot_of(e0 + lane);
+        REQUIRE(sl.row >= 0);
+        REQUIRE(sl.row < rows);
+        REQUIRE(sl.dd >= 0);
+        REQUIRE(sl.dd < cs_dchunk);
+        ++seen[static_cast<std::size_t>(sl.row * cs_dchunk + sl.dd)];
+        words.push_back(static_cast<long>(sl.dd) * ld + sl.row);
+      }
+      CHECK(bank_degree(words) == 1);
+    }
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+  }
+  // logit / probability tile: thread (tr, tk) stores rows tr*8+r, columns tk*4 .. tk*4+3 as two float2
+  // (a 64-bit access is served per half warp); the statistics runs read row tid/2, columns
+  // (tid%2)*32 + i, one float per thread.
+  constexpr int key_threads = cs_keys / cs_thread_keys;
+  for (int w = 0; w < cs_threads / 32; ++w) {
+    for (int r = 0; r < cs_thread_rows; ++r)
+      for (int pair = 0; pair < 2; ++pair)
+        for (int half_warp = 0; half_warp < 2; ++half_warp) {
+          std::vector<long> words;
+          for (int lane = half_warp * 16; lane < half_warp * 16 + 16; ++lane) {
+            const int tid = w * 32 + lane, tr = tid / key_threads, tk = tid % key_threads;
+            const long base = static_cast<long>(tr * cs_thread_rows + r) * cs_l_ld + tk * cs_thread_keys + 2 * pair;
+            words.push_back(base);
+            words.push_back(base + 1);
+          }
+          CHECK(bank_degree(words) <= 2);
+        }
+    for (int i = 0; i < cs_half; ++i) {
+      std::vector<long> words;
+      for (int lane = 0; lane < 32; ++lane) {
+        const int tid = w * 32 + lane;
+        words.push_back(static_cast<long>(tid / 2) * cs_l_ld + (tid % 2) * cs_half + i);
+      }
+      CHECK(bank_degree(words) <= 2);
+    }
+  }
+}
+
 TEST_CASE("cuda score logic: the plan bounds the statistics workspace and covers every tile") {
   detail::score_shape sh;
   sh.hq = 32;
@@ -371,4 +437,46 @@ TEST_CASE("cuda score logic: checks shared with the host name the output") {
 TEST_CASE("cuda score logic: report") {
   MESSAGE("largest |emulated - exact| / device bound over the randomized cases: ", worst_ratio);
   CHECK(worst_ratio <= 1.0);
+}
+
+// key_norm_scores' and position_scores' CUDA kernel bodies (key_norm_op, position_op, launched by
+// cuda/score.cuh with the same shapes) on the host SIMT executor: bit-identical with seq (float,
+// float16, bfloat16 keys; partial 256-token tiles; head dims not a multiple of the 16-element
+// staging; token-major strides; small grid caps).
+template <class KE>
+void key_norm_on_executor(std::mt19937_64& g, int trial) {
+  CAPTURE(trial);
+  const index_t H = 1 + static_cast<index_t>(g() % 3), T = 1 + static_cast<index_t>(g() % 700);
+  const index_t d = 1 + static_cast<index_t>(g() % 70);
+  const kv_layout layout = trial % 2 ? kv_layout::token_major : kv_layout::head_major;
+  std::vector<KE> k;
+  for (float x : kvtest::random_floats(g, static_cast<std::size_t>(H * T * d), -3.f, 3.f)) k.push_back(from_f<KE>(x));
+  const auto kv = *make_kv_view(static_cast<const KE*>(k.data()), H, T, d, layout);
+  std::vector<float> expect(static_cast<std::size_t>(H * T)), got(expect.size(), -1.0f);
+  REQUIRE(key_norm_scores(seq, kv, *make_matrix_view(expect.data(), H, T)).ok());
+  detail::simt_executor ex(static_cast<std::uint64_t>(trial));
+  detail::simt_launcher<detail::simt_executor> l{ex};
+  l.run<detail::key_norm_op<KE>>(detail::key_norm_shape(kv, trial % 3 == 0 ? 2 : index_t(1) << 20), kv, got.data(), T,
+                                 index_t(1));
+  REQUIRE_MESSAGE(l.ok, ex.error());
+  CHECK(std::memcmp(got.data(), expect.data(), got.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("cuda score logic: key_norm and position kernel bodies under the SIMT executor equal seq bit for bit") {
+  auto g = kvtest::rng(2105);
+  for (int trial = 0; trial < 4; ++trial) {
+    key_norm_on_executor<float>(g, trial);
+    key_norm_on_executor<float16>(g, trial + 4);
+    key_norm_on_executor<bfloat16>(g, trial + 8);
+  }
+  for (int trial = 0; trial < 4; ++trial) {
+    const index_t R = 1 + static_cast<index_t>(g() % 4), T = 1 + static_cast<index_t>(g() % 900);
+    std::vector<float> expect(static_cast<std::size_t>(R * T)), got(expect.size(), -1.0f);
+    REQUIRE(position_scores(seq, *make_matrix_view(expect.data(), R, T)).ok());
+    detail::simt_executor ex(static_cast<std::uint64_t>(trial));
+    detail::simt_launcher<detail::simt_executor> l{ex};
+    l.run<detail::position_op>(detail::position_shape(R, T, trial % 2 ? 3 : index_t(1) << 20), got.data(), T, index_t(1), R, T);
+    REQUIRE_MESSAGE(l.ok, ex.error());
+    CHECK(std::memcmp(got.data(), expect.data(), got.size() * sizeof(float)) == 0);
+  }
 }

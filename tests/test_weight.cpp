@@ -2,6 +2,8 @@
 // (window included); NaN; every documented error.
 #include "support.hpp"
 
+#include <kvevict/detail/block/simt.hpp>
+#include <kvevict/detail/block/simt_bodies.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/weight.hpp>
 
@@ -169,4 +171,61 @@ TEST_CASE("weight_by_value_norm: errors are specific and nothing is written") {
                 errc::null_pointer, "weight_by_value_norm: values: data is null");
   CHECK(s == before);
   CHECK(std::all_of(v.begin(), v.end(), [](float x) { return x == 1.f; }));
+}
+
+// The CUDA kernels' own bodies (the four ops of detail/block/simt_bodies.hpp that cuda/weight.cuh
+// launches through the same detail::weight_launch) on the host SIMT executor: bit-identical with
+// weight_by_value_norm(seq) for both modes, float / float16 / bfloat16 values, partial 256-token
+// tiles, head dims that are not multiples of the 16-element staging, per-head lengths (and an
+// invalid device length: that head skipped and counted), small grid caps (grid-stride loops).
+namespace {
+template <class VE>
+void weight_on_executor(std::mt19937_64& g, int trial) {
+  CAPTURE(trial);
+  const index_t hkv = 1 + static_cast<index_t>(g() % 3), group = 1 + static_cast<index_t>(g() % 3);
+  const index_t tv = 1 + static_cast<index_t>(g() % 600), d = 1 + static_cast<index_t>(g() % 40);
+  const index_t cols = 1 + static_cast<index_t>(g() % static_cast<std::uint64_t>(tv)), rows = hkv * group;
+  std::vector<VE> v;
+  for (float x : kvtest::random_floats(g, static_cast<std::size_t>(hkv * tv * d), -2.f, 2.f)) {
+    if constexpr (std::is_same_v<VE, float16>) v.push_back(to_float16(x));
+    else if constexpr (std::is_same_v<VE, bfloat16>) v.push_back(to_bfloat16(x));
+    else v.push_back(x);
+  }
+  const auto s0 = kvtest::random_floats(g, static_cast<std::size_t>(rows * cols), 0.f, 1.f);
+  std::vector<std::int32_t> lens(static_cast<std::size_t>(hkv));
+  for (auto& l : lens) l = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(tv + 1));
+  const bool with_lengths = trial % 3 != 0, bad_head = with_lengths && trial % 4 == 1;
+  const auto vv = *make_kv_view(static_cast<const VE*>(v.data()), hkv, tv, d);
+  for (value_weight mode : {value_weight::per_token, value_weight::head_max}) {
+    CAPTURE(static_cast<int>(mode));
+    std::vector<float> expect = s0, got = s0;
+    std::vector<std::int32_t> dl = lens;
+    if (bad_head) dl[0] = static_cast<std::int32_t>(tv + 5);
+    for (index_t h = bad_head ? 1 : 0; h < hkv; ++h) {  // the reference, head by head (a bad head untouched)
+      auto sh = *make_matrix_view(expect.data() + h * group * cols, group, cols);
+      auto vh = *make_kv_view(static_cast<const VE*>(v.data()) + h * tv * d, 1, tv, d);
+      REQUIRE(weight_by_value_norm(seq, sh, vh, mode, with_lengths ? lens.data() + h : nullptr).ok());
+    }
+    const detail::pp_values<VE> vals{v.data(), vv.stride(0), vv.stride(1), vv.stride(2), tv, d};
+    std::vector<float> partial(static_cast<std::size_t>(hkv * detail::value_norm_tiles(tv))), factors(static_cast<std::size_t>(hkv));
+    detail::simt_executor ex(static_cast<std::uint64_t>(trial) * 2 + (mode == value_weight::head_max));
+    detail::simt_launcher<detail::simt_executor> l{ex};
+    int bad = 0;
+    detail::weight_launch(l, got.data(), cols, 1, rows, cols, vals, hkv, mode == value_weight::head_max,
+                          with_lengths ? dl.data() : nullptr, &bad, partial.data(), factors.data(),
+                          trial % 2 == 0 ? 2 : index_t(1) << 20);
+    REQUIRE_MESSAGE(l.ok, ex.error());
+    CHECK(std::memcmp(got.data(), expect.data(), got.size() * sizeof(float)) == 0);
+    CHECK(bad == (bad_head ? 1 : 0));
+  }
+}
+}  // namespace
+
+TEST_CASE("weight_by_value_norm: the CUDA kernel bodies under the SIMT executor equal seq bit for bit") {
+  auto g = kvtest::rng(2104);
+  for (int trial = 0; trial < 6; ++trial) {
+    weight_on_executor<float>(g, trial);
+    weight_on_executor<float16>(g, trial + 6);
+    weight_on_executor<bfloat16>(g, trial + 12);
+  }
 }

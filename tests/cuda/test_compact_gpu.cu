@@ -15,6 +15,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using namespace kvevict;
@@ -327,6 +328,15 @@ int main() {
   // wide rows (64 KiB: the in-place tiles copy them directly), many heads
   dense_case<float>(g, 2, 40, 16384, 20, kv_layout::head_major, 0);
   dense_case<float16>(g, 300, 64, 128, 33, kv_layout::token_major, 0);
+  // in place with more than inplace_ring (512) tiles per head: the flag ring wraps around (slots are
+  // reused once the read prefix has passed their previous tile). 1 KiB and 256 B rows: 32 and 128
+  // rows per 32 KiB tile, 17,000 and 66,000 kept rows per head = 532 and 516 tiles.
+  for (const auto& [Tn, D, k] : {std::tuple<index_t, index_t, index_t>{20000, 256, 17000},
+                                 std::tuple<index_t, index_t, index_t>{70000, 64, 66000}}) {
+    const index_t rows_per_tile = kvevict::detail::inplace_tile_rows(D, sizeof(float));
+    KVGPU_CHECK((k + rows_per_tile - 1) / rows_per_tile > kvevict::detail::inplace_ring);
+    dense_case<float>(g, 2, Tn, D, k, kv_layout::head_major, 0);
+  }
   bad_device_arguments();
   std::printf("compact gpu: %d failures\n", kvgpu::failures);
   return kvgpu::failures == 0 ? 0 : 1;

@@ -5,6 +5,8 @@
 
 #include <kvevict/config.hpp>
 #include <kvevict/cuda/error.cuh>
+#include <kvevict/cuda/simt.cuh>
+#include <kvevict/detail/block/simt_bodies.hpp>
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/weight.hpp>
@@ -34,36 +36,16 @@ status check_device_alignment(const char* fn, const char* name, const T* p) {
 /// [0, limit] returns false; if `count`, it is added once to *bad (when bad is non-null).
 __device__ inline bool device_row_length(const std::int32_t* lengths, index_t row, index_t limit, index_t& len,
                                          int* bad, bool count) {
-  len = lengths != nullptr ? static_cast<index_t>(lengths[row]) : limit;
-  if (len >= 0 && len <= limit) return true;
-  if (count && bad != nullptr) atomicAdd(bad, 1);
-  return false;
+  cuda_simt_ctx c;
+  return simt_row_length(c, lengths, row, limit, len, bad, count);
 }
 
-inline constexpr int stage_rows = 256;  ///< rows staged per step (one per thread of a 256-thread CTA)
-inline constexpr int stage_cols = 16;   ///< elements of each row staged per step
-inline constexpr int stage_ld = stage_cols + 1;  ///< odd row stride: conflict-free column reads
-
-/// Thread t's reduction over row t (t < nrows <= stage_rows) of d elements, row t's element k being
-/// base[t * rs + k * es]: the rows are staged through sm[stage_rows][stage_ld] (fp32, widened exactly)
-/// stage_cols elements at a time with coalesced loads (16 consecutive threads read one row's 16
-/// consecutive elements), and f(s, staged, n) continues the reduction over n staged values, so the
-/// order is k = 0..d-1 as in the host functions. Needs blockDim.x == stage_rows; every thread must
-/// call it (it synchronises the CTA). Returns 0 for threads >= nrows.
+/// staged_row_reduce on the CUDA context (detail/block/simt_bodies.hpp has the function and the
+/// staging geometry: stage_rows, stage_cols, stage_ld).
 template <class T, class F>
 __device__ float staged_row_reduce(const T* base, index_t rs, index_t es, int nrows, index_t d, float* sm, F f) {
-  float s = 0.0f;
-  for (index_t d0 = 0; d0 < d; d0 += stage_cols) {
-    const int n = d - d0 < stage_cols ? static_cast<int>(d - d0) : stage_cols;
-    __syncthreads();
-    for (int e = static_cast<int>(threadIdx.x); e < stage_rows * stage_cols; e += stage_rows) {
-      const int t = e / stage_cols, k = e % stage_cols;
-      sm[t * stage_ld + k] = t < nrows && k < n ? widen(base[t * rs + (d0 + k) * es]) : 0.0f;
-    }
-    __syncthreads();
-    if (static_cast<int>(threadIdx.x) < nrows) s = f(s, sm + threadIdx.x * stage_ld, n);
-  }
-  return s;
+  cuda_simt_ctx c;
+  return simt_staged_row_reduce(c, base, rs, es, nrows, d, sm, f);
 }
 
 /// The GPU context of the host-device tile routines (detail/block/postprocess_device.hpp): the CTA's

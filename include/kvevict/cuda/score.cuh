@@ -21,6 +21,8 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/cuda/error.cuh>
 #include <kvevict/cuda/launch.cuh>
+#include <kvevict/cuda/simt.cuh>
+#include <kvevict/detail/block/simt_bodies.hpp>
 #include <kvevict/detail/base/checks.hpp>
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/detail/base/softmax.hpp>
@@ -85,11 +87,13 @@ __device__ __forceinline__ void cs_block_logits(const cuda_score_args<QE, KE>& a
     const int n = a.d - d0 < cs_dchunk ? static_cast<int>(a.d - d0) : cs_dchunk;
     __syncthreads();
     for (int e = tid; e < cs_rows * cs_dchunk; e += cs_threads) {
-      const int lr = e / cs_dchunk, dd = e % cs_dchunk;
+      const cs_stage_slot sl = cs_stage_slot_of(e);
+      const int lr = sl.row, dd = sl.dd;
       qs[dd * cs_q_ld + lr] = lr < nrows && dd < n ? widen(a.q[qoff[lr] + (d0 + dd) * a.qs2]) : 0.0f;
     }
     for (int e = tid; e < cs_keys * cs_dchunk; e += cs_threads) {
-      const int kk = e / cs_dchunk, dd = e % cs_dchunk;
+      const cs_stage_slot sl = cs_stage_slot_of(e);
+      const int kk = sl.row, dd = sl.dd;
       const index_t col = j0 + kk;
       float v = 0.0f;
       if (col < a.cols && dd < n)
@@ -117,7 +121,7 @@ __device__ __forceinline__ void cs_block_logits(const cuda_score_args<QE, KE>& a
 /// key tiles [s * tiles_per_split, ...) in order: two runs of cs_half keys per tile (threads 2r and
 /// 2r + 1), merged, then merged into the row's running statistics -> part[row][s].
 template <bool Fused, class QE, class KE>
-__global__ void __launch_bounds__(cs_threads) cs_stats_kernel(const cuda_score_args<QE, KE> a) {
+__global__ void __launch_bounds__(cs_threads, 2) cs_stats_kernel(const cuda_score_args<QE, KE> a) {
   __shared__ __align__(16) float sm[cs_tile_floats];
   __shared__ index_t qoff[cs_rows];
   constexpr int key_threads = cs_keys / cs_thread_keys;
@@ -144,10 +148,11 @@ __global__ void __launch_bounds__(cs_threads) cs_stats_kernel(const cuda_score_a
       cs_block_logits<Fused>(a, sm, qoff, nrows, g, j0, acc);
       __syncthreads();  // the staged queries and keys are no longer read
 #pragma unroll
-      for (int r = 0; r < cs_thread_rows; ++r)
-#pragma unroll
-        for (int c = 0; c < cs_thread_keys; ++c)
-          sm[(tr * cs_thread_rows + r) * cs_l_ld + tk * cs_thread_keys + c] = mul_rn(acc[r][c], a.scale);
+      for (int r = 0; r < cs_thread_rows; ++r) {  // float2 stores: 2-way at most (scalar: 4-way)
+        float2* const dst = reinterpret_cast<float2*>(sm + (tr * cs_thread_rows + r) * cs_l_ld + tk * cs_thread_keys);
+        dst[0] = make_float2(mul_rn(acc[r][0], a.scale), mul_rn(acc[r][1], a.scale));
+        dst[1] = make_float2(mul_rn(acc[r][2], a.scale), mul_rn(acc[r][3], a.scale));
+      }
       __syncthreads();
       const softmax_stats mine = score_run_stats(sm + srow * cs_l_ld + half * cs_half, 1, score_run_count(my_vis, j0, half));
       softmax_stats other;
@@ -203,13 +208,16 @@ __device__ bool cs_prob_tile(const cuda_score_args<QE, KE>& a, float* sm, index_
 #pragma unroll
   for (int r = 0; r < cs_thread_rows; ++r) {
     const int lr = tr * cs_thread_rows + r;
+    float pv[cs_thread_keys];
 #pragma unroll
     for (int c = 0; c < cs_thread_keys; ++c) {
       const int kk = tk * cs_thread_keys + c;
-      float pv = 0.0f;
-      if (lr < nrows && kk < ncols) pv = score_tile_prob(rst[lr], mul_rn(acc[r][c], a.scale), c0 + kk < rvis[lr]);
-      sm[lr * cs_l_ld + kk] = pv;
+      pv[c] = 0.0f;
+      if (lr < nrows && kk < ncols) pv[c] = score_tile_prob(rst[lr], mul_rn(acc[r][c], a.scale), c0 + kk < rvis[lr]);
     }
+    float2* const dst = reinterpret_cast<float2*>(sm + lr * cs_l_ld + tk * cs_thread_keys);  // 2-way at most
+    dst[0] = make_float2(pv[0], pv[1]);
+    dst[1] = make_float2(pv[2], pv[3]);
   }
   __syncthreads();
   return true;
@@ -220,7 +228,7 @@ __device__ bool cs_prob_tile(const cuda_score_args<QE, KE>& a, float* sm, index_
 /// column) the rows pushed in order i = 0..w-1, finalised, written, and combined over the group's
 /// heads in order (GQA output).
 template <bool Fused, class QE, class KE>
-__global__ void __launch_bounds__(cs_threads) cs_columns_kernel(const cuda_score_args<QE, KE> a) {
+__global__ void __launch_bounds__(cs_threads, 2) cs_columns_kernel(const cuda_score_args<QE, KE> a) {
   __shared__ __align__(16) float sm[cs_tile_floats];
   __shared__ index_t qoff[cs_rows];
   __shared__ index_t rvis[cs_rows];
@@ -385,31 +393,6 @@ status attention_scores_cuda(const char* fn, cuda_t be, workspace& ws, const kv_
   return opt.fused_multiply_add ? cs_launch<true>(fn, be, a) : cs_launch<false>(fn, be, a);
 }
 
-/// Knorm on the GPU: CTA item (KV head, tile of stage_rows tokens), the key rows staged through shared
-/// memory, thread t summing row t's squares in order k = 0..d-1 (key_sq_accumulate), then -sqrt.
-/// position_scores: out[h][t] = t, one thread per element, grid-stride.
-__global__ void __launch_bounds__(256) position_kernel(float* out, index_t os0, index_t os1, index_t R, index_t T) {
-  const index_t items = R * T, stride = static_cast<index_t>(gridDim.x) * blockDim.x;
-  for (index_t it = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; it < items; it += stride)
-    out[(it / T) * os0 + (it % T) * os1] = static_cast<float>(it % T);
-}
-
-template <class KE>
-__global__ void __launch_bounds__(stage_rows) key_norm_kernel(kv_view<const KE> keys, float* out, index_t os0,
-                                                              index_t os1) {
-  __shared__ float sm[stage_rows * stage_ld];
-  const index_t tokens = keys.extent(1), tiles = (tokens + stage_rows - 1) / stage_rows;
-  const index_t items = keys.extent(0) * tiles;
-  for (index_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const index_t h = item / tiles, t0 = (item % tiles) * stage_rows;
-    const int n = tokens - t0 < stage_rows ? static_cast<int>(tokens - t0) : stage_rows;
-    const KE* base = keys.data_handle() + h * keys.stride(0) + t0 * keys.stride(1);
-    const float s = staged_row_reduce(base, keys.stride(1), keys.stride(2), n, keys.extent(2), sm,
-                                      [](float acc, const float* x, int m) { return key_sq_accumulate(acc, x, m, 1); });
-    if (static_cast<int>(threadIdx.x) < n) out[h * os0 + (t0 + threadIdx.x) * os1] = -sqrtf(s);
-  }
-}
-
 }  // namespace detail
 
 /// attention_scores on the GPU (views hold device pointers). Same semantics, errors and defaults as
@@ -516,10 +499,9 @@ status key_norm_scores(cuda_t be, kv_view<K> keys_in, matrix_view<float> out) {
   KVEVICT_TRY(detail::check_device_alignment(fn, "keys", keys.data_handle()));
   KVEVICT_TRY(detail::check_device_alignment(fn, "out", out.data_handle()));
   if (keys.extent(0) == 0 || keys.extent(1) == 0) return {};
-  const index_t tiles = (keys.extent(1) + detail::stage_rows - 1) / detail::stage_rows;
-  detail::key_norm_kernel<KE><<<detail::grid_for(keys.extent(0) * tiles), detail::stage_rows, 0, detail::stream_of(be)>>>(
-      keys, out.data_handle(), out.stride(0), out.stride(1));
-  return detail::cuda_status(cudaGetLastError(), fn);
+  detail::cuda_launcher l{detail::stream_of(be), fn};
+  l.run<detail::key_norm_op<KE>>(detail::key_norm_shape(keys), keys, out.data_handle(), out.stride(0), out.stride(1));
+  return l.err;
 }
 
 /// position_scores on the GPU (out in device memory): out[h][t] = t, exact. No workspace.
@@ -529,9 +511,9 @@ inline status position_scores(cuda_t be, matrix_view<float> out) {
   KVEVICT_TRY(detail::check_device_alignment(fn, "out", out.data_handle()));
   const index_t R = out.extent(0), T = out.extent(1);
   if (R == 0 || T == 0) return {};
-  detail::position_kernel<<<detail::grid_for((R * T + 255) / 256), 256, 0, detail::stream_of(be)>>>(
-      out.data_handle(), out.stride(0), out.stride(1), R, T);
-  return detail::cuda_status(cudaGetLastError(), fn);
+  detail::cuda_launcher l{detail::stream_of(be), fn};
+  l.run<detail::position_op>(detail::position_shape(R, T), out.data_handle(), out.stride(0), out.stride(1), R, T);
+  return l.err;
 }
 
 /// attention_scores_workspace_bytes for the GPU overload (its two softmax-statistics buffers).

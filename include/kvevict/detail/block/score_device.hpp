@@ -40,7 +40,7 @@ inline constexpr int cs_thread_keys = 4;
 inline constexpr int cs_half = cs_keys / 2;         ///< keys per statistics run (two runs per tile)
 inline constexpr int cs_q_ld = cs_rows + 4;         ///< staged queries [cs_dchunk][cs_q_ld] (float4 rows)
 inline constexpr int cs_k_ld = cs_keys + 4;         ///< staged keys [cs_dchunk][cs_k_ld]
-inline constexpr int cs_l_ld = cs_keys + 1;         ///< logit / probability tile [cs_rows][cs_l_ld]
+inline constexpr int cs_l_ld = cs_keys + 2;         ///< logit / probability tile [cs_rows][cs_l_ld] (float2 rows)
 inline constexpr int cs_tile_floats = cs_rows * cs_l_ld;  ///< the shared buffer (the staging aliases it)
 inline constexpr int cs_merge_lanes = 32;           ///< lanes merging one row's split statistics
 /// Bound on the split statistics entries (rows x splits), 8 bytes each: 32 MiB.
@@ -53,6 +53,23 @@ static_assert(cs_dchunk * (cs_q_ld + cs_k_ld) <= cs_tile_floats, "the staging fi
 static_assert(cs_q_ld % 4 == 0 && cs_k_ld % 4 == 0 && (cs_dchunk * cs_q_ld) % 4 == 0 && cs_thread_rows % 4 == 0 &&
                   cs_thread_keys == 4,
               "float4 reads of the staged queries and keys stay 16-byte aligned");
+static_assert(cs_l_ld % 2 == 0 && cs_l_ld % 32 == 2, "float2 stores of the logit tile: 8-byte aligned, 2-way at most");
+static_assert(cs_q_ld % 32 == 4 && cs_k_ld % 32 == 4 && cs_dchunk % 8 == 0 && cs_rows % 4 == 0 && cs_keys % 4 == 0,
+              "the staging stores of cs_stage_slot_of hit 32 distinct banks");
+
+/// Where thread slot e (0 <= e < rows * cs_dchunk, rows = cs_rows or cs_keys) of the staging loop puts
+/// its element: row `row`, head-dim element `dd` of the chunk, stored at s[dd * ld + row]. A warp (32
+/// consecutive e) takes 4 rows x 8 consecutive elements: with ld = 4 (mod 32) its 32 stores hit 32
+/// distinct banks (one row x 32 elements per warp would hit 8: a 4-way conflict), and each row's 8
+/// elements are contiguous in global memory; the warps of one iteration take neighbouring elements.
+struct cs_stage_slot {
+  int row, dd;
+};
+KVEVICT_HOST_DEVICE constexpr cs_stage_slot cs_stage_slot_of(int e) noexcept {
+  constexpr int dgroups = cs_dchunk / 8;
+  const int lane = e % 32, grp = e / 32;
+  return {(grp / dgroups) * 4 + lane % 4, (grp % dgroups) * 8 + lane / 4};
+}
 
 /// The launch plan of one attention_scores call on the GPU; depends on the shapes only.
 struct cuda_score_plan {

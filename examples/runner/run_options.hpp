@@ -30,6 +30,7 @@ struct run_options {
   int threads = 0;
   bool ids = false;
   bool stats = false;
+  int tp = 0, pp = 0;  ///< sharded over MPI ranks (runner/sharded.hpp): tensor / pipeline parallel, 0 = not
   // eviction
   std::string recipe = "full";
   std::string allocator;
@@ -81,6 +82,8 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   integer("--seed", o.seed, "xorshift seed for sampling (nonzero; run.c's -s)");
   integer("--threads", o.threads, "OpenMP threads for long blocks (0 = OMP_NUM_THREADS or all cores)");
   app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
+  integer("--tp", o.tp, "tensor parallelism over MPI ranks (mpirun -np P kvevict-run --tp P; docs/distributed.md)");
+  integer("--pp", o.pp, "pipeline parallelism over MPI ranks (mpirun -np P kvevict-run --pp P; docs/distributed.md)");
   app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost and footprint) on stderr");
   // eviction (docs/runner.md, "Eviction")
   auto* recipe_opt = app.add_option("--recipe", o.recipe,
@@ -161,6 +164,7 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   if (!(o.topp >= 0.0f && o.topp <= 1.0f)) return err("--topp must be in [0, 1], got " + std::to_string(o.topp));
   if (o.seed == 0) return err("--seed must be nonzero (the xorshift generator never leaves state 0)");
   if (o.threads < 0) return err("--threads must be >= 0, got " + std::to_string(o.threads));
+  if (o.tp < 0 || o.pp < 0) return err("--tp and --pp must be >= 1 (0: not sharded)");
   // every count is checked here, before any file is read or any work starts (docs/conventions.md)
   if (o.calibration < 1) return err("--calibration must be >= 1, got " + std::to_string(o.calibration));
   if (o.prompts < 1) return err("--prompts must be >= 1, got " + std::to_string(o.prompts));

@@ -125,14 +125,14 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                    kv_view<const T> block_keys = {}, double weight = 0.0) {
     in_collective_ = false;
     return joined("post_fill_driver::add_layer", ws,
-                  prefill_driver_skeleton::add_layer(be, ws, layer, kv, queries, block_keys, weight));
+                  prefill_driver_skeleton::add_layer(be, ws, layer, kv, queries, block_keys, weight), layer, weight);
   }
   template <class Backend, class T>
   status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
                           matrix_view<const float> scores, double weight = 0.0) {
     in_collective_ = false;
     return joined("post_fill_driver::add_layer_scores", ws,
-                  prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores, weight));
+                  prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores, weight), layer, weight);
   }
 
   /// Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
@@ -471,9 +471,18 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   }
 
   /// Tensor parallelism: a call that failed on this rank before its layer's selection still joins
-  /// the selection's agreement, so the other ranks return the same error instead of waiting.
-  status joined(const char* fn, const workspace& ws, const status& st) {
-    if (st.ok() || ws.is_query() || !sharded(cfg_) || in_collective_) return st;
+  /// the selection's agreement, so the other ranks return the same error instead of waiting. cake
+  /// (no collective of its own in add_layer): every layer's call agrees on its status and its
+  /// preference, which every rank must pass the same.
+  status joined(const char* fn, const workspace& ws, const status& st, index_t layer, double weight) {
+    if (ws.is_query() || cfg_.tp.size() <= 1) return st;
+    if (cfg_.alloc.kind == allocator::cake) {
+      detail::config_line config;
+      config.print("cake layer %lld, preference %.17g", static_cast<long long>(layer), weight);
+      comm_ref tp = cfg_.tp;
+      return detail::agree(tp, fn, st, config, nullptr, 0);
+    }
+    if (st.ok() || !sharded(cfg_) || in_collective_) return st;
     comm_ref tp = cfg_.tp;
     std::int64_t sums[2] = {};
     return detail::agree(tp, fn, st, detail::config_line{}, sums, agree_sums());

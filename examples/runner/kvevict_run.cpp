@@ -153,6 +153,22 @@ int run_footprint(const options& o, const kvrun::model& model, const std::string
   return 0;
 }
 
+// The prompt and the generated tokens on stdout: ids (--ids) or text. Returns the exit status.
+int print_output(const options& o, const kvrun::tokenizer& tok, const std::vector<int>& prompt,
+                 const std::vector<int>& generated) {
+  std::vector<int> all = prompt;
+  all.insert(all.end(), generated.begin(), generated.end());
+  if (o.ids) {
+    for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
+    std::printf("\n");
+  } else {
+    std::string text;
+    if (auto st = kvrun::detokenize(tok, all, text); !st.ok()) return fail("", st);
+    std::printf("%s\n", text.c_str());
+  }
+  return 0;
+}
+
 // kvevict-run --tp P / --pp P under mpirun (runner/sharded.hpp): every rank generates the same
 // tokens; rank 0 prints them. Without MPI: a clear error.
 int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt) {
@@ -172,17 +188,7 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
                                           [&](const float* logits) { return sampler.sample(logits); }, generated);
   if (comm.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
   if (!st.ok()) return fail("", st);
-  std::vector<int> all = prompt;
-  all.insert(all.end(), generated.begin(), generated.end());
-  if (o.ids) {
-    for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
-    std::printf("\n");
-  } else {
-    std::string text;
-    if (auto dt = kvrun::detokenize(tok, all, text); !dt.ok()) return fail("", dt);
-    std::printf("%s\n", text.c_str());
-  }
-  return 0;
+  return print_output(o, tok, prompt, generated);
 #else
   (void)model, (void)tok, (void)prompt;
   return fail(std::string(o.tp > 0 ? "--tp" : "--pp") +
@@ -340,16 +346,7 @@ int run(int argc, char** argv) {
                  usage.footprint(), usage.peak_kv(), static_cast<long long>(n));
   }
 
-  std::vector<int> all = prompt;
-  all.insert(all.end(), generated.begin(), generated.end());
-  if (o.ids) {
-    for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
-    std::printf("\n");
-  } else {
-    std::string text;
-    if (auto st = kvrun::detokenize(tok, all, text); !st.ok()) return fail("", st);
-    std::printf("%s\n", text.c_str());
-  }
+  if (const int code = print_output(o, tok, prompt, generated); code != 0) return code;
   if (o.stats) {
     const auto decoded = static_cast<double>(cache.next_position()) - static_cast<double>(prompt.size());
     std::fprintf(stderr, "prefill: %zu tokens in %.3f ms (%.0f tok/s); decode: %.0f tokens in %.3f ms (%.0f tok/s); %d threads\n",

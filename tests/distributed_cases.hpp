@@ -7,6 +7,7 @@
 
 #include <kvevict/budget/layer_cascade.hpp>
 #include <kvevict/distributed.hpp>
+#include <kvevict/drivers/post_fill.hpp>
 #include <kvevict/protect.hpp>
 
 #include <cmath>
@@ -228,6 +229,105 @@ std::string check_cake_stats(Comm& comm, std::uint64_t seed) {
   if (std::memcmp(&want.entropy, &got.entropy, sizeof(double)) != 0 ||
       std::memcmp(&want.variance, &got.variance, sizeof(double)) != 0)
     return "cake statistics differ from the single-process call";
+  return "";
+}
+
+/// Head-sharded CAKE window preference: each rank's query and KV heads (GQA groups kept whole)
+/// give the single-process preference over all heads, bit for bit.
+template <class Comm>
+std::string check_cake_window(Comm& comm, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  const index_t kv_per = pick(g, 1, 2), group = pick(g, 1, 3), d = pick(g, 1, 8), w = pick(g, 1, 6);
+  const index_t P = w + pick(g, 1, 40), Hkv = kv_per * comm.size(), Hq = Hkv * group;
+  std::vector<float> q(static_cast<std::size_t>(Hq * w * d)), k(static_cast<std::size_t>(Hkv * P * d));
+  std::uniform_real_distribution<float> u(-2.f, 2.f);
+  for (auto& x : q) x = u(g);
+  for (auto& x : k) x = pick(g, 0, 6) == 0 ? 0.0f : u(g);  // some equal logits
+  const index_t qr = kv_per * group;  // this rank's query heads
+  const auto q_all = kvevict::make_kv_view<const float>(q.data(), Hq, w, d).value();
+  const auto k_all = kvevict::make_kv_view<const float>(k.data(), Hkv, P, d).value();
+  const auto q_mine = kvevict::make_kv_view<const float>(q.data() + qr * comm.rank() * w * d, qr, w, d).value();
+  const auto k_mine = kvevict::make_kv_view<const float>(k.data() + kv_per * comm.rank() * P * d, kv_per, P, d).value();
+  double want = -1.0, got = -2.0;
+  auto st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::cake_window_preference(kvevict::seq, ws, q_all, k_all, kvevict::cake_options{}, &want);
+  });
+  if (!st.ok()) return std::string("single-process call failed: ") + st.message();
+  st = with_workspace([&](kvevict::workspace& ws) {
+    return kvevict::cake_window_preference(kvevict::seq, ws, comm, q_mine, k_mine, kvevict::cake_options{}, &got);
+  });
+  if (!st.ok()) return std::string("sharded call failed: ") + st.message();
+  if (std::memcmp(&want, &got, sizeof(double)) != 0) return "cake window preference differs from the single-process call";
+  return "";
+}
+
+/// post_fill_driver under a tensor-parallel communicator with an all-layer allocator (lava: cake
+/// when `cake`): each rank's driver holds its heads of every layer (the engine's scores, ties
+/// included; cake: the same preferences on every rank) and keeps exactly the single-process
+/// driver's rows of those heads.
+template <class Comm>
+std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake) {
+  using namespace kvevict;
+  std::mt19937_64 g(seed);
+  const index_t L = pick(g, 1, 4), per = pick(g, 1, 3), H = per * comm.size(), d = 2, P = pick(g, 6, 40);
+  recipe r = recipe::snapkv();
+  r.window = pick(g, 1, 4);
+  r.n_sink = pick(g, 0, 2);
+  r.n_recent = r.window;
+  const index_t W = protected_count(P, r.n_sink, r.n_recent), B = pick(g, W, P);
+  std::vector<float> scores(static_cast<std::size_t>(L * H * P));
+  for (auto& x : scores) x = static_cast<float>(pick(g, 0, 9));  // many ties
+  std::vector<double> prefs(static_cast<std::size_t>(L));
+  for (auto& x : prefs) x = 0.25 * static_cast<double>(pick(g, 0, 8));
+  std::vector<float> kv(static_cast<std::size_t>(H * P * d), 0.0f);
+  std::vector<pos_t> positions(static_cast<std::size_t>(H * P));
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1));
+  for (index_t h = 0; h <= H; ++h) cu[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * P);
+  for (index_t i = 0; i < H * P; ++i) positions[static_cast<std::size_t>(i)] = static_cast<pos_t>(i % P);
+  post_fill_config cfg;
+  cfg.model = {L, H, H, d};
+  cfg.tokens = P;
+  cfg.rec = r;
+  cfg.alloc.kind = cake ? allocator::cake : allocator::lava;
+  cfg.alloc.total = L * H * B;
+  // a driver over heads [first, first + n) of every layer; kept[l] = its per-head lists
+  const auto run = [&](const post_fill_config& c, index_t first, index_t n, std::vector<std::vector<pos_t>>& kept) -> status {
+    post_fill_driver drv;
+    const auto bytes = post_fill_driver::state_bytes(c);
+    if (!bytes) return bytes.error();
+    std::vector<unsigned char> mem(*bytes);
+    KVEVICT_TRY(drv.init(c, mem.data(), mem.size()));
+    const auto wb = drv.workspace_bytes(seq);
+    if (!wb) return wb.error();
+    std::vector<unsigned char> wmem(*wb);
+    workspace ws{wmem.data(), wmem.size()};
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(n), static_cast<std::int32_t>(P));
+    const ragged_cache<float> keys{kv.data(), cu.data(), lens.data(), n, d, d};
+    const auto layer = make_layer_kv(keys, keys, positions.data());
+    for (index_t l = 0; l < L; ++l) {
+      const auto sv = make_matrix_view<const float>(scores.data() + (l * H + first) * P, n, P).value();
+      KVEVICT_TRY(drv.add_layer_scores(seq, ws, l, layer, sv, prefs[static_cast<std::size_t>(l)]));
+    }
+    KVEVICT_TRY(drv.decide(seq, ws));
+    kept.clear();
+    for (index_t l = 0; l < L; ++l) {
+      const ragged_positions k = drv.kept(l);
+      for (index_t h = 0; h < n; ++h) kept.emplace_back(k.pos + k.cu[h], k.pos + k.cu[h + 1]);
+    }
+    return {};
+  };
+  std::vector<std::vector<pos_t>> want, got;
+  auto st = run(cfg, 0, H, want);
+  if (!st.ok()) return std::string("single-process driver failed: ") + st.message();
+  post_fill_config rc = cfg;
+  rc.model.kv_heads = rc.model.query_heads = per;
+  rc.tp = comm_ref(comm);
+  st = run(rc, per * comm.rank(), per, got);
+  if (!st.ok()) return std::string("sharded driver failed: ") + st.message();
+  for (index_t l = 0; l < L; ++l)
+    for (index_t h = 0; h < per; ++h)
+      if (got[static_cast<std::size_t>(l * per + h)] != want[static_cast<std::size_t>(l * H + per * comm.rank() + h)])
+        return "kept rows differ from the single-process driver's";
   return "";
 }
 

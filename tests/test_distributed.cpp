@@ -47,12 +47,15 @@ TEST_CASE("sharded select_topk_flat: every rank keeps exactly the single-process
   }
 }
 
-TEST_CASE("sharded adakv_budgets, lava_layer_entropy and cake_layer_stats equal the single-process calls") {
+TEST_CASE("sharded adakv_budgets, lava_layer_entropy, cake_layer_stats, cake_window_preference and post_fill_driver (lava, cake) equal the single-process calls") {
   for (int ranks : {1, 2, 4})
     for (std::uint64_t seed = 0; seed < 30; ++seed) {
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_adakv(c, s); });
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_lava_entropy(c, s); });
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_cake_stats(c, s); });
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_cake_window(c, s); });
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, false); });
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, true); });
     }
 }
 

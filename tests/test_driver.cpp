@@ -574,9 +574,9 @@ TEST_CASE("drivers: post-fill with per-layer allocators matches the reference (r
   CHECK(cases == 4 * 9 * 3);
 }
 
-TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-process rows (flattened, adakv)") {
+TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-process rows (flattened, adakv, lava, cake)") {
   for (std::uint64_t seed = 1; seed <= 6; ++seed)
-    for (allocator kind : {allocator::flattened, allocator::adakv})
+    for (allocator kind : {allocator::flattened, allocator::adakv, allocator::lava, allocator::cake})
       for (int ranks : {2, 3}) {
         auto g = kvtest::rng(seed * 17 + static_cast<std::uint64_t>(kind) * 5 + static_cast<std::uint64_t>(ranks));
         const index_t L = kvtest::uniform_int(g, 1, 3), Hl = kvtest::uniform_int(g, 1, 2), H = Hl * ranks;
@@ -590,7 +590,11 @@ TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-proc
         cfg.tokens = P;
         cfg.rec = r;
         cfg.alloc.kind = kind;
-        cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+        const bool all_layer = kind == allocator::lava || kind == allocator::cake;
+        if (all_layer) cfg.alloc.total = L * H * B;  // the model's total over every rank's heads
+        else cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+        std::vector<double> prefs(static_cast<std::size_t>(L));  // cake: the layers' preferences
+        for (double& p : prefs) p = 0.01 * static_cast<double>(kvtest::uniform_int(g, 0, 200));
         // every layer's scores, computed once: the single-process driver and the ranks get the same
         std::vector<std::vector<float>> scores;
         for (index_t l = 0; l < L; ++l) {
@@ -610,7 +614,7 @@ TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-proc
             std::vector<float> mine(scores[static_cast<std::size_t>(l)].begin() + first * P,
                                     scores[static_cast<std::size_t>(l)].begin() + (first + n) * P);
             if (rank == bad_rank && l == L - 1) mine[1] = std::numeric_limits<float>::quiet_NaN();
-            KVEVICT_TRY(drv.add_layer_scores(seq, ws, l, e.view(), scores_view(mine, n, P)));
+            KVEVICT_TRY(drv.add_layer_scores(seq, ws, l, e.view(), scores_view(mine, n, P), prefs[static_cast<std::size_t>(l)]));
           }
           return drv.decide(seq, ws);
         };
@@ -625,7 +629,8 @@ TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-proc
             const auto me = static_cast<std::size_t>(c.rank());
             post_fill_config rc = cfg;
             rc.model.kv_heads = rc.model.query_heads = Hl;
-            rc.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data() + Hl * c.rank(), L, Hl, H));
+            if (!all_layer)
+              rc.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data() + Hl * c.rank(), L, Hl, H));
             rc.tp = comm_ref(c);
             post_fill_driver drv;
             std::vector<unsigned char> rm(post_fill_driver::state_bytes(rc).value());
@@ -640,10 +645,12 @@ TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-proc
             CAPTURE(static_cast<int>(kind));
             CAPTURE(rk);
             const auto me = static_cast<std::size_t>(rk);
-            if (bad_rank >= 0) {  // the same error everywhere, naming the rank with the NaN
-              CHECK(errors[me].find("rank " + std::to_string(bad_rank) + " of " + std::to_string(ranks)) !=
-                    std::string::npos);
+            if (bad_rank >= 0) {  // the same error everywhere, naming the rank (or lava: the head) with the NaN
+              if (kind != allocator::lava)
+                CHECK(errors[me].find("rank " + std::to_string(bad_rank) + " of " + std::to_string(ranks)) !=
+                      std::string::npos);
               CHECK(errors[me].find("NaN") != std::string::npos);
+              CHECK(errors[me] == errors[0]);
               continue;
             }
             REQUIRE(errors[me] == "");
@@ -655,17 +662,6 @@ TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-proc
           }
         }
       }
-  // lava and cake (all-layer allocators) do not take a communicator
-  post_fill_config bad;
-  bad.model = {2, 2, 2, 4};
-  bad.tokens = 16;
-  bad.alloc.kind = allocator::lava;
-  bad.alloc.total = 32;
-  kvtest::thread_world world(2);
-  kvtest::thread_comm rank0(world, 0);  // no collective runs: the configuration is refused first
-  bad.tp = comm_ref(rank0);
-  kvtest::require_error(post_fill_driver::state_bytes(bad).error(), errc::unsupported,
-                        "the lava allocator does not take a tensor-parallel communicator");
 }
 
 TEST_CASE("drivers: post-fill with uniform budgets and SnapKV equals recipe_scores + recipe_select per layer") {

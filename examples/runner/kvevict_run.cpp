@@ -27,6 +27,7 @@
 #include <runner/run_options.hpp>
 #include <runner/runner.hpp>
 #include <runner/shipped_models.hpp>
+#include <runner/sharded.hpp>
 #include <runner/speckv.hpp>
 #include <runner/tokenizer.hpp>
 
@@ -41,6 +42,10 @@
 #include <filesystem>
 #include <string>
 #include <vector>
+
+#if defined(KVEVICT_RUN_MPI)
+#  include <kvevict/mpi.hpp>
+#endif
 
 namespace {
 
@@ -162,6 +167,49 @@ int run_footprint(const options& o, const kvrun::model& model, const std::string
   return 0;
 }
 
+// The prompt and the generated tokens on stdout: ids (--ids) or text. Returns the exit status.
+int print_output(const options& o, const kvrun::tokenizer& tok, const std::vector<int>& prompt,
+                 const std::vector<int>& generated) {
+  std::vector<int> all = prompt;
+  all.insert(all.end(), generated.begin(), generated.end());
+  if (o.ids) {
+    for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
+    std::printf("\n");
+  } else {
+    std::string text;
+    if (auto st = kvrun::detokenize(tok, all, text); !st.ok()) return fail("", st);
+    std::printf("%s\n", text.c_str());
+  }
+  return 0;
+}
+
+// kvevict-run --tp P / --pp P under mpirun (runner/sharded.hpp): every rank generates the same
+// tokens; rank 0 prints them. Without MPI: a clear error.
+int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt) {
+#if defined(KVEVICT_RUN_MPI)
+  int started = 0;
+  MPI_Initialized(&started);
+  if (started == 0) MPI_Init(nullptr, nullptr);
+  struct finalize {
+    ~finalize() { MPI_Finalize(); }
+  } at_exit;
+  kvevict::mpi_comm comm(MPI_COMM_WORLD);
+  kvrun::sampler sampler;
+  if (auto st = sampler.init(model.cfg().vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
+  std::vector<int> generated;
+  const kvrun::shard_options s{o.tp > 0 ? o.tp : 1, o.pp > 0 ? o.pp : 1, o.threads > 0 ? o.threads : 1};
+  const auto st = kvrun::sharded_generate(model, comm, s, o.evict, prompt, o.steps,
+                                          [&](const float* logits) { return sampler.sample(logits); }, generated);
+  if (comm.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
+  if (!st.ok()) return fail("", st);
+  return print_output(o, tok, prompt, generated);
+#else
+  (void)model, (void)tok, (void)prompt;
+  return fail(std::string(o.tp > 0 ? "--tp" : "--pp") +
+              " needs MPI: this kvevict-run was built without it (install libopenmpi-dev and reconfigure)");
+#endif
+}
+
 // kvevict-run --report (docs/report.md): its options checked, the module loaded if needed, the run.
 int run_report(const options& o, const kvrun::model& model, const std::string& command) {
   kvrun::report_options r;
@@ -182,22 +230,6 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
     return code;
   std::fprintf(stderr, "report: wrote %s, %s and %s\n", files[0].path.c_str(), files[1].path.c_str(),
                files[2].path.c_str());
-  return 0;
-}
-
-// The prompt and its generated tokens: ids on one line (--ids) or the text.
-int print_sequence(const options& o, const kvrun::tokenizer& tok, const std::vector<int>& prompt,
-                   const std::vector<int>& generated) {
-  std::vector<int> all = prompt;
-  all.insert(all.end(), generated.begin(), generated.end());
-  if (o.ids) {
-    for (std::size_t i = 0; i < all.size(); ++i) std::printf(i == 0 ? "%d" : " %d", all[i]);
-    std::printf("\n");
-    return 0;
-  }
-  std::string text;
-  if (auto st = kvrun::detokenize(tok, all, text); !st.ok()) return fail("", st);
-  std::printf("%s\n", text.c_str());
   return 0;
 }
 
@@ -222,7 +254,7 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
   kvrun::batch_stats stats;
   if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);
   for (std::size_t s = 0; s < prompts.size(); ++s)
-    if (const int code = print_sequence(o, tok, prompts[s], out[s]); code != 0) return code;
+    if (const int code = print_output(o, tok, prompts[s], out[s]); code != 0) return code;
   if (o.stats)
     std::fprintf(stderr,
                  "batch: %lld sequences in %lld steps (%lld with a prefill beside decodes); pages: peak %lld held by "
@@ -272,6 +304,7 @@ int run(int argc, char** argv) {
   if (static_cast<int>(prompt.size()) > o.steps)
     return fail("the prompt has " + std::to_string(prompt.size()) + " tokens, more than --steps " +
                 std::to_string(o.steps) + " (steps count the prompt too)");
+  if (o.tp > 0 || o.pp > 0) return run_sharded(o, model, tok, prompt);
 
   // The full cache is sized for the prompt and the steps; the evicted one for the whole context:
   // LAQ decodes pseudo tokens past the prompt and the oracle runs the response.
@@ -355,7 +388,7 @@ int run(int argc, char** argv) {
                  usage.footprint(), usage.peak_kv(), static_cast<long long>(n));
   }
 
-  if (const int code = print_sequence(o, tok, prompt, generated); code != 0) return code;
+  if (const int code = print_output(o, tok, prompt, generated); code != 0) return code;
   if (o.stats) {
     const auto decoded = static_cast<double>(cache.next_position()) - static_cast<double>(prompt.size());
     std::fprintf(stderr, "prefill: %zu tokens in %.3f ms (%.0f tok/s); decode: %.0f tokens in %.3f ms (%.0f tok/s); %d threads\n",

@@ -66,7 +66,8 @@ void parallel_for(int threads, index_t n, index_t work, F&& f) {
 /// matrix stored transposed ([in][out], row-major). Rows of X are `x_stride` floats apart, rows of
 /// Y `y_stride`. Tiles of 4 rows x 64 outputs; each output is a sequential sum over j.
 inline void matmul(int threads, const float* x, index_t x_stride, index_t n, index_t in, const float* wt, index_t out,
-                   float* y, index_t y_stride) {
+                   float* y, index_t y_stride, index_t wt_stride = 0) {
+  if (wt_stride == 0) wt_stride = out;  // a column block of a wider matrix (runner/sharded.hpp)
   constexpr index_t rows_per_tile = 4, cols_per_tile = 64;
   const index_t row_tiles = (n + rows_per_tile - 1) / rows_per_tile;
   const index_t col_tiles = (out + cols_per_tile - 1) / cols_per_tile;
@@ -75,7 +76,7 @@ inline void matmul(int threads, const float* x, index_t x_stride, index_t n, ind
     const index_t rn = std::min(rows_per_tile, n - r0), on = std::min(cols_per_tile, out - o0);
     float acc[rows_per_tile][cols_per_tile] = {};
     for (index_t j = 0; j < in; ++j) {
-      const float* w = wt + j * out + o0;
+      const float* w = wt + j * wt_stride + o0;
       for (index_t r = 0; r < rn; ++r) {
         const float xv = x[(r0 + r) * x_stride + j];
         float* a = acc[r];

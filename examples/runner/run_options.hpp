@@ -33,6 +33,7 @@ struct run_options {
   index_t page_size = 16;  ///< tokens per page of the paged KV cache (kv_cache.hpp)
   index_t batch = 1;       ///< sequences decoded as one batch (batch.hpp)
   std::vector<std::string> batch_prompts;  ///< the batch's prompts after --prompt (cycled)
+  int tp = 0, pp = 0;  ///< sharded over MPI ranks (runner/sharded.hpp): tensor / pipeline parallel, 0 = not
   // eviction
   std::string recipe = "full";
   std::string allocator;
@@ -88,6 +89,8 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   integer("--page-size", o.page_size, "tokens per page of the paged KV cache");
   integer("--batch", o.batch, "sequences run as one batch with continuous decoding (prompts: --prompt, --batch-prompt ..., cycled)");
   app.add_option("--batch-prompt", o.batch_prompts, "--batch: further prompts (repeatable)");
+  integer("--tp", o.tp, "tensor parallelism over MPI ranks (mpirun -np P kvevict-run --tp P; docs/distributed.md)");
+  integer("--pp", o.pp, "pipeline parallelism over MPI ranks (mpirun -np P kvevict-run --pp P; docs/distributed.md)");
   // eviction (docs/runner.md, "Eviction")
   auto* recipe_opt = app.add_option("--recipe", o.recipe,
                                     "eviction method: full (no eviction), streaming_llm, h2o, tova, snapkv, pyramidkv, "
@@ -161,6 +164,8 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   if (o.threads < 0) return err("--threads must be >= 0, got " + std::to_string(o.threads));
   if (o.page_size < 1 || o.page_size > 4096) return err("--page-size must be in [1, 4096], got " + std::to_string(o.page_size));
   if (o.batch < 1 || o.batch > 64) return err("--batch must be in [1, 64], got " + std::to_string(o.batch));
+  if (o.tp < 0 || o.pp < 0) return err("--tp and --pp must be >= 0 (0: not sharded)");
+  if ((o.tp > 0 || o.pp > 0) && o.batch > 1) return err("--batch runs in one process: it cannot be combined with --tp / --pp");
   // every count is checked here, before any file is read or any work starts (docs/conventions.md)
   if (o.calibration < 1) return err("--calibration must be >= 1, got " + std::to_string(o.calibration));
   if (o.prompts < 1) return err("--prompts must be >= 1, got " + std::to_string(o.prompts));

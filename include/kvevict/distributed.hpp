@@ -139,6 +139,16 @@ std::size_t sharded_flat_workspace_bytes(Backend be, index_t rows, index_t colum
   return q.bytes;
 }
 
+/// Workspace bytes of the sharded lava_layer_entropy over a layer of `heads` heads (all ranks'):
+/// what its size query reports.
+inline std::size_t sharded_lava_entropy_workspace_bytes(index_t heads) {
+  workspace q;
+  detail::workspace_carver carver(q);
+  (void)carver.take<detail::lava_head>(static_cast<std::size_t>(heads < 0 ? 0 : heads));
+  (void)carver.finish("sharded_lava_entropy_workspace_bytes");
+  return q.bytes;
+}
+
 /// Head-sharded flattened selection (AdaKV / LAVa across the heads of a layer): `scores` [R][T]
 /// holds this rank's R rows (rank r: global rows [r R, (r + 1) R)), `total` and the floors'
 /// meaning are the layer's, as in select_topk_flat over all P R rows. kept_cu[R + 1] receives
@@ -263,6 +273,29 @@ status lava_layer_entropy(Backend be, workspace& ws, Comm& comm, matrix_view<con
   return {};
 }
 
+namespace detail {
+
+/// The sharded CAKE statistics of attention [R][w][C] (this rank's rows) into *out, the per-row
+/// records `all` (P R of them) carved by the caller; `st`: this rank's checks so far.
+template <class Backend, class Comm>
+status sharded_cake_stats(Backend be, Comm& comm, const char* fn, const status& st, const kv_view<const float>& attention,
+                          index_t R, cake_row* all, variance_estimator var, cake_stats* out) {
+  config_line config;
+  config.print("variance estimator %d, %lld heads x %lld rows x %lld columns per rank", static_cast<int>(var),
+               static_cast<long long>(R), static_cast<long long>(st.ok() ? attention.extent(1) : 0),
+               static_cast<long long>(st.ok() ? attention.extent(2) : 0));
+  KVEVICT_TRY(agree(comm, fn, st, config, nullptr, 0));
+  cake_row* mine = all + R * comm.rank();
+  parallel_for(be, R, [&](index_t k) { mine[k] = cake_row_stats(attention, k, var); });
+  KVEVICT_TRY(comm.allgather(mine, sizeof(cake_row) * static_cast<std::size_t>(R), all));
+  cake_stats total;
+  KVEVICT_TRY(cake_merge(fn, all, R * comm.size(), 0, &total));
+  *out = total;
+  return {};
+}
+
+}  // namespace detail
+
 /// Head-sharded CAKE statistics: this rank's R query heads of attention [R][w][C] (of the layer's
 /// P R); every rank receives the statistics cake_layer_stats computes over all heads, bit for bit.
 /// Workspace: about 40 P R bytes. Communication: one agreement, one allgather of about 40 R bytes.
@@ -276,18 +309,37 @@ status cake_layer_stats(Backend be, workspace& ws, Comm& comm, kv_view<const flo
   const index_t heads = R * comm.size();
   auto* all = detail::carve_head_records<detail::cake_row>(fn, ws, heads, detail::range_of(attention), "attention", st);
   if (ws.is_query()) return st;
-  detail::config_line config;
-  config.print("variance estimator %d, %lld heads x %lld rows x %lld columns per rank", static_cast<int>(var),
-               static_cast<long long>(R), static_cast<long long>(st.ok() ? attention.extent(1) : 0),
-               static_cast<long long>(st.ok() ? attention.extent(2) : 0));
-  KVEVICT_TRY(detail::agree(comm, fn, st, config, nullptr, 0));
-  detail::cake_row* mine = all + R * comm.rank();
-  detail::parallel_for(be, R, [&](index_t k) { mine[k] = detail::cake_row_stats(attention, k, var); });
-  KVEVICT_TRY(comm.allgather(mine, sizeof(detail::cake_row) * static_cast<std::size_t>(R), all));
-  cake_stats total;
-  KVEVICT_TRY(detail::cake_merge(fn, all, heads, 0, &total));
-  *out = total;
-  return {};
+  return detail::sharded_cake_stats(be, comm, fn, st, attention, R, all, var, out);
+}
+
+/// Head-sharded CAKE window preference: this rank's query heads [R_q][w][d] of the window and its
+/// KV heads' keys [R_kv][P][d] (as cake_window_preference, over this rank's heads); every rank
+/// receives the preference cake_window_preference computes over all heads, bit for bit (the
+/// attention is per head; the statistics are cake_layer_stats' sharded ones).
+/// Workspace: the [R_q][w][P - w] fp32 attention and about 40 P R_q bytes.
+/// Communication: one agreement, one allgather of about 40 R_q bytes.
+/// Errors: cake_window_preference's (on every rank); ranks disagreeing on R_q, w or P - w.
+template <class Backend, class Comm>
+status cake_window_preference(Backend be, workspace& ws, Comm& comm, kv_view<const float> window_queries,
+                              kv_view<const float> keys, const cake_options& opt, double* pref) {
+  constexpr const char* fn = "cake_window_preference (sharded)";
+  static_assert(!std::is_same_v<Backend, cuda_t>, "cake_window_preference runs on the host");
+  index_t prefix = 0;
+  status st = detail::check_cake_window(fn, window_queries, keys, pref, &prefix);
+  const index_t R = st.ok() ? window_queries.extent(0) : 0, w = st.ok() ? window_queries.extent(1) : 0;
+  detail::workspace_carver c(ws);
+  float* att = c.take<float>(static_cast<std::size_t>(R * w * prefix));
+  auto* all = c.take<detail::cake_row>(static_cast<std::size_t>(R * comm.size()));
+  if (st.ok()) st = c.finish(fn);
+  if (ws.is_query()) return st;
+  const detail::byte_range in[] = {detail::range_of(window_queries), detail::range_of(keys)};
+  const char* const names[] = {"window_queries", "keys"};
+  if (st.ok()) st = c.check_disjoint(fn, in, names);
+  if (st.ok()) detail::cake_window_attention(window_queries, keys, prefix, att);
+  const auto attention = st.ok() ? *make_kv_view<const float>(att, R, w, prefix) : kv_view<const float>{};
+  cake_stats stats;
+  KVEVICT_TRY(detail::sharded_cake_stats(be, comm, fn, st, attention, R, all, variance_estimator::unbiased, &stats));
+  return cake_preference(stats, opt, pref);
 }
 
 /// Layer-sharded (pipeline-parallel) gather: this stage holds layers [mine.first, mine.first +

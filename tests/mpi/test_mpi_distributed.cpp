@@ -36,6 +36,9 @@ int main(int argc, char** argv) {
       expect(rank, "adakv_budgets", seed, d::check_adakv(comm, seed));
       expect(rank, "lava_layer_entropy", seed, d::check_lava_entropy(comm, seed));
       expect(rank, "cake_layer_stats", seed, d::check_cake_stats(comm, seed));
+      expect(rank, "cake_window_preference", seed, d::check_cake_window(comm, seed));
+      expect(rank, "post_fill_driver lava", seed, d::check_post_fill_all_layer(comm, seed, false));
+      expect(rank, "post_fill_driver cake", seed, d::check_post_fill_all_layer(comm, seed, true));
       expect(rank, "layer budgets", seed, d::check_layer_budgets(comm, seed));
       expect(rank, "pipeline cascade", seed, d::check_pipeline_cascade(comm, seed));
     }

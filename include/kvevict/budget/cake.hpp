@@ -161,31 +161,32 @@ inline status cake_preference(const cake_stats& stats, const cake_options& opt, 
 /// backend (seq_t, par_t). Workspace: two-phase, the [H_q][w][P - w] fp32 attention.
 /// Errors: invalid views; head sizes that differ, H_q not a multiple of H_kv; no prefix (w >= P);
 /// pref null; workspace too small; those of cake_layer_stats and cake_preference.
-template <class Backend>
-status cake_window_preference(Backend be, workspace& ws, kv_view<const float> window_queries, kv_view<const float> keys,
-                              const cake_options& opt, double* pref) {
-  constexpr const char* fn = "cake_window_preference";
-  static_assert(!std::is_same_v<Backend, cuda_t>, "cake_window_preference runs on the host");
+namespace detail {
+
+/// cake_window_preference's argument checks; on success *prefix = P - w.
+inline status check_cake_window(const char* fn, const kv_view<const float>& window_queries,
+                                const kv_view<const float>& keys, const double* pref, index_t* prefix) {
   KVEVICT_TRY(detail::check_view(fn, "window_queries", window_queries));
   KVEVICT_TRY(detail::check_view(fn, "keys", keys));
   if (pref == nullptr) return status::error(errc::null_pointer, "%s: pref is null", fn);
   const index_t hq = window_queries.extent(0), w = window_queries.extent(1), d = window_queries.extent(2);
-  const index_t hkv = keys.extent(0), P = keys.extent(1), prefix = P - w;
+  const index_t hkv = keys.extent(0), P = keys.extent(1);
   if (keys.extent(2) != d || hkv < 1 || hq % hkv != 0)
     return status::error(errc::shape_mismatch, "%s: queries [%lld][%lld][%lld] over keys [%lld][%lld][%lld]", fn,
                          static_cast<long long>(hq), static_cast<long long>(w), static_cast<long long>(d),
                          static_cast<long long>(hkv), static_cast<long long>(P), static_cast<long long>(keys.extent(2)));
-  if (prefix < 1)
+  if (P - w < 1)
     return status::error(errc::invalid_argument, "%s: the window (%lld) leaves no prefix of the %lld keys", fn,
                          static_cast<long long>(w), static_cast<long long>(P));
-  detail::workspace_carver c(ws);
-  float* att = c.take<float>(static_cast<std::size_t>(hq * w * prefix));
-  KVEVICT_TRY(c.finish(fn));
-  if (ws.is_query()) return {};
-  const detail::byte_range in[] = {detail::range_of(window_queries), detail::range_of(keys)};
-  const char* const names[] = {"window_queries", "keys"};
-  KVEVICT_TRY(c.check_disjoint(fn, in, names));
-  const index_t group = hq / hkv;
+  *prefix = P - w;
+  return {};
+}
+
+/// The window's attention over the prefix, att [H_q][w][prefix] (checked arguments).
+inline void cake_window_attention(const kv_view<const float>& window_queries, const kv_view<const float>& keys,
+                                  index_t prefix, float* att) {
+  const index_t hq = window_queries.extent(0), w = window_queries.extent(1), d = window_queries.extent(2);
+  const index_t group = hq / keys.extent(0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   auto logit = [&](index_t h, index_t i, index_t j) {
     float s = 0.0f;
@@ -200,6 +201,26 @@ status cake_window_preference(Backend be, workspace& ws, kv_view<const float> wi
       for (index_t j = 0; j < visible; ++j) sum += std::exp(logit(h, i, j) - mx);
       for (index_t j = 0; j < prefix; ++j) att[(h * w + i) * prefix + j] = std::exp(logit(h, i, j) - mx) / sum;
     }
+}
+
+}  // namespace detail
+
+template <class Backend>
+status cake_window_preference(Backend be, workspace& ws, kv_view<const float> window_queries, kv_view<const float> keys,
+                              const cake_options& opt, double* pref) {
+  constexpr const char* fn = "cake_window_preference";
+  static_assert(!std::is_same_v<Backend, cuda_t>, "cake_window_preference runs on the host");
+  index_t prefix = 0;
+  KVEVICT_TRY(detail::check_cake_window(fn, window_queries, keys, pref, &prefix));
+  const index_t hq = window_queries.extent(0), w = window_queries.extent(1);
+  detail::workspace_carver c(ws);
+  float* att = c.take<float>(static_cast<std::size_t>(hq * w * prefix));
+  KVEVICT_TRY(c.finish(fn));
+  if (ws.is_query()) return {};
+  const detail::byte_range in[] = {detail::range_of(window_queries), detail::range_of(keys)};
+  const char* const names[] = {"window_queries", "keys"};
+  KVEVICT_TRY(c.check_disjoint(fn, in, names));
+  detail::cake_window_attention(window_queries, keys, prefix, att);
   cake_stats st;
   KVEVICT_TRY(cake_layer_stats(be, *make_kv_view<const float>(att, hq, w, prefix), &st));
   return cake_preference(st, opt, pref);

@@ -30,8 +30,12 @@ struct post_fill_config {
   /// Tensor parallelism (docs/distributed.md): this rank's driver holds model.kv_heads of the
   /// layer's model.kv_heads x tp.size() KV heads (head_shard), every rank running the same calls.
   /// flattened layers keep tp.size() x this rank's budget sum, adakv layers B x all heads, selected
-  /// across the ranks exactly as one process would (per_head needs no communicator). Empty: one
-  /// process. lava and cake (all-layer) with more than one rank: not supported (error).
+  /// across the ranks exactly as one process would (per_head needs no communicator). lava and cake:
+  /// alloc.total is the model's total over every rank's heads (L x tp.size() x kv_heads x ...);
+  /// lava's entropies (lava_layer_entropy, sharded), its layer totals and its flattened selection
+  /// run across the ranks; cake's preferences (add_layer's weight) must be the same on every rank
+  /// (the sharded cake_window_preference gives every rank the layer's), its per-head budgets then
+  /// need no communicator. Empty: one process.
   comm_ref tp;
 };
 
@@ -121,14 +125,14 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                    kv_view<const T> block_keys = {}, double weight = 0.0) {
     in_collective_ = false;
     return joined("post_fill_driver::add_layer", ws,
-                  prefill_driver_skeleton::add_layer(be, ws, layer, kv, queries, block_keys, weight));
+                  prefill_driver_skeleton::add_layer(be, ws, layer, kv, queries, block_keys, weight), layer, weight);
   }
   template <class Backend, class T>
   status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
                           matrix_view<const float> scores, double weight = 0.0) {
     in_collective_ = false;
     return joined("post_fill_driver::add_layer_scores", ws,
-                  prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores, weight));
+                  prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores, weight), layer, weight);
   }
 
   /// Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
@@ -170,14 +174,18 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   status decide(Backend be, workspace& ws) {
     constexpr const char* fn = "post_fill_driver::decide";
     detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
+    status st = open_call(fn, be, ws, w);
+    if (ws.is_query()) return st;
     const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads;
-    if (decided_) return status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
-    if (added_ < L)
-      return status::error(errc::invalid_argument, "%s: only %lld of %lld layers were added", fn,
-                           static_cast<long long>(added_), static_cast<long long>(L));
-    KVEVICT_TRY(check_ws(fn, ws));
+    if (st.ok() && decided_)
+      st = status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
+    if (st.ok() && added_ < L)
+      st = status::error(errc::invalid_argument, "%s: only %lld of %lld layers were added", fn,
+                         static_cast<long long>(added_), static_cast<long long>(L));
+    if (st.ok()) st = check_ws(fn, ws);
+    // tensor parallelism, lava / cake: every rank agrees first (a rank failing here fails them all)
+    if (ok_ && all_layer_ && cfg_.tp.size() > 1) st = agree_layer_weights(fn, st);
+    KVEVICT_TRY(st);
     if (!all_layer_) {
       decided_ = true;
       return {};
@@ -187,6 +195,17 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
       // layer totals: protected rows + apportion(total - protected, entropies, evictable rows)
       index_t prot_sum = 0, rows = 0;
       held_.protected_totals(L, prot, w.caps, w.totals, &prot_sum, &rows);
+      if (sharded(cfg_)) {  // the layers' protected and evictable rows over every rank's heads
+        static_assert(std::is_same_v<index_t, std::int64_t>, "index_t is summed as int64");
+        comm_ref tp = cfg_.tp;
+        KVEVICT_TRY(tp.allreduce_sum(w.caps, L));
+        KVEVICT_TRY(tp.allreduce_sum(w.totals, L));
+        prot_sum = rows = 0;
+        for (index_t l = 0; l < L; ++l) {
+          prot_sum += w.totals[l];
+          rows += w.totals[l] + w.caps[l];
+        }
+      }
       if (cfg_.alloc.total < prot_sum || cfg_.alloc.total > rows)
         return status::error(errc::invalid_argument,
                              "%s: lava total %lld is outside [%lld, %lld] (the layers' protected rows, their rows)", fn,
@@ -194,14 +213,20 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                              static_cast<long long>(rows));
       KVEVICT_TRY(held_.share_lava_totals(L, cfg_.alloc.total - prot_sum, w.caps, w.shares, w.totals));
     } else {  // cake: every head holds the whole prompt (checked by add_layer)
-      KVEVICT_TRY(cake_budgets(held_.weight, cfg_.alloc.total / (L * H), cfg_.tokens, prot,
+      KVEVICT_TRY(cake_budgets(held_.weight, cfg_.alloc.total / (L * H * tp_ranks(cfg_)), cfg_.tokens, prot,
                                detail::rows_view(budgets_, L, H, H)));
     }
     for (index_t l = 0; l < L; ++l) {
       const allocator kind = cfg_.alloc.kind == allocator::lava ? allocator::lava : allocator::per_head;
-      KVEVICT_TRY(detail::select_layer(be, w.sel, kind, held_.scores_view(l), held_.lens + l * H, budgets_ + l * H,
-                                       kind == allocator::lava ? w.totals[l] : 0, adakv_options{},
-                                       kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
+      if (kind == allocator::lava && sharded(cfg_)) {  // the layer's total over every rank's heads
+        comm_ref tp = cfg_.tp;
+        KVEVICT_TRY(select_topk_flat(be, w.sel, tp, held_.scores_view(l), held_.lens + l * H, w.totals[l], nullptr,
+                                     kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
+      } else {
+        KVEVICT_TRY(detail::select_layer(be, w.sel, kind, held_.scores_view(l), held_.lens + l * H, budgets_ + l * H,
+                                         kind == allocator::lava ? w.totals[l] : 0, adakv_options{},
+                                         kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
+      }
       KVEVICT_TRY(held_.record(rec_, l, kept(l, true), cfg_.tokens, w));
       ready_[l] = 1;
     }
@@ -251,8 +276,13 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
 
   /// Layers selected across the tensor-parallel ranks (a rank may then keep up to all its rows).
   static bool sharded(const post_fill_config& c) {
-    return c.tp.size() > 1 && (c.alloc.kind == allocator::flattened || c.alloc.kind == allocator::adakv);
+    return c.tp.size() > 1 &&
+           (c.alloc.kind == allocator::flattened || c.alloc.kind == allocator::adakv || c.alloc.kind == allocator::lava);
   }
+  /// Tensor-parallel ranks (1 without a communicator): the model has tp_ranks x kv_heads heads.
+  static index_t tp_ranks(const post_fill_config& c) { return c.tp.size() > 1 ? c.tp.size() : 1; }
+  /// Collective calls of a sharded layer: lava's entropy agrees on no sums, the selections on two.
+  int agree_sums() const { return cfg_.alloc.kind == allocator::lava ? 0 : 2; }
 
   static status validate(const char* fn, const post_fill_config& c) {
     KVEVICT_TRY(detail::check_model(fn, c.model));
@@ -260,11 +290,6 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     KVEVICT_TRY(detail::check_capacity(fn, "tokens", c.tokens, H));
     KVEVICT_TRY(detail::check_recipe(fn, c.rec));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
-    if (c.tp.size() > 1 && (c.alloc.kind == allocator::lava || c.alloc.kind == allocator::cake))
-      return status::error(errc::unsupported,
-                           "%s: the %s allocator does not take a tensor-parallel communicator (per_head, flattened and "
-                           "adakv do; docs/distributed.md)",
-                           fn, allocator_name(c.alloc.kind));
     index_t rows = 0;
     bool bk = false;
     detail::row_rules rr;
@@ -272,17 +297,18 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     const index_t W = protected_count(c.tokens, c.rec.n_sink, c.rec.n_recent);
     if (has_matrix(c.alloc.kind)) return detail::check_budget_matrix(fn, c.alloc, c.model, W, c.tokens);
     index_t top = 0;
-    if (!detail::checked_mul(L * H, c.tokens, top) || c.alloc.total < 0 || c.alloc.total > top)
+    const index_t LH = L * H * tp_ranks(c);  // every rank's heads
+    if (!detail::checked_mul(LH, c.tokens, top) || c.alloc.total < 0 || c.alloc.total > top)
       return status::error(errc::invalid_argument, "%s: %s total %lld is outside [0, %lld] (L H P)", fn,
                            allocator_name(c.alloc.kind), static_cast<long long>(c.alloc.total),
                            static_cast<long long>(top));
     if (c.alloc.kind == allocator::cake) {
-      if (c.alloc.total % (L * H) != 0)
+      if (c.alloc.total % LH != 0)
         return status::error(errc::invalid_argument,
                              "%s: cake total %lld is not a multiple of the %lld heads of the model (CAKE reshapes a "
                              "per-head budget)",
-                             fn, static_cast<long long>(c.alloc.total), static_cast<long long>(L * H));
-      KVEVICT_TRY(check_budget(fn, c.alloc.total / (L * H), c.tokens, c.rec.n_sink, c.rec.n_recent));
+                             fn, static_cast<long long>(c.alloc.total), static_cast<long long>(LH));
+      KVEVICT_TRY(check_budget(fn, c.alloc.total / LH, c.tokens, c.rec.n_sink, c.rec.n_recent));
     }
     return {};
   }
@@ -306,6 +332,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     KVEVICT_TRY(fit_score_slots(be, cfg_.rec, query_rows_, block_keys_, s));
     s.sel = sharded(cfg_) ? sharded_flat_workspace_bytes(be, s.H, s.C, cfg_.alloc.kind == allocator::adakv)
                           : detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, s.H, s.C);
+    if (sharded(cfg_) && cfg_.alloc.kind == allocator::lava)  // the sharded entropy's per-head records
+      s.sel = std::max(s.sel, sharded_lava_entropy_workspace_bytes(s.H * cfg_.tp.size()));
     s.layers = cfg_.model.layers;
     return detail::carve_call_scratch(name, ws, s, w);
   }
@@ -358,7 +386,13 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
         lava_entropy_options eo;
         eo.prot = detail::recipe_protection(cfg_.rec);
         eo.norm = cfg_.alloc.lava_norm;
-        KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
+        if (sharded(cfg_)) {  // every rank gets the entropy over all the layer's heads
+          in_collective_ = true;
+          comm_ref tp = cfg_.tp;
+          KVEVICT_TRY(lava_layer_entropy(be, w.sel, tp, sv, lens, eo, &e));
+        } else {
+          KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
+        }
       }
       held_.store(layer, kv, e);
       added_ = layer + 1;
@@ -416,13 +450,42 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                                 kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]);
   }
 
+  /// Tensor parallelism, decide() of lava / cake: the ranks agree on the total, the shapes and the
+  /// layer weights (lava's entropies are the same on every rank by construction; cake's preferences
+  /// are the engine's, which must give every rank the same ones), or every rank fails.
+  status agree_layer_weights(const char* fn, const status& local) const {
+    const index_t L = cfg_.model.layers;
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the weights' bytes
+    for (index_t l = 0; local.ok() && l < added_; ++l) {
+      unsigned char b[sizeof(double)];
+      std::memcpy(b, &held_.weight[l], sizeof b);
+      for (unsigned char x : b) h = (h ^ x) * 1099511628211ull;
+    }
+    detail::config_line config;
+    config.print("%s total %lld, %lld layers x %lld heads per rank, layer weights hash %016llx",
+                 allocator_name(cfg_.alloc.kind), static_cast<long long>(cfg_.alloc.total),
+                 static_cast<long long>(L), static_cast<long long>(cfg_.model.kv_heads),
+                 static_cast<unsigned long long>(h));
+    comm_ref tp = cfg_.tp;
+    return detail::agree(tp, fn, local, config, nullptr, 0);
+  }
+
   /// Tensor parallelism: a call that failed on this rank before its layer's selection still joins
-  /// the selection's agreement, so the other ranks return the same error instead of waiting.
-  status joined(const char* fn, const workspace& ws, const status& st) {
-    if (st.ok() || ws.is_query() || !sharded(cfg_) || in_collective_) return st;
+  /// the selection's agreement, so the other ranks return the same error instead of waiting. cake
+  /// (no collective of its own in add_layer): every layer's call agrees on its status and its
+  /// preference, which every rank must pass the same.
+  status joined(const char* fn, const workspace& ws, const status& st, index_t layer, double weight) {
+    if (ws.is_query() || cfg_.tp.size() <= 1) return st;
+    if (cfg_.alloc.kind == allocator::cake) {
+      detail::config_line config;
+      config.print("cake layer %lld, preference %.17g", static_cast<long long>(layer), weight);
+      comm_ref tp = cfg_.tp;
+      return detail::agree(tp, fn, st, config, nullptr, 0);
+    }
+    if (st.ok() || !sharded(cfg_) || in_collective_) return st;
     comm_ref tp = cfg_.tp;
     std::int64_t sums[2] = {};
-    return detail::agree(tp, fn, st, detail::config_line{}, sums, 2);
+    return detail::agree(tp, fn, st, detail::config_line{}, sums, agree_sums());
   }
 
   ragged_positions kept(index_t layer, bool) const noexcept {

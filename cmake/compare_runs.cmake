@@ -1,0 +1,16 @@
+# Runs REF and RUN (each a command, "@@"-separated) and requires both to succeed with the same,
+# non-empty stdout (the sharded runner's tokens against one process's: examples/runner/CMakeLists.txt).
+string(REPLACE "@@" ";" ref "${REF}")
+string(REPLACE "@@" ";" run "${RUN}")
+execute_process(COMMAND ${ref} RESULT_VARIABLE rc1 OUTPUT_VARIABLE out1 ERROR_VARIABLE err1)
+execute_process(COMMAND ${run} RESULT_VARIABLE rc2 OUTPUT_VARIABLE out2 ERROR_VARIABLE err2)
+if(NOT rc1 EQUAL 0 OR out1 STREQUAL "")
+  message(FATAL_ERROR "the reference failed (status ${rc1}): ${err1}")
+endif()
+if(NOT rc2 EQUAL 0)
+  message(FATAL_ERROR "the sharded run failed (status ${rc2}): ${err2}")
+endif()
+if(NOT out1 STREQUAL out2)
+  message(FATAL_ERROR "different tokens:\none process: ${out1}sharded:     ${out2}")
+endif()
+message(STATUS "same tokens: ${out2}")

@@ -1,0 +1,387 @@
+// runner/sharded.hpp: the reference model sharded over ranks (docs/distributed.md, "The runner
+// sharded"): `mpirun -np P kvevict-run --tp P` splits the KV heads of every layer, `--pp P` the
+// layers, and every rank produces the same tokens as one process, bit for bit.
+//
+// Tensor parallelism (--tp P, P divides the KV heads): rank r holds KV heads head_shard(H_kv, P, r)
+// and their query heads. It computes only their q / k / v projections (the columns of wqkv, each a
+// sum in the same order as the whole matmul's), RoPE, its cache and its heads' attention. The
+// per-head attention outputs are then allgathered and every rank runs the output projection and
+// the FFN on the whole row, in the order one process uses: no float sum is split across ranks (an
+// all-reduce of partial output projections would change the summation order and the tokens).
+// Eviction: post_fill_driver with the communicator (post_fill_config::tp): per-head budgets need
+// none, AdaKV and LAVa select across the ranks with the library's exact sharded radix select, LAVa's
+// entropies are sharded, CAKE's preferences come from the sharded cake_window_preference.
+//
+// Pipeline parallelism (--pp P, P <= layers): rank r holds the layers layer_shard(L, P, r). The
+// stages run in order; after each, its activations reach every rank (an allgather of the block's
+// rows, the other ranks' slots unused), so every rank computes the same logits and samples the same
+// token. Eviction: post_fill_driver on the stage's layers (per-layer allocators: uniform, PyramidKV
+// need only the layer index, AdaKV selects within a layer). LAVa and CAKE under --pp: not done (their
+// layer budgets need every stage's statistics inside the driver: an error says so).
+//
+// The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
+// kvevict/mpi.hpp; the tests also run it on threads). Only the postfill driver and the methods
+// full, snapkv, pyramidkv, adakv, lava, cake run sharded; the others are a clear error.
+#pragma once
+
+#include <runner/evict.hpp>
+#include <runner/generate.hpp>
+#include <runner/model.hpp>
+#include <runner/ops.hpp>
+
+#include <kvevict/comm.hpp>
+#include <kvevict/distributed.hpp>
+#include <kvevict/driver.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace kvrun {
+
+struct shard_options {
+  int tp = 1;       ///< tensor-parallel ranks (the communicator's size when > 1)
+  int pp = 1;       ///< pipeline stages (the communicator's size when > 1)
+  int threads = 1;  ///< OpenMP threads of each rank's matmuls
+};
+
+/// One rank's KV rows: every layer (those of other stages stay empty) x its KV heads x capacity,
+/// as ragged caches the drivers read and compact_layer compacts.
+class shard_cache {
+ public:
+  void init(int layers, index_t heads, index_t head_size, index_t capacity) {
+    layers_ = layers;
+    heads_ = heads;
+    hs_ = head_size;
+    cap_ = capacity;
+    const auto rows = static_cast<std::size_t>(layers * heads * capacity);
+    keys_.assign(rows * static_cast<std::size_t>(head_size), 0.0f);
+    values_.assign(keys_.size(), 0.0f);
+    pos_.assign(rows, 0);
+    lens_.assign(static_cast<std::size_t>(layers * heads), 0);
+    cu_.resize(static_cast<std::size_t>(heads + 1));
+    for (index_t h = 0; h <= heads; ++h) cu_[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * capacity);
+  }
+  index_t heads() const { return heads_; }
+  index_t length(int l, index_t h) const { return lens_[static_cast<std::size_t>(l * heads_ + h)]; }
+  float* key_row(int l, index_t h, index_t j) { return keys_.data() + off(l, h, j); }
+  float* value_row(int l, index_t h, index_t j) { return values_.data() + off(l, h, j); }
+  /// Appends one row (key, value, position) to head h of layer l (room: the caller's to check).
+  void append(int l, index_t h, const float* k, const float* v, pos_t p) {
+    const index_t j = length(l, h);
+    std::copy(k, k + hs_, key_row(l, h, j));
+    std::copy(v, v + hs_, value_row(l, h, j));
+    pos_[static_cast<std::size_t>(off(l, h, j) / hs_)] = p;
+    ++lens_[static_cast<std::size_t>(l * heads_ + h)];
+  }
+  kvevict::ragged_cache<float> keys(int l) { return {keys_.data() + off(l, 0, 0), cu_.data(), lens(l), heads_, hs_, hs_}; }
+  kvevict::ragged_cache<float> values(int l) {
+    return {values_.data() + off(l, 0, 0), cu_.data(), lens(l), heads_, hs_, hs_};
+  }
+  kvevict::ragged_cache<pos_t> positions(int l) {
+    return {pos_.data() + off(l, 0, 0) / hs_, cu_.data(), lens(l), heads_, 1, 1};
+  }
+  kvevict::layer_kv<float> layer(int l) { return *kvevict::make_layer_kv(keys(l), values(l), positions(l)); }
+  /// Layer l's first `rows` keys of every head, dense [heads][rows][d] (a ragged head is contiguous).
+  kvevict::kv_view<const float> dense_keys(int l, index_t rows) const {
+    return *kvevict::make_kv_view<const float>(keys_.data() + off(l, 0, 0), heads_, rows, hs_, cap_ * hs_, hs_);
+  }
+  status compact(int l, kvevict::ragged_positions kept) {
+    return kvevict::compact_layer(kvevict::seq, keys(l), values(l), positions(l), kept);
+  }
+
+ private:
+  index_t off(int l, index_t h, index_t j) const { return ((l * heads_ + h) * cap_ + j) * hs_; }
+  std::int32_t* lens(int l) { return lens_.data() + l * heads_; }
+  int layers_ = 0;
+  index_t heads_ = 0, hs_ = 0, cap_ = 0;
+  std::vector<float> keys_, values_;
+  std::vector<pos_t> pos_;
+  std::vector<std::int32_t> lens_, cu_;
+};
+
+/// The methods a sharded run takes (postfill driver): full, snapkv, pyramidkv, adakv, lava, cake
+/// (lava and cake only under --tp). Error: a clear one naming what is not supported.
+inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
+  if (s.tp < 1 || s.pp < 1 || (s.tp > 1 && s.pp > 1))
+    return status::error(errc::invalid_argument, "--tp %d --pp %d: give one of them (tensor or pipeline parallelism)",
+                         s.tp, s.pp);
+  const int want = s.tp > 1 ? s.tp : s.pp;
+  if (want != ranks)
+    return status::error(errc::invalid_argument, "--%s %d but the job has %d ranks (run mpirun -np %d)",
+                         s.tp > 1 ? "tp" : "pp", want, ranks, want);
+  if (s.tp > 1)
+    if (const auto r = kvevict::head_shard(c.n_kv_heads, s.tp, 0); !r) return r.error();
+  if (s.pp > 1)
+    if (const auto r = kvevict::layer_shard(c.n_layers, s.pp, 0); !r) return r.error();
+  const method m = o.recipe;
+  if (m != method::full && m != method::snapkv && m != method::pyramidkv && m != method::adakv && m != method::lava &&
+      m != method::cake)
+    return status::error(errc::unsupported,
+                         "--recipe %s does not run sharded (full, snapkv, pyramidkv, adakv, lava and cake do)",
+                         method_name(m));
+  if (m != method::full && o.driver != driver_kind::postfill)
+    return status::error(errc::unsupported, "--driver %s does not run sharded (postfill does)", driver_name(o.driver));
+  const budget_scheme a = allocator_of(o);
+  if (m != method::full && a != budget_scheme::uniform && a != budget_scheme::pyramid && a != budget_scheme::adakv &&
+      a != budget_scheme::lava && a != budget_scheme::cake)
+    return status::error(errc::unsupported, "--allocator %s does not run sharded", allocator_name(a));
+  if (m != method::full && s.pp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
+    return status::error(errc::unsupported,
+                         "--pp with --allocator %s is not supported yet (its layer budgets need every stage's "
+                         "statistics inside the driver; --tp runs it)",
+                         allocator_name(a));
+  return check_evict_options(c, o);
+}
+
+/// The model on one rank of a tensor- or pipeline-parallel job, with post-fill eviction.
+template <class Comm>
+class sharded_runner {
+ public:
+  /// Binds to `m` (must outlive this) and `comm` (every rank calls the same methods in the same
+  /// order). Errors: check_sharded's.
+  status init(const model& m, Comm& comm, const shard_options& s, const evict_options& o) {
+    const config& c = m.cfg();
+    KVEVICT_TRY(check_sharded(c, s, comm.size(), o));
+    m_ = &m;
+    comm_ = &comm;
+    s_ = s;
+    o_ = o;
+    rec_ = make_recipe(o);
+    const int P = comm.size(), r = comm.rank();
+    heads_ = {0, c.n_kv_heads};
+    layers_ = {0, c.n_layers};
+    if (s.tp > 1) heads_ = *kvevict::head_shard(c.n_kv_heads, P, r);
+    if (s.pp > 1) layers_ = *kvevict::layer_shard(c.n_layers, P, r);
+    group_ = c.group_size();
+    hs_ = c.head_size();
+    lq_ = heads_.count * group_;
+    cache_.init(c.n_layers, heads_.count, hs_, c.seq_len);
+    const auto T = static_cast<std::size_t>(c.seq_len), d = static_cast<std::size_t>(c.dim);
+    x_.assign(T * d, 0.0f);
+    xb_.assign(T * d, 0.0f);
+    tmp_.assign(T * d, 0.0f);
+    qkv_.assign(T * static_cast<std::size_t>((lq_ + 2 * heads_.count) * hs_), 0.0f);
+    mine_.assign(T * static_cast<std::size_t>(lq_ * hs_), 0.0f);
+    gathered_.assign(mine_.size() * static_cast<std::size_t>(P), 0.0f);
+    xs_.assign(T * d * static_cast<std::size_t>(P), 0.0f);
+    h13_.assign(T * 2 * static_cast<std::size_t>(c.hidden_dim), 0.0f);
+    att_.assign(T, 0.0f);
+    logits_.assign(static_cast<std::size_t>(c.vocab_size), 0.0f);
+    pos_.assign(T, 0);
+    return {};
+  }
+
+  const float* logits() const { return logits_.data(); }
+  pos_t next_position() const { return next_; }
+
+  /// Prefills `prompt` (an empty cache) and evicts as configured; logits() then holds the first
+  /// generated token's. Errors: an empty or too long prompt, the driver's.
+  status prefill(const std::vector<int>& prompt) {
+    const config& c = m_->cfg();
+    const auto n = static_cast<index_t>(prompt.size());
+    if (n < 1 || n > c.seq_len || next_ != 0)
+      return status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
+                           static_cast<long long>(n), c.seq_len);
+    capture_ = o_.recipe != method::full;
+    if (capture_) queries_.assign(static_cast<std::size_t>(c.n_layers * lq_ * n * hs_), 0.0f);
+    KVEVICT_TRY(forward(prompt.data(), n));
+    capture_ = false;
+    return o_.recipe == method::full ? status{} : evict(n);
+  }
+
+  /// Decodes one token (no eviction after the prefill: the postfill driver's decode).
+  status decode(int token) {
+    if (next_ >= m_->cfg().seq_len)
+      return status::error(errc::out_of_range, "sharded_runner: the context of %d tokens is full", m_->cfg().seq_len);
+    return forward(&token, 1);
+  }
+
+ private:
+  const model* m_ = nullptr;
+  Comm* comm_ = nullptr;
+  shard_options s_;
+  evict_options o_;
+  kvevict::recipe rec_;
+  kvevict::shard_range heads_, layers_;
+  index_t group_ = 1, hs_ = 0, lq_ = 0;
+  shard_cache cache_;
+  std::vector<float> x_, xb_, tmp_, qkv_, mine_, gathered_, xs_, h13_, att_, logits_, queries_;
+  std::vector<pos_t> pos_;
+  pos_t next_ = 0;
+  bool capture_ = false;
+  kvevict::post_fill_driver pf_;
+  driver_scratch scratch_;
+  allocation_plan alloc_;
+  std::vector<std::int32_t> budgets_;
+  std::vector<unsigned char> pref_ws_;
+
+  bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
+
+  // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
+  // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
+  status forward(const int* tokens, index_t n) {
+    const model& m = *m_;
+    const config& c = m.cfg();
+    const index_t d = c.dim;
+    float* x = x_.data();
+    for (index_t i = 0; i < n; ++i) {
+      pos_[static_cast<std::size_t>(i)] = static_cast<pos_t>(next_ + i);
+      const float* e = m.embedding(tokens[i]);
+      std::copy(e, e + d, x + i * d);
+    }
+    const int stages = s_.pp > 1 ? comm_->size() : 1;
+    for (int st = 0; st < stages; ++st) {
+      if (stages == 1 || st == comm_->rank())
+        for (index_t l = layers_.first; l < layers_.first + layers_.count; ++l) KVEVICT_TRY(layer(static_cast<int>(l), n));
+      if (stages > 1) {  // stage st's rows to every rank
+        const auto bytes = static_cast<std::size_t>(n * d) * sizeof(float);
+        KVEVICT_TRY(comm_->allgather(x, bytes, xs_.data()));
+        std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
+      }
+    }
+    float* xb = xb_.data();
+    detail::rmsnorm(xb, x + (n - 1) * d, m.final_norm(), d);
+    detail::matmul(s_.threads, xb, d, 1, d, m.classifier(), c.vocab_size, logits_.data(), c.vocab_size);
+    next_ += static_cast<pos_t>(n);
+    return {};
+  }
+
+  // Layer l on the block's n rows (x), this rank's heads' attention.
+  status layer(int l, index_t n) {
+    const model& m = *m_;
+    const config& c = m.cfg();
+    const index_t d = c.dim, qs = m.qkv_width(), hidden = c.hidden_dim, hk = heads_.count;
+    const index_t lw = (lq_ + 2 * hk) * hs_;  // this rank's q | k | v columns
+    const index_t q0 = heads_.first * group_ * hs_, k0 = d + heads_.first * hs_, v0 = d + c.kv_dim() + heads_.first * hs_;
+    const int T = s_.threads;
+    float *x = x_.data(), *xb = xb_.data(), *tmp = tmp_.data(), *qkv = qkv_.data(), *h13 = h13_.data();
+    for (index_t i = 0; i < n; ++i) detail::rmsnorm(xb + i * d, x + i * d, m.attn_norm(l), d);
+    // this rank's columns of wqkv: its query heads, then its key and value heads
+    detail::matmul(T, xb, d, n, d, m.wqkv(l) + q0, lq_ * hs_, qkv, lw, qs);
+    detail::matmul(T, xb, d, n, d, m.wqkv(l) + k0, hk * hs_, qkv + lq_ * hs_, lw, qs);
+    detail::matmul(T, xb, d, n, d, m.wqkv(l) + v0, hk * hs_, qkv + (lq_ + hk) * hs_, lw, qs);
+    for (index_t i = 0; i < n; ++i) {
+      float* row = qkv + i * lw;
+      const pos_t p = pos_[static_cast<std::size_t>(i)];
+      for (index_t j = 0; j < (lq_ + hk) * hs_; j += 2) {  // RoPE on q and k, as runner::run
+        const int pair = static_cast<int>((j % hs_) / 2);
+        const float fr = m.rope_cos(p, pair), fi = m.rope_sin(p, pair);
+        const float a = row[j], b = row[j + 1];
+        row[j] = a * fr - b * fi;
+        row[j + 1] = a * fi + b * fr;
+      }
+      for (index_t h = 0; h < hk; ++h) {
+        if (cache_.length(l, h) >= c.seq_len)
+          return status::error(errc::capacity_exceeded, "sharded_runner: layer %d head %lld is full", l,
+                               static_cast<long long>(heads_.first + h));
+        cache_.append(l, h, row + (lq_ + h) * hs_, row + (lq_ + hk + h) * hs_, p);
+      }
+    }
+    if (capture_)
+      for (index_t q = 0; q < lq_; ++q)
+        for (index_t i = 0; i < n; ++i)
+          std::copy(qkv + i * lw + q * hs_, qkv + i * lw + (q + 1) * hs_, queries_.data() + ((l * lq_ + q) * n + i) * hs_);
+    // this rank's heads' attention; row i sees the rows held before the block and the block's rows <= i
+    for (index_t i = 0; i < n; ++i)
+      for (index_t q = 0; q < lq_; ++q) {
+        const index_t g = q / group_, rows = cache_.length(l, g) - n + i + 1;
+        detail::attend(qkv + i * lw + q * hs_, cache_.key_row(l, g, 0), cache_.value_row(l, g, 0), hs_, rows, hs_,
+                       att_.data(), mine_.data() + (i * lq_ + q) * hs_);
+      }
+    // every head's output on every rank, in head order; then wo and the FFN on whole rows
+    const index_t per = n * lq_ * hs_;
+    if (s_.tp > 1) {
+      KVEVICT_TRY(comm_->allgather(mine_.data(), static_cast<std::size_t>(per) * sizeof(float), gathered_.data()));
+    } else {
+      std::copy(mine_.data(), mine_.data() + per, gathered_.data());
+    }
+    const int ranks = s_.tp > 1 ? comm_->size() : 1;
+    for (int r = 0; r < ranks; ++r)
+      for (index_t i = 0; i < n; ++i)
+        std::copy(gathered_.data() + r * per + i * lq_ * hs_, gathered_.data() + r * per + (i + 1) * lq_ * hs_,
+                  xb + i * d + r * lq_ * hs_);
+    detail::matmul(T, xb, d, n, d, m.wo(l), d, tmp, d);
+    for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
+    for (index_t i = 0; i < n; ++i) detail::rmsnorm(xb + i * d, x + i * d, m.ffn_norm(l), d);
+    detail::matmul(T, xb, d, n, d, m.w13(l), 2 * hidden, h13, 2 * hidden);
+    for (index_t i = 0; i < n; ++i) detail::swiglu(h13 + i * 2 * hidden, h13 + i * 2 * hidden + hidden, hidden);
+    detail::matmul(T, h13, 2 * hidden, n, hidden, m.w2(l), d, tmp, d);
+    for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
+    return {};
+  }
+
+  // CAKE's layer preference from the window's queries over the prompt's keys (sharded under --tp).
+  status preference(kvevict::kv_view<const float> wq, kvevict::kv_view<const float> keys, double& pref) {
+    const auto call = [&](kvevict::workspace& ws) {
+      if (s_.tp > 1) return kvevict::cake_window_preference(kvevict::seq, ws, *comm_, wq, keys, {}, &pref);
+      return kvevict::cake_window_preference(kvevict::seq, ws, wq, keys, {}, &pref);
+    };
+    kvevict::workspace ws;
+    KVEVICT_TRY(call(ws));
+    ws = {grown(pref_ws_, ws.bytes), ws.bytes};
+    return call(ws);
+  }
+
+ public:
+  /// The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers.
+  status evict(index_t P) {
+    const config& c = m_->cfg();
+    const index_t L = c.n_layers, H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
+    const budget_scheme a = allocator_of(o_);
+    KVEVICT_TRY(plan_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, nullptr, alloc_));
+    kvevict::post_fill_config pc;
+    pc.model = {Ls, hk, lq_, hs_};
+    pc.tokens = P;
+    pc.rec = rec_;
+    pc.alloc = alloc_.alloc;
+    if (!alloc_.budgets.empty()) {  // this rank's block of the [L][H] budgets
+      budgets_.assign(static_cast<std::size_t>(Ls * hk), 0);
+      for (index_t l = 0; l < Ls; ++l)
+        for (index_t h = 0; h < hk; ++h)
+          budgets_[static_cast<std::size_t>(l * hk + h)] =
+              alloc_.budgets[static_cast<std::size_t>((layers_.first + l) * H + heads_.first + h)];
+      pc.alloc.budgets = *kvevict::make_matrix_view(budgets_.data(), Ls, hk);
+    }
+    if (s_.tp > 1) pc.tp = kvevict::comm_ref(*comm_);
+    const bool cake = a == budget_scheme::cake;
+    const index_t w = o_.window;
+    const auto queries = [&](int l, index_t first, index_t rows) {
+      return *kvevict::make_kv_view<const float>(queries_.data() + (l * lq_ * P + first) * hs_, lq_, rows, hs_, P * hs_,
+                                                hs_);
+    };
+    const auto inputs = [&](int ls, layer_inputs& in) {
+      const int l = static_cast<int>(layers_.first) + ls;
+      in.kv = cache_.layer(l);
+      in.queries = recipe_rows(rec_, queries(l, 0, P));
+      return cake ? preference(queries(l, P - w, w), cache_.dense_keys(l, P), in.weight) : status{};
+    };
+    KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, nullptr));
+    for (index_t ls = 0; ls < Ls; ++ls) KVEVICT_TRY(cache_.compact(static_cast<int>(layers_.first + ls), pf_.kept(ls)));
+    (void)L;
+    return {};
+  }
+};
+
+/// Generation on one rank of a sharded job: prefill `prompt` with eviction, then sample until
+/// `steps` positions (prompt included) as continue_generation does; every rank gets the same `generated`.
+/// `sample` draws a token from logits (every rank draws the same: the logits are equal bit for bit).
+template <class Comm, class Sample>
+status sharded_generate(const model& m, Comm& comm, const shard_options& s, const evict_options& o,
+                        const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated) {
+  sharded_runner<Comm> run;
+  KVEVICT_TRY(run.init(m, comm, s, o));
+  KVEVICT_TRY(run.prefill(prompt));
+  generated.clear();
+  for (;;) {  // continue_generation's loop (generate.hpp): BOS ends, `steps` positions in all
+    const int token = sample(run.logits());
+    if (token == bos_token) break;
+    generated.push_back(token);
+    if (run.next_position() >= steps) break;
+    KVEVICT_TRY(run.decode(token));
+  }
+  return {};
+}
+
+}  // namespace kvrun

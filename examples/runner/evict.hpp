@@ -279,6 +279,9 @@ inline status check_evict_counts(const evict_options& o, const config* c) {
                           {"--draft-tokens", o.draft_tokens, 1, ctx, ""},
                           {"--draft-layers", o.draft_layers, 1, layers, " (the model's layers)"},
                           {"--duo-recent", o.duo_recent, 0, -1, ""}};
+  if (o.sinks < -1)  // -1 is "the recipe's", not a count: say so
+    return status::error(errc::invalid_argument, "--sinks must be >= 0 (or -1: the recipe's), got %lld",
+                         static_cast<long long>(o.sinks));
   for (const count& n : counts) {
     if (n.hi >= 0 && (n.value < n.lo || n.value > n.hi))
       return status::error(errc::invalid_argument, "%s %lld is outside [%lld, %lld]%s", n.name,

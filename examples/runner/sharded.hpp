@@ -354,7 +354,9 @@ class sharded_runner {
     const auto inputs = [&](int ls, layer_inputs& in) {
       const int l = static_cast<int>(layers_.first) + ls;
       in.kv = cache_.layer(l);
-      in.queries = recipe_rows(rec_, queries(l, 0, P));
+      const auto q = kvevict::recipe_queries(rec_, queries(l, 0, P));
+      if (!q) return q.error();
+      in.queries = *q;
       return cake ? preference(queries(l, P - w, w), cache_.dense_keys(l, P), in.weight) : status{};
     };
     KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, nullptr));

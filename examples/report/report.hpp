@@ -112,7 +112,7 @@ struct report_options {
   /// The lookaheadkv method's trained module (must outlive the report); null: lookaheadkv is left
   /// out of "every method" and refused when named in `recipes`.
   const lookahead_module* lookahead = nullptr;
-  std::string lookahead_path;  ///< recorded in the JSON as given
+  std::string lookahead_path;  ///< recorded in the JSON by kvrun::recorded_path
   int threads = 0;          ///< prompts in parallel (0: all cores)
   std::function<void(const char*)> progress;  ///< one line of progress (may be empty)
 };
@@ -797,7 +797,7 @@ inline std::string report_json(const report_result& r, const std::string& model_
     s += "null,\n";
   } else {
     s += "{\"path\": ";
-    json_string(s, o.lookahead_path);
+    json_string(s, kvrun::recorded_path(o.lookahead_path));
     s += ", \"n_lookahead\": " + std::to_string(o.lookahead->n_lookahead()) + ", \"rank\": " +
          std::to_string(o.lookahead->rank()) + ", \"placement_bits\": " + std::to_string(o.lookahead->placement()) +
          "},\n";
@@ -808,9 +808,9 @@ inline std::string report_json(const report_result& r, const std::string& model_
   if (!o.head_sparsities.empty()) {
     key("head_masks");
     s += "{\"duo\": ";
-    json_string(s, o.duo_mask);
+    json_string(s, kvrun::recorded_path(o.duo_mask));
     s += ", \"prulong\": ";
-    json_string(s, o.prulong_masks + "-s<percent>.tsv");
+    json_string(s, kvrun::recorded_path(o.prulong_masks) + "-s<percent>.tsv");
     s += ", \"sparsities\": ";
     json_array(s, o.head_sparsities, num);
     s += ", \"drivers_at\": ";

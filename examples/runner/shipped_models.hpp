@@ -29,4 +29,12 @@ inline std::string shipped_model(const std::string& name) {
   return KVEVICT_SOURCE_DIR "/models/" + name;
 }
 
+/// How outputs (report.json) name an input file: a file in the source tree by its path inside it
+/// (models/duo/stories260K.tsv), so committed outputs do not carry one machine's checkout path;
+/// any other path as given.
+inline std::string recorded_path(const std::string& path) {
+  const std::string root = KVEVICT_SOURCE_DIR "/";
+  return path.compare(0, root.size(), root) == 0 ? path.substr(root.size()) : path;
+}
+
 }  // namespace kvrun

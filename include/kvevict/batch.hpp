@@ -81,12 +81,7 @@ inline status check_batch_rows(const char* fn, const batch_rows& b) {
     if (b.scores.extent(0) != b.kv_heads)
       return status::error(errc::shape_mismatch, "%s: varlen scores have %lld rows, expected the %lld KV heads", fn,
                            static_cast<long long>(b.scores.extent(0)), static_cast<long long>(b.kv_heads));
-    if (b.cu_seqlens[0] != 0)
-      return status::error(errc::invalid_argument, "%s: cu_seqlens[0] must be 0 (got %d)", fn, b.cu_seqlens[0]);
-    for (index_t s = 0; s < b.sequences; ++s)
-      if (b.cu_seqlens[s + 1] < b.cu_seqlens[s])
-        return status::error(errc::invalid_argument, "%s: cu_seqlens is not monotone: sequence %lld has %d -> %d", fn,
-                             static_cast<long long>(s), b.cu_seqlens[s], b.cu_seqlens[s + 1]);
+    KVEVICT_TRY(detail::check_list_offsets(fn, "cu_seqlens", b.cu_seqlens, b.sequences, "sequence"));
     if (b.cu_seqlens[b.sequences] > T)
       return status::error(errc::out_of_range, "%s: cu_seqlens ends at %d, past the %lld score columns", fn,
                            b.cu_seqlens[b.sequences], static_cast<long long>(T));

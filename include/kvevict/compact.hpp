@@ -279,15 +279,73 @@ status check_compact_dense_shapes(const char* fn, const kv_view<const T>& src, c
   return {};
 }
 
+/// Every check of a gather into per-head ragged rows (compact's ragged_view and ragged_cache
+/// overloads; Dst is one of the two), in this order, before anything is written: shapes,
+/// (ragged_cache) dst.lens present, kept's offsets, dst's offsets (cu_lens / cu_capacity),
+/// (ragged_view) dst.cu_lens equal to kept.cu, dst's rows, (ragged_cache) every head's capacity,
+/// overlaps, kept's positions inside src.
+template <class T, class Dst>
+status check_ragged_gather(const char* fn, const kv_view<const T>& src, const ragged_positions& kept, const Dst& dst) {
+  constexpr bool cache = std::is_same_v<Dst, ragged_cache<T>>;
+  static_assert(cache || std::is_same_v<Dst, ragged_view<T>>, "check_ragged_gather: dst is a ragged view or cache");
+  KVEVICT_TRY(check_compact_ragged_shape(fn, src, kept.heads, dst.heads, dst.dim, dst.row_stride));
+  const std::int32_t* cu = nullptr;
+  const std::int32_t* lens = nullptr;
+  const char* cu_name = nullptr;
+  if constexpr (cache) {
+    if (dst.lens == nullptr && dst.heads > 0) return status::error(errc::null_pointer, "%s: dst.lens is null", fn);
+    cu = dst.cu_capacity;
+    cu_name = "dst.cu_capacity";
+    lens = dst.lens;
+  } else {
+    cu = dst.cu_lens;
+    cu_name = "dst.cu_lens";
+  }
+  KVEVICT_TRY(check_ragged_positions(fn, kept));
+  KVEVICT_TRY(check_offsets(fn, cu_name, cu, dst.heads));
+  if constexpr (!cache)
+    for (index_t h = 0; h <= dst.heads; ++h)
+      if (dst.cu_lens[h] != kept.cu[h])
+        return status::error(errc::shape_mismatch, "%s: dst.cu_lens[%lld] = %d but kept.cu[%lld] = %d", fn,
+                             static_cast<long long>(h), dst.cu_lens[h], static_cast<long long>(h), kept.cu[h]);
+  const index_t rows = dst.heads > 0 ? cu[dst.heads] : 0;
+  KVEVICT_TRY(check_ragged_rows(fn, "dst", dst.data, dst.dim, dst.row_stride, rows));
+  if constexpr (cache)
+    for (index_t h = 0; h < dst.heads; ++h)
+      if (kept.length(h) > dst.capacity(h))
+        return status::error(errc::capacity_exceeded, "%s: head %lld keeps %lld rows but has capacity for %lld", fn,
+                             static_cast<long long>(h), static_cast<long long>(kept.length(h)),
+                             static_cast<long long>(dst.capacity(h)));
+  const auto dst_range = rows_range(dst.data, rows, dst.row_stride);
+  if (range_of(src).intersects(dst_range)) return overlap_error(fn, "src", "dst");
+  const auto kept_range = positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0);
+  if (kept_range.intersects(dst_range)) return overlap_error(fn, "kept", "dst");
+  const named_range written[] = {{"dst", dst_range}, {"dst.lens", ints_range(lens, dst.heads)}};
+  const named_range read[] = {{"src", range_of(src)},
+                              {"kept", kept_range},
+                              {"kept.cu", ints_range(kept.cu, kept.heads + 1)},
+                              {cu_name, ints_range(cu, dst.heads + 1)}};
+  KVEVICT_TRY(check_disjoint(fn, written, read));
+  return check_kept_ragged(fn, kept, [&](index_t) { return src.extent(1); }, false);
+}
+
+/// compact's and append's source rows as a read-only view of the destination's element type T
+/// (a source of another element type does not compile).
+template <class T, class S>
+kv_view<const T> source_rows(const kv_view<S>& src) {
+  static_assert(std::is_same_v<std::remove_const_t<S>, T>,
+                "compact / append: source and destination element types differ");
+  return src;
+}
+
 }  // namespace detail
 
 /// Dense gather: dst[h][j][:] = src[h][kept[h][j]][:] for every head h and j < kept.extent(1).
 /// Errors: invalid views, shape mismatches, positions outside [0, src tokens), src/dst overlap.
 template <class Backend, class S, class T>
 status compact(Backend be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_view<T> dst) {
-  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
   constexpr const char* fn = "compact";
-  const kv_view<const T> src = src_in;
+  const kv_view<const T> src = detail::source_rows<T>(src_in);
   KVEVICT_TRY(detail::check_compact_dense_shapes(fn, src, kept, dst));
   KVEVICT_TRY(detail::check_kept_matrix(fn, kept, src.extent(1), /*ascending=*/false));
   const index_t k = kept.extent(1), dim = src.extent(2);
@@ -340,29 +398,8 @@ status compact_inplace(Backend be, kv_view<T> cache, matrix_view<const pos_t> ke
 /// dst.cu_lens must equal kept.cu.
 template <class Backend, class S, class T>
 status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_view<T> dst) {
-  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
-  constexpr const char* fn = "compact";
-  const kv_view<const T> src = src_in;
-  KVEVICT_TRY(detail::check_compact_ragged_shape(fn, src, kept.heads, dst.heads, dst.dim, dst.row_stride));
-  KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
-  KVEVICT_TRY(detail::check_offsets(fn, "dst.cu_lens", dst.cu_lens, dst.heads));
-  for (index_t h = 0; h <= dst.heads; ++h)
-    if (dst.cu_lens[h] != kept.cu[h])
-      return status::error(errc::shape_mismatch, "%s: dst.cu_lens[%lld] = %d but kept.cu[%lld] = %d", fn,
-                           static_cast<long long>(h), dst.cu_lens[h], static_cast<long long>(h), kept.cu[h]);
-  KVEVICT_TRY(detail::check_ragged_rows(fn, "dst", dst.data, dst.dim, dst.row_stride, dst.total_rows()));
-  const auto dst_range = detail::rows_range(dst.data, dst.total_rows(), dst.row_stride);
-  if (detail::range_of(src).intersects(dst_range)) return detail::overlap_error(fn, "src", "dst");
-  if (detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0).intersects(dst_range))
-    return detail::overlap_error(fn, "kept", "dst");
-  {
-    const detail::named_range written[] = {{"dst", dst_range}};
-    const detail::named_range read[] = {{"kept.cu", detail::ints_range(kept.cu, kept.heads + 1)},
-                                        {"dst.cu_lens", detail::ints_range(dst.cu_lens, dst.heads + 1)}};
-    KVEVICT_TRY(detail::check_disjoint(fn, written, read));
-  }
-  KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t) { return src.extent(1); }, false));
-  const index_t dim = src.extent(2);
+  const kv_view<const T> src = detail::source_rows<T>(src_in);
+  KVEVICT_TRY(detail::check_ragged_gather("compact", src, kept, dst));
   if (src.stride(2) == 1) {
     // blocks of compact_block flat rows, each cut at head boundaries (detail::gather_rows_host)
     const index_t total = dst.total_rows(), blocks = (total + detail::compact_block - 1) / detail::compact_block;
@@ -372,7 +409,7 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_view
       for (index_t r = r0; r < r1; ++h) {
         const index_t e = std::min<index_t>(r1, kept.cu[h + 1]);
         detail::gather_rows_host(dst.data + r * dst.row_stride, dst.row_stride, detail::row_ptr(src, h, 0),
-                                 src.stride(1), kept.pos + r, 1, e - r, dim, false);
+                                 src.stride(1), kept.pos + r, 1, e - r, dst.dim, false);
         r = e;
       }
     });
@@ -382,7 +419,7 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_view
     // the head of flat row r: the last h with cu[h] <= r
     const index_t h = std::upper_bound(kept.cu, kept.cu + kept.heads + 1, r) - kept.cu - 1;
     detail::copy_row_host(dst.data + r * dst.row_stride, 1, detail::row_ptr(src, h, kept.pos[r]), src.stride(2),
-                          dim);
+                          dst.dim);
   });
   return {};
 }
@@ -391,42 +428,17 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_view
 /// lens[h] = number kept. Fails with capacity_exceeded (writing nothing) if any head lacks room.
 template <class Backend, class S, class T>
 status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_cache<T> dst) {
-  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
-  constexpr const char* fn = "compact";
-  const kv_view<const T> src = src_in;
-  KVEVICT_TRY(detail::check_compact_ragged_shape(fn, src, kept.heads, dst.heads, dst.dim, dst.row_stride));
-  if (dst.lens == nullptr && dst.heads > 0) return status::error(errc::null_pointer, "%s: dst.lens is null", fn);
-  KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
-  KVEVICT_TRY(detail::check_offsets(fn, "dst.cu_capacity", dst.cu_capacity, dst.heads));
-  const index_t rows = dst.heads > 0 ? dst.cu_capacity[dst.heads] : 0;
-  KVEVICT_TRY(detail::check_ragged_rows(fn, "dst", dst.data, dst.dim, dst.row_stride, rows));
-  for (index_t h = 0; h < dst.heads; ++h)
-    if (kept.length(h) > dst.capacity(h))
-      return status::error(errc::capacity_exceeded, "%s: head %lld keeps %lld rows but has capacity for %lld", fn,
-                           static_cast<long long>(h), static_cast<long long>(kept.length(h)),
-                           static_cast<long long>(dst.capacity(h)));
-  const auto dst_range = detail::rows_range(dst.data, rows, dst.row_stride);
-  if (detail::range_of(src).intersects(dst_range)) return detail::overlap_error(fn, "src", "dst");
-  const auto kept_range = detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0);
-  if (kept_range.intersects(dst_range)) return detail::overlap_error(fn, "kept", "dst");
-  {
-    const detail::named_range written[] = {{"dst", dst_range}, {"dst.lens", detail::ints_range(dst.lens, dst.heads)}};
-    const detail::named_range read[] = {{"src", detail::range_of(src)},
-                                        {"kept", kept_range},
-                                        {"kept.cu", detail::ints_range(kept.cu, kept.heads + 1)},
-                                        {"dst.cu_capacity", detail::ints_range(dst.cu_capacity, dst.heads + 1)}};
-    KVEVICT_TRY(detail::check_disjoint(fn, written, read));
-  }
-  KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t) { return src.extent(1); }, false));
-  const index_t dim = src.extent(2);
+  const kv_view<const T> src = detail::source_rows<T>(src_in);
+  KVEVICT_TRY(detail::check_ragged_gather("compact", src, kept, dst));
   detail::parallel_for(be, dst.heads, [&](index_t h) {
     const index_t n = kept.length(h);
     if (src.stride(2) == 1)
       detail::gather_rows_host(dst.row(h, 0), dst.row_stride, detail::row_ptr(src, h, 0), src.stride(1),
-                               kept.pos + kept.cu[h], 1, n, dim, false);
+                               kept.pos + kept.cu[h], 1, n, dst.dim, false);
     else
       for (index_t j = 0; j < n; ++j)
-        detail::copy_row_host(dst.row(h, j), 1, detail::row_ptr(src, h, kept.pos[kept.cu[h] + j]), src.stride(2), dim);
+        detail::copy_row_host(dst.row(h, j), 1, detail::row_ptr(src, h, kept.pos[kept.cu[h] + j]), src.stride(2),
+                              dst.dim);
     dst.lens[h] = static_cast<std::int32_t>(n);
   });
   return {};
@@ -471,9 +483,8 @@ status compact_inplace(Backend be, ragged_cache<T> cache, ragged_positions kept)
 /// Capacity is checked for every head before anything is written (all or nothing); no allocation.
 template <class Backend, class T, class S>
 status append(Backend be, ragged_cache<T> cache, kv_view<S> rows_in) {
-  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "append: cache and rows element types differ");
   constexpr const char* fn = "append";
-  const kv_view<const T> rows = rows_in;
+  const kv_view<const T> rows = detail::source_rows<T>(rows_in);
   KVEVICT_TRY(detail::check_append_shape(fn, cache, rows));
   KVEVICT_TRY(detail::check_offsets(fn, "cache.cu_capacity", cache.cu_capacity, cache.heads));
   const index_t total = cache.heads > 0 ? cache.cu_capacity[cache.heads] : 0;

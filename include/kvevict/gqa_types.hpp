@@ -2,6 +2,8 @@
 // is the stage; this header is what other stages and detail/ need of it).
 #pragma once
 
+#include <kvevict/detail/base/enum_names.hpp>
+
 namespace kvevict {
 
 enum class gqa_op {
@@ -12,12 +14,8 @@ enum class gqa_op {
 
 /// Short name of a gqa_op ("mean", "max", "sum"; "unknown" for values outside the enum).
 constexpr const char* gqa_op_name(gqa_op op) noexcept {
-  switch (op) {
-    case gqa_op::mean: return "mean";
-    case gqa_op::max: return "max";
-    case gqa_op::sum: return "sum";
-  }
-  return "unknown";
+  constexpr const char* names[] = {"mean", "max", "sum"};
+  return detail::enum_name(op, names);
 }
 
 }  // namespace kvevict

@@ -131,9 +131,13 @@ inline std::size_t paged_workspace_bytes(index_t pages) {
 }
 
 namespace detail {
+/// The first steps of validate_paged_layer and compact_paged: the layer's shape checked
+/// (check_paged_shape), then the table check's page bitmap carved from ws (`used`: the bytes the
+/// layout touches; on a size query only ws.bytes is set).
 template <class T>
 status carve_paged_bitmap(const char* fn, workspace& ws, const paged_layer<T>& L, std::uint64_t*& bitmap,
                           std::size_t& used) {
+  KVEVICT_TRY(check_paged_shape(fn, L));
   workspace_carver c(ws);
   bitmap = c.take<std::uint64_t>(static_cast<std::size_t>(paged_check_words(L)));
   used = c.needed() > 0 ? c.used() : 0;  // an empty layout touches nothing (not even its padding)
@@ -153,7 +157,6 @@ inline void table_ranges(const page_table& t, byte_range (&r)[3]) {
 template <class T>
 status validate_paged_layer(workspace& ws, const paged_layer<T>& layer) {
   constexpr const char* fn = "validate_paged_layer";
-  KVEVICT_TRY(detail::check_paged_shape(fn, layer));
   std::uint64_t* bitmap = nullptr;
   std::size_t used = 0;
   KVEVICT_TRY(detail::carve_paged_bitmap(fn, ws, layer, bitmap, used));
@@ -186,7 +189,6 @@ status compact_paged(Backend be, workspace& ws, paged_layer<T> layer, ragged_pos
                      paged_compaction_out out) {
   static_assert(!std::is_const_v<T>, "compact_paged: the pools are written");
   constexpr const char* fn = "compact_paged";
-  KVEVICT_TRY(detail::check_paged_shape(fn, layer));
   std::uint64_t* bitmap = nullptr;
   std::size_t used = 0;
   KVEVICT_TRY(detail::carve_paged_bitmap(fn, ws, layer, bitmap, used));

@@ -1,6 +1,8 @@
 // kvevict/pool_types.hpp: the kinds and options of 1-D pooling (pool.hpp is the stage).
 #pragma once
 
+#include <kvevict/detail/base/enum_names.hpp>
+
 namespace kvevict {
 
 enum class pool_kind {
@@ -19,13 +21,10 @@ struct pool_options {
   avg_divisor divisor = avg_divisor::kernel;
 };
 
+/// Short name of a pool_kind ("none", "max", "avg"; "unknown" for values outside the enum).
 constexpr const char* pool_kind_name(pool_kind k) noexcept {
-  switch (k) {
-    case pool_kind::none: return "none";
-    case pool_kind::max: return "max";
-    case pool_kind::avg: return "avg";
-  }
-  return "unknown";
+  constexpr const char* names[] = {"none", "max", "avg"};
+  return detail::enum_name(k, names);
 }
 
 }  // namespace kvevict

@@ -42,6 +42,7 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/enum_names.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/score.hpp>
@@ -134,24 +135,15 @@ struct recipe : postprocess_options {
   /// VATP (Guo et al. 2024): SnapKV's window scores x ||v_i||_1. Deviation: VATP was introduced on
   /// top of accumulated attention; DESIGN and LAVa's table use the window scores, pooled as
   /// SnapKV's, weighted after the GQA reduction (one value row per KV head).
-  static recipe vatp() {
-    recipe r;
-    r.kind = recipe_kind::vatp;
-    r.weight_values = true;
-    r.weight = value_weight::per_token;
-    return r;
-  }
+  static recipe vatp() { return value_weighted(recipe_kind::vatp, value_weight::per_token); }
 
   /// LAVa score (Shen et al. 2025, Eq. 6): window attention x max_k ||v_k||_1 of the head, GQA
   /// max (paper §4.3), max pool 7 as SnapKV. The head factor matters only when heads compete
   /// (layer-wise selection: the LAVa allocator); with per-head budgets LAVa ranks like SnapKV
   /// with GQA max.
   static recipe lava() {
-    recipe r;
-    r.kind = recipe_kind::lava;
+    recipe r = value_weighted(recipe_kind::lava, value_weight::head_max);
     r.gqa = gqa_op::max;
-    r.weight_values = true;
-    r.weight = value_weight::head_max;
     return r;
   }
 
@@ -159,8 +151,7 @@ struct recipe : postprocess_options {
   /// (gamma 200, unbiased variance as torch.var), avg pool 5 then GQA mean as CAKE's code does
   /// (cake_cache.py), the window kept. CAKE's layer budgets are the allocator's job.
   static recipe cake() {
-    recipe r;
-    r.kind = recipe_kind::cake;
+    recipe r = of_kind(recipe_kind::cake);
     r.score.reduce = score_reduce::mean_plus_variance;
     r.score.gamma = 200.0f;
     r.pool = pool_kind::avg;
@@ -169,29 +160,35 @@ struct recipe : postprocess_options {
   }
 
  private:
-  /// A recipe of kind k whose scores are not pooled (kernel 1).
-  static recipe unpooled(recipe_kind k) {
+  /// SnapKV's defaults with kind k (the named constructors start from here).
+  static recipe of_kind(recipe_kind k) {
     recipe r;
     r.kind = k;
+    return r;
+  }
+
+  /// A recipe of kind k whose scores are not pooled (kernel 1).
+  static recipe unpooled(recipe_kind k) {
+    recipe r = of_kind(k);
     r.pool = pool_kind::none;
     r.kernel = 1;
+    return r;
+  }
+
+  /// A window recipe of kind k (SnapKV's pooling and protection) whose scores are multiplied by
+  /// value norms (`w`: VATP's per token, LAVa's per head) after the GQA reduction.
+  static recipe value_weighted(recipe_kind k, value_weight w) {
+    recipe r = of_kind(k);
+    r.weight_values = true;
+    r.weight = w;
     return r;
   }
 };
 
 /// "snapkv", "streaming_llm", ... (the names the tools accept).
 constexpr const char* recipe_name(recipe_kind k) noexcept {
-  switch (k) {
-    case recipe_kind::streaming_llm: return "streaming_llm";
-    case recipe_kind::h2o: return "h2o";
-    case recipe_kind::tova: return "tova";
-    case recipe_kind::snapkv: return "snapkv";
-    case recipe_kind::knorm: return "knorm";
-    case recipe_kind::vatp: return "vatp";
-    case recipe_kind::lava: return "lava";
-    case recipe_kind::cake: return "cake";
-  }
-  return "unknown";
+  constexpr const char* names[] = {"streaming_llm", "h2o", "tova", "snapkv", "knorm", "vatp", "lava", "cake"};
+  return detail::enum_name(k, names);
 }
 
 /// The recipe with its published defaults for a name (recipe_name), or invalid_argument listing

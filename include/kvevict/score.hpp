@@ -28,6 +28,7 @@
 #include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/detail/host/score_host.hpp>
 #include <kvevict/detail/base/softmax.hpp>
+#include <kvevict/detail/base/stage_math.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
@@ -334,6 +335,19 @@ result<score_call<QE, KE>> prepare_tova_scores(const char* fn, const kv_view<con
   return score_call<QE, KE>{last_query, split->prefix, split->window, opt};
 }
 
+/// The host wrappers' (window, H2O, TOVA) path: `prepare(queries, keys)` (a prepare_* function
+/// given read-only views) makes the wrapper's checks and returns its attention_scores call, which
+/// runs here.
+template <class Backend, class Q, class K, class Prepare>
+status run_score_wrapper(const char* fn, Backend be, workspace& ws, kv_view<Q> queries, kv_view<K> keys,
+                         const matrix_view<float>& out, Prepare prepare) {
+  using QE = std::remove_const_t<Q>;
+  using KE = std::remove_const_t<K>;
+  const auto c = prepare(kv_view<const QE>(queries), kv_view<const KE>(keys));
+  if (!c) return c.error();
+  return attention_scores_impl<Backend, QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, c->opt);
+}
+
 KVEVICT_SCORE_ABI_END
 }  // namespace detail
 
@@ -346,12 +360,10 @@ template <class Backend, class Q, class K>
 status window_scores(Backend be, workspace& ws, kv_view<Q> window_queries, kv_view<K> keys, matrix_view<float> out,
                      const score_options& opt = {}) {
   static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "window_scores: elements must be float, float16 or bfloat16");
-  using QE = std::remove_const_t<Q>;
-  using KE = std::remove_const_t<K>;
   constexpr const char* fn = "window_scores";
-  const auto c = detail::prepare_window_scores(fn, kv_view<const QE>(window_queries), kv_view<const KE>(keys), opt);
-  if (!c) return c.error();
-  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, c->opt);
+  return detail::run_score_wrapper(fn, be, ws, window_queries, keys, out, [&](const auto& q, const auto& k) {
+    return detail::prepare_window_scores(fn, q, k, opt);
+  });
 }
 
 /// H2O: every prompt query over every prompt key, causal. queries [H_q][T][d], keys [H_kv][T][d],
@@ -363,13 +375,10 @@ template <class Backend, class Q, class K>
 status h2o_scores(Backend be, workspace& ws, kv_view<Q> queries, kv_view<K> keys, matrix_view<float> out,
                   bool normalised = false, float scale = 0.0f) {
   static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "h2o_scores: elements must be float, float16 or bfloat16");
-  using QE = std::remove_const_t<Q>;
-  using KE = std::remove_const_t<K>;
   constexpr const char* fn = "h2o_scores";
-  const auto c = detail::prepare_h2o_scores(fn, kv_view<const QE>(queries), kv_view<const KE>(keys), out, normalised,
-                                            scale);
-  if (!c) return c.error();
-  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, c->opt);
+  return detail::run_score_wrapper(fn, be, ws, queries, keys, out, [&](const auto& q, const auto& k) {
+    return detail::prepare_h2o_scores(fn, q, k, out, normalised, scale);
+  });
 }
 
 /// TOVA: the attention of the last token. last_query [H_q][1][d] is the last prompt (or newest
@@ -380,32 +389,14 @@ template <class Backend, class Q, class K>
 status tova_scores(Backend be, workspace& ws, kv_view<Q> last_query, kv_view<K> keys, matrix_view<float> out,
                    float scale = 0.0f) {
   static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "tova_scores: elements must be float, float16 or bfloat16");
-  using QE = std::remove_const_t<Q>;
-  using KE = std::remove_const_t<K>;
   constexpr const char* fn = "tova_scores";
-  const auto c = detail::prepare_tova_scores(fn, kv_view<const QE>(last_query), kv_view<const KE>(keys), scale);
-  if (!c) return c.error();
-  return detail::attention_scores_impl<Backend, QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, c->opt);
+  return detail::run_score_wrapper(fn, be, ws, last_query, keys, out, [&](const auto& q, const auto& k) {
+    return detail::prepare_tova_scores(fn, q, k, scale);
+  });
 }
 
 namespace detail {
-/// key_sq_accumulate: s + k_0^2 + ... + k_{n-1}^2 left to right (key_norm_score continued over a
-/// further piece of the row, for kernels that stage rows in pieces).
-/// -||k||_2 of one key row: sequential fp32 sum of squares over d, then sqrt (correctly rounded
-/// everywhere, so identical on every backend; mul_rn/add_rn keep nvcc from fusing the terms).
-/// Overflows to -inf only for |k| beyond ~1.8e19.
-template <class K>
-KVEVICT_HOST_DEVICE inline float key_sq_accumulate(float s, const K* k, index_t n, index_t stride) {
-  for (index_t t = 0; t < n; ++t) {
-    const float x = to_float(k[t * stride]);
-    s = add_rn(s, mul_rn(x, x));
-  }
-  return s;
-}
-template <class K>
-KVEVICT_HOST_DEVICE inline float key_norm_score(const K* k, index_t d, index_t stride) {
-  return -sqrtf(key_sq_accumulate(0.0f, k, d, stride));
-}
+// key_sq_accumulate / key_norm_score (one key row's -||k||_2): detail/base/stage_math.hpp.
 
 /// The checks of key_norm_scores, shared by every backend.
 template <class KE>

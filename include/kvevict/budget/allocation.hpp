@@ -17,6 +17,7 @@
 #include <kvevict/budget/pyramid.hpp>
 #include <kvevict/budget/uniform.hpp>
 #include <kvevict/config.hpp>
+#include <kvevict/detail/base/enum_names.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 
@@ -44,15 +45,10 @@ enum class allocator : int {
   cake = 4,
 };
 
+/// Short name of an allocator ("per_head", ..., "cake"; "unknown" for values outside the enum).
 constexpr const char* allocator_name(allocator a) noexcept {
-  switch (a) {
-    case allocator::per_head: return "per_head";
-    case allocator::flattened: return "flattened";
-    case allocator::adakv: return "adakv";
-    case allocator::lava: return "lava";
-    case allocator::cake: return "cake";
-  }
-  return "unknown";
+  constexpr const char* names[] = {"per_head", "flattened", "adakv", "lava", "cake"};
+  return detail::enum_name(a, names);
 }
 
 /// The allocation rule of a driver. The budget matrix is copied at init (the caller may free it).
@@ -118,8 +114,7 @@ enum class budget_scheme : int {
 
 constexpr const char* budget_scheme_name(budget_scheme s) noexcept {
   constexpr const char* names[] = {"uniform", "pyramid", "adakv", "lava", "cake", "duo"};
-  const int i = static_cast<int>(s);
-  return i >= 0 && i < 6 ? names[i] : "unknown";
+  return detail::enum_name(s, names);
 }
 
 inline constexpr budget_scheme all_budget_schemes[] = {budget_scheme::uniform, budget_scheme::pyramid,

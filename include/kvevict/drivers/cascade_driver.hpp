@@ -65,25 +65,10 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
   // state_bytes(cfg) (layer_cascade::state_bytes), workspace_bytes(be), add_layer, add_layer_scores:
   // detail::prefill_driver_skeleton.
 
-  /// Errors: as post_fill_driver's model / recipe / query errors; the cascade's configuration
-  /// errors (total below the protected tokens or above L H N, per_head total not a multiple of H);
-  /// unknown weight source or entropy norm; recorder shape; memory null or too small.
-  status init(const cascade_driver_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
-    constexpr const char* fn = "cascade_driver::init";
-    unsigned char* base = nullptr;
-    KVEVICT_TRY(bind(fn, cfg, memory, bytes, recorder, cfg.tokens, &base));
-    KVEVICT_TRY(cascade_.init(cascade_cfg(cfg), memory, bytes));
-    bool bk = false;
-    rules_ = {};
-    (void)detail::prompt_queries(fn, cfg.rec, cfg.tokens, cfg.query_rows, &query_rows_, &bk, &rules_);
-    block_keys_ = bk;
-    rules_.tokens = cfg.tokens;
-    rules_.capacity = cfg.tokens;
-    rules_.whole = true;
-    peak_ = 0;
-    ok_ = true;
-    return {};
-  }
+  // init(cfg, memory, bytes, recorder): detail::driver_skeleton, ending in attach() below.
+  // init's errors: as post_fill_driver's model / recipe / query errors; the cascade's configuration
+  // errors (total below the protected tokens or above L H N, per_head total not a multiple of H);
+  // unknown weight source or entropy norm; recorder shape; memory null or too small.
 
   /// Pipeline parallelism (docs/distributed.md): layer `layer` (in order) is prefilled by another
   /// stage, whose weight (its layer_weight()) reached this one (gather_layer_values). It takes part
@@ -123,6 +108,21 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
   const layer_cascade& cascade() const noexcept { return cascade_; }
 
  private:
+  /// init's last step (detail::driver_skeleton::init, after the configuration, recorder and memory
+  /// checks): the state pieces placed at m.base and reset.
+  status attach(const char* fn, const cascade_driver_config& cfg, const detail::state_memory& m) {
+    KVEVICT_TRY(cascade_.init(cascade_cfg(cfg), m.memory, m.bytes));
+    bool bk = false;
+    rules_ = {};
+    (void)detail::prompt_queries(fn, cfg.rec, cfg.tokens, cfg.query_rows, &query_rows_, &bk, &rules_);
+    block_keys_ = bk;
+    rules_.tokens = cfg.tokens;
+    rules_.capacity = cfg.tokens;
+    rules_.whole = true;
+    peak_ = 0;
+    return {};
+  }
+
   static cascade_config cascade_cfg(const cascade_driver_config& c) {
     cascade_config k;
     k.layers = c.model.layers;

@@ -85,31 +85,13 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton; add_layer / add_layer_scores
   // below (their own signatures) go through detail::prefill_driver_skeleton.
 
-  /// Errors: model shape; tokens outside [1, INT32_MAX]; capacity outside [1, INT32_MAX / H];
-  /// an invalid recipe, H2O / TOVA (unsupported), an external_block source, a window longer than
-  /// the prompt or the capacity; unknown mode, target or allocator; the cake allocator
-  /// (unsupported); fraction outside [0, 1]; adakv with the fraction target; budgets not [L][H],
-  /// per-head budgets (or layer budgets per head) below n_sink + n_recent; lava total negative
-  /// or below L H (n_sink + n_recent); recorder shape; memory null or too small.
-  status init(const chunked_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
-    unsigned char* base = nullptr;
-    KVEVICT_TRY(bind("chunked_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));
-    const plan_t p = plan(cfg);
-    cfg_.alloc.budgets = {};
-    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
-    const bool matrix = has_matrix(cfg.alloc.kind) && cfg.target == chunk_target::budget;
-    bind_store(base, p, L, H, cfg.capacity, [&](index_t l, index_t h) { return matrix ? cfg.alloc.budgets(l, h) : 0; });
-    expect_ = reinterpret_cast<std::int32_t*>(base + p.expect);
-    for (index_t i = 0; i < L * H; ++i) expect_[i] = 0;
-    attention_ = uses_attention(cfg.rec.kind);
-    begin_ = end_ = 0;
-    next_ = L;  // "the previous chunk is complete"
-    decided_ = true;
-    open_ = false;
-    chunks_ = 0;
-    ok_ = true;
-    return {};
-  }
+  // init(cfg, memory, bytes, recorder): detail::driver_skeleton, ending in attach() below.
+  // init's errors: model shape; tokens outside [1, INT32_MAX]; capacity outside [1, INT32_MAX / H];
+  // an invalid recipe, H2O / TOVA (unsupported), an external_block source, a window longer than
+  // the prompt or the capacity; unknown mode, target or allocator; the cake allocator
+  // (unsupported); fraction outside [0, 1]; adakv with the fraction target; budgets not [L][H],
+  // per-head budgets (or layer budgets per head) below n_sink + n_recent; lava total negative
+  // or below L H (n_sink + n_recent); recorder shape; memory null or too small.
 
   /// Starts the chunk of prompt positions [begin, end). Errors (nothing changes): not initialised;
   /// the previous chunk unfinished (layers missing, or decide() not run for lava); begin not the
@@ -281,6 +263,26 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   }
 
  private:
+  /// init's last step (detail::driver_skeleton::init, after the configuration, recorder and memory
+  /// checks): the state pieces placed at m.base and reset.
+  status attach(const char* /*fn*/, const chunked_config& cfg, const detail::state_memory& m) {
+    const plan_t p = plan(cfg);
+    cfg_.alloc.budgets = {};
+    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    const bool matrix = has_matrix(cfg.alloc.kind) && cfg.target == chunk_target::budget;
+    bind_store(m.base, p, L, H, cfg.capacity,
+               [&](index_t l, index_t h) { return matrix ? cfg.alloc.budgets(l, h) : 0; });
+    expect_ = reinterpret_cast<std::int32_t*>(m.base + p.expect);
+    for (index_t i = 0; i < L * H; ++i) expect_[i] = 0;
+    attention_ = uses_attention(cfg.rec.kind);
+    begin_ = end_ = 0;
+    next_ = L;  // "the previous chunk is complete"
+    decided_ = true;
+    open_ = false;
+    chunks_ = 0;
+    return {};
+  }
+
   struct plan_t : store_plan {
     std::size_t expect = 0;
   };

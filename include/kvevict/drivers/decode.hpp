@@ -55,41 +55,12 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
 
   // state_bytes(cfg), workspace_bytes(be), config(): detail::driver_skeleton.
 
-  /// Errors: model shape; capacity outside [1, INT32_MAX / H]; interval < 1; an invalid recipe;
-  /// query_rows missing for / given to a recipe that does not take it; a window longer than the
-  /// capacity; allocator not per_head / flattened / adakv; budgets not [L][H], below n_sink +
-  /// n_recent per head (or per head on average for flattened / adakv), adakv totals not a multiple
-  /// of H; recorder shape; memory null or too small.
-  status init(const decode_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
-    unsigned char* base = nullptr;
-    KVEVICT_TRY(bind("decode_driver::init", cfg, memory, bytes, recorder, 1, &base));
-    const plan_t p = plan(cfg);
-    cfg_.alloc.budgets = {};
-    budgets_ = reinterpret_cast<std::int32_t*>(base + p.budgets);
-    held_ = reinterpret_cast<std::int32_t*>(base + p.held);
-    tokens_ = reinterpret_cast<index_t*>(base + p.tokens);
-    start_ = reinterpret_cast<index_t*>(base + p.start);
-    flags_ = base + p.flags;
-    kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
-    kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
-    acc_ = p.h2o ? reinterpret_cast<float*>(base + p.acc) : nullptr;
-    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
-    for (index_t l = 0; l < L; ++l) {
-      tokens_[l] = start_[l] = 0;
-      flags_[l] = 0;
-      for (index_t h = 0; h < H; ++h) {
-        budgets_[l * H + h] = cfg.alloc.budgets(l, h);
-        held_[l * H + h] = 0;
-      }
-      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
-    }
-    h2o_ = p.h2o;
-    bool bk = false;
-    (void)eviction_queries("", cfg.rec, cfg.query_rows, &evict_rows_, &bk, &evict_tail_);
-    block_keys_ = bk;
-    ok_ = true;
-    return {};
-  }
+  // init(cfg, memory, bytes, recorder): detail::driver_skeleton, ending in attach() below.
+  // init's errors: model shape; capacity outside [1, INT32_MAX / H]; interval < 1; an invalid recipe;
+  // query_rows missing for / given to a recipe that does not take it; a window longer than the
+  // capacity; allocator not per_head / flattened / adakv; budgets not [L][H], below n_sink +
+  // n_recent per head (or per head on average for flattened / adakv), adakv totals not a multiple
+  // of H; recorder shape; memory null or too small.
 
   /// Starts (or restarts) decoding on layer l: kv is its cache after `tokens` tokens (positions
   /// < tokens, at most C rows per head); initial: H2O's starting scores per row ([H][>= rows],
@@ -101,17 +72,9 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   status begin(index_t layer, const layer_kv<T>& kv, index_t tokens, matrix_view<const float> initial = {}) {
     constexpr const char* fn = "decode_driver::begin";
     if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
-    if (layer < 0 || layer >= L)
-      return status::error(errc::out_of_range, "%s: layer %lld is outside [0, %lld)", fn, static_cast<long long>(layer),
-                           static_cast<long long>(L));
-    if (tokens < 0 || tokens >= INT32_MAX)
-      return status::error(errc::invalid_argument, "%s: tokens = %lld is outside [0, %d)", fn,
-                           static_cast<long long>(tokens), INT32_MAX);
-    detail::row_rules rr;
-    rr.tokens = tokens;
-    rr.capacity = C;
-    KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rr));
+    const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
+    KVEVICT_TRY(check_layer_index(fn, layer));
+    KVEVICT_TRY(check_layer_after(fn, layer, kv, tokens, 0));
     if (h2o_ && initial.extent(1) > 0) {
       KVEVICT_TRY(detail::check_view(fn, "initial", initial));
       if (initial.extent(0) != H)
@@ -255,6 +218,36 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   }
 
  private:
+  /// init's last step (detail::driver_skeleton::init, after the configuration, recorder and memory
+  /// checks): the state pieces placed at m.base and reset.
+  status attach(const char* /*fn*/, const decode_config& cfg, const detail::state_memory& m) {
+    const plan_t p = plan(cfg);
+    cfg_.alloc.budgets = {};
+    budgets_ = reinterpret_cast<std::int32_t*>(m.base + p.budgets);
+    held_ = reinterpret_cast<std::int32_t*>(m.base + p.held);
+    tokens_ = reinterpret_cast<index_t*>(m.base + p.tokens);
+    start_ = reinterpret_cast<index_t*>(m.base + p.start);
+    flags_ = m.base + p.flags;
+    kept_pos_ = reinterpret_cast<pos_t*>(m.base + p.kept_pos);
+    kept_cu_ = reinterpret_cast<std::int32_t*>(m.base + p.kept_cu);
+    acc_ = p.h2o ? reinterpret_cast<float*>(m.base + p.acc) : nullptr;
+    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    for (index_t l = 0; l < L; ++l) {
+      tokens_[l] = start_[l] = 0;
+      flags_[l] = 0;
+      for (index_t h = 0; h < H; ++h) {
+        budgets_[l * H + h] = cfg.alloc.budgets(l, h);
+        held_[l * H + h] = 0;
+      }
+      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
+    }
+    h2o_ = p.h2o;
+    bool bk = false;
+    (void)eviction_queries("", cfg.rec, cfg.query_rows, &evict_rows_, &bk, &evict_tail_);
+    block_keys_ = bk;
+    return {};
+  }
+
   static constexpr unsigned char begun = 1, evicted_flag = 2;
 
   struct plan_t {
@@ -356,10 +349,8 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
 
   template <class T>
   status check_step_layer(const char* fn, index_t layer, const layer_kv<T>& kv, index_t* now, bool* due) {
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads;
-    if (layer < 0 || layer >= L)
-      return status::error(errc::out_of_range, "%s: layer %lld is outside [0, %lld)", fn, static_cast<long long>(layer),
-                           static_cast<long long>(L));
+    const index_t H = cfg_.model.kv_heads;
+    KVEVICT_TRY(check_layer_index(fn, layer));
     if (!(flags_[layer] & begun))
       return status::error(errc::invalid_argument, "%s: layer %lld was not begun (begin)", fn,
                            static_cast<long long>(layer));

@@ -135,35 +135,17 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                   prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores, weight), layer, weight);
   }
 
-  /// Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
-  /// resets it. The recorder (optional; layers x kv_heads, capacity >= P) must outlive the driver.
-  /// Errors: zero layers / heads, query heads not a multiple of KV heads, head_dim <= 0, tokens
-  /// outside [1, INT32_MAX / H]; an invalid recipe; query_rows missing for or given to a recipe
-  /// that does not take it; a window longer than the prompt; unknown allocator; per_head budgets
-  /// below the protected tokens or above the prompt, layer totals below the protected tokens
-  /// (flattened, adakv) or not a multiple of H (adakv); budgets not [L][H]; lava / cake total
-  /// negative or above L H P, cake total not a multiple of L H or its per-head budget below the
-  /// protected tokens; adakv alpha outside [0, 1]; a tensor-parallel communicator of more than one
-  /// rank with lava or cake (unsupported); recorder shape; memory null or too small.
-  status init(const post_fill_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
-    unsigned char* base = nullptr;
-    KVEVICT_TRY(bind("post_fill_driver::init", cfg, memory, bytes, recorder, cfg.tokens, &base));
-    const plan_t p = plan(cfg);
-    cfg_.alloc.budgets = {};
-    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
-    bind_store(base, p, L, H, cfg.tokens,
-               [&](index_t l, index_t h) { return has_matrix(cfg.alloc.kind) ? cfg.alloc.budgets(l, h) : 0; });
-    kept_off_ = reinterpret_cast<index_t*>(base + p.kept_off);
-    for (index_t l = 0; l <= L; ++l) kept_off_[l] = p.kept_off_values(cfg, l);
-    all_layer_ = p.all_layer;
-    query_rows_ = p.query_rows;
-    block_keys_ = p.block_keys;
-    rules_ = p.rules;
-    added_ = 0;
-    decided_ = false;
-    ok_ = true;
-    return {};
-  }
+  // init(cfg, memory, bytes, recorder): detail::driver_skeleton, ending in attach() below.
+  // Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
+  // resets it. The recorder (optional; layers x kv_heads, capacity >= P) must outlive the driver.
+  // Errors: zero layers / heads, query heads not a multiple of KV heads, head_dim <= 0, tokens
+  // outside [1, INT32_MAX / H]; an invalid recipe; query_rows missing for or given to a recipe
+  // that does not take it; a window longer than the prompt; unknown allocator; per_head budgets
+  // below the protected tokens or above the prompt, layer totals below the protected tokens
+  // (flattened, adakv) or not a multiple of H (adakv); budgets not [L][H]; lava / cake total
+  // negative or above L H P, cake total not a multiple of L H or its per-head budget below the
+  // protected tokens; adakv alpha outside [0, 1]; a tensor-parallel communicator of more than one
+  // rank with lava or cake (unsupported); recorder shape; memory null or too small.
 
   /// After every layer was added: the all-layer allocators compute the budgets and select every
   /// layer (ready(l) afterwards); the per-layer ones have nothing left to do. Workspace: as
@@ -252,6 +234,25 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   bool decided() const noexcept { return decided_; }
 
  private:
+  /// init's last step (detail::driver_skeleton::init, after the configuration, recorder and memory
+  /// checks): the state pieces placed at m.base and reset.
+  status attach(const char* /*fn*/, const post_fill_config& cfg, const detail::state_memory& m) {
+    const plan_t p = plan(cfg);
+    cfg_.alloc.budgets = {};
+    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    bind_store(m.base, p, L, H, cfg.tokens,
+               [&](index_t l, index_t h) { return has_matrix(cfg.alloc.kind) ? cfg.alloc.budgets(l, h) : 0; });
+    kept_off_ = reinterpret_cast<index_t*>(m.base + p.kept_off);
+    for (index_t l = 0; l <= L; ++l) kept_off_[l] = p.kept_off_values(cfg, l);
+    all_layer_ = p.all_layer;
+    query_rows_ = p.query_rows;
+    block_keys_ = p.block_keys;
+    rules_ = p.rules;
+    added_ = 0;
+    decided_ = false;
+    return {};
+  }
+
   struct plan_t : store_plan {
     std::size_t kept_off = 0;
     bool all_layer = false, block_keys = false;

@@ -41,28 +41,9 @@ class streaming_heads_driver : public detail::driver_skeleton<streaming_heads_dr
 
   // state_bytes(cfg), workspace_bytes(be) (always 0), config(): detail::driver_skeleton.
 
-  /// Errors: model shape; capacity outside [1, INT32_MAX / H]; n_sink < 0 or n_recent < 1; a mask
-  /// that is not [L][H] or holds a value other than 0 and 1; recorder shape; memory null or too small.
-  status init(const streaming_heads_config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
-    unsigned char* base = nullptr;
-    KVEVICT_TRY(bind("streaming_heads_driver::init", cfg, memory, bytes, recorder, 1, &base));
-    const plan_t p = plan(cfg);
-    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
-    mask_ = base + p.mask;
-    evicted_ = base + p.evicted;
-    kept_pos_ = reinterpret_cast<pos_t*>(base + p.kept_pos);
-    kept_cu_ = reinterpret_cast<std::int32_t*>(base + p.kept_cu);
-    drop_pos_ = reinterpret_cast<pos_t*>(base + p.drop_pos);
-    drop_cu_ = reinterpret_cast<std::int32_t*>(base + p.drop_cu);
-    for (index_t l = 0; l < L; ++l) {
-      evicted_[l] = 0;
-      for (index_t h = 0; h < H; ++h) mask_[l * H + h] = cfg.retrieval(l, h) != 0 ? 1 : 0;
-      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
-    }
-    cfg_.retrieval = {};
-    ok_ = true;
-    return {};
-  }
+  // init(cfg, memory, bytes, recorder): detail::driver_skeleton, ending in attach() below.
+  // init's errors: model shape; capacity outside [1, INT32_MAX / H]; n_sink < 0 or n_recent < 1; a mask
+  // that is not [L][H] or holds a value other than 0 and 1; recorder shape; memory null or too small.
 
   /// Layer l holds kv after `tokens` tokens (every position < tokens, at most C rows per head, in
   /// arrival order): kept(l) keeps every row of a retrieval head and the sinks and the positions
@@ -75,18 +56,10 @@ class streaming_heads_driver : public detail::driver_skeleton<streaming_heads_dr
   status update(index_t layer, const layer_kv<T>& kv, index_t tokens) {
     constexpr const char* fn = "streaming_heads_driver::update";
     if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
-    const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
-    if (layer < 0 || layer >= L)
-      return status::error(errc::out_of_range, "%s: layer %lld is outside [0, %lld)", fn, static_cast<long long>(layer),
-                           static_cast<long long>(L));
+    const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
+    KVEVICT_TRY(check_layer_index(fn, layer));
     evicted_[layer] = 0;
-    if (tokens < 1 || tokens >= INT32_MAX)
-      return status::error(errc::invalid_argument, "%s: tokens = %lld is outside [1, %d)", fn,
-                           static_cast<long long>(tokens), INT32_MAX);
-    detail::row_rules rr;
-    rr.tokens = tokens;
-    rr.capacity = C;
-    KVEVICT_TRY(detail::check_layer(fn, layer, kv, H, cfg_.model.head_dim, rr));
+    KVEVICT_TRY(check_layer_after(fn, layer, kv, tokens, 1));
     const index_t recent_from = tokens - cfg_.streaming.n_recent + 1;  // the next query's key completes the window
     std::int32_t* cu = kept_cu_ + layer * (H + 1);
     pos_t* pos = kept_pos_ + layer * H * C;
@@ -119,6 +92,26 @@ class streaming_heads_driver : public detail::driver_skeleton<streaming_heads_dr
   bool retrieval(index_t layer, index_t head) const noexcept { return mask_[layer * cfg_.model.kv_heads + head] != 0; }
 
  private:
+  /// init's last step (detail::driver_skeleton::init, after the configuration, recorder and memory
+  /// checks): the state pieces placed at m.base and reset.
+  status attach(const char* /*fn*/, const streaming_heads_config& cfg, const detail::state_memory& m) {
+    const plan_t p = plan(cfg);
+    const index_t L = cfg.model.layers, H = cfg.model.kv_heads;
+    mask_ = m.base + p.mask;
+    evicted_ = m.base + p.evicted;
+    kept_pos_ = reinterpret_cast<pos_t*>(m.base + p.kept_pos);
+    kept_cu_ = reinterpret_cast<std::int32_t*>(m.base + p.kept_cu);
+    drop_pos_ = reinterpret_cast<pos_t*>(m.base + p.drop_pos);
+    drop_cu_ = reinterpret_cast<std::int32_t*>(m.base + p.drop_cu);
+    for (index_t l = 0; l < L; ++l) {
+      evicted_[l] = 0;
+      for (index_t h = 0; h < H; ++h) mask_[l * H + h] = cfg.retrieval(l, h) != 0 ? 1 : 0;
+      for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
+    }
+    cfg_.retrieval = {};
+    return {};
+  }
+
   struct plan_t {
     detail::mem_plan layout;
     std::size_t mask = 0, evicted = 0, kept_pos = 0, kept_cu = 0, drop_pos = 0, drop_cu = 0;

@@ -100,6 +100,11 @@ namespace detail {
 template <class T>
 inline constexpr bool is_real_v = std::is_same_v<T, float> || std::is_same_v<T, double>;
 
+/// The training math's element rule, one static_assert per function: T is float or double and
+/// every input view's element type (In..., const or not) is T.
+template <class T, class... In>
+inline constexpr bool real_views_v = is_real_v<T> && (std::is_same_v<std::remove_const_t<In>, T> && ...);
+
 template <class T>
 KVEVICT_HOST_DEVICE inline bool finite_t(T x) {
   return x - x == T(0);  // false for NaN and +-inf, without <cmath> classification calls
@@ -192,14 +197,11 @@ KVEVICT_HOST_DEVICE inline T lora_output(const T* x_row, index_t x_stride, const
 /// overlapping x or w. Parallel (par) over the n*out outputs.
 template <class Backend, class X, class W, class T>
 status linear_forward(Backend be, matrix_view<X> x_in, matrix_view<W> w_in, matrix_view<T> y) {
-  static_assert(detail::is_real_v<T>, "linear_forward: element type must be float or double");
-  static_assert(std::is_same_v<std::remove_const_t<X>, T> && std::is_same_v<std::remove_const_t<W>, T>,
-                "linear_forward: x, w and y must have the same element type");
+  static_assert(detail::real_views_v<T, X, W>,
+                "linear_forward: x, w and y must have the same element type, float or double");
   constexpr const char* fn = "linear_forward";
   const matrix_view<const T> x = x_in, w = w_in;
-  KVEVICT_TRY(detail::check_view(fn, "x", x));
-  KVEVICT_TRY(detail::check_view(fn, "w", w));
-  KVEVICT_TRY(detail::check_view(fn, "y", y));
+  KVEVICT_TRY(detail::check_views(fn, "x", x, "w", w, "y", y));
   if (w.extent(1) != x.extent(1)) return detail::shape_error(fn, "w.extent(1) (in features)", w.extent(1), x.extent(1));
   if (y.extent(0) != x.extent(0)) return detail::shape_error(fn, "y.extent(0) (rows)", y.extent(0), x.extent(0));
   if (y.extent(1) != w.extent(0)) return detail::shape_error(fn, "y.extent(1) (out features)", y.extent(1), w.extent(0));
@@ -228,14 +230,12 @@ status linear_forward(Backend be, matrix_view<X> x_in, matrix_view<W> w_in, matr
 template <class Backend, class X, class W, class T>
 status lora_linear_forward(Backend be, matrix_view<X> x_in, matrix_view<W> w_in, const lora_adapter<T>& ad,
                            row_range rows, matrix_view<T> xa, matrix_view<T> y) {
-  static_assert(detail::is_real_v<T>, "lora_linear_forward: element type must be float or double");
-  static_assert(std::is_same_v<std::remove_const_t<X>, T> && std::is_same_v<std::remove_const_t<W>, T>,
-                "lora_linear_forward: x, w, the adapter and y must have the same element type");
+  static_assert(detail::real_views_v<T, X, W>,
+                "lora_linear_forward: x, w, the adapter and y must have the same element type, float or double");
   constexpr const char* fn = "lora_linear_forward";
   const matrix_view<const T> x = x_in, w = w_in;
   KVEVICT_TRY(detail::check_lora_shapes(fn, x, w, ad, rows));
-  KVEVICT_TRY(detail::check_view(fn, "xa", xa));
-  KVEVICT_TRY(detail::check_view(fn, "y", y));
+  KVEVICT_TRY(detail::check_views(fn, "xa", xa, "y", y));
   const index_t n = x.extent(0), in = x.extent(1), out = w.extent(0), r = ad.a.extent(1), m = rows.size();
   if (xa.extent(0) != m) return detail::shape_error(fn, "xa.extent(0) (lookahead rows)", xa.extent(0), m);
   if (xa.extent(1) != r) return detail::shape_error(fn, "xa.extent(1) (rank)", xa.extent(1), r);
@@ -279,17 +279,12 @@ template <class Backend, class X, class W, class XA, class DY, class T>
 status lora_linear_backward(Backend be, workspace& ws, matrix_view<X> x_in, matrix_view<W> w_in,
                             const lora_adapter<T>& ad, row_range rows, matrix_view<XA> xa_in, matrix_view<DY> dy_in,
                             const lora_adapter_grad<T>& grad, matrix_view<T> dx, lora_backward_options opts = {}) {
-  static_assert(detail::is_real_v<T>, "lora_linear_backward: element type must be float or double");
-  static_assert(std::is_same_v<std::remove_const_t<X>, T> && std::is_same_v<std::remove_const_t<W>, T> &&
-                    std::is_same_v<std::remove_const_t<XA>, T> && std::is_same_v<std::remove_const_t<DY>, T>,
-                "lora_linear_backward: all views must have the same element type");
+  static_assert(detail::real_views_v<T, X, W, XA, DY>,
+                "lora_linear_backward: all views must have the same element type, float or double");
   constexpr const char* fn = "lora_linear_backward";
   const matrix_view<const T> x = x_in, w = w_in, xa = xa_in, dy = dy_in;
   KVEVICT_TRY(detail::check_lora_shapes(fn, x, w, ad, rows));
-  KVEVICT_TRY(detail::check_view(fn, "xa", xa));
-  KVEVICT_TRY(detail::check_view(fn, "dy", dy));
-  KVEVICT_TRY(detail::check_view(fn, "grad.da", grad.da));
-  KVEVICT_TRY(detail::check_view(fn, "grad.db", grad.db));
+  KVEVICT_TRY(detail::check_views(fn, "xa", xa, "dy", dy, "grad.da", grad.da, "grad.db", grad.db));
   const bool want_dx = dx.extent(0) != 0;  // a default-constructed view means "not needed"
   if (want_dx) KVEVICT_TRY(detail::check_view(fn, "dx", dx));
   const index_t in = x.extent(1), out = w.extent(0), r = ad.a.extent(1), m = rows.size();
@@ -559,10 +554,8 @@ void window_probs(Backend be, const matrix_view<const T>& q, const matrix_view<c
 template <class Backend, class Q, class KP, class KB, class T>
 status lookahead_window_scores(Backend be, workspace& ws, matrix_view<Q> q_in, matrix_view<KP> kp_in,
                                matrix_view<KB> kb_in, vector_view<T> s, const lookahead_window_options& opts = {}) {
-  static_assert(detail::is_real_v<T>, "lookahead_window_scores: element type must be float or double");
-  static_assert(std::is_same_v<std::remove_const_t<Q>, T> && std::is_same_v<std::remove_const_t<KP>, T> &&
-                    std::is_same_v<std::remove_const_t<KB>, T>,
-                "lookahead_window_scores: all views must have the same element type");
+  static_assert(detail::real_views_v<T, Q, KP, KB>,
+                "lookahead_window_scores: all views must have the same element type, float or double");
   constexpr const char* fn = "lookahead_window_scores";
   const matrix_view<const T> q = q_in, kp = kp_in, kb = kb_in;
   KVEVICT_TRY(detail::check_window(fn, q, kp, kb, opts));
@@ -605,17 +598,13 @@ template <class Backend, class Q, class KP, class KB, class DS, class T>
 status lookahead_window_scores_backward(Backend be, workspace& ws, matrix_view<Q> q_in, matrix_view<KP> kp_in,
                                         matrix_view<KB> kb_in, vector_view<DS> ds_in, matrix_view<T> dq,
                                         matrix_view<T> dkb, const lookahead_window_options& opts = {}) {
-  static_assert(detail::is_real_v<T>, "lookahead_window_scores_backward: element type must be float or double");
-  static_assert(std::is_same_v<std::remove_const_t<Q>, T> && std::is_same_v<std::remove_const_t<KP>, T> &&
-                    std::is_same_v<std::remove_const_t<KB>, T> && std::is_same_v<std::remove_const_t<DS>, T>,
-                "lookahead_window_scores_backward: all views must have the same element type");
+  static_assert(detail::real_views_v<T, Q, KP, KB, DS>,
+                "lookahead_window_scores_backward: all views must have the same element type, float or double");
   constexpr const char* fn = "lookahead_window_scores_backward";
   const matrix_view<const T> q = q_in, kp = kp_in, kb = kb_in;
   const vector_view<const T> ds = ds_in;
   KVEVICT_TRY(detail::check_window(fn, q, kp, kb, opts));
-  KVEVICT_TRY(detail::check_view(fn, "ds", ds));
-  KVEVICT_TRY(detail::check_view(fn, "dq", dq));
-  KVEVICT_TRY(detail::check_view(fn, "dk_block", dkb));
+  KVEVICT_TRY(detail::check_views(fn, "ds", ds, "dq", dq, "dk_block", dkb));
   const index_t n = q.extent(0), P = kp.extent(0), d = q.extent(1), width = P + n;
   if (ds.extent(0) != P) return detail::shape_error(fn, "ds.extent(0) (prefix tokens)", ds.extent(0), P);
   if (dq.extent(0) != n || dq.extent(1) != d)
@@ -730,13 +719,11 @@ inline double loss_row(const T* g, index_t gs, const T* e, index_t es, index_t N
 template <class Backend, class GT, class ET, class T>
 status lookahead_kl_loss(Backend be, workspace& ws, matrix_view<GT> gt_in, matrix_view<ET> est_in, double* loss,
                          matrix_view<T> grad_est, const lookahead_loss_options& opts = {}) {
-  static_assert(detail::is_real_v<T>, "lookahead_kl_loss: element type must be float or double");
-  static_assert(std::is_same_v<std::remove_const_t<GT>, T> && std::is_same_v<std::remove_const_t<ET>, T>,
-                "lookahead_kl_loss: gt, est and grad_est must have the same element type");
+  static_assert(detail::real_views_v<T, GT, ET>,
+                "lookahead_kl_loss: gt, est and grad_est must have the same element type, float or double");
   constexpr const char* fn = "lookahead_kl_loss";
   const matrix_view<const T> gt = gt_in, est = est_in;
-  KVEVICT_TRY(detail::check_view(fn, "gt", gt));
-  KVEVICT_TRY(detail::check_view(fn, "est", est));
+  KVEVICT_TRY(detail::check_views(fn, "gt", gt, "est", est));
   const bool want_grad = grad_est.extent(0) != 0;  // a default-constructed view means "not needed"
   if (want_grad) KVEVICT_TRY(detail::check_view(fn, "grad_est", grad_est));
   if (loss == nullptr) return status::error(errc::null_pointer, "%s: loss is null", fn);

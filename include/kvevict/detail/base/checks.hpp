@@ -65,6 +65,27 @@ inline bool lengths_inside(const std::int32_t* lengths, index_t n, const byte_ra
   return r.intersects({b, b + static_cast<std::uintptr_t>(n) * sizeof(std::int32_t)});
 }
 
+/// check_view on several named views in turn ("x", x, "w", w, ...); the first failure is returned.
+inline status check_views(const char*) { return {}; }
+template <class V, class... Rest>
+status check_views(const char* fn, const char* name, const V& v, const Rest&... rest) {
+  KVEVICT_TRY(check_view(fn, name, v));
+  return check_views(fn, rest...);
+}
+
+/// Offsets [n + 1] of n lists (a varlen batch's cu_seqlens, a page table's indptr; not null): off[0]
+/// == 0 and never decreasing, a decrease named by the list's `item` word ("sequence", "list").
+/// check_offsets below is the per-head form (count, pointer and end limit checked too).
+inline status check_list_offsets(const char* fn, const char* name, const std::int32_t* off, index_t n,
+                                 const char* item) {
+  if (off[0] != 0) return status::error(errc::invalid_argument, "%s: %s[0] must be 0 (got %d)", fn, name, off[0]);
+  for (index_t i = 0; i < n; ++i)
+    if (off[i + 1] < off[i])
+      return status::error(errc::invalid_argument, "%s: %s is not monotone: %s %lld has %d -> %d", fn, name, item,
+                           static_cast<long long>(i), off[i], off[i + 1]);
+  return {};
+}
+
 /// Checks cu[0] == 0, non-decreasing offsets, and cu[n] <= limit (when limit >= 0).
 inline status check_offsets(const char* fn, const char* name, const std::int32_t* cu, index_t n,
                             index_t limit = -1) {

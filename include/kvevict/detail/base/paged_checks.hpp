@@ -58,12 +58,7 @@ inline status check_page_table(const char* fn, const page_table& t, index_t page
     return status::error(errc::invalid_argument, "%s: the table has a negative list count (%lld)", fn,
                          static_cast<long long>(t.lists));
   if (t.indptr == nullptr) return status::error(errc::null_pointer, "%s: table.indptr is null", fn);
-  if (t.indptr[0] != 0)
-    return status::error(errc::invalid_argument, "%s: table.indptr[0] must be 0 (got %d)", fn, t.indptr[0]);
-  for (index_t r = 0; r < t.lists; ++r)
-    if (t.indptr[r + 1] < t.indptr[r])
-      return status::error(errc::invalid_argument, "%s: table.indptr is not monotone: list %lld has %d -> %d", fn,
-                           static_cast<long long>(r), t.indptr[r], t.indptr[r + 1]);
+  KVEVICT_TRY(check_list_offsets(fn, "table.indptr", t.indptr, t.lists, "list"));
   const index_t listed = t.indptr[t.lists];
   if (listed > 0 && t.indices == nullptr)
     return status::error(errc::null_pointer, "%s: table.indices is null but %lld pages are listed", fn,

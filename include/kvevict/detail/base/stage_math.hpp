@@ -11,6 +11,7 @@
 #include <kvevict/numeric.hpp>
 #include <kvevict/score_types.hpp>
 
+#include <cmath>
 #include <cstdint>
 
 namespace kvevict::detail {
@@ -64,6 +65,26 @@ KVEVICT_HOST_DEVICE inline float value_l1_accumulate(float s, const V* v, index_
 template <class V>
 KVEVICT_HOST_DEVICE inline float value_l1_norm(const V* v, index_t d, index_t stride) {
   return value_l1_accumulate(0.0f, v, d, stride);
+}
+
+// ---- key norms (score.hpp's key_norm_scores) ----------------------------------------------------
+
+/// key_sq_accumulate: s + k_0^2 + ... + k_{n-1}^2 left to right (key_norm_score continued over a
+/// further piece of the row, for kernels that stage rows in pieces).
+/// -||k||_2 of one key row: sequential fp32 sum of squares over d, then sqrt (correctly rounded
+/// everywhere, so identical on every backend; mul_rn/add_rn keep nvcc from fusing the terms).
+/// Overflows to -inf only for |k| beyond ~1.8e19.
+template <class K>
+KVEVICT_HOST_DEVICE inline float key_sq_accumulate(float s, const K* k, index_t n, index_t stride) {
+  for (index_t t = 0; t < n; ++t) {
+    const float x = to_float(k[t * stride]);
+    s = add_rn(s, mul_rn(x, x));
+  }
+  return s;
+}
+template <class K>
+KVEVICT_HOST_DEVICE inline float key_norm_score(const K* k, index_t d, index_t stride) {
+  return -sqrtf(key_sq_accumulate(0.0f, k, d, stride));
 }
 
 // ---- protection (protect.hpp) -----------------------------------------------------------------

@@ -20,8 +20,8 @@
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/detail/base/real_math.hpp>
-#include <kvevict/score.hpp>
-#include <kvevict/gqa.hpp>
+#include <kvevict/gqa_types.hpp>
+#include <kvevict/view.hpp>
 
 #include <cstdint>
 

@@ -304,16 +304,40 @@ inline status carve_call_scratch(const char* fn, workspace& ws, const call_scrat
   return c.finish(fn);
 }
 
-/// The parts every driver shares: binding the state memory and the recorder, the workspace size
-/// (the driver's carve() run as a query), and the first checks of every call. Derived, a driver
-/// (friend of this class), provides
+/// The state memory init() binds a driver to: as the caller gave it, and `base`, its first 64-byte
+/// aligned byte (where the driver's memory plan starts).
+struct state_memory {
+  void* memory = nullptr;
+  std::size_t bytes = 0;
+  unsigned char* base = nullptr;
+};
+
+/// The parts every driver shares: init (binding the state memory and the recorder), the workspace
+/// size (the driver's carve() run as a query), and the first checks of every call. Derived, a
+/// driver (friend of this class), provides
 ///   static constexpr const char* name;                             "post_fill_driver", ...
 ///   static status validate(const char* fn, const Config&);         configuration errors
 ///   static std::size_t plan_bytes(const Config&);                  state bytes of a valid config
+///   status attach(const char* fn, const Config&, const state_memory&);  init's last step
 ///   template <class Backend> status carve(Backend, workspace&, call_scratch&) const;
+/// and, when its recorder holds more than one step, static index_t recorder_tokens(const Config&).
 template <class Derived, class Config>
 class driver_skeleton {
  public:
+  /// Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies what it keeps of
+  /// cfg and resets it. The recorder (optional; layers x kv_heads, capacity >= recorder_tokens(cfg))
+  /// must outlive the driver. Errors (each driver lists its configuration errors at its class):
+  /// the configuration; recorder shape; memory null or too small.
+  status init(const Config& cfg, void* memory, std::size_t bytes, eviction_recorder* recorder = nullptr) {
+    char fn[64];
+    std::snprintf(fn, sizeof fn, "%s::init", Derived::name);
+    unsigned char* base = nullptr;
+    KVEVICT_TRY(bind(fn, cfg, memory, bytes, recorder, Derived::recorder_tokens(cfg), &base));
+    KVEVICT_TRY(self_mut().attach(fn, cfg, state_memory{memory, bytes, base}));
+    ok_ = true;
+    return {};
+  }
+
   /// Bytes of state memory init() needs for cfg. Errors: as init's configuration errors.
   static result<std::size_t> state_bytes(const Config& cfg) {
     char fn[64];
@@ -339,6 +363,10 @@ class driver_skeleton {
   /// The state bytes of a valid configuration: the driver's memory plan (a driver with another
   /// kind of state declares its own plan_bytes).
   static std::size_t plan_bytes(const Config& c) { return Derived::plan(c).layout.bytes(); }
+
+  /// The recorder's capacity in tokens init() requires: one step (the decode-time drivers); the
+  /// prefill drivers record at prompt positions (prefill_driver_skeleton: cfg.tokens).
+  static index_t recorder_tokens(const Config&) { return 1; }
 
   /// Makes room in s for scoring every head with recipe r over a query block of `rows` rows
   /// (block keys or not): the largest slot and slot count of all the shapes a driver scores.
@@ -403,6 +431,28 @@ class driver_skeleton {
                          static_cast<long long>(layer), static_cast<long long>(next));
   }
 
+  /// The decode-time drivers' layers come in any order: `layer` must be inside [0, L).
+  status check_layer_index(const char* fn, index_t layer) const {
+    const index_t L = cfg_.model.layers;
+    if (layer < 0 || layer >= L)
+      return status::error(errc::out_of_range, "%s: layer %lld is outside [0, %lld)", fn, static_cast<long long>(layer),
+                           static_cast<long long>(L));
+    return {};
+  }
+
+  /// A decode-time driver's layer after `tokens` tokens (inside [first, INT32_MAX)): its layout,
+  /// positions below `tokens` and at most cfg.capacity rows per head (check_layer).
+  template <class T>
+  status check_layer_after(const char* fn, index_t layer, const layer_kv<T>& kv, index_t tokens, index_t first) const {
+    if (tokens < first || tokens >= INT32_MAX)
+      return status::error(errc::invalid_argument, "%s: tokens = %lld is outside [%lld, %d)", fn,
+                           static_cast<long long>(tokens), static_cast<long long>(first), INT32_MAX);
+    row_rules rr;
+    rr.tokens = tokens;
+    rr.capacity = cfg_.capacity;
+    return check_layer(fn, layer, kv, cfg_.model.kv_heads, cfg_.model.head_dim, rr);
+  }
+
   Config cfg_{};
   eviction_recorder* rec_ = nullptr;
   byte_range mem_{};
@@ -448,6 +498,9 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
   }
 
  protected:
+  /// The recorder holds the prompt's positions: cfg.tokens.
+  static index_t recorder_tokens(const Config& c) { return c.tokens; }
+
   /// add_layer(queries) of the prefill drivers: every head scored with the driver's recipe
   /// (recipe_scores per head into the driver's score buffer), then the scores path. Derived
   /// provides check_layer_call(fn, layer, kv, by_scores), query_rows_now(), block_keys_now(),

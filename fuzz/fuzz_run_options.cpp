@@ -3,7 +3,7 @@
 // model's shape. The input is split at NUL bytes into arguments. Whatever the arguments, the
 // parser must return an exit status with a one-line message, or accepted options whose every
 // number is in range; nothing may throw or crash.
-#include <runner/run_options.hpp>
+#include <run/run_options.hpp>
 
 #include <cstdint>
 #include <cstdlib>

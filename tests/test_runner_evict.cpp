@@ -10,7 +10,7 @@
 #include "support.hpp"
 #include "support/shipped.hpp"
 
-#include <runner/duo_calibration.hpp>
+#include <methods/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>

@@ -1,4 +1,4 @@
-// runner/batch.hpp: several prompts as one batch with continuous decoding (`kvevict-run --batch N`,
+// batch/batch.hpp: several prompts as one batch with continuous decoding (`kvevict-run --batch N`,
 // docs/runner.md, "Batches").
 //
 // Every sequence has its own paged KV cache (kv_cache.hpp), evictor and sampler; they share the
@@ -15,7 +15,7 @@
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
 #include <runner/runner.hpp>
-#include <runner/speckv.hpp>
+#include <methods/speckv.hpp>
 
 #include <kvevict/status.hpp>
 

@@ -34,10 +34,10 @@
 // times is independent of the thread count.
 #pragma once
 
-#include <runner/duo_calibration.hpp>
+#include <methods/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <runner/shipped_models.hpp>
-#include <runner/speckv.hpp>
+#include <methods/speckv.hpp>
 #include <runner/workers.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>

@@ -14,8 +14,8 @@
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
 #include <lookaheadkv/scores.hpp>
-#include <runner/batch.hpp>
-#include <runner/duo_calibration.hpp>
+#include <batch/batch.hpp>
+#include <methods/duo_calibration.hpp>
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
@@ -24,11 +24,11 @@
 #include <report/report.hpp>
 #include <report/svg.hpp>
 #include <report/tables.hpp>
-#include <runner/run_options.hpp>
+#include <run/run_options.hpp>
 #include <runner/runner.hpp>
 #include <runner/shipped_models.hpp>
-#include <runner/sharded.hpp>
-#include <runner/speckv.hpp>
+#include <sharded/sharded.hpp>
+#include <methods/speckv.hpp>
 #include <runner/tokenizer.hpp>
 
 #include "io.hpp"
@@ -183,6 +183,25 @@ int print_output(const options& o, const kvrun::tokenizer& tok, const std::vecto
   return 0;
 }
 
+// Encodes `text` (BOS first) into `out` and checks it against the model's context and --steps;
+// `name` ("the prompt", "a --batch-prompt") begins the error lines. Returns the exit status.
+int encode_prompt(const options& o, const kvrun::tokenizer& tok, const kvrun::config& c, const std::string& text,
+                  const std::string& name, std::vector<int>& out) {
+  // Each token covers at most longest_piece() bytes (the dummy-prefix space included), so a longer
+  // text cannot fit; checked before encoding, whose merge loop is quadratic in the text's length.
+  if (text.size() + 1 > static_cast<std::size_t>(c.seq_len - 1) * static_cast<std::size_t>(tok.longest_piece()))
+    return fail(name + " of " + std::to_string(text.size()) + " bytes cannot fit in the model's context of " +
+                std::to_string(c.seq_len) + " tokens");
+  if (auto st = tok.encode(text, /*bos=*/true, /*eos=*/false, out); !st.ok()) return fail("", st);
+  if (static_cast<int>(out.size()) > c.seq_len)
+    return fail(name + " has " + std::to_string(out.size()) + " tokens, longer than the model's context of " +
+                std::to_string(c.seq_len));
+  if (static_cast<int>(out.size()) > o.steps)
+    return fail(name + " has " + std::to_string(out.size()) + " tokens, more than --steps " + std::to_string(o.steps) +
+                " (steps count the prompt too)");
+  return 0;
+}
+
 // kvevict-run --tp P / --pp P under mpirun (runner/sharded.hpp): every rank generates the same
 // tokens; rank 0 prints them. Without MPI: a clear error.
 int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt) {
@@ -240,13 +259,8 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
   const kvrun::config& c = model.cfg();
   std::vector<std::vector<int>> given{first}, prompts;
   for (const std::string& text : o.batch_prompts) {
-    if (text.size() + 1 > static_cast<std::size_t>(c.seq_len - 1) * static_cast<std::size_t>(tok.longest_piece()))
-      return fail("--batch-prompt of " + std::to_string(text.size()) + " bytes cannot fit in the model's context");
     given.emplace_back();
-    if (auto st = tok.encode(text, /*bos=*/true, /*eos=*/false, given.back()); !st.ok()) return fail("", st);
-    if (static_cast<int>(given.back().size()) > o.steps)
-      return fail("a --batch-prompt has " + std::to_string(given.back().size()) + " tokens, more than --steps " +
-                  std::to_string(o.steps));
+    if (const int code = encode_prompt(o, tok, c, text, "a --batch-prompt", given.back()); code != 0) return code;
   }
   for (kvevict::index_t i = 0; i < o.batch; ++i) prompts.push_back(given[static_cast<std::size_t>(i) % given.size()]);
   const kvrun::batch_settings bs{o.steps, o.page_size, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer};
@@ -291,19 +305,8 @@ int run(int argc, char** argv) {
     return fail("--steps " + std::to_string(o.steps) + " is outside [1, " + std::to_string(c.seq_len) +
                 "] (the model's context)");
 
-  // Each token covers at most longest_piece() bytes (the dummy-prefix space included), so a longer
-  // prompt cannot fit; checked before encoding, whose merge loop is quadratic in the prompt length.
-  if (o.prompt.size() + 1 > static_cast<std::size_t>(c.seq_len - 1) * static_cast<std::size_t>(tok.longest_piece()))
-    return fail("the prompt of " + std::to_string(o.prompt.size()) + " bytes cannot fit in the model's context of " +
-                std::to_string(c.seq_len) + " tokens");
   std::vector<int> prompt;
-  if (auto st = tok.encode(o.prompt, /*bos=*/true, /*eos=*/false, prompt); !st.ok()) return fail("", st);
-  if (static_cast<int>(prompt.size()) > c.seq_len)
-    return fail("the prompt has " + std::to_string(prompt.size()) + " tokens, longer than the model's context of " +
-                std::to_string(c.seq_len));
-  if (static_cast<int>(prompt.size()) > o.steps)
-    return fail("the prompt has " + std::to_string(prompt.size()) + " tokens, more than --steps " +
-                std::to_string(o.steps) + " (steps count the prompt too)");
+  if (const int code = encode_prompt(o, tok, c, o.prompt, "the prompt", prompt); code != 0) return code;
   if (o.tp > 0 || o.pp > 0) return run_sharded(o, model, tok, prompt);
 
   // The full cache is sized for the prompt and the steps; the evicted one for the whole context:

@@ -35,9 +35,10 @@
 #pragma once
 
 #include <methods/duo_calibration.hpp>
+#include <methods/laq.hpp>
+#include <methods/speckv.hpp>
 #include <runner/evictor.hpp>
 #include <runner/shipped_models.hpp>
-#include <methods/speckv.hpp>
 #include <runner/workers.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
@@ -274,6 +275,7 @@ struct report_worker {
   kv_cache full, cache;
   block_capture prompt_q, response_q;
   evictor ev;
+  laq_queries laq;             // the laq and laq++ rows' query blocks
   lookahead_scorer lookahead;  // bound to report_options::lookahead, if any
   speckv_drafter drafter;      // the speckv rows' draft model
   std::vector<int> draft;      // a prompt's draft tokens
@@ -387,7 +389,7 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
     e.chunk_fraction = rc.fraction;
     e.alloc.reset();
-    KVEVICT_TRY(w.ev.init(mdl, e, &heads[ci], o.lookahead != nullptr ? &w.lookahead : nullptr));
+    KVEVICT_TRY(w.ev.init(mdl, e, &heads[ci], o.lookahead != nullptr ? &w.lookahead : nullptr, &w.laq));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;

@@ -16,6 +16,7 @@
 #include <lookaheadkv/scores.hpp>
 #include <batch/batch.hpp>
 #include <methods/duo_calibration.hpp>
+#include <methods/laq.hpp>
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
@@ -255,7 +256,7 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
 // kvevict-run --batch N: sequence i's prompt is the i-th of --prompt, --batch-prompt ... (cycled),
 // all run as one batch (batch.hpp); prints each sequence's output on its own line(s), in order.
 int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& first,
-              const kvrun::duo_heads* duo, kvrun::prompt_scorer* scorer) {
+              const kvrun::duo_heads* duo, kvrun::prompt_scorer* scorer, kvrun::query_source* queries) {
   const kvrun::config& c = model.cfg();
   std::vector<std::vector<int>> given{first}, prompts;
   for (const std::string& text : o.batch_prompts) {
@@ -263,7 +264,7 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
     if (const int code = encode_prompt(o, tok, c, text, "a --batch-prompt", given.back()); code != 0) return code;
   }
   for (kvevict::index_t i = 0; i < o.batch; ++i) prompts.push_back(given[static_cast<std::size_t>(i) % given.size()]);
-  const kvrun::batch_settings bs{o.steps, o.page_size, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer};
+  const kvrun::batch_settings bs{o.steps, o.page_size, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer, queries};
   std::vector<std::vector<int>> out;
   kvrun::batch_stats stats;
   if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);
@@ -323,6 +324,7 @@ int run(int argc, char** argv) {
   kvrun::duo_heads duo;
   kvrun::lookahead_module lookahead;
   kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
+  kvrun::laq_queries laq;          // the laq and laq++ methods' query blocks
   kvrun::evictor ev;
   std::vector<kvevict::pos_t> schedule;
   kvevict::eviction_recorder recorder;
@@ -340,13 +342,13 @@ int run(int argc, char** argv) {
     if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
     if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);
   }
-  if (o.batch > 1) return run_batch(o, model, tok, prompt, &duo, &scorer);  // batch.hpp
+  if (o.batch > 1) return run_batch(o, model, tok, prompt, &duo, &scorer, &laq);  // batch.hpp
   if (full) {
     const auto t0 = std::chrono::steady_clock::now();
     if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);
     prefill_s = kvrun::seconds_since(t0);
   } else {  // prefill with eviction (evictor.hpp)
-    if (auto st = ev.init(model, o.evict, &duo, &scorer); !st.ok()) return fail("", st);
+    if (auto st = ev.init(model, o.evict, &duo, &scorer, &laq); !st.ok()) return fail("", st);
     std::vector<int> response;  // the oracle's block: the full cache's continuation, same sampler
     if (method == kvrun::method::oracle) {
       kvrun::sampler s0;

@@ -20,8 +20,9 @@
 //                 layer, decide, compact; the next chunk attends over what was kept.
 //   decode        plain prefill; then after every decoded token decode_driver::step per layer
 //                 (H2O accumulates attention every step) and a compaction when it evicts.
-// LAQ / LAQ++ (laq.hpp) and the response oracle are post-fill methods with an external query block;
-// LookaheadKV is post-fill with a prompt_scorer's scores (lookaheadkv/scores.hpp: the trained module's).
+// LAQ / LAQ++ (a query_source: methods/laq.hpp), SpecKV (methods/speckv.hpp's draft response) and
+// the response oracle are post-fill methods with an external query block; LookaheadKV is post-fill
+// with a prompt_scorer's scores (lookaheadkv/scores.hpp: the trained module's).
 #pragma once
 
 #include <runner/generate.hpp>
@@ -64,12 +65,12 @@ enum class method : int {
   adakv,          ///< SnapKV scores, AdaKV head budgets
   cake,           ///< CAKE indicator and layer preferences
   lava,           ///< LAVa scores and entropy layer budgets
-  duo_heuristic,  ///< Duo head types from an attention-mass calibration (duo_calibration.hpp), not trained
+  duo_heuristic,  ///< Duo head types from an attention-mass calibration (methods/duo_calibration.hpp), not trained
   duo,            ///< DuoAttention: head types from trained gates (a head-mask TSV, kvevict-headgates duo)
   prulong,        ///< PruLong: head types from a trained mask (a head-mask TSV, kvevict-headgates prulong)
-  laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (laq.hpp)
+  laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (methods/laq.hpp)
   laq_pp,         ///< LAQ++: pseudo queries and the prompt's window
-  speckv,         ///< SpecKV: a draft model's response as the query block (speckv.hpp)
+  speckv,         ///< SpecKV: a draft model's response as the query block (methods/speckv.hpp)
   lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (a prompt_scorer)
   oracle,         ///< the true response's queries (an upper bound)
 };
@@ -421,6 +422,19 @@ class prompt_scorer {
   virtual ~prompt_scorer() = default;
   virtual status score(runner& run, kv_cache& cache) = 0;
   virtual kvevict::matrix_view<const float> scores(int l) const = 0;
+};
+
+/// A query block a method computes for a prefilled, not yet evicted prompt (methods laq and laq++:
+/// methods/laq.hpp's laq_queries, the pseudo-decoded queries). compute() gets the prompt's
+/// captured queries (every row) and the prefill's last-row logits; it may run extra tokens on a
+/// copy of `cache` but leaves `cache` as it was; block() is then its queries and their own keys,
+/// which the evictor scores over the prompt as an external block.
+class query_source {
+ public:
+  virtual ~query_source() = default;
+  virtual status compute(runner& run, const kv_cache& cache, const block_capture& prompt_q, const float* prefill_logits,
+                         const evict_options& o) = 0;
+  virtual const block_capture& block() const = 0;
 };
 
 // ---------------------------------------------------------------------------------------------

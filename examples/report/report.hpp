@@ -38,11 +38,12 @@
 #include <methods/laq.hpp>
 #include <methods/speckv.hpp>
 #include <runner/evictor.hpp>
-#include <runner/shipped_models.hpp>
 #include <runner/workers.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
 #include <lookaheadkv/scores.hpp>
+
+#include "shipped_models.hpp"
 
 #include <kvevict/metrics.hpp>
 
@@ -104,16 +105,16 @@ struct report_options {
   /// layer-wise, chunked and decode drivers at head_driver_sparsity. Empty: no such rows.
   std::vector<double> head_sparsities{0.25, 0.5, 0.75};
   double head_driver_sparsity = 0.5;
-  std::string duo_mask = shipped_model("duo/stories260K.tsv");  ///< DuoAttention's trained alpha
+  std::string duo_mask = kvevict::program::shipped_model("duo/stories260K.tsv");  ///< DuoAttention's trained alpha
   /// PruLong's masks: <prulong_masks>-s<percent>.tsv, one per sparsity (kvevict-headgates prulong)
-  std::string prulong_masks = shipped_model("prulong/stories260K");
+  std::string prulong_masks = kvevict::program::shipped_model("prulong/stories260K");
   /// Run exactly these configurations (after `full`, which is always first) instead of the matrix
   /// built from budgets / recipes / drivers (the footprint sweep, footprint.hpp).
   std::vector<report_config> configs;
   /// The lookaheadkv method's trained module (must outlive the report); null: lookaheadkv is left
   /// out of "every method" and refused when named in `recipes`.
   const lookahead_module* lookahead = nullptr;
-  std::string lookahead_path;  ///< recorded in the JSON by kvrun::recorded_path
+  std::string lookahead_path;  ///< recorded in the JSON by kvevict::program::recorded_path
   int threads = 0;          ///< prompts in parallel (0: all cores)
   std::function<void(const char*)> progress;  ///< one line of progress (may be empty)
 };
@@ -799,7 +800,7 @@ inline std::string report_json(const report_result& r, const std::string& model_
     s += "null,\n";
   } else {
     s += "{\"path\": ";
-    json_string(s, kvrun::recorded_path(o.lookahead_path));
+    json_string(s, kvevict::program::recorded_path(o.lookahead_path));
     s += ", \"n_lookahead\": " + std::to_string(o.lookahead->n_lookahead()) + ", \"rank\": " +
          std::to_string(o.lookahead->rank()) + ", \"placement_bits\": " + std::to_string(o.lookahead->placement()) +
          "},\n";
@@ -810,9 +811,9 @@ inline std::string report_json(const report_result& r, const std::string& model_
   if (!o.head_sparsities.empty()) {
     key("head_masks");
     s += "{\"duo\": ";
-    json_string(s, kvrun::recorded_path(o.duo_mask));
+    json_string(s, kvevict::program::recorded_path(o.duo_mask));
     s += ", \"prulong\": ";
-    json_string(s, kvrun::recorded_path(o.prulong_masks) + "-s<percent>.tsv");
+    json_string(s, kvevict::program::recorded_path(o.prulong_masks) + "-s<percent>.tsv");
     s += ", \"sparsities\": ";
     json_array(s, o.head_sparsities, num);
     s += ", \"drivers_at\": ";

@@ -27,7 +27,6 @@
 #include <report/tables.hpp>
 #include <run/run_options.hpp>
 #include <runner/runner.hpp>
-#include <runner/shipped_models.hpp>
 #include <sharded/sharded.hpp>
 #include <methods/speckv.hpp>
 #include <runner/tokenizer.hpp>

@@ -202,7 +202,7 @@ int encode_prompt(const options& o, const kvrun::tokenizer& tok, const kvrun::co
   return 0;
 }
 
-// kvevict-run --tp P / --pp P under mpirun (runner/sharded.hpp): every rank generates the same
+// kvevict-run --tp P / --pp P under mpirun (sharded/sharded.hpp): every rank generates the same
 // tokens; rank 0 prints them. Without MPI: a clear error.
 int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt) {
 #if defined(KVEVICT_RUN_MPI)
@@ -356,7 +356,7 @@ int run(int argc, char** argv) {
       cache.clear();
       if (response.empty()) return fail("oracle: the full cache generates nothing after this prompt");
     }
-    if (method == kvrun::method::speckv) {  // the draft model's response (speckv.hpp)
+    if (method == kvrun::method::speckv) {  // the draft model's response (methods/speckv.hpp)
       kvrun::speckv_drafter drafter;
       if (auto st = drafter.init(model, o.evict.draft_layers); !st.ok()) return fail("", st);
       if (auto st = drafter.draft(prompt, o.evict.draft_tokens, response); !st.ok()) return fail("", st);

@@ -33,7 +33,7 @@ struct run_options {
   index_t page_size = 16;  ///< tokens per page of the paged KV cache (kv_cache.hpp)
   index_t batch = 1;       ///< sequences decoded as one batch (batch.hpp)
   std::vector<std::string> batch_prompts;  ///< the batch's prompts after --prompt (cycled)
-  int tp = 0, pp = 0;  ///< sharded over MPI ranks (runner/sharded.hpp): tensor / pipeline parallel, 0 = not
+  int tp = 0, pp = 0;  ///< sharded over MPI ranks (sharded/sharded.hpp): tensor / pipeline parallel, 0 = not
   // eviction
   std::string recipe = "full";
   std::string allocator;

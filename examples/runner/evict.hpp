@@ -174,7 +174,7 @@ struct evict_options {
   /// count (32 there), so the three are compared at equal counts (LAQ's own paper uses 8).
   index_t laq_steps = 16;
   index_t draft_tokens = 16;
-  index_t draft_layers = 2;  ///< SpecKV: the draft model is the first N layers + the output head (speckv.hpp)
+  index_t draft_layers = 2;  ///< SpecKV: the draft model is the first N layers + the output head (methods/speckv.hpp)
   index_t duo_recent = 12;   ///< duo: recent tokens of a streaming head (it keeps sinks + these)
 };
 
@@ -225,7 +225,7 @@ inline kvevict::recipe make_recipe(const evict_options& o) {
       r = recipe::snapkv();
       r.source = kvevict::query_source::external_block;
       break;
-    case method::laq_pp:  // the union block scores the prompt minus its window (laq.hpp), which is kept
+    case method::laq_pp:  // the union block scores the prompt minus its window (methods/laq.hpp), which is kept
       r = recipe::snapkv();
       r.source = kvevict::query_source::external_block;
       r.n_sink = s;
@@ -451,7 +451,7 @@ struct allocation_plan {
 };
 
 /// Duo head types: a ranking per (layer, KV head) -- the calibration's "globalness"
-/// (duo_calibration.hpp) or a trained head-mask file's values (DuoAttention's alpha, PruLong's
+/// (methods/duo_calibration.hpp) or a trained head-mask file's values (DuoAttention's alpha, PruLong's
 /// mask) -- whose top heads become retrieval heads: `retrieval` of them when >= 0 (a trained
 /// mask's own count, or the count of a chosen sparsity), else as many as the budget affords.
 struct duo_heads {

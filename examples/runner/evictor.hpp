@@ -13,7 +13,7 @@ namespace kvrun {
 class evictor {
  public:
   /// Checks the options against the model (check_evict_options) and binds the evictor to `m`
-  /// (which must outlive it). `duo`: the head types of the duo method (duo_calibration.hpp), copied.
+  /// (which must outlive it). `duo`: the head types of the duo method (methods/duo_calibration.hpp), copied.
   /// `scorer`: the scores of the lookaheadkv method (a lookahead_scorer bound to a trained module
   /// for `m`, lookaheadkv/scores.hpp; must outlive the evictor; ignored by the other methods).
   /// `queries`: the query block of the laq and laq++ methods (methods/laq.hpp's laq_queries; must

@@ -28,7 +28,7 @@ if(KVEVICT_BUILD_EXAMPLES)
   install(TARGETS ${_kvevict_tools} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT Tools)
   install(DIRECTORY models/ DESTINATION ${_kvevict_models_dir} COMPONENT Tools)
   # The tools find the installed models relative to their own directory (so a moved prefix works);
-  # runner/shipped_models.hpp falls back to the source tree's models/ for binaries in the build tree.
+  # programs/shipped_models.hpp falls back to the source tree's models/ for binaries in the build tree.
   file(RELATIVE_PATH _kvevict_models_from_bindir ${CMAKE_INSTALL_FULL_BINDIR}
        ${CMAKE_INSTALL_FULL_DATADIR}/kvevict/models)
   foreach(_tool kvevict-run kvevict-lookahead)

@@ -1,9 +1,9 @@
-// Arbitrary bytes -> kvevict-run's command-line parsing and checks (runner/run_options.hpp, the
+// Arbitrary bytes -> kvevict-run's command-line parsing and checks (examples/run/run_options.hpp, the
 // same function the program calls), then the eviction options' check against the stories260K
 // model's shape. The input is split at NUL bytes into arguments. Whatever the arguments, the
 // parser must return an exit status with a one-line message, or accepted options whose every
 // number is in range; nothing may throw or crash.
-#include <runner/run_options.hpp>
+#include <run/run_options.hpp>
 
 #include <cstdint>
 #include <cstdlib>

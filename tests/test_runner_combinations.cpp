@@ -7,7 +7,8 @@
 #include "support.hpp"
 #include "support/shipped.hpp"
 
-#include <runner/duo_calibration.hpp>
+#include <methods/duo_calibration.hpp>
+#include <methods/laq.hpp>
 #include <runner/evictor.hpp>
 #include <runner/tokenizer.hpp>
 #include <lookaheadkv/module.hpp>
@@ -69,7 +70,8 @@ TEST_CASE("every supported recipe x allocator x driver runs at every budget from
                                    " / budget " + std::to_string(B);
           CAPTURE(name);
           evictor ev;
-          status st = ev.init(kvtest::shipped_model(), o, &duo, &scorer);
+          laq_queries laq;
+          status st = ev.init(kvtest::shipped_model(), o, &duo, &scorer, &laq);
           REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
           kv_cache cache;
           REQUIRE(cache.init(c).ok());

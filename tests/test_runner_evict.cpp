@@ -10,7 +10,8 @@
 #include "support.hpp"
 #include "support/shipped.hpp"
 
-#include <runner/duo_calibration.hpp>
+#include <methods/duo_calibration.hpp>
+#include <methods/laq.hpp>
 #include <runner/evictor.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
@@ -657,16 +658,17 @@ TEST_CASE("LAQ: stage 1 is SnapKV on a copy plus greedy pseudo decoding; stage 2
         o.budget = B;
         o.alloc = a;
         evictor ev;
-        REQUIRE_OK(ev.init(kvtest::shipped_model(), o));
+        laq_queries laq;
+        REQUIRE_OK(ev.init(kvtest::shipped_model(), o, nullptr, nullptr, &laq));
         kv_cache cache;
         REQUIRE_OK(cache.init(c));
         REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr));
-        CHECK(ev.pseudo_tokens() == toks);
+        CHECK(laq.pseudo_tokens() == toks);
         const std::vector<double> pref = a == budget_scheme::cake ? cake_preferences(full.cache, full.q, P, w) : std::vector<double>{};
         positions want;
         if (m == method::laq) {
           for (int l = 0; l < L; ++l) {  // the captured block is the one stage 2 used
-            const auto got_q = ev.query_block().queries(l, 0, steps), ref_q = pseudo.queries(l, 0, steps);
+            const auto got_q = laq.block().queries(l, 0, steps), ref_q = pseudo.queries(l, 0, steps);
             for (index_t h = 0; h < c.n_heads; ++h)
               for (index_t i = 0; i < steps; ++i)
                 for (index_t x = 0; x < c.head_size(); ++x) REQUIRE(got_q(h, i, x) == ref_q(h, i, x));
@@ -878,7 +880,8 @@ TEST_CASE("a budget of at least the prompt reproduces the full cache's logits, e
       const std::string driver_name_ = driver_name(d);
       CAPTURE(driver_name_);
       evictor ev;
-      REQUIRE_OK(ev.init(kvtest::shipped_model(), o, &duo, &the_scorer()));
+      laq_queries laq;
+      REQUIRE_OK(ev.init(kvtest::shipped_model(), o, &duo, &the_scorer(), &laq));
       kv_cache cache;
       REQUIRE_OK(cache.init(c));
       REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr, &tp.response));
@@ -1094,6 +1097,8 @@ TEST_CASE("eviction options and evictor errors") {
   REQUIRE_OK(ev.prefill(run, cache, prompt, nullptr));
 
   // LookaheadKV: a module is needed and must match the model
+  require_error(ev.init(kvtest::shipped_model(), opts(method::laq_pp)), errc::invalid_argument,
+                "--recipe laq++ needs its pseudo queries (a query_source: methods/laq.hpp)");
   require_error(ev.init(kvtest::shipped_model(), opts(method::lookaheadkv)), errc::invalid_argument,
                 "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
   lookahead_module other;

@@ -10,11 +10,11 @@
 #include <headgates/gated.hpp>
 #include <headgates/train.hpp>
 #include <runner/model.hpp>
-#include <runner/shipped_models.hpp>
 
 #include "cli.hpp"
 #include "io.hpp"
 #include "main.hpp"
+#include "shipped_models.hpp"
 
 #include <CLI/CLI.hpp>
 
@@ -36,7 +36,7 @@ int fail(const std::string& message) { return kvevict::program::fail("kvevict-he
 int fail(const status& st) { return fail(st.message()); }
 
 struct common_options {
-  std::string model = kvrun::shipped_model("stories260K.bin");
+  std::string model = kvevict::program::shipped_model("stories260K.bin");
   int threads = 0;
   index_t texts = 64;
   kvrun::gate_train_options train;

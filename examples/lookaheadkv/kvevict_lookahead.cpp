@@ -14,11 +14,11 @@
 #include <lookaheadkv/train.hpp>
 #include <runner/model.hpp>
 #include <runner/runner.hpp>
-#include <runner/shipped_models.hpp>
 
 #include "cli.hpp"
 #include "io.hpp"
 #include "main.hpp"
+#include "shipped_models.hpp"
 
 #include <CLI/CLI.hpp>
 
@@ -60,7 +60,7 @@ void progress_line(const char* what, index_t done, index_t total, const clock_si
 // ---- options -------------------------------------------------------------------------------
 
 struct common_options {
-  std::string model = kvrun::shipped_model("stories260K.bin");
+  std::string model = kvevict::program::shipped_model("stories260K.bin");
   int threads = 0;
   index_t response = 64;
 };
@@ -74,7 +74,7 @@ struct train_cli {
 };
 
 struct eval_cli {
-  std::string module = kvrun::shipped_model("lookahead/stories260K-n16.bin");
+  std::string module = kvevict::program::shipped_model("lookahead/stories260K-n16.bin");
   std::string json;
   index_t test_pairs = 128;
   std::vector<index_t> budgets{16, 32, 64, 128};
@@ -501,7 +501,9 @@ int cmd_eval(const common_options& c, eval_cli& e) {
 
   if (!e.json.empty()) {
     std::ostringstream js;
-    js << "{\n  \"model\": " << quote(c.model) << ",\n  \"module\": " << quote(e.module) << ",\n";
+    // the input files by their path in the source tree (kvevict::program::recorded_path), as report.json names them
+    js << "{\n  \"model\": " << quote(kvevict::program::recorded_path(c.model)) << ",\n  \"module\": "
+       << quote(kvevict::program::recorded_path(e.module)) << ",\n";
     js << "  \"module_config\": {\"n_lookahead\": " << main_mod.n_lookahead() << ", \"rank\": " << main_mod.rank()
        << ", \"alpha\": " << num(main_mod.alpha()) << ", \"placement\": " << quote(kvrun::placement_name(main_mod.placement()))
        << "},\n";

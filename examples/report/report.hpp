@@ -34,14 +34,16 @@
 // times is independent of the thread count.
 #pragma once
 
-#include <runner/duo_calibration.hpp>
+#include <methods/duo_calibration.hpp>
+#include <methods/laq.hpp>
+#include <methods/speckv.hpp>
 #include <runner/evictor.hpp>
-#include <runner/shipped_models.hpp>
-#include <runner/speckv.hpp>
 #include <runner/workers.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
 #include <lookaheadkv/scores.hpp>
+
+#include "shipped_models.hpp"
 
 #include <kvevict/metrics.hpp>
 
@@ -103,16 +105,16 @@ struct report_options {
   /// layer-wise, chunked and decode drivers at head_driver_sparsity. Empty: no such rows.
   std::vector<double> head_sparsities{0.25, 0.5, 0.75};
   double head_driver_sparsity = 0.5;
-  std::string duo_mask = shipped_model("duo/stories260K.tsv");  ///< DuoAttention's trained alpha
+  std::string duo_mask = kvevict::program::shipped_model("duo/stories260K.tsv");  ///< DuoAttention's trained alpha
   /// PruLong's masks: <prulong_masks>-s<percent>.tsv, one per sparsity (kvevict-headgates prulong)
-  std::string prulong_masks = shipped_model("prulong/stories260K");
+  std::string prulong_masks = kvevict::program::shipped_model("prulong/stories260K");
   /// Run exactly these configurations (after `full`, which is always first) instead of the matrix
   /// built from budgets / recipes / drivers (the footprint sweep, footprint.hpp).
   std::vector<report_config> configs;
   /// The lookaheadkv method's trained module (must outlive the report); null: lookaheadkv is left
   /// out of "every method" and refused when named in `recipes`.
   const lookahead_module* lookahead = nullptr;
-  std::string lookahead_path;  ///< recorded in the JSON by kvrun::recorded_path
+  std::string lookahead_path;  ///< recorded in the JSON by kvevict::program::recorded_path
   int threads = 0;          ///< prompts in parallel (0: all cores)
   std::function<void(const char*)> progress;  ///< one line of progress (may be empty)
 };
@@ -274,6 +276,7 @@ struct report_worker {
   kv_cache full, cache;
   block_capture prompt_q, response_q;
   evictor ev;
+  laq_queries laq;             // the laq and laq++ rows' query blocks
   lookahead_scorer lookahead;  // bound to report_options::lookahead, if any
   speckv_drafter drafter;      // the speckv rows' draft model
   std::vector<int> draft;      // a prompt's draft tokens
@@ -387,7 +390,7 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
     e.chunk_fraction = rc.fraction;
     e.alloc.reset();
-    KVEVICT_TRY(w.ev.init(mdl, e, &heads[ci], o.lookahead != nullptr ? &w.lookahead : nullptr));
+    KVEVICT_TRY(w.ev.init(mdl, e, &heads[ci], o.lookahead != nullptr ? &w.lookahead : nullptr, &w.laq));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
@@ -797,7 +800,7 @@ inline std::string report_json(const report_result& r, const std::string& model_
     s += "null,\n";
   } else {
     s += "{\"path\": ";
-    json_string(s, kvrun::recorded_path(o.lookahead_path));
+    json_string(s, kvevict::program::recorded_path(o.lookahead_path));
     s += ", \"n_lookahead\": " + std::to_string(o.lookahead->n_lookahead()) + ", \"rank\": " +
          std::to_string(o.lookahead->rank()) + ", \"placement_bits\": " + std::to_string(o.lookahead->placement()) +
          "},\n";
@@ -808,9 +811,9 @@ inline std::string report_json(const report_result& r, const std::string& model_
   if (!o.head_sparsities.empty()) {
     key("head_masks");
     s += "{\"duo\": ";
-    json_string(s, kvrun::recorded_path(o.duo_mask));
+    json_string(s, kvevict::program::recorded_path(o.duo_mask));
     s += ", \"prulong\": ";
-    json_string(s, kvrun::recorded_path(o.prulong_masks) + "-s<percent>.tsv");
+    json_string(s, kvevict::program::recorded_path(o.prulong_masks) + "-s<percent>.tsv");
     s += ", \"sparsities\": ";
     json_array(s, o.head_sparsities, num);
     s += ", \"drivers_at\": ";

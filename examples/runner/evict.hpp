@@ -20,8 +20,9 @@
 //                 layer, decide, compact; the next chunk attends over what was kept.
 //   decode        plain prefill; then after every decoded token decode_driver::step per layer
 //                 (H2O accumulates attention every step) and a compaction when it evicts.
-// LAQ / LAQ++ (laq.hpp) and the response oracle are post-fill methods with an external query block;
-// LookaheadKV is post-fill with a prompt_scorer's scores (lookaheadkv/scores.hpp: the trained module's).
+// LAQ / LAQ++ (a query_source: methods/laq.hpp), SpecKV (methods/speckv.hpp's draft response) and
+// the response oracle are post-fill methods with an external query block; LookaheadKV is post-fill
+// with a prompt_scorer's scores (lookaheadkv/scores.hpp: the trained module's).
 #pragma once
 
 #include <runner/generate.hpp>
@@ -64,12 +65,12 @@ enum class method : int {
   adakv,          ///< SnapKV scores, AdaKV head budgets
   cake,           ///< CAKE indicator and layer preferences
   lava,           ///< LAVa scores and entropy layer budgets
-  duo_heuristic,  ///< Duo head types from an attention-mass calibration (duo_calibration.hpp), not trained
+  duo_heuristic,  ///< Duo head types from an attention-mass calibration (methods/duo_calibration.hpp), not trained
   duo,            ///< DuoAttention: head types from trained gates (a head-mask TSV, kvevict-headgates duo)
   prulong,        ///< PruLong: head types from a trained mask (a head-mask TSV, kvevict-headgates prulong)
-  laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (laq.hpp)
+  laq,            ///< Lookahead Q-Cache: pseudo-decoded queries (methods/laq.hpp)
   laq_pp,         ///< LAQ++: pseudo queries and the prompt's window
-  speckv,         ///< SpecKV: a draft model's response as the query block (speckv.hpp)
+  speckv,         ///< SpecKV: a draft model's response as the query block (methods/speckv.hpp)
   lookaheadkv,    ///< LookaheadKV: a trained lookahead module's scores (a prompt_scorer)
   oracle,         ///< the true response's queries (an upper bound)
 };
@@ -173,7 +174,7 @@ struct evict_options {
   /// count (32 there), so the three are compared at equal counts (LAQ's own paper uses 8).
   index_t laq_steps = 16;
   index_t draft_tokens = 16;
-  index_t draft_layers = 2;  ///< SpecKV: the draft model is the first N layers + the output head (speckv.hpp)
+  index_t draft_layers = 2;  ///< SpecKV: the draft model is the first N layers + the output head (methods/speckv.hpp)
   index_t duo_recent = 12;   ///< duo: recent tokens of a streaming head (it keeps sinks + these)
 };
 
@@ -224,7 +225,7 @@ inline kvevict::recipe make_recipe(const evict_options& o) {
       r = recipe::snapkv();
       r.source = kvevict::query_source::external_block;
       break;
-    case method::laq_pp:  // the union block scores the prompt minus its window (laq.hpp), which is kept
+    case method::laq_pp:  // the union block scores the prompt minus its window (methods/laq.hpp), which is kept
       r = recipe::snapkv();
       r.source = kvevict::query_source::external_block;
       r.n_sink = s;
@@ -423,6 +424,19 @@ class prompt_scorer {
   virtual kvevict::matrix_view<const float> scores(int l) const = 0;
 };
 
+/// A query block a method computes for a prefilled, not yet evicted prompt (methods laq and laq++:
+/// methods/laq.hpp's laq_queries, the pseudo-decoded queries). compute() gets the prompt's
+/// captured queries (every row) and the prefill's last-row logits; it may run extra tokens on a
+/// copy of `cache` but leaves `cache` as it was; block() is then its queries and their own keys,
+/// which the evictor scores over the prompt as an external block.
+class query_source {
+ public:
+  virtual ~query_source() = default;
+  virtual status compute(runner& run, const kv_cache& cache, const block_capture& prompt_q, const float* prefill_logits,
+                         const evict_options& o) = 0;
+  virtual const block_capture& block() const = 0;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Budgets
 
@@ -437,7 +451,7 @@ struct allocation_plan {
 };
 
 /// Duo head types: a ranking per (layer, KV head) -- the calibration's "globalness"
-/// (duo_calibration.hpp) or a trained head-mask file's values (DuoAttention's alpha, PruLong's
+/// (methods/duo_calibration.hpp) or a trained head-mask file's values (DuoAttention's alpha, PruLong's
 /// mask) -- whose top heads become retrieval heads: `retrieval` of them when >= 0 (a trained
 /// mask's own count, or the count of a chosen sparsity), else as many as the budget affords.
 struct duo_heads {

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <runner/evict.hpp>
-#include <runner/laq.hpp>
 #include <runner/workers.hpp>
 
 #include <cstring>
@@ -14,11 +13,14 @@ namespace kvrun {
 class evictor {
  public:
   /// Checks the options against the model (check_evict_options) and binds the evictor to `m`
-  /// (which must outlive it). `duo`: the head types of the duo method (duo_calibration.hpp), copied.
+  /// (which must outlive it). `duo`: the head types of the duo method (methods/duo_calibration.hpp), copied.
   /// `scorer`: the scores of the lookaheadkv method (a lookahead_scorer bound to a trained module
   /// for `m`, lookaheadkv/scores.hpp; must outlive the evictor; ignored by the other methods).
-  /// Errors: the options', duo without head types, lookaheadkv without a scorer.
-  status init(const model& m, const evict_options& o, const duo_heads* duo = nullptr, prompt_scorer* scorer = nullptr) {
+  /// `queries`: the query block of the laq and laq++ methods (methods/laq.hpp's laq_queries; must
+  /// outlive the evictor; ignored by the other methods).
+  /// Errors: the options', duo without head types, lookaheadkv without a scorer, laq without queries.
+  status init(const model& m, const evict_options& o, const duo_heads* duo = nullptr, prompt_scorer* scorer = nullptr,
+              query_source* queries = nullptr) {
     KVEVICT_TRY(check_evict_options(m.cfg(), o));
     if (allocator_of(o) == budget_scheme::duo &&
         (duo == nullptr || static_cast<index_t>(duo->global.size()) != index_t(m.cfg().n_layers) * m.cfg().n_kv_heads))
@@ -26,7 +28,11 @@ class evictor {
                            method_name(o.recipe));
     if (o.recipe == method::lookaheadkv && scorer == nullptr)
       return status::error(errc::invalid_argument, "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)");
+    if ((o.recipe == method::laq || o.recipe == method::laq_pp) && queries == nullptr)
+      return status::error(errc::invalid_argument, "--recipe %s needs its pseudo queries (a query_source: methods/laq.hpp)",
+                           method_name(o.recipe));
     scorer_ = scorer;
+    queries_ = queries;
     model_ = &m;
     o_ = o;
     rec_ = make_recipe(o);
@@ -38,9 +44,6 @@ class evictor {
   const kvevict::recipe& recipe() const { return rec_; }
   /// The allocation of the last prefill (budgets per head, totals, Duo's retrieval heads).
   const allocation_plan& allocation() const { return alloc_; }
-  /// LAQ: the pseudo tokens of the last prefill and their query block (LAQ++: the union block).
-  const std::vector<int>& pseudo_tokens() const { return pseudo_tokens_; }
-  const block_capture& query_block() const { return o_.recipe == method::laq_pp ? union_ : block_; }
   /// The logits of the first generated token after prefill / evict_prefilled (the prefill's last
   /// row; for chunked and layer-wise drivers computed with the evicted cache).
   const float* next_logits() const { return logits_.data(); }
@@ -124,16 +127,13 @@ class evictor {
     pc.model = shape_of(c);
     pc.tokens = P;
     pc.rec = rec_;
-    // The query block: LAQ's pseudo queries (laq.hpp), LAQ++'s union of them with the prompt's
-    // window, or the caller's response (oracle, speckv); none: the recipe's rows of the prompt.
+    // The query block: the query source's (LAQ's pseudo queries, LAQ++'s union of them with the
+    // prompt's window) or the caller's response (oracle, speckv); none: the recipe's rows of the prompt.
     const block_capture* blk = response;
     const bool laq_pp = o_.recipe == method::laq_pp;
     if (o_.recipe == method::laq || laq_pp) {
-      KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o_, stage1_, pf_, scratch_, block_,
-                                     pseudo_tokens_));
-      blk = &block_;
-      if (laq_pp) KVEVICT_TRY(laq_union_block(c, cache, P, o_.window, prompt_q, block_, union_));
-      if (laq_pp) blk = &union_;
+      KVEVICT_TRY(queries_->compute(run, cache, prompt_q, prefill_logits, o_));
+      blk = &queries_->block();
     } else if (!external_response()) {
       blk = nullptr;
     } else if (response == nullptr || response->rows() < 1) {
@@ -145,7 +145,7 @@ class evictor {
     // protected, then the window taken out of the budgets (docs/status.md, issue 12: why this is
     // not add_layer_scores over the whole prompt).
     const index_t w = laq_pp ? o_.window : 0, prefix = P - w;
-    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, rec_.n_recent + w}, &duo_, alloc_));
+    KVEVICT_TRY(plan(P, w));
     if (laq_pp) KVEVICT_TRY(take_window_out(cache, prompt_q, P, w));
     // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the scorer's scores [H_kv][P] per layer
     // (lookahead_scorer: the module's lookahead rows run as an extra block, its KV rolled back),
@@ -248,10 +248,8 @@ class evictor {
   std::vector<float> logits_;
   std::vector<unsigned char> pref_scratch_, decode_scratch_;
   double prefill_s_ = 0.0, evict_s_ = 0.0;
-  block_capture prompt_q_, response_q_, block_, union_, chunk_q_, patch_q_, step_q_, recent_q_;
-  std::vector<int> pseudo_tokens_;
+  block_capture prompt_q_, response_q_, chunk_q_, patch_q_, step_q_, recent_q_;
   std::vector<std::int32_t> prefix_lens_;
-  kv_cache stage1_;
   kvevict::post_fill_driver pf_;
   kvevict::cascade_driver cd_;
   kvevict::chunked_driver ch_;
@@ -260,6 +258,7 @@ class evictor {
   driver_scratch scratch_;
   kvevict::workspace decode_ws_;  // the decode driver's (in scratch_.ws)
   prompt_scorer* scorer_ = nullptr;
+  query_source* queries_ = nullptr;
 
   const config& cfg() const { return model_->cfg(); }
   // The methods whose query block is a response the caller runs: the true one (oracle), a draft
@@ -270,6 +269,12 @@ class evictor {
   // their sinks and recent window at every step (kvevict::streaming_heads_driver), retrieval heads
   // everything; alloc_ (plan_allocation) holds the head types.
   bool head_types() const { return allocator_of(o_) == budget_scheme::duo; }
+  // alloc_: the allocation for a sequence of `tokens` (the recipe's protection, plus LAQ++'s
+  // `window` kept outside the driver).
+  status plan(index_t tokens, index_t window = 0) {
+    return plan_allocation(cfg(), allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent + window}, &duo_,
+                           alloc_);
+  }
   // capacity: the cache's (the heads grow by the decoded tokens after the prefill).
   status init_streaming_heads(kvevict::eviction_recorder* rec, index_t capacity) {
     const config& c = cfg();
@@ -352,7 +357,7 @@ class evictor {
     const index_t P = static_cast<index_t>(prompt.size());
     const budget_scheme a = allocator_of(o_);
     const bool cascade = a == budget_scheme::lava || a == budget_scheme::cake;
-    KVEVICT_TRY(plan_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    KVEVICT_TRY(plan(P));
     kvevict::workspace ws;
     if (cascade) {
       kvevict::cascade_driver_config cc;
@@ -409,7 +414,7 @@ class evictor {
     const config& c = cfg();
     const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
     const bool patched = o_.driver == driver_kind::chunked_patched;
-    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, P, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    KVEVICT_TRY(plan(P));
     kvevict::chunked_config cc;
     cc.model = shape_of(c);
     cc.tokens = P;
@@ -424,20 +429,20 @@ class evictor {
     chunk_q_.reset(c, w);
     patch_q_.reset(c, w);
     std::vector<pos_t> patch_pos;
-    double forward_s = 0.0, evict_s = 0.0;
-    for (index_t s = 0, e = 0; s < P; s = e) {
-      e = std::min(s + o_.chunk, P);
-      if (patched && e < P && e > P - w) e = P;  // the final chunk holds the whole window
+    index_t rows = 0;
+    const auto end = [&](index_t s) {
+      const index_t e = std::min(s + o_.chunk, P);
+      return patched && e < P && e > P - w ? P : e;  // the final chunk holds the whole window
+    };
+    const auto begin = [&](index_t s, index_t e, forward_hooks& hk) -> status {
       KVEVICT_TRY(ch_.begin_chunk(s, e));
-      const index_t n = e - s, rows = ch_.query_rows();
-      forward_hooks hk;
+      const index_t n = e - s;
+      rows = ch_.query_rows();
       if (rows > 0 && ch_.patch().count == 0)
-        hk.after_layer = [&](const layer_event& ev) { return chunk_q_.store(ev, 0, n - rows, rows); };
-      auto t0 = std::chrono::steady_clock::now();
-      KVEVICT_TRY(run.forward(cache, tokens(prompt.data() + s, n), logits_mode::last, hk));
-      forward_s += seconds_since(t0);
-      keep_logits(run);
-      t0 = std::chrono::steady_clock::now();
+        hk.after_layer = [this, n, rows](const layer_event& ev) { return chunk_q_.store(ev, 0, n - rows, rows); };
+      return {};
+    };
+    return forward_chunks(run, cache, prompt, end, begin, [&](index_t, index_t) -> status {
       const kvevict::patch_block patch = ch_.patch();
       if (patch.count > 0) {
         patch_pos.resize(static_cast<std::size_t>(patch.count));
@@ -456,13 +461,8 @@ class evictor {
         KVEVICT_TRY(ch_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q, pk));
       }
       KVEVICT_TRY(ch_.decide(kvevict::seq, ws));
-      KVEVICT_TRY(compact_kept(cache, ch_));
-      evict_s += seconds_since(t0);
-    }
-    alloc_.total = cache.total_rows();
-    prefill_s_ = forward_s;
-    evict_s_ = evict_s;
-    return {};
+      return compact_kept(cache, ch_);
+    });
   }
 
   // Head types (duo, prulong, duo-heuristic) with the layer-wise, chunked and decode drivers: the
@@ -475,17 +475,34 @@ class evictor {
     const bool chunked = o_.driver == driver_kind::chunked_naive || o_.driver == driver_kind::chunked_patched;
     // decode: the allocation of a max(B, P)-token sequence, as prefill_decode's
     const index_t bound = o_.driver == driver_kind::decode ? std::max(o_.budget, P) : P;
-    KVEVICT_TRY(plan_allocation(cfg(), allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    KVEVICT_TRY(plan(bound));
     KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
+    return forward_chunks(
+        run, cache, prompt, [&](index_t s) { return chunked ? std::min(s + o_.chunk, P) : P; },
+        [](index_t, index_t, forward_hooks&) { return status{}; },
+        [&](index_t, index_t e) -> status {
+          for (int l = 0; l < cfg().n_layers; ++l) KVEVICT_TRY(stream_layer(cache, l, e));
+          return {};
+        });
+  }
+
+  // The chunked prefills' loop: chunks [s, end(s)) forwarded with the hooks begin(s, e, hooks)
+  // sets, evict(s, e) after each forward; forwards and eviction timed apart, the rows held counted.
+  template <class End, class Begin, class Evict>
+  status forward_chunks(runner& run, kv_cache& cache, const std::vector<int>& prompt, End&& end, Begin&& begin,
+                        Evict&& evict) {
+    const index_t P = static_cast<index_t>(prompt.size());
     double forward_s = 0.0, evict_s = 0.0;
     for (index_t s = 0, e = 0; s < P; s = e) {
-      e = chunked ? std::min(s + o_.chunk, P) : P;
+      e = end(s);
+      forward_hooks hk;
+      KVEVICT_TRY(begin(s, e, hk));
       auto t0 = std::chrono::steady_clock::now();
-      KVEVICT_TRY(run.forward(cache, tokens(prompt.data() + s, e - s), logits_mode::last));
+      KVEVICT_TRY(run.forward(cache, tokens(prompt.data() + s, e - s), logits_mode::last, hk));
       forward_s += seconds_since(t0);
       keep_logits(run);
       t0 = std::chrono::steady_clock::now();
-      for (int l = 0; l < cfg().n_layers; ++l) KVEVICT_TRY(stream_layer(cache, l, e));
+      KVEVICT_TRY(evict(s, e));
       evict_s += seconds_since(t0);
     }
     alloc_.total = cache.total_rows();
@@ -509,7 +526,7 @@ class evictor {
     // max(B, P) tokens (a prompt shorter than B does not bound it; PyramidKV's shape is computed
     // over the prompt when B < P)
     const index_t bound = std::max(o_.budget, P);
-    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, bound, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    KVEVICT_TRY(plan(bound));
     kvevict::decode_config dc;
     dc.model = shape_of(c);
     // a head holds at most the prompt, or what it may keep after an eviction, plus the tokens

@@ -67,7 +67,7 @@ void parallel_for(int threads, index_t n, index_t work, F&& f) {
 /// Y `y_stride`. Tiles of 4 rows x 64 outputs; each output is a sequential sum over j.
 inline void matmul(int threads, const float* x, index_t x_stride, index_t n, index_t in, const float* wt, index_t out,
                    float* y, index_t y_stride, index_t wt_stride = 0) {
-  if (wt_stride == 0) wt_stride = out;  // a column block of a wider matrix (runner/sharded.hpp)
+  if (wt_stride == 0) wt_stride = out;  // a column block of a wider matrix (sharded/sharded.hpp)
   constexpr index_t rows_per_tile = 4, cols_per_tile = 64;
   const index_t row_tiles = (n + rows_per_tile - 1) / rows_per_tile;
   const index_t col_tiles = (out + cols_per_tile - 1) / cols_per_tile;

@@ -1,4 +1,4 @@
-// runner/speckv.hpp: SpecKV's draft response (Galim et al. 2025, the LookaheadKV paper's baseline):
+// methods/speckv.hpp: SpecKV's draft response (Galim et al. 2025, the LookaheadKV paper's baseline):
 // a smaller draft model generates an approximate response greedily; the target model then runs it
 // as an external query block over the prompt (evictor.hpp, like the oracle's true response) and its
 // attention scores the prompt, SnapKV-style with the window kept (as LAQ's pseudo queries).

@@ -1,4 +1,4 @@
-// runner/batch.hpp: several prompts as one batch with continuous decoding (`kvevict-run --batch N`,
+// batch/batch.hpp: several prompts as one batch with continuous decoding (`kvevict-run --batch N`,
 // docs/runner.md, "Batches").
 //
 // Every sequence has its own paged KV cache (kv_cache.hpp), evictor and sampler; they share the
@@ -15,7 +15,7 @@
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
 #include <runner/runner.hpp>
-#include <runner/speckv.hpp>
+#include <methods/speckv.hpp>
 
 #include <kvevict/status.hpp>
 
@@ -35,6 +35,7 @@ struct batch_settings {
   evict_options evict;               ///< evict.recipe == method::full: no eviction
   const duo_heads* duo = nullptr;    ///< duo methods' head types
   prompt_scorer* scorer = nullptr;   ///< lookaheadkv's scores
+  query_source* queries = nullptr;   ///< laq's and laq++'s query blocks (one sequence prefills at a time)
 };
 
 /// The batch's pages over its steps (kv_cache's counters, summed over its sequences).
@@ -83,7 +84,7 @@ inline status run_batch(const model& m, const std::vector<std::vector<int>>& pro
     auto q = std::make_unique<sequence>();
     KVEVICT_TRY(q->cache.init(c, full ? bs.steps : 0, bs.page_size));
     KVEVICT_TRY(q->s.init(c.vocab_size, bs.temperature, bs.topp, bs.seed));
-    if (!full) KVEVICT_TRY(q->ev.init(m, bs.evict, bs.duo, bs.scorer));
+    if (!full) KVEVICT_TRY(q->ev.init(m, bs.evict, bs.duo, bs.scorer, bs.queries));
     seqs.push_back(std::move(q));
   }
   out.assign(static_cast<std::size_t>(n), {});

@@ -1,4 +1,4 @@
-# cmake -DRUN=<kvevict-run> -P batch_check.cmake: `kvevict-run --batch` (runner/batch.hpp) against
+# cmake -DRUN=<kvevict-run> -P batch_check.cmake: `kvevict-run --batch` (batch/batch.hpp) against
 # each prompt run alone, for a few recipes x drivers: the batch's greedy ids must equal, line by
 # line, the single-sequence runs' (which use the default page size, the batch page size 7: paging
 # must not change a bit either).

@@ -1,4 +1,4 @@
-// runner/duo_calibration.hpp: DuoAttention-style head types for the runner, from a calibration
+// methods/duo_calibration.hpp: DuoAttention-style head types for the runner, from a calibration
 // pass over model-generated text.
 //
 // DuoAttention learns, per KV head, a gate between full attention and a streaming window (sinks +

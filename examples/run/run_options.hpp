@@ -5,9 +5,9 @@
 #pragma once
 
 #include "cli.hpp"
+#include "shipped_models.hpp"
 
 #include <runner/evict.hpp>
-#include <runner/shipped_models.hpp>
 
 #include <CLI/CLI.hpp>
 
@@ -20,8 +20,8 @@
 namespace kvrun {
 
 struct run_options {
-  std::string model = shipped_model("stories260K.bin");
-  std::string tokenizer = shipped_model("tok512.bin");
+  std::string model = kvevict::program::shipped_model("stories260K.bin");
+  std::string tokenizer = kvevict::program::shipped_model("tok512.bin");
   std::string prompt = "Once upon a time";
   int steps = 256;
   float temperature = 0.0f;
@@ -33,7 +33,7 @@ struct run_options {
   index_t page_size = 16;  ///< tokens per page of the paged KV cache (kv_cache.hpp)
   index_t batch = 1;       ///< sequences decoded as one batch (batch.hpp)
   std::vector<std::string> batch_prompts;  ///< the batch's prompts after --prompt (cycled)
-  int tp = 0, pp = 0;  ///< sharded over MPI ranks (runner/sharded.hpp): tensor / pipeline parallel, 0 = not
+  int tp = 0, pp = 0;  ///< sharded over MPI ranks (sharded/sharded.hpp): tensor / pipeline parallel, 0 = not
   // eviction
   std::string recipe = "full";
   std::string allocator;
@@ -42,7 +42,7 @@ struct run_options {
   index_t calibration = 8;
   std::string head_mask;      ///< duo, prulong: the trained head-mask TSV ("": the shipped one)
   double head_sparsity = -1;  ///< duo, prulong: fraction of streaming heads (-1: the file's own)
-  std::string lookahead_module = shipped_model("lookahead/stories260K-n16.bin");
+  std::string lookahead_module = kvevict::program::shipped_model("lookahead/stories260K-n16.bin");
   // report
   bool report = false;
   std::string out_dir = ".";
@@ -195,7 +195,7 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   if (head_sparsity_opt->count() > 0 && !(o.head_sparsity >= 0.0 && o.head_sparsity <= 1.0))
     return err("--head-sparsity must be in [0, 1], got " + std::to_string(o.head_sparsity));
   if (o.head_mask.empty())
-    o.head_mask = shipped_model(method == method::prulong ? "prulong/stories260K-s50.tsv" : "duo/stories260K.tsv");
+    o.head_mask = kvevict::program::shipped_model(method == method::prulong ? "prulong/stories260K-s50.tsv" : "duo/stories260K.tsv");
   o.evict.recipe = method;
   if (!o.allocator.empty()) {
     budget_scheme a;

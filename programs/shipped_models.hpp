@@ -1,5 +1,6 @@
-// runner/shipped_models.hpp: where kvevict-run and kvevict-lookahead find the files shipped in
-// models/ (the stories260K checkpoint and tokenizer, the trained LookaheadKV module) by default.
+// programs/shipped_models.hpp: where kvevict's programs (kvevict-run, kvevict-lookahead,
+// kvevict-headgates) find the files shipped in models/ (the stories260K checkpoint and tokenizer,
+// the trained LookaheadKV module, the head masks) by default, and how their outputs name inputs.
 #pragma once
 
 #include <filesystem>
@@ -10,7 +11,7 @@
 #  define KVEVICT_SOURCE_DIR "."
 #endif
 
-namespace kvrun {
+namespace kvevict::program {
 
 /// The shipped file `name` (a path under models/). An installed tool uses its installed copy,
 /// <directory of the executable>/KVEVICT_MODELS_FROM_BINDIR/name (cmake/kvevictInstall.cmake sets
@@ -37,4 +38,4 @@ inline std::string recorded_path(const std::string& path) {
   return path.compare(0, root.size(), root) == 0 ? path.substr(root.size()) : path;
 }
 
-}  // namespace kvrun
+}  // namespace kvevict::program

@@ -1,14 +1,18 @@
-// runner/laq.hpp: Lookahead Q-Cache (LAQ, LAQ++), /work/shared/papers/lookahead-q-cache-laq.md §4.
+// methods/laq.hpp: Lookahead Q-Cache (LAQ, LAQ++), /work/shared/papers/lookahead-q-cache-laq.md §4.
 //
 //   stage 1 (§4.2)  a cheap eviction of a COPY of the prefilled cache (SnapKV, the same budget, the
 //                   paper's "SnapKV as the lookahead method, ensuring consistency in budget"), then
 //                   `steps` tokens (the paper's 8) decoded greedily with that evicted copy; each
 //                   decode step's post-RoPE queries (and keys) at every layer are the Q-Cache.
 //   stage 2 (§4.3)  re-eviction of the FULL prompt KV with the Q-Cache as the observation window
-//                   (Eq. 4: an external query block; evictor.hpp runs it through the post-fill
-//                   driver with SnapKV's scoring and the prompt's window kept);
+//                   (Eq. 4: an external query block; runner/evictor.hpp runs it through the
+//                   post-fill driver with SnapKV's scoring and the prompt's window kept);
 //   LAQ++ (Eq. 5)   the observation window is the Q-Cache together with the prompt's last w
 //                   queries: laq_union_block builds that block.
+// laq_queries is both stages' query_source (runner/evict.hpp), the one the evictor is given:
+//
+//   kvrun::laq_queries laq;
+//   KVEVICT_TRY(ev.init(model, o, nullptr, nullptr, &laq));   // o.recipe laq or laq++
 //
 // The pseudo tokens' own keys come along: in stage 2 each pseudo query attends over the whole prompt
 // and, causally, over the pseudo tokens before it (the attention it had when it was decoded, with the
@@ -88,5 +92,30 @@ inline status laq_union_block(const config& c, const kv_cache& full, index_t P, 
   }
   return {};
 }
+
+/// The laq and laq++ methods' query_source: stage 1 on a copy of the cache, then the pseudo
+/// queries (laq) or their union with the prompt's window (laq++) as the block.
+class laq_queries final : public query_source {
+ public:
+  status compute(runner& run, const kv_cache& cache, const block_capture& prompt_q, const float* prefill_logits,
+                 const evict_options& o) override {
+    KVEVICT_TRY(laq_pseudo_queries(run, cache, prompt_q, prefill_logits, o, stage1_, driver_, scratch_, pseudo_, tokens_));
+    union_block_ = o.recipe == method::laq_pp;
+    if (!union_block_) return {};
+    return laq_union_block(run.get_model().cfg(), cache, cache.next_position(), o.window, prompt_q, pseudo_, union_);
+  }
+  /// The last compute()'s block (laq++: the union block).
+  const block_capture& block() const override { return union_block_ ? union_ : pseudo_; }
+  /// The pseudo tokens of the last compute().
+  const std::vector<int>& pseudo_tokens() const { return tokens_; }
+
+ private:
+  kv_cache stage1_;
+  kvevict::post_fill_driver driver_;
+  driver_scratch scratch_;
+  block_capture pseudo_, union_;
+  bool union_block_ = false;
+  std::vector<int> tokens_;
+};
 
 }  // namespace kvrun

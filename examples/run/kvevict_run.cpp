@@ -14,8 +14,9 @@
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
 #include <lookaheadkv/scores.hpp>
-#include <runner/batch.hpp>
-#include <runner/duo_calibration.hpp>
+#include <batch/batch.hpp>
+#include <methods/duo_calibration.hpp>
+#include <methods/laq.hpp>
 #include <runner/evictor.hpp>
 #include <runner/generate.hpp>
 #include <runner/kv_cache.hpp>
@@ -24,11 +25,10 @@
 #include <report/report.hpp>
 #include <report/svg.hpp>
 #include <report/tables.hpp>
-#include <runner/run_options.hpp>
+#include <run/run_options.hpp>
 #include <runner/runner.hpp>
-#include <runner/shipped_models.hpp>
-#include <runner/sharded.hpp>
-#include <runner/speckv.hpp>
+#include <sharded/sharded.hpp>
+#include <methods/speckv.hpp>
 #include <runner/tokenizer.hpp>
 
 #include "io.hpp"
@@ -183,7 +183,26 @@ int print_output(const options& o, const kvrun::tokenizer& tok, const std::vecto
   return 0;
 }
 
-// kvevict-run --tp P / --pp P under mpirun (runner/sharded.hpp): every rank generates the same
+// Encodes `text` (BOS first) into `out` and checks it against the model's context and --steps;
+// `name` ("the prompt", "a --batch-prompt") begins the error lines. Returns the exit status.
+int encode_prompt(const options& o, const kvrun::tokenizer& tok, const kvrun::config& c, const std::string& text,
+                  const std::string& name, std::vector<int>& out) {
+  // Each token covers at most longest_piece() bytes (the dummy-prefix space included), so a longer
+  // text cannot fit; checked before encoding, whose merge loop is quadratic in the text's length.
+  if (text.size() + 1 > static_cast<std::size_t>(c.seq_len - 1) * static_cast<std::size_t>(tok.longest_piece()))
+    return fail(name + " of " + std::to_string(text.size()) + " bytes cannot fit in the model's context of " +
+                std::to_string(c.seq_len) + " tokens");
+  if (auto st = tok.encode(text, /*bos=*/true, /*eos=*/false, out); !st.ok()) return fail("", st);
+  if (static_cast<int>(out.size()) > c.seq_len)
+    return fail(name + " has " + std::to_string(out.size()) + " tokens, longer than the model's context of " +
+                std::to_string(c.seq_len));
+  if (static_cast<int>(out.size()) > o.steps)
+    return fail(name + " has " + std::to_string(out.size()) + " tokens, more than --steps " + std::to_string(o.steps) +
+                " (steps count the prompt too)");
+  return 0;
+}
+
+// kvevict-run --tp P / --pp P under mpirun (sharded/sharded.hpp): every rank generates the same
 // tokens; rank 0 prints them. Without MPI: a clear error.
 int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt) {
 #if defined(KVEVICT_RUN_MPI)
@@ -236,20 +255,15 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
 // kvevict-run --batch N: sequence i's prompt is the i-th of --prompt, --batch-prompt ... (cycled),
 // all run as one batch (batch.hpp); prints each sequence's output on its own line(s), in order.
 int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& first,
-              const kvrun::duo_heads* duo, kvrun::prompt_scorer* scorer) {
+              const kvrun::duo_heads* duo, kvrun::prompt_scorer* scorer, kvrun::query_source* queries) {
   const kvrun::config& c = model.cfg();
   std::vector<std::vector<int>> given{first}, prompts;
   for (const std::string& text : o.batch_prompts) {
-    if (text.size() + 1 > static_cast<std::size_t>(c.seq_len - 1) * static_cast<std::size_t>(tok.longest_piece()))
-      return fail("--batch-prompt of " + std::to_string(text.size()) + " bytes cannot fit in the model's context");
     given.emplace_back();
-    if (auto st = tok.encode(text, /*bos=*/true, /*eos=*/false, given.back()); !st.ok()) return fail("", st);
-    if (static_cast<int>(given.back().size()) > o.steps)
-      return fail("a --batch-prompt has " + std::to_string(given.back().size()) + " tokens, more than --steps " +
-                  std::to_string(o.steps));
+    if (const int code = encode_prompt(o, tok, c, text, "a --batch-prompt", given.back()); code != 0) return code;
   }
   for (kvevict::index_t i = 0; i < o.batch; ++i) prompts.push_back(given[static_cast<std::size_t>(i) % given.size()]);
-  const kvrun::batch_settings bs{o.steps, o.page_size, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer};
+  const kvrun::batch_settings bs{o.steps, o.page_size, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer, queries};
   std::vector<std::vector<int>> out;
   kvrun::batch_stats stats;
   if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);
@@ -291,19 +305,8 @@ int run(int argc, char** argv) {
     return fail("--steps " + std::to_string(o.steps) + " is outside [1, " + std::to_string(c.seq_len) +
                 "] (the model's context)");
 
-  // Each token covers at most longest_piece() bytes (the dummy-prefix space included), so a longer
-  // prompt cannot fit; checked before encoding, whose merge loop is quadratic in the prompt length.
-  if (o.prompt.size() + 1 > static_cast<std::size_t>(c.seq_len - 1) * static_cast<std::size_t>(tok.longest_piece()))
-    return fail("the prompt of " + std::to_string(o.prompt.size()) + " bytes cannot fit in the model's context of " +
-                std::to_string(c.seq_len) + " tokens");
   std::vector<int> prompt;
-  if (auto st = tok.encode(o.prompt, /*bos=*/true, /*eos=*/false, prompt); !st.ok()) return fail("", st);
-  if (static_cast<int>(prompt.size()) > c.seq_len)
-    return fail("the prompt has " + std::to_string(prompt.size()) + " tokens, longer than the model's context of " +
-                std::to_string(c.seq_len));
-  if (static_cast<int>(prompt.size()) > o.steps)
-    return fail("the prompt has " + std::to_string(prompt.size()) + " tokens, more than --steps " +
-                std::to_string(o.steps) + " (steps count the prompt too)");
+  if (const int code = encode_prompt(o, tok, c, o.prompt, "the prompt", prompt); code != 0) return code;
   if (o.tp > 0 || o.pp > 0) return run_sharded(o, model, tok, prompt);
 
   // The full cache is sized for the prompt and the steps; the evicted one for the whole context:
@@ -320,6 +323,7 @@ int run(int argc, char** argv) {
   kvrun::duo_heads duo;
   kvrun::lookahead_module lookahead;
   kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
+  kvrun::laq_queries laq;          // the laq and laq++ methods' query blocks
   kvrun::evictor ev;
   std::vector<kvevict::pos_t> schedule;
   kvevict::eviction_recorder recorder;
@@ -337,13 +341,13 @@ int run(int argc, char** argv) {
     if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
     if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);
   }
-  if (o.batch > 1) return run_batch(o, model, tok, prompt, &duo, &scorer);  // batch.hpp
+  if (o.batch > 1) return run_batch(o, model, tok, prompt, &duo, &scorer, &laq);  // batch.hpp
   if (full) {
     const auto t0 = std::chrono::steady_clock::now();
     if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);
     prefill_s = kvrun::seconds_since(t0);
   } else {  // prefill with eviction (evictor.hpp)
-    if (auto st = ev.init(model, o.evict, &duo, &scorer); !st.ok()) return fail("", st);
+    if (auto st = ev.init(model, o.evict, &duo, &scorer, &laq); !st.ok()) return fail("", st);
     std::vector<int> response;  // the oracle's block: the full cache's continuation, same sampler
     if (method == kvrun::method::oracle) {
       kvrun::sampler s0;
@@ -352,7 +356,7 @@ int run(int argc, char** argv) {
       cache.clear();
       if (response.empty()) return fail("oracle: the full cache generates nothing after this prompt");
     }
-    if (method == kvrun::method::speckv) {  // the draft model's response (speckv.hpp)
+    if (method == kvrun::method::speckv) {  // the draft model's response (methods/speckv.hpp)
       kvrun::speckv_drafter drafter;
       if (auto st = drafter.init(model, o.evict.draft_layers); !st.ok()) return fail("", st);
       if (auto st = drafter.draft(prompt, o.evict.draft_tokens, response); !st.ok()) return fail("", st);

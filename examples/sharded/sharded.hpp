@@ -1,4 +1,4 @@
-// runner/sharded.hpp: the reference model sharded over ranks (docs/distributed.md, "The runner
+// sharded/sharded.hpp: the reference model sharded over ranks (docs/distributed.md, "The runner
 // sharded"): `mpirun -np P kvevict-run --tp P` splits the KV heads of every layer, `--pp P` the
 // layers, and every rank produces the same tokens as one process, bit for bit.
 //

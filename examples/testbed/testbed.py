@@ -113,9 +113,10 @@ def format_cells(cells):
 # ---- training ----------------------------------------------------------------------------------
 
 def allowed_lengths(args, step):
-    """The length curriculum: 256..512 for the first 15 % of the steps, up to 1024 until 35 %, then all."""
+    """The length curriculum: 256..512 for the first 15 % of the steps, up to 1024 until 35 %, then all
+    (never above --max-length)."""
     f = step / args.steps
-    top = 512 if f < 0.15 else 1024 if f < 0.35 else args.seq_len
+    top = min(512 if f < 0.15 else 1024 if f < 0.35 else args.seq_len, args.max_length or args.seq_len)
     return [L for L in tb_data.LENGTHS if L <= top]
 
 
@@ -164,7 +165,8 @@ def cmd_train(args):
     stories = os.path.join(args.stories_dir or os.path.join(args.run_dir, "stories"))
     train = tb_data.Generator(tok, tb_data.load_stories(os.path.join(stories, "train.jsonl")), "train", args.seed)
     val = tb_data.Generator(tok, tb_data.load_stories(os.path.join(stories, "val.jsonl")), "val", args.seed)
-    val_set = tb_data.eval_set(val, args.eval_per_cell)
+    val_set = tb_data.eval_set(val, args.eval_per_cell,
+                               lengths=[L for L in tb_data.LENGTHS if L <= (args.max_length or args.seq_len)])
     torch.manual_seed(args.seed)
     model = tb_model.Model(model_config(args), seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -227,7 +229,8 @@ def cmd_eval(args):
     model = tb_model.load(args.checkpoint)
     gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
                             args.split, args.seed)
-    cells, lm = evaluate(model, tb_data.eval_set(gen, args.per_cell))
+    lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or model.cfg.seq_len)]
+    cells, lm = evaluate(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths))
     for (k, L), (c, t) in sorted(cells.items()):
         p = c / t
         print(f"{args.split} {k:6s} {L:5d}: {c}/{t} = {p:.3f} (se {math.sqrt(p * (1 - p) / t):.3f})")
@@ -262,7 +265,7 @@ def cmd_parity(args):
         prompt = tok.encode(prompt_text)
         if prompt != e.ids[:e.meta["prompt_tokens"]]:
             raise SystemExit(f"prompt {i}: run.c's encoding of the text differs from the generator's ids")
-        steps = len(prompt) + args.new_tokens
+        steps = min(len(prompt) + args.new_tokens, model.cfg.seq_len)
         ref = subprocess.run([args.kvevict_run, "--model", args.checkpoint, "--prompt", prompt_text, "--ids",
                               "--steps", str(steps), "--threads", str(args.threads)],
                              check=True, capture_output=True, text=True).stdout.split()
@@ -270,7 +273,7 @@ def cmd_parity(args):
         same = [int(x) for x in ref] == mine
         ok += same
         print(f"prompt {i} ({kind}, {len(prompt)} tokens): runner {'==' if same else '!='} PyTorch over "
-              f"{args.new_tokens} greedy tokens; answer {tok.decode(mine[len(prompt):len(prompt) + 4])!r} "
+              f"{steps - len(prompt)} greedy tokens; answer {tok.decode(mine[len(prompt):len(prompt) + 4])!r} "
               f"(truth {e.meta['code']})")
     print(f"parity: {ok}/{min(4, args.prompts)} prompts identical")
     if ok != min(4, args.prompts):
@@ -326,6 +329,7 @@ def main(argv=None):
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-per-cell", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=0, help="cap the curriculum and the val set (0 = the context)")
     model_args(p)
     p = sub.add_parser("eval", help="exact-match retrieval accuracy of a llama2.c checkpoint")
     p.add_argument("--checkpoint", required=True)
@@ -333,6 +337,7 @@ def main(argv=None):
     p.add_argument("--split", default="test", choices=["val", "test"])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--per-cell", type=int, default=64)
+    p.add_argument("--max-length", type=int, default=0, help="only lengths up to this (0 = all)")
     p.add_argument("--threads", type=int, default=1)
     p = sub.add_parser("export", help="ckpt.pt -> llama2.c checkpoint")
     p.add_argument("--ckpt", required=True)

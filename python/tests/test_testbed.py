@@ -1,6 +1,7 @@
 """The long-context testbed (examples/testbed, docs/testbed.md): the data generator is deterministic and
 its splits are disjoint, examples encode exactly as run.c's encoder, the llama2.c export round-trips,
 and the C++ runner's logits and greedy ids on an exported checkpoint equal the PyTorch model's."""
+import json
 import os
 import subprocess
 import sys
@@ -147,3 +148,22 @@ def test_runner_matches_the_pytorch_model_on_an_exported_checkpoint(tmp_path, to
         mine = m(torch.tensor([ids]))[0]
     assert mine.shape == ref.shape
     assert float((mine - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+
+
+def test_training_resumes_bit_identically(tmp_path):
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    for split in ("train", "val"):  # a story pool is a file of JSON strings, one per line
+        (stories / f"{split}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    common = ["train", "--stories-dir", str(stories), "--dim", "32", "--hidden", "48", "--layers", "2", "--heads", "4",
+              "--kv-heads", "2", "--seq-len", "512", "--max-length", "256", "--batch-tokens", "512", "--warmup", "2",
+              "--log-every", "1", "--ckpt-every", "2", "--eval-every", "1000", "--eval-per-cell", "1"]
+    testbed.main(common + ["--run-dir", str(tmp_path / "a"), "--steps", "4"])
+    testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--steps", "2"])
+    testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--steps", "4"])  # resumes at step 2
+    a, b = torch.load(tmp_path / "a" / "ckpt.pt"), torch.load(tmp_path / "b" / "ckpt.pt")
+    assert a["step"] == b["step"] == 4
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert "resumed from" in (tmp_path / "b" / "train.log").read_text()
+    assert (tmp_path / "a" / "model.bin").read_bytes() == (tmp_path / "b" / "model.bin").read_bytes()

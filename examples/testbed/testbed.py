@@ -86,7 +86,8 @@ def losses(model, examples):
 @torch.no_grad()
 def evaluate(model, examples, batch_tokens=4096):
     """Exact match per example: every answer token is the argmax given the true prefix (= greedy
-    decoding reproduces the answer). Returns {(kind, length): [correct, total]}, mean LM loss."""
+    decoding reproduces the answer). Returns {(kind, length): [correct, total, answer tokens correct]},
+    mean LM loss."""
     cells, lm_sum, n = {}, 0.0, 0
     by_len = {}
     for e in examples:
@@ -98,16 +99,18 @@ def evaluate(model, examples, batch_tokens=4096):
             lm, _, hit = losses(model, part)
             lm_sum += float(lm) * len(part)
             n += len(part)
-            per = hit.view(len(part), tb_data.DIGITS).all(-1)
-            for e, ok in zip(part, per.tolist()):
-                c = cells.setdefault((e.meta["kind"], e.meta["length"]), [0, 0])
+            per = hit.view(len(part), tb_data.DIGITS)
+            for e, ok, toks in zip(part, per.all(-1).tolist(), per.sum(-1).tolist()):
+                c = cells.setdefault((e.meta["kind"], e.meta["length"]), [0, 0, 0])
                 c[0] += int(ok)
                 c[1] += 1
+                c[2] += int(toks)
     return cells, lm_sum / max(n, 1)
 
 
 def format_cells(cells):
-    return " ".join(f"{k}@{L}={c}/{t}" for (k, L), (c, t) in sorted(cells.items(), key=lambda x: (x[0][0], x[0][1])))
+    return " ".join(f"{k}@{L}={c}/{t} (digits {d / (t * tb_data.DIGITS):.2f})"
+                    for (k, L), (c, t, d) in sorted(cells.items()))
 
 
 # ---- training ----------------------------------------------------------------------------------
@@ -183,6 +186,7 @@ def cmd_train(args):
         log(f"start: {vars(args)}")
     log(f"model: {vars(model.cfg)}, {model.n_params()} parameters; val set {len(val_set)} examples")
     t0, tokens, acc = time.time(), 0, []
+    start_step = step
     while step < args.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(args, step)
@@ -209,7 +213,7 @@ def cmd_train(args):
                          "config": vars(model.cfg), "args": vars(args)}, ckpt_path)
             tb_model.export(model, os.path.join(args.run_dir, "model.bin.tmp"))
             os.replace(os.path.join(args.run_dir, "model.bin.tmp"), os.path.join(args.run_dir, "model.bin"))
-        if step % args.eval_every == 0 or step == args.steps:
+        if step % args.eval_every == 0 or step == args.steps or step == start_step + 1 == 1:
             te = time.time()
             cells, vlm = evaluate(model, val_set)
             tot = [sum(c[0] for c in cells.values()), sum(c[1] for c in cells.values())]
@@ -231,9 +235,10 @@ def cmd_eval(args):
                             args.split, args.seed)
     lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or model.cfg.seq_len)]
     cells, lm = evaluate(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths))
-    for (k, L), (c, t) in sorted(cells.items()):
+    for (k, L), (c, t, d) in sorted(cells.items()):
         p = c / t
-        print(f"{args.split} {k:6s} {L:5d}: {c}/{t} = {p:.3f} (se {math.sqrt(p * (1 - p) / t):.3f})")
+        print(f"{args.split} {k:6s} {L:5d}: exact match {c}/{t} = {p:.3f} (se {math.sqrt(p * (1 - p) / t):.3f}), "
+              f"answer digits {d / (t * tb_data.DIGITS):.3f}")
     print(f"{args.split} lm loss {lm:.4f}")
 
 
@@ -269,8 +274,9 @@ def cmd_parity(args):
         ref = subprocess.run([args.kvevict_run, "--model", args.checkpoint, "--prompt", prompt_text, "--ids",
                               "--steps", str(steps), "--threads", str(args.threads)],
                              check=True, capture_output=True, text=True).stdout.split()
-        mine = greedy(model, prompt, steps)
-        same = [int(x) for x in ref] == mine
+        # kvevict-run prints BOS and the tokens of positions 1 .. steps (run.c's count): steps + 1 ids
+        mine = greedy(model, prompt, len(ref))
+        same = [int(x) for x in ref] == mine and len(ref) == steps + 1
         ok += same
         print(f"prompt {i} ({kind}, {len(prompt)} tokens): runner {'==' if same else '!='} PyTorch over "
               f"{steps - len(prompt)} greedy tokens; answer {tok.decode(mine[len(prompt):len(prompt) + 4])!r} "

@@ -158,9 +158,13 @@ def test_training_resumes_bit_identically(tmp_path):
     common = ["train", "--stories-dir", str(stories), "--dim", "32", "--hidden", "48", "--layers", "2", "--heads", "4",
               "--kv-heads", "2", "--seq-len", "512", "--max-length", "256", "--batch-tokens", "512", "--warmup", "2",
               "--log-every", "1", "--ckpt-every", "2", "--eval-every", "1000", "--eval-per-cell", "1"]
-    testbed.main(common + ["--run-dir", str(tmp_path / "a"), "--steps", "4"])
-    testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--steps", "2"])
-    testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--steps", "4"])  # resumes at step 2
+    threads = torch.get_num_threads()
+    try:
+        testbed.main(common + ["--run-dir", str(tmp_path / "a"), "--steps", "4"])
+        testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--steps", "2"])
+        testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--steps", "4"])  # resumes at step 2
+    finally:
+        torch.set_num_threads(threads)  # train sets one thread
     a, b = torch.load(tmp_path / "a" / "ckpt.pt"), torch.load(tmp_path / "b" / "ckpt.pt")
     assert a["step"] == b["step"] == 4
     for k in a["model"]:

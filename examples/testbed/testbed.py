@@ -4,6 +4,7 @@
     testbed.py stories --kvevict-run build/release/examples/runner/kvevict-run --out-dir RUN/stories
     testbed.py train --run-dir RUN            # starts, or resumes from RUN/ckpt.pt
     testbed.py eval --checkpoint RUN/model.bin --stories-dir RUN/stories --split test
+    testbed.py dump --stories-dir RUN/stories --split test --out test.jsonl   # prompts and answers
     testbed.py parity --checkpoint RUN/model.bin --kvevict-run build/release/examples/runner/kvevict-run
     testbed.py bench                          # training tokens/s per length
 
@@ -242,6 +243,21 @@ def cmd_eval(args):
     print(f"{args.split} lm loss {lm:.4f}")
 
 
+def cmd_dump(args):
+    """The evaluation set of a split as JSON lines, for programs outside Python (the report): the prompt's
+    text (a `kvevict-run --prompt`) and ids (BOS first, ending with the space before the answer), the
+    answer's ids and text, and the example's metadata."""
+    gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
+                            args.split, args.seed)
+    lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or tb_data.LENGTHS[-1])]
+    with open(args.out, "w") as f:
+        for e in tb_data.eval_set(gen, args.per_cell, lengths=lengths):
+            n = e.meta["prompt_tokens"]
+            f.write(json.dumps({"prompt": e.text[:e.text.rindex("Answer:") + len("Answer:")] + " ",
+                                "prompt_ids": e.ids[:n], "answer": e.meta["code"],
+                                "answer_ids": e.ids[n:n + tb_data.DIGITS], "meta": e.meta}) + "\n")
+
+
 def cmd_export(args):
     ck = torch.load(args.ckpt)
     model = tb_model.Model(tb_model.Config(**ck["config"]))
@@ -345,6 +361,13 @@ def main(argv=None):
     p.add_argument("--per-cell", type=int, default=64)
     p.add_argument("--max-length", type=int, default=0, help="only lengths up to this (0 = all)")
     p.add_argument("--threads", type=int, default=1)
+    p = sub.add_parser("dump", help="an evaluation set as JSON lines (prompt text and ids, answer)")
+    p.add_argument("--stories-dir", required=True)
+    p.add_argument("--split", default="test", choices=["val", "test"])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--per-cell", type=int, default=64)
+    p.add_argument("--max-length", type=int, default=0, help="only lengths up to this (0 = all)")
+    p.add_argument("--out", required=True)
     p = sub.add_parser("export", help="ckpt.pt -> llama2.c checkpoint")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
@@ -368,7 +391,7 @@ def main(argv=None):
             tb_data.generate_stories(args.kvevict_run, split, os.path.join(args.out_dir, f"{split}.jsonl"),
                                      log=log_to(None))
     else:
-        {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "parity": cmd_parity,
+        {"train": cmd_train, "eval": cmd_eval, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
          "bench": cmd_bench}[args.cmd](args)
 
 

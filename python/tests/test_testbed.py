@@ -171,3 +171,16 @@ def test_training_resumes_bit_identically(tmp_path):
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert "resumed from" in (tmp_path / "b" / "train.log").read_text()
     assert (tmp_path / "a" / "model.bin").read_bytes() == (tmp_path / "b" / "model.bin").read_bytes()
+
+
+def test_dump_writes_prompts_that_encode_to_their_ids(tmp_path, tok):
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    (stories / "test.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    out = tmp_path / "set.jsonl"
+    testbed.main(["dump", "--stories-dir", str(stories), "--per-cell", "2", "--max-length", "256", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and [r["meta"]["kind"] for r in rows] == ["after", "after", "before", "before"]
+    for r in rows:
+        assert tok.encode(r["prompt"]) == r["prompt_ids"] and r["prompt_ids"][-1] == tok.index[b" "]
+        assert tok.decode(r["answer_ids"]) == r["answer"] == r["meta"]["code"]

@@ -102,7 +102,8 @@ def sentences(story: str) -> List[str]:
 class Example:
     ids: List[int]                       # BOS first
     weights: List[float]                 # per target position t (predicting ids[t + 1]): loss weight
-    answers: List[int] = field(default_factory=list)  # target positions t of the answer's tokens
+    answers: List[int] = field(default_factory=list)  # target positions t of the answer's tokens (ids[t + 1])
+    digits: int = 0                      # the last `digits` answer tokens are the code
     text: str = ""
     meta: dict = field(default_factory=dict)
 
@@ -152,7 +153,9 @@ class Generator:
         key, code = facts[asked]
         question = self._sentence(f"Question: What is the {key}'s code?")
         answer_head = self._sentence("Answer:")
-        answer = self._sentence(f"{code}.")  # " " then the digits then "."
+        # the answer restates the key, then the code: "Answer: the blue door's code is 4721." (the
+        # model writes the key itself, so the prompt ends at "Answer:" in both kinds)
+        answer = self._sentence(f"the {key}'s code is {code}.")
         fact_sents = [self._sentence(f"The {k}'s code is {c}.") for k, c in facts]
         overhead = 1 + len(question[1]) + len(answer_head[1]) + len(answer[1]) + sum(len(f[1]) for f in fact_sents)
         if overhead + 8 > length:
@@ -197,17 +200,18 @@ class Generator:
         if answer:
             text, toks = answer[0]
             texts.append(text)
-            # toks = [" ", d1 .. d4, "."]: the digits are the answer
+            # toks = [" the", <key>, "'", "s", " c", ..., " ", d1 .. d4, "."]: all but the "." are the answer
             first = len(ids)
             ids.extend(toks)
             weights.extend([1.0] * len(toks))
-            answers = [first + 1 + j - 1 for j in range(DIGITS)]  # target position t predicts ids[t + 1]
-            if [ids[t + 1] for t in answers] != [self.digit_ids[int(c)] for c in meta["code"]]:
+            answers = [first - 1 + j for j in range(len(toks) - 1)]  # target position t predicts ids[t + 1]
+            if [ids[t + 1] for t in answers[-DIGITS:]] != [self.digit_ids[int(c)] for c in meta["code"]]:
                 raise AssertionError("answer digits are not single tokens")
-            meta["prompt_tokens"] = first + 1  # BOS .. the space before the digits
+            meta["prompt_tokens"] = first  # BOS .. the ":" of "Answer:"
         meta["tokens"] = len(ids)
         # weights[t] is the weight of predicting ids[t + 1]: shift by one (BOS is never a target)
-        return Example(ids=ids, weights=weights, answers=answers, text=" ".join(texts), meta=meta)
+        return Example(ids=ids, weights=weights, answers=answers, digits=DIGITS if answers else 0,
+                       text=" ".join(texts), meta=meta)
 
 
 def eval_set(gen: Generator, per_cell: int, lengths=LENGTHS, kinds=("after", "before"), needles=(1, 2, 4),

@@ -65,47 +65,46 @@ def batch_tensors(examples):
     T = max(len(e.ids) for e in examples)
     ids = torch.zeros(len(examples), T, dtype=torch.long)
     w = torch.zeros(len(examples), T - 1)
-    ans = torch.zeros(len(examples), T - 1, dtype=torch.bool)
     for b, e in enumerate(examples):
         ids[b, :len(e.ids)] = torch.tensor(e.ids)
         w[b, :len(e.weights)] = torch.tensor(e.weights)
-        ans[b, e.answers] = True
-    return ids, w, ans
+    return ids, w
 
 
 def losses(model, examples):
-    """(language-model loss over the weighted targets, answer-token loss, answer logits' argmax == target)."""
-    ids, w, ans = batch_tensors(examples)
+    """(language-model loss over the weighted targets, the answer codes' loss, per example the answer
+    tokens' hits [n_answer] (argmax == target given the true prefix; the last e.digits are the code))."""
+    ids, w = batch_tensors(examples)
     logits = model(ids[:, :-1])
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none").view_as(w)
     lm = (ce * w).sum() / w.sum()
-    answer = ce[ans].mean() if ans.any() else torch.zeros(())
-    hit = logits.argmax(-1)[ans] == ids[:, 1:][ans]
-    return lm, answer, hit
+    hit = logits.argmax(-1) == ids[:, 1:]
+    codes = [ce[b, e.answers[len(e.answers) - e.digits:]] for b, e in enumerate(examples) if e.digits]
+    answer = torch.cat(codes).mean() if codes else torch.zeros(())
+    return lm, answer, [hit[b, e.answers] for b, e in enumerate(examples)]
 
 
 @torch.no_grad()
 def evaluate(model, examples, batch_tokens=4096):
-    """Exact match per example: every answer token is the argmax given the true prefix (= greedy
-    decoding reproduces the answer). Returns {(kind, length): [correct, total, answer tokens correct]},
-    mean LM loss."""
+    """Exact match per example: every answer token (the key restated, then the code) is the argmax
+    given the true prefix, which is the same as greedy decoding reproducing the answer. Returns
+    {(kind, length): [correct, total, code digits correct]}, mean LM loss."""
     cells, lm_sum, n = {}, 0.0, 0
     by_len = {}
     for e in examples:
         by_len.setdefault(len(e.ids), []).append(e)
-    groups = sorted(by_len.items())
-    for _, group in groups:
-        for s in range(0, len(group), max(1, batch_tokens // len(group[0].ids))):
-            part = group[s:s + max(1, batch_tokens // len(group[0].ids))]
-            lm, _, hit = losses(model, part)
+    for _, group in sorted(by_len.items()):
+        per = max(1, batch_tokens // len(group[0].ids))
+        for s in range(0, len(group), per):
+            part = group[s:s + per]
+            lm, _, hits = losses(model, part)
             lm_sum += float(lm) * len(part)
             n += len(part)
-            per = hit.view(len(part), tb_data.DIGITS)
-            for e, ok, toks in zip(part, per.all(-1).tolist(), per.sum(-1).tolist()):
+            for e, h in zip(part, hits):
                 c = cells.setdefault((e.meta["kind"], e.meta["length"]), [0, 0, 0])
-                c[0] += int(ok)
+                c[0] += int(h.all())
                 c[1] += 1
-                c[2] += int(toks)
+                c[2] += int(h[len(h) - e.digits:].sum())
     return cells, lm_sum / max(n, 1)
 
 
@@ -200,13 +199,14 @@ def cmd_train(args):
         opt.step()
         step += 1
         tokens += sum(len(e.ids) for e in batch)
-        acc.append((float(lm), float(answer), int(hit.sum()), int(hit.numel())))
+        codes = [h[len(h) - e.digits:] for e, h in zip(batch, hit) if e.digits]
+        acc.append((float(lm), float(answer), sum(int(h.sum()) for h in codes), sum(h.numel() for h in codes)))
         if step % args.log_every == 0 or step == args.steps:
             dt = time.time() - t0
             n = len(acc)
             hits, total = sum(a[2] for a in acc), max(1, sum(a[3] for a in acc))
             log(f"step {step}/{args.steps} lr {lr_at(args, step - 1):.2e} lm {sum(a[0] for a in acc) / n:.4f} "
-                f"answer {sum(a[1] for a in acc) / n:.4f} answer-token acc {hits / total:.3f} "
+                f"answer {sum(a[1] for a in acc) / n:.4f} code-digit acc {hits / total:.3f} "
                 f"len<= {max(allowed_lengths(args, step - 1))} {tokens / dt:.0f} tok/s")
             t0, tokens, acc = time.time(), 0, []
         if step % args.ckpt_every == 0 or step == args.steps:
@@ -253,9 +253,9 @@ def cmd_dump(args):
     with open(args.out, "w") as f:
         for e in tb_data.eval_set(gen, args.per_cell, lengths=lengths):
             n = e.meta["prompt_tokens"]
-            f.write(json.dumps({"prompt": e.text[:e.text.rindex("Answer:") + len("Answer:")] + " ",
-                                "prompt_ids": e.ids[:n], "answer": e.meta["code"],
-                                "answer_ids": e.ids[n:n + tb_data.DIGITS], "meta": e.meta}) + "\n")
+            f.write(json.dumps({"prompt": e.text[:e.text.rindex("Answer:") + len("Answer:")],
+                                "prompt_ids": e.ids[:n], "answer": e.text[e.text.rindex("Answer:") + 8:-1],
+                                "answer_ids": e.ids[n:n + len(e.answers)], "meta": e.meta}) + "\n")
 
 
 def cmd_export(args):
@@ -282,7 +282,7 @@ def cmd_parity(args):
     ok = 0
     for i, (L, kind) in enumerate([(256, "after"), (512, "before"), (1024, "after"), (2048, "before")][:args.prompts]):
         e = gen.example(20_000_000 + i, L, kind, 2)
-        prompt_text = e.text[:e.text.rindex("Answer:") + len("Answer:")] + " "
+        prompt_text = e.text[:e.text.rindex("Answer:") + len("Answer:")]
         prompt = tok.encode(prompt_text)
         if prompt != e.ids[:e.meta["prompt_tokens"]]:
             raise SystemExit(f"prompt {i}: run.c's encoding of the text differs from the generator's ids")
@@ -295,8 +295,8 @@ def cmd_parity(args):
         same = [int(x) for x in ref] == mine and len(ref) == steps + 1
         ok += same
         print(f"prompt {i} ({kind}, {len(prompt)} tokens): runner {'==' if same else '!='} PyTorch over "
-              f"{steps - len(prompt)} greedy tokens; answer {tok.decode(mine[len(prompt):len(prompt) + 4])!r} "
-              f"(truth {e.meta['code']})")
+              f"{steps - len(prompt)} greedy tokens; continuation {tok.decode(mine[len(prompt):])!r} "
+              f"(truth: the {e.meta['key']}'s code is {e.meta['code']})")
     print(f"parity: {ok}/{min(4, args.prompts)} prompts identical")
     if ok != min(4, args.prompts):
         raise SystemExit(1)
@@ -377,7 +377,7 @@ def main(argv=None):
     p.add_argument("--stories-dir", required=True)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=12)
+    p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p = sub.add_parser("bench", help="training tokens/s per length")
     p.add_argument("--threads", type=int, default=1)

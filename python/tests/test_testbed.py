@@ -62,13 +62,15 @@ def test_examples_encode_as_run_c_and_hold_their_facts(tok, kind, needles, lengt
             assert e.answers == [] and min(e.weights) == 1.0
             continue
         code, key = e.meta["code"], e.meta["key"]
-        assert e.text.endswith(f"Answer: {code}.")
+        assert e.text.endswith(f"Answer: the {key}'s code is {code}.")
         assert sum(f"The {k}'s code is {c}." in e.text for k, c in e.meta["facts"]) == needles
         assert len({k for k, _ in e.meta["facts"]}) == needles
         question = f"Question: What is the {key}'s code?"
         assert e.text.startswith(question) == (kind == "before")
-        assert tok.decode([e.ids[t + 1] for t in e.answers]) == code
-        assert e.meta["prompt_tokens"] == e.answers[0] + 1 == len(e.ids) - 5
+        assert tok.decode([e.ids[t + 1] for t in e.answers]) == f" the {key}'s code is {code}"
+        assert tok.decode([e.ids[t + 1] for t in e.answers[-e.digits:]]) == code and e.digits == 4
+        assert e.meta["prompt_tokens"] == e.answers[0] + 1 == len(e.ids) - len(e.answers) - 1
+        assert tok.decode([e.ids[e.meta["prompt_tokens"] - 1]]) == ":"
         # the asked fact starts at its recorded depth; its digits carry no loss
         fact = tok.encode(f"The {key}'s code is {code}.")[1:]
         d = e.meta["depth"]
@@ -135,7 +137,7 @@ def test_runner_matches_the_pytorch_model_on_an_exported_checkpoint(tmp_path, to
     tb_model.export(m, path)
     gen = tb_data.Generator(tok, STORIES, "test", 1)
     e = gen.example(0, 512, "before", 2)
-    prompt = e.text[:e.text.rindex("Answer:") + len("Answer:")] + " "
+    prompt = e.text[:e.text.rindex("Answer:") + len("Answer:")]
     steps = e.meta["prompt_tokens"] + 16
     out = tmp_path / "logits.f32"
     ids = subprocess.run([helper, path, testbed.TOKENIZER, prompt, str(steps), str(out)], check=True,
@@ -182,5 +184,5 @@ def test_dump_writes_prompts_that_encode_to_their_ids(tmp_path, tok):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and [r["meta"]["kind"] for r in rows] == ["after", "after", "before", "before"]
     for r in rows:
-        assert tok.encode(r["prompt"]) == r["prompt_ids"] and r["prompt_ids"][-1] == tok.index[b" "]
-        assert tok.decode(r["answer_ids"]) == r["answer"] == r["meta"]["code"]
+        assert tok.encode(r["prompt"]) == r["prompt_ids"] and r["prompt"].endswith("Answer:")
+        assert tok.decode(r["answer_ids"]).lstrip() == r["answer"] == f"the {r['meta']['key']}'s code is {r['meta']['code']}"

@@ -330,6 +330,16 @@ def model_args(p):
     p.add_argument("--seq-len", type=int, default=2048)
 
 
+def eval_set_args(p):
+    """The options that choose an evaluation set (eval, dump)."""
+    p.add_argument("--stories-dir", required=True)
+    p.add_argument("--split", default="test", choices=["val", "test"])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--per-cell", type=int, default=64)
+    p.add_argument("--max-length", type=int, default=0, help="only lengths up to this (0 = all)")
+    return p
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -353,20 +363,10 @@ def main(argv=None):
     p.add_argument("--eval-per-cell", type=int, default=16)
     p.add_argument("--max-length", type=int, default=0, help="cap the curriculum and the val set (0 = the context)")
     model_args(p)
-    p = sub.add_parser("eval", help="exact-match retrieval accuracy of a llama2.c checkpoint")
+    p = eval_set_args(sub.add_parser("eval", help="exact-match retrieval accuracy of a llama2.c checkpoint"))
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--stories-dir", required=True)
-    p.add_argument("--split", default="test", choices=["val", "test"])
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--per-cell", type=int, default=64)
-    p.add_argument("--max-length", type=int, default=0, help="only lengths up to this (0 = all)")
     p.add_argument("--threads", type=int, default=1)
-    p = sub.add_parser("dump", help="an evaluation set as JSON lines (prompt text and ids, answer)")
-    p.add_argument("--stories-dir", required=True)
-    p.add_argument("--split", default="test", choices=["val", "test"])
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--per-cell", type=int, default=64)
-    p.add_argument("--max-length", type=int, default=0, help="only lengths up to this (0 = all)")
+    p = eval_set_args(sub.add_parser("dump", help="an evaluation set as JSON lines (prompt text and ids, answer)"))
     p.add_argument("--out", required=True)
     p = sub.add_parser("export", help="ckpt.pt -> llama2.c checkpoint")
     p.add_argument("--ckpt", required=True)

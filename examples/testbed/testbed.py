@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""The long-context testbed (docs/testbed.md): story pools, training, evaluation, export, parity.
+
+    testbed.py stories --kvevict-run build/release/examples/runner/kvevict-run --out-dir RUN/stories
+    testbed.py train --run-dir RUN            # starts, or resumes from RUN/ckpt.pt
+    testbed.py eval --checkpoint RUN/model.bin --stories-dir RUN/stories --split test
+    testbed.py dump --stories-dir RUN/stories --split test --out test.jsonl   # prompts and answers
+    testbed.py parity --checkpoint RUN/model.bin --kvevict-run build/release/examples/runner/kvevict-run
+    testbed.py bench                          # training tokens/s per length
+
+Python: Debian's /usr/bin/python3 with python3-torch and python3-numpy.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+import tb_data  # noqa: E402
+import tb_model  # noqa: E402
+
+TOKENIZER = os.path.join(SOURCE, "models", "tok512.bin")
+
+
+def reference():
+    """python/kvevict/reference.py (the PyTorch reference of the runner) without the compiled package."""
+    name = "kvevict_reference"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(SOURCE, "python", "kvevict", "reference.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def tokenizer():
+    return reference().Tokenizer.load(TOKENIZER, 512)
+
+
+def log_to(path):
+    def log(msg):
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}"
+        print(line, flush=True)
+        if path:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+    return log
+
+
+# ---- batches and loss --------------------------------------------------------------------------
+
+def batch_tensors(examples):
+    T = max(len(e.ids) for e in examples)
+    ids = torch.zeros(len(examples), T, dtype=torch.long)
+    w = torch.zeros(len(examples), T - 1)
+    for b, e in enumerate(examples):
+        ids[b, :len(e.ids)] = torch.tensor(e.ids)
+        w[b, :len(e.weights)] = torch.tensor(e.weights)
+    return ids, w
+
+
+def losses(model, examples):
+    """(language-model loss over the weighted targets, the answer codes' loss, per example the answer
+    tokens' hits [n_answer] (argmax == target given the true prefix; the last e.digits are the code))."""
+    ids, w = batch_tensors(examples)
+    logits = model(ids[:, :-1])
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none").view_as(w)
+    lm = (ce * w).sum() / w.sum()
+    hit = logits.argmax(-1) == ids[:, 1:]
+    codes = [ce[b, e.answers[len(e.answers) - e.digits:]] for b, e in enumerate(examples) if e.digits]
+    answer = torch.cat(codes).mean() if codes else torch.zeros(())
+    return lm, answer, [hit[b, e.answers] for b, e in enumerate(examples)]
+
+
+@torch.no_grad()
+def evaluate(model, examples, batch_tokens=4096):
+    """Exact match per example: every answer token (the key restated, then the code) is the argmax
+    given the true prefix, which is the same as greedy decoding reproducing the answer. Returns
+    {(kind, length): [correct, total, code digits correct]}, mean LM loss."""
+    cells, lm_sum, n = {}, 0.0, 0
+    by_len = {}
+    for e in examples:
+        by_len.setdefault(len(e.ids), []).append(e)
+    for _, group in sorted(by_len.items()):
+        per = max(1, batch_tokens // len(group[0].ids))
+        for s in range(0, len(group), per):
+            part = group[s:s + per]
+            lm, _, hits = losses(model, part)
+            lm_sum += float(lm) * len(part)
+            n += len(part)
+            for e, h in zip(part, hits):
+                c = cells.setdefault((e.meta["kind"], e.meta["length"]), [0, 0, 0])
+                c[0] += int(h.all())
+                c[1] += 1
+                c[2] += int(h[len(h) - e.digits:].sum())
+    return cells, lm_sum / max(n, 1)
+
+
+def format_cells(cells):
+    return " ".join(f"{k}@{L}={c}/{t} (digits {d / (t * tb_data.DIGITS):.2f})"
+                    for (k, L), (c, t, d) in sorted(cells.items()))
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+def allowed_lengths(args, step):
+    """The length curriculum: 256..512 for the first 15 % of the steps, up to 1024 until 35 %, then all
+    (never above --max-length)."""
+    f = step / args.steps
+    top = min(512 if f < 0.15 else 1024 if f < 0.35 else args.seq_len, args.max_length or args.seq_len)
+    return [L for L in tb_data.LENGTHS if L <= top]
+
+
+def step_batch(gen, args, step):
+    """The examples of one step, a pure function of (seed, step): one length for the whole step,
+    batch_tokens // length sequences, each plain text with probability args.plain, else retrieval
+    (question after or before, 1, 2 or 4 needles)."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
+    lengths = allowed_lengths(args, step)
+    L = int(lengths[rng.integers(len(lengths))])
+    out = []
+    for b in range(max(1, args.batch_tokens // L)):
+        i = step * 64 + b  # distinct example seeds: at most 64 sequences a step
+        u = rng.random()
+        if u < args.plain:
+            out.append(gen.example(i, L, "plain"))
+        else:
+            kind = "after" if rng.random() < 0.5 else "before"
+            out.append(gen.example(i, L, kind, int((1, 2, 4)[rng.integers(3)])))
+    return out
+
+
+def lr_at(args, step):
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    f = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
+
+
+def model_config(args):
+    return tb_model.Config(args.dim, args.hidden, args.layers, args.heads, args.kv_heads, 512, args.seq_len)
+
+
+def save_atomic(obj, path):
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def cmd_train(args):
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.run_dir, exist_ok=True)
+    log = log_to(os.path.join(args.run_dir, "train.log"))
+    ckpt_path = os.path.join(args.run_dir, "ckpt.pt")
+    tok = tokenizer()
+    stories = os.path.join(args.stories_dir or os.path.join(args.run_dir, "stories"))
+    train = tb_data.Generator(tok, tb_data.load_stories(os.path.join(stories, "train.jsonl")), "train", args.seed)
+    val = tb_data.Generator(tok, tb_data.load_stories(os.path.join(stories, "val.jsonl")), "val", args.seed)
+    val_set = tb_data.eval_set(val, args.eval_per_cell,
+                               lengths=[L for L in tb_data.LENGTHS if L <= (args.max_length or args.seq_len)])
+    torch.manual_seed(args.seed)
+    model = tb_model.Model(model_config(args), seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    step = 0
+    if os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path)
+        if ck["config"] != vars(model.cfg):
+            raise SystemExit(f"{ckpt_path} holds a model of {ck['config']}, not {vars(model.cfg)}")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step = ck["step"]
+        log(f"resumed from {ckpt_path} at step {step}")
+    else:
+        log(f"start: {vars(args)}")
+    log(f"model: {vars(model.cfg)}, {model.n_params()} parameters; val set {len(val_set)} examples")
+    t0, tokens, acc = time.time(), 0, []
+    start_step = step
+    while step < args.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(args, step)
+        batch = step_batch(train, args, step)
+        lm, answer, hit = losses(model, batch)
+        loss = lm + args.answer_weight * answer
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += sum(len(e.ids) for e in batch)
+        codes = [h[len(h) - e.digits:] for e, h in zip(batch, hit) if e.digits]
+        acc.append((float(lm), float(answer), sum(int(h.sum()) for h in codes), sum(h.numel() for h in codes)))
+        if step % args.log_every == 0 or step == args.steps:
+            dt = time.time() - t0
+            n = len(acc)
+            hits, total = sum(a[2] for a in acc), max(1, sum(a[3] for a in acc))
+            log(f"step {step}/{args.steps} lr {lr_at(args, step - 1):.2e} lm {sum(a[0] for a in acc) / n:.4f} "
+                f"answer {sum(a[1] for a in acc) / n:.4f} code-digit acc {hits / total:.3f} "
+                f"len<= {max(allowed_lengths(args, step - 1))} {tokens / dt:.0f} tok/s")
+            t0, tokens, acc = time.time(), 0, []
+        if step % args.ckpt_every == 0 or step == args.steps:
+            save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                         "config": vars(model.cfg), "args": vars(args)}, ckpt_path)
+            tb_model.export(model, os.path.join(args.run_dir, "model.bin.tmp"))
+            os.replace(os.path.join(args.run_dir, "model.bin.tmp"), os.path.join(args.run_dir, "model.bin"))
+        if step % args.eval_every == 0 or step == args.steps or step == start_step + 1 == 1:
+            te = time.time()
+            cells, vlm = evaluate(model, val_set)
+            tot = [sum(c[0] for c in cells.values()), sum(c[1] for c in cells.values())]
+            log(f"eval step {step}: val lm {vlm:.4f} exact match {tot[0]}/{tot[1]} {format_cells(cells)} "
+                f"({time.time() - te:.0f} s)")
+            with open(os.path.join(args.run_dir, "eval.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, "val_lm": vlm,
+                                    "cells": {f"{k}@{L}": c for (k, L), c in cells.items()}}) + "\n")
+            t0 = time.time() - (te - t0)  # eval time does not count in tok/s
+    log("done")
+
+
+# ---- evaluation, export, parity, bench ----------------------------------------------------------
+
+def cmd_eval(args):
+    torch.set_num_threads(args.threads)
+    model = tb_model.load(args.checkpoint)
+    gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
+                            args.split, args.seed)
+    lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or model.cfg.seq_len)]
+    cells, lm = evaluate(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths))
+    for (k, L), (c, t, d) in sorted(cells.items()):
+        p = c / t
+        print(f"{args.split} {k:6s} {L:5d}: exact match {c}/{t} = {p:.3f} (se {math.sqrt(p * (1 - p) / t):.3f}), "
+              f"answer digits {d / (t * tb_data.DIGITS):.3f}")
+    print(f"{args.split} lm loss {lm:.4f}")
+
+
+def cmd_dump(args):
+    """The evaluation set of a split as JSON lines, for programs outside Python (the report): the prompt's
+    text (a `kvevict-run --prompt`) and ids (BOS first, ending with the space before the answer), the
+    answer's ids and text, and the example's metadata."""
+    gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
+                            args.split, args.seed)
+    lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or tb_data.LENGTHS[-1])]
+    with open(args.out, "w") as f:
+        for e in tb_data.eval_set(gen, args.per_cell, lengths=lengths):
+            n = e.meta["prompt_tokens"]
+            f.write(json.dumps({"prompt": e.text[:e.text.rindex("Answer:") + len("Answer:")],
+                                "prompt_ids": e.ids[:n], "answer": e.text[e.text.rindex("Answer:") + 8:-1],
+                                "answer_ids": e.ids[n:n + len(e.answers)], "meta": e.meta}) + "\n")
+
+
+def cmd_export(args):
+    ck = torch.load(args.ckpt)
+    model = tb_model.Model(tb_model.Config(**ck["config"]))
+    model.load_state_dict(ck["model"])
+    tb_model.export(model, args.out)
+    print(f"{args.out}: step {ck['step']}, {model.n_params()} parameters")
+
+
+@torch.no_grad()
+def greedy(model, ids, steps):
+    ids = list(ids)
+    while len(ids) < steps:
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids
+
+
+def cmd_parity(args):
+    """kvevict-run's full-cache greedy ids against the PyTorch model's, for prompts of the test split."""
+    model = tb_model.load(args.checkpoint)
+    tok = tokenizer()
+    gen = tb_data.Generator(tok, tb_data.load_stories(os.path.join(args.stories_dir, "test.jsonl")), "test", args.seed)
+    ok = 0
+    for i, (L, kind) in enumerate([(256, "after"), (512, "before"), (1024, "after"), (2048, "before")][:args.prompts]):
+        e = gen.example(20_000_000 + i, L, kind, 2)
+        prompt_text = e.text[:e.text.rindex("Answer:") + len("Answer:")]
+        prompt = tok.encode(prompt_text)
+        if prompt != e.ids[:e.meta["prompt_tokens"]]:
+            raise SystemExit(f"prompt {i}: run.c's encoding of the text differs from the generator's ids")
+        steps = min(len(prompt) + args.new_tokens, model.cfg.seq_len)
+        ref = subprocess.run([args.kvevict_run, "--model", args.checkpoint, "--prompt", prompt_text, "--ids",
+                              "--steps", str(steps), "--threads", str(args.threads)],
+                             check=True, capture_output=True, text=True).stdout.split()
+        # kvevict-run prints BOS and the tokens of positions 1 .. steps (run.c's count): steps + 1 ids
+        mine = greedy(model, prompt, len(ref))
+        same = [int(x) for x in ref] == mine and len(ref) == steps + 1
+        ok += same
+        print(f"prompt {i} ({kind}, {len(prompt)} tokens): runner {'==' if same else '!='} PyTorch over "
+              f"{steps - len(prompt)} greedy tokens; continuation {tok.decode(mine[len(prompt):])!r} "
+              f"(truth: the {e.meta['key']}'s code is {e.meta['code']})")
+    print(f"parity: {ok}/{min(4, args.prompts)} prompts identical")
+    if ok != min(4, args.prompts):
+        raise SystemExit(1)
+
+
+def cmd_bench(args):
+    torch.set_num_threads(args.threads)
+    model = tb_model.Model(model_config(args))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    print(f"model {vars(model.cfg)}: {model.n_params()} parameters, {args.threads} thread(s)")
+    for L in tb_data.LENGTHS:
+        ids = torch.randint(0, 512, (max(1, args.batch_tokens // L), L))
+        times = []
+        for _ in range(args.reps):
+            t = time.time()
+            loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, 512), ids[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            times.append(time.time() - t)
+        print(f"length {L}: {ids.numel() / min(times):.0f} tokens/s (best of {args.reps} steps of {ids.numel()} tokens)",
+              flush=True)
+
+
+def model_args(p):
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=2048)
+
+
+def eval_set_args(p):
+    """The options that choose an evaluation set (eval, dump)."""
+    p.add_argument("--stories-dir", required=True)
+    p.add_argument("--split", default="test", choices=["val", "test"])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--per-cell", type=int, default=64)
+    p.add_argument("--max-length", type=int, default=0, help="only lengths up to this (0 = all)")
+    return p
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("stories", help="the story pools from the shipped model (kvevict-run)")
+    p.add_argument("--kvevict-run", required=True)
+    p.add_argument("--out-dir", required=True)
+    p = sub.add_parser("train", help="train (or resume from RUN/ckpt.pt)")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--stories-dir", default=None, help="default RUN/stories")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--plain", type=float, default=0.2, help="fraction of plain story sequences")
+    p.add_argument("--answer-weight", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-per-cell", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=0, help="cap the curriculum and the val set (0 = the context)")
+    model_args(p)
+    p = eval_set_args(sub.add_parser("eval", help="exact-match retrieval accuracy of a llama2.c checkpoint"))
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p = eval_set_args(sub.add_parser("dump", help="an evaluation set as JSON lines (prompt text and ids, answer)"))
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("export", help="ckpt.pt -> llama2.c checkpoint")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("parity", help="kvevict-run's greedy ids == the PyTorch model's")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--kvevict-run", required=True)
+    p.add_argument("--stories-dir", required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p = sub.add_parser("bench", help="training tokens/s per length")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=3)
+    model_args(p)
+    args = ap.parse_args(argv)
+    if args.cmd == "stories":
+        os.makedirs(args.out_dir, exist_ok=True)
+        for split in ("val", "test", "train"):
+            tb_data.generate_stories(args.kvevict_run, split, os.path.join(args.out_dir, f"{split}.jsonl"),
+                                     log=log_to(None))
+    else:
+        {"train": cmd_train, "eval": cmd_eval, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
+         "bench": cmd_bench}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The long-context testbed (examples/testbed, docs/testbed.md): the data generator is deterministic and
+its splits are disjoint, examples encode exactly as run.c's encoder, the llama2.c export round-trips,
+and the C++ runner's logits and greedy ids on an exported checkpoint equal the PyTorch model's."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+SOURCE_DIR = os.environ.get("KVEVICT_SOURCE_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(SOURCE_DIR, "examples", "testbed"))
+import tb_data  # noqa: E402
+import tb_model  # noqa: E402
+import testbed  # noqa: E402
+
+STORIES = [
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she "
+    "saw a big, red ball. She wanted to play with it, but it was too high.",
+    "Tim had a dog named Spot. Spot liked to run and jump! Every morning they went to the lake. \"Look, a boat!\" "
+    "said Tim. They were very happy.",
+    "The sun was warm. A bird sang in the tree. Sue smiled and waved at the bird. Then she went home to eat.",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return testbed.tokenizer()
+
+
+def test_splits_are_disjoint():
+    ranges = [set(tb_data.story_seeds(s)) for s in tb_data.SPLITS]
+    assert all(not (a & b) for i, a in enumerate(ranges) for b in ranges[i + 1:])
+    assert len({v[0] for v in tb_data.SPLITS.values()}) == len(tb_data.SPLITS)  # distinct example streams
+
+
+def test_generator_is_deterministic_and_seeded(tok):
+    a = tb_data.Generator(tok, STORIES, "train", 7)
+    b = tb_data.Generator(tok, STORIES, "train", 7)
+    for i, (L, kind, n) in enumerate([(256, "after", 1), (512, "before", 4), (256, "plain", 1), (1024, "after", 2)]):
+        ea, eb = a.example(i, L, kind, n), b.example(i, L, kind, n)
+        assert ea.ids == eb.ids and ea.weights == eb.weights and ea.answers == eb.answers and ea.meta == eb.meta
+    other_seed = tb_data.Generator(tok, STORIES, "train", 8).example(0, 256, "after")
+    other_split = tb_data.Generator(tok, STORIES, "test", 7).example(0, 256, "after")
+    first = a.example(0, 256, "after")
+    assert other_seed.meta["code"] != first.meta["code"] or other_seed.meta["key"] != first.meta["key"]
+    assert other_split.meta["code"] != first.meta["code"] or other_split.meta["key"] != first.meta["key"]
+
+
+@pytest.mark.parametrize("kind,needles", [("after", 1), ("before", 1), ("after", 4), ("before", 2), ("plain", 1)])
+@pytest.mark.parametrize("length", [256, 2048])
+def test_examples_encode_as_run_c_and_hold_their_facts(tok, kind, needles, length):
+    gen = tb_data.Generator(tok, STORIES, "val", 3)
+    for i in range(2):
+        e = gen.example(i, length, kind, needles)
+        if length <= 512:  # reference.Tokenizer merges in O(n^2): the chunking does not depend on the length
+            assert e.ids == tok.encode(e.text)  # the runner's encoding of the example's text
+        assert length - 64 < len(e.ids) <= length and len(e.weights) == len(e.ids) - 1
+        if kind == "plain":
+            assert e.answers == [] and min(e.weights) == 1.0
+            continue
+        code, key = e.meta["code"], e.meta["key"]
+        assert e.text.endswith(f"Answer: the {key}'s code is {code}.")
+        assert sum(f"The {k}'s code is {c}." in e.text for k, c in e.meta["facts"]) == needles
+        assert len({k for k, _ in e.meta["facts"]}) == needles
+        question = f"Question: What is the {key}'s code?"
+        assert e.text.startswith(question) == (kind == "before")
+        assert tok.decode([e.ids[t + 1] for t in e.answers]) == f" the {key}'s code is {code}"
+        assert tok.decode([e.ids[t + 1] for t in e.answers[-e.digits:]]) == code and e.digits == 4
+        assert e.meta["prompt_tokens"] == e.answers[0] + 1 == len(e.ids) - len(e.answers) - 1
+        assert tok.decode([e.ids[e.meta["prompt_tokens"] - 1]]) == ":"
+        # the asked fact starts at its recorded depth; its digits carry no loss
+        fact = tok.encode(f"The {key}'s code is {code}.")[1:]
+        d = e.meta["depth"]
+        assert e.ids[d:d + len(fact)] == fact
+        assert e.weights[d + len(fact) - 6:d + len(fact) - 2] == [0.0] * 4
+
+
+def test_stories_from_the_runner_are_deterministic(tmp_path):
+    run = os.environ.get("KVEVICT_RUN", "")
+    if not run or not os.path.exists(run):
+        pytest.skip("KVEVICT_RUN is not built (the examples are off)")
+    for name in ("a.jsonl", "b.jsonl"):
+        tb_data.generate_stories(run, "val", str(tmp_path / name), limit=2)
+    a, b = tb_data.load_stories(str(tmp_path / "a.jsonl")), tb_data.load_stories(str(tmp_path / "b.jsonl"))
+    assert a == b and len(a) == 2 and a[0] != a[1] and a[0].startswith("Once upon a time")
+    tb_data.generate_stories(run, "test", str(tmp_path / "t.jsonl"), limit=1)
+    assert tb_data.load_stories(str(tmp_path / "t.jsonl"))[0] not in a
+
+
+def small_model(seed=5):
+    m = tb_model.Model(tb_model.Config(dim=32, hidden_dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                                       seq_len=2048), seed=seed)
+    with torch.no_grad():  # larger weights than training's init: peaked logits, no near-ties for greedy
+        for p in (m.tok, m.wq, m.wk, m.wv, m.wo, m.w1, m.w2, m.w3):
+            p.mul_(10.0)
+    return m
+
+
+def test_export_round_trip_and_reference_model(tmp_path, tok):
+    m = small_model()
+    path = str(tmp_path / "m.bin")
+    tb_model.export(m, path)
+    c = m.cfg
+    hs = c.head_size
+    floats = (c.vocab_size * c.dim + c.n_layers * (2 * c.dim + 2 * c.dim * c.dim + 2 * c.n_kv_heads * hs * c.dim
+                                                    + 3 * c.dim * c.hidden_dim) + c.dim + 2 * c.seq_len * hs // 2)
+    assert os.path.getsize(path) == 28 + 4 * floats
+    back = tb_model.load(path)
+    assert vars(back.cfg) == vars(m.cfg)
+    for (n, p), (_, q) in zip(m.named_parameters(), back.named_parameters()):
+        assert torch.equal(p, q), n
+    # python/kvevict/reference.py reads the file as the runner does and computes the same logits
+    ref = testbed.reference().Model.load(path)
+    ids = tok.encode(" ".join(STORIES))
+    with torch.no_grad():
+        mine = m(torch.tensor([ids]))[0]
+    theirs = ref.forward(ref.new_cache(), ids)
+    assert float((mine - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+    # a truncated file is refused
+    with open(path, "rb") as f:
+        raw = f.read()
+    with open(path, "wb") as f:
+        f.write(raw[:-4])
+    with pytest.raises(ValueError, match="the header implies"):
+        tb_model.load(path)
+
+
+def test_runner_matches_the_pytorch_model_on_an_exported_checkpoint(tmp_path, tok):
+    helper = os.environ.get("KVEVICT_RUNNER_LOGITS", "")
+    if not helper or not os.path.exists(helper):
+        pytest.skip("KVEVICT_RUNNER_LOGITS is not built (the examples are off)")
+    m = small_model()
+    path = str(tmp_path / "m.bin")
+    tb_model.export(m, path)
+    gen = tb_data.Generator(tok, STORIES, "test", 1)
+    e = gen.example(0, 512, "before", 2)
+    prompt = e.text[:e.text.rindex("Answer:") + len("Answer:")]
+    steps = e.meta["prompt_tokens"] + 16
+    out = tmp_path / "logits.f32"
+    ids = subprocess.run([helper, path, testbed.TOKENIZER, prompt, str(steps), str(out)], check=True,
+                         capture_output=True, text=True).stdout.split()
+    ids = [int(i) for i in ids]
+    assert ids[:e.meta["prompt_tokens"]] == e.ids[:e.meta["prompt_tokens"]]
+    assert ids == testbed.greedy(m, ids[:e.meta["prompt_tokens"]], steps)
+    ref = torch.from_numpy(np.fromfile(out, dtype=np.float32).reshape(-1, 512))
+    with torch.no_grad():
+        mine = m(torch.tensor([ids]))[0]
+    assert mine.shape == ref.shape
+    assert float((mine - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+
+
+def test_training_resumes_bit_identically(tmp_path):
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    for split in ("train", "val"):  # a story pool is a file of JSON strings, one per line
+        (stories / f"{split}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    common = ["train", "--stories-dir", str(stories), "--dim", "32", "--hidden", "48", "--layers", "2", "--heads", "4",
+              "--kv-heads", "2", "--seq-len", "512", "--max-length", "256", "--batch-tokens", "512", "--warmup", "2",
+              "--log-every", "1", "--ckpt-every", "2", "--eval-every", "1000", "--eval-per-cell", "1"]
+    threads = torch.get_num_threads()
+    try:
+        testbed.main(common + ["--run-dir", str(tmp_path / "a"), "--steps", "4"])
+        testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--steps", "2"])
+        testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--steps", "4"])  # resumes at step 2
+    finally:
+        torch.set_num_threads(threads)  # train sets one thread
+    a, b = torch.load(tmp_path / "a" / "ckpt.pt"), torch.load(tmp_path / "b" / "ckpt.pt")
+    assert a["step"] == b["step"] == 4
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert "resumed from" in (tmp_path / "b" / "train.log").read_text()
+    assert (tmp_path / "a" / "model.bin").read_bytes() == (tmp_path / "b" / "model.bin").read_bytes()
+
+
+def test_dump_writes_prompts_that_encode_to_their_ids(tmp_path, tok):
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    (stories / "test.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    out = tmp_path / "set.jsonl"
+    testbed.main(["dump", "--stories-dir", str(stories), "--per-cell", "2", "--max-length", "256", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and [r["meta"]["kind"] for r in rows] == ["after", "after", "before", "before"]
+    for r in rows:
+        assert tok.encode(r["prompt"]) == r["prompt_ids"] and r["prompt"].endswith("Answer:")
+        assert tok.decode(r["answer_ids"]).lstrip() == r["answer"] == f"the {r['meta']['key']}'s code is {r['meta']['code']}"

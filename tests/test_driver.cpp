@@ -664,6 +664,139 @@ TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-proc
       }
 }
 
+TEST_CASE("drivers: post-fill across pipeline stages keeps the single-process rows (lava, cake, adakv)") {
+  // every stage holds layer_shard(L, P, r) of the model; lava (ragged heads) and cake gather the
+  // layers' statistics in decide(); adakv needs no communicator (per-layer budgets)
+  int cases = 0;
+  for (std::uint64_t seed = 1; seed <= 8; ++seed)
+    for (allocator kind : {allocator::lava, allocator::cake, allocator::adakv})
+      for (int stages : {2, 3}) {
+        auto g = kvtest::rng(seed * 31 + static_cast<std::uint64_t>(kind) * 7 + static_cast<std::uint64_t>(stages));
+        pf_setup u;
+        const index_t L = kvtest::uniform_int(g, stages, 5), H = kvtest::uniform_int(g, 1, 3), d = 4, w = 4;
+        u.P = kvtest::uniform_int(g, 20, 40);
+        u.ragged = kind != allocator::cake && seed % 2 == 1;  // cake needs every head to hold the prompt
+        u.s = make_synth(seed, L, H, H, d, u.P);
+        const recipe r = small_window(kind == allocator::cake ? recipe::cake() : recipe::lava(), w);
+        const auto layers = pf_layers(u, w, seed);
+        const index_t B = kvtest::uniform_int(g, w, u.P / 2);
+        std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H), static_cast<std::int32_t>(B));
+        post_fill_config cfg;
+        cfg.model = {L, H, H, d};
+        cfg.tokens = u.P;
+        cfg.rec = r;
+        cfg.alloc.kind = kind;
+        if (kind == allocator::adakv) cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+        else cfg.alloc.total = L * H * B;
+        std::vector<double> prefs(static_cast<std::size_t>(L));  // cake: the layers' preferences
+        for (double& p : prefs) p = 0.01 * static_cast<double>(kvtest::uniform_int(g, 0, 200));
+        const auto qpos = range_of(u.P - w, u.P);
+        // one stage's (or one process's) driver over layers [first, first + n)
+        const auto run = [&](post_fill_driver& drv, index_t first, index_t n, bool nan) -> status {
+          aligned_buf wb;
+          workspace ws = make_ws(drv, seq, wb);
+          status st;
+          for (index_t l = first; st.ok() && l < first + n; ++l) {
+            const auto qb = gather_queries(u.s, l, qpos);
+            auto lay = layers[static_cast<std::size_t>(l)];
+            double pref = prefs[static_cast<std::size_t>(l)];
+            if (nan && l == first + n - 1) {  // a NaN key (lava's entropy refuses it), a NaN preference (cake)
+              lay.keys[0] = std::numeric_limits<float>::quiet_NaN();
+              pref = std::numeric_limits<double>::quiet_NaN();
+            }
+            st = drv.add_layer(seq, ws, l - first, lay.view(), block_view(qb, H, w, d), kv_view<const float>{}, pref);
+          }
+          const status dec = drv.decide(seq, ws);  // every stage decides, also after a failure
+          return st.ok() ? dec : st;
+        };
+        std::vector<unsigned char> mem(value_of(post_fill_driver::state_bytes(cfg)));
+        post_fill_driver one;
+        REQUIRE(one.init(cfg, mem.data(), mem.size()).ok());
+        REQUIRE(run(one, 0, L, false).ok());
+        for (int bad : {-1, stages - 1}) {
+          if (bad >= 0 && kind == allocator::adakv) continue;  // no communication: each stage on its own
+          std::vector<std::string> errors(static_cast<std::size_t>(stages)), decided(errors.size());
+          std::vector<std::vector<std::vector<std::vector<pos_t>>>> kept(errors.size());
+          std::vector<std::uint64_t> bytes(errors.size()), calls(errors.size());
+          kvtest::thread_world::run(stages, [&](kvtest::thread_comm& c) {
+            const auto me = static_cast<std::size_t>(c.rank());
+            const shard_range mine = value_of(layer_shard(L, stages, c.rank()));
+            post_fill_config rc = cfg;
+            rc.model.layers = mine.count;
+            rc.first_layer = mine.first;
+            rc.model_layers = L;
+            counting_comm<kvtest::thread_comm> cc(c);
+            rc.pp = comm_ref(cc);
+            if (kind == allocator::adakv)
+              rc.alloc.budgets =
+                  value_of(make_matrix_view<const std::int32_t>(budgets.data() + mine.first * H, mine.count, H));
+            post_fill_driver drv;
+            std::vector<unsigned char> rm(post_fill_driver::state_bytes(rc).value());
+            status st = drv.init(rc, rm.data(), rm.size());
+            if (st.ok()) st = run(drv, mine.first, mine.count, c.rank() == bad);
+            errors[me] = st.ok() ? "" : st.message();
+            decided[me] = drv.decided() ? "yes" : "no";
+            bytes[me] = cc.bytes();
+            calls[me] = cc.calls();
+            if (st.ok())
+              for (index_t l = 0; l < mine.count; ++l) kept[me].push_back(to_lists(drv.kept(l)));
+          });
+          for (int rk = 0; rk < stages; ++rk) {
+            CAPTURE(seed);
+            CAPTURE(static_cast<int>(kind));
+            CAPTURE(rk);
+            const auto me = static_cast<std::size_t>(rk);
+            if (bad >= 0) {  // the bad stage fails in add_layer, every other in decide, naming the stage
+              CHECK(decided[me] == "no");
+              if (rk != bad)
+                CHECK(errors[me].find("rank " + std::to_string(bad) + " of " + std::to_string(stages)) !=
+                      std::string::npos);
+              CHECK(errors[me] != "");
+              continue;
+            }
+            REQUIRE(errors[me] == "");
+            const shard_range mine = value_of(layer_shard(L, stages, rk));
+            for (index_t l = 0; l < mine.count; ++l) CHECK(kept[me][static_cast<std::size_t>(l)] == to_lists(one.kept(mine.first + l)));
+            // the agreement (72 bytes), then gathers of L values (an agreement + an allreduce of 2L
+            // doubles each): lava's entropies, protected and evictable rows; cake's preferences
+            const auto gather = static_cast<std::uint64_t>(72 + 16 * L);
+            const std::uint64_t want = kind == allocator::lava ? 72 + 3 * gather : kind == allocator::cake ? 72 + gather : 0;
+            CHECK(bytes[me] == want);
+            CHECK(calls[me] == (kind == allocator::lava ? 7u : kind == allocator::cake ? 3u : 0u));
+          }
+          ++cases;
+        }
+      }
+  CHECK(cases == 8 * 2 * 5);
+}
+
+TEST_CASE("drivers: post-fill stage configuration errors") {
+  post_fill_config cfg;
+  cfg.model = {2, 2, 2, 4};
+  cfg.tokens = 16;
+  cfg.rec = small_window(recipe::lava(), 4);
+  cfg.alloc.kind = allocator::lava;
+  cfg.alloc.total = 40;
+  cfg.first_layer = 1;  // no pp: one process holds every layer
+  require_error(post_fill_driver::state_bytes(cfg).error(), errc::invalid_argument,
+                "layers [1, 3) of a model of 2 layers");
+  cfg.first_layer = 0;
+  cfg.model_layers = 4;
+  require_error(post_fill_driver::state_bytes(cfg).error(), errc::invalid_argument,
+                "layers [0, 2) of a model of 4 layers (a stage needs a pp communicator");
+  kvtest::thread_world::run(2, [&](kvtest::thread_comm& c) {
+    post_fill_config rc = cfg;
+    rc.pp = comm_ref(c);
+    rc.first_layer = 3;  // past the model
+    CHECK(post_fill_driver::state_bytes(rc).error().code() == errc::invalid_argument);
+    rc.first_layer = 2;
+    rc.tp = comm_ref(c);
+    CHECK(post_fill_driver::state_bytes(rc).error().code() == errc::unsupported);
+    rc.tp = {};
+    CHECK(post_fill_driver::state_bytes(rc).ok());
+  });
+}
+
 TEST_CASE("drivers: post-fill with uniform budgets and SnapKV equals recipe_scores + recipe_select per layer") {
   for (std::uint64_t seed = 11; seed <= 14; ++seed) {
     auto g = kvtest::rng(seed);

@@ -15,9 +15,9 @@
 // Pipeline parallelism (--pp P, P <= layers): rank r holds the layers layer_shard(L, P, r). The
 // stages run in order; after each, its activations reach every rank (an allgather of the block's
 // rows, the other ranks' slots unused), so every rank computes the same logits and samples the same
-// token. Eviction: post_fill_driver on the stage's layers (per-layer allocators: uniform, PyramidKV
-// need only the layer index, AdaKV selects within a layer). LAVa and CAKE under --pp: not done (their
-// layer budgets need every stage's statistics inside the driver: an error says so).
+// token. Eviction: post_fill_driver on the stage's layers (post_fill_config::pp: uniform, PyramidKV
+// need only the layer index, AdaKV selects within a layer; LAVa's and CAKE's layer budgets come from
+// every stage's entropies / preferences, gathered by the driver's decide()).
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
 // kvevict/mpi.hpp; the tests also run it on threads). Only the postfill driver and the methods
@@ -101,8 +101,7 @@ class shard_cache {
   std::vector<std::int32_t> lens_, cu_;
 };
 
-/// The methods a sharded run takes (postfill driver): full, snapkv, pyramidkv, adakv, lava, cake
-/// (lava and cake only under --tp). Error: a clear one naming what is not supported.
+/// The methods a sharded run takes (postfill driver): full, snapkv, pyramidkv, adakv, lava, cake. Error: a clear one naming what is not supported.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1 || (s.tp > 1 && s.pp > 1))
     return status::error(errc::invalid_argument, "--tp %d --pp %d: give one of them (tensor or pipeline parallelism)",
@@ -127,11 +126,6 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
   if (m != method::full && a != budget_scheme::uniform && a != budget_scheme::pyramid && a != budget_scheme::adakv &&
       a != budget_scheme::lava && a != budget_scheme::cake)
     return status::error(errc::unsupported, "--allocator %s does not run sharded", allocator_name(a));
-  if (m != method::full && s.pp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
-    return status::error(errc::unsupported,
-                         "--pp with --allocator %s is not supported yet (its layer budgets need every stage's "
-                         "statistics inside the driver; --tp runs it)",
-                         allocator_name(a));
   return check_evict_options(c, o);
 }
 
@@ -345,6 +339,11 @@ class sharded_runner {
       pc.alloc.budgets = *kvevict::make_matrix_view(budgets_.data(), Ls, hk);
     }
     if (s_.tp > 1) pc.tp = kvevict::comm_ref(*comm_);
+    if (s_.pp > 1) {  // this stage's layers of the model's L
+      pc.pp = kvevict::comm_ref(*comm_);
+      pc.first_layer = layers_.first;
+      pc.model_layers = L;
+    }
     const bool cake = a == budget_scheme::cake;
     const index_t w = o_.window;
     const auto queries = [&](int l, index_t first, index_t rows) {
@@ -361,7 +360,6 @@ class sharded_runner {
     };
     KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, nullptr));
     for (index_t ls = 0; ls < Ls; ++ls) KVEVICT_TRY(cache_.compact(static_cast<int>(layers_.first + ls), pf_.kept(ls)));
-    (void)L;
     return {};
   }
 };

@@ -7,6 +7,8 @@
 
 #include <kvevict/budget/layer_cascade.hpp>
 #include <kvevict/distributed.hpp>
+#include <kvevict/drivers/compact_layer.hpp>
+#include <kvevict/drivers/decode.hpp>
 #include <kvevict/drivers/post_fill.hpp>
 #include <kvevict/protect.hpp>
 
@@ -328,6 +330,166 @@ std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake)
     for (index_t h = 0; h < per; ++h)
       if (got[static_cast<std::size_t>(l * per + h)] != want[static_cast<std::size_t>(l * H + per * comm.rank() + h)])
         return "kept rows differ from the single-process driver's";
+  return "";
+}
+
+/// The layer-sharded post-fill driver (post_fill_config::pp): each stage holds layer_shard(L, P, r)
+/// of the layers (scores with many ties); lava / cake budgets gathered in decide() keep exactly
+/// the single-process driver's rows of those layers.
+template <class Comm>
+std::string check_post_fill_pipeline(Comm& comm, std::uint64_t seed, bool cake) {
+  using namespace kvevict;
+  std::mt19937_64 g(seed);
+  const index_t L = pick(g, comm.size(), comm.size() + 4), H = pick(g, 1, 3), d = 2, P = pick(g, 6, 40);
+  recipe r = recipe::snapkv();
+  r.window = pick(g, 1, 4);
+  r.n_sink = pick(g, 0, 2);
+  r.n_recent = r.window;
+  const index_t W = protected_count(P, r.n_sink, r.n_recent), B = pick(g, W, P);
+  std::vector<float> scores(static_cast<std::size_t>(L * H * P));
+  for (auto& x : scores) x = static_cast<float>(pick(g, 0, 9));  // many ties
+  std::vector<double> prefs(static_cast<std::size_t>(L));
+  for (auto& x : prefs) x = 0.25 * static_cast<double>(pick(g, 0, 8));
+  std::vector<float> kv(static_cast<std::size_t>(H * P * d), 0.0f);
+  std::vector<pos_t> positions(static_cast<std::size_t>(H * P));
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1)), lens(static_cast<std::size_t>(H));
+  for (index_t h = 0; h <= H; ++h) cu[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * P);
+  for (index_t i = 0; i < H * P; ++i) positions[static_cast<std::size_t>(i)] = static_cast<pos_t>(i % P);
+  for (auto& n : lens) n = static_cast<std::int32_t>(P - (cake ? 0 : pick(g, 0, P - r.window)));  // lava: ragged
+  for (index_t h = 0; h < H; ++h)  // a ragged head keeps its last rows (the window)
+    for (index_t j = 0; j < lens[static_cast<std::size_t>(h)]; ++j)
+      positions[static_cast<std::size_t>(h * P + j)] = static_cast<pos_t>(P - lens[static_cast<std::size_t>(h)] + j);
+  post_fill_config cfg;
+  cfg.model = {L, H, H, d};
+  cfg.tokens = P;
+  cfg.rec = r;
+  cfg.alloc.kind = cake ? allocator::cake : allocator::lava;
+  index_t rows = 0, prot = 0;  // one layer's rows and protected rows
+  for (auto n : lens) {
+    rows += n;
+    prot += protected_count(n, r.n_sink, r.n_recent);
+  }
+  cfg.alloc.total = cake ? L * H * B : pick(g, L * prot, L * rows);
+  // a driver over layers [first, first + n); kept[l - first] = its per-head lists
+  const auto run = [&](const post_fill_config& c, index_t first, index_t n, std::vector<std::vector<pos_t>>& kept) -> status {
+    post_fill_driver drv;
+    const auto bytes = post_fill_driver::state_bytes(c);
+    if (!bytes) return bytes.error();
+    std::vector<unsigned char> mem(*bytes);
+    KVEVICT_TRY(drv.init(c, mem.data(), mem.size()));
+    const auto wb = drv.workspace_bytes(seq);
+    if (!wb) return wb.error();
+    std::vector<unsigned char> wmem(*wb);
+    workspace ws{wmem.data(), wmem.size()};
+    const ragged_cache<float> keys{kv.data(), cu.data(), lens.data(), H, d, d};
+    const auto layer = make_layer_kv(keys, keys, positions.data());
+    status st;
+    for (index_t l = first; st.ok() && l < first + n; ++l) {
+      const auto sv = make_matrix_view<const float>(scores.data() + l * H * P, H, P).value();
+      st = drv.add_layer_scores(seq, ws, l - first, layer, sv, prefs[static_cast<std::size_t>(l)]);
+    }
+    const status dec = drv.decide(seq, ws);  // every stage decides, also after a failure
+    KVEVICT_TRY(st);
+    KVEVICT_TRY(dec);
+    kept.clear();
+    for (index_t l = 0; l < n; ++l) {
+      const ragged_positions k = drv.kept(l);
+      for (index_t h = 0; h < H; ++h) kept.emplace_back(k.pos + k.cu[h], k.pos + k.cu[h + 1]);
+    }
+    return {};
+  };
+  std::vector<std::vector<pos_t>> want, got;
+  auto st = run(cfg, 0, L, want);
+  if (!st.ok()) return std::string("single-process driver failed: ") + st.message();
+  const shard_range mine = layer_shard(L, comm.size(), comm.rank()).value();
+  post_fill_config sc = cfg;
+  sc.model.layers = mine.count;
+  sc.first_layer = mine.first;
+  sc.model_layers = L;
+  sc.pp = comm_ref(comm);
+  st = run(sc, mine.first, mine.count, got);
+  if (!st.ok()) return std::string("stage driver failed: ") + st.message();
+  for (index_t i = 0; i < mine.count * H; ++i)
+    if (got[static_cast<std::size_t>(i)] != want[static_cast<std::size_t>(mine.first * H + i)])
+      return "kept rows differ from the single-process driver's";
+  return "";
+}
+
+/// The decode driver with a tensor-parallel communicator (flattened or adakv, scores with many ties
+/// given by step_scores): every step's kept rows of this rank's heads equal the single-process
+/// driver's.
+template <class Comm>
+std::string check_decode_sharded(Comm& comm, std::uint64_t seed, bool adakv) {
+  using namespace kvevict;
+  std::mt19937_64 g(seed);
+  const index_t per = pick(g, 1, 3), H = per * comm.size(), d = 2, P0 = pick(g, 4, 12), G = pick(g, 6, 20);
+  const index_t C = P0 + G, interval = pick(g, 1, 3);
+  recipe r = recipe::knorm();
+  r.n_sink = pick(g, 0, 1);
+  r.n_recent = pick(g, 0, 2);
+  const index_t lo = std::max<index_t>(r.n_sink + r.n_recent, 1);
+  std::vector<std::int32_t> block(static_cast<std::size_t>(per));  // every rank's budgets: the same block
+  const auto B = static_cast<std::int32_t>(pick(g, lo, lo + 6));
+  for (auto& b : block) b = adakv ? B : static_cast<std::int32_t>(pick(g, lo, lo + 6));
+  std::vector<std::int32_t> budgets(static_cast<std::size_t>(H));
+  for (index_t h = 0; h < H; ++h) budgets[static_cast<std::size_t>(h)] = block[static_cast<std::size_t>(h % per)];
+  std::vector<float> score_of(static_cast<std::size_t>(H * C));  // a row's score: by head and position
+  for (auto& x : score_of) x = static_cast<float>(pick(g, 0, 5));
+  // a driver over heads [first, first + n): per step, its heads' held positions
+  const auto run = [&](index_t first, index_t n, comm_ref tp, std::vector<std::vector<pos_t>>& out) -> status {
+    decode_config cfg;
+    cfg.model = {1, n, n, d};
+    cfg.capacity = C;
+    cfg.interval = interval;
+    cfg.rec = r;
+    cfg.alloc.kind = adakv ? allocator::adakv : allocator::flattened;
+    cfg.alloc.budgets = make_matrix_view<const std::int32_t>(budgets.data() + first, 1, n).value();
+    cfg.tp = tp;
+    decode_driver drv;
+    const auto bytes = decode_driver::state_bytes(cfg);
+    if (!bytes) return bytes.error();
+    std::vector<unsigned char> mem(*bytes);
+    KVEVICT_TRY(drv.init(cfg, mem.data(), mem.size()));
+    const auto wb = drv.workspace_bytes(seq);
+    if (!wb) return wb.error();
+    std::vector<unsigned char> wmem(*wb);
+    workspace ws{wmem.data(), wmem.size()};
+    std::vector<float> kv(static_cast<std::size_t>(n * C * d), 0.0f), vals(kv.size(), 0.0f);
+    std::vector<float> sc(static_cast<std::size_t>(n * C), 0.0f);
+    std::vector<pos_t> pos(static_cast<std::size_t>(n * C));
+    std::vector<std::int32_t> cu(static_cast<std::size_t>(n + 1)), lens(static_cast<std::size_t>(n), 0);
+    for (index_t h = 0; h <= n; ++h) cu[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * C);
+    const auto append = [&](pos_t p) {
+      for (index_t h = 0; h < n; ++h) pos[static_cast<std::size_t>(h * C + lens[static_cast<std::size_t>(h)]++)] = p;
+    };
+    for (index_t p = 0; p < P0; ++p) append(static_cast<pos_t>(p));
+    const ragged_cache<float> keys{kv.data(), cu.data(), lens.data(), n, d, d};
+    const ragged_cache<float> values{vals.data(), cu.data(), lens.data(), n, d, d};
+    const auto layer = make_layer_kv(keys, values, pos.data());
+    KVEVICT_TRY(drv.begin(0, layer, P0));
+    out.clear();
+    for (index_t t = P0; t < C; ++t) {
+      append(static_cast<pos_t>(t));
+      for (index_t h = 0; h < n; ++h)
+        for (index_t j = 0; j < lens[static_cast<std::size_t>(h)]; ++j)
+          sc[static_cast<std::size_t>(h * C + j)] =
+              score_of[static_cast<std::size_t>((first + h) * C + pos[static_cast<std::size_t>(h * C + j)])];
+      KVEVICT_TRY(drv.step_scores(seq, ws, 0, layer, make_matrix_view<const float>(sc.data(), n, C).value()));
+      if (drv.evicted(0)) KVEVICT_TRY(compact_layer(seq, keys, values, ragged_cache<pos_t>{pos.data(), cu.data(), lens.data(), n, 1, 1}, drv.kept(0)));
+      for (index_t h = 0; h < n; ++h)
+        out.emplace_back(pos.begin() + h * C, pos.begin() + h * C + lens[static_cast<std::size_t>(h)]);
+    }
+    return {};
+  };
+  std::vector<std::vector<pos_t>> want, got;
+  auto st = run(0, H, comm_ref{}, want);
+  if (!st.ok()) return std::string("single-process driver failed: ") + st.message();
+  st = run(per * comm.rank(), per, comm_ref(comm), got);
+  if (!st.ok()) return std::string("sharded driver failed: ") + st.message();
+  for (index_t t = 0; t < G; ++t)
+    for (index_t h = 0; h < per; ++h)
+      if (got[static_cast<std::size_t>(t * per + h)] != want[static_cast<std::size_t>(t * H + per * comm.rank() + h)])
+        return "held rows differ from the single-process driver's at step " + std::to_string(t);
   return "";
 }
 

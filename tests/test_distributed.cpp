@@ -67,8 +67,8 @@ TEST_CASE("layer-sharded LAVa / CAKE budgets: gathered layer values give the sin
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_layer_budgets(c, s); });
   for (int ranks : {1, 2, 3, 4})
     for (std::uint64_t seed = 0; seed < 20; ++seed) {
-      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_pipeline(c, s, false); });
-      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_pipeline(c, s, true); });
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, false, true); });
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, true, true); });
     }
 }
 

@@ -267,17 +267,8 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     KVEVICT_TRY(st);
     index_t prot_sum = 0, held = 0;
     held_.protected_totals(L, chunk_protection(), w.caps, w.totals, &prot_sum, &held);
-    if (tp) {  // the layers' protected and evictable rows over every rank's heads
-      static_assert(std::is_same_v<index_t, std::int64_t>, "index_t is summed as int64");
-      comm_ref c = cfg_.tp;
-      KVEVICT_TRY(c.allreduce_sum(w.caps, L));
-      KVEVICT_TRY(c.allreduce_sum(w.totals, L));
-      prot_sum = held = 0;
-      for (index_t l = 0; l < L; ++l) {
-        prot_sum += w.totals[l];
-        held += w.totals[l] + w.caps[l];
-      }
-    }
+    // the layers' protected and evictable rows over every rank's heads
+    if (tp) KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, L, w.caps, w.totals, &prot_sum, &held));
     index_t keep = cfg_.target == chunk_target::budget ? (cfg_.alloc.total < held ? cfg_.alloc.total : held)
                                                        : held - evict_count(held - prot_sum);
     if (keep < prot_sum) keep = prot_sum;  // not reached: init checks total >= L H (n_sink + n_recent)

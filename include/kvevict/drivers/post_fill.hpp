@@ -225,23 +225,10 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
           KVEVICT_TRY(gather_stages(g.local, g.all, g));
           for (index_t l = 0; l < ML; ++l) v[l] = static_cast<index_t>(g.all[l]);
         }
-        prot_sum = rows = 0;
-        for (index_t l = 0; l < ML; ++l) {
-          prot_sum += w.totals[l];
-          rows += w.totals[l] + w.caps[l];
-        }
+        detail::held_layers::row_sums(ML, w.caps, w.totals, &prot_sum, &rows);
       }
-      if (sharded(cfg_)) {  // the layers' protected and evictable rows over every rank's heads
-        static_assert(std::is_same_v<index_t, std::int64_t>, "index_t is summed as int64");
-        comm_ref tp = cfg_.tp;
-        KVEVICT_TRY(tp.allreduce_sum(w.caps, L));
-        KVEVICT_TRY(tp.allreduce_sum(w.totals, L));
-        prot_sum = rows = 0;
-        for (index_t l = 0; l < L; ++l) {
-          prot_sum += w.totals[l];
-          rows += w.totals[l] + w.caps[l];
-        }
-      }
+      if (sharded(cfg_))  // the layers' protected and evictable rows over every rank's heads
+        KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, L, w.caps, w.totals, &prot_sum, &rows));
       if (cfg_.alloc.total < prot_sum || cfg_.alloc.total > rows)
         return status::error(errc::invalid_argument,
                              "%s: lava total %lld is outside [%lld, %lld] (the layers' protected rows, their rows)", fn,

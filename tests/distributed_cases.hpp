@@ -7,6 +7,8 @@
 
 #include <kvevict/budget/layer_cascade.hpp>
 #include <kvevict/distributed.hpp>
+#include <kvevict/drivers/compact_layer.hpp>
+#include <kvevict/drivers/decode.hpp>
 #include <kvevict/drivers/post_fill.hpp>
 #include <kvevict/protect.hpp>
 
@@ -261,15 +263,17 @@ std::string check_cake_window(Comm& comm, std::uint64_t seed) {
   return "";
 }
 
-/// post_fill_driver under a tensor-parallel communicator with an all-layer allocator (lava: cake
-/// when `cake`): each rank's driver holds its heads of every layer (the engine's scores, ties
-/// included; cake: the same preferences on every rank) and keeps exactly the single-process
-/// driver's rows of those heads.
+/// post_fill_driver with an all-layer allocator (lava; cake when `cake`) on a sharded model, scores
+/// with many ties (cake: the same preferences on every rank). Tensor parallel (`pipeline` false):
+/// each rank's driver holds its heads of every layer; pipeline (post_fill_config::pp): each stage
+/// holds layer_shard(L, P, r) of the layers, lava's heads ragged. Either keeps exactly the
+/// single-process driver's rows of those heads / layers.
 template <class Comm>
-std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake) {
+std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake, bool pipeline = false) {
   using namespace kvevict;
   std::mt19937_64 g(seed);
-  const index_t L = pick(g, 1, 4), per = pick(g, 1, 3), H = per * comm.size(), d = 2, P = pick(g, 6, 40);
+  const index_t L = pipeline ? pick(g, comm.size(), comm.size() + 4) : pick(g, 1, 4), per = pick(g, 1, 3);
+  const index_t H = pipeline ? per : per * comm.size(), d = 2, P = pick(g, 6, 40);
   recipe r = recipe::snapkv();
   r.window = pick(g, 1, 4);
   r.n_sink = pick(g, 0, 2);
@@ -281,17 +285,26 @@ std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake)
   for (auto& x : prefs) x = 0.25 * static_cast<double>(pick(g, 0, 8));
   std::vector<float> kv(static_cast<std::size_t>(H * P * d), 0.0f);
   std::vector<pos_t> positions(static_cast<std::size_t>(H * P));
-  std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1));
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1)), lens(static_cast<std::size_t>(H));
   for (index_t h = 0; h <= H; ++h) cu[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * P);
-  for (index_t i = 0; i < H * P; ++i) positions[static_cast<std::size_t>(i)] = static_cast<pos_t>(i % P);
+  // every head holds the prompt; pipeline lava: a ragged head holds its last rows (the window in them)
+  for (auto& n : lens) n = static_cast<std::int32_t>(P - (pipeline && !cake ? pick(g, 0, P - r.window) : 0));
+  index_t rows = 0, prot = 0;  // one layer's rows and protected rows
+  for (index_t h = 0; h < H; ++h) {
+    const std::int32_t n = lens[static_cast<std::size_t>(h)];
+    for (index_t j = 0; j < n; ++j) positions[static_cast<std::size_t>(h * P + j)] = static_cast<pos_t>(P - n + j);
+    rows += n;
+    prot += protected_count(n, r.n_sink, r.n_recent);
+  }
   post_fill_config cfg;
   cfg.model = {L, H, H, d};
   cfg.tokens = P;
   cfg.rec = r;
   cfg.alloc.kind = cake ? allocator::cake : allocator::lava;
-  cfg.alloc.total = L * H * B;
-  // a driver over heads [first, first + n) of every layer; kept[l] = its per-head lists
-  const auto run = [&](const post_fill_config& c, index_t first, index_t n, std::vector<std::vector<pos_t>>& kept) -> status {
+  cfg.alloc.total = cake || !pipeline ? L * H * B : pick(g, L * prot, L * rows);
+  // a driver over layers [l0, l0 + nl) x heads [h0, h0 + nh); kept[(l - l0) nh + h - h0]
+  const auto run = [&](const post_fill_config& c, index_t l0, index_t nl, index_t h0, index_t nh,
+                       std::vector<std::vector<pos_t>>& kept) -> status {
     post_fill_driver drv;
     const auto bytes = post_fill_driver::state_bytes(c);
     if (!bytes) return bytes.error();
@@ -301,33 +314,124 @@ std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake)
     if (!wb) return wb.error();
     std::vector<unsigned char> wmem(*wb);
     workspace ws{wmem.data(), wmem.size()};
-    std::vector<std::int32_t> lens(static_cast<std::size_t>(n), static_cast<std::int32_t>(P));
-    const ragged_cache<float> keys{kv.data(), cu.data(), lens.data(), n, d, d};
-    const auto layer = make_layer_kv(keys, keys, positions.data());
-    for (index_t l = 0; l < L; ++l) {
-      const auto sv = make_matrix_view<const float>(scores.data() + (l * H + first) * P, n, P).value();
-      KVEVICT_TRY(drv.add_layer_scores(seq, ws, l, layer, sv, prefs[static_cast<std::size_t>(l)]));
+    const ragged_cache<float> keys{kv.data() + h0 * P * d, cu.data(), lens.data() + h0, nh, d, d};
+    const auto layer = make_layer_kv(keys, keys, positions.data() + h0 * P);
+    status st;
+    for (index_t l = l0; st.ok() && l < l0 + nl; ++l) {
+      const auto sv = make_matrix_view<const float>(scores.data() + (l * H + h0) * P, nh, P).value();
+      st = drv.add_layer_scores(seq, ws, l - l0, layer, sv, prefs[static_cast<std::size_t>(l)]);
     }
-    KVEVICT_TRY(drv.decide(seq, ws));
+    const status dec = drv.decide(seq, ws);  // every stage decides, also after a failure
+    KVEVICT_TRY(st);
+    KVEVICT_TRY(dec);
     kept.clear();
-    for (index_t l = 0; l < L; ++l) {
+    for (index_t l = 0; l < nl; ++l) {
       const ragged_positions k = drv.kept(l);
-      for (index_t h = 0; h < n; ++h) kept.emplace_back(k.pos + k.cu[h], k.pos + k.cu[h + 1]);
+      for (index_t h = 0; h < nh; ++h) kept.emplace_back(k.pos + k.cu[h], k.pos + k.cu[h + 1]);
     }
     return {};
   };
   std::vector<std::vector<pos_t>> want, got;
-  auto st = run(cfg, 0, H, want);
+  auto st = run(cfg, 0, L, 0, H, want);
   if (!st.ok()) return std::string("single-process driver failed: ") + st.message();
-  post_fill_config rc = cfg;
-  rc.model.kv_heads = rc.model.query_heads = per;
-  rc.tp = comm_ref(comm);
-  st = run(rc, per * comm.rank(), per, got);
+  post_fill_config sc = cfg;
+  shard_range layers{0, L}, heads{0, H};
+  if (pipeline) {
+    layers = layer_shard(L, comm.size(), comm.rank()).value();
+    sc.model.layers = layers.count;
+    sc.first_layer = layers.first;
+    sc.model_layers = L;
+    sc.pp = comm_ref(comm);
+  } else {
+    heads = {per * comm.rank(), per};
+    sc.model.kv_heads = sc.model.query_heads = per;
+    sc.tp = comm_ref(comm);
+  }
+  st = run(sc, layers.first, layers.count, heads.first, heads.count, got);
   if (!st.ok()) return std::string("sharded driver failed: ") + st.message();
-  for (index_t l = 0; l < L; ++l)
-    for (index_t h = 0; h < per; ++h)
-      if (got[static_cast<std::size_t>(l * per + h)] != want[static_cast<std::size_t>(l * H + per * comm.rank() + h)])
+  for (index_t l = 0; l < layers.count; ++l)
+    for (index_t h = 0; h < heads.count; ++h)
+      if (got[static_cast<std::size_t>(l * heads.count + h)] !=
+          want[static_cast<std::size_t>((layers.first + l) * H + heads.first + h)])
         return "kept rows differ from the single-process driver's";
+  return "";
+}
+
+/// The decode driver with a tensor-parallel communicator (flattened or adakv, scores with many ties
+/// given by step_scores): every step's kept rows of this rank's heads equal the single-process
+/// driver's.
+template <class Comm>
+std::string check_decode_sharded(Comm& comm, std::uint64_t seed, bool adakv) {
+  using namespace kvevict;
+  std::mt19937_64 g(seed);
+  const index_t per = pick(g, 1, 3), H = per * comm.size(), d = 2, P0 = pick(g, 4, 12), G = pick(g, 6, 20);
+  const index_t C = P0 + G, interval = pick(g, 1, 3);
+  recipe r = recipe::knorm();
+  r.n_sink = pick(g, 0, 1);
+  r.n_recent = pick(g, 0, 2);
+  const index_t lo = std::max<index_t>(r.n_sink + r.n_recent, 1);
+  std::vector<std::int32_t> block(static_cast<std::size_t>(per));  // every rank's budgets: the same block
+  const auto B = static_cast<std::int32_t>(pick(g, lo, lo + 6));
+  for (auto& b : block) b = adakv ? B : static_cast<std::int32_t>(pick(g, lo, lo + 6));
+  std::vector<std::int32_t> budgets(static_cast<std::size_t>(H));
+  for (index_t h = 0; h < H; ++h) budgets[static_cast<std::size_t>(h)] = block[static_cast<std::size_t>(h % per)];
+  std::vector<float> score_of(static_cast<std::size_t>(H * C));  // a row's score: by head and position
+  for (auto& x : score_of) x = static_cast<float>(pick(g, 0, 5));
+  // a driver over heads [first, first + n): per step, its heads' held positions
+  const auto run = [&](index_t first, index_t n, comm_ref tp, std::vector<std::vector<pos_t>>& out) -> status {
+    decode_config cfg;
+    cfg.model = {1, n, n, d};
+    cfg.capacity = C;
+    cfg.interval = interval;
+    cfg.rec = r;
+    cfg.alloc.kind = adakv ? allocator::adakv : allocator::flattened;
+    cfg.alloc.budgets = make_matrix_view<const std::int32_t>(budgets.data() + first, 1, n).value();
+    cfg.tp = tp;
+    decode_driver drv;
+    const auto bytes = decode_driver::state_bytes(cfg);
+    if (!bytes) return bytes.error();
+    std::vector<unsigned char> mem(*bytes);
+    KVEVICT_TRY(drv.init(cfg, mem.data(), mem.size()));
+    const auto wb = drv.workspace_bytes(seq);
+    if (!wb) return wb.error();
+    std::vector<unsigned char> wmem(*wb);
+    workspace ws{wmem.data(), wmem.size()};
+    std::vector<float> kv(static_cast<std::size_t>(n * C * d), 0.0f), vals(kv.size(), 0.0f);
+    std::vector<float> sc(static_cast<std::size_t>(n * C), 0.0f);
+    std::vector<pos_t> pos(static_cast<std::size_t>(n * C));
+    std::vector<std::int32_t> cu(static_cast<std::size_t>(n + 1)), lens(static_cast<std::size_t>(n), 0);
+    for (index_t h = 0; h <= n; ++h) cu[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * C);
+    const auto append = [&](pos_t p) {
+      for (index_t h = 0; h < n; ++h) pos[static_cast<std::size_t>(h * C + lens[static_cast<std::size_t>(h)]++)] = p;
+    };
+    for (index_t p = 0; p < P0; ++p) append(static_cast<pos_t>(p));
+    const ragged_cache<float> keys{kv.data(), cu.data(), lens.data(), n, d, d};
+    const ragged_cache<float> values{vals.data(), cu.data(), lens.data(), n, d, d};
+    const auto layer = make_layer_kv(keys, values, pos.data());
+    KVEVICT_TRY(drv.begin(0, layer, P0));
+    out.clear();
+    for (index_t t = P0; t < C; ++t) {
+      append(static_cast<pos_t>(t));
+      for (index_t h = 0; h < n; ++h)
+        for (index_t j = 0; j < lens[static_cast<std::size_t>(h)]; ++j)
+          sc[static_cast<std::size_t>(h * C + j)] =
+              score_of[static_cast<std::size_t>((first + h) * C + pos[static_cast<std::size_t>(h * C + j)])];
+      KVEVICT_TRY(drv.step_scores(seq, ws, 0, layer, make_matrix_view<const float>(sc.data(), n, C).value()));
+      if (drv.evicted(0)) KVEVICT_TRY(compact_layer(seq, keys, values, ragged_cache<pos_t>{pos.data(), cu.data(), lens.data(), n, 1, 1}, drv.kept(0)));
+      for (index_t h = 0; h < n; ++h)
+        out.emplace_back(pos.begin() + h * C, pos.begin() + h * C + lens[static_cast<std::size_t>(h)]);
+    }
+    return {};
+  };
+  std::vector<std::vector<pos_t>> want, got;
+  auto st = run(0, H, comm_ref{}, want);
+  if (!st.ok()) return std::string("single-process driver failed: ") + st.message();
+  st = run(per * comm.rank(), per, comm_ref(comm), got);
+  if (!st.ok()) return std::string("sharded driver failed: ") + st.message();
+  for (index_t t = 0; t < G; ++t)
+    for (index_t h = 0; h < per; ++h)
+      if (got[static_cast<std::size_t>(t * per + h)] != want[static_cast<std::size_t>(t * H + per * comm.rank() + h)])
+        return "held rows differ from the single-process driver's at step " + std::to_string(t);
   return "";
 }
 

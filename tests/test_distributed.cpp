@@ -56,6 +56,8 @@ TEST_CASE("sharded adakv_budgets, lava_layer_entropy, cake_layer_stats, cake_win
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_cake_window(c, s); });
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, false); });
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, true); });
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_decode_sharded(c, s, false); });
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_decode_sharded(c, s, true); });
     }
 }
 
@@ -63,6 +65,11 @@ TEST_CASE("layer-sharded LAVa / CAKE budgets: gathered layer values give the sin
   for (int ranks : {1, 2, 3, 4})
     for (std::uint64_t seed = 0; seed < 30; ++seed)
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_layer_budgets(c, s); });
+  for (int ranks : {1, 2, 3, 4})
+    for (std::uint64_t seed = 0; seed < 20; ++seed) {
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, false, true); });
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, true, true); });
+    }
 }
 
 TEST_CASE("pipeline-parallel cascade: each stage's layers hold what the single-process cascade holds") {

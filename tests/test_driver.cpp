@@ -46,6 +46,26 @@ synth make_synth(std::uint64_t seed, index_t L, index_t H, index_t Hq, index_t d
   return s;
 }
 
+/// A tensor-parallel rank's part of s: KV heads [h0, h0 + n) and their query heads.
+synth slice_heads(const synth& s, index_t h0, index_t n) {
+  const index_t g = s.Hq / s.H;
+  synth r{s.L, n, n * g, s.d, s.N, {}, {}, {}};
+  for (index_t l = 0; l < s.L; ++l)
+    for (index_t p = 0; p < s.N; ++p) {
+      r.q.insert(r.q.end(), s.query(l, p, h0 * g), s.query(l, p, (h0 + n) * g));
+      r.k.insert(r.k.end(), s.key(l, p, h0), s.key(l, p, h0 + n));
+      r.v.insert(r.v.end(), s.value(l, p, h0), s.value(l, p, h0 + n));
+    }
+  return r;
+}
+
+/// A rank's rows [h0, h0 + n) of a [L][H] budget matrix.
+std::vector<std::int32_t> slice_budgets(const std::vector<std::int32_t>& b, index_t L, index_t H, index_t h0, index_t n) {
+  std::vector<std::int32_t> r;
+  for (index_t l = 0; l < L; ++l) r.insert(r.end(), b.begin() + l * H + h0, b.begin() + l * H + h0 + n);
+  return r;
+}
+
 /// Queries of `positions` in layer l: [Hq][n][d] head-major.
 std::vector<float> gather_queries(const synth& s, index_t l, const std::vector<pos_t>& positions) {
   const auto n = static_cast<index_t>(positions.size());
@@ -664,6 +684,139 @@ TEST_CASE("drivers: post-fill across tensor-parallel ranks keeps the single-proc
       }
 }
 
+TEST_CASE("drivers: post-fill across pipeline stages keeps the single-process rows (lava, cake, adakv)") {
+  // every stage holds layer_shard(L, P, r) of the model; lava (ragged heads) and cake gather the
+  // layers' statistics in decide(); adakv needs no communicator (per-layer budgets)
+  int cases = 0;
+  for (std::uint64_t seed = 1; seed <= 8; ++seed)
+    for (allocator kind : {allocator::lava, allocator::cake, allocator::adakv})
+      for (int stages : {2, 3}) {
+        auto g = kvtest::rng(seed * 31 + static_cast<std::uint64_t>(kind) * 7 + static_cast<std::uint64_t>(stages));
+        pf_setup u;
+        const index_t L = kvtest::uniform_int(g, stages, 5), H = kvtest::uniform_int(g, 1, 3), d = 4, w = 4;
+        u.P = kvtest::uniform_int(g, 20, 40);
+        u.ragged = kind != allocator::cake && seed % 2 == 1;  // cake needs every head to hold the prompt
+        u.s = make_synth(seed, L, H, H, d, u.P);
+        const recipe r = small_window(kind == allocator::cake ? recipe::cake() : recipe::lava(), w);
+        const auto layers = pf_layers(u, w, seed);
+        const index_t B = kvtest::uniform_int(g, w, u.P / 2);
+        std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H), static_cast<std::int32_t>(B));
+        post_fill_config cfg;
+        cfg.model = {L, H, H, d};
+        cfg.tokens = u.P;
+        cfg.rec = r;
+        cfg.alloc.kind = kind;
+        if (kind == allocator::adakv) cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+        else cfg.alloc.total = L * H * B;
+        std::vector<double> prefs(static_cast<std::size_t>(L));  // cake: the layers' preferences
+        for (double& p : prefs) p = 0.01 * static_cast<double>(kvtest::uniform_int(g, 0, 200));
+        const auto qpos = range_of(u.P - w, u.P);
+        // one stage's (or one process's) driver over layers [first, first + n)
+        const auto run = [&](post_fill_driver& drv, index_t first, index_t n, bool nan) -> status {
+          aligned_buf wb;
+          workspace ws = make_ws(drv, seq, wb);
+          status st;
+          for (index_t l = first; st.ok() && l < first + n; ++l) {
+            const auto qb = gather_queries(u.s, l, qpos);
+            auto lay = layers[static_cast<std::size_t>(l)];
+            double pref = prefs[static_cast<std::size_t>(l)];
+            if (nan && l == first + n - 1) {  // a NaN key (lava's entropy refuses it), a NaN preference (cake)
+              lay.keys[0] = std::numeric_limits<float>::quiet_NaN();
+              pref = std::numeric_limits<double>::quiet_NaN();
+            }
+            st = drv.add_layer(seq, ws, l - first, lay.view(), block_view(qb, H, w, d), kv_view<const float>{}, pref);
+          }
+          const status dec = drv.decide(seq, ws);  // every stage decides, also after a failure
+          return st.ok() ? dec : st;
+        };
+        std::vector<unsigned char> mem(value_of(post_fill_driver::state_bytes(cfg)));
+        post_fill_driver one;
+        REQUIRE(one.init(cfg, mem.data(), mem.size()).ok());
+        REQUIRE(run(one, 0, L, false).ok());
+        for (int bad : {-1, stages - 1}) {
+          if (bad >= 0 && kind == allocator::adakv) continue;  // no communication: each stage on its own
+          std::vector<std::string> errors(static_cast<std::size_t>(stages)), decided(errors.size());
+          std::vector<std::vector<std::vector<std::vector<pos_t>>>> kept(errors.size());
+          std::vector<std::uint64_t> bytes(errors.size()), calls(errors.size());
+          kvtest::thread_world::run(stages, [&](kvtest::thread_comm& c) {
+            const auto me = static_cast<std::size_t>(c.rank());
+            const shard_range mine = value_of(layer_shard(L, stages, c.rank()));
+            post_fill_config rc = cfg;
+            rc.model.layers = mine.count;
+            rc.first_layer = mine.first;
+            rc.model_layers = L;
+            counting_comm<kvtest::thread_comm> cc(c);
+            rc.pp = comm_ref(cc);
+            if (kind == allocator::adakv)
+              rc.alloc.budgets =
+                  value_of(make_matrix_view<const std::int32_t>(budgets.data() + mine.first * H, mine.count, H));
+            post_fill_driver drv;
+            std::vector<unsigned char> rm(post_fill_driver::state_bytes(rc).value());
+            status st = drv.init(rc, rm.data(), rm.size());
+            if (st.ok()) st = run(drv, mine.first, mine.count, c.rank() == bad);
+            errors[me] = st.ok() ? "" : st.message();
+            decided[me] = drv.decided() ? "yes" : "no";
+            bytes[me] = cc.bytes();
+            calls[me] = cc.calls();
+            if (st.ok())
+              for (index_t l = 0; l < mine.count; ++l) kept[me].push_back(to_lists(drv.kept(l)));
+          });
+          for (int rk = 0; rk < stages; ++rk) {
+            CAPTURE(seed);
+            CAPTURE(static_cast<int>(kind));
+            CAPTURE(rk);
+            const auto me = static_cast<std::size_t>(rk);
+            if (bad >= 0) {  // the bad stage fails in add_layer, every other in decide, naming the stage
+              CHECK(decided[me] == "no");
+              if (rk != bad)
+                CHECK(errors[me].find("rank " + std::to_string(bad) + " of " + std::to_string(stages)) !=
+                      std::string::npos);
+              CHECK(errors[me] != "");
+              continue;
+            }
+            REQUIRE(errors[me] == "");
+            const shard_range mine = value_of(layer_shard(L, stages, rk));
+            for (index_t l = 0; l < mine.count; ++l) CHECK(kept[me][static_cast<std::size_t>(l)] == to_lists(one.kept(mine.first + l)));
+            // the agreement (72 bytes), then gathers of L values (an agreement + an allreduce of 2L
+            // doubles each): lava's entropies, protected and evictable rows; cake's preferences
+            const auto gather = static_cast<std::uint64_t>(72 + 16 * L);
+            const std::uint64_t want = kind == allocator::lava ? 72 + 3 * gather : kind == allocator::cake ? 72 + gather : 0;
+            CHECK(bytes[me] == want);
+            CHECK(calls[me] == (kind == allocator::lava ? 7u : kind == allocator::cake ? 3u : 0u));
+          }
+          ++cases;
+        }
+      }
+  CHECK(cases == 8 * 2 * 5);
+}
+
+TEST_CASE("drivers: post-fill stage configuration errors") {
+  post_fill_config cfg;
+  cfg.model = {2, 2, 2, 4};
+  cfg.tokens = 16;
+  cfg.rec = small_window(recipe::lava(), 4);
+  cfg.alloc.kind = allocator::lava;
+  cfg.alloc.total = 40;
+  cfg.first_layer = 1;  // no pp: one process holds every layer
+  require_error(post_fill_driver::state_bytes(cfg).error(), errc::invalid_argument,
+                "layers [1, 3) of a model of 2 layers");
+  cfg.first_layer = 0;
+  cfg.model_layers = 4;
+  require_error(post_fill_driver::state_bytes(cfg).error(), errc::invalid_argument,
+                "layers [0, 2) of a model of 4 layers (a stage needs a pp communicator");
+  kvtest::thread_world::run(2, [&](kvtest::thread_comm& c) {
+    post_fill_config rc = cfg;
+    rc.pp = comm_ref(c);
+    rc.first_layer = 3;  // past the model
+    CHECK(post_fill_driver::state_bytes(rc).error().code() == errc::invalid_argument);
+    rc.first_layer = 2;
+    rc.tp = comm_ref(c);
+    CHECK(post_fill_driver::state_bytes(rc).error().code() == errc::unsupported);
+    rc.tp = {};
+    CHECK(post_fill_driver::state_bytes(rc).ok());
+  });
+}
+
 TEST_CASE("drivers: post-fill with uniform budgets and SnapKV equals recipe_scores + recipe_select per layer") {
   for (std::uint64_t seed = 11; seed <= 14; ++seed) {
     auto g = kvtest::rng(seed);
@@ -970,6 +1123,7 @@ struct chunk_case {
   index_t total = 0;                  // lava
   bool patch_keys = true;
   std::vector<index_t> bounds;        // chunk boundaries 0 = b0 < b1 < ... = N
+  comm_ref tp;                        // tensor parallelism: s holds this rank's heads
 };
 
 chunked_config chunk_cfg(const chunk_case& c) {
@@ -984,6 +1138,7 @@ chunked_config chunk_cfg(const chunk_case& c) {
   cfg.alloc.kind = c.kind;
   if (c.kind != allocator::lava) cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(c.budgets.data(), c.s.L, c.s.H));
   cfg.alloc.total = c.total;
+  cfg.tp = c.tp;
   return cfg;
 }
 
@@ -1303,6 +1458,7 @@ struct decode_case {
   recipe r;
   allocator kind = allocator::per_head;
   std::vector<std::int32_t> budgets;  // [L][H]
+  comm_ref tp;                        // tensor parallelism: s holds this rank's heads
 };
 
 decode_config decode_cfg(const decode_case& c) {
@@ -1313,6 +1469,7 @@ decode_config decode_cfg(const decode_case& c) {
   cfg.rec = c.r;
   cfg.alloc.kind = c.kind;
   cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(c.budgets.data(), c.s.L, c.s.H));
+  cfg.tp = c.tp;
   return cfg;
 }
 
@@ -2344,4 +2501,111 @@ TEST_CASE("drivers: the scores entry points check the scores; they need no queri
     CHECK(cfg.rec.n_sink <= 6);
     CHECK(kh == want);
   }
+}
+
+// =================================================================================================
+// Chunked and decode drivers across tensor-parallel ranks
+
+namespace {
+
+/// Runs `run` on the whole case (one process) and on `ranks` threads holding their slices of the
+/// heads and budgets; per step and layer, the ranks' heads in rank order equal the one process's.
+template <class Case, class Run>
+void check_tensor_parallel(const Case& c, int ranks, Run run) {
+  const auto ref = run(c);
+  const index_t L = c.s.L, H = c.s.H, Hl = H / ranks;
+  std::vector<std::decay_t<decltype(ref)>> got(static_cast<std::size_t>(ranks));
+  kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& comm) {
+    Case rc = c;
+    rc.s = slice_heads(c.s, Hl * comm.rank(), Hl);
+    rc.budgets = slice_budgets(c.budgets, L, H, Hl * comm.rank(), Hl);
+    rc.tp = comm_ref(comm);
+    got[static_cast<std::size_t>(comm.rank())] = run(rc);
+  });
+  auto merged = got[0];
+  for (std::size_t t = 0; t < merged.size(); ++t)
+    for (std::size_t l = 0; l < merged[t].size(); ++l)
+      for (int r = 1; r < ranks; ++r) {
+        const auto& part = got[static_cast<std::size_t>(r)][t][l];
+        merged[t][l].insert(merged[t][l].end(), part.begin(), part.end());
+      }
+  CHECK(merged == ref);
+}
+
+/// Budgets [L][H] whose ranks' blocks are the same random block (every rank's sum per layer is
+/// the same, as the sharded flattened / adakv layers require).
+std::vector<std::int32_t> rank_budgets(std::mt19937_64& g, index_t L, index_t H, int ranks, index_t lo, index_t hi,
+                                       bool vary) {
+  const index_t Hl = H / ranks;
+  std::vector<std::int32_t> b(static_cast<std::size_t>(L * H));
+  const auto B = static_cast<std::int32_t>(kvtest::uniform_int(g, lo, hi));
+  for (index_t l = 0; l < L; ++l)
+    for (index_t h = 0; h < Hl; ++h) {
+      const auto x = vary ? static_cast<std::int32_t>(kvtest::uniform_int(g, lo, hi)) : B;
+      for (int r = 0; r < ranks; ++r) b[static_cast<std::size_t>(l * H + r * Hl + h)] = x;
+    }
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("drivers: chunked across tensor-parallel ranks keeps the single-process rows (flattened, adakv, lava)") {
+  int cases = 0;
+  for (std::uint64_t seed = 1; seed <= 6; ++seed)
+    for (allocator kind : {allocator::per_head, allocator::flattened, allocator::adakv, allocator::lava})
+      for (int ranks : {2, 3}) {
+        auto g = kvtest::rng(seed * 13 + static_cast<std::uint64_t>(kind) * 3 + static_cast<std::uint64_t>(ranks));
+        chunk_case c;
+        const index_t L = kvtest::uniform_int(g, 1, 3), H = ranks * kvtest::uniform_int(g, 1, 2);
+        const index_t Hq = H * kvtest::uniform_int(g, 1, 2), d = 4;
+        c.N = kvtest::uniform_int(g, 30, 60);
+        c.s = make_synth(seed, L, H, Hq, d, c.N);
+        c.r = seed % 3 == 0 ? small_window(recipe::snapkv(), 5) : seed % 3 == 1 ? small_window(recipe::lava(), 4)
+                                                                                : recipe::streaming_llm(3);
+        c.mode = seed % 2 ? chunk_queries::patched : chunk_queries::naive;
+        c.target = kind != allocator::adakv && seed % 4 < 2 ? chunk_target::fraction : chunk_target::budget;
+        c.p = double(kvtest::uniform_int(g, 0, 10)) / 10.0;
+        c.kind = kind;
+        const index_t prot = c.r.n_sink + c.r.n_recent, lo = std::max<index_t>(prot, 1);
+        c.budgets = rank_budgets(g, L, H, ranks, lo, prot + 20, kind != allocator::adakv);
+        c.total = L * H * kvtest::uniform_int(g, lo, prot + 20);  // lava: the model's, all ranks' heads
+        const bool patched = c.mode == chunk_queries::patched && uses_attention(c.r.kind);
+        c.bounds = random_bounds(g, c.N, patched ? c.N - c.r.window : c.N - 1, kvtest::uniform_int(g, 1, 4));
+        CAPTURE(seed);
+        CAPTURE(static_cast<int>(kind));
+        CAPTURE(ranks);
+        check_tensor_parallel(c, ranks, [](const chunk_case& x) { return run_chunked(seq, x, nullptr); });
+        ++cases;
+      }
+  CHECK(cases == 6 * 4 * 2);
+}
+
+TEST_CASE("drivers: decode across tensor-parallel ranks keeps the single-process rows (flattened, adakv)") {
+  int cases = 0;
+  for (std::uint64_t seed = 1; seed <= 8; ++seed)
+    for (allocator kind : {allocator::per_head, allocator::flattened, allocator::adakv})
+      for (int ranks : {2, 3}) {
+        auto g = kvtest::rng(seed * 11 + static_cast<std::uint64_t>(kind) * 5 + static_cast<std::uint64_t>(ranks));
+        decode_case c;
+        const index_t L = kvtest::uniform_int(g, 1, 2), H = ranks * kvtest::uniform_int(g, 1, 2);
+        const index_t Hq = H * kvtest::uniform_int(g, 1, 2);
+        c.P = kvtest::uniform_int(g, 8, 20);
+        c.G = kvtest::uniform_int(g, 10, 24);
+        c.interval = kvtest::uniform_int(g, 1, 3);
+        c.s = make_synth(seed, L, H, Hq, 4, c.P + c.G);
+        const int rk = static_cast<int>(seed % 4);
+        c.r = rk == 0 ? recipe::h2o() : rk == 1 ? small_window(recipe::snapkv(), 4) : rk == 2 ? recipe::tova()
+                                                                                              : recipe::knorm();
+        c.r.n_sink = rk == 0 ? 1 : c.r.n_sink;
+        c.kind = kind;
+        const index_t prot = c.r.n_sink + c.r.n_recent;
+        c.budgets = rank_budgets(g, L, H, ranks, std::max<index_t>(prot, 2), prot + 8, kind != allocator::adakv);
+        CAPTURE(seed);
+        CAPTURE(static_cast<int>(kind));
+        CAPTURE(ranks);
+        check_tensor_parallel(c, ranks, [](const decode_case& x) { return run_decode(seq, x, nullptr); });
+        check_tensor_parallel(c, ranks, [](const decode_case& x) { return run_decode(seq, x, nullptr, true); });
+        ++cases;
+      }
+  CHECK(cases == 8 * 3 * 2);
 }

@@ -217,6 +217,20 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
   if (auto st = sampler.init(model.cfg().vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
   std::vector<int> generated;
   const kvrun::shard_options s{o.tp > 0 ? o.tp : 1, o.pp > 0 ? o.pp : 1, o.threads > 0 ? o.threads : 1};
+  if (o.report) {  // the reduced quality report (runner/sharded.hpp: sharded_quality), rank 0 prints its JSON
+    std::vector<kvrun::method> recipes;
+    for (const std::string& name : o.recipes) {
+      kvrun::method m = kvrun::method::full;
+      if (auto st = kvrun::parse_method(name, m); !st.ok()) return fail("--recipes: ", st);
+      recipes.push_back(m);
+    }
+    std::string json;
+    const auto st = kvrun::sharded_quality(model, comm, s, o.evict, recipes, o.budgets, prompt, o.steps, json);
+    if (comm.rank() != 0) return st.ok() ? 0 : 1;
+    if (!st.ok()) return fail("", st);
+    std::fputs(json.c_str(), stdout);
+    return 0;
+  }
   const auto st = kvrun::sharded_generate(model, comm, s, o.evict, prompt, o.steps,
                                           [&](const float* logits) { return sampler.sample(logits); }, generated);
   if (comm.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
@@ -293,7 +307,8 @@ int run(int argc, char** argv) {
   kvrun::model model;
   if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail_file(o.model, st);
   const kvrun::config& c = model.cfg();
-  if (o.report || o.footprint) {
+  const bool sharded = o.tp > 0 || o.pp > 0;  // --report with --tp / --pp: the reduced sharded report
+  if ((o.report && !sharded) || o.footprint) {
     std::string command = "kvevict-run";
     for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
     return o.report ? run_report(o, model, command) : run_footprint(o, model, command);
@@ -307,7 +322,7 @@ int run(int argc, char** argv) {
 
   std::vector<int> prompt;
   if (const int code = encode_prompt(o, tok, c, o.prompt, "the prompt", prompt); code != 0) return code;
-  if (o.tp > 0 || o.pp > 0) return run_sharded(o, model, tok, prompt);
+  if (sharded) return run_sharded(o, model, tok, prompt);
 
   // The full cache is sized for the prompt and the steps; the evicted one for the whole context:
   // LAQ decodes pseudo tokens past the prompt and the oracle runs the response.

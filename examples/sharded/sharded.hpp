@@ -15,15 +15,16 @@
 // Pipeline parallelism (--pp P, P <= layers): rank r holds the layers layer_shard(L, P, r). The
 // stages run in order; after each, its activations reach every rank (an allgather of the block's
 // rows, the other ranks' slots unused), so every rank computes the same logits and samples the same
-// token. Eviction: post_fill_driver on the stage's layers (per-layer allocators: uniform, PyramidKV
-// need only the layer index, AdaKV selects within a layer). LAVa and CAKE under --pp: not done (their
-// layer budgets need every stage's statistics inside the driver: an error says so).
+// token. Eviction: post_fill_driver on the stage's layers (post_fill_config::pp: uniform, PyramidKV
+// need only the layer index, AdaKV selects within a layer; LAVa's and CAKE's layer budgets come from
+// every stage's entropies / preferences, gathered by the driver's decide()).
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
 // kvevict/mpi.hpp; the tests also run it on threads). Only the postfill driver and the methods
 // full, snapkv, pyramidkv, adakv, lava, cake run sharded; the others are a clear error.
 #pragma once
 
+#include <report/report.hpp>
 #include <runner/evict.hpp>
 #include <runner/generate.hpp>
 #include <runner/model.hpp>
@@ -35,7 +36,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace kvrun {
@@ -101,8 +104,7 @@ class shard_cache {
   std::vector<std::int32_t> lens_, cu_;
 };
 
-/// The methods a sharded run takes (postfill driver): full, snapkv, pyramidkv, adakv, lava, cake
-/// (lava and cake only under --tp). Error: a clear one naming what is not supported.
+/// The methods a sharded run takes (postfill driver): full, snapkv, pyramidkv, adakv, lava, cake. Error: a clear one naming what is not supported.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1 || (s.tp > 1 && s.pp > 1))
     return status::error(errc::invalid_argument, "--tp %d --pp %d: give one of them (tensor or pipeline parallelism)",
@@ -127,11 +129,6 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
   if (m != method::full && a != budget_scheme::uniform && a != budget_scheme::pyramid && a != budget_scheme::adakv &&
       a != budget_scheme::lava && a != budget_scheme::cake)
     return status::error(errc::unsupported, "--allocator %s does not run sharded", allocator_name(a));
-  if (m != method::full && s.pp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
-    return status::error(errc::unsupported,
-                         "--pp with --allocator %s is not supported yet (its layer budgets need every stage's "
-                         "statistics inside the driver; --tp runs it)",
-                         allocator_name(a));
   return check_evict_options(c, o);
 }
 
@@ -175,6 +172,15 @@ class sharded_runner {
 
   const float* logits() const { return logits_.data(); }
   pos_t next_position() const { return next_; }
+  /// KV rows the whole model holds (every rank's heads / layers, summed over the ranks).
+  status rows(index_t& out) const {
+    std::int64_t n = 0;
+    for (int l = 0; l < m_->cfg().n_layers; ++l)
+      for (index_t h = 0; h < heads_.count; ++h) n += cache_.length(l, h);
+    KVEVICT_TRY(comm_->allreduce_sum(&n, 1));
+    out = n;
+    return {};
+  }
 
   /// Prefills `prompt` (an empty cache) and evicts as configured; logits() then holds the first
   /// generated token's. Errors: an empty or too long prompt, the driver's.
@@ -345,6 +351,11 @@ class sharded_runner {
       pc.alloc.budgets = *kvevict::make_matrix_view(budgets_.data(), Ls, hk);
     }
     if (s_.tp > 1) pc.tp = kvevict::comm_ref(*comm_);
+    if (s_.pp > 1) {  // this stage's layers of the model's L
+      pc.pp = kvevict::comm_ref(*comm_);
+      pc.first_layer = layers_.first;
+      pc.model_layers = L;
+    }
     const bool cake = a == budget_scheme::cake;
     const index_t w = o_.window;
     const auto queries = [&](int l, index_t first, index_t rows) {
@@ -361,10 +372,83 @@ class sharded_runner {
     };
     KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, nullptr));
     for (index_t ls = 0; ls < Ls; ++ls) KVEVICT_TRY(cache_.compact(static_cast<int>(layers_.first + ls), pf_.kept(ls)));
-    (void)L;
     return {};
   }
 };
+
+/// The quality report, reduced, on a sharded job (kvevict-run --report --tp P / --pp P, docs/distributed.md):
+/// on one prompt, the full cache generates `steps` positions greedily (the response); every
+/// recipe x budget then evicts after the prefill and is teacher-forced through the response.
+/// Per row: the KV rows kept after the prefill (the whole model's), the mean KL(full || evicted)
+/// of the next-token distributions, the top-1 agreement with the response, the greedy agreement
+/// (positions before the first differing argmax) and the KL at every position. `json` (every
+/// rank) holds them with 17 significant digits, and nothing about the sharding: a run on P ranks
+/// prints what one rank prints, bit for bit, or the sharding changed a number.
+template <class Comm>
+status sharded_quality(const model& m, Comm& comm, const shard_options& s, const evict_options& base,
+                       const std::vector<method>& recipes, const std::vector<index_t>& budgets,
+                       const std::vector<int>& prompt, int steps, std::string& json) {
+  const index_t V = m.cfg().vocab_size, n = static_cast<index_t>(prompt.size());
+  if (recipes.empty() || budgets.empty() || steps <= n)
+    return status::error(errc::invalid_argument,
+                         "sharded report: %zu recipes, %zu budgets, %d steps for a %lld-token prompt (need recipes, "
+                         "budgets and a response)",
+                         recipes.size(), budgets.size(), steps, static_cast<long long>(n));
+  const index_t resp = steps - n;
+  evict_options full_o = base;
+  full_o.recipe = method::full;
+  sharded_runner<Comm> full;
+  KVEVICT_TRY(full.init(m, comm, s, full_o));
+  KVEVICT_TRY(full.prefill(prompt));
+  std::vector<double> full_logp(static_cast<std::size_t>(resp * V)), logq(static_cast<std::size_t>(V));
+  std::vector<int> response(static_cast<std::size_t>(resp));
+  for (index_t t = 0; t < resp; ++t) {
+    detail::log_softmax(full.logits(), V, full_logp.data() + t * V);
+    response[static_cast<std::size_t>(t)] = sampler::argmax(full.logits(), static_cast<int>(V));
+    if (t + 1 < resp) KVEVICT_TRY(full.decode(response[static_cast<std::size_t>(t)]));
+  }
+  const auto fmt = [](double v) {  // every bit of a double
+    char b[40];
+    std::snprintf(b, sizeof b, "%.17g", v);
+    return std::string(b);
+  };
+  json = "{\"prompt_tokens\": " + std::to_string(n) + ", \"response_tokens\": " + std::to_string(resp) + ", \"rows\": [";
+  bool first_row = true;
+  for (const method r : recipes)
+    for (const index_t b : budgets) {
+      evict_options e = base;
+      e.recipe = r;
+      e.budget = b;
+      sharded_runner<Comm> run;
+      KVEVICT_TRY(run.init(m, comm, s, e));
+      KVEVICT_TRY(run.prefill(prompt));
+      index_t kept = 0;
+      KVEVICT_TRY(run.rows(kept));
+      double kl_sum = 0.0, top1 = 0.0;
+      index_t agreement = 0;
+      bool agreeing = true;
+      std::string at;
+      for (index_t t = 0; t < resp; ++t) {
+        detail::log_softmax(run.logits(), V, logq.data());
+        const double kl = detail::kl_divergence(full_logp.data() + t * V, logq.data(), V);
+        kl_sum += kl;
+        at += (t > 0 ? ", " : "") + fmt(kl);
+        const bool same = sampler::argmax(run.logits(), static_cast<int>(V)) == response[static_cast<std::size_t>(t)];
+        top1 += same ? 1.0 : 0.0;
+        agreeing = agreeing && same;
+        agreement += agreeing ? 1 : 0;
+        if (t + 1 < resp) KVEVICT_TRY(run.decode(response[static_cast<std::size_t>(t)]));
+      }
+      json += first_row ? "\n  " : ",\n  ";
+      first_row = false;
+      json += "{\"recipe\": \"" + std::string(method_name(r)) + "\", \"budget\": " + std::to_string(b) +
+              ", \"kept\": " + std::to_string(kept) + ", \"kl\": " + fmt(kl_sum / static_cast<double>(resp)) +
+              ", \"top1\": " + fmt(top1 / static_cast<double>(resp)) + ", \"agreement\": " +
+              std::to_string(agreement) + ", \"kl_at\": [" + at + "]}";
+    }
+  json += "\n]}\n";
+  return {};
+}
 
 /// Generation on one rank of a sharded job: prefill `prompt` with eviction, then sample until
 /// `steps` positions (prompt included) as continue_generation does; every rank gets the same `generated`.

@@ -39,6 +39,14 @@ int main(int argc, char** argv) {
       expect(rank, "cake_window_preference", seed, d::check_cake_window(comm, seed));
       expect(rank, "post_fill_driver lava", seed, d::check_post_fill_all_layer(comm, seed, false));
       expect(rank, "post_fill_driver cake", seed, d::check_post_fill_all_layer(comm, seed, true));
+      if (seed < 4) {  // the drivers: many small collectives per case (threads cover 20-30 seeds)
+        expect(rank, "post_fill_driver lava, pipeline", seed, d::check_post_fill_all_layer(comm, seed, false, true));
+        expect(rank, "post_fill_driver cake, pipeline", seed, d::check_post_fill_all_layer(comm, seed, true, true));
+      }
+      if (seed < 2) {  // a collective at every due step: the threads run 30 seeds
+        expect(rank, "decode_driver flattened", seed, d::check_decode_sharded(comm, seed, false));
+        expect(rank, "decode_driver adakv", seed, d::check_decode_sharded(comm, seed, true));
+      }
       expect(rank, "layer budgets", seed, d::check_layer_budgets(comm, seed));
       expect(rank, "pipeline cascade", seed, d::check_pipeline_cascade(comm, seed));
     }

@@ -19,6 +19,7 @@
 // new chunk) with the query block and evicts down to the budget or p% of the evictable rows.
 #pragma once
 
+#include <kvevict/distributed.hpp>
 #include <kvevict/drivers/detail/driver_skeleton.hpp>
 
 #include <cmath>
@@ -59,6 +60,16 @@ struct chunked_config {
   double fraction = 0.5;  ///< p in [0, 1] for chunk_target::fraction
   /// per_head, flattened, adakv (budget target only) or lava; cake is not supported here.
   allocation alloc;
+  /// Tensor parallelism (docs/distributed.md): this rank's driver holds model.kv_heads of the
+  /// layer's model.kv_heads x tp.size() KV heads (head_shard), every rank running the same calls
+  /// with the same chunks. per_head needs no communicator. flattened / adakv: every rank passes the
+  /// same budget sum per layer (its block of the [L][H x P] budgets); a layer's target is computed
+  /// from every rank's rows (one agreement per layer and chunk) and selected across the ranks
+  /// (sharded select_topk_flat / adakv_budgets), exactly as one process would. lava: alloc.total
+  /// is the model's total over every rank's heads; the entropies, the layers' rows and the
+  /// selection run across the ranks. A call failing on one rank before its collectives fails on
+  /// every rank. Empty: one process.
+  comm_ref tp;
 };
 
 /// Extra query positions the engine appends after a chunk (patched mode, non-final chunks).
@@ -169,7 +180,9 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   template <class Backend, class T, class Q>
   status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries,
                    kv_view<const T> patch_keys = {}) {
-    return add_layer_queries("chunked_driver::add_layer", be, ws, layer, kv, queries, patch_keys, 0.0);
+    constexpr const char* fn = "chunked_driver::add_layer";
+    in_collective_ = false;
+    return joined(fn, ws, add_layer_queries(fn, be, ws, layer, kv, queries, patch_keys, 0.0));
   }
 
   /// add_layer with scores an engine or a trained scorer computed for the layer's current cache
@@ -181,7 +194,9 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   template <class Backend, class T>
   status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
                           matrix_view<const float> scores) {
-    return add_layer_given_scores("chunked_driver::add_layer_scores", be, ws, layer, kv, scores, 0.0);
+    constexpr const char* fn = "chunked_driver::add_layer_scores";
+    in_collective_ = false;
+    return joined(fn, ws, add_layer_given_scores(fn, be, ws, layer, kv, scores, 0.0));
   }
 
   /// The recipe the current chunk is scored with: naive / final chunks as a prompt window of the
@@ -209,29 +224,47 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   status decide(Backend be, workspace& ws) {
     constexpr const char* fn = "chunked_driver::decide";
     detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
+    status st = open_call(fn, be, ws, w);
+    if (ws.is_query()) return st;
     const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads;
-    if (!open_) return status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
-    if (next_ < L)
-      return status::error(errc::invalid_argument, "%s: only %lld of %lld layers of chunk [%lld, %lld) were added", fn,
-                           static_cast<long long>(next_), static_cast<long long>(L), static_cast<long long>(begin_),
-                           static_cast<long long>(end_));
-    if (!lava()) return {};
-    if (decided_)
-      return status::error(errc::invalid_argument, "%s: chunk [%lld, %lld) was already decided", fn,
-                           static_cast<long long>(begin_), static_cast<long long>(end_));
-    KVEVICT_TRY(check_ws(fn, ws));
+    if (st.ok() && !open_) st = status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
+    if (st.ok() && next_ < L)
+      st = status::error(errc::invalid_argument, "%s: only %lld of %lld layers of chunk [%lld, %lld) were added", fn,
+                         static_cast<long long>(next_), static_cast<long long>(L), static_cast<long long>(begin_),
+                         static_cast<long long>(end_));
+    if (st.ok() && !lava()) return {};
+    if (st.ok() && decided_)
+      st = status::error(errc::invalid_argument, "%s: chunk [%lld, %lld) was already decided", fn,
+                         static_cast<long long>(begin_), static_cast<long long>(end_));
+    if (st.ok()) st = check_ws(fn, ws);
+    const bool tp = ok_ && lava() && sharded();
+    if (tp) {  // every rank agrees first (a rank failing here fails them all)
+      detail::config_line config;
+      config.print("lava total %lld, chunk [%lld, %lld), %lld layers x %lld heads per rank",
+                   static_cast<long long>(cfg_.alloc.total), static_cast<long long>(begin_),
+                   static_cast<long long>(end_), static_cast<long long>(L), static_cast<long long>(H));
+      comm_ref c = cfg_.tp;
+      st = detail::agree(c, fn, st, config, nullptr, 0);
+    }
+    KVEVICT_TRY(st);
     index_t prot_sum = 0, held = 0;
     held_.protected_totals(L, chunk_protection(), w.caps, w.totals, &prot_sum, &held);
+    // the layers' protected and evictable rows over every rank's heads
+    if (tp) KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, L, w.caps, w.totals, &prot_sum, &held));
     index_t keep = cfg_.target == chunk_target::budget ? (cfg_.alloc.total < held ? cfg_.alloc.total : held)
                                                        : held - evict_count(held - prot_sum);
     if (keep < prot_sum) keep = prot_sum;  // not reached: init checks total >= L H (n_sink + n_recent)
     KVEVICT_TRY(held_.share_lava_totals(L, keep - prot_sum, w.caps, w.shares, w.totals));
     for (index_t l = 0; l < L; ++l) {
-      KVEVICT_TRY(detail::select_layer(be, w.sel, allocator::lava, held_.scores_view(l), held_.lens + l * H, nullptr,
-                                       w.totals[l], adakv_options{}, kept_cu_ + l * (H + 1),
-                                       kept_pos_ + l * H * cfg_.capacity));
+      if (tp) {
+        comm_ref c = cfg_.tp;
+        KVEVICT_TRY(select_topk_flat(be, w.sel, c, held_.scores_view(l), held_.lens + l * H, w.totals[l], nullptr,
+                                     kept_cu_ + l * (H + 1), kept_pos_ + l * H * cfg_.capacity));
+      } else {
+        KVEVICT_TRY(detail::select_layer(be, w.sel, allocator::lava, held_.scores_view(l), held_.lens + l * H,
+                                         nullptr, w.totals[l], adakv_options{}, kept_cu_ + l * (H + 1),
+                                         kept_pos_ + l * H * cfg_.capacity));
+      }
       KVEVICT_TRY(held_.record(rec_, l, kept(l, true), end_, w));
       commit(l);
     }
@@ -352,7 +385,13 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
       eo.prot = prot;
       eo.norm = cfg_.alloc.lava_norm;
       double e = 0.0;
-      KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
+      if (sharded()) {  // every rank gets the entropy over all the layer's heads
+        in_collective_ = true;
+        comm_ref c = cfg_.tp;
+        KVEVICT_TRY(lava_layer_entropy(be, w.sel, c, sv, lens, eo, &e));
+      } else {
+        KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
+      }
       held_.store(layer, kv, e);
       next_ = layer + 1;
       return {};
@@ -377,13 +416,71 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     ao.alpha = cfg_.alloc.adakv_alpha;
     ao.floor = cfg_.alloc.floor_rule;
     ao.prot = prot;
-    KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao,
-                                     kept_cu_ + layer * (H + 1), kept_pos_ + layer * H * C));
+    if (sharded()) {
+      KVEVICT_TRY(select_sharded(be, w, layer, sv, lens, ao));
+    } else {
+      KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao,
+                                       kept_cu_ + layer * (H + 1), kept_pos_ + layer * H * C));
+    }
     KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, kept(layer, true), end_, w.evicted, w.evicted_cu));
     commit(layer);
     next_ = layer + 1;
     if (next_ == L) ++chunks_;
     return {};
+  }
+
+  /// Layers selected across the tensor-parallel ranks.
+  bool sharded() const noexcept {
+    return cfg_.tp.size() > 1 && (cfg_.alloc.kind == allocator::flattened || cfg_.alloc.kind == allocator::adakv ||
+                                  cfg_.alloc.kind == allocator::lava);
+  }
+  /// Tensor-parallel ranks (1 without a communicator).
+  static index_t tp_ranks(const chunked_config& c) { return c.tp.size() > 1 ? c.tp.size() : 1; }
+
+  /// flattened / adakv across the ranks: the ranks agree on the chunk, the layer and their budget
+  /// sum and sum their rows and protected rows; the layer's target is computed from those, as one
+  /// process computes it from all its heads; then the sharded selection (or every row kept).
+  template <class Backend>
+  status select_sharded(Backend be, detail::call_scratch& w, index_t layer, const matrix_view<const float>& sv,
+                        const std::int32_t* lens, const adakv_options& ao) {
+    constexpr const char* fn = "chunked_driver::add_layer";
+    const index_t H = cfg_.model.kv_heads;
+    index_t budget = 0;
+    std::int64_t sums[2] = {};  // rows, protected rows
+    for (index_t h = 0; h < H; ++h) {
+      budget += budgets_[layer * H + h];
+      sums[0] += lens[h];
+      sums[1] += protected_count(lens[h], ao.prot.n_sink, ao.prot.n_recent);
+    }
+    detail::config_line config;
+    config.print("%s chunk [%lld, %lld) layer %lld, %s %.17g, budget sum %lld per rank, %lld heads per rank",
+                 allocator_name(cfg_.alloc.kind), static_cast<long long>(begin_), static_cast<long long>(end_),
+                 static_cast<long long>(layer), cfg_.target == chunk_target::budget ? "budget" : "fraction",
+                 cfg_.target == chunk_target::budget ? 0.0 : cfg_.fraction, static_cast<long long>(budget),
+                 static_cast<long long>(H));
+    in_collective_ = true;
+    comm_ref c = cfg_.tp;
+    KVEVICT_TRY(detail::agree(c, fn, status{}, config, sums, 2));
+    const index_t held = sums[0], P = c.size();
+    const index_t total = cfg_.target == chunk_target::budget ? std::min(budget * P, held)
+                                                              : held - evict_count(held - sums[1]);
+    std::int32_t* cu = kept_cu_ + layer * (H + 1);
+    pos_t* pos = kept_pos_ + layer * H * cfg_.capacity;
+    if (total == held) {  // every rank keeps everything (all of them know)
+      detail::keep_all_rows(lens, H, cu, pos);
+      return {};
+    }
+    if (cfg_.alloc.kind == allocator::adakv) return adakv_budgets(be, w.sel, c, sv, lens, budget / H, ao, cu, pos);
+    return select_topk_flat(be, w.sel, c, sv, lens, total, nullptr, cu, pos);
+  }
+
+  /// Tensor parallelism: a call that failed on this rank before its layer's first collective
+  /// still joins it, so the other ranks return the same error instead of waiting.
+  status joined(const char* fn, const workspace& ws, const status& st) {
+    if (ws.is_query() || st.ok() || !ok_ || !sharded() || in_collective_) return st;
+    comm_ref c = cfg_.tp;
+    std::int64_t sums[2] = {};
+    return detail::agree(c, fn, st, detail::config_line{}, sums, lava() ? 0 : 2);
   }
 
   void commit(index_t layer) {
@@ -438,7 +535,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     const index_t min_head = c.rec.n_sink + c.rec.n_recent;
     if (has_matrix(c.alloc.kind)) return detail::check_budget_matrix(fn, c.alloc, c.model, min_head, -1);
     index_t floor_total = 0;
-    if (!detail::checked_mul(L * H, min_head, floor_total) || c.alloc.total < floor_total)
+    if (!detail::checked_mul(L * H * tp_ranks(c), min_head, floor_total) || c.alloc.total < floor_total)
       return status::error(errc::invalid_argument,
                            "%s: lava total %lld is below the %lld protected tokens (n_sink + n_recent per head)", fn,
                            static_cast<long long>(c.alloc.total), static_cast<long long>(floor_total));
@@ -465,7 +562,10 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
       ext.n_recent = 0;
       KVEVICT_TRY(fit_score_slots(be, ext, cfg_.rec.window, true, s));
     }
-    s.sel = detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
+    s.sel = sharded() ? sharded_flat_workspace_bytes(be, s.H, s.C, cfg_.alloc.kind == allocator::adakv)
+                      : detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
+    if (sharded() && lava())  // the sharded entropy's per-head records
+      s.sel = std::max(s.sel, sharded_lava_entropy_workspace_bytes(s.H * cfg_.tp.size()));
     s.layers = cfg_.model.layers;
     return detail::carve_call_scratch(name, ws, s, w);
   }
@@ -479,6 +579,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   bool attention_ = false;
   index_t begin_ = 0, end_ = 0, next_ = 0, chunks_ = 0;
   bool decided_ = true, open_ = false;
+  bool in_collective_ = false;  // this call reached its layer's first collective
 };
 
 }  // namespace kvevict

@@ -16,6 +16,7 @@
 // gather queries); on other steps an empty view is accepted.
 #pragma once
 
+#include <kvevict/distributed.hpp>
 #include <kvevict/drivers/detail/driver_skeleton.hpp>
 
 namespace kvevict {
@@ -35,6 +36,15 @@ struct decode_config {
   recipe rec = recipe::h2o();
   /// per_head, flattened or adakv with budgets [L][H] (the cache goes back to them).
   allocation alloc;
+  /// Tensor parallelism (docs/distributed.md): this rank's driver holds model.kv_heads of the
+  /// layer's model.kv_heads x tp.size() KV heads (head_shard), every rank running the same steps.
+  /// per_head needs no communicator. flattened / adakv: every rank passes the same budget sum per
+  /// layer (its block of the [L][H x P] budgets); on every step due for an eviction the ranks agree
+  /// and sum their rows (one agreement), evict when the layer's rows over all ranks exceed its
+  /// budget, and select across the ranks (sharded select_topk_flat / adakv_budgets), exactly as one
+  /// process would. Such steps score the layer whether it evicts or not. A step failing on one rank
+  /// before that agreement fails on every rank. Empty: one process.
+  comm_ref tp;
 };
 
 /// Decode-time eviction (see the file comment and docs/drivers.md).
@@ -121,6 +131,34 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   status step(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
               kv_view<const T> block_keys = {}) {
     constexpr const char* fn = "decode_driver::step";
+    const bool join = sharded() && evicts_next(layer) && !ws.is_query();
+    in_collective_ = false;
+    return joined(fn, join, step_local(fn, be, ws, layer, kv, queries_in, block_keys));
+  }
+
+  /// step with scores an engine or a trained scorer computed instead of the queries: scores
+  /// [H][>= rows of a head] (row h: head h's rows, the first kv.keys.lens[h] columns, in the
+  /// cache's order). H2O: the new token's attention over every row, at every step (the driver
+  /// adds it to its sums; recipe_scores of a TOVA recipe without protection gives it); other
+  /// recipes: the eviction scores, higher = keep, read only on steps that evict (evicts_next(l)
+  /// and the layer above its budget; an empty view is accepted otherwise; tensor-parallel
+  /// flattened / adakv: on every step due for an eviction); the driver protects the recipe's
+  /// {n_sink, n_recent} on its copy. recipe_scores' output gives exactly step's result.
+  /// Workspace: step's.
+  /// Errors (nothing changes but evicted(l)): step's, except the query ones; scores of the wrong
+  /// shape or NaN.
+  template <class Backend, class T>
+  status step_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, matrix_view<const float> scores) {
+    constexpr const char* fn = "decode_driver::step_scores";
+    const bool join = sharded() && evicts_next(layer) && !ws.is_query();
+    in_collective_ = false;
+    return joined(fn, join, step_scores_local(fn, be, ws, layer, kv, scores));
+  }
+
+ private:
+  template <class Backend, class T, class Q>
+  status step_local(const char* fn, Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+                    kv_view<Q> queries_in, kv_view<const T> block_keys) {
     using QE = std::remove_const_t<Q>;
     const kv_view<const QE> queries = queries_in;
     detail::call_scratch w;
@@ -144,50 +182,88 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     KVEVICT_TRY(check_ws(fn, ws));
 
     const index_t H = cfg_.model.kv_heads, g = cfg_.model.query_heads / H;
-    const bool evicting = due && over_budget(layer, kv.keys.lens);
+    // sharded: a due step scores before the ranks agree whether the layer evicts
+    const bool score = due && (sharded() || over_budget(layer, kv.keys.lens));
     if (h2o_) {  // the new token's attention over every row (its own included), added to the sums
       recipe r = cfg_.rec;
       r.kind = recipe_kind::tova;
       r.n_sink = r.n_recent = 0;
       KVEVICT_TRY(detail::score_layer(be, w.sc, r, kv, g, queries, kv_view<const T>{}, w.scores, cfg_.capacity));
       accumulate(w, layer, kv.keys.lens);
-    } else if (evicting) {
+    } else if (score) {
       KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, g, queries, block_keys, w.scores, cfg_.capacity));
     }
+    bool evicting = false;
+    KVEVICT_TRY(decide_eviction(fn, layer, kv.keys.lens, due, now, &evicting));
     return finish_step(be, w, layer, kv, now, evicting);
   }
 
-  /// step with scores an engine or a trained scorer computed instead of the queries: scores
-  /// [H][>= rows of a head] (row h: head h's rows, the first kv.keys.lens[h] columns, in the
-  /// cache's order). H2O: the new token's attention over every row, at every step (the driver
-  /// adds it to its sums; recipe_scores of a TOVA recipe without protection gives it); other
-  /// recipes: the eviction scores, higher = keep, read only on steps that evict (evicts_next(l)
-  /// and the layer above its budget; an empty view is accepted otherwise); the driver protects
-  /// the recipe's {n_sink, n_recent} on its copy. recipe_scores' output gives exactly step's
-  /// result. Workspace: step's.
-  /// Errors (nothing changes but evicted(l)): step's, except the query ones; scores of the wrong
-  /// shape or NaN.
   template <class Backend, class T>
-  status step_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, matrix_view<const float> scores) {
-    constexpr const char* fn = "decode_driver::step_scores";
+  status step_scores_local(const char* fn, Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+                           const matrix_view<const float>& scores) {
     detail::call_scratch w;
     step_clock at;
     KVEVICT_TRY(open_step(fn, be, ws, w, layer, kv, at));
     if (ws.is_query()) return {};
     const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
-    const bool evicting = at.due && over_budget(layer, kv.keys.lens);
-    if (h2o_ || evicting) KVEVICT_TRY(detail::check_layer_scores(fn, scores, kv.keys.lens, H));
+    const bool score = at.due && (sharded() || over_budget(layer, kv.keys.lens));
+    if (h2o_ || score) KVEVICT_TRY(detail::check_layer_scores(fn, scores, kv.keys.lens, H));
     KVEVICT_TRY(check_ws(fn, ws));
     if (h2o_) {
       for (index_t h = 0; h < H; ++h)
         for (index_t j = 0; j < kv.keys.lens[h]; ++j) w.scores[h * C + j] = scores(h, j);
       accumulate(w, layer, kv.keys.lens);
-    } else if (evicting) {
+    } else if (score) {
       KVEVICT_TRY(detail::take_layer_scores(be, scores, kv.keys.lens, H, detail::recipe_protection(cfg_.rec),
                                             w.scores, C));
     }
+    bool evicting = false;
+    KVEVICT_TRY(decide_eviction(fn, layer, kv.keys.lens, at.due, at.now, &evicting));
     return finish_step(be, w, layer, kv, at.now, evicting);
   }
+
+  /// Layers selected across the tensor-parallel ranks.
+  bool sharded() const noexcept {
+    return cfg_.tp.size() > 1 && (cfg_.alloc.kind == allocator::flattened || cfg_.alloc.kind == allocator::adakv);
+  }
+
+  /// Does this step evict? One process: due and over the budget. Sharded: on a due step the ranks
+  /// agree on the layer, the step and their budget sum, and sum their rows (every rank decides the
+  /// same: the layer's rows over all ranks above tp.size() x the budget sum).
+  status decide_eviction(const char* fn, index_t layer, const std::int32_t* lens, bool due, index_t now,
+                         bool* evicting) {
+    if (!sharded() || !due) {
+      *evicting = due && over_budget(layer, lens);
+      return {};
+    }
+    const index_t H = cfg_.model.kv_heads;
+    index_t budget = 0;
+    std::int64_t sums[2] = {};  // rows (and a second sum the joined error path mirrors)
+    for (index_t h = 0; h < H; ++h) {
+      budget += budgets_[layer * H + h];
+      sums[0] += lens[h];
+    }
+    detail::config_line config;
+    config.print("%s layer %lld step %lld, budget sum %lld per rank, %lld heads per rank",
+                 allocator_name(cfg_.alloc.kind), static_cast<long long>(layer), static_cast<long long>(now),
+                 static_cast<long long>(budget), static_cast<long long>(H));
+    in_collective_ = true;
+    comm_ref c = cfg_.tp;
+    KVEVICT_TRY(detail::agree(c, fn, status{}, config, sums, 2));
+    *evicting = sums[0] > budget * c.size();
+    return {};
+  }
+
+  /// Tensor parallelism: a due step that failed on this rank before the ranks' agreement still
+  /// joins it, so the other ranks return the same error instead of waiting.
+  status joined(const char* fn, bool join, const status& st) {
+    if (!join || st.ok() || in_collective_) return st;
+    comm_ref c = cfg_.tp;
+    std::int64_t sums[2] = {};
+    return detail::agree(c, fn, st, detail::config_line{}, sums, 2);
+  }
+
+ public:
 
   /// Did the last step of layer l drop rows? Then compact the layer with kept(l).
   bool evicted(index_t layer) const noexcept {
@@ -326,7 +402,8 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     recipe r = cfg_.rec;
     if (h2o_) r.kind = recipe_kind::tova;  // H2O scores each step's token like TOVA
     KVEVICT_TRY(fit_score_slots(be, r, h2o_ ? 1 : evict_rows_, !h2o_ && block_keys_, s));
-    s.sel = detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
+    s.sel = sharded() ? sharded_flat_workspace_bytes(be, s.H, s.C, cfg_.alloc.kind == allocator::adakv)
+                      : detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
     return detail::carve_call_scratch(name, ws, s, w);
   }
 
@@ -424,7 +501,15 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     ao.prot = detail::recipe_protection(cfg_.rec);
     std::int32_t* cu = kept_cu_ + layer * (H + 1);
     pos_t* pos = kept_pos_ + layer * H * C;
-    KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao, cu, pos));
+    if (sharded()) {  // evicting: the layer over all ranks holds more than its budget
+      comm_ref c = cfg_.tp;
+      const index_t budget = total_budget(layer);
+      KVEVICT_TRY(cfg_.alloc.kind == allocator::adakv
+                      ? adakv_budgets(be, w.sel, c, sv, lens, budget / H, ao, cu, pos)
+                      : select_topk_flat(be, w.sel, c, sv, lens, budget * c.size(), nullptr, cu, pos));
+    } else {
+      KVEVICT_TRY(detail::select_layer(be, w.sel, cfg_.alloc.kind, sv, lens, w.counts, total, ao, cu, pos));
+    }
     const ragged_positions k{pos, cu, H};
     KVEVICT_TRY(detail::record_dropped(rec_, layer, kv, k, now, w.evicted, w.evicted_cu));
     for (index_t h = 0; h < H; ++h) {
@@ -437,6 +522,13 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     tokens_[layer] = now;
     flags_[layer] = begun | evicted_flag;
     return {};
+  }
+
+  /// Layer l's budget sum (this rank's heads).
+  index_t total_budget(index_t l) const {
+    index_t total = 0;
+    for (index_t h = 0; h < cfg_.model.kv_heads; ++h) total += budgets_[l * cfg_.model.kv_heads + h];
+    return total;
   }
 
   /// Does layer l hold more than its allocation lets it keep?
@@ -463,6 +555,7 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   index_t evict_rows_ = 0, evict_tail_ = 0;
   bool block_keys_ = false;
   bool h2o_ = false;
+  bool in_collective_ = false;  // this step reached the ranks' agreement
 };
 
 }  // namespace kvevict

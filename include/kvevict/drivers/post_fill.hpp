@@ -37,6 +37,18 @@ struct post_fill_config {
   /// (the sharded cake_window_preference gives every rank the layer's), its per-head budgets then
   /// need no communicator. Empty: one process.
   comm_ref tp;
+  /// Pipeline parallelism (docs/distributed.md): this stage's driver holds model.layers layers, the
+  /// model's layers [first_layer, first_layer + model.layers) of model_layers (the stages' ranges
+  /// tile [0, model_layers), e.g. layer_shard), every stage of `pp` running the same calls. Only
+  /// lava and cake communicate: decide() gathers every stage's layer statistics (lava: entropies,
+  /// protected and evictable rows; cake: preferences) with gather_layer_values and computes the
+  /// model's budgets as one process does; per-layer allocators (budgets: this stage's rows) need no
+  /// communicator. alloc.total is the model's total over all model_layers. Every stage must call
+  /// decide(), also after one of its add_layer calls failed (decide() then fails on every stage).
+  /// Not together with a tp communicator of more than one rank. Empty: one process.
+  comm_ref pp;
+  index_t first_layer = 0;   ///< this stage's first layer in the model (0 without pp)
+  index_t model_layers = 0;  ///< the model's layers (0: model.layers, one stage)
 };
 
 namespace detail {
@@ -144,8 +156,9 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   // below the protected tokens or above the prompt, layer totals below the protected tokens
   // (flattened, adakv) or not a multiple of H (adakv); budgets not [L][H]; lava / cake total
   // negative or above L H P, cake total not a multiple of L H or its per-head budget below the
-  // protected tokens; adakv alpha outside [0, 1]; a tensor-parallel communicator of more than one
-  // rank with lava or cake (unsupported); recorder shape; memory null or too small.
+  // protected tokens; adakv alpha outside [0, 1]; first_layer / model_layers not
+  // holding this driver's layers (or a stage without a pp communicator); tp and pp communicators
+  // of more than one rank together (unsupported); recorder shape; memory null or too small.
 
   /// After every layer was added: the all-layer allocators compute the budgets and select every
   /// layer (ready(l) afterwards); the per-layer ones have nothing left to do. Workspace: as
@@ -165,38 +178,50 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
       st = status::error(errc::invalid_argument, "%s: only %lld of %lld layers were added", fn,
                          static_cast<long long>(added_), static_cast<long long>(L));
     if (st.ok()) st = check_ws(fn, ws);
-    // tensor parallelism, lava / cake: every rank agrees first (a rank failing here fails them all)
+    // tensor / pipeline parallelism, lava / cake: every rank agrees first (a rank failing here
+    // fails them all)
     if (ok_ && all_layer_ && cfg_.tp.size() > 1) st = agree_layer_weights(fn, st);
+    if (ok_ && all_layer_ && pipelined(cfg_)) st = agree_stages(fn, st);
     KVEVICT_TRY(st);
     if (!all_layer_) {
       decided_ = true;
       return {};
     }
     const protection prot = detail::recipe_protection(cfg_.rec);
+    // the model's layers: this driver's (one stage) or every stage's, gathered (pipeline)
+    const index_t ML = model_layers(cfg_), f = cfg_.first_layer;
+    stage_scratch g;
+    if (pipelined(cfg_)) KVEVICT_TRY(carve_stage(w.sel, g));
+    detail::held_layers whole = held_;  // with the weights of all ML layers
+    if (pipelined(cfg_)) {
+      KVEVICT_TRY(gather_stages(held_.weight, g.weights, g));
+      whole.weight = g.weights;
+    }
     if (cfg_.alloc.kind == allocator::lava) {
       // layer totals: protected rows + apportion(total - protected, entropies, evictable rows)
       index_t prot_sum = 0, rows = 0;
-      held_.protected_totals(L, prot, w.caps, w.totals, &prot_sum, &rows);
-      if (sharded(cfg_)) {  // the layers' protected and evictable rows over every rank's heads
-        static_assert(std::is_same_v<index_t, std::int64_t>, "index_t is summed as int64");
-        comm_ref tp = cfg_.tp;
-        KVEVICT_TRY(tp.allreduce_sum(w.caps, L));
-        KVEVICT_TRY(tp.allreduce_sum(w.totals, L));
-        prot_sum = rows = 0;
-        for (index_t l = 0; l < L; ++l) {
-          prot_sum += w.totals[l];
-          rows += w.totals[l] + w.caps[l];
+      held_.protected_totals(L, prot, w.caps + f, w.totals + f, &prot_sum, &rows);
+      if (pipelined(cfg_)) {  // every stage's protected and evictable rows (exact as doubles: < 2^53)
+        for (index_t* v : {w.caps, w.totals}) {
+          for (index_t l = 0; l < L; ++l) g.local[l] = static_cast<double>(v[f + l]);
+          KVEVICT_TRY(gather_stages(g.local, g.all, g));
+          for (index_t l = 0; l < ML; ++l) v[l] = static_cast<index_t>(g.all[l]);
         }
+        detail::held_layers::row_sums(ML, w.caps, w.totals, &prot_sum, &rows);
       }
+      if (sharded(cfg_))  // the layers' protected and evictable rows over every rank's heads
+        KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, L, w.caps, w.totals, &prot_sum, &rows));
       if (cfg_.alloc.total < prot_sum || cfg_.alloc.total > rows)
         return status::error(errc::invalid_argument,
                              "%s: lava total %lld is outside [%lld, %lld] (the layers' protected rows, their rows)", fn,
                              static_cast<long long>(cfg_.alloc.total), static_cast<long long>(prot_sum),
                              static_cast<long long>(rows));
-      KVEVICT_TRY(held_.share_lava_totals(L, cfg_.alloc.total - prot_sum, w.caps, w.shares, w.totals));
+      KVEVICT_TRY(whole.share_lava_totals(ML, cfg_.alloc.total - prot_sum, w.caps, w.shares, w.totals));
     } else {  // cake: every head holds the whole prompt (checked by add_layer)
-      KVEVICT_TRY(cake_budgets(held_.weight, cfg_.alloc.total / (L * H * tp_ranks(cfg_)), cfg_.tokens, prot,
-                               detail::rows_view(budgets_, L, H, H)));
+      std::int32_t* out = pipelined(cfg_) ? g.budgets : budgets_;  // pipeline: the model's [ML][H], then mine
+      KVEVICT_TRY(cake_budgets(whole.weight, cfg_.alloc.total / (ML * H * tp_ranks(cfg_)), cfg_.tokens, prot,
+                               detail::rows_view(out, ML, H, H)));
+      if (out != budgets_) std::copy(out + f * H, out + (f + L) * H, budgets_);
     }
     for (index_t l = 0; l < L; ++l) {
       const allocator kind = cfg_.alloc.kind == allocator::lava ? allocator::lava : allocator::per_head;
@@ -206,7 +231,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                                      kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
       } else {
         KVEVICT_TRY(detail::select_layer(be, w.sel, kind, held_.scores_view(l), held_.lens + l * H, budgets_ + l * H,
-                                         kind == allocator::lava ? w.totals[l] : 0, adakv_options{},
+                                         kind == allocator::lava ? w.totals[f + l] : 0, adakv_options{},
                                          kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
       }
       KVEVICT_TRY(held_.record(rec_, l, kept(l, true), cfg_.tokens, w));
@@ -282,6 +307,52 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   }
   /// Tensor-parallel ranks (1 without a communicator): the model has tp_ranks x kv_heads heads.
   static index_t tp_ranks(const post_fill_config& c) { return c.tp.size() > 1 ? c.tp.size() : 1; }
+  /// The model's layers (this driver holds model.layers of them).
+  static index_t model_layers(const post_fill_config& c) {
+    return c.model_layers > 0 ? c.model_layers : c.model.layers;
+  }
+  /// All-layer allocators over pipeline stages: decide() gathers every stage's layer statistics.
+  static bool pipelined(const post_fill_config& c) {
+    return c.pp.size() > 1 && (c.alloc.kind == allocator::lava || c.alloc.kind == allocator::cake);
+  }
+
+  /// decide()'s pipeline scratch (inside the selection's workspace, used before any selection):
+  /// gather_layer_values' workspace, the model's weights, a stage's values and the model's, cake's
+  /// model budgets [ML][H].
+  struct stage_scratch {
+    workspace gather;
+    double *weights = nullptr, *local = nullptr, *all = nullptr;
+    std::int32_t* budgets = nullptr;
+  };
+  status carve_stage(workspace& ws, stage_scratch& g) const {
+    const index_t ML = model_layers(cfg_);
+    workspace q;  // gather_layer_values' size (a query never communicates nor writes)
+    double unused = 0.0;
+    KVEVICT_TRY(gather_layer_values(q, cfg_.pp, shard_range{0, 0}, nullptr, ML, &unused));
+    detail::workspace_carver c(ws);
+    g.gather = workspace{c.take<unsigned char>(q.bytes), q.bytes};
+    g.weights = c.take<double>(static_cast<std::size_t>(ML));
+    g.local = c.take<double>(static_cast<std::size_t>(cfg_.model.layers));
+    g.all = c.take<double>(static_cast<std::size_t>(ML));
+    g.budgets = c.take<std::int32_t>(static_cast<std::size_t>(ML * cfg_.model.kv_heads));
+    return c.finish(name);
+  }
+  /// This stage's per-layer values (model.layers of them) -> all ML layers' on every stage.
+  status gather_stages(const double* local, double* all, stage_scratch& g) const {
+    comm_ref pp = cfg_.pp;
+    return gather_layer_values(g.gather, pp, shard_range{cfg_.first_layer, cfg_.model.layers}, local,
+                               model_layers(cfg_), all);
+  }
+  /// Pipeline parallelism, decide() of lava / cake: the stages agree on the allocator, the total and
+  /// the model's shape, or every stage fails (a stage whose add_layer failed fails them all).
+  status agree_stages(const char* fn, const status& local) const {
+    detail::config_line config;
+    config.print("%s total %lld, %lld model layers x %lld heads, %lld tokens", allocator_name(cfg_.alloc.kind),
+                 static_cast<long long>(cfg_.alloc.total), static_cast<long long>(model_layers(cfg_)),
+                 static_cast<long long>(cfg_.model.kv_heads), static_cast<long long>(cfg_.tokens));
+    comm_ref pp = cfg_.pp;
+    return detail::agree(pp, fn, local, config, nullptr, 0);
+  }
   /// Collective calls of a sharded layer: lava's entropy agrees on no sums, the selections on two.
   int agree_sums() const { return cfg_.alloc.kind == allocator::lava ? 0 : 2; }
 
@@ -291,6 +362,15 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     KVEVICT_TRY(detail::check_capacity(fn, "tokens", c.tokens, H));
     KVEVICT_TRY(detail::check_recipe(fn, c.rec));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
+    const index_t ML = model_layers(c);
+    if (c.first_layer < 0 || c.model_layers < 0 || c.first_layer + L > ML || (c.pp.size() <= 1 && ML != L))
+      return status::error(errc::invalid_argument,
+                           "%s: layers [%lld, %lld) of a model of %lld layers (a stage needs a pp communicator; "
+                           "one process holds every layer)",
+                           fn, static_cast<long long>(c.first_layer), static_cast<long long>(c.first_layer + L),
+                           static_cast<long long>(ML));
+    if (c.tp.size() > 1 && c.pp.size() > 1)
+      return status::error(errc::unsupported, "%s: tensor and pipeline parallelism together are not supported", fn);
     index_t rows = 0;
     bool bk = false;
     detail::row_rules rr;
@@ -298,7 +378,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     const index_t W = protected_count(c.tokens, c.rec.n_sink, c.rec.n_recent);
     if (has_matrix(c.alloc.kind)) return detail::check_budget_matrix(fn, c.alloc, c.model, W, c.tokens);
     index_t top = 0;
-    const index_t LH = L * H * tp_ranks(c);  // every rank's heads
+    const index_t LH = ML * H * tp_ranks(c);  // every rank's heads
     if (!detail::checked_mul(LH, c.tokens, top) || c.alloc.total < 0 || c.alloc.total > top)
       return status::error(errc::invalid_argument, "%s: %s total %lld is outside [0, %lld] (L H P)", fn,
                            allocator_name(c.alloc.kind), static_cast<long long>(c.alloc.total),
@@ -335,7 +415,13 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                           : detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, s.H, s.C);
     if (sharded(cfg_) && cfg_.alloc.kind == allocator::lava)  // the sharded entropy's per-head records
       s.sel = std::max(s.sel, sharded_lava_entropy_workspace_bytes(s.H * cfg_.tp.size()));
-    s.layers = cfg_.model.layers;
+    if (pipelined(cfg_)) {  // decide()'s gathers, before its selections
+      workspace q;
+      stage_scratch g;
+      KVEVICT_TRY(carve_stage(q, g));
+      s.sel = std::max(s.sel, q.bytes);
+    }
+    s.layers = model_layers(cfg_);
     return detail::carve_call_scratch(name, ws, s, w);
   }
 

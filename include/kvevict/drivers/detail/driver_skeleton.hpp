@@ -5,6 +5,7 @@
 
 #include <kvevict/backend.hpp>
 #include <kvevict/budget.hpp>
+#include <kvevict/comm.hpp>
 #include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/drivers/detail/driver_checks.hpp>
 #include <kvevict/metrics/footprint.hpp>
@@ -586,6 +587,27 @@ struct held_layers {
       *prot_sum += wl;
       *rows += nl;
     }
+  }
+
+  /// After protected_totals' arrays were combined across ranks or stages (L layers of them): their
+  /// sums again.
+  static void row_sums(index_t L, const index_t* caps, const index_t* totals, index_t* prot_sum, index_t* rows) {
+    *prot_sum = *rows = 0;
+    for (index_t l = 0; l < L; ++l) {
+      *prot_sum += totals[l];
+      *rows += totals[l] + caps[l];
+    }
+  }
+
+  /// Tensor parallelism: protected_totals' arrays of L layers summed over every rank's heads, and
+  /// their sums.
+  static status sum_over_ranks(const comm_ref& tp, index_t L, index_t* caps, index_t* totals, index_t* prot_sum,
+                               index_t* rows) {
+    static_assert(std::is_same_v<index_t, std::int64_t>, "index_t is summed as int64");
+    KVEVICT_TRY(tp.allreduce_sum(caps, L));
+    KVEVICT_TRY(tp.allreduce_sum(totals, L));
+    row_sums(L, caps, totals, prot_sum, rows);
+    return {};
   }
 
   /// totals[l] += the layer's share of `evictable` (apportion by the weights, capped by caps).

@@ -305,12 +305,20 @@ status check_paged_scores_out(const char* fn, const char* name, const paged_laye
 }  // namespace detail
 
 namespace detail {
-/// The score plan of one row's window call: g query heads over one KV head, block w, prefix p.
-inline status paged_window_plan(const char* fn, index_t g, index_t w, index_t p, index_t d, bool include_window,
-                                int threads, const score_options& opt, score_shape& sh, score_plan& pl) {
-  KVEVICT_TRY(score_shape_from_sizes(fn, g, 1, w, p, d, true, include_window ? p + w : p, opt, sh));
+/// The score plan of one row's call: g query heads over one KV head, block w (its own keys or
+/// not), prefix p, out_cols output columns (attention_scores' shape rules).
+inline status paged_score_plan(const char* fn, index_t g, index_t w, index_t p, index_t d, bool has_block,
+                               index_t out_cols, int threads, const score_options& opt, score_shape& sh,
+                               score_plan& pl) {
+  KVEVICT_TRY(score_shape_from_sizes(fn, g, 1, w, p, d, has_block, out_cols, opt, sh));
   sh.scale = opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))) : opt.scale;
   return make_score_plan(fn, sh, threads, opt, pl);
+}
+
+/// The score plan of one row's window call: the row's last w tokens are the block.
+inline status paged_window_plan(const char* fn, index_t g, index_t w, index_t p, index_t d, bool include_window,
+                                int threads, const score_options& opt, score_shape& sh, score_plan& pl) {
+  return paged_score_plan(fn, g, w, p, d, true, include_window ? p + w : p, threads, opt, sh, pl);
 }
 
 template <class Q, class T>

@@ -559,3 +559,151 @@ TEST_CASE("paged drivers: post_fill_driver on paged layers equals it on the same
     }
   }
 }
+
+TEST_CASE("paged drivers: decode_driver on paged layers equals it on the same rows dense, step by step") {
+  auto g = kvtest::rng(1314);
+  for (int trial = 0; trial < 40; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 3), gq = kvtest::uniform_int(g, 1, 2), d = 2 * kvtest::uniform_int(g, 2, 8);
+    const index_t w = kvtest::uniform_int(g, 1, 4), interval = kvtest::uniform_int(g, 1, 3);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    index_t query_rows = 0;
+    bool bk = false;
+    const recipe r = random_recipe(g, w, &query_rows, &bk, true);
+    decode_config cfg;
+    cfg.model = {1, H, H * gq, d};
+    cfg.interval = interval;
+    cfg.rec = r;
+    const auto kinds = std::array<allocator, 3>{allocator::per_head, allocator::flattened, allocator::adakv};
+    cfg.alloc.kind = kinds[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
+    const index_t least = r.n_sink + r.n_recent + 1;
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(H));
+    const auto shared = static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 10));
+    index_t sum = 0, most = 0;
+    for (auto& b : budgets) {
+      b = cfg.alloc.kind == allocator::adakv ? shared : static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 10));
+      sum += b;
+      most = std::max<index_t>(most, b);
+    }
+    cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
+    cfg.capacity = (cfg.alloc.kind == allocator::per_head ? most : sum) + interval;
+    const bool h2o = r.kind == recipe_kind::h2o, attention = uses_attention(r.kind);
+    const index_t lo = attention && !h2o && r.kind != recipe_kind::tova ? w : 1;  // a window's rows at least
+    const index_t P0 = kvtest::uniform_int(g, lo, std::max(lo, least));
+    head_rows_set truth = random_rows(g, H, d, P0, P0, 0, true, true, kvtest::uniform_int(g, 0, 2) == 0 ? 2 : 0,
+                                      kvtest::uniform_int(g, 0, 5) == 0);
+    const int distinct = kvtest::uniform_int(g, 0, 2) == 0 ? 2 : 0;
+    decode_config pcfg = cfg;
+    pcfg.pool_pages = 3 * H * (cfg.capacity + 64) + 80;  // room for paged_of's other sequences
+    INFO("trial ", trial, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
+         std::string(allocator_name(cfg.alloc.kind)), " H ", H, " g ", gq, " d ", d, " w ", w, " interval ", interval,
+         " page size ", ps);
+    std::vector<unsigned char> m1(kvtest::value_of(decode_driver::state_bytes(cfg))),
+        m2(kvtest::value_of(decode_driver::state_bytes(pcfg))), wmem;
+    decode_driver dense, paged;
+    REQUIRE(dense.init(cfg, m1.data(), m1.size()).ok());
+    REQUIRE(paged.init(pcfg, m2.data(), m2.size()).ok());
+    const bool on_par = kvtest::uniform_int(g, 0, 1) == 1;
+    {
+      ragged_layer rl(truth, cfg.capacity);
+      REQUIRE(dense.begin(0, rl.view(truth), P0).ok());
+      auto store = paged_of(g, truth, ps, true);
+      const auto st = with_ws(paged, seq, wmem, [&](workspace& ws) { return paged.begin(seq, ws, 0, store.view(), P0); });
+      REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+    }
+    int evictions = 0;
+    for (index_t t = P0; t < P0 + 30; ++t) {
+      for (index_t h = 0; h < H; ++h) {
+        auto kr = kvtest::random_floats(g, static_cast<std::size_t>(d)), vr = kvtest::random_floats(g, static_cast<std::size_t>(d));
+        if (distinct > 0)
+          for (auto& x : kr) x = std::round(x * 2.f) / 2.f;
+        truth.append(h, kr.data(), vr.data(), static_cast<pos_t>(t));
+      }
+      const index_t qrows = h2o ? 1 : attention && dense.evicts_next(0) ? (r.kind == recipe_kind::tova ? 1 : w) : 0;
+      const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * gq * std::max<index_t>(qrows, 1) * d));
+      const auto qv = qrows > 0 ? kvtest::value_of(make_kv_view<const float>(q.data(), H * gq, qrows, d)) : kv_view<const float>{};
+      ragged_layer rl(truth, cfg.capacity);
+      auto store = paged_of(g, truth, ps, true);
+      const auto call = [&](decode_driver& drv, const auto& kv) {
+        if (on_par) return with_ws(drv, par_t{2}, wmem, [&](workspace& ws) { return drv.step(par_t{2}, ws, 0, kv, qv); });
+        return with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.step(seq, ws, 0, kv, qv); });
+      };
+      const auto a = call(dense, rl.view(truth));
+      REQUIRE_MESSAGE(a.ok(), std::string(a.message()));
+      const auto b = call(paged, store.view());
+      REQUIRE_MESSAGE(b.ok(), std::string(b.message()));
+      REQUIRE(paged.evicted(0) == dense.evicted(0));
+      if (dense.evicted(0)) {
+        ++evictions;
+        CHECK(kept_cu_of(paged.kept(0)) == kept_cu_of(dense.kept(0)));
+        CHECK(kept_pos_of(paged.kept(0)) == kept_pos_of(dense.kept(0)));
+        truth.compact(dense.kept(0));
+      }
+      for (index_t h = 0; h < H; ++h) REQUIRE(paged.held(0, h) == dense.held(0, h));
+    }
+    CHECK(evictions > 0);
+  }
+}
+
+TEST_CASE("paged drivers: bad paged layers are refused before anything changes") {
+  auto g = kvtest::rng(1315);
+  const index_t H = 2, d = 4, P = 20, w = 4;
+  post_fill_config cfg;
+  cfg.model = {1, H, H, d};
+  cfg.tokens = P;
+  cfg.rec = recipe::snapkv();
+  cfg.rec.window = cfg.rec.n_recent = w;
+  std::vector<std::int32_t> budgets(static_cast<std::size_t>(H), 8);
+  cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
+  head_rows_set rows = random_rows(g, H, d, P, w, 8, false, false, 0, false);
+  auto store = paged_of(g, rows, 4, false);
+  const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * w * d));
+  const auto qv = kvtest::value_of(make_kv_view<const float>(q.data(), H, w, d));
+  std::vector<unsigned char> wmem;
+  const auto add = [&](const post_fill_config& c, const paged_layer_kv<float>& kv) {
+    std::vector<unsigned char> m(kvtest::value_of(post_fill_driver::state_bytes(c)));
+    post_fill_driver drv;
+    REQUIRE(drv.init(c, m.data(), m.size()).ok());
+    const status st = with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.add_layer(seq, ws, 0, kv, qv); });
+    CHECK(drv.layers_added() == (st.ok() ? 1 : 0));
+    return st;
+  };
+  post_fill_config pc = cfg;
+  pc.pool_pages = store.pages;
+  REQUIRE(add(pc, store.view()).ok());
+  kvtest::require_error(add(cfg, store.view()), errc::capacity_exceeded, "pool_pages");
+  pc.pool_pages = -1;
+  kvtest::require_error(post_fill_driver::state_bytes(pc).error(), errc::invalid_argument, "pool_pages");
+  pc.pool_pages = store.pages;
+  auto kv = store.view();
+  kv.sequence = store.S;
+  kvtest::require_error(add(pc, kv), errc::out_of_range, "sequence");
+  kv = store.view();
+  kv.layer.kv_heads = 1;
+  kv.layer.table.lists = store.S;
+  kvtest::require_error(add(pc, kv), errc::shape_mismatch, "KV heads");
+  kv = store.view();
+  kv.positions.pages = store.pages - 1;
+  kvtest::require_error(add(pc, kv), errc::shape_mismatch, "position pool");
+  // the sequence's lists: a page twice, a page outside the pool, a bad last page
+  const index_t first = store.seq * H, a = store.indptr[static_cast<std::size_t>(first)];
+  REQUIRE(store.indptr[static_cast<std::size_t>(first + 2)] - a >= 2);
+  const std::int32_t keep = store.indices[static_cast<std::size_t>(a + 1)];
+  store.indices[static_cast<std::size_t>(a + 1)] = store.indices[static_cast<std::size_t>(a)];
+  kvtest::require_error(add(pc, store.view()), errc::invalid_argument, "page");
+  store.indices[static_cast<std::size_t>(a + 1)] = static_cast<std::int32_t>(store.pages);
+  kvtest::require_error(add(pc, store.view()), errc::out_of_range, "outside the pool");
+  store.indices[static_cast<std::size_t>(a + 1)] = keep;
+  const std::int32_t last = store.last[static_cast<std::size_t>(first)];
+  store.last[static_cast<std::size_t>(first)] = static_cast<std::int32_t>(store.ps + 1);
+  kvtest::require_error(add(pc, store.view()), errc::invalid_argument, "last_page_len");
+  store.last[static_cast<std::size_t>(first)] = last;
+  // positions read through the table: out of order
+  const auto L = store.layer();
+  const auto Pp = store.positions();
+  pos_t* p0 = Pp.row(L.table.page_of(first, 0, store.ps), 0, 0);
+  const pos_t old = *p0;
+  *p0 = static_cast<pos_t>(P - 1);
+  kvtest::require_error(add(pc, store.view()), errc::not_sorted, "arrival order");
+  *p0 = old;
+  REQUIRE(add(pc, store.view()).ok());
+}

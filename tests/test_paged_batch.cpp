@@ -707,3 +707,88 @@ TEST_CASE("paged drivers: bad paged layers are refused before anything changes")
   *p0 = old;
   REQUIRE(add(pc, store.view()).ok());
 }
+
+TEST_CASE("paged drivers: chunked_driver on paged layers equals it on the same rows dense, chunk by chunk") {
+  auto g = kvtest::rng(1316);
+  for (int trial = 0; trial < 30; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 3), gq = kvtest::uniform_int(g, 1, 2), d = 2 * kvtest::uniform_int(g, 2, 8);
+    const index_t w = kvtest::uniform_int(g, 1, 4), N = kvtest::uniform_int(g, 20, 70), cs = kvtest::uniform_int(g, 4, 16);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    recipe r;
+    switch (kvtest::uniform_int(g, 0, 4)) {
+      case 0: r = recipe::snapkv(); break;
+      case 1: r = recipe::vatp(); break;
+      case 2: r = recipe::lava(); break;
+      case 3: r = recipe::knorm(); break;
+      default: r = recipe::streaming_llm(1);
+    }
+    const bool attention = uses_attention(r.kind);
+    if (attention) r.window = r.n_recent = w, r.kernel = 3;
+    chunked_config cfg;
+    cfg.model = {1, H, H * gq, d};
+    cfg.tokens = N;
+    cfg.rec = r;
+    cfg.queries = kvtest::uniform_int(g, 0, 1) ? chunk_queries::patched : chunk_queries::naive;
+    const auto kinds = std::array<allocator, 3>{allocator::per_head, allocator::flattened, allocator::adakv};
+    cfg.alloc.kind = kinds[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
+    const index_t least = r.n_sink + r.n_recent + 1;
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(H));
+    const auto shared = static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 12));
+    index_t sum = 0, most = 0;
+    for (auto& b : budgets) {
+      b = cfg.alloc.kind == allocator::adakv ? shared : static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 12));
+      sum += b;
+      most = std::max<index_t>(most, b);
+    }
+    cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
+    cfg.capacity = (cfg.alloc.kind == allocator::per_head ? most : sum) + cs + w;
+    chunked_config pcfg = cfg;
+    pcfg.pool_pages = 3 * H * (cfg.capacity + 64) + 80;
+    INFO("trial ", trial, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
+         std::string(allocator_name(cfg.alloc.kind)), " H ", H, " w ", w, " N ", N, " chunk ", cs, " page size ", ps);
+    std::vector<unsigned char> m1(kvtest::value_of(chunked_driver::state_bytes(cfg))),
+        m2(kvtest::value_of(chunked_driver::state_bytes(pcfg))), wmem;
+    chunked_driver dense, paged;
+    REQUIRE(dense.init(cfg, m1.data(), m1.size()).ok());
+    REQUIRE(paged.init(pcfg, m2.data(), m2.size()).ok());
+    head_rows_set truth;
+    truth.H = H, truth.d = d;
+    truth.k.resize(static_cast<std::size_t>(H)), truth.v.resize(static_cast<std::size_t>(H)),
+        truth.pos.resize(static_cast<std::size_t>(H));
+    const bool on_par = kvtest::uniform_int(g, 0, 1) == 1;
+    for (index_t s = 0; s < N;) {
+      index_t e = std::min(N, s + cs);
+      if (cfg.queries == chunk_queries::patched && attention && e < N && e > N - w) e = N;
+      REQUIRE(dense.begin_chunk(s, e).ok());
+      REQUIRE(paged.begin_chunk(s, e).ok());
+      for (index_t t = s; t < e; ++t)
+        for (index_t h = 0; h < H; ++h) {
+          const auto kr = kvtest::random_floats(g, static_cast<std::size_t>(d)), vr = kvtest::random_floats(g, static_cast<std::size_t>(d));
+          truth.append(h, kr.data(), vr.data(), static_cast<pos_t>(t));
+        }
+      const index_t qrows = dense.query_rows();
+      const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * gq * std::max<index_t>(qrows, 1) * d));
+      const auto qv = qrows > 0 ? kvtest::value_of(make_kv_view<const float>(q.data(), H * gq, qrows, d)) : kv_view<const float>{};
+      const bool patch = dense.patch().count > 0 && kvtest::uniform_int(g, 0, 1) == 1;
+      const auto pk = kvtest::random_floats(g, static_cast<std::size_t>(H * w * d));
+      const auto pkv = patch ? kvtest::value_of(make_kv_view<const float>(pk.data(), H, w, d)) : kv_view<const float>{};
+      ragged_layer rl(truth, cfg.capacity);
+      auto store = paged_of(g, truth, ps, true);
+      const auto call = [&](chunked_driver& drv, const auto& kv) {
+        if (on_par)
+          return with_ws(drv, par_t{2}, wmem, [&](workspace& ws) { return drv.add_layer(par_t{2}, ws, 0, kv, qv, pkv); });
+        return with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.add_layer(seq, ws, 0, kv, qv, pkv); });
+      };
+      const auto a = call(dense, rl.view(truth));
+      REQUIRE_MESSAGE(a.ok(), std::string(a.message()));
+      const auto b = call(paged, store.view());
+      REQUIRE_MESSAGE(b.ok(), std::string(b.message()));
+      REQUIRE(with_ws(dense, seq, wmem, [&](workspace& ws) { return dense.decide(seq, ws); }).ok());
+      REQUIRE(with_ws(paged, seq, wmem, [&](workspace& ws) { return paged.decide(seq, ws); }).ok());
+      CHECK(kept_cu_of(paged.kept(0)) == kept_cu_of(dense.kept(0)));
+      CHECK(kept_pos_of(paged.kept(0)) == kept_pos_of(dense.kept(0)));
+      truth.compact(dense.kept(0));
+      s = e;
+    }
+  }
+}

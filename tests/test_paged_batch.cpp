@@ -6,6 +6,7 @@
 #include <kvevict/batch.hpp>
 #include <kvevict/compact.hpp>
 #include <kvevict/drivers/chunked.hpp>
+#include <kvevict/drivers/compact_layer.hpp>
 #include <kvevict/drivers/decode.hpp>
 #include <kvevict/drivers/post_fill.hpp>
 #include <kvevict/paged.hpp>
@@ -459,6 +460,24 @@ recipe random_recipe(std::mt19937_64& g, index_t w, index_t* query_rows, bool* b
   return r;
 }
 
+/// A one-layer allocation of random per_head / flattened / adakv budgets in [least, least + spread]
+/// (adakv: one shared budget); returns the most rows a head holds after an eviction.
+index_t random_budgets(std::mt19937_64& g, allocation& a, std::vector<std::int32_t>& budgets, index_t H, index_t least,
+                       index_t spread) {
+  const auto kinds = std::array<allocator, 3>{allocator::per_head, allocator::flattened, allocator::adakv};
+  a.kind = kinds[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
+  budgets.assign(static_cast<std::size_t>(H), 0);
+  const auto shared = static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + spread));
+  index_t sum = 0, most = 0;
+  for (auto& b : budgets) {
+    b = a.kind == allocator::adakv ? shared : static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + spread));
+    sum += b;
+    most = std::max<index_t>(most, b);
+  }
+  a.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
+  return a.kind == allocator::per_head ? most : sum;
+}
+
 }  // namespace
 
 TEST_CASE("paged drivers: post_fill_driver on paged layers equals it on the same rows dense") {
@@ -573,19 +592,9 @@ TEST_CASE("paged drivers: decode_driver on paged layers equals it on the same ro
     cfg.model = {1, H, H * gq, d};
     cfg.interval = interval;
     cfg.rec = r;
-    const auto kinds = std::array<allocator, 3>{allocator::per_head, allocator::flattened, allocator::adakv};
-    cfg.alloc.kind = kinds[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
     const index_t least = r.n_sink + r.n_recent + 1;
-    std::vector<std::int32_t> budgets(static_cast<std::size_t>(H));
-    const auto shared = static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 10));
-    index_t sum = 0, most = 0;
-    for (auto& b : budgets) {
-      b = cfg.alloc.kind == allocator::adakv ? shared : static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 10));
-      sum += b;
-      most = std::max<index_t>(most, b);
-    }
-    cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
-    cfg.capacity = (cfg.alloc.kind == allocator::per_head ? most : sum) + interval;
+    std::vector<std::int32_t> budgets;
+    cfg.capacity = random_budgets(g, cfg.alloc, budgets, H, least, 10) + interval;
     const bool h2o = r.kind == recipe_kind::h2o, attention = uses_attention(r.kind);
     const index_t lo = attention && !h2o && r.kind != recipe_kind::tova ? w : 1;  // a window's rows at least
     const index_t P0 = kvtest::uniform_int(g, lo, std::max(lo, least));
@@ -729,19 +738,9 @@ TEST_CASE("paged drivers: chunked_driver on paged layers equals it on the same r
     cfg.tokens = N;
     cfg.rec = r;
     cfg.queries = kvtest::uniform_int(g, 0, 1) ? chunk_queries::patched : chunk_queries::naive;
-    const auto kinds = std::array<allocator, 3>{allocator::per_head, allocator::flattened, allocator::adakv};
-    cfg.alloc.kind = kinds[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
     const index_t least = r.n_sink + r.n_recent + 1;
-    std::vector<std::int32_t> budgets(static_cast<std::size_t>(H));
-    const auto shared = static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 12));
-    index_t sum = 0, most = 0;
-    for (auto& b : budgets) {
-      b = cfg.alloc.kind == allocator::adakv ? shared : static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 12));
-      sum += b;
-      most = std::max<index_t>(most, b);
-    }
-    cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
-    cfg.capacity = (cfg.alloc.kind == allocator::per_head ? most : sum) + cs + w;
+    std::vector<std::int32_t> budgets;
+    cfg.capacity = random_budgets(g, cfg.alloc, budgets, H, least, 12) + cs + w;
     chunked_config pcfg = cfg;
     pcfg.pool_pages = 3 * H * (cfg.capacity + 64) + 80;
     INFO("trial ", trial, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
@@ -790,5 +789,91 @@ TEST_CASE("paged drivers: chunked_driver on paged layers equals it on the same r
       truth.compact(dense.kept(0));
       s = e;
     }
+  }
+}
+
+TEST_CASE("paged drivers: a driver's answer compacts its sequence of a paged batch alone (compact_layer with a sequence)") {
+  auto g = kvtest::rng(1317);
+  for (int trial = 0; trial < 30; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 3), d = 2 * kvtest::uniform_int(g, 2, 6), w = kvtest::uniform_int(g, 1, 4);
+    const index_t P = kvtest::uniform_int(g, w + 6, 60);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    post_fill_config cfg;
+    cfg.model = {1, H, H, d};
+    cfg.tokens = P;
+    cfg.rec = recipe::snapkv();
+    cfg.rec.window = cfg.rec.n_recent = w;
+    cfg.rec.kernel = 3;
+    head_rows_set rows = random_rows(g, H, d, P, w, w + 4, false, kvtest::uniform_int(g, 0, 1) == 1, 0, false);
+    std::vector<std::int32_t> budgets;
+    random_budgets(g, cfg.alloc, budgets, H, w, 0);
+    index_t shortest = P;
+    for (index_t h = 0; h < H; ++h) shortest = std::min(shortest, rows.len(h));
+    const auto shared = static_cast<std::int32_t>(kvtest::uniform_int(g, w, shortest));
+    for (index_t h = 0; h < H; ++h)  // inside every head's rows
+      budgets[static_cast<std::size_t>(h)] =
+          cfg.alloc.kind == allocator::adakv ? shared : static_cast<std::int32_t>(kvtest::uniform_int(g, w, rows.len(h)));
+    // per-sequence tables hold one length per sequence: every head must keep as many rows
+    const bool same = cfg.alloc.kind == allocator::per_head && kvtest::uniform_int(g, 0, 1) == 1;
+    if (same) std::fill(budgets.begin(), budgets.end(), shared);
+    auto store = paged_of(g, rows, ps, same);
+    cfg.pool_pages = store.pages;
+    INFO("trial ", trial, " allocator ", std::string(allocator_name(cfg.alloc.kind)), " H ", H, " page size ", ps,
+         " sequences ", store.S, " lists ", std::string(store.lists == page_lists::per_head ? "per head" : "per sequence"));
+    std::vector<unsigned char> m(kvtest::value_of(post_fill_driver::state_bytes(cfg))), wmem;
+    post_fill_driver drv;
+    REQUIRE(drv.init(cfg, m.data(), m.size()).ok());
+    const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * w * d));
+    const auto qv = kvtest::value_of(make_kv_view<const float>(q.data(), H, w, d));
+    const auto st = with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.add_layer(seq, ws, 0, store.view(), qv); });
+    REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+    const ragged_positions kept = drv.kept(0);
+    // what must stay: every other sequence's rows; what the sequence's lists free: their tail pages
+    const auto L = store.layer();
+    const auto Pp = store.positions();
+    std::vector<float> others;
+    for (index_t r = 0; r < L.rows(); ++r)
+      if (r / H != store.seq)
+        for (index_t j = 0; j < L.length(r); ++j) {
+          others.insert(others.end(), L.key(r, j), L.key(r, j) + d);
+          others.insert(others.end(), L.value(r, j), L.value(r, j) + d);
+        }
+    const index_t first = L.list_of(store.seq * H), n_lists = store.lists == page_lists::per_head ? H : 1;
+    std::vector<std::int32_t> want_freed;
+    for (index_t l = 0; l < n_lists; ++l) {
+      const index_t n = kept.length(l * (store.lists == page_lists::per_head ? 1 : H));
+      for (index_t i = store.indptr[static_cast<std::size_t>(first + l)] + (n + ps - 1) / ps;
+           i < store.indptr[static_cast<std::size_t>(first + l + 1)]; ++i)
+        want_freed.push_back(store.indices[static_cast<std::size_t>(i)]);
+    }
+    std::vector<std::int32_t> lengths(static_cast<std::size_t>(n_lists), -1), freed(static_cast<std::size_t>(store.pages), -1);
+    std::int32_t nfreed = -1;
+    const paged_compaction_out out{lengths.data(), freed.data(), store.pages, &nfreed};
+    kvtest::require_error(two_phase([&](workspace& ws) { return compact_layer(seq, ws, L, Pp, store.S, kept, out); }),
+                          errc::out_of_range, "sequence");
+    REQUIRE(nfreed == -1);
+    const auto cst = two_phase([&](workspace& ws) { return compact_layer(par_t{2}, ws, L, Pp, store.seq, kept, out); });
+    REQUIRE_MESSAGE(cst.ok(), std::string(cst.message()));
+    rows.compact(kept);
+    REQUIRE(nfreed == static_cast<std::int32_t>(want_freed.size()));
+    CHECK(std::vector<std::int32_t>(freed.begin(), freed.begin() + nfreed) == want_freed);
+    for (index_t h = 0; h < H; ++h) {
+      const index_t r = store.seq * H + h;
+      CHECK(lengths[static_cast<std::size_t>(store.lists == page_lists::per_head ? h : 0)] == rows.len(h));
+      for (index_t j = 0; j < rows.len(h); ++j) {
+        const auto hs = static_cast<std::size_t>(h), js = static_cast<std::size_t>(j * d);
+        CHECK(std::equal(L.key(r, j), L.key(r, j) + d, rows.k[hs].begin() + static_cast<std::ptrdiff_t>(js)));
+        CHECK(std::equal(L.value(r, j), L.value(r, j) + d, rows.v[hs].begin() + static_cast<std::ptrdiff_t>(js)));
+        CHECK(*Pp.row(L.table.page_of(L.list_of(r), j, ps), j % ps, L.head_of(r)) == rows.pos[hs][static_cast<std::size_t>(j)]);
+      }
+    }
+    std::vector<float> after;
+    for (index_t r = 0; r < L.rows(); ++r)
+      if (r / H != store.seq)
+        for (index_t j = 0; j < L.length(r); ++j) {
+          after.insert(after.end(), L.key(r, j), L.key(r, j) + d);
+          after.insert(after.end(), L.value(r, j), L.value(r, j) + d);
+        }
+    CHECK(kvtest::bytes_of(after) == kvtest::bytes_of(others));
   }
 }

@@ -831,13 +831,17 @@ TEST_CASE("paged drivers: a driver's answer compacts its sequence of a paged bat
     // what must stay: every other sequence's rows; what the sequence's lists free: their tail pages
     const auto L = store.layer();
     const auto Pp = store.positions();
-    std::vector<float> others;
-    for (index_t r = 0; r < L.rows(); ++r)
-      if (r / H != store.seq)
-        for (index_t j = 0; j < L.length(r); ++j) {
-          others.insert(others.end(), L.key(r, j), L.key(r, j) + d);
-          others.insert(others.end(), L.value(r, j), L.value(r, j) + d);
-        }
+    const auto other_rows = [&] {  // every other sequence's keys and values
+      std::vector<float> o;
+      for (index_t r = 0; r < L.rows(); ++r)
+        if (r / H != store.seq)
+          for (index_t j = 0; j < L.length(r); ++j) {
+            o.insert(o.end(), L.key(r, j), L.key(r, j) + d);
+            o.insert(o.end(), L.value(r, j), L.value(r, j) + d);
+          }
+      return o;
+    };
+    const std::vector<float> others = other_rows();
     const index_t first = L.list_of(store.seq * H), n_lists = store.lists == page_lists::per_head ? H : 1;
     std::vector<std::int32_t> want_freed;
     for (index_t l = 0; l < n_lists; ++l) {
@@ -867,13 +871,6 @@ TEST_CASE("paged drivers: a driver's answer compacts its sequence of a paged bat
         CHECK(*Pp.row(L.table.page_of(L.list_of(r), j, ps), j % ps, L.head_of(r)) == rows.pos[hs][static_cast<std::size_t>(j)]);
       }
     }
-    std::vector<float> after;
-    for (index_t r = 0; r < L.rows(); ++r)
-      if (r / H != store.seq)
-        for (index_t j = 0; j < L.length(r); ++j) {
-          after.insert(after.end(), L.key(r, j), L.key(r, j) + d);
-          after.insert(after.end(), L.value(r, j), L.value(r, j) + d);
-        }
-    CHECK(kvtest::bytes_of(after) == kvtest::bytes_of(others));
+    CHECK(kvtest::bytes_of(other_rows()) == kvtest::bytes_of(others));
   }
 }

@@ -5,6 +5,7 @@
 
 #include <kvevict/batch.hpp>
 #include <kvevict/compact.hpp>
+#include <kvevict/drivers/cascade_driver.hpp>
 #include <kvevict/drivers/chunked.hpp>
 #include <kvevict/drivers/compact_layer.hpp>
 #include <kvevict/drivers/decode.hpp>
@@ -872,5 +873,48 @@ TEST_CASE("paged drivers: a driver's answer compacts its sequence of a paged bat
       }
     }
     CHECK(kvtest::bytes_of(other_rows()) == kvtest::bytes_of(others));
+  }
+}
+
+TEST_CASE("paged drivers: cascade_driver on paged layers equals it on the same rows dense, layer by layer") {
+  auto g = kvtest::rng(1318);
+  for (int trial = 0; trial < 12; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 3), gq = kvtest::uniform_int(g, 1, 2), d = 2 * kvtest::uniform_int(g, 2, 6);
+    const index_t L = 3, w = kvtest::uniform_int(g, 1, 4), N = kvtest::uniform_int(g, w + 8, 50);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    cascade_driver_config cfg;
+    cfg.model = {L, H, H * gq, d};
+    cfg.tokens = N;
+    cfg.rec = kvtest::uniform_int(g, 0, 1) ? recipe::lava() : recipe::snapkv();
+    cfg.rec.window = cfg.rec.n_recent = w;
+    cfg.rec.kernel = 3;
+    cfg.split = kvtest::uniform_int(g, 0, 1) ? cascade_split::flattened : cascade_split::per_head;
+    cfg.weight = cfg.split == cascade_split::per_head ? weight_source::caller : weight_source::lava_entropy;
+    cfg.total = L * H * kvtest::uniform_int(g, w, N);
+    cascade_driver_config pcfg = cfg;
+    pcfg.pool_pages = 3 * H * (N + 64) + 80;
+    INFO("trial ", trial, " H ", H, " N ", N, " w ", w, " page size ", ps);
+    std::vector<unsigned char> m1(kvtest::value_of(cascade_driver::state_bytes(cfg))),
+        m2(kvtest::value_of(cascade_driver::state_bytes(pcfg))), wmem;
+    cascade_driver dense, paged;
+    REQUIRE(dense.init(cfg, m1.data(), m1.size()).ok());
+    REQUIRE(paged.init(pcfg, m2.data(), m2.size()).ok());
+    for (index_t l = 0; l < L; ++l) {
+      head_rows_set rows = random_rows(g, H, d, N, w, N, true, true, kvtest::uniform_int(g, 0, 1) ? 2 : 0, false);
+      const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * gq * w * d));
+      const auto qv = kvtest::value_of(make_kv_view<const float>(q.data(), H * gq, w, d));
+      const double weight = static_cast<double>(kvtest::uniform_int(g, 1, 9));
+      ragged_layer rl(rows, N);
+      auto store = paged_of(g, rows, ps, true);
+      const auto a = with_ws(dense, seq, wmem, [&](workspace& ws) { return dense.add_layer(seq, ws, l, rl.view(rows), qv, {}, weight); });
+      REQUIRE_MESSAGE(a.ok(), std::string(a.message()));
+      const auto b = with_ws(paged, seq, wmem, [&](workspace& ws) { return paged.add_layer(seq, ws, l, store.view(), qv, {}, weight); });
+      REQUIRE_MESSAGE(b.ok(), std::string(b.message()));
+      for (index_t j = 0; j <= l; ++j) {
+        REQUIRE(paged.changed(j) == dense.changed(j));
+        CHECK(kept_cu_of(paged.kept(j)) == kept_cu_of(dense.kept(j)));
+        CHECK(kept_pos_of(paged.kept(j)) == kept_pos_of(dense.kept(j)));
+      }
+    }
   }
 }

@@ -5,9 +5,17 @@
 
 #include <kvevict/batch.hpp>
 #include <kvevict/compact.hpp>
+#include <kvevict/drivers/cascade_driver.hpp>
+#include <kvevict/drivers/chunked.hpp>
+#include <kvevict/drivers/compact_layer.hpp>
+#include <kvevict/drivers/decode.hpp>
+#include <kvevict/drivers/post_fill.hpp>
 #include <kvevict/paged.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/select.hpp>
+
+#include <array>
+#include <cmath>
 
 using namespace kvevict;
 using kvtest::two_phase;
@@ -66,7 +74,7 @@ kept_lists run_batch(Backend be, const batch_case& b, batch_budget kind, bool va
     return select_topk_batch(be, ws, rows, b.budgets.data(), kind, k.cu.data(), k.pos.data(),
                              static_cast<index_t>(k.pos.size()));
   });
-  REQUIRE_MESSAGE(st.ok(), st.message());
+  REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
   k.pos.resize(static_cast<std::size_t>(k.cu.back()));
   return k;
 }
@@ -96,7 +104,7 @@ kept_lists run_alone(const batch_case& b, batch_budget kind) {
         return select_topk_flat(seq, ws, sv, nullptr, std::min(bud * H, H * n), nullptr, cu.data(), pos.data());
       });
     }
-    REQUIRE_MESSAGE(st.ok(), st.message());
+    REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
     const std::int32_t base = k.cu.back();
     for (index_t h = 0; h < H; ++h) k.cu.push_back(base + cu[static_cast<std::size_t>(h + 1)]);
     k.pos.insert(k.pos.end(), pos.begin(), pos.begin() + cu.back());
@@ -232,4 +240,681 @@ TEST_CASE("paged pipeline: Knorm on paged keys, one batched selection, paged com
         }
       }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Drivers reading paged layers (paged_layer_kv): the post-fill, decode and chunked drivers give
+// exactly the dense drivers' answers on the same rows held in a shuffled page pool.
+
+namespace {
+
+/// One sequence's layer as per-head rows, in arrival order: what both caches are built from.
+struct head_rows_set {
+  index_t H = 0, d = 0;
+  std::vector<std::vector<float>> k, v;
+  std::vector<std::vector<pos_t>> pos;
+  index_t len(index_t h) const { return static_cast<index_t>(pos[static_cast<std::size_t>(h)].size()); }
+  void append(index_t h, const float* kr, const float* vr, pos_t p) {
+    auto& K = k[static_cast<std::size_t>(h)];
+    auto& V = v[static_cast<std::size_t>(h)];
+    K.insert(K.end(), kr, kr + d);
+    V.insert(V.end(), vr, vr + d);
+    pos[static_cast<std::size_t>(h)].push_back(p);
+  }
+  /// Every head keeps the rows kept lists (a driver's answer), in order.
+  void compact(const ragged_positions& kept) {
+    for (index_t h = 0; h < H; ++h) {
+      head_rows_set one;
+      const auto hs = static_cast<std::size_t>(h);
+      std::vector<float> K, V;
+      std::vector<pos_t> P;
+      for (index_t i = 0; i < kept.length(h); ++i) {
+        const auto j = static_cast<std::size_t>(kept.pos[kept.cu[h] + i]);
+        K.insert(K.end(), k[hs].begin() + static_cast<std::ptrdiff_t>(j * d), k[hs].begin() + static_cast<std::ptrdiff_t>((j + 1) * d));
+        V.insert(V.end(), v[hs].begin() + static_cast<std::ptrdiff_t>(j * d), v[hs].begin() + static_cast<std::ptrdiff_t>((j + 1) * d));
+        P.push_back(pos[hs][j]);
+      }
+      k[hs] = K, v[hs] = V, pos[hs] = P;
+    }
+  }
+};
+
+/// A random layer: head h holds every position of [P - tail, P) and a random subset of the
+/// others (all of them when whole), at least `least` rows; keys from `distinct` values when > 0
+/// (ties), a NaN key or value element when asked.
+head_rows_set random_rows(std::mt19937_64& g, index_t H, index_t d, index_t P, index_t tail, index_t least, bool whole,
+                          bool same_length, int distinct, bool nan) {
+  head_rows_set r;
+  r.H = H, r.d = d;
+  r.k.resize(static_cast<std::size_t>(H)), r.v.resize(static_cast<std::size_t>(H)), r.pos.resize(static_cast<std::size_t>(H));
+  const index_t shared_n = kvtest::uniform_int(g, std::max(least, tail), P);
+  for (index_t h = 0; h < H; ++h) {
+    const index_t n = whole ? P : same_length ? shared_n : kvtest::uniform_int(g, std::max(least, tail), P);
+    std::vector<pos_t> head(static_cast<std::size_t>(P - tail));
+    std::iota(head.begin(), head.end(), 0);
+    std::shuffle(head.begin(), head.end(), g);
+    head.resize(static_cast<std::size_t>(n - tail));
+    for (index_t t = P - tail; t < P; ++t) head.push_back(static_cast<pos_t>(t));
+    std::sort(head.begin(), head.end());
+    for (pos_t p : head) {
+      auto kr = kvtest::random_floats(g, static_cast<std::size_t>(d));
+      auto vr = kvtest::random_floats(g, static_cast<std::size_t>(d));
+      if (distinct > 0)
+        for (auto& x : kr) x = std::round(x * static_cast<float>(distinct)) / static_cast<float>(distinct);
+      r.append(h, kr.data(), vr.data(), p);
+    }
+  }
+  if (nan) {
+    const index_t h = kvtest::uniform_int(g, 0, H - 1);
+    auto& target = kvtest::uniform_int(g, 0, 1) ? r.k[static_cast<std::size_t>(h)] : r.v[static_cast<std::size_t>(h)];
+    if (!target.empty()) target[static_cast<std::size_t>(kvtest::uniform_int(g, 0, static_cast<index_t>(target.size()) - 1))] = std::nanf("");
+  }
+  return r;
+}
+
+/// The rows as a dense ragged layer (each head's rows contiguous, room for `room` rows).
+struct ragged_layer {
+  std::vector<float> k, v;
+  std::vector<std::int32_t> cu, lens;
+  std::vector<pos_t> pos;
+  ragged_layer(const head_rows_set& r, index_t room) {
+    const index_t H = r.H, d = r.d;
+    k.assign(static_cast<std::size_t>(H * room * d + 1), 0.f);
+    v = k;
+    pos.assign(static_cast<std::size_t>(H * room + 1), 0);
+    for (index_t h = 0; h < H; ++h) {
+      cu.push_back(static_cast<std::int32_t>(h * room));
+      lens.push_back(static_cast<std::int32_t>(r.len(h)));
+      const auto hs = static_cast<std::size_t>(h);
+      std::copy(r.k[hs].begin(), r.k[hs].end(), k.begin() + static_cast<std::ptrdiff_t>(h * room * d));
+      std::copy(r.v[hs].begin(), r.v[hs].end(), v.begin() + static_cast<std::ptrdiff_t>(h * room * d));
+      std::copy(r.pos[hs].begin(), r.pos[hs].end(), pos.begin() + static_cast<std::ptrdiff_t>(h * room));
+    }
+    cu.push_back(static_cast<std::int32_t>(H * room));
+  }
+  layer_kv<float> view(const head_rows_set& r) {
+    return {{k.data(), cu.data(), lens.data(), r.H, r.d, r.d}, {v.data(), cu.data(), lens.data(), r.H, r.d, r.d},
+            pos.data()};
+  }
+};
+
+/// The rows as sequence `seq` of a batch of S sequences in a shuffled page pool (the other
+/// sequences random), per-sequence tables when every head holds as many rows, else per-head.
+struct paged_store {
+  index_t S = 0, H = 0, d = 0, ps = 0, pages = 0, seq = 0;
+  page_lists lists = page_lists::per_head;
+  page_layout layout = page_layout::nhd;
+  std::vector<float> kpool, vpool;
+  std::vector<pos_t> ppool;
+  std::vector<std::int32_t> indptr, indices, last;
+
+  paged_layer<float> layer() {
+    const index_t hp = lists == page_lists::per_head ? 1 : H;
+    return {kvtest::value_of(make_page_pool(kpool.data(), pages, ps, hp, d, layout)),
+            kvtest::value_of(make_page_pool(vpool.data(), pages, ps, hp, d, layout)),
+            page_table{indptr.data(), indices.data(), last.data(), lists == page_lists::per_head ? S * H : S}, S, H,
+            lists};
+  }
+  page_pool<pos_t> positions() {
+    return kvtest::value_of(make_page_pool(ppool.data(), pages, ps, lists == page_lists::per_head ? 1 : H, 1, layout));
+  }
+  paged_layer_kv<float> view() { return make_paged_layer_kv(layer(), positions(), seq); }
+};
+
+paged_store paged_of(std::mt19937_64& g, const head_rows_set& r, index_t ps, bool allow_per_sequence) {
+  paged_store p;
+  p.H = r.H, p.d = r.d, p.ps = ps;
+  p.S = kvtest::uniform_int(g, 1, 3);
+  p.seq = kvtest::uniform_int(g, 0, p.S - 1);
+  p.layout = kvtest::uniform_int(g, 0, 1) ? page_layout::hnd : page_layout::nhd;
+  bool same = true;
+  for (index_t h = 1; h < r.H; ++h) same = same && r.len(h) == r.len(0);
+  p.lists = allow_per_sequence && same && kvtest::uniform_int(g, 0, 1) ? page_lists::per_sequence : page_lists::per_head;
+  const bool per_head = p.lists == page_lists::per_head;
+  // every list's length: the sequence's rows, random rows for the others
+  const index_t n_lists = per_head ? p.S * p.H : p.S;
+  std::vector<index_t> len(static_cast<std::size_t>(n_lists));
+  for (index_t s = 0; s < p.S; ++s) {
+    const index_t other = kvtest::uniform_int(g, 0, 40);
+    for (index_t i = 0; i < (per_head ? p.H : 1); ++i)
+      len[static_cast<std::size_t>(per_head ? s * p.H + i : s)] = s == p.seq ? r.len(i) : other;
+  }
+  index_t need = 0;
+  for (index_t n : len) need += (n + ps - 1) / ps;
+  p.pages = need + kvtest::uniform_int(g, 0, 3);
+  std::vector<std::int32_t> perm(static_cast<std::size_t>(p.pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), g);
+  p.indptr.assign(1, 0);
+  std::size_t at = 0;
+  for (index_t l = 0; l < n_lists; ++l) {
+    const index_t n = (len[static_cast<std::size_t>(l)] + ps - 1) / ps;
+    for (index_t i = 0; i < n; ++i) p.indices.push_back(perm[at++]);
+    p.indptr.push_back(static_cast<std::int32_t>(p.indices.size()));
+    p.last.push_back(static_cast<std::int32_t>(n == 0 ? 0 : len[static_cast<std::size_t>(l)] - (n - 1) * ps));
+  }
+  p.indices.push_back(0);  // never empty
+  const index_t hp = per_head ? 1 : p.H;
+  p.kpool = kvtest::random_floats(g, static_cast<std::size_t>(p.pages * ps * hp * p.d + 1));
+  p.vpool = kvtest::random_floats(g, static_cast<std::size_t>(p.pages * ps * hp * p.d + 1));
+  p.ppool.assign(static_cast<std::size_t>(p.pages * ps * hp + 1), 0);
+  const auto L = p.layer();
+  const auto P = p.positions();
+  for (index_t s = 0; s < p.S; ++s)
+    for (index_t h = 0; h < p.H; ++h) {
+      const index_t row = s * p.H + h, list = L.list_of(row), n = L.length(row);
+      for (index_t j = 0; j < n; ++j) {
+        pos_t* pp = P.row(L.table.page_of(list, j, ps), j % ps, L.head_of(row));
+        if (s != p.seq) {
+          *pp = static_cast<pos_t>(j);
+          continue;
+        }
+        const auto hs = static_cast<std::size_t>(h), js = static_cast<std::size_t>(j * p.d);
+        std::copy(r.k[hs].begin() + static_cast<std::ptrdiff_t>(js), r.k[hs].begin() + static_cast<std::ptrdiff_t>(js + p.d), L.key(row, j));
+        std::copy(r.v[hs].begin() + static_cast<std::ptrdiff_t>(js), r.v[hs].begin() + static_cast<std::ptrdiff_t>(js + p.d), L.value(row, j));
+        *pp = r.pos[hs][static_cast<std::size_t>(j)];
+      }
+    }
+  return p;
+}
+
+std::vector<std::int32_t> kept_cu_of(const ragged_positions& k) { return {k.cu, k.cu + (k.heads + 1)}; }
+std::vector<pos_t> kept_pos_of(const ragged_positions& k) { return {k.pos, k.pos + (k.heads > 0 ? k.cu[k.heads] : 0)}; }
+
+/// A driver call with a workspace of exactly workspace_bytes(be) (misaligned bases included).
+template <class Driver, class Backend, class F>
+status with_ws(const Driver& d, Backend be, std::vector<unsigned char>& mem, F&& call) {
+  const std::size_t bytes = kvtest::value_of(d.workspace_bytes(be));
+  workspace ws = kvtest::shifted_workspace(mem, bytes, 0x5a);
+  return call(ws);
+}
+
+/// The recipes the paged drivers read: every scoring family, a few protections.
+recipe random_recipe(std::mt19937_64& g, index_t w, index_t* query_rows, bool* block_keys, bool decode) {
+  recipe r;
+  *query_rows = 0;
+  *block_keys = false;
+  switch (kvtest::uniform_int(g, 0, decode ? 6 : 8)) {
+    case 0: r = recipe::snapkv(); break;
+    case 1: r = recipe::vatp(); break;
+    case 2: r = recipe::lava(); break;
+    case 3: r = recipe::h2o(); break;
+    case 4: r = recipe::tova(); break;
+    case 5: r = recipe::knorm(); break;
+    case 6: r = recipe::streaming_llm(2); break;
+    case 7: r = recipe::cake(); break;
+    default:
+      r = recipe::snapkv();
+      r.source = query_source::external_block;
+      *query_rows = w;
+      *block_keys = kvtest::uniform_int(g, 0, 1) == 1;
+  }
+  if (r.kind != recipe_kind::h2o && r.kind != recipe_kind::tova && r.kind != recipe_kind::knorm &&
+      r.kind != recipe_kind::streaming_llm) {
+    r.window = w;
+    r.n_recent = *query_rows > 0 ? kvtest::uniform_int(g, 0, 2) : w;
+    r.kernel = 3;
+  } else if (r.kind == recipe_kind::h2o) {
+    r.n_recent = decode ? w : kvtest::uniform_int(g, 0, 3);
+  }
+  r.n_sink = kvtest::uniform_int(g, 0, 2);
+  return r;
+}
+
+/// A one-layer allocation of random per_head / flattened / adakv budgets in [least, least + spread]
+/// (adakv: one shared budget); returns the most rows a head holds after an eviction.
+index_t random_budgets(std::mt19937_64& g, allocation& a, std::vector<std::int32_t>& budgets, index_t H, index_t least,
+                       index_t spread) {
+  const auto kinds = std::array<allocator, 3>{allocator::per_head, allocator::flattened, allocator::adakv};
+  a.kind = kinds[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
+  budgets.assign(static_cast<std::size_t>(H), 0);
+  const auto shared = static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + spread));
+  index_t sum = 0, most = 0;
+  for (auto& b : budgets) {
+    b = a.kind == allocator::adakv ? shared : static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + spread));
+    sum += b;
+    most = std::max<index_t>(most, b);
+  }
+  a.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
+  return a.kind == allocator::per_head ? most : sum;
+}
+
+}  // namespace
+
+TEST_CASE("paged drivers: post_fill_driver on paged layers equals it on the same rows dense") {
+  auto g = kvtest::rng(1313);
+  for (int trial = 0; trial < 60; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 4), gq = kvtest::uniform_int(g, 1, 2), d = 4 * kvtest::uniform_int(g, 1, 4) + kvtest::uniform_int(g, 0, 1) * 2;
+    const index_t L = 2, w = kvtest::uniform_int(g, 1, 6), P = kvtest::uniform_int(g, w + 8, 80);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    index_t query_rows = 0;
+    bool bk = false;
+    const recipe r = random_recipe(g, w, &query_rows, &bk, false);
+    post_fill_config cfg;
+    cfg.model = {L, H, H * gq, d};
+    cfg.tokens = P;
+    cfg.query_rows = query_rows;
+    cfg.rec = r;
+    const bool attention = uses_attention(r.kind);
+    const index_t tail = r.kind == recipe_kind::tova ? 1 : attention && query_rows == 0 && r.kind != recipe_kind::h2o ? w : 0;
+    const auto kinds = std::array<allocator, 5>{allocator::per_head, allocator::flattened, allocator::adakv,
+                                                allocator::lava, allocator::cake};
+    cfg.alloc.kind = kinds[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 4))];
+    if (cfg.alloc.kind == allocator::lava && r.kind == recipe_kind::knorm)
+      cfg.alloc.kind = allocator::flattened;  // LAVa's entropy needs scores >= 0 (Knorm's are -||k||)
+    const bool whole = r.kind == recipe_kind::h2o || cfg.alloc.kind == allocator::cake;
+    const index_t W = protected_count(P, r.n_sink, r.n_recent);
+    const int distinct = kvtest::uniform_int(g, 0, 2) == 0 ? 2 : 0;
+    const bool nan = cfg.alloc.kind != allocator::lava && cfg.alloc.kind != allocator::cake &&
+                     kvtest::uniform_int(g, 0, 4) == 0;  // the all-layer allocators refuse NaN scores
+    std::vector<head_rows_set> rows;
+    for (index_t l = 0; l < L; ++l)
+      rows.push_back(random_rows(g, H, d, P, tail, W, whole, kvtest::uniform_int(g, 0, 2) == 0, distinct, nan));
+    // budgets inside every head's rows
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H));
+    index_t rows_all = 0, prot_all = 0;
+    for (index_t l = 0; l < L; ++l) {
+      index_t least = P;
+      for (index_t h = 0; h < H; ++h) {
+        const index_t n = rows[static_cast<std::size_t>(l)].len(h);
+        least = std::min(least, n);
+        rows_all += n;
+        prot_all += protected_count(n, r.n_sink, r.n_recent);
+        budgets[static_cast<std::size_t>(l * H + h)] = static_cast<std::int32_t>(kvtest::uniform_int(g, W, n));
+      }
+      if (cfg.alloc.kind == allocator::adakv) {
+        const auto b = static_cast<std::int32_t>(kvtest::uniform_int(g, W, least));
+        for (index_t h = 0; h < H; ++h) budgets[static_cast<std::size_t>(l * H + h)] = b;
+      }
+    }
+    cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+    if (cfg.alloc.kind == allocator::lava) cfg.alloc.total = kvtest::uniform_int(g, prot_all, rows_all);
+    if (cfg.alloc.kind == allocator::cake) cfg.alloc.total = L * H * kvtest::uniform_int(g, W, P);
+    std::vector<paged_store> stores;
+    index_t most_pages = 0;
+    for (index_t l = 0; l < L; ++l) {
+      stores.push_back(paged_of(g, rows[static_cast<std::size_t>(l)], ps, true));
+      most_pages = std::max(most_pages, stores.back().pages);
+    }
+    post_fill_config pcfg = cfg;
+    pcfg.pool_pages = most_pages + kvtest::uniform_int(g, 0, 70);
+    INFO("trial ", trial, " recipe ", std::string(recipe_name(r.kind)), " allocator ", std::string(allocator_name(cfg.alloc.kind)), " H ", H,
+         " g ", gq, " d ", d, " P ", P, " w ", w, " page size ", ps);
+    std::vector<unsigned char> m1(kvtest::value_of(post_fill_driver::state_bytes(cfg))),
+        m2(kvtest::value_of(post_fill_driver::state_bytes(pcfg))), wmem;
+    post_fill_driver dense, paged;
+    REQUIRE(dense.init(cfg, m1.data(), m1.size()).ok());
+    REQUIRE(paged.init(pcfg, m2.data(), m2.size()).ok());
+    const index_t qrows = query_rows > 0 ? query_rows : r.kind == recipe_kind::h2o ? P : r.kind == recipe_kind::tova ? 1 : attention ? w : 0;
+    const bool on_par = kvtest::uniform_int(g, 0, 1) == 1;
+    for (index_t l = 0; l < L; ++l) {
+      auto& hr = rows[static_cast<std::size_t>(l)];
+      ragged_layer rl(hr, P + 2);
+      const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * gq * std::max<index_t>(qrows, 1) * d));
+      const auto qv = qrows > 0 ? kvtest::value_of(make_kv_view<const float>(q.data(), H * gq, qrows, d)) : kv_view<const float>{};
+      const auto bkd = kvtest::random_floats(g, static_cast<std::size_t>(H * std::max<index_t>(query_rows, 1) * d));
+      const auto bkv = bk ? kvtest::value_of(make_kv_view<const float>(bkd.data(), H, query_rows, d)) : kv_view<const float>{};
+      const double pref = cfg.alloc.kind == allocator::cake ? static_cast<double>(kvtest::uniform_int(g, 1, 9)) : 0.0;
+      const auto call = [&](post_fill_driver& drv, const auto& kv) {
+        if (on_par)
+          return with_ws(drv, par_t{2}, wmem, [&](workspace& ws) { return drv.add_layer(par_t{2}, ws, l, kv, qv, bkv, pref); });
+        return with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.add_layer(seq, ws, l, kv, qv, bkv, pref); });
+      };
+      const auto a = call(dense, rl.view(hr));
+      REQUIRE_MESSAGE(a.ok(), std::string(a.message()));
+      const auto st = call(paged, stores[static_cast<std::size_t>(l)].view());
+      REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+    }
+    if (on_par) {
+      REQUIRE(with_ws(dense, par_t{2}, wmem, [&](workspace& ws) { return dense.decide(par_t{2}, ws); }).ok());
+      REQUIRE(with_ws(paged, par_t{2}, wmem, [&](workspace& ws) { return paged.decide(par_t{2}, ws); }).ok());
+    } else {
+      REQUIRE(with_ws(dense, seq, wmem, [&](workspace& ws) { return dense.decide(seq, ws); }).ok());
+      REQUIRE(with_ws(paged, seq, wmem, [&](workspace& ws) { return paged.decide(seq, ws); }).ok());
+    }
+    for (index_t l = 0; l < L; ++l) {
+      REQUIRE(paged.ready(l));
+      CHECK(kept_cu_of(paged.kept(l)) == kept_cu_of(dense.kept(l)));
+      CHECK(kept_pos_of(paged.kept(l)) == kept_pos_of(dense.kept(l)));
+    }
+  }
+}
+
+TEST_CASE("paged drivers: decode_driver on paged layers equals it on the same rows dense, step by step") {
+  auto g = kvtest::rng(1314);
+  for (int trial = 0; trial < 40; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 3), gq = kvtest::uniform_int(g, 1, 2), d = 2 * kvtest::uniform_int(g, 2, 8);
+    const index_t w = kvtest::uniform_int(g, 1, 4), interval = kvtest::uniform_int(g, 1, 3);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    index_t query_rows = 0;
+    bool bk = false;
+    const recipe r = random_recipe(g, w, &query_rows, &bk, true);
+    decode_config cfg;
+    cfg.model = {1, H, H * gq, d};
+    cfg.interval = interval;
+    cfg.rec = r;
+    const index_t least = r.n_sink + r.n_recent + 1;
+    std::vector<std::int32_t> budgets;
+    cfg.capacity = random_budgets(g, cfg.alloc, budgets, H, least, 10) + interval;
+    const bool h2o = r.kind == recipe_kind::h2o, attention = uses_attention(r.kind);
+    const index_t lo = attention && !h2o && r.kind != recipe_kind::tova ? w : 1;  // a window's rows at least
+    const index_t P0 = kvtest::uniform_int(g, lo, std::max(lo, least));
+    head_rows_set truth = random_rows(g, H, d, P0, P0, 0, true, true, kvtest::uniform_int(g, 0, 2) == 0 ? 2 : 0,
+                                      kvtest::uniform_int(g, 0, 5) == 0);
+    const int distinct = kvtest::uniform_int(g, 0, 2) == 0 ? 2 : 0;
+    decode_config pcfg = cfg;
+    pcfg.pool_pages = 3 * H * (cfg.capacity + 64) + 80;  // room for paged_of's other sequences
+    INFO("trial ", trial, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
+         std::string(allocator_name(cfg.alloc.kind)), " H ", H, " g ", gq, " d ", d, " w ", w, " interval ", interval,
+         " page size ", ps);
+    std::vector<unsigned char> m1(kvtest::value_of(decode_driver::state_bytes(cfg))),
+        m2(kvtest::value_of(decode_driver::state_bytes(pcfg))), wmem;
+    decode_driver dense, paged;
+    REQUIRE(dense.init(cfg, m1.data(), m1.size()).ok());
+    REQUIRE(paged.init(pcfg, m2.data(), m2.size()).ok());
+    const bool on_par = kvtest::uniform_int(g, 0, 1) == 1;
+    {
+      ragged_layer rl(truth, cfg.capacity);
+      REQUIRE(dense.begin(0, rl.view(truth), P0).ok());
+      auto store = paged_of(g, truth, ps, true);
+      const auto st = with_ws(paged, seq, wmem, [&](workspace& ws) { return paged.begin(seq, ws, 0, store.view(), P0); });
+      REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+    }
+    int evictions = 0;
+    for (index_t t = P0; t < P0 + 30; ++t) {
+      for (index_t h = 0; h < H; ++h) {
+        auto kr = kvtest::random_floats(g, static_cast<std::size_t>(d)), vr = kvtest::random_floats(g, static_cast<std::size_t>(d));
+        if (distinct > 0)
+          for (auto& x : kr) x = std::round(x * 2.f) / 2.f;
+        truth.append(h, kr.data(), vr.data(), static_cast<pos_t>(t));
+      }
+      const index_t qrows = h2o ? 1 : attention && dense.evicts_next(0) ? (r.kind == recipe_kind::tova ? 1 : w) : 0;
+      const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * gq * std::max<index_t>(qrows, 1) * d));
+      const auto qv = qrows > 0 ? kvtest::value_of(make_kv_view<const float>(q.data(), H * gq, qrows, d)) : kv_view<const float>{};
+      ragged_layer rl(truth, cfg.capacity);
+      auto store = paged_of(g, truth, ps, true);
+      const auto call = [&](decode_driver& drv, const auto& kv) {
+        if (on_par) return with_ws(drv, par_t{2}, wmem, [&](workspace& ws) { return drv.step(par_t{2}, ws, 0, kv, qv); });
+        return with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.step(seq, ws, 0, kv, qv); });
+      };
+      const auto a = call(dense, rl.view(truth));
+      REQUIRE_MESSAGE(a.ok(), std::string(a.message()));
+      const auto b = call(paged, store.view());
+      REQUIRE_MESSAGE(b.ok(), std::string(b.message()));
+      REQUIRE(paged.evicted(0) == dense.evicted(0));
+      if (dense.evicted(0)) {
+        ++evictions;
+        CHECK(kept_cu_of(paged.kept(0)) == kept_cu_of(dense.kept(0)));
+        CHECK(kept_pos_of(paged.kept(0)) == kept_pos_of(dense.kept(0)));
+        truth.compact(dense.kept(0));
+      }
+      for (index_t h = 0; h < H; ++h) REQUIRE(paged.held(0, h) == dense.held(0, h));
+    }
+    CHECK(evictions > 0);
+  }
+}
+
+TEST_CASE("paged drivers: bad paged layers are refused before anything changes") {
+  auto g = kvtest::rng(1315);
+  const index_t H = 2, d = 4, P = 20, w = 4;
+  post_fill_config cfg;
+  cfg.model = {1, H, H, d};
+  cfg.tokens = P;
+  cfg.rec = recipe::snapkv();
+  cfg.rec.window = cfg.rec.n_recent = w;
+  std::vector<std::int32_t> budgets(static_cast<std::size_t>(H), 8);
+  cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
+  head_rows_set rows = random_rows(g, H, d, P, w, 8, false, false, 0, false);
+  auto store = paged_of(g, rows, 4, false);
+  const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * w * d));
+  const auto qv = kvtest::value_of(make_kv_view<const float>(q.data(), H, w, d));
+  std::vector<unsigned char> wmem;
+  const auto add = [&](const post_fill_config& c, const paged_layer_kv<float>& kv) {
+    std::vector<unsigned char> m(kvtest::value_of(post_fill_driver::state_bytes(c)));
+    post_fill_driver drv;
+    REQUIRE(drv.init(c, m.data(), m.size()).ok());
+    const status st = with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.add_layer(seq, ws, 0, kv, qv); });
+    CHECK(drv.layers_added() == (st.ok() ? 1 : 0));
+    return st;
+  };
+  post_fill_config pc = cfg;
+  pc.pool_pages = store.pages;
+  REQUIRE(add(pc, store.view()).ok());
+  kvtest::require_error(add(cfg, store.view()), errc::capacity_exceeded, "pool_pages");
+  pc.pool_pages = -1;
+  kvtest::require_error(post_fill_driver::state_bytes(pc).error(), errc::invalid_argument, "pool_pages");
+  pc.pool_pages = store.pages;
+  auto kv = store.view();
+  kv.sequence = store.S;
+  kvtest::require_error(add(pc, kv), errc::out_of_range, "sequence");
+  kv = store.view();
+  kv.layer.kv_heads = 1;
+  kv.layer.table.lists = store.S;
+  kvtest::require_error(add(pc, kv), errc::shape_mismatch, "KV heads");
+  kv = store.view();
+  kv.positions.pages = store.pages - 1;
+  kvtest::require_error(add(pc, kv), errc::shape_mismatch, "position pool");
+  // the sequence's lists: a page twice, a page outside the pool, a bad last page
+  const index_t first = store.seq * H, a = store.indptr[static_cast<std::size_t>(first)];
+  REQUIRE(store.indptr[static_cast<std::size_t>(first + 2)] - a >= 2);
+  const std::int32_t keep = store.indices[static_cast<std::size_t>(a + 1)];
+  store.indices[static_cast<std::size_t>(a + 1)] = store.indices[static_cast<std::size_t>(a)];
+  kvtest::require_error(add(pc, store.view()), errc::invalid_argument, "page");
+  store.indices[static_cast<std::size_t>(a + 1)] = static_cast<std::int32_t>(store.pages);
+  kvtest::require_error(add(pc, store.view()), errc::out_of_range, "outside the pool");
+  store.indices[static_cast<std::size_t>(a + 1)] = keep;
+  const std::int32_t last = store.last[static_cast<std::size_t>(first)];
+  store.last[static_cast<std::size_t>(first)] = static_cast<std::int32_t>(store.ps + 1);
+  kvtest::require_error(add(pc, store.view()), errc::invalid_argument, "last_page_len");
+  store.last[static_cast<std::size_t>(first)] = last;
+  // positions read through the table: out of order
+  const auto L = store.layer();
+  const auto Pp = store.positions();
+  pos_t* p0 = Pp.row(L.table.page_of(first, 0, store.ps), 0, 0);
+  const pos_t old = *p0;
+  *p0 = static_cast<pos_t>(P - 1);
+  kvtest::require_error(add(pc, store.view()), errc::not_sorted, "arrival order");
+  *p0 = old;
+  REQUIRE(add(pc, store.view()).ok());
+}
+
+TEST_CASE("paged drivers: chunked_driver on paged layers equals it on the same rows dense, chunk by chunk") {
+  auto g = kvtest::rng(1316);
+  for (int trial = 0; trial < 30; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 3), gq = kvtest::uniform_int(g, 1, 2), d = 2 * kvtest::uniform_int(g, 2, 8);
+    const index_t w = kvtest::uniform_int(g, 1, 4), N = kvtest::uniform_int(g, 20, 70), cs = kvtest::uniform_int(g, 4, 16);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    recipe r;
+    switch (kvtest::uniform_int(g, 0, 4)) {
+      case 0: r = recipe::snapkv(); break;
+      case 1: r = recipe::vatp(); break;
+      case 2: r = recipe::lava(); break;
+      case 3: r = recipe::knorm(); break;
+      default: r = recipe::streaming_llm(1);
+    }
+    const bool attention = uses_attention(r.kind);
+    if (attention) r.window = r.n_recent = w, r.kernel = 3;
+    chunked_config cfg;
+    cfg.model = {1, H, H * gq, d};
+    cfg.tokens = N;
+    cfg.rec = r;
+    cfg.queries = kvtest::uniform_int(g, 0, 1) ? chunk_queries::patched : chunk_queries::naive;
+    const index_t least = r.n_sink + r.n_recent + 1;
+    std::vector<std::int32_t> budgets;
+    cfg.capacity = random_budgets(g, cfg.alloc, budgets, H, least, 12) + cs + w;
+    chunked_config pcfg = cfg;
+    pcfg.pool_pages = 3 * H * (cfg.capacity + 64) + 80;
+    INFO("trial ", trial, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
+         std::string(allocator_name(cfg.alloc.kind)), " H ", H, " w ", w, " N ", N, " chunk ", cs, " page size ", ps);
+    std::vector<unsigned char> m1(kvtest::value_of(chunked_driver::state_bytes(cfg))),
+        m2(kvtest::value_of(chunked_driver::state_bytes(pcfg))), wmem;
+    chunked_driver dense, paged;
+    REQUIRE(dense.init(cfg, m1.data(), m1.size()).ok());
+    REQUIRE(paged.init(pcfg, m2.data(), m2.size()).ok());
+    head_rows_set truth;
+    truth.H = H, truth.d = d;
+    truth.k.resize(static_cast<std::size_t>(H)), truth.v.resize(static_cast<std::size_t>(H)),
+        truth.pos.resize(static_cast<std::size_t>(H));
+    const bool on_par = kvtest::uniform_int(g, 0, 1) == 1;
+    for (index_t s = 0; s < N;) {
+      index_t e = std::min(N, s + cs);
+      if (cfg.queries == chunk_queries::patched && attention && e < N && e > N - w) e = N;
+      REQUIRE(dense.begin_chunk(s, e).ok());
+      REQUIRE(paged.begin_chunk(s, e).ok());
+      for (index_t t = s; t < e; ++t)
+        for (index_t h = 0; h < H; ++h) {
+          const auto kr = kvtest::random_floats(g, static_cast<std::size_t>(d)), vr = kvtest::random_floats(g, static_cast<std::size_t>(d));
+          truth.append(h, kr.data(), vr.data(), static_cast<pos_t>(t));
+        }
+      const index_t qrows = dense.query_rows();
+      const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * gq * std::max<index_t>(qrows, 1) * d));
+      const auto qv = qrows > 0 ? kvtest::value_of(make_kv_view<const float>(q.data(), H * gq, qrows, d)) : kv_view<const float>{};
+      const bool patch = dense.patch().count > 0 && kvtest::uniform_int(g, 0, 1) == 1;
+      const auto pk = kvtest::random_floats(g, static_cast<std::size_t>(H * w * d));
+      const auto pkv = patch ? kvtest::value_of(make_kv_view<const float>(pk.data(), H, w, d)) : kv_view<const float>{};
+      ragged_layer rl(truth, cfg.capacity);
+      auto store = paged_of(g, truth, ps, true);
+      const auto call = [&](chunked_driver& drv, const auto& kv) {
+        if (on_par)
+          return with_ws(drv, par_t{2}, wmem, [&](workspace& ws) { return drv.add_layer(par_t{2}, ws, 0, kv, qv, pkv); });
+        return with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.add_layer(seq, ws, 0, kv, qv, pkv); });
+      };
+      const auto a = call(dense, rl.view(truth));
+      REQUIRE_MESSAGE(a.ok(), std::string(a.message()));
+      const auto b = call(paged, store.view());
+      REQUIRE_MESSAGE(b.ok(), std::string(b.message()));
+      REQUIRE(with_ws(dense, seq, wmem, [&](workspace& ws) { return dense.decide(seq, ws); }).ok());
+      REQUIRE(with_ws(paged, seq, wmem, [&](workspace& ws) { return paged.decide(seq, ws); }).ok());
+      CHECK(kept_cu_of(paged.kept(0)) == kept_cu_of(dense.kept(0)));
+      CHECK(kept_pos_of(paged.kept(0)) == kept_pos_of(dense.kept(0)));
+      truth.compact(dense.kept(0));
+      s = e;
+    }
+  }
+}
+
+TEST_CASE("paged drivers: a driver's answer compacts its sequence of a paged batch alone (compact_layer with a sequence)") {
+  auto g = kvtest::rng(1317);
+  for (int trial = 0; trial < 30; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 3), d = 2 * kvtest::uniform_int(g, 2, 6), w = kvtest::uniform_int(g, 1, 4);
+    const index_t P = kvtest::uniform_int(g, w + 6, 60);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    post_fill_config cfg;
+    cfg.model = {1, H, H, d};
+    cfg.tokens = P;
+    cfg.rec = recipe::snapkv();
+    cfg.rec.window = cfg.rec.n_recent = w;
+    cfg.rec.kernel = 3;
+    head_rows_set rows = random_rows(g, H, d, P, w, w + 4, false, kvtest::uniform_int(g, 0, 1) == 1, 0, false);
+    std::vector<std::int32_t> budgets;
+    random_budgets(g, cfg.alloc, budgets, H, w, 0);
+    index_t shortest = P;
+    for (index_t h = 0; h < H; ++h) shortest = std::min(shortest, rows.len(h));
+    const auto shared = static_cast<std::int32_t>(kvtest::uniform_int(g, w, shortest));
+    for (index_t h = 0; h < H; ++h)  // inside every head's rows
+      budgets[static_cast<std::size_t>(h)] =
+          cfg.alloc.kind == allocator::adakv ? shared : static_cast<std::int32_t>(kvtest::uniform_int(g, w, rows.len(h)));
+    // per-sequence tables hold one length per sequence: every head must keep as many rows
+    const bool same = cfg.alloc.kind == allocator::per_head && kvtest::uniform_int(g, 0, 1) == 1;
+    if (same) std::fill(budgets.begin(), budgets.end(), shared);
+    auto store = paged_of(g, rows, ps, same);
+    cfg.pool_pages = store.pages;
+    INFO("trial ", trial, " allocator ", std::string(allocator_name(cfg.alloc.kind)), " H ", H, " page size ", ps,
+         " sequences ", store.S, " lists ", std::string(store.lists == page_lists::per_head ? "per head" : "per sequence"));
+    std::vector<unsigned char> m(kvtest::value_of(post_fill_driver::state_bytes(cfg))), wmem;
+    post_fill_driver drv;
+    REQUIRE(drv.init(cfg, m.data(), m.size()).ok());
+    const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * w * d));
+    const auto qv = kvtest::value_of(make_kv_view<const float>(q.data(), H, w, d));
+    const auto st = with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.add_layer(seq, ws, 0, store.view(), qv); });
+    REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+    const ragged_positions kept = drv.kept(0);
+    // what must stay: every other sequence's rows; what the sequence's lists free: their tail pages
+    const auto L = store.layer();
+    const auto Pp = store.positions();
+    const auto other_rows = [&] {  // every other sequence's keys and values
+      std::vector<float> o;
+      for (index_t r = 0; r < L.rows(); ++r)
+        if (r / H != store.seq)
+          for (index_t j = 0; j < L.length(r); ++j) {
+            o.insert(o.end(), L.key(r, j), L.key(r, j) + d);
+            o.insert(o.end(), L.value(r, j), L.value(r, j) + d);
+          }
+      return o;
+    };
+    const std::vector<float> others = other_rows();
+    const index_t first = L.list_of(store.seq * H), n_lists = store.lists == page_lists::per_head ? H : 1;
+    std::vector<std::int32_t> want_freed;
+    for (index_t l = 0; l < n_lists; ++l) {
+      const index_t n = kept.length(l * (store.lists == page_lists::per_head ? 1 : H));
+      for (index_t i = store.indptr[static_cast<std::size_t>(first + l)] + (n + ps - 1) / ps;
+           i < store.indptr[static_cast<std::size_t>(first + l + 1)]; ++i)
+        want_freed.push_back(store.indices[static_cast<std::size_t>(i)]);
+    }
+    std::vector<std::int32_t> lengths(static_cast<std::size_t>(n_lists), -1), freed(static_cast<std::size_t>(store.pages), -1);
+    std::int32_t nfreed = -1;
+    const paged_compaction_out out{lengths.data(), freed.data(), store.pages, &nfreed};
+    kvtest::require_error(two_phase([&](workspace& ws) { return compact_layer(seq, ws, L, Pp, store.S, kept, out); }),
+                          errc::out_of_range, "sequence");
+    REQUIRE(nfreed == -1);
+    const auto cst = two_phase([&](workspace& ws) { return compact_layer(par_t{2}, ws, L, Pp, store.seq, kept, out); });
+    REQUIRE_MESSAGE(cst.ok(), std::string(cst.message()));
+    rows.compact(kept);
+    REQUIRE(nfreed == static_cast<std::int32_t>(want_freed.size()));
+    CHECK(std::vector<std::int32_t>(freed.begin(), freed.begin() + nfreed) == want_freed);
+    for (index_t h = 0; h < H; ++h) {
+      const index_t r = store.seq * H + h;
+      CHECK(lengths[static_cast<std::size_t>(store.lists == page_lists::per_head ? h : 0)] == rows.len(h));
+      for (index_t j = 0; j < rows.len(h); ++j) {
+        const auto hs = static_cast<std::size_t>(h), js = static_cast<std::size_t>(j * d);
+        CHECK(std::equal(L.key(r, j), L.key(r, j) + d, rows.k[hs].begin() + static_cast<std::ptrdiff_t>(js)));
+        CHECK(std::equal(L.value(r, j), L.value(r, j) + d, rows.v[hs].begin() + static_cast<std::ptrdiff_t>(js)));
+        CHECK(*Pp.row(L.table.page_of(L.list_of(r), j, ps), j % ps, L.head_of(r)) == rows.pos[hs][static_cast<std::size_t>(j)]);
+      }
+    }
+    CHECK(kvtest::bytes_of(other_rows()) == kvtest::bytes_of(others));
+  }
+}
+
+TEST_CASE("paged drivers: cascade_driver on paged layers equals it on the same rows dense, layer by layer") {
+  auto g = kvtest::rng(1318);
+  for (int trial = 0; trial < 12; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 3), gq = kvtest::uniform_int(g, 1, 2), d = 2 * kvtest::uniform_int(g, 2, 6);
+    const index_t L = 3, w = kvtest::uniform_int(g, 1, 4), N = kvtest::uniform_int(g, w + 8, 50);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    cascade_driver_config cfg;
+    cfg.model = {L, H, H * gq, d};
+    cfg.tokens = N;
+    cfg.rec = kvtest::uniform_int(g, 0, 1) ? recipe::lava() : recipe::snapkv();
+    cfg.rec.window = cfg.rec.n_recent = w;
+    cfg.rec.kernel = 3;
+    cfg.split = kvtest::uniform_int(g, 0, 1) ? cascade_split::flattened : cascade_split::per_head;
+    cfg.weight = cfg.split == cascade_split::per_head ? weight_source::caller : weight_source::lava_entropy;
+    cfg.total = L * H * kvtest::uniform_int(g, w, N);
+    cascade_driver_config pcfg = cfg;
+    pcfg.pool_pages = 3 * H * (N + 64) + 80;
+    INFO("trial ", trial, " H ", H, " N ", N, " w ", w, " page size ", ps);
+    std::vector<unsigned char> m1(kvtest::value_of(cascade_driver::state_bytes(cfg))),
+        m2(kvtest::value_of(cascade_driver::state_bytes(pcfg))), wmem;
+    cascade_driver dense, paged;
+    REQUIRE(dense.init(cfg, m1.data(), m1.size()).ok());
+    REQUIRE(paged.init(pcfg, m2.data(), m2.size()).ok());
+    for (index_t l = 0; l < L; ++l) {
+      head_rows_set rows = random_rows(g, H, d, N, w, N, true, true, kvtest::uniform_int(g, 0, 1) ? 2 : 0, false);
+      const auto q = kvtest::random_floats(g, static_cast<std::size_t>(H * gq * w * d));
+      const auto qv = kvtest::value_of(make_kv_view<const float>(q.data(), H * gq, w, d));
+      const double weight = static_cast<double>(kvtest::uniform_int(g, 1, 9));
+      ragged_layer rl(rows, N);
+      auto store = paged_of(g, rows, ps, true);
+      const auto a = with_ws(dense, seq, wmem, [&](workspace& ws) { return dense.add_layer(seq, ws, l, rl.view(rows), qv, {}, weight); });
+      REQUIRE_MESSAGE(a.ok(), std::string(a.message()));
+      const auto b = with_ws(paged, seq, wmem, [&](workspace& ws) { return paged.add_layer(seq, ws, l, store.view(), qv, {}, weight); });
+      REQUIRE_MESSAGE(b.ok(), std::string(b.message()));
+      for (index_t j = 0; j <= l; ++j) {
+        REQUIRE(paged.changed(j) == dense.changed(j));
+        CHECK(kept_cu_of(paged.kept(j)) == kept_cu_of(dense.kept(j)));
+        CHECK(kept_pos_of(paged.kept(j)) == kept_pos_of(dense.kept(j)));
+      }
+    }
+  }
 }

@@ -168,36 +168,31 @@ status validate_paged_layer(workspace& ws, const paged_layer<T>& layer) {
   return detail::check_page_table(fn, layer.table, layer.keys.pages, layer.keys.page_size, bitmap);
 }
 
-/// Paged compaction, in place: row r = (s, h) keeps its tokens kept.pos[kept.cu[r] ..] (strictly
-/// ascending, each < layer.length(r): what select returns), moved in that order to the front of
-/// its list (token j of a list: page indices[indptr + j / page_size], slot j % page_size), keys
-/// and values alike; rows past the new length keep stale data. Each list r then holds n_r tokens
-/// in its first ceil(n_r / page_size) pages; out.lengths[r] = n_r and the rest of its pages go to
-/// out.freed_pages (lists in order, each list's pages in table order), *out.freed_count = their
-/// number. The table is not written: shrink_page_table updates the engine's copy. With
-/// per-sequence tables every head of a sequence must keep the same number of tokens.
-/// Parallel (par) over rows. O(kept rows x (dk + dv) + listed pages); no allocation.
-/// Errors (nothing written, the pools untouched): invalid pools or shapes; a table with indptr
-/// not starting at 0 or not monotone, a page id outside the pool, a page listed twice (in one
-/// list, or shared by two lists), last_page_len 0 or above the page size (or non-zero for a list
-/// without pages); kept with another row count, bad offsets, positions not strictly ascending or
-/// outside a row's tokens; heads of a sequence keeping different counts (per-sequence tables);
-/// freed pages above out.freed_capacity (capacity_exceeded); null outputs; any output or kept
-/// array overlapping the pools, the table or each other; workspace too small.
+namespace detail {
+/// compact_paged over the layer's rows (sequence < 0) or over sequence `sequence`'s rows alone
+/// (kept: its kv_heads rows; out.lengths: its lists; the other lists untouched). The whole table
+/// is validated either way (a page shared with another sequence is refused).
 template <class Backend, class T>
-status compact_paged(Backend be, workspace& ws, paged_layer<T> layer, ragged_positions kept,
-                     paged_compaction_out out) {
+status compact_paged_rows(const char* fn, Backend be, workspace& ws, const paged_layer<T>& layer, index_t sequence,
+                          ragged_positions kept, paged_compaction_out out) {
   static_assert(!std::is_const_v<T>, "compact_paged: the pools are written");
-  constexpr const char* fn = "compact_paged";
   std::uint64_t* bitmap = nullptr;
   std::size_t used = 0;
   KVEVICT_TRY(detail::carve_paged_bitmap(fn, ws, layer, bitmap, used));
   if (ws.is_query()) return {};
   const page_table& t = layer.table;
-  const index_t R = layer.rows(), lists = t.lists, ps = layer.keys.page_size;
+  const bool one = sequence >= 0;
+  if (one && sequence >= layer.sequences)
+    return status::error(errc::out_of_range, "%s: sequence %lld is outside the layer's [0, %lld)", fn,
+                         static_cast<long long>(sequence), static_cast<long long>(layer.sequences));
+  // the rows [r0, r0 + R) and their lists [l0, l0 + lists)
+  const index_t R = one ? layer.kv_heads : layer.rows(), r0 = one ? sequence * layer.kv_heads : 0;
+  const index_t l0 = one ? layer.list_of(r0) : 0, ps = layer.keys.page_size;
+  const index_t lists = one ? (layer.lists == page_lists::per_head ? R : 1) : t.lists;
   if (kept.heads != R)
-    return status::error(errc::shape_mismatch, "%s: kept lists %lld rows, the layer has %lld (sequences x KV heads)", fn,
-                         static_cast<long long>(kept.heads), static_cast<long long>(R));
+    return status::error(errc::shape_mismatch, "%s: kept lists %lld rows, %s %lld (%s)", fn,
+                         static_cast<long long>(kept.heads), one ? "the sequence has" : "the layer has",
+                         static_cast<long long>(R), one ? "its KV heads" : "sequences x KV heads");
   KVEVICT_TRY(detail::check_ragged_positions(fn, kept));
   if (lists > 0 && out.lengths == nullptr) return status::error(errc::null_pointer, "%s: out.lengths is null", fn);
   if (out.freed_count == nullptr) return status::error(errc::null_pointer, "%s: out.freed_count is null", fn);
@@ -228,7 +223,7 @@ status compact_paged(Backend be, workspace& ws, paged_layer<T> layer, ragged_pos
                                                 "kept.cu"}));
   }
   KVEVICT_TRY(detail::check_page_table(fn, t, layer.keys.pages, ps, bitmap));
-  KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t r) { return layer.length(r); }, true));
+  KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t r) { return layer.length(r0 + r); }, true));
   // a list's new length: its row's count (per-head), its heads' common count (per-sequence)
   const index_t H = layer.lists == page_lists::per_head ? 1 : layer.kv_heads;
   index_t freed = 0;
@@ -239,9 +234,9 @@ status compact_paged(Backend be, workspace& ws, paged_layer<T> layer, ragged_pos
         return status::error(errc::shape_mismatch,
                              "%s: sequence %lld keeps %lld tokens in head 0 but %lld in head %lld; a per-sequence "
                              "table holds one length per sequence (use per-head tables)",
-                             fn, static_cast<long long>(l), static_cast<long long>(n),
+                             fn, static_cast<long long>(l0 + l), static_cast<long long>(n),
                              static_cast<long long>(kept.length(l * H + h)), static_cast<long long>(h));
-    freed += t.pages(l) - (n + ps - 1) / ps;
+    freed += t.pages(l0 + l) - (n + ps - 1) / ps;
   }
   if (freed > out.freed_capacity)
     return status::error(errc::capacity_exceeded, "%s: %lld pages are freed but out.freed_pages has room for %lld", fn,
@@ -252,18 +247,42 @@ status compact_paged(Backend be, workspace& ws, paged_layer<T> layer, ragged_pos
     const pos_t* k = kept.pos + kept.cu[r];
     for (index_t j = 0; j < n; ++j) {
       if (k[j] == j) continue;
-      detail::copy_row_host(layer.key(r, j), 1, layer.key(r, k[j]), 1, dk);
-      detail::copy_row_host(layer.value(r, j), 1, layer.value(r, k[j]), 1, dv);
+      detail::copy_row_host(layer.key(r0 + r, j), 1, layer.key(r0 + r, k[j]), 1, dk);
+      detail::copy_row_host(layer.value(r0 + r, j), 1, layer.value(r0 + r, k[j]), 1, dv);
     }
   });
   index_t at = 0;
   for (index_t l = 0; l < lists; ++l) {
     const index_t n = kept.length(l * H);
-    for (index_t i = t.indptr[l] + (n + ps - 1) / ps; i < t.indptr[l + 1]; ++i) out.freed_pages[at++] = t.indices[i];
+    for (index_t i = t.indptr[l0 + l] + (n + ps - 1) / ps; i < t.indptr[l0 + l + 1]; ++i)
+      out.freed_pages[at++] = t.indices[i];
     out.lengths[l] = static_cast<std::int32_t>(n);
   }
   *out.freed_count = static_cast<std::int32_t>(at);
   return {};
+}
+}  // namespace detail
+
+/// Paged compaction, in place: row r = (s, h) keeps its tokens kept.pos[kept.cu[r] ..] (strictly
+/// ascending, each < layer.length(r): what select returns), moved in that order to the front of
+/// its list (token j of a list: page indices[indptr + j / page_size], slot j % page_size), keys
+/// and values alike; rows past the new length keep stale data. Each list r then holds n_r tokens
+/// in its first ceil(n_r / page_size) pages; out.lengths[r] = n_r and the rest of its pages go to
+/// out.freed_pages (lists in order, each list's pages in table order), *out.freed_count = their
+/// number. The table is not written: shrink_page_table updates the engine's copy. With
+/// per-sequence tables every head of a sequence must keep the same number of tokens.
+/// Parallel (par) over rows. O(kept rows x (dk + dv) + listed pages); no allocation.
+/// Errors (nothing written, the pools untouched): invalid pools or shapes; a table with indptr
+/// not starting at 0 or not monotone, a page id outside the pool, a page listed twice (in one
+/// list, or shared by two lists), last_page_len 0 or above the page size (or non-zero for a list
+/// without pages); kept with another row count, bad offsets, positions not strictly ascending or
+/// outside a row's tokens; heads of a sequence keeping different counts (per-sequence tables);
+/// freed pages above out.freed_capacity (capacity_exceeded); null outputs; any output or kept
+/// array overlapping the pools, the table or each other; workspace too small.
+template <class Backend, class T>
+status compact_paged(Backend be, workspace& ws, paged_layer<T> layer, ragged_positions kept,
+                     paged_compaction_out out) {
+  return detail::compact_paged_rows("compact_paged", be, ws, layer, -1, kept, out);
 }
 
 /// The engine's table after compact_paged, in place: list r keeps its first ceil(lengths[r] /
@@ -307,12 +326,20 @@ status check_paged_scores_out(const char* fn, const char* name, const paged_laye
 }  // namespace detail
 
 namespace detail {
-/// The score plan of one row's window call: g query heads over one KV head, block w, prefix p.
-inline status paged_window_plan(const char* fn, index_t g, index_t w, index_t p, index_t d, bool include_window,
-                                int threads, const score_options& opt, score_shape& sh, score_plan& pl) {
-  KVEVICT_TRY(score_shape_from_sizes(fn, g, 1, w, p, d, true, include_window ? p + w : p, opt, sh));
+/// The score plan of one row's call: g query heads over one KV head, block w (its own keys or
+/// not), prefix p, out_cols output columns (attention_scores' shape rules).
+inline status paged_score_plan(const char* fn, index_t g, index_t w, index_t p, index_t d, bool has_block,
+                               index_t out_cols, int threads, const score_options& opt, score_shape& sh,
+                               score_plan& pl) {
+  KVEVICT_TRY(score_shape_from_sizes(fn, g, 1, w, p, d, has_block, out_cols, opt, sh));
   sh.scale = opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))) : opt.scale;
   return make_score_plan(fn, sh, threads, opt, pl);
+}
+
+/// The score plan of one row's window call: the row's last w tokens are the block.
+inline status paged_window_plan(const char* fn, index_t g, index_t w, index_t p, index_t d, bool include_window,
+                                int threads, const score_options& opt, score_shape& sh, score_plan& pl) {
+  return paged_score_plan(fn, g, w, p, d, true, include_window ? p + w : p, threads, opt, sh, pl);
 }
 
 template <class Q, class T>

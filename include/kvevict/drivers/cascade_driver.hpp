@@ -37,6 +37,9 @@ struct cascade_driver_config {
   cascade_split split = cascade_split::flattened;
   weight_source weight = weight_source::lava_entropy;
   entropy_norm norm = entropy_norm::log_count;  ///< lava_entropy: its normalisation
+  /// Paged layers (paged_layer_kv): the most pages their pools have (the workspace holds a bitmap
+  /// of them for the block-table checks); 0 = ragged layers (layer_kv) only.
+  index_t pool_pages = 0;
 };
 
 /// Layer-by-layer prefill with cascading recompression (see the file comment, docs/drivers.md and
@@ -138,6 +141,7 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     KVEVICT_TRY(detail::check_model(fn, c.model));
     KVEVICT_TRY(detail::check_capacity(fn, "tokens", c.tokens, c.model.kv_heads));
     KVEVICT_TRY(detail::check_recipe(fn, c.rec));
+    KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
     if (c.weight != weight_source::lava_entropy && c.weight != weight_source::caller)
       return status::error(errc::invalid_argument, "%s: unknown weight_source value %d", fn, static_cast<int>(c.weight));
     if (c.norm != entropy_norm::log_count && c.norm != entropy_norm::count)
@@ -161,6 +165,7 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     const auto cq = cascade_.workspace_bytes(be);
     if (!cq) return cq.error();
     s.sel = *cq;
+    s.pool_pages = cfg_.pool_pages;
     return detail::carve_call_scratch(name, ws, s, w);
   }
 
@@ -172,8 +177,8 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
   float* scores_of(index_t, const detail::call_scratch& w) const { return w.scores; }
 
   /// In order, the layer's layout, every head holding the whole prompt (and the query path's rows).
-  template <class T>
-  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, bool) const {
+  template <class KV>
+  status check_layer_call(const char* fn, index_t layer, const KV& kv, bool) const {
     KVEVICT_TRY(check_order(fn, layer, cascade_.layers_added(), cfg_.model.layers));
     return detail::check_layer(fn, layer, kv, cfg_.model.kv_heads, cfg_.model.head_dim, rules_);
   }
@@ -184,9 +189,8 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
   }
 
   /// A scored layer (scores: w.scores, protected): its weight, the cascade's step, the recording.
-  template <class Backend, class T>
-  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>&, const float* scores,
-                    double weight) {
+  template <class Backend, class KV>
+  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const KV&, const float* scores, double weight) {
     const index_t H = cfg_.model.kv_heads, N = cfg_.tokens;
     const auto sv = detail::rows_view<const float>(scores, H, N, N);
     double e = weight;

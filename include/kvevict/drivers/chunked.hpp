@@ -70,6 +70,9 @@ struct chunked_config {
   /// selection run across the ranks. A call failing on one rank before its collectives fails on
   /// every rank. Empty: one process.
   comm_ref tp;
+  /// Paged layers (paged_layer_kv): the most pages their pools have (the workspace holds a bitmap
+  /// of them for the block-table checks); 0 = ragged layers (layer_kv) only.
+  index_t pool_pages = 0;
 };
 
 /// Extra query positions the engine appends after a chunk (patched mode, non-final chunks).
@@ -177,9 +180,9 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   /// chunk ("was it compacted with kept(l)?"), or whose last rows are not the chunk; more rows
   /// than the capacity; queries or patch keys of the wrong shape; workspace too small or
   /// overlapping the state; the recorder's errors.
-  template <class Backend, class T, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries,
-                   kv_view<const T> patch_keys = {}) {
+  template <class Backend, class KV, class Q>
+  status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
+                   kv_view<const detail::layer_element_t<KV>> patch_keys = {}) {
     constexpr const char* fn = "chunked_driver::add_layer";
     in_collective_ = false;
     return joined(fn, ws, add_layer_queries(fn, be, ws, layer, kv, queries, patch_keys, 0.0));
@@ -191,9 +194,8 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   /// protects what the chunk protects (chunk_protection()), so recipe_scores' output with the
   /// chunk's recipe gives exactly add_layer's result. Workspace: add_layer's.
   /// Errors (nothing changes): add_layer's, except the query ones; scores of the wrong shape or NaN.
-  template <class Backend, class T>
-  status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
-                          matrix_view<const float> scores) {
+  template <class Backend, class KV, typename = detail::layer_element_t<KV>>
+  status add_layer_scores(Backend be, workspace& ws, index_t layer, const KV& kv, matrix_view<const float> scores) {
     constexpr const char* fn = "chunked_driver::add_layer_scores";
     in_collective_ = false;
     return joined(fn, ws, add_layer_given_scores(fn, be, ws, layer, kv, scores, 0.0));
@@ -345,9 +347,10 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
 
   /// add_layer's and add_layer_scores' checks: a chunk begun, the layer in order, its layout, its
   /// rows (what it kept after the previous chunk, then the chunk's rows).
-  template <class T>
-  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, bool) const {
+  template <class KV>
+  status check_layer_call(const char* fn, index_t layer, const KV& kv, bool) const {
     const index_t H = cfg_.model.kv_heads;
+    const std::int32_t* lens = detail::layer_lens(kv);
     if (!open_) return status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
     char scope[64];
     std::snprintf(scope, sizeof scope, " of chunk [%lld, %lld)", static_cast<long long>(begin_),
@@ -361,11 +364,11 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     rr.tail_what = "the chunk's tokens";
     KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
     for (index_t h = 0; h < H; ++h)
-      if (kv.keys.lens[h] != expect_[layer * H + h] + n)
+      if (lens[h] != expect_[layer * H + h] + n)
         return status::error(errc::shape_mismatch,
                              "%s: layer %lld head %lld holds %d rows; after the previous chunk it kept %d and the "
                              "chunk adds %lld, so it should hold %lld (was it compacted with kept(%lld)?)",
-                             fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
+                             fn, static_cast<long long>(layer), static_cast<long long>(h), lens[h],
                              expect_[layer * H + h], static_cast<long long>(n),
                              static_cast<long long>(expect_[layer * H + h] + n), static_cast<long long>(layer));
     return detail::check_layer_rows(fn, layer, kv, rr);
@@ -373,12 +376,11 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
 
   /// A scored layer (scores: scores_of(layer), protected): lava keeps it until decide(); per-layer
   /// allocators count what each head / the layer keeps, select, record and answer.
-  template <class Backend, class T>
-  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>& kv, const float* scores,
-                    double) {
+  template <class Backend, class KV>
+  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const KV& kv, const float* scores, double) {
     const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads, C = cfg_.capacity;
     const auto sv = detail::rows_view<const float>(scores, H, C, C);
-    const std::int32_t* lens = kv.keys.lens;
+    const std::int32_t* lens = detail::layer_lens(kv);
     const protection prot = chunk_protection();
     if (lava()) {
       lava_entropy_options eo;
@@ -517,6 +519,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     if (c.target != chunk_target::budget && c.target != chunk_target::fraction)
       return status::error(errc::invalid_argument, "%s: unknown chunk_target value %d", fn, static_cast<int>(c.target));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
+    KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
     if (c.alloc.kind == allocator::cake)
       return status::error(errc::unsupported,
                            "%s: the cake allocator needs per-layer preferences of the whole prompt; use per_head budgets "
@@ -567,6 +570,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     if (sharded() && lava())  // the sharded entropy's per-head records
       s.sel = std::max(s.sel, sharded_lava_entropy_workspace_bytes(s.H * cfg_.tp.size()));
     s.layers = cfg_.model.layers;
+    s.pool_pages = cfg_.pool_pages;
     return detail::carve_call_scratch(name, ws, s, w);
   }
 

@@ -3,6 +3,7 @@
 //
 //   compact_layer(be, keys, values, positions, d.kept(l))             a ragged (or dense) cache
 //   compact_layer(be, ws, paged, position_pool, d.kept(l), freed)    a paged cache (docs/paged.md)
+//   compact_layer(be, ws, paged, position_pool, s, d.kept(l), freed) sequence s of a paged batch
 //
 // Keys, values and the rows' original positions are compacted together, in place: head h keeps
 // rows kept.pos[kept.cu[h] ..] (strictly ascending, each below the head's row count, the order
@@ -73,16 +74,11 @@ status compact_layer(Backend be, ragged_cache<T> keys, ragged_cache<T> values, r
   return {};
 }
 
-/// The same on a paged layer (paged_types.hpp): keys and values by compact_paged (kept rows to the
-/// front of each list, freed pages reported in `out`, the table not written: shrink_page_table),
-/// and the rows' original positions, a pool of dim 1 with the keys' pages, page size and heads per
-/// page, read through the same table, moved alike. `kept` lists the layer's rows r = s * kv_heads
-/// + h (a driver's kept(l) for one sequence: r = h). Workspace: compact_paged's (two-phase).
-/// Errors (nothing written): the positions pool invalid, of dim != 1, shaped unlike the keys or
-/// overlapping the key / value pools, the table, kept or the outputs; then compact_paged's.
+namespace detail {
+/// compact_layer on a paged layer: every row (sequence < 0) or sequence `sequence`'s rows.
 template <class Backend, class T>
-status compact_layer(Backend be, workspace& ws, paged_layer<T> layer, page_pool<pos_t> positions, ragged_positions kept,
-                     paged_compaction_out out) {
+status compact_paged_layer(Backend be, workspace& ws, paged_layer<T> layer, page_pool<pos_t> positions,
+                           index_t sequence, ragged_positions kept, paged_compaction_out out) {
   constexpr const char* fn = "compact_layer";
   static_assert(!std::is_const_v<T>, "compact_layer: the pools are written");
   KVEVICT_TRY(detail::check_page_pool(fn, "positions", positions));
@@ -95,7 +91,9 @@ status compact_layer(Backend be, workspace& ws, paged_layer<T> layer, page_pool<
                          static_cast<long long>(positions.heads), static_cast<long long>(positions.dim),
                          static_cast<long long>(layer.keys.pages), static_cast<long long>(layer.keys.page_size),
                          static_cast<long long>(layer.keys.heads));
-  const index_t R = layer.rows(), lists = layer.table.lists;
+  const bool one = sequence >= 0;
+  const index_t R = one ? layer.kv_heads : layer.rows(), r0 = one ? sequence * layer.kv_heads : 0;
+  const index_t lists = one ? (layer.lists == page_lists::per_head ? R : 1) : layer.table.lists;
   if (kept.heads == R && kept.cu != nullptr && R >= 0) {  // compact_paged reports other kept shapes
     detail::byte_range tr[3];
     detail::table_ranges(layer.table, tr);
@@ -113,18 +111,46 @@ status compact_layer(Backend be, workspace& ws, paged_layer<T> layer, page_pool<
     for (const detail::byte_range& o : others)
       if (pr.intersects(o)) return detail::overlap_error(fn, "positions", "the layer's pools, table, kept or outputs");
   }
-  KVEVICT_TRY(compact_paged(be, ws, layer, kept, out));
+  KVEVICT_TRY(compact_paged_rows(fn, be, ws, layer, sequence, kept, out));
   if (ws.is_query()) return {};
   // compact_paged validated kept and the table and moved the keys and values: the positions alike
   const index_t ps = positions.page_size;
   detail::parallel_for(be, R, [&](index_t r) {
-    const index_t n = kept.length(r), l = layer.list_of(r), h = layer.head_of(r);
+    const index_t n = kept.length(r), l = layer.list_of(r0 + r), h = layer.head_of(r0 + r);
     const pos_t* k = kept.pos + kept.cu[r];
     for (index_t j = 0; j < n; ++j)
       if (k[j] != j)
         *positions.row(layer.table.page_of(l, j, ps), j % ps, h) = *positions.row(layer.table.page_of(l, k[j], ps), k[j] % ps, h);
   });
   return {};
+}
+}  // namespace detail
+
+/// The same on a paged layer (paged_types.hpp): keys and values by compact_paged (kept rows to the
+/// front of each list, freed pages reported in `out`, the table not written: shrink_page_table),
+/// and the rows' original positions, a pool of dim 1 with the keys' pages, page size and heads per
+/// page, read through the same table, moved alike. `kept` lists the layer's rows r = s * kv_heads
+/// + h (a driver's kept(l) for one sequence: r = h). Workspace: compact_paged's (two-phase).
+/// Errors (nothing written): the positions pool invalid, of dim != 1, shaped unlike the keys or
+/// overlapping the key / value pools, the table, kept or the outputs; then compact_paged's.
+template <class Backend, class T>
+status compact_layer(Backend be, workspace& ws, paged_layer<T> layer, page_pool<pos_t> positions, ragged_positions kept,
+                     paged_compaction_out out) {
+  return detail::compact_paged_layer(be, ws, layer, positions, -1, kept, out);
+}
+
+/// The same for sequence `sequence` of a paged batch alone (a driver's kept(l) for that sequence:
+/// its kv_heads rows, r = h): its lists are compacted, out.lengths receives their lengths (kv_heads
+/// lists with per-head tables, one with per-sequence tables) and out.freed_pages their pages; the
+/// other sequences' rows are not touched. The whole table is validated (a page the sequence
+/// shares with another is refused before any write). Errors: the same, and a sequence outside
+/// [0, sequences).
+template <class Backend, class T>
+status compact_layer(Backend be, workspace& ws, paged_layer<T> layer, page_pool<pos_t> positions, index_t sequence,
+                     ragged_positions kept, paged_compaction_out out) {
+  if (sequence < 0)
+    return status::error(errc::out_of_range, "compact_layer: sequence %lld is negative", static_cast<long long>(sequence));
+  return detail::compact_paged_layer(be, ws, layer, positions, sequence, kept, out);
 }
 
 }  // namespace kvevict

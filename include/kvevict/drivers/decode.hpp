@@ -45,6 +45,9 @@ struct decode_config {
   /// process would. Such steps score the layer whether it evicts or not. A step failing on one rank
   /// before that agreement fails on every rank. Empty: one process.
   comm_ref tp;
+  /// Paged layers (paged_layer_kv): the most pages their pools have (the workspace holds a bitmap
+  /// of them for the block-table checks); 0 = ragged layers (layer_kv) only.
+  index_t pool_pages = 0;
 };
 
 /// Decode-time eviction (see the file comment and docs/drivers.md).
@@ -82,6 +85,34 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   status begin(index_t layer, const layer_kv<T>& kv, index_t tokens, matrix_view<const float> initial = {}) {
     constexpr const char* fn = "decode_driver::begin";
     if (!ok_) return status::error(errc::invalid_argument, "%s: the driver is not initialised (init)", fn);
+    return begin_rows(fn, layer, kv, tokens, initial);
+  }
+
+  /// begin on a paged layer (one sequence of it, paged_layer_kv): the same, with the workspace of
+  /// every call (two-phase, workspace_bytes(be)) for the block-table checks.
+  template <class Backend, class T>
+  status begin(Backend be, workspace& ws, index_t layer, const paged_layer_kv<T>& kv_in, index_t tokens,
+               matrix_view<const float> initial = {}) {
+    constexpr const char* fn = "decode_driver::begin";
+    detail::call_scratch w;
+    KVEVICT_TRY(open_call(fn, be, ws, w));
+    if (ws.is_query()) return {};
+    KVEVICT_TRY(check_ws(fn, ws));
+    detail::paged_rows<T> kv;
+    KVEVICT_TRY(detail::open_layer(fn, w.paged, kv_in, cfg_.model.kv_heads, cfg_.model.head_dim, kv));
+    return begin_rows(fn, layer, kv, tokens, initial);
+  }
+
+  /// Does the next step of layer l evict? (So the engine knows when to gather window queries.)
+  bool evicts_next(index_t layer) const noexcept {
+    return ok_ && layer >= 0 && layer < cfg_.model.layers && (flags_[layer] & begun) &&
+           (tokens_[layer] + 1 - start_[layer]) % cfg_.interval == 0;
+  }
+
+ private:
+  template <class KV>
+  status begin_rows(const char* fn, index_t layer, const KV& kv, index_t tokens, const matrix_view<const float>& initial) {
+    const std::int32_t* lens = detail::layer_lens(kv);
     const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
     KVEVICT_TRY(check_layer_index(fn, layer));
     KVEVICT_TRY(check_layer_after(fn, layer, kv, tokens, 0));
@@ -91,19 +122,19 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
         return status::error(errc::shape_mismatch, "%s: initial has %lld rows, expected one per KV head (%lld)", fn,
                              static_cast<long long>(initial.extent(0)), static_cast<long long>(H));
       for (index_t h = 0; h < H; ++h) {
-        if (kv.keys.lens[h] > initial.extent(1))
+        if (lens[h] > initial.extent(1))
           return status::error(errc::shape_mismatch, "%s: initial has %lld columns but head %lld holds %d rows", fn,
-                               static_cast<long long>(initial.extent(1)), static_cast<long long>(h), kv.keys.lens[h]);
-        for (index_t j = 0; j < kv.keys.lens[h]; ++j)
+                               static_cast<long long>(initial.extent(1)), static_cast<long long>(h), lens[h]);
+        for (index_t j = 0; j < lens[h]; ++j)
           if (initial(h, j) != initial(h, j))
             return status::error(errc::invalid_argument, "%s: initial[%lld][%lld] is NaN", fn, static_cast<long long>(h),
                                  static_cast<long long>(j));
       }
     }
     for (index_t h = 0; h < H; ++h) {
-      held_[layer * H + h] = kv.keys.lens[h];
+      held_[layer * H + h] = lens[h];
       if (h2o_)
-        for (index_t j = 0; j < kv.keys.lens[h]; ++j)
+        for (index_t j = 0; j < lens[h]; ++j)
           acc_[(layer * H + h) * C + j] = initial.extent(1) > 0 ? initial(h, j) : 0.0f;
     }
     tokens_[layer] = start_[layer] = tokens;
@@ -111,11 +142,7 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     return {};
   }
 
-  /// Does the next step of layer l evict? (So the engine knows when to gather window queries.)
-  bool evicts_next(index_t layer) const noexcept {
-    return ok_ && layer >= 0 && layer < cfg_.model.layers && (flags_[layer] & begun) &&
-           (tokens_[layer] + 1 - start_[layer]) % cfg_.interval == 0;
-  }
+ public:
 
   /// One decoded token went through layer l: kv holds the rows kept so far followed by the new
   /// token's row (position tokens(l)); queries / block_keys as the file comment says. On eviction
@@ -127,13 +154,15 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   /// capacity; queries / block keys of the wrong shape (an empty view is accepted when the step
   /// needs none); the window's rows missing; workspace too small or overlapping the state; the
   /// recorder's errors.
-  template <class Backend, class T, class Q>
-  status step(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries_in,
-              kv_view<const T> block_keys = {}) {
+  /// kv: a layer_kv, or a paged_layer_kv (one sequence of a paged layer; config.pool_pages
+  /// bounds its pools).
+  template <class Backend, class KV, class Q>
+  status step(Backend be, workspace& ws, index_t layer, const KV& kv_in, kv_view<Q> queries_in,
+              kv_view<const detail::layer_element_t<KV>> block_keys = {}) {
     constexpr const char* fn = "decode_driver::step";
     const bool join = sharded() && evicts_next(layer) && !ws.is_query();
     in_collective_ = false;
-    return joined(fn, join, step_local(fn, be, ws, layer, kv, queries_in, block_keys));
+    return joined(fn, join, step_local(fn, be, ws, layer, kv_in, queries_in, block_keys));
   }
 
   /// step with scores an engine or a trained scorer computed instead of the queries: scores
@@ -147,23 +176,25 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   /// Workspace: step's.
   /// Errors (nothing changes but evicted(l)): step's, except the query ones; scores of the wrong
   /// shape or NaN.
-  template <class Backend, class T>
-  status step_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, matrix_view<const float> scores) {
+  template <class Backend, class KV, typename = detail::layer_element_t<KV>>
+  status step_scores(Backend be, workspace& ws, index_t layer, const KV& kv_in, matrix_view<const float> scores) {
     constexpr const char* fn = "decode_driver::step_scores";
     const bool join = sharded() && evicts_next(layer) && !ws.is_query();
     in_collective_ = false;
-    return joined(fn, join, step_scores_local(fn, be, ws, layer, kv, scores));
+    return joined(fn, join, step_scores_local(fn, be, ws, layer, kv_in, scores));
   }
 
  private:
-  template <class Backend, class T, class Q>
-  status step_local(const char* fn, Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
-                    kv_view<Q> queries_in, kv_view<const T> block_keys) {
+  template <class Backend, class KV, class Q>
+  status step_local(const char* fn, Backend be, workspace& ws, index_t layer, const KV& kv_in, kv_view<Q> queries_in,
+                    kv_view<const detail::layer_element_t<KV>> block_keys) {
     using QE = std::remove_const_t<Q>;
+    using T = detail::layer_element_t<KV>;
     const kv_view<const QE> queries = queries_in;
     detail::call_scratch w;
     step_clock at;
-    KVEVICT_TRY(open_step(fn, be, ws, w, layer, kv, at));
+    typename detail::layer_reader<KV>::type kv;
+    KVEVICT_TRY(open_step(fn, be, ws, w, layer, kv_in, at, kv));
     if (ws.is_query()) return {};
     const index_t now = at.now;
     const bool due = at.due;
@@ -182,43 +213,46 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     KVEVICT_TRY(check_ws(fn, ws));
 
     const index_t H = cfg_.model.kv_heads, g = cfg_.model.query_heads / H;
+    const std::int32_t* lens = detail::layer_lens(kv);
     // sharded: a due step scores before the ranks agree whether the layer evicts
-    const bool score = due && (sharded() || over_budget(layer, kv.keys.lens));
+    const bool score = due && (sharded() || over_budget(layer, lens));
     if (h2o_) {  // the new token's attention over every row (its own included), added to the sums
       recipe r = cfg_.rec;
       r.kind = recipe_kind::tova;
       r.n_sink = r.n_recent = 0;
       KVEVICT_TRY(detail::score_layer(be, w.sc, r, kv, g, queries, kv_view<const T>{}, w.scores, cfg_.capacity));
-      accumulate(w, layer, kv.keys.lens);
+      accumulate(w, layer, lens);
     } else if (score) {
       KVEVICT_TRY(detail::score_layer(be, w.sc, cfg_.rec, kv, g, queries, block_keys, w.scores, cfg_.capacity));
     }
     bool evicting = false;
-    KVEVICT_TRY(decide_eviction(fn, layer, kv.keys.lens, due, now, &evicting));
+    KVEVICT_TRY(decide_eviction(fn, layer, lens, due, now, &evicting));
     return finish_step(be, w, layer, kv, now, evicting);
   }
 
-  template <class Backend, class T>
-  status step_scores_local(const char* fn, Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+  template <class Backend, class KV>
+  status step_scores_local(const char* fn, Backend be, workspace& ws, index_t layer, const KV& kv_in,
                            const matrix_view<const float>& scores) {
     detail::call_scratch w;
     step_clock at;
-    KVEVICT_TRY(open_step(fn, be, ws, w, layer, kv, at));
+    typename detail::layer_reader<KV>::type kv;
+    KVEVICT_TRY(open_step(fn, be, ws, w, layer, kv_in, at, kv));
     if (ws.is_query()) return {};
     const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
-    const bool score = at.due && (sharded() || over_budget(layer, kv.keys.lens));
-    if (h2o_ || score) KVEVICT_TRY(detail::check_layer_scores(fn, scores, kv.keys.lens, H));
+    const std::int32_t* lens = detail::layer_lens(kv);
+    const bool score = at.due && (sharded() || over_budget(layer, lens));
+    if (h2o_ || score) KVEVICT_TRY(detail::check_layer_scores(fn, scores, lens, H));
     KVEVICT_TRY(check_ws(fn, ws));
     if (h2o_) {
       for (index_t h = 0; h < H; ++h)
-        for (index_t j = 0; j < kv.keys.lens[h]; ++j) w.scores[h * C + j] = scores(h, j);
-      accumulate(w, layer, kv.keys.lens);
+        for (index_t j = 0; j < lens[h]; ++j) w.scores[h * C + j] = scores(h, j);
+      accumulate(w, layer, lens);
     } else if (score) {
-      KVEVICT_TRY(detail::take_layer_scores(be, scores, kv.keys.lens, H, detail::recipe_protection(cfg_.rec),
+      KVEVICT_TRY(detail::take_layer_scores(be, scores, lens, H, detail::recipe_protection(cfg_.rec),
                                             w.scores, C));
     }
     bool evicting = false;
-    KVEVICT_TRY(decide_eviction(fn, layer, kv.keys.lens, at.due, at.now, &evicting));
+    KVEVICT_TRY(decide_eviction(fn, layer, lens, at.due, at.now, &evicting));
     return finish_step(be, w, layer, kv, at.now, evicting);
   }
 
@@ -371,6 +405,7 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
       return status::error(errc::invalid_argument, "%s: the window %lld is longer than the capacity %lld", fn,
                            static_cast<long long>(tail), static_cast<long long>(c.capacity));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
+    KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
     if (c.alloc.kind == allocator::lava || c.alloc.kind == allocator::cake)
       return status::error(errc::unsupported,
                            "%s: %s allocates across layers from prefill scores; decode eviction takes per_head, "
@@ -404,6 +439,7 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     KVEVICT_TRY(fit_score_slots(be, r, h2o_ ? 1 : evict_rows_, !h2o_ && block_keys_, s));
     s.sel = sharded() ? sharded_flat_workspace_bytes(be, s.H, s.C, cfg_.alloc.kind == allocator::adakv)
                       : detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
+    s.pool_pages = cfg_.pool_pages;
     return detail::carve_call_scratch(name, ws, s, w);
   }
 
@@ -416,16 +452,17 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   /// step's and step_scores' first steps: initialised, the workspace carved (a size query ends
   /// here), then the layer: begun, its layout, every head holding its previous rows plus the new
   /// token's row at position tokens(l). The previous answer is spent.
-  template <class Backend, class T>
-  status open_step(const char* fn, Backend be, workspace& ws, detail::call_scratch& w, index_t layer,
-                   const layer_kv<T>& kv, step_clock& at) {
+  template <class Backend, class KV, class Rows>
+  status open_step(const char* fn, Backend be, workspace& ws, detail::call_scratch& w, index_t layer, const KV& kv_in,
+                   step_clock& at, Rows& kv) {
     KVEVICT_TRY(open_call(fn, be, ws, w));
     if (ws.is_query()) return {};
+    KVEVICT_TRY(detail::open_layer(fn, w.paged, kv_in, cfg_.model.kv_heads, cfg_.model.head_dim, kv));
     return check_step_layer(fn, layer, kv, &at.now, &at.due);
   }
 
-  template <class T>
-  status check_step_layer(const char* fn, index_t layer, const layer_kv<T>& kv, index_t* now, bool* due) {
+  template <class KV>
+  status check_step_layer(const char* fn, index_t layer, const KV& kv, index_t* now, bool* due) {
     const index_t H = cfg_.model.kv_heads;
     KVEVICT_TRY(check_layer_index(fn, layer));
     if (!(flags_[layer] & begun))
@@ -443,12 +480,13 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     rr.tail = 1;
     rr.tail_what = "the new token";
     KVEVICT_TRY(detail::check_layer_layout(fn, layer, kv, H, cfg_.model.head_dim));
+    const std::int32_t* lens = detail::layer_lens(kv);
     for (index_t h = 0; h < H; ++h)
-      if (kv.keys.lens[h] != held_[layer * H + h] + 1)
+      if (lens[h] != held_[layer * H + h] + 1)
         return status::error(errc::shape_mismatch,
                              "%s: layer %lld head %lld holds %d rows; it held %d and a step adds one (was it compacted "
                              "with kept(%lld)?)",
-                             fn, static_cast<long long>(layer), static_cast<long long>(h), kv.keys.lens[h],
+                             fn, static_cast<long long>(layer), static_cast<long long>(h), lens[h],
                              held_[layer * H + h], static_cast<long long>(layer));
     return detail::check_layer_rows(fn, layer, kv, rr);
   }
@@ -466,11 +504,10 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   /// The end of a step: without an eviction the layer's rows (and H2O sums) are committed; with
   /// one, the eviction scores (w.scores, protected; H2O: the sums, protected here) select what
   /// the layer keeps, the dropped rows are recorded and kept(l) answers.
-  template <class Backend, class T>
-  status finish_step(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>& kv, index_t now,
-                     bool evicting) {
+  template <class Backend, class KV>
+  status finish_step(Backend be, detail::call_scratch& w, index_t layer, const KV& kv, index_t now, bool evicting) {
     const index_t H = cfg_.model.kv_heads, C = cfg_.capacity;
-    const std::int32_t* lens = kv.keys.lens;
+    const std::int32_t* lens = detail::layer_lens(kv);
     if (!evicting) {
       for (index_t h = 0; h < H; ++h) {
         held_[layer * H + h] = lens[h];

@@ -2,6 +2,8 @@
 // (docs/drivers.md).
 //
 //   layer_kv<T>                    ragged keys, values and the ORIGINAL position of every row
+//   paged_layer_kv<T>              the same in a paged cache: one sequence of a paged_layer, with a
+//                                  page pool of positions read through the same block table
 //   make_layer_kv(keys, values, positions)
 //   ragged_from_dense(dense, cu_capacity, lens)   a head-major dense cache viewed as a ragged_cache
 //   model_shape                    the layers and heads a driver serves
@@ -10,6 +12,7 @@
 #include <kvevict/compact.hpp>
 #include <kvevict/config.hpp>
 #include <kvevict/detail/base/checks.hpp>
+#include <kvevict/paged_types.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 
@@ -32,6 +35,36 @@ struct layer_kv {
   ragged_cache<const T> values;
   const pos_t* positions = nullptr;
 };
+
+/// One layer of a paged KV cache as the post-fill and decode drivers read it (docs/paged.md,
+/// "Drivers on paged layers"): sequence `sequence` of `layer` (its rows r = sequence * kv_heads +
+/// h are the driver's KV heads h; per-sequence or per-head block tables, NHD or HND pools) and the
+/// ORIGINAL position of every row in `positions`, a pool of dim 1 with the keys' pages, page size
+/// and heads per page, read through the same table (compact_layer's paged form moves it alike).
+/// Rows are in arrival order (positions strictly ascending per row, checked). The driver's config
+/// names the most pages the pools may have (pool_pages): its workspace holds a bitmap of them for
+/// the table checks. Nothing is copied: keys and values are read through the page lists.
+template <class T>
+struct paged_layer_kv {
+  paged_layer<const T> layer;
+  page_pool<const pos_t> positions;
+  index_t sequence = 0;
+};
+
+/// A paged_layer_kv from a (possibly writable) paged layer and position pool.
+template <class T, class P>
+paged_layer_kv<std::remove_const_t<T>> make_paged_layer_kv(const paged_layer<T>& layer, const page_pool<P>& positions,
+                                                           index_t sequence = 0) noexcept {
+  static_assert(std::is_same_v<std::remove_const_t<P>, pos_t>, "make_paged_layer_kv: positions are pos_t (int32)");
+  using E = std::remove_const_t<T>;
+  const auto pool = [](const auto& p) {
+    using PE = std::remove_const_t<std::remove_pointer_t<decltype(p.data)>>;
+    return page_pool<const PE>{p.data, p.pages, p.page_size, p.heads, p.dim, p.page_stride, p.token_stride, p.head_stride};
+  };
+  return {paged_layer<const E>{pool(layer.keys), pool(layer.values), layer.table, layer.sequences, layer.kv_heads,
+                               layer.lists},
+          pool(positions), sequence};
+}
 
 /// The same cache, read-only.
 template <class T>

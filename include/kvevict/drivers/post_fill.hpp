@@ -49,6 +49,9 @@ struct post_fill_config {
   comm_ref pp;
   index_t first_layer = 0;   ///< this stage's first layer in the model (0 without pp)
   index_t model_layers = 0;  ///< the model's layers (0: model.layers, one stage)
+  /// Paged layers (paged_layer_kv): the most pages their pools have (the workspace holds a bitmap
+  /// of them for the block-table checks); 0 = ragged layers (layer_kv) only.
+  index_t pool_pages = 0;
 };
 
 namespace detail {
@@ -132,16 +135,16 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
 
   /// detail::prefill_driver_skeleton's add_layer and add_layer_scores (documented above); with a
   /// tensor-parallel communicator a call failing on one rank fails on every rank.
-  template <class Backend, class T, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries,
-                   kv_view<const T> block_keys = {}, double weight = 0.0) {
+  template <class Backend, class KV, class Q>
+  status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
+                   kv_view<const detail::layer_element_t<KV>> block_keys = {}, double weight = 0.0) {
     in_collective_ = false;
     return joined("post_fill_driver::add_layer", ws,
                   prefill_driver_skeleton::add_layer(be, ws, layer, kv, queries, block_keys, weight), layer, weight);
   }
-  template <class Backend, class T>
-  status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
-                          matrix_view<const float> scores, double weight = 0.0) {
+  template <class Backend, class KV, typename = detail::layer_element_t<KV>>
+  status add_layer_scores(Backend be, workspace& ws, index_t layer, const KV& kv, matrix_view<const float> scores,
+                          double weight = 0.0) {
     in_collective_ = false;
     return joined("post_fill_driver::add_layer_scores", ws,
                   prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores, weight), layer, weight);
@@ -371,6 +374,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                            static_cast<long long>(ML));
     if (c.tp.size() > 1 && c.pp.size() > 1)
       return status::error(errc::unsupported, "%s: tensor and pipeline parallelism together are not supported", fn);
+    KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
     index_t rows = 0;
     bool bk = false;
     detail::row_rules rr;
@@ -422,6 +426,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
       s.sel = std::max(s.sel, q.bytes);
     }
     s.layers = model_layers(cfg_);
+    s.pool_pages = cfg_.pool_pages;
     return detail::carve_call_scratch(name, ws, s, w);
   }
 
@@ -438,8 +443,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
 
   /// The call and the layer: not decided, in order, its layout and rows (the query path: the
   /// query rows must be in it; the scores path: only cake needs every head to hold the prompt).
-  template <class T>
-  status check_layer_call(const char* fn, index_t layer, const layer_kv<T>& kv, bool by_scores) const {
+  template <class KV>
+  status check_layer_call(const char* fn, index_t layer, const KV& kv, bool by_scores) const {
     if (decided_) return status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
     KVEVICT_TRY(check_order(fn, layer, added_, cfg_.model.layers));
     detail::row_rules rr = rules_;
@@ -461,12 +466,12 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
 
   /// A scored layer (scores: scores_of(layer), protected): all-layer allocators keep it until
   /// decide(); per-layer ones select, record and answer.
-  template <class Backend, class T>
-  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const layer_kv<T>& kv, const float* scores,
+  template <class Backend, class KV>
+  status add_scored(Backend be, detail::call_scratch& w, index_t layer, const KV& kv, const float* scores,
                     double weight) {
     const index_t H = cfg_.model.kv_heads, C = cfg_.tokens;
     const auto sv = detail::rows_view<const float>(scores, H, C, C);
-    const std::int32_t* lens = kv.keys.lens;
+    const std::int32_t* lens = detail::layer_lens(kv);
     if (all_layer_) {
       double e = weight;
       if (cfg_.alloc.kind == allocator::lava) {

@@ -209,6 +209,21 @@ status check_cache_layout(const char* fn, const char* name, const ragged_cache<c
   return {};
 }
 
+// A layer as the drivers read it: its heads, rows per head and the original position of a row,
+// for a layer_kv here and for a paged layer's rows in paged_rows.hpp.
+template <class T>
+index_t layer_heads(const layer_kv<T>& kv) {
+  return kv.keys.heads;
+}
+template <class T>
+const std::int32_t* layer_lens(const layer_kv<T>& kv) {
+  return kv.keys.lens;
+}
+template <class T>
+pos_t layer_pos(const layer_kv<T>& kv, index_t h, index_t j) {
+  return kv.positions[kv.keys.cu_capacity[h] + j];
+}
+
 /// The layer's layout: both caches, equal key / value row counts, positions present.
 template <class T>
 status check_layer_layout(const char* fn, index_t layer, const layer_kv<T>& kv, index_t H, index_t d) {
@@ -225,30 +240,32 @@ status check_layer_layout(const char* fn, index_t layer, const layer_kv<T>& kv, 
 
 /// The rows of a laid-out layer: at most C per head, positions strictly ascending in [0, tokens),
 /// and the rules' tail / whole-prompt requirements. O(rows).
-template <class T>
-status check_layer_rows(const char* fn, index_t layer, const layer_kv<T>& kv, const row_rules& rr) {
-  const index_t H = kv.keys.heads;
+template <class KV>
+status check_layer_rows(const char* fn, index_t layer, const KV& kv, const row_rules& rr) {
+  const index_t H = layer_heads(kv);
   for (index_t h = 0; h < H; ++h) {
-    const index_t n = kv.keys.lens[h];
+    const index_t n = layer_lens(kv)[h];
     if (n > rr.capacity)
       return status::error(errc::capacity_exceeded,
                            "%s: layer %lld head %lld holds %lld rows, more than the driver's capacity %lld", fn,
                            static_cast<long long>(layer), static_cast<long long>(h), static_cast<long long>(n),
                            static_cast<long long>(rr.capacity));
-    const pos_t* p = kv.positions + kv.keys.cu_capacity[h];
+    pos_t prev = 0;
     for (index_t j = 0; j < n; ++j) {
-      if (p[j] < 0 || p[j] >= rr.tokens)
+      const pos_t pj = layer_pos(kv, h, j);
+      if (pj < 0 || pj >= rr.tokens)
         return status::error(errc::out_of_range,
                              "%s: layer %lld head %lld row %lld holds position %d, outside [0, %lld) (the tokens "
                              "processed)",
                              fn, static_cast<long long>(layer), static_cast<long long>(h), static_cast<long long>(j),
-                             p[j], static_cast<long long>(rr.tokens));
-      if (j > 0 && p[j] <= p[j - 1])
+                             pj, static_cast<long long>(rr.tokens));
+      if (j > 0 && pj <= prev)
         return status::error(errc::not_sorted,
                              "%s: layer %lld head %lld: row %lld holds position %d after %d (rows must be in arrival "
                              "order)",
                              fn, static_cast<long long>(layer), static_cast<long long>(h), static_cast<long long>(j),
-                             p[j], p[j - 1]);
+                             pj, prev);
+      prev = pj;
     }
     if (rr.whole && n != rr.tokens)
       return status::error(errc::shape_mismatch,
@@ -257,7 +274,7 @@ status check_layer_rows(const char* fn, index_t layer, const layer_kv<T>& kv, co
                            fn, static_cast<long long>(layer), static_cast<long long>(h), static_cast<long long>(n),
                            static_cast<long long>(rr.tokens));
     if (rr.tail > 0) {
-      if (n < rr.tail || p[n - rr.tail] != rr.tokens - rr.tail)
+      if (n < rr.tail || layer_pos(kv, h, n - rr.tail) != rr.tokens - rr.tail)
         return status::error(errc::invalid_argument,
                              "%s: the last %lld rows of layer %lld head %lld must be %s (positions [%lld, %lld)); the "
                              "head holds %lld rows%s",
@@ -271,8 +288,8 @@ status check_layer_rows(const char* fn, index_t layer, const layer_kv<T>& kv, co
 }
 
 /// Everything about a layer the drivers rely on: check_layer_layout, then check_layer_rows.
-template <class T>
-status check_layer(const char* fn, index_t layer, const layer_kv<T>& kv, index_t H, index_t d, const row_rules& rr) {
+template <class KV>
+status check_layer(const char* fn, index_t layer, const KV& kv, index_t H, index_t d, const row_rules& rr) {
   KVEVICT_TRY(check_layer_layout(fn, layer, kv, H, d));
   return check_layer_rows(fn, layer, kv, rr);
 }

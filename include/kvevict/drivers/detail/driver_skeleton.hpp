@@ -8,12 +8,14 @@
 #include <kvevict/comm.hpp>
 #include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/drivers/detail/driver_checks.hpp>
+#include <kvevict/drivers/detail/paged_rows.hpp>
 #include <kvevict/metrics/footprint.hpp>
 #include <kvevict/protect.hpp>
 #include <kvevict/recipes.hpp>
 #include <kvevict/select.hpp>
 #include <kvevict/workspace.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -46,20 +48,22 @@ inline unsigned char* align64(void* p) {
 // ---------------------------------------------------------------------------------------------
 // Scoring: one recipe_scores call per KV head over that head's rows, with its group's queries
 
-/// Workspace bytes of one recipe_scores call over one KV head of up to C rows (the size grows
-/// with the rows and the query rows, so the largest shape bounds every call).
+/// Workspace bytes of one recipe_scores call over one KV head of up to C rows, ragged or paged
+/// (paged_row_recipe_scores; the size grows with the rows and the query rows, so the largest
+/// shape bounds every call).
 template <class Backend>
 result<std::size_t> head_score_bytes(Backend be, const recipe& r, index_t g, index_t rows, index_t C, index_t d,
                                      bool block_keys) {
   if (!uses_attention(r.kind)) return std::size_t{0};
-  auto a = recipe_scores_workspace_bytes(be, r, g, rows, 1, C, d, 0);
-  if (!a) return a.error();
-  std::size_t n = *a;
-  if (block_keys && r.kind != recipe_kind::h2o && r.kind != recipe_kind::tova &&
-      r.source == query_source::external_block) {
-    auto b = recipe_scores_workspace_bytes(be, r, g, rows, 1, C, d, rows);
-    if (!b) return b.error();
-    n = *b > n ? *b : n;
+  std::size_t n = 0;
+  const bool with_block = block_keys && r.kind != recipe_kind::h2o && r.kind != recipe_kind::tova &&
+                          r.source == query_source::external_block;
+  for (const index_t bk : {index_t{0}, with_block ? rows : index_t{0}}) {
+    auto a = recipe_scores_workspace_bytes(be, r, g, rows, 1, C, d, bk);
+    if (!a) return a.error();
+    auto p = paged_row_recipe_bytes(be, r, g, rows, C, d, bk);
+    if (!p) return p.error();
+    n = std::max({n, *a, *p});
   }
   return n;
 }
@@ -95,21 +99,33 @@ inline void carve_score_scratch(workspace_carver& c, score_scratch& s, std::size
   s.flags = c.take<std::int32_t>(static_cast<std::size_t>(H));
 }
 
-/// Scores every head of a validated layer into scores [H][C] (row h: its first lens[h] columns)
-/// with recipe `r`. queries: [H_q][rows][d] (unused by Knorm / StreamingLLM); block_keys: [H][rows][d]
-/// or empty. seq and par compute the same per-head calls, so their results are identical.
-template <class Backend, class T, class Q>
-status score_layer(Backend be, const score_scratch& s, const recipe& r, const layer_kv<T>& kv, index_t g,
+/// recipe_scores over head h (n rows) of a ragged layer, or over row h of a paged one.
+template <class Backend, class Q, class T>
+status score_head(Backend be, workspace& w, const recipe& r, const kv_view<const Q>& qh, const layer_kv<T>& kv,
+                  index_t h, index_t n, const matrix_view<float>& out, const kv_view<const T>& bk) {
+  return recipe_scores(be, w, r, qh, head_rows(kv.keys, h, n), head_rows(kv.values, h, n), out, bk);
+}
+template <class Backend, class Q, class T>
+status score_head(Backend be, workspace& w, const recipe& r, const kv_view<const Q>& qh, const paged_rows<T>& kv,
+                  index_t h, index_t, const matrix_view<float>& out, const kv_view<const T>& bk) {
+  return paged_row_recipe_scores(be, w, r, qh, kv.layer, h, bk, out);
+}
+
+/// Scores every head of a validated layer (a layer_kv or paged_rows) into scores [H][C] (row h:
+/// its first lens[h] columns) with recipe `r`. queries: [H_q][rows][d] (unused by Knorm /
+/// StreamingLLM); block_keys: [H][rows][d] or empty. seq and par compute the same per-head calls,
+/// so their results are identical.
+template <class Backend, class KV, class Q, class T>
+status score_layer(Backend be, const score_scratch& s, const recipe& r, const KV& kv, index_t g,
                    const kv_view<const Q>& queries, const kv_view<const T>& block_keys, float* scores, index_t C) {
-  const index_t H = kv.keys.heads;
+  const index_t H = layer_heads(kv);
   auto one = [&](auto inner, unsigned char* slot, index_t h) -> status {
-    const index_t n = kv.keys.lens[h];
+    const index_t n = layer_lens(kv)[h];
     if (n == 0) return {};
     workspace w{slot, s.slot};
     kv_view<const Q> qh{};
     if (uses_attention(r.kind)) qh = group_rows(queries, h, g);
-    return recipe_scores(inner, w, r, qh, head_rows(kv.keys, h, n), head_rows(kv.values, h, n),
-                         rows_view(scores + h * C, 1, n, C), one_head(block_keys, h));
+    return score_head(inner, w, r, qh, kv, h, n, rows_view(scores + h * C, 1, n, C), one_head(block_keys, h));
   };
   if constexpr (!std::is_same_v<Backend, seq_t>) {
     if (H >= 2) {
@@ -155,15 +171,14 @@ std::size_t select_bytes(Backend be, allocator kind, index_t H, index_t C) {
 
 /// Records the rows of a layer that `kept` (row indices, ascending per head) does not list as
 /// evicted after `step` tokens: their original positions go to rec.mark_evicted (all heads at
-/// once, all or nothing). head_pos(h): pointer to head h's row positions; lens: rows per head;
+/// once, all or nothing). pos_of(h, j): the position of head h's row j; lens: rows per head;
 /// scratch: room for every row of the layer, cu: H + 1.
-template <class HeadPos>
-status record_dropped(eviction_recorder* rec, index_t layer, index_t H, HeadPos head_pos, const std::int32_t* lens,
+template <class PosOf>
+status record_dropped(eviction_recorder* rec, index_t layer, index_t H, PosOf pos_of, const std::int32_t* lens,
                       const ragged_positions& kept, index_t step, pos_t* scratch, std::int32_t* cu) {
   if (rec == nullptr) return {};
   cu[0] = 0;
   for (index_t h = 0; h < H; ++h) {
-    const pos_t* p = head_pos(h);
     const pos_t* k = kept.pos + kept.cu[h];
     const index_t nk = kept.length(h), n = lens[h];
     std::int32_t at = cu[h];
@@ -173,7 +188,7 @@ status record_dropped(eviction_recorder* rec, index_t layer, index_t H, HeadPos 
         ++i;
         continue;
       }
-      scratch[at++] = p[j];
+      scratch[at++] = pos_of(h, j);
     }
     cu[h + 1] = at;
   }
@@ -181,12 +196,12 @@ status record_dropped(eviction_recorder* rec, index_t layer, index_t H, HeadPos 
   return rec->mark_evicted(layer, ragged_positions{scratch, cu, H}, step);
 }
 
-/// The same, reading positions and lengths from an engine layer.
-template <class T>
-status record_dropped(eviction_recorder* rec, index_t layer, const layer_kv<T>& kv, const ragged_positions& kept,
+/// The same, reading positions and lengths from an engine layer (layer_kv or paged_rows).
+template <class KV>
+status record_dropped(eviction_recorder* rec, index_t layer, const KV& kv, const ragged_positions& kept,
                       index_t step, pos_t* scratch, std::int32_t* cu) {
   return record_dropped(
-      rec, layer, kv.keys.heads, [&](index_t h) { return kv.positions + kv.keys.cu_capacity[h]; }, kv.keys.lens, kept,
+      rec, layer, layer_heads(kv), [&](index_t h, index_t j) { return layer_pos(kv, h, j); }, layer_lens(kv), kept,
       step, scratch, cu);
 }
 
@@ -271,6 +286,7 @@ struct call_scratch {
   std::int32_t* counts = nullptr;      ///< [H] rows each head keeps
   pos_t* evicted = nullptr;            ///< [H][C] positions of the dropped rows (recording)
   std::int32_t* evicted_cu = nullptr;  ///< [H + 1]
+  paged_rows_scratch paged;            ///< a paged layer's checks and row view (pool_pages > 0)
   index_t* caps = nullptr;    ///< [L] all-layer allocators: evictable rows of each layer
   index_t* shares = nullptr;  ///< [L] their apportioned shares
   index_t* totals = nullptr;  ///< [L] their layer totals
@@ -286,6 +302,7 @@ struct call_scratch_shape {
   std::size_t sel = 0;    ///< selection bytes
   bool recording = true;  ///< counts, evicted rows
   index_t layers = 0;     ///< all-layer allocators: L (caps, shares, totals); 0 otherwise
+  index_t pool_pages = 0; ///< paged layers: the most pages of their pools (0: ragged layers only)
 };
 
 inline status carve_call_scratch(const char* fn, workspace& ws, const call_scratch_shape& s, call_scratch& w) {
@@ -299,6 +316,11 @@ inline status carve_call_scratch(const char* fn, workspace& ws, const call_scrat
   w.counts = c.take<std::int32_t>(s.recording ? H : 0);
   w.evicted = c.take<pos_t>(s.recording ? HC : 0);
   w.evicted_cu = c.take<std::int32_t>(s.recording ? H + 1 : 0);
+  const bool paged = s.pool_pages > 0;
+  w.paged.pool_pages = s.pool_pages;
+  w.paged.bitmap = c.take<std::uint64_t>(static_cast<std::size_t>(page_bitmap_words(s.pool_pages)));
+  w.paged.indptr = c.take<std::int32_t>(paged ? H + 1 : 0);
+  w.paged.lens = c.take<std::int32_t>(paged ? H : 0);
   w.caps = c.take<index_t>(L);
   w.shares = c.take<index_t>(L);
   w.totals = c.take<index_t>(L);
@@ -443,8 +465,8 @@ class driver_skeleton {
 
   /// A decode-time driver's layer after `tokens` tokens (inside [first, INT32_MAX)): its layout,
   /// positions below `tokens` and at most cfg.capacity rows per head (check_layer).
-  template <class T>
-  status check_layer_after(const char* fn, index_t layer, const layer_kv<T>& kv, index_t tokens, index_t first) const {
+  template <class KV>
+  status check_layer_after(const char* fn, index_t layer, const KV& kv, index_t tokens, index_t first) const {
     if (tokens < first || tokens >= INT32_MAX)
       return status::error(errc::invalid_argument, "%s: tokens = %lld is outside [%lld, %d)", fn,
                            static_cast<long long>(tokens), static_cast<long long>(first), INT32_MAX);
@@ -476,9 +498,11 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
   /// Layer `layer` (in order) with the recipe's query block [H_q][rows][d] (and the block's own
   /// keys [H][rows][d] or an empty view; weight: the layer's CAKE preference / caller weight where
   /// the driver takes one): every head is scored with recipe_scores, then add_layer_scores' path.
-  template <class Backend, class T, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv, kv_view<Q> queries,
-                   kv_view<const T> block_keys = {}, double weight = 0.0) {
+  /// kv: a layer_kv, or a paged_layer_kv (one sequence of a paged layer; the config's
+  /// pool_pages bounds its pools).
+  template <class Backend, class KV, class Q>
+  status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
+                   kv_view<const layer_element_t<KV>> block_keys = {}, double weight = 0.0) {
     char fn[64];
     std::snprintf(fn, sizeof fn, "%s::add_layer", Derived::name);
     return add_layer_queries(fn, be, ws, layer, kv, queries, block_keys, weight);
@@ -490,9 +514,9 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
   /// recipe_scores' output gives exactly add_layer's result. No queries are read (the query-window
   /// row checks do not apply). Workspace: add_layer's. Errors (nothing changes): add_layer's except
   /// the query ones; scores of the wrong shape or NaN.
-  template <class Backend, class T>
-  status add_layer_scores(Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
-                          matrix_view<const float> scores, double weight = 0.0) {
+  template <class Backend, class KV, typename = layer_element_t<KV>>
+  status add_layer_scores(Backend be, workspace& ws, index_t layer, const KV& kv, matrix_view<const float> scores,
+                          double weight = 0.0) {
     char fn[64];
     std::snprintf(fn, sizeof fn, "%s::add_layer_scores", Derived::name);
     return add_layer_given_scores(fn, be, ws, layer, kv, scores, weight);
@@ -507,17 +531,19 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
   /// provides check_layer_call(fn, layer, kv, by_scores), query_rows_now(), block_keys_now(),
   /// check_call_rest(fn, ws, layer, kv, weight), score_recipe(), scores_of(layer, w),
   /// score_columns() and add_scored(be, w, layer, kv, scores, weight).
-  template <class Backend, class T, class Q>
-  status add_layer_queries(const char* fn, Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+  template <class Backend, class KV, class Q, class T>
+  status add_layer_queries(const char* fn, Backend be, workspace& ws, index_t layer, const KV& kv_in,
                            kv_view<Q> queries_in, const kv_view<const T>& block_keys, double weight) {
     const kv_view<const std::remove_const_t<Q>> queries = queries_in;
     Derived& d = static_cast<Derived&>(*this);
     call_scratch w;
     KVEVICT_TRY(this->open_call(fn, be, ws, w));
     if (ws.is_query()) return {};
+    typename layer_reader<KV>::type kv;
+    KVEVICT_TRY(open_layer(fn, w.paged, kv_in, d.cfg_.model.kv_heads, d.cfg_.model.head_dim, kv));
     KVEVICT_TRY(d.check_layer_call(fn, layer, kv, false));
     KVEVICT_TRY(check_queries(fn, queries, d.query_rows_now(), d.cfg_.model, block_keys, d.block_keys_now()));
-    KVEVICT_TRY(d.check_call_rest(fn, ws, layer, kv.keys.lens, weight));
+    KVEVICT_TRY(d.check_call_rest(fn, ws, layer, layer_lens(kv), weight));
     float* scores = d.scores_of(layer, w);
     const index_t g = d.cfg_.model.query_heads / d.cfg_.model.kv_heads;
     KVEVICT_TRY(score_layer(be, w.sc, d.score_recipe(), kv, g, queries, block_keys, scores, d.score_columns()));
@@ -526,18 +552,20 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
 
   /// add_layer_scores of the prefill drivers: the scores checked, copied into the driver's score
   /// buffer and protected with the recipe's protection, then the same path as add_layer_queries.
-  template <class Backend, class T>
-  status add_layer_given_scores(const char* fn, Backend be, workspace& ws, index_t layer, const layer_kv<T>& kv,
+  template <class Backend, class KV>
+  status add_layer_given_scores(const char* fn, Backend be, workspace& ws, index_t layer, const KV& kv_in,
                                 const matrix_view<const float>& scores, double weight) {
     Derived& d = static_cast<Derived&>(*this);
     call_scratch w;
     KVEVICT_TRY(this->open_call(fn, be, ws, w));
     if (ws.is_query()) return {};
+    typename layer_reader<KV>::type kv;
+    KVEVICT_TRY(open_layer(fn, w.paged, kv_in, d.cfg_.model.kv_heads, d.cfg_.model.head_dim, kv));
     KVEVICT_TRY(d.check_layer_call(fn, layer, kv, true));
-    KVEVICT_TRY(check_layer_scores(fn, scores, kv.keys.lens, d.cfg_.model.kv_heads));
-    KVEVICT_TRY(d.check_call_rest(fn, ws, layer, kv.keys.lens, weight));
+    KVEVICT_TRY(check_layer_scores(fn, scores, layer_lens(kv), d.cfg_.model.kv_heads));
+    KVEVICT_TRY(d.check_call_rest(fn, ws, layer, layer_lens(kv), weight));
     float* own = d.scores_of(layer, w);
-    KVEVICT_TRY(take_layer_scores(be, scores, kv.keys.lens, d.cfg_.model.kv_heads,
+    KVEVICT_TRY(take_layer_scores(be, scores, layer_lens(kv), d.cfg_.model.kv_heads,
                                   recipe_protection(d.score_recipe()), own, d.score_columns()));
     return d.add_scored(be, w, layer, kv, own, weight);
   }
@@ -560,12 +588,13 @@ struct held_layers {
   const pos_t* head_positions(index_t l, index_t h) const { return rowpos + (l * H + h) * C; }
 
   /// Keeps layer l's row counts and positions (its scores are already at layer_scores(l)).
-  template <class T>
-  void store(index_t l, const layer_kv<T>& kv, double w) {
+  template <class KV>
+  void store(index_t l, const KV& kv, double w) {
     for (index_t h = 0; h < H; ++h) {
-      lens[l * H + h] = kv.keys.lens[h];
-      std::memcpy(rowpos + (l * H + h) * C, kv.positions + kv.keys.cu_capacity[h],
-                  static_cast<std::size_t>(kv.keys.lens[h]) * sizeof(pos_t));
+      const std::int32_t n = layer_lens(kv)[h];
+      lens[l * H + h] = n;
+      pos_t* p = rowpos + (l * H + h) * C;
+      for (index_t j = 0; j < n; ++j) p[j] = layer_pos(kv, h, j);
     }
     weight[l] = w;
   }
@@ -620,7 +649,7 @@ struct held_layers {
   /// Records the rows layer l drops (kept: its selection) at `step`.
   status record(eviction_recorder* rec, index_t l, const ragged_positions& kept, index_t step, const call_scratch& w) const {
     return record_dropped(
-        rec, l, H, [&](index_t h) { return head_positions(l, h); }, lens + l * H, kept, step, w.evicted,
+        rec, l, H, [&](index_t h, index_t j) { return head_positions(l, h)[j]; }, lens + l * H, kept, step, w.evicted,
         w.evicted_cu);
   }
 };

@@ -31,6 +31,31 @@ std::vector<int> text(index_t n) {
   return {s[0].tokens.begin(), s[0].tokens.begin() + n};
 }
 
+// Central differences (h = 1e-5) of objective(log_alpha, lambda1, lambda2, nullptr...) in every
+// log_alpha (relative 1e-5) and in both multipliers (absolute 1e-8) against the analytic gradients
+// grad, dl1, dl2; returns the worst relative error over log_alpha, fd1 / fd2 the multipliers'.
+template <class Objective>
+double check_central_differences(Objective& objective, const std::vector<double>& la, double l1, double l2,
+                                 const std::vector<double>& grad, double dl1, double dl2, double& fd1, double& fd2) {
+  const double h = 1e-5;
+  auto f = [&](const std::vector<double>& a, double lam1, double lam2) { return objective(a, lam1, lam2, nullptr, nullptr, nullptr); };
+  double worst = 0;
+  for (std::size_t i = 0; i < la.size(); ++i) {
+    std::vector<double> p = la, q = la;
+    p[i] += h;
+    q[i] -= h;
+    const double fd = (f(p, l1, l2) - f(q, l1, l2)) / (2 * h);
+    const double err = std::fabs(fd - grad[i]) / std::max(1e-3, std::fabs(fd));
+    worst = std::max(worst, err);
+    CHECK_MESSAGE(err < 1e-5, "log_alpha ", i, ": analytic ", grad[i], " vs central difference ", fd);
+  }
+  fd1 = (f(la, l1 + h, l2) - f(la, l1 - h, l2)) / (2 * h);
+  fd2 = (f(la, l1, l2 + h) - f(la, l1, l2 - h)) / (2 * h);
+  CHECK(std::fabs(fd1 - dl1) < 1e-8);
+  CHECK(std::fabs(fd2 - dl2) < 1e-8);
+  return worst;
+}
+
 }  // namespace
 
 TEST_CASE("streaming columns: the sinks then the recent window, the row itself included") {
@@ -118,22 +143,69 @@ TEST_CASE("PruLong: d(next-token loss + Lagrangian)/d(log_alpha, lambda1, lambda
   std::vector<double> grad;
   double dl1 = 0, dl2 = 0;
   objective(la, l1, l2, &grad, &dl1, &dl2);
-  const double h = 1e-5;
-  double worst = 0;
-  for (std::size_t i = 0; i < LH; ++i) {
-    std::vector<double> p = la, q = la;
-    p[i] += h;
-    q[i] -= h;
-    const double fd = (objective(p, l1, l2, nullptr, nullptr, nullptr) - objective(q, l1, l2, nullptr, nullptr, nullptr)) / (2 * h);
-    const double err = std::fabs(fd - grad[i]) / std::max(1e-3, std::fabs(fd));
-    worst = std::max(worst, err);
-    CHECK_MESSAGE(err < 1e-5, "log_alpha ", i, ": analytic ", grad[i], " vs central difference ", fd);
-  }
-  const double fd1 = (objective(la, l1 + h, l2, nullptr, nullptr, nullptr) - objective(la, l1 - h, l2, nullptr, nullptr, nullptr)) / (2 * h);
-  const double fd2 = (objective(la, l1, l2 + h, nullptr, nullptr, nullptr) - objective(la, l1, l2 - h, nullptr, nullptr, nullptr)) / (2 * h);
-  CHECK(std::fabs(fd1 - dl1) < 1e-8);
-  CHECK(std::fabs(fd2 - dl2) < 1e-8);
+  double fd1 = 0, fd2 = 0;
+  const double worst = check_central_differences(objective, la, l1, l2, grad, dl1, dl2, fd1, fd2);
   std::printf("PruLong gradient check (%zu log_alpha, %lld tokens): worst relative error %.2e; lambda1 %.3e vs %.3e, lambda2 %.3e vs %.3e\n",
+              LH, static_cast<long long>(n), worst, dl1, fd1, dl2, fd2);
+}
+
+TEST_CASE("PruLong, sampled-gate constraint: d(batch loss + Lagrangian of 1 - mean z)/d(log_alpha, lambdas) = central differences") {
+  // the trainer's --constrain sampled objective over a batch of two texts, each with its own uniforms:
+  // mean next-token loss + lambda1 (s - t) + lambda2 (s - t)^2, s = 1 - mean z of both samples' gates
+  const model& m = kvtest::shipped_model();
+  const config& c = m.cfg();
+  const index_t L = c.n_layers, H = c.n_kv_heads, n = 20;
+  const auto LH = static_cast<std::size_t>(L * H);
+  std::vector<gate_sample> texts;
+  require_ok(make_gate_samples(m, 2, 1, texts));
+  gated_lm<double> lm;
+  lm.from(m);
+  gated_backprop<double> bp;
+  require_ok(bp.init(lm, n, {2, 3}));
+  auto g = kvtest::rng(61);
+  std::uniform_real_distribution<double> la_d(-0.5, 0.5), u_d(0.4, 0.6);
+  std::vector<double> la(LH);
+  std::vector<std::vector<double>> u(2, std::vector<double>(LH)), z(2), dz(2), dzl(2);
+  for (std::size_t i = 0; i < LH; ++i) la[i] = la_d(g), u[0][i] = u_d(g), u[1][i] = u_d(g);
+  la[3] = 4.0, la[11] = -4.0;  // gates clamped at 1 and at 0 in both samples (dz = 0, away from the kinks)
+  const std::vector<const std::vector<double>*> zs{&z[0], &z[1]}, dzs{&dz[0], &dz[1]};
+  const double target = 0.3, l1 = -0.9, l2 = 2.1;
+  auto objective = [&](const std::vector<double>& a, double lam1, double lam2, std::vector<double>* grad, double* dl1,
+                       double* dl2) {
+    double mean = 0;
+    if (grad) grad->assign(LH, 0.0);
+    std::vector<double> gs(LH, 0.0), gp(LH);
+    for (std::size_t b = 0; b < 2; ++b) {
+      std::vector<int> t(texts[b].tokens.begin(), texts[b].tokens.begin() + n);
+      double loss = 0;
+      std::fill(gs.begin(), gs.end(), 0.0);
+      require_ok(prulong_sample_loss(bp, lm, t, a.data(), u[b].data(), &loss, grad ? gs.data() : nullptr, z[b], dz[b], dzl[b]));
+      mean += loss / 2;
+      if (grad)
+        for (std::size_t i = 0; i < LH; ++i) (*grad)[i] += gs[i] / 2;
+    }
+    const kvevict::prulong_penalty pen = prulong_sampled_penalty(zs, dzs, LH, target, lam1, lam2, gp.data());
+    if (grad)
+      for (std::size_t i = 0; i < LH; ++i) (*grad)[i] += gp[i];
+    if (dl1) *dl1 = pen.grad_lambda1;
+    if (dl2) *dl2 = pen.grad_lambda2;
+    return mean + pen.value;
+  };
+  std::vector<double> grad;
+  double dl1 = 0, dl2 = 0;
+  objective(la, l1, l2, &grad, &dl1, &dl2);
+  CHECK(z[0][3] == 1.0);
+  CHECK(z[1][11] == 0.0);
+  CHECK(grad[3] == 0.0);  // a clamped gate carries no gradient, neither from the loss nor the constraint
+  CHECK(grad[11] == 0.0);
+  double fd1 = 0, fd2 = 0;
+  const double worst = check_central_differences(objective, la, l1, l2, grad, dl1, dl2, fd1, fd2);
+  double zmean = 0;
+  for (std::size_t b = 0; b < 2; ++b)
+    for (std::size_t i = 0; i < LH; ++i) zmean += z[b][i] / static_cast<double>(2 * LH);
+  CHECK(dl1 == doctest::Approx(1.0 - zmean - target).epsilon(1e-12));
+  std::printf("PruLong sampled-constraint gradient check (2 x %zu gates, %lld tokens): worst relative error %.2e; lambda1 %.3e vs "
+              "%.3e, lambda2 %.3e vs %.3e\n",
               LH, static_cast<long long>(n), worst, dl1, fd1, dl2, fd2);
 }
 

@@ -251,6 +251,8 @@ int run(int argc, char** argv) {
   prulong->add_option("--lr", pp.lr, "Adam learning rate of log_alpha")->capture_default_str();
   prulong->add_option("--lr-lambda", pp.lr_lambda, "rate of the multipliers' ascent (per unit of violation; with --lambda-rule adam: Adam's rate)")
       ->capture_default_str();
+  prulong->add_option("--lr-lambda2", pp.lr_lambda2, "rate of lambda2's ascent (per unit of squared violation; ascent only)")
+      ->capture_default_str();
   prulong->add_option("--constrain", pp.constrain, "the constrained sparsity: sampled (1 - mean z of the step's gates) or expected-l0")
       ->transform(CLI::CheckedTransformer(std::map<std::string, kvrun::sparsity_measure>{
           {"sampled", kvrun::sparsity_measure::sampled}, {"expected-l0", kvrun::sparsity_measure::expected_l0}}))

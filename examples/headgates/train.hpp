@@ -76,6 +76,27 @@ status prulong_sample_loss(gated_backprop<T>& bp, const gated_lm<T>& lm, const s
   return {};
 }
 
+/// PruLong's code's constraint (`--constrain sampled`): s = 1 - mean z over the gates sampled for a
+/// batch, z[b] and dz[b] = dz/dlog_alpha the LH gates of sample b (prulong_sample_loss's scratch);
+/// returns the penalty lambda1 (s - t) + lambda2 (s - t)^2 with its partial derivatives and writes
+/// grad [LH] = dpenalty/dlog_alpha = dpenalty/ds * ds/dlog_alpha, ds/dlog_alpha_g = -sum_b dz[b][g] / (B LH).
+template <class T>
+kvevict::prulong_penalty prulong_sampled_penalty(const std::vector<const std::vector<T>*>& z,
+                                                 const std::vector<const std::vector<T>*>& dz, std::size_t LH, double t,
+                                                 double lambda1, double lambda2, double* grad) {
+  const double n = static_cast<double>(z.size() * LH);
+  double zsum = 0;
+  std::fill(grad, grad + LH, 0.0);
+  for (std::size_t b = 0; b < z.size(); ++b)
+    for (std::size_t i = 0; i < LH; ++i) {
+      zsum += static_cast<double>((*z[b])[i]);
+      grad[i] -= static_cast<double>((*dz[b])[i]) / n;
+    }
+  const kvevict::prulong_penalty pen = kvevict::prulong_penalty_at(1.0 - zsum / n, t, lambda1, lambda2);
+  for (std::size_t i = 0; i < LH; ++i) grad[i] *= pen.grad_sparsity;
+  return pen;
+}
+
 /// DuoAttention's distillation term for one sample: the gated model with gates alpha against
 /// target [n][dim] (the full model's final hidden states) on rows [from, n); dalpha += dloss/dalpha.
 template <class T>
@@ -214,7 +235,7 @@ status gate_loop(const gated_lm<float>& lm, const std::vector<gate_sample>& samp
 
 /// How the Lagrange multipliers ascend (the min-max's max step).
 enum class lambda_update {
-  ascent,  ///< plain gradient ascent: lambda1 += lr_lambda (s - t), lambda2 += lr_lambda (s - t)^2, constant rate
+  ascent,  ///< plain gradient ascent: lambda1 += lr_lambda (s - t), lambda2 += lr_lambda2 (s - t)^2, constant rates
   adam,    ///< Adam ascent on the same gradients with the log_alpha schedule (PruLong's code; winds up in 100 steps)
 };
 
@@ -231,7 +252,8 @@ struct prulong_train_options {
   double lr = 0.2;              ///< Adam on log_alpha (Table 5: 1 over 1000 steps; see docs/prulong.md)
   sparsity_measure constrain = sparsity_measure::expected_l0;
   lambda_update lambda_rule = lambda_update::ascent;
-  double lr_lambda = 0.5;       ///< the multipliers' rate (ascent: per unit of violation; adam: Table 5's 1)
+  double lr_lambda = 0.5;       ///< the multipliers' rate (ascent: lambda1's, per unit of violation; adam: both, Table 5's 1)
+  double lr_lambda2 = 10;       ///< ascent: lambda2's rate (the quadratic term's, which damps the min-max: docs/prulong.md)
   double warmup = 0.1;          ///< linear warmup of the log_alpha rate, then linear decay
   double final_lr = 0.01;       ///< ... to this fraction of the peak
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
@@ -291,7 +313,7 @@ inline double prulong_closed_sparsity(const std::vector<double>& log_alpha) {
 inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sample>& samples, const gate_train_options& o,
                             const prulong_train_options& p, prulong_result& out, const gate_logger& log = {}) {
   if (!(p.target >= 0 && p.target <= 1) || !(p.target_warmup > 0 && p.target_warmup <= 1) || !(p.lr > 0) ||
-      !(p.lr_lambda >= 0) || !(p.warmup >= 0 && p.warmup <= 1) || !(p.final_lr >= 0 && p.final_lr <= 1) ||
+      !(p.lr_lambda >= 0) || !(p.lr_lambda2 >= 0) || !(p.warmup >= 0 && p.warmup <= 1) || !(p.final_lr >= 0 && p.final_lr <= 1) ||
       (p.lambda_rule != lambda_update::ascent && p.lambda_rule != lambda_update::adam) ||
       (p.constrain != sparsity_measure::sampled && p.constrain != sparsity_measure::expected_l0))
     return status::error(errc::invalid_argument, "prulong: invalid options (target %g, target warmup %g, lr %g / %g)",
@@ -324,18 +346,10 @@ inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sa
       KVEVICT_TRY(kvevict::prulong_lagrangian(lkv::mat<const double>(la.data(), L, H, H), t, lambda[0], lambda[1], &r,
                                               lkv::mat<double>(gl.data(), L, H, H)));
       pen = r.penalty;
-    } else {  // s = 1 - mean z over the batch's sampled gates; ds/dlog_alpha_g = -sum_b dz_bg / (B L H)
-      const auto B = static_cast<std::size_t>(o.batch);
-      const double n = static_cast<double>(B * LH);
-      double zsum = 0;
-      std::fill(gl.begin(), gl.end(), 0.0);
-      for (std::size_t b = 0; b < B; ++b)
-        for (std::size_t i = 0; i < LH; ++i) {
-          zsum += scr[b].z[i];
-          gl[i] -= scr[b].dz[i] / n;
-        }
-      pen = kvevict::prulong_penalty_at(1.0 - zsum / n, t, lambda[0], lambda[1]);
-      for (double& x : gl) x *= pen.grad_sparsity;
+    } else {  // s = 1 - mean z over the batch's sampled gates, through dz/dlog_alpha
+      std::vector<const std::vector<float>*> zs, dzs;
+      for (const scratch& sc : scr) zs.push_back(&sc.z), dzs.push_back(&sc.dz);
+      pen = prulong_sampled_penalty(zs, dzs, LH, t, lambda[0], lambda[1], gl.data());
     }
     for (std::size_t i = 0; i < LH; ++i) grad[i] += gl[i];
     const double f = prulong_lr_factor(p, step, o.steps);
@@ -345,7 +359,7 @@ inline status train_prulong(const gated_lm<float>& lm, const std::vector<gate_sa
       opt_lambda.step(lambda, glam, 2, p.lr_lambda * f, p.beta1, p.beta2, p.eps, true);
     } else {  // the max step of the min-max: the multipliers rise with the violation itself
       lambda[0] += p.lr_lambda * glam[0];
-      lambda[1] += p.lr_lambda * glam[1];
+      lambda[1] += p.lr_lambda2 * glam[1];
     }
     for (std::size_t i = 0; i < LH; ++i) laf[i] = static_cast<float>(la[i]);
     prulong_step h;

@@ -210,6 +210,52 @@ class cascade : public bound_driver<cascade_driver, cascade_driver_config> {
   }
 };
 
+/// kvevict::layer_cascade on its own (the budget rule under CascadeDriver): the caller computes each
+/// layer's protected scores and weight; the object owns the state memory.
+class cascade_state {
+ public:
+  cascade_state(index_t layers, index_t heads, index_t prompt, index_t total, index_t n_sink, index_t n_recent,
+                cascade_split split) {
+    cfg_.layers = layers;
+    cfg_.heads = heads;
+    cfg_.prompt_length = prompt;
+    cfg_.prot = protection{n_sink, n_recent};
+    cfg_.total = total;
+    cfg_.split = split;
+    const std::size_t bytes = value_or_raise(layer_cascade::state_bytes(cfg_));
+    memory_.resize(bytes);
+    throw_if(state_.init(cfg_, memory_.data(), bytes));
+  }
+
+  void add_layer(index_t layer, py::handle scores_, double weight) {
+    const tensor scores = float_matrix(scores_, "scores");
+    const auto sv = mat<const float>(scores);
+    std::lock_guard<std::mutex> lock(mutex_);
+    run_ws([&](workspace& ws) { return state_.add_layer(backend(), ws, layer, sv, weight); });
+  }
+  void add_remote_layer(index_t layer, double weight) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    run_ws([&](workspace& ws) { return state_.add_remote_layer(backend(), ws, layer, weight); });
+  }
+
+  bool changed(index_t layer) const { return state_.changed(layer); }
+  py::tuple kept(index_t layer) const { return kept_arrays(checked(layer, state_.kept(layer))); }
+  py::tuple positions(index_t layer) const { return kept_arrays(checked(layer, state_.positions(layer))); }
+  index_t layer_total(index_t layer) const { return state_.layer_total(layer); }
+  index_t held_total() const { return state_.held_total(); }
+  index_t layers_added() const { return state_.layers_added(); }
+
+ private:
+  static const ragged_positions& checked(index_t layer, const ragged_positions& k) {
+    if (k.cu == nullptr) raise(errc::invalid_argument, "LayerCascade: layer " + std::to_string(layer) + " holds nothing");
+    return k;
+  }
+  cascade_config cfg_;
+  std::vector<unsigned char> memory_;
+  layer_cascade state_;
+  std::mutex mutex_;
+};
+
 class chunked : public bound_driver<chunked_driver, chunked_config> {
  public:
   chunked(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
@@ -344,6 +390,21 @@ void bind_drivers(py::module_& m) {
       .def("layer_total", &cascade::layer_total, "layer"_a)
       .def_property_readonly("held_rows", &cascade::held_rows)
       .def_property_readonly("peak_rows", &cascade::peak_rows);
+  py::class_<cascade_state>(m, "LayerCascade",
+                            "The cascading budget rule alone (kvevict::layer_cascade, docs/budget.md): per layer, in "
+                            "order, add_layer(l, protected scores [H][N], weight) (or add_remote_layer(l, weight) for "
+                            "a layer another pipeline stage holds); then layer l keeps kept(l) (prompt positions) and "
+                            "every earlier layer j with changed(j) keeps the rows kept(j) of what it held.")
+      .def(py::init<index_t, index_t, index_t, index_t, index_t, index_t, cascade_split>(), "layers"_a, "heads"_a,
+           "prompt_length"_a, "total"_a, "n_sink"_a = 0, "n_recent"_a = 0, "split"_a = cascade_split::flattened)
+      .def("add_layer", &cascade_state::add_layer, "layer"_a, "scores"_a, "weight"_a)
+      .def("add_remote_layer", &cascade_state::add_remote_layer, "layer"_a, "weight"_a)
+      .def("changed", &cascade_state::changed, "layer"_a)
+      .def("kept", &cascade_state::kept, "layer"_a, "(positions, cu) of the last step.")
+      .def("positions", &cascade_state::positions, "layer"_a, "(positions, cu): the prompt positions the layer holds.")
+      .def("layer_total", &cascade_state::layer_total, "layer"_a)
+      .def_property_readonly("held_total", &cascade_state::held_total)
+      .def_property_readonly("layers_added", &cascade_state::layers_added);
   py::class_<chunked>(m, "ChunkedDriver",
                       "Eviction during chunked prefill, naive or patched (kvevict::chunked_driver): per chunk "
                       "begin_chunk(s, e), add_layer for every layer with query_rows() queries (and the patch's keys), "

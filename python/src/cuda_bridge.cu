@@ -115,11 +115,12 @@ status attention_scores(const raw& queries, const raw& prefix_keys, const raw& b
   constexpr const char* fn = "attention_scores(cuda)";
   return dispatch(fn, prefix_keys.elem, [&](auto e) -> status {
     using T = decltype(e);
+    KVEVICT_BRIDGE_VIEW(q, const T, 3, "queries", queries);
+    KVEVICT_BRIDGE_VIEW(k, const T, 3, "prefix_keys", prefix_keys);
     const auto b = optional_kv<T>("block_keys", block_keys);
     if (!b) return b.error();
-    return scores_call(fn, queries, prefix_keys, out, s, [&](cuda_t be, workspace& ws, auto q, auto k, auto o) {
-      return kvevict::attention_scores(be, ws, q, k, *b, o, opt);
-    });
+    KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+    return with_device_workspace(fn, s, [&](workspace& ws) { return kvevict::attention_scores(cuda_t{s}, ws, q, k, *b, o, opt); });
   });
 }
 

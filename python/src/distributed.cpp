@@ -6,42 +6,53 @@
 
 #include <kvevict/distributed.hpp>
 #include <kvevict/thread_comm.hpp>
+#ifndef KVEVICT_PYTHON_MPI
+#  define KVEVICT_PYTHON_MPI 0
+#endif
+#if KVEVICT_PYTHON_MPI
+#  include <kvevict/mpi.hpp>
+#endif
 
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <type_traits>
 
 namespace kvevict::python {
 
 namespace {
 
-/// A communicator (the comm.hpp contract) made in Python: one process when group_ is null, else
-/// rank_ of a thread group (kvevict/thread_comm.hpp), which the communicators of one
-/// thread_comms() call share.
+/// A communicator (the comm.hpp contract) made in Python: one process (the default: comm_ref's
+/// identity), a rank of a thread group (kvevict/thread_comm.hpp; the ranks of one thread_comms()
+/// call share the group) or an MPI communicator (kvevict/mpi.hpp, from mpi4py). comm_ref is the
+/// one dispatch; owner_ keeps the communicator it refers to alive.
 class comm {
  public:
   comm() = default;
-  comm(std::shared_ptr<thread_group> g, int rank) : group_(std::move(g)), rank_(rank) {}
-  int rank() const { return rank_; }
-  int size() const { return group_ ? group_->size() : 1; }
-
-  status allreduce_sum(std::int64_t* data, index_t n) {
-    return group_ ? ranks().allreduce_sum(data, n) : single_process{}.allreduce_sum(data, n);
+  template <class C>
+  static comm owning(std::shared_ptr<C> c) {
+    comm out;
+    out.ref_ = comm_ref(*c);
+    out.owner_ = std::move(c);
+    return out;
   }
-  status allreduce_sum(double* data, index_t n) {
-    return group_ ? ranks().allreduce_sum(data, n) : single_process{}.allreduce_sum(data, n);
-  }
-  status exscan_sum(const std::int64_t* in, std::int64_t* out, index_t n) {
-    return group_ ? ranks().exscan_sum(in, out, n) : single_process{}.exscan_sum(in, out, n);
-  }
-  status allgather(const void* send, std::size_t bytes, void* recv) {
-    return group_ ? ranks().allgather(send, bytes, recv) : single_process{}.allgather(send, bytes, recv);
-  }
+  int rank() const { return ref_.rank(); }
+  int size() const { return ref_.size(); }
+  status allreduce_sum(std::int64_t* data, index_t n) { return ref_.allreduce_sum(data, n); }
+  status allreduce_sum(double* data, index_t n) { return ref_.allreduce_sum(data, n); }
+  status exscan_sum(const std::int64_t* in, std::int64_t* out, index_t n) { return ref_.exscan_sum(in, out, n); }
+  status allgather(const void* send, std::size_t bytes, void* recv) { return ref_.allgather(send, bytes, recv); }
 
  private:
-  thread_comm ranks() const { return thread_comm(*group_, rank_); }
-  std::shared_ptr<thread_group> group_;
-  int rank_ = 0;
+  comm_ref ref_;
+  std::shared_ptr<void> owner_;
+};
+
+/// A thread rank and the group it belongs to (kept alive by every rank's communicator).
+struct thread_rank {
+  std::shared_ptr<thread_group> group;
+  thread_comm c;
+  thread_rank(std::shared_ptr<thread_group> g, int r) : group(std::move(g)), c(*group, r) {}
 };
 
 std::vector<comm> thread_comms(int size, double timeout) {
@@ -50,8 +61,37 @@ std::vector<comm> thread_comms(int size, double timeout) {
     raise(errc::invalid_argument, "thread_comms: timeout must be in (0, 86400] seconds");
   auto g = std::make_shared<thread_group>(size, std::chrono::milliseconds(std::max(1LL, static_cast<long long>(timeout * 1000.0 + 0.5))));
   std::vector<comm> out;
-  for (int r = 0; r < size; ++r) out.emplace_back(g, r);
+  for (int r = 0; r < size; ++r) {
+    auto tr = std::make_shared<thread_rank>(g, r);
+    out.push_back(comm::owning(std::shared_ptr<thread_comm>(tr, &tr->c)));
+  }
   return out;
+}
+
+/// mpi4py's integer handle as the MPI library's MPI_Comm: a pointer (Open MPI) or an int (MPICH).
+template <class H>
+H native_handle(const py::object& handle) {
+  if constexpr (std::is_pointer_v<H>)
+    return reinterpret_cast<H>(handle.cast<std::uintptr_t>());
+  else
+    return static_cast<H>(handle.cast<long long>());
+}
+
+/// An mpi4py communicator (mpi4py.MPI.Comm) as a kvevict communicator over the same MPI_Comm
+/// (kvevict/mpi.hpp); the mpi4py object must outlive it. Builds without MPI refuse.
+comm mpi_comm_of(py::handle mpi4py_comm) {
+#if KVEVICT_PYTHON_MPI
+  const py::object handle = py::module_::import("mpi4py.MPI").attr("_handleof")(mpi4py_comm);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) raise(errc::invalid_argument, "mpi_comm: MPI is not initialised (import mpi4py.MPI first)");
+  const auto native = native_handle<MPI_Comm>(handle);
+  if (native == MPI_COMM_NULL) raise(errc::invalid_argument, "mpi_comm: the communicator is MPI.COMM_NULL");
+  return comm::owning(std::make_shared<kvevict::mpi_comm>(native));
+#else
+  (void)mpi4py_comm;
+  raise(errc::unsupported, "mpi_comm: this build has no MPI (kvevict.has_mpi is False; build with MPI found by CMake)");
+#endif
 }
 
 const std::int32_t* optional_int32(const tensor& t, index_t n) {
@@ -144,10 +184,15 @@ void bind_distributed(py::module_& m) {
   using namespace pybind11::literals;
   py::class_<comm>(m, "Comm",
                    "A communicator for the sharded calls: Comm() is one process holding every head and layer "
-                   "(collectives are the identity); thread_comms(P) gives P ranks that are threads of this process.")
+                   "(collectives are the identity); thread_comms(P) gives P ranks that are threads of this process; "
+                   "mpi_comm(mpi4py_comm) the ranks of an MPI communicator.")
       .def(py::init<>())
       .def_property_readonly("rank", &comm::rank)
       .def_property_readonly("size", &comm::size);
+  m.attr("has_mpi") = static_cast<bool>(KVEVICT_PYTHON_MPI);
+  m.def("mpi_comm", &mpi_comm_of, "comm"_a,
+        "An mpi4py communicator (e.g. mpi4py.MPI.COMM_WORLD) as a kvevict Comm over the same MPI_Comm "
+        "(kvevict/mpi.hpp); the mpi4py object must outlive it. Builds without MPI raise Error (kvevict.has_mpi).");
   m.def("thread_comms", &thread_comms, "size"_a, "timeout"_a = 60.0,
         "P communicators over shared memory (kvevict/thread_comm.hpp), rank r for the thread that plays rank r (each "
         "rank on its own thread; the calls release the GIL); a rank waiting longer than `timeout` seconds for the "

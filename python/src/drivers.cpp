@@ -176,7 +176,26 @@ class post_fill : public bound_driver<post_fill_driver, post_fill_config> {
   }
 };
 
-class cascade : public bound_driver<cascade_driver, cascade_driver_config> {
+/// What a cascade (CascadeDriver, LayerCascade) answers after each layer, from Derived::state()
+/// (a cascade_driver or layer_cascade) and Derived::name.
+template <class Derived>
+class cascade_answers {
+ public:
+  bool changed(index_t layer) const { return state().changed(layer); }
+  py::tuple kept(index_t layer) const { return held(layer, state().kept(layer)); }
+  py::tuple positions(index_t layer) const { return held(layer, state().positions(layer)); }
+  index_t layer_total(index_t layer) const { return state().layer_total(layer); }
+
+ private:
+  const auto& state() const { return static_cast<const Derived&>(*this).state(); }
+  static py::tuple held(index_t layer, const ragged_positions& k) {
+    if (k.cu == nullptr)
+      raise(errc::invalid_argument, std::string(Derived::name) + ": layer " + std::to_string(layer) + " holds nothing yet");
+    return kept_arrays(k);
+  }
+};
+
+class cascade : public bound_driver<cascade_driver, cascade_driver_config>, public cascade_answers<cascade> {
  public:
   cascade(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
           index_t total, cascade_split split, weight_source weight, entropy_norm norm, index_t query_rows) {
@@ -196,23 +215,15 @@ class cascade : public bound_driver<cascade_driver, cascade_driver_config> {
     add_prefill_layer(driver_, mutex_, layer, k_, v_, py::none(), pos_, q_, s_, bk_, "block_keys", weight);
   }
 
-  bool changed(index_t layer) const { return driver_.changed(layer); }
-  py::tuple kept(index_t layer) const { return kept_arrays(checked(layer, driver_.kept(layer))); }
-  py::tuple positions(index_t layer) const { return kept_arrays(checked(layer, driver_.positions(layer))); }
-  index_t layer_total(index_t layer) const { return driver_.layer_total(layer); }
   index_t held_rows() const { return driver_.held_rows(); }
   index_t peak_rows() const { return driver_.peak_rows(); }
-
- private:
-  static const ragged_positions& checked(index_t layer, const ragged_positions& k) {
-    if (k.cu == nullptr) raise(errc::invalid_argument, "CascadeDriver: layer " + std::to_string(layer) + " holds nothing yet");
-    return k;
-  }
+  static constexpr const char* name = "CascadeDriver";
+  const cascade_driver& state() const { return driver_; }
 };
 
 /// kvevict::layer_cascade on its own (the budget rule under CascadeDriver): the caller computes each
 /// layer's protected scores and weight; the object owns the state memory.
-class cascade_state {
+class cascade_state : public cascade_answers<cascade_state> {
  public:
   cascade_state(index_t layers, index_t heads, index_t prompt, index_t total, index_t n_sink, index_t n_recent,
                 cascade_split split) {
@@ -238,18 +249,12 @@ class cascade_state {
     run_ws([&](workspace& ws) { return state_.add_remote_layer(backend(), ws, layer, weight); });
   }
 
-  bool changed(index_t layer) const { return state_.changed(layer); }
-  py::tuple kept(index_t layer) const { return kept_arrays(checked(layer, state_.kept(layer))); }
-  py::tuple positions(index_t layer) const { return kept_arrays(checked(layer, state_.positions(layer))); }
-  index_t layer_total(index_t layer) const { return state_.layer_total(layer); }
   index_t held_total() const { return state_.held_total(); }
   index_t layers_added() const { return state_.layers_added(); }
+  static constexpr const char* name = "LayerCascade";
+  const layer_cascade& state() const { return state_; }
 
  private:
-  static const ragged_positions& checked(index_t layer, const ragged_positions& k) {
-    if (k.cu == nullptr) raise(errc::invalid_argument, "LayerCascade: layer " + std::to_string(layer) + " holds nothing");
-    return k;
-  }
   cascade_config cfg_;
   std::vector<unsigned char> memory_;
   layer_cascade state_;

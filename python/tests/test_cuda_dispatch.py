@@ -61,15 +61,16 @@ def cuda(t):
     return FakeCuda(t)
 
 
-def _calls(gen):
-    """One call per function of kvevict.cuda_functions, every tensor (outputs too) on the fake GPU."""
+def _calls(gen, cuda=cuda):
+    """One call per function of kvevict.cuda_functions, every tensor (outputs too) on the fake GPU
+    (or, with cuda=lambda t: t, the same call on the host)."""
     q, k, v = randn(gen, 4, 3, 8), randn(gen, 2, 10, 8), randn(gen, 2, 10, 8)
     s4, s2 = randn(gen, 4, 10), randn(gen, 2, 10)
     kept = torch.tensor([[0, 3, 9], [1, 2, 5]], dtype=torch.int32)
     i32 = lambda *n: torch.zeros(*n, dtype=torch.int32)  # noqa: E731
     f32 = lambda *n: torch.zeros(*n)  # noqa: E731
     r = kvevict.Recipe.snapkv()
-    r.window = 3
+    r.window = r.n_recent = 3
     return {
         "attention_scores": lambda: kvevict.attention_scores(cuda(q), cuda(k), out=cuda(f32(4, 10))),
         "window_scores": lambda: kvevict.window_scores(cuda(q), cuda(k), out=cuda(f32(4, 10))),
@@ -99,6 +100,13 @@ def test_cuda_functions_listed_once_and_all_exist():
     assert len(set(names)) == len(names)
     assert all(callable(getattr(kvevict, n)) for n in names)
     assert set(names) == set(_calls(torch.Generator().manual_seed(0)))
+
+
+def test_the_same_calls_run_on_the_host(gen):
+    # so that on a (fake) GPU the only thing that can fail is the device itself
+    for name, call in _calls(gen, cuda=lambda t: t).items():
+        if call is not None:
+            call()
 
 
 def test_cuda_functions_reach_the_cuda_path_or_refuse(gen):

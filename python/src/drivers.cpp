@@ -358,6 +358,22 @@ class decode : public bound_driver<decode_driver, decode_config> {
 
 }  // namespace
 
+namespace {
+
+/// The answers of a cascade after each layer (cascade_answers), as Python methods.
+template <class C>
+void def_cascade_answers(py::class_<C>& c) {
+  using namespace pybind11::literals;
+  c.def("changed", &C::changed, "layer"_a, "Did the last step change what the layer holds?")
+      .def("kept", &C::kept, "layer"_a,
+           "(positions, cu) of the last step: the layer just added, its prompt positions; an earlier layer, the rows "
+           "of what it held before the step.")
+      .def("positions", &C::positions, "layer"_a, "(positions, cu): the original positions the layer holds.")
+      .def("layer_total", &C::layer_total, "layer"_a);
+}
+
+}  // namespace
+
 void bind_drivers(py::module_& m) {
   using namespace pybind11::literals;
   py::class_<post_fill>(m, "PostFillDriver",
@@ -377,10 +393,11 @@ void bind_drivers(py::module_& m) {
       .def("layer_total", &post_fill::layer_total, "layer"_a)
       .def_property_readonly("allocator", &post_fill::kind)
       .def_property_readonly("budgets", &post_fill::budgets);
-  py::class_<cascade>(m, "CascadeDriver",
+  py::class_<cascade> cascade_driver_class(m, "CascadeDriver",
                       "Layer-by-layer prefill with cascading budgets (kvevict::cascade_driver: LAVa Algorithm 2, "
                       "CAKE): after add_layer(l), compact layer l with kept(l) and every earlier layer j with "
-                      "changed(j) with kept(j).")
+                      "changed(j) with kept(j).");
+  cascade_driver_class
       .def(py::init<const recipe&, index_t, index_t, index_t, index_t, index_t, index_t, cascade_split, weight_source,
                     entropy_norm, index_t>(),
            "recipe"_a, "layers"_a, "kv_heads"_a, "query_heads"_a, "head_dim"_a, "tokens"_a, "total"_a,
@@ -389,27 +406,22 @@ void bind_drivers(py::module_& m) {
       .def("add_layer", &cascade::add_layer, "layer"_a, "keys"_a, "values"_a, "queries"_a = py::none(),
            "scores"_a = py::none(), "positions"_a = py::none(), "block_keys"_a = py::none(), "weight"_a = 0.0,
            "Layer `layer` (in order) was prefilled over the whole prompt: keys, values [H][N][d].")
-      .def("changed", &cascade::changed, "layer"_a)
-      .def("kept", &cascade::kept, "layer"_a, "(positions, cu): rows of what the layer held before this step.")
-      .def("positions", &cascade::positions, "layer"_a, "(positions, cu): the original positions the layer holds.")
-      .def("layer_total", &cascade::layer_total, "layer"_a)
       .def_property_readonly("held_rows", &cascade::held_rows)
       .def_property_readonly("peak_rows", &cascade::peak_rows);
-  py::class_<cascade_state>(m, "LayerCascade",
+  def_cascade_answers(cascade_driver_class);
+  py::class_<cascade_state> layer_cascade_class(m, "LayerCascade",
                             "The cascading budget rule alone (kvevict::layer_cascade, docs/budget.md): per layer, in "
                             "order, add_layer(l, protected scores [H][N], weight) (or add_remote_layer(l, weight) for "
                             "a layer another pipeline stage holds); then layer l keeps kept(l) (prompt positions) and "
-                            "every earlier layer j with changed(j) keeps the rows kept(j) of what it held.")
+                            "every earlier layer j with changed(j) keeps the rows kept(j) of what it held.");
+  layer_cascade_class
       .def(py::init<index_t, index_t, index_t, index_t, index_t, index_t, cascade_split>(), "layers"_a, "heads"_a,
            "prompt_length"_a, "total"_a, "n_sink"_a = 0, "n_recent"_a = 0, "split"_a = cascade_split::flattened)
       .def("add_layer", &cascade_state::add_layer, "layer"_a, "scores"_a, "weight"_a)
       .def("add_remote_layer", &cascade_state::add_remote_layer, "layer"_a, "weight"_a)
-      .def("changed", &cascade_state::changed, "layer"_a)
-      .def("kept", &cascade_state::kept, "layer"_a, "(positions, cu) of the last step.")
-      .def("positions", &cascade_state::positions, "layer"_a, "(positions, cu): the prompt positions the layer holds.")
-      .def("layer_total", &cascade_state::layer_total, "layer"_a)
       .def_property_readonly("held_total", &cascade_state::held_total)
       .def_property_readonly("layers_added", &cascade_state::layers_added);
+  def_cascade_answers(layer_cascade_class);
   py::class_<chunked>(m, "ChunkedDriver",
                       "Eviction during chunked prefill, naive or patched (kvevict::chunked_driver): per chunk "
                       "begin_chunk(s, e), add_layer for every layer with query_rows() queries (and the patch's keys), "

@@ -2,10 +2,8 @@
 // released (two-phase workspaces included), KV element-type checks, ragged outputs.
 #pragma once
 
+#include "cuda_bridge.hpp"
 #include "tensor.hpp"
-#if KVEVICT_PYTHON_CUDA
-#  include "cuda_bridge.hpp"
-#endif
 
 #include <kvevict/kvevict.hpp>
 
@@ -53,10 +51,14 @@ inline void require_kv(std::initializer_list<const tensor*> ts) {
   for (const tensor* t : ts) require_host(*t);
 }
 
-/// A host float32 matrix argument.
-inline tensor float_matrix(py::handle obj, const char* name, bool writable = false) {
+/// A float32 matrix argument on either device (a call through on_device); float_matrix: on the host.
+inline tensor score_matrix(py::handle obj, const char* name, bool writable = false) {
   tensor t = as_tensor(obj, name, 2, writable);
   require_dtype(t, {dtype::f32});
+  return t;
+}
+inline tensor float_matrix(py::handle obj, const char* name, bool writable = false) {
+  tensor t = score_matrix(obj, name, writable);
   require_host(t);
   return t;
 }
@@ -73,11 +75,39 @@ std::vector<index_t> offsets_of(const tensor& counts, index_t rows);
 /// A new 1-D int32 tensor of n entries like `like` (PyTorch or NumPy), filled from `values`.
 tensor int32_vector(const tensor& like, const char* name, const std::vector<index_t>& values);
 
-#if KVEVICT_PYTHON_CUDA
-/// The CUDA path (cuda_bridge.hpp): PyTorch CUDA tensors, one device, on the device's current stream.
+/// The CUDA path (cuda_bridge.hpp). raw_of: a tensor as the bridge reads it (absent: data null).
 gpu::raw raw_of(const tensor& t);
-CUstream_st* cuda_stream_of(std::initializer_list<const tensor*> ts);
-#endif
+/// The stream of a call whose tensors (the non-empty ones) are all CUDA tensors of one device and
+/// one kind: a PyTorch tensor's current stream, or the legacy default stream (null) for DLPack.
+gpu::stream_t cuda_stream_of(std::initializer_list<const tensor*> ts);
+/// Refuses the CUDA tensor `t` of a call to `fn`: fn is not in cuda_functions (the message names
+/// them), or this build has no CUDA.
+[[noreturn]] void refuse_cuda(const char* fn, const tensor& t);
+/// Whether `fn` is in cuda_functions (kvevict.cuda_functions).
+bool runs_on_cuda(const char* fn);
+
+/// The one place where a call chooses its backend. No CUDA tensor among `ts`: host() runs the host
+/// path (par_t; it releases the GIL itself). Otherwise, in a CUDA build and for `fn` listed in
+/// cuda_functions, every non-empty tensor of `ts` must be on one GPU (one kind: PyTorch or DLPack)
+/// and cuda(stream) -> status runs the bridge without the GIL; else the call is refused naming the
+/// functions that take CUDA tensors. `ts` lists every tensor of the call, outputs included.
+template <class Host, class Cuda>
+void on_device(const char* fn, std::initializer_list<const tensor*> ts, Host&& host, Cuda&& cuda) {
+  const tensor* gpu_tensor = nullptr;
+  for (const tensor* t : ts)
+    if (t->cuda && gpu_tensor == nullptr) gpu_tensor = t;
+  if (gpu_tensor == nullptr) {
+    host();
+    return;
+  }
+  if (!KVEVICT_PYTHON_CUDA || !runs_on_cuda(fn)) refuse_cuda(fn, *gpu_tensor);
+  if constexpr (KVEVICT_PYTHON_CUDA) {
+    const gpu::stream_t stream = cuda_stream_of(ts);
+    run([&] { return cuda(stream); });
+  } else {
+    (void)cuda;
+  }
+}
 
 void bind_enums(py::module_& m);
 void bind_stages(py::module_& m);

@@ -1,10 +1,12 @@
-// python/src/cuda_bridge.cu: recipe_scores, dense recipe_select and dense compact on cuda_t for
-// the bindings (cuda_bridge.hpp). Compiled for the build's CUDA architectures; not run on this
-// machine (no GPU).
+// python/src/cuda_bridge.cu: the library's cuda_t stages for the bindings (cuda_bridge.hpp).
+// Compiled for the build's CUDA architectures; not run on this machine (no GPU).
 #include "cuda_bridge.hpp"
 
 #include <kvevict/cuda/compact.cuh>
+#include <kvevict/cuda/gqa.cuh>
+#include <kvevict/cuda/pool.cuh>
 #include <kvevict/cuda/recipes.cuh>
+#include <kvevict/cuda/weight.cuh>
 
 #include <cuda_runtime.h>
 
@@ -22,6 +24,19 @@ result<strided_view<T, Rank>> view(const char* name, const raw& t) {
     str[i] = t.strides[i];
   }
   return detail::make_strided<T, Rank>(name, static_cast<T*>(t.data), ext, str);
+}
+
+/// Views of several raw tensors at once: f(views...) once every one was made, else the first error.
+#define KVEVICT_BRIDGE_VIEW(var, T, Rank, name, raw_) \
+  const auto var##_r = view<T, Rank>(name, raw_);     \
+  if (!var##_r) return var##_r.error();               \
+  const auto var = *var##_r
+
+/// An optional KV view (empty when the tensor is absent).
+template <class T>
+result<kv_view<const T>> optional_kv(const char* name, const raw& t) {
+  if (t.data == nullptr) return kv_view<const T>{};
+  return view<const T, 3>(name, t);
 }
 
 status cuda_status(const char* fn, cudaError_t e) {
@@ -43,6 +58,34 @@ status with_device_workspace(const char* fn, cudaStream_t stream, F&& f) {
   return st.ok() ? freed : st;
 }
 
+/// f(int* bad) -> status with a zeroed device counter of rows the kernels skipped (device data
+/// checked on the device), then the count read back, the stream synchronised: nonzero fails.
+template <class F>
+status with_bad_count(const char* fn, cudaStream_t stream, F&& f) {
+  int* bad = nullptr;
+  KVEVICT_TRY(cuda_status(fn, cudaMallocAsync(reinterpret_cast<void**>(&bad), sizeof(int), stream)));
+  int count = 0;
+  status st = cuda_status(fn, cudaMemsetAsync(bad, 0, sizeof(int), stream));
+  if (st.ok()) st = f(bad);
+  if (st.ok()) st = cuda_status(fn, cudaMemcpyAsync(&count, bad, sizeof(int), cudaMemcpyDeviceToHost, stream));
+  if (st.ok()) st = cuda_status(fn, cudaStreamSynchronize(stream));
+  const status freed = cuda_status(fn, cudaFreeAsync(bad, stream));
+  if (!st.ok()) return st;
+  if (count != 0)
+    return status::error(errc::out_of_range,
+                         "%s: %d rows skipped: their lengths, offsets or positions (device data, checked on the "
+                         "GPU) are out of range; nothing was written for them",
+                         fn, count);
+  return freed;
+}
+
+/// Both: a workspace and the bad-row counter.
+template <class F>
+status with_workspace_and_count(const char* fn, cudaStream_t stream, F&& f) {
+  return with_bad_count(fn, stream,
+                        [&](int* bad) { return with_device_workspace(fn, stream, [&](workspace& ws) { return f(ws, bad); }); });
+}
+
 template <class F>
 status dispatch(const char* fn, int elem, F&& f) {
   switch (elem) {
@@ -53,55 +96,196 @@ status dispatch(const char* fn, int elem, F&& f) {
   }
 }
 
+/// The score stages' shared shape: queries and keys of one KV type, out [rows][cols] float32.
+template <class F>
+status scores_call(const char* fn, const raw& queries, const raw& keys, const raw& out, stream_t s, F&& f) {
+  return dispatch(fn, keys.elem, [&](auto e) -> status {
+    using T = decltype(e);
+    KVEVICT_BRIDGE_VIEW(q, const T, 3, "queries", queries);
+    KVEVICT_BRIDGE_VIEW(k, const T, 3, "keys", keys);
+    KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+    return with_device_workspace(fn, s, [&](workspace& ws) { return f(cuda_t{s}, ws, q, k, o); });
+  });
+}
+
 }  // namespace
 
+status attention_scores(const raw& queries, const raw& prefix_keys, const raw& block_keys, const raw& out,
+                        const score_options& opt, stream_t s) {
+  constexpr const char* fn = "attention_scores(cuda)";
+  return dispatch(fn, prefix_keys.elem, [&](auto e) -> status {
+    using T = decltype(e);
+    KVEVICT_BRIDGE_VIEW(q, const T, 3, "queries", queries);
+    KVEVICT_BRIDGE_VIEW(k, const T, 3, "prefix_keys", prefix_keys);
+    const auto b = optional_kv<T>("block_keys", block_keys);
+    if (!b) return b.error();
+    KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+    return with_device_workspace(fn, s, [&](workspace& ws) { return kvevict::attention_scores(cuda_t{s}, ws, q, k, *b, o, opt); });
+  });
+}
+
+status window_scores(const raw& queries, const raw& keys, const raw& out, const score_options& opt, stream_t s) {
+  return scores_call("window_scores(cuda)", queries, keys, out, s, [&](cuda_t be, workspace& ws, auto q, auto k, auto o) {
+    return kvevict::window_scores(be, ws, q, k, o, opt);
+  });
+}
+
+status h2o_scores(const raw& queries, const raw& keys, const raw& out, bool normalised, float scale, stream_t s) {
+  return scores_call("h2o_scores(cuda)", queries, keys, out, s, [&](cuda_t be, workspace& ws, auto q, auto k, auto o) {
+    return kvevict::h2o_scores(be, ws, q, k, o, normalised, scale);
+  });
+}
+
+status tova_scores(const raw& queries, const raw& keys, const raw& out, float scale, stream_t s) {
+  return scores_call("tova_scores(cuda)", queries, keys, out, s, [&](cuda_t be, workspace& ws, auto q, auto k, auto o) {
+    return kvevict::tova_scores(be, ws, q, k, o, scale);
+  });
+}
+
+status key_norm_scores(const raw& keys, const raw& out, stream_t s) {
+  constexpr const char* fn = "key_norm_scores(cuda)";
+  return dispatch(fn, keys.elem, [&](auto e) -> status {
+    using T = decltype(e);
+    KVEVICT_BRIDGE_VIEW(k, const T, 3, "keys", keys);
+    KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+    return kvevict::key_norm_scores(cuda_t{s}, k, o);
+  });
+}
+
+status position_scores(const raw& out, stream_t s) {
+  KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+  return kvevict::position_scores(cuda_t{s}, o);
+}
+
+status gqa_reduce(const raw& in, const raw& out, gqa_op op, stream_t s) {
+  KVEVICT_BRIDGE_VIEW(i, const float, 2, "scores", in);
+  KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+  return kvevict::gqa_reduce(cuda_t{s}, i, o, op);
+}
+
+status pool1d(const raw& in, const raw& out, pool_kind kind, index_t kernel, const std::int32_t* row_lengths,
+              avg_divisor divisor, stream_t s) {
+  KVEVICT_BRIDGE_VIEW(i, const float, 2, "scores", in);
+  KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+  pool_options po;
+  po.divisor = divisor;
+  return with_bad_count("pool1d(cuda)", s,
+                        [&](int* bad) { return kvevict::pool1d(cuda_t{s}, i, o, kind, kernel, row_lengths, po, bad); });
+}
+
+status weight_by_value_norm(const raw& scores, const raw& values, value_weight mode, const std::int32_t* lengths,
+                            stream_t s) {
+  constexpr const char* fn = "weight_by_value_norm(cuda)";
+  KVEVICT_BRIDGE_VIEW(sv, float, 2, "scores", scores);
+  return dispatch(fn, values.elem, [&](auto e) -> status {
+    using T = decltype(e);
+    KVEVICT_BRIDGE_VIEW(v, const T, 3, "values", values);
+    return with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
+      return kvevict::weight_by_value_norm(cuda_t{s}, ws, sv, v, mode, lengths, bad);
+    });
+  });
+}
+
+status protect(const raw& scores, index_t n_sink, index_t n_recent, const std::int32_t* row_lengths, stream_t s) {
+  KVEVICT_BRIDGE_VIEW(sv, float, 2, "scores", scores);
+  return with_bad_count("protect(cuda)", s,
+                        [&](int* bad) { return kvevict::protect(cuda_t{s}, sv, n_sink, n_recent, row_lengths, bad); });
+}
+
+status postprocess_scores(const raw& in, const raw& out, const raw& values, const postprocess_options& opt,
+                          const std::int32_t* row_lengths, const std::int32_t* value_lengths, stream_t s) {
+  constexpr const char* fn = "postprocess_scores(cuda)";
+  KVEVICT_BRIDGE_VIEW(i, const float, 2, "scores", in);
+  KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+  if (values.data == nullptr)
+    return with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
+      return kvevict::postprocess_scores(cuda_t{s}, ws, i, o, opt, row_lengths, bad);
+    });
+  return dispatch(fn, values.elem, [&](auto e) -> status {
+    using T = decltype(e);
+    KVEVICT_BRIDGE_VIEW(v, const T, 3, "values", values);
+    return with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
+      return kvevict::postprocess_scores(cuda_t{s}, ws, i, o, v, opt, row_lengths, value_lengths, bad);
+    });
+  });
+}
+
+status select_topk(const raw& scores, const std::int32_t* row_lengths, const raw& kept, stream_t s) {
+  KVEVICT_BRIDGE_VIEW(sv, const float, 2, "scores", scores);
+  KVEVICT_BRIDGE_VIEW(k, pos_t, 2, "kept", kept);
+  return with_workspace_and_count("select_topk(cuda)", s, [&](workspace& ws, int* bad) {
+    cuda_select_options o;
+    o.bad_rows = bad;
+    return kvevict::select_topk(cuda_t{s}, ws, sv, row_lengths, k, o);
+  });
+}
+
+status select_topk_flat(const raw& scores, const std::int32_t* row_lengths, index_t total, const std::int32_t* floors,
+                        std::int32_t* cu, pos_t* positions, stream_t s) {
+  KVEVICT_BRIDGE_VIEW(sv, const float, 2, "scores", scores);
+  return with_workspace_and_count("select_topk_flat(cuda)", s, [&](workspace& ws, int* bad) {
+    cuda_select_options o;
+    o.bad_rows = bad;
+    return kvevict::select_topk_flat(cuda_t{s}, ws, sv, row_lengths, total, floors, cu, positions, o);
+  });
+}
+
+status compact(const raw& src, const raw& kept, const raw& dst, stream_t s) {
+  constexpr const char* fn = "compact(cuda)";
+  KVEVICT_BRIDGE_VIEW(k, const pos_t, 2, "kept", kept);
+  return dispatch(fn, src.elem, [&](auto e) -> status {
+    using T = decltype(e);
+    KVEVICT_BRIDGE_VIEW(sv, const T, 3, "src", src);
+    KVEVICT_BRIDGE_VIEW(d, T, 3, "out", dst);
+    return with_bad_count(fn, s, [&](int* bad) { return kvevict::compact(cuda_t{s}, sv, k, d, bad); });
+  });
+}
+
+status compact_ragged(const raw& src, const pos_t* positions, const std::int32_t* cu, const raw& dst, stream_t s) {
+  constexpr const char* fn = "compact_ragged(cuda)";
+  return dispatch(fn, src.elem, [&](auto e) -> status {
+    using T = decltype(e);
+    KVEVICT_BRIDGE_VIEW(sv, const T, 3, "src", src);
+    const ragged_positions kept{positions, cu, sv.extent(0)};
+    const ragged_view<T> d{static_cast<T*>(dst.data), cu, sv.extent(0), sv.extent(2), dst.strides[0]};
+    return with_bad_count(fn, s, [&](int* bad) { return kvevict::compact(cuda_t{s}, sv, kept, d, bad); });
+  });
+}
+
+status compact_inplace(const raw& cache, const raw& kept, stream_t s) {
+  constexpr const char* fn = "compact_inplace(cuda)";
+  KVEVICT_BRIDGE_VIEW(k, const pos_t, 2, "kept", kept);
+  return dispatch(fn, cache.elem, [&](auto e) -> status {
+    using T = decltype(e);
+    KVEVICT_BRIDGE_VIEW(c, T, 3, "cache", cache);
+    return with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
+      return kvevict::compact_inplace(cuda_t{s}, ws, c, k, bad);
+    });
+  });
+}
+
 status recipe_scores(const recipe& r, const raw& queries, const raw& keys, const raw& values, const raw& scores,
-                     CUstream_st* stream) {
+                     stream_t s) {
   constexpr const char* fn = "recipe_scores(cuda)";
   return dispatch(fn, keys.elem, [&](auto e) -> status {
     using T = decltype(e);
-    const auto k = view<const T, 3>("keys", keys);
-    if (!k) return k.error();
-    kv_view<const T> q{}, v{};
-    if (queries.data != nullptr) {
-      const auto qv = view<const T, 3>("queries", queries);
-      if (!qv) return qv.error();
-      q = *qv;
-    }
-    if (values.data != nullptr) {
-      const auto vv = view<const T, 3>("values", values);
-      if (!vv) return vv.error();
-      v = *vv;
-    }
-    const auto s = view<float, 2>("scores", scores);
-    if (!s) return s.error();
-    const cuda_t be{stream};
-    return with_device_workspace(fn, stream, [&](workspace& ws) { return kvevict::recipe_scores(be, ws, r, q, *k, v, *s); });
+    KVEVICT_BRIDGE_VIEW(k, const T, 3, "keys", keys);
+    const auto q = optional_kv<T>("queries", queries);
+    if (!q) return q.error();
+    const auto v = optional_kv<T>("values", values);
+    if (!v) return v.error();
+    KVEVICT_BRIDGE_VIEW(o, float, 2, "scores", scores);
+    return with_device_workspace(fn, s, [&](workspace& ws) { return kvevict::recipe_scores(cuda_t{s}, ws, r, *q, k, *v, o); });
   });
 }
 
-status recipe_select(const recipe& r, const raw& scores, const raw& kept, CUstream_st* stream) {
-  constexpr const char* fn = "recipe_select(cuda)";
-  const auto s = view<const float, 2>("scores", scores);
-  if (!s) return s.error();
-  const auto k = view<pos_t, 2>("kept", kept);
-  if (!k) return k.error();
-  const cuda_t be{stream};
-  return with_device_workspace(fn, stream, [&](workspace& ws) { return kvevict::recipe_select(be, ws, r, *s, *k); });
+status recipe_select(const recipe& r, const raw& scores, const raw& kept, stream_t s) {
+  KVEVICT_BRIDGE_VIEW(sv, const float, 2, "scores", scores);
+  KVEVICT_BRIDGE_VIEW(k, pos_t, 2, "kept", kept);
+  return with_device_workspace("recipe_select(cuda)", s,
+                               [&](workspace& ws) { return kvevict::recipe_select(cuda_t{s}, ws, r, sv, k); });
 }
 
-status compact(const raw& src, const raw& kept, const raw& dst, CUstream_st* stream) {
-  constexpr const char* fn = "compact(cuda)";
-  const auto k = view<const pos_t, 2>("kept", kept);
-  if (!k) return k.error();
-  return dispatch(fn, src.elem, [&](auto e) -> status {
-    using T = decltype(e);
-    const auto s = view<const T, 3>("src", src);
-    if (!s) return s.error();
-    const auto d = view<T, 3>("dst", dst);
-    if (!d) return d.error();
-    return kvevict::compact(cuda_t{stream}, *s, *k, *d);
-  });
-}
+#undef KVEVICT_BRIDGE_VIEW
 
 }  // namespace kvevict::python::gpu

@@ -1,6 +1,13 @@
-// python/src/cuda_bridge.hpp: the CUDA path of the bindings, compiled by nvcc (cuda_bridge.cu) only
+// python/src/cuda_bridge.hpp: the CUDA path of the bindings, defined by nvcc (cuda_bridge.cu) only
 // when the build has CUDA (KVEVICT_PYTHON_CUDA). Plain C++ on both sides: the pybind11 files never
-// see CUDA headers, and cuda_bridge.cu never sees pybind11.
+// see CUDA headers, and cuda_bridge.cu never sees pybind11. Declared in every build so the
+// bindings' CUDA lambdas parse everywhere; on_device (common.hpp) calls them only in CUDA builds.
+//
+// Every function runs one library stage on cuda_t{stream}: views of device memory built from `raw`
+// (the library's view factories check shapes and strides), two-phase workspaces from
+// cudaMallocAsync on the stream. Stages that check device data on the device (row lengths,
+// offsets, positions) count bad rows into a device int that the bridge reads back after
+// synchronising the stream: a nonzero count fails the call (errc::out_of_range).
 #pragma once
 
 #include <kvevict/recipes.hpp>
@@ -10,7 +17,7 @@ struct CUstream_st;
 namespace kvevict::python::gpu {
 
 /// A device tensor's data, shape and strides (elements); elem: 0 float32, 1 float16, 2 bfloat16,
-/// 3 int32.
+/// 3 int32. An absent optional tensor has data null.
 struct raw {
   void* data = nullptr;
   int ndim = 0;
@@ -18,14 +25,36 @@ struct raw {
   index_t strides[4] = {};
   int elem = 0;
 };
+using stream_t = CUstream_st*;
 
-/// recipe_scores on cuda_t: queries / values may be empty (data null); scores [H_kv][T] float32.
-/// The workspace is allocated on the stream (cudaMallocAsync) and freed after the call is queued.
+// score.hpp: queries [H_q][w][d], keys [H_kv][T][d], out [H_q][cols] float32
+status attention_scores(const raw& queries, const raw& prefix_keys, const raw& block_keys, const raw& out,
+                        const score_options& opt, stream_t s);
+status window_scores(const raw& queries, const raw& keys, const raw& out, const score_options& opt, stream_t s);
+status h2o_scores(const raw& queries, const raw& keys, const raw& out, bool normalised, float scale, stream_t s);
+status tova_scores(const raw& queries, const raw& keys, const raw& out, float scale, stream_t s);
+status key_norm_scores(const raw& keys, const raw& out, stream_t s);
+status position_scores(const raw& out, stream_t s);
+// gqa.hpp, pool.hpp, weight.hpp, protect.hpp, postprocess.hpp (float32 scores; lengths device int32 or null)
+status gqa_reduce(const raw& in, const raw& out, gqa_op op, stream_t s);
+status pool1d(const raw& in, const raw& out, pool_kind kind, index_t kernel, const std::int32_t* row_lengths,
+              avg_divisor divisor, stream_t s);
+status weight_by_value_norm(const raw& scores, const raw& values, value_weight mode, const std::int32_t* lengths,
+                            stream_t s);
+status protect(const raw& scores, index_t n_sink, index_t n_recent, const std::int32_t* row_lengths, stream_t s);
+status postprocess_scores(const raw& in, const raw& out, const raw& values, const postprocess_options& opt,
+                          const std::int32_t* row_lengths, const std::int32_t* value_lengths, stream_t s);
+// select.hpp: kept [R][k] int32; flattened: cu [R+1], positions [total]
+status select_topk(const raw& scores, const std::int32_t* row_lengths, const raw& kept, stream_t s);
+status select_topk_flat(const raw& scores, const std::int32_t* row_lengths, index_t total,
+                        const std::int32_t* floors, std::int32_t* cu, pos_t* positions, stream_t s);
+// compact.hpp
+status compact(const raw& src, const raw& kept, const raw& dst, stream_t s);
+status compact_ragged(const raw& src, const pos_t* positions, const std::int32_t* cu, const raw& dst, stream_t s);
+status compact_inplace(const raw& cache, const raw& kept, stream_t s);
+// recipes.hpp: scores [H_kv][T] float32 (queries / values may be absent); dense kept [H_kv][budget]
 status recipe_scores(const recipe& r, const raw& queries, const raw& keys, const raw& values, const raw& scores,
-                     CUstream_st* stream);
-/// Dense recipe_select on cuda_t: kept [H_kv][budget] int32.
-status recipe_select(const recipe& r, const raw& scores, const raw& kept, CUstream_st* stream);
-/// Dense compact on cuda_t: dst [H][k][d] = src [H][T][d] gathered at kept [H][k].
-status compact(const raw& src, const raw& kept, const raw& dst, CUstream_st* stream);
+                     stream_t s);
+status recipe_select(const recipe& r, const raw& scores, const raw& kept, stream_t s);
 
 }  // namespace kvevict::python::gpu

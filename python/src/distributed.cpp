@@ -5,128 +5,93 @@
 #include "common.hpp"
 
 #include <kvevict/distributed.hpp>
+#include <kvevict/thread_comm.hpp>
+#ifndef KVEVICT_PYTHON_MPI
+#  define KVEVICT_PYTHON_MPI 0
+#endif
+#if KVEVICT_PYTHON_MPI
+#  include <kvevict/mpi.hpp>
+#endif
 
+#include <algorithm>
 #include <chrono>
-#include <condition_variable>
-#include <cstring>
 #include <memory>
-#include <mutex>
+#include <type_traits>
 
 namespace kvevict::python {
 
 namespace {
 
-/// What P thread ranks share: one slot per rank and a reusable two-phase barrier. A collective
-/// deposits every rank's bytes, waits for all, lets each rank combine the slots (in rank order,
-/// so every rank computes the same bits), then waits again before the slots are reused.
-class thread_group {
- public:
-  explicit thread_group(int size) : size_(size), slots_(static_cast<std::size_t>(size)) {}
-  int size() const { return size_; }
-
-  template <class Combine>
-  status exchange(int rank, const void* data, std::size_t bytes, Combine&& combine) {
-    auto& slot = slots_[static_cast<std::size_t>(rank)];
-    slot.assign(static_cast<const unsigned char*>(data), static_cast<const unsigned char*>(data) + bytes);
-    KVEVICT_TRY(barrier(rank));
-    for (int r = 0; r < size_; ++r)
-      if (slots_[static_cast<std::size_t>(r)].size() != bytes)
-        return status::error(errc::shape_mismatch, "thread communicator: rank %d sent %zu bytes, rank %d %zu", rank,
-                             bytes, r, slots_[static_cast<std::size_t>(r)].size());
-    combine(slots_);
-    return barrier(rank);
-  }
-
- private:
-  /// Waits until every rank arrived (60 s at most: a rank that never calls is an error, not a hang).
-  status barrier(int rank) {
-    std::unique_lock<std::mutex> lock(mu_);
-    const unsigned gen = generation_;
-    if (++arrived_ == size_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return {};
-    }
-    if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return generation_ != gen; }))
-      return status::error(errc::invalid_argument,
-                           "thread communicator: rank %d waited 60 s for the other ranks (every rank must make the same "
-                           "calls, each on its own thread)",
-                           rank);
-    return {};
-  }
-
-  int size_;
-  std::vector<std::vector<unsigned char>> slots_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int arrived_ = 0;
-  unsigned generation_ = 0;
-};
-
-/// A communicator (the comm.hpp contract): one process when group_ is null, else rank_ of a
-/// thread group.
+/// A communicator (the comm.hpp contract) made in Python: one process (the default: comm_ref's
+/// identity), a rank of a thread group (kvevict/thread_comm.hpp; the ranks of one thread_comms()
+/// call share the group) or an MPI communicator (kvevict/mpi.hpp, from mpi4py). comm_ref is the
+/// one dispatch; owner_ keeps the communicator it refers to alive.
 class comm {
  public:
   comm() = default;
-  comm(std::shared_ptr<thread_group> g, int rank) : group_(std::move(g)), rank_(rank) {}
-  int rank() const { return rank_; }
-  int size() const { return group_ ? group_->size() : 1; }
-
-  template <class V>
-  status allreduce_sum(V* data, index_t n) {
-    if (!group_) return {};
-    return group_->exchange(rank_, data, bytes_of<V>(n), [&](const auto& slots) {
-      for (index_t i = 0; i < n; ++i) {
-        V sum = 0;
-        for (const auto& s : slots) sum += reinterpret_cast<const V*>(s.data())[i];
-        data[i] = sum;
-      }
-    });
+  template <class C>
+  static comm owning(std::shared_ptr<C> c) {
+    comm out;
+    out.ref_ = comm_ref(*c);
+    out.owner_ = std::move(c);
+    return out;
   }
-  status allreduce_sum(std::int64_t* data, index_t n) { return allreduce_sum<std::int64_t>(data, n); }
-  status allreduce_sum(double* data, index_t n) { return allreduce_sum<double>(data, n); }
-
-  status exscan_sum(const std::int64_t* in, std::int64_t* out, index_t n) {
-    if (!group_) {
-      std::fill_n(out, n, std::int64_t{0});
-      return {};
-    }
-    return group_->exchange(rank_, in, bytes_of<std::int64_t>(n), [&](const auto& slots) {
-      for (index_t i = 0; i < n; ++i) {
-        std::int64_t sum = 0;
-        for (int r = 0; r < rank_; ++r) sum += reinterpret_cast<const std::int64_t*>(slots[static_cast<std::size_t>(r)].data())[i];
-        out[i] = sum;
-      }
-    });
-  }
-
-  status allgather(const void* send, std::size_t bytes, void* recv) {
-    if (!group_) {
-      if (bytes > 0 && send != recv) std::memmove(recv, send, bytes);
-      return {};
-    }
-    return group_->exchange(rank_, send, bytes, [&](const auto& slots) {
-      for (std::size_t r = 0; r < slots.size(); ++r)
-        if (bytes > 0) std::memcpy(static_cast<unsigned char*>(recv) + r * bytes, slots[r].data(), bytes);
-    });
-  }
+  int rank() const { return ref_.rank(); }
+  int size() const { return ref_.size(); }
+  status allreduce_sum(std::int64_t* data, index_t n) { return ref_.allreduce_sum(data, n); }
+  status allreduce_sum(double* data, index_t n) { return ref_.allreduce_sum(data, n); }
+  status exscan_sum(const std::int64_t* in, std::int64_t* out, index_t n) { return ref_.exscan_sum(in, out, n); }
+  status allgather(const void* send, std::size_t bytes, void* recv) { return ref_.allgather(send, bytes, recv); }
 
  private:
-  template <class V>
-  static std::size_t bytes_of(index_t n) {
-    return static_cast<std::size_t>(n > 0 ? n : 0) * sizeof(V);
-  }
-  std::shared_ptr<thread_group> group_;
-  int rank_ = 0;
+  comm_ref ref_;
+  std::shared_ptr<void> owner_;
 };
 
-std::vector<comm> thread_comms(int size) {
+/// A thread rank and the group it belongs to (kept alive by every rank's communicator).
+struct thread_rank {
+  std::shared_ptr<thread_group> group;
+  thread_comm c;
+  thread_rank(std::shared_ptr<thread_group> g, int r) : group(std::move(g)), c(*group, r) {}
+};
+
+std::vector<comm> thread_comms(int size, double timeout) {
   if (size < 1) raise(errc::invalid_argument, "thread_comms: size must be >= 1 (got " + std::to_string(size) + ")");
-  auto g = std::make_shared<thread_group>(size);
+  if (!(timeout > 0.0 && timeout <= 86400.0))
+    raise(errc::invalid_argument, "thread_comms: timeout must be in (0, 86400] seconds");
+  auto g = std::make_shared<thread_group>(size, std::chrono::milliseconds(std::max(1LL, static_cast<long long>(timeout * 1000.0 + 0.5))));
   std::vector<comm> out;
-  for (int r = 0; r < size; ++r) out.emplace_back(g, r);
+  for (int r = 0; r < size; ++r) {
+    auto tr = std::make_shared<thread_rank>(g, r);
+    out.push_back(comm::owning(std::shared_ptr<thread_comm>(tr, &tr->c)));
+  }
   return out;
+}
+
+/// mpi4py's integer handle as the MPI library's MPI_Comm: a pointer (Open MPI) or an int (MPICH).
+template <class H>
+H native_handle(const py::object& handle) {
+  if constexpr (std::is_pointer_v<H>)
+    return reinterpret_cast<H>(handle.cast<std::uintptr_t>());
+  else
+    return static_cast<H>(handle.cast<long long>());
+}
+
+/// An mpi4py communicator (mpi4py.MPI.Comm) as a kvevict communicator over the same MPI_Comm
+/// (kvevict/mpi.hpp); the mpi4py object must outlive it. Builds without MPI refuse.
+comm mpi_comm_of(py::handle mpi4py_comm) {
+#if KVEVICT_PYTHON_MPI
+  const py::object handle = py::module_::import("mpi4py.MPI").attr("_handleof")(mpi4py_comm);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) raise(errc::invalid_argument, "mpi_comm: MPI is not initialised (import mpi4py.MPI first)");
+  const auto native = native_handle<MPI_Comm>(handle);
+  if (native == MPI_COMM_NULL) raise(errc::invalid_argument, "mpi_comm: the communicator is MPI.COMM_NULL");
+  return comm::owning(std::make_shared<kvevict::mpi_comm>(native));
+#else
+  (void)mpi4py_comm;
+  raise(errc::unsupported, "mpi_comm: this build has no MPI (kvevict.has_mpi is False; build with MPI found by CMake)");
+#endif
 }
 
 const std::int32_t* optional_int32(const tensor& t, index_t n) {
@@ -195,6 +160,16 @@ double lava_entropy_sharded(comm& c, py::handle scores_, py::handle lengths_, en
   return e;
 }
 
+py::tuple cake_stats_sharded(comm& c, py::handle a_, variance_estimator var) {
+  const tensor a = as_tensor(a_, "attention", 3);
+  require_dtype(a, {dtype::f32});
+  require_host(a);
+  const auto av = kv<const float>(a);
+  cake_stats st;
+  run_ws([&](workspace& ws) { return cake_layer_stats(backend(), ws, c, av, &st, var); });
+  return py::make_tuple(st.entropy, st.variance);
+}
+
 std::vector<double> gather_layers(comm& c, index_t first, py::handle local_, index_t layers) {
   const std::vector<double> local = local_.cast<std::vector<double>>();
   std::vector<double> all(static_cast<std::size_t>(layers > 0 ? layers : 0));
@@ -209,13 +184,19 @@ void bind_distributed(py::module_& m) {
   using namespace pybind11::literals;
   py::class_<comm>(m, "Comm",
                    "A communicator for the sharded calls: Comm() is one process holding every head and layer "
-                   "(collectives are the identity); thread_comms(P) gives P ranks that are threads of this process.")
+                   "(collectives are the identity); thread_comms(P) gives P ranks that are threads of this process; "
+                   "mpi_comm(mpi4py_comm) the ranks of an MPI communicator.")
       .def(py::init<>())
       .def_property_readonly("rank", &comm::rank)
       .def_property_readonly("size", &comm::size);
-  m.def("thread_comms", &thread_comms, "size"_a,
-        "P communicators over shared memory, rank r for the thread that plays rank r (each rank on its own thread; "
-        "the calls release the GIL).");
+  m.attr("has_mpi") = static_cast<bool>(KVEVICT_PYTHON_MPI);
+  m.def("mpi_comm", &mpi_comm_of, "comm"_a,
+        "An mpi4py communicator (e.g. mpi4py.MPI.COMM_WORLD) as a kvevict Comm over the same MPI_Comm "
+        "(kvevict/mpi.hpp); the mpi4py object must outlive it. Builds without MPI raise Error (kvevict.has_mpi).");
+  m.def("thread_comms", &thread_comms, "size"_a, "timeout"_a = 60.0,
+        "P communicators over shared memory (kvevict/thread_comm.hpp), rank r for the thread that plays rank r (each "
+        "rank on its own thread; the calls release the GIL); a rank waiting longer than `timeout` seconds for the "
+        "others gets an Error instead of hanging.");
   m.def("select_topk_flat_sharded", &select_flat_sharded, "comm"_a, "scores"_a, "total"_a, "row_lengths"_a = py::none(),
         "floors"_a = py::none(),
         "Head-sharded select_topk_flat: this rank's rows [R][T] of the layer's P*R (rank order = row order); "
@@ -227,6 +208,10 @@ void bind_distributed(py::module_& m) {
   m.def("lava_layer_entropy_sharded", &lava_entropy_sharded, "comm"_a, "scores"_a, "lengths"_a = py::none(),
         "norm"_a = entropy_norm::log_count, "n_sink"_a = 0, "n_recent"_a = 0,
         "Head-sharded LAVa entropy: every rank gets the layer's entropy over all heads, bit for bit.");
+  m.def("cake_layer_stats_sharded", &cake_stats_sharded, "comm"_a, "attention"_a,
+        "variance"_a = variance_estimator::unbiased,
+        "Head-sharded CAKE statistics: this rank's query heads' window attention [R][w][C] of the layer's P*R; every "
+        "rank gets cake_layer_stats over all heads, bit for bit: (entropy, variance).");
   m.def("gather_layer_values", &gather_layers, "comm"_a, "first"_a, "local"_a, "layers"_a,
         "Layer-sharded: this stage's values of layers [first, first + len(local)) -> every layer's value on every "
         "stage.");

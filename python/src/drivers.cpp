@@ -176,7 +176,26 @@ class post_fill : public bound_driver<post_fill_driver, post_fill_config> {
   }
 };
 
-class cascade : public bound_driver<cascade_driver, cascade_driver_config> {
+/// What a cascade (CascadeDriver, LayerCascade) answers after each layer, from Derived::state()
+/// (a cascade_driver or layer_cascade) and Derived::name.
+template <class Derived>
+class cascade_answers {
+ public:
+  bool changed(index_t layer) const { return state().changed(layer); }
+  py::tuple kept(index_t layer) const { return held(layer, state().kept(layer)); }
+  py::tuple positions(index_t layer) const { return held(layer, state().positions(layer)); }
+  index_t layer_total(index_t layer) const { return state().layer_total(layer); }
+
+ private:
+  const auto& state() const { return static_cast<const Derived&>(*this).state(); }
+  static py::tuple held(index_t layer, const ragged_positions& k) {
+    if (k.cu == nullptr)
+      raise(errc::invalid_argument, std::string(Derived::name) + ": layer " + std::to_string(layer) + " holds nothing yet");
+    return kept_arrays(k);
+  }
+};
+
+class cascade : public bound_driver<cascade_driver, cascade_driver_config>, public cascade_answers<cascade> {
  public:
   cascade(const recipe& r, index_t layers, index_t kv_heads, index_t query_heads, index_t head_dim, index_t tokens,
           index_t total, cascade_split split, weight_source weight, entropy_norm norm, index_t query_rows) {
@@ -196,18 +215,50 @@ class cascade : public bound_driver<cascade_driver, cascade_driver_config> {
     add_prefill_layer(driver_, mutex_, layer, k_, v_, py::none(), pos_, q_, s_, bk_, "block_keys", weight);
   }
 
-  bool changed(index_t layer) const { return driver_.changed(layer); }
-  py::tuple kept(index_t layer) const { return kept_arrays(checked(layer, driver_.kept(layer))); }
-  py::tuple positions(index_t layer) const { return kept_arrays(checked(layer, driver_.positions(layer))); }
-  index_t layer_total(index_t layer) const { return driver_.layer_total(layer); }
   index_t held_rows() const { return driver_.held_rows(); }
   index_t peak_rows() const { return driver_.peak_rows(); }
+  static constexpr const char* name = "CascadeDriver";
+  const cascade_driver& state() const { return driver_; }
+};
+
+/// kvevict::layer_cascade on its own (the budget rule under CascadeDriver): the caller computes each
+/// layer's protected scores and weight; the object owns the state memory.
+class cascade_state : public cascade_answers<cascade_state> {
+ public:
+  cascade_state(index_t layers, index_t heads, index_t prompt, index_t total, index_t n_sink, index_t n_recent,
+                cascade_split split) {
+    cfg_.layers = layers;
+    cfg_.heads = heads;
+    cfg_.prompt_length = prompt;
+    cfg_.prot = protection{n_sink, n_recent};
+    cfg_.total = total;
+    cfg_.split = split;
+    const std::size_t bytes = value_or_raise(layer_cascade::state_bytes(cfg_));
+    memory_.resize(bytes);
+    throw_if(state_.init(cfg_, memory_.data(), bytes));
+  }
+
+  void add_layer(index_t layer, py::handle scores_, double weight) {
+    const tensor scores = float_matrix(scores_, "scores");
+    const auto sv = mat<const float>(scores);
+    std::lock_guard<std::mutex> lock(mutex_);
+    run_ws([&](workspace& ws) { return state_.add_layer(backend(), ws, layer, sv, weight); });
+  }
+  void add_remote_layer(index_t layer, double weight) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    run_ws([&](workspace& ws) { return state_.add_remote_layer(backend(), ws, layer, weight); });
+  }
+
+  index_t held_total() const { return state_.held_total(); }
+  index_t layers_added() const { return state_.layers_added(); }
+  static constexpr const char* name = "LayerCascade";
+  const layer_cascade& state() const { return state_; }
 
  private:
-  static const ragged_positions& checked(index_t layer, const ragged_positions& k) {
-    if (k.cu == nullptr) raise(errc::invalid_argument, "CascadeDriver: layer " + std::to_string(layer) + " holds nothing yet");
-    return k;
-  }
+  cascade_config cfg_;
+  std::vector<unsigned char> memory_;
+  layer_cascade state_;
+  std::mutex mutex_;
 };
 
 class chunked : public bound_driver<chunked_driver, chunked_config> {
@@ -307,6 +358,22 @@ class decode : public bound_driver<decode_driver, decode_config> {
 
 }  // namespace
 
+namespace {
+
+/// The answers of a cascade after each layer (cascade_answers), as Python methods.
+template <class C>
+void def_cascade_answers(py::class_<C>& c) {
+  using namespace pybind11::literals;
+  c.def("changed", &C::changed, "layer"_a, "Did the last step change what the layer holds?")
+      .def("kept", &C::kept, "layer"_a,
+           "(positions, cu) of the last step: the layer just added, its prompt positions; an earlier layer, the rows "
+           "of what it held before the step.")
+      .def("positions", &C::positions, "layer"_a, "(positions, cu): the original positions the layer holds.")
+      .def("layer_total", &C::layer_total, "layer"_a);
+}
+
+}  // namespace
+
 void bind_drivers(py::module_& m) {
   using namespace pybind11::literals;
   py::class_<post_fill>(m, "PostFillDriver",
@@ -326,10 +393,11 @@ void bind_drivers(py::module_& m) {
       .def("layer_total", &post_fill::layer_total, "layer"_a)
       .def_property_readonly("allocator", &post_fill::kind)
       .def_property_readonly("budgets", &post_fill::budgets);
-  py::class_<cascade>(m, "CascadeDriver",
+  py::class_<cascade> cascade_driver_class(m, "CascadeDriver",
                       "Layer-by-layer prefill with cascading budgets (kvevict::cascade_driver: LAVa Algorithm 2, "
                       "CAKE): after add_layer(l), compact layer l with kept(l) and every earlier layer j with "
-                      "changed(j) with kept(j).")
+                      "changed(j) with kept(j).");
+  cascade_driver_class
       .def(py::init<const recipe&, index_t, index_t, index_t, index_t, index_t, index_t, cascade_split, weight_source,
                     entropy_norm, index_t>(),
            "recipe"_a, "layers"_a, "kv_heads"_a, "query_heads"_a, "head_dim"_a, "tokens"_a, "total"_a,
@@ -338,12 +406,22 @@ void bind_drivers(py::module_& m) {
       .def("add_layer", &cascade::add_layer, "layer"_a, "keys"_a, "values"_a, "queries"_a = py::none(),
            "scores"_a = py::none(), "positions"_a = py::none(), "block_keys"_a = py::none(), "weight"_a = 0.0,
            "Layer `layer` (in order) was prefilled over the whole prompt: keys, values [H][N][d].")
-      .def("changed", &cascade::changed, "layer"_a)
-      .def("kept", &cascade::kept, "layer"_a, "(positions, cu): rows of what the layer held before this step.")
-      .def("positions", &cascade::positions, "layer"_a, "(positions, cu): the original positions the layer holds.")
-      .def("layer_total", &cascade::layer_total, "layer"_a)
       .def_property_readonly("held_rows", &cascade::held_rows)
       .def_property_readonly("peak_rows", &cascade::peak_rows);
+  def_cascade_answers(cascade_driver_class);
+  py::class_<cascade_state> layer_cascade_class(m, "LayerCascade",
+                            "The cascading budget rule alone (kvevict::layer_cascade, docs/budget.md): per layer, in "
+                            "order, add_layer(l, protected scores [H][N], weight) (or add_remote_layer(l, weight) for "
+                            "a layer another pipeline stage holds); then layer l keeps kept(l) (prompt positions) and "
+                            "every earlier layer j with changed(j) keeps the rows kept(j) of what it held.");
+  layer_cascade_class
+      .def(py::init<index_t, index_t, index_t, index_t, index_t, index_t, cascade_split>(), "layers"_a, "heads"_a,
+           "prompt_length"_a, "total"_a, "n_sink"_a = 0, "n_recent"_a = 0, "split"_a = cascade_split::flattened)
+      .def("add_layer", &cascade_state::add_layer, "layer"_a, "scores"_a, "weight"_a)
+      .def("add_remote_layer", &cascade_state::add_remote_layer, "layer"_a, "weight"_a)
+      .def_property_readonly("held_total", &cascade_state::held_total)
+      .def_property_readonly("layers_added", &cascade_state::layers_added);
+  def_cascade_answers(layer_cascade_class);
   py::class_<chunked>(m, "ChunkedDriver",
                       "Eviction during chunked prefill, naive or patched (kvevict::chunked_driver): per chunk "
                       "begin_chunk(s, e), add_layer for every layer with query_rows() queries (and the patch's keys), "

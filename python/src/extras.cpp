@@ -309,10 +309,41 @@ py::object binarize(py::handle v_, double threshold) {
   return mask.object;
 }
 
+/// A head-mask TSV (DuoAttention / PruLong, docs/prulong.md) as float64 [layers][heads]: from a
+/// text (shape read from it) or a file of the expected shape (the library's reader).
+py::object parse_mask_py(const std::string& text, bool clip) {
+  head_mask_tsv_options o;
+  o.range = clip ? head_mask_range::clip : head_mask_range::strict;
+  index_t L = 0, H = 0;
+  throw_if(head_mask_tsv_shape(text.data(), text.size(), &L, &H, o));
+  tensor like;
+  const tensor out = output(py::none(), "mask", like, {L, H}, dtype::f64);
+  const auto ov = value_or_raise(make_matrix_view<double>(static_cast<double*>(out.data), L, H));
+  throw_if(parse_head_mask_tsv(text.data(), text.size(), ov, o));
+  return out.object;
+}
+
+py::object read_mask_py(const std::string& path, index_t layers, index_t heads, bool clip) {
+  head_mask_tsv_options o;
+  o.range = clip ? head_mask_range::clip : head_mask_range::strict;
+  if (layers < 0 || heads < 0) raise(errc::invalid_argument, "read_head_mask_tsv: layers and heads must be >= 0");
+  tensor like;
+  const tensor out = output(py::none(), "mask", like, {layers, heads}, dtype::f64);
+  const auto ov = value_or_raise(make_matrix_view<double>(static_cast<double*>(out.data), layers, heads));
+  run([&] { return read_head_mask_tsv(path.c_str(), ov, o); });
+  return out.object;
+}
+
 }  // namespace
 
 void bind_extras(py::module_& m) {
   using namespace pybind11::literals;
+  m.def("parse_head_mask_tsv", &parse_mask_py, "text"_a, "clip"_a = false,
+        "A head-mask TSV text (one line per layer, one tab-separated value in [0, 1] per KV head) -> float64 "
+        "[layers][heads]; clip=True clamps finite values to [0, 1] as DuoAttention's loader does.");
+  m.def("read_head_mask_tsv", &read_mask_py, "path"_a, "layers"_a, "heads"_a, "clip"_a = false,
+        "A head-mask TSV file of the model's [layers][heads] shape -> float64 [layers][heads] (binarize_head_mask "
+        "or duo_budgets take it from there).");
   m.def("recall_at_k", &recall, "estimate"_a, "truth"_a, "k"_a,
         "(mean, per_row): |top-k(estimate) & top-k(truth)| / k per row (docs/metrics.md).");
   m.def("kept_recall_at_k", &kept_recall, "kept"_a, "truth"_a, "k"_a,

@@ -35,52 +35,41 @@ py::object recipe_scores_py(const recipe& r, py::handle q_, py::handle k_, py::h
                             py::handle out_) {
   const tensor k = as_tensor(k_, "keys", 3);
   const tensor q = as_optional(q_, "queries", 3), v = as_optional(v_, "values", 3), b = as_optional(b_, "block_keys", 3);
-#if KVEVICT_PYTHON_CUDA
-  if (k.cuda) {
-    require_kv_type({&k, &q, &v, &b});
-    if (b.data != nullptr) raise(errc::unsupported, "recipe_scores: block_keys on CUDA are not bound");
-    CUstream_st* stream = cuda_stream_of({&k, &q, &v});
-    const tensor out = output(out_, "out", k, {k.shape[0], k.shape[1]}, dtype::f32);
-    run([&] { return gpu::recipe_scores(r, raw_of(q), raw_of(k), raw_of(v), raw_of(out), stream); });
-    return out.object;
-  }
-#endif
-  require_kv({&k, &q, &v, &b});
+  require_kv_type({&k, &q, &v, &b});
+  if (k.cuda && b.data != nullptr) raise(errc::unsupported, "recipe_scores: block_keys on CUDA are not bound");
   const tensor out = output(out_, "out", k, {k.shape[0], k.shape[1]}, dtype::f32);
-  dispatch_kv(k, [&](auto e) {
-    using T = decltype(e);
-    const auto kv_ = kv<const T>(k), qv = optional_kv<T>(q), vv = optional_kv<T>(v), bv = optional_kv<T>(b);
-    const auto ov = mat<float>(out);
-    run_ws([&](workspace& ws) { return recipe_scores(backend(), ws, r, qv, kv_, vv, ov, bv); });
-  });
+  on_device(
+      "recipe_scores", {&k, &q, &v, &b, &out},
+      [&] {
+        dispatch_kv(k, [&](auto e) {
+          using T = decltype(e);
+          const auto kv_ = kv<const T>(k), qv = optional_kv<T>(q), vv = optional_kv<T>(v), bv = optional_kv<T>(b);
+          const auto ov = mat<float>(out);
+          run_ws([&](workspace& ws) { return recipe_scores(backend(), ws, r, qv, kv_, vv, ov, bv); });
+        });
+      },
+      [&](gpu::stream_t st) { return gpu::recipe_scores(r, raw_of(q), raw_of(k), raw_of(v), raw_of(out), st); });
   return out.object;
 }
 
 py::object recipe_select_py(const recipe& r, py::handle s_, py::handle budget, py::handle out_) {
-#if KVEVICT_PYTHON_CUDA
-  const tensor maybe_cuda = as_tensor(s_, "scores", 2);
-  if (maybe_cuda.cuda) {
-    require_dtype(maybe_cuda, {dtype::f32});
-    if (!py::isinstance<py::int_>(budget))
-      raise(errc::unsupported, "recipe_select: per-head (ragged) budgets on CUDA are not bound");
-    const auto k = budget.cast<index_t>();
-    if (k < 0) raise(errc::invalid_argument, "recipe_select: budget " + std::to_string(k) + " is negative");
-    CUstream_st* stream = cuda_stream_of({&maybe_cuda});
-    const tensor out = output(out_, "out", maybe_cuda, {maybe_cuda.shape[0], k}, dtype::i32);
-    run([&] { return gpu::recipe_select(r, raw_of(maybe_cuda), raw_of(out), stream); });
-    return out.object;
-  }
-#endif
-  const tensor s = float_matrix(s_, "scores");
-  const auto sv = mat<const float>(s);
+  const tensor s = score_matrix(s_, "scores");
   if (py::isinstance<py::int_>(budget)) {
     const auto k = budget.cast<index_t>();
     if (k < 0) raise(errc::invalid_argument, "recipe_select: budget " + std::to_string(k) + " is negative");
     const tensor out = output(out_, "out", s, {s.shape[0], k}, dtype::i32);
-    const auto ov = mat<pos_t>(out);
-    run_ws([&](workspace& ws) { return recipe_select(backend(), ws, r, sv, ov); });
+    on_device(
+        "recipe_select", {&s, &out},
+        [&] {
+          const auto sv = mat<const float>(s);
+          const auto ov = mat<pos_t>(out);
+          run_ws([&](workspace& ws) { return recipe_select(backend(), ws, r, sv, ov); });
+        },
+        [&](gpu::stream_t st) { return gpu::recipe_select(r, raw_of(s), raw_of(out), st); });
     return out.object;
   }
+  if (s.cuda) refuse_cuda("recipe_select with per-head budgets", s);
+  const auto sv = mat<const float>(s);
   const tensor counts = as_tensor(budget, "budgets", 1);
   const std::vector<index_t> cu64 = offsets_of(counts, s.shape[0]);
   const tensor cu = int32_vector(s, "cu", cu64);
@@ -227,7 +216,7 @@ PYBIND11_MODULE(_core, m) {
   register_errors(m);
   m.def("set_num_threads", &set_num_threads, "OpenMP threads of every call (0 = OpenMP's default).");
   m.def("num_threads", &num_threads);
-  // CUDA tensors: recipe_scores, dense recipe_select and dense compact on cuda_t when built with CUDA
+  // CUDA tensors: the functions of kvevict.cuda_functions run them on cuda_t when built with CUDA
   m.attr("has_cuda") = static_cast<bool>(KVEVICT_PYTHON_CUDA);
   bind_enums(m);
   bind_recipes(m);

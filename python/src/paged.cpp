@@ -89,14 +89,20 @@ void with_paged(const paged_args& a, F&& f) {
   });
 }
 
+/// The longest row of a validated layer.
+template <class T>
+index_t longest_row(const paged_layer<T>& L) {
+  index_t longest = 0;
+  for (index_t r = 0; r < L.rows(); ++r) longest = std::max(longest, L.length(r));
+  return longest;
+}
+
 py::object key_norms_py(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads,
                         page_lists lk, page_layout lay, py::handle out_) {
   const paged_args a(k, v, ip, ix, lp, heads, lk, lay, false);
   py::object result;
   with_paged(a, [&](const auto& L) {
-    index_t longest = 0;
-    for (index_t r = 0; r < L.rows(); ++r) longest = std::max(longest, L.length(r));
-    const tensor out = output(out_, "out", a.keys, {L.rows(), longest}, dtype::f32);
+    const tensor out = output(out_, "out", a.keys, {L.rows(), longest_row(L)}, dtype::f32);
     if (out_.is_none()) std::fill_n(static_cast<float*>(out.data), out.numel(), 0.0f);  // columns past a row's length
     const auto ov = mat<float>(out);
     run_ws([&](workspace& ws) { return paged_key_norm_scores(backend(), ws, L, ov); });
@@ -105,14 +111,54 @@ py::object key_norms_py(py::handle k, py::handle v, py::handle ip, py::handle ix
   return result;
 }
 
-py::tuple compact_paged_py(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads,
-                           py::handle kept_, page_lists lk, page_layout lay) {
+py::object window_scores_py(py::handle q_, py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp,
+                            index_t heads, page_lists lk, page_layout lay, bool include_window,
+                            const score_options& opt, py::handle out_) {
+  const paged_args a(k, v, ip, ix, lp, heads, lk, lay, false);
+  const tensor q = as_tensor(q_, "window_queries", 3);
+  require_kv({&q, &a.keys});
+  py::object result;
+  with_paged(a, [&](const auto& L) {
+    using T = std::remove_pointer_t<decltype(L.keys.data)>;
+    const index_t cols = std::max<index_t>(0, longest_row(L) - (include_window ? 0 : q.shape[1]));
+    const tensor out = output(out_, "out", q, {q.shape[0], cols}, dtype::f32);
+    if (out_.is_none()) std::fill_n(static_cast<float*>(out.data), out.numel(), 0.0f);  // columns past a row's end
+    const auto qv = kv<const T>(q);
+    const auto ov = mat<float>(out);
+    run_ws([&](workspace& ws) { return paged_window_scores(backend(), ws, qv, L, ov, include_window, opt); });
+    result = out.object;
+  });
+  return result;
+}
+
+py::object weight_py(py::handle scores_, py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp,
+                     index_t heads, value_weight mode, page_lists lk, page_layout lay) {
+  const paged_args a(k, v, ip, ix, lp, heads, lk, lay, false);
+  const tensor scores = float_matrix(scores_, "scores", true);
+  with_paged(a, [&](const auto& L) {
+    const auto sv = mat<float>(scores);
+    run_ws([&](workspace& ws) { return paged_weight_by_value_norm(backend(), ws, sv, L, mode); });
+  });
+  return scores.object;
+}
+
+// compact_paged, or compact_layer (paged) when a position pool is given: its int32 [pages][...][1]
+// tensor, laid out as the key pool, is compacted alike
+py::tuple compact_paged_impl(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads,
+                             py::handle kept_, page_lists lk, page_layout lay, py::handle positions_) {
   const paged_args a(k, v, ip, ix, lp, heads, lk, lay, true);
   const auto t = kept_.cast<py::tuple>();
   if (t.size() != 2) raise(errc::invalid_argument, "compact_paged: kept is (positions, cu)");
   const tensor pos = int32_1d(t[0], "kept positions"), cu = int32_1d(t[1], "kept cu");
+  tensor positions;
+  if (!positions_.is_none()) {
+    positions = as_tensor(positions_, "position_pool", 4, true);
+    require_dtype(positions, {dtype::i32});
+    require_host(positions);
+  }
   py::tuple result;
   with_paged(a, [&](const auto& L) {
+    const page_pool<pos_t> position_pool = positions.data != nullptr ? a.pool<pos_t>(positions) : page_pool<pos_t>{};
     const index_t listed = L.table.indptr[a.lists];
     const tensor lengths = output(py::none(), "lengths", a.indptr, {a.lists}, dtype::i32);
     const tensor freed = output(py::none(), "freed_pages", a.indptr, {listed}, dtype::i32);
@@ -120,10 +166,24 @@ py::tuple compact_paged_py(py::handle k, py::handle v, py::handle ip, py::handle
     const ragged_positions kept{int32_array(pos, pos.shape[0]), int32_array(cu, L.rows() + 1), L.rows()};
     const paged_compaction_out o{static_cast<std::int32_t*>(lengths.data), static_cast<std::int32_t*>(freed.data), listed,
                                  &count};
-    run_ws([&](workspace& ws) { return compact_paged(backend(), ws, L, kept, o); });
+    if (positions.data != nullptr)
+      run_ws([&](workspace& ws) { return compact_layer(backend(), ws, L, position_pool, kept, o); });
+    else
+      run_ws([&](workspace& ws) { return compact_paged(backend(), ws, L, kept, o); });
     result = py::make_tuple(lengths.object, py::object(freed.object[py::slice(py::int_(0), py::int_(count), py::none())]));
   });
   return result;
+}
+
+py::tuple compact_paged_py(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads,
+                           py::handle kept, page_lists lk, page_layout lay) {
+  return compact_paged_impl(k, v, ip, ix, lp, heads, kept, lk, lay, py::none());
+}
+
+py::tuple compact_layer_paged_py(py::handle k, py::handle v, py::handle positions, py::handle ip, py::handle ix,
+                                 py::handle lp, index_t heads, py::handle kept, page_lists lk, page_layout lay) {
+  if (positions.is_none()) raise(errc::null_pointer, "compact_layer_paged: position_pool is None");
+  return compact_paged_impl(k, v, ip, ix, lp, heads, kept, lk, lay, positions);
 }
 
 void shrink_py(py::handle ip_, py::handle ix_, py::handle lp_, index_t page_size, py::handle lengths_) {
@@ -194,6 +254,22 @@ void bind_paged(py::module_& m) {
         "last_page_len"_a, "kv_heads"_a, "kept"_a, "lists"_a = page_lists::per_sequence, "layout"_a = page_layout::nhd,
         "Moves each row's kept tokens (positions, cu) to the front of its list, in place in the pools: "
         "(lengths [lists], freed page ids). The table is not written: shrink_page_table updates it.");
+  m.def("compact_layer_paged", &compact_layer_paged_py, "key_pages"_a, "value_pages"_a, "position_pool"_a, "indptr"_a,
+        "indices"_a, "last_page_len"_a, "kv_heads"_a, "kept"_a, "lists"_a = page_lists::per_sequence,
+        "layout"_a = page_layout::nhd,
+        "compact_layer on a paged layer: compact_paged of the key and value pools plus the rows' original positions "
+        "(an int32 pool laid out as the key pool with dim 1), moved alike: (lengths [lists], freed page ids).");
+  m.def("paged_window_scores", &window_scores_py, "window_queries"_a, "key_pages"_a, "value_pages"_a, "indptr"_a,
+        "indices"_a, "last_page_len"_a, "kv_heads"_a, "lists"_a = page_lists::per_sequence,
+        "layout"_a = page_layout::nhd, "include_window"_a = false, "options"_a = score_options{}, "out"_a = py::none(),
+        "SnapKV's window scores over a paged layer: window_queries [S*H_q][w][d] (sequence s's query heads at rows "
+        "s*H_q ..) -> [S*H_q][C], row s*H_q + q over its KV row's tokens [0, n - w) (C = longest row - w), or "
+        "[0, n) with include_window (C = longest row); columns past a row's end 0 in a new tensor.");
+  m.def("paged_weight_by_value_norm", &weight_py, "scores"_a, "key_pages"_a, "value_pages"_a, "indptr"_a, "indices"_a,
+        "last_page_len"_a, "kv_heads"_a, "mode"_a = value_weight::per_token, "lists"_a = page_lists::per_sequence,
+        "layout"_a = page_layout::nhd,
+        "In place: scores [rows*group][>= longest row] (group query heads per layer row, consecutive) times the "
+        "row's ||v_j||_1 (per_token) or max_j ||v_j||_1 (head_max); columns past a row's length untouched.");
   m.def("shrink_page_table", &shrink_py, "indptr"_a, "indices"_a, "last_page_len"_a, "page_size"_a, "lengths"_a,
         "The block table after compact_paged, in place (lists keep their first ceil(length / page_size) pages).");
   m.def("select_topk_batch", &select_batch_py, "scores"_a, "budgets"_a, "kv_heads"_a = 0, "kind"_a = batch_budget::per_head,

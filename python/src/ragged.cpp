@@ -96,6 +96,35 @@ void compact_into_py(py::handle src_, py::handle positions_, py::handle cu_, py:
   });
 }
 
+// compact_layer: keys and values buffers [rows][d] and positions [rows] (int32: each row's original
+// position) sharing one cu_capacity and one lens
+void compact_layer_py(py::handle kb, py::handle vb, py::handle pb, py::handle c, py::handle l, py::handle positions_,
+                      py::handle cu_) {
+  const cache_args keys(kb, c, l), values(vb, c, l);
+  require_kv({&keys.buffer, &values.buffer});
+  const tensor rows = as_tensor(pb, "positions_buffer", 1, true);
+  require_dtype(rows, {dtype::i32});
+  require_host(rows);
+  tensor pos, cu;
+  const ragged_positions kept = kept_of(positions_, cu_, keys.heads, pos, cu);
+  dispatch_kv(keys.buffer, [&](auto e) {
+    using T = decltype(e);
+    const auto kc = keys.view<T>(), vc = values.view<T>();
+    ragged_cache<pos_t> pc;
+    pc.data = static_cast<pos_t*>(rows.data);
+    pc.cu_capacity = kc.cu_capacity;
+    pc.lens = kc.lens;
+    pc.heads = kc.heads;
+    pc.dim = 1;
+    pc.row_stride = rows.strides[0];
+    const index_t needed = kc.heads > 0 ? kc.cu_capacity[kc.heads] : 0;
+    if (rows.shape[0] < needed)
+      raise(errc::shape_mismatch, "positions_buffer has " + std::to_string(rows.shape[0]) + " rows but cu_capacity lists " +
+                                      std::to_string(needed));
+    run([&] { return compact_layer(backend(), kc, vc, pc, kept); });
+  });
+}
+
 }  // namespace
 
 void bind_ragged(py::module_& m) {
@@ -108,6 +137,11 @@ void bind_ragged(py::module_& m) {
         "the front of its region; lens[h] becomes their count.");
   m.def("compact_into_ragged_cache", &compact_into_py, "src"_a, "positions"_a, "cu"_a, "buffer"_a, "cu_capacity"_a,
         "lens"_a, "Gathers src [H][T][d]'s kept rows (positions, cu) into a ragged cache with capacity; lens = counts.");
+  m.def("compact_layer", &compact_layer_py, "key_buffer"_a, "value_buffer"_a, "positions_buffer"_a, "cu_capacity"_a,
+        "lens"_a, "positions"_a, "cu"_a,
+        "A driver's answer applied to a layer's ragged caches, in place: head h of the keys, values [rows][d] and "
+        "original positions [rows] int32 (one cu_capacity, one lens) keeps its rows positions[cu[h]:cu[h+1]] "
+        "(ascending, < lens[h]) packed to the front; lens[h] becomes their count. All checked before any row moves.");
 }
 
 }  // namespace kvevict::python

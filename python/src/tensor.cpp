@@ -247,16 +247,44 @@ void require_dtype(const tensor& t, std::initializer_list<dtype> allowed) {
   raise(errc::invalid_argument, t.name + " has element type " + dtype_name(t.type) + "; expected " + names);
 }
 
-/// The bindings that run CUDA tensors on cuda_t in a CUDA build (module.cpp, stages.cpp; registered
-/// as kvevict.cuda_functions by register_errors).
-const char* const cuda_functions[] = {"recipe_scores", "recipe_select", "compact"};
+/// The bindings that run CUDA tensors on cuda_t in a CUDA build: the functions whose call goes
+/// through on_device (common.hpp), which refuses any other name (so this list is the truth); registered
+/// as kvevict.cuda_functions by register_errors.
+const char* const cuda_functions[] = {
+    "attention_scores", "window_scores", "h2o_scores",  "tova_scores",      "key_norm_scores",
+    "position_scores",  "gqa_reduce",    "pool1d",      "weight_by_value_norm", "protect",
+    "postprocess_scores", "select_topk", "select_topk_flat", "compact",     "compact_ragged",
+    "compact_inplace",  "recipe_scores", "recipe_select"};
+
+namespace {
+std::string cuda_function_list() {
+  std::string which;
+  for (const char* f : cuda_functions) which += (which.empty() ? "" : ", ") + std::string(f);
+  return which;
+}
+}  // namespace
+
+bool runs_on_cuda(const char* fn) {
+  for (const char* f : cuda_functions)
+    if (std::strcmp(f, fn) == 0) return true;
+  return false;
+}
+
+void refuse_cuda(const char* fn, const tensor& t) {
+  if (runs_on_cuda(fn) && !KVEVICT_PYTHON_CUDA)
+    raise(errc::unsupported, std::string(fn) + ": " + t.name + " is a CUDA tensor; " + fn +
+                                 " runs CUDA tensors in builds with CUDA, this build has none (kvevict.has_cuda is False)");
+  raise(errc::unsupported, std::string(fn) + ": " + t.name + " is a CUDA tensor, and this call runs on the host only " +
+                               "(CUDA tensors run in " + cuda_function_list() +
+                               (KVEVICT_PYTHON_CUDA ? "" : ", in builds with CUDA; this build has none") +
+                               "; kvevict.cuda_functions lists them)");
+}
 
 void require_host(const tensor& t) {
   if (!t.cuda) return;
-  std::string which;
-  for (const char* f : cuda_functions) which += (which.empty() ? "" : ", ") + std::string(f);
-  raise(errc::unsupported, t.name + " is a CUDA tensor, and this call runs on the host only (CUDA tensors run in " + which +
-                               " with dense budgets" + (KVEVICT_PYTHON_CUDA ? "" : ", in builds with CUDA; this build has none") +
+  raise(errc::unsupported, t.name + " is a CUDA tensor, and this call runs on the host only (CUDA tensors run in " +
+                               cuda_function_list() +
+                               (KVEVICT_PYTHON_CUDA ? "" : ", in builds with CUDA; this build has none") +
                                "; kvevict.cuda_functions lists them)");
 }
 
@@ -274,6 +302,7 @@ void require_same_device(std::initializer_list<const tensor*> ts) {
 }
 
 tensor output(py::handle out, const char* name, const tensor& like, std::vector<index_t> shape, dtype type) {
+  if (like.cuda && !KVEVICT_PYTHON_CUDA) require_host(like);  // refused before anything is allocated
   if (!out.is_none()) {
     tensor t = as_tensor(out, name, static_cast<int>(shape.size()), true);
     require_dtype(t, {type});
@@ -299,14 +328,19 @@ tensor output(py::handle out, const char* name, const tensor& like, std::vector<
   return as_tensor(made, name, static_cast<int>(shape.size()), true);
 }
 
-const std::int32_t* int32_array(const tensor& t, index_t n) {
+const std::int32_t* int32_data(const tensor& t, index_t n) {
   if (t.data == nullptr && t.ndim == 0) return nullptr;
   require_dtype(t, {dtype::i32});
-  require_host(t);
   if (t.ndim != 1 || t.shape[0] != n)
     raise(errc::shape_mismatch, t.name + " must hold " + std::to_string(n) + " int32 entries, got shape " + t.shape_string());
   if (n > 1 && t.strides[0] != 1) raise(errc::invalid_argument, t.name + " must be contiguous");
   return static_cast<const std::int32_t*>(t.data);
+}
+
+const std::int32_t* int32_array(const tensor& t, index_t n) {
+  const std::int32_t* p = int32_data(t, n);
+  if (p != nullptr) require_host(t);
+  return p;
 }
 
 namespace {
@@ -327,7 +361,6 @@ workspace scratch(std::size_t bytes, int slot) {
   return workspace{b.data(), b.size()};
 }
 
-#if KVEVICT_PYTHON_CUDA
 gpu::raw raw_of(const tensor& t) {
   gpu::raw r;
   r.data = t.data;
@@ -340,7 +373,7 @@ gpu::raw raw_of(const tensor& t) {
   return r;
 }
 
-CUstream_st* cuda_stream_of(std::initializer_list<const tensor*> ts) {
+gpu::stream_t cuda_stream_of(std::initializer_list<const tensor*> ts) {
   const tensor* first = nullptr;
   for (const tensor* t : ts) {
     if (t->data == nullptr && t->ndim == 0) continue;
@@ -358,7 +391,6 @@ CUstream_st* cuda_stream_of(std::initializer_list<const tensor*> ts) {
       py::module_::import("torch").attr("cuda").attr("current_stream")(first->object.attr("device"));
   return reinterpret_cast<CUstream_st*>(stream.attr("cuda_stream").cast<std::uintptr_t>());
 }
-#endif
 
 void register_errors(py::module_& m) {
   static py::handle error_type;

@@ -99,7 +99,10 @@ matrix_view<T> mat(const tensor& t) {
   return value_or_raise(detail::make_strided<T, 2>(t.name.c_str(), static_cast<T*>(t.data), ext, str));
 }
 /// An optional 1-D int32 array of `n` entries, contiguous (row lengths, offsets); null for None.
+/// int32_array: on the host (read by the binding or a host-only call); int32_data: on either device
+/// (passed through to a call that on_device may run on the GPU).
 const std::int32_t* int32_array(const tensor& t, index_t n);
+const std::int32_t* int32_data(const tensor& t, index_t n);
 
 /// Calls f(T{}) with T the KV element type of `t` (float, float16, bfloat16).
 template <class F>

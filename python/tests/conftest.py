@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-# the package built in the release tree (CTest sets PYTHONPATH; this keeps `pytest python/tests` working)
+# the package built in the release tree when PYTHONPATH names none (CTest sets PYTHONPATH, e.g. to
+# the cuda build's; this keeps a bare `pytest python/tests` working)
 _here = os.path.dirname(os.path.abspath(__file__))
 _build = os.path.join(_here, "..", "..", "build", "release", "python")
-if os.path.isdir(_build) and _build not in sys.path:
+if os.path.isdir(_build) and _build not in sys.path and not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, _build)
 
 import kvevict  # noqa: E402

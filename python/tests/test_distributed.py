@@ -72,3 +72,22 @@ def test_sharded_errors_reach_every_rank(gen):
             c, scores[r * R:(r + 1) * R], 5 + r))
     with pytest.raises(kvevict.Error, match="size"):
         kvevict.thread_comms(0)
+
+
+def test_thread_comm_timeout_is_an_error_not_a_hang(gen):
+    # rank 1 never calls: rank 0 gets an Error after the group's timeout (kvevict/thread_comm.hpp)
+    comms = kvevict.thread_comms(2, timeout=0.2)
+    with pytest.raises(kvevict.Error, match="waited 200 ms"):
+        kvevict.lava_layer_entropy_sharded(comms[0], torch.rand(2, 8, generator=gen))
+    with pytest.raises(kvevict.Error):
+        kvevict.thread_comms(2, timeout=0.0)
+
+
+def test_thread_comm_ranks_agree_after_many_collectives(gen):
+    # the slots and the barrier are reused: 50 calls in a row on 3 ranks, each exact
+    P, R, T = 3, 2, 12
+    comms = kvevict.thread_comms(P)
+    layers = [torch.rand(P * R, T, generator=gen) for _ in range(50)]
+    want = [kvevict.lava_layer_entropy(s) for s in layers]
+    got = run_ranks(comms, lambda r, c: [kvevict.lava_layer_entropy_sharded(c, s[r * R:(r + 1) * R]) for s in layers])
+    assert got == [want] * P

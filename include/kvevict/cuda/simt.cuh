@@ -7,6 +7,8 @@
 #include <kvevict/cuda/error.cuh>
 #include <kvevict/status.hpp>
 
+#include <cuda/atomic>
+
 #include <cstdint>
 
 namespace kvevict::detail {
@@ -34,7 +36,18 @@ struct cuda_simt_ctx {
   __device__ void st(T* p, T v) const { *p = v; }
   template <class T>
   __device__ T atomic_add(T* p, T v) const { return atomicAdd(p, v); }
+  template <class T>
+  __device__ T atomic_max(T* p, T v) const { return atomicMax(p, v); }
   __device__ void fence() const { __threadfence(); }
+  template <class T>
+  __device__ T ld_acquire(const T* p) const {
+    return cuda::atomic_ref<T, cuda::thread_scope_device>(*const_cast<T*>(p)).load(cuda::memory_order_acquire);
+  }
+  template <class T>
+  __device__ void st_release(T* p, T v) const {
+    cuda::atomic_ref<T, cuda::thread_scope_device>(*p).store(v, cuda::memory_order_release);
+  }
+  __device__ void pause() const { __nanosleep(64); }
 };
 
 /// The one __global__ of every op (detail/block/simt_bodies.hpp): its static shared memory, the

@@ -10,6 +10,7 @@
 #include <cuda/atomic>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace kvevict::detail {
 
@@ -47,6 +48,8 @@ struct cuda_simt_ctx {
   __device__ void st_release(T* p, T v) const {
     cuda::atomic_ref<T, cuda::thread_scope_device>(*p).store(v, cuda::memory_order_release);
   }
+  template <class T>
+  __device__ T ld_cg(const T* p) const { return __ldcg(p); }
   __device__ void pause() const { __nanosleep(64); }
 };
 
@@ -59,6 +62,23 @@ __global__ void __launch_bounds__(Op::threads) simt_kernel(A... a) {
   Op::body(c, sh, a...);
 }
 
+/// The same with a minimum of Op::min_blocks resident blocks per SM (ops that declare it).
+template <class Op, class... A>
+__global__ void __launch_bounds__(Op::threads, Op::min_blocks) simt_kernel_min(A... a) {
+  __shared__ typename Op::shared sh;
+  cuda_simt_ctx c;
+  Op::body(c, sh, a...);
+}
+
+template <class Op, class = void>
+struct simt_min_blocks {
+  static constexpr int value = 0;
+};
+template <class Op>
+struct simt_min_blocks<Op, std::void_t<decltype(Op::min_blocks)>> {
+  static constexpr int value = Op::min_blocks;
+};
+
 /// The GPU launcher: each op's kernel on `stream`; stops at the first launch error (err).
 struct cuda_launcher {
   cudaStream_t stream;
@@ -67,7 +87,11 @@ struct cuda_launcher {
   template <class Op, class Shape, class... A>
   void run(const Shape& sh, A... a) {
     if (!err.ok()) return;
-    simt_kernel<Op, A...><<<static_cast<unsigned>(sh.grid), static_cast<unsigned>(sh.block), 0, stream>>>(a...);
+    const auto grid = static_cast<unsigned>(sh.grid), block = static_cast<unsigned>(sh.block);
+    if constexpr (simt_min_blocks<Op>::value > 0)
+      simt_kernel_min<Op, A...><<<grid, block, 0, stream>>>(a...);
+    else
+      simt_kernel<Op, A...><<<grid, block, 0, stream>>>(a...);
     err = cuda_status(cudaGetLastError(), fn);
   }
 };

@@ -13,6 +13,8 @@
 //   void fence()                                         __threadfence
 //   T ld_acquire(const T* p); void st_release(T* p, T v) device-scope acquire load / release store
 //                                                        (global flags another block waits on)
+//   T ld_cg(const T* p)                                  __ldcg (a global load past L1: data other
+//                                                        blocks wrote before a ticket)
 //   void pause()                                         __nanosleep in a wait loop (on the host: yield)
 // On the GPU (cuda_simt_ctx, cuda/simt.cuh) every member is the intrinsic. On the host,
 // simt_executor runs every thread of a block as a fiber (ucontext) with its own stack:
@@ -42,6 +44,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -70,7 +73,56 @@
 #  include <sanitizer/common_interface_defs.h>
 #endif
 
+// Fiber switches: on x86-64 with GCC or Clang a few instructions (the callee-saved registers and the
+// stack pointer; glibc's swapcontext also saves the signal mask with a system call on every switch,
+// which made it most of the executor's time); elsewhere, or with KVEVICT_SIMT_UCONTEXT defined,
+// ucontext.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVEVICT_SIMT_UCONTEXT)
+#  define KVEVICT_SIMT_ASM_SWITCH 1
+#else
+#  define KVEVICT_SIMT_ASM_SWITCH 0
+#endif
+
 namespace kvevict::detail {
+
+#if KVEVICT_SIMT_ASM_SWITCH
+/// Saves this context (callee-saved registers, resume address) on the current stack and its stack
+/// pointer in *save, then resumes the context whose stack pointer is `load` (saved the same way, or
+/// a fresh fiber's initial frame). The red zone below the stack pointer is skipped first.
+inline void simt_switch(void** save, void* load) {
+  asm volatile(
+      "subq $128, %%rsp\n\t"
+      "leaq 1f(%%rip), %%rax\n\t"
+      "pushq %%rax\n\t"
+      "pushq %%rbp\n\t"
+      "pushq %%rbx\n\t"
+      "pushq %%r12\n\t"
+      "pushq %%r13\n\t"
+      "pushq %%r14\n\t"
+      "pushq %%r15\n\t"
+      "movq %%rsp, (%[save])\n\t"
+      "movq %[load], %%rsp\n\t"
+      "popq %%r15\n\t"
+      "popq %%r14\n\t"
+      "popq %%r13\n\t"
+      "popq %%r12\n\t"
+      "popq %%rbx\n\t"
+      "popq %%rbp\n\t"
+      "ret\n\t"
+      "1:\n\t"
+      "addq $128, %%rsp\n\t"
+      :
+      : [save] "r"(save), [load] "r"(load)
+      : "rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11", "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3",
+        "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
+#  if defined(__AVX512F__)
+        ,
+        "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27",
+        "xmm28", "xmm29", "xmm30", "xmm31"
+#  endif
+  );
+}
+#endif
 
 class simt_executor;
 struct simt_slot;
@@ -113,6 +165,10 @@ class simt_thread {
   T ld_acquire(const T* p);
   template <class T>
   void st_release(T* p, T v);
+  template <class T>
+  T ld_cg(const T* p) {
+    return ld_acquire(p);
+  }
   void pause();
 
  private:
@@ -123,7 +179,11 @@ class simt_thread {
   index_t tid_ = 0;
   state st_ = state::ready;
   bool spinning_ = false;  ///< paused since its last store, atomic or barrier (a wait loop)
+#if KVEVICT_SIMT_ASM_SWITCH
+  void* sp_ = nullptr;  ///< saved stack pointer while switched out
+#else
   ucontext_t uc_{};
+#endif
   std::unique_ptr<char[]> stack_;  ///< not zeroed: pages are committed only as the fiber uses them
   std::size_t stack_size_ = 0;
   void* fake_stack_ = nullptr;  ///< ASan's fake stack of this fiber while it is switched out
@@ -152,7 +212,8 @@ struct simt_shadow {
 /// A resident block: its threads, shared memory and shadow state.
 struct simt_slot {
   index_t block = -1;  ///< -1: free
-  index_t epoch = 0;   ///< this block's barrier epoch (unique across the run)
+  index_t epoch = 0;   ///< this block's barrier epoch (unique across the executor's runs)
+  index_t at_barrier = 0, done = 0;  ///< threads waiting at the barrier, finished
   std::vector<simt_thread> threads;
   std::vector<unsigned char> shared;
   std::vector<simt_shadow> shadow;
@@ -160,7 +221,8 @@ struct simt_slot {
 
 class simt_executor {
  public:
-  /// `shared_bytes` of shared memory per block, reachable through shared() (zeroed per block).
+  /// `shared_bytes` of shared memory per block, reachable through shared(). As on a GPU it is not
+  /// zeroed for a block: every block starts with every byte set to shared_fill() (0xa5 by default).
   explicit simt_executor(std::uint64_t seed, std::size_t shared_bytes = 0, std::size_t stack_bytes = 1 << 17)
       : gen_(seed), stack_bytes_(stack_bytes), shared_bytes_(shared_bytes) {}
   simt_executor(const simt_executor&) = delete;
@@ -197,6 +259,8 @@ class simt_executor {
   /// Preempt a thread at a shared-memory access, fence, atomic, acquire or release with
   /// probability 1 / n (0: never).
   void preempt_one_in(unsigned n) noexcept { preempt_ = n; }
+  /// The byte every block's shared memory starts with.
+  void shared_fill(unsigned char b) noexcept { fill_ = b; }
   /// Blocks that run at once (at least 1; 1 runs the blocks one after another).
   void resident(index_t n) noexcept { resident_ = n < 1 ? 1 : n; }
   index_t resident() const noexcept { return resident_; }
@@ -218,7 +282,13 @@ class simt_executor {
   index_t grid_ = 0, block_dim_ = 0, epochs_ = 0, barriers_ = 0, resident_ = 4, most_in_flight_ = 0;
   index_t calm_ = 0;  ///< pauses in a row while every live thread waits or spins
   unsigned preempt_ = 8;
+  unsigned char fill_ = 0xa5;
+#if KVEVICT_SIMT_ASM_SWITCH
+  void* sched_sp_ = nullptr;
+  static inline thread_local simt_thread* entering_ = nullptr;  ///< the fiber being started
+#else
   ucontext_t sched_{};
+#endif
   simt_thread* current_ = nullptr;
   std::string error_;
 
@@ -244,14 +314,17 @@ class simt_executor {
   void enter(simt_thread& t) {
     current_ = &t;
     asan_start(&sched_fake_, t.stack_.get(), t.stack_size_);
+#if KVEVICT_SIMT_ASM_SWITCH
+    entering_ = &t;
+    simt_switch(&sched_sp_, t.sp_);
+#else
     swapcontext(&sched_, &t.uc_);
+#endif
     asan_finish(sched_fake_, nullptr, nullptr);
     current_ = nullptr;
   }
 
-  static void trampoline(unsigned lo, unsigned hi) {
-    const std::uintptr_t p = (static_cast<std::uintptr_t>(hi) << 32) | lo;
-    simt_thread* t = reinterpret_cast<simt_thread*>(p);
+  static void fiber_main(simt_thread* t) {
     asan_finish(nullptr, &t->ex_->sched_bottom_, &t->ex_->sched_size_);
     try {
       if (t->ex_->error_.empty()) t->ex_->body_(*t);
@@ -262,8 +335,33 @@ class simt_executor {
     }
     t->st_ = simt_thread::state::done;
     asan_start(nullptr, t->ex_->sched_bottom_, t->ex_->sched_size_);  // this fiber's stack is done
+  }
+#if KVEVICT_SIMT_ASM_SWITCH
+  // A fresh fiber's first instruction (reached by simt_switch's ret); it never returns.
+  static void fiber_entry() {
+    simt_thread* t = entering_;
+    fiber_main(t);
+    simt_switch(&t->sp_, t->ex_->sched_sp_);  // back to the scheduler, for good
+    std::abort();
+  }
+  // The initial frame of a fiber on its stack: six zero registers for simt_switch to pop, then
+  // fiber_entry as the return address, then a null return address (the stack pointer at
+  // fiber_entry is 8 mod 16, as after a call).
+  static void* initial_frame(char* stack, std::size_t size) {
+    auto top = reinterpret_cast<std::uintptr_t>(stack + size) & ~std::uintptr_t(15);
+    auto* slot = reinterpret_cast<void**>(top);
+    *--slot = nullptr;
+    *--slot = reinterpret_cast<void*>(&simt_executor::fiber_entry);
+    for (int i = 0; i < 6; ++i) *--slot = nullptr;
+    return slot;
+  }
+#else
+  static void trampoline(unsigned lo, unsigned hi) {
+    const std::uintptr_t p = (static_cast<std::uintptr_t>(hi) << 32) | lo;
+    fiber_main(reinterpret_cast<simt_thread*>(p));
     // returning resumes uc_link (the scheduler)
   }
+#endif
 
   void fail(const simt_thread& t, const std::string& what) {
     if (!error_.empty()) return;
@@ -272,9 +370,11 @@ class simt_executor {
 
   void start_block(simt_slot& s, index_t b) {
     s.block = b;
-    s.epoch = ++epochs_;
-    s.shared.assign(shared_bytes_, 0);
-    s.shadow.assign((shared_bytes_ + 3) / 4, simt_shadow{});
+    s.epoch = ++epochs_;  // unique: the shadow state of earlier blocks is stale without clearing it
+    s.at_barrier = s.done = 0;
+    s.shared.resize(shared_bytes_);
+    if (!s.shared.empty()) std::memset(s.shared.data(), fill_, s.shared.size());
+    s.shadow.resize((shared_bytes_ + 3) / 4);
     s.threads.resize(static_cast<std::size_t>(block_dim_));
     for (index_t i = 0; i < block_dim_; ++i) {
       simt_thread& t = s.threads[static_cast<std::size_t>(i)];
@@ -286,14 +386,20 @@ class simt_executor {
       if (t.stack_size_ != stack_bytes_) {
         t.stack_.reset(new char[stack_bytes_]);
         t.stack_size_ = stack_bytes_;
+#if !KVEVICT_SIMT_ASM_SWITCH
+        getcontext(&t.uc_);  // once per fiber (a system call): makecontext re-arms a finished context
+#endif
       }
-      getcontext(&t.uc_);
+#if KVEVICT_SIMT_ASM_SWITCH
+      t.sp_ = initial_frame(t.stack_.get(), t.stack_size_);
+#else
       t.uc_.uc_stack.ss_sp = t.stack_.get();
       t.uc_.uc_stack.ss_size = t.stack_size_;
       t.uc_.uc_link = &sched_;
       const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(&t);
       makecontext(&t.uc_, reinterpret_cast<void (*)()>(&simt_executor::trampoline), 2,
                   static_cast<unsigned>(p & 0xffffffffu), static_cast<unsigned>(p >> 32));
+#endif
       ready_.push_back(&t);
     }
     index_t in_flight = 0;
@@ -330,10 +436,8 @@ class simt_executor {
         continue;
       }
       simt_slot& s = *t.slot_;
-      if (!settle(s)) continue;
-      bool finished = true;
-      for (const auto& u : s.threads) finished = finished && u.st_ == simt_thread::state::done;
-      if (finished) {
+      if (!settle(s, t)) continue;
+      if (s.done == block_dim_) {
         s.block = -1;
         if (next < order.size()) start_block(s, order[next++]);
       }
@@ -351,35 +455,43 @@ class simt_executor {
     }
   }
 
-  // A thread of block s blocked or finished: complete its warps' operations or its barrier, or report
-  // why they cannot complete. Returns false after a failure.
-  bool settle(simt_slot& s) {
+  // Thread t of block s blocked or finished: complete its warp's operation or its block's barrier,
+  // or report why they cannot complete. Returns false after a failure.
+  bool settle(simt_slot& s, const simt_thread& t) {
     auto& th = s.threads;
     const auto at = [&](index_t i) -> simt_thread& { return th[static_cast<std::size_t>(i)]; };
-    const index_t warps = (block_dim_ + 31) / 32;
-    for (index_t w = 0; w < warps; ++w) {
-      const index_t lo = w * 32, hi = lo + 32 < block_dim_ ? lo + 32 : block_dim_;
-      int waiting = 0, running = 0;
-      char kind = 0;
-      for (index_t i = lo; i < hi; ++i) {
-        const simt_thread& t = at(i);
-        if (t.st_ == simt_thread::state::warp_op) {
-          if (waiting > 0 && t.xkind_ != kind) {
-            fail(t, std::string("warp ") + std::to_string(w) + ": lanes at different warp operations");
-            return false;
-          }
-          kind = t.xkind_;
-          ++waiting;
+    if (t.st_ == simt_thread::state::barrier) ++s.at_barrier;
+    if (t.st_ == simt_thread::state::done) ++s.done;
+    const index_t w = t.tid_ / 32, lo = w * 32, hi = lo + 32 < block_dim_ ? lo + 32 : block_dim_;
+    int waiting = 0, running = 0;
+    char kind = 0;
+    for (index_t i = lo; i < hi; ++i) {
+      const simt_thread& u = at(i);
+      if (u.st_ == simt_thread::state::warp_op) {
+        if (waiting > 0 && u.xkind_ != kind) {
+          fail(u, std::string("warp ") + std::to_string(w) + ": lanes at different warp operations");
+          return false;
         }
-        running += t.st_ == simt_thread::state::ready;
+        kind = u.xkind_;
+        ++waiting;
       }
-      if (waiting == 0) continue;
+      running += u.st_ == simt_thread::state::ready;
+    }
+    if (waiting > 0) {
       if (hi - lo != 32) {
         fail(at(lo), "a full-warp operation in a partial warp");
         return false;
       }
-      if (waiting != 32) {
-        if (running > 0) continue;  // the other lanes may still get there
+      if (waiting == 32) {
+        std::uint32_t ballot = 0;
+        for (index_t i = lo; i < hi; ++i)
+          if (at(i).xval_ != 0) ballot |= 1u << (i - lo);
+        for (index_t i = lo; i < hi; ++i) at(i).xres_ = kind == 'v' ? ballot : at(lo + at(i).xsrc_).xval_;
+        for (index_t i = lo; i < hi; ++i) {
+          at(i).st_ = simt_thread::state::ready;
+          ready_.push_back(&at(i));
+        }
+      } else if (running == 0) {  // the other lanes can no longer get there
         for (index_t i = lo; i < hi; ++i)
           if (at(i).st_ != simt_thread::state::warp_op) {
             fail(at(i), std::string("did not reach the warp operation its warp waits at (") +
@@ -387,34 +499,22 @@ class simt_executor {
             return false;
           }
       }
-      std::uint32_t ballot = 0;
-      for (index_t i = lo; i < hi; ++i)
-        if (at(i).xval_ != 0) ballot |= 1u << (i - lo);
-      for (index_t i = lo; i < hi; ++i) at(i).xres_ = kind == 'v' ? ballot : at(lo + at(i).xsrc_).xval_;
-      for (index_t i = lo; i < hi; ++i) {
-        at(i).st_ = simt_thread::state::ready;
-        ready_.push_back(&at(i));
-      }
     }
-    int at_barrier = 0, done = 0;
-    for (const auto& t : th) {
-      at_barrier += t.st_ == simt_thread::state::barrier;
-      done += t.st_ == simt_thread::state::done;
-    }
-    if (at_barrier == 0 || at_barrier + done != block_dim_) return true;  // no barrier, or not yet
-    if (done > 0) {
-      for (const auto& t : th)
-        if (t.st_ == simt_thread::state::done) {
-          fail(t, "finished without reaching the barrier " + std::to_string(at_barrier) +
+    if (s.at_barrier == 0 || s.at_barrier + s.done != block_dim_) return true;  // no barrier, or not yet
+    if (s.done > 0) {
+      for (const auto& u : th)
+        if (u.st_ == simt_thread::state::done) {
+          fail(u, "finished without reaching the barrier " + std::to_string(s.at_barrier) +
                       " other threads wait at (barrier divergence)");
           return false;
         }
     }
     s.epoch = ++epochs_;  // every thread waits at the barrier: release it; a new shared-memory epoch
+    s.at_barrier = 0;
     ++barriers_;
-    for (auto& t : th) {
-      t.st_ = simt_thread::state::ready;
-      ready_.push_back(&t);
+    for (auto& u : th) {
+      u.st_ = simt_thread::state::ready;
+      ready_.push_back(&u);
     }
     return true;
   }
@@ -488,7 +588,11 @@ inline index_t simt_thread::grid_dim() const noexcept { return ex_->grid_; }
 inline void simt_thread::block_on(state s) {
   st_ = s;
   simt_executor::asan_start(&fake_stack_, ex_->sched_bottom_, ex_->sched_size_);
+#if KVEVICT_SIMT_ASM_SWITCH
+  simt_switch(&sp_, ex_->sched_sp_);
+#else
   swapcontext(&uc_, &ex_->sched_);
+#endif
   simt_executor::asan_finish(fake_stack_, &ex_->sched_bottom_, &ex_->sched_size_);
   if (!ex_->error_.empty()) throw simt_executor::aborted{};  // the run failed: unwind this fiber
 }

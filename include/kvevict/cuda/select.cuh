@@ -64,15 +64,6 @@ inline status check_select_options(const char* fn, const cuda_select_options& o)
   return {};
 }
 
-/// select_rows_launch on the stream.
-template <class Rows>
-status launch_select_rows(cudaStream_t st, const char* fn, const matrix_view<const float>& scores, const Rows& rows,
-                          const select_dev_ws& w, const select_plan& plan, bool full_key, bool emit, select_bad bad) {
-  cuda_launcher l{st, fn};
-  select_rows_launch(l, scores, rows, w, plan, full_key, emit, bad);
-  return l.err;
-}
-
 inline status zero_workspace(cudaStream_t st, const char* fn, const select_dev_ws& w) {
   if (w.zero_bytes == 0) return {};
   return cuda_status(cudaMemsetAsync(w.zero_begin, 0, w.zero_bytes, st), fn);
@@ -103,6 +94,26 @@ inline status check_select_alignment(const char* fn, matrix_view<const float> sc
   KVEVICT_TRY(check_device_alignment(fn, positions_name, positions));
   return check_device_alignment(fn, offsets_name, offsets);
 }
+
+/// select_topk(cuda) after the host checks of its arguments: plan, workspace (check_ws(bytes used)
+/// checks it against the other arguments), zeroing, select_rows_launch, finish.
+template <class Rows, class CheckWs>
+status select_topk_rows(cuda_t be, const char* fn, workspace& ws, const matrix_view<const float>& scores,
+                        const Rows& rows, const cuda_select_options& o, const CheckWs& check_ws) {
+  const index_t R = scores.extent(0), T = scores.extent(1);
+  const select_plan plan = plan_select(R, T, static_cast<int>(o.algo));
+  workspace_carver carver(ws);
+  const select_dev_ws w = carve_select_dev_ws(carver, ws, R, plan, false);
+  KVEVICT_TRY(carver.finish(fn));
+  if (ws.is_query()) return {};
+  KVEVICT_TRY(check_ws(carver.used()));
+  const cudaStream_t st = stream_of(be);
+  if (plan.multi || o.synchronize) KVEVICT_TRY(zero_workspace(st, fn, w));
+  cuda_launcher l{st, fn};
+  select_rows_launch(l, scores, rows, w, plan, false, true, simt_bad{o.bad_rows, o.synchronize ? w.counter : nullptr});
+  KVEVICT_TRY(l.err);
+  return finish_select(st, fn, w, o);
+}
 }  // namespace detail
 
 /// Dense top-k on the GPU: row r of kept ([R][k]) receives, ascending, the positions of the k best
@@ -122,18 +133,10 @@ inline status select_topk(cuda_t be, workspace& ws, matrix_view<const float> sco
   if (k > T && R > 0)
     return status::error(errc::invalid_argument, "%s: k = %lld is larger than the rows' %lld columns", fn,
                          static_cast<long long>(k), static_cast<long long>(T));
-  const detail::select_plan plan = detail::plan_select(R, T, static_cast<int>(options.algo));
-  detail::workspace_carver carver(ws);
-  const detail::select_dev_ws w = detail::carve_select_dev_ws(carver, ws, R, plan, false);
-  KVEVICT_TRY(carver.finish(fn));
-  if (ws.is_query()) return {};
-  KVEVICT_TRY(detail::check_select_dense_ws(fn, ws, carver.used(), scores, row_lengths, kept));
-  const cudaStream_t st = detail::stream_of(be);
-  if (plan.multi || options.synchronize) KVEVICT_TRY(detail::zero_workspace(st, fn, w));
   const detail::dense_rows rows{row_lengths, T, k, kept.data_handle(), kept.stride(0), kept.stride(1)};
-  const detail::select_bad bad{options.bad_rows, options.synchronize ? w.counter : nullptr};
-  KVEVICT_TRY(detail::launch_select_rows(st, fn, scores, rows, w, plan, false, true, bad));
-  return detail::finish_select(st, fn, w, options);
+  return detail::select_topk_rows(be, fn, ws, scores, rows, options, [&](std::size_t used) {
+    return detail::check_select_dense_ws(fn, ws, used, scores, row_lengths, kept);
+  });
 }
 
 /// Ragged top-k on the GPU: row r keeps kept.cu[r+1] - kept.cu[r] tokens (offsets in device
@@ -150,19 +153,10 @@ inline status select_topk(cuda_t be, workspace& ws, matrix_view<const float> sco
   const index_t total = options.pos_capacity;
   KVEVICT_TRY(detail::check_select_ragged_out(fn, scores, row_lengths, kept, total));
   KVEVICT_TRY(detail::check_select_alignment(fn, scores, row_lengths, nullptr, kept.pos, "kept.pos", kept.cu, "kept.cu"));
-  const index_t R = scores.extent(0), T = scores.extent(1);
-  const detail::select_plan plan = detail::plan_select(R, T, static_cast<int>(options.algo));
-  detail::workspace_carver carver(ws);
-  const detail::select_dev_ws w = detail::carve_select_dev_ws(carver, ws, R, plan, false);
-  KVEVICT_TRY(carver.finish(fn));
-  if (ws.is_query()) return {};
-  KVEVICT_TRY(detail::check_select_ragged_ws(fn, ws, carver.used(), scores, row_lengths, kept, total));
-  const cudaStream_t st = detail::stream_of(be);
-  if (plan.multi || options.synchronize) KVEVICT_TRY(detail::zero_workspace(st, fn, w));
-  const detail::ragged_rows rows{row_lengths, T, kept.cu, kept.pos, R, total};
-  const detail::select_bad bad{options.bad_rows, options.synchronize ? w.counter : nullptr};
-  KVEVICT_TRY(detail::launch_select_rows(st, fn, scores, rows, w, plan, false, true, bad));
-  return detail::finish_select(st, fn, w, options);
+  const detail::ragged_rows rows{row_lengths, scores.extent(1), kept.cu, kept.pos, scores.extent(0), total};
+  return detail::select_topk_rows(be, fn, ws, scores, rows, options, [&](std::size_t used) {
+    return detail::check_select_ragged_ws(fn, ws, used, scores, row_lengths, kept, total);
+  });
 }
 
 /// Flattened (layer-wise) selection on the GPU, the semantics of the host select_topk_flat:
@@ -188,7 +182,7 @@ inline status select_topk_flat(cuda_t be, workspace& ws, matrix_view<const float
       detail::check_select_flat_ws(fn, ws, carver.used(), scores, row_lengths, total, floors, kept_cu, kept_pos));
   const cudaStream_t st = detail::stream_of(be);
   KVEVICT_TRY(detail::zero_workspace(st, fn, w.sel));
-  const detail::select_bad bad{options.bad_rows, options.synchronize ? w.sel.counter : nullptr};
+  const detail::simt_bad bad{options.bad_rows, options.synchronize ? w.sel.counter : nullptr};
   detail::cuda_launcher l{st, fn};
   detail::select_flat_launch(l, scores, row_lengths, total, floors, kept_cu, kept_pos, w, plan, bad);
   KVEVICT_TRY(l.err);

@@ -8,7 +8,8 @@
 // detail/block/select_block.hpp, which see the block through simt_block: each thread runs its own
 // part, and the block-wide exclusive sum is a warp-shuffle scan (exact: unsigned integers) with the
 // warps' totals in shared memory. Every block has select_block_threads (256) threads; shared memory
-// per block: select_smem (42008 B) + the scan's 64 B.
+// per block: select_smem (42008 B) + the scan's 64 B, or only the scan's 64 B (count, row totals,
+// counts and batch offsets ops).
 #pragma once
 
 #include <kvevict/config.hpp>
@@ -18,6 +19,7 @@
 #include <kvevict/detail/block/simt_bodies.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace kvevict::detail {
 
@@ -60,19 +62,6 @@ struct simt_block {
   KVEVICT_HOST_DEVICE void atomic_add(ucount* p, ucount v) const { c.atomic_add(p, v); }
 };
 
-/// Where kernels report rows they skipped because device-resident arguments were invalid: the
-/// caller's counter and/or the launcher's own (workspace) counter, either may be null.
-struct select_bad {
-  int* a = nullptr;
-  int* b = nullptr;
-  template <class Ctx>
-  KVEVICT_HOST_DEVICE void add(Ctx& c, int n) const {
-    if (n == 0) return;
-    if (a != nullptr) c.atomic_add(a, n);
-    if (b != nullptr) c.atomic_add(b, n);
-  }
-};
-
 KVEVICT_HOST_DEVICE inline score_keys select_row_keys(const matrix_view<const float>& scores, index_t r) {
   return {scores.data_handle() + r * scores.stride(0), scores.stride(1)};
 }
@@ -83,11 +72,19 @@ struct select_shared {
   ucount scan[select_block_threads / 32];
 };
 
-/// Base of the block-per-item selection ops: 256 threads, at least 3 blocks per SM.
+/// Base of the block-per-item selection ops: 256 threads, at least 3 blocks per SM, select_smem.
 struct select_op_base {
   static constexpr int threads = select_block_threads;
   static constexpr int min_blocks = 3;
   using shared = select_shared;
+};
+/// The same for ops that need only the scan's shared memory.
+struct select_scan_op_base {
+  static constexpr int threads = select_block_threads;
+  static constexpr int min_blocks = 3;
+  struct shared {
+    ucount scan[select_block_threads / 32];
+  };
 };
 
 /// Block r (grid-stride) selects row r: passes in shared memory, ordered emit. With `states`, the
@@ -96,7 +93,7 @@ template <class Rows>
 struct select_one_block_op : select_op_base {
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, matrix_view<const float> scores, Rows rows, bool full_key,
-                                       bool emit, row_state* states, select_bad bad) {
+                                       bool emit, row_state* states, simt_bad bad) {
     simt_block<Ctx, threads> blk{c, sh.scan};
     const index_t R = scores.extent(0);
     for (index_t r = c.block(); r < R; r += c.grid_dim()) {
@@ -113,7 +110,7 @@ template <class Rows>
 struct select_multi_pass_op : select_op_base {
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, matrix_view<const float> scores, Rows rows, select_dev_ws w,
-                                       select_plan plan, int pass, bool full_key, select_bad bad) {
+                                       select_plan plan, int pass, bool full_key, simt_bad bad) {
     simt_block<Ctx, threads> blk{c, sh.scan};
     const index_t R = scores.extent(0), C = plan.chunks;
     for (index_t item = c.block(); item < R * C; item += c.grid_dim()) {
@@ -139,30 +136,26 @@ struct select_multi_pass_op : select_op_base {
   }
 };
 
-/// Packed (above, tied) counts of every chunk of the rows still selecting.
-template <class Rows>
-struct select_multi_count_op : select_op_base {
-  template <class Ctx>
-  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, matrix_view<const float> scores, Rows rows, select_dev_ws w,
-                                       select_plan plan) {
-    simt_block<Ctx, threads> blk{c, sh.scan};
-    const index_t R = scores.extent(0), C = plan.chunks;
-    for (index_t item = c.block(); item < R * C; item += c.grid_dim())
-      multi_count_chunk(blk, select_row_keys(scores, item / C), rows, w, plan, item / C, item % C);
-  }
-};
-
-/// The ordered emit of every chunk, from the counts of the chunks before it.
-template <class Rows>
-struct select_multi_emit_op : select_op_base {
+/// Every chunk of the rows still selecting: its packed (above, tied) counts (!Emit), or its ordered
+/// emit from the counts of the chunks before it (Emit; the counts kernel needs only the scan's
+/// shared memory).
+template <class Rows, bool Emit>
+struct select_multi_chunk_op {
+  static constexpr int threads = select_block_threads;
+  static constexpr int min_blocks = 3;
+  using shared = std::conditional_t<Emit, select_shared, select_scan_op_base::shared>;
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, matrix_view<const float> scores, Rows rows, select_dev_ws w,
                                        select_plan plan) {
     simt_block<Ctx, threads> blk{c, sh.scan};
     const index_t R = scores.extent(0), C = plan.chunks;
     for (index_t item = c.block(); item < R * C; item += c.grid_dim()) {
-      multi_emit_chunk(blk, select_row_keys(scores, item / C), rows, w, plan, item / C, item % C, sh.sm);
-      c.sync();
+      if constexpr (Emit) {
+        multi_emit_chunk(blk, select_row_keys(scores, item / C), rows, w, plan, item / C, item % C, sh.sm);
+        c.sync();
+      } else {
+        multi_count_chunk(blk, select_row_keys(scores, item / C), rows, w, plan, item / C, item % C);
+      }
     }
   }
 };
@@ -219,7 +212,7 @@ struct flat_layer_pass_op : select_op_base {
 };
 
 /// Block r (grid-stride): row r's remaining keys above and equal to the layer threshold.
-struct flat_row_totals_op : select_op_base {
+struct flat_row_totals_op : select_scan_op_base {
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, flat_dev_ws w, index_t R, index_t total) {
     simt_block<Ctx, threads> blk{c, sh.scan};
@@ -233,10 +226,10 @@ struct flat_row_totals_op : select_op_base {
 };
 
 /// One block: every row's count, the offsets kept_cu, the layer's error report.
-struct flat_counts_op : select_op_base {
+struct flat_counts_op : select_scan_op_base {
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, flat_dev_ws w, index_t R, index_t total, std::int32_t* cu,
-                                       select_bad bad) {
+                                       simt_bad bad) {
     simt_block<Ctx, threads> blk{c, sh.scan};
     const int n = flat_counts_of(blk, w, R, total, cu);
     if (c.thread() == 0) bad.add(c, n);
@@ -249,9 +242,7 @@ struct flat_counts_op : select_op_base {
 /// (detail/block/batch_block.hpp); heads whose budget or length is bad are counted into *bad.
 struct batch_offsets_op {
   static constexpr int threads = select_block_threads;
-  struct shared {
-    ucount scan[select_block_threads / 32];
-  };
+  using shared = select_scan_op_base::shared;
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, const std::int32_t* budgets, const std::int32_t* row_lengths,
                                        index_t R, index_t H, index_t T, index_t capacity, std::int32_t* cu, int* bad) {
@@ -276,7 +267,7 @@ void batch_offsets_launch(L& l, const std::int32_t* budgets, const std::int32_t*
 /// bounds the grids (tests pass a small one to exercise the grid-stride loops).
 template <class L, class Rows>
 void select_rows_launch(L& l, const matrix_view<const float>& scores, const Rows& rows, const select_dev_ws& w,
-                        const select_plan& plan, bool full_key, bool emit, select_bad bad,
+                        const select_plan& plan, bool full_key, bool emit, simt_bad bad,
                         index_t cap = index_t(1) << 20) {
   const index_t R = scores.extent(0);
   if (R == 0) return;
@@ -291,8 +282,8 @@ void select_rows_launch(L& l, const matrix_view<const float>& scores, const Rows
     l.template run<select_multi_pass_op<Rows>>(grid, scores, rows, w, plan, pass, full_key, bad);
   if (!emit) return;
   const stored_rows<Rows> stored{rows, w.states};
-  l.template run<select_multi_count_op<stored_rows<Rows>>>(grid, scores, stored, w, plan);
-  l.template run<select_multi_emit_op<stored_rows<Rows>>>(grid, scores, stored, w, plan);
+  l.template run<select_multi_chunk_op<stored_rows<Rows>, false>>(grid, scores, stored, w, plan);
+  l.template run<select_multi_chunk_op<stored_rows<Rows>, true>>(grid, scores, stored, w, plan);
 }
 
 /// The emit of rows whose thresholds are given (flattened selection).
@@ -304,12 +295,12 @@ void emit_given_launch(L& l, const matrix_view<const float>& scores, const Rows&
   constexpr index_t threads = select_block_threads;
   if (!plan.multi) {
     l.template run<select_one_block_op<Rows>>(simt_shape{simt_grid(R, cap), threads}, scores, rows, true, true,
-                                              static_cast<row_state*>(nullptr), select_bad{});
+                                              static_cast<row_state*>(nullptr), simt_bad{});
     return;
   }
   const simt_shape grid{simt_grid(R * plan.chunks, cap), threads};
-  l.template run<select_multi_count_op<Rows>>(grid, scores, rows, w, plan);
-  l.template run<select_multi_emit_op<Rows>>(grid, scores, rows, w, plan);
+  l.template run<select_multi_chunk_op<Rows, false>>(grid, scores, rows, w, plan);
+  l.template run<select_multi_chunk_op<Rows, true>>(grid, scores, rows, w, plan);
 }
 
 /// The flattened selection's kernels (w.sel's zeroed part already zeroed): the floors' thresholds,
@@ -317,10 +308,10 @@ void emit_given_launch(L& l, const matrix_view<const float>& scores, const Rows&
 template <class L>
 void select_flat_launch(L& l, const matrix_view<const float>& scores, const std::int32_t* row_lengths, index_t total,
                         const std::int32_t* floors, std::int32_t* kept_cu, pos_t* kept_pos, const flat_dev_ws& w,
-                        const select_plan& plan, select_bad bad, index_t cap = index_t(1) << 20) {
+                        const select_plan& plan, simt_bad bad, index_t cap = index_t(1) << 20) {
   const index_t R = scores.extent(0), T = scores.extent(1);
   if (floors != nullptr)
-    select_rows_launch(l, scores, floor_rows{row_lengths, T, floors}, w.sel, plan, true, false, select_bad{}, cap);
+    select_rows_launch(l, scores, floor_rows{row_lengths, T, floors}, w.sel, plan, true, false, simt_bad{}, cap);
   l.template run<flat_rows_op>(simt_shape{simt_grid((R + 255) / 256, cap), 256}, row_lengths, T, floors, R, w);
   if (R > 0) {
     const simt_shape layer{simt_grid(R * w.layer_plan.chunks, cap), select_block_threads};

@@ -17,7 +17,8 @@
 //                                                        blocks wrote before a ticket)
 //   void pause()                                         __nanosleep in a wait loop (on the host: yield)
 // On the GPU (cuda_simt_ctx, cuda/simt.cuh) every member is the intrinsic. On the host,
-// simt_executor runs every thread of a block as a fiber (ucontext) with its own stack:
+// simt_executor runs every thread of a block as a fiber with its own stack (switched by a few
+// instructions on x86-64, by ucontext elsewhere):
 //   - a block barrier releases only when every thread of the block waits at one; a thread that
 //     finishes while others wait at a barrier, or a deadlock, is reported (barrier divergence);
 //   - warps of 32: a shuffle or vote completes when all 32 lanes have reached one (the same kind),
@@ -32,10 +33,11 @@
 //     finishes frees its slot for the next block of a random permutation of the grid. So a block may
 //     wait on another block (a decoupled look-back, a ticket) as on a GPU: it makes progress as long
 //     as the block it waits for is resident or done, which ticket-ordered algorithms guarantee;
-//     a wait loop must call pause() (or another synchronisation point) so that others run, and a
-//     thread that pauses more than a bound without the run progressing is reported (a wait on a block
-//     that can never run); fences, global atomics and pauses are preemption points too, so
-//     interleavings between blocks through global memory are exercised.
+//     a wait loop must call pause() so that others run, and a thread that keeps pausing while every
+//     live thread waits (at a barrier, a warp operation or in a wait loop) is reported as a deadlock
+//     (a wait on a block that can never run); fences, atomics, acquires, releases and pauses are
+//     preemption points too, so interleavings between blocks through global memory are exercised;
+//   - shared memory is not zeroed for a block (as on a GPU): it starts as shared_fill() bytes.
 // Errors are collected (first one kept, with the thread, block and what happened) and the run stops
 // at the first. Global memory is accessed directly: the bodies' global accesses are plain C++.
 #pragma once

@@ -567,35 +567,32 @@ TEST_CASE("device logic: flattened selection over many rows with ties across row
   }
 }
 
+namespace {
+/// Dense select_topk on the executor (plan `algo`) against seq: every row keeps k.
+void check_dense(std::mt19937_64& g, const scores_t& s, const std::vector<std::int32_t>& lens, index_t k, int algo) {
+  std::vector<pos_t> ref(static_cast<std::size_t>(s.R * k)), got(ref.size(), -1);
+  with_ws([&](workspace& ws) { return select_topk(seq, ws, s.view, lens.data(), value_of(make_matrix_view(ref.data(), s.R, k))); });
+  emulator em{g, index_t(1) << 20, {}, {}, 0};
+  em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), s.R, k)), algo);
+  CHECK(em.bad == 0);
+  REQUIRE(got == ref);
+}
+}  // namespace
+
 TEST_CASE("device logic: a 1M-token row, long rows by one block, and 300 short rows") {
   auto g = kvtest::rng(21);
   // a row of 2^20 tokens with heavy ties, several blocks per row (the plan's 128 chunks)
   {
-    const index_t R = 1, T = index_t(1) << 20;
-    scores_t s(g, R, T, dist::uniform, 0);
+    const index_t T = index_t(1) << 20;
+    scores_t s(g, 1, T, dist::uniform, 0);
     for (index_t j = 0; j < T; j += 3) s.buf[static_cast<std::size_t>(j)] = 0.5f;  // heavy ties
-    const std::vector<std::int32_t> lens = {static_cast<std::int32_t>(T - 12345)};
-    const index_t k = 100000;
-    std::vector<pos_t> ref(static_cast<std::size_t>(R * k)), got(ref.size(), -1);
-    with_ws([&](workspace& ws) { return select_topk(seq, ws, s.view, lens.data(), value_of(make_matrix_view(ref.data(), R, k))); });
-    CHECK(detail::plan_select(R, T, 2).chunks == 128);
-    emulator em{g, index_t(1) << 20, {}, {}, 0};
-    em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), R, k)), 2);
-    CHECK(em.bad == 0);
-    REQUIRE(got == ref);
+    CHECK(detail::plan_select(1, T, 2).chunks == 128);
+    check_dense(g, s, {static_cast<std::int32_t>(T - 12345)}, 100000, 2);
   }
   // rows longer than the shared-memory key cache (8192) by one block each: re-read every pass
   {
-    const index_t R = 2, T = 30000;
-    scores_t s(g, R, T, dist::ties3, 0);
-    const std::vector<std::int32_t> lens = {static_cast<std::int32_t>(T), 20001};
-    const index_t k = 7000;
-    std::vector<pos_t> ref(static_cast<std::size_t>(R * k)), got(ref.size(), -1);
-    with_ws([&](workspace& ws) { return select_topk(seq, ws, s.view, lens.data(), value_of(make_matrix_view(ref.data(), R, k))); });
-    emulator em{g, index_t(1) << 20, {}, {}, 0};
-    em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), R, k)), 1);
-    CHECK(em.bad == 0);
-    REQUIRE(got == ref);
+    scores_t s(g, 2, 30000, dist::ties3, 0);
+    check_dense(g, s, {30000, 20001}, 7000, 1);
   }
   // 300 rows of 40 tokens: the flattened counts run over 2 row tiles of 256
   {

@@ -9,6 +9,8 @@
 #include <kvevict/detail/block/batch_block.hpp>
 #include <kvevict/detail/block/host_block.hpp>
 #include <kvevict/detail/block/paged_block.hpp>
+#include <kvevict/detail/block/select_ops.hpp>
+#include <kvevict/detail/block/simt.hpp>
 #include <kvevict/paged.hpp>
 
 using namespace kvevict;
@@ -144,24 +146,31 @@ TEST_CASE("batched selection device logic: the offsets of select_topk_batch, all
               return select_topk_batch(seq, ws, batch_padded(sv, S, H, lens.data()), budgets.data(),
                                        batch_budget::per_head, host_cu.data(), pos.data(), static_cast<index_t>(pos.size()));
             }).ok());
-    detail::host_block blk(32, g);
-    CHECK(detail::batch_offsets(blk, budgets.data(), lens.data(), S * H, H, T, static_cast<index_t>(pos.size()),
-                                dev_cu.data()) == 0);
+    // the launch sequence of select_topk_batch(cuda) (detail::batch_offsets_launch) on the SIMT executor
+    const auto offsets = [&](const std::vector<std::int32_t>& b, const std::vector<std::int32_t>& l, index_t capacity) {
+      std::fill(dev_cu.begin(), dev_cu.end(), -9);
+      int bad = 0;
+      detail::simt_executor ex(g());
+      detail::simt_launcher<detail::simt_executor> launcher{ex};
+      detail::batch_offsets_launch(launcher, b.data(), l.data(), S * H, H, T, capacity, dev_cu.data(), &bad);
+      REQUIRE_MESSAGE(launcher.ok, ex.error());
+      return bad;
+    };
+    CHECK(offsets(budgets, lens, static_cast<index_t>(pos.size())) == 0);
     CHECK(dev_cu == host_cu);
     // all or nothing: a capacity one short, a negative budget, a length above T
     if (host_cu.back() > 0) {
-      std::fill(dev_cu.begin(), dev_cu.end(), -9);
-      CHECK(detail::batch_offsets(blk, budgets.data(), lens.data(), S * H, H, T, host_cu.back() - 1, dev_cu.data()) == 1);
+      CHECK(offsets(budgets, lens, host_cu.back() - 1) == 1);
       CHECK(std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }));
     }
     if (S > 0) {
       auto bad_budgets = budgets;
       bad_budgets[0] = -1;
-      CHECK(detail::batch_offsets(blk, bad_budgets.data(), lens.data(), S * H, H, T, 1 << 30, dev_cu.data()) == H);
+      CHECK(offsets(bad_budgets, lens, 1 << 30) == H);
       CHECK(std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }));
       auto bad_lens = lens;
       bad_lens[0] = static_cast<std::int32_t>(T + 1);
-      CHECK(detail::batch_offsets(blk, budgets.data(), bad_lens.data(), S * H, H, T, 1 << 30, dev_cu.data()) == 1);
+      CHECK(offsets(budgets, bad_lens, 1 << 30) == 1);
     }
   }
 }

@@ -14,26 +14,15 @@
 #pragma once
 
 #include <kvevict/batch.hpp>
-#include <kvevict/cuda/block.cuh>
 #include <kvevict/cuda/launch.cuh>
 #include <kvevict/cuda/select.cuh>
+#include <kvevict/cuda/simt.cuh>
 #include <kvevict/detail/block/batch_block.hpp>
+#include <kvevict/detail/block/select_ops.hpp>
 
 #include <cstdint>
 
 namespace kvevict {
-namespace detail {
-
-__global__ void __launch_bounds__(select_block_threads)
-    batch_offsets_kernel(const std::int32_t* budgets, const std::int32_t* row_lengths, index_t R, index_t H, index_t T,
-                         index_t capacity, std::int32_t* cu, int* bad) {
-  __shared__ typename select_block_t::temp_storage tmp;
-  select_block_t blk{tmp};
-  const index_t added = batch_offsets(blk, budgets, row_lengths, R, H, T, capacity, cu);
-  if (threadIdx.x == 0 && added > 0 && bad != nullptr) atomicAdd(bad, static_cast<int>(added < 1 << 30 ? added : 1 << 30));
-}
-
-}  // namespace detail
 
 /// The per-head batched selection on the GPU (see the file comment). Host-side errors: another
 /// budget kind or the varlen layout (unsupported), invalid scores, padded rows != S*H, null
@@ -72,12 +61,9 @@ inline status select_topk_batch(cuda_t be, workspace& ws, batch_rows rows, const
   if (ws.bytes < probe.bytes)
     return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
                          fn, ws.bytes, probe.bytes);
-  if (R > 0) {
-    const cudaStream_t st = detail::stream_of(be);
-    detail::batch_offsets_kernel<<<1, detail::select_block_threads, 0, st>>>(budgets, rows.row_lengths, R, H, T,
-                                                                             kept_capacity, kept_cu, bad);
-    KVEVICT_TRY(detail::launch_status(fn));
-  }
+  detail::cuda_launcher l{detail::stream_of(be), fn};
+  detail::batch_offsets_launch(l, budgets, rows.row_lengths, R, H, T, kept_capacity, kept_cu, bad);
+  KVEVICT_TRY(l.err);
   return select_topk(be, ws, rows.scores, rows.row_lengths, kept, opt);
 }
 

@@ -30,7 +30,9 @@
 #include <kvevict/compact.hpp>
 #include <kvevict/cuda/block.cuh>
 #include <kvevict/cuda/launch.cuh>
+#include <kvevict/cuda/simt.cuh>
 #include <kvevict/detail/block/compact_block.hpp>
+#include <kvevict/detail/block/compact_ops.hpp>
 #include <kvevict/workspace.hpp>
 
 #include <cstdint>
@@ -39,54 +41,13 @@
 namespace kvevict {
 namespace detail {
 
-inline constexpr int compact_threads = 256;
+inline constexpr int compact_threads = compact_op_threads;
 using compact_block_t = cuda_block<compact_threads>;
 
-// ---- host: unit and grid choices ------------------------------------------------------------------
-
-/// Blocks per head for per-head grids: about 4096 blocks in all, at most 1024 per head.
-inline index_t parts_per_head(index_t heads, index_t target = 4096, index_t most = 1024) {
-  const index_t h = heads > 0 ? heads : 1;
-  const index_t p = (target + h - 1) / h;
-  return p < 1 ? 1 : p > most ? most : p;
-}
-
 // ---- kernels ------------------------------------------------------------------------------------------
-
-/// Groups of `lanes` threads, one kept row per group, grid-stride over the H x k rows.
-template <class T, int Unit>
-__global__ void __launch_bounds__(compact_threads)
-    compact_dense_kernel(kv_view<const T> src, matrix_view<const pos_t> kept, kv_view<T> dst, int lanes,
-                         bad_counter bad) {
-  const row_copy<T, Unit> rc{src.extent(2), src.stride(2), dst.stride(2)};
-  const index_t rows = kept.extent(0) * kept.extent(1), groups = compact_threads / lanes;
-  const int lane = static_cast<int>(threadIdx.x) % lanes;
-  for (index_t r = index_t(blockIdx.x) * groups + threadIdx.x / lanes; r < rows; r += index_t(gridDim.x) * groups)
-    if (!gather_dense_row(src, kept, dst, rc, r, lane, lanes) && lane == 0) bad.add(1);
-}
-
-/// Per head (`parts` blocks each, grid-stride over H x parts): validate the head's offsets, then
-/// one row per group of lanes. ToCache: the destination is a ragged_cache (lens[h] set).
-template <class T, int Unit, bool ToCache>
-__global__ void __launch_bounds__(compact_threads)
-    compact_ragged_kernel(kv_view<const T> src, ragged_positions kept, T* dst, const std::int32_t* dst_cu,
-                          std::int32_t* lens, index_t row_stride, index_t parts, int lanes, bad_counter bad) {
-  const row_copy<T, Unit> rc{src.extent(2), src.stride(2), 1};
-  const index_t H = kept.heads, groups = compact_threads / lanes;
-  const int lane = static_cast<int>(threadIdx.x) % lanes;
-  for (index_t vb = blockIdx.x; vb < H * parts; vb += gridDim.x) {
-    const index_t h = vb / parts, part = vb % parts;
-    const ragged_head hd = ToCache ? ragged_cache_head(kept.cu, dst_cu, kept.pos != nullptr, dst != nullptr, h, H)
-                                   : ragged_view_head(kept.cu, dst_cu, kept.pos != nullptr, dst != nullptr, h, H);
-    if (!hd.ok) {
-      if (part == 0 && threadIdx.x == 0) bad.add(1);
-      continue;
-    }
-    if (ToCache && part == 0 && threadIdx.x == 0) lens[h] = static_cast<std::int32_t>(hd.count);
-    for (index_t j = part * groups + threadIdx.x / lanes; j < hd.count; j += parts * groups)
-      if (!gather_ragged_row(src, kept.pos, hd, h, j, dst, row_stride, rc, lane, lanes) && lane == 0) bad.add(1);
-  }
-}
+// The gathers and the append are the ops of detail/block/compact_ops.hpp (launched by
+// compact_dense_launch, compact_ragged_launch and append_launch, written once for the GPU and the
+// host executor); the in-place kernels below are not converted yet.
 
 /// In place, step 1: block h (grid-stride) validates head h's arguments and positions.
 template <class Heads>
@@ -166,41 +127,6 @@ __global__ void __launch_bounds__(compact_threads)
       if (tile_rows == 0 && threadIdx.x == 0) inplace_publish(sync, h, c);  // read during the copy
     }
     __syncthreads();
-  }
-}
-
-/// Append: per head (`parts` blocks each), rows i -> rows lens[h] + i; with update_lens (one
-/// block per head) the block then raises lens[h] itself.
-template <class T, int Unit>
-__global__ void __launch_bounds__(compact_threads)
-    append_kernel(ragged_cache<T> cache, kv_view<const T> rows, index_t parts, int lanes, bool update_lens,
-                  bad_counter bad) {
-  const row_copy<T, Unit> rc{rows.extent(2), rows.stride(2), 1};
-  const index_t H = cache.heads, n = rows.extent(1), groups = compact_threads / lanes;
-  const int lane = static_cast<int>(threadIdx.x) % lanes;
-  for (index_t vb = blockIdx.x; vb < H * parts; vb += gridDim.x) {
-    const index_t h = vb / parts, part = vb % parts;
-    index_t first = 0;
-    if (!append_head_ok(cache.cu_capacity, cache.lens, h, H, n, cache.data != nullptr, first)) {
-      if (part == 0 && threadIdx.x == 0) bad.add(1);
-      continue;
-    }
-    for (index_t i = part * groups + threadIdx.x / lanes; i < n; i += parts * groups)
-      append_row(cache, rows, h, i, first, rc, lane, lanes);
-    if (update_lens) {
-      __syncthreads();  // every thread has read lens[h]
-      if (threadIdx.x == 0) cache.lens[h] += static_cast<std::int32_t>(n);
-    }
-  }
-}
-
-/// Append with several blocks per head: lens[h] += n afterwards, for the heads that were copied.
-template <class T>
-__global__ void append_lens_kernel(ragged_cache<T> cache, index_t n) {
-  for (index_t h = index_t(blockIdx.x) * blockDim.x + threadIdx.x; h < cache.heads; h += index_t(gridDim.x) * blockDim.x) {
-    index_t first = 0;
-    if (append_head_ok(cache.cu_capacity, cache.lens, h, cache.heads, n, cache.data != nullptr, first))
-      cache.lens[h] += static_cast<std::int32_t>(n);
   }
 }
 
@@ -296,41 +222,13 @@ status compact(cuda_t be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_v
   KVEVICT_TRY(detail::check_device_alignment(fn, "src", src.data_handle()));
   KVEVICT_TRY(detail::check_device_alignment(fn, "kept", kept.data_handle()));
   KVEVICT_TRY(detail::check_device_alignment(fn, "dst", static_cast<const T*>(dst.data_handle())));
-  const index_t rows = kept.extent(0) * kept.extent(1), dim = src.extent(2);
-  if (rows == 0 || dim == 0) return {};
-  const bool contiguous = src.stride(2) == 1 && dst.stride(2) == 1;
-  const int unit = detail::unit_for<T>(contiguous, detail::view_bits(src) | detail::view_bits(dst), dim);
-  const cudaStream_t st = detail::stream_of(be);
-  return detail::with_unit(unit, [&](auto u) {
-    constexpr int U = decltype(u)::value;
-    const int lanes = detail::copy_lanes(detail::row_copy<T, U>{dim, 1, 1}.units());
-    const index_t groups = detail::compact_threads / lanes;
-    detail::compact_dense_kernel<T, U><<<detail::grid_blocks((rows + groups - 1) / groups), detail::compact_threads, 0,
-                                         st>>>(src, kept, dst, lanes, detail::bad_counter{bad_positions, nullptr});
-    return detail::launch_status(fn);
-  });
+  if (kept.extent(0) * kept.extent(1) == 0 || src.extent(2) == 0) return {};
+  detail::cuda_launcher l{detail::stream_of(be), fn};
+  detail::compact_dense_launch(l, src, kept, dst, detail::simt_bad{bad_positions, nullptr});
+  return l.err;
 }
 
 namespace detail {
-template <class T, bool ToCache>
-status launch_ragged_gather(cuda_t be, const char* fn, const kv_view<const T>& src, const ragged_positions& kept,
-                            T* dst, const std::int32_t* dst_cu, std::int32_t* lens, index_t row_stride,
-                            int* bad_positions) {
-  const index_t H = kept.heads, dim = src.extent(2);
-  if (H == 0) return {};
-  const bool contiguous = src.stride(2) == 1;
-  const std::uint64_t bits = view_bits(src) | addr_bits(dst) | static_cast<std::uint64_t>(row_stride) * sizeof(T);
-  const cudaStream_t st = stream_of(be);
-  const index_t parts = parts_per_head(H);
-  return with_unit(dim == 0 ? 16 : unit_for<T>(contiguous, bits, dim), [&](auto u) {
-    constexpr int U = decltype(u)::value;
-    const int lanes = copy_lanes(row_copy<T, U>{dim, 1, 1}.units());
-    compact_ragged_kernel<T, U, ToCache><<<grid_blocks(H * parts), compact_threads, 0, st>>>(
-        src, kept, dst, dst_cu, lens, row_stride, parts, lanes, bad_counter{bad_positions, nullptr});
-    return launch_status(fn);
-  });
-}
-
 /// Host checks shared by the two ragged gathers.
 template <class T>
 status check_ragged_gather(const char* fn, const kv_view<const T>& src, const ragged_positions& kept, index_t heads,
@@ -349,6 +247,23 @@ status check_ragged_gather(const char* fn, const kv_view<const T>& src, const ra
   if (positions_range(kept.pos, 1).intersects(d)) return overlap_error(fn, "kept", "dst");
   return {};
 }
+
+/// The ragged gathers' entry: checks (dst_cu named cu_name; with ToCache, lens too), then the launch.
+template <bool ToCache, class S, class T>
+status compact_ragged(cuda_t be, const kv_view<S>& src_in, const ragged_positions& kept, index_t heads, index_t dim,
+                      index_t row_stride, T* data, const std::int32_t* dst_cu, const char* cu_name, std::int32_t* lens,
+                      int* bad_positions) {
+  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
+  constexpr const char* fn = "compact(cuda)";
+  const kv_view<const T> src = src_in;
+  KVEVICT_TRY(check_ragged_gather(fn, src, kept, heads, dim, row_stride, static_cast<const T*>(data), dst_cu, cu_name));
+  if (ToCache && lens == nullptr && heads > 0) return status::error(errc::null_pointer, "%s: dst.lens is null", fn);
+  KVEVICT_TRY(check_device_alignment(fn, "dst.lens", static_cast<const std::int32_t*>(lens)));
+  if (kept.heads == 0) return {};
+  cuda_launcher l{stream_of(be), fn};
+  compact_ragged_launch<ToCache>(l, src, kept, data, dst_cu, lens, row_stride, simt_bad{bad_positions, nullptr});
+  return l.err;
+}
 }  // namespace detail
 
 /// Ragged gather on the GPU: head h's kept rows (kept.pos[kept.cu[h] ..]) packed into dst's rows
@@ -357,13 +272,8 @@ status check_ragged_gather(const char* fn, const kv_view<const T>& src, const ra
 /// with dst's first row (the ragged extents are device data).
 template <class S, class T>
 status compact(cuda_t be, kv_view<S> src_in, ragged_positions kept, ragged_view<T> dst, int* bad_positions = nullptr) {
-  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
-  constexpr const char* fn = "compact(cuda)";
-  const kv_view<const T> src = src_in;
-  KVEVICT_TRY(detail::check_ragged_gather(fn, src, kept, dst.heads, dst.dim, dst.row_stride,
-                                          static_cast<const T*>(dst.data), dst.cu_lens, "dst.cu_lens"));
-  return detail::launch_ragged_gather<T, false>(be, fn, src, kept, dst.data, dst.cu_lens, nullptr, dst.row_stride,
-                                                bad_positions);
+  return detail::compact_ragged<false>(be, src_in, kept, dst.heads, dst.dim, dst.row_stride, dst.data, dst.cu_lens,
+                                       "dst.cu_lens", nullptr, bad_positions);
 }
 
 /// Dense cache -> ragged cache with capacity on the GPU: head h receives its kept rows at the start
@@ -371,15 +281,8 @@ status compact(cuda_t be, kv_view<S> src_in, ragged_positions kept, ragged_view<
 /// skipped (lens[h] unchanged) and counted; never reallocates.
 template <class S, class T>
 status compact(cuda_t be, kv_view<S> src_in, ragged_positions kept, ragged_cache<T> dst, int* bad_positions = nullptr) {
-  static_assert(std::is_same_v<std::remove_const_t<S>, T>, "compact: src and dst element types differ");
-  constexpr const char* fn = "compact(cuda)";
-  const kv_view<const T> src = src_in;
-  KVEVICT_TRY(detail::check_ragged_gather(fn, src, kept, dst.heads, dst.dim, dst.row_stride,
-                                          static_cast<const T*>(dst.data), dst.cu_capacity, "dst.cu_capacity"));
-  if (dst.lens == nullptr && dst.heads > 0) return status::error(errc::null_pointer, "%s: dst.lens is null", fn);
-  KVEVICT_TRY(detail::check_device_alignment(fn, "dst.lens", static_cast<const std::int32_t*>(dst.lens)));
-  return detail::launch_ragged_gather<T, true>(be, fn, src, kept, dst.data, dst.cu_capacity, dst.lens,
-                                               dst.row_stride, bad_positions);
+  return detail::compact_ragged<true>(be, src_in, kept, dst.heads, dst.dim, dst.row_stride, dst.data, dst.cu_capacity,
+                                      "dst.cu_capacity", dst.lens, bad_positions);
 }
 
 /// In place on a dense cache on the GPU: cache[h][j] = cache[h][kept[h][j]] for j < k (positions
@@ -448,24 +351,10 @@ status append(cuda_t be, ragged_cache<T> cache, kv_view<S> rows_in, int* bad_hea
   KVEVICT_TRY(detail::check_device_alignment(fn, "rows", rows.data_handle()));
   if (detail::range_of(rows).intersects(detail::first_row(cache.data, cache.row_stride)))
     return detail::overlap_error(fn, "rows", "cache");
-  const index_t H = cache.heads, n = rows.extent(1), dim = cache.dim;
-  if (H == 0 || n == 0) return {};
-  const cudaStream_t st = detail::stream_of(be);
-  const bool big = n * dim * static_cast<index_t>(sizeof(T)) >= (index_t(1) << 18);
-  const index_t parts = big ? detail::parts_per_head(H, 2048, 256) : 1;
-  const std::uint64_t bits = detail::view_bits(rows) | detail::addr_bits(cache.data) |
-                             static_cast<std::uint64_t>(cache.row_stride) * sizeof(T);
-  const detail::bad_counter bad{bad_heads, nullptr};
-  KVEVICT_TRY(detail::with_unit(dim == 0 ? 16 : detail::unit_for<T>(rows.stride(2) == 1, bits, dim), [&](auto u) {
-    constexpr int U = decltype(u)::value;
-    const int lanes = detail::copy_lanes(detail::row_copy<T, U>{dim, 1, 1}.units());
-    detail::append_kernel<T, U><<<detail::grid_blocks(H * parts), detail::compact_threads, 0, st>>>(cache, rows, parts,
-                                                                                                 lanes, parts == 1, bad);
-    return detail::launch_status(fn);
-  }));
-  if (parts == 1) return {};
-  detail::append_lens_kernel<T><<<detail::grid_blocks((H + 255) / 256), 256, 0, st>>>(cache, n);
-  return detail::launch_status(fn);
+  if (cache.heads == 0 || rows.extent(1) == 0) return {};
+  detail::cuda_launcher l{detail::stream_of(be), fn};
+  detail::append_launch(l, cache, rows, detail::simt_bad{bad_heads, nullptr});
+  return l.err;
 }
 
 }  // namespace kvevict

@@ -7,7 +7,10 @@
 #include <kvevict/cuda/error.cuh>
 #include <kvevict/status.hpp>
 
+#include <cuda/atomic>
+
 #include <cstdint>
+#include <type_traits>
 
 namespace kvevict::detail {
 
@@ -34,7 +37,20 @@ struct cuda_simt_ctx {
   __device__ void st(T* p, T v) const { *p = v; }
   template <class T>
   __device__ T atomic_add(T* p, T v) const { return atomicAdd(p, v); }
+  template <class T>
+  __device__ T atomic_max(T* p, T v) const { return atomicMax(p, v); }
   __device__ void fence() const { __threadfence(); }
+  template <class T>
+  __device__ T ld_acquire(const T* p) const {
+    return cuda::atomic_ref<T, cuda::thread_scope_device>(*const_cast<T*>(p)).load(cuda::memory_order_acquire);
+  }
+  template <class T>
+  __device__ void st_release(T* p, T v) const {
+    cuda::atomic_ref<T, cuda::thread_scope_device>(*p).store(v, cuda::memory_order_release);
+  }
+  template <class T>
+  __device__ T ld_cg(const T* p) const { return __ldcg(p); }
+  __device__ void pause() const { __nanosleep(64); }
 };
 
 /// The one __global__ of every op (detail/block/simt_bodies.hpp): its static shared memory, the
@@ -46,6 +62,23 @@ __global__ void __launch_bounds__(Op::threads) simt_kernel(A... a) {
   Op::body(c, sh, a...);
 }
 
+/// The same with a minimum of Op::min_blocks resident blocks per SM (ops that declare it).
+template <class Op, class... A>
+__global__ void __launch_bounds__(Op::threads, Op::min_blocks) simt_kernel_min(A... a) {
+  __shared__ typename Op::shared sh;
+  cuda_simt_ctx c;
+  Op::body(c, sh, a...);
+}
+
+template <class Op, class = void>
+struct simt_min_blocks {
+  static constexpr int value = 0;
+};
+template <class Op>
+struct simt_min_blocks<Op, std::void_t<decltype(Op::min_blocks)>> {
+  static constexpr int value = Op::min_blocks;
+};
+
 /// The GPU launcher: each op's kernel on `stream`; stops at the first launch error (err).
 struct cuda_launcher {
   cudaStream_t stream;
@@ -54,7 +87,11 @@ struct cuda_launcher {
   template <class Op, class Shape, class... A>
   void run(const Shape& sh, A... a) {
     if (!err.ok()) return;
-    simt_kernel<Op, A...><<<static_cast<unsigned>(sh.grid), static_cast<unsigned>(sh.block), 0, stream>>>(a...);
+    const auto grid = static_cast<unsigned>(sh.grid), block = static_cast<unsigned>(sh.block);
+    if constexpr (simt_min_blocks<Op>::value > 0)
+      simt_kernel_min<Op, A...><<<grid, block, 0, stream>>>(a...);
+    else
+      simt_kernel<Op, A...><<<grid, block, 0, stream>>>(a...);
     err = cuda_status(cudaGetLastError(), fn);
   }
 };

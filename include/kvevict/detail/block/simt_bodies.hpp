@@ -50,6 +50,19 @@ KVEVICT_HOST_DEVICE bool simt_row_length(Ctx& c, const std::int32_t* lengths, in
   return false;
 }
 
+/// Where kernels report rows or heads they skipped because device-resident arguments were invalid:
+/// the caller's counter and/or the launcher's own (workspace) counter, either may be null.
+struct simt_bad {
+  int* a = nullptr;
+  int* b = nullptr;
+  template <class Ctx>
+  KVEVICT_HOST_DEVICE void add(Ctx& c, int n) const {
+    if (n == 0) return;
+    if (a != nullptr) c.atomic_add(a, n);
+    if (b != nullptr) c.atomic_add(b, n);
+  }
+};
+
 // ---- protect: one thread per element, grid-stride ------------------------------------------------
 inline constexpr index_t protect_threads = 256;
 inline simt_shape protect_shape(index_t R, index_t T, index_t cap = index_t(1) << 20) {

@@ -207,7 +207,7 @@ void weight_on_executor(std::mt19937_64& g, int trial) {
       REQUIRE(weight_by_value_norm(seq, sh, vh, mode, with_lengths ? lens.data() + h : nullptr).ok());
     }
     const detail::pp_values<VE> vals{v.data(), vv.stride(0), vv.stride(1), vv.stride(2), tv, d};
-    std::vector<float> partial(static_cast<std::size_t>(hkv * detail::value_norm_tiles(tv))), factors(static_cast<std::size_t>(hkv));
+    std::vector<float> partial(static_cast<std::size_t>(hkv * detail::stage_tiles(tv))), factors(static_cast<std::size_t>(hkv));
     detail::simt_executor ex(static_cast<std::uint64_t>(trial) * 2 + (mode == value_weight::head_max));
     detail::simt_launcher<detail::simt_executor> l{ex};
     int bad = 0;

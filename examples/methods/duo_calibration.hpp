@@ -1,5 +1,6 @@
 // methods/duo_calibration.hpp: DuoAttention-style head types for the runner, from a calibration
-// pass over model-generated text.
+// pass over model-generated text (duo_calibrate) or from a trained head-mask file
+// (head_types_from_file: DuoAttention's alpha, PruLong's mask).
 //
 // DuoAttention learns, per KV head, a gate between full attention and a streaming window (sinks +
 // recent tokens) by optimisation on synthetic retrieval data; PruLong trains the same gates. Neither
@@ -22,7 +23,10 @@
 
 #include <runner/evict.hpp>
 
+#include <kvevict/train/prulong.hpp>
+
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace kvrun {
@@ -91,6 +95,32 @@ inline status duo_calibrate(const model& m, const std::vector<std::vector<int>>&
   }
   out.global.resize(sum.size());
   for (std::size_t i = 0; i < sum.size(); ++i) out.global[i] = sum[i] / static_cast<double>(texts.size());
+  return {};
+}
+
+/// The head types of a trained head-mask TSV file (DuoAttention's alpha, PruLong's mask; values
+/// clipped to [0, 1] like DuoAttention's loader): its values rank the heads; `sparsity` in [0, 1]
+/// makes floor(L H (1 - sparsity)) of them retrieval heads, a negative sparsity the heads >= 0.5
+/// (DuoAttention's threshold; a PruLong mask's own ones). Errors: the file's (read_head_mask_tsv,
+/// the model's shape), a sparsity above 1.
+inline status head_types_from_file(const config& c, const std::string& path, double sparsity, duo_heads& out) {
+  const index_t L = c.n_layers, H = c.n_kv_heads;
+  if (!(sparsity <= 1.0))
+    return status::error(errc::invalid_argument, "--head-sparsity %g is above 1 (a fraction of streaming heads)", sparsity);
+  std::vector<double> v(static_cast<std::size_t>(L * H));
+  kvevict::head_mask_tsv_options opt;
+  opt.range = kvevict::head_mask_range::clip;
+  KVEVICT_TRY(kvevict::read_head_mask_tsv(path.c_str(), *kvevict::make_matrix_view(v.data(), L, H), opt));
+  index_t k = 0;
+  if (sparsity >= 0) {
+    const auto r = kvevict::prulong_retrieval_heads(L * H, sparsity);
+    if (!r) return r.error();
+    k = *r;
+  } else {
+    for (double x : v) k += x >= 0.5 ? 1 : 0;
+  }
+  out.global = std::move(v);
+  out.retrieval = k;
   return {};
 }
 

@@ -49,17 +49,26 @@ using compact_block_t = cuda_block<compact_threads>;
 // compact_dense_launch, compact_ragged_launch and append_launch, written once for the GPU and the
 // host executor); the in-place kernels below are not converted yet.
 
+/// The body of the validation kernels (the in-place compaction's here, the paged one's in
+/// paged.cuh): block b (grid-stride) validates item b of `items`, validate(blk, b) returning its
+/// problems, and thread 0 adds them (at most 2^30) to bad.
+template <class Validate>
+__device__ inline void validate_items(index_t items, bad_counter bad, Validate validate) {
+  __shared__ typename compact_block_t::temp_storage tmp;
+  compact_block_t blk{tmp};
+  for (index_t b = blockIdx.x; b < items; b += gridDim.x) {
+    const index_t n = validate(blk, b);
+    if (threadIdx.x == 0) bad.add(static_cast<int>(n < 1 << 30 ? n : 1 << 30));
+    __syncthreads();
+  }
+}
+
 /// In place, step 1: block h (grid-stride) validates head h's arguments and positions.
 template <class Heads>
 __global__ void __launch_bounds__(compact_threads)
     inplace_validate_kernel(Heads heads, index_t* head_rows, bad_counter bad) {
-  __shared__ typename compact_block_t::temp_storage tmp;
-  compact_block_t blk{tmp};
-  for (index_t h = blockIdx.x; h < heads.heads(); h += gridDim.x) {
-    const index_t n = inplace_validate(blk, heads, h, head_rows);
-    if (threadIdx.x == 0) bad.add(static_cast<int>(n < 1 << 30 ? n : 1 << 30));
-    __syncthreads();
-  }
+  validate_items(heads.heads(), bad,
+                 [&](compact_block_t& blk, index_t h) { return inplace_validate(blk, heads, h, head_rows); });
 }
 
 /// Per-head state of the in-place copy (workspace, zeroed): ticket, prefix, ring of flags.

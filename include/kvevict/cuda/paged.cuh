@@ -49,13 +49,8 @@ __global__ void __launch_bounds__(compact_threads)
 template <class T>
 __global__ void __launch_bounds__(compact_threads)
     paged_validate_kernel(paged_inplace_heads<T> heads, const std::uint32_t* marks, bad_counter bad) {
-  __shared__ typename compact_block_t::temp_storage tmp;
-  compact_block_t blk{tmp};
-  for (index_t r = blockIdx.x; r < heads.heads(); r += gridDim.x) {
-    const index_t n = paged_validate_row(blk, heads, r, marks);
-    if (threadIdx.x == 0) bad.add(static_cast<int>(n < 1 << 30 ? n : 1 << 30));
-    __syncthreads();
-  }
+  validate_items(heads.heads(), bad,
+                 [&](compact_block_t& blk, index_t r) { return paged_validate_row(blk, heads, r, marks); });
 }
 
 /// Step 3: one block decides (all or nothing) and writes the lengths and freed pages.

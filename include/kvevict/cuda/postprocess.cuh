@@ -43,7 +43,7 @@ inline status carve_postprocess_cuda(const char* fn, workspace& ws, index_t hq, 
   const index_t g = hkv > 0 ? hq / hkv : 1;
   index_t partial_floats = 0, stash_floats = 0;
   bool ok = true;
-  if (head_max) ok = ok && checked_mul(hkv, value_norm_tiles(tv), partial_floats);
+  if (head_max) ok = ok && checked_mul(hkv, stage_tiles(tv), partial_floats);
   if (block_path && opt.order == gqa_order::pool_first && g > 1) ok = ok && checked_mul(hkv, T, stash_floats);
   if (!ok) return status::error(errc::size_overflow, "%s: the workspace size overflows", fn);
   workspace_carver carver(ws);

@@ -59,7 +59,7 @@ status weight_by_value_norm(cuda_t be, workspace& ws, matrix_view<float> scores,
   const index_t rows = scores.extent(0), cols = scores.extent(1), hkv = values.extent(0);
   const bool head_max = mode == value_weight::head_max;
   index_t partial_floats = 0;
-  if (head_max && !detail::checked_mul(hkv, detail::value_norm_tiles(values.extent(1)), partial_floats))
+  if (head_max && !detail::checked_mul(hkv, detail::stage_tiles(values.extent(1)), partial_floats))
     return status::error(errc::size_overflow, "%s: the workspace size overflows", fn);
   detail::workspace_carver carver(ws);
   float* const partial = carver.take<float>(static_cast<std::size_t>(partial_floats));

@@ -383,17 +383,9 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     const std::int32_t* lens = detail::layer_lens(kv);
     const protection prot = chunk_protection();
     if (lava()) {
-      lava_entropy_options eo;
-      eo.prot = prot;
-      eo.norm = cfg_.alloc.lava_norm;
       double e = 0.0;
-      if (sharded()) {  // every rank gets the entropy over all the layer's heads
-        in_collective_ = true;
-        comm_ref c = cfg_.tp;
-        KVEVICT_TRY(lava_layer_entropy(be, w.sel, c, sv, lens, eo, &e));
-      } else {
-        KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
-      }
+      KVEVICT_TRY(detail::driver_layer_entropy(be, w.sel, cfg_.tp, sharded(), &in_collective_, sv, lens, prot,
+                                               cfg_.alloc.lava_norm, &e));
       held_.store(layer, kv, e);
       next_ = layer + 1;
       return {};
@@ -480,9 +472,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   /// still joins it, so the other ranks return the same error instead of waiting.
   status joined(const char* fn, const workspace& ws, const status& st) {
     if (ws.is_query() || st.ok() || !ok_ || !sharded() || in_collective_) return st;
-    comm_ref c = cfg_.tp;
-    std::int64_t sums[2] = {};
-    return detail::agree(c, fn, st, detail::config_line{}, sums, lava() ? 0 : 2);
+    return detail::join_failed_call(cfg_.tp, fn, st, lava() ? 0 : 2);
   }
 
   void commit(index_t layer) {
@@ -565,10 +555,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
       ext.n_recent = 0;
       KVEVICT_TRY(fit_score_slots(be, ext, cfg_.rec.window, true, s));
     }
-    s.sel = sharded() ? sharded_flat_workspace_bytes(be, s.H, s.C, cfg_.alloc.kind == allocator::adakv)
-                      : detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
-    if (sharded() && lava())  // the sharded entropy's per-head records
-      s.sel = std::max(s.sel, sharded_lava_entropy_workspace_bytes(s.H * cfg_.tp.size()));
+    s.sel = detail::driver_select_bytes(be, sharded(), cfg_.alloc.kind, cfg_.alloc.kind, s.H, s.C, cfg_.tp.size());
     s.layers = cfg_.model.layers;
     s.pool_pages = cfg_.pool_pages;
     return detail::carve_call_scratch(name, ws, s, w);

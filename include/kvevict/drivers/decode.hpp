@@ -292,9 +292,7 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   /// joins it, so the other ranks return the same error instead of waiting.
   status joined(const char* fn, bool join, const status& st) {
     if (!join || st.ok() || in_collective_) return st;
-    comm_ref c = cfg_.tp;
-    std::int64_t sums[2] = {};
-    return detail::agree(c, fn, st, detail::config_line{}, sums, 2);
+    return detail::join_failed_call(cfg_.tp, fn, st, 2);
   }
 
  public:
@@ -437,8 +435,7 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
     recipe r = cfg_.rec;
     if (h2o_) r.kind = recipe_kind::tova;  // H2O scores each step's token like TOVA
     KVEVICT_TRY(fit_score_slots(be, r, h2o_ ? 1 : evict_rows_, !h2o_ && block_keys_, s));
-    s.sel = sharded() ? sharded_flat_workspace_bytes(be, s.H, s.C, cfg_.alloc.kind == allocator::adakv)
-                      : detail::select_bytes(be, cfg_.alloc.kind, s.H, s.C);
+    s.sel = detail::driver_select_bytes(be, sharded(), cfg_.alloc.kind, cfg_.alloc.kind, s.H, s.C, cfg_.tp.size());
     s.pool_pages = cfg_.pool_pages;
     return detail::carve_call_scratch(name, ws, s, w);
   }

@@ -415,10 +415,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     detail::call_scratch_shape s = scratch_shape(cfg_.tokens);
     s.scores = !all_layer_;
     KVEVICT_TRY(fit_score_slots(be, cfg_.rec, query_rows_, block_keys_, s));
-    s.sel = sharded(cfg_) ? sharded_flat_workspace_bytes(be, s.H, s.C, cfg_.alloc.kind == allocator::adakv)
-                          : detail::select_bytes(be, all_layer_ ? allocator::lava : cfg_.alloc.kind, s.H, s.C);
-    if (sharded(cfg_) && cfg_.alloc.kind == allocator::lava)  // the sharded entropy's per-head records
-      s.sel = std::max(s.sel, sharded_lava_entropy_workspace_bytes(s.H * cfg_.tp.size()));
+    s.sel = detail::driver_select_bytes(be, sharded(cfg_), cfg_.alloc.kind, all_layer_ ? allocator::lava : cfg_.alloc.kind,
+                                        s.H, s.C, cfg_.tp.size());
     if (pipelined(cfg_)) {  // decide()'s gathers, before its selections
       workspace q;
       stage_scratch g;
@@ -474,18 +472,9 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     const std::int32_t* lens = detail::layer_lens(kv);
     if (all_layer_) {
       double e = weight;
-      if (cfg_.alloc.kind == allocator::lava) {
-        lava_entropy_options eo;
-        eo.prot = detail::recipe_protection(cfg_.rec);
-        eo.norm = cfg_.alloc.lava_norm;
-        if (sharded(cfg_)) {  // every rank gets the entropy over all the layer's heads
-          in_collective_ = true;
-          comm_ref tp = cfg_.tp;
-          KVEVICT_TRY(lava_layer_entropy(be, w.sel, tp, sv, lens, eo, &e));
-        } else {
-          KVEVICT_TRY(lava_layer_entropy(be, sv, lens, eo, &e));
-        }
-      }
+      if (cfg_.alloc.kind == allocator::lava)
+        KVEVICT_TRY(detail::driver_layer_entropy(be, w.sel, cfg_.tp, sharded(cfg_), &in_collective_, sv, lens,
+                                                 detail::recipe_protection(cfg_.rec), cfg_.alloc.lava_norm, &e));
       held_.store(layer, kv, e);
       added_ = layer + 1;
       return {};
@@ -575,9 +564,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
       return detail::agree(tp, fn, st, config, nullptr, 0);
     }
     if (st.ok() || !sharded(cfg_) || in_collective_) return st;
-    comm_ref tp = cfg_.tp;
-    std::int64_t sums[2] = {};
-    return detail::agree(tp, fn, st, detail::config_line{}, sums, agree_sums());
+    return detail::join_failed_call(cfg_.tp, fn, st, agree_sums());
   }
 
   ragged_positions kept(index_t layer, bool) const noexcept {

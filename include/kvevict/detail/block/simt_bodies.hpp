@@ -126,6 +126,15 @@ inline constexpr int stage_rows = 256;           ///< rows staged per step (one 
 inline constexpr int stage_cols = 16;            ///< elements of each row staged per step
 inline constexpr int stage_ld = stage_cols + 1;  ///< odd row stride: conflict-free column reads
 
+/// Tiles of stage_rows tokens covering `tokens`: the items per head of the staged ops (and the
+/// partial maxima per head of value_norm_max_launch).
+KVEVICT_HOST_DEVICE inline index_t stage_tiles(index_t tokens) { return (tokens + stage_rows - 1) / stage_rows; }
+
+/// The shared memory of an op that stages its rows (simt_staged_row_reduce's sm).
+struct staged_rows_shared {
+  float sm[stage_rows * stage_ld];
+};
+
 /// Thread t's reduction over row t (t < nrows <= stage_rows) of d elements, row t's element k being
 /// base[t * rs + k * es]: the rows are staged through sm[stage_rows][stage_ld] (fp32, widened exactly)
 /// stage_cols elements at a time with coalesced loads (16 consecutive threads read one row's 16
@@ -158,8 +167,6 @@ KVEVICT_HOST_DEVICE float simt_staged_row_reduce(Ctx& c, const T* base, index_t 
 }
 
 // ---- weight_by_value_norm ---------------------------------------------------------------------------
-KVEVICT_HOST_DEVICE inline index_t value_norm_tiles(index_t tokens) { return (tokens + stage_rows - 1) / stage_rows; }
-
 struct value_l1_step {
   KVEVICT_HOST_DEVICE float operator()(float acc, const float* x, int k) const { return value_l1_accumulate(acc, x, k, 1); }
 };
@@ -170,8 +177,7 @@ struct value_l1_step {
 template <class VE>
 struct value_norm_max_partial_op {
   static constexpr int threads = stage_rows;
-  struct shared {
-    float sm[stage_rows * stage_ld];
+  struct shared : staged_rows_shared {
     float red[stage_rows];
   };
   template <class Ctx>
@@ -224,15 +230,13 @@ struct value_norm_max_final_op {
 template <class VE>
 struct weight_per_token_op {
   static constexpr int threads = stage_rows;
-  struct shared {
-    float sm[stage_rows * stage_ld];
-  };
+  using shared = staged_rows_shared;
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, float* s, index_t s0, index_t s1, index_t cols,
                                        index_t group, pp_values<VE> vals, const std::int32_t* lengths, index_t hkv,
                                        int* bad) {
     const int tid = static_cast<int>(c.thread());
-    const index_t tiles = value_norm_tiles(cols);
+    const index_t tiles = stage_tiles(cols);
     for (index_t item = c.block(); item < hkv * tiles; item += c.grid_dim()) {
       const index_t h = item / tiles, t0 = (item % tiles) * stage_rows;
       index_t len = 0;
@@ -270,11 +274,11 @@ struct weight_head_max_op {
   }
 };
 
-/// The head maxima of value norms into factors[hkv] (partial: hkv x value_norm_tiles(tv) floats).
+/// The head maxima of value norms into factors[hkv] (partial: hkv x stage_tiles(tv) floats).
 template <class L, class VE>
 void value_norm_max_launch(L& l, const pp_values<VE>& vals, const std::int32_t* lengths, index_t hkv, float* partial,
                            float* factors, index_t cap = index_t(1) << 20) {
-  const index_t tiles = value_norm_tiles(vals.tv);
+  const index_t tiles = stage_tiles(vals.tv);
   if (hkv == 0) return;
   if (tiles > 0)
     l.template run<value_norm_max_partial_op<VE>>(simt_shape{simt_grid(hkv * tiles, cap), stage_rows}, vals, lengths,
@@ -291,7 +295,7 @@ void weight_launch(L& l, float* s, index_t s0, index_t s1, index_t rows, index_t
                    index_t cap = index_t(1) << 20) {
   const index_t group = rows / hkv;
   if (!head_max) {
-    l.template run<weight_per_token_op<VE>>(simt_shape{simt_grid(hkv * value_norm_tiles(cols), cap), stage_rows}, s, s0,
+    l.template run<weight_per_token_op<VE>>(simt_shape{simt_grid(hkv * stage_tiles(cols), cap), stage_rows}, s, s0,
                                             s1, cols, group, vals, lengths, hkv, bad);
     return;
   }
@@ -310,13 +314,11 @@ struct key_sq_step {
 template <class KE>
 struct key_norm_op {
   static constexpr int threads = stage_rows;
-  struct shared {
-    float sm[stage_rows * stage_ld];
-  };
+  using shared = staged_rows_shared;
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, kv_view<const KE> keys, float* out, index_t os0,
                                        index_t os1) {
-    const index_t tokens = keys.extent(1), tiles = (tokens + stage_rows - 1) / stage_rows;
+    const index_t tokens = keys.extent(1), tiles = stage_tiles(tokens);
     const index_t items = keys.extent(0) * tiles;
     for (index_t item = c.block(); item < items; item += c.grid_dim()) {
       const index_t h = item / tiles, t0 = (item % tiles) * stage_rows;
@@ -330,7 +332,7 @@ struct key_norm_op {
 };
 template <class KE>
 inline simt_shape key_norm_shape(const kv_view<const KE>& keys, index_t cap = index_t(1) << 20) {
-  return {simt_grid(keys.extent(0) * ((keys.extent(1) + stage_rows - 1) / stage_rows), cap), stage_rows};
+  return {simt_grid(keys.extent(0) * stage_tiles(keys.extent(1)), cap), stage_rows};
 }
 
 /// position_scores: out[h][t] = t, one thread per element, grid-stride.

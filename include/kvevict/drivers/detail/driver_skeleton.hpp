@@ -6,6 +6,7 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/budget.hpp>
 #include <kvevict/comm.hpp>
+#include <kvevict/distributed.hpp>
 #include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/drivers/detail/driver_checks.hpp>
 #include <kvevict/drivers/detail/paged_rows.hpp>
@@ -167,6 +168,41 @@ std::size_t select_bytes(Backend be, allocator kind, index_t H, index_t C) {
   if (kind == allocator::flattened || kind == allocator::lava) other = select_topk_flat_workspace_bytes(be, H, C);
   if (kind == allocator::adakv) other = adakv_budgets_workspace_bytes(be, H, C);
   return other > n ? other : n;
+}
+
+/// Workspace bytes of a driver call's selection: select_bytes(local_kind) in one process; across
+/// the tensor-parallel ranks (`sharded`) the sharded selection's (sharded_flat_workspace_bytes),
+/// for lava at least the sharded entropy's per-head records of all `ranks` ranks' H heads.
+template <class Backend>
+std::size_t driver_select_bytes(Backend be, bool sharded, allocator kind, allocator local_kind, index_t H, index_t C,
+                                index_t ranks) {
+  if (!sharded) return select_bytes(be, local_kind, H, C);
+  const std::size_t n = sharded_flat_workspace_bytes(be, H, C, kind == allocator::adakv);
+  if (kind != allocator::lava) return n;
+  return std::max(n, sharded_lava_entropy_workspace_bytes(H * ranks));
+}
+
+/// lava's entropy of a layer's scores (protection `prot`, normalization `norm`): in one process
+/// over its heads; `sharded`, every rank gets the entropy over all the layer's heads (the call
+/// reached its collective: *in_collective = true).
+template <class Backend>
+status driver_layer_entropy(Backend be, workspace& sel, comm_ref tp, bool sharded, bool* in_collective,
+                            const matrix_view<const float>& sv, const std::int32_t* lens, const protection& prot,
+                            entropy_norm norm, double* e) {
+  lava_entropy_options eo;
+  eo.prot = prot;
+  eo.norm = norm;
+  if (!sharded) return lava_layer_entropy(be, sv, lens, eo, e);
+  *in_collective = true;
+  return lava_layer_entropy(be, sel, tp, sv, lens, eo, e);
+}
+
+/// Tensor parallelism: a call that failed on this rank before its collective still joins the
+/// agreement that collective opens (`nsums` zero sums, at most 2), so the other ranks return the
+/// same error instead of waiting.
+inline status join_failed_call(comm_ref tp, const char* fn, const status& st, int nsums) {
+  std::int64_t sums[2] = {};
+  return agree(tp, fn, st, config_line{}, sums, nsums);
 }
 
 /// Records the rows of a layer that `kept` (row indices, ascending per head) does not list as
@@ -526,6 +562,19 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
   /// The recorder holds the prompt's positions: cfg.tokens.
   static index_t recorder_tokens(const Config& c) { return c.tokens; }
 
+  /// The opening of both add paths: the call's scratch carved from ws (a size query stops there),
+  /// the layer opened (dense or paged) and checked against the driver's order and layout
+  /// (Derived::check_layer_call, `by_scores`).
+  template <class Backend, class KV>
+  status open_layer_call(const char* fn, Backend be, workspace& ws, index_t layer, const KV& kv_in, bool by_scores,
+                         call_scratch& w, typename layer_reader<KV>::type& kv) {
+    Derived& d = static_cast<Derived&>(*this);
+    KVEVICT_TRY(this->open_call(fn, be, ws, w));
+    if (ws.is_query()) return {};
+    KVEVICT_TRY(open_layer(fn, w.paged, kv_in, d.cfg_.model.kv_heads, d.cfg_.model.head_dim, kv));
+    return d.check_layer_call(fn, layer, kv, by_scores);
+  }
+
   /// add_layer(queries) of the prefill drivers: every head scored with the driver's recipe
   /// (recipe_scores per head into the driver's score buffer), then the scores path. Derived
   /// provides check_layer_call(fn, layer, kv, by_scores), query_rows_now(), block_keys_now(),
@@ -537,11 +586,9 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
     const kv_view<const std::remove_const_t<Q>> queries = queries_in;
     Derived& d = static_cast<Derived&>(*this);
     call_scratch w;
-    KVEVICT_TRY(this->open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
     typename layer_reader<KV>::type kv;
-    KVEVICT_TRY(open_layer(fn, w.paged, kv_in, d.cfg_.model.kv_heads, d.cfg_.model.head_dim, kv));
-    KVEVICT_TRY(d.check_layer_call(fn, layer, kv, false));
+    KVEVICT_TRY(open_layer_call(fn, be, ws, layer, kv_in, false, w, kv));
+    if (ws.is_query()) return {};
     KVEVICT_TRY(check_queries(fn, queries, d.query_rows_now(), d.cfg_.model, block_keys, d.block_keys_now()));
     KVEVICT_TRY(d.check_call_rest(fn, ws, layer, layer_lens(kv), weight));
     float* scores = d.scores_of(layer, w);
@@ -557,11 +604,9 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
                                 const matrix_view<const float>& scores, double weight) {
     Derived& d = static_cast<Derived&>(*this);
     call_scratch w;
-    KVEVICT_TRY(this->open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
     typename layer_reader<KV>::type kv;
-    KVEVICT_TRY(open_layer(fn, w.paged, kv_in, d.cfg_.model.kv_heads, d.cfg_.model.head_dim, kv));
-    KVEVICT_TRY(d.check_layer_call(fn, layer, kv, true));
+    KVEVICT_TRY(open_layer_call(fn, be, ws, layer, kv_in, true, w, kv));
+    if (ws.is_query()) return {};
     KVEVICT_TRY(check_layer_scores(fn, scores, layer_lens(kv), d.cfg_.model.kv_heads));
     KVEVICT_TRY(d.check_call_rest(fn, ws, layer, layer_lens(kv), weight));
     float* own = d.scores_of(layer, w);

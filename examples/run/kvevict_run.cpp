@@ -217,7 +217,7 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
   if (auto st = sampler.init(model.cfg().vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
   std::vector<int> generated;
   const kvrun::shard_options s{o.tp > 0 ? o.tp : 1, o.pp > 0 ? o.pp : 1, o.threads > 0 ? o.threads : 1};
-  if (o.report) {  // the reduced quality report (runner/sharded.hpp: sharded_quality), rank 0 prints its JSON
+  if (o.report) {  // the reduced quality report (sharded/sharded.hpp: sharded_quality), rank 0 prints its JSON
     std::vector<kvrun::method> recipes;
     for (const std::string& name : o.recipes) {
       kvrun::method m = kvrun::method::full;

@@ -170,6 +170,13 @@ py::tuple cake_stats_sharded(comm& c, py::handle a_, variance_estimator var) {
   return py::make_tuple(st.entropy, st.variance);
 }
 
+double cake_window_sharded(comm& c, py::handle q_, py::handle k_, double tau1, double tau2) {
+  const cake_window_args a(q_, k_, tau1, tau2);
+  double p = 0.0;
+  run_ws([&](workspace& ws) { return cake_window_preference(backend(), ws, c, a.queries(), a.keys(), a.opt, &p); });
+  return p;
+}
+
 std::vector<double> gather_layers(comm& c, index_t first, py::handle local_, index_t layers) {
   const std::vector<double> local = local_.cast<std::vector<double>>();
   std::vector<double> all(static_cast<std::size_t>(layers > 0 ? layers : 0));
@@ -212,6 +219,11 @@ void bind_distributed(py::module_& m) {
         "variance"_a = variance_estimator::unbiased,
         "Head-sharded CAKE statistics: this rank's query heads' window attention [R][w][C] of the layer's P*R; every "
         "rank gets cake_layer_stats over all heads, bit for bit: (entropy, variance).");
+  m.def("cake_window_preference_sharded", &cake_window_sharded, "comm"_a, "window_queries"_a, "keys"_a,
+        "tau1"_a = 1.0, "tau2"_a = 1.0,
+        "Head-sharded CAKE window preference: this rank's query heads [R_q][w][d] and its KV heads' keys [R_kv][P][d] "
+        "of the layer's P*R_q (rank order = head order); every rank gets cake_window_preference over all heads, bit "
+        "for bit.");
   m.def("gather_layer_values", &gather_layers, "comm"_a, "first"_a, "local"_a, "layers"_a,
         "Layer-sharded: this stage's values of layers [first, first + len(local)) -> every layer's value on every "
         "stage.");

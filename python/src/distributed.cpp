@@ -170,6 +170,11 @@ py::tuple cake_stats_sharded(comm& c, py::handle a_, variance_estimator var) {
   return py::make_tuple(st.entropy, st.variance);
 }
 
+py::tuple shard_tuple(const result<shard_range>& r) {
+  const shard_range s = value_or_raise(r);
+  return py::make_tuple(s.first, s.count);
+}
+
 double cake_window_sharded(comm& c, py::handle q_, py::handle k_, double tau1, double tau2) {
   const cake_window_args a(q_, k_, tau1, tau2);
   double p = 0.0;
@@ -204,6 +209,14 @@ void bind_distributed(py::module_& m) {
         "P communicators over shared memory (kvevict/thread_comm.hpp), rank r for the thread that plays rank r (each "
         "rank on its own thread; the calls release the GIL); a rank waiting longer than `timeout` seconds for the "
         "others gets an Error instead of hanging.");
+  m.def("head_shard", [](index_t heads, int ranks, int rank) { return shard_tuple(head_shard(heads, ranks, rank)); },
+        "heads"_a, "ranks"_a, "rank"_a,
+        "Tensor parallelism: rank r of P holds KV heads [first, first + count) = [r H / P, (r + 1) H / P) (H "
+        "divisible by P): (first, count).");
+  m.def("layer_shard", [](index_t layers, int ranks, int rank) { return shard_tuple(layer_shard(layers, ranks, rank)); },
+        "layers"_a, "ranks"_a, "rank"_a,
+        "Pipeline parallelism: rank r of P holds layers [r L / P, (r + 1) L / P): (first, count), the `first` and "
+        "len(local) of gather_layer_values.");
   m.def("select_topk_flat_sharded", &select_flat_sharded, "comm"_a, "scores"_a, "total"_a, "row_lengths"_a = py::none(),
         "floors"_a = py::none(),
         "Head-sharded select_topk_flat: this rank's rows [R][T] of the layer's P*R (rank order = row order); "

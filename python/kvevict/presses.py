@@ -348,20 +348,13 @@ class CAKE(Press):
         self.tau1, self.tau2 = tau1, tau2
 
     def cake_preference(self, queries, keys):
-        """A layer's preference from its window attention probabilities (computed here with
-        PyTorch/NumPy: the library's score stage never materialises attention)."""
+        """A layer's preference from its window's queries and its keys (the library's
+        cake_window_preference: the window's causal attention over the prefix, in float32)."""
         import torch
         w = self.recipe.window
-        q = torch.as_tensor(queries[:, -w:]).float()
+        q = torch.as_tensor(queries)[:, -w:].float()
         k = torch.as_tensor(keys).float()
-        g = q.shape[0] // k.shape[0]
-        k = k.repeat_interleave(g, dim=0)
-        T = k.shape[1]
-        logits = q @ k.transpose(1, 2) / (q.shape[-1] ** 0.5)
-        causal = torch.arange(T)[None, :] > (T - w + torch.arange(w))[:, None]
-        probs = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
-        entropy, variance = _core.cake_layer_stats(probs[:, :, : T - w].contiguous())
-        return _core.cake_preference(entropy, variance, self.tau1, self.tau2)
+        return _core.cake_window_preference(q, k, self.tau1, self.tau2)
 
 
 class PyramidKV(Press):

@@ -108,6 +108,13 @@ double cake_pref(double entropy, double variance, double tau1, double tau2) {
   return p;
 }
 
+double cake_window_pref(py::handle q_, py::handle k_, double tau1, double tau2) {
+  const cake_window_args a(q_, k_, tau1, tau2);
+  double p = 0.0;
+  run_ws([&](workspace& ws) { return cake_window_preference(backend(), ws, a.queries(), a.keys(), a.opt, &p); });
+  return p;
+}
+
 py::object cake(py::handle prefs, index_t budget, index_t prompt, index_t heads, index_t n_sink, index_t n_recent) {
   const std::vector<double> p = doubles(prefs, "preferences");
   const tensor out = numpy_output("budgets", {static_cast<index_t>(p.size()), heads}, dtype::i32);
@@ -214,6 +221,9 @@ void bind_budget(py::module_& m) {
         "CAKE's (entropy, variance) of a layer's window attention probabilities [R][w][C].");
   m.def("cake_preference", &cake_pref, "entropy"_a, "variance"_a, "tau1"_a = 1.0, "tau2"_a = 1.0,
         "CAKE's layer preference entropy^(1/tau1) x variance^(1/tau2).");
+  m.def("cake_window_preference", &cake_window_pref, "window_queries"_a, "keys"_a, "tau1"_a = 1.0, "tau2"_a = 1.0,
+        "CAKE's layer preference from the window's queries [H_q][w][d] and the keys [H_kv][P][d] (float32, the last "
+        "w keys the window's): the window's causal attention over the prefix, cake_layer_stats, cake_preference.");
   m.def("cake_budgets", &cake, "preferences"_a, "budget"_a, "prompt_length"_a, "heads"_a, "n_sink"_a = 0,
         "n_recent"_a = 0, "CAKE per-head budgets [L][H] in proportion to the layers' preferences (exact total).");
   m.def("duo_budgets", &duo, "mask"_a, "prompt_length"_a, "n_sink"_a = 0, "n_recent"_a = 0,

@@ -69,11 +69,24 @@ kv_view<const T> optional_kv(const tensor& t) {
   return t.data == nullptr && t.ndim == 0 ? kv_view<const T>{} : kv<const T>(t);
 }
 
-/// int32 offsets cu[R+1] of per-row counts (prefix sums), checked non-negative.
-std::vector<index_t> offsets_of(const tensor& counts, index_t rows);
+/// The offsets cu [R+1] of per-row counts (int32 [R], a CPU tensor: they size a ragged output, also
+/// of a CUDA call), checked non-negative and the total <= INT32_MAX.
+std::vector<std::int32_t> host_offsets(py::handle counts, index_t rows);
 
-/// A new 1-D int32 tensor of n entries like `like` (PyTorch or NumPy), filled from `values`.
-tensor int32_vector(const tensor& like, const char* name, const std::vector<index_t>& values);
+/// out=(a, b) of a call with two outputs (each None when out is None); `what` names them.
+std::pair<py::handle, py::handle> out_pair(py::handle out, const char* what);
+/// A contiguous int32 [n] output: new like `like`, or out checked.
+tensor int32_output(py::handle out, const char* name, const tensor& like, index_t n);
+
+/// The outputs of a ragged call with offsets host_cu (host_offsets): positions [total] and cu [R+1]
+/// int32 made like `like` or taken from out=(positions, cu) (contiguous, `like`'s device). On the
+/// host cu is filled here; a CUDA call copies host_cu to the device (cuda_bridge.hpp).
+struct ragged_outputs {
+  std::vector<std::int32_t> host_cu;
+  tensor positions, cu;
+
+  ragged_outputs(py::handle out, const tensor& like, std::vector<std::int32_t> offsets, bool gpu);
+};
 
 /// The CUDA path (cuda_bridge.hpp). raw_of: a tensor as the bridge reads it (absent: data null).
 gpu::raw raw_of(const tensor& t);
@@ -86,21 +99,31 @@ gpu::stream_t cuda_stream_of(std::initializer_list<const tensor*> ts);
 /// Whether `fn` is in cuda_functions (kvevict.cuda_functions).
 bool runs_on_cuda(const char* fn);
 
+/// Where a call runs, decided before any work: false when no tensor of `ts` is a CUDA tensor (the
+/// host path); true in a CUDA build for `fn` listed in cuda_functions; otherwise the call is refused
+/// naming the functions that take CUDA tensors. Calls that prepare host-side metadata (offsets,
+/// tables) ask first, then run through on_device.
+inline bool runs_on_gpu(const char* fn, std::initializer_list<const tensor*> ts) {
+  for (const tensor* t : ts)
+    if (t->cuda) {
+      if (!KVEVICT_PYTHON_CUDA || !runs_on_cuda(fn)) refuse_cuda(fn, *t);
+      return true;
+    }
+  return false;
+}
+
 /// The one place where a call chooses its backend. No CUDA tensor among `ts`: host() runs the host
 /// path (par_t; it releases the GIL itself). Otherwise, in a CUDA build and for `fn` listed in
 /// cuda_functions, every non-empty tensor of `ts` must be on one GPU (one kind: PyTorch or DLPack)
 /// and cuda(stream) -> status runs the bridge without the GIL; else the call is refused naming the
-/// functions that take CUDA tensors. `ts` lists every tensor of the call, outputs included.
+/// functions that take CUDA tensors. `ts` lists every device tensor of the call, outputs included
+/// (host-side metadata that the bridge copies to the device is not among them).
 template <class Host, class Cuda>
 void on_device(const char* fn, std::initializer_list<const tensor*> ts, Host&& host, Cuda&& cuda) {
-  const tensor* gpu_tensor = nullptr;
-  for (const tensor* t : ts)
-    if (t->cuda && gpu_tensor == nullptr) gpu_tensor = t;
-  if (gpu_tensor == nullptr) {
+  if (!runs_on_gpu(fn, ts)) {
     host();
     return;
   }
-  if (!KVEVICT_PYTHON_CUDA || !runs_on_cuda(fn)) refuse_cuda(fn, *gpu_tensor);
   if constexpr (KVEVICT_PYTHON_CUDA) {
     const gpu::stream_t stream = cuda_stream_of(ts);
     run([&] { return cuda(stream); });
@@ -108,6 +131,24 @@ void on_device(const char* fn, std::initializer_list<const tensor*> ts, Host&& h
     (void)cuda;
   }
 }
+
+/// cake_window_preference's arguments (single-process and sharded): float32 host tensors.
+struct cake_window_args {
+  tensor q, k;
+  cake_options opt;
+
+  cake_window_args(py::handle q_, py::handle k_, double tau1, double tau2)
+      : q(as_tensor(q_, "window_queries", 3)), k(as_tensor(k_, "keys", 3)) {
+    for (const tensor* t : {&q, &k}) {
+      require_dtype(*t, {dtype::f32});
+      require_host(*t);
+    }
+    opt.tau1 = tau1;
+    opt.tau2 = tau2;
+  }
+  kv_view<const float> queries() const { return kv<const float>(q); }
+  kv_view<const float> keys() const { return kv<const float>(k); }
+};
 
 void bind_enums(py::module_& m);
 void bind_stages(py::module_& m);

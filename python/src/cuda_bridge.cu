@@ -2,13 +2,17 @@
 // Compiled for the build's CUDA architectures; not run on this machine (no GPU).
 #include "cuda_bridge.hpp"
 
+#include <kvevict/cuda/batch.cuh>
 #include <kvevict/cuda/compact.cuh>
 #include <kvevict/cuda/gqa.cuh>
+#include <kvevict/cuda/paged.cuh>
 #include <kvevict/cuda/pool.cuh>
 #include <kvevict/cuda/recipes.cuh>
 #include <kvevict/cuda/weight.cuh>
 
 #include <cuda_runtime.h>
+
+#include <vector>
 
 namespace kvevict::python::gpu {
 
@@ -84,6 +88,63 @@ template <class F>
 status with_workspace_and_count(const char* fn, cudaStream_t stream, F&& f) {
   return with_bad_count(fn, stream,
                         [&](int* bad) { return with_device_workspace(fn, stream, [&](workspace& ws) { return f(ws, bad); }); });
+}
+
+/// f(std::int32_t* dev) -> status with the host arrays `parts` (pointer, count) copied one after
+/// another into one device block of their total plus `extra` ints (uninitialised), freed after.
+/// Pageable host memory: each copy returns once the source was staged, so the caller's arrays may go.
+template <class F>
+status with_device_ints(const char* fn, cudaStream_t stream,
+                        std::initializer_list<std::pair<const std::int32_t*, index_t>> parts, index_t extra, F&& f) {
+  index_t n = extra;
+  for (const auto& p : parts) n += p.second;
+  std::int32_t* dev = nullptr;
+  const std::size_t bytes = static_cast<std::size_t>(n > 0 ? n : 1) * sizeof(std::int32_t);
+  KVEVICT_TRY(cuda_status(fn, cudaMallocAsync(reinterpret_cast<void**>(&dev), bytes, stream)));
+  status st;
+  index_t at = 0;
+  for (const auto& p : parts) {
+    if (st.ok() && p.second > 0)
+      st = cuda_status(fn, cudaMemcpyAsync(dev + at, p.first, static_cast<std::size_t>(p.second) * sizeof(std::int32_t),
+                                           cudaMemcpyHostToDevice, stream));
+    at += p.second;
+  }
+  if (st.ok()) st = f(dev);
+  const status freed = cuda_status(fn, cudaFreeAsync(dev, stream));
+  return st.ok() ? freed : st;
+}
+
+/// A device int32 read back to the host (the stream synchronised).
+status read_back(const char* fn, cudaStream_t stream, const std::int32_t* dev, std::int32_t* host, index_t n) {
+  if (n <= 0) return {};
+  KVEVICT_TRY(cuda_status(fn, cudaMemcpyAsync(host, dev, static_cast<std::size_t>(n) * sizeof(std::int32_t),
+                                             cudaMemcpyDeviceToHost, stream)));
+  return cuda_status(fn, cudaStreamSynchronize(stream));
+}
+
+/// A ragged cache's cu_capacity (device) read back and checked against the buffer's rows: the
+/// kernels trust it to bound their writes.
+template <class T>
+status check_capacity(const char* fn, cudaStream_t stream, const ragged_cache<T>& cache, index_t buffer_rows) {
+  if (cache.heads <= 0) return {};
+  if (cache.cu_capacity == nullptr) return status::error(errc::null_pointer, "%s: cu_capacity is null", fn);
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(cache.heads) + 1);
+  KVEVICT_TRY(read_back(fn, stream, cache.cu_capacity, cu.data(), cache.heads + 1));
+  return detail::check_offsets(fn, "cu_capacity", cu.data(), cache.heads, buffer_rows);
+}
+
+/// f(layer with its table on the device, extra ints) -> status: the validated host table copied.
+template <class T, class F>
+status with_device_table(const char* fn, cudaStream_t stream, paged_layer<T> layer, index_t extra, F&& f) {
+  const page_table& t = layer.table;
+  const index_t listed = t.lists > 0 ? t.indptr[t.lists] : 0;
+  return with_device_ints(fn, stream, {{t.indptr, t.lists + 1}, {t.indices, listed}, {t.last_page_len, t.lists}},
+                          extra, [&](std::int32_t* dev) {
+                            layer.table.indptr = dev;
+                            layer.table.indices = dev + t.lists + 1;
+                            layer.table.last_page_len = dev + t.lists + 1 + listed;
+                            return f(layer, dev + 2 * t.lists + 1 + listed);
+                          });
 }
 
 template <class F>
@@ -285,6 +346,117 @@ status recipe_select(const recipe& r, const raw& scores, const raw& kept, stream
   return with_device_workspace("recipe_select(cuda)", s,
                                [&](workspace& ws) { return kvevict::recipe_select(cuda_t{s}, ws, r, sv, k); });
 }
+
+status select_topk_ragged(const raw& scores, const std::int32_t* row_lengths, const std::int32_t* host_cu,
+                          std::int32_t* cu, pos_t* positions, stream_t s) {
+  constexpr const char* fn = "select_topk_ragged(cuda)";
+  KVEVICT_BRIDGE_VIEW(sv, const float, 2, "scores", scores);
+  const index_t R = sv.extent(0);
+  KVEVICT_TRY(cuda_status(fn, cudaMemcpyAsync(cu, host_cu, static_cast<std::size_t>(R + 1) * sizeof(std::int32_t),
+                                              cudaMemcpyHostToDevice, s)));
+  return with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
+    cuda_select_options o;
+    o.bad_rows = bad;
+    o.pos_capacity = host_cu[R];
+    return kvevict::select_topk(cuda_t{s}, ws, sv, row_lengths, ragged_positions_out{positions, cu, R}, o);
+  });
+}
+
+status recipe_select_ragged(const recipe& r, const raw& scores, const std::int32_t* host_cu, std::int32_t* cu,
+                            pos_t* positions, stream_t s) {
+  constexpr const char* fn = "recipe_select(cuda)";
+  KVEVICT_BRIDGE_VIEW(sv, const float, 2, "scores", scores);
+  const index_t R = sv.extent(0);
+  KVEVICT_TRY(cuda_status(fn, cudaMemcpyAsync(cu, host_cu, static_cast<std::size_t>(R + 1) * sizeof(std::int32_t),
+                                              cudaMemcpyHostToDevice, s)));
+  return with_device_workspace(fn, s, [&](workspace& ws) {
+    return kvevict::recipe_select(cuda_t{s}, ws, r, sv, ragged_positions_out{positions, cu, R});
+  });
+}
+
+status select_topk_batch(const raw& scores, index_t sequences, index_t kv_heads, const std::int32_t* row_lengths,
+                         const std::int32_t* budgets, std::int32_t* cu, pos_t* positions, index_t capacity,
+                         std::int32_t* total, stream_t s) {
+  constexpr const char* fn = "select_topk_batch(cuda)";
+  KVEVICT_BRIDGE_VIEW(sv, const float, 2, "scores", scores);
+  const batch_rows rows = batch_padded(sv, sequences, kv_heads, row_lengths);
+  KVEVICT_TRY(with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
+    return kvevict::select_topk_batch(cuda_t{s}, ws, rows, budgets, batch_budget::per_head, cu, positions, capacity,
+                                      bad);
+  }));
+  return read_back(fn, s, cu + sequences * kv_heads, total, 1);
+}
+
+template <class T>
+status append(ragged_cache<T> cache, index_t buffer_rows, const raw& rows, stream_t s) {
+  constexpr const char* fn = "append(cuda)";
+  KVEVICT_BRIDGE_VIEW(rv, const T, 3, "rows", rows);
+  KVEVICT_TRY(check_capacity(fn, s, cache, buffer_rows));
+  return with_bad_count(fn, s, [&](int* bad) { return kvevict::append(cuda_t{s}, cache, rv, bad); });
+}
+
+template <class T>
+status compact_ragged_inplace(ragged_cache<T> cache, index_t buffer_rows, ragged_positions kept, stream_t s) {
+  constexpr const char* fn = "compact_ragged_inplace(cuda)";
+  KVEVICT_TRY(check_capacity(fn, s, cache, buffer_rows));
+  return with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
+    return kvevict::compact_inplace(cuda_t{s}, ws, cache, kept, bad);
+  });
+}
+
+template <class T>
+status compact_into_ragged_cache(const raw& src, ragged_positions kept, ragged_cache<T> cache, index_t buffer_rows,
+                                 stream_t s) {
+  constexpr const char* fn = "compact_into_ragged_cache(cuda)";
+  KVEVICT_BRIDGE_VIEW(sv, const T, 3, "src", src);
+  KVEVICT_TRY(check_capacity(fn, s, cache, buffer_rows));
+  return with_bad_count(fn, s, [&](int* bad) { return kvevict::compact(cuda_t{s}, sv, kept, cache, bad); });
+}
+
+template <class T>
+status paged_key_norm_scores(paged_layer<T> layer, const raw& out, stream_t s) {
+  constexpr const char* fn = "paged_key_norm_scores(cuda)";
+  KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+  return with_device_table(fn, s, layer, 0, [&](const paged_layer<T>& L, std::int32_t*) {
+    return with_bad_count(fn, s, [&](int* bad) { return kvevict::paged_key_norm_scores(cuda_t{s}, L, o, bad); });
+  });
+}
+
+template <class T>
+status paged_weight_by_value_norm(const raw& scores, paged_layer<T> layer, value_weight mode, stream_t s) {
+  constexpr const char* fn = "paged_weight_by_value_norm(cuda)";
+  KVEVICT_BRIDGE_VIEW(sv, float, 2, "scores", scores);
+  return with_device_table(fn, s, layer, 0, [&](const paged_layer<T>& L, std::int32_t*) {
+    return with_bad_count(fn, s,
+                          [&](int* bad) { return kvevict::paged_weight_by_value_norm(cuda_t{s}, sv, L, mode, bad); });
+  });
+}
+
+template <class T>
+status compact_paged(paged_layer<T> layer, ragged_positions kept, std::int32_t* lengths, std::int32_t* freed_pages,
+                     index_t freed_capacity, std::int32_t* freed_count, stream_t s) {
+  constexpr const char* fn = "compact_paged(cuda)";
+  return with_device_table(fn, s, layer, 1, [&](const paged_layer<T>& L, std::int32_t* count) {
+    const paged_compaction_out out{lengths, freed_pages, freed_capacity, count};
+    KVEVICT_TRY(with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
+      return kvevict::compact_paged(cuda_t{s}, ws, L, kept, out, bad);
+    }));
+    return read_back(fn, s, count, freed_count, 1);
+  });
+}
+
+#define KVEVICT_BRIDGE_TYPES(T)                                                                                      \
+  template status append<T>(ragged_cache<T>, index_t, const raw&, stream_t);                                        \
+  template status compact_ragged_inplace<T>(ragged_cache<T>, index_t, ragged_positions, stream_t);                  \
+  template status compact_into_ragged_cache<T>(const raw&, ragged_positions, ragged_cache<T>, index_t, stream_t);   \
+  template status paged_key_norm_scores<T>(paged_layer<T>, const raw&, stream_t);                                   \
+  template status paged_weight_by_value_norm<T>(const raw&, paged_layer<T>, value_weight, stream_t);                \
+  template status compact_paged<T>(paged_layer<T>, ragged_positions, std::int32_t*, std::int32_t*, index_t,         \
+                                   std::int32_t*, stream_t);
+KVEVICT_BRIDGE_TYPES(float)
+KVEVICT_BRIDGE_TYPES(float16)
+KVEVICT_BRIDGE_TYPES(bfloat16)
+#undef KVEVICT_BRIDGE_TYPES
 
 #undef KVEVICT_BRIDGE_VIEW
 

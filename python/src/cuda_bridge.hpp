@@ -8,8 +8,16 @@
 // cudaMallocAsync on the stream. Stages that check device data on the device (row lengths,
 // offsets, positions) count bad rows into a device int that the bridge reads back after
 // synchronising the stream: a nonzero count fails the call (errc::out_of_range).
+//
+// Host-side metadata: offsets the binding computes from host tensors (ragged budgets) and paged
+// block tables it validates on the host are passed as host arrays (host_*); the bridge copies them
+// to device scratch on the stream before the launch. A ragged cache's cu_capacity is device data
+// that bounds the writes: the bridge reads it back (one synchronisation) and checks it against the
+// buffer's rows before any launch.
 #pragma once
 
+#include <kvevict/compact.hpp>
+#include <kvevict/paged_types.hpp>
 #include <kvevict/recipes.hpp>
 
 struct CUstream_st;
@@ -56,5 +64,37 @@ status compact_inplace(const raw& cache, const raw& kept, stream_t s);
 status recipe_scores(const recipe& r, const raw& queries, const raw& keys, const raw& values, const raw& scores,
                      stream_t s);
 status recipe_select(const recipe& r, const raw& scores, const raw& kept, stream_t s);
+
+// ragged selections: host_cu [R+1] (the budgets' prefix sums, checked by the binding) is copied to
+// cu (device, [R+1]); positions [host_cu[R]] device
+status select_topk_ragged(const raw& scores, const std::int32_t* row_lengths, const std::int32_t* host_cu,
+                          std::int32_t* cu, pos_t* positions, stream_t s);
+status recipe_select_ragged(const recipe& r, const raw& scores, const std::int32_t* host_cu, std::int32_t* cu,
+                            pos_t* positions, stream_t s);
+// batch.hpp, padded rows with per-head budgets (budgets [S], row_lengths [S*H] or null, device);
+// cu [R+1], positions [capacity] device; *total receives cu[R] (read back)
+status select_topk_batch(const raw& scores, index_t sequences, index_t kv_heads, const std::int32_t* row_lengths,
+                         const std::int32_t* budgets, std::int32_t* cu, pos_t* positions, index_t capacity,
+                         std::int32_t* total, stream_t s);
+
+// ragged caches with capacity (T: float, float16, bfloat16): every array device memory;
+// buffer_rows: the buffer's row count, checked against cu_capacity (read back) before any launch
+template <class T>
+status append(ragged_cache<T> cache, index_t buffer_rows, const raw& rows, stream_t s);
+template <class T>
+status compact_ragged_inplace(ragged_cache<T> cache, index_t buffer_rows, ragged_positions kept, stream_t s);
+template <class T>
+status compact_into_ragged_cache(const raw& src, ragged_positions kept, ragged_cache<T> cache, index_t buffer_rows,
+                                 stream_t s);
+
+// paged layers: pools device memory, layer.table host memory validated by the binding (copied to
+// the device here); kept, outputs device; *freed_count receives the freed pages' count (read back)
+template <class T>
+status paged_key_norm_scores(paged_layer<T> layer, const raw& out, stream_t s);
+template <class T>
+status paged_weight_by_value_norm(const raw& scores, paged_layer<T> layer, value_weight mode, stream_t s);
+template <class T>
+status compact_paged(paged_layer<T> layer, ragged_positions kept, std::int32_t* lengths, std::int32_t* freed_pages,
+                     index_t freed_capacity, std::int32_t* freed_count, stream_t s);
 
 }  // namespace kvevict::python::gpu

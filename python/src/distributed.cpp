@@ -170,6 +170,18 @@ py::tuple cake_stats_sharded(comm& c, py::handle a_, variance_estimator var) {
   return py::make_tuple(st.entropy, st.variance);
 }
 
+py::tuple shard_tuple(const result<shard_range>& r) {
+  const shard_range s = value_or_raise(r);
+  return py::make_tuple(s.first, s.count);
+}
+
+double cake_window_sharded(comm& c, py::handle q_, py::handle k_, double tau1, double tau2) {
+  const cake_window_args a(q_, k_, tau1, tau2);
+  double p = 0.0;
+  run_ws([&](workspace& ws) { return cake_window_preference(backend(), ws, c, a.queries(), a.keys(), a.opt, &p); });
+  return p;
+}
+
 std::vector<double> gather_layers(comm& c, index_t first, py::handle local_, index_t layers) {
   const std::vector<double> local = local_.cast<std::vector<double>>();
   std::vector<double> all(static_cast<std::size_t>(layers > 0 ? layers : 0));
@@ -197,6 +209,14 @@ void bind_distributed(py::module_& m) {
         "P communicators over shared memory (kvevict/thread_comm.hpp), rank r for the thread that plays rank r (each "
         "rank on its own thread; the calls release the GIL); a rank waiting longer than `timeout` seconds for the "
         "others gets an Error instead of hanging.");
+  m.def("head_shard", [](index_t heads, int ranks, int rank) { return shard_tuple(head_shard(heads, ranks, rank)); },
+        "heads"_a, "ranks"_a, "rank"_a,
+        "Tensor parallelism: rank r of P holds KV heads [first, first + count) = [r H / P, (r + 1) H / P) (H "
+        "divisible by P): (first, count).");
+  m.def("layer_shard", [](index_t layers, int ranks, int rank) { return shard_tuple(layer_shard(layers, ranks, rank)); },
+        "layers"_a, "ranks"_a, "rank"_a,
+        "Pipeline parallelism: rank r of P holds layers [r L / P, (r + 1) L / P): (first, count), the `first` and "
+        "len(local) of gather_layer_values.");
   m.def("select_topk_flat_sharded", &select_flat_sharded, "comm"_a, "scores"_a, "total"_a, "row_lengths"_a = py::none(),
         "floors"_a = py::none(),
         "Head-sharded select_topk_flat: this rank's rows [R][T] of the layer's P*R (rank order = row order); "
@@ -212,6 +232,11 @@ void bind_distributed(py::module_& m) {
         "variance"_a = variance_estimator::unbiased,
         "Head-sharded CAKE statistics: this rank's query heads' window attention [R][w][C] of the layer's P*R; every "
         "rank gets cake_layer_stats over all heads, bit for bit: (entropy, variance).");
+  m.def("cake_window_preference_sharded", &cake_window_sharded, "comm"_a, "window_queries"_a, "keys"_a,
+        "tau1"_a = 1.0, "tau2"_a = 1.0,
+        "Head-sharded CAKE window preference: this rank's query heads [R_q][w][d] and its KV heads' keys [R_kv][P][d] "
+        "of the layer's P*R_q (rank order = head order); every rank gets cake_window_preference over all heads, bit "
+        "for bit.");
   m.def("gather_layer_values", &gather_layers, "comm"_a, "first"_a, "local"_a, "layers"_a,
         "Layer-sharded: this stage's values of layers [first, first + len(local)) -> every layer's value on every "
         "stage.");

@@ -68,15 +68,29 @@ py::object recipe_select_py(const recipe& r, py::handle s_, py::handle budget, p
         [&](gpu::stream_t st) { return gpu::recipe_select(r, raw_of(s), raw_of(out), st); });
     return out.object;
   }
-  if (s.cuda) refuse_cuda("recipe_select with per-head budgets", s);
-  const auto sv = mat<const float>(s);
-  const tensor counts = as_tensor(budget, "budgets", 1);
-  const std::vector<index_t> cu64 = offsets_of(counts, s.shape[0]);
-  const tensor cu = int32_vector(s, "cu", cu64);
-  const tensor pos = output(py::none(), "positions", s, {cu64.back()}, dtype::i32);
-  const ragged_positions_out kept{static_cast<pos_t*>(pos.data), static_cast<const std::int32_t*>(cu.data), s.shape[0]};
-  run_ws([&](workspace& ws) { return recipe_select(backend(), ws, r, sv, kept); });
-  return py::make_tuple(pos.object, cu.object);
+  const bool gpu = runs_on_gpu("recipe_select", {&s});
+  std::vector<std::int32_t> cu = host_offsets(budget, s.shape[0]);
+  // the library checks each budget against the protected tokens and the row on the host only: here
+  // for both devices (the CUDA selection would skip a head whose budget exceeds its row)
+  for (std::size_t h = 0; h + 1 < cu.size(); ++h) {
+    const index_t k = cu[h + 1] - cu[h];
+    throw_if(check_budget("recipe_select", k, s.shape[1], r.n_sink, r.n_recent));
+    if (k > s.shape[1])
+      raise(errc::invalid_argument, "recipe_select: head " + std::to_string(h) + "'s budget " + std::to_string(k) +
+                                        " is above the " + std::to_string(s.shape[1]) + " tokens");
+  }
+  const ragged_outputs o(out_, s, std::move(cu), gpu);
+  auto* cup = static_cast<std::int32_t*>(o.cu.data);
+  auto* pp = static_cast<pos_t*>(o.positions.data);
+  on_device(
+      "recipe_select", {&s, &o.positions, &o.cu},
+      [&] {
+        const auto sv = mat<const float>(s);
+        const ragged_positions_out kept{pp, cup, s.shape[0]};
+        run_ws([&](workspace& ws) { return recipe_select(backend(), ws, r, sv, kept); });
+      },
+      [&](gpu::stream_t st) { return gpu::recipe_select_ragged(r, raw_of(s), o.host_cu.data(), cup, pp, st); });
+  return py::make_tuple(o.positions.object, o.cu.object);
 }
 
 }  // namespace
@@ -199,7 +213,8 @@ void bind_recipes(py::module_& m) {
         "block_keys"_a = py::none(), "out"_a = py::none(),
         "A recipe's final per-KV-head scores [H_kv][T] (protected positions +inf); queries per the recipe's source.");
   m.def("recipe_select", &recipe_select_py, "recipe"_a, "scores"_a, "budget"_a, "out"_a = py::none(),
-        "budget int: dense kept [H_kv][budget]; budget array of per-head budgets: ragged (positions, cu).");
+        "budget int: dense kept [H_kv][budget]; budget array of per-head budgets (a CPU int32 tensor, also for CUDA "
+        "scores): ragged (positions, cu), or into out=(positions, cu).");
   m.def(
       "recipe_scores_workspace_bytes",
       [](const recipe& r, index_t hq, index_t rows, index_t hkv, index_t T, index_t d, index_t block_rows) {

@@ -9,10 +9,13 @@ namespace kvevict::python {
 
 namespace {
 
+/// A page table's int32 array: on the host, also for CUDA pools (validated there; the bridge copies it).
 tensor int32_1d(py::handle obj, const char* name, bool writable = false) {
   tensor t = as_tensor(obj, name, 1, writable);
   require_dtype(t, {dtype::i32});
-  require_host(t);
+  if (t.cuda)
+    raise(errc::unsupported, t.name + " is a CUDA tensor: page tables are read on the host (validated there, copied "
+                                      "to the device for CUDA pools); pass CPU tensors");
   return t;
 }
 
@@ -30,7 +33,7 @@ struct paged_args {
       : kv_heads(heads), kind(lk), layout(lay), writable(write) {
     keys = as_tensor(k, "key_pages", 4, write);
     values = as_tensor(v, "value_pages", 4, write);
-    require_kv({&keys, &values});
+    require_kv_type({&keys, &values});  // on either device; the tables on the host
     indptr = int32_1d(ip, "indptr");
     indices = int32_1d(ix, "indices");
     last = int32_1d(lp, "last_page_len");
@@ -78,7 +81,8 @@ struct paged_args {
   }
 };
 
-/// Calls f(paged_layer<T>) for the layer's element type, after the library validated its table.
+/// Calls f(paged_layer<T>) for the layer's element type, after the library validated its table
+/// (on the host: a CUDA call's bridge copies the validated table to the device).
 template <class F>
 void with_paged(const paged_args& a, F&& f) {
   dispatch_kv(a.keys, [&](auto e) {
@@ -99,13 +103,24 @@ index_t longest_row(const paged_layer<T>& L) {
 
 py::object key_norms_py(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads,
                         page_lists lk, page_layout lay, py::handle out_) {
+  constexpr const char* fn = "paged_key_norm_scores";
   const paged_args a(k, v, ip, ix, lp, heads, lk, lay, false);
+  const bool gpu = runs_on_gpu(fn, {&a.keys, &a.values});
   py::object result;
   with_paged(a, [&](const auto& L) {
+    using T = std::remove_pointer_t<decltype(L.keys.data)>;
     const tensor out = output(out_, "out", a.keys, {L.rows(), longest_row(L)}, dtype::f32);
-    if (out_.is_none()) std::fill_n(static_cast<float*>(out.data), out.numel(), 0.0f);  // columns past a row's length
-    const auto ov = mat<float>(out);
-    run_ws([&](workspace& ws) { return paged_key_norm_scores(backend(), ws, L, ov); });
+    if (out_.is_none()) {  // columns past a row's length: 0
+      if (gpu) out.object.attr("zero_")();
+      else std::fill_n(static_cast<float*>(out.data), out.numel(), 0.0f);
+    }
+    on_device(
+        fn, {&a.keys, &a.values, &out},
+        [&] {
+          const auto ov = mat<float>(out);
+          run_ws([&](workspace& ws) { return paged_key_norm_scores(backend(), ws, L, ov); });
+        },
+        [&](gpu::stream_t st) { return gpu::paged_key_norm_scores<T>(L, raw_of(out), st); });
     result = out.object;
   });
   return result;
@@ -116,7 +131,7 @@ py::object window_scores_py(py::handle q_, py::handle k, py::handle v, py::handl
                             const score_options& opt, py::handle out_) {
   const paged_args a(k, v, ip, ix, lp, heads, lk, lay, false);
   const tensor q = as_tensor(q_, "window_queries", 3);
-  require_kv({&q, &a.keys});
+  require_kv({&q, &a.keys, &a.values});  // no cuda_t path in the library
   py::object result;
   with_paged(a, [&](const auto& L) {
     using T = std::remove_pointer_t<decltype(L.keys.data)>;
@@ -133,57 +148,80 @@ py::object window_scores_py(py::handle q_, py::handle k, py::handle v, py::handl
 
 py::object weight_py(py::handle scores_, py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp,
                      index_t heads, value_weight mode, page_lists lk, page_layout lay) {
+  constexpr const char* fn = "paged_weight_by_value_norm";
   const paged_args a(k, v, ip, ix, lp, heads, lk, lay, false);
-  const tensor scores = float_matrix(scores_, "scores", true);
+  const tensor scores = score_matrix(scores_, "scores", true);
+  runs_on_gpu(fn, {&scores, &a.keys, &a.values});  // refused before the table's validation
   with_paged(a, [&](const auto& L) {
-    const auto sv = mat<float>(scores);
-    run_ws([&](workspace& ws) { return paged_weight_by_value_norm(backend(), ws, sv, L, mode); });
+    using T = std::remove_pointer_t<decltype(L.keys.data)>;
+    on_device(
+        fn, {&scores, &a.keys, &a.values},
+        [&] {
+          const auto sv = mat<float>(scores);
+          run_ws([&](workspace& ws) { return paged_weight_by_value_norm(backend(), ws, sv, L, mode); });
+        },
+        [&](gpu::stream_t st) { return gpu::paged_weight_by_value_norm<T>(raw_of(scores), L, mode, st); });
   });
   return scores.object;
 }
 
 // compact_paged, or compact_layer (paged) when a position pool is given: its int32 [pages][...][1]
-// tensor, laid out as the key pool, is compacted alike
+// tensor, laid out as the key pool, is compacted alike (on the host only: compact_layer has no
+// cuda_t path)
 py::tuple compact_paged_impl(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads,
-                             py::handle kept_, page_lists lk, page_layout lay, py::handle positions_) {
+                             py::handle kept_, page_lists lk, page_layout lay, py::handle positions_, py::handle out_) {
+  constexpr const char* fn = "compact_paged";
   const paged_args a(k, v, ip, ix, lp, heads, lk, lay, true);
   const auto t = kept_.cast<py::tuple>();
   if (t.size() != 2) raise(errc::invalid_argument, "compact_paged: kept is (positions, cu)");
-  const tensor pos = int32_1d(t[0], "kept positions"), cu = int32_1d(t[1], "kept cu");
+  const tensor pos = as_tensor(t[0], "kept positions", 1), cu = as_tensor(t[1], "kept cu", 1);
+  for (const tensor* x : {&pos, &cu}) require_dtype(*x, {dtype::i32});
   tensor positions;
   if (!positions_.is_none()) {
     positions = as_tensor(positions_, "position_pool", 4, true);
     require_dtype(positions, {dtype::i32});
-    require_host(positions);
+    for (const tensor* x : std::initializer_list<const tensor*>{&a.keys, &a.values, &positions, &pos, &cu})
+      require_host(*x);
   }
+  const bool gpu = runs_on_gpu(fn, {&a.keys, &a.values, &pos, &cu});
   py::tuple result;
   with_paged(a, [&](const auto& L) {
+    using T = std::remove_pointer_t<decltype(L.keys.data)>;
     const page_pool<pos_t> position_pool = positions.data != nullptr ? a.pool<pos_t>(positions) : page_pool<pos_t>{};
     const index_t listed = L.table.indptr[a.lists];
-    const tensor lengths = output(py::none(), "lengths", a.indptr, {a.lists}, dtype::i32);
-    const tensor freed = output(py::none(), "freed_pages", a.indptr, {listed}, dtype::i32);
+    // new outputs like the table on the host, like the pools on a GPU (written there), or out=
+    const auto out = out_pair(out_, "(lengths, freed_pages)");
+    const tensor& like = gpu ? a.keys : a.indptr;
+    const tensor lengths = int32_output(out.first, "lengths", like, a.lists);
+    const tensor freed = int32_output(out.second, "freed_pages", like, listed);
     std::int32_t count = 0;
-    const ragged_positions kept{int32_array(pos, pos.shape[0]), int32_array(cu, L.rows() + 1), L.rows()};
-    const paged_compaction_out o{static_cast<std::int32_t*>(lengths.data), static_cast<std::int32_t*>(freed.data), listed,
-                                 &count};
-    if (positions.data != nullptr)
-      run_ws([&](workspace& ws) { return compact_layer(backend(), ws, L, position_pool, kept, o); });
-    else
-      run_ws([&](workspace& ws) { return compact_paged(backend(), ws, L, kept, o); });
+    const ragged_positions kept{int32_data(pos, pos.shape[0]), int32_data(cu, L.rows() + 1), L.rows()};
+    auto* lp_ = static_cast<std::int32_t*>(lengths.data);
+    auto* fp = static_cast<std::int32_t*>(freed.data);
+    const paged_compaction_out o{lp_, fp, listed, &count};
+    on_device(
+        fn, {&a.keys, &a.values, &pos, &cu, &lengths, &freed},
+        [&] {
+          if (positions.data != nullptr)
+            run_ws([&](workspace& ws) { return compact_layer(backend(), ws, L, position_pool, kept, o); });
+          else
+            run_ws([&](workspace& ws) { return compact_paged(backend(), ws, L, kept, o); });
+        },
+        [&](gpu::stream_t st) { return gpu::compact_paged<T>(L, kept, lp_, fp, listed, &count, st); });
     result = py::make_tuple(lengths.object, py::object(freed.object[py::slice(py::int_(0), py::int_(count), py::none())]));
   });
   return result;
 }
 
 py::tuple compact_paged_py(py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp, index_t heads,
-                           py::handle kept, page_lists lk, page_layout lay) {
-  return compact_paged_impl(k, v, ip, ix, lp, heads, kept, lk, lay, py::none());
+                           py::handle kept, page_lists lk, page_layout lay, py::handle out) {
+  return compact_paged_impl(k, v, ip, ix, lp, heads, kept, lk, lay, py::none(), out);
 }
 
 py::tuple compact_layer_paged_py(py::handle k, py::handle v, py::handle positions, py::handle ip, py::handle ix,
                                  py::handle lp, index_t heads, py::handle kept, page_lists lk, page_layout lay) {
   if (positions.is_none()) raise(errc::null_pointer, "compact_layer_paged: position_pool is None");
-  return compact_paged_impl(k, v, ip, ix, lp, heads, kept, lk, lay, positions);
+  return compact_paged_impl(k, v, ip, ix, lp, heads, kept, lk, lay, positions, py::none());
 }
 
 void shrink_py(py::handle ip_, py::handle ix_, py::handle lp_, index_t page_size, py::handle lengths_) {
@@ -203,41 +241,55 @@ void shrink_py(py::handle ip_, py::handle ix_, py::handle lp_, index_t page_size
 }
 
 py::tuple select_batch_py(py::handle scores_, py::handle budgets_, index_t kv_heads, batch_budget kind,
-                          py::handle row_lengths_, py::handle cu_seqlens_) {
-  const tensor scores = float_matrix(scores_, "scores");
+                          py::handle row_lengths_, py::handle cu_seqlens_, py::handle out_) {
+  constexpr const char* fn = "select_topk_batch";
+  const tensor scores = score_matrix(scores_, "scores");
   const tensor rl = as_optional(row_lengths_, "row_lengths", 1), cs = as_optional(cu_seqlens_, "cu_seqlens", 1);
-  const tensor budgets = int32_1d(budgets_, "budgets");
+  const tensor budgets = as_tensor(budgets_, "budgets", 1);
+  require_dtype(budgets, {dtype::i32});
   if (rl.data != nullptr && cs.data != nullptr)
     raise(errc::invalid_argument, "select_topk_batch: row_lengths (padded) or cu_seqlens (varlen), not both");
+  const bool gpu = runs_on_gpu(fn, {&scores, &rl, &cs, &budgets});
+  if (gpu && (cs.data != nullptr || kind != batch_budget::per_head))
+    raise(errc::unsupported, "select_topk_batch: CUDA tensors run the padded layout with per-head budgets only (the "
+                             "library's cuda_t path); pass CPU tensors for the varlen layout or flattened budgets");
+  if (!gpu) require_host(budgets);
   const auto sv = mat<const float>(scores);
   batch_rows rows;
-  index_t capacity = 0;
   if (cs.data != nullptr) {
     require_dtype(cs, {dtype::i32});
     const index_t S = cs.shape[0] - 1;
     rows = batch_varlen(sv, int32_array(cs, cs.shape[0]), S);
-    capacity = scores.shape[0] * scores.shape[1];
   } else {
     if (kv_heads <= 0 || scores.shape[0] % kv_heads != 0)
       raise(errc::shape_mismatch, "select_topk_batch: padded scores have sequences x kv_heads rows; " +
                                       std::to_string(scores.shape[0]) + " is not a multiple of kv_heads " +
                                       std::to_string(kv_heads));
     if (rl.data != nullptr) require_dtype(rl, {dtype::i32});
-    rows = batch_padded(sv, scores.shape[0] / kv_heads, kv_heads, rl.data != nullptr ? int32_array(rl, scores.shape[0]) : nullptr);
-    capacity = scores.shape[0] * scores.shape[1];
+    rows = batch_padded(sv, scores.shape[0] / kv_heads, kv_heads, int32_data(rl, scores.shape[0]));
   }
+  const index_t capacity = scores.shape[0] * scores.shape[1];
   if (budgets.shape[0] != rows.sequences)
     raise(errc::shape_mismatch, "select_topk_batch: budgets has " + std::to_string(budgets.shape[0]) +
                                     " entries for " + std::to_string(rows.sequences) + " sequences");
   const index_t R = rows.sequences * rows.kv_heads;
-  const tensor cu = output(py::none(), "cu", scores, {R + 1}, dtype::i32);
-  const tensor pos = output(py::none(), "positions", scores, {capacity}, dtype::i32);
-  const std::int32_t* b = int32_array(budgets, rows.sequences);
-  run_ws([&](workspace& ws) {
-    return select_topk_batch(backend(), ws, rows, b, kind, static_cast<std::int32_t*>(cu.data),
-                             static_cast<pos_t*>(pos.data), capacity);
-  });
-  const std::int32_t total = static_cast<const std::int32_t*>(cu.data)[R];
+  const auto out = out_pair(out_, "(positions [rows x T], cu [rows + 1])");
+  const tensor cu = int32_output(out.second, "cu", scores, R + 1);
+  const tensor pos = int32_output(out.first, "positions", scores, capacity);
+  const std::int32_t* b = int32_data(budgets, rows.sequences);
+  auto* cup = static_cast<std::int32_t*>(cu.data);
+  auto* pp = static_cast<pos_t*>(pos.data);
+  std::int32_t total = 0;
+  on_device(
+      fn, {&scores, &rl, &budgets, &cu, &pos},
+      [&] {
+        run_ws([&](workspace& ws) { return select_topk_batch(backend(), ws, rows, b, kind, cup, pp, capacity); });
+        total = cup[R];
+      },
+      [&](gpu::stream_t st) {
+        return gpu::select_topk_batch(raw_of(scores), rows.sequences, rows.kv_heads, rows.row_lengths, b, cup, pp,
+                                      capacity, &total, st);
+      });
   return py::make_tuple(py::object(pos.object[py::slice(py::int_(0), py::int_(total), py::none())]), cu.object);
 }
 
@@ -252,8 +304,10 @@ void bind_paged(py::module_& m) {
         "length: 0 in a new tensor, untouched in out=).");
   m.def("compact_paged", &compact_paged_py, "key_pages"_a, "value_pages"_a, "indptr"_a, "indices"_a,
         "last_page_len"_a, "kv_heads"_a, "kept"_a, "lists"_a = page_lists::per_sequence, "layout"_a = page_layout::nhd,
+        "out"_a = py::none(),
         "Moves each row's kept tokens (positions, cu) to the front of its list, in place in the pools: "
-        "(lengths [lists], freed page ids). The table is not written: shrink_page_table updates it.");
+        "(lengths [lists], freed page ids), or into out=(lengths, freed_pages [indptr[-1]]) (the freed ids: a "
+        "prefix of it). The table (CPU tensors, also for CUDA pools) is not written: shrink_page_table updates it.");
   m.def("compact_layer_paged", &compact_layer_paged_py, "key_pages"_a, "value_pages"_a, "position_pool"_a, "indptr"_a,
         "indices"_a, "last_page_len"_a, "kv_heads"_a, "kept"_a, "lists"_a = page_lists::per_sequence,
         "layout"_a = page_layout::nhd,
@@ -273,9 +327,11 @@ void bind_paged(py::module_& m) {
   m.def("shrink_page_table", &shrink_py, "indptr"_a, "indices"_a, "last_page_len"_a, "page_size"_a, "lengths"_a,
         "The block table after compact_paged, in place (lists keep their first ceil(length / page_size) pages).");
   m.def("select_topk_batch", &select_batch_py, "scores"_a, "budgets"_a, "kv_heads"_a = 0, "kind"_a = batch_budget::per_head,
-        "row_lengths"_a = py::none(), "cu_seqlens"_a = py::none(),
+        "row_lengths"_a = py::none(), "cu_seqlens"_a = py::none(), "out"_a = py::none(),
         "One selection for a batch: padded scores [S*H][T] (row_lengths [S*H]) or varlen [H][total] (cu_seqlens "
-        "[S+1]); budgets [S] tokens per KV head: (positions, cu) over rows r = s*H + h.");
+        "[S+1]); budgets [S] tokens per KV head: (positions, cu) over rows r = s*H + h (or into out=(positions "
+        "[rows x T], cu [rows + 1]); the positions returned are its first cu[-1]). CUDA tensors: the padded layout "
+        "with per-head budgets, every tensor on the GPU.");
 }
 
 }  // namespace kvevict::python

@@ -9,20 +9,17 @@ namespace kvevict::python {
 namespace {
 
 /// The caller's ragged cache: buffer [rows][d] (KV type, rows of contiguous elements),
-/// cu_capacity [H+1] and lens [H] (int32, contiguous; lens written by the calls).
+/// cu_capacity [H+1] and lens [H] (int32, contiguous; lens written by the calls), on one device.
 struct cache_args {
   tensor buffer, cu, lens;
   index_t heads = 0;
 
   cache_args(py::handle b, py::handle c, py::handle l) {
     buffer = as_tensor(b, "buffer", 2, true);
-    require_kv({&buffer});
+    require_kv_type({&buffer});
     cu = as_tensor(c, "cu_capacity", 1);
     lens = as_tensor(l, "lens", 1, true);
-    for (const tensor* t : {&cu, &lens}) {
-      require_dtype(*t, {dtype::i32});
-      require_host(*t);
-    }
+    for (const tensor* t : {&cu, &lens}) require_dtype(*t, {dtype::i32});
     heads = lens.shape[0];
     if (cu.shape[0] != heads + 1)
       raise(errc::shape_mismatch, "cu_capacity has " + std::to_string(cu.shape[0]) + " entries but lens " +
@@ -32,16 +29,18 @@ struct cache_args {
                                         std::to_string(buffer.strides[1]));
   }
 
+  /// The cache; on the host cu_capacity is checked against the buffer's rows here (on a GPU the
+  /// bridge reads it back and checks it).
   template <class T>
-  ragged_cache<T> view() const {
+  ragged_cache<T> view(bool gpu) const {
     ragged_cache<T> c;
     c.data = static_cast<T*>(buffer.data);
-    c.cu_capacity = int32_array(cu, heads + 1);
-    c.lens = const_cast<std::int32_t*>(int32_array(lens, heads));
+    c.cu_capacity = int32_data(cu, heads + 1);
+    c.lens = const_cast<std::int32_t*>(int32_data(lens, heads));
     c.heads = heads;
     c.dim = buffer.shape[1];
     c.row_stride = buffer.strides[0];
-    const index_t rows = heads > 0 ? c.cu_capacity[heads] : 0;
+    const index_t rows = heads > 0 && !gpu ? c.cu_capacity[heads] : 0;
     if (rows > buffer.shape[0])
       raise(errc::shape_mismatch, "cu_capacity lists " + std::to_string(rows) + " rows but buffer has " +
                                       std::to_string(buffer.shape[0]));
@@ -49,25 +48,29 @@ struct cache_args {
   }
 };
 
+/// kept (positions, cu) int32 of `heads` heads, on either device.
 ragged_positions kept_of(py::handle positions_, py::handle cu_, index_t heads, tensor& pos, tensor& cu) {
   pos = as_tensor(positions_, "positions", 1);
   cu = as_tensor(cu_, "cu", 1);
-  for (const tensor* t : {&pos, &cu}) {
-    require_dtype(*t, {dtype::i32});
-    require_host(*t);
-  }
-  return ragged_positions{int32_array(pos, pos.shape[0]), int32_array(cu, heads + 1), heads};
+  for (const tensor* t : {&pos, &cu}) require_dtype(*t, {dtype::i32});
+  return ragged_positions{int32_data(pos, pos.shape[0]), int32_data(cu, heads + 1), heads};
 }
 
 void append_py(py::handle b, py::handle c, py::handle l, py::handle rows_) {
   const cache_args a(b, c, l);
   const tensor rows = as_tensor(rows_, "rows", 3);
-  require_kv({&a.buffer, &rows});
+  require_kv_type({&a.buffer, &rows});
+  const bool gpu = runs_on_gpu("append", {&a.buffer, &a.cu, &a.lens, &rows});
   dispatch_kv(a.buffer, [&](auto e) {
     using T = decltype(e);
-    const auto cache = a.view<T>();
-    const auto rv = kv<const T>(rows);
-    run([&] { return append(backend(), cache, rv); });
+    const auto cache = a.view<T>(gpu);
+    on_device(
+        "append", {&a.buffer, &a.cu, &a.lens, &rows},
+        [&] {
+          const auto rv = kv<const T>(rows);
+          run([&] { return append(backend(), cache, rv); });
+        },
+        [&](gpu::stream_t st) { return gpu::append<T>(cache, a.buffer.shape[0], raw_of(rows), st); });
   });
 }
 
@@ -75,24 +78,36 @@ void compact_inplace_py(py::handle b, py::handle c, py::handle l, py::handle pos
   const cache_args a(b, c, l);
   tensor pos, cu;
   const ragged_positions kept = kept_of(positions_, cu_, a.heads, pos, cu);
+  const bool gpu = runs_on_gpu("compact_ragged_inplace", {&a.buffer, &a.cu, &a.lens, &pos, &cu});
   dispatch_kv(a.buffer, [&](auto e) {
     using T = decltype(e);
-    const auto cache = a.view<T>();
-    run([&] { return compact_inplace(backend(), cache, kept); });
+    const auto cache = a.view<T>(gpu);
+    on_device(
+        "compact_ragged_inplace", {&a.buffer, &a.cu, &a.lens, &pos, &cu},
+        [&] { run([&] { return compact_inplace(backend(), cache, kept); }); },
+        [&](gpu::stream_t st) { return gpu::compact_ragged_inplace<T>(cache, a.buffer.shape[0], kept, st); });
   });
 }
 
 void compact_into_py(py::handle src_, py::handle positions_, py::handle cu_, py::handle b, py::handle c, py::handle l) {
   const cache_args a(b, c, l);
   const tensor src = as_tensor(src_, "src", 3);
-  require_kv({&a.buffer, &src});
+  require_kv_type({&a.buffer, &src});
   tensor pos, cu;
   const ragged_positions kept = kept_of(positions_, cu_, src.shape[0], pos, cu);
+  const bool gpu = runs_on_gpu("compact_into_ragged_cache", {&src, &pos, &cu, &a.buffer, &a.cu, &a.lens});
   dispatch_kv(a.buffer, [&](auto e) {
     using T = decltype(e);
-    const auto cache = a.view<T>();
-    const auto sv = kv<const T>(src);
-    run([&] { return compact(backend(), sv, kept, cache); });
+    const auto cache = a.view<T>(gpu);
+    on_device(
+        "compact_into_ragged_cache", {&src, &pos, &cu, &a.buffer, &a.cu, &a.lens},
+        [&] {
+          const auto sv = kv<const T>(src);
+          run([&] { return compact(backend(), sv, kept, cache); });
+        },
+        [&](gpu::stream_t st) {
+          return gpu::compact_into_ragged_cache<T>(raw_of(src), kept, cache, a.buffer.shape[0], st);
+        });
   });
 }
 
@@ -101,15 +116,17 @@ void compact_into_py(py::handle src_, py::handle positions_, py::handle cu_, py:
 void compact_layer_py(py::handle kb, py::handle vb, py::handle pb, py::handle c, py::handle l, py::handle positions_,
                       py::handle cu_) {
   const cache_args keys(kb, c, l), values(vb, c, l);
-  require_kv({&keys.buffer, &values.buffer});
+  require_kv_type({&keys.buffer, &values.buffer});
   const tensor rows = as_tensor(pb, "positions_buffer", 1, true);
   require_dtype(rows, {dtype::i32});
-  require_host(rows);
   tensor pos, cu;
   const ragged_positions kept = kept_of(positions_, cu_, keys.heads, pos, cu);
+  // no cuda_t path in the library (compact_layer runs on the host backends)
+  for (const tensor* t : std::initializer_list<const tensor*>{&keys.buffer, &values.buffer, &keys.cu, &keys.lens, &rows, &pos, &cu})
+    require_host(*t);
   dispatch_kv(keys.buffer, [&](auto e) {
     using T = decltype(e);
-    const auto kc = keys.view<T>(), vc = values.view<T>();
+    const auto kc = keys.view<T>(false), vc = values.view<T>(false);
     ragged_cache<pos_t> pc;
     pc.data = static_cast<pos_t*>(rows.data);
     pc.cu_capacity = kc.cu_capacity;

@@ -4,23 +4,42 @@
 
 namespace kvevict::python {
 
-std::vector<index_t> offsets_of(const tensor& counts, index_t rows) {
+std::vector<std::int32_t> host_offsets(py::handle counts_, index_t rows) {
+  const tensor counts = as_tensor(counts_, "budgets", 1);
+  if (counts.cuda)
+    raise(errc::unsupported, "budgets is a CUDA tensor: the ragged calls read the budgets on the host (they size "
+                             "the output), pass a CPU tensor");
   const std::int32_t* c = int32_array(counts, rows);
-  std::vector<index_t> cu(static_cast<std::size_t>(rows) + 1, 0);
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(rows) + 1, 0);
+  index_t total = 0;
   for (index_t r = 0; r < rows; ++r) {
     if (c[r] < 0) raise(errc::invalid_argument, counts.name + "[" + std::to_string(r) + "] is negative");
-    cu[static_cast<std::size_t>(r) + 1] = cu[static_cast<std::size_t>(r)] + c[r];
+    total += c[r];
+    if (total > INT32_MAX) raise(errc::size_overflow, counts.name + ": the counts add up to more than INT32_MAX");
+    cu[static_cast<std::size_t>(r) + 1] = static_cast<std::int32_t>(total);
   }
-  if (cu.back() > INT32_MAX) raise(errc::size_overflow, counts.name + ": the counts add up to more than INT32_MAX");
   return cu;
 }
 
-tensor int32_vector(const tensor& like, const char* name, const std::vector<index_t>& values) {
-  tensor t = output(py::none(), name, like, {static_cast<index_t>(values.size())}, dtype::i32);
-  // a fresh host tensor: contiguous
-  auto* p = static_cast<std::int32_t*>(t.data);
-  for (std::size_t i = 0; i < values.size(); ++i) p[i] = static_cast<std::int32_t>(values[i]);
+std::pair<py::handle, py::handle> out_pair(py::handle out, const char* what) {
+  if (out.is_none()) return {py::none(), py::none()};
+  const auto t = out.cast<py::tuple>();
+  if (t.size() != 2) raise(errc::invalid_argument, std::string("out is ") + what);
+  return {t[0], t[1]};  // borrowed from `out`, which the caller holds
+}
+
+tensor int32_output(py::handle out, const char* name, const tensor& like, index_t n) {
+  tensor t = output(out, name, like, {n}, dtype::i32);
+  if (n > 1 && t.strides[0] != 1) raise(errc::invalid_argument, t.name + " must be contiguous");
   return t;
+}
+
+ragged_outputs::ragged_outputs(py::handle out, const tensor& like, std::vector<std::int32_t> offsets, bool gpu)
+    : host_cu(std::move(offsets)) {
+  const auto o = out_pair(out, "(positions, cu)");
+  positions = int32_output(o.first, "positions", like, host_cu.back());
+  cu = int32_output(o.second, "cu", like, static_cast<index_t>(host_cu.size()));
+  if (!gpu) std::copy(host_cu.begin(), host_cu.end(), static_cast<std::int32_t*>(cu.data));
 }
 
 namespace {
@@ -200,18 +219,24 @@ py::object select_dense(py::handle s_, index_t k, py::handle lengths_, py::handl
 }
 
 // ragged selection: per-row counts -> (positions [sum], cu [R+1])
-py::tuple select_ragged(py::handle s_, py::handle counts_, py::handle lengths_) {
-  const tensor s = float_matrix(s_, "scores");
-  const tensor counts = as_tensor(counts_, "budgets", 1);
+py::tuple select_ragged(py::handle s_, py::handle counts, py::handle lengths_, py::handle out_) {
+  constexpr const char* fn = "select_topk_ragged";
+  const tensor s = score_matrix(s_, "scores");
   const tensor lengths = as_optional(lengths_, "row_lengths", 1);
-  const std::int32_t* len = int32_array(lengths, s.shape[0]);
-  const std::vector<index_t> cu64 = offsets_of(counts, s.shape[0]);
-  const tensor cu = int32_vector(s, "cu", cu64);
-  const tensor pos = output(py::none(), "positions", s, {cu64.back()}, dtype::i32);
-  const auto sv = mat<const float>(s);
-  const ragged_positions_out kept{static_cast<pos_t*>(pos.data), static_cast<const std::int32_t*>(cu.data), s.shape[0]};
-  run_ws([&](workspace& ws) { return select_topk(backend(), ws, sv, len, kept); });
-  return py::make_tuple(pos.object, cu.object);
+  const bool gpu = runs_on_gpu(fn, {&s, &lengths});
+  const std::int32_t* len = int32_data(lengths, s.shape[0]);
+  const ragged_outputs o(out_, s, host_offsets(counts, s.shape[0]), gpu);
+  auto* cup = static_cast<std::int32_t*>(o.cu.data);
+  auto* pp = static_cast<pos_t*>(o.positions.data);
+  on_device(
+      fn, {&s, &lengths, &o.positions, &o.cu},
+      [&] {
+        const auto sv = mat<const float>(s);
+        const ragged_positions_out kept{pp, cup, s.shape[0]};
+        run_ws([&](workspace& ws) { return select_topk(backend(), ws, sv, len, kept); });
+      },
+      [&](gpu::stream_t st) { return gpu::select_topk_ragged(raw_of(s), len, o.host_cu.data(), cup, pp, st); });
+  return py::make_tuple(o.positions.object, o.cu.object);
 }
 
 py::tuple select_flat(py::handle s_, index_t total, py::handle lengths_, py::handle floors_) {
@@ -363,8 +388,9 @@ void bind_stages(py::module_& m) {
         "out"_a = py::none(), "GQA reduce + pool (either order) + value weighting + protection in one pass: [H_q][T] -> [H_kv][T].");
   m.def("select_topk", &select_dense, "scores"_a, "k"_a, "row_lengths"_a = py::none(), "out"_a = py::none(),
         "Per row, the positions of the k highest scores, ascending: [R][k] int32.");
-  m.def("select_topk_ragged", &select_ragged, "scores"_a, "budgets"_a, "row_lengths"_a = py::none(),
-        "Per row r, the budgets[r] best positions, ascending: (positions [sum], cu [R+1]) int32.");
+  m.def("select_topk_ragged", &select_ragged, "scores"_a, "budgets"_a, "row_lengths"_a = py::none(), "out"_a = py::none(),
+        "Per row r, the budgets[r] best positions, ascending: (positions [sum], cu [R+1]) int32 (or into "
+        "out=(positions, cu)). budgets: a CPU int32 tensor (it sizes the output), also for CUDA scores.");
   m.def("select_topk_flat", &select_flat, "scores"_a, "total"_a, "row_lengths"_a = py::none(), "floors"_a = py::none(),
         "The total best entries of all rows jointly (ties: lower row, then lower position), each row at least its "
         "floor: (positions, cu).");

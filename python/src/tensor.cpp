@@ -251,10 +251,13 @@ void require_dtype(const tensor& t, std::initializer_list<dtype> allowed) {
 /// through on_device (common.hpp), which refuses any other name (so this list is the truth); registered
 /// as kvevict.cuda_functions by register_errors.
 const char* const cuda_functions[] = {
-    "attention_scores", "window_scores", "h2o_scores",  "tova_scores",      "key_norm_scores",
-    "position_scores",  "gqa_reduce",    "pool1d",      "weight_by_value_norm", "protect",
-    "postprocess_scores", "select_topk", "select_topk_flat", "compact",     "compact_ragged",
-    "compact_inplace",  "recipe_scores", "recipe_select"};
+    "attention_scores",   "window_scores",       "h2o_scores",           "tova_scores",
+    "key_norm_scores",    "position_scores",     "gqa_reduce",           "pool1d",
+    "weight_by_value_norm", "protect",           "postprocess_scores",   "select_topk",
+    "select_topk_flat",   "select_topk_ragged",  "select_topk_batch",    "compact",
+    "compact_ragged",     "compact_inplace",     "recipe_scores",        "recipe_select",
+    "append",             "compact_ragged_inplace", "compact_into_ragged_cache", "paged_key_norm_scores",
+    "paged_weight_by_value_norm", "compact_paged"};
 
 namespace {
 std::string cuda_function_list() {

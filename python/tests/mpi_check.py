@@ -35,6 +35,10 @@ def main():
     att /= att.sum(-1, keepdims=True)
     assert (kvevict.cake_layer_stats_sharded(comm, np.ascontiguousarray(att[r * R:(r + 1) * R]))
             == kvevict.cake_layer_stats(att)), "cake stats"
+    q, k = rng.random((P * 2, 4, 8)).astype(np.float32), rng.random((P, 19, 8)).astype(np.float32)
+    assert (kvevict.cake_window_preference_sharded(comm, np.ascontiguousarray(q[2 * r:2 * r + 2]),
+                                                   np.ascontiguousarray(k[r:r + 1]), tau1=1.6, tau2=0.4)
+            == kvevict.cake_window_preference(q, k, tau1=1.6, tau2=0.4)), "cake window preference"
     values = [float(v) for v in rng.random(5)]
     cuts = np.linspace(0, 5, P + 1).astype(int)
     assert kvevict.gather_layer_values(comm, int(cuts[r]), values[cuts[r]:cuts[r + 1]], 5) == values, "gather"

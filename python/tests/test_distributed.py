@@ -91,3 +91,16 @@ def test_thread_comm_ranks_agree_after_many_collectives(gen):
     want = [kvevict.lava_layer_entropy(s) for s in layers]
     got = run_ranks(comms, lambda r, c: [kvevict.lava_layer_entropy_sharded(c, s[r * R:(r + 1) * R]) for s in layers])
     assert got == [want] * P
+
+
+def test_head_and_layer_shards():
+    assert [kvevict.head_shard(8, 4, r) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [kvevict.layer_shard(5, 2, r) for r in range(2)] == [(0, 2), (2, 3)]
+    for L, P in [(7, 3), (12, 5), (4, 4)]:
+        parts = [kvevict.layer_shard(L, P, r) for r in range(P)]
+        assert parts[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert sum(c for _, c in parts) == L and max(c for _, c in parts) - min(c for _, c in parts) <= 1
+    with pytest.raises(kvevict.Error, match="not divisible"):
+        kvevict.head_shard(6, 4, 0)
+    with pytest.raises(kvevict.Error, match="layer_shard"):
+        kvevict.layer_shard(2, 3, 0)

@@ -37,6 +37,49 @@ def test_sharded_cake_stats_errors_reach_every_rank(gen):
         run_threads(P, lambda r: kvevict.cake_layer_stats_sharded(comms[r], torch.rand(*shapes[r], generator=gen)))
 
 
+# ---- CAKE window preference (single process and sharded) ------------------------------------
+
+def ref_cake_window_preference(q, k, tau1, tau2):
+    """The window's causal attention over the prefix in float64, then CAKE's statistics."""
+    H_q, w, d = q.shape
+    T = k.shape[1]
+    kk = k.double().repeat_interleave(H_q // k.shape[0], dim=0)
+    logits = q.double() @ kk.transpose(1, 2) / d ** 0.5
+    causal = torch.arange(T)[None, :] > (T - w + torch.arange(w))[:, None]
+    a = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)[:, :, : T - w]
+    entropy = float(-(a * a.log()).sum())
+    variance = float(a.var(dim=1, unbiased=True).sum())
+    return entropy ** (1 / tau1) * variance ** (1 / tau2)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_cake_window_preference_sharded_exact(gen, P):
+    R_kv, group, w, T, d = 1, 2, 4, 19, 8
+    q, k = randn(gen, P * R_kv * group, w, d), randn(gen, P * R_kv, T, d)
+    want = kvevict.cake_window_preference(q, k, tau1=1.6, tau2=0.4)
+    assert want == pytest.approx(ref_cake_window_preference(q, k, 1.6, 0.4), rel=1e-4)
+    comms = kvevict.thread_comms(P)
+    Rq = R_kv * group
+    got = run_threads(P, lambda r: kvevict.cake_window_preference_sharded(
+        comms[r], q[r * Rq:(r + 1) * Rq], k[r * R_kv:(r + 1) * R_kv], tau1=1.6, tau2=0.4))
+    assert got == [want] * P  # bit for bit on every rank
+    assert kvevict.cake_window_preference_sharded(kvevict.Comm(), q, k, tau1=1.6, tau2=0.4) == want
+
+
+def test_cake_window_preference_errors(gen):
+    q, k = randn(gen, 4, 4, 8), randn(gen, 2, 19, 8)
+    with pytest.raises(kvevict.Error, match="prefix"):
+        kvevict.cake_window_preference(q, k[:, :4])  # the window leaves no prefix
+    with pytest.raises(kvevict.Error, match="float32"):
+        kvevict.cake_window_preference(q.half(), k.half())
+    with pytest.raises(kvevict.Error, match="rank"):
+        kvevict.cake_window_preference(q[0], k)
+    P = 2
+    comms = kvevict.thread_comms(P)
+    with pytest.raises(kvevict.Error):  # ranks disagree on the window
+        run_threads(P, lambda r: kvevict.cake_window_preference_sharded(comms[r], q[2 * r:2 * r + 2, r:], k[r:r + 1]))
+
+
 # ---- paged window scores and value weighting -------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])

@@ -114,6 +114,29 @@ def test_select_topk_batch_flattened_and_varlen(gen):
     assert torch.equal(pos2, pos) and torch.equal(cu2, cu)
 
 
+def test_paged_and_batch_outputs_in_place(gen):
+    # out= for the calls that make ragged outputs: the caller's tensors, the same answer
+    S, H, d, ps = 2, 2, 4, 4
+    k, v, indptr, indices, last = make_paged(gen, S, H, d, ps, [9, 6])
+    scores = kvevict.paged_key_norm_scores(k, v, indptr, indices, last, H)
+    rl = torch.tensor(row_lengths(indptr, last, ps, H), dtype=torch.int32)
+    budgets = torch.tensor([3, 5], dtype=torch.int32)
+    pos, cu = kvevict.select_topk_batch(scores, budgets, kv_heads=H, row_lengths=rl)
+    out = (torch.zeros(scores.numel(), dtype=torch.int32), torch.zeros(S * H + 1, dtype=torch.int32))
+    got = kvevict.select_topk_batch(scores, budgets, kv_heads=H, row_lengths=rl, out=out)
+    assert got[0].data_ptr() == out[0].data_ptr() and got[1].data_ptr() == out[1].data_ptr()
+    assert torch.equal(got[0], pos) and torch.equal(got[1], cu)
+    k2, v2 = k.clone(), v.clone()
+    lengths, freed = kvevict.compact_paged(k, v, indptr, indices, last, H, (pos, cu))
+    out = (torch.full((S,), -1, dtype=torch.int32), torch.full((int(indptr[-1]),), -1, dtype=torch.int32))
+    got = kvevict.compact_paged(k2, v2, indptr, indices, last, H, (pos, cu), out=out)
+    assert got[0].data_ptr() == out[0].data_ptr() and got[1].data_ptr() == out[1].data_ptr()
+    assert torch.equal(got[0], lengths) and torch.equal(got[1], freed)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    with pytest.raises(kvevict.Error, match="lengths"):
+        kvevict.compact_paged(k2, v2, indptr, indices, last, H, (pos, cu), out=(out[0][:1], out[1]))
+
+
 def test_paged_errors(gen):
     k, v, indptr, indices, last = make_paged(gen, 2, 2, 4, 4, [5, 6])
     dup = indices.clone()

@@ -95,6 +95,24 @@ def test_select_dense_ragged_flat(gen):
     assert cu.tolist() == [0, 3, 3, 13, 20]
     for h in range(4):
         assert pos[cu[h]:cu[h + 1]].tolist() == topk_sorted(s[h:h + 1], int(budgets[h]))[0].tolist()
+    out = (torch.full((20,), -1, dtype=torch.int32), torch.full((5,), -1, dtype=torch.int32))
+    got = kvevict.select_topk_ragged(s, budgets, out=out)
+    assert got[0].data_ptr() == out[0].data_ptr() and got[1].data_ptr() == out[1].data_ptr()
+    assert torch.equal(out[0], pos) and torch.equal(out[1], cu)
+    with pytest.raises(kvevict.Error, match="must be"):
+        kvevict.select_topk_ragged(s, budgets, out=(torch.zeros(19, dtype=torch.int32), out[1]))
+    with pytest.raises(kvevict.Error, match="contiguous"):
+        kvevict.select_topk_ragged(s, budgets, out=(torch.zeros(40, dtype=torch.int32)[::2], out[1]))
+    r = kvevict.Recipe.snapkv()
+    r.window = r.n_recent = 2
+    rpos, rcu = kvevict.recipe_select(r, s, torch.tensor([3, 2, 10, 7], dtype=torch.int32), out=None)
+    got = kvevict.recipe_select(r, s, torch.tensor([3, 2, 10, 7], dtype=torch.int32),
+                                out=(torch.zeros(22, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)))
+    assert torch.equal(got[0], rpos) and torch.equal(got[1], rcu)
+    with pytest.raises(kvevict.Error, match="protected"):  # a head's budget below its protected tokens
+        kvevict.recipe_select(r, s, torch.tensor([3, 1, 10, 7], dtype=torch.int32))
+    with pytest.raises(kvevict.Error, match="above the 100 tokens"):
+        kvevict.recipe_select(r, s, torch.tensor([3, 2, 101, 7], dtype=torch.int32))
     pos, cu = kvevict.select_topk_flat(s, 50)
     flat = torch.topk(s.flatten(), 50).indices
     for h in range(4):

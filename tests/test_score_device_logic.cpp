@@ -12,10 +12,12 @@
 #include <kvevict/detail/block/score_emulation.hpp>
 #include <kvevict/detail/block/simt.hpp>
 #include <kvevict/detail/block/simt_bodies.hpp>
+#include "paged_fixture.hpp"
 #include "support.hpp"
 
 #include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
+#include <kvevict/paged.hpp>
 #include <kvevict/score.hpp>
 
 #include <algorithm>
@@ -493,4 +495,109 @@ TEST_CASE("cuda score logic: key_norm and position kernel bodies under the SIMT 
     REQUIRE_MESSAGE(l.ok, ex.error());
     CHECK(std::memcmp(got.data(), expect.data(), got.size() * sizeof(float)) == 0);
   }
+}
+
+// The CUDA paged window scores (cs_paged_rows_op, then the score ops with the paged key accessor) on
+// the executor: each row's scores bit-identical to the same kernels' dense window scores of a copy of
+// the row (both on the executor), the host paged_window_scores' within a loose tolerance; NHD and
+// HND pools, per-sequence and per-(sequence, head) tables, page sizes 1 / 5 / 16, GQA groups, with
+// and without the window's columns, separately rounded and fused logits. Bad rows are skipped and
+// counted.
+TEST_CASE("cuda score logic: paged window scores on the executor equal dense window scores of each row") {
+  using kvtest::paged_fixture;
+  auto g = kvtest::rng(1307);
+  int trial = 0;
+  for (const index_t ps : {index_t(1), index_t(5), index_t(16)})
+    for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head})
+      for (const page_layout layout : {page_layout::nhd, page_layout::hnd}) {
+        ++trial;
+        const bool include_window = trial % 2 == 0;
+        CAPTURE(ps);
+        CAPTURE(static_cast<int>(lists));
+        CAPTURE(static_cast<int>(layout));
+        CAPTURE(include_window);
+        const index_t w = 1 + trial % 4, G = 1 + trial % 3, d = trial % 3 == 0 ? 37 : 6;
+        paged_fixture f = kvtest::make_paged_fixture(g, 2, 2, d, ps, lists, layout, 80, 3, w);
+        const index_t R = f.rows(), Hq = R * G;
+        index_t C = 1;
+        for (auto n : f.row_len) C = std::max<index_t>(C, include_window ? n : n - w);
+        C += trial % 3;  // spare columns: the widest row's plan covers rows narrower than C
+        const auto qdata = kvtest::random_floats(g, static_cast<std::size_t>(Hq * w * d));
+        const auto q = value_of(make_kv_view<const float>(qdata.data(), Hq, w, d));
+        score_options opt;
+        opt.fused_multiply_add = trial % 3 == 1;
+        opt.reduce = trial % 4 == 3 ? score_reduce::mean_plus_variance : score_reduce::mean;
+        std::vector<float> paged(static_cast<std::size_t>(Hq * C), 3.f), ref(paged.size(), 3.f), host(paged.size(), 3.f);
+        int bad = 0;
+        const status st = detail::emulate_cuda_paged_window_scores(q, f.layer(), value_of(make_matrix_view(paged.data(), Hq, C)),
+                                                                   include_window, opt, &bad, g(), trial_cap(g));
+        REQUIRE_MESSAGE(st.ok(), st.message());
+        CHECK(bad == 0);
+        kvtest::dense_copy dense = kvtest::dense_of(f);
+        for (index_t r = 0; r < R; ++r) {
+          const index_t n = f.row_len[static_cast<std::size_t>(r)];
+          const auto keys = value_of(make_kv_view<const float>(dense.keys.row(r, 0), 1, n, d));
+          const auto split = value_of(split_window(keys, w));
+          const auto qr = value_of(make_kv_view<const float>(qdata.data() + r * G * w * d, G, w, d));
+          const auto out = value_of(make_matrix_view(ref.data() + r * G * C, G, include_window ? n : n - w, C));
+          const status sr = detail::emulate_cuda_attention_scores(qr, split.prefix, split.window, out, matrix_view<float>{},
+                                                                  gqa_op::mean, opt, g());
+          REQUIRE_MESSAGE(sr.ok(), sr.message());
+        }
+        CHECK(std::memcmp(paged.data(), ref.data(), paged.size() * sizeof(float)) == 0);
+        const auto hv = value_of(make_matrix_view(host.data(), Hq, C));
+        REQUIRE(kvtest::two_phase([&](workspace& ws) { return paged_window_scores(seq, ws, q, f.layer(), hv, include_window, opt); }).ok());
+        for (std::size_t i = 0; i < host.size(); ++i) {
+          CAPTURE(i);
+          CHECK(std::fabs(paged[i] - host[i]) <= 1e-5f * std::fabs(host[i]) + 1e-7f);
+        }
+      }
+}
+
+TEST_CASE("cuda score logic: paged window scores skip and count rows the table does not describe") {
+  using kvtest::paged_fixture;
+  auto g = kvtest::rng(1308);
+  const index_t w = 3, G = 2, d = 5;
+  paged_fixture f = kvtest::make_paged_fixture(g, 3, 2, d, 4, page_lists::per_head, page_layout::nhd, 30, 2, w + 1);
+  const index_t R = f.rows(), Hq = R * G;
+  index_t C = 0;
+  for (auto n : f.row_len) C = std::max<index_t>(C, n - w);
+  const auto qdata = kvtest::random_floats(g, static_cast<std::size_t>(Hq * w * d));
+  const auto q = value_of(make_kv_view<const float>(qdata.data(), Hq, w, d));
+  std::vector<float> good(static_cast<std::size_t>(Hq * C), 3.f), got(good.size(), 3.f);
+  int bad = 0;
+  REQUIRE(detail::emulate_cuda_paged_window_scores(q, f.layer(), value_of(make_matrix_view(good.data(), Hq, C)), false, {},
+                                                   &bad, 1).ok());
+  REQUIRE(bad == 0);
+  // list 1: a page id outside the pool; list 4: fewer tokens than the window (a short last page)
+  REQUIRE(f.indptr[2] > f.indptr[1]);
+  f.indices[static_cast<std::size_t>(f.indptr[1])] = static_cast<std::int32_t>(f.pages);
+  REQUIRE(f.indptr[5] - f.indptr[4] == (f.row_len[4] + 3) / 4);
+  f.indptr.erase(f.indptr.begin() + 5, f.indptr.end());  // lists 4 and 5 keep only their first page
+  const std::int32_t p4 = f.indices[static_cast<std::size_t>(f.indptr[4])];
+  f.indices.resize(static_cast<std::size_t>(f.indptr[4]));
+  f.indices.push_back(p4);
+  f.indptr.push_back(static_cast<std::int32_t>(f.indices.size()));
+  f.indices.push_back(p4);
+  f.indptr.push_back(static_cast<std::int32_t>(f.indices.size()));
+  f.last[4] = 2;  // 2 tokens < w
+  f.last[5] = 4;  // list 5: a full page whose id list 4 also uses (reads are fine: 4 tokens >= w)
+  REQUIRE(detail::emulate_cuda_paged_window_scores(q, f.layer(), value_of(make_matrix_view(got.data(), Hq, C)), false, {},
+                                                   &bad, 2).ok());
+  CHECK(bad == 2);
+  for (index_t r = 0; r < R; ++r)
+    for (index_t j = 0; j < G * C; ++j) {
+      const std::size_t i = static_cast<std::size_t>(r * G * C + j);
+      if (r == 1 || r == 4) CHECK(got[i] == 3.f);           // skipped: untouched
+      else if (r != 5) CHECK(bits_of(got[i]) == bits_of(good[i]));
+    }
+  // host-side errors: a window longer than out's columns with include_window, an empty window
+  std::vector<float> small(static_cast<std::size_t>(Hq * 2));
+  require_error(detail::emulate_cuda_paged_window_scores(q, f.layer(), value_of(make_matrix_view(small.data(), Hq, 2)),
+                                                         true, {}, &bad),
+                errc::shape_mismatch, "out has 2 columns, fewer than the window's 3");
+  const auto q_wrong = value_of(make_kv_view<const float>(qdata.data(), Hq - 1, w, d));
+  require_error(detail::emulate_cuda_paged_window_scores(q_wrong, f.layer(), value_of(make_matrix_view(good.data(), Hq - 1, C)),
+                                                         false, {}, &bad),
+                errc::shape_mismatch, "not sequences (3) x a multiple of 2 KV heads");
 }

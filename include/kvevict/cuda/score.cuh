@@ -119,6 +119,33 @@ status window_scores_gqa(cuda_t be, workspace& ws, kv_view<Q> window_queries, kv
                                                out_kv, op, c->opt);
 }
 
+/// paged_window_scores on the GPU: the window scores of every row (sequence, KV head) of a paged layer
+/// through its page lists (NHD or HND pools, per-sequence or per-(sequence, head) tables), by the same
+/// kernels as window_scores, so each row's scores are bit-identical to window_scores(cuda) on a dense
+/// copy of the row (docs/paged.md). Queries, out, pools and table are device memory. Host-side errors:
+/// the host overload's that do not read the table (the layer's shape, queries not S x a multiple of
+/// H_kv heads, dims, w = 0, out rows, bad options), out with fewer than w columns under
+/// include_window, out overlapping the queries or pools, a null or misaligned table, workspace too
+/// small. The table is device data: a row whose entries are bad (offsets, last page, page ids), that
+/// holds fewer than w tokens or needs more than out's columns is skipped (its out rows untouched) and
+/// counted into *bad (a device int the caller zeroes; optional). Workspace: 8 B per row plus
+/// attention_scores' statistics for the widest row out allows (H_q = rows x group, P = C or C - w).
+template <class Q, class T>
+status paged_window_scores(cuda_t be, workspace& ws, kv_view<Q> window_queries, paged_layer<T> layer,
+                           matrix_view<float> out, bool include_window = false, const score_options& opt = {},
+                           int* bad = nullptr) {
+  static_assert(is_kv_element_v<std::remove_const_t<Q>> && is_kv_element_v<std::remove_const_t<T>>,
+                "paged_window_scores: float, float16 or bfloat16");
+  using QE = std::remove_const_t<Q>;
+  constexpr const char* fn = "paged_window_scores(cuda)";
+  detail::cuda_launcher l{detail::stream_of(be), fn};
+  KVEVICT_TRY((detail::paged_window_scores_launch<QE>(
+      fn, l, ws, kv_view<const QE>(window_queries), layer, out, include_window, opt,
+      [fn](const char* name, const auto* ptr) { return detail::check_device_alignment(fn, name, ptr); },
+      detail::simt_bad{bad, nullptr})));
+  return l.err;
+}
+
 /// h2o_scores on the GPU; see the host overload. Causal tiles are skipped (half the work).
 template <class Q, class K>
 status h2o_scores(cuda_t be, workspace& ws, kv_view<Q> queries, kv_view<K> keys, matrix_view<float> out,

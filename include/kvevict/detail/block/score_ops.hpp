@@ -20,19 +20,23 @@
 
 #include <kvevict/config.hpp>
 #include <kvevict/detail/base/checks.hpp>
+#include <kvevict/detail/base/paged_checks.hpp>
 #include <kvevict/detail/base/score_checks.hpp>
 #include <kvevict/detail/base/softmax.hpp>
+#include <kvevict/detail/block/paged_block.hpp>
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/detail/block/simt_bodies.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/gqa_types.hpp>
+#include <kvevict/paged.hpp>
+#include <kvevict/paged_types.hpp>
 #include <kvevict/score_types.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>
 
-// Full unrolling of the register-tile loops under nvcc (acc stays in registers); nothing elsewhere.
-#if defined(__CUDACC__)
+// Full unrolling of the register-tile loops in device code (acc stays in registers); nothing elsewhere.
+#if defined(__CUDA_ARCH__)
 #  define KVEVICT_CS_UNROLL _Pragma("unroll")
 #else
 #  define KVEVICT_CS_UNROLL
@@ -54,17 +58,43 @@ struct alignas(8) cs_f2 {
 };
 #endif
 
-/// Everything the score kernels read: raw pointers and strides (elements), shapes, options, plan.
-template <class QE, class KE>
-struct cuda_score_args {
-  const QE* q;
-  index_t qs0, qs1, qs2;
+/// The keys of dense views: KV head g's columns are the P prefix keys, then the block keys.
+template <class KE>
+struct cs_dense_keys {
   const KE* pk;
   index_t ps0, ps1, ps2;
   const KE* bk;
   index_t bs0, bs1, bs2;
-  index_t hkv, group, w, p, d, cols, out_cols;
+  index_t p;
+  /// Prefix columns of KV head (row) g: P for every head.
+  KVEVICT_HOST_DEVICE index_t prefix(index_t) const { return p; }
+  /// Element k of column col of KV head g, widened to fp32.
+  KVEVICT_HOST_DEVICE float key(index_t g, index_t col, index_t k) const {
+    return col < p ? widen(pk[g * ps0 + col * ps1 + k * ps2]) : widen(bk[g * bs0 + (col - p) * bs1 + k * bs2]);
+  }
+};
+
+/// The keys of a paged layer (the window scores of paged_window_scores): row g (sequence, KV head)
+/// holding n tokens has prefix columns [0, n - w) and block columns [n - w, n), token j read through
+/// the row's page list. rowp[g] = n - w, or -1 for a row the table does not describe (cs_paged_rows_op).
+template <class T>
+struct cs_paged_keys {
+  paged_layer<T> layer;
+  const index_t* rowp;
+  KVEVICT_HOST_DEVICE index_t prefix(index_t g) const { return rowp[g]; }
+  KVEVICT_HOST_DEVICE float key(index_t g, index_t col, index_t k) const { return widen(layer.key(g, col)[k]); }
+};
+
+/// Everything the score kernels read: raw pointers and strides (elements), the keys, shapes (P is
+/// the keys' per-head prefix), options, plan.
+template <class QE, class Keys>
+struct cuda_score_args {
+  const QE* q;
+  index_t qs0, qs1, qs2;
+  Keys keys;
+  index_t hkv, group, w, d;
   bool has_block;
+  bool out_all;  ///< output columns: the P prefix columns (false) or all P (+ w) columns (true)
   float scale;
   score_reduce reduce;
   float gamma;
@@ -77,6 +107,10 @@ struct cuda_score_args {
   gqa_op op;
   softmax_stats* part;   // [rows_total][splits]
   softmax_stats* rowst;  // [rows_total]
+
+  /// Columns KV head g sees (prefix p, then the block) and the output columns of head g.
+  KVEVICT_HOST_DEVICE index_t cols_of(index_t p) const { return has_block ? p + w : p; }
+  KVEVICT_HOST_DEVICE index_t out_cols_of(index_t p) const { return out_all ? cols_of(p) : p; }
 };
 
 /// Announces reads of n shared-memory floats at p that a per-element function then reads directly
@@ -87,13 +121,13 @@ KVEVICT_HOST_DEVICE inline void cs_reads(Ctx& c, const float* p, int n) {
 }
 
 /// The logits of `nrows` (<= cs_rows) query rows, whose element k is q[qoff[row] + k * qs2], against
-/// keys j0 .. j0 + cs_keys - 1 of KV head g: thread (tr, tk) accumulates rows tr*8 .. tr*8+7 x keys
+/// keys j0 .. j0 + cs_keys - 1 of KV head g (prefix p): thread (tr, tk) accumulates rows tr*8 .. tr*8+7 x keys
 /// tk*4 .. tk*4+3 in registers, the head dimension staged through shared memory cs_dchunk elements
 /// at a time (each logit is still one sequential sum over k = 0..d-1). Rows >= nrows and columns
 /// >= cols give 0 (never used). Opens with a block barrier: sm may be in use until then.
-template <bool Fused, class Ctx, class QE, class KE>
-KVEVICT_HOST_DEVICE inline void cs_block_logits(Ctx& c, const cuda_score_args<QE, KE>& a, float* sm,
-                                                const index_t* qoff, int nrows, index_t g, index_t j0,
+template <bool Fused, class Ctx, class QE, class Keys>
+KVEVICT_HOST_DEVICE inline void cs_block_logits(Ctx& c, const cuda_score_args<QE, Keys>& a, float* sm,
+                                                const index_t* qoff, int nrows, index_t g, index_t p, index_t j0,
                                                 float (&acc)[cs_thread_rows][cs_thread_keys]) {
   constexpr int key_threads = cs_keys / cs_thread_keys;
   const int tid = static_cast<int>(c.thread()), tr = tid / key_threads, tk = tid % key_threads;
@@ -104,8 +138,7 @@ KVEVICT_HOST_DEVICE inline void cs_block_logits(Ctx& c, const cuda_score_args<QE
     KVEVICT_CS_UNROLL
     for (int k = 0; k < cs_thread_keys; ++k) acc[r][k] = 0.0f;
   const bool active = tr * cs_thread_rows < nrows;  // whole warps of padding rows skip the products
-  const KE* const pk = a.pk + g * a.ps0;
-  const KE* const bk = a.has_block ? a.bk + g * a.bs0 : a.bk;
+  const index_t cols = a.cols_of(p);
   for (index_t d0 = 0; d0 < a.d; d0 += cs_dchunk) {
     const int n = a.d - d0 < cs_dchunk ? static_cast<int>(a.d - d0) : cs_dchunk;
     c.sync();
@@ -118,10 +151,7 @@ KVEVICT_HOST_DEVICE inline void cs_block_logits(Ctx& c, const cuda_score_args<QE
       const cs_stage_slot sl = cs_stage_slot_of(e);
       const int kk = sl.row, dd = sl.dd;
       const index_t col = j0 + kk;
-      float v = 0.0f;
-      if (col < a.cols && dd < n)
-        v = col < a.p ? widen(pk[col * a.ps1 + (d0 + dd) * a.ps2]) : widen(bk[(col - a.p) * a.bs1 + (d0 + dd) * a.bs2]);
-      c.st(ks + dd * cs_k_ld + kk, v);
+      c.st(ks + dd * cs_k_ld + kk, col < cols && dd < n ? a.keys.key(g, col, d0 + dd) : 0.0f);
     }
     c.sync();
     if (active) {
@@ -143,7 +173,7 @@ KVEVICT_HOST_DEVICE inline void cs_block_logits(Ctx& c, const cuda_score_args<QE
 /// Pass 1: item (g, row block rb, split s) merges, for each row of the block, the statistics of key
 /// tiles [s * tiles_per_split, ...) in order: two runs of cs_half keys per tile (threads 2r and
 /// 2r + 1), merged, then merged into the row's running statistics -> part[row][s].
-template <bool Fused, class QE, class KE>
+template <bool Fused, class QE, class Keys>
 struct cs_stats_op {
   static constexpr int threads = cs_threads;
   static constexpr int min_blocks = 2;
@@ -152,13 +182,15 @@ struct cs_stats_op {
     index_t qoff[cs_rows];
   };
   template <class Ctx>
-  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, const cuda_score_args<QE, KE> a) {
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, const cuda_score_args<QE, Keys> a) {
     constexpr int key_threads = cs_keys / cs_thread_keys;
     const int tid = static_cast<int>(c.thread()), tr = tid / key_threads, tk = tid % key_threads;
     const int srow = tid / 2, half = tid % 2;
     const index_t items = a.hkv * a.row_blocks * a.splits;
     for (index_t item = c.block(); item < items; item += c.grid_dim()) {
       const index_t s = item % a.splits, rest = item / a.splits, rb = rest % a.row_blocks, g = rest / a.row_blocks;
+      const index_t p = a.keys.prefix(g);
+      if (p < 0) continue;  // a paged row its table does not describe (counted by cs_paged_rows_op)
       const index_t row0 = rb * cs_rows;
       const int nrows = a.rows_g - row0 < cs_rows ? static_cast<int>(a.rows_g - row0) : cs_rows;
       c.sync();  // the previous item's readers of qoff and sm are done
@@ -166,15 +198,15 @@ struct cs_stats_op {
         const index_t r = row0 + lr;
         c.st(sh.qoff + lr, (g * a.group + r / a.w) * a.qs0 + (r % a.w) * a.qs1);
       }
-      const index_t my_vis = srow < nrows ? score_row_visible(a.p, a.has_block, (row0 + srow) % a.w) : 0;
-      const index_t max_vis = score_block_max_visible(row0, nrows, a.w, a.p, a.has_block);
+      const index_t my_vis = srow < nrows ? score_row_visible(p, a.has_block, (row0 + srow) % a.w) : 0;
+      const index_t max_vis = score_block_max_visible(row0, nrows, a.w, p, a.has_block);
       softmax_stats run = softmax_empty();
       const index_t t_end = (s + 1) * a.tiles_per_split < a.tiles ? (s + 1) * a.tiles_per_split : a.tiles;
       for (index_t t = s * a.tiles_per_split; t < t_end; ++t) {
         const index_t j0 = t * cs_keys;
         if (j0 >= max_vis) break;  // causal block: no row of the block sees this tile or later ones
         float acc[cs_thread_rows][cs_thread_keys];
-        cs_block_logits<Fused>(c, a, sh.sm, sh.qoff, nrows, g, j0, acc);
+        cs_block_logits<Fused>(c, a, sh.sm, sh.qoff, nrows, g, p, j0, acc);
         c.sync();  // the staged queries and keys are no longer read
         KVEVICT_CS_UNROLL
         for (int r = 0; r < cs_thread_rows; ++r) {  // float2 stores: 2-way at most (scalar: 4-way)
@@ -221,25 +253,25 @@ struct cs_merge_op {
   }
 };
 
-/// Pass 2, one block of rows [row0, row0 + nrows) of KV head g's group against output columns
+/// Pass 2, one block of rows [row0, row0 + nrows) of KV head g's group (prefix p) against output columns
 /// [c0, c0 + ncols): the probabilities p (0 where a row does not see a column) in sm[row][column].
 /// Returns false, without touching sm, when no row of the block sees any of the columns (every p is
 /// 0). Opens with a block barrier; ends with one when it returns true.
-template <bool Fused, class Ctx, class QE, class KE>
-KVEVICT_HOST_DEVICE inline bool cs_prob_tile(Ctx& c, const cuda_score_args<QE, KE>& a, float* sm, index_t* qoff,
-                                             index_t* rvis, softmax_stats* rst, index_t g, index_t row0, int nrows,
-                                             index_t c0, int ncols) {
+template <bool Fused, class Ctx, class QE, class Keys>
+KVEVICT_HOST_DEVICE inline bool cs_prob_tile(Ctx& c, const cuda_score_args<QE, Keys>& a, float* sm, index_t* qoff,
+                                             index_t* rvis, softmax_stats* rst, index_t g, index_t p, index_t row0,
+                                             int nrows, index_t c0, int ncols) {
   c.sync();
-  if (score_block_max_visible(row0, nrows, a.w, a.p, a.has_block) <= c0) return false;
+  if (score_block_max_visible(row0, nrows, a.w, p, a.has_block) <= c0) return false;
   const int tid = static_cast<int>(c.thread());
   for (int lr = tid; lr < nrows; lr += cs_threads) {
     const index_t r = row0 + lr, i = r % a.w;
     c.st(qoff + lr, (g * a.group + r / a.w) * a.qs0 + i * a.qs1);
-    c.st(rvis + lr, score_row_visible(a.p, a.has_block, i));
+    c.st(rvis + lr, score_row_visible(p, a.has_block, i));
     c.st(rst + lr, a.rowst[g * a.rows_g + r]);
   }
   float acc[cs_thread_rows][cs_thread_keys];
-  cs_block_logits<Fused>(c, a, sm, qoff, nrows, g, c0, acc);
+  cs_block_logits<Fused>(c, a, sm, qoff, nrows, g, p, c0, acc);
   c.sync();
   constexpr int key_threads = cs_keys / cs_thread_keys;
   const int tr = tid / key_threads, tk = tid % key_threads;
@@ -266,7 +298,7 @@ KVEVICT_HOST_DEVICE inline bool cs_prob_tile(Ctx& c, const cuda_score_args<QE, K
 /// w <= cs_rows, else cs_rows-row pieces of one head), the probability tile, then per (query head,
 /// column) the rows pushed in order i = 0..w-1, finalised, written, and combined over the group's
 /// heads in order (GQA output).
-template <bool Fused, class QE, class KE>
+template <bool Fused, class QE, class Keys>
 struct cs_columns_op {
   static constexpr int threads = cs_threads;
   static constexpr int min_blocks = 2;
@@ -277,7 +309,7 @@ struct cs_columns_op {
     softmax_stats rst[cs_rows];
   };
   template <class Ctx>
-  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, const cuda_score_args<QE, KE> a) {
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, const cuda_score_args<QE, Keys> a) {
     float* const sm = sh.sm;
     const int tid = static_cast<int>(c.thread());
     const bool welford = a.reduce == score_reduce::mean_plus_variance;
@@ -286,13 +318,15 @@ struct cs_columns_op {
     const index_t items = a.hkv * a.out_tiles;
     for (index_t item = c.block(); item < items; item += c.grid_dim()) {
       const index_t g = item / a.out_tiles, c0 = (item % a.out_tiles) * cs_keys;
-      const int ncols = a.out_cols - c0 < cs_keys ? static_cast<int>(a.out_cols - c0) : cs_keys;
+      const index_t p = a.keys.prefix(g), out_cols = a.out_cols_of(p);
+      if (p < 0 || c0 >= out_cols) continue;  // a bad paged row, or a tile past a shorter paged row
+      const int ncols = out_cols - c0 < cs_keys ? static_cast<int>(out_cols - c0) : cs_keys;
       float gacc = 0.0f;  // thread tid < ncols: the GQA accumulator of column c0 + tid
       if (hpb > 0) {
         for (index_t hb0 = 0; hb0 < a.group; hb0 += hpb) {
           const int nh = a.group - hb0 < hpb ? static_cast<int>(a.group - hb0) : static_cast<int>(hpb);
           const int nrows = nh * static_cast<int>(a.w);
-          const bool any = cs_prob_tile<Fused>(c, a, sm, sh.qoff, sh.rvis, sh.rst, g, hb0 * a.w, nrows, c0, ncols);
+          const bool any = cs_prob_tile<Fused>(c, a, sm, sh.qoff, sh.rvis, sh.rst, g, p, hb0 * a.w, nrows, c0, ncols);
           for (int pair = tid; pair < nh * cs_keys; pair += cs_threads) {
             const int hl = pair / cs_keys, j = pair % cs_keys;
             if (j >= ncols) continue;
@@ -302,7 +336,7 @@ struct cs_columns_op {
                 score_column_push(welford, acc, m2, any ? c.ld(sm + (hl * a.w + i) * cs_l_ld + j) : 0.0f, i);
             const index_t col = c0 + j;
             const float v =
-                score_finalize(a.reduce, acc, m2, a.w, score_column_seen(a.p, a.w, col), a.gamma, a.variance);
+                score_finalize(a.reduce, acc, m2, a.w, score_column_seen(p, a.w, col), a.gamma, a.variance);
             if (a.out_h != nullptr) a.out_h[(g * a.group + hb0 + hl) * a.oh0 + col * a.oh1] = v;
             if (want_kv) c.st(sm + hl * a.w * cs_l_ld + j, v);  // read back below; only this thread wrote it
           }
@@ -320,7 +354,8 @@ struct cs_columns_op {
           float acc = 0.0f, m2 = 0.0f;
           for (index_t b0 = 0; b0 < a.w; b0 += cs_rows) {
             const int nrows = a.w - b0 < cs_rows ? static_cast<int>(a.w - b0) : cs_rows;
-            const bool any = cs_prob_tile<Fused>(c, a, sm, sh.qoff, sh.rvis, sh.rst, g, hh * a.w + b0, nrows, c0, ncols);
+            const bool any =
+                cs_prob_tile<Fused>(c, a, sm, sh.qoff, sh.rvis, sh.rst, g, p, hh * a.w + b0, nrows, c0, ncols);
             if (tid < ncols && (any || welford))
               for (int lr = 0; lr < nrows; ++lr)
                 score_column_push(welford, acc, m2, any ? c.ld(sm + lr * cs_l_ld + tid) : 0.0f, b0 + lr);
@@ -328,7 +363,7 @@ struct cs_columns_op {
           if (tid < ncols) {
             const index_t col = c0 + tid;
             const float v =
-                score_finalize(a.reduce, acc, m2, a.w, score_column_seen(a.p, a.w, col), a.gamma, a.variance);
+                score_finalize(a.reduce, acc, m2, a.w, score_column_seen(p, a.w, col), a.gamma, a.variance);
             if (a.out_h != nullptr) a.out_h[(g * a.group + hh) * a.oh0 + col * a.oh1] = v;
             gacc = hh == 0 ? v : gqa_combine(a.op, gacc, v);
           }
@@ -341,14 +376,14 @@ struct cs_columns_op {
 
 /// The three launches of one attention_scores call, on either launcher (grid_cap bounds every grid:
 /// the results do not depend on it; tests pass a small one to exercise the grid-stride loops).
-template <bool Fused, class QE, class KE, class Launcher>
-void cs_launch(Launcher& l, const cuda_score_args<QE, KE>& a, index_t grid_cap = index_t(1) << 20) {
+template <bool Fused, class QE, class Keys, class Launcher>
+void cs_launch(Launcher& l, const cuda_score_args<QE, Keys>& a, index_t grid_cap = index_t(1) << 20) {
   constexpr index_t warps = cs_threads / 32;
-  l.template run<cs_stats_op<Fused, QE, KE>>(simt_shape{simt_grid(a.hkv * a.row_blocks * a.splits, grid_cap), cs_threads},
+  l.template run<cs_stats_op<Fused, QE, Keys>>(simt_shape{simt_grid(a.hkv * a.row_blocks * a.splits, grid_cap), cs_threads},
                                              a);
   l.template run<cs_merge_op>(simt_shape{simt_grid((a.rows_total + warps - 1) / warps, grid_cap), cs_threads},
                               static_cast<const softmax_stats*>(a.part), a.rowst, a.rows_total, a.splits);
-  l.template run<cs_columns_op<Fused, QE, KE>>(simt_shape{simt_grid(a.hkv * a.out_tiles, grid_cap), cs_threads}, a);
+  l.template run<cs_columns_op<Fused, QE, Keys>>(simt_shape{simt_grid(a.hkv * a.out_tiles, grid_cap), cs_threads}, a);
 }
 
 /// The CUDA attention_scores' workspace (both phases): per-split and per-row softmax statistics.
@@ -358,6 +393,35 @@ inline status carve_cuda_score(const char* fn, workspace& ws, const cuda_score_p
   part = carver.take<softmax_stats>(static_cast<std::size_t>(pl.part_entries));
   rowst = carver.take<softmax_stats>(static_cast<std::size_t>(pl.rows_total));
   return carver.finish(fn);
+}
+
+/// The arguments common to the dense and paged forms: queries, shape, options, plan, workspace.
+template <class QE, class Keys>
+void cs_fill_args(cuda_score_args<QE, Keys>& a, const kv_view<const QE>& q, const score_shape& sh,
+                  const cuda_score_plan& pl, const score_options& opt, softmax_stats* part, softmax_stats* rowst) {
+  a.q = q.data_handle();
+  a.qs0 = q.stride(0);
+  a.qs1 = q.stride(1);
+  a.qs2 = q.stride(2);
+  a.hkv = sh.hkv;
+  a.group = sh.group;
+  a.w = sh.w;
+  a.d = sh.d;
+  a.has_block = sh.has_block;
+  a.out_all = sh.out_cols == sh.cols;
+  a.scale = sh.scale;
+  a.reduce = opt.reduce;
+  a.gamma = opt.gamma;
+  a.variance = opt.variance;
+  a.rows_g = pl.rows_g;
+  a.rows_total = pl.rows_total;
+  a.tiles = pl.tiles;
+  a.tiles_per_split = pl.tiles_per_split;
+  a.splits = pl.splits;
+  a.row_blocks = pl.row_blocks;
+  a.out_tiles = pl.out_tiles;
+  a.part = part;
+  a.rowst = rowst;
 }
 
 /// The CUDA attention_scores on launcher l: the checks (the host's, then `aligned(name, pointer)` on
@@ -400,38 +464,11 @@ status attention_scores_launch(const char* fn, Launcher& l, workspace& ws, const
   KVEVICT_TRY(carve_cuda_score(fn, ws, pl, part, rowst));
   if (ws.is_query() || pl.rows_total == 0) return {};
 
-  cuda_score_args<QE, KE> a{};
-  a.q = q.data_handle();
-  a.qs0 = q.stride(0);
-  a.qs1 = q.stride(1);
-  a.qs2 = q.stride(2);
-  a.pk = prefix.data_handle();
-  a.ps0 = prefix.stride(0);
-  a.ps1 = prefix.stride(1);
-  a.ps2 = prefix.stride(2);
-  a.bk = sh.has_block ? block.data_handle() : nullptr;
-  a.bs0 = sh.has_block ? block.stride(0) : 0;
-  a.bs1 = sh.has_block ? block.stride(1) : 0;
-  a.bs2 = sh.has_block ? block.stride(2) : 0;
-  a.hkv = sh.hkv;
-  a.group = sh.group;
-  a.w = sh.w;
-  a.p = sh.p;
-  a.d = sh.d;
-  a.cols = sh.cols;
-  a.out_cols = sh.out_cols;
-  a.has_block = sh.has_block;
-  a.scale = sh.scale;
-  a.reduce = opt.reduce;
-  a.gamma = opt.gamma;
-  a.variance = opt.variance;
-  a.rows_g = pl.rows_g;
-  a.rows_total = pl.rows_total;
-  a.tiles = pl.tiles;
-  a.tiles_per_split = pl.tiles_per_split;
-  a.splits = pl.splits;
-  a.row_blocks = pl.row_blocks;
-  a.out_tiles = pl.out_tiles;
+  cuda_score_args<QE, cs_dense_keys<KE>> a{};
+  cs_fill_args(a, q, sh, pl, opt, part, rowst);
+  a.keys = {prefix.data_handle(), prefix.stride(0), prefix.stride(1), prefix.stride(2),
+            sh.has_block ? block.data_handle() : nullptr, sh.has_block ? block.stride(0) : 0,
+            sh.has_block ? block.stride(1) : 0, sh.has_block ? block.stride(2) : 0, sh.p};
   a.out_h = want_h ? out_h.data_handle() : nullptr;
   a.oh0 = want_h ? out_h.stride(0) : 0;
   a.oh1 = want_h ? out_h.stride(1) : 0;
@@ -439,8 +476,91 @@ status attention_scores_launch(const char* fn, Launcher& l, workspace& ws, const
   a.ok0 = kv_requested ? out_kv.stride(0) : 0;
   a.ok1 = kv_requested ? out_kv.stride(1) : 0;
   a.op = op;
-  a.part = part;
-  a.rowst = rowst;
+  if (opt.fused_multiply_add)
+    cs_launch<true>(l, a, grid_cap);
+  else
+    cs_launch<false>(l, a, grid_cap);
+  return {};
+}
+
+/// Paged window scores, step 1: block r (grid-stride) checks row r's table entries (paged_readable_row)
+/// and length: rowp[r] = n - w for a row of n tokens, or -1 (counted into bad) if its table entries
+/// are bad, it holds fewer than w tokens, or its output columns (n - w, or n with include_window)
+/// exceed out's C.
+template <class T>
+struct cs_paged_rows_op {
+  static constexpr int threads = 32;
+  using shared = simt_no_shared;
+  template <class Ctx>
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared&, paged_layer<T> layer, index_t w, bool include_window,
+                                       index_t C, index_t* rowp, simt_bad bad) {
+    if (c.thread() != 0) return;
+    for (index_t r = c.block(); r < layer.rows(); r += c.grid_dim()) {
+      const index_t n = paged_readable_row(layer, r, include_window ? C : C + w);
+      rowp[r] = n >= w ? n - w : -1;
+      if (n < w) bad.add(c, 1);
+    }
+  }
+};
+
+/// paged_window_scores of the CUDA backend on launcher l (the host paged_window_scores' semantics):
+/// row r = (sequence s, KV head h) of the layer is scored as window_scores of its n tokens (prefix
+/// [0, n - w), block [n - w, n)) for its `group` query heads, into out rows r * group ...; columns
+/// past a row's output are untouched. The plan is that of the widest row out allows (P = C, or
+/// C - w with include_window), rows holding fewer tiles stop early, so each row's scores are
+/// bit-identical to the dense window_scores of the row. Host-side checks: the layer's shape,
+/// the queries, out and the options (`aligned` as in attention_scores_launch); the table is device
+/// data: rows it does not describe are skipped and counted into bad. Workspace: the row prefixes
+/// (8 B per row) and the statistics of the widest row's plan.
+template <class QE, class T, class Launcher, class Aligned>
+status paged_window_scores_launch(const char* fn, Launcher& l, workspace& ws, const kv_view<const QE>& q,
+                                  const paged_layer<T>& layer, const matrix_view<float>& out,
+                                  bool include_window, const score_options& opt, const Aligned& aligned, simt_bad bad,
+                                  index_t grid_cap = index_t(1) << 20) {
+  KVEVICT_TRY(check_paged_shape(fn, layer));
+  KVEVICT_TRY(check_score_options(fn, opt));
+  index_t group = 1;
+  KVEVICT_TRY(check_paged_window_shape(fn, q, layer, out, group));
+  const index_t R = layer.rows(), w = q.extent(1), C = out.extent(1);
+  if (R > 0) {
+    if (layer.table.indptr == nullptr || (layer.table.lists > 0 && layer.table.last_page_len == nullptr))
+      return status::error(errc::null_pointer, "%s: table.indptr or table.last_page_len is null", fn);
+    if (include_window && C < w)
+      return status::error(errc::shape_mismatch, "%s: out has %lld columns, fewer than the window's %lld", fn,
+                           static_cast<long long>(C), static_cast<long long>(w));
+    const byte_range o = range_of(out);
+    if (o.intersects(range_of(q)) || o.intersects(pool_range(layer.keys)) || o.intersects(pool_range(layer.values)))
+      return status::error(errc::overlap, "%s: out overlaps the queries or the page pools", fn);
+  }
+  KVEVICT_TRY(aligned("window_queries", q.data_handle()));
+  KVEVICT_TRY(aligned("out", out.data_handle()));
+  KVEVICT_TRY(aligned("table.indptr", layer.table.indptr));
+  KVEVICT_TRY(aligned("table.indices", layer.table.indices));
+  KVEVICT_TRY(aligned("table.last_page_len", layer.table.last_page_len));
+  KVEVICT_TRY(aligned("the key pool", layer.keys.data));
+  score_shape sh;
+  cuda_score_plan pl;
+  if (R > 0) {
+    const index_t pmax = include_window ? C - w : C;
+    KVEVICT_TRY(score_shape_from_sizes(fn, R * group, R, w, pmax, layer.keys.dim, true, C, opt, sh));
+    KVEVICT_TRY(make_cuda_score_plan(fn, sh, pl));
+  }
+  workspace_carver carver(ws);
+  index_t* rowp = carver.take<index_t>(static_cast<std::size_t>(R));
+  softmax_stats* part = carver.take<softmax_stats>(static_cast<std::size_t>(pl.part_entries));
+  softmax_stats* rowst = carver.take<softmax_stats>(static_cast<std::size_t>(pl.rows_total));
+  KVEVICT_TRY(carver.finish(fn));
+  if (ws.is_query() || R == 0) return {};
+  l.template run<cs_paged_rows_op<T>>(simt_shape{simt_grid(R, grid_cap), cs_paged_rows_op<T>::threads}, layer, w,
+                                      include_window, C, rowp, bad);
+  if (pl.rows_total == 0) return {};
+  cuda_score_args<QE, cs_paged_keys<T>> a{};
+  cs_fill_args(a, q, sh, pl, opt, part, rowst);
+  a.keys = {layer, rowp};
+  a.out_h = out.data_handle();
+  a.oh0 = out.stride(0);
+  a.oh1 = out.stride(1);
+  a.op = gqa_op::mean;
   if (opt.fused_multiply_add)
     cs_launch<true>(l, a, grid_cap);
   else

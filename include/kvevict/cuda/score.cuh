@@ -12,10 +12,12 @@
 // tile by tile and adds the probabilities into the per-column reduction. One CTA per (KV head, key
 // tile) holds the tile's keys in shared memory for every query row of the GQA group.
 //
-// Results are deterministic (fixed decomposition and summation order, no atomics) and bit-identical
-// to the host emulation of the same decomposition (include/kvevict/detail/block/score_emulation.hpp); they differ
+// The kernels are ops (include/kvevict/detail/block/score_ops.hpp) launched by cuda_launcher; the
+// host tests run the same bodies and launch sequence on the SIMT executor (score_emulation.hpp).
+// Results are deterministic (fixed decomposition and summation order, no atomics); they differ
 // from the host backends only by summation order, within the bound of docs/cuda.md. The
-// GQA-reduced output equals gqa_reduce of the per-head output bit for bit.
+// GQA-reduced output equals gqa_reduce of the per-head output bit for bit. paged_window_scores
+// runs the same ops with keys read through a paged layer's page lists.
 #pragma once
 
 #include <kvevict/backend.hpp>

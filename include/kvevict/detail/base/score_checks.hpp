@@ -1,6 +1,6 @@
 // The shape and option checks of the attention-score stage, shared by every backend: the host
-// stage (score.hpp), the CUDA launchers (cuda/score.cuh) and the host emulation of the CUDA
-// decomposition (detail/block/score_emulation.hpp). Not API.
+// stage (score.hpp) and the CUDA launch sequences (detail/block/score_ops.hpp, run by cuda/score.cuh
+// and, on the host SIMT executor, by detail/block/score_emulation.hpp). Not API.
 #pragma once
 
 #include <kvevict/config.hpp>

@@ -68,9 +68,17 @@ struct cs_dense_keys {
   index_t p;
   /// Prefix columns of KV head (row) g: P for every head.
   KVEVICT_HOST_DEVICE index_t prefix(index_t) const { return p; }
-  /// Element k of column col of KV head g, widened to fp32.
-  KVEVICT_HOST_DEVICE float key(index_t g, index_t col, index_t k) const {
-    return col < p ? widen(pk[g * ps0 + col * ps1 + k * ps2]) : widen(bk[g * bs0 + (col - p) * bs1 + k * bs2]);
+  /// KV head g's keys: key(col, k) is element k of column col, widened to fp32.
+  struct row_keys {
+    const KE* pk;
+    const KE* bk;
+    index_t ps1, ps2, bs1, bs2, p;
+    KVEVICT_HOST_DEVICE float key(index_t col, index_t k) const {
+      return col < p ? widen(pk[col * ps1 + k * ps2]) : widen(bk[(col - p) * bs1 + k * bs2]);
+    }
+  };
+  KVEVICT_HOST_DEVICE row_keys row(index_t g) const {
+    return {pk + g * ps0, bk != nullptr ? bk + g * bs0 : bk, ps1, ps2, bs1, bs2, p};
   }
 };
 
@@ -82,7 +90,12 @@ struct cs_paged_keys {
   paged_layer<T> layer;
   const index_t* rowp;
   KVEVICT_HOST_DEVICE index_t prefix(index_t g) const { return rowp[g]; }
-  KVEVICT_HOST_DEVICE float key(index_t g, index_t col, index_t k) const { return widen(layer.key(g, col)[k]); }
+  struct row_keys {
+    paged_layer<T> layer;
+    index_t g;
+    KVEVICT_HOST_DEVICE float key(index_t col, index_t k) const { return widen(layer.key(g, col)[k]); }
+  };
+  KVEVICT_HOST_DEVICE row_keys row(index_t g) const { return {layer, g}; }
 };
 
 /// Everything the score kernels read: raw pointers and strides (elements), the keys, shapes (P is
@@ -121,13 +134,13 @@ KVEVICT_HOST_DEVICE inline void cs_reads(Ctx& c, const float* p, int n) {
 }
 
 /// The logits of `nrows` (<= cs_rows) query rows, whose element k is q[qoff[row] + k * qs2], against
-/// keys j0 .. j0 + cs_keys - 1 of KV head g (prefix p): thread (tr, tk) accumulates rows tr*8 .. tr*8+7 x keys
+/// keys j0 .. j0 + cs_keys - 1 of KV head g: thread (tr, tk) accumulates rows tr*8 .. tr*8+7 x keys
 /// tk*4 .. tk*4+3 in registers, the head dimension staged through shared memory cs_dchunk elements
 /// at a time (each logit is still one sequential sum over k = 0..d-1). Rows >= nrows and columns
 /// >= cols give 0 (never used). Opens with a block barrier: sm may be in use until then.
 template <bool Fused, class Ctx, class QE, class Keys>
 KVEVICT_HOST_DEVICE inline void cs_block_logits(Ctx& c, const cuda_score_args<QE, Keys>& a, float* sm,
-                                                const index_t* qoff, int nrows, index_t g, index_t p, index_t j0,
+                                                const index_t* qoff, int nrows, index_t g, index_t j0,
                                                 float (&acc)[cs_thread_rows][cs_thread_keys]) {
   constexpr int key_threads = cs_keys / cs_thread_keys;
   const int tid = static_cast<int>(c.thread()), tr = tid / key_threads, tk = tid % key_threads;
@@ -138,7 +151,8 @@ KVEVICT_HOST_DEVICE inline void cs_block_logits(Ctx& c, const cuda_score_args<QE
     KVEVICT_CS_UNROLL
     for (int k = 0; k < cs_thread_keys; ++k) acc[r][k] = 0.0f;
   const bool active = tr * cs_thread_rows < nrows;  // whole warps of padding rows skip the products
-  const index_t cols = a.cols_of(p);
+  const index_t cols = a.cols_of(a.keys.prefix(g));
+  const auto keys = a.keys.row(g);
   for (index_t d0 = 0; d0 < a.d; d0 += cs_dchunk) {
     const int n = a.d - d0 < cs_dchunk ? static_cast<int>(a.d - d0) : cs_dchunk;
     c.sync();
@@ -151,7 +165,7 @@ KVEVICT_HOST_DEVICE inline void cs_block_logits(Ctx& c, const cuda_score_args<QE
       const cs_stage_slot sl = cs_stage_slot_of(e);
       const int kk = sl.row, dd = sl.dd;
       const index_t col = j0 + kk;
-      c.st(ks + dd * cs_k_ld + kk, col < cols && dd < n ? a.keys.key(g, col, d0 + dd) : 0.0f);
+      c.st(ks + dd * cs_k_ld + kk, col < cols && dd < n ? keys.key(col, d0 + dd) : 0.0f);
     }
     c.sync();
     if (active) {
@@ -170,17 +184,23 @@ KVEVICT_HOST_DEVICE inline void cs_block_logits(Ctx& c, const cuda_score_args<QE
   }
 }
 
+/// What the two passes' ops share: 256 threads, two blocks per SM (__launch_bounds__(256, 2)), the
+/// logit / staging tile and the staged rows' query offsets in shared memory.
+struct cs_pass_op_base {
+  static constexpr int threads = cs_threads;
+  static constexpr int min_blocks = 2;
+  struct tile_shared {
+    alignas(16) float sm[cs_tile_floats];
+    index_t qoff[cs_rows];
+  };
+};
+
 /// Pass 1: item (g, row block rb, split s) merges, for each row of the block, the statistics of key
 /// tiles [s * tiles_per_split, ...) in order: two runs of cs_half keys per tile (threads 2r and
 /// 2r + 1), merged, then merged into the row's running statistics -> part[row][s].
 template <bool Fused, class QE, class Keys>
-struct cs_stats_op {
-  static constexpr int threads = cs_threads;
-  static constexpr int min_blocks = 2;
-  struct shared {
-    alignas(16) float sm[cs_tile_floats];
-    index_t qoff[cs_rows];
-  };
+struct cs_stats_op : cs_pass_op_base {
+  using shared = tile_shared;
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, const cuda_score_args<QE, Keys> a) {
     constexpr int key_threads = cs_keys / cs_thread_keys;
@@ -206,7 +226,7 @@ struct cs_stats_op {
         const index_t j0 = t * cs_keys;
         if (j0 >= max_vis) break;  // causal block: no row of the block sees this tile or later ones
         float acc[cs_thread_rows][cs_thread_keys];
-        cs_block_logits<Fused>(c, a, sh.sm, sh.qoff, nrows, g, p, j0, acc);
+        cs_block_logits<Fused>(c, a, sh.sm, sh.qoff, nrows, g, j0, acc);
         c.sync();  // the staged queries and keys are no longer read
         KVEVICT_CS_UNROLL
         for (int r = 0; r < cs_thread_rows; ++r) {  // float2 stores: 2-way at most (scalar: 4-way)
@@ -253,15 +273,16 @@ struct cs_merge_op {
   }
 };
 
-/// Pass 2, one block of rows [row0, row0 + nrows) of KV head g's group (prefix p) against output columns
+/// Pass 2, one block of rows [row0, row0 + nrows) of KV head g's group against output columns
 /// [c0, c0 + ncols): the probabilities p (0 where a row does not see a column) in sm[row][column].
 /// Returns false, without touching sm, when no row of the block sees any of the columns (every p is
 /// 0). Opens with a block barrier; ends with one when it returns true.
 template <bool Fused, class Ctx, class QE, class Keys>
 KVEVICT_HOST_DEVICE inline bool cs_prob_tile(Ctx& c, const cuda_score_args<QE, Keys>& a, float* sm, index_t* qoff,
-                                             index_t* rvis, softmax_stats* rst, index_t g, index_t p, index_t row0,
-                                             int nrows, index_t c0, int ncols) {
+                                             index_t* rvis, softmax_stats* rst, index_t g, index_t row0, int nrows,
+                                             index_t c0, int ncols) {
   c.sync();
+  const index_t p = a.keys.prefix(g);
   if (score_block_max_visible(row0, nrows, a.w, p, a.has_block) <= c0) return false;
   const int tid = static_cast<int>(c.thread());
   for (int lr = tid; lr < nrows; lr += cs_threads) {
@@ -271,7 +292,7 @@ KVEVICT_HOST_DEVICE inline bool cs_prob_tile(Ctx& c, const cuda_score_args<QE, K
     c.st(rst + lr, a.rowst[g * a.rows_g + r]);
   }
   float acc[cs_thread_rows][cs_thread_keys];
-  cs_block_logits<Fused>(c, a, sm, qoff, nrows, g, p, c0, acc);
+  cs_block_logits<Fused>(c, a, sm, qoff, nrows, g, c0, acc);
   c.sync();
   constexpr int key_threads = cs_keys / cs_thread_keys;
   const int tr = tid / key_threads, tk = tid % key_threads;
@@ -299,12 +320,8 @@ KVEVICT_HOST_DEVICE inline bool cs_prob_tile(Ctx& c, const cuda_score_args<QE, K
 /// column) the rows pushed in order i = 0..w-1, finalised, written, and combined over the group's
 /// heads in order (GQA output).
 template <bool Fused, class QE, class Keys>
-struct cs_columns_op {
-  static constexpr int threads = cs_threads;
-  static constexpr int min_blocks = 2;
-  struct shared {
-    alignas(16) float sm[cs_tile_floats];
-    index_t qoff[cs_rows];
+struct cs_columns_op : cs_pass_op_base {
+  struct shared : tile_shared {
     index_t rvis[cs_rows];
     softmax_stats rst[cs_rows];
   };
@@ -318,15 +335,16 @@ struct cs_columns_op {
     const index_t items = a.hkv * a.out_tiles;
     for (index_t item = c.block(); item < items; item += c.grid_dim()) {
       const index_t g = item / a.out_tiles, c0 = (item % a.out_tiles) * cs_keys;
-      const index_t p = a.keys.prefix(g), out_cols = a.out_cols_of(p);
-      if (p < 0 || c0 >= out_cols) continue;  // a bad paged row, or a tile past a shorter paged row
+      // the head's prefix is read again where needed (a kernel parameter for dense keys): fewer live registers
+      const index_t p0 = a.keys.prefix(g), out_cols = a.out_cols_of(p0);
+      if (p0 < 0 || c0 >= out_cols) continue;  // a bad paged row, or a tile past a shorter paged row
       const int ncols = out_cols - c0 < cs_keys ? static_cast<int>(out_cols - c0) : cs_keys;
       float gacc = 0.0f;  // thread tid < ncols: the GQA accumulator of column c0 + tid
       if (hpb > 0) {
         for (index_t hb0 = 0; hb0 < a.group; hb0 += hpb) {
           const int nh = a.group - hb0 < hpb ? static_cast<int>(a.group - hb0) : static_cast<int>(hpb);
           const int nrows = nh * static_cast<int>(a.w);
-          const bool any = cs_prob_tile<Fused>(c, a, sm, sh.qoff, sh.rvis, sh.rst, g, p, hb0 * a.w, nrows, c0, ncols);
+          const bool any = cs_prob_tile<Fused>(c, a, sm, sh.qoff, sh.rvis, sh.rst, g, hb0 * a.w, nrows, c0, ncols);
           for (int pair = tid; pair < nh * cs_keys; pair += cs_threads) {
             const int hl = pair / cs_keys, j = pair % cs_keys;
             if (j >= ncols) continue;
@@ -336,7 +354,8 @@ struct cs_columns_op {
                 score_column_push(welford, acc, m2, any ? c.ld(sm + (hl * a.w + i) * cs_l_ld + j) : 0.0f, i);
             const index_t col = c0 + j;
             const float v =
-                score_finalize(a.reduce, acc, m2, a.w, score_column_seen(p, a.w, col), a.gamma, a.variance);
+                score_finalize(a.reduce, acc, m2, a.w, score_column_seen(a.keys.prefix(g), a.w, col), a.gamma,
+                               a.variance);
             if (a.out_h != nullptr) a.out_h[(g * a.group + hb0 + hl) * a.oh0 + col * a.oh1] = v;
             if (want_kv) c.st(sm + hl * a.w * cs_l_ld + j, v);  // read back below; only this thread wrote it
           }
@@ -355,7 +374,7 @@ struct cs_columns_op {
           for (index_t b0 = 0; b0 < a.w; b0 += cs_rows) {
             const int nrows = a.w - b0 < cs_rows ? static_cast<int>(a.w - b0) : cs_rows;
             const bool any =
-                cs_prob_tile<Fused>(c, a, sm, sh.qoff, sh.rvis, sh.rst, g, p, hh * a.w + b0, nrows, c0, ncols);
+                cs_prob_tile<Fused>(c, a, sm, sh.qoff, sh.rvis, sh.rst, g, hh * a.w + b0, nrows, c0, ncols);
             if (tid < ncols && (any || welford))
               for (int lr = 0; lr < nrows; ++lr)
                 score_column_push(welford, acc, m2, any ? c.ld(sm + lr * cs_l_ld + tid) : 0.0f, b0 + lr);
@@ -363,7 +382,8 @@ struct cs_columns_op {
           if (tid < ncols) {
             const index_t col = c0 + tid;
             const float v =
-                score_finalize(a.reduce, acc, m2, a.w, score_column_seen(p, a.w, col), a.gamma, a.variance);
+                score_finalize(a.reduce, acc, m2, a.w, score_column_seen(a.keys.prefix(g), a.w, col), a.gamma,
+                               a.variance);
             if (a.out_h != nullptr) a.out_h[(g * a.group + hh) * a.oh0 + col * a.oh1] = v;
             gacc = hh == 0 ? v : gqa_combine(a.op, gacc, v);
           }

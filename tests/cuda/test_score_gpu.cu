@@ -1,12 +1,13 @@
 // The CUDA attention scores against (1) the kernels' own bodies run on the host SIMT executor
-// (include/kvevict/detail/block/score_emulation.hpp), which the device must match bit for bit (NaN: any NaN), and
+// (score_reference.cpp: include/kvevict/detail/block/score_emulation.hpp), which the device must match bit for
+// bit (NaN: any NaN), and
 // (2) attention_scores on seq, within a loose sanity tolerance (the stated bound is checked on the
 // host by test_score_device_logic). Also the window / H2O / TOVA wrappers, key norms (bit-identical to
 // the host), an argument error and the workspace protocol. Skips without a usable device.
 #include "gpu_buffer.cuh"
 #include "gpu_check.cuh"
 
-#include <kvevict/detail/block/score_emulation.hpp>
+#include "score_reference.hpp"
 
 #include <kvevict/cuda/score.cuh>
 #include <kvevict/gqa.hpp>
@@ -72,7 +73,7 @@ void run_case(std::mt19937_64& g, index_t hkv, index_t group, index_t w, index_t
   const kv_view<const KE> bh = has_block ? kh.window : kv_view<const KE>{};
   std::vector<float> emu_h(static_cast<std::size_t>(hq * oc + 1)), emu_kv(static_cast<std::size_t>(hkv * oc + 1)),
       host(static_cast<std::size_t>(hq * oc + 1));
-  KVGPU_CHECK(kvevict::detail::emulate_cuda_attention_scores(qh, kh.prefix, bh, *make_matrix_view(emu_h.data(), hq, oc),
+  KVGPU_CHECK(kvgpu::score_reference(qh, kh.prefix, bh, *make_matrix_view(emu_h.data(), hq, oc),
                                                    *make_matrix_view(emu_kv.data(), hkv, oc), op, opt)
                   .ok());
   workspace hws;
@@ -148,7 +149,7 @@ void wrappers_and_errors() {
   const auto qw_h = *split_window(qall_h, w), qw_d = *split_window(qall_d, w);
   std::vector<float> emu(static_cast<std::size_t>(hq * (T - w))), none(1);
   const auto s = *split_window(keys_h, w);
-  KVGPU_CHECK(kvevict::detail::emulate_cuda_attention_scores(qw_h.window, s.prefix, s.window,
+  KVGPU_CHECK(kvgpu::score_reference(qw_h.window, s.prefix, s.window,
                                                    *make_matrix_view(emu.data(), hq, T - w), matrix_view<float>{},
                                                    gqa_op::mean, score_options{})
                   .ok());
@@ -167,7 +168,7 @@ void wrappers_and_errors() {
   const auto s_all = *split_window(keys_h, T);
   score_options h2o;
   h2o.reduce = score_reduce::sum;
-  KVGPU_CHECK(kvevict::detail::emulate_cuda_attention_scores(qall_h, s_all.prefix, s_all.window,
+  KVGPU_CHECK(kvgpu::score_reference(qall_h, s_all.prefix, s_all.window,
                                                    *make_matrix_view(emu2.data(), hq, T), matrix_view<float>{},
                                                    gqa_op::mean, h2o)
                   .ok());
@@ -177,7 +178,7 @@ void wrappers_and_errors() {
   for (std::size_t i = 0; i < emu2.size(); ++i) KVGPU_CHECK(same(got[i], emu2[i]));
   const auto last_h = *split_window(qall_h, 1), last_d = *split_window(qall_d, 1);
   const auto s_one = *split_window(keys_h, 1);
-  KVGPU_CHECK(kvevict::detail::emulate_cuda_attention_scores(last_h.window, s_one.prefix, s_one.window,
+  KVGPU_CHECK(kvgpu::score_reference(last_h.window, s_one.prefix, s_one.window,
                                                    *make_matrix_view(emu2.data(), hq, T), matrix_view<float>{},
                                                    gqa_op::mean, h2o)
                   .ok());
@@ -311,7 +312,7 @@ void paged_case(std::mt19937_64& g, page_lists lists, page_layout layout, bool i
   };
   std::vector<float> emu(static_cast<std::size_t>(S * H * G * C), 3.f);
   int bad_h = 0;
-  KVGPU_CHECK(kvevict::detail::emulate_cuda_paged_window_scores(
+  KVGPU_CHECK(kvgpu::paged_score_reference(
                   *make_kv_view<const float>(q.data(), S * H * G, w, d),
                   layer_on(kp.data(), indptr.data(), indices.data(), last.data()),
                   *make_matrix_view(emu.data(), S * H * G, C), include_window, score_options{}, &bad_h)

@@ -28,6 +28,16 @@ KVEVICT_INSTANTIATE_SCORE(float, float16)
 KVEVICT_INSTANTIATE_SCORE(float, bfloat16)
 #undef KVEVICT_INSTANTIATE_SCORE
 
+template status paged_window_scores<const float, const float>(cuda_t, workspace&, kv_view<const float>,
+                                                              paged_layer<const float>, matrix_view<float>, bool,
+                                                              const score_options&, int*);
+template status paged_window_scores<const float16, const float16>(cuda_t, workspace&, kv_view<const float16>,
+                                                                  paged_layer<const float16>, matrix_view<float>,
+                                                                  bool, const score_options&, int*);
+template status paged_window_scores<const bfloat16, const bfloat16>(cuda_t, workspace&, kv_view<const bfloat16>,
+                                                                    paged_layer<const bfloat16>, matrix_view<float>,
+                                                                    bool, const score_options&, int*);
+
 template status key_norm_scores<const float>(cuda_t, kv_view<const float>, matrix_view<float>);
 template status key_norm_scores<const float16>(cuda_t, kv_view<const float16>, matrix_view<float>);
 template status key_norm_scores<const bfloat16>(cuda_t, kv_view<const bfloat16>, matrix_view<float>);

@@ -1,21 +1,24 @@
-// The CUDA attention scores against (1) the host emulation of the kernels' decomposition
-// (include/kvevict/detail/block/score_emulation.hpp), which the device must match bit for bit (NaN: any NaN), and
+// The CUDA attention scores against (1) the kernels' own bodies run on the host SIMT executor
+// (score_reference.cpp: include/kvevict/detail/block/score_emulation.hpp), which the device must match bit for
+// bit (NaN: any NaN), and
 // (2) attention_scores on seq, within a loose sanity tolerance (the stated bound is checked on the
 // host by test_score_device_logic). Also the window / H2O / TOVA wrappers, key norms (bit-identical to
 // the host), an argument error and the workspace protocol. Skips without a usable device.
 #include "gpu_buffer.cuh"
 #include "gpu_check.cuh"
 
-#include <kvevict/detail/block/score_emulation.hpp>
+#include "score_reference.hpp"
 
 #include <kvevict/cuda/score.cuh>
 #include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
+#include <kvevict/paged.hpp>
 #include <kvevict/score.hpp>
 
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -70,7 +73,7 @@ void run_case(std::mt19937_64& g, index_t hkv, index_t group, index_t w, index_t
   const kv_view<const KE> bh = has_block ? kh.window : kv_view<const KE>{};
   std::vector<float> emu_h(static_cast<std::size_t>(hq * oc + 1)), emu_kv(static_cast<std::size_t>(hkv * oc + 1)),
       host(static_cast<std::size_t>(hq * oc + 1));
-  KVGPU_CHECK(kvevict::detail::emulate_cuda_attention_scores(qh, kh.prefix, bh, *make_matrix_view(emu_h.data(), hq, oc),
+  KVGPU_CHECK(kvgpu::score_reference(qh, kh.prefix, bh, *make_matrix_view(emu_h.data(), hq, oc),
                                                    *make_matrix_view(emu_kv.data(), hkv, oc), op, opt)
                   .ok());
   workspace hws;
@@ -117,12 +120,13 @@ void random_cases(std::uint64_t seed, int n) {
                                score_reduce::mean_plus_variance};
   const gqa_op ops[] = {gqa_op::mean, gqa_op::max, gqa_op::sum};
   for (int trial = 0; trial < n; ++trial) {
-    // sizes bounded so that the host emulation (plain loops) stays fast
+    // sizes bounded so that the host reference (the kernels' bodies on the SIMT executor, every
+    // thread a fiber) stays within seconds per case
     const bool tall = trial % 5 == 0;  // w above the 128-row block
     const index_t hkv = 1 + static_cast<index_t>(g() % 2), group = 1 + static_cast<index_t>(g() % (tall ? 2 : 4));
-    const index_t w = tall ? 100 + static_cast<index_t>(g() % 200) : 1 + static_cast<index_t>(g() % 64);
-    const index_t p = trial % 7 == 0 ? 0 : 1 + static_cast<index_t>(g() % (tall ? 400 : 1500));
-    const index_t d = trial % 3 == 0 ? 128 : 1 + static_cast<index_t>(g() % 100);
+    const index_t w = tall ? 129 + static_cast<index_t>(g() % 40) : 1 + static_cast<index_t>(g() % 48);
+    const index_t p = trial % 7 == 0 ? 0 : 1 + static_cast<index_t>(g() % (tall ? 100 : 600));
+    const index_t d = trial % 6 == 0 ? 128 : 1 + static_cast<index_t>(g() % (tall ? 16 : 72));
     score_options opt;
     opt.reduce = reds[trial % 4];
     opt.fused_multiply_add = trial % 2 == 1;
@@ -145,7 +149,7 @@ void wrappers_and_errors() {
   const auto qw_h = *split_window(qall_h, w), qw_d = *split_window(qall_d, w);
   std::vector<float> emu(static_cast<std::size_t>(hq * (T - w))), none(1);
   const auto s = *split_window(keys_h, w);
-  KVGPU_CHECK(kvevict::detail::emulate_cuda_attention_scores(qw_h.window, s.prefix, s.window,
+  KVGPU_CHECK(kvgpu::score_reference(qw_h.window, s.prefix, s.window,
                                                    *make_matrix_view(emu.data(), hq, T - w), matrix_view<float>{},
                                                    gqa_op::mean, score_options{})
                   .ok());
@@ -164,7 +168,7 @@ void wrappers_and_errors() {
   const auto s_all = *split_window(keys_h, T);
   score_options h2o;
   h2o.reduce = score_reduce::sum;
-  KVGPU_CHECK(kvevict::detail::emulate_cuda_attention_scores(qall_h, s_all.prefix, s_all.window,
+  KVGPU_CHECK(kvgpu::score_reference(qall_h, s_all.prefix, s_all.window,
                                                    *make_matrix_view(emu2.data(), hq, T), matrix_view<float>{},
                                                    gqa_op::mean, h2o)
                   .ok());
@@ -174,7 +178,7 @@ void wrappers_and_errors() {
   for (std::size_t i = 0; i < emu2.size(); ++i) KVGPU_CHECK(same(got[i], emu2[i]));
   const auto last_h = *split_window(qall_h, 1), last_d = *split_window(qall_d, 1);
   const auto s_one = *split_window(keys_h, 1);
-  KVGPU_CHECK(kvevict::detail::emulate_cuda_attention_scores(last_h.window, s_one.prefix, s_one.window,
+  KVGPU_CHECK(kvgpu::score_reference(last_h.window, s_one.prefix, s_one.window,
                                                    *make_matrix_view(emu2.data(), hq, T), matrix_view<float>{},
                                                    gqa_op::mean, h2o)
                   .ok());
@@ -279,6 +283,57 @@ void launcher_checks_without_device() {
                   "workspace has 16 bytes"));
 }
 
+// paged_window_scores(cuda) against the kernels' bodies on the executor, bit for bit: shuffled pages,
+// partial last pages, the given table kind and pool layout, a GQA group of 2.
+void paged_case(std::mt19937_64& g, page_lists lists, page_layout layout, bool include_window) {
+  const index_t S = 2, H = 2, d = 24, ps = 8, w = 4, G = 2;
+  const index_t n_lists = lists == page_lists::per_head ? S * H : S, hp = lists == page_lists::per_head ? 1 : H;
+  std::vector<std::int32_t> indptr{0}, indices, last;
+  std::vector<index_t> len;
+  std::int32_t pages = 0;
+  for (index_t l = 0; l < n_lists; ++l) {
+    const index_t n = w + static_cast<index_t>(g() % 60), np = (n + ps - 1) / ps;
+    len.push_back(n);
+    for (index_t i = 0; i < np; ++i) indices.push_back(pages++);
+    indptr.push_back(static_cast<std::int32_t>(indices.size()));
+    last.push_back(static_cast<std::int32_t>(n - (np - 1) * ps));
+  }
+  std::shuffle(indices.begin(), indices.end(), g);
+  const auto kp = random_tensor<float>(g, static_cast<std::size_t>(pages * ps * hp * d), 1.f);
+  index_t C = 1;
+  for (index_t r = 0; r < S * H; ++r) {
+    const index_t n = len[static_cast<std::size_t>(lists == page_lists::per_head ? r : r / H)];
+    C = std::max(C, include_window ? n : n - w);
+  }
+  const auto q = random_tensor<float>(g, static_cast<std::size_t>(S * H * G * w * d), 1.f);
+  const auto layer_on = [&](const float* k, const std::int32_t* ip, const std::int32_t* ix, const std::int32_t* lp) {
+    const auto pool = *make_page_pool(k, pages, ps, hp, d, layout);
+    return paged_layer<const float>{pool, pool, page_table{ip, ix, lp, n_lists}, S, H, lists};
+  };
+  std::vector<float> emu(static_cast<std::size_t>(S * H * G * C), 3.f);
+  int bad_h = 0;
+  KVGPU_CHECK(kvgpu::paged_score_reference(
+                  *make_kv_view<const float>(q.data(), S * H * G, w, d),
+                  layer_on(kp.data(), indptr.data(), indices.data(), last.data()),
+                  *make_matrix_view(emu.data(), S * H * G, C), include_window, score_options{}, &bad_h)
+                  .ok());
+  KVGPU_CHECK(bad_h == 0);
+  device_buffer<float> dk(kp), dq(q), dout(std::vector<float>(emu.size(), 3.f));
+  device_buffer<std::int32_t> dip(indptr), dix(indices), dlp(last), dbad(std::vector<std::int32_t>(1, 0));
+  const auto qd = *make_kv_view<const float>(dq.ptr, S * H * G, w, d);
+  const auto ld = layer_on(dk.ptr, dip.ptr, dix.ptr, dlp.ptr);
+  const auto od = *make_matrix_view(dout.ptr, S * H * G, C);
+  workspace ws;
+  KVGPU_CHECK(paged_window_scores(kvevict::cuda, ws, qd, ld, od, include_window, {}, dbad.ptr).ok());
+  device_buffer<unsigned char> mem(ws.bytes);
+  ws.data = mem.ptr;
+  KVGPU_CHECK(paged_window_scores(kvevict::cuda, ws, qd, ld, od, include_window, {}, dbad.ptr).ok());
+  KVGPU_CUDA(cudaDeviceSynchronize());
+  const auto got = dout.to_host();
+  for (std::size_t i = 0; i < got.size(); ++i) KVGPU_CHECK(same(got[i], emu[i]));
+  KVGPU_CHECK(dbad.to_host()[0] == 0);
+}
+
 }  // namespace
 
 int main() {
@@ -293,6 +348,9 @@ int main() {
   random_cases<bfloat16, bfloat16>(3, 30);
   random_cases<float, bfloat16>(4, 10);
   wrappers_and_errors();
+  std::mt19937_64 g(1307);
+  paged_case(g, page_lists::per_head, page_layout::hnd, false);
+  paged_case(g, page_lists::per_sequence, page_layout::nhd, true);
   std::printf("score gpu: %d failures\n", kvgpu::failures);
   return kvgpu::failures == 0 ? 0 : 1;
 }

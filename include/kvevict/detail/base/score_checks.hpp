@@ -1,6 +1,6 @@
 // The shape and option checks of the attention-score stage, shared by every backend: the host
-// stage (score.hpp), the CUDA launchers (cuda/score.cuh) and the host emulation of the CUDA
-// decomposition (detail/block/score_emulation.hpp). Not API.
+// stage (score.hpp) and the CUDA launch sequences (detail/block/score_ops.hpp, run by cuda/score.cuh
+// and, on the host SIMT executor, by detail/block/score_emulation.hpp). Not API.
 #pragma once
 
 #include <kvevict/config.hpp>
@@ -20,6 +20,11 @@ struct score_shape {
   bool has_block = false;
   float scale = 1.0f;
 };
+
+/// The logits' scale: opt.scale, or 1/sqrt(d) rounded to fp32 when it is 0.
+inline float score_scale(const score_options& opt, index_t d) {
+  return opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))) : opt.scale;
+}
 
 inline status check_score_options(const char* fn, const score_options& opt) {
   const int r = static_cast<int>(opt.reduce);
@@ -77,7 +82,7 @@ status check_attention_inputs(const char* fn, const kv_view<const QE>& q, const 
   if (!checked_add(sh.p, sh.has_block ? sh.w : 0, sh.cols))
     return status::error(errc::size_overflow, "%s: P + w overflows", fn);
   sh.out_cols = 0;
-  sh.scale = opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(sh.d))) : opt.scale;
+  sh.scale = score_scale(opt, sh.d);
   return {};
 }
 
@@ -152,6 +157,7 @@ inline status score_shape_from_sizes(const char* fn, index_t query_heads, index_
                          static_cast<long long>(out_cols), static_cast<long long>(sh.p),
                          static_cast<long long>(sh.cols));
   sh.out_cols = out_cols;
+  sh.scale = score_scale(opt, dim);
   return {};
 }
 

@@ -1,6 +1,6 @@
 // The decomposition of the CUDA attention-score kernels (<kvevict/cuda/score.cuh>) and every piece of
-// arithmetic they do, as host-device functions, so that host tests can run the same decomposition
-// (include/kvevict/detail/block/score_emulation.hpp) and compare it with the host backends. Nothing here is API.
+// arithmetic they do, as host-device functions: the kernels' bodies (detail/block/score_ops.hpp) call
+// them on the GPU and, in the host tests, on the SIMT executor. Nothing here is API.
 //
 //   pass 1 (statistics) one CTA per (KV head, block of up to cs_rows query rows of its GQA group,
 //                       range of key tiles): logits of the block against each key tile of cs_keys

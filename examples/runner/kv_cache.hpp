@@ -113,7 +113,28 @@ struct cache_checkpoint {
   pos_t next_position = 0;
 };
 
-class kv_cache {
+/// kv_cache's state besides its pool (copied as a whole by kv_cache's copy).
+struct kv_cache_state {
+  int layers_ = 0;
+  index_t heads_ = 0, head_size_ = 0, capacity_ = 0;
+  index_t page_size_ = 16, head_pages_ = 0;  // head_pages_: most pages a head's list holds
+  int seq_len_ = 0;
+  std::vector<std::int32_t> slots_;  // [layer][kv_head][head_pages_]: each head's page list
+  std::vector<std::int32_t> lens_;   // [layer][kv_head]
+  std::vector<std::uint64_t> layer_epoch_;  // compactions per layer
+  // paged()'s block tables ([layer][...]: indptr, indices, last_page_len), compact()'s outputs and
+  // compact_paged's workspace
+  std::vector<std::int32_t> indptr_, indices_, last_page_len_, new_lens_, freed_;
+  std::vector<unsigned char> ws_;
+  mutable std::vector<float> dense_k_, dense_v_;  // dense_keys / dense_values
+  index_t pages_freed_ = 0, peak_pages_ = 0;
+  pos_t next_position_ = 0;
+  std::uint64_t appended_ = 0;  // rows appended to every head by completed forwards
+  std::uint64_t epoch_ = 0;     // compactions + clears + inits
+  bool frozen_ = false;         // inside a block that will be rolled back
+};
+
+class kv_cache : private kv_cache_state {
  public:
   kv_cache() = default;
   /// A copy holds the same rows in a private pool (of the source's size when the source owns its
@@ -123,7 +144,7 @@ class kv_cache {
     if (this == &o) return *this;
     release_all();
     const kv_pool* src = o.pool_;
-    copy_fields(o);
+    static_cast<kv_cache_state&>(*this) = o;
     pool_ = nullptr;
     if (src == nullptr) return *this;
     own_.alloc(layers_, heads_ * head_pages_, page_size_, head_size_);  // sizes the source's init checked
@@ -333,26 +354,8 @@ class kv_cache {
 
  private:
   friend class runner;
-
   kv_pool own_;               // the private pool (init without a shared one)
   kv_pool* pool_ = nullptr;   // &own_ or the shared pool
-  int layers_ = 0;
-  index_t heads_ = 0, head_size_ = 0, capacity_ = 0;
-  index_t page_size_ = 16, head_pages_ = 0;  // head_pages_: most pages a head's list holds
-  int seq_len_ = 0;
-  std::vector<std::int32_t> slots_;  // [layer][kv_head][head_pages_]: each head's page list
-  std::vector<std::int32_t> lens_;   // [layer][kv_head]
-  std::vector<std::uint64_t> layer_epoch_;  // compactions per layer
-  // paged()'s block tables ([layer][...]: indptr, indices, last_page_len), compact()'s outputs and
-  // compact_paged's workspace
-  std::vector<std::int32_t> indptr_, indices_, last_page_len_, new_lens_, freed_;
-  std::vector<unsigned char> ws_;
-  mutable std::vector<float> dense_k_, dense_v_;  // dense_keys / dense_values
-  index_t pages_freed_ = 0, peak_pages_ = 0;
-  pos_t next_position_ = 0;
-  std::uint64_t appended_ = 0;  // rows appended to every head by completed forwards
-  std::uint64_t epoch_ = 0;     // compactions + clears + inits
-  bool frozen_ = false;         // inside a block that will be rolled back
 
   std::size_t idx(int l, index_t h) const { return static_cast<std::size_t>(index_t(l) * heads_ + h); }
   index_t held(int l, index_t h) const { return (length(l, h) + page_size_ - 1) / page_size_; }
@@ -360,33 +363,6 @@ class kv_cache {
   std::int32_t slot(int l, index_t h, index_t i) const { return slots_[idx(l, h) * static_cast<std::size_t>(head_pages_) + static_cast<std::size_t>(i)]; }
   // the pool row of head h's row j
   index_t row(int l, index_t h, index_t j) const { return pool_->row_index(l, slot(l, h, j / page_size_), j % page_size_); }
-
-  void copy_fields(const kv_cache& o) {
-    layers_ = o.layers_;
-    heads_ = o.heads_;
-    head_size_ = o.head_size_;
-    capacity_ = o.capacity_;
-    page_size_ = o.page_size_;
-    head_pages_ = o.head_pages_;
-    seq_len_ = o.seq_len_;
-    slots_ = o.slots_;
-    lens_ = o.lens_;
-    layer_epoch_ = o.layer_epoch_;
-    indptr_ = o.indptr_;
-    indices_ = o.indices_;
-    last_page_len_ = o.last_page_len_;
-    new_lens_ = o.new_lens_;
-    freed_ = o.freed_;
-    ws_ = o.ws_;
-    dense_k_ = o.dense_k_;
-    dense_v_ = o.dense_v_;
-    pages_freed_ = o.pages_freed_;
-    peak_pages_ = o.peak_pages_;
-    next_position_ = o.next_position_;
-    appended_ = o.appended_;
-    epoch_ = o.epoch_;
-    frozen_ = o.frozen_;
-  }
 
   // head h of layer l holds n rows (n <= its length): its pages past them go back to the pool
   void set_length(int l, index_t h, index_t n) {

@@ -2246,7 +2246,8 @@ TEST_CASE("drivers: decode errors") {
 }
 
 // =================================================================================================
-// The reference runner's cache (examples/runner): the drivers read kv_cache's views as they are
+// The reference runner's cache (examples/runner): the drivers read kv_cache's paged views (one page
+// pool per layer, per-head block tables) as they are
 
 #include <runner/runner.hpp>
 
@@ -2267,6 +2268,7 @@ TEST_CASE("drivers: chunked patched eviction and decode-time H2O on the runner's
   cfg.model = {L, H, Hq, d};
   cfg.tokens = N;
   cfg.capacity = B + 32;
+  cfg.pool_pages = c.pool_pages();
   cfg.rec = small_window(recipe::snapkv(), w);
   cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
   std::vector<unsigned char> mem(value_of(chunked_driver::state_bytes(cfg)));
@@ -2309,8 +2311,7 @@ TEST_CASE("drivers: chunked patched eviction and decode-time H2O on the runner's
                   .ok());
     }
     for (index_t l = 0; l < L; ++l) {
-      const auto kv = value_of(make_layer_kv(c.keys(static_cast<int>(l)), c.values(static_cast<int>(l)),
-                                             c.positions(static_cast<int>(l))));
+      const auto kv = value_of(c.paged(static_cast<int>(l)));
       const status st = drv.add_layer(seq, ws, l, kv, block_view(qs[static_cast<std::size_t>(l)], Hq, w, d),
                                       pb.count > 0 ? block_view(ks[static_cast<std::size_t>(l)], H, w, d)
                                                    : kv_view<const float>{});
@@ -2331,6 +2332,7 @@ TEST_CASE("drivers: chunked patched eviction and decode-time H2O on the runner's
   dc.model = cfg.model;
   dc.capacity = B + 4;
   dc.interval = 4;
+  dc.pool_pages = c.pool_pages();
   dc.rec = recipe::h2o();
   dc.rec.n_recent = 4;
   dc.alloc.budgets = cfg.alloc.budgets;
@@ -2340,14 +2342,11 @@ TEST_CASE("drivers: chunked patched eviction and decode-time H2O on the runner's
   aligned_buf dwb;
   workspace dws = make_ws(dd, seq, dwb);
   for (index_t l = 0; l < L; ++l)
-    REQUIRE(dd.begin(l, value_of(make_layer_kv(c.keys(static_cast<int>(l)), c.values(static_cast<int>(l)),
-                                               c.positions(static_cast<int>(l)))),
-                     N)
-                .ok());
+    REQUIRE(dd.begin(seq, dws, l, value_of(c.paged(static_cast<int>(l))), N).ok());
   kvrun::forward_hooks evict;
   evict.after_layer = [&](const kvrun::layer_event& ev) -> status {
     const int l = ev.layer;
-    auto kv = make_layer_kv(c.keys(l), c.values(l), c.positions(l));
+    auto kv = c.paged(l);
     if (!kv) return kv.error();
     KVEVICT_TRY(dd.step(seq, dws, l, *kv, ev.queries));  // the new token's query, [Hq][1][d]
     if (dd.evicted(l)) KVEVICT_TRY(c.compact(l, dd.kept(l)));

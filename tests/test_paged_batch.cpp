@@ -10,6 +10,7 @@
 #include <kvevict/drivers/compact_layer.hpp>
 #include <kvevict/drivers/decode.hpp>
 #include <kvevict/drivers/post_fill.hpp>
+#include <kvevict/drivers/streaming_heads.hpp>
 #include <kvevict/paged.hpp>
 #include <kvevict/score.hpp>
 #include <kvevict/select.hpp>
@@ -651,6 +652,60 @@ TEST_CASE("paged drivers: decode_driver on paged layers equals it on the same ro
       for (index_t h = 0; h < H; ++h) REQUIRE(paged.held(0, h) == dense.held(0, h));
     }
     CHECK(evictions > 0);
+  }
+}
+
+TEST_CASE("paged drivers: streaming_heads_driver on paged layers equals it on the same rows dense, step by step") {
+  auto g = kvtest::rng(1315);
+  for (int trial = 0; trial < 40; ++trial) {
+    const index_t H = kvtest::uniform_int(g, 1, 4), d = 2 * kvtest::uniform_int(g, 1, 4);
+    const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
+    std::vector<std::uint8_t> mask(static_cast<std::size_t>(H));
+    for (auto& m : mask) m = static_cast<std::uint8_t>(kvtest::uniform_int(g, 0, 1));
+    mask[0] = 0;  // one streaming head at least
+    streaming_heads_config cfg;
+    cfg.model = {1, H, H, d};
+    cfg.capacity = 80;
+    cfg.streaming = {kvtest::uniform_int(g, 0, 4), kvtest::uniform_int(g, 1, 8)};
+    cfg.retrieval = kvtest::value_of(make_matrix_view<const std::uint8_t>(mask.data(), 1, H));
+    streaming_heads_config pcfg = cfg;
+    pcfg.pool_pages = 3 * H * (cfg.capacity + 64) + 80;  // room for paged_of's other sequences
+    INFO("trial ", trial, " H ", H, " page size ", ps, " sinks ", cfg.streaming.n_sink, " recent ", cfg.streaming.n_recent);
+    std::vector<unsigned char> m1(kvtest::value_of(streaming_heads_driver::state_bytes(cfg))),
+        m2(kvtest::value_of(streaming_heads_driver::state_bytes(pcfg)));
+    streaming_heads_driver dense, paged;
+    REQUIRE(dense.init(cfg, m1.data(), m1.size()).ok());
+    REQUIRE(paged.init(pcfg, m2.data(), m2.size()).ok());
+    const index_t P0 = kvtest::uniform_int(g, 1, 30);
+    head_rows_set truth = random_rows(g, H, d, P0, P0, 0, true, true, 0, false);
+    int evictions = 0;
+    for (index_t t = P0; t < P0 + 30; ++t) {
+      if (t > P0)
+        for (index_t h = 0; h < H; ++h) {
+          const auto kr = kvtest::random_floats(g, static_cast<std::size_t>(d)), vr = kvtest::random_floats(g, static_cast<std::size_t>(d));
+          truth.append(h, kr.data(), vr.data(), static_cast<pos_t>(t - 1));
+        }
+      ragged_layer rl(truth, cfg.capacity);
+      auto store = paged_of(g, truth, ps, true);
+      REQUIRE(dense.update(0, rl.view(truth), t).ok());
+      const auto st = paged.update(0, store.view(), t);
+      REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+      REQUIRE(paged.evicted(0) == dense.evicted(0));
+      CHECK(kept_cu_of(paged.kept(0)) == kept_cu_of(dense.kept(0)));
+      CHECK(kept_pos_of(paged.kept(0)) == kept_pos_of(dense.kept(0)));
+      if (dense.evicted(0)) {
+        ++evictions;
+        truth.compact(dense.kept(0));
+      }
+    }
+    CHECK(evictions > 0);
+    // a pool larger than the config's pool_pages, and a driver set up for ragged layers only
+    auto store = paged_of(g, truth, ps, true);
+    auto big = store.view();
+    big.layer.keys.pages = big.layer.values.pages = big.positions.pages = pcfg.pool_pages + 1;
+    kvtest::require_error(paged.update(0, big, P0 + 30), errc::capacity_exceeded, "driver was set up for");
+    CHECK_FALSE(paged.evicted(0));
+    kvtest::require_error(dense.update(0, store.view(), P0 + 30), errc::capacity_exceeded, "0 = ragged layers only");
   }
 }
 

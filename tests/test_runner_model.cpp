@@ -744,11 +744,18 @@ TEST_CASE("a ragged (evicted) cache gives the logits of dense attention masked t
     const auto dv = s.cache.dense_values(1, common);
     REQUIRE(dv.ok());
     CHECK((*dv)(mc.s.kv_heads - 1, common - 1, 1) == s.cache.value_row(1, mc.s.kv_heads - 1, common - 1)[1]);
-    auto ragged_keys = s.cache.keys(1);
-    CHECK(ragged_keys.row(1, 0) == s.cache.key_row(1, 1, 0));
-    CHECK(ragged_keys.lens[1] == s.cache.length(1, 1));
-    auto ragged_pos = s.cache.positions(1);
-    CHECK(*ragged_pos.row(1, 0) == s.cache.position(1, 1, 0));
+    const auto paged = s.cache.paged(1);  // the drivers' view: the same rows through the block table
+    REQUIRE(paged.ok());
+    for (index_t h = 0; h < mc.s.kv_heads; ++h) {
+      REQUIRE(paged->layer.length(h) == s.cache.length(1, h));
+      for (index_t j = 0; j < s.cache.length(1, h); ++j) {
+        REQUIRE(paged->layer.key(h, j) == s.cache.key_row(1, h, j));
+        REQUIRE(paged->layer.value(h, j) == s.cache.value_row(1, h, j));
+      }
+    }
+    const auto prefix = s.cache.paged(1, common);
+    REQUIRE(prefix.ok());
+    CHECK(prefix->layer.length(0) == common);
   }
 }
 
@@ -1004,7 +1011,7 @@ TEST_CASE("kv_cache errors") {
   // kept lists stored inside the cache's own memory (here: its positions) are refused up front
   kept_rows inside;
   for (index_t h = 0; h < 4; ++h) inside.add_head({0});
-  const pos_t* own = c.positions(2).data;
+  const pos_t* own = c.paged(2)->positions.data;
   require_error(c.compact(1, {own, inside.cu.data(), 4}), errc::overlap, "kept lists lie inside the cache's own memory");
   kept_rows bad_offsets = ok_rows;
   bad_offsets.cu[0] = 1;
@@ -1018,6 +1025,84 @@ TEST_CASE("kv_cache errors") {
   c.clear();
   CHECK(c.total_rows() == 0);
   CHECK(c.next_position() == 0);
+}
+
+TEST_CASE("caches sharing one page pool give the private caches' logits, bit for bit, and reuse freed pages") {
+  const model& m = kvtest::shipped_model();
+  const config& c = m.cfg();
+  const auto& ids = story_tokens();
+  runner r;
+  REQUIRE(r.init(m).ok());
+  kv_pool pool;
+  require_error(pool.init(c, 0, 5), errc::invalid_argument, "0 pages of 5 tokens");
+  REQUIRE(pool.init(c, 96, 5).ok());
+  kv_cache a, b, ra, rb;  // a, b on the pool (pages of 5); ra, rb private (pages of 16)
+  require_error(a.init(c, 0, 7, &pool), errc::invalid_argument, "pages of 5 tokens; the cache needs 5, 8, 7");
+  REQUIRE(a.init(c, 0, 5, &pool).ok());
+  REQUIRE(b.init(c, 0, 5, &pool).ok());
+  REQUIRE(ra.init(c).ok());
+  REQUIRE(rb.init(c).ok());
+  const index_t V = c.vocab_size;
+  std::vector<float> want;
+  const auto same = [&](kv_cache& shared, kv_cache& own, const block& blk) {
+    REQUIRE(r.forward(own, blk).ok());
+    want.assign(r.logits(0), r.logits(0) + V);
+    REQUIRE(r.forward(shared, blk).ok());
+    CHECK(std::memcmp(want.data(), r.logits(0), static_cast<std::size_t>(V) * sizeof(float)) == 0);
+  };
+  same(a, ra, tokens(ids.data(), 23));
+  same(b, rb, tokens(ids.data() + 30, 17));
+  for (int i = 0; i < 12; ++i) {  // one token each in turn: the heads' and the sequences' pages interleave
+    same(a, ra, tokens(ids.data() + 23 + i, 1));
+    same(b, rb, tokens(ids.data() + 47 + i, 1));
+  }
+  CHECK(pool.in_use() == a.pages_in_use() + b.pages_in_use());
+  const auto view = a.paged(0);
+  REQUIRE(view.ok());
+  bool scattered = false;
+  for (index_t i = 0; i + 1 < view->layer.table.pages(0); ++i) scattered = scattered || view->layer.table.indices[i + 1] != view->layer.table.indices[i] + 1;
+  CHECK(scattered);
+  CHECK(compare_caches(a, ra) == 0.0);
+  // eviction: a's freed pages go back to the pool, and b's next pages come from them
+  kept_rows keep;
+  for (index_t h = 0; h < c.n_kv_heads; ++h) keep.add_head({0, 1, 2, static_cast<pos_t>(20 + h), 30, 34});
+  const index_t free_before = pool.free_pages(0);
+  std::vector<std::int32_t> a_pages(view->layer.table.indices, view->layer.table.indices + view->layer.table.indptr[c.n_kv_heads]);
+  REQUIRE(a.compact(0, keep.view()).ok());
+  REQUIRE(ra.compact(0, keep.view()).ok());
+  CHECK(pool.free_pages(0) == free_before + a.pages_freed());
+  CHECK(a.pages_freed() == 4 * 7 - 4 * 2);
+  CHECK(compare_caches(a, ra) == 0.0);
+  for (int i = 0; i < 12; ++i) same(b, rb, tokens(ids.data() + 59 + i, 1));
+  const auto bview = b.paged(0);
+  bool reused = false;
+  for (index_t i = 0; i < bview->layer.table.indptr[c.n_kv_heads]; ++i)
+    reused = reused || std::find(a_pages.begin(), a_pages.end(), bview->layer.table.indices[i]) != a_pages.end();
+  CHECK(reused);
+  same(a, ra, tokens(ids.data() + 35, 1));
+  CHECK(compare_caches(b, rb) == 0.0);
+  // an extra block's pages go back with its rows; a copy holds the same rows in a private pool
+  const index_t used = pool.in_use();
+  REQUIRE(r.forward_extra(a, tokens(ids.data(), 11)).ok());
+  CHECK(pool.in_use() == used);
+  kv_cache copy = a;
+  CHECK(compare_caches(copy, a) == 0.0);
+  CHECK(pool.in_use() == used);
+  CHECK(copy.total_pages() == c.n_layers * c.n_kv_heads * ((c.seq_len + 4) / 5));
+  {
+    kv_cache d;  // a cache's pages come back when it is destroyed
+    REQUIRE(d.init(c, 0, 5, &pool).ok());
+    REQUIRE(r.forward(d, tokens(ids.data(), 9)).ok());
+    CHECK(pool.in_use() == used + c.n_layers * c.n_kv_heads * 2);
+  }
+  CHECK(pool.in_use() == used);
+  // a pool without room for a block: refused before anything changes
+  const index_t need = (pool.free_pages(1) / c.n_kv_heads + 2) * 5;
+  require_error(r.forward(b, tokens(ids.data(), need)), errc::capacity_exceeded, "page pool has");
+  CHECK(compare_caches(b, rb) == 0.0);
+  a.clear();
+  CHECK(pool.in_use() == b.pages_in_use());
+  CHECK(pool.peak() >= pool.in_use());
 }
 
 TEST_CASE("generate errors") {

@@ -1,12 +1,14 @@
 // batch/batch.hpp: several prompts as one batch with continuous decoding (`kvevict-run --batch N`,
 // docs/runner.md, "Batches").
 //
-// Every sequence has its own paged KV cache (kv_cache.hpp), evictor and sampler; they share the
-// runner. Sequence i arrives at step i: in that step it is prefilled (with eviction as configured)
+// Every sequence has its own KV cache (kv_cache.hpp: per-(layer, KV head) block tables), evictor and
+// sampler; they share the runner and ONE page pool per layer (kv_pool): every head of every sequence
+// takes its pages from the layer's free list, so heads and sequences interleave in the pool, and
+// pages freed by eviction or by a finished sequence are taken next by any other. Sequence i arrives at step i: in that step it is prefilled (with eviction as configured)
 // and samples its first token, while the sequences that arrived before it each decode one token
 // (decode-time eviction included), so one step holds sequences at different stages. A sequence
 // leaves the batch when it reaches `steps` positions or samples BOS, and its pages go back to the
-// free pages. The forwards of a step run one sequence after another (the runner has no batched
+// pool's free lists. The forwards of a step run one sequence after another (the runner has no batched
 // forward), and each sequence samples from its own logits right after its forward, so every
 // sequence's tokens equal those of its prompt run alone, bit for bit.
 #pragma once
@@ -29,6 +31,10 @@ namespace kvrun {
 struct batch_settings {
   index_t steps = 0;      ///< positions per sequence, prompt included
   index_t page_size = 16;
+  /// Pages per layer of the shared pool; 0: room for every sequence at its full capacity
+  /// (sequences x KV heads x ceil(capacity / page_size)). A smaller pool fails a forward that
+  /// lacks pages with capacity_exceeded.
+  index_t pool_pages = 0;
   float temperature = 0.0f, topp = 0.9f;
   std::uint64_t seed = 42;
   int threads = 0;
@@ -42,7 +48,8 @@ struct batch_settings {
 struct batch_stats {
   index_t steps = 0;          ///< batch steps run
   index_t mixed_steps = 0;    ///< steps in which one sequence prefilled while others decoded
-  index_t peak_pages = 0;     ///< most pages the batch held at once (after a step)
+  index_t peak_pages = 0;     ///< most pages the batch held at once (the shared pool's peak)
+  index_t pool_pages = 0;     ///< pages in the shared pool (all layers)
   index_t pages_freed = 0;    ///< pages eviction gave back
   index_t pages_released = 0; ///< pages given back by sequences leaving the batch
 };
@@ -71,6 +78,9 @@ inline status run_batch(const model& m, const std::vector<std::vector<int>>& pro
   runner run;  // sized as the single-sequence run sizes it (kvevict_run.cpp)
   KVEVICT_TRY(run.init(m, {full ? longest : 0, full ? bs.steps : 0, bs.threads}));
 
+  const index_t capacity = full ? bs.steps : c.seq_len, per_head = (capacity + bs.page_size - 1) / bs.page_size;
+  kv_pool pool;  // declared before the sequences: their caches give their pages back to it
+  KVEVICT_TRY(pool.init(c, bs.pool_pages > 0 ? bs.pool_pages : n * c.n_kv_heads * per_head, bs.page_size));
   struct sequence {
     kv_cache cache;
     sampler s;
@@ -82,7 +92,7 @@ inline status run_batch(const model& m, const std::vector<std::vector<int>>& pro
   seqs.reserve(static_cast<std::size_t>(n));
   for (index_t i = 0; i < n; ++i) {
     auto q = std::make_unique<sequence>();
-    KVEVICT_TRY(q->cache.init(c, full ? bs.steps : 0, bs.page_size));
+    KVEVICT_TRY(q->cache.init(c, capacity, bs.page_size, &pool));
     KVEVICT_TRY(q->s.init(c.vocab_size, bs.temperature, bs.topp, bs.seed));
     if (!full) KVEVICT_TRY(q->ev.init(m, bs.evict, bs.duo, bs.scorer, bs.queries));
     seqs.push_back(std::move(q));
@@ -143,9 +153,6 @@ inline status run_batch(const model& m, const std::vector<std::vector<int>>& pro
     if (!prefilling && decoding == 0) break;
     ++stats.steps;
     stats.mixed_steps += prefilling && decoding > 0;
-    index_t held = 0;
-    for (index_t i = 0; i < arrived; ++i) held += seqs[static_cast<std::size_t>(i)]->cache.pages_in_use();
-    stats.peak_pages = std::max(stats.peak_pages, held);
     for (index_t i = 0; i < arrived; ++i) {  // finished sequences leave the batch: their pages are free again
       sequence& q = *seqs[static_cast<std::size_t>(i)];
       if (!q.done || q.cache.next_position() == 0) continue;
@@ -154,6 +161,8 @@ inline status run_batch(const model& m, const std::vector<std::vector<int>>& pro
       q.cache.clear();
     }
   }
+  stats.peak_pages = pool.peak();
+  stats.pool_pages = index_t(c.n_layers) * pool.pages();
   return {};
 }
 

@@ -434,8 +434,10 @@ inline status sample_from_cache(runner& run, kv_cache& cache, const std::vector<
                              static_cast<long long>(P));
       float* kd = out.keys.data() + ((index_t(l) * Hkv + h) * P) * hs;
       float* vd = out.values.data() + ((index_t(l) * Hkv + h) * P) * hs;
-      std::copy(cache.key_row(l, h, 0), cache.key_row(l, h, 0) + P * hs, kd);
-      std::copy(cache.value_row(l, h, 0), cache.value_row(l, h, 0) + P * hs, vd);
+      for (index_t j = 0; j < P; ++j) {  // row by row: a head's pages need not be consecutive
+        std::copy_n(cache.key_row(l, h, j), hs, kd + j * hs);
+        std::copy_n(cache.value_row(l, h, j), hs, vd + j * hs);
+      }
     }
   return ground_truth(run, cache, response, out.gt, ws_buf);
 }

@@ -50,13 +50,14 @@ inline status laq_pseudo_queries(runner& run, const kv_cache& full, const block_
   cfg.model = shape_of(c);
   cfg.tokens = P;
   cfg.rec = make_recipe(stage1);
+  cfg.pool_pages = copy.pool_pages();
   allocation_plan a;
   KVEVICT_TRY(plan_allocation(c, budget_scheme::uniform, o.budget, P, {cfg.rec.n_sink, cfg.rec.n_recent}, nullptr, a));
   cfg.alloc = a.alloc;
   KVEVICT_TRY(post_fill_decide(
       d, s, cfg,
       [&](int l, layer_inputs& in) {
-        in.kv = layer_view(copy, l);
+        in.paged = layer_view(copy, l);
         const auto q = kvevict::recipe_queries(cfg.rec, prompt_q.queries(l, 0, P));
         if (q) in.queries = *q;
         return q ? status{} : q.error();

@@ -277,7 +277,7 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
     if (const int code = encode_prompt(o, tok, c, text, "a --batch-prompt", given.back()); code != 0) return code;
   }
   for (kvevict::index_t i = 0; i < o.batch; ++i) prompts.push_back(given[static_cast<std::size_t>(i) % given.size()]);
-  const kvrun::batch_settings bs{o.steps, o.page_size, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer, queries};
+  const kvrun::batch_settings bs{o.steps, o.page_size, 0, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer, queries};
   std::vector<std::vector<int>> out;
   kvrun::batch_stats stats;
   if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);
@@ -286,11 +286,12 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
   if (o.stats)
     std::fprintf(stderr,
                  "batch: %lld sequences in %lld steps (%lld with a prefill beside decodes); pages: peak %lld held by "
-                 "the batch, %lld freed by eviction, %lld released by finished sequences (%lld tokens per page)\n",
+                 "the batch, %lld freed by eviction, %lld released by finished sequences (%lld tokens per page, "
+                 "%lld in the shared pools)\n",
                  static_cast<long long>(o.batch), static_cast<long long>(stats.steps),
                  static_cast<long long>(stats.mixed_steps), static_cast<long long>(stats.peak_pages),
                  static_cast<long long>(stats.pages_freed), static_cast<long long>(stats.pages_released),
-                 static_cast<long long>(o.page_size));
+                 static_cast<long long>(o.page_size), static_cast<long long>(stats.pool_pages));
   return 0;
 }
 

@@ -408,10 +408,9 @@ class block_capture {
   std::vector<float> q_, k_;
 };
 
-/// Layer l of the runner's cache as the drivers read it.
-inline kvevict::layer_kv<float> layer_view(kv_cache& c, int l) {
-  return *kvevict::make_layer_kv(c.keys(l), c.values(l), c.positions(l));
-}
+/// Layer l (a layer of the cache) of the runner's cache as the drivers read it: its paged view
+/// (kv_cache::paged), every page read through the block table, nothing copied.
+inline kvevict::paged_layer_kv<float> layer_view(kv_cache& c, int l) { return *c.paged(l); }
 
 /// Scores a method computes outside the recipes for a prefilled, not yet evicted prompt (method
 /// lookaheadkv: examples/lookaheadkv/scores.hpp's lookahead_scorer, a trained module's estimate).
@@ -521,7 +520,8 @@ status init_driver(Driver& d, driver_scratch& s, const Config& cfg, kvevict::evi
 
 /// What post_fill_decide hands the driver for layer l.
 struct layer_inputs {
-  kvevict::layer_kv<float> kv;                 ///< the layer's rows (the cache, or a view of some of its rows)
+  kvevict::paged_layer_kv<float> paged;        ///< the layer's rows: the runner's paged cache (or a view of some of its rows)
+  kvevict::layer_kv<float> kv;                 ///< or a ragged cache (examples/sharded/), when paged is empty
   kvevict::kv_view<const float> queries;       ///< the recipe's query block
   kvevict::kv_view<const float> block_keys;    ///< an external block's own keys, or empty
   double weight = 0.0;                         ///< cake: the layer's preference
@@ -541,8 +541,11 @@ status post_fill_decide(kvevict::post_fill_driver& d, driver_scratch& s, const k
   for (int l = 0; l < static_cast<int>(cfg.model.layers); ++l) {
     layer_inputs in;
     KVEVICT_TRY(inputs(l, in));
-    if (in.scores.data_handle() != nullptr) KVEVICT_TRY(d.add_layer_scores(kvevict::seq, ws, l, in.kv, in.scores, in.weight));
-    else KVEVICT_TRY(d.add_layer(kvevict::seq, ws, l, in.kv, in.queries, in.block_keys, in.weight));
+    const auto add = [&](const auto& kv) {
+      if (in.scores.data_handle() != nullptr) return d.add_layer_scores(kvevict::seq, ws, l, kv, in.scores, in.weight);
+      return d.add_layer(kvevict::seq, ws, l, kv, in.queries, in.block_keys, in.weight);
+    };
+    KVEVICT_TRY(in.paged.layer.keys.data != nullptr ? add(in.paged) : add(in.kv));
   }
   return d.decide(kvevict::seq, ws);
 }

@@ -127,6 +127,7 @@ class evictor {
     pc.model = shape_of(c);
     pc.tokens = P;
     pc.rec = rec_;
+    pc.pool_pages = cache.pool_pages();
     // The query block: the query source's (LAQ's pseudo queries, LAQ++'s union of them with the
     // prompt's window) or the caller's response (oracle, speckv); none: the recipe's rows of the prompt.
     const block_capture* blk = response;
@@ -161,12 +162,12 @@ class evictor {
     if (scored) pc.rec.window = 1;  // no queries are read on the scores path: any prompt fits the window
     pc.alloc = alloc_.alloc;
     const bool cake = alloc_.alloc.kind == kvevict::allocator::cake;
-    prefix_lens_.assign(static_cast<std::size_t>(H), static_cast<std::int32_t>(prefix));
     KVEVICT_TRY(post_fill_decide(
         pf_, scratch_, pc,
         [&](int l, layer_inputs& in) {
-          in.kv = layer_view(cache, l);
-          if (laq_pp) in.kv.keys.lens = in.kv.values.lens = prefix_lens_.data();
+          const auto kv = cache.paged(l, laq_pp ? prefix : -1);  // LAQ++: the prefix rows
+          if (!kv) return kv.error();
+          in.paged = *kv;
           if (scored) {
             in.scores = scorer_->scores(l);
           } else if (blk != nullptr) {
@@ -249,7 +250,6 @@ class evictor {
   std::vector<unsigned char> pref_scratch_, decode_scratch_;
   double prefill_s_ = 0.0, evict_s_ = 0.0;
   block_capture prompt_q_, response_q_, chunk_q_, patch_q_, step_q_, recent_q_;
-  std::vector<std::int32_t> prefix_lens_;
   kvevict::post_fill_driver pf_;
   kvevict::cascade_driver cd_;
   kvevict::chunked_driver ch_;
@@ -276,13 +276,14 @@ class evictor {
                            alloc_);
   }
   // capacity: the cache's (the heads grow by the decoded tokens after the prefill).
-  status init_streaming_heads(kvevict::eviction_recorder* rec, index_t capacity) {
+  status init_streaming_heads(kvevict::eviction_recorder* rec, index_t capacity, index_t pool_pages) {
     const config& c = cfg();
     kvevict::streaming_heads_config sc;
     sc.model = shape_of(c);
     sc.capacity = capacity;
     sc.streaming = {rec_.n_sink, rec_.n_recent};
     sc.retrieval = *kvevict::make_matrix_view<const std::uint8_t>(alloc_.retrieval.data(), c.n_layers, c.n_kv_heads);
+    sc.pool_pages = pool_pages;
     const auto bytes = kvevict::streaming_heads_driver::state_bytes(sc);
     if (!bytes) return bytes.error();
     return sh_.init(sc, grown(scratch_.state, *bytes), *bytes, rec);
@@ -364,6 +365,7 @@ class evictor {
       cc.model = shape_of(c);
       cc.tokens = P;
       cc.rec = rec_;
+      cc.pool_pages = cache.pool_pages();
       cc.total = alloc_.alloc.total;
       cc.split = a == budget_scheme::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
       cc.weight = a == budget_scheme::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
@@ -373,6 +375,7 @@ class evictor {
       pc.model = shape_of(c);
       pc.tokens = P;
       pc.rec = rec_;
+      pc.pool_pages = cache.pool_pages();
       pc.alloc = alloc_.alloc;
       KVEVICT_TRY(init_driver(pf_, scratch_, pc, rec, ws));
     }
@@ -420,6 +423,7 @@ class evictor {
     cc.tokens = P;
     cc.capacity = P;
     cc.rec = rec_;
+    cc.pool_pages = cache.pool_pages();
     cc.queries = patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
     cc.target = o_.chunk_fraction >= 0.0 ? kvevict::chunk_target::fraction : kvevict::chunk_target::budget;
     cc.fraction = o_.chunk_fraction >= 0.0 ? o_.chunk_fraction : cc.fraction;
@@ -476,7 +480,7 @@ class evictor {
     // decode: the allocation of a max(B, P)-token sequence, as prefill_decode's
     const index_t bound = o_.driver == driver_kind::decode ? std::max(o_.budget, P) : P;
     KVEVICT_TRY(plan(bound));
-    KVEVICT_TRY(init_streaming_heads(rec, cache.capacity()));
+    KVEVICT_TRY(init_streaming_heads(rec, cache.capacity(), cache.pool_pages()));
     return forward_chunks(
         run, cache, prompt, [&](index_t s) { return chunked ? std::min(s + o_.chunk, P) : P; },
         [](index_t, index_t, forward_hooks&) { return status{}; },
@@ -534,6 +538,7 @@ class evictor {
     dc.capacity = std::min<index_t>(cache.capacity(), std::max(P, kvevict::max_head_rows(alloc_.alloc)) + o_.evict_every);
     dc.interval = o_.evict_every;
     dc.rec = rec_;
+    dc.pool_pages = cache.pool_pages();
     dc.alloc = alloc_.alloc;
     KVEVICT_TRY(init_driver(dd_, scratch_, dc, rec, decode_ws_));
     std::vector<float> initial(rec_.kind == kvevict::recipe_kind::h2o ? static_cast<std::size_t>(H * P) : 0);
@@ -551,7 +556,7 @@ class evictor {
         }));
         init_scores = out;
       }
-      KVEVICT_TRY(dd_.begin(l, layer_view(cache, l), P, init_scores));
+      KVEVICT_TRY(dd_.begin(kvevict::seq, decode_ws_, l, layer_view(cache, l), P, init_scores));
     }
     // the last w queries, for the window recipes' eviction steps
     step_q_.reset(c, 1);

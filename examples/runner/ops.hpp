@@ -110,14 +110,16 @@ inline void softmax(float* x, index_t size) {
   for (index_t i = 0; i < size; ++i) x[i] /= sum;
 }
 
-/// One query head's attention over `rows` cached keys/values (head_size floats each, `stride`
-/// floats apart): out = softmax(q . k_t / sqrt(head_size)) . v, with run.c's order of operations.
-/// `att` is scratch for `rows` scores; `out` must not overlap the inputs.
-inline void attend(const float* __restrict q, const float* __restrict keys, const float* __restrict values,
-                   index_t stride, index_t rows, index_t head_size, float* __restrict att, float* __restrict out) {
+/// One query head's attention over `rows` cached keys/values (head_size floats each; key_of(t) /
+/// value_of(t) the address of row t, e.g. through a page list): out = softmax(q . k_t /
+/// sqrt(head_size)) . v, with run.c's order of operations. `att` is scratch for `rows` scores;
+/// `out` must not overlap the inputs.
+template <class KeyOf, class ValueOf>
+void attend_rows(const float* __restrict q, KeyOf&& key_of, ValueOf&& value_of, index_t rows, index_t head_size,
+                 float* __restrict att, float* __restrict out) {
   const float scale = std::sqrt(static_cast<float>(head_size));
   for (index_t t = 0; t < rows; ++t) {
-    const float* k = keys + t * stride;
+    const float* k = key_of(t);
     float score = 0.0f;
     for (index_t e = 0; e < head_size; ++e) score += q[e] * k[e];
     att[t] = score / scale;
@@ -125,10 +127,17 @@ inline void attend(const float* __restrict q, const float* __restrict keys, cons
   softmax(att, rows);
   std::fill(out, out + head_size, 0.0f);
   for (index_t t = 0; t < rows; ++t) {
-    const float* v = values + t * stride;
+    const float* v = value_of(t);
     const float a = att[t];
     for (index_t e = 0; e < head_size; ++e) out[e] += a * v[e];
   }
+}
+
+/// attend_rows over rows `stride` floats apart.
+inline void attend(const float* __restrict q, const float* __restrict keys, const float* __restrict values,
+                   index_t stride, index_t rows, index_t head_size, float* __restrict att, float* __restrict out) {
+  attend_rows(q, [&](index_t t) { return keys + t * stride; }, [&](index_t t) { return values + t * stride; }, rows,
+              head_size, att, out);
 }
 
 /// SwiGLU gate: gate[i] = silu(gate[i]) * up[i], silu(g) = g * sigmoid(g).

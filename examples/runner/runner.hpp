@@ -219,13 +219,7 @@ class runner {
         return status::error(errc::out_of_range, "runner: position %lld (block row %lld) is outside the context [0, %d)",
                              static_cast<long long>(p), static_cast<long long>(i), c.seq_len);
     }
-    for (int l = 0; l < c.n_layers; ++l)
-      for (index_t h = 0; h < c.n_kv_heads; ++h)
-        if (cache.length(l, h) + b.n > cache.capacity())
-          return status::error(errc::capacity_exceeded,
-                               "runner: layer %d head %lld holds %lld of %lld rows; a block of %lld does not fit", l,
-                               static_cast<long long>(h), static_cast<long long>(cache.length(l, h)),
-                               static_cast<long long>(cache.capacity()), static_cast<long long>(b.n));
+    for (int l = 0; l < c.n_layers; ++l) KVEVICT_TRY(cache.check_room(l, b.n));
     return {};
   }
 
@@ -239,7 +233,7 @@ class runner {
   void undo_append(kv_cache& cache, int upto, index_t n) {
     for (int l = 0; l < upto; ++l)
       if (cache.layer_epoch_[static_cast<std::size_t>(l)] == appended_epoch_[static_cast<std::size_t>(l)])
-        for (index_t h = 0; h < cache.kv_heads(); ++h) cache.lens_[cache.idx(l, h)] -= static_cast<std::int32_t>(n);
+        cache.drop_last(l, n);
   }
 
   status run(kv_cache& cache, const block& b, logits_mode mode, const forward_hooks& hooks, bool rolled_back) {
@@ -292,9 +286,10 @@ class runner {
       for (index_t h = 0; h < Hkv; ++h) visible += base_len_[static_cast<std::size_t>(h)] + n;
       detail::parallel_for(threads_, n * H, n * group * visible * hs * 2, [&](index_t item, int thread) {
         const index_t i = item / H, q = item % H, g = q / group;
-        detail::attend(qkv + i * qs + q * hs, cache.key_row(l, g, 0), cache.value_row(l, g, 0), hs,
-                       base_len_[static_cast<std::size_t>(g)] + i + 1, hs, att_.data() + index_t(thread) * max_rows_,
-                       xb + i * d + q * hs);
+        detail::attend_rows(  // through head g's page list
+            qkv + i * qs + q * hs, [&](index_t t) { return cache.key_row(l, g, t); },
+            [&](index_t t) { return cache.value_row(l, g, t); }, base_len_[static_cast<std::size_t>(g)] + i + 1, hs,
+            att_.data() + index_t(thread) * max_rows_, xb + i * d + q * hs);
       });
       detail::matmul(threads_, xb, d, n, d, m.wo(l), d, tmp, d);
       st = call_projection(hooks, l, projection::o, n, xb, d, d, tmp, d, d);

@@ -648,7 +648,8 @@ TEST_CASE("LAQ: stage 1 is SnapKV on a copy plus greedy pseudo decoding; stage 2
     }
 
     for (const method m : {method::laq, method::laq_pp})
-      for (const budget_scheme a : {budget_scheme::uniform, budget_scheme::pyramid, budget_scheme::lava, budget_scheme::cake}) {
+      for (const budget_scheme a : {budget_scheme::uniform, budget_scheme::pyramid, budget_scheme::adakv, budget_scheme::lava,
+                                    budget_scheme::cake}) {
         const std::string method_name_ = method_name(m);
       CAPTURE(method_name_);
         const std::string allocator_name_ = allocator_name(a);

@@ -221,16 +221,11 @@ inline kvevict::recipe make_recipe(const evict_options& o) {
       r.n_recent = o.duo_recent;
       return r;
     case method::laq:  // SnapKV scoring with the pseudo queries as an external block; the window kept
+    case method::laq_pp:  // the union block scores the prompt minus its window (evictor's laq_pp_scores)
     case method::speckv:  // the same with the draft response's queries (as LAQ: a fair pairing)
       r = recipe::snapkv();
       r.source = kvevict::query_source::external_block;
       break;
-    case method::laq_pp:  // the union block scores the prompt minus its window (methods/laq.hpp), which is kept
-      r = recipe::snapkv();
-      r.source = kvevict::query_source::external_block;
-      r.n_sink = s;
-      r.n_recent = 0;
-      return r;
     case method::lookaheadkv:  // the scores come from lookahead_scorer; only the sinks (0 by default) are protected
       r = recipe::snapkv();
       r.n_sink = s;
@@ -257,7 +252,6 @@ inline kvevict::recipe make_recipe(const evict_options& o) {
 /// Tokens every head keeps whatever the scores (what the budget must at least be).
 inline index_t protected_tokens(const evict_options& o) {
   if (o.recipe == method::full) return 0;
-  if (o.recipe == method::laq_pp) return sinks_of(o) + o.window;
   const kvevict::recipe r = make_recipe(o);
   return r.n_sink + r.n_recent;
 }

@@ -7,6 +7,7 @@
 #include <runner/workers.hpp>
 
 #include <cstring>
+#include <limits>
 
 namespace kvrun {
 
@@ -141,13 +142,10 @@ class evictor {
       return status::error(errc::invalid_argument, "%s: its response is needed as the query block", method_name(o_.recipe));
     }
     if (blk != nullptr) pc.query_rows = blk->rows();
-    // LAQ++ keeps the prompt's last w rows outside the driver, which selects among the first P - w
-    // rows as if they were the whole layer: the allocation of the whole prompt with the window
-    // protected, then the window taken out of the budgets (docs/status.md, issue 12: why this is
-    // not add_layer_scores over the whole prompt).
-    const index_t w = laq_pp ? o_.window : 0, prefix = P - w;
-    KVEVICT_TRY(plan(P, w));
-    if (laq_pp) KVEVICT_TRY(take_window_out(cache, prompt_q, P, w));
+    // LAQ++ scores the prompt's first P - w rows with its union block (a window query attends
+    // causally inside the window: laq_pp_scores), the window's columns protected by the recipe
+    // (n_recent = w): the driver gets the whole layer through add_layer_scores.
+    KVEVICT_TRY(plan(P));
     // LookaheadKV (papers/lookaheadkv.md, Algorithm 2): the scorer's scores [H_kv][P] per layer
     // (lookahead_scorer: the module's lookahead rows run as an extra block, its KV rolled back),
     // the sinks protected (0 unless --sinks), no suffix window (the paper's appendix F); a budget
@@ -165,11 +163,13 @@ class evictor {
     KVEVICT_TRY(post_fill_decide(
         pf_, scratch_, pc,
         [&](int l, layer_inputs& in) {
-          const auto kv = cache.paged(l, laq_pp ? prefix : -1);  // LAQ++: the prefix rows
-          if (!kv) return kv.error();
-          in.paged = *kv;
+          in.paged = layer_view(cache, l);
           if (scored) {
             in.scores = scorer_->scores(l);
+          } else if (laq_pp) {
+            const status st = laq_pp_scores(cache, l, P, *blk);
+            if (!st) return st;
+            in.scores = *kvevict::make_matrix_view<const float>(laq_scores_.data(), H, P);
           } else if (blk != nullptr) {
             in.queries = blk->queries(l, 0, blk->rows());
             in.block_keys = blk->keys(l, 0, blk->rows());
@@ -182,20 +182,7 @@ class evictor {
           return status{};
         },
         rec));
-    if (w == 0) KVEVICT_TRY(compact_kept(cache, pf_));
-    std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1));
-    std::vector<pos_t> pos;
-    for (int l = 0; l < L && w > 0; ++l) {  // LAQ++: the kept prefix rows, then the window
-      const kvevict::ragged_positions k = pf_.kept(l);
-      pos.clear();
-      cu[0] = 0;
-      for (index_t h = 0; h < H; ++h) {
-        for (index_t i = 0; i < k.length(h); ++i) pos.push_back(k.pos[k.cu[h] + i]);
-        for (index_t j = prefix; j < P; ++j) pos.push_back(static_cast<pos_t>(j));
-        cu[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(pos.size());
-      }
-      KVEVICT_TRY(cache.compact(l, kvevict::ragged_positions{pos.data(), cu.data(), H}));
-    }
+    KVEVICT_TRY(compact_kept(cache, pf_));
     alloc_.total = cache.total_rows();
     evict_s_ = seconds_since(t0);
     return {};
@@ -250,6 +237,8 @@ class evictor {
   std::vector<unsigned char> pref_scratch_, decode_scratch_;
   double prefill_s_ = 0.0, evict_s_ = 0.0;
   block_capture prompt_q_, response_q_, chunk_q_, patch_q_, step_q_, recent_q_;
+  std::vector<float> laq_scores_;
+  std::vector<unsigned char> laq_scratch_;
   kvevict::post_fill_driver pf_;
   kvevict::cascade_driver cd_;
   kvevict::chunked_driver ch_;
@@ -269,11 +258,9 @@ class evictor {
   // their sinks and recent window at every step (kvevict::streaming_heads_driver), retrieval heads
   // everything; alloc_ (plan_allocation) holds the head types.
   bool head_types() const { return allocator_of(o_) == budget_scheme::duo; }
-  // alloc_: the allocation for a sequence of `tokens` (the recipe's protection, plus LAQ++'s
-  // `window` kept outside the driver).
-  status plan(index_t tokens, index_t window = 0) {
-    return plan_allocation(cfg(), allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent + window}, &duo_,
-                           alloc_);
+  // alloc_: the allocation for a sequence of `tokens` (the recipe's protection).
+  status plan(index_t tokens) {
+    return plan_allocation(cfg(), allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_);
   }
   // capacity: the cache's (the heads grow by the decoded tokens after the prefill).
   status init_streaming_heads(kvevict::eviction_recorder* rec, index_t capacity, index_t pool_pages) {
@@ -332,23 +319,22 @@ class evictor {
     });
   }
 
-  // LAQ++: alloc_ (the whole prompt's, the window protected) with the window's w rows per head
-  // taken out, for a driver that sees the first P - w rows; CAKE's layer budgets computed here
-  // (per head) from the window's preference, as the driver would have.
-  status take_window_out(const kv_cache& cache, const block_capture& prompt_q, index_t P, index_t w) {
-    const index_t L = cfg().n_layers, H = cfg().n_kv_heads;
-    if (alloc_.alloc.kind == kvevict::allocator::cake) {
-      std::vector<double> pref(static_cast<std::size_t>(L));
-      for (int l = 0; l < L; ++l) KVEVICT_TRY(window_preference(prompt_q.queries(l, P - w, w), cache, l, P, pref[l]));
-      alloc_.budgets.assign(static_cast<std::size_t>(L * H), 0);
-      const auto view = *kvevict::make_matrix_view(alloc_.budgets.data(), L, H);
-      KVEVICT_TRY(kvevict::cake_budgets(pref.data(), std::min(o_.budget, P), P, {rec_.n_sink, w}, view));
-      alloc_.alloc.kind = kvevict::allocator::per_head;
-      alloc_.alloc.budgets = view;
-    }
-    if (alloc_.alloc.kind == kvevict::allocator::lava) alloc_.alloc.total -= L * H * w;
-    for (std::int32_t& b : alloc_.budgets) b -= static_cast<std::int32_t>(w);
-    return {};
+  // LAQ++'s scores of layer l into laq_scores_ [H][P] (Eq. 5): the recipe's SnapKV scoring of the
+  // prompt's first P - w rows with the union block as an external block with its own keys (the
+  // window rows attend causally inside the window, the pseudo rows over it), the window's w
+  // columns +inf (the recipe protects them: n_recent = w).
+  status laq_pp_scores(const kv_cache& cache, int l, index_t P, const block_capture& blk) {
+    const index_t H = cfg().n_kv_heads, w = rec_.n_recent, prefix = P - w;
+    const auto keys = cache.dense_keys(l, P);
+    if (!keys) return keys.error();
+    laq_scores_.assign(static_cast<std::size_t>(H * P), std::numeric_limits<float>::infinity());
+    const auto out = *kvevict::make_matrix_view(laq_scores_.data(), H, prefix, P);
+    kvevict::recipe r = rec_;
+    r.n_recent = 0;  // the prefix's own last rows are not protected
+    return with_workspace(laq_scratch_, [&](kvevict::workspace& ws) {
+      return kvevict::recipe_scores(kvevict::seq, ws, r, blk.queries(l, 0, blk.rows()), *kvevict::token_range(*keys, 0, prefix),
+                                    kvevict::kv_view<const float>{}, out, blk.keys(l, 0, blk.rows()));
+    });
   }
 
   // Layer by layer, inside the prefill: cascade_driver for lava / cake, post_fill_driver one layer

@@ -110,6 +110,23 @@ inline status carve_score_host(const char* fn, workspace& ws, const score_plan& 
   return carver.finish(fn);
 }
 
+/// attention_scores' workspace for a checked shape on a backend, what the size query from sizes
+/// (attention_scores_workspace_bytes) carves: the host backends' plan here, the CUDA backend's in
+/// the specialisation in <kvevict/cuda/score.cuh>. `name`: the size query's name in messages.
+template <class Backend>
+struct score_workspace {
+  static_assert(is_host_backend_v<Backend>,
+                "attention_scores_workspace_bytes: host backends here; the CUDA one needs <kvevict/cuda/score.cuh>");
+  static constexpr const char* name = "attention_scores_workspace_bytes";
+  static status carve(const char* fn, Backend be, const score_shape& sh, const score_options& opt, workspace& ws) {
+    score_plan pl;
+    KVEVICT_TRY(make_score_plan(fn, sh, thread_count(be), opt, pl));
+    float* scratch = nullptr;
+    std::size_t end = 0;
+    return carve_score_host(fn, ws, pl, scratch, end);
+  }
+};
+
 template <class Backend, class QE, class KS>
 void attention_scores_run(Backend be, const score_shape& sh, const score_plan& pl, float* scratch,
                           const kv_view<const QE>& q, const KS& prefix, const KS& block, const matrix_view<float>& out,
@@ -262,16 +279,12 @@ template <class Backend>
 result<std::size_t> attention_scores_workspace_bytes(Backend be, index_t query_heads, index_t kv_heads, index_t w,
                                                     index_t prefix_len, index_t dim, bool block_keys,
                                                     index_t out_cols, const score_options& opt = {}) {
-  constexpr const char* fn = "attention_scores_workspace_bytes";
+  constexpr const char* fn = detail::score_workspace<Backend>::name;
   detail::score_shape sh;
   KVEVICT_TRY(detail::score_shape_from_sizes(fn, query_heads, kv_heads, w, prefix_len, dim, block_keys, out_cols, opt,
                                              sh));
-  detail::score_plan pl;
-  KVEVICT_TRY(detail::make_score_plan(fn, sh, detail::thread_count(be), opt, pl));
   workspace q;
-  float* scratch = nullptr;
-  std::size_t end = 0;
-  KVEVICT_TRY(detail::carve_score_host(fn, q, pl, scratch, end));
+  KVEVICT_TRY(detail::score_workspace<Backend>::carve(fn, be, sh, opt, q));
   return q.bytes;
 }
 
@@ -398,9 +411,13 @@ status tova_scores(Backend be, workspace& ws, kv_view<Q> last_query, kv_view<K> 
 namespace detail {
 // key_sq_accumulate / key_norm_score (one key row's -||k||_2): detail/base/stage_math.hpp.
 
-/// The checks of key_norm_scores, shared by every backend.
-template <class KE>
-status check_key_norm_scores(const char* fn, const kv_view<const KE>& keys, const matrix_view<float>& out) {
+/// key_norm_scores' inputs, checked the same way on every backend (the element type at compile
+/// time, the views, out's shape and overlap): the keys as a read-only view.
+template <class K>
+result<kv_view<const std::remove_const_t<K>>> key_norm_inputs(const char* fn, const kv_view<K>& keys_in,
+                                                              const matrix_view<float>& out) {
+  static_assert(is_kv_element_v<K>, "key_norm_scores: elements must be float, float16 or bfloat16");
+  const kv_view<const std::remove_const_t<K>> keys = keys_in;
   KVEVICT_TRY(check_view(fn, "keys", keys));
   KVEVICT_TRY(check_view(fn, "out", out));
   if (out.extent(0) != keys.extent(0) || out.extent(1) != keys.extent(1))
@@ -409,7 +426,7 @@ status check_key_norm_scores(const char* fn, const kv_view<const KE>& keys, cons
                          static_cast<long long>(keys.extent(0)), static_cast<long long>(keys.extent(1)));
   if (range_of(out).intersects(range_of(keys)))
     return status::error(errc::overlap, "%s: out overlaps keys in memory", fn);
-  return {};
+  return keys;
 }
 
 /// The checks of position_scores, shared by every backend: a valid view of at most 2^24 columns
@@ -428,11 +445,9 @@ inline status check_position_scores(const char* fn, const matrix_view<float>& ou
 /// NaN in a key gives NaN. Errors: invalid views; out not [H_kv][T]; out overlapping keys.
 template <class Backend, class K>
 status key_norm_scores(Backend be, kv_view<K> keys_in, matrix_view<float> out) {
-  static_assert(is_kv_element_v<K>, "key_norm_scores: elements must be float, float16 or bfloat16");
-  using KE = std::remove_const_t<K>;
-  constexpr const char* fn = "key_norm_scores";
-  const kv_view<const KE> keys = keys_in;
-  KVEVICT_TRY(detail::check_key_norm_scores(fn, keys, out));
+  const auto checked = detail::key_norm_inputs("key_norm_scores", keys_in, out);
+  if (!checked) return checked.error();
+  const auto& keys = *checked;
   const index_t tokens = keys.extent(1), d = keys.extent(2);
   detail::parallel_for(be, keys.extent(0) * tokens, [&](index_t i) {
     const index_t h = i / tokens, t = i % tokens;

@@ -91,18 +91,33 @@ status attention_scores_gqa(cuda_t be, workspace& ws, kv_view<Q> queries, kv_vie
                                                out_per_head, true, out_kv, op, opt);
 }
 
+namespace detail {
+/// The GPU score wrappers' one path (score.hpp's run_score_wrapper on the GPU): `prepare`'s checks
+/// and block, then attention_scores_cuda (per-head `out`; with `kv_requested` also the GQA-reduced
+/// out_kv by `op`).
+template <class Q, class K, class Prepare>
+status run_score_wrapper_cuda(const char* fn, cuda_t be, workspace& ws, kv_view<Q> queries, kv_view<K> keys,
+                              const matrix_view<float>& out, bool kv_requested, const matrix_view<float>& out_kv,
+                              gqa_op op, Prepare prepare) {
+  using QE = std::remove_const_t<Q>;
+  using KE = std::remove_const_t<K>;
+  const auto c = prepare(kv_view<const QE>(queries), kv_view<const KE>(keys));
+  if (!c) return c.error();
+  return attention_scores_cuda<QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, kv_requested, out_kv, op,
+                                       c->opt);
+}
+}  // namespace detail
+
 /// window_scores on the GPU (the SnapKV family's window); see the host overload.
 template <class Q, class K>
 status window_scores(cuda_t be, workspace& ws, kv_view<Q> window_queries, kv_view<K> keys, matrix_view<float> out,
                      const score_options& opt = {}) {
   static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "window_scores: elements must be float, float16 or bfloat16");
-  using QE = std::remove_const_t<Q>;
-  using KE = std::remove_const_t<K>;
   constexpr const char* fn = "window_scores(cuda)";
-  const auto c = detail::prepare_window_scores(fn, kv_view<const QE>(window_queries), kv_view<const KE>(keys), opt);
-  if (!c) return c.error();
-  return detail::attention_scores_cuda<QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, false, {},
-                                               gqa_op::mean, c->opt);
+  return detail::run_score_wrapper_cuda(fn, be, ws, window_queries, keys, out, false, {}, gqa_op::mean,
+                                        [&](const auto& q, const auto& k) {
+                                          return detail::prepare_window_scores(fn, q, k, opt);
+                                        });
 }
 
 /// window_scores followed by gqa_reduce, in one launch sequence (see attention_scores_gqa).
@@ -112,13 +127,11 @@ status window_scores_gqa(cuda_t be, workspace& ws, kv_view<Q> window_queries, kv
                          matrix_view<float> out_per_head = {}) {
   static_assert(is_kv_element_v<Q> && is_kv_element_v<K>,
                 "window_scores_gqa: elements must be float, float16 or bfloat16");
-  using QE = std::remove_const_t<Q>;
-  using KE = std::remove_const_t<K>;
   constexpr const char* fn = "window_scores_gqa(cuda)";
-  const auto c = detail::prepare_window_scores(fn, kv_view<const QE>(window_queries), kv_view<const KE>(keys), opt);
-  if (!c) return c.error();
-  return detail::attention_scores_cuda<QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out_per_head, true,
-                                               out_kv, op, c->opt);
+  return detail::run_score_wrapper_cuda(fn, be, ws, window_queries, keys, out_per_head, true, out_kv, op,
+                                        [&](const auto& q, const auto& k) {
+                                          return detail::prepare_window_scores(fn, q, k, opt);
+                                        });
 }
 
 /// paged_window_scores on the GPU: the window scores of every row (sequence, KV head) of a paged layer
@@ -153,14 +166,11 @@ template <class Q, class K>
 status h2o_scores(cuda_t be, workspace& ws, kv_view<Q> queries, kv_view<K> keys, matrix_view<float> out,
                   bool normalised = false, float scale = 0.0f) {
   static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "h2o_scores: elements must be float, float16 or bfloat16");
-  using QE = std::remove_const_t<Q>;
-  using KE = std::remove_const_t<K>;
   constexpr const char* fn = "h2o_scores(cuda)";
-  const auto c = detail::prepare_h2o_scores(fn, kv_view<const QE>(queries), kv_view<const KE>(keys), out, normalised,
-                                            scale);
-  if (!c) return c.error();
-  return detail::attention_scores_cuda<QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, false, {},
-                                               gqa_op::mean, c->opt);
+  return detail::run_score_wrapper_cuda(fn, be, ws, queries, keys, out, false, {}, gqa_op::mean,
+                                        [&](const auto& q, const auto& k) {
+                                          return detail::prepare_h2o_scores(fn, q, k, out, normalised, scale);
+                                        });
 }
 
 /// tova_scores on the GPU; see the host overload.
@@ -168,29 +178,26 @@ template <class Q, class K>
 status tova_scores(cuda_t be, workspace& ws, kv_view<Q> last_query, kv_view<K> keys, matrix_view<float> out,
                    float scale = 0.0f) {
   static_assert(is_kv_element_v<Q> && is_kv_element_v<K>, "tova_scores: elements must be float, float16 or bfloat16");
-  using QE = std::remove_const_t<Q>;
-  using KE = std::remove_const_t<K>;
   constexpr const char* fn = "tova_scores(cuda)";
-  const auto c = detail::prepare_tova_scores(fn, kv_view<const QE>(last_query), kv_view<const KE>(keys), scale);
-  if (!c) return c.error();
-  return detail::attention_scores_cuda<QE, KE>(fn, be, ws, c->queries, c->prefix, c->block, out, false, {},
-                                               gqa_op::mean, c->opt);
+  return detail::run_score_wrapper_cuda(fn, be, ws, last_query, keys, out, false, {}, gqa_op::mean,
+                                        [&](const auto& q, const auto& k) {
+                                          return detail::prepare_tova_scores(fn, q, k, scale);
+                                        });
 }
 
 /// key_norm_scores on the GPU: bit-identical to the host (same per-element sum, correctly rounded
 /// sqrt). No workspace.
 template <class K>
 status key_norm_scores(cuda_t be, kv_view<K> keys_in, matrix_view<float> out) {
-  static_assert(is_kv_element_v<K>, "key_norm_scores: elements must be float, float16 or bfloat16");
-  using KE = std::remove_const_t<K>;
   constexpr const char* fn = "key_norm_scores(cuda)";
-  const kv_view<const KE> keys = keys_in;
-  KVEVICT_TRY(detail::check_key_norm_scores(fn, keys, out));
+  const auto checked = detail::key_norm_inputs(fn, keys_in, out);
+  if (!checked) return checked.error();
+  const auto& keys = *checked;
   KVEVICT_TRY(detail::check_device_alignment(fn, "keys", keys.data_handle()));
   KVEVICT_TRY(detail::check_device_alignment(fn, "out", out.data_handle()));
   if (keys.extent(0) == 0 || keys.extent(1) == 0) return {};
   detail::cuda_launcher l{detail::stream_of(be), fn};
-  l.run<detail::key_norm_op<KE>>(detail::key_norm_shape(keys), keys, out.data_handle(), out.stride(0), out.stride(1));
+  l.run<detail::key_norm_op<std::remove_const_t<K>>>(detail::key_norm_shape(keys), keys, out.data_handle(), out.stride(0), out.stride(1));
   return l.err;
 }
 
@@ -206,20 +213,21 @@ inline status position_scores(cuda_t be, matrix_view<float> out) {
   return l.err;
 }
 
-/// attention_scores_workspace_bytes for the GPU overload (its two softmax-statistics buffers).
-inline result<std::size_t> attention_scores_workspace_bytes(cuda_t, index_t query_heads, index_t kv_heads, index_t w,
-                                                           index_t prefix_len, index_t dim, bool block_keys,
-                                                           index_t out_cols, const score_options& opt = {}) {
-  constexpr const char* fn = "attention_scores_workspace_bytes(cuda)";
-  detail::score_shape sh;
-  KVEVICT_TRY(detail::score_shape_from_sizes(fn, query_heads, kv_heads, w, prefix_len, dim, block_keys, out_cols, opt,
-                                             sh));
-  detail::cuda_score_plan pl;
-  KVEVICT_TRY(detail::make_cuda_score_plan(fn, sh, pl));
-  workspace q;
-  detail::softmax_stats *part = nullptr, *rowst = nullptr;
-  KVEVICT_TRY(detail::carve_cuda_score(fn, q, pl, part, rowst));
-  return q.bytes;
-}
+namespace detail {
+
+/// attention_scores_workspace_bytes on the GPU (score.hpp's size query): its two
+/// softmax-statistics buffers.
+template <>
+struct score_workspace<cuda_t> {
+  static constexpr const char* name = "attention_scores_workspace_bytes(cuda)";
+  static status carve(const char* fn, cuda_t, const score_shape& sh, const score_options&, workspace& ws) {
+    cuda_score_plan pl;
+    KVEVICT_TRY(make_cuda_score_plan(fn, sh, pl));
+    softmax_stats *part = nullptr, *rowst = nullptr;
+    return carve_cuda_score(fn, ws, pl, part, rowst);
+  }
+};
+
+}  // namespace detail
 
 }  // namespace kvevict

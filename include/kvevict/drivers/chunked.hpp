@@ -490,11 +490,10 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
                            static_cast<long long>(c.tokens), INT32_MAX);
     KVEVICT_TRY(detail::check_capacity(fn, "capacity", c.capacity, H));
     KVEVICT_TRY(detail::check_recipe(fn, c.rec));
-    if (c.rec.kind == recipe_kind::h2o || c.rec.kind == recipe_kind::tova)
-      return status::error(errc::unsupported,
-                           "%s: %s scores with every / the last prompt query; chunked prefill supports window recipes, "
-                           "knorm and streaming_llm (use the decode or post-fill driver)",
-                           fn, recipe_name(c.rec.kind));
+    KVEVICT_TRY(detail::check_supported(fn, c.rec.kind == recipe_kind::h2o || c.rec.kind == recipe_kind::tova,
+                                        recipe_name(c.rec.kind),
+                                        "scores with every / the last prompt query; chunked prefill supports window "
+                                        "recipes, knorm and streaming_llm (use the decode or post-fill driver)"));
     if (uses_attention(c.rec.kind)) {
       if (c.rec.source != query_source::prompt_window)
         return status::error(errc::invalid_argument,
@@ -510,20 +509,15 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
       return status::error(errc::invalid_argument, "%s: unknown chunk_target value %d", fn, static_cast<int>(c.target));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
     KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
-    if (c.alloc.kind == allocator::cake)
-      return status::error(errc::unsupported,
-                           "%s: the cake allocator needs per-layer preferences of the whole prompt; use per_head budgets "
-                           "(cake_budgets) or the post-fill / cascade drivers",
-                           fn);
+    KVEVICT_TRY(detail::check_supported(fn, c.alloc.kind == allocator::cake, "the cake allocator",
+                                        "needs per-layer preferences of the whole prompt; use per_head budgets "
+                                        "(cake_budgets) or the post-fill / cascade drivers"));
     if (c.target == chunk_target::fraction) {
       if (!(c.fraction >= 0.0 && c.fraction <= 1.0))
         return status::error(errc::invalid_argument, "%s: fraction = %g is outside [0, 1]", fn, c.fraction);
-      if (c.alloc.kind == allocator::adakv)
-        return status::error(errc::unsupported,
-                             "%s: adakv shares a per-head budget B_l; use the budget target (or flattened with a "
-                             "fraction)",
-                             fn);
-      return {};
+      return detail::check_supported(fn, c.alloc.kind == allocator::adakv, "adakv",
+                                     "shares a per-head budget B_l; use the budget target (or flattened with a "
+                                     "fraction)");
     }
     const index_t min_head = c.rec.n_sink + c.rec.n_recent;
     if (has_matrix(c.alloc.kind)) return detail::check_budget_matrix(fn, c.alloc, c.model, min_head, -1);

@@ -404,11 +404,10 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
                            static_cast<long long>(tail), static_cast<long long>(c.capacity));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
     KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
-    if (c.alloc.kind == allocator::lava || c.alloc.kind == allocator::cake)
-      return status::error(errc::unsupported,
-                           "%s: %s allocates across layers from prefill scores; decode eviction takes per_head, "
-                           "flattened or adakv budgets",
-                           fn, allocator_name(c.alloc.kind));
+    KVEVICT_TRY(detail::check_supported(fn, c.alloc.kind == allocator::lava || c.alloc.kind == allocator::cake,
+                                        allocator_name(c.alloc.kind),
+                                        "allocates across layers from prefill scores; decode eviction takes per_head, "
+                                        "flattened or adakv budgets"));
     return detail::check_budget_matrix(fn, c.alloc, c.model, c.rec.n_sink + c.rec.n_recent, -1);
   }
 

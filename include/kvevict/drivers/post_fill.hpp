@@ -372,8 +372,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                            "one process holds every layer)",
                            fn, static_cast<long long>(c.first_layer), static_cast<long long>(c.first_layer + L),
                            static_cast<long long>(ML));
-    if (c.tp.size() > 1 && c.pp.size() > 1)
-      return status::error(errc::unsupported, "%s: tensor and pipeline parallelism together are not supported", fn);
+    KVEVICT_TRY(detail::check_supported(fn, c.tp.size() > 1 && c.pp.size() > 1, "tensor and pipeline parallelism",
+                                        "together are not supported"));
     KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
     index_t rows = 0;
     bool bk = false;

@@ -37,6 +37,13 @@ inline status check_model(const char* fn, const model_shape& m) {
   return {};
 }
 
+/// A configuration a driver refuses (every driver's validate): if `refused`, errc::unsupported with
+/// "fn: <what> <why>" (what: the recipe, allocator or feature; why: what the driver supports instead).
+inline status check_supported(const char* fn, bool refused, const char* what, const char* why) {
+  if (!refused) return {};
+  return status::error(errc::unsupported, "%s: %s %s", fn, what, why);
+}
+
 /// Rows per head a driver scores at most (C): positive, H C and C within int32.
 inline status check_capacity(const char* fn, const char* what, index_t C, index_t H) {
   index_t rows = 0;

@@ -1,17 +1,21 @@
-// The CUDA paged compaction's logic (detail/block/paged_block.hpp: mark, validate, finish, then the
-// in-place tiles of compact_block.hpp over paged rows) run on the host under the emulated block:
-// identical pools and outputs to compact_paged(seq) on random layouts, and all or nothing on bad
-// device data (nothing written, the problems counted). Also the batched selection's offsets
-// (detail/block/batch_block.hpp) and the paged Knorm kernel's rows.
+// The CUDA paged kernels run on the host: the launch sequences of detail/block/paged_ops.hpp (the
+// ones cuda/paged.cuh launches: reset, mark, validate, finish, then the in-place tiles of
+// compact_ops.hpp over the key and value pools; Knorm; value weighting) on the SIMT executor
+// (fibers, interleaved resident blocks, small grids, small flag rings): identical pools, outputs and
+// scores to the seq forms on random layouts, and all or nothing on bad device data (nothing written,
+// the problems counted). Also the batched selection's offsets (batch_offsets_launch).
 #include "paged_fixture.hpp"
 
 #include <kvevict/batch.hpp>
 #include <kvevict/detail/block/batch_block.hpp>
-#include <kvevict/detail/block/host_block.hpp>
 #include <kvevict/detail/block/paged_block.hpp>
+#include <kvevict/detail/block/paged_ops.hpp>
 #include <kvevict/detail/block/select_ops.hpp>
 #include <kvevict/detail/block/simt.hpp>
 #include <kvevict/paged.hpp>
+
+#include <cstring>
+#include <limits>
 
 using namespace kvevict;
 using kvtest::paged_fixture;
@@ -22,43 +26,37 @@ using kvtest::flatten;
 
 namespace {
 
-/// The launcher's kernels in order, one emulated block at a time; tiles of `tile_rows` rows (-1:
-/// the kernel's choice, 0: rows copied directly). Returns the problems counted.
+/// Runs a launch sequence on the SIMT executor (random seed, 1 to 4 resident blocks, grids capped at
+/// 3 blocks half the time); returns the problems counted.
+template <class Launch>
+index_t on_executor(std::mt19937_64& g, Launch&& launch) {
+  detail::simt_executor ex(g(), 0);
+  ex.resident(1 + static_cast<index_t>(g() % 4));
+  detail::simt_launcher<detail::simt_executor> l{ex};
+  int bad = 0;
+  launch(l, &bad, g() % 2 == 0 ? index_t(3) : index_t(1) << 20);
+  REQUIRE_MESSAGE(l.ok, ex.error());
+  return bad;
+}
+
+/// compact_paged(cuda): detail::paged_compact_launch with tiles of `tile_rows` rows (-1: the
+/// kernel's choice, 0: rows copied directly), 1 to 3 blocks per row and a ring of 8 flags. The
+/// workspace state starts as garbage (the reset ops zero it).
 index_t emulate(std::mt19937_64& g, paged_layer<float> L, ragged_positions kept, paged_compaction_out out,
-                index_t tile_rows_override) {
-  const index_t P = L.keys.pages, R = L.rows();
-  std::vector<std::uint32_t> marks(static_cast<std::size_t>(std::max<index_t>(P, 1)), 0);
-  index_t problems = 0;
-  const index_t listed = L.table.indptr[L.table.lists];
-  if (listed < 0 || listed > P) ++problems;
-  else
-    for (index_t i = 0; i < listed; ++i)
-      problems += detail::paged_mark_page(L.table, i, P, marks.data(), [](std::uint32_t* m) { ++*m; });
-  detail::host_block blk(32, g);
-  const detail::paged_inplace_heads<float> kh{L.keys, L.table, kept, L.kv_heads, L.lists};
-  const detail::paged_inplace_heads<float> vh{L.values, L.table, kept, L.kv_heads, L.lists};
-  for (index_t r = 0; r < R; ++r) problems += detail::paged_validate_row(blk, kh, r, marks.data());
-  std::vector<index_t> head_rows(static_cast<std::size_t>(std::max<index_t>(R, 1)), -5);
-  problems += detail::paged_finish(blk, kh, problems, out, head_rows.data());
-  for (const auto* heads : {&kh, &vh}) {
-    const index_t dim = heads->pool.dim;
-    detail::with_unit(detail::unit_for<float>(true, detail::addr_bits(heads->pool.data), dim), [&](auto u) {
-      constexpr int U = decltype(u)::value;
-      const detail::row_copy<float, U> rc{dim, 1, 1};
-      const index_t tile_rows =
-          tile_rows_override >= 0 ? tile_rows_override : detail::inplace_tile_rows(rc.units(), rc.unit_bytes());
-      std::vector<unsigned char> stage(static_cast<std::size_t>(std::max<index_t>(tile_rows, 1) * rc.units() * rc.unit_bytes() + 16));
-      for (index_t r = 0; r < R; ++r) {
-        const index_t n = head_rows[static_cast<std::size_t>(r)];
-        if (n < 0) continue;
-        for (index_t c = 0;; ++c) {
-          if (!detail::inplace_tile_read(blk, *heads, rc, r, n, c, tile_rows, stage.data())) break;
-          detail::inplace_tile_write(blk, *heads, rc, r, n, c, tile_rows, stage.data());
-        }
-      }
-    });
-  }
-  return problems;
+                index_t tile_rows) {
+  const index_t P = L.keys.pages, R = L.rows(), ring = 8;
+  if (R == 0 && L.table.lists == 0) return 0;  // the launcher returns before launching
+  const auto rs = static_cast<std::size_t>(std::max<index_t>(R, 1));
+  std::vector<std::uint32_t> marks(static_cast<std::size_t>(std::max<index_t>(P, 1)), 77u);
+  std::vector<index_t> head_rows(rs, -5);
+  std::vector<unsigned> ticket(rs, 9u), prefix(rs, 9u), flags(rs * static_cast<std::size_t>(ring), 9u);
+  int problems = 55;
+  const detail::paged_compact_state st{marks.data(), &problems, head_rows.data(),
+                                       detail::inplace_sync{ticket.data(), prefix.data(), flags.data(), ring}};
+  const index_t parts = kvtest::uniform_int(g, 1, 3);
+  return on_executor(g, [&](auto& l, int* bad, index_t cap) {
+    detail::paged_compact_launch(l, L, kept, out, st, bad, tile_rows, parts, cap);
+  });
 }
 
 }  // namespace
@@ -185,48 +183,50 @@ TEST_CASE("paged Knorm device logic: the rows a kernel reads, and the same score
               return paged_key_norm_scores(seq, ws, f.layer(), kvtest::value_of(make_matrix_view(host.data(), R, C)));
             }).ok());
     const paged_layer<float> L = f.layer();
-    for (index_t r = 0; r < R; ++r) {  // the kernel's body, row by row
-      const index_t n = detail::paged_readable_row(L, r, C);
-      REQUIRE(n == f.row_len[static_cast<std::size_t>(r)]);
-      for (index_t j = 0; j < n; ++j) dev[static_cast<std::size_t>(r * C + j)] = detail::key_norm_score(L.key(r, j), f.d, 1);
-    }
+    for (index_t r = 0; r < R; ++r) REQUIRE(detail::paged_readable_row(L, r, C) == f.row_len[static_cast<std::size_t>(r)]);
+    const auto dv = kvtest::value_of(make_matrix_view(dev.data(), R, C));
+    CHECK(on_executor(g, [&](auto& l, int* bad, index_t cap) { detail::paged_key_norm_launch(l, L, dv, bad, cap); }) == 0);
     CHECK(kvtest::bytes_of(host) == kvtest::bytes_of(dev));
-    // rows the table does not describe are skipped
+    // rows the table does not describe are skipped and counted, the others scored
     CHECK(detail::paged_readable_row(L, 0, f.row_len[0] > 0 ? f.row_len[0] - 1 : -1) == -1);
     REQUIRE(!f.indices.empty());
     f.indices[0] = static_cast<std::int32_t>(f.pages);
     index_t skipped = 0;
     for (index_t r = 0; r < R; ++r) skipped += detail::paged_readable_row(f.layer(), r, C) < 0 ? 1 : 0;
     CHECK(skipped == (lists == page_lists::per_head ? 1 : 2));  // the rows of the list holding page 0
+    std::vector<float> again(dev.size(), 5.f);
+    const auto av = kvtest::value_of(make_matrix_view(again.data(), R, C));
+    CHECK(on_executor(g, [&](auto& l, int* bad, index_t cap) { detail::paged_key_norm_launch(l, f.layer(), av, bad, cap); }) ==
+          skipped);
+    const float untouched = 5.f;
+    for (index_t r = 0; r < R; ++r) {
+      const bool read = detail::paged_readable_row(f.layer(), r, C) >= 0;
+      for (index_t j = 0; j < C; ++j) {
+        const auto i = static_cast<std::size_t>(r * C + j);
+        REQUIRE(std::memcmp(&again[i], read ? &dev[i] : &untouched, sizeof(float)) == 0);
+      }
+    }
   }
 }
 
-TEST_CASE("paged value-norm device logic: the kernel's per-thread parts give the host's weights") {
+TEST_CASE("paged value-norm device logic: the kernel on the executor gives the host's weights") {
   auto g = kvtest::rng(1325);
   for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head})
     for (const value_weight mode : {value_weight::per_token, value_weight::head_max}) {
       paged_fixture f = kvtest::make_paged_fixture(g, 3, 2, 8, 16, lists, page_layout::nhd, 60);
-      const index_t R = f.rows(), group = 2, C = 64, threads = 256;
+      const index_t R = f.rows(), group = 2, C = 64;
       std::vector<float> host(static_cast<std::size_t>(R * group * C));
       for (auto& x : host) x = static_cast<float>(kvtest::uniform_int(g, 1, 9));
+      if (mode == value_weight::head_max) f.vpool[3] = std::numeric_limits<float>::quiet_NaN();  // NaN wins the max
       std::vector<float> dev = host;
       REQUIRE(kvtest::two_phase([&](workspace& ws) {
                 return paged_weight_by_value_norm(seq, ws, kvtest::value_of(make_matrix_view(host.data(), R * group, C)),
                                                   f.layer(), mode);
               }).ok());
-      const paged_layer<float> L = f.layer();
-      for (index_t r = 0; r < R; ++r) {  // the kernel's block for row r, threads in a random order
-        const index_t n = detail::paged_readable_row(L, r, C);
-        REQUIRE(n >= 0);
-        std::vector<int> order(static_cast<std::size_t>(threads));
-        std::iota(order.begin(), order.end(), 0);
-        std::shuffle(order.begin(), order.end(), g);
-        float row_max = 0.0f;
-        if (mode == value_weight::head_max)
-          for (int t : order) row_max = detail::max_nan(row_max, detail::paged_value_max_part(L, r, n, t, threads));
-        for (int t : order)
-          detail::paged_weight_part(L, r, n, group, dev.data(), C, 1, mode == value_weight::head_max, row_max, t, threads);
-      }
+      const auto dv = kvtest::value_of(make_matrix_view(dev.data(), R * group, C));
+      CHECK(on_executor(g, [&](auto& l, int* bad, index_t cap) {
+              detail::paged_weight_launch(l, dv, f.layer(), mode == value_weight::head_max, bad, cap);
+            }) == 0);
       CHECK(kvtest::bytes_of(host) == kvtest::bytes_of(dev));
     }
 }

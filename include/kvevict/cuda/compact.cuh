@@ -28,7 +28,6 @@
 #pragma once
 
 #include <kvevict/compact.hpp>
-#include <kvevict/cuda/block.cuh>
 #include <kvevict/cuda/launch.cuh>
 #include <kvevict/cuda/simt.cuh>
 #include <kvevict/detail/block/compact_block.hpp>

@@ -13,7 +13,8 @@
 //   void atomic_add(std::uint32_t*, std::uint32_t), atomic_add(ucount*, ucount)
 // Code outside each() runs on every thread of a CUDA block and once on the host; it only computes
 // values that are the same on every thread (uniform) and reads memory written before a barrier. All
-// writes happen inside each(). GPU: detail::cuda_block (cuda/block.cuh); host: host_block.
+// writes happen inside each(). GPU and host SIMT executor: detail::simt_block (select_ops.hpp, one
+// object per thread); host emulation: host_block.
 //
 // Ctx (pooling, post-processing: detail/block/pool_block.hpp, postprocess_device.hpp), loop-shared:
 //   void each(index_t n, F f)                 f(i) for i in [0, n), the block's threads sharing the loop

@@ -3,7 +3,8 @@
 // compact_ops.hpp over the key and value pools; Knorm; value weighting) on the SIMT executor
 // (fibers, interleaved resident blocks, small grids, small flag rings): identical pools, outputs and
 // scores to the seq forms on random layouts, and all or nothing on bad device data (nothing written,
-// the problems counted). Also the batched selection's offsets (batch_offsets_launch).
+// the problems counted). Also the batched selection's offsets (batch_offsets_launch) and the varlen
+// batched selection (offsets, then the selection ops over detail::varlen_rows).
 #include "paged_fixture.hpp"
 
 #include <kvevict/batch.hpp>
@@ -150,7 +151,7 @@ TEST_CASE("batched selection device logic: the offsets of select_topk_batch, all
       int bad = 0;
       detail::simt_executor ex(g());
       detail::simt_launcher<detail::simt_executor> launcher{ex};
-      detail::batch_offsets_launch(launcher, b.data(), l.data(), S * H, H, T, capacity, dev_cu.data(), &bad);
+      detail::batch_offsets_launch(launcher, b.data(), l.data(), nullptr, S * H, H, T, capacity, dev_cu.data(), &bad);
       REQUIRE_MESSAGE(launcher.ok, ex.error());
       return bad;
     };
@@ -169,6 +170,74 @@ TEST_CASE("batched selection device logic: the offsets of select_topk_batch, all
       auto bad_lens = lens;
       bad_lens[0] = static_cast<std::int32_t>(T + 1);
       CHECK(offsets(budgets, bad_lens, 1 << 30) == 1);
+    }
+  }
+}
+
+TEST_CASE("batched selection device logic: varlen rows (cu_seqlens) on the executor == select_topk_batch(seq)") {
+  auto g = kvtest::rng(1326);
+  for (int trial = 0; trial < 24; ++trial) {
+    CAPTURE(trial);
+    const index_t S = kvtest::uniform_int(g, 0, 9), H = kvtest::uniform_int(g, 1, 4);
+    std::vector<std::int32_t> cu_seqlens(static_cast<std::size_t>(S) + 1, 0), budgets(static_cast<std::size_t>(std::max<index_t>(S, 1)));
+    for (index_t s = 0; s < S; ++s) {
+      const index_t n = trial % 6 == 5 ? kvtest::uniform_int(g, 300, 700) : kvtest::uniform_int(g, 0, 60);
+      cu_seqlens[static_cast<std::size_t>(s) + 1] = cu_seqlens[static_cast<std::size_t>(s)] + static_cast<std::int32_t>(n);
+      budgets[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, n + 3));
+    }
+    const index_t T = cu_seqlens.back() + kvtest::uniform_int(g, 0, 4);  // spare columns past the last sequence
+    std::vector<float> scores(static_cast<std::size_t>(std::max<index_t>(H * T, 1)));
+    for (auto& x : scores) x = static_cast<float>(kvtest::uniform_int(g, 0, trial % 2 ? 5 : 1000));  // ties
+    if (trial % 4 == 3 && H * T > 0) scores[static_cast<std::size_t>(kvtest::uniform_int(g, 0, H * T - 1))] = std::numeric_limits<float>::quiet_NaN();
+    const auto sv = kvtest::value_of(make_matrix_view<const float>(scores.data(), H, T));
+    const index_t R = S * H, capacity = static_cast<index_t>(H) * (T + 1);
+    std::vector<std::int32_t> host_cu(static_cast<std::size_t>(R + 1)), dev_cu(host_cu.size(), -9);
+    std::vector<pos_t> host_pos(static_cast<std::size_t>(capacity)), dev_pos(host_pos.size(), -9);
+    REQUIRE(kvtest::two_phase([&](workspace& ws) {
+              return select_topk_batch(seq, ws, batch_varlen(sv, cu_seqlens.data(), S), budgets.data(),
+                                       batch_budget::per_head, host_cu.data(), host_pos.data(), capacity);
+            }).ok());
+    // select_topk_batch(cuda)'s varlen sequence: the offsets op, then the selection ops over varlen_rows
+    const auto run = [&](const std::vector<std::int32_t>& cs, int algo) {
+      std::fill(dev_cu.begin(), dev_cu.end(), -9);
+      const detail::select_plan plan = detail::plan_select(R, T, algo);
+      workspace q;
+      detail::workspace_carver c1(q);
+      (void)detail::carve_select_dev_ws(c1, q, R, plan, false);
+      REQUIRE(c1.finish("test").ok());
+      std::vector<unsigned char> mem(q.bytes);
+      workspace wsd{mem.data(), q.bytes};
+      detail::workspace_carver c2(wsd);
+      const detail::select_dev_ws w = detail::carve_select_dev_ws(c2, wsd, R, plan, false);
+      REQUIRE(c2.finish("test").ok());
+      if (w.zero_bytes > 0) std::memset(w.zero_begin, 0, w.zero_bytes);
+      const detail::varlen_rows rows{cs.data(), S, H, T, dev_cu.data(), dev_pos.data(), capacity};
+      int bad = 0;
+      detail::simt_executor ex(g());
+      ex.resident(1 + static_cast<index_t>(g() % 4));
+      detail::simt_launcher<detail::simt_executor> l{ex};
+      const index_t cap = g() % 2 == 0 ? index_t(3) : index_t(1) << 20;
+      detail::batch_offsets_launch(l, budgets.data(), nullptr, cs.data(), R, H, T, capacity, dev_cu.data(), &bad);
+      detail::select_rows_launch(l, sv, rows, w, plan, false, true, detail::simt_bad{&bad, nullptr}, cap);
+      REQUIRE_MESSAGE(l.ok, ex.error());
+      return bad;
+    };
+    for (const int algo : {1, 2}) {  // one block per row, several blocks per row
+      CAPTURE(algo);
+      CHECK(run(cu_seqlens, algo) == 0);
+      REQUIRE(dev_cu == host_cu);
+      for (index_t i = 0; i < host_cu.back(); ++i) REQUIRE(dev_pos[static_cast<std::size_t>(i)] == host_pos[static_cast<std::size_t>(i)]);
+    }
+    // bad offsets (decreasing, or past the columns): nothing selected, counted
+    if (S >= 2 && cu_seqlens[1] > 0) {
+      auto bad_cs = cu_seqlens;
+      bad_cs[1] = bad_cs[2] + 1;
+      CHECK(run(bad_cs, 1) > 0);
+      CHECK(std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }));
+      bad_cs = cu_seqlens;
+      bad_cs.back() = static_cast<std::int32_t>(T + 1);
+      CHECK(run(bad_cs, 2) > 0);
+      CHECK(std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }));
     }
   }
 }

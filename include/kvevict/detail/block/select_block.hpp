@@ -784,12 +784,12 @@ struct stored_rows {
   const row_state* states;
   KVEVICT_HOST_DEVICE row_state state(index_t r) const { return states[r]; }
   KVEVICT_HOST_DEVICE pos_out out(index_t r) const { return rows.out(r); }
-  template <class S>
-  KVEVICT_HOST_DEVICE auto keys(const S& scores, index_t r) const -> decltype(std::declval<const Rows&>().keys(scores, r)) {
+  template <class S, class R = Rows>
+  KVEVICT_HOST_DEVICE auto keys(const S& scores, index_t r) const -> decltype(std::declval<const R&>().keys(scores, r)) {
     return rows.keys(scores, r);
   }
-  template <class S>
-  KVEVICT_HOST_DEVICE auto count(const S& scores) const -> decltype(std::declval<const Rows&>().count(scores)) {
+  template <class S, class R = Rows>
+  KVEVICT_HOST_DEVICE auto count(const S& scores) const -> decltype(std::declval<const R&>().count(scores)) {
     return rows.count(scores);
   }
 };

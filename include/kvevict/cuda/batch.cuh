@@ -28,6 +28,17 @@
 namespace kvevict {
 
 namespace detail {
+/// Two-phase workspace after a size probe: a query takes the probe's size (true: return).
+inline bool take_probed_size(workspace& ws, const workspace& probe) {
+  if (ws.is_query()) ws.bytes = probe.bytes;
+  return ws.is_query();
+}
+inline status check_probed_size(const char* fn, const workspace& ws, const workspace& probe) {
+  if (ws.bytes >= probe.bytes) return {};
+  return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)", fn,
+                       ws.bytes, probe.bytes);
+}
+
 /// The varlen batch's selection (after the shared checks): the host checks of its arrays, then the
 /// workspace (two-phase), the offsets op and the selection ops.
 inline status select_topk_batch_varlen(cuda_t be, const char* fn, workspace& ws, const batch_rows& rows,
@@ -62,13 +73,8 @@ inline status select_topk_batch_varlen(cuda_t be, const char* fn, workspace& ws,
   };
   workspace probe;
   KVEVICT_TRY(select_topk_rows(be, fn, probe, rows.scores, vr, opt, check_ws));
-  if (ws.is_query()) {
-    ws.bytes = probe.bytes;
-    return {};
-  }
-  if (ws.bytes < probe.bytes)
-    return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
-                         fn, ws.bytes, probe.bytes);
+  if (take_probed_size(ws, probe)) return {};
+  KVEVICT_TRY(check_probed_size(fn, ws, probe));
   KVEVICT_TRY(check_ws(probe.bytes));
   cuda_launcher l{stream_of(be), fn};
   batch_offsets_launch(l, budgets, nullptr, rows.cu_seqlens, R, H, T, kept_capacity, kept_cu, bad);
@@ -109,13 +115,8 @@ inline status select_topk_batch(cuda_t be, workspace& ws, batch_rows rows, const
   // the selection's host checks (a size query) before the offsets kernel writes kept_cu
   workspace probe;
   KVEVICT_TRY(select_topk(be, probe, rows.scores, rows.row_lengths, kept, opt));
-  if (ws.is_query()) {
-    ws.bytes = probe.bytes;
-    return {};
-  }
-  if (ws.bytes < probe.bytes)
-    return status::error(errc::workspace_too_small, "%s: workspace has %zu bytes, %zu needed (query the size first)",
-                         fn, ws.bytes, probe.bytes);
+  if (detail::take_probed_size(ws, probe)) return {};
+  KVEVICT_TRY(detail::check_probed_size(fn, ws, probe));
   detail::cuda_launcher l{detail::stream_of(be), fn};
   detail::batch_offsets_launch(l, budgets, rows.row_lengths, nullptr, R, H, T, kept_capacity, kept_cu, bad);
   KVEVICT_TRY(l.err);

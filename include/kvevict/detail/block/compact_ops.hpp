@@ -119,21 +119,30 @@ struct append_lens_op {
 
 // ---- in place ------------------------------------------------------------------------------------
 
-/// In place, step 1: block h (grid-stride) validates head h's arguments and positions
-/// (head_rows[h] = its list length, or -1); the problems (at most 2^30 per head) go to bad.
-template <class Heads>
-struct inplace_validate_op {
+/// The validation ops (in place here, paged in paged_ops.hpp): block b (grid-stride over `items`)
+/// validates item b, Check::run(blk, b, args...) returning its problems (block-uniform; it ends with
+/// a barrier or reads nothing shared), and thread 0 adds them (at most 2^30 per item) to bad.
+template <class Check>
+struct validate_op {
   static constexpr int threads = compact_op_threads;
   struct shared {
     ucount scan[threads / 32];
   };
-  template <class Ctx>
-  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, Heads heads, index_t* head_rows, simt_bad bad) {
+  template <class Ctx, class... A>
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, index_t items, simt_bad bad, A... args) {
     simt_block<Ctx, threads> blk{c, sh.scan};
-    for (index_t h = c.block(); h < heads.heads(); h += c.grid_dim()) {
-      const index_t n = inplace_validate(blk, heads, h, head_rows);  // block-uniform; ends with a barrier
+    for (index_t b = c.block(); b < items; b += c.grid_dim()) {
+      const index_t n = Check::run(blk, b, args...);
       if (c.thread() == 0) bad.add(c, static_cast<int>(n < (1 << 30) ? n : (1 << 30)));
     }
+  }
+};
+
+/// In place, step 1: head h's arguments and positions (head_rows[h] = its list length, or -1).
+struct inplace_check {
+  template <class Block, class Heads>
+  KVEVICT_HOST_DEVICE static index_t run(Block& blk, index_t h, Heads heads, index_t* head_rows) {
+    return inplace_validate(blk, heads, h, head_rows);
   }
 };
 
@@ -303,8 +312,8 @@ template <class T, bool Ordered = true, class L, class Heads>
 void inplace_launch(L& l, const Heads& heads, bool contiguous, std::uint64_t bits, index_t dim, index_t elem_stride,
                     index_t* head_rows, const inplace_sync& sync, simt_bad bad, index_t tile_rows = -1,
                     index_t parts = 0, index_t cap = index_t(1) << 20) {
-  l.template run<inplace_validate_op<Heads>>(simt_shape{simt_grid(heads.heads(), cap), compact_op_threads}, heads,
-                                             head_rows, bad);
+  l.template run<validate_op<inplace_check>>(simt_shape{simt_grid(heads.heads(), cap), compact_op_threads},
+                                             heads.heads(), bad, heads, head_rows);
   inplace_copy_launch<T, Ordered>(l, heads, contiguous, bits, dim, elem_stride, head_rows, sync, tile_rows, parts, cap);
 }
 

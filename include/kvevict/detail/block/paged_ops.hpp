@@ -54,21 +54,12 @@ struct paged_mark_op {
   }
 };
 
-/// Step 2: block r (grid-stride) validates row r; its problems (at most 2^30) go to bad.
-template <class T>
-struct paged_validate_op {
-  static constexpr int threads = compact_op_threads;
-  struct shared {
-    ucount scan[threads / 32];
-  };
-  template <class Ctx>
-  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, paged_inplace_heads<T> heads,
-                                       const std::uint32_t* marks, simt_bad bad) {
-    simt_block<Ctx, threads> blk{c, sh.scan};
-    for (index_t r = c.block(); r < heads.heads(); r += c.grid_dim()) {
-      const index_t n = paged_validate_row(blk, heads, r, marks);  // block-uniform
-      if (c.thread() == 0) bad.add(c, static_cast<int>(n < (1 << 30) ? n : (1 << 30)));
-    }
+/// Step 2: row r's table entries, kept list and positions (validate_op of compact_ops.hpp).
+struct paged_check {
+  template <class Block, class T>
+  KVEVICT_HOST_DEVICE static index_t run(Block& blk, index_t r, paged_inplace_heads<T> heads,
+                                         const std::uint32_t* marks) {
+    return paged_validate_row(blk, heads, r, marks);
   }
 };
 
@@ -166,8 +157,8 @@ void paged_compact_launch(L& l, const paged_layer<T>& layer, const ragged_positi
   l.template run<paged_mark_op>(simt_shape{simt_grid((P + compact_op_threads - 1) / compact_op_threads, cap),
                                            compact_op_threads},
                                 layer.table, P, st.marks, count);
-  l.template run<paged_validate_op<T>>(simt_shape{simt_grid(R, cap), compact_op_threads}, kh,
-                                       static_cast<const std::uint32_t*>(st.marks), count);
+  l.template run<validate_op<paged_check>>(simt_shape{simt_grid(R, cap), compact_op_threads}, R, count, kh,
+                                           static_cast<const std::uint32_t*>(st.marks));
   l.template run<paged_finish_op<T>>(simt_shape{1, compact_op_threads}, kh, static_cast<const int*>(st.problems), out,
                                      st.head_rows, count);
   for (const paged_inplace_heads<T>* heads : {&kh, &vh}) {

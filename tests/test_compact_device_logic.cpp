@@ -1,12 +1,10 @@
-// The CUDA compaction kernels run on the host. The gathers and the append are ops of
+// The CUDA compaction kernels run on the host. The gathers, the append and the in-place compaction
+// (validation, reset, tiled copy with its decoupled look-back and ring of flags) are ops of
 // detail/block/compact_ops.hpp, whose launch sequences (the ones compact.cuh launches) run here on
-// the SIMT executor (fibers, interleaved blocks, small grids); the in-place kernels' host-device
-// functions of detail/block/compact_block.hpp are still driven by a hand-written copy of their loops
-// (heads x parts, tickets) under a random scheduler that interleaves the blocks of a head at every
-// step the GPU could; without the ordering rule the same scheduler corrupts the cache (checked, so
+// the SIMT executor (fibers, interleaved resident blocks, small grids, small flag rings that wrap);
+// without the ordering rule (publish + look-back) the same executor corrupts the cache (checked, so
 // the test can see an ordering bug). Everything is compared bit for bit with the host compact /
 // compact_inplace / append. Also: the SIMT executor's own tests.
-#include <kvevict/detail/block/host_block.hpp>
 #include "support.hpp"
 
 #include <kvevict/compact.hpp>
@@ -23,7 +21,6 @@
 #include <vector>
 
 using namespace kvevict;
-using kvevict::detail::host_block;
 using kvtest::value_of;
 
 namespace {
@@ -70,7 +67,7 @@ std::vector<pos_t> random_positions(std::mt19937_64& g, index_t Tn, index_t k, b
   return all;
 }
 
-// ---- the kernels' loops, emulated -------------------------------------------------------------------
+// ---- the launch sequences on the executor -------------------------------------------------------------------
 
 /// Runs a launch sequence of detail/block/compact_ops.hpp (the one compact.cuh launches) on the SIMT
 /// executor with a random seed, 1 to 4 resident blocks and, when `small_grid`, grids capped at 3
@@ -113,89 +110,25 @@ int emulate_ragged(std::mt19937_64& g, const kv_view<const T>& src, const ragged
   });
 }
 
-/// inplace_validate_kernel + inplace_copy_kernel, with `blocks` blocks per head interleaved at
-/// random by a scheduler that steps one block through one phase of the kernel at a time (take a
-/// ticket, stage, publish, look back, write, publish after a direct copy); a phase whose wait
-/// condition does not hold is not runnable. `ordered` = false skips the look-back's wait (to show
-/// that it is needed).
-template <class T, class Heads>
+/// compact_inplace(cuda): detail::inplace_launch (validation, reset of the ordering state, tiled copy
+/// with its look-back) with `parts` blocks per head, tiles of `tile_rows` rows (-1: the kernel's
+/// choice, 0: one-row tiles copied directly) and a ring of `ring` flags per head (small rings are
+/// reused after a few tiles). The ordering state starts as garbage: the reset op zeroes it.
+/// Ordered = false drops the publish and look-back.
+template <class T, bool Ordered = true, class Heads>
 int emulate_inplace(std::mt19937_64& g, const Heads& heads, bool contiguous, std::uint64_t bits, index_t dim,
-                    index_t estride, int blocks, index_t tile_rows_override, bool ordered) {
+                    index_t estride, index_t parts, index_t tile_rows, index_t ring = detail::inplace_ring) {
   const index_t H = heads.heads();
-  std::vector<index_t> head_rows(static_cast<std::size_t>(std::max<index_t>(H, 1)));
-  host_block blk(32, g);
-  int bad = 0;
-  for (index_t h = 0; h < H; ++h) bad += static_cast<int>(detail::inplace_validate(blk, heads, h, head_rows.data()));
-  with_unit(unit_for<T>(contiguous, bits, dim), [&](auto u) {
-    constexpr int U = decltype(u)::value;
-    const detail::row_copy<T, U> rc{dim, estride, estride};
-    const index_t tile_rows =
-        tile_rows_override >= 0 ? tile_rows_override : detail::inplace_tile_rows(rc.units(), rc.unit_bytes());
-    const index_t stage_bytes = std::max<index_t>(1, tile_rows) * rc.units() * rc.unit_bytes();
-    const auto hs = static_cast<std::size_t>(std::max<index_t>(H, 1));
-    std::vector<index_t> ticket(hs, 0), prefix(hs, 0);
-    std::vector<std::uint32_t> ring(hs * static_cast<std::size_t>(detail::inplace_ring), 0);
-    enum state { take, read, publish, look_back, write, publish_after, finished };
-    struct block_t {
-      index_t h;
-      state s;
-      index_t c;
-      std::vector<unsigned char> stage;
-    };
-    std::vector<block_t> bl;
-    for (index_t h = 0; h < H; ++h)
-      if (head_rows[h] >= 0)
-        for (int b = 0; b < blocks; ++b)
-          bl.push_back({h, take, 0, std::vector<unsigned char>(static_cast<std::size_t>(stage_bytes) + 16)});
-    auto flags = [&](index_t h) {
-      return [&, h](index_t slot) { return ring[static_cast<std::size_t>(h * detail::inplace_ring + slot)]; };
-    };
-    auto runnable_now = [&](const block_t& b) {
-      switch (b.s) {
-        case finished: return false;
-        case publish:
-        case publish_after: return detail::inplace_can_publish(prefix[b.h], b.c);
-        case look_back: return !ordered || detail::inplace_all_read(flags(b.h), prefix[b.h], b.c);
-        default: return true;
-      }
-    };
-    for (;;) {
-      std::vector<std::size_t> runnable;
-      for (std::size_t i = 0; i < bl.size(); ++i)
-        if (runnable_now(bl[i])) runnable.push_back(i);
-      if (runnable.empty()) break;
-      block_t& b = bl[runnable[static_cast<std::size_t>(kvtest::uniform_int(g, 0, index_t(runnable.size()) - 1))]];
-      const index_t n = head_rows[b.h];
-      switch (b.s) {
-        case take:
-          b.c = ticket[b.h]++;
-          b.s = read;
-          break;
-        case read:
-          b.s = !detail::inplace_tile_read(blk, heads, rc, b.h, n, b.c, tile_rows, b.stage.data()) ? finished
-                : tile_rows > 0                                                                     ? publish
-                                                                                                    : look_back;
-          break;
-        case publish:
-        case publish_after:
-          ring[static_cast<std::size_t>(b.h * detail::inplace_ring + b.c % detail::inplace_ring)] =
-              static_cast<std::uint32_t>(b.c + 1);
-          b.s = b.s == publish ? look_back : take;
-          break;
-        case look_back:
-          prefix[b.h] = std::max(prefix[b.h], b.c);
-          b.s = write;
-          break;
-        case write:
-          detail::inplace_tile_write(blk, heads, rc, b.h, n, b.c, tile_rows, b.stage.data());
-          b.s = tile_rows > 0 ? take : publish_after;
-          break;
-        case finished: break;
-      }
-    }
-    for (const block_t& b : bl) REQUIRE(b.s == finished);  // no deadlock
+  if (H == 0) return 0;  // the launcher returns before launching
+  REQUIRE(ring >= 2 * parts);
+  const auto hs = static_cast<std::size_t>(H);
+  std::vector<index_t> head_rows(hs, -7);
+  std::vector<unsigned> ticket(hs, 99u), prefix(hs, 99u), flags(hs * static_cast<std::size_t>(ring), 99u);
+  const detail::inplace_sync sync{ticket.data(), prefix.data(), flags.data(), ring};
+  return on_executor(g, g() % 2 == 0, [&](auto& l, detail::simt_bad bad, index_t cap) {
+    detail::inplace_launch<T, Ordered>(l, heads, contiguous, bits, dim, estride, head_rows.data(), sync, bad,
+                                       tile_rows, parts, cap);
   });
-  return bad;
 }
 
 /// append(cuda): detail::append_launch with `parts` blocks per head (append_lens_op when parts > 1).
@@ -367,18 +300,20 @@ TEST_CASE("compact device logic: ragged gathers match compact(seq), bad heads ar
   CHECK(std::all_of(flat.begin(), flat.end(), [](float x) { return x == -1.f; }));
 }
 
-TEST_CASE("compact device logic: in place, tiles interleaved at random, matches compact_inplace(seq)") {
+TEST_CASE("compact device logic: in place on the executor matches compact_inplace(seq), the flag ring wraps") {
   auto g = kvtest::rng(12);
   for (int trial = 0; trial < 120; ++trial) {
     CAPTURE(trial);
-    const bool wrap = trial % 40 == 7;  // more one-row tiles than flags in the ring: slots are reused
-    const index_t H = wrap ? 1 : kvtest::uniform_int(g, 1, 4), Tn = wrap ? 1300 : kvtest::uniform_int(g, 1, 80);
+    // a ring of 4 or 8 flags (the GPU's 512 in the other trials): heads of more tiles reuse its slots
+    const index_t ring = trial % 3 == 0 ? detail::inplace_ring : trial % 3 == 1 ? 8 : 4;
+    const bool wrap = trial % 10 == 7;  // many one-row tiles through a 4-flag ring
+    const index_t H = wrap ? 1 : kvtest::uniform_int(g, 1, 4), Tn = wrap ? 90 : kvtest::uniform_int(g, 1, 80);
     const index_t D = kvtest::uniform_int(g, 1, 24);
     const index_t estride = trial % 6 == 5 ? 2 : 1;
     cache_t<float> a(g, H, Tn, D, trial % 2 == 0, trial % 3, estride, trial % 4);
     cache_t<float> b = a;
     b.view = kv_view<float>(b.buf.data() + (a.view.data_handle() - a.buf.data()), a.view.mapping());
-    const index_t k = trial % 5 == 0 || wrap ? Tn - trial % 3 : kvtest::uniform_int(g, 0, Tn);
+    const index_t k = trial % 5 == 0 || wrap ? std::max<index_t>(0, Tn - trial % 3) : kvtest::uniform_int(g, 0, Tn);
     std::vector<pos_t> kept;
     for (index_t h = 0; h < H; ++h) {
       const auto p = random_positions(g, Tn, k, true);
@@ -388,15 +323,16 @@ TEST_CASE("compact device logic: in place, tiles interleaved at random, matches 
     REQUIRE(compact_inplace(seq, a.view, kv).ok());
     const index_t tile_rows = wrap ? 1 : trial % 4 == 0 ? 0 : trial % 4 == 1 ? 1 : trial % 4 == 2 ? 3 : -1;
     const detail::dense_inplace_heads<float> heads{b.view, kv};
-    CHECK(emulate_inplace<float>(g, heads, b.view.stride(2) == 1, view_bits(b.view), D, b.view.stride(2),
-                                 static_cast<int>(kvtest::uniform_int(g, 1, wrap ? 16 : 8)), tile_rows, true) == 0);
+    const index_t parts = kvtest::uniform_int(g, 1, ring / 2 < 6 ? ring / 2 : 6);
+    CHECK(emulate_inplace<float>(g, heads, b.view.stride(2) == 1, view_bits(b.view), D, b.view.stride(2), parts,
+                                 tile_rows, ring) == 0);
     for (index_t h = 0; h < H; ++h)
       for (index_t j = 0; j < k; ++j)
         for (index_t d = 0; d < D; ++d) REQUIRE(same(b.view(h, j, d), a.view(h, j, d)));
   }
 }
 
-TEST_CASE("compact device logic: without the ordering rule the same scheduler corrupts the cache") {
+TEST_CASE("compact device logic: without the ordering rule the executor corrupts the cache") {
   // kept = 1, 2, ..., n: every row moves down by one, so each tile reads the row the next tile
   // writes: only the ordering keeps the result right
   auto g = kvtest::rng(13);
@@ -411,7 +347,7 @@ TEST_CASE("compact device logic: without the ordering rule the same scheduler co
     const auto kv = value_of(make_matrix_view(static_cast<const pos_t*>(kept.data()), 1, Tn - 1));
     REQUIRE(compact_inplace(seq, a.view, kv).ok());
     const detail::dense_inplace_heads<float> heads{b.view, kv};
-    CHECK(emulate_inplace<float>(g, heads, true, view_bits(b.view), D, 1, 4, trial % 2 ? 1 : 0, false) == 0);
+    CHECK(emulate_inplace<float, false>(g, heads, true, view_bits(b.view), D, 1, 4, trial % 2 ? 1 : 0) == 0);
     bool differs = false;
     for (index_t j = 0; j < Tn - 1; ++j)
       for (index_t d = 0; d < D; ++d) differs = differs || !same(b.view(0, j, d), a.view(0, j, d));
@@ -443,8 +379,7 @@ TEST_CASE("compact device logic: in place on a ragged cache, and invalid heads l
     const ragged_cache<float> rc{store.data(), cap.data(), lens.data(), H, D, rs};
     const detail::ragged_inplace_heads<float> heads{rc, kept};
     const std::uint64_t bits = detail::addr_bits(store.data()) | std::uint64_t(rs) * sizeof(float);
-    CHECK(emulate_inplace<float>(g, heads, true, bits, D, 1, static_cast<int>(kvtest::uniform_int(g, 1, 3)),
-                                 trial % 3 == 0 ? 0 : -1, true) == 0);
+    CHECK(emulate_inplace<float>(g, heads, true, bits, D, 1, kvtest::uniform_int(g, 1, 3), trial % 3 == 0 ? 0 : -1) == 0);
     REQUIRE(lens == lens_ref);
     for (index_t h = 0; h < H; ++h)
       for (index_t j = 0; j < lens[h]; ++j)
@@ -459,7 +394,7 @@ TEST_CASE("compact device logic: in place on a ragged cache, and invalid heads l
   std::iota(store.begin(), store.end(), 0.f);
   const ragged_cache<float> rc{store.data(), cap, lens, 4, 1, 1};
   const detail::ragged_inplace_heads<float> heads{rc, ragged_positions{pos.data(), cu, 4}};
-  CHECK(emulate_inplace<float>(g, heads, true, 0, 1, 1, 2, -1, true) == 3);
+  CHECK(emulate_inplace<float>(g, heads, true, 0, 1, 1, 2, -1) == 3);
   CHECK(lens[0] == 4);
   CHECK(lens[1] == 2);
   CHECK(lens[2] == 9);

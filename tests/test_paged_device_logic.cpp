@@ -1,17 +1,22 @@
-// The CUDA paged compaction's logic (detail/block/paged_block.hpp: mark, validate, finish, then the
-// in-place tiles of compact_block.hpp over paged rows) run on the host under the emulated block:
-// identical pools and outputs to compact_paged(seq) on random layouts, and all or nothing on bad
-// device data (nothing written, the problems counted). Also the batched selection's offsets
-// (detail/block/batch_block.hpp) and the paged Knorm kernel's rows.
+// The CUDA paged kernels run on the host: the launch sequences of detail/block/paged_ops.hpp (the
+// ones cuda/paged.cuh launches: reset, mark, validate, finish, then the in-place tiles of
+// compact_ops.hpp over the key and value pools; Knorm; value weighting) on the SIMT executor
+// (fibers, interleaved resident blocks, small grids, small flag rings): identical pools, outputs and
+// scores to the seq forms on random layouts, and all or nothing on bad device data (nothing written,
+// the problems counted). Also the batched selection's offsets (batch_offsets_launch) and the varlen
+// batched selection (offsets, then the selection ops over detail::varlen_rows).
 #include "paged_fixture.hpp"
 
 #include <kvevict/batch.hpp>
 #include <kvevict/detail/block/batch_block.hpp>
-#include <kvevict/detail/block/host_block.hpp>
 #include <kvevict/detail/block/paged_block.hpp>
+#include <kvevict/detail/block/paged_ops.hpp>
 #include <kvevict/detail/block/select_ops.hpp>
 #include <kvevict/detail/block/simt.hpp>
 #include <kvevict/paged.hpp>
+
+#include <cstring>
+#include <limits>
 
 using namespace kvevict;
 using kvtest::paged_fixture;
@@ -22,43 +27,37 @@ using kvtest::flatten;
 
 namespace {
 
-/// The launcher's kernels in order, one emulated block at a time; tiles of `tile_rows` rows (-1:
-/// the kernel's choice, 0: rows copied directly). Returns the problems counted.
+/// Runs a launch sequence on the SIMT executor (random seed, 1 to 4 resident blocks, grids capped at
+/// 3 blocks half the time); returns the problems counted.
+template <class Launch>
+index_t on_executor(std::mt19937_64& g, Launch&& launch) {
+  detail::simt_executor ex(g(), 0);
+  ex.resident(1 + static_cast<index_t>(g() % 4));
+  detail::simt_launcher<detail::simt_executor> l{ex};
+  int bad = 0;
+  launch(l, &bad, g() % 2 == 0 ? index_t(3) : index_t(1) << 20);
+  REQUIRE_MESSAGE(l.ok, ex.error());
+  return bad;
+}
+
+/// compact_paged(cuda): detail::paged_compact_launch with tiles of `tile_rows` rows (-1: the
+/// kernel's choice, 0: rows copied directly), 1 to 3 blocks per row and a ring of 8 flags. The
+/// workspace state starts as garbage (the reset ops zero it).
 index_t emulate(std::mt19937_64& g, paged_layer<float> L, ragged_positions kept, paged_compaction_out out,
-                index_t tile_rows_override) {
-  const index_t P = L.keys.pages, R = L.rows();
-  std::vector<std::uint32_t> marks(static_cast<std::size_t>(std::max<index_t>(P, 1)), 0);
-  index_t problems = 0;
-  const index_t listed = L.table.indptr[L.table.lists];
-  if (listed < 0 || listed > P) ++problems;
-  else
-    for (index_t i = 0; i < listed; ++i)
-      problems += detail::paged_mark_page(L.table, i, P, marks.data(), [](std::uint32_t* m) { ++*m; });
-  detail::host_block blk(32, g);
-  const detail::paged_inplace_heads<float> kh{L.keys, L.table, kept, L.kv_heads, L.lists};
-  const detail::paged_inplace_heads<float> vh{L.values, L.table, kept, L.kv_heads, L.lists};
-  for (index_t r = 0; r < R; ++r) problems += detail::paged_validate_row(blk, kh, r, marks.data());
-  std::vector<index_t> head_rows(static_cast<std::size_t>(std::max<index_t>(R, 1)), -5);
-  problems += detail::paged_finish(blk, kh, problems, out, head_rows.data());
-  for (const auto* heads : {&kh, &vh}) {
-    const index_t dim = heads->pool.dim;
-    detail::with_unit(detail::unit_for<float>(true, detail::addr_bits(heads->pool.data), dim), [&](auto u) {
-      constexpr int U = decltype(u)::value;
-      const detail::row_copy<float, U> rc{dim, 1, 1};
-      const index_t tile_rows =
-          tile_rows_override >= 0 ? tile_rows_override : detail::inplace_tile_rows(rc.units(), rc.unit_bytes());
-      std::vector<unsigned char> stage(static_cast<std::size_t>(std::max<index_t>(tile_rows, 1) * rc.units() * rc.unit_bytes() + 16));
-      for (index_t r = 0; r < R; ++r) {
-        const index_t n = head_rows[static_cast<std::size_t>(r)];
-        if (n < 0) continue;
-        for (index_t c = 0;; ++c) {
-          if (!detail::inplace_tile_read(blk, *heads, rc, r, n, c, tile_rows, stage.data())) break;
-          detail::inplace_tile_write(blk, *heads, rc, r, n, c, tile_rows, stage.data());
-        }
-      }
-    });
-  }
-  return problems;
+                index_t tile_rows) {
+  const index_t P = L.keys.pages, R = L.rows(), ring = 8;
+  if (R == 0 && L.table.lists == 0) return 0;  // the launcher returns before launching
+  const auto rs = static_cast<std::size_t>(std::max<index_t>(R, 1));
+  std::vector<std::uint32_t> marks(static_cast<std::size_t>(std::max<index_t>(P, 1)), 77u);
+  std::vector<index_t> head_rows(rs, -5);
+  std::vector<unsigned> ticket(rs, 9u), prefix(rs, 9u), flags(rs * static_cast<std::size_t>(ring), 9u);
+  int problems = 55;
+  const detail::paged_compact_state st{marks.data(), &problems, head_rows.data(),
+                                       detail::inplace_sync{ticket.data(), prefix.data(), flags.data(), ring}};
+  const index_t parts = kvtest::uniform_int(g, 1, 3);
+  return on_executor(g, [&](auto& l, int* bad, index_t cap) {
+    detail::paged_compact_launch(l, L, kept, out, st, bad, tile_rows, parts, cap);
+  });
 }
 
 }  // namespace
@@ -152,7 +151,7 @@ TEST_CASE("batched selection device logic: the offsets of select_topk_batch, all
       int bad = 0;
       detail::simt_executor ex(g());
       detail::simt_launcher<detail::simt_executor> launcher{ex};
-      detail::batch_offsets_launch(launcher, b.data(), l.data(), S * H, H, T, capacity, dev_cu.data(), &bad);
+      detail::batch_offsets_launch(launcher, b.data(), l.data(), nullptr, S * H, H, T, capacity, dev_cu.data(), &bad);
       REQUIRE_MESSAGE(launcher.ok, ex.error());
       return bad;
     };
@@ -175,6 +174,74 @@ TEST_CASE("batched selection device logic: the offsets of select_topk_batch, all
   }
 }
 
+TEST_CASE("batched selection device logic: varlen rows (cu_seqlens) on the executor == select_topk_batch(seq)") {
+  auto g = kvtest::rng(1326);
+  for (int trial = 0; trial < 24; ++trial) {
+    CAPTURE(trial);
+    const index_t S = kvtest::uniform_int(g, 0, 9), H = kvtest::uniform_int(g, 1, 4);
+    std::vector<std::int32_t> cu_seqlens(static_cast<std::size_t>(S) + 1, 0), budgets(static_cast<std::size_t>(std::max<index_t>(S, 1)));
+    for (index_t s = 0; s < S; ++s) {
+      const index_t n = trial % 6 == 5 ? kvtest::uniform_int(g, 300, 700) : kvtest::uniform_int(g, 0, 60);
+      cu_seqlens[static_cast<std::size_t>(s) + 1] = cu_seqlens[static_cast<std::size_t>(s)] + static_cast<std::int32_t>(n);
+      budgets[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, n + 3));
+    }
+    const index_t T = cu_seqlens.back() + kvtest::uniform_int(g, 0, 4);  // spare columns past the last sequence
+    std::vector<float> scores(static_cast<std::size_t>(std::max<index_t>(H * T, 1)));
+    for (auto& x : scores) x = static_cast<float>(kvtest::uniform_int(g, 0, trial % 2 ? 5 : 1000));  // ties
+    if (trial % 4 == 3 && H * T > 0) scores[static_cast<std::size_t>(kvtest::uniform_int(g, 0, H * T - 1))] = std::numeric_limits<float>::quiet_NaN();
+    const auto sv = kvtest::value_of(make_matrix_view<const float>(scores.data(), H, T));
+    const index_t R = S * H, capacity = static_cast<index_t>(H) * (T + 1);
+    std::vector<std::int32_t> host_cu(static_cast<std::size_t>(R + 1)), dev_cu(host_cu.size(), -9);
+    std::vector<pos_t> host_pos(static_cast<std::size_t>(capacity)), dev_pos(host_pos.size(), -9);
+    REQUIRE(kvtest::two_phase([&](workspace& ws) {
+              return select_topk_batch(seq, ws, batch_varlen(sv, cu_seqlens.data(), S), budgets.data(),
+                                       batch_budget::per_head, host_cu.data(), host_pos.data(), capacity);
+            }).ok());
+    // select_topk_batch(cuda)'s varlen sequence: the offsets op, then the selection ops over varlen_rows
+    const auto run = [&](const std::vector<std::int32_t>& cs, int algo) {
+      std::fill(dev_cu.begin(), dev_cu.end(), -9);
+      const detail::select_plan plan = detail::plan_select(R, T, algo);
+      workspace q;
+      detail::workspace_carver c1(q);
+      (void)detail::carve_select_dev_ws(c1, q, R, plan, false);
+      REQUIRE(c1.finish("test").ok());
+      std::vector<unsigned char> mem(q.bytes);
+      workspace wsd{mem.data(), q.bytes};
+      detail::workspace_carver c2(wsd);
+      const detail::select_dev_ws w = detail::carve_select_dev_ws(c2, wsd, R, plan, false);
+      REQUIRE(c2.finish("test").ok());
+      if (w.zero_bytes > 0) std::memset(w.zero_begin, 0, w.zero_bytes);
+      const detail::varlen_rows rows{cs.data(), S, H, T, dev_cu.data(), dev_pos.data(), capacity};
+      int bad = 0;
+      detail::simt_executor ex(g());
+      ex.resident(1 + static_cast<index_t>(g() % 4));
+      detail::simt_launcher<detail::simt_executor> l{ex};
+      const index_t cap = g() % 2 == 0 ? index_t(3) : index_t(1) << 20;
+      detail::batch_offsets_launch(l, budgets.data(), nullptr, cs.data(), R, H, T, capacity, dev_cu.data(), &bad);
+      detail::select_rows_launch(l, sv, rows, w, plan, false, true, detail::simt_bad{&bad, nullptr}, cap);
+      REQUIRE_MESSAGE(l.ok, ex.error());
+      return bad;
+    };
+    for (const int algo : {1, 2}) {  // one block per row, several blocks per row
+      CAPTURE(algo);
+      CHECK(run(cu_seqlens, algo) == 0);
+      REQUIRE(dev_cu == host_cu);
+      for (index_t i = 0; i < host_cu.back(); ++i) REQUIRE(dev_pos[static_cast<std::size_t>(i)] == host_pos[static_cast<std::size_t>(i)]);
+    }
+    // bad offsets (decreasing, or past the columns): nothing selected, counted
+    if (S >= 2 && cu_seqlens[1] > 0) {
+      auto bad_cs = cu_seqlens;
+      bad_cs[1] = bad_cs[2] + 1;
+      CHECK(run(bad_cs, 1) > 0);
+      CHECK(std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }));
+      bad_cs = cu_seqlens;
+      bad_cs.back() = static_cast<std::int32_t>(T + 1);
+      CHECK(run(bad_cs, 2) > 0);
+      CHECK(std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }));
+    }
+  }
+}
+
 TEST_CASE("paged Knorm device logic: the rows a kernel reads, and the same scores as the host") {
   auto g = kvtest::rng(1324);
   for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head}) {
@@ -185,48 +252,50 @@ TEST_CASE("paged Knorm device logic: the rows a kernel reads, and the same score
               return paged_key_norm_scores(seq, ws, f.layer(), kvtest::value_of(make_matrix_view(host.data(), R, C)));
             }).ok());
     const paged_layer<float> L = f.layer();
-    for (index_t r = 0; r < R; ++r) {  // the kernel's body, row by row
-      const index_t n = detail::paged_readable_row(L, r, C);
-      REQUIRE(n == f.row_len[static_cast<std::size_t>(r)]);
-      for (index_t j = 0; j < n; ++j) dev[static_cast<std::size_t>(r * C + j)] = detail::key_norm_score(L.key(r, j), f.d, 1);
-    }
+    for (index_t r = 0; r < R; ++r) REQUIRE(detail::paged_readable_row(L, r, C) == f.row_len[static_cast<std::size_t>(r)]);
+    const auto dv = kvtest::value_of(make_matrix_view(dev.data(), R, C));
+    CHECK(on_executor(g, [&](auto& l, int* bad, index_t cap) { detail::paged_key_norm_launch(l, L, dv, bad, cap); }) == 0);
     CHECK(kvtest::bytes_of(host) == kvtest::bytes_of(dev));
-    // rows the table does not describe are skipped
+    // rows the table does not describe are skipped and counted, the others scored
     CHECK(detail::paged_readable_row(L, 0, f.row_len[0] > 0 ? f.row_len[0] - 1 : -1) == -1);
     REQUIRE(!f.indices.empty());
     f.indices[0] = static_cast<std::int32_t>(f.pages);
     index_t skipped = 0;
     for (index_t r = 0; r < R; ++r) skipped += detail::paged_readable_row(f.layer(), r, C) < 0 ? 1 : 0;
     CHECK(skipped == (lists == page_lists::per_head ? 1 : 2));  // the rows of the list holding page 0
+    std::vector<float> again(dev.size(), 5.f);
+    const auto av = kvtest::value_of(make_matrix_view(again.data(), R, C));
+    CHECK(on_executor(g, [&](auto& l, int* bad, index_t cap) { detail::paged_key_norm_launch(l, f.layer(), av, bad, cap); }) ==
+          skipped);
+    const float untouched = 5.f;
+    for (index_t r = 0; r < R; ++r) {
+      const bool read = detail::paged_readable_row(f.layer(), r, C) >= 0;
+      for (index_t j = 0; j < C; ++j) {
+        const auto i = static_cast<std::size_t>(r * C + j);
+        REQUIRE(std::memcmp(&again[i], read ? &dev[i] : &untouched, sizeof(float)) == 0);
+      }
+    }
   }
 }
 
-TEST_CASE("paged value-norm device logic: the kernel's per-thread parts give the host's weights") {
+TEST_CASE("paged value-norm device logic: the kernel on the executor gives the host's weights") {
   auto g = kvtest::rng(1325);
   for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head})
     for (const value_weight mode : {value_weight::per_token, value_weight::head_max}) {
       paged_fixture f = kvtest::make_paged_fixture(g, 3, 2, 8, 16, lists, page_layout::nhd, 60);
-      const index_t R = f.rows(), group = 2, C = 64, threads = 256;
+      const index_t R = f.rows(), group = 2, C = 64;
       std::vector<float> host(static_cast<std::size_t>(R * group * C));
       for (auto& x : host) x = static_cast<float>(kvtest::uniform_int(g, 1, 9));
+      if (mode == value_weight::head_max) f.vpool[3] = std::numeric_limits<float>::quiet_NaN();  // NaN wins the max
       std::vector<float> dev = host;
       REQUIRE(kvtest::two_phase([&](workspace& ws) {
                 return paged_weight_by_value_norm(seq, ws, kvtest::value_of(make_matrix_view(host.data(), R * group, C)),
                                                   f.layer(), mode);
               }).ok());
-      const paged_layer<float> L = f.layer();
-      for (index_t r = 0; r < R; ++r) {  // the kernel's block for row r, threads in a random order
-        const index_t n = detail::paged_readable_row(L, r, C);
-        REQUIRE(n >= 0);
-        std::vector<int> order(static_cast<std::size_t>(threads));
-        std::iota(order.begin(), order.end(), 0);
-        std::shuffle(order.begin(), order.end(), g);
-        float row_max = 0.0f;
-        if (mode == value_weight::head_max)
-          for (int t : order) row_max = detail::max_nan(row_max, detail::paged_value_max_part(L, r, n, t, threads));
-        for (int t : order)
-          detail::paged_weight_part(L, r, n, group, dev.data(), C, 1, mode == value_weight::head_max, row_max, t, threads);
-      }
+      const auto dv = kvtest::value_of(make_matrix_view(dev.data(), R * group, C));
+      CHECK(on_executor(g, [&](auto& l, int* bad, index_t cap) {
+              detail::paged_weight_launch(l, dv, f.layer(), mode == value_weight::head_max, bad, cap);
+            }) == 0);
       CHECK(kvtest::bytes_of(host) == kvtest::bytes_of(dev));
     }
 }

@@ -263,13 +263,11 @@ class kv_cache : private kv_cache_state {
   pos_t position(int l, index_t h, index_t j) const { return pool_->positions_[static_cast<std::size_t>(row(l, h, j))]; }
 
   /// Layer l as the drivers read it: one sequence of the pool's paged layer, its per-head block
-  /// table built from the heads' page lists, keys, values and positions read through it. With
-  /// rows >= 0, the first `rows` rows of every head only (LAQ++'s prefix). Valid until the
-  /// cache's next change or the next paged(l) call. Errors: out_of_range (l not a layer, a head
-  /// holds fewer than `rows` rows).
-  kvevict::result<kvevict::paged_layer_kv<float>> paged(int l, index_t rows = -1) {
-    KVEVICT_TRY(check_rows("paged", l, rows < 0 ? 0 : rows));
-    return kvevict::make_paged_layer_kv(layer(l, rows), pool_->pool(pool_->positions_, l));
+  /// table built from the heads' page lists, keys, values and positions read through it. Valid
+  /// until the cache's next change or the next paged(l) call. Errors: out_of_range (l not a layer).
+  kvevict::result<kvevict::paged_layer_kv<float>> paged(int l) {
+    KVEVICT_TRY(check_rows("paged", l, 0));
+    return kvevict::make_paged_layer_kv(layer(l), pool_->pool(pool_->positions_, l));
   }
 
   /// The first `rows` rows of every head of layer l gathered into a dense [kv_head][rows][head_size]
@@ -315,7 +313,7 @@ class kv_cache : private kv_cache_state {
     }
     std::int32_t freed = 0;
     kvevict::workspace ws{ws_.data(), ws_.size()};
-    KVEVICT_TRY(kvevict::compact_layer(kvevict::seq, ws, layer(l, -1), pool_->pool(pool_->positions_, l), kept,
+    KVEVICT_TRY(kvevict::compact_layer(kvevict::seq, ws, layer(l), pool_->pool(pool_->positions_, l), kept,
                                        {new_lens_.data(), freed_.data(), static_cast<index_t>(freed_.size()), &freed}));
     for (index_t h = 0; h < heads_; ++h) set_length(l, h, new_lens_[static_cast<std::size_t>(h)]);
     pages_freed_ += freed;
@@ -389,13 +387,13 @@ class kv_cache : private kv_cache_state {
     return {};
   }
 
-  // layer l's paged view: one list per head (its first `rows` rows, every row when rows < 0)
-  kvevict::paged_layer<float> layer(int l, index_t rows) {
+  // layer l's paged view: one list per head
+  kvevict::paged_layer<float> layer(int l) {
     std::int32_t* ip = indptr_.data() + index_t(l) * (heads_ + 1);
     std::int32_t* ix = indices_.data() + index_t(l) * heads_ * head_pages_;
     std::int32_t* last = last_page_len_.data() + index_t(l) * heads_;
     for (index_t h = 0; h < heads_; ++h) {
-      const index_t n = rows < 0 ? length(l, h) : rows, np = (n + page_size_ - 1) / page_size_;
+      const index_t n = length(l, h), np = (n + page_size_ - 1) / page_size_;
       ip[h + 1] = static_cast<std::int32_t>(ip[h] + np);
       for (index_t i = 0; i < np; ++i) ix[ip[h] + i] = slot(l, h, i);
       last[h] = static_cast<std::int32_t>(np == 0 ? 0 : n - (np - 1) * page_size_);

@@ -113,9 +113,16 @@ void host_checks() {
   KVGPU_CHECK(compact_paged(kvevict::cuda, q, L, ragged_positions{nullptr, indptr, 1}, paged_compaction_out{}).code() ==
               errc::shape_mismatch);
   std::vector<float> s(8);
-  const batch_rows rows = batch_varlen(*make_matrix_view<const float>(s.data(), 1, 8), indptr, 1);
-  KVGPU_CHECK(select_topk_batch(kvevict::cuda, q, rows, last, batch_budget::per_head, indptr, nullptr, 0).code() ==
+  std::int32_t cu_seq[2] = {0, 8}, budget[1] = {3}, kept_cu[2] = {0, 0};
+  const batch_rows rows = batch_varlen(*make_matrix_view<const float>(s.data(), 1, 8), cu_seq, 1);
+  KVGPU_CHECK(select_topk_batch(kvevict::cuda, q, rows, budget, batch_budget::flattened, kept_cu, nullptr, 0).code() ==
               errc::unsupported);
+  workspace vq;  // varlen per-head budgets run on cuda: a size query
+  KVGPU_CHECK(select_topk_batch(kvevict::cuda, vq, rows, budget, batch_budget::per_head, kept_cu, nullptr, 0).ok() &&
+              vq.bytes > 0);
+  const batch_rows two_heads{*make_matrix_view<const float>(s.data(), 2, 4), nullptr, cu_seq, 1, 1};
+  KVGPU_CHECK(select_topk_batch(kvevict::cuda, vq, two_heads, budget, batch_budget::per_head, kept_cu, nullptr, 0).code() ==
+              errc::shape_mismatch);
 }
 
 template <class F>
@@ -216,6 +223,34 @@ void batch_case(std::mt19937_64& g) {
   KVGPU_CHECK(dcu.get(hcu.size()) == hcu && dpos.get(hpos.size()) == hpos);
 }
 
+// varlen rows (scores [H][total], cu_seqlens) with per-head budgets: the same kept lists as seq
+void varlen_case(std::mt19937_64& g) {
+  const index_t S = 1 + g() % 12, H = 1 + g() % 8;
+  std::vector<std::int32_t> cu(S + 1, 0), budgets(S);
+  for (index_t i = 0; i < S; ++i) {
+    cu[i + 1] = cu[i] + static_cast<std::int32_t>(g() % 1500);
+    budgets[i] = static_cast<std::int32_t>(g() % (cu[i + 1] - cu[i] + 2));
+  }
+  const index_t T = cu[S] + 1;
+  std::vector<float> s(H * T);
+  std::normal_distribution<float> nd;
+  for (auto& x : s) x = nd(g);
+  std::vector<std::int32_t> hcu(S * H + 1);
+  std::vector<pos_t> hpos(H * T + 1, -1);
+  KVGPU_CHECK(two_phase_host([&](workspace& ws) {
+                return select_topk_batch(seq, ws, batch_varlen(*make_matrix_view<const float>(s.data(), H, T), cu.data(), S),
+                                         budgets.data(), batch_budget::per_head, hcu.data(), hpos.data(), hpos.size());
+              }).ok());
+  dbuf<float> ds(s);
+  dbuf<std::int32_t> dc(cu), db(budgets), dcu(std::vector<std::int32_t>(hcu.size(), -1));
+  dbuf<pos_t> dpos(std::vector<pos_t>(hpos.size(), -1));
+  KVGPU_CHECK(two_phase([&](workspace& ws) {
+                return select_topk_batch(kvevict::cuda, ws, batch_varlen(*make_matrix_view<const float>(ds.p, H, T), dc.p, S),
+                                         db.p, batch_budget::per_head, dcu.p, dpos.p, hpos.size());
+              }).ok());
+  KVGPU_CHECK(dcu.get(hcu.size()) == hcu && dpos.get(hpos.size()) == hpos);
+}
+
 }  // namespace
 
 int main() {
@@ -227,7 +262,7 @@ int main() {
     for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head})
       for (const page_layout pl : {page_layout::nhd, page_layout::hnd})
         for (int trial = 0; trial < 4; ++trial) compaction_case(g, ps, lists, pl, trial == 3);
-  for (int trial = 0; trial < 10; ++trial) scores_case(g), batch_case(g);
+  for (int trial = 0; trial < 10; ++trial) scores_case(g), batch_case(g), varlen_case(g);
   std::printf("paged gpu: %d failures\n", kvgpu::failures);
   return kvgpu::failures == 0 ? 0 : 1;
 }

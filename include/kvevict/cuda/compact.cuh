@@ -28,7 +28,6 @@
 #pragma once
 
 #include <kvevict/compact.hpp>
-#include <kvevict/cuda/block.cuh>
 #include <kvevict/cuda/launch.cuh>
 #include <kvevict/cuda/simt.cuh>
 #include <kvevict/detail/block/compact_block.hpp>
@@ -42,102 +41,10 @@ namespace kvevict {
 namespace detail {
 
 inline constexpr int compact_threads = compact_op_threads;
-using compact_block_t = cuda_block<compact_threads>;
 
-// ---- kernels ------------------------------------------------------------------------------------------
-// The gathers and the append are the ops of detail/block/compact_ops.hpp (launched by
-// compact_dense_launch, compact_ragged_launch and append_launch, written once for the GPU and the
-// host executor); the in-place kernels below are not converted yet.
-
-/// The body of the validation kernels (the in-place compaction's here, the paged one's in
-/// paged.cuh): block b (grid-stride) validates item b of `items`, validate(blk, b) returning its
-/// problems, and thread 0 adds them (at most 2^30) to bad.
-template <class Validate>
-__device__ inline void validate_items(index_t items, bad_counter bad, Validate validate) {
-  __shared__ typename compact_block_t::temp_storage tmp;
-  compact_block_t blk{tmp};
-  for (index_t b = blockIdx.x; b < items; b += gridDim.x) {
-    const index_t n = validate(blk, b);
-    if (threadIdx.x == 0) bad.add(static_cast<int>(n < 1 << 30 ? n : 1 << 30));
-    __syncthreads();
-  }
-}
-
-/// In place, step 1: block h (grid-stride) validates head h's arguments and positions.
-template <class Heads>
-__global__ void __launch_bounds__(compact_threads)
-    inplace_validate_kernel(Heads heads, index_t* head_rows, bad_counter bad) {
-  validate_items(heads.heads(), bad,
-                 [&](compact_block_t& blk, index_t h) { return inplace_validate(blk, heads, h, head_rows); });
-}
-
-/// Per-head state of the in-place copy (workspace, zeroed): ticket, prefix, ring of flags.
-struct inplace_sync {
-  unsigned* ticket;  ///< [H]
-  unsigned* prefix;  ///< [H] every tile below has read
-  unsigned* ring;    ///< [H][inplace_ring]
-};
-
-__device__ inline unsigned load_acquire(unsigned* p) {
-  return cuda::atomic_ref<unsigned, cuda::thread_scope_device>(*p).load(cuda::memory_order_acquire);
-}
-
-/// Warp 0 (the whole warp): waits until every tile in [prefix, c) of head h has read, then raises
-/// the prefix to c.
-__device__ inline void inplace_look_back(const inplace_sync& s, index_t h, index_t c) {
-  unsigned* ring = s.ring + h * inplace_ring;
-  const int lane = static_cast<int>(threadIdx.x);
-  for (;;) {
-    const index_t p = load_acquire(&s.prefix[h]);
-    bool all = true;
-    for (index_t b = p + lane; b < c; b += 32) all = all && inplace_has_read(load_acquire(&ring[b % inplace_ring]), b);
-    if (__all_sync(0xffffffffu, all)) break;
-    __nanosleep(64);
-  }
-  if (lane == 0)
-    cuda::atomic_ref<unsigned, cuda::thread_scope_device>(s.prefix[h])
-        .fetch_max(static_cast<unsigned>(c), cuda::memory_order_acq_rel);
-}
-
-/// Thread 0: publishes "tile c of head h has read" once its slot is free.
-__device__ inline void inplace_publish(const inplace_sync& s, index_t h, index_t c) {
-  while (!inplace_can_publish(load_acquire(&s.prefix[h]), c)) __nanosleep(64);
-  __threadfence();
-  cuda::atomic_ref<unsigned, cuda::thread_scope_device>(s.ring[h * inplace_ring + c % inplace_ring])
-      .store(static_cast<unsigned>(c + 1), cuda::memory_order_release);
-}
-
-/// In place, step 2: `parts` blocks per valid head take its tiles in order (ticket); a tile
-/// stages its reads, publishes them, looks back until the tiles before it have read, writes
-/// (compact_block.hpp). Shared memory: 32 KiB staging.
-template <class T, int Unit, class Heads>
-__global__ void __launch_bounds__(compact_threads)
-    inplace_copy_kernel(Heads heads, row_copy<T, Unit> rc, index_t tile_rows, index_t parts, const index_t* head_rows,
-                        inplace_sync sync) {
-  __shared__ typename compact_block_t::temp_storage tmp;
-  __shared__ alignas(16) unsigned char stage[inplace_stage_bytes];
-  __shared__ unsigned tile;
-  compact_block_t blk{tmp};
-  const index_t H = heads.heads();
-  for (index_t vb = blockIdx.x; vb < H * parts; vb += gridDim.x) {
-    const index_t h = vb / parts, n = head_rows[h];
-    if (n < 0) continue;
-    for (;;) {
-      if (threadIdx.x == 0) tile = atomicAdd(&sync.ticket[h], 1u);
-      __syncthreads();
-      const index_t c = tile;
-      if (!inplace_tile_read(blk, heads, rc, h, n, c, tile_rows, stage)) break;
-      __syncthreads();  // the tile's reads are done
-      if (tile_rows > 0 && threadIdx.x == 0) inplace_publish(sync, h, c);
-      if (threadIdx.x < 32) inplace_look_back(sync, h, c);
-      __syncthreads();
-      inplace_tile_write(blk, heads, rc, h, n, c, tile_rows, stage);
-      __syncthreads();
-      if (tile_rows == 0 && threadIdx.x == 0) inplace_publish(sync, h, c);  // read during the copy
-    }
-    __syncthreads();
-  }
-}
+// The kernels are the ops of detail/block/compact_ops.hpp (gathers, append, in-place validation,
+// reset and tiled copy), launched by their launch sequences on cuda_launcher; the host tests run the
+// same sequences on the SIMT executor.
 
 // ---- shared launch pieces -----------------------------------------------------------------------------
 
@@ -178,17 +85,25 @@ status check_cache_alignment(const char* fn, const char* name, const ragged_cach
   return {};
 }
 
-/// In place: workspace (per head: rows to move or -1, tile ticket, read prefix, ring of read flags:
-/// 8 + 4 x 514 B), validation kernel, tiled copy kernel. `touched` are the host-known ranges the call reads or writes.
+/// The in-place copy's ordering state in a workspace: per head a ticket, a prefix and a ring of
+/// inplace_ring flags (4 x 514 B per head).
+inline inplace_sync take_inplace_sync(workspace_carver& carver, index_t heads) {
+  const auto h = static_cast<std::size_t>(heads);
+  unsigned* counters = carver.take<unsigned>(h * (2 + static_cast<std::size_t>(inplace_ring)));
+  return inplace_sync{counters, counters + h, counters + 2 * h, inplace_ring};
+}
+
+/// In place: workspace (per head: rows to move or -1, then the ordering state: 8 + 4 x 514 B), then
+/// inplace_launch (validation, reset, tiled copy). `touched` are the host-known ranges the call
+/// reads or writes.
 template <class T, class Heads>
 status launch_inplace(cuda_t be, const char* fn, workspace& ws, const Heads& heads, bool contiguous,
                       std::uint64_t bits, index_t dim, index_t elem_stride, int* bad_positions,
                       const byte_range (&touched)[2]) {
   const index_t H = heads.heads();
-  const auto h = static_cast<std::size_t>(H);
   workspace_carver carver(ws);
-  index_t* head_rows = carver.take<index_t>(h);
-  unsigned* counters = carver.take<unsigned>(h * (2 + static_cast<std::size_t>(inplace_ring)));
+  index_t* head_rows = carver.take<index_t>(static_cast<std::size_t>(H));
+  const inplace_sync sync = take_inplace_sync(carver, H);
   KVEVICT_TRY(carver.finish(fn));
   if (ws.is_query()) return {};
   const auto w0 = reinterpret_cast<std::uintptr_t>(ws.data);
@@ -198,22 +113,9 @@ status launch_inplace(cuda_t be, const char* fn, workspace& ws, const Heads& hea
     if (wsr.intersects(touched[i]))
       return status::error(errc::overlap, "%s: the workspace and %s overlap in memory", fn, names[i]);
   if (H == 0) return {};
-  const cudaStream_t st = stream_of(be);
-  KVEVICT_TRY(cuda_status(
-      cudaMemsetAsync(counters, 0, h * (2 + static_cast<std::size_t>(inplace_ring)) * sizeof(unsigned), st), fn));
-  const bad_counter bad{bad_positions, nullptr};
-  inplace_validate_kernel<Heads><<<grid_blocks(H), compact_threads, 0, st>>>(heads, head_rows, bad);
-  KVEVICT_TRY(launch_status(fn));
-  return with_unit(unit_for<T>(contiguous, bits, dim), [&](auto u) {
-    constexpr int U = decltype(u)::value;
-    const row_copy<T, U> rc{dim, elem_stride, elem_stride};
-    const index_t tile_rows = inplace_tile_rows(rc.units(), rc.unit_bytes());
-    const index_t parts = parts_per_head(H, 1024, inplace_max_parts);
-    const inplace_sync sync{counters, counters + H, counters + 2 * H};
-    inplace_copy_kernel<T, U, Heads><<<grid_blocks(H * parts), compact_threads, 0, st>>>(heads, rc, tile_rows, parts,
-                                                                                       head_rows, sync);
-    return launch_status(fn);
-  });
+  cuda_launcher l{stream_of(be), fn};
+  inplace_launch<T>(l, heads, contiguous, bits, dim, elem_stride, head_rows, sync, simt_bad{bad_positions, nullptr});
+  return l.err;
 }
 
 }  // namespace detail

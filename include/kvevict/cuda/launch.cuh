@@ -47,27 +47,6 @@ __device__ float staged_row_reduce(const T* base, index_t rs, index_t es, int nr
   cuda_simt_ctx c;
   return simt_staged_row_reduce(c, base, rs, es, nrows, d, sm, f);
 }
-
-/// The GPU context of the host-device tile routines (detail/block/postprocess_device.hpp): the CTA's
-/// threads share each loop, sync() is a barrier, value norms are staged through `stage`
-/// (stage_rows x stage_ld floats of shared memory). Needs blockDim.x == stage_rows.
-struct cta_ctx {
-  float* stage;
-  template <class F>
-  __device__ void each(index_t n, const F& f) const {
-    for (index_t i = threadIdx.x; i < n; i += blockDim.x) f(i);
-  }
-  __device__ void sync() const { __syncthreads(); }
-  template <class VE>
-  __device__ void l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) const {
-    for (index_t t0 = 0; t0 < n; t0 += stage_rows) {
-      const int m = n - t0 < stage_rows ? static_cast<int>(n - t0) : stage_rows;
-      const float s = staged_row_reduce(base + t0 * rs, rs, es, m, d, stage,
-                                        [](float acc, const float* x, int k) { return value_l1_accumulate(acc, x, k, 1); });
-      if (static_cast<int>(threadIdx.x) < m) norms[t0 + threadIdx.x] = s;
-    }
-  }
-};
 #endif
 
 }  // namespace kvevict::detail

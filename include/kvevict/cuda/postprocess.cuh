@@ -23,6 +23,7 @@
 #include <kvevict/cuda/protect.cuh>
 #include <kvevict/cuda/weight.cuh>
 #include <kvevict/detail/block/postprocess_device.hpp>
+#include <kvevict/detail/block/postprocess_ops.hpp>
 #include <kvevict/postprocess.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/workspace.hpp>
@@ -75,8 +76,9 @@ status postprocess_scores_cuda(const char* fn, cuda_t be, workspace& ws, const m
   if (ws.is_query() || hkv == 0 || T == 0) return {};
   const pp_params a = make_pp_params(in, out, opt, row_lengths, value_lengths, factors);
   const pp_values<VE> vals = make_pp_values(values, opt.weight_values);
-  if (factors != nullptr) KVEVICT_TRY(value_norm_max_launch(fn, be, vals, a.value_lengths, hkv, partial, factors));
-  return pp_launch(fn, be, a, vals, stash, bad_rows);
+  cuda_launcher l{stream_of(be), fn};
+  postprocess_launch(l, a, vals, partial, factors, stash, bad_rows);
+  return l.err;
 }
 
 }  // namespace detail

@@ -100,7 +100,7 @@ inline status check_select_alignment(const char* fn, matrix_view<const float> sc
 template <class Rows, class CheckWs>
 status select_topk_rows(cuda_t be, const char* fn, workspace& ws, const matrix_view<const float>& scores,
                         const Rows& rows, const cuda_select_options& o, const CheckWs& check_ws) {
-  const index_t R = scores.extent(0), T = scores.extent(1);
+  const index_t R = row_count(scores, rows), T = scores.extent(1);
   const select_plan plan = plan_select(R, T, static_cast<int>(o.algo));
   workspace_carver carver(ws);
   const select_dev_ws w = carve_select_dev_ws(carver, ws, R, plan, false);

@@ -29,18 +29,6 @@
 #include <type_traits>
 
 namespace kvevict {
-namespace detail {
-
-/// The head maxima of value norms into factors[hkv] (partial: hkv x tiles floats), on the stream.
-template <class VE>
-status value_norm_max_launch(const char* fn, cuda_t be, const pp_values<VE>& vals, const std::int32_t* lengths,
-                             index_t hkv, float* partial, float* factors) {
-  cuda_launcher l{stream_of(be), fn};
-  value_norm_max_launch(l, vals, lengths, hkv, partial, factors);
-  return l.err;
-}
-
-}  // namespace detail
 
 /// weight_by_value_norm on the GPU (scores, values and lengths in device memory). See the host overload
 /// and the file comment (workspace, device-checked lengths).

@@ -1,6 +1,6 @@
 // The block abstraction: device algorithms in detail/block/ are written once against one of two
 // small execution contracts and run unchanged on the GPU (include/kvevict/cuda/) and on the host
-// (the emulators of detail/block/host_block.hpp, which the logic tests use). Not API.
+// (the SIMT executor of detail/block/simt.hpp, or host_block.hpp's emulated block). Not API.
 //
 // Block (selection, compaction: detail/block/select_block.hpp, compact_block.hpp), one object per
 // thread block, thread-indexed:
@@ -13,14 +13,15 @@
 //   void atomic_add(std::uint32_t*, std::uint32_t), atomic_add(ucount*, ucount)
 // Code outside each() runs on every thread of a CUDA block and once on the host; it only computes
 // values that are the same on every thread (uniform) and reads memory written before a barrier. All
-// writes happen inside each(). GPU: detail::cuda_block (cuda/block.cuh); host: host_block.
+// writes happen inside each(). GPU and host SIMT executor: detail::simt_block (select_ops.hpp, one
+// object per thread); host emulation: host_block.
 //
 // Ctx (pooling, post-processing: detail/block/pool_block.hpp, postprocess_device.hpp), loop-shared:
 //   void each(index_t n, F f)                 f(i) for i in [0, n), the block's threads sharing the loop
-//   void sync()                               barrier (host: nothing)
-//   void l1_norms(base, rs, es, n, d, norms)  norms[t] = ||row t||_1 (staged through shared memory on
-//                                             the GPU, row functions of weight on the host)
-// GPU: detail::cta_ctx (cuda/launch.cuh); host: serial_ctx.
+//   void sync()                               barrier
+//   void l1_norms(base, rs, es, n, d, norms)  norms[t] = ||row t||_1 (rows staged through shared
+//                                             memory, simt_staged_row_reduce)
+// GPU and host SIMT executor: detail::simt_loop_ctx (postprocess_ops.hpp).
 #pragma once
 
 namespace kvevict::detail {

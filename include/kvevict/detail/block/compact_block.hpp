@@ -1,6 +1,7 @@
-// The CUDA compaction kernels' logic as host-device functions (kvevict/cuda/compact.cuh runs them
-// on the GPU; tests/test_compact_device_logic.cpp runs them on the host under the emulated block
-// of detail/block/select_block.hpp). Not API.
+// The CUDA compaction kernels' logic as host-device functions over a Block (detail/block/block.hpp):
+// the ops of detail/block/compact_ops.hpp run them on the GPU (kvevict/cuda/compact.cuh, paged.cuh)
+// and on the host SIMT executor (tests/test_compact_device_logic.cpp, test_paged_device_logic.cpp).
+// Not API.
 //
 // Row copies: a row of `dim` elements is copied in units. When both rows are contiguous (element
 // stride 1), the unit is the widest of 16, 8, 4, 2, 1 bytes that divides every base address, byte
@@ -198,7 +199,7 @@ KVEVICT_HOST_DEVICE inline bool append_head_ok(const std::int32_t* cap_cu, const
 // relays a signal to the next (no chain of round trips): tiles of one head proceed in parallel.
 // A slot is reused by tile c only once P > c - ring (nobody looks at the old tile any more); a
 // flag value >= b + 1 therefore means "tile b has read". Tiles are taken in order, so every tile
-// a waiting tile depends on is already running: no deadlock (the host emulation checks random
+// a waiting tile depends on is already running: no deadlock (the SIMT executor checks random
 // interleavings). Rows too wide for the staging buffer form one-row tiles that look back first,
 // copy memory to memory (read and write rows differ), then publish. Entries with kept[j] == j are
 // skipped (nothing moves).
@@ -208,20 +209,23 @@ inline constexpr index_t inplace_ring = 512;
 /// Most blocks working on one head.
 inline constexpr index_t inplace_max_parts = 256;
 
+/// Per-head state of the in-place copy (workspace; reset by inplace_reset_op before each copy):
+/// ticket, prefix, ring of `ring_size` flags (inplace_ring on the GPU; the tests pass small rings
+/// so that the slots are reused after a few tiles).
+struct inplace_sync {
+  unsigned* ticket;  ///< [H] next tile to take
+  unsigned* prefix;  ///< [H] every tile below has read
+  unsigned* ring;    ///< [H][ring_size]
+  index_t ring_size = inplace_ring;
+};
+
 /// Tile c may publish its flag once the slot's previous tile is no longer looked at.
-KVEVICT_HOST_DEVICE constexpr bool inplace_can_publish(index_t prefix, index_t c) noexcept {
-  return prefix + inplace_ring > c;
+KVEVICT_HOST_DEVICE constexpr bool inplace_can_publish(index_t prefix, index_t c, index_t ring = inplace_ring) noexcept {
+  return prefix + ring > c;
 }
 /// Flag value of slot b % ring read as "tile b has read".
 KVEVICT_HOST_DEVICE constexpr bool inplace_has_read(std::uint32_t flag, index_t b) noexcept {
   return index_t(flag) >= b + 1;
-}
-/// Whether every tile in [prefix, c) has read (the look-back of tile c); flag(slot) reads a slot.
-template <class Flag>
-KVEVICT_HOST_DEVICE bool inplace_all_read(const Flag& flag, index_t prefix, index_t c) {
-  for (index_t b = prefix; b < c; ++b)
-    if (!inplace_has_read(flag(b % inplace_ring), b)) return false;
-  return true;
 }
 
 /// Bytes of shared memory staging a tile.

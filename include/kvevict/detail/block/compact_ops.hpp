@@ -5,11 +5,14 @@
 //
 // Rows are copied by groups of `lanes` threads (detail/block/compact_block.hpp: copy units chosen on
 // the host from the addresses, strides and row size; one row per group). The in-place compaction
-// (validation, tiled copy with its look-back) is not converted yet (cuda/compact.cuh).
+// (compact_block.hpp's tiles: validation, reset of the ordering state, tiled copy with its decoupled
+// look-back over a ring of flags) is three ops launched by inplace_launch; the paged compaction
+// (cuda/paged.cuh) reuses the reset and copy (inplace_copy_launch) after its own validation.
 #pragma once
 
 #include <kvevict/config.hpp>
 #include <kvevict/detail/block/compact_block.hpp>
+#include <kvevict/detail/block/select_ops.hpp>
 #include <kvevict/detail/block/simt_bodies.hpp>
 
 #include <cstdint>
@@ -114,6 +117,119 @@ struct append_lens_op {
   }
 };
 
+// ---- in place ------------------------------------------------------------------------------------
+
+/// The validation ops (in place here, paged in paged_ops.hpp): block b (grid-stride over `items`)
+/// validates item b, Check::run(blk, b, args...) returning its problems (block-uniform; it ends with
+/// a barrier or reads nothing shared), and thread 0 adds them (at most 2^30 per item) to bad.
+template <class Check>
+struct validate_op {
+  static constexpr int threads = compact_op_threads;
+  struct shared {
+    ucount scan[threads / 32];
+  };
+  template <class Ctx, class... A>
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, index_t items, simt_bad bad, A... args) {
+    simt_block<Ctx, threads> blk{c, sh.scan};
+    for (index_t b = c.block(); b < items; b += c.grid_dim()) {
+      const index_t n = Check::run(blk, b, args...);
+      if (c.thread() == 0) bad.add(c, static_cast<int>(n < (1 << 30) ? n : (1 << 30)));
+    }
+  }
+};
+
+/// In place, step 1: head h's arguments and positions (head_rows[h] = its list length, or -1).
+struct inplace_check {
+  template <class Block, class Heads>
+  KVEVICT_HOST_DEVICE static index_t run(Block& blk, index_t h, Heads heads, index_t* head_rows) {
+    return inplace_validate(blk, heads, h, head_rows);
+  }
+};
+
+/// Step 2: the copy's ordering state (tickets, prefixes, flags) zeroed, grid-stride.
+struct inplace_reset_op {
+  static constexpr int threads = 256;
+  using shared = simt_no_shared;
+  template <class Ctx>
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared&, inplace_sync s, index_t H) {
+    const index_t stride = c.grid_dim() * c.block_dim();
+    for (index_t i = c.block() * c.block_dim() + c.thread(); i < H * s.ring_size; i += stride) {
+      s.ring[i] = 0;
+      if (i < H) s.ticket[i] = s.prefix[i] = 0;
+    }
+  }
+};
+
+/// Warp 0 (the whole warp) of tile t: waits until every tile in [prefix, t) of head h has read,
+/// then raises the prefix to t (a fence, then an atomic max: the release of what it observed).
+/// Lane 0 reads the prefix and broadcasts it: lanes reading it one by one could see different
+/// values (another tile raising it in between) and leave a tile of [prefix, t) unchecked (the host
+/// executor, which interleaves the lanes' loads, found that on the earlier per-lane loads).
+template <class Ctx>
+KVEVICT_HOST_DEVICE void inplace_look_back(Ctx& c, const inplace_sync& s, index_t h, index_t t) {
+  const unsigned* ring = s.ring + h * s.ring_size;
+  for (;;) {
+    const unsigned p0 = c.lane() == 0 ? c.ld_acquire(s.prefix + h) : 0u;
+    const index_t p = c.shfl(p0, 0);
+    bool all = true;
+    for (index_t b = p + c.lane(); b < t; b += 32) all = all && inplace_has_read(c.ld_acquire(ring + b % s.ring_size), b);
+    if (c.all(all)) break;
+    c.pause();
+  }
+  if (c.lane() == 0) {
+    c.fence();
+    c.atomic_max(s.prefix + h, static_cast<unsigned>(t));
+  }
+}
+
+/// Thread 0 of tile t: publishes "tile t of head h has read" once its slot is free.
+template <class Ctx>
+KVEVICT_HOST_DEVICE void inplace_publish(Ctx& c, const inplace_sync& s, index_t h, index_t t) {
+  while (!inplace_can_publish(c.ld_acquire(s.prefix + h), t, s.ring_size)) c.pause();
+  c.fence();
+  c.st_release(s.ring + h * s.ring_size + t % s.ring_size, static_cast<unsigned>(t + 1));
+}
+
+/// Step 3: `parts` blocks per valid head (grid-stride over H x parts) take its tiles in order
+/// (ticket); a tile stages its rows, publishes, looks back, writes; a one-row tile (rows too wide
+/// to stage) looks back, copies, then publishes. Ordered = false drops the publish and the
+/// look-back (only for the tests, which show that the result is then corrupted).
+template <class T, int Unit, class Heads, bool Ordered = true>
+struct inplace_copy_op {
+  static constexpr int threads = compact_op_threads;
+  struct shared {
+    alignas(16) unsigned char stage[inplace_stage_bytes];
+    unsigned tile;
+  };
+  template <class Ctx>
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, Heads heads, row_copy<T, Unit> rc, index_t tile_rows,
+                                       index_t parts, const index_t* head_rows, inplace_sync sync) {
+    simt_block<Ctx, threads> blk{c, nullptr};  // each() and size() only
+    const index_t H = heads.heads(), tid = c.thread();
+    for (index_t vb = c.block(); vb < H * parts; vb += c.grid_dim()) {
+      const index_t h = vb / parts, n = head_rows[h];
+      if (n < 0) continue;
+      for (;;) {
+        if (tid == 0) c.st(&sh.tile, c.atomic_add(sync.ticket + h, 1u));
+        c.sync();
+        const index_t t = c.ld(&sh.tile);
+        if (!inplace_tile_read(blk, heads, rc, h, n, t, tile_rows, sh.stage)) break;
+        c.sync();  // the tile's reads are done
+        if constexpr (Ordered) {
+          if (tile_rows > 0 && tid == 0) inplace_publish(c, sync, h, t);
+          if (c.warp() == 0) inplace_look_back(c, sync, h, t);
+        }
+        c.sync();
+        inplace_tile_write(blk, heads, rc, h, n, t, tile_rows, sh.stage);
+        c.sync();
+        if constexpr (Ordered)
+          if (tile_rows == 0 && tid == 0) inplace_publish(c, sync, h, t);  // read during the copy
+      }
+      c.sync();  // every thread has read the last ticket
+    }
+  }
+};
+
 // ---- launch sequences (after the host-side checks) ----------------------------------------------------
 
 /// Dense gather (rows, dim > 0).
@@ -168,6 +284,37 @@ void append_launch(L& l, const ragged_cache<T>& cache, const kv_view<const T>& r
                                     lanes, parts == 1, bad);
   });
   if (parts > 1) l.template run<append_lens_op<T>>(simt_shape{simt_grid((H + 255) / 256, cap), 256}, cache, n);
+}
+
+/// The in-place copy of valid heads (head_rows from a validation): the ordering state reset, then
+/// the tiles. Rows of `dim` elements of T, contiguous or with element stride `elem_stride`; `bits`
+/// the OR of the addresses and byte strides (the copy unit). Tests may force the tile rows (>= 0;
+/// 0: one-row tiles copied directly), the blocks per head (`parts` > 0), a grid cap and the order.
+template <class T, bool Ordered = true, class L, class Heads>
+void inplace_copy_launch(L& l, const Heads& heads, bool contiguous, std::uint64_t bits, index_t dim,
+                         index_t elem_stride, const index_t* head_rows, const inplace_sync& sync,
+                         index_t tile_rows = -1, index_t parts = 0, index_t cap = index_t(1) << 20) {
+  const index_t H = heads.heads();
+  if (H == 0) return;
+  l.template run<inplace_reset_op>(simt_shape{simt_grid((H * sync.ring_size + 255) / 256, cap), 256}, sync, H);
+  if (parts <= 0) parts = parts_per_head(H, 1024, inplace_max_parts);
+  with_unit(unit_for<T>(contiguous, bits, dim), [&](auto u) {
+    constexpr int U = decltype(u)::value;
+    const row_copy<T, U> rc{dim, elem_stride, elem_stride};
+    const index_t tr = tile_rows >= 0 ? tile_rows : inplace_tile_rows(rc.units(), rc.unit_bytes());
+    l.template run<inplace_copy_op<T, U, Heads, Ordered>>(simt_shape{simt_grid(H * parts, cap), compact_op_threads},
+                                                          heads, rc, tr, parts, head_rows, sync);
+  });
+}
+
+/// In place on dense or ragged heads (H > 0): validation, then inplace_copy_launch.
+template <class T, bool Ordered = true, class L, class Heads>
+void inplace_launch(L& l, const Heads& heads, bool contiguous, std::uint64_t bits, index_t dim, index_t elem_stride,
+                    index_t* head_rows, const inplace_sync& sync, simt_bad bad, index_t tile_rows = -1,
+                    index_t parts = 0, index_t cap = index_t(1) << 20) {
+  l.template run<validate_op<inplace_check>>(simt_shape{simt_grid(heads.heads(), cap), compact_op_threads},
+                                             heads.heads(), bad, heads, head_rows);
+  inplace_copy_launch<T, Ordered>(l, heads, contiguous, bits, dim, elem_stride, head_rows, sync, tile_rows, parts, cap);
 }
 
 }  // namespace kvevict::detail

@@ -50,18 +50,4 @@ struct host_block {
 };
 
 
-/// The host context: one thread runs every loop in order; barriers do nothing.
-struct serial_ctx {
-  template <class F>
-  KVEVICT_HOST_DEVICE void each(index_t n, const F& f) const {
-    for (index_t i = 0; i < n; ++i) f(i);
-  }
-  KVEVICT_HOST_DEVICE void sync() const {}
-  /// norms[t] = ||row t||_1 for t < n, row t's element k at base[t * rs + k * es].
-  template <class VE>
-  KVEVICT_HOST_DEVICE void l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) const {
-    for (index_t t = 0; t < n; ++t) norms[t] = value_l1_norm(base + t * rs, d, es);
-  }
-};
-
 }  // namespace kvevict::detail

@@ -1,8 +1,7 @@
 // The work of the CUDA post-processing kernels (<kvevict/cuda/postprocess.cuh>, <kvevict/cuda/pool.cuh>)
-// written once, as host-device routines over an execution context: on the GPU a CTA's threads share
-// each ctx.each loop and ctx.sync() is a barrier; on the host (tests) serial_ctx runs the loops in
-// order. The host tests therefore run the kernels' own tile and block decompositions. Nothing here is
-// API.
+// written once, as host-device routines over an execution context: a block's threads share each
+// ctx.each loop and ctx.sync() is a barrier (simt_loop_ctx of postprocess_ops.hpp, on the GPU and on
+// the host SIMT executor, which the tests run the ops on). Nothing here is API.
 //
 //   pp_run_tile   one tile of pp_tile outputs of a KV head's row: the inputs the tile's pooling
 //                 windows need (pp_tile + 2r of them) staged once in `span` (GQA-reduced first, or

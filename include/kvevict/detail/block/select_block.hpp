@@ -13,6 +13,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 namespace kvevict::detail {
 
@@ -774,13 +776,22 @@ struct flat_emit_rows {
   KVEVICT_HOST_DEVICE pos_out out(index_t r) const { return {pos + cu[r], 1}; }
 };
 
-/// A row description whose states were stored by the multi-block passes.
+/// A row description whose states were stored by the multi-block passes (rows that place their
+/// own keys, keys(scores, r) and count(scores), keep doing so).
 template <class Rows>
 struct stored_rows {
   Rows rows;
   const row_state* states;
   KVEVICT_HOST_DEVICE row_state state(index_t r) const { return states[r]; }
   KVEVICT_HOST_DEVICE pos_out out(index_t r) const { return rows.out(r); }
+  template <class S, class R = Rows>
+  KVEVICT_HOST_DEVICE auto keys(const S& scores, index_t r) const -> decltype(std::declval<const R&>().keys(scores, r)) {
+    return rows.keys(scores, r);
+  }
+  template <class S, class R = Rows>
+  KVEVICT_HOST_DEVICE auto count(const S& scores) const -> decltype(std::declval<const R&>().count(scores)) {
+    return rows.count(scores);
+  }
 };
 
 // ---- kernel bodies ----------------------------------------------------------------------------------

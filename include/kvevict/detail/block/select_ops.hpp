@@ -66,6 +66,25 @@ KVEVICT_HOST_DEVICE inline score_keys select_row_keys(const matrix_view<const fl
   return {scores.data_handle() + r * scores.stride(0), scores.stride(1)};
 }
 
+/// Row descriptions normally select row r of the scores matrix (R = its rows); a description with
+/// members keys(scores, r) and count(scores) places its rows itself (varlen batches: row s * H + h
+/// is columns cu_seqlens[s] .. of matrix row h).
+template <class Rows, class = void>
+struct rows_place_keys : std::false_type {};
+template <class Rows>
+struct rows_place_keys<Rows, std::void_t<decltype(std::declval<const Rows&>().keys(
+                                 std::declval<const matrix_view<const float>&>(), index_t(0)))>> : std::true_type {};
+template <class Rows>
+KVEVICT_HOST_DEVICE score_keys row_keys(const matrix_view<const float>& scores, const Rows& rows, index_t r) {
+  if constexpr (rows_place_keys<Rows>::value) return rows.keys(scores, r);
+  else return select_row_keys(scores, r);
+}
+template <class Rows>
+KVEVICT_HOST_DEVICE index_t row_count(const matrix_view<const float>& scores, const Rows& rows) {
+  if constexpr (rows_place_keys<Rows>::value) return rows.count(scores);
+  else return scores.extent(0);
+}
+
 /// Shared memory of every selection op.
 struct select_shared {
   select_smem sm;
@@ -95,9 +114,9 @@ struct select_one_block_op : select_op_base {
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, matrix_view<const float> scores, Rows rows, bool full_key,
                                        bool emit, row_state* states, simt_bad bad) {
     simt_block<Ctx, threads> blk{c, sh.scan};
-    const index_t R = scores.extent(0);
+    const index_t R = row_count(scores, rows);
     for (index_t r = c.block(); r < R; r += c.grid_dim()) {
-      const row_state s = one_block_row(blk, select_row_keys(scores, r), rows, r, full_key, emit, states, sh.sm);
+      const row_state s = one_block_row(blk, row_keys(scores, rows, r), rows, r, full_key, emit, states, sh.sm);
       if (s.mode == row_bad && c.thread() == 0) bad.add(c, 1);
       c.sync();  // shared memory is reused by the next row
     }
@@ -112,12 +131,12 @@ struct select_multi_pass_op : select_op_base {
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, matrix_view<const float> scores, Rows rows, select_dev_ws w,
                                        select_plan plan, int pass, bool full_key, simt_bad bad) {
     simt_block<Ctx, threads> blk{c, sh.scan};
-    const index_t R = scores.extent(0), C = plan.chunks;
+    const index_t R = row_count(scores, rows), C = plan.chunks;
     for (index_t item = c.block(); item < R * C; item += c.grid_dim()) {
       const index_t r = item / C, ch = item % C;
       bool bad_row = false;
       const bool worked =
-          multi_pass_chunk(blk, select_row_keys(scores, r), rows, w, plan, R, r, ch, pass, sh.sm, bad_row);
+          multi_pass_chunk(blk, row_keys(scores, rows, r), rows, w, plan, R, r, ch, pass, sh.sm, bad_row);
       if (bad_row && c.thread() == 0) bad.add(c, 1);
       if (worked) {
         c.fence();  // this block's histogram atomics before its ticket
@@ -148,13 +167,13 @@ struct select_multi_chunk_op {
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, matrix_view<const float> scores, Rows rows, select_dev_ws w,
                                        select_plan plan) {
     simt_block<Ctx, threads> blk{c, sh.scan};
-    const index_t R = scores.extent(0), C = plan.chunks;
+    const index_t R = row_count(scores, rows), C = plan.chunks;
     for (index_t item = c.block(); item < R * C; item += c.grid_dim()) {
       if constexpr (Emit) {
-        multi_emit_chunk(blk, select_row_keys(scores, item / C), rows, w, plan, item / C, item % C, sh.sm);
+        multi_emit_chunk(blk, row_keys(scores, rows, item / C), rows, w, plan, item / C, item % C, sh.sm);
         c.sync();
       } else {
-        multi_count_chunk(blk, select_row_keys(scores, item / C), rows, w, plan, item / C, item % C);
+        multi_count_chunk(blk, row_keys(scores, rows, item / C), rows, w, plan, item / C, item % C);
       }
     }
   }
@@ -245,20 +264,23 @@ struct batch_offsets_op {
   using shared = select_scan_op_base::shared;
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, const std::int32_t* budgets, const std::int32_t* row_lengths,
-                                       index_t R, index_t H, index_t T, index_t capacity, std::int32_t* cu, int* bad) {
+                                       const std::int32_t* cu_seqlens, index_t R, index_t H, index_t T,
+                                       index_t capacity, std::int32_t* cu, int* bad) {
     simt_block<Ctx, threads> blk{c, sh.scan};
-    const index_t added = batch_offsets(blk, budgets, row_lengths, R, H, T, capacity, cu);
+    const index_t added = batch_offsets(blk, budgets, row_lengths, cu_seqlens, R, H, T, capacity, cu);
     if (c.thread() == 0 && added > 0 && bad != nullptr)
       c.atomic_add(bad, static_cast<int>(added < 1 << 30 ? added : 1 << 30));
   }
 };
 
-/// Launched for R = 0 too: kept_cu[0] = 0, as the host writes it.
+/// Launched for R = 0 too: kept_cu[0] = 0, as the host writes it. cu_seqlens: varlen lengths (or
+/// null: row_lengths, padded).
 template <class L>
-void batch_offsets_launch(L& l, const std::int32_t* budgets, const std::int32_t* row_lengths, index_t R, index_t H,
-                          index_t T, index_t capacity, std::int32_t* cu, int* bad) {
-  l.template run<batch_offsets_op>(simt_shape{1, select_block_threads}, budgets, row_lengths, R, H, T, capacity, cu,
-                                   bad);
+void batch_offsets_launch(L& l, const std::int32_t* budgets, const std::int32_t* row_lengths,
+                          const std::int32_t* cu_seqlens, index_t R, index_t H, index_t T, index_t capacity,
+                          std::int32_t* cu, int* bad) {
+  l.template run<batch_offsets_op>(simt_shape{1, select_block_threads}, budgets, row_lengths, cu_seqlens, R, H, T,
+                                   capacity, cu, bad);
 }
 
 // ---- launch sequences (after the host-side checks and the workspace zeroing) -------------------------
@@ -269,7 +291,7 @@ template <class L, class Rows>
 void select_rows_launch(L& l, const matrix_view<const float>& scores, const Rows& rows, const select_dev_ws& w,
                         const select_plan& plan, bool full_key, bool emit, simt_bad bad,
                         index_t cap = index_t(1) << 20) {
-  const index_t R = scores.extent(0);
+  const index_t R = row_count(scores, rows);
   if (R == 0) return;
   constexpr index_t threads = select_block_threads;
   if (!plan.multi) {

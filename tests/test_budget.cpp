@@ -1144,7 +1144,7 @@ TEST_CASE("entropy kernels: entropy_log within 2 ulp of log; cake_layer_stats an
       const cake_stats want = model_cake(a, R, w, C, ve);
       for (int isa = 0; isa <= best; ++isa) {
         CAPTURE(isa);
-        detail::entropy_isa_override().store(isa);
+        detail::host_kernel_isa_override().store(isa);
         cake_stats got, got_par;
         REQUIRE(cake_layer_stats(seq, view, &got, ve).ok());
         REQUIRE(cake_layer_stats(par_t{2}, view, &got_par, ve).ok());
@@ -1160,7 +1160,7 @@ TEST_CASE("entropy kernels: entropy_log within 2 ulp of log; cake_layer_stats an
       }
     }
   }
-  detail::entropy_isa_override().store(-1);
+  detail::host_kernel_isa_override().store(-1);
 }
 
 TEST_CASE("cake_budgets: exact B x H x L, proportional to the preferences within the rounding rule, errors") {

@@ -215,20 +215,21 @@ __attribute__((target("avx512f,avx2"))) KVEVICT_NO_CONTRACT inline void lava_hea
 }
 #endif
 
-/// The entropy kernels' profile: score_isa_supported() unless a test forces one (< 0: none forced).
-inline std::atomic<int>& entropy_isa_override() noexcept {
+/// The profile of the entropy and value-norm kernels (norm_host.hpp): score_isa_supported() unless a
+/// test forces a lower one (< 0: none forced).
+inline std::atomic<int>& host_kernel_isa_override() noexcept {
   static std::atomic<int> forced{-1};
   return forced;
 }
-inline score_isa entropy_isa() noexcept {
-  const int f = entropy_isa_override().load(std::memory_order_relaxed);
+inline score_isa host_kernel_isa() noexcept {
+  const int f = host_kernel_isa_override().load(std::memory_order_relaxed);
   const score_isa best = score_isa_supported();
   return f >= 0 && f <= static_cast<int>(best) ? static_cast<score_isa>(f) : best;
 }
 
 inline void cake_head(KVEVICT_CAKE_HEAD_ARGS) {
 #if KVEVICT_SCORE_X86_DISPATCH
-  switch (entropy_isa()) {
+  switch (host_kernel_isa()) {
     case score_isa::avx512: return cake_head_avx512(KVEVICT_CAKE_HEAD_CALL);
     case score_isa::avx2: return cake_head_avx2(KVEVICT_CAKE_HEAD_CALL);
     default: break;
@@ -238,7 +239,7 @@ inline void cake_head(KVEVICT_CAKE_HEAD_ARGS) {
 }
 inline void lava_head_pass(KVEVICT_LAVA_HEAD_ARGS) {
 #if KVEVICT_SCORE_X86_DISPATCH
-  switch (entropy_isa()) {
+  switch (host_kernel_isa()) {
     case score_isa::avx512: return lava_head_avx512(KVEVICT_LAVA_HEAD_CALL);
     case score_isa::avx2: return lava_head_avx2(KVEVICT_LAVA_HEAD_CALL);
     default: break;

@@ -1036,6 +1036,133 @@ TEST_CASE("cake_layer_stats / cake_preference: against the naive sums; seq == pa
   require_error(cake_preference({1.0, 1.0}, {}, nullptr), errc::null_pointer, "pref is null");
 }
 
+namespace {
+
+// The documented definitions of the entropy kernels (detail/host/entropy_host.hpp), written out
+// scalar: 8 lanes, entry k to lane k mod 8, lanes combined ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+double model_lanes(const double* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+cake_stats model_cake(const std::vector<float>& a, index_t R, index_t w, index_t C, variance_estimator ve) {
+  cake_stats out;
+  const index_t dn = ve == variance_estimator::biased ? w : w - 1;
+  for (index_t r = 0; r < R; ++r) {
+    double ent[8] = {}, var[8] = {};
+    for (index_t j0 = 0; j0 < C; j0 += detail::cake_block) {
+      const index_t j1 = std::min(C, j0 + detail::cake_block);
+      for (index_t i = 0; i < w; ++i)
+        for (index_t j = j0; j < j1; ++j) {
+          const float p = a[static_cast<std::size_t>((r * w + i) * C + j)];
+          if (p > 0.0f) ent[j % 8] -= static_cast<double>(p) * detail::entropy_log(p);
+        }
+      if (dn > 0)
+        for (index_t j = j0; j < j1; ++j) {
+          double mean = 0;
+          for (index_t i = 0; i < w; ++i) mean += static_cast<double>(a[static_cast<std::size_t>((r * w + i) * C + j)]);
+          mean /= static_cast<double>(w);
+          double m2 = 0;
+          for (index_t i = 0; i < w; ++i) {
+            const double d = static_cast<double>(a[static_cast<std::size_t>((r * w + i) * C + j)]) - mean;
+            m2 += d * d;
+          }
+          var[j % 8] += m2 / static_cast<double>(dn);
+        }
+    }
+    out.entropy += model_lanes(ent);
+    out.variance += model_lanes(var);
+  }
+  return out;
+}
+
+double model_lava(const std::vector<float>& s, index_t H, index_t T, const protection& p) {
+  double S = 0;
+  index_t M = 0;
+  for (index_t h = 0; h < H; ++h) {
+    index_t b = 0, e = 0;
+    detail::lava_range(T, p, &b, &e);
+    double l[8] = {};
+    for (index_t t = b; t < e; ++t) l[(t - b) % 8] += static_cast<double>(s[static_cast<std::size_t>(h * T + t)]);
+    S += model_lanes(l);
+    M += e - b;
+  }
+  if (M <= 1 || !(S > 0.0)) return 0.0;
+  const double inv_s = 1.0 / S, log_s = detail::entropy_log(S);
+  double acc = 0;
+  for (index_t h = 0; h < H; ++h) {
+    index_t b = 0, e = 0;
+    detail::lava_range(T, p, &b, &e);
+    double l[8] = {};
+    for (index_t t = b; t < e; ++t) {
+      const float v = s[static_cast<std::size_t>(h * T + t)];
+      if (v > 0.0f) l[(t - b) % 8] += (static_cast<double>(v) * inv_s) * (detail::entropy_log(v) - log_s);
+    }
+    acc += model_lanes(l);
+  }
+  return acc < 0.0 ? -acc / std::log(static_cast<double>(M)) : 0.0;
+}
+
+}  // namespace
+
+TEST_CASE("entropy kernels: entropy_log within 2 ulp of log; cake_layer_stats and lava_layer_entropy equal their "
+          "documented scalar definitions on every ISA copy, seq and par") {
+  // the logarithm over floats of every binade (subnormals included) and doubles
+  auto g = kvtest::rng(77);
+  std::uniform_int_distribution<std::uint32_t> bits(1u, 0x7f7fffffu);
+  long double worst = 0;
+  for (int k = 0; k < 200000; ++k) {
+    const float x = detail::bits_float(k < 64 ? static_cast<std::uint32_t>(k + 1) : bits(g));
+    const long double ref = std::log(static_cast<long double>(x));
+    const double got = detail::entropy_log(x);
+    const long double ulp = std::ldexp(1.0L, std::ilogb(static_cast<double>(ref)) - 52);
+    worst = std::max(worst, std::fabs(static_cast<long double>(got) - ref) / ulp);
+    const double xd = static_cast<double>(x) * 1.2345678901234567e5;
+    const long double refd = std::log(static_cast<long double>(xd));
+    const long double ulpd = std::ldexp(1.0L, std::ilogb(static_cast<double>(refd)) - 52);
+    worst = std::max(worst, std::fabs(static_cast<long double>(detail::entropy_log(xd)) - refd) / ulpd);
+  }
+  CHECK(worst <= 2.0L);
+  CHECK(detail::entropy_log(1.0f) == 0.0);
+  CHECK(detail::entropy_log(1.0) == 0.0);
+  // the kernels: random shapes crossing the 256-column blocks and the 8-lane tails, zeros, -0 and
+  // subnormal probabilities; every profile the CPU has (the override picks a lower one)
+  const int best = static_cast<int>(detail::score_isa_supported());
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    CAPTURE(seed);
+    auto r = kvtest::rng(seed);
+    const index_t R = uniform_int(r, 1, 5), w = uniform_int(r, 1, 7), C = uniform_int(r, 0, 700);
+    auto a = random_attention(r, R, w, C);
+    for (std::size_t k = 0; k < a.size(); k += 7) a[k] = k % 3 == 0 ? 0.0f : k % 3 == 1 ? -0.0f : 1e-41f;
+    const index_t H = uniform_int(r, 1, 5), T = uniform_int(r, 0, 900);
+    std::vector<float> s(static_cast<std::size_t>(H * T));
+    for (auto& x : s) x = uniform_int(r, 0, 4) == 0 ? 0.0f : static_cast<float>(uniform_int(r, 1, 1000000)) * 1e-3f;
+    if (!s.empty()) s[0] = 3e-42f;
+    const protection pr{uniform_int(r, 0, 4), uniform_int(r, 0, 20)};
+    protect_scores(s, H, T, pr, nullptr);
+    lava_entropy_options lo;
+    lo.prot = pr;
+    const auto view = value_of(make_kv_view(static_cast<const float*>(a.data()), R, w, C));
+    for (const variance_estimator ve : {variance_estimator::unbiased, variance_estimator::biased}) {
+      const cake_stats want = model_cake(a, R, w, C, ve);
+      for (int isa = 0; isa <= best; ++isa) {
+        CAPTURE(isa);
+        detail::host_kernel_isa_override().store(isa);
+        cake_stats got, got_par;
+        REQUIRE(cake_layer_stats(seq, view, &got, ve).ok());
+        REQUIRE(cake_layer_stats(par_t{2}, view, &got_par, ve).ok());
+        CHECK(std::memcmp(&got.entropy, &want.entropy, sizeof(double)) == 0);
+        CHECK(std::memcmp(&got.variance, &want.variance, sizeof(double)) == 0);
+        CHECK(std::memcmp(&got, &got_par, sizeof got) == 0);
+        double e = -1, e_par = -2;
+        REQUIRE(lava_layer_entropy(seq, cmat(s, H, T), nullptr, lo, &e).ok());
+        REQUIRE(lava_layer_entropy(par_t{2}, cmat(s, H, T), nullptr, lo, &e_par).ok());
+        const double we = model_lava(s, H, T, pr);
+        CHECK(std::memcmp(&e, &we, sizeof e) == 0);
+        CHECK(std::memcmp(&e, &e_par, sizeof e) == 0);
+      }
+    }
+  }
+  detail::host_kernel_isa_override().store(-1);
+}
+
 TEST_CASE("cake_budgets: exact B x H x L, proportional to the preferences within the rounding rule, errors") {
   for (std::uint64_t seed = 1; seed <= 300; ++seed) {
     CAPTURE(seed);

@@ -197,6 +197,7 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
       for (index_t p = 0; p < L; ++p) o[p * os1] = gqa_finish(opt.gqa, o[p * os1], g);
     }
     index_t weighted_end = 0;
+    float norms[norm_block];  // value norms of up to norm_block rows at a time (norm_host.hpp)
     float factor = 0.0f;
     const VE* vh = nullptr;
     if (opt.weight_values) {
@@ -205,17 +206,26 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
       vh = values.data_handle() + h * values.stride(0);
       if (opt.weight == value_weight::head_max) {
         factor = 0.0f;
-        for (index_t k = 0; k < vlen; ++k)
-          factor = max_nan(factor, value_l1_norm(vh + k * values.stride(1), values.extent(2), values.stride(2)));
+        for (index_t k0 = 0; k0 < vlen; k0 += norm_block) {
+          const index_t m = vlen - k0 < norm_block ? vlen - k0 : norm_block;
+          value_l1_norms(vh + k0 * values.stride(1), values.stride(1), values.stride(2), m, values.extent(2), norms);
+          for (index_t k = 0; k < m; ++k) factor = max_nan(factor, norms[k]);
+        }
       }
     }
     const index_t sink_end = protect_sink_end(L, opt.n_sink), recent_begin = protect_recent_begin(L, opt.n_recent);
-    for (index_t p = 0; p < L; ++p) {
-      const bool weighted = p < weighted_end;
-      float f = factor;
-      if (weighted && opt.weight == value_weight::per_token)
-        f = value_l1_norm(vh + p * values.stride(1), values.extent(2), values.stride(2));
-      o[p * os1] = postprocess_finish(o[p * os1], p, weighted, f, sink_end, recent_begin);
+    const bool per_token = opt.weight_values && opt.weight == value_weight::per_token;
+    for (index_t p0 = 0; p0 < L; p0 += norm_block) {
+      const index_t m = L - p0 < norm_block ? L - p0 : norm_block;
+      const index_t mw = weighted_end - p0 < m ? (weighted_end > p0 ? weighted_end - p0 : 0) : m;
+      if (per_token && mw > 0)
+        value_l1_norms(vh + p0 * values.stride(1), values.stride(1), values.stride(2), mw, values.extent(2), norms);
+      for (index_t k = 0; k < m; ++k) {
+        const index_t p = p0 + k;
+        const bool weighted = p < weighted_end;
+        const float f = weighted && per_token ? norms[k] : factor;
+        o[p * os1] = postprocess_finish(o[p * os1], p, weighted, f, sink_end, recent_begin);
+      }
     }
   });
   return {};

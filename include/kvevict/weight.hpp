@@ -23,6 +23,7 @@
 #include <kvevict/view.hpp>
 #include <kvevict/weight_types.hpp>
 #include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/detail/host/norm_host.hpp>
 
 #include <cstdint>
 #include <type_traits>
@@ -101,15 +102,22 @@ status weight_by_value_norm(Backend be, matrix_view<float> scores, kv_view<V> va
     const index_t len = lengths != nullptr ? lengths[h] : tokens;
     const index_t n = cols < len ? cols : len;
     const VE* vh = vd + h * v0;
+    float norms[detail::norm_block];  // the norms of up to norm_block rows at a time (norm_host.hpp)
     if (mode == value_weight::head_max) {
       float mx = 0.0f;  // norms are >= 0; an empty head weights nothing
-      for (index_t t = 0; t < len; ++t) mx = detail::max_nan(mx, detail::value_l1_norm(vh + t * v1, d, v2));
+      for (index_t t0 = 0; t0 < len; t0 += detail::norm_block) {
+        const index_t m = len - t0 < detail::norm_block ? len - t0 : detail::norm_block;
+        detail::value_l1_norms(vh + t0 * v1, v1, v2, m, d, norms);
+        for (index_t t = 0; t < m; ++t) mx = detail::max_nan(mx, norms[t]);
+      }
       for (index_t r = h * group; r < (h + 1) * group; ++r)
         for (index_t j = 0; j < n; ++j) sd[r * s0 + j * s1] *= mx;
     } else {
-      for (index_t j = 0; j < n; ++j) {
-        const float norm = detail::value_l1_norm(vh + j * v1, d, v2);
-        for (index_t r = h * group; r < (h + 1) * group; ++r) sd[r * s0 + j * s1] *= norm;
+      for (index_t j0 = 0; j0 < n; j0 += detail::norm_block) {
+        const index_t m = n - j0 < detail::norm_block ? n - j0 : detail::norm_block;
+        detail::value_l1_norms(vh + j0 * v1, v1, v2, m, d, norms);
+        for (index_t r = h * group; r < (h + 1) * group; ++r)
+          for (index_t j = 0; j < m; ++j) sd[r * s0 + (j0 + j) * s1] *= norms[j];
       }
     }
   });

@@ -16,6 +16,7 @@
 #include <kvevict/budget/apportion.hpp>
 #include <kvevict/budget/lava.hpp>
 #include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/host/entropy_host.hpp>
 #include <kvevict/score.hpp>
 
 #include <algorithm>
@@ -49,30 +50,27 @@ struct cake_row {
 inline cake_row cake_row_stats(const kv_view<const float>& a, index_t r, variance_estimator var) {
   cake_row out;
   const index_t w = a.extent(1), C = a.extent(2);
-  for (index_t i = 0; i < w; ++i)
-    for (index_t j = 0; j < C; ++j) {
-      const float p = a(r, i, j);
-      if (!(p >= 0.0f && p <= 1.0f)) {
-        out.bad_i = i;
-        out.bad_j = j;
-        out.bad = p;
-        return out;
+  const float* base = a.data_handle() + r * a.stride(0);
+  // divisor 0: no variance (unbiased with w <= 1, score.hpp's rule; no window rows)
+  const index_t dn = var == variance_estimator::biased ? w : w - 1;
+  const double div = dn > 0 ? static_cast<double>(dn) : 0.0;
+  double ent[8] = {}, vl[8] = {};
+  bool bad = false;
+  cake_head(base, w, C, a.stride(1), a.stride(2), div, ent, vl, &bad);
+  if (bad) {  // the first offending probability in (i, j) order
+    for (index_t i = 0; i < w; ++i)
+      for (index_t j = 0; j < C; ++j) {
+        const float p = a(r, i, j);
+        if (!(p >= 0.0f && p <= 1.0f)) {
+          out.bad_i = i;
+          out.bad_j = j;
+          out.bad = p;
+          return out;
+        }
       }
-      if (p > 0.0f) out.entropy -= static_cast<double>(p) * std::log(static_cast<double>(p));
-    }
-  const double div = var == variance_estimator::biased ? static_cast<double>(w) : static_cast<double>(w - 1);
-  if (w <= 1 && var == variance_estimator::unbiased) return out;  // defined as 0 (score.hpp's rule)
-  for (index_t j = 0; j < C; ++j) {
-    double mean = 0.0;
-    for (index_t i = 0; i < w; ++i) mean += static_cast<double>(a(r, i, j));
-    mean /= static_cast<double>(w);
-    double m2 = 0.0;
-    for (index_t i = 0; i < w; ++i) {
-      const double d = static_cast<double>(a(r, i, j)) - mean;
-      m2 += d * d;
-    }
-    out.variance += m2 / div;
   }
+  out.entropy = lane_total(ent);
+  out.variance = lane_total(vl);
   return out;
 }
 
@@ -109,8 +107,10 @@ inline status check_cake_stats(const char* fn, const kv_view<const float>& atten
 ///   variance = sum_{r,j} var_i p_{r,i,j} (unbiased: / (w - 1), torch.var's default and CAKE's; 0 for
 ///              w = 1; biased: / w)
 /// The paper (LAVa appendix B Eq. 23) writes these over every prefill step t in [j, N]; the public
-/// code, followed here, uses the w window rows. Sums in double: per row in (i, j) order, rows combined
-/// in order, so seq and par give identical bits. O(R w C) with a log per element, parallel over rows.
+/// code, followed here, uses the w window rows. Sums in double, per row in 8 lanes of columns (j mod 8)
+/// in a fixed order and rows combined in order, with kvevict's own logarithm (detail/host/
+/// entropy_host.hpp, docs/budget.md), so seq, par and every ISA give identical bits. O(R w C) with a
+/// log per element, vectorised across columns, parallel over rows.
 /// The score stage never materialises attention; an engine that does not have it (eager attention)
 /// computes the window rows' probabilities itself (docs/budget.md, "Not done").
 /// Errors: invalid view; a probability NaN or outside [0, 1]; unknown estimator; out null.

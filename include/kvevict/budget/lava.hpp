@@ -12,6 +12,7 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/budget/apportion.hpp>
 #include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/host/entropy_host.hpp>
 
 #include <cmath>
 
@@ -37,9 +38,12 @@ struct lava_entropy_options {
 /// columns, all T when lengths is null), p = s / sum(s) and
 ///   e = -sum p log p / log M   (log_count, default)      e = -sum p log p / M   (count)
 /// with M the number of those entries and 0 log 0 = 0. e = 0 when M <= 1 (log_count), M = 0, or
-/// every score is 0. Sums in double: per head in column order, heads combined in order, so seq and
-/// par give identical bits (LAVa's code adds 1e-16 inside the division and the log, which changes e
-/// by ~1e-16 relative). Two passes over the scores, one log per entry; parallel over heads.
+/// every score is 0. Sums in double: per head in 8 lanes (entry k of the head's range to lane k mod 8,
+/// lanes combined in a fixed order), heads combined in order; p log p = (s / S)(log s - log S) with
+/// 1 / S and log S once per layer and kvevict's own logarithm (detail/host/entropy_host.hpp,
+/// docs/budget.md); so seq, par and every ISA give identical bits (LAVa's code adds 1e-16 inside the
+/// division and the log, which changes e by ~1e-16 relative). Two passes over the scores, one log
+/// per entry, vectorised along the head; parallel over heads.
 /// Both normalisations give the same layer budgets whenever every layer has the same M (the same
 /// heads and prompt): the budgets are proportional to e and the normaliser is a common factor.
 /// Errors: invalid view; no heads; lengths outside [0, T]; negative n_sink/n_recent; unknown norm;
@@ -87,25 +91,26 @@ inline void lava_range(index_t len, const protection& p, index_t* b, index_t* e)
 template <class Backend>
 void lava_heads(Backend be, const matrix_view<const float>& scores, const std::int32_t* lengths, const protection& prot,
                 index_t h0, index_t n, double S, lava_head* out) {
+  const double inv_s = S > 0.0 ? 1.0 / S : 0.0, log_s = S > 0.0 ? entropy_log(S) : 0.0;
   detail::parallel_for(be, n, [&](index_t k) {
     const index_t h = h0 + k;
     index_t b = 0, e = 0;
     lava_range(lengths != nullptr ? lengths[h] : scores.extent(1), prot, &b, &e);
     lava_head hs;
     hs.count = e - b;
-    for (index_t t = b; t < e; ++t) {
+    double lanes[8] = {};
+    bool bad = false;
+    const float* row = scores.data_handle() + h * scores.stride(0) + b * scores.stride(1);
+    lava_head_pass(row, e - b, scores.stride(1), inv_s, log_s, lanes, &bad);
+    for (index_t t = b; bad && t < e; ++t) {  // the first offending column
       const float v = scores(h, t);
-      if (S > 0.0) {
-        const double p = static_cast<double>(v) / S;
-        if (p > 0.0) hs.sum += p * std::log(p);
-      } else if (!(v >= 0.0f) || v == detail::bits_float(0x7f800000u)) {
+      if (!(v >= 0.0f) || v == detail::bits_float(0x7f800000u)) {
         hs.bad = t;
         hs.bad_value = v;
         break;
-      } else {
-        hs.sum += static_cast<double>(v);
       }
     }
+    hs.sum = lane_total(lanes);
     out[k] = hs;
   });
 }
@@ -144,9 +149,12 @@ inline double lava_normalise(double acc, index_t M, entropy_norm norm) {
 /// columns, all T when lengths is null), p = s / sum(s) and
 ///   e = -sum p log p / log M   (log_count, default)      e = -sum p log p / M   (count)
 /// with M the number of those entries and 0 log 0 = 0. e = 0 when M <= 1 (log_count), M = 0, or
-/// every score is 0. Sums in double: per head in column order, heads combined in order, so seq and
-/// par give identical bits (LAVa's code adds 1e-16 inside the division and the log, which changes e
-/// by ~1e-16 relative). Two passes over the scores, one log per entry; parallel over heads.
+/// every score is 0. Sums in double: per head in 8 lanes (entry k of the head's range to lane k mod 8,
+/// lanes combined in a fixed order), heads combined in order; p log p = (s / S)(log s - log S) with
+/// 1 / S and log S once per layer and kvevict's own logarithm (detail/host/entropy_host.hpp,
+/// docs/budget.md); so seq, par and every ISA give identical bits (LAVa's code adds 1e-16 inside the
+/// division and the log, which changes e by ~1e-16 relative). Two passes over the scores, one log
+/// per entry, vectorised along the head; parallel over heads.
 /// Both normalisations give the same layer budgets whenever every layer has the same M (the same
 /// heads and prompt): the budgets are proportional to e and the normaliser is a common factor.
 /// Errors: invalid view; no heads; lengths outside [0, T]; negative n_sink/n_recent; unknown norm;

@@ -1,0 +1,123 @@
+// Host kernel of the value rows' L1 norms (weight.hpp's weight_by_value_norm, the fused
+// post-processing's value weighting): value_l1_norm of many rows at once, vectorised across rows.
+// Nothing here is API.
+//
+// Each norm keeps value_l1_norm's definition bit for bit (one sequential fp32 sum 0 + |v_0| + |v_1| +
+// ... + |v_{d-1}| per row, stage_math.hpp): 16 rows are one vector of 16 lanes, each lane adding its
+// own row's elements in order, so only the work is spread across lanes, never a row's sum. The
+// elements are widened (|to_float|, exact and branch-free, so the loop vectorises) into a block
+// [64 elements][16 rows] on the stack and the lanes add the block column by column. Three copies
+// on x86-64 (SSE2, AVX2, AVX-512F, chosen at run time), all the same operations.
+#pragma once
+
+#include <kvevict/detail/host/entropy_host.hpp>
+#include <kvevict/numeric.hpp>
+
+#include <cstdint>
+
+namespace kvevict::detail {
+KVEVICT_SCORE_ABI_BEGIN
+
+/// The bits of |to_float(v)|, branch-free (NaN payloads kept, the sign cleared).
+KVEVICT_ALWAYS_INLINE std::uint32_t abs_float_bits(float v) noexcept { return float_bits(v) & 0x7fffffffu; }
+KVEVICT_ALWAYS_INLINE std::uint32_t abs_float_bits(bfloat16 v) noexcept {
+  return (static_cast<std::uint32_t>(v.bits) << 16) & 0x7fffffffu;
+}
+KVEVICT_ALWAYS_INLINE std::uint32_t abs_float_bits(float16 v) noexcept {
+  const std::uint32_t h = v.bits & 0x7fffu, e = h >> 10, m = h & 0x3ffu;
+  const std::uint32_t normal = (h << 13) + (112u << 23);               // exponent rebiased by 127 - 15
+  const std::uint32_t special = 0x7f800000u | (m << 13);                // inf, NaN (payload kept)
+  const std::uint32_t sub = float_bits(static_cast<float>(static_cast<std::int32_t>(m)) * 5.9604644775390625e-8f);  // m 2^-24, exact
+  return select_bits(e == 0x1fu, special, select_bits(e == 0u, sub, normal));
+}
+
+/// Rows per block (one lane each) and elements per stage; callers ask for up to norm_block rows at
+/// a time (a stack array of norms).
+constexpr index_t norm_rows = 16, norm_cols = 64, norm_block = 64;
+
+/// norms[r] = value_l1_norm(base + r rs, d, es) for r < n.
+template <class VE>
+KVEVICT_ALWAYS_INLINE void value_l1_norms_body(const VE* base, index_t rs, index_t es, index_t n, index_t d,
+                                               float* KVEVICT_RESTRICT norms) noexcept {
+  KVEVICT_FP_CONTRACT_OFF
+  alignas(64) float tmp[norm_cols][norm_rows];
+  for (index_t r0 = 0; r0 < n; r0 += norm_rows) {
+    const index_t nr = n - r0 < norm_rows ? n - r0 : norm_rows;
+    alignas(64) float acc[norm_rows] = {};
+    for (index_t t0 = 0; t0 < d; t0 += norm_cols) {
+      const index_t m = d - t0 < norm_cols ? d - t0 : norm_cols;
+      for (index_t l = 0; l < norm_rows; ++l) {
+        if (l < nr) {
+          const VE* KVEVICT_RESTRICT row = base + (r0 + l) * rs + t0 * es;
+          if (es == 1)
+            for (index_t t = 0; t < m; ++t) tmp[t][l] = bits_float(abs_float_bits(row[t]));
+          else
+            for (index_t t = 0; t < m; ++t) tmp[t][l] = bits_float(abs_float_bits(row[t * es]));
+        } else {
+          for (index_t t = 0; t < m; ++t) tmp[t][l] = 0.0f;
+        }
+      }
+      for (index_t t = 0; t < m; ++t)
+        for (index_t l = 0; l < norm_rows; ++l) acc[l] += tmp[t][l];
+    }
+    for (index_t l = 0; l < nr; ++l) norms[r0 + l] = acc[l];
+  }
+}
+
+template <class VE>
+KVEVICT_NO_CONTRACT inline void value_l1_norms_sse2(const VE* base, index_t rs, index_t es, index_t n, index_t d,
+                                                    float* norms) {
+  value_l1_norms_body(base, rs, es, n, d, norms);
+}
+#if KVEVICT_SCORE_X86_DISPATCH
+template <class VE>
+__attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void value_l1_norms_avx2(const VE* base, index_t rs,
+                                                                                    index_t es, index_t n, index_t d,
+                                                                                    float* norms) {
+  value_l1_norms_body(base, rs, es, n, d, norms);
+}
+/// The AVX-512 copy: 16 contiguous rows at a time widened and transposed in registers by the score
+/// stage's packing (score_pack16_avx512: [64 elements][16 rows] per stage, exact), then |x| added
+/// lane by lane (lane l = row l, its elements in order); rows of a partial block as in
+/// value_l1_norms_body. Same operations, same bits.
+template <class VE>
+__attribute__((target("avx512f,avx2,f16c"))) KVEVICT_NO_CONTRACT inline void value_l1_norms_avx512(
+    const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) {
+  index_t r0 = 0;
+  if (es == 1) {
+    constexpr __mmask16 all = 0xFFFF;
+    const __m512i mag = _mm512_set1_epi32(0x7fffffff);
+    alignas(64) float tmp[norm_cols * norm_rows];
+    for (; r0 + norm_rows <= n; r0 += norm_rows) {
+      __m512 acc = _mm512_setzero_ps();
+      for (index_t t0 = 0; t0 < d; t0 += norm_cols) {
+        const index_t m = d - t0 < norm_cols ? d - t0 : norm_cols;
+        const VE* rows[norm_rows];
+        for (index_t l = 0; l < norm_rows; ++l) rows[l] = base + (r0 + l) * rs + t0;
+        score_pack16_avx512(tmp, norm_rows, rows, m);
+        for (index_t t = 0; t < m; ++t)
+          acc = _mm512_maskz_add_ps(
+              all, acc, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_load_ps(tmp + t * norm_rows)), mag)));
+      }
+      _mm512_storeu_ps(norms + r0, acc);
+    }
+  }
+  value_l1_norms_body(base + r0 * rs, rs, es, n - r0, d, norms + r0);
+}
+#endif
+
+/// norms[r] = value_l1_norm(base + r rs, d, es) for r < n (the bits of value_l1_norm), on the host.
+template <class VE>
+inline void value_l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) {
+#if KVEVICT_SCORE_X86_DISPATCH
+  switch (host_kernel_isa()) {
+    case score_isa::avx512: return value_l1_norms_avx512(base, rs, es, n, d, norms);
+    case score_isa::avx2: return value_l1_norms_avx2(base, rs, es, n, d, norms);
+    default: break;
+  }
+#endif
+  value_l1_norms_sse2(base, rs, es, n, d, norms);
+}
+
+KVEVICT_SCORE_ABI_END
+}  // namespace kvevict::detail

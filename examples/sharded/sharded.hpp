@@ -8,20 +8,24 @@
 // per-head attention outputs are then allgathered and every rank runs the output projection and
 // the FFN on the whole row, in the order one process uses: no float sum is split across ranks (an
 // all-reduce of partial output projections would change the summation order and the tokens).
-// Eviction: post_fill_driver with the communicator (post_fill_config::tp): per-head budgets need
-// none, AdaKV and LAVa select across the ranks with the library's exact sharded radix select, LAVa's
-// entropies are sharded, CAKE's preferences come from the sharded cake_window_preference.
+// Eviction: the postfill, chunked (naive, patched) and decode drivers, each given the
+// communicator (post_fill_config::tp, chunked_config::tp, decode_config::tp) and called as
+// evictor does on one process: per-head budgets need none, AdaKV and LAVa select across the
+// ranks with the library's exact sharded radix select, LAVa's entropies are sharded, CAKE's
+// preferences come from the sharded cake_window_preference.
 //
 // Pipeline parallelism (--pp P, P <= layers): rank r holds the layers layer_shard(L, P, r). The
 // stages run in order; after each, its activations reach every rank (an allgather of the block's
 // rows, the other ranks' slots unused), so every rank computes the same logits and samples the same
-// token. Eviction: post_fill_driver on the stage's layers (post_fill_config::pp: uniform, PyramidKV
-// need only the layer index, AdaKV selects within a layer; LAVa's and CAKE's layer budgets come from
-// every stage's entropies / preferences, gathered by the driver's decide()).
+// token. Eviction: the drivers on the stage's layers (uniform, PyramidKV need only the layer
+// index, AdaKV selects within a layer; post-fill LAVa's and CAKE's layer budgets come from every
+// stage's entropies / preferences, gathered by post_fill_driver's decide() (post_fill_config::pp);
+// the chunked drivers' LAVa is not layer-sharded: an error under --pp).
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
-// kvevict/mpi.hpp; the tests also run it on threads). Only the postfill driver and the methods
-// full, snapkv, pyramidkv, adakv, lava, cake run sharded; the others are a clear error.
+// kvevict/mpi.hpp; the tests also run it on threads). The recipes that need head types (duo,
+// prulong, duo-heuristic) or a query block (laq, laq++, speckv, lookaheadkv, oracle) and the
+// layerwise driver do not run sharded: a clear error (check_sharded).
 #pragma once
 
 #include <report/report.hpp>
@@ -90,6 +94,9 @@ class shard_cache {
   kvevict::kv_view<const float> dense_keys(int l, index_t rows) const {
     return *kvevict::make_kv_view<const float>(keys_.data() + off(l, 0, 0), heads_, rows, hs_, cap_ * hs_, hs_);
   }
+  /// Every (layer, head)'s length, and setting them back (an extra block's rows dropped).
+  const std::vector<std::int32_t>& lengths() const { return lens_; }
+  void set_lengths(const std::vector<std::int32_t>& lens) { std::copy(lens.begin(), lens.end(), lens_.begin()); }
   status compact(int l, kvevict::ragged_positions kept) {
     return kvevict::compact_layer(kvevict::seq, keys(l), values(l), positions(l), kept);
   }
@@ -104,7 +111,12 @@ class shard_cache {
   std::vector<std::int32_t> lens_, cu_;
 };
 
-/// The methods a sharded run takes (postfill driver): full, snapkv, pyramidkv, adakv, lava, cake. Error: a clear one naming what is not supported.
+/// The methods a sharded run takes: every recipe that needs neither head types nor a query block
+/// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava), with the
+/// postfill, chunked-naive, chunked-patched and decode drivers and the combinations
+/// check_evict_options accepts; the chunked drivers' lava allocator under --tp only (its budget is
+/// the whole model's, shared across layers: not layer-sharded). Error: a clear one naming what is
+/// not supported.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1 || (s.tp > 1 && s.pp > 1))
     return status::error(errc::invalid_argument, "--tp %d --pp %d: give one of them (tensor or pipeline parallelism)",
@@ -118,21 +130,30 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
   if (s.pp > 1)
     if (const auto r = kvevict::layer_shard(c.n_layers, s.pp, 0); !r) return r.error();
   const method m = o.recipe;
-  if (m != method::full && m != method::snapkv && m != method::pyramidkv && m != method::adakv && m != method::lava &&
-      m != method::cake)
+  if (m == method::full) return {};
+  if (uses_head_types(m) || m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv ||
+      m == method::oracle)
     return status::error(errc::unsupported,
-                         "--recipe %s does not run sharded (full, snapkv, pyramidkv, adakv, lava and cake do)",
+                         "--recipe %s does not run sharded (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, "
+                         "vatp, adakv, cake and lava do)",
                          method_name(m));
-  if (m != method::full && o.driver != driver_kind::postfill)
-    return status::error(errc::unsupported, "--driver %s does not run sharded (postfill does)", driver_name(o.driver));
+  if (o.driver == driver_kind::layerwise)
+    return status::error(errc::unsupported,
+                         "--driver layerwise does not run sharded (postfill, chunked-naive, chunked-patched and decode do)");
   const budget_scheme a = allocator_of(o);
-  if (m != method::full && a != budget_scheme::uniform && a != budget_scheme::pyramid && a != budget_scheme::adakv &&
-      a != budget_scheme::lava && a != budget_scheme::cake)
+  if (a == budget_scheme::duo)
     return status::error(errc::unsupported, "--allocator %s does not run sharded", allocator_name(a));
+  const bool chunked = o.driver == driver_kind::chunked_naive || o.driver == driver_kind::chunked_patched;
+  if (chunked && a == budget_scheme::lava && s.pp > 1)
+    return status::error(errc::unsupported,
+                         "--driver %s --allocator lava does not run under --pp (its model budget is not layer-sharded; "
+                         "--tp is)",
+                         driver_name(o.driver));
   return check_evict_options(c, o);
 }
 
-/// The model on one rank of a tensor- or pipeline-parallel job, with post-fill eviction.
+/// The model on one rank of a tensor- or pipeline-parallel job, with eviction by the postfill,
+/// chunked and decode drivers (each given the communicator), as evictor does on one process.
 template <class Comm>
 class sharded_runner {
  public:
@@ -154,6 +175,10 @@ class sharded_runner {
     group_ = c.group_size();
     hs_ = c.head_size();
     lq_ = heads_.count * group_;
+    mine_cfg_ = c;  // this rank's heads (the head size kept), for block_capture
+    mine_cfg_.dim = static_cast<int>(lq_ * hs_);
+    mine_cfg_.n_heads = static_cast<int>(lq_);
+    mine_cfg_.n_kv_heads = static_cast<int>(heads_.count);
     cache_.init(c.n_layers, heads_.count, hs_, c.seq_len);
     const auto T = static_cast<std::size_t>(c.seq_len), d = static_cast<std::size_t>(c.dim);
     x_.assign(T * d, 0.0f);
@@ -182,26 +207,34 @@ class sharded_runner {
     return {};
   }
 
-  /// Prefills `prompt` (an empty cache) and evicts as configured; logits() then holds the first
-  /// generated token's. Errors: an empty or too long prompt, the driver's.
+  /// Prefills `prompt` (an empty cache) and evicts as configured (evictor::prefill's drivers);
+  /// logits() then holds the first generated token's. Errors: an empty or too long prompt, the driver's.
   status prefill(const std::vector<int>& prompt) {
     const config& c = m_->cfg();
     const auto n = static_cast<index_t>(prompt.size());
     if (n < 1 || n > c.seq_len || next_ != 0)
       return status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
                            static_cast<long long>(n), c.seq_len);
-    capture_ = o_.recipe != method::full;
-    if (capture_) queries_.assign(static_cast<std::size_t>(c.n_layers * lq_ * n * hs_), 0.0f);
-    KVEVICT_TRY(forward(prompt.data(), n));
-    capture_ = false;
-    return o_.recipe == method::full ? status{} : evict(n);
+    if (o_.recipe == method::full) return forward(prompt.data(), n);
+    switch (o_.driver) {
+      case driver_kind::chunked_naive:
+      case driver_kind::chunked_patched: return prefill_chunked(prompt);
+      case driver_kind::decode: return prefill_decode(prompt);
+      default: break;
+    }
+    prompt_q_.reset(mine_cfg_, n);
+    const forward_hooks hk = prompt_q_.hooks();
+    KVEVICT_TRY(forward(prompt.data(), n, &hk));
+    return evict(n);
   }
 
-  /// Decodes one token (no eviction after the prefill: the postfill driver's decode).
+  /// Decodes one token; with the decode driver, decode_driver::step then runs on every layer of
+  /// this rank (evictor::decode's).
   status decode(int token) {
     if (next_ >= m_->cfg().seq_len)
       return status::error(errc::out_of_range, "sharded_runner: the context of %d tokens is full", m_->cfg().seq_len);
-    return forward(&token, 1);
+    if (o_.recipe == method::full || o_.driver != driver_kind::decode) return forward(&token, 1);
+    return decode_step(token);
   }
 
  private:
@@ -212,40 +245,55 @@ class sharded_runner {
   kvevict::recipe rec_;
   kvevict::shard_range heads_, layers_;
   index_t group_ = 1, hs_ = 0, lq_ = 0;
+  config mine_cfg_;
   shard_cache cache_;
-  std::vector<float> x_, xb_, tmp_, qkv_, mine_, gathered_, xs_, h13_, att_, logits_, queries_;
-  std::vector<pos_t> pos_;
+  std::vector<float> x_, xb_, tmp_, qkv_, mine_, gathered_, xs_, h13_, att_, logits_;
+  std::vector<pos_t> pos_, patch_pos_;
+  std::vector<std::int32_t> held_;  // the lengths before an extra block
   pos_t next_ = 0;
-  bool capture_ = false;
+  block_capture prompt_q_, chunk_q_, patch_q_, step_q_, recent_q_;
   kvevict::post_fill_driver pf_;
+  kvevict::chunked_driver ch_;
+  kvevict::decode_driver dd_;
   driver_scratch scratch_;
+  kvevict::workspace decode_ws_;  // the decode driver's (in scratch_.ws)
   allocation_plan alloc_;
   std::vector<std::int32_t> budgets_;
-  std::vector<unsigned char> pref_ws_;
+  std::vector<unsigned char> pref_ws_, init_ws_;
+  std::vector<float> initial_;
 
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
 
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
-  status forward(const int* tokens, index_t n) {
+  // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values).
+  // `extra` (runner::forward_extra): at `positions`, no logits, the block's rows dropped afterwards.
+  status forward(const int* tokens, index_t n, const forward_hooks* hooks = nullptr, const pos_t* positions = nullptr,
+                 bool extra = false) {
     const model& m = *m_;
     const config& c = m.cfg();
     const index_t d = c.dim;
     float* x = x_.data();
     for (index_t i = 0; i < n; ++i) {
-      pos_[static_cast<std::size_t>(i)] = static_cast<pos_t>(next_ + i);
+      pos_[static_cast<std::size_t>(i)] = positions != nullptr ? positions[i] : static_cast<pos_t>(next_ + i);
       const float* e = m.embedding(tokens[i]);
       std::copy(e, e + d, x + i * d);
     }
+    if (extra) held_ = cache_.lengths();
     const int stages = s_.pp > 1 ? comm_->size() : 1;
     for (int st = 0; st < stages; ++st) {
       if (stages == 1 || st == comm_->rank())
-        for (index_t l = layers_.first; l < layers_.first + layers_.count; ++l) KVEVICT_TRY(layer(static_cast<int>(l), n));
+        for (index_t l = layers_.first; l < layers_.first + layers_.count; ++l)
+          KVEVICT_TRY(layer(static_cast<int>(l), n, hooks, extra));
       if (stages > 1) {  // stage st's rows to every rank
         const auto bytes = static_cast<std::size_t>(n * d) * sizeof(float);
         KVEVICT_TRY(comm_->allgather(x, bytes, xs_.data()));
         std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
       }
+    }
+    if (extra) {
+      cache_.set_lengths(held_);
+      return {};
     }
     float* xb = xb_.data();
     detail::rmsnorm(xb, x + (n - 1) * d, m.final_norm(), d);
@@ -255,7 +303,7 @@ class sharded_runner {
   }
 
   // Layer l on the block's n rows (x), this rank's heads' attention.
-  status layer(int l, index_t n) {
+  status layer(int l, index_t n, const forward_hooks* hooks, bool extra) {
     const model& m = *m_;
     const config& c = m.cfg();
     const index_t d = c.dim, qs = m.qkv_width(), hidden = c.hidden_dim, hk = heads_.count;
@@ -285,10 +333,6 @@ class sharded_runner {
         cache_.append(l, h, row + (lq_ + h) * hs_, row + (lq_ + hk + h) * hs_, p);
       }
     }
-    if (capture_)
-      for (index_t q = 0; q < lq_; ++q)
-        for (index_t i = 0; i < n; ++i)
-          std::copy(qkv + i * lw + q * hs_, qkv + i * lw + (q + 1) * hs_, queries_.data() + ((l * lq_ + q) * n + i) * hs_);
     // this rank's heads' attention; row i sees the rows held before the block and the block's rows <= i
     for (index_t i = 0; i < n; ++i)
       for (index_t q = 0; q < lq_; ++q) {
@@ -315,64 +359,204 @@ class sharded_runner {
     for (index_t i = 0; i < n; ++i) detail::swiglu(h13 + i * 2 * hidden, h13 + i * 2 * hidden + hidden, hidden);
     detail::matmul(T, h13, 2 * hidden, n, hidden, m.w2(l), d, tmp, d);
     for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
-    return {};
+    if (hooks == nullptr || !hooks->after_layer) return {};
+    layer_event ev;  // this rank's heads, as runner::run's event
+    ev.layer = l;
+    ev.rows = n;
+    ev.positions = pos_.data();
+    ev.queries = *kvevict::make_kv_view<const float>(qkv, lq_, n, hs_, hs_, lw);
+    ev.keys = *kvevict::make_kv_view<const float>(qkv + lq_ * hs_, hk, n, hs_, hs_, lw);
+    ev.values = *kvevict::make_kv_view<const float>(qkv + (lq_ + hk) * hs_, hk, n, hs_, hs_, lw);
+    ev.rolled_back = extra;
+    return hooks->after_layer(ev);
   }
 
   // CAKE's layer preference from the window's queries over the prompt's keys (sharded under --tp).
   status preference(kvevict::kv_view<const float> wq, kvevict::kv_view<const float> keys, double& pref) {
-    const auto call = [&](kvevict::workspace& ws) {
+    return with_workspace(pref_ws_, [&](kvevict::workspace& ws) {
       if (s_.tp > 1) return kvevict::cake_window_preference(kvevict::seq, ws, *comm_, wq, keys, {}, &pref);
       return kvevict::cake_window_preference(kvevict::seq, ws, wq, keys, {}, &pref);
-    };
-    kvevict::workspace ws;
-    KVEVICT_TRY(call(ws));
-    ws = {grown(pref_ws_, ws.bytes), ws.bytes};
-    return call(ws);
+    });
   }
 
- public:
-  /// The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers.
+  // The allocation of a `tokens`-token sequence (plan_allocation, as evictor::plan) with this
+  // rank's block of the [L][H] budgets; `most`: max_head_rows of the whole model's allocation.
+  status plan(index_t tokens, kvevict::allocation& out, index_t* most = nullptr) {
+    const config& c = m_->cfg();
+    const index_t H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
+    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent}, nullptr, alloc_));
+    if (most != nullptr) *most = kvevict::max_head_rows(alloc_.alloc);
+    out = alloc_.alloc;
+    if (alloc_.budgets.empty()) return {};
+    budgets_.assign(static_cast<std::size_t>(Ls * hk), 0);
+    for (index_t l = 0; l < Ls; ++l)
+      for (index_t h = 0; h < hk; ++h)
+        budgets_[static_cast<std::size_t>(l * hk + h)] =
+            alloc_.budgets[static_cast<std::size_t>((layers_.first + l) * H + heads_.first + h)];
+    out.budgets = *kvevict::make_matrix_view(budgets_.data(), Ls, hk);
+    return {};
+  }
+  kvevict::model_shape shape() const { return {layers_.count, heads_.count, lq_, hs_}; }
+  kvevict::comm_ref tp() { return s_.tp > 1 ? kvevict::comm_ref(*comm_) : kvevict::comm_ref{}; }
+  int model_layer(index_t ls) const { return static_cast<int>(layers_.first + ls); }
+  template <class Driver>
+  status compact_all(const Driver& d) {
+    for (index_t ls = 0; ls < layers_.count; ++ls) KVEVICT_TRY(cache_.compact(model_layer(ls), d.kept(ls)));
+    return {};
+  }
+
+  // evictor::prefill_chunked on this rank's heads / layers: forward a chunk (patched: then the
+  // prompt's last w tokens as an extra block), add every layer, decide, compact.
+  status prefill_chunked(const std::vector<int>& prompt) {
+    const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
+    const bool patched = o_.driver == driver_kind::chunked_patched;
+    kvevict::chunked_config cc;
+    KVEVICT_TRY(plan(P, cc.alloc));
+    cc.model = shape();
+    cc.tokens = P;
+    cc.capacity = P;
+    cc.rec = rec_;
+    cc.queries = patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
+    cc.target = o_.chunk_fraction >= 0.0 ? kvevict::chunk_target::fraction : kvevict::chunk_target::budget;
+    cc.fraction = o_.chunk_fraction >= 0.0 ? o_.chunk_fraction : cc.fraction;
+    cc.tp = tp();
+    kvevict::workspace ws;
+    KVEVICT_TRY(init_driver(ch_, scratch_, cc, nullptr, ws));
+    chunk_q_.reset(mine_cfg_, w);
+    patch_q_.reset(mine_cfg_, w);
+    for (index_t s = 0, e = 0; s < P; s = e) {
+      e = std::min(s + o_.chunk, P);
+      if (patched && e < P && e > P - w) e = P;  // the final chunk holds the whole window
+      KVEVICT_TRY(ch_.begin_chunk(s, e));
+      const index_t n = e - s, rows = ch_.query_rows();
+      const kvevict::patch_block patch = ch_.patch();
+      forward_hooks hk;
+      if (rows > 0 && patch.count == 0)
+        hk.after_layer = [this, n, rows](const layer_event& ev) { return chunk_q_.store(ev, 0, n - rows, rows); };
+      KVEVICT_TRY(forward(prompt.data() + s, n, &hk));
+      if (patch.count > 0) {
+        patch_pos_.resize(static_cast<std::size_t>(patch.count));
+        for (index_t i = 0; i < patch.count; ++i) patch_pos_[static_cast<std::size_t>(i)] = static_cast<pos_t>(patch.first + i);
+        const forward_hooks ph = patch_q_.hooks();
+        KVEVICT_TRY(forward(prompt.data() + patch.first, patch.count, &ph, patch_pos_.data(), /*extra=*/true));
+      }
+      for (index_t ls = 0; ls < layers_.count; ++ls) {
+        const int l = model_layer(ls);
+        kvevict::kv_view<const float> q, pk;
+        if (patch.count > 0) {
+          q = patch_q_.queries(l, 0, patch.count);
+          pk = patch_q_.keys(l, 0, patch.count);
+        } else if (rows > 0) {
+          q = chunk_q_.queries(l, 0, rows);
+        }
+        KVEVICT_TRY(ch_.add_layer(kvevict::seq, ws, ls, cache_.layer(l), q, pk));
+      }
+      KVEVICT_TRY(ch_.decide(kvevict::seq, ws));
+      KVEVICT_TRY(compact_all(ch_));
+    }
+    return {};
+  }
+
+  // evictor::prefill_decode on this rank's heads / layers: a plain prefill, the decode driver
+  // begun on the whole prompt (H2O from the prompt's accumulated attention), the last w queries kept.
+  status prefill_decode(const std::vector<int>& prompt) {
+    const config& c = m_->cfg();
+    const index_t P = static_cast<index_t>(prompt.size()), w = o_.window, hk = heads_.count;
+    prompt_q_.reset(mine_cfg_, P);
+    const forward_hooks pq = prompt_q_.hooks();
+    KVEVICT_TRY(forward(prompt.data(), P, &pq));
+    kvevict::decode_config dc;
+    index_t most = 0;
+    KVEVICT_TRY(plan(std::max(o_.budget, P), dc.alloc, &most));
+    dc.model = shape();
+    dc.capacity = std::min<index_t>(c.seq_len, std::max(P, most) + o_.evict_every);
+    dc.interval = o_.evict_every;
+    dc.rec = rec_;
+    dc.tp = tp();
+    KVEVICT_TRY(init_driver(dd_, scratch_, dc, nullptr, decode_ws_));
+    const bool h2o = rec_.kind == kvevict::recipe_kind::h2o;
+    initial_.assign(h2o ? static_cast<std::size_t>(hk * P) : 0, 0.0f);
+    kvevict::recipe hr = rec_;  // H2O: the prompt's accumulated attention, unprotected
+    hr.n_sink = hr.n_recent = 0;
+    for (index_t ls = 0; ls < layers_.count; ++ls) {
+      const int l = model_layer(ls);
+      kvevict::matrix_view<const float> init_scores;
+      if (h2o) {
+        const auto out = *kvevict::make_matrix_view(initial_.data(), hk, P);
+        KVEVICT_TRY(with_workspace(init_ws_, [&](kvevict::workspace& ws) {
+          return kvevict::recipe_scores(kvevict::seq, ws, hr, prompt_q_.queries(l, 0, P), cache_.dense_keys(l, P),
+                                        kvevict::kv_view<const float>{}, out);
+        }));
+        init_scores = out;
+      }
+      KVEVICT_TRY(dd_.begin(ls, cache_.layer(l), P, init_scores));
+    }
+    step_q_.reset(mine_cfg_, 1);
+    recent_q_.reset(mine_cfg_, w);
+    const index_t have = std::min(w, P);
+    for (index_t ls = 0; ls < layers_.count; ++ls)
+      recent_q_.put(model_layer(ls), w - have, prompt_q_.queries(model_layer(ls), P - have, have));
+    return {};
+  }
+
+  // evictor::decode with the decode driver: the token's forward (its queries kept, the window of
+  // recent queries shifted), then decode_driver::step on every layer, compacting those it evicts.
+  status decode_step(int token) {
+    const index_t w = o_.window;
+    forward_hooks hk;
+    hk.after_layer = [&](const layer_event& ev) -> status {
+      KVEVICT_TRY(step_q_.store(ev, 0));
+      for (index_t h = 0; h < lq_; ++h) {  // evictor::push_recent
+        float* first = recent_q_.query_row(ev.layer, h, 0);
+        std::memmove(first, first + hs_, static_cast<std::size_t>((w - 1) * hs_) * sizeof(float));
+      }
+      recent_q_.put(ev.layer, w - 1, ev.queries);
+      return {};
+    };
+    KVEVICT_TRY(forward(&token, 1, &hk));
+    for (index_t ls = 0; ls < layers_.count; ++ls) {
+      const int l = model_layer(ls);
+      kvevict::kv_view<const float> q;
+      switch (rec_.kind) {
+        case kvevict::recipe_kind::h2o:
+        case kvevict::recipe_kind::tova: q = step_q_.queries(l, 0, 1); break;
+        case kvevict::recipe_kind::knorm:
+        case kvevict::recipe_kind::streaming_llm: break;
+        default: q = recent_q_.queries(l, 0, w);
+      }
+      KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, ls, cache_.layer(l), q));
+      if (dd_.evicted(ls)) KVEVICT_TRY(cache_.compact(l, dd_.kept(ls)));
+    }
+    return {};
+  }
+
+  // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers.
   status evict(index_t P) {
     const config& c = m_->cfg();
-    const index_t L = c.n_layers, H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
-    const budget_scheme a = allocator_of(o_);
-    KVEVICT_TRY(plan_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, nullptr, alloc_));
+    const index_t L = c.n_layers;
     kvevict::post_fill_config pc;
-    pc.model = {Ls, hk, lq_, hs_};
+    KVEVICT_TRY(plan(P, pc.alloc));
+    pc.model = shape();
     pc.tokens = P;
     pc.rec = rec_;
-    pc.alloc = alloc_.alloc;
-    if (!alloc_.budgets.empty()) {  // this rank's block of the [L][H] budgets
-      budgets_.assign(static_cast<std::size_t>(Ls * hk), 0);
-      for (index_t l = 0; l < Ls; ++l)
-        for (index_t h = 0; h < hk; ++h)
-          budgets_[static_cast<std::size_t>(l * hk + h)] =
-              alloc_.budgets[static_cast<std::size_t>((layers_.first + l) * H + heads_.first + h)];
-      pc.alloc.budgets = *kvevict::make_matrix_view(budgets_.data(), Ls, hk);
-    }
-    if (s_.tp > 1) pc.tp = kvevict::comm_ref(*comm_);
+    pc.tp = tp();
     if (s_.pp > 1) {  // this stage's layers of the model's L
       pc.pp = kvevict::comm_ref(*comm_);
       pc.first_layer = layers_.first;
       pc.model_layers = L;
     }
-    const bool cake = a == budget_scheme::cake;
+    const bool cake = allocator_of(o_) == budget_scheme::cake;
     const index_t w = o_.window;
-    const auto queries = [&](int l, index_t first, index_t rows) {
-      return *kvevict::make_kv_view<const float>(queries_.data() + (l * lq_ * P + first) * hs_, lq_, rows, hs_, P * hs_,
-                                                hs_);
-    };
     const auto inputs = [&](int ls, layer_inputs& in) {
-      const int l = static_cast<int>(layers_.first) + ls;
+      const int l = model_layer(ls);
       in.kv = cache_.layer(l);
-      const auto q = kvevict::recipe_queries(rec_, queries(l, 0, P));
+      const auto q = kvevict::recipe_queries(rec_, prompt_q_.queries(l, 0, P));
       if (!q) return q.error();
       in.queries = *q;
-      return cake ? preference(queries(l, P - w, w), cache_.dense_keys(l, P), in.weight) : status{};
+      return cake ? preference(prompt_q_.queries(l, P - w, w), cache_.dense_keys(l, P), in.weight) : status{};
     };
     KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, nullptr));
-    for (index_t ls = 0; ls < Ls; ++ls) KVEVICT_TRY(cache_.compact(static_cast<int>(layers_.first + ls), pf_.kept(ls)));
-    return {};
+    return compact_all(pf_);
   }
 };
 

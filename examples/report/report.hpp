@@ -536,6 +536,81 @@ inline status config_head_types(const config& c, const report_options& o, const 
   return {};
 }
 
+/// The report's prompts and their full-cache responses (make_pairs on `threads` threads), recorded in `out`.
+inline status report_prompts(const model& mdl, const report_options& o, int threads, std::vector<text_pair>& pairs,
+                             report_result& out) {
+  if (o.progress) {
+    char line[256];
+    std::snprintf(line, sizeof line, "report: generating %lld test prompts (seeds %llu..%llu) and their greedy responses",
+                  static_cast<long long>(o.prompts), static_cast<unsigned long long>(o.seed_begin),
+                  static_cast<unsigned long long>(o.seed_begin + static_cast<std::uint64_t>(o.prompts) - 1));
+    o.progress(line);
+  }
+  KVEVICT_TRY(make_pairs(mdl, o.pairs, o.seed_begin, o.seed_begin + static_cast<std::uint64_t>(o.prompts), pairs, threads));
+  for (const text_pair& p : pairs) {
+    out.seeds.push_back(p.seed);
+    out.prompt_lengths.push_back(static_cast<index_t>(p.prompt.size()));
+  }
+  out.response = static_cast<index_t>(pairs.front().response.size());
+  return {};
+}
+
+/// The report's rows from every prompt's results (results[prompt][config]): means, standard
+/// errors, medians of the times, the paired differences, the head-type rows' retrieval heads.
+inline void report_rows(const std::vector<report_config>& configs, const std::vector<duo_heads>& heads,
+                        const std::vector<std::vector<prompt_result>>& results, report_result& out) {
+  const auto n = static_cast<index_t>(results.size());
+  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
+    config_result cr;
+    cr.cfg = configs[ci];
+    std::vector<double> ev, pf, ov;
+    for (index_t i = 0; i < n; ++i) {
+      const prompt_result& r = results[static_cast<std::size_t>(i)][ci];
+      cr.prompts.push_back(r);
+      cr.recall += r.recall;
+      cr.kl += r.kl;
+      cr.agreement += static_cast<double>(r.agreement);
+      cr.top1 += r.top1;
+      cr.footprint += r.footprint;
+      cr.peak += r.peak;
+      cr.kept += static_cast<double>(r.kept);
+      ev.push_back(r.evict_ms);
+      pf.push_back(r.prefill_ms);
+      ov.push_back(r.overhead);
+    }
+    const double dn = static_cast<double>(n);
+    cr.recall /= dn;
+    cr.kl /= dn;
+    cr.agreement /= dn;
+    cr.top1 /= dn;
+    cr.footprint /= dn;
+    cr.peak /= dn;
+    cr.kept /= dn;
+    if (n > 1) {
+      double vr = 0.0, vk = 0.0, va = 0.0, vt = 0.0;
+      for (const prompt_result& r : cr.prompts) {
+        vr += (r.recall - cr.recall) * (r.recall - cr.recall);
+        vk += (r.kl - cr.kl) * (r.kl - cr.kl);
+        va += (static_cast<double>(r.agreement) - cr.agreement) * (static_cast<double>(r.agreement) - cr.agreement);
+        vt += (r.top1 - cr.top1) * (r.top1 - cr.top1);
+      }
+      const double f = 1.0 / (dn - 1.0) / dn;
+      cr.recall_sem = std::sqrt(vr * f);
+      cr.kl_sem = std::sqrt(vk * f);
+      cr.agreement_sem = std::sqrt(va * f);
+      cr.top1_sem = std::sqrt(vt * f);
+    }
+    cr.evict_ms = median(ev);
+    cr.prefill_ms = median(pf);
+    cr.overhead = median(ov);
+    out.rows.push_back(std::move(cr));
+  }
+  pair_with_snapkv(out.rows);
+  pair_with_heuristic(out.rows);
+  for (std::size_t ci = 0; ci < configs.size(); ++ci)
+    out.head_retrieval.push_back(configs[ci].head_sparsity >= 0.0 ? heads[ci].retrieval : -1);
+}
+
 }  // namespace detail
 
 /// Runs the report (see the file comment). Errors: invalid options, the pair generator's, the
@@ -556,17 +631,8 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
     if (o.progress) o.progress(s);
   };
 
-  std::snprintf(line, sizeof line, "report: generating %lld test prompts (seeds %llu..%llu) and their greedy responses",
-                static_cast<long long>(o.prompts), static_cast<unsigned long long>(o.seed_begin),
-                static_cast<unsigned long long>(o.seed_begin + static_cast<std::uint64_t>(o.prompts) - 1));
-  say(line);
   std::vector<text_pair> pairs;
-  KVEVICT_TRY(make_pairs(mdl, o.pairs, o.seed_begin, o.seed_begin + static_cast<std::uint64_t>(o.prompts), pairs, nt));
-  for (const text_pair& p : pairs) {
-    out.seeds.push_back(p.seed);
-    out.prompt_lengths.push_back(static_cast<index_t>(p.prompt.size()));
-  }
-  out.response = static_cast<index_t>(pairs.front().response.size());
+  KVEVICT_TRY(detail::report_prompts(mdl, o, nt, pairs, out));
 
   const bool need_duo = std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::duo_heuristic; });
   if (need_duo) {
@@ -615,55 +681,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
         o.progress(msg);
       }));
 
-  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
-    config_result cr;
-    cr.cfg = configs[ci];
-    std::vector<double> ev, pf, ov;
-    for (index_t i = 0; i < n; ++i) {
-      const prompt_result& r = results[static_cast<std::size_t>(i)][ci];
-      cr.prompts.push_back(r);
-      cr.recall += r.recall;
-      cr.kl += r.kl;
-      cr.agreement += static_cast<double>(r.agreement);
-      cr.top1 += r.top1;
-      cr.footprint += r.footprint;
-      cr.peak += r.peak;
-      cr.kept += static_cast<double>(r.kept);
-      ev.push_back(r.evict_ms);
-      pf.push_back(r.prefill_ms);
-      ov.push_back(r.overhead);
-    }
-    const double dn = static_cast<double>(n);
-    cr.recall /= dn;
-    cr.kl /= dn;
-    cr.agreement /= dn;
-    cr.top1 /= dn;
-    cr.footprint /= dn;
-    cr.peak /= dn;
-    cr.kept /= dn;
-    if (n > 1) {
-      double vr = 0.0, vk = 0.0, va = 0.0, vt = 0.0;
-      for (const prompt_result& r : cr.prompts) {
-        vr += (r.recall - cr.recall) * (r.recall - cr.recall);
-        vk += (r.kl - cr.kl) * (r.kl - cr.kl);
-        va += (static_cast<double>(r.agreement) - cr.agreement) * (static_cast<double>(r.agreement) - cr.agreement);
-        vt += (r.top1 - cr.top1) * (r.top1 - cr.top1);
-      }
-      const double f = 1.0 / (dn - 1.0) / dn;
-      cr.recall_sem = std::sqrt(vr * f);
-      cr.kl_sem = std::sqrt(vk * f);
-      cr.agreement_sem = std::sqrt(va * f);
-      cr.top1_sem = std::sqrt(vt * f);
-    }
-    cr.evict_ms = detail::median(ev);
-    cr.prefill_ms = detail::median(pf);
-    cr.overhead = detail::median(ov);
-    out.rows.push_back(std::move(cr));
-  }
-  detail::pair_with_snapkv(out.rows);
-  detail::pair_with_heuristic(out.rows);
-  for (std::size_t ci = 0; ci < configs.size(); ++ci)
-    out.head_retrieval.push_back(configs[ci].head_sparsity >= 0.0 ? heads[ci].retrieval : -1);
+  detail::report_rows(configs, heads, results, out);
   if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; }))
     out.draft_match = std::move(draft_match);
   out.seconds = seconds_since(t_start);

@@ -82,6 +82,7 @@ class shard_cache {
     pos_[static_cast<std::size_t>(off(l, h, j) / hs_)] = p;
     ++lens_[static_cast<std::size_t>(l * heads_ + h)];
   }
+  pos_t position(int l, index_t h, index_t j) const { return pos_[static_cast<std::size_t>(off(l, h, j) / hs_)]; }
   kvevict::ragged_cache<float> keys(int l) { return {keys_.data() + off(l, 0, 0), cu_.data(), lens(l), heads_, hs_, hs_}; }
   kvevict::ragged_cache<float> values(int l) {
     return {values_.data() + off(l, 0, 0), cu_.data(), lens(l), heads_, hs_, hs_};
@@ -167,6 +168,8 @@ class sharded_runner {
     s_ = s;
     o_ = o;
     rec_ = make_recipe(o);
+    next_ = 0;
+    recorder_ = nullptr;
     const int P = comm.size(), r = comm.rank();
     heads_ = {0, c.n_kv_heads};
     layers_ = {0, c.n_layers};
@@ -195,8 +198,14 @@ class sharded_runner {
     return {};
   }
 
-  const float* logits() const { return logits_.data(); }
+  /// The logits of the last forward's last row (row 0), or of its row `row` (extra with logits_mode::all).
+  const float* logits(index_t row = 0) const { return logits_.data() + row * m_->cfg().vocab_size; }
   pos_t next_position() const { return next_; }
+  /// This rank's KV heads and layers, its cache and the model config of its heads (for block_capture).
+  kvevict::shard_range heads() const { return heads_; }
+  kvevict::shard_range layers() const { return layers_; }
+  const shard_cache& cache() const { return cache_; }
+  const config& shard_config() const { return mine_cfg_; }
   /// KV rows the whole model holds (every rank's heads / layers, summed over the ranks).
   status rows(index_t& out) const {
     std::int64_t n = 0;
@@ -208,8 +217,11 @@ class sharded_runner {
   }
 
   /// Prefills `prompt` (an empty cache) and evicts as configured (evictor::prefill's drivers);
-  /// logits() then holds the first generated token's. Errors: an empty or too long prompt, the driver's.
-  status prefill(const std::vector<int>& prompt) {
+  /// logits() then holds the first generated token's. `rec` (may be null; must outlive the
+  /// runner's decoding) receives the schedule of this rank's [layers().count][heads().count] rows.
+  /// Errors: an empty or too long prompt, the driver's.
+  status prefill(const std::vector<int>& prompt, kvevict::eviction_recorder* rec = nullptr) {
+    recorder_ = rec;
     const config& c = m_->cfg();
     const auto n = static_cast<index_t>(prompt.size());
     if (n < 1 || n > c.seq_len || next_ != 0)
@@ -226,6 +238,16 @@ class sharded_runner {
     const forward_hooks hk = prompt_q_.hooks();
     KVEVICT_TRY(forward(prompt.data(), n, &hk));
     return evict(n);
+  }
+
+  /// runner::forward_extra: `tokens` at the next positions through the model, this rank's events
+  /// to `hooks`, logits per `mode`; their KV rows dropped afterwards.
+  status extra(const std::vector<int>& tokens, const forward_hooks* hooks, logits_mode mode) {
+    const auto n = static_cast<index_t>(tokens.size());
+    if (n < 1 || next_ + n > m_->cfg().seq_len)
+      return status::error(errc::invalid_argument, "sharded_runner: an extra block of %lld tokens after %d",
+                           static_cast<long long>(n), next_);
+    return forward(tokens.data(), n, hooks, nullptr, true, mode);
   }
 
   /// Decodes one token; with the decode driver, decode_driver::step then runs on every layer of
@@ -251,6 +273,7 @@ class sharded_runner {
   std::vector<pos_t> pos_, patch_pos_;
   std::vector<std::int32_t> held_;  // the lengths before an extra block
   pos_t next_ = 0;
+  kvevict::eviction_recorder* recorder_ = nullptr;
   block_capture prompt_q_, chunk_q_, patch_q_, step_q_, recent_q_;
   kvevict::post_fill_driver pf_;
   kvevict::chunked_driver ch_;
@@ -267,9 +290,9 @@ class sharded_runner {
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
   // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values).
-  // `extra` (runner::forward_extra): at `positions`, no logits, the block's rows dropped afterwards.
+  // `extra` (runner::forward_extra): at `positions`, the block's rows dropped afterwards.
   status forward(const int* tokens, index_t n, const forward_hooks* hooks = nullptr, const pos_t* positions = nullptr,
-                 bool extra = false) {
+                 bool extra = false, logits_mode mode = logits_mode::last) {
     const model& m = *m_;
     const config& c = m.cfg();
     const index_t d = c.dim;
@@ -291,14 +314,16 @@ class sharded_runner {
         std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
       }
     }
-    if (extra) {
-      cache_.set_lengths(held_);
-      return {};
+    if (extra) cache_.set_lengths(held_);
+    const index_t rows = mode == logits_mode::none ? 0 : mode == logits_mode::last ? 1 : n;  // as runner::run
+    if (rows > 0) {
+      float* xb = xb_.data();
+      const auto V = static_cast<std::size_t>(c.vocab_size);
+      if (logits_.size() < static_cast<std::size_t>(rows) * V) logits_.resize(static_cast<std::size_t>(rows) * V);
+      for (index_t i = 0; i < rows; ++i) detail::rmsnorm(xb + i * d, x + (n - rows + i) * d, m.final_norm(), d);
+      detail::matmul(s_.threads, xb, d, rows, d, m.classifier(), c.vocab_size, logits_.data(), c.vocab_size);
     }
-    float* xb = xb_.data();
-    detail::rmsnorm(xb, x + (n - 1) * d, m.final_norm(), d);
-    detail::matmul(s_.threads, xb, d, 1, d, m.classifier(), c.vocab_size, logits_.data(), c.vocab_size);
-    next_ += static_cast<pos_t>(n);
+    if (!extra) next_ += static_cast<pos_t>(n);
     return {};
   }
 
@@ -421,7 +446,7 @@ class sharded_runner {
     cc.fraction = o_.chunk_fraction >= 0.0 ? o_.chunk_fraction : cc.fraction;
     cc.tp = tp();
     kvevict::workspace ws;
-    KVEVICT_TRY(init_driver(ch_, scratch_, cc, nullptr, ws));
+    KVEVICT_TRY(init_driver(ch_, scratch_, cc, recorder_, ws));
     chunk_q_.reset(mine_cfg_, w);
     patch_q_.reset(mine_cfg_, w);
     for (index_t s = 0, e = 0; s < P; s = e) {
@@ -438,7 +463,7 @@ class sharded_runner {
         patch_pos_.resize(static_cast<std::size_t>(patch.count));
         for (index_t i = 0; i < patch.count; ++i) patch_pos_[static_cast<std::size_t>(i)] = static_cast<pos_t>(patch.first + i);
         const forward_hooks ph = patch_q_.hooks();
-        KVEVICT_TRY(forward(prompt.data() + patch.first, patch.count, &ph, patch_pos_.data(), /*extra=*/true));
+        KVEVICT_TRY(forward(prompt.data() + patch.first, patch.count, &ph, patch_pos_.data(), true, logits_mode::none));
       }
       for (index_t ls = 0; ls < layers_.count; ++ls) {
         const int l = model_layer(ls);
@@ -473,7 +498,7 @@ class sharded_runner {
     dc.interval = o_.evict_every;
     dc.rec = rec_;
     dc.tp = tp();
-    KVEVICT_TRY(init_driver(dd_, scratch_, dc, nullptr, decode_ws_));
+    KVEVICT_TRY(init_driver(dd_, scratch_, dc, recorder_, decode_ws_));
     const bool h2o = rec_.kind == kvevict::recipe_kind::h2o;
     initial_.assign(h2o ? static_cast<std::size_t>(hk * P) : 0, 0.0f);
     kvevict::recipe hr = rec_;  // H2O: the prompt's accumulated attention, unprotected
@@ -555,82 +580,234 @@ class sharded_runner {
       in.queries = *q;
       return cake ? preference(prompt_q_.queries(l, P - w, w), cache_.dense_keys(l, P), in.weight) : status{};
     };
-    KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, nullptr));
+    KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, recorder_));
     return compact_all(pf_);
   }
 };
 
-/// The quality report, reduced, on a sharded job (kvevict-run --report --tp P / --pp P, docs/distributed.md):
-/// on one prompt, the full cache generates `steps` positions greedily (the response); every
-/// recipe x budget then evicts after the prefill and is teacher-forced through the response.
-/// Per row: the KV rows kept after the prefill (the whole model's), the mean KL(full || evicted)
-/// of the next-token distributions, the top-1 agreement with the response, the greedy agreement
-/// (positions before the first differing argmax) and the KL at every position. `json` (every
-/// rank) holds them with 17 significant digits, and nothing about the sharding: a run on P ranks
-/// prints what one rank prints, bit for bit, or the sharding changed a number.
-template <class Comm>
-status sharded_quality(const model& m, Comm& comm, const shard_options& s, const evict_options& base,
-                       const std::vector<method>& recipes, const std::vector<index_t>& budgets,
-                       const std::vector<int>& prompt, int steps, std::string& json) {
-  const index_t V = m.cfg().vocab_size, n = static_cast<index_t>(prompt.size());
-  if (recipes.empty() || budgets.empty() || steps <= n)
-    return status::error(errc::invalid_argument,
-                         "sharded report: %zu recipes, %zu budgets, %d steps for a %lld-token prompt (need recipes, "
-                         "budgets and a response)",
-                         recipes.size(), budgets.size(), steps, static_cast<long long>(n));
-  const index_t resp = steps - n;
-  evict_options full_o = base;
-  full_o.recipe = method::full;
-  sharded_runner<Comm> full;
-  KVEVICT_TRY(full.init(m, comm, s, full_o));
-  KVEVICT_TRY(full.prefill(prompt));
-  std::vector<double> full_logp(static_cast<std::size_t>(resp * V)), logq(static_cast<std::size_t>(V));
-  std::vector<int> response(static_cast<std::size_t>(resp));
-  for (index_t t = 0; t < resp; ++t) {
-    detail::log_softmax(full.logits(), V, full_logp.data() + t * V);
-    response[static_cast<std::size_t>(t)] = sampler::argmax(full.logits(), static_cast<int>(V));
-    if (t + 1 < resp) KVEVICT_TRY(full.decode(response[static_cast<std::size_t>(t)]));
-  }
-  const auto fmt = [](double v) {  // every bit of a double
-    char b[40];
-    std::snprintf(b, sizeof b, "%.17g", v);
-    return std::string(b);
+namespace detail {
+
+/// The whole model's [L][H][e] values from every rank's [layers().count][heads().count][e] block
+/// (one allgather, each block padded to the largest). `pad` and `blocks` are scratch.
+template <class T, class Comm>
+status gather_model(Comm& comm, const shard_options& s, const config& c, index_t e, const T* mine, std::vector<T>& pad,
+                    std::vector<T>& blocks, std::vector<T>& out) {
+  const int P = comm.size(), me = comm.rank();
+  const index_t L = c.n_layers, H = c.n_kv_heads;
+  const auto range = [&](int r, kvevict::shard_range& hr, kvevict::shard_range& lr) {
+    hr = s.tp > 1 ? *kvevict::head_shard(H, P, r) : kvevict::shard_range{0, H};
+    lr = s.pp > 1 ? *kvevict::layer_shard(L, P, r) : kvevict::shard_range{0, L};
   };
-  json = "{\"prompt_tokens\": " + std::to_string(n) + ", \"response_tokens\": " + std::to_string(resp) + ", \"rows\": [";
-  bool first_row = true;
-  for (const method r : recipes)
-    for (const index_t b : budgets) {
-      evict_options e = base;
-      e.recipe = r;
-      e.budget = b;
-      sharded_runner<Comm> run;
-      KVEVICT_TRY(run.init(m, comm, s, e));
-      KVEVICT_TRY(run.prefill(prompt));
-      index_t kept = 0;
-      KVEVICT_TRY(run.rows(kept));
-      double kl_sum = 0.0, top1 = 0.0;
-      index_t agreement = 0;
-      bool agreeing = true;
-      std::string at;
-      for (index_t t = 0; t < resp; ++t) {
-        detail::log_softmax(run.logits(), V, logq.data());
-        const double kl = detail::kl_divergence(full_logp.data() + t * V, logq.data(), V);
-        kl_sum += kl;
-        at += (t > 0 ? ", " : "") + fmt(kl);
-        const bool same = sampler::argmax(run.logits(), static_cast<int>(V)) == response[static_cast<std::size_t>(t)];
-        top1 += same ? 1.0 : 0.0;
-        agreeing = agreeing && same;
-        agreement += agreeing ? 1 : 0;
-        if (t + 1 < resp) KVEVICT_TRY(run.decode(response[static_cast<std::size_t>(t)]));
+  index_t most = 0;
+  for (int r = 0; r < P; ++r) {
+    kvevict::shard_range hr, lr;
+    range(r, hr, lr);
+    most = std::max(most, hr.count * lr.count * e);
+  }
+  kvevict::shard_range hr, lr;
+  range(me, hr, lr);
+  pad.assign(static_cast<std::size_t>(most), T{});
+  std::copy(mine, mine + hr.count * lr.count * e, pad.begin());
+  blocks.resize(static_cast<std::size_t>(most * P));
+  KVEVICT_TRY(comm.allgather(pad.data(), static_cast<std::size_t>(most) * sizeof(T), blocks.data()));
+  out.resize(static_cast<std::size_t>(L * H * e));
+  for (int r = 0; r < P; ++r) {
+    range(r, hr, lr);
+    for (index_t l = 0; l < lr.count; ++l)
+      for (index_t h = 0; h < hr.count; ++h) {
+        const T* from = blocks.data() + r * most + (l * hr.count + h) * e;
+        std::copy(from, from + e, out.begin() + ((lr.first + l) * H + hr.first + h) * e);
       }
-      json += first_row ? "\n  " : ",\n  ";
-      first_row = false;
-      json += "{\"recipe\": \"" + std::string(method_name(r)) + "\", \"budget\": " + std::to_string(b) +
-              ", \"kept\": " + std::to_string(kept) + ", \"kl\": " + fmt(kl_sum / static_cast<double>(resp)) +
-              ", \"top1\": " + fmt(top1 / static_cast<double>(resp)) + ", \"agreement\": " +
-              std::to_string(agreement) + ", \"kl_at\": [" + at + "]}";
+  }
+  return {};
+}
+
+/// One rank's state of the sharded report.
+template <class Comm>
+struct sharded_report_worker {
+  sharded_runner<Comm> full, run;
+  block_capture response_q;            // the true response's queries and keys (this rank's heads)
+  std::vector<float> gt;               // [layers().count][heads().count][P] ground truth
+  std::vector<double> full_logp, logq, per_head, recall_pad, recall_blocks, recalls;
+  std::vector<pos_t> schedule, schedule_pad, schedule_blocks, model_schedule, whole;
+  std::vector<unsigned char> ws;
+  std::vector<pos_t> kept_pos;
+  std::vector<std::int32_t> kept_cu;
+};
+
+/// held_recall on a sharded run: every rank's per-head recalls gathered, then averaged over the
+/// heads and the layers in one process's order (kept_recall_at_k's sum over the rows).
+template <class Comm>
+status sharded_recall(const model& mdl, Comm& comm, const shard_options& s, index_t P, index_t k,
+                      sharded_report_worker<Comm>& w, double& recall) {
+  const config& c = mdl.cfg();
+  const kvevict::shard_range hr = w.run.heads(), lr = w.run.layers();
+  const index_t hk = hr.count, L = c.n_layers, H = c.n_kv_heads;
+  w.per_head.assign(static_cast<std::size_t>(lr.count * hk), 0.0);
+  for (index_t ls = 0; ls < lr.count; ++ls) {
+    const int l = static_cast<int>(lr.first + ls);
+    w.kept_pos.clear();
+    w.kept_cu.assign(static_cast<std::size_t>(hk + 1), 0);
+    for (index_t h = 0; h < hk; ++h) {
+      for (index_t j = 0; j < w.run.cache().length(l, h); ++j)
+        if (w.run.cache().position(l, h, j) < P) w.kept_pos.push_back(w.run.cache().position(l, h, j));
+      w.kept_cu[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(w.kept_pos.size());
     }
-  json += "\n]}\n";
+    const kvevict::ragged_positions kept{w.kept_pos.data(), w.kept_cu.data(), hk};
+    const auto truth = *kvevict::make_matrix_view<const float>(w.gt.data() + ls * hk * P, hk, P);
+    double mean = 0.0;
+    KVEVICT_TRY(with_workspace(w.ws, [&](kvevict::workspace& ws) {
+      return kvevict::kept_recall_at_k(ws, kept, truth, k, mean, w.per_head.data() + ls * hk);
+    }));
+  }
+  KVEVICT_TRY(gather_model(comm, s, c, 1, w.per_head.data(), w.recall_pad, w.recall_blocks, w.recalls));
+  double sum = 0.0;
+  for (index_t l = 0; l < L; ++l) {
+    double layer = 0.0;
+    for (index_t h = 0; h < H; ++h) layer += w.recalls[static_cast<std::size_t>(l * H + h)];
+    sum += layer / static_cast<double>(H);
+  }
+  recall = sum / static_cast<double>(L);
+  return {};
+}
+
+/// evaluate_prompt on a sharded job: every configuration on one prompt, every number but the
+/// times (left 0) as one process computes it.
+template <class Comm>
+status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options& s, const report_options& o,
+                               const std::vector<report_config>& configs, const text_pair& tp,
+                               sharded_report_worker<Comm>& w, std::vector<prompt_result>& out) {
+  const config& c = mdl.cfg();
+  const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size());
+  const index_t V = c.vocab_size, L = c.n_layers, H = c.n_kv_heads, N = P + m - 1;
+  // the full cache: prefill, the response teacher-forced (its queries and keys captured), the ground truth
+  evict_options fo = o.base;
+  fo.recipe = method::full;
+  KVEVICT_TRY(w.full.init(mdl, comm, s, fo));
+  KVEVICT_TRY(w.full.prefill(tp.prompt));
+  w.full_logp.resize(static_cast<std::size_t>(m * V));
+  log_softmax(w.full.logits(), V, w.full_logp.data());
+  w.response_q.reset(w.full.shard_config(), m);
+  const forward_hooks rh = w.response_q.hooks();
+  KVEVICT_TRY(w.full.extra(tp.response, &rh, logits_mode::all));
+  for (index_t t = 1; t < m; ++t) log_softmax(w.full.logits(t - 1), V, w.full_logp.data() + t * V);
+  const kvevict::shard_range hr = w.full.heads(), lr = w.full.layers();
+  const index_t hk = hr.count;
+  w.gt.assign(static_cast<std::size_t>(lr.count * hk * P), 0.0f);
+  const kvevict::recipe gr = ground_truth_recipe();
+  for (index_t ls = 0; ls < lr.count; ++ls) {
+    const int l = static_cast<int>(lr.first + ls);
+    const auto out_l = *kvevict::make_matrix_view(w.gt.data() + ls * hk * P, hk, P);
+    KVEVICT_TRY(with_workspace(w.ws, [&](kvevict::workspace& ws) {
+      return kvevict::recipe_scores(kvevict::seq, ws, gr, w.response_q.queries(l, 0, m), w.full.cache().dense_keys(l, P),
+                                    kvevict::kv_view<const float>{}, out_l, w.response_q.keys(l, 0, m));
+    }));
+  }
+  w.logq.resize(static_cast<std::size_t>(V));
+  w.schedule.resize(static_cast<std::size_t>(lr.count * hk * N));
+  out.assign(configs.size(), prompt_result{});
+  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
+    const report_config& rc = configs[ci];
+    evict_options e = o.base;
+    e.recipe = rc.recipe;
+    e.driver = rc.driver;
+    e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
+    e.chunk_fraction = rc.fraction;
+    e.alloc.reset();
+    KVEVICT_TRY(w.run.init(mdl, comm, s, e));
+    auto made = kvevict::make_eviction_recorder(w.schedule.data(), lr.count, hk, N);
+    if (!made) return made.error();
+    kvevict::eviction_recorder rec = *made;
+    prompt_result& r = out[ci];
+    KVEVICT_TRY(w.run.prefill(tp.prompt, &rec));
+    KVEVICT_TRY(w.run.rows(r.kept));
+    const index_t k = rc.budget > 0 ? std::min(rc.budget, P) : P;
+    bool agreeing = true;
+    double kl = 0.0, recall = 0.0, step_recall = 0.0;
+    for (index_t t = 0; t < m; ++t) {  // evaluate_prompt's loop
+      const float* logits = w.run.logits();
+      log_softmax(logits, V, w.logq.data());
+      kl += kl_divergence(w.full_logp.data() + t * V, w.logq.data(), V);
+      const bool same = sampler::argmax(logits, static_cast<int>(V)) == tp.response[static_cast<std::size_t>(t)];
+      if (same) r.top1 += 1.0;
+      if (agreeing && same) ++r.agreement;
+      else agreeing = false;
+      if (t + 1 < m) {
+        if (t == 0 || rc.driver == driver_kind::decode) KVEVICT_TRY(sharded_recall(mdl, comm, s, P, k, w, step_recall));
+        recall += step_recall;
+        KVEVICT_TRY(w.run.decode(tp.response[static_cast<std::size_t>(t)]));
+      }
+    }
+    r.kl = kl / static_cast<double>(m);
+    r.top1 /= static_cast<double>(m);
+    r.recall = m > 1 ? recall / static_cast<double>(m - 1) : 0.0;
+    // the whole model's schedule from every rank's block
+    KVEVICT_TRY(gather_model(comm, s, c, N, w.schedule.data(), w.schedule_pad, w.schedule_blocks, w.model_schedule));
+    w.whole.resize(static_cast<std::size_t>(L * H * N));
+    const auto whole = kvevict::make_eviction_recorder(w.whole.data(), L, H, N);  // the view measure_kv_usage takes
+    if (!whole) return whole.error();
+    std::copy(w.model_schedule.begin(), w.model_schedule.end(), w.whole.begin());
+    const auto sched = whole->schedule(N);
+    if (!sched) return sched.error();
+    kvevict::kv_usage usage;
+    KVEVICT_TRY(with_workspace(w.ws, [&](kvevict::workspace& ws) { return kvevict::measure_kv_usage(ws, *sched, usage); }));
+    r.footprint = usage.footprint();
+    r.peak = usage.peak_kv();
+  }
+  return {};
+}
+
+}  // namespace detail
+
+/// The quality report on a sharded job (kvevict-run --report --tp P / --pp P, docs/distributed.md):
+/// run_report's prompts, configurations and numbers, the prompts one after another on every rank
+/// (each configuration through sharded_runner), so that every number but the times (left 0:
+/// prefill_ms, evict_ms; overhead 1) equals the one-process report's bit for bit. Every rank
+/// returns the same `out`. Errors: run_report's; a configuration that does not run sharded
+/// (check_sharded; the head-type rows), naming it, before any prompt runs.
+template <class Comm>
+status run_sharded_report(const model& mdl, Comm& comm, const shard_options& s, const report_options& o,
+                          report_result& out) {
+  const config& c = mdl.cfg();
+  const auto t_start = std::chrono::steady_clock::now();
+  if (o.prompts < 1) return status::error(errc::invalid_argument, "--prompts must be >= 1, got %lld", static_cast<long long>(o.prompts));
+  std::vector<report_config> configs;
+  KVEVICT_TRY(report_configs(c, o, configs));
+  for (const report_config& rc : configs) {
+    evict_options e = o.base;
+    e.recipe = rc.recipe;
+    e.driver = rc.driver;
+    e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
+    e.chunk_fraction = rc.fraction;
+    e.alloc.reset();
+    status st = rc.head_sparsity >= 0.0 ? status::error(errc::unsupported, "head-type rows do not run sharded")
+                                        : check_sharded(c, s, comm.size(), e);
+    if (!st.ok())
+      return status::error(errc::unsupported, "sharded report: %s / %s / budget %lld: %s (choose --recipes / --drivers that do)",
+                           method_name(rc.recipe), driver_name(rc.driver), static_cast<long long>(rc.budget), st.message());
+  }
+  out = report_result{};
+  out.options = o;
+  out.options.progress = {};
+  const int nt = thread_count(o.threads);
+  out.threads = nt;
+  std::vector<text_pair> pairs;
+  KVEVICT_TRY(detail::report_prompts(mdl, o, nt, pairs, out));
+  const index_t n = o.prompts;
+  std::vector<std::vector<prompt_result>> results(static_cast<std::size_t>(n));
+  detail::sharded_report_worker<Comm> w;
+  for (index_t i = 0; i < n; ++i) {
+    KVEVICT_TRY(detail::sharded_evaluate_prompt(mdl, comm, s, o, configs, pairs[static_cast<std::size_t>(i)], w,
+                                                results[static_cast<std::size_t>(i)]));
+    if (o.progress) {
+      char msg[160];
+      std::snprintf(msg, sizeof msg, "report: %lld/%lld prompts, %.1f s", static_cast<long long>(i + 1),
+                    static_cast<long long>(n), seconds_since(t_start));
+      o.progress(msg);
+    }
+  }
+  detail::report_rows(configs, std::vector<duo_heads>(configs.size()), results, out);
+  out.seconds = seconds_since(t_start);
   return {};
 }
 

@@ -9,6 +9,7 @@
 #include <kvevict/driver.hpp>
 #include <kvevict/metrics.hpp>
 
+#include <array>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -2608,4 +2609,75 @@ TEST_CASE("drivers: decode across tensor-parallel ranks keeps the single-process
         ++cases;
       }
   CHECK(cases == 8 * 3 * 2);
+}
+
+TEST_CASE("drivers: decode across tensor-parallel ranks sends one agreement per due step, plus the selection when it evicts") {
+  // the collectives' payload, pinned (docs/distributed.md): 88 bytes in 1 collective for the
+  // agreement of a due step, 41,064 bytes in 6 for a sharded selection
+  constexpr std::uint64_t agreement = 88, selection = 41064, agreement_calls = 1, selection_calls = 6;
+  int due_steps = 0, evicting = 0;
+  for (allocator kind : {allocator::flattened, allocator::adakv})
+    for (int ranks : {2, 3}) {
+      auto g = kvtest::rng(91 + static_cast<std::uint64_t>(kind) * 7 + static_cast<std::uint64_t>(ranks));
+      decode_case c;
+      const index_t L = 2, Hl = 2, H = ranks * Hl;
+      c.P = 12;
+      c.G = 16;
+      c.interval = 2;
+      c.s = make_synth(static_cast<std::uint64_t>(ranks) + 5, L, H, H, 4, c.P + c.G);
+      c.r = small_window(recipe::snapkv(), 4);
+      c.kind = kind;
+      // budgets above the prompt: the first due steps keep everything, the later ones evict
+      c.budgets = rank_budgets(g, L, H, ranks, c.P + 1, c.P + 4, kind != allocator::adakv);
+      // per rank, per step and layer: due, evicted, bytes and collectives of the step
+      std::vector<std::vector<std::array<std::uint64_t, 4>>> seen(static_cast<std::size_t>(ranks));
+      std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+      kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& comm) {
+        const auto me = static_cast<std::size_t>(comm.rank());
+        decode_case rc = c;
+        rc.s = slice_heads(c.s, Hl * comm.rank(), Hl);
+        rc.budgets = slice_budgets(c.budgets, L, H, Hl * comm.rank(), Hl);
+        counting_comm<kvtest::thread_comm> counted(comm);
+        rc.tp = comm_ref(counted);
+        const decode_config cfg = decode_cfg(rc);
+        std::vector<unsigned char> mem(value_of(decode_driver::state_bytes(cfg)));
+        decode_driver d;
+        status st = d.init(cfg, mem.data(), mem.size());
+        aligned_buf wb;
+        workspace ws = make_ws(d, seq, wb);
+        auto layers = make_layers(L, Hl, rc.s.d, cfg.capacity);
+        for (index_t l = 0; l < L && st.ok(); ++l) {
+          layers[static_cast<std::size_t>(l)].append(rc.s, l, 0, c.P);
+          st = d.begin(l, layers[static_cast<std::size_t>(l)].view(), c.P);
+        }
+        for (index_t t = c.P; t < c.P + c.G && st.ok(); ++t)
+          for (index_t l = 0; l < L && st.ok(); ++l) {
+            auto& lay = layers[static_cast<std::size_t>(l)];
+            lay.append(rc.s, l, t, t + 1);
+            const bool due = d.evicts_next(l);
+            const auto qb = gather_queries(rc.s, l, due ? decode_query_positions(c.r, t) : std::vector<pos_t>{});
+            const std::uint64_t b0 = counted.bytes(), c0 = counted.calls();
+            st = d.step(seq, ws, l, lay.view(), block_view(qb, Hl, due ? c.r.window : 0, rc.s.d));
+            if (st.ok() && d.evicted(l)) lay.compact(d.kept(l));
+            seen[me].push_back({due ? 1u : 0u, d.evicted(l) ? 1u : 0u, counted.bytes() - b0, counted.calls() - c0});
+          }
+        errors[me] = st.ok() ? "" : st.message();
+      });
+      for (int rk = 0; rk < ranks; ++rk) {
+        CAPTURE(static_cast<int>(kind));
+        CAPTURE(rk);
+        REQUIRE(errors[static_cast<std::size_t>(rk)] == "");
+        for (const auto& s : seen[static_cast<std::size_t>(rk)]) {
+          CHECK(s[2] == s[0] * agreement + s[1] * selection);
+          CHECK(s[3] == s[0] * agreement_calls + s[1] * selection_calls);
+          if (rk == 0) {
+            due_steps += static_cast<int>(s[0]);
+            evicting += static_cast<int>(s[1]);
+          }
+        }
+        CHECK(seen[static_cast<std::size_t>(rk)] == seen[0]);  // every rank the same steps and bytes
+      }
+    }
+  CHECK(evicting > 0);
+  CHECK(due_steps > evicting);  // due steps that did not evict sent the agreement only
 }

@@ -270,6 +270,45 @@ inline double median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/// The evictor options of configuration `rc` (the report's base options with its recipe, driver,
+/// budget and chunk fraction).
+inline evict_options config_options(const report_options& o, const report_config& rc) {
+  evict_options e = o.base;
+  e.recipe = rc.recipe;
+  e.driver = rc.driver;
+  e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
+  e.chunk_fraction = rc.fraction;
+  e.alloc.reset();
+  return e;
+}
+
+/// One teacher-forced response position: its `logits` against the full cache's log-probabilities
+/// `full_logp` (top-1 and the greedy agreement, which stops at the first differing argmax, into
+/// `r`); returns KL(full || evicted). `logq`: [V] scratch.
+inline double score_position(const double* full_logp, const float* logits, index_t V, int truth, double* logq,
+                             bool& agreeing, prompt_result& r) {
+  log_softmax(logits, V, logq);
+  const bool same = sampler::argmax(logits, static_cast<int>(V)) == truth;
+  if (same) r.top1 += 1.0;
+  if (agreeing && same) ++r.agreement;
+  else agreeing = false;
+  return kl_divergence(full_logp, logq, V);
+}
+
+/// A configuration's result on one prompt from its sums over the m response positions (KL, the
+/// recalls of the m - 1 decoded positions) and its eviction schedule (footprint and peak).
+inline status finish_prompt(double kl, double recall, index_t m, kvevict::eviction_schedule schedule,
+                            std::vector<unsigned char>& scratch, prompt_result& r) {
+  r.kl = kl / static_cast<double>(m);
+  r.top1 /= static_cast<double>(m);
+  r.recall = m > 1 ? recall / static_cast<double>(m - 1) : 0.0;
+  kvevict::kv_usage usage;
+  KVEVICT_TRY(with_workspace(scratch, [&](kvevict::workspace& ws) { return kvevict::measure_kv_usage(ws, schedule, usage); }));
+  r.footprint = usage.footprint();
+  r.peak = usage.peak_kv();
+  return {};
+}
+
 /// Per-thread state of the report.
 struct report_worker {
   runner run;
@@ -384,12 +423,7 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
   out.assign(configs.size(), prompt_result{});
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
     const report_config& rc = configs[ci];
-    evict_options e = o.base;
-    e.recipe = rc.recipe;
-    e.driver = rc.driver;
-    e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
-    e.chunk_fraction = rc.fraction;
-    e.alloc.reset();
+    const evict_options e = config_options(o, rc);
     KVEVICT_TRY(w.ev.init(mdl, e, &heads[ci], o.lookahead != nullptr ? &w.lookahead : nullptr, &w.laq));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
     if (!made) return made.error();
@@ -417,32 +451,19 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     double kl = 0.0, recall = 0.0, step_recall = 0.0;
     for (index_t t = 0; t < m; ++t) {
       const float* logits = t == 0 ? w.ev.next_logits() : w.run.logits(0);
-      log_softmax(logits, V, w.logq.data());
-      kl += kl_divergence(w.full_logp.data() + t * V, w.logq.data(), V);
-      const bool same = sampler::argmax(logits, static_cast<int>(V)) == tp.response[static_cast<std::size_t>(t)];
-      if (same) r.top1 += 1.0;
-      if (agreeing && same) ++r.agreement;
-      else agreeing = false;
+      kl += score_position(w.full_logp.data() + t * V, logits, V, tp.response[static_cast<std::size_t>(t)], w.logq.data(),
+                           agreeing, r);
       if (t + 1 < m) {
         if (t == 0 || rc.driver == driver_kind::decode) KVEVICT_TRY(held_recall(c, w.cache, P, k, w, step_recall));
         recall += step_recall;
         KVEVICT_TRY(w.ev.decode(w.run, w.cache, tp.response[static_cast<std::size_t>(t)]));
       }
     }
-    r.kl = kl / static_cast<double>(m);
-    r.top1 /= static_cast<double>(m);
-    r.recall = m > 1 ? recall / static_cast<double>(m - 1) : 0.0;
     r.evict_ms = w.ev.evict_seconds() * 1e3 + (rc.recipe == method::speckv ? draft_ms : 0.0);
     r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;
     const auto sched = rec.schedule(N);
     if (!sched) return sched.error();
-    kvevict::kv_usage usage;
-    kvevict::workspace q;
-    KVEVICT_TRY(kvevict::measure_kv_usage(q, *sched, usage));
-    kvevict::workspace ws = w.workspace_for(q.bytes);
-    KVEVICT_TRY(kvevict::measure_kv_usage(ws, *sched, usage));
-    r.footprint = usage.footprint();
-    r.peak = usage.peak_kv();
+    KVEVICT_TRY(finish_prompt(kl, recall, m, *sched, w.ws, r));
   }
   return {};
 }

@@ -500,6 +500,21 @@ inline kvevict::model_shape shape_of(const config& c) {
   return {c.n_layers, c.n_kv_heads, c.n_heads, c.head_size()};
 }
 
+/// The chunked driver's configuration for a P-token prompt under `o` (--driver chunked-naive /
+/// chunked-patched, --chunk-fraction), without its allocation (the caller's).
+inline kvevict::chunked_config chunked_config_of(const evict_options& o, const kvevict::recipe& rec,
+                                                 kvevict::model_shape shape, index_t P) {
+  kvevict::chunked_config cc;
+  cc.model = shape;
+  cc.tokens = P;
+  cc.capacity = P;
+  cc.rec = rec;
+  cc.queries = o.driver == driver_kind::chunked_patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
+  cc.target = o.chunk_fraction >= 0.0 ? kvevict::chunk_target::fraction : kvevict::chunk_target::budget;
+  if (o.chunk_fraction >= 0.0) cc.fraction = o.chunk_fraction;
+  return cc;
+}
+
 /// A driver's state memory and workspace, kept between calls (they only grow: grown()).
 struct driver_scratch {
   std::vector<unsigned char> state, ws;

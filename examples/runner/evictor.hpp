@@ -415,14 +415,7 @@ class evictor {
     const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
     const bool patched = o_.driver == driver_kind::chunked_patched;
     KVEVICT_TRY(plan(P));
-    kvevict::chunked_config cc;
-    cc.model = shape_of(c);
-    cc.tokens = P;
-    cc.capacity = P;
-    cc.rec = rec_;
-    cc.queries = patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
-    cc.target = o_.chunk_fraction >= 0.0 ? kvevict::chunk_target::fraction : kvevict::chunk_target::budget;
-    cc.fraction = o_.chunk_fraction >= 0.0 ? o_.chunk_fraction : cc.fraction;
+    kvevict::chunked_config cc = chunked_config_of(o_, rec_, shape_of(c), P);
     cc.alloc = alloc_.alloc;
     kvevict::workspace ws;
     KVEVICT_TRY(init_driver(ch_, scratch_, cc, rec, ws));

@@ -435,15 +435,8 @@ class sharded_runner {
   status prefill_chunked(const std::vector<int>& prompt) {
     const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
     const bool patched = o_.driver == driver_kind::chunked_patched;
-    kvevict::chunked_config cc;
+    kvevict::chunked_config cc = chunked_config_of(o_, rec_, shape(), P);
     KVEVICT_TRY(plan(P, cc.alloc));
-    cc.model = shape();
-    cc.tokens = P;
-    cc.capacity = P;
-    cc.rec = rec_;
-    cc.queries = patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
-    cc.target = o_.chunk_fraction >= 0.0 ? kvevict::chunk_target::fraction : kvevict::chunk_target::budget;
-    cc.fraction = o_.chunk_fraction >= 0.0 ? o_.chunk_fraction : cc.fraction;
     cc.tp = tp();
     kvevict::workspace ws;
     KVEVICT_TRY(init_driver(ch_, scratch_, cc, recorder_, ws));
@@ -708,13 +701,7 @@ status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options
   out.assign(configs.size(), prompt_result{});
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
     const report_config& rc = configs[ci];
-    evict_options e = o.base;
-    e.recipe = rc.recipe;
-    e.driver = rc.driver;
-    e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
-    e.chunk_fraction = rc.fraction;
-    e.alloc.reset();
-    KVEVICT_TRY(w.run.init(mdl, comm, s, e));
+    KVEVICT_TRY(w.run.init(mdl, comm, s, config_options(o, rc)));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), lr.count, hk, N);
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
@@ -725,22 +712,14 @@ status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options
     bool agreeing = true;
     double kl = 0.0, recall = 0.0, step_recall = 0.0;
     for (index_t t = 0; t < m; ++t) {  // evaluate_prompt's loop
-      const float* logits = w.run.logits();
-      log_softmax(logits, V, w.logq.data());
-      kl += kl_divergence(w.full_logp.data() + t * V, w.logq.data(), V);
-      const bool same = sampler::argmax(logits, static_cast<int>(V)) == tp.response[static_cast<std::size_t>(t)];
-      if (same) r.top1 += 1.0;
-      if (agreeing && same) ++r.agreement;
-      else agreeing = false;
+      kl += score_position(w.full_logp.data() + t * V, w.run.logits(), V, tp.response[static_cast<std::size_t>(t)],
+                           w.logq.data(), agreeing, r);
       if (t + 1 < m) {
         if (t == 0 || rc.driver == driver_kind::decode) KVEVICT_TRY(sharded_recall(mdl, comm, s, P, k, w, step_recall));
         recall += step_recall;
         KVEVICT_TRY(w.run.decode(tp.response[static_cast<std::size_t>(t)]));
       }
     }
-    r.kl = kl / static_cast<double>(m);
-    r.top1 /= static_cast<double>(m);
-    r.recall = m > 1 ? recall / static_cast<double>(m - 1) : 0.0;
     // the whole model's schedule from every rank's block
     KVEVICT_TRY(gather_model(comm, s, c, N, w.schedule.data(), w.schedule_pad, w.schedule_blocks, w.model_schedule));
     w.whole.resize(static_cast<std::size_t>(L * H * N));
@@ -749,10 +728,7 @@ status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options
     std::copy(w.model_schedule.begin(), w.model_schedule.end(), w.whole.begin());
     const auto sched = whole->schedule(N);
     if (!sched) return sched.error();
-    kvevict::kv_usage usage;
-    KVEVICT_TRY(with_workspace(w.ws, [&](kvevict::workspace& ws) { return kvevict::measure_kv_usage(ws, *sched, usage); }));
-    r.footprint = usage.footprint();
-    r.peak = usage.peak_kv();
+    KVEVICT_TRY(finish_prompt(kl, recall, m, *sched, w.ws, r));
   }
   return {};
 }
@@ -774,14 +750,8 @@ status run_sharded_report(const model& mdl, Comm& comm, const shard_options& s, 
   std::vector<report_config> configs;
   KVEVICT_TRY(report_configs(c, o, configs));
   for (const report_config& rc : configs) {
-    evict_options e = o.base;
-    e.recipe = rc.recipe;
-    e.driver = rc.driver;
-    e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
-    e.chunk_fraction = rc.fraction;
-    e.alloc.reset();
-    status st = rc.head_sparsity >= 0.0 ? status::error(errc::unsupported, "head-type rows do not run sharded")
-                                        : check_sharded(c, s, comm.size(), e);
+    const status st = rc.head_sparsity >= 0.0 ? status::error(errc::unsupported, "head-type rows do not run sharded")
+                                              : check_sharded(c, s, comm.size(), detail::config_options(o, rc));
     if (!st.ok())
       return status::error(errc::unsupported, "sharded report: %s / %s / budget %lld: %s (choose --recipes / --drivers that do)",
                            method_name(rc.recipe), driver_name(rc.driver), static_cast<long long>(rc.budget), st.message());

@@ -2,6 +2,7 @@
 // selected alone, padded and varlen layouts agree, seq == par; the whole paged pipeline (Knorm
 // through the paged views, batched selection, paged compaction) keeps the rows of the dense one.
 #include "paged_fixture.hpp"
+#include "thread_comm.hpp"
 
 #include <kvevict/batch.hpp>
 #include <kvevict/compact.hpp>
@@ -578,6 +579,147 @@ TEST_CASE("paged drivers: post_fill_driver on paged layers equals it on the same
       CHECK(kept_pos_of(paged.kept(l)) == kept_pos_of(dense.kept(l)));
     }
   }
+}
+
+TEST_CASE("paged drivers: post_fill_driver on paged layers across tensor-parallel ranks keeps one process's rows") {
+  // every rank holds its heads' rows in its own page pool; its kept rows must be the one-process
+  // dense driver's for those heads (flattened, adakv, lava, cake select across the ranks)
+  auto g = kvtest::rng(1414);
+  const auto slice = [](const head_rows_set& r, index_t h0, index_t n) {
+    head_rows_set s;
+    s.H = n, s.d = r.d;
+    for (index_t h = h0; h < h0 + n; ++h) {
+      s.k.push_back(r.k[static_cast<std::size_t>(h)]);
+      s.v.push_back(r.v[static_cast<std::size_t>(h)]);
+      s.pos.push_back(r.pos[static_cast<std::size_t>(h)]);
+    }
+    return s;
+  };
+  const auto lists = [](const ragged_positions& k, index_t h0, index_t n) {
+    std::vector<std::vector<pos_t>> out;
+    for (index_t h = h0; h < h0 + n; ++h) out.emplace_back(k.pos + k.cu[h], k.pos + k.cu[h + 1]);
+    return out;
+  };
+  int selected = 0;
+  for (int trial = 0; trial < 32; ++trial) {
+    const int ranks = 2 + trial % 2;
+    const index_t Hl = kvtest::uniform_int(g, 1, 2), H = Hl * ranks, gq = kvtest::uniform_int(g, 1, 2), d = 4;
+    const index_t L = 2, w = kvtest::uniform_int(g, 1, 5), P = kvtest::uniform_int(g, w + 8, 48);
+    const index_t ps = std::array<index_t, 3>{1, 3, 16}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
+    index_t query_rows = 0;
+    bool bk = false;
+    const recipe r = random_recipe(g, w, &query_rows, &bk, false);
+    post_fill_config cfg;
+    cfg.model = {L, H, H * gq, d};
+    cfg.tokens = P;
+    cfg.query_rows = query_rows;
+    cfg.rec = r;
+    const auto kinds = std::array<allocator, 4>{allocator::flattened, allocator::adakv, allocator::lava, allocator::cake};
+    cfg.alloc.kind = kinds[static_cast<std::size_t>((trial / 2) % 4)];
+    if (cfg.alloc.kind == allocator::lava && r.kind == recipe_kind::knorm) cfg.alloc.kind = allocator::flattened;
+    const bool attention = uses_attention(r.kind), all_layer = cfg.alloc.kind == allocator::lava || cfg.alloc.kind == allocator::cake;
+    const index_t tail = r.kind == recipe_kind::tova ? 1 : attention && query_rows == 0 && r.kind != recipe_kind::h2o ? w : 0;
+    const bool whole = r.kind == recipe_kind::h2o || cfg.alloc.kind == allocator::cake;
+    const index_t W = protected_count(P, r.n_sink, r.n_recent);
+    std::vector<head_rows_set> rows;
+    for (index_t l = 0; l < L; ++l)
+      rows.push_back(random_rows(g, H, d, P, tail, W, whole, kvtest::uniform_int(g, 0, 2) == 0, 2, false));
+    // one budget per layer (every rank's block then has the same sum, as the sharded selection requires)
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H));
+    index_t rows_all = 0, prot_all = 0;
+    for (index_t l = 0; l < L; ++l) {
+      index_t least = P;
+      for (index_t h = 0; h < H; ++h) {
+        const index_t n = rows[static_cast<std::size_t>(l)].len(h);
+        least = std::min(least, n);
+        rows_all += n;
+        prot_all += protected_count(n, r.n_sink, r.n_recent);
+      }
+      const auto b = static_cast<std::int32_t>(kvtest::uniform_int(g, W, least));
+      for (index_t h = 0; h < H; ++h) budgets[static_cast<std::size_t>(l * H + h)] = b;
+    }
+    if (!all_layer) cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+    if (cfg.alloc.kind == allocator::lava) cfg.alloc.total = kvtest::uniform_int(g, prot_all, rows_all);
+    if (cfg.alloc.kind == allocator::cake) cfg.alloc.total = L * H * kvtest::uniform_int(g, W, P);
+    const index_t qrows = query_rows > 0 ? query_rows : r.kind == recipe_kind::h2o ? P : r.kind == recipe_kind::tova ? 1 : attention ? w : 0;
+    std::vector<std::vector<float>> q, bkd;
+    std::vector<double> pref;
+    for (index_t l = 0; l < L; ++l) {
+      q.push_back(kvtest::random_floats(g, static_cast<std::size_t>(H * gq * std::max<index_t>(qrows, 1) * d)));
+      bkd.push_back(kvtest::random_floats(g, static_cast<std::size_t>(H * std::max<index_t>(query_rows, 1) * d)));
+      pref.push_back(cfg.alloc.kind == allocator::cake ? static_cast<double>(kvtest::uniform_int(g, 1, 9)) : 0.0);
+    }
+    // the rank's queries / block keys: its heads' rows of layer l's (heads first: a contiguous block)
+    const auto views = [&](index_t l, index_t h0, index_t n, kv_view<const float>& qv, kv_view<const float>& bv) {
+      const auto ls = static_cast<std::size_t>(l);
+      qv = qrows > 0 ? kvtest::value_of(make_kv_view<const float>(q[ls].data() + h0 * gq * qrows * d, n * gq, qrows, d))
+                     : kv_view<const float>{};
+      bv = bk ? kvtest::value_of(make_kv_view<const float>(bkd[ls].data() + h0 * query_rows * d, n, query_rows, d))
+              : kv_view<const float>{};
+    };
+    INFO("trial ", trial, " ranks ", ranks, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
+         std::string(allocator_name(cfg.alloc.kind)), " H ", H, " g ", gq, " P ", P, " w ", w, " page size ", ps);
+    std::vector<unsigned char> m1(kvtest::value_of(post_fill_driver::state_bytes(cfg))), wmem;
+    post_fill_driver one;
+    REQUIRE(one.init(cfg, m1.data(), m1.size()).ok());
+    for (index_t l = 0; l < L; ++l) {
+      auto& hr = rows[static_cast<std::size_t>(l)];
+      ragged_layer rl(hr, P + 2);
+      kv_view<const float> qv, bv;
+      views(l, 0, H, qv, bv);
+      const auto st = with_ws(one, seq, wmem, [&](workspace& ws) {
+        return one.add_layer(seq, ws, l, rl.view(hr), qv, bv, pref[static_cast<std::size_t>(l)]);
+      });
+      REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+    }
+    REQUIRE(with_ws(one, seq, wmem, [&](workspace& ws) { return one.decide(seq, ws); }).ok());
+    // each rank's paged layers: its heads of the same rows, in a random page pool
+    std::vector<std::vector<paged_store>> stores(static_cast<std::size_t>(ranks));
+    index_t most_pages = 0;
+    for (int rk = 0; rk < ranks; ++rk)
+      for (index_t l = 0; l < L; ++l) {
+        stores[static_cast<std::size_t>(rk)].push_back(paged_of(g, slice(rows[static_cast<std::size_t>(l)], rk * Hl, Hl), ps, true));
+        most_pages = std::max(most_pages, stores[static_cast<std::size_t>(rk)].back().pages);
+      }
+    std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+    std::vector<std::vector<std::vector<std::vector<pos_t>>>> kept(static_cast<std::size_t>(ranks));
+    kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& c) {
+      const auto me = static_cast<std::size_t>(c.rank());
+      post_fill_config rc = cfg;
+      rc.model.kv_heads = Hl;
+      rc.model.query_heads = Hl * gq;
+      rc.pool_pages = most_pages;
+      rc.tp = comm_ref(c);
+      if (!all_layer)
+        rc.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data() + Hl * c.rank(), L, Hl, H));
+      std::vector<unsigned char> mem(post_fill_driver::state_bytes(rc).value()), rw;
+      post_fill_driver drv;
+      status st = drv.init(rc, mem.data(), mem.size());
+      for (index_t l = 0; l < L && st.ok(); ++l) {
+        kv_view<const float> qv, bv;
+        views(l, Hl * c.rank(), Hl, qv, bv);
+        st = with_ws(drv, seq, rw, [&](workspace& ws) {
+          return drv.add_layer(seq, ws, l, stores[me][static_cast<std::size_t>(l)].view(), qv, bv, pref[static_cast<std::size_t>(l)]);
+        });
+      }
+      if (st.ok()) st = with_ws(drv, seq, rw, [&](workspace& ws) { return drv.decide(seq, ws); });
+      errors[me] = st.ok() ? "" : st.message();
+      if (st.ok())
+        for (index_t l = 0; l < L; ++l) kept[me].push_back(lists(drv.kept(l), 0, Hl));
+    });
+    for (int rk = 0; rk < ranks; ++rk) {
+      CAPTURE(rk);
+      REQUIRE(errors[static_cast<std::size_t>(rk)] == "");
+      for (index_t l = 0; l < L; ++l)
+        CHECK(kept[static_cast<std::size_t>(rk)][static_cast<std::size_t>(l)] == lists(one.kept(l), rk * Hl, Hl));
+    }
+    for (index_t l = 0; l < L; ++l) {
+      index_t held = 0;
+      for (index_t h = 0; h < H; ++h) held += rows[static_cast<std::size_t>(l)].len(h);
+      selected += one.kept(l).cu[H] < held ? 1 : 0;
+    }
+  }
+  CHECK(selected > 0);  // some layers really evicted
 }
 
 TEST_CASE("paged drivers: decode_driver on paged layers equals it on the same rows dense, step by step") {

@@ -2681,3 +2681,64 @@ TEST_CASE("drivers: decode across tensor-parallel ranks sends one agreement per 
   CHECK(evicting > 0);
   CHECK(due_steps > evicting);  // due steps that did not evict sent the agreement only
 }
+
+TEST_CASE("drivers: chunked across tensor-parallel ranks sends one agreement per layer and chunk, plus the selection when it evicts") {
+  // pinned (docs/distributed.md): 88 bytes in 1 collective per layer and chunk, plus 41,064 bytes
+  // in 6 when the layer's target is below its rows over all ranks (flattened, adakv)
+  constexpr std::uint64_t agreement = 88, selection = 41064, agreement_calls = 1, selection_calls = 6;
+  int evicting = 0, keeping = 0;
+  for (allocator kind : {allocator::flattened, allocator::adakv})
+    for (int ranks : {2, 3})
+      for (std::uint64_t seed = 1; seed <= 2; ++seed) {
+        auto g = kvtest::rng(seed * 29 + static_cast<std::uint64_t>(kind) * 7 + static_cast<std::uint64_t>(ranks));
+        chunk_case c;
+        const index_t L = kvtest::uniform_int(g, 1, 2), Hl = kvtest::uniform_int(g, 1, 2), H = ranks * Hl;
+        c.N = 40;
+        c.s = make_synth(seed, L, H, H, 4, c.N);
+        c.r = small_window(recipe::snapkv(), 4);
+        c.mode = seed % 2 ? chunk_queries::patched : chunk_queries::naive;
+        c.target = chunk_target::budget;
+        c.kind = kind;
+        const index_t prot = c.r.n_sink + c.r.n_recent;
+        c.budgets = rank_budgets(g, L, H, ranks, prot + 6, prot + 14, kind != allocator::adakv);
+        c.bounds = random_bounds(g, c.N, c.mode == chunk_queries::patched ? c.N - c.r.window : c.N - 1,
+                                 kvtest::uniform_int(g, 2, 4));
+        const auto ref = run_chunked(seq, c, nullptr);
+        // the collectives one rank must have run: per chunk and layer an agreement, and a selection
+        // when the one process's layer holds fewer rows after the chunk than before its decision
+        std::uint64_t want_bytes = 0, want_calls = 0;
+        for (std::size_t ci = 0; ci + 1 < c.bounds.size(); ++ci)
+          for (index_t l = 0; l < L; ++l) {
+            std::size_t before = static_cast<std::size_t>(H * (c.bounds[ci + 1] - c.bounds[ci])), after = 0;
+            for (index_t h = 0; h < H; ++h) {
+              if (ci > 0) before += ref[ci - 1][static_cast<std::size_t>(l)][static_cast<std::size_t>(h)].size();
+              after += ref[ci][static_cast<std::size_t>(l)][static_cast<std::size_t>(h)].size();
+            }
+            const bool evicts = after < before;
+            (evicts ? evicting : keeping) += 1;
+            want_bytes += agreement + (evicts ? selection : 0);
+            want_calls += agreement_calls + (evicts ? selection_calls : 0);
+          }
+        std::vector<std::uint64_t> bytes(static_cast<std::size_t>(ranks)), calls(bytes.size());
+        kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& comm) {
+          chunk_case rc = c;
+          rc.s = slice_heads(c.s, Hl * comm.rank(), Hl);
+          rc.budgets = slice_budgets(c.budgets, L, H, Hl * comm.rank(), Hl);
+          counting_comm<kvtest::thread_comm> counted(comm);
+          rc.tp = comm_ref(counted);
+          run_chunked(seq, rc, nullptr);
+          bytes[static_cast<std::size_t>(comm.rank())] = counted.bytes();
+          calls[static_cast<std::size_t>(comm.rank())] = counted.calls();
+        });
+        for (int rk = 0; rk < ranks; ++rk) {
+          CAPTURE(static_cast<int>(kind));
+          CAPTURE(ranks);
+          CAPTURE(seed);
+          CAPTURE(rk);
+          CHECK(bytes[static_cast<std::size_t>(rk)] == want_bytes);
+          CHECK(calls[static_cast<std::size_t>(rk)] == want_calls);
+        }
+      }
+  CHECK(evicting > 0);
+  CHECK(keeping > 0);
+}

@@ -796,6 +796,124 @@ TEST_CASE("paged drivers: decode_driver on paged layers equals it on the same ro
   }
 }
 
+TEST_CASE("paged drivers: decode_driver on paged layers across tensor-parallel ranks keeps one process's rows") {
+  // one layer decoded step by step; each rank holds its heads' rows in its own page pool (a new
+  // random pool every step) and must keep, at every eviction, the dense one-process driver's rows
+  auto g = kvtest::rng(1415);
+  int evictions = 0;
+  for (int trial = 0; trial < 16; ++trial) {
+    const int ranks = 2 + trial % 2;
+    const index_t Hl = kvtest::uniform_int(g, 1, 2), H = Hl * ranks, gq = kvtest::uniform_int(g, 1, 2), d = 4;
+    const index_t w = kvtest::uniform_int(g, 1, 4), interval = kvtest::uniform_int(g, 1, 3), steps = 24;
+    const index_t ps = std::array<index_t, 3>{1, 3, 16}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
+    index_t query_rows = 0;
+    bool bk = false;
+    recipe r = random_recipe(g, w, &query_rows, &bk, true);
+    decode_config cfg;
+    cfg.model = {1, H, H * gq, d};
+    cfg.interval = interval;
+    cfg.rec = r;
+    cfg.alloc.kind = trial / 2 % 2 == 0 ? allocator::flattened : allocator::adakv;
+    const index_t least = r.n_sink + r.n_recent + 1;
+    // one budget for every head: every rank's block has the same sum
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(H),
+                                      static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 6)));
+    cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
+    cfg.capacity = H * budgets[0] + interval;
+    const bool h2o = r.kind == recipe_kind::h2o, attention = uses_attention(r.kind);
+    const index_t lo = attention && !h2o && r.kind != recipe_kind::tova ? w : 1;
+    const index_t P0 = kvtest::uniform_int(g, lo, std::max(lo, least));
+    const head_rows_set first = random_rows(g, H, d, P0, P0, 0, true, true, 2, false);
+    // every step's new rows [steps][H][d] and queries [steps][H gq][w][d] (the step reads its first rows)
+    const auto keys = kvtest::random_floats(g, static_cast<std::size_t>(steps * H * d));
+    const auto vals = kvtest::random_floats(g, static_cast<std::size_t>(steps * H * d));
+    const auto qs = kvtest::random_floats(g, static_cast<std::size_t>(steps * H * gq * w * d));
+    const auto query = [&](index_t step, index_t h0, index_t n, index_t rows) {
+      if (rows == 0) return kv_view<const float>{};
+      const float* base = qs.data() + step * H * gq * w * d + h0 * gq * w * d;
+      return kvtest::value_of(make_kv_view<const float>(base, n * gq, rows, d, w * d, d));
+    };
+    const auto rows_of = [&](const decode_driver& drv) {
+      return h2o ? index_t(1) : attention && drv.evicts_next(0) ? (r.kind == recipe_kind::tova ? 1 : w) : 0;
+    };
+    INFO("trial ", trial, " ranks ", ranks, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
+         std::string(allocator_name(cfg.alloc.kind)), " H ", H, " g ", gq, " w ", w, " interval ", interval, " page size ", ps);
+    // the one process, dense: per step whether it evicted and the kept positions of every head
+    std::vector<std::vector<std::vector<pos_t>>> want(static_cast<std::size_t>(steps));
+    {
+      std::vector<unsigned char> mem(kvtest::value_of(decode_driver::state_bytes(cfg))), wmem;
+      decode_driver one;
+      REQUIRE(one.init(cfg, mem.data(), mem.size()).ok());
+      head_rows_set truth = first;
+      {
+        ragged_layer rl(truth, cfg.capacity);
+        REQUIRE(one.begin(0, rl.view(truth), P0).ok());
+      }
+      for (index_t t = 0; t < steps; ++t) {
+        for (index_t h = 0; h < H; ++h)
+          truth.append(h, keys.data() + (t * H + h) * d, vals.data() + (t * H + h) * d, static_cast<pos_t>(P0 + t));
+        const auto qv = query(t, 0, H, rows_of(one));
+        ragged_layer rl(truth, cfg.capacity);
+        const auto st = with_ws(one, seq, wmem, [&](workspace& ws) { return one.step(seq, ws, 0, rl.view(truth), qv); });
+        REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+        if (one.evicted(0)) {
+          ++evictions;
+          truth.compact(one.kept(0));
+        }
+        for (index_t h = 0; h < H; ++h) want[static_cast<std::size_t>(t)].push_back(truth.pos[static_cast<std::size_t>(h)]);
+      }
+    }
+    std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+    std::vector<std::vector<std::vector<std::vector<pos_t>>>> got(static_cast<std::size_t>(ranks));
+    const auto seed = static_cast<std::uint64_t>(trial) * 31 + 7;
+    kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& c) {
+      const auto me = static_cast<std::size_t>(c.rank());
+      const index_t h0 = Hl * c.rank();
+      auto rg = kvtest::rng(seed + me);  // this rank's page layouts
+      decode_config rc = cfg;
+      rc.model.kv_heads = Hl;
+      rc.model.query_heads = Hl * gq;
+      rc.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data() + h0, 1, Hl));
+      rc.pool_pages = 3 * Hl * (cfg.capacity + 64) + 80;
+      rc.tp = comm_ref(c);
+      std::vector<unsigned char> mem(decode_driver::state_bytes(rc).value()), wmem;
+      decode_driver drv;
+      status st = drv.init(rc, mem.data(), mem.size());
+      head_rows_set mine;
+      mine.H = Hl, mine.d = d;
+      for (index_t h = h0; h < h0 + Hl; ++h) {
+        mine.k.push_back(first.k[static_cast<std::size_t>(h)]);
+        mine.v.push_back(first.v[static_cast<std::size_t>(h)]);
+        mine.pos.push_back(first.pos[static_cast<std::size_t>(h)]);
+      }
+      if (st.ok()) {
+        auto store = paged_of(rg, mine, ps, true);
+        st = with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.begin(seq, ws, 0, store.view(), P0); });
+      }
+      for (index_t t = 0; t < steps && st.ok(); ++t) {
+        for (index_t h = 0; h < Hl; ++h)
+          mine.append(h, keys.data() + (t * H + h0 + h) * d, vals.data() + (t * H + h0 + h) * d, static_cast<pos_t>(P0 + t));
+        const auto qv = query(t, h0, Hl, rows_of(drv));
+        auto store = paged_of(rg, mine, ps, true);
+        st = with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.step(seq, ws, 0, store.view(), qv); });
+        if (st.ok() && drv.evicted(0)) mine.compact(drv.kept(0));
+        got[me].push_back(mine.pos);
+      }
+      errors[me] = st.ok() ? "" : st.message();
+    });
+    for (int rk = 0; rk < ranks; ++rk) {
+      CAPTURE(rk);
+      REQUIRE(errors[static_cast<std::size_t>(rk)] == "");
+      for (index_t t = 0; t < steps; ++t) {
+        const auto& all = want[static_cast<std::size_t>(t)];
+        const std::vector<std::vector<pos_t>> part(all.begin() + Hl * rk, all.begin() + Hl * (rk + 1));
+        CHECK(got[static_cast<std::size_t>(rk)][static_cast<std::size_t>(t)] == part);
+      }
+    }
+  }
+  CHECK(evictions > 0);
+}
+
 TEST_CASE("paged drivers: bad paged layers are refused before anything changes") {
   auto g = kvtest::rng(1315);
   const index_t H = 2, d = 4, P = 20, w = 4;

@@ -419,6 +419,18 @@ paged_store paged_of(std::mt19937_64& g, const head_rows_set& r, index_t ps, boo
   return p;
 }
 
+/// Layer l's fewest rows in a head, and its rows and protected rows summed into `all` / `prot`.
+index_t layer_totals(const head_rows_set& rows, const recipe& r, index_t P, index_t& all, index_t& prot) {
+  index_t least = P;
+  for (index_t h = 0; h < rows.H; ++h) {
+    const index_t n = rows.len(h);
+    least = std::min(least, n);
+    all += n;
+    prot += protected_count(n, r.n_sink, r.n_recent);
+  }
+  return least;
+}
+
 std::vector<std::int32_t> kept_cu_of(const ragged_positions& k) { return {k.cu, k.cu + (k.heads + 1)}; }
 std::vector<pos_t> kept_pos_of(const ragged_positions& k) { return {k.pos, k.pos + (k.heads > 0 ? k.cu[k.heads] : 0)}; }
 
@@ -628,13 +640,7 @@ TEST_CASE("paged drivers: post_fill_driver on paged layers across tensor-paralle
     std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H));
     index_t rows_all = 0, prot_all = 0;
     for (index_t l = 0; l < L; ++l) {
-      index_t least = P;
-      for (index_t h = 0; h < H; ++h) {
-        const index_t n = rows[static_cast<std::size_t>(l)].len(h);
-        least = std::min(least, n);
-        rows_all += n;
-        prot_all += protected_count(n, r.n_sink, r.n_recent);
-      }
+      const index_t least = layer_totals(rows[static_cast<std::size_t>(l)], r, P, rows_all, prot_all);
       const auto b = static_cast<std::int32_t>(kvtest::uniform_int(g, W, least));
       for (index_t h = 0; h < H; ++h) budgets[static_cast<std::size_t>(l * H + h)] = b;
     }

@@ -515,6 +515,18 @@ inline kvevict::chunked_config chunked_config_of(const evict_options& o, const k
   return cc;
 }
 
+/// Layer l's queries for the chunked driver (and the patch block's keys): the patch block's when the
+/// chunk has one, else the chunk's last `rows` queries (none when rows is 0).
+inline void chunk_queries_of(const block_capture& patch_q, const block_capture& chunk_q, kvevict::patch_block patch,
+                             index_t rows, int l, kvevict::kv_view<const float>& q, kvevict::kv_view<const float>& pk) {
+  if (patch.count > 0) {
+    q = patch_q.queries(l, 0, patch.count);
+    pk = patch_q.keys(l, 0, patch.count);
+  } else if (rows > 0) {
+    q = chunk_q.queries(l, 0, rows);
+  }
+}
+
 /// A driver's state memory and workspace, kept between calls (they only grow: grown()).
 struct driver_scratch {
   std::vector<unsigned char> state, ws;

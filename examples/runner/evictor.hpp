@@ -445,12 +445,7 @@ class evictor {
       }
       for (int l = 0; l < c.n_layers; ++l) {
         kvevict::kv_view<const float> q, pk;
-        if (patch.count > 0) {
-          q = patch_q_.queries(l, 0, patch.count);
-          pk = patch_q_.keys(l, 0, patch.count);
-        } else if (rows > 0) {
-          q = chunk_q_.queries(l, 0, rows);
-        }
+        chunk_queries_of(patch_q_, chunk_q_, patch, rows, l, q, pk);
         KVEVICT_TRY(ch_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q, pk));
       }
       KVEVICT_TRY(ch_.decide(kvevict::seq, ws));

@@ -461,12 +461,7 @@ class sharded_runner {
       for (index_t ls = 0; ls < layers_.count; ++ls) {
         const int l = model_layer(ls);
         kvevict::kv_view<const float> q, pk;
-        if (patch.count > 0) {
-          q = patch_q_.queries(l, 0, patch.count);
-          pk = patch_q_.keys(l, 0, patch.count);
-        } else if (rows > 0) {
-          q = chunk_q_.queries(l, 0, rows);
-        }
+        chunk_queries_of(patch_q_, chunk_q_, patch, rows, l, q, pk);
         KVEVICT_TRY(ch_.add_layer(kvevict::seq, ws, ls, cache_.layer(l), q, pk));
       }
       KVEVICT_TRY(ch_.decide(kvevict::seq, ws));

@@ -419,6 +419,16 @@ paged_store paged_of(std::mt19937_64& g, const head_rows_set& r, index_t ps, boo
   return p;
 }
 
+/// A post-fill configuration of L layers x H KV heads (g query heads each) over P tokens.
+post_fill_config post_fill_of(index_t L, index_t H, index_t gq, index_t d, index_t P, index_t query_rows, const recipe& r) {
+  post_fill_config cfg;
+  cfg.model = {L, H, H * gq, d};
+  cfg.tokens = P;
+  cfg.query_rows = query_rows;
+  cfg.rec = r;
+  return cfg;
+}
+
 /// Layer l's fewest rows in a head, and its rows and protected rows summed into `all` / `prot`.
 index_t layer_totals(const head_rows_set& rows, const recipe& r, index_t P, index_t& all, index_t& prot) {
   index_t least = P;
@@ -503,11 +513,7 @@ TEST_CASE("paged drivers: post_fill_driver on paged layers equals it on the same
     index_t query_rows = 0;
     bool bk = false;
     const recipe r = random_recipe(g, w, &query_rows, &bk, false);
-    post_fill_config cfg;
-    cfg.model = {L, H, H * gq, d};
-    cfg.tokens = P;
-    cfg.query_rows = query_rows;
-    cfg.rec = r;
+    post_fill_config cfg = post_fill_of(L, H, gq, d, P, query_rows, r);
     const bool attention = uses_attention(r.kind);
     const index_t tail = r.kind == recipe_kind::tova ? 1 : attention && query_rows == 0 && r.kind != recipe_kind::h2o ? w : 0;
     const auto kinds = std::array<allocator, 5>{allocator::per_head, allocator::flattened, allocator::adakv,
@@ -621,11 +627,7 @@ TEST_CASE("paged drivers: post_fill_driver on paged layers across tensor-paralle
     index_t query_rows = 0;
     bool bk = false;
     const recipe r = random_recipe(g, w, &query_rows, &bk, false);
-    post_fill_config cfg;
-    cfg.model = {L, H, H * gq, d};
-    cfg.tokens = P;
-    cfg.query_rows = query_rows;
-    cfg.rec = r;
+    post_fill_config cfg = post_fill_of(L, H, gq, d, P, query_rows, r);
     const auto kinds = std::array<allocator, 4>{allocator::flattened, allocator::adakv, allocator::lava, allocator::cake};
     cfg.alloc.kind = kinds[static_cast<std::size_t>((trial / 2) % 4)];
     if (cfg.alloc.kind == allocator::lava && r.kind == recipe_kind::knorm) cfg.alloc.kind = allocator::flattened;

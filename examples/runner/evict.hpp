@@ -527,6 +527,19 @@ inline void chunk_queries_of(const block_capture& patch_q, const block_capture& 
   }
 }
 
+/// Layer l's queries for a decode_driver step under `rec`: the new token's (h2o, tova), the last
+/// `window` tokens' (window recipes), none (knorm, streaming_llm).
+inline kvevict::kv_view<const float> decode_queries_of(const kvevict::recipe& rec, const block_capture& step_q,
+                                                       const block_capture& recent_q, int l, index_t window) {
+  switch (rec.kind) {
+    case kvevict::recipe_kind::h2o:
+    case kvevict::recipe_kind::tova: return step_q.queries(l, 0, 1);
+    case kvevict::recipe_kind::knorm:
+    case kvevict::recipe_kind::streaming_llm: return {};
+    default: return recent_q.queries(l, 0, window);
+  }
+}
+
 /// A driver's state memory and workspace, kept between calls (they only grow: grown()).
 struct driver_scratch {
   std::vector<unsigned char> state, ws;

@@ -224,14 +224,7 @@ class evictor {
     KVEVICT_TRY(run.decode(cache, token, hk));
     const auto t0 = std::chrono::steady_clock::now();
     for (int l = 0; l < c.n_layers; ++l) {
-      kvevict::kv_view<const float> q;
-      switch (rec_.kind) {
-        case kvevict::recipe_kind::h2o:
-        case kvevict::recipe_kind::tova: q = step_q_.queries(l, 0, 1); break;
-        case kvevict::recipe_kind::knorm:
-        case kvevict::recipe_kind::streaming_llm: break;
-        default: q = recent_q_.queries(l, 0, o_.window);
-      }
+      const kvevict::kv_view<const float> q = decode_queries_of(rec_, step_q_, recent_q_, l, o_.window);
       KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, l, layer_view(cache, l), q));
       if (dd_.evicted(l)) KVEVICT_TRY(cache.compact(l, dd_.kept(l)));
     }

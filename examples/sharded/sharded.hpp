@@ -529,14 +529,7 @@ class sharded_runner {
     KVEVICT_TRY(forward(&token, 1, &hk));
     for (index_t ls = 0; ls < layers_.count; ++ls) {
       const int l = model_layer(ls);
-      kvevict::kv_view<const float> q;
-      switch (rec_.kind) {
-        case kvevict::recipe_kind::h2o:
-        case kvevict::recipe_kind::tova: q = step_q_.queries(l, 0, 1); break;
-        case kvevict::recipe_kind::knorm:
-        case kvevict::recipe_kind::streaming_llm: break;
-        default: q = recent_q_.queries(l, 0, w);
-      }
+      const kvevict::kv_view<const float> q = decode_queries_of(rec_, step_q_, recent_q_, l, w);
       KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, ls, cache_.layer(l), q));
       if (dd_.evicted(ls)) KVEVICT_TRY(cache_.compact(l, dd_.kept(ls)));
     }

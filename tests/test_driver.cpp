@@ -9,6 +9,7 @@
 #include <kvevict/driver.hpp>
 #include <kvevict/metrics.hpp>
 
+#include <array>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -2607,4 +2608,136 @@ TEST_CASE("drivers: decode across tensor-parallel ranks keeps the single-process
         ++cases;
       }
   CHECK(cases == 8 * 3 * 2);
+}
+
+TEST_CASE("drivers: decode across tensor-parallel ranks sends one agreement per due step, plus the selection when it evicts") {
+  // the collectives' payload, pinned (docs/distributed.md): 88 bytes in 1 collective for the
+  // agreement of a due step, 41,064 bytes in 6 for a sharded selection
+  constexpr std::uint64_t agreement = 88, selection = 41064, agreement_calls = 1, selection_calls = 6;
+  int due_steps = 0, evicting = 0;
+  for (allocator kind : {allocator::flattened, allocator::adakv})
+    for (int ranks : {2, 3}) {
+      auto g = kvtest::rng(91 + static_cast<std::uint64_t>(kind) * 7 + static_cast<std::uint64_t>(ranks));
+      decode_case c;
+      const index_t L = 2, Hl = 2, H = ranks * Hl;
+      c.P = 12;
+      c.G = 16;
+      c.interval = 2;
+      c.s = make_synth(static_cast<std::uint64_t>(ranks) + 5, L, H, H, 4, c.P + c.G);
+      c.r = small_window(recipe::snapkv(), 4);
+      c.kind = kind;
+      // budgets above the prompt: the first due steps keep everything, the later ones evict
+      c.budgets = rank_budgets(g, L, H, ranks, c.P + 1, c.P + 4, kind != allocator::adakv);
+      // per rank, per step and layer: due, evicted, bytes and collectives of the step
+      std::vector<std::vector<std::array<std::uint64_t, 4>>> seen(static_cast<std::size_t>(ranks));
+      std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+      kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& comm) {
+        const auto me = static_cast<std::size_t>(comm.rank());
+        decode_case rc = c;
+        rc.s = slice_heads(c.s, Hl * comm.rank(), Hl);
+        rc.budgets = slice_budgets(c.budgets, L, H, Hl * comm.rank(), Hl);
+        counting_comm<kvtest::thread_comm> counted(comm);
+        rc.tp = comm_ref(counted);
+        const decode_config cfg = decode_cfg(rc);
+        std::vector<unsigned char> mem(value_of(decode_driver::state_bytes(cfg)));
+        decode_driver d;
+        status st = d.init(cfg, mem.data(), mem.size());
+        aligned_buf wb;
+        workspace ws = make_ws(d, seq, wb);
+        auto layers = make_layers(L, Hl, rc.s.d, cfg.capacity);
+        for (index_t l = 0; l < L && st.ok(); ++l) {
+          layers[static_cast<std::size_t>(l)].append(rc.s, l, 0, c.P);
+          st = d.begin(l, layers[static_cast<std::size_t>(l)].view(), c.P);
+        }
+        for (index_t t = c.P; t < c.P + c.G && st.ok(); ++t)
+          for (index_t l = 0; l < L && st.ok(); ++l) {
+            auto& lay = layers[static_cast<std::size_t>(l)];
+            lay.append(rc.s, l, t, t + 1);
+            const bool due = d.evicts_next(l);
+            const auto qb = gather_queries(rc.s, l, due ? decode_query_positions(c.r, t) : std::vector<pos_t>{});
+            const std::uint64_t b0 = counted.bytes(), c0 = counted.calls();
+            st = d.step(seq, ws, l, lay.view(), block_view(qb, Hl, due ? c.r.window : 0, rc.s.d));
+            if (st.ok() && d.evicted(l)) lay.compact(d.kept(l));
+            seen[me].push_back({due ? 1u : 0u, d.evicted(l) ? 1u : 0u, counted.bytes() - b0, counted.calls() - c0});
+          }
+        errors[me] = st.ok() ? "" : st.message();
+      });
+      for (int rk = 0; rk < ranks; ++rk) {
+        CAPTURE(static_cast<int>(kind));
+        CAPTURE(rk);
+        REQUIRE(errors[static_cast<std::size_t>(rk)] == "");
+        for (const auto& s : seen[static_cast<std::size_t>(rk)]) {
+          CHECK(s[2] == s[0] * agreement + s[1] * selection);
+          CHECK(s[3] == s[0] * agreement_calls + s[1] * selection_calls);
+          if (rk == 0) {
+            due_steps += static_cast<int>(s[0]);
+            evicting += static_cast<int>(s[1]);
+          }
+        }
+        CHECK(seen[static_cast<std::size_t>(rk)] == seen[0]);  // every rank the same steps and bytes
+      }
+    }
+  CHECK(evicting > 0);
+  CHECK(due_steps > evicting);  // due steps that did not evict sent the agreement only
+}
+
+TEST_CASE("drivers: chunked across tensor-parallel ranks sends one agreement per layer and chunk, plus the selection when it evicts") {
+  // pinned (docs/distributed.md): 88 bytes in 1 collective per layer and chunk, plus 41,064 bytes
+  // in 6 when the layer's target is below its rows over all ranks (flattened, adakv)
+  constexpr std::uint64_t agreement = 88, selection = 41064, agreement_calls = 1, selection_calls = 6;
+  int evicting = 0, keeping = 0;
+  for (allocator kind : {allocator::flattened, allocator::adakv})
+    for (int ranks : {2, 3})
+      for (std::uint64_t seed = 1; seed <= 2; ++seed) {
+        auto g = kvtest::rng(seed * 29 + static_cast<std::uint64_t>(kind) * 7 + static_cast<std::uint64_t>(ranks));
+        chunk_case c;
+        const index_t L = kvtest::uniform_int(g, 1, 2), Hl = kvtest::uniform_int(g, 1, 2), H = ranks * Hl;
+        c.N = 40;
+        c.s = make_synth(seed, L, H, H, 4, c.N);
+        c.r = small_window(recipe::snapkv(), 4);
+        c.mode = seed % 2 ? chunk_queries::patched : chunk_queries::naive;
+        c.target = chunk_target::budget;
+        c.kind = kind;
+        const index_t prot = c.r.n_sink + c.r.n_recent;
+        c.budgets = rank_budgets(g, L, H, ranks, prot + 6, prot + 14, kind != allocator::adakv);
+        c.bounds = random_bounds(g, c.N, c.mode == chunk_queries::patched ? c.N - c.r.window : c.N - 1,
+                                 kvtest::uniform_int(g, 2, 4));
+        const auto ref = run_chunked(seq, c, nullptr);
+        // the collectives one rank must have run: per chunk and layer an agreement, and a selection
+        // when the one process's layer holds fewer rows after the chunk than before its decision
+        std::uint64_t want_bytes = 0, want_calls = 0;
+        for (std::size_t ci = 0; ci + 1 < c.bounds.size(); ++ci)
+          for (index_t l = 0; l < L; ++l) {
+            std::size_t before = static_cast<std::size_t>(H * (c.bounds[ci + 1] - c.bounds[ci])), after = 0;
+            for (index_t h = 0; h < H; ++h) {
+              if (ci > 0) before += ref[ci - 1][static_cast<std::size_t>(l)][static_cast<std::size_t>(h)].size();
+              after += ref[ci][static_cast<std::size_t>(l)][static_cast<std::size_t>(h)].size();
+            }
+            const bool evicts = after < before;
+            (evicts ? evicting : keeping) += 1;
+            want_bytes += agreement + (evicts ? selection : 0);
+            want_calls += agreement_calls + (evicts ? selection_calls : 0);
+          }
+        std::vector<std::uint64_t> bytes(static_cast<std::size_t>(ranks)), calls(bytes.size());
+        kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& comm) {
+          chunk_case rc = c;
+          rc.s = slice_heads(c.s, Hl * comm.rank(), Hl);
+          rc.budgets = slice_budgets(c.budgets, L, H, Hl * comm.rank(), Hl);
+          counting_comm<kvtest::thread_comm> counted(comm);
+          rc.tp = comm_ref(counted);
+          run_chunked(seq, rc, nullptr);
+          bytes[static_cast<std::size_t>(comm.rank())] = counted.bytes();
+          calls[static_cast<std::size_t>(comm.rank())] = counted.calls();
+        });
+        for (int rk = 0; rk < ranks; ++rk) {
+          CAPTURE(static_cast<int>(kind));
+          CAPTURE(ranks);
+          CAPTURE(seed);
+          CAPTURE(rk);
+          CHECK(bytes[static_cast<std::size_t>(rk)] == want_bytes);
+          CHECK(calls[static_cast<std::size_t>(rk)] == want_calls);
+        }
+      }
+  CHECK(evicting > 0);
+  CHECK(keeping > 0);
 }

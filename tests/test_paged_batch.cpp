@@ -2,6 +2,7 @@
 // selected alone, padded and varlen layouts agree, seq == par; the whole paged pipeline (Knorm
 // through the paged views, batched selection, paged compaction) keeps the rows of the dense one.
 #include "paged_fixture.hpp"
+#include "thread_comm.hpp"
 
 #include <kvevict/batch.hpp>
 #include <kvevict/compact.hpp>
@@ -419,6 +420,28 @@ paged_store paged_of(std::mt19937_64& g, const head_rows_set& r, index_t ps, boo
   return p;
 }
 
+/// A post-fill configuration of L layers x H KV heads (g query heads each) over P tokens.
+post_fill_config post_fill_of(index_t L, index_t H, index_t gq, index_t d, index_t P, index_t query_rows, const recipe& r) {
+  post_fill_config cfg;
+  cfg.model = {L, H, H * gq, d};
+  cfg.tokens = P;
+  cfg.query_rows = query_rows;
+  cfg.rec = r;
+  return cfg;
+}
+
+/// Layer l's fewest rows in a head, and its rows and protected rows summed into `all` / `prot`.
+index_t layer_totals(const head_rows_set& rows, const recipe& r, index_t P, index_t& all, index_t& prot) {
+  index_t least = P;
+  for (index_t h = 0; h < rows.H; ++h) {
+    const index_t n = rows.len(h);
+    least = std::min(least, n);
+    all += n;
+    prot += protected_count(n, r.n_sink, r.n_recent);
+  }
+  return least;
+}
+
 std::vector<std::int32_t> kept_cu_of(const ragged_positions& k) { return {k.cu, k.cu + (k.heads + 1)}; }
 std::vector<pos_t> kept_pos_of(const ragged_positions& k) { return {k.pos, k.pos + (k.heads > 0 ? k.cu[k.heads] : 0)}; }
 
@@ -491,11 +514,7 @@ TEST_CASE("paged drivers: post_fill_driver on paged layers equals it on the same
     index_t query_rows = 0;
     bool bk = false;
     const recipe r = random_recipe(g, w, &query_rows, &bk, false);
-    post_fill_config cfg;
-    cfg.model = {L, H, H * gq, d};
-    cfg.tokens = P;
-    cfg.query_rows = query_rows;
-    cfg.rec = r;
+    post_fill_config cfg = post_fill_of(L, H, gq, d, P, query_rows, r);
     const bool attention = uses_attention(r.kind);
     const index_t tail = r.kind == recipe_kind::tova ? 1 : attention && query_rows == 0 && r.kind != recipe_kind::h2o ? w : 0;
     const auto kinds = std::array<allocator, 5>{allocator::per_head, allocator::flattened, allocator::adakv,
@@ -579,6 +598,137 @@ TEST_CASE("paged drivers: post_fill_driver on paged layers equals it on the same
       CHECK(kept_pos_of(paged.kept(l)) == kept_pos_of(dense.kept(l)));
     }
   }
+}
+
+TEST_CASE("paged drivers: post_fill_driver on paged layers across tensor-parallel ranks keeps one process's rows") {
+  // every rank holds its heads' rows in its own page pool; its kept rows must be the one-process
+  // dense driver's for those heads (flattened, adakv, lava, cake select across the ranks)
+  auto g = kvtest::rng(1414);
+  const auto slice = [](const head_rows_set& r, index_t h0, index_t n) {
+    head_rows_set s;
+    s.H = n, s.d = r.d;
+    for (index_t h = h0; h < h0 + n; ++h) {
+      s.k.push_back(r.k[static_cast<std::size_t>(h)]);
+      s.v.push_back(r.v[static_cast<std::size_t>(h)]);
+      s.pos.push_back(r.pos[static_cast<std::size_t>(h)]);
+    }
+    return s;
+  };
+  const auto lists = [](const ragged_positions& k, index_t h0, index_t n) {
+    std::vector<std::vector<pos_t>> out;
+    for (index_t h = h0; h < h0 + n; ++h) out.emplace_back(k.pos + k.cu[h], k.pos + k.cu[h + 1]);
+    return out;
+  };
+  int selected = 0;
+  for (int trial = 0; trial < 32; ++trial) {
+    const int ranks = 2 + trial % 2;
+    const index_t Hl = kvtest::uniform_int(g, 1, 2), H = Hl * ranks, gq = kvtest::uniform_int(g, 1, 2), d = 4;
+    const index_t L = 2, w = kvtest::uniform_int(g, 1, 5), P = kvtest::uniform_int(g, w + 8, 48);
+    const index_t ps = std::array<index_t, 3>{1, 3, 16}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
+    index_t query_rows = 0;
+    bool bk = false;
+    const recipe r = random_recipe(g, w, &query_rows, &bk, false);
+    post_fill_config cfg = post_fill_of(L, H, gq, d, P, query_rows, r);
+    const auto kinds = std::array<allocator, 4>{allocator::flattened, allocator::adakv, allocator::lava, allocator::cake};
+    cfg.alloc.kind = kinds[static_cast<std::size_t>((trial / 2) % 4)];
+    if (cfg.alloc.kind == allocator::lava && r.kind == recipe_kind::knorm) cfg.alloc.kind = allocator::flattened;
+    const bool attention = uses_attention(r.kind), all_layer = cfg.alloc.kind == allocator::lava || cfg.alloc.kind == allocator::cake;
+    const index_t tail = r.kind == recipe_kind::tova ? 1 : attention && query_rows == 0 && r.kind != recipe_kind::h2o ? w : 0;
+    const bool whole = r.kind == recipe_kind::h2o || cfg.alloc.kind == allocator::cake;
+    const index_t W = protected_count(P, r.n_sink, r.n_recent);
+    std::vector<head_rows_set> rows;
+    for (index_t l = 0; l < L; ++l)
+      rows.push_back(random_rows(g, H, d, P, tail, W, whole, kvtest::uniform_int(g, 0, 2) == 0, 2, false));
+    // one budget per layer (every rank's block then has the same sum, as the sharded selection requires)
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H));
+    index_t rows_all = 0, prot_all = 0;
+    for (index_t l = 0; l < L; ++l) {
+      const index_t least = layer_totals(rows[static_cast<std::size_t>(l)], r, P, rows_all, prot_all);
+      const auto b = static_cast<std::int32_t>(kvtest::uniform_int(g, W, least));
+      for (index_t h = 0; h < H; ++h) budgets[static_cast<std::size_t>(l * H + h)] = b;
+    }
+    if (!all_layer) cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+    if (cfg.alloc.kind == allocator::lava) cfg.alloc.total = kvtest::uniform_int(g, prot_all, rows_all);
+    if (cfg.alloc.kind == allocator::cake) cfg.alloc.total = L * H * kvtest::uniform_int(g, W, P);
+    const index_t qrows = query_rows > 0 ? query_rows : r.kind == recipe_kind::h2o ? P : r.kind == recipe_kind::tova ? 1 : attention ? w : 0;
+    std::vector<std::vector<float>> q, bkd;
+    std::vector<double> pref;
+    for (index_t l = 0; l < L; ++l) {
+      q.push_back(kvtest::random_floats(g, static_cast<std::size_t>(H * gq * std::max<index_t>(qrows, 1) * d)));
+      bkd.push_back(kvtest::random_floats(g, static_cast<std::size_t>(H * std::max<index_t>(query_rows, 1) * d)));
+      pref.push_back(cfg.alloc.kind == allocator::cake ? static_cast<double>(kvtest::uniform_int(g, 1, 9)) : 0.0);
+    }
+    // the rank's queries / block keys: its heads' rows of layer l's (heads first: a contiguous block)
+    const auto views = [&](index_t l, index_t h0, index_t n, kv_view<const float>& qv, kv_view<const float>& bv) {
+      const auto ls = static_cast<std::size_t>(l);
+      qv = qrows > 0 ? kvtest::value_of(make_kv_view<const float>(q[ls].data() + h0 * gq * qrows * d, n * gq, qrows, d))
+                     : kv_view<const float>{};
+      bv = bk ? kvtest::value_of(make_kv_view<const float>(bkd[ls].data() + h0 * query_rows * d, n, query_rows, d))
+              : kv_view<const float>{};
+    };
+    INFO("trial ", trial, " ranks ", ranks, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
+         std::string(allocator_name(cfg.alloc.kind)), " H ", H, " g ", gq, " P ", P, " w ", w, " page size ", ps);
+    std::vector<unsigned char> m1(kvtest::value_of(post_fill_driver::state_bytes(cfg))), wmem;
+    post_fill_driver one;
+    REQUIRE(one.init(cfg, m1.data(), m1.size()).ok());
+    for (index_t l = 0; l < L; ++l) {
+      auto& hr = rows[static_cast<std::size_t>(l)];
+      ragged_layer rl(hr, P + 2);
+      kv_view<const float> qv, bv;
+      views(l, 0, H, qv, bv);
+      const auto st = with_ws(one, seq, wmem, [&](workspace& ws) {
+        return one.add_layer(seq, ws, l, rl.view(hr), qv, bv, pref[static_cast<std::size_t>(l)]);
+      });
+      REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+    }
+    REQUIRE(with_ws(one, seq, wmem, [&](workspace& ws) { return one.decide(seq, ws); }).ok());
+    // each rank's paged layers: its heads of the same rows, in a random page pool
+    std::vector<std::vector<paged_store>> stores(static_cast<std::size_t>(ranks));
+    index_t most_pages = 0;
+    for (int rk = 0; rk < ranks; ++rk)
+      for (index_t l = 0; l < L; ++l) {
+        stores[static_cast<std::size_t>(rk)].push_back(paged_of(g, slice(rows[static_cast<std::size_t>(l)], rk * Hl, Hl), ps, true));
+        most_pages = std::max(most_pages, stores[static_cast<std::size_t>(rk)].back().pages);
+      }
+    std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+    std::vector<std::vector<std::vector<std::vector<pos_t>>>> kept(static_cast<std::size_t>(ranks));
+    kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& c) {
+      const auto me = static_cast<std::size_t>(c.rank());
+      post_fill_config rc = cfg;
+      rc.model.kv_heads = Hl;
+      rc.model.query_heads = Hl * gq;
+      rc.pool_pages = most_pages;
+      rc.tp = comm_ref(c);
+      if (!all_layer)
+        rc.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data() + Hl * c.rank(), L, Hl, H));
+      std::vector<unsigned char> mem(post_fill_driver::state_bytes(rc).value()), rw;
+      post_fill_driver drv;
+      status st = drv.init(rc, mem.data(), mem.size());
+      for (index_t l = 0; l < L && st.ok(); ++l) {
+        kv_view<const float> qv, bv;
+        views(l, Hl * c.rank(), Hl, qv, bv);
+        st = with_ws(drv, seq, rw, [&](workspace& ws) {
+          return drv.add_layer(seq, ws, l, stores[me][static_cast<std::size_t>(l)].view(), qv, bv, pref[static_cast<std::size_t>(l)]);
+        });
+      }
+      if (st.ok()) st = with_ws(drv, seq, rw, [&](workspace& ws) { return drv.decide(seq, ws); });
+      errors[me] = st.ok() ? "" : st.message();
+      if (st.ok())
+        for (index_t l = 0; l < L; ++l) kept[me].push_back(lists(drv.kept(l), 0, Hl));
+    });
+    for (int rk = 0; rk < ranks; ++rk) {
+      CAPTURE(rk);
+      REQUIRE(errors[static_cast<std::size_t>(rk)] == "");
+      for (index_t l = 0; l < L; ++l)
+        CHECK(kept[static_cast<std::size_t>(rk)][static_cast<std::size_t>(l)] == lists(one.kept(l), rk * Hl, Hl));
+    }
+    for (index_t l = 0; l < L; ++l) {
+      index_t held = 0;
+      for (index_t h = 0; h < H; ++h) held += rows[static_cast<std::size_t>(l)].len(h);
+      selected += one.kept(l).cu[H] < held ? 1 : 0;
+    }
+  }
+  CHECK(selected > 0);  // some layers really evicted
 }
 
 TEST_CASE("paged drivers: decode_driver on paged layers equals it on the same rows dense, step by step") {
@@ -707,6 +857,124 @@ TEST_CASE("paged drivers: streaming_heads_driver on paged layers equals it on th
     CHECK_FALSE(paged.evicted(0));
     kvtest::require_error(dense.update(0, store.view(), P0 + 30), errc::capacity_exceeded, "0 = ragged layers only");
   }
+}
+
+TEST_CASE("paged drivers: decode_driver on paged layers across tensor-parallel ranks keeps one process's rows") {
+  // one layer decoded step by step; each rank holds its heads' rows in its own page pool (a new
+  // random pool every step) and must keep, at every eviction, the dense one-process driver's rows
+  auto g = kvtest::rng(1415);
+  int evictions = 0;
+  for (int trial = 0; trial < 16; ++trial) {
+    const int ranks = 2 + trial % 2;
+    const index_t Hl = kvtest::uniform_int(g, 1, 2), H = Hl * ranks, gq = kvtest::uniform_int(g, 1, 2), d = 4;
+    const index_t w = kvtest::uniform_int(g, 1, 4), interval = kvtest::uniform_int(g, 1, 3), steps = 24;
+    const index_t ps = std::array<index_t, 3>{1, 3, 16}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
+    index_t query_rows = 0;
+    bool bk = false;
+    recipe r = random_recipe(g, w, &query_rows, &bk, true);
+    decode_config cfg;
+    cfg.model = {1, H, H * gq, d};
+    cfg.interval = interval;
+    cfg.rec = r;
+    cfg.alloc.kind = trial / 2 % 2 == 0 ? allocator::flattened : allocator::adakv;
+    const index_t least = r.n_sink + r.n_recent + 1;
+    // one budget for every head: every rank's block has the same sum
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(H),
+                                      static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 6)));
+    cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), 1, H));
+    cfg.capacity = H * budgets[0] + interval;
+    const bool h2o = r.kind == recipe_kind::h2o, attention = uses_attention(r.kind);
+    const index_t lo = attention && !h2o && r.kind != recipe_kind::tova ? w : 1;
+    const index_t P0 = kvtest::uniform_int(g, lo, std::max(lo, least));
+    const head_rows_set first = random_rows(g, H, d, P0, P0, 0, true, true, 2, false);
+    // every step's new rows [steps][H][d] and queries [steps][H gq][w][d] (the step reads its first rows)
+    const auto keys = kvtest::random_floats(g, static_cast<std::size_t>(steps * H * d));
+    const auto vals = kvtest::random_floats(g, static_cast<std::size_t>(steps * H * d));
+    const auto qs = kvtest::random_floats(g, static_cast<std::size_t>(steps * H * gq * w * d));
+    const auto query = [&](index_t step, index_t h0, index_t n, index_t rows) {
+      if (rows == 0) return kv_view<const float>{};
+      const float* base = qs.data() + step * H * gq * w * d + h0 * gq * w * d;
+      return kvtest::value_of(make_kv_view<const float>(base, n * gq, rows, d, w * d, d));
+    };
+    const auto rows_of = [&](const decode_driver& drv) {
+      return h2o ? index_t(1) : attention && drv.evicts_next(0) ? (r.kind == recipe_kind::tova ? 1 : w) : 0;
+    };
+    INFO("trial ", trial, " ranks ", ranks, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
+         std::string(allocator_name(cfg.alloc.kind)), " H ", H, " g ", gq, " w ", w, " interval ", interval, " page size ", ps);
+    // the one process, dense: per step whether it evicted and the kept positions of every head
+    std::vector<std::vector<std::vector<pos_t>>> want(static_cast<std::size_t>(steps));
+    {
+      std::vector<unsigned char> mem(kvtest::value_of(decode_driver::state_bytes(cfg))), wmem;
+      decode_driver one;
+      REQUIRE(one.init(cfg, mem.data(), mem.size()).ok());
+      head_rows_set truth = first;
+      {
+        ragged_layer rl(truth, cfg.capacity);
+        REQUIRE(one.begin(0, rl.view(truth), P0).ok());
+      }
+      for (index_t t = 0; t < steps; ++t) {
+        for (index_t h = 0; h < H; ++h)
+          truth.append(h, keys.data() + (t * H + h) * d, vals.data() + (t * H + h) * d, static_cast<pos_t>(P0 + t));
+        const auto qv = query(t, 0, H, rows_of(one));
+        ragged_layer rl(truth, cfg.capacity);
+        const auto st = with_ws(one, seq, wmem, [&](workspace& ws) { return one.step(seq, ws, 0, rl.view(truth), qv); });
+        REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+        if (one.evicted(0)) {
+          ++evictions;
+          truth.compact(one.kept(0));
+        }
+        for (index_t h = 0; h < H; ++h) want[static_cast<std::size_t>(t)].push_back(truth.pos[static_cast<std::size_t>(h)]);
+      }
+    }
+    std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+    std::vector<std::vector<std::vector<std::vector<pos_t>>>> got(static_cast<std::size_t>(ranks));
+    const auto seed = static_cast<std::uint64_t>(trial) * 31 + 7;
+    kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& c) {
+      const auto me = static_cast<std::size_t>(c.rank());
+      const index_t h0 = Hl * c.rank();
+      auto rg = kvtest::rng(seed + me);  // this rank's page layouts
+      decode_config rc = cfg;
+      rc.model.kv_heads = Hl;
+      rc.model.query_heads = Hl * gq;
+      rc.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data() + h0, 1, Hl));
+      rc.pool_pages = 3 * Hl * (cfg.capacity + 64) + 80;
+      rc.tp = comm_ref(c);
+      std::vector<unsigned char> mem(decode_driver::state_bytes(rc).value()), wmem;
+      decode_driver drv;
+      status st = drv.init(rc, mem.data(), mem.size());
+      head_rows_set mine;
+      mine.H = Hl, mine.d = d;
+      for (index_t h = h0; h < h0 + Hl; ++h) {
+        mine.k.push_back(first.k[static_cast<std::size_t>(h)]);
+        mine.v.push_back(first.v[static_cast<std::size_t>(h)]);
+        mine.pos.push_back(first.pos[static_cast<std::size_t>(h)]);
+      }
+      if (st.ok()) {
+        auto store = paged_of(rg, mine, ps, true);
+        st = with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.begin(seq, ws, 0, store.view(), P0); });
+      }
+      for (index_t t = 0; t < steps && st.ok(); ++t) {
+        for (index_t h = 0; h < Hl; ++h)
+          mine.append(h, keys.data() + (t * H + h0 + h) * d, vals.data() + (t * H + h0 + h) * d, static_cast<pos_t>(P0 + t));
+        const auto qv = query(t, h0, Hl, rows_of(drv));
+        auto store = paged_of(rg, mine, ps, true);
+        st = with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.step(seq, ws, 0, store.view(), qv); });
+        if (st.ok() && drv.evicted(0)) mine.compact(drv.kept(0));
+        got[me].push_back(mine.pos);
+      }
+      errors[me] = st.ok() ? "" : st.message();
+    });
+    for (int rk = 0; rk < ranks; ++rk) {
+      CAPTURE(rk);
+      REQUIRE(errors[static_cast<std::size_t>(rk)] == "");
+      for (index_t t = 0; t < steps; ++t) {
+        const auto& all = want[static_cast<std::size_t>(t)];
+        const std::vector<std::vector<pos_t>> part(all.begin() + Hl * rk, all.begin() + Hl * (rk + 1));
+        CHECK(got[static_cast<std::size_t>(rk)][static_cast<std::size_t>(t)] == part);
+      }
+    }
+  }
+  CHECK(evictions > 0);
 }
 
 TEST_CASE("paged drivers: bad paged layers are refused before anything changes") {

@@ -270,6 +270,45 @@ inline double median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/// The evictor options of configuration `rc` (the report's base options with its recipe, driver,
+/// budget and chunk fraction).
+inline evict_options config_options(const report_options& o, const report_config& rc) {
+  evict_options e = o.base;
+  e.recipe = rc.recipe;
+  e.driver = rc.driver;
+  e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
+  e.chunk_fraction = rc.fraction;
+  e.alloc.reset();
+  return e;
+}
+
+/// One teacher-forced response position: its `logits` against the full cache's log-probabilities
+/// `full_logp` (top-1 and the greedy agreement, which stops at the first differing argmax, into
+/// `r`); returns KL(full || evicted). `logq`: [V] scratch.
+inline double score_position(const double* full_logp, const float* logits, index_t V, int truth, double* logq,
+                             bool& agreeing, prompt_result& r) {
+  log_softmax(logits, V, logq);
+  const bool same = sampler::argmax(logits, static_cast<int>(V)) == truth;
+  if (same) r.top1 += 1.0;
+  if (agreeing && same) ++r.agreement;
+  else agreeing = false;
+  return kl_divergence(full_logp, logq, V);
+}
+
+/// A configuration's result on one prompt from its sums over the m response positions (KL, the
+/// recalls of the m - 1 decoded positions) and its eviction schedule (footprint and peak).
+inline status finish_prompt(double kl, double recall, index_t m, kvevict::eviction_schedule schedule,
+                            std::vector<unsigned char>& scratch, prompt_result& r) {
+  r.kl = kl / static_cast<double>(m);
+  r.top1 /= static_cast<double>(m);
+  r.recall = m > 1 ? recall / static_cast<double>(m - 1) : 0.0;
+  kvevict::kv_usage usage;
+  KVEVICT_TRY(with_workspace(scratch, [&](kvevict::workspace& ws) { return kvevict::measure_kv_usage(ws, schedule, usage); }));
+  r.footprint = usage.footprint();
+  r.peak = usage.peak_kv();
+  return {};
+}
+
 /// Per-thread state of the report.
 struct report_worker {
   runner run;
@@ -384,12 +423,7 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
   out.assign(configs.size(), prompt_result{});
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
     const report_config& rc = configs[ci];
-    evict_options e = o.base;
-    e.recipe = rc.recipe;
-    e.driver = rc.driver;
-    e.budget = rc.budget > 0 ? rc.budget : o.base.budget;
-    e.chunk_fraction = rc.fraction;
-    e.alloc.reset();
+    const evict_options e = config_options(o, rc);
     KVEVICT_TRY(w.ev.init(mdl, e, &heads[ci], o.lookahead != nullptr ? &w.lookahead : nullptr, &w.laq));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
     if (!made) return made.error();
@@ -417,32 +451,19 @@ inline status evaluate_prompt(const model& mdl, const report_options& o, const s
     double kl = 0.0, recall = 0.0, step_recall = 0.0;
     for (index_t t = 0; t < m; ++t) {
       const float* logits = t == 0 ? w.ev.next_logits() : w.run.logits(0);
-      log_softmax(logits, V, w.logq.data());
-      kl += kl_divergence(w.full_logp.data() + t * V, w.logq.data(), V);
-      const bool same = sampler::argmax(logits, static_cast<int>(V)) == tp.response[static_cast<std::size_t>(t)];
-      if (same) r.top1 += 1.0;
-      if (agreeing && same) ++r.agreement;
-      else agreeing = false;
+      kl += score_position(w.full_logp.data() + t * V, logits, V, tp.response[static_cast<std::size_t>(t)], w.logq.data(),
+                           agreeing, r);
       if (t + 1 < m) {
         if (t == 0 || rc.driver == driver_kind::decode) KVEVICT_TRY(held_recall(c, w.cache, P, k, w, step_recall));
         recall += step_recall;
         KVEVICT_TRY(w.ev.decode(w.run, w.cache, tp.response[static_cast<std::size_t>(t)]));
       }
     }
-    r.kl = kl / static_cast<double>(m);
-    r.top1 /= static_cast<double>(m);
-    r.recall = m > 1 ? recall / static_cast<double>(m - 1) : 0.0;
     r.evict_ms = w.ev.evict_seconds() * 1e3 + (rc.recipe == method::speckv ? draft_ms : 0.0);
     r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;
     const auto sched = rec.schedule(N);
     if (!sched) return sched.error();
-    kvevict::kv_usage usage;
-    kvevict::workspace q;
-    KVEVICT_TRY(kvevict::measure_kv_usage(q, *sched, usage));
-    kvevict::workspace ws = w.workspace_for(q.bytes);
-    KVEVICT_TRY(kvevict::measure_kv_usage(ws, *sched, usage));
-    r.footprint = usage.footprint();
-    r.peak = usage.peak_kv();
+    KVEVICT_TRY(finish_prompt(kl, recall, m, *sched, w.ws, r));
   }
   return {};
 }
@@ -536,6 +557,81 @@ inline status config_head_types(const config& c, const report_options& o, const 
   return {};
 }
 
+/// The report's prompts and their full-cache responses (make_pairs on `threads` threads), recorded in `out`.
+inline status report_prompts(const model& mdl, const report_options& o, int threads, std::vector<text_pair>& pairs,
+                             report_result& out) {
+  if (o.progress) {
+    char line[256];
+    std::snprintf(line, sizeof line, "report: generating %lld test prompts (seeds %llu..%llu) and their greedy responses",
+                  static_cast<long long>(o.prompts), static_cast<unsigned long long>(o.seed_begin),
+                  static_cast<unsigned long long>(o.seed_begin + static_cast<std::uint64_t>(o.prompts) - 1));
+    o.progress(line);
+  }
+  KVEVICT_TRY(make_pairs(mdl, o.pairs, o.seed_begin, o.seed_begin + static_cast<std::uint64_t>(o.prompts), pairs, threads));
+  for (const text_pair& p : pairs) {
+    out.seeds.push_back(p.seed);
+    out.prompt_lengths.push_back(static_cast<index_t>(p.prompt.size()));
+  }
+  out.response = static_cast<index_t>(pairs.front().response.size());
+  return {};
+}
+
+/// The report's rows from every prompt's results (results[prompt][config]): means, standard
+/// errors, medians of the times, the paired differences, the head-type rows' retrieval heads.
+inline void report_rows(const std::vector<report_config>& configs, const std::vector<duo_heads>& heads,
+                        const std::vector<std::vector<prompt_result>>& results, report_result& out) {
+  const auto n = static_cast<index_t>(results.size());
+  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
+    config_result cr;
+    cr.cfg = configs[ci];
+    std::vector<double> ev, pf, ov;
+    for (index_t i = 0; i < n; ++i) {
+      const prompt_result& r = results[static_cast<std::size_t>(i)][ci];
+      cr.prompts.push_back(r);
+      cr.recall += r.recall;
+      cr.kl += r.kl;
+      cr.agreement += static_cast<double>(r.agreement);
+      cr.top1 += r.top1;
+      cr.footprint += r.footprint;
+      cr.peak += r.peak;
+      cr.kept += static_cast<double>(r.kept);
+      ev.push_back(r.evict_ms);
+      pf.push_back(r.prefill_ms);
+      ov.push_back(r.overhead);
+    }
+    const double dn = static_cast<double>(n);
+    cr.recall /= dn;
+    cr.kl /= dn;
+    cr.agreement /= dn;
+    cr.top1 /= dn;
+    cr.footprint /= dn;
+    cr.peak /= dn;
+    cr.kept /= dn;
+    if (n > 1) {
+      double vr = 0.0, vk = 0.0, va = 0.0, vt = 0.0;
+      for (const prompt_result& r : cr.prompts) {
+        vr += (r.recall - cr.recall) * (r.recall - cr.recall);
+        vk += (r.kl - cr.kl) * (r.kl - cr.kl);
+        va += (static_cast<double>(r.agreement) - cr.agreement) * (static_cast<double>(r.agreement) - cr.agreement);
+        vt += (r.top1 - cr.top1) * (r.top1 - cr.top1);
+      }
+      const double f = 1.0 / (dn - 1.0) / dn;
+      cr.recall_sem = std::sqrt(vr * f);
+      cr.kl_sem = std::sqrt(vk * f);
+      cr.agreement_sem = std::sqrt(va * f);
+      cr.top1_sem = std::sqrt(vt * f);
+    }
+    cr.evict_ms = median(ev);
+    cr.prefill_ms = median(pf);
+    cr.overhead = median(ov);
+    out.rows.push_back(std::move(cr));
+  }
+  pair_with_snapkv(out.rows);
+  pair_with_heuristic(out.rows);
+  for (std::size_t ci = 0; ci < configs.size(); ++ci)
+    out.head_retrieval.push_back(configs[ci].head_sparsity >= 0.0 ? heads[ci].retrieval : -1);
+}
+
 }  // namespace detail
 
 /// Runs the report (see the file comment). Errors: invalid options, the pair generator's, the
@@ -556,17 +652,8 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
     if (o.progress) o.progress(s);
   };
 
-  std::snprintf(line, sizeof line, "report: generating %lld test prompts (seeds %llu..%llu) and their greedy responses",
-                static_cast<long long>(o.prompts), static_cast<unsigned long long>(o.seed_begin),
-                static_cast<unsigned long long>(o.seed_begin + static_cast<std::uint64_t>(o.prompts) - 1));
-  say(line);
   std::vector<text_pair> pairs;
-  KVEVICT_TRY(make_pairs(mdl, o.pairs, o.seed_begin, o.seed_begin + static_cast<std::uint64_t>(o.prompts), pairs, nt));
-  for (const text_pair& p : pairs) {
-    out.seeds.push_back(p.seed);
-    out.prompt_lengths.push_back(static_cast<index_t>(p.prompt.size()));
-  }
-  out.response = static_cast<index_t>(pairs.front().response.size());
+  KVEVICT_TRY(detail::report_prompts(mdl, o, nt, pairs, out));
 
   const bool need_duo = std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::duo_heuristic; });
   if (need_duo) {
@@ -615,55 +702,7 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
         o.progress(msg);
       }));
 
-  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
-    config_result cr;
-    cr.cfg = configs[ci];
-    std::vector<double> ev, pf, ov;
-    for (index_t i = 0; i < n; ++i) {
-      const prompt_result& r = results[static_cast<std::size_t>(i)][ci];
-      cr.prompts.push_back(r);
-      cr.recall += r.recall;
-      cr.kl += r.kl;
-      cr.agreement += static_cast<double>(r.agreement);
-      cr.top1 += r.top1;
-      cr.footprint += r.footprint;
-      cr.peak += r.peak;
-      cr.kept += static_cast<double>(r.kept);
-      ev.push_back(r.evict_ms);
-      pf.push_back(r.prefill_ms);
-      ov.push_back(r.overhead);
-    }
-    const double dn = static_cast<double>(n);
-    cr.recall /= dn;
-    cr.kl /= dn;
-    cr.agreement /= dn;
-    cr.top1 /= dn;
-    cr.footprint /= dn;
-    cr.peak /= dn;
-    cr.kept /= dn;
-    if (n > 1) {
-      double vr = 0.0, vk = 0.0, va = 0.0, vt = 0.0;
-      for (const prompt_result& r : cr.prompts) {
-        vr += (r.recall - cr.recall) * (r.recall - cr.recall);
-        vk += (r.kl - cr.kl) * (r.kl - cr.kl);
-        va += (static_cast<double>(r.agreement) - cr.agreement) * (static_cast<double>(r.agreement) - cr.agreement);
-        vt += (r.top1 - cr.top1) * (r.top1 - cr.top1);
-      }
-      const double f = 1.0 / (dn - 1.0) / dn;
-      cr.recall_sem = std::sqrt(vr * f);
-      cr.kl_sem = std::sqrt(vk * f);
-      cr.agreement_sem = std::sqrt(va * f);
-      cr.top1_sem = std::sqrt(vt * f);
-    }
-    cr.evict_ms = detail::median(ev);
-    cr.prefill_ms = detail::median(pf);
-    cr.overhead = detail::median(ov);
-    out.rows.push_back(std::move(cr));
-  }
-  detail::pair_with_snapkv(out.rows);
-  detail::pair_with_heuristic(out.rows);
-  for (std::size_t ci = 0; ci < configs.size(); ++ci)
-    out.head_retrieval.push_back(configs[ci].head_sparsity >= 0.0 ? heads[ci].retrieval : -1);
+  detail::report_rows(configs, heads, results, out);
   if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; }))
     out.draft_match = std::move(draft_match);
   out.seconds = seconds_since(t_start);

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -202,35 +203,34 @@ int encode_prompt(const options& o, const kvrun::tokenizer& tok, const kvrun::co
   return 0;
 }
 
+#if defined(KVEVICT_RUN_MPI)
+// MPI for a sharded run (--tp / --pp): initialised once, finalised at the scope's end.
+struct mpi_session {
+  mpi_session() {
+    int started = 0;
+    MPI_Initialized(&started);
+    if (started == 0) MPI_Init(nullptr, nullptr);
+  }
+  ~mpi_session() { MPI_Finalize(); }
+  mpi_session(const mpi_session&) = delete;
+  mpi_session& operator=(const mpi_session&) = delete;
+};
+
+kvrun::shard_options shard_options_of(const options& o) {
+  return {o.tp > 0 ? o.tp : 1, o.pp > 0 ? o.pp : 1, o.threads > 0 ? o.threads : 1};
+}
+#endif
+
 // kvevict-run --tp P / --pp P under mpirun (sharded/sharded.hpp): every rank generates the same
 // tokens; rank 0 prints them. Without MPI: a clear error.
 int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt) {
 #if defined(KVEVICT_RUN_MPI)
-  int started = 0;
-  MPI_Initialized(&started);
-  if (started == 0) MPI_Init(nullptr, nullptr);
-  struct finalize {
-    ~finalize() { MPI_Finalize(); }
-  } at_exit;
+  const mpi_session mpi;
   kvevict::mpi_comm comm(MPI_COMM_WORLD);
   kvrun::sampler sampler;
   if (auto st = sampler.init(model.cfg().vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
   std::vector<int> generated;
-  const kvrun::shard_options s{o.tp > 0 ? o.tp : 1, o.pp > 0 ? o.pp : 1, o.threads > 0 ? o.threads : 1};
-  if (o.report) {  // the reduced quality report (sharded/sharded.hpp: sharded_quality), rank 0 prints its JSON
-    std::vector<kvrun::method> recipes;
-    for (const std::string& name : o.recipes) {
-      kvrun::method m = kvrun::method::full;
-      if (auto st = kvrun::parse_method(name, m); !st.ok()) return fail("--recipes: ", st);
-      recipes.push_back(m);
-    }
-    std::string json;
-    const auto st = kvrun::sharded_quality(model, comm, s, o.evict, recipes, o.budgets, prompt, o.steps, json);
-    if (comm.rank() != 0) return st.ok() ? 0 : 1;
-    if (!st.ok()) return fail("", st);
-    std::fputs(json.c_str(), stdout);
-    return 0;
-  }
+  const kvrun::shard_options s = shard_options_of(o);
   const auto st = kvrun::sharded_generate(model, comm, s, o.evict, prompt, o.steps,
                                           [&](const float* logits) { return sampler.sample(logits); }, generated);
   if (comm.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
@@ -244,16 +244,40 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
 }
 
 // kvevict-run --report (docs/report.md): its options checked, the module loaded if needed, the run.
+// With --tp / --pp under mpirun: run_sharded_report (sharded/sharded.hpp) on every rank, rank 0
+// printing and writing the files (every number but the times equal to the one-process run's).
 int run_report(const options& o, const kvrun::model& model, const std::string& command) {
+  const bool sharded = o.tp > 0 || o.pp > 0;
+#if defined(KVEVICT_RUN_MPI)
+  std::optional<mpi_session> mpi;
+  std::optional<kvevict::mpi_comm> comm;
+  if (sharded) {
+    mpi.emplace();
+    comm.emplace(MPI_COMM_WORLD);
+  }
+  const bool writer = !comm || comm->rank() == 0;
+#else
+  if (sharded) return fail(std::string(o.tp > 0 ? "--tp" : "--pp") +
+                           " needs MPI: this kvevict-run was built without it (install libopenmpi-dev and reconfigure)");
+  const bool writer = true;
+#endif
   kvrun::report_options r;
   kvrun::lookahead_module lookahead;  // every method runs unless --recipes leaves lookaheadkv out
   const auto files = out_files(o, {"report.json", "report.svg", "tables.md"});
   if (const int code = sweep_options(o, model, lookahead, r, r.recipes, r.drivers, files); code != 0) return code;
   r.budgets = o.budgets;
   r.all_drivers = o.all_drivers;
+  if (!writer) r.progress = {};
   std::vector<kvrun::report_config> configs;
-  if (auto st = kvrun::report_configs(model.cfg(), r, configs); !st.ok()) return fail("", st);
+  if (auto st = kvrun::report_configs(model.cfg(), r, configs); !st.ok()) return writer ? fail("", st) : 1;
   kvrun::report_result result;
+#if defined(KVEVICT_RUN_MPI)
+  if (comm) {
+    const auto st = kvrun::run_sharded_report(model, *comm, shard_options_of(o), r, result);
+    if (!writer) return st.ok() ? 0 : 1;  // one message, from rank 0 (every rank has the same status)
+    if (!st.ok()) return fail("", st);
+  } else
+#endif
   if (auto st = kvrun::run_report(model, r, result); !st.ok()) return fail("", st);
   std::fputs(kvrun::report_table(result).c_str(), stdout);
   const std::string name = model_name(o.model);
@@ -308,8 +332,8 @@ int run(int argc, char** argv) {
   kvrun::model model;
   if (auto st = kvrun::model::load_file(o.model, model); !st.ok()) return fail_file(o.model, st);
   const kvrun::config& c = model.cfg();
-  const bool sharded = o.tp > 0 || o.pp > 0;  // --report with --tp / --pp: the reduced sharded report
-  if ((o.report && !sharded) || o.footprint) {
+  const bool sharded = o.tp > 0 || o.pp > 0;
+  if (o.report || o.footprint) {
     std::string command = "kvevict-run";
     for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
     return o.report ? run_report(o, model, command) : run_footprint(o, model, command);

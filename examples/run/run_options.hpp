@@ -89,7 +89,8 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   integer("--page-size", o.page_size, "tokens per page of the paged KV cache");
   integer("--batch", o.batch, "sequences run as one batch with continuous decoding (prompts: --prompt, --batch-prompt ..., cycled)");
   app.add_option("--batch-prompt", o.batch_prompts, "--batch: further prompts (repeatable)");
-  integer("--tp", o.tp, "tensor parallelism over MPI ranks (mpirun -np P kvevict-run --tp P; docs/distributed.md)");
+  integer("--tp", o.tp,
+          "tensor parallelism over MPI ranks (mpirun -np P kvevict-run --tp P; also with --report; docs/distributed.md)");
   integer("--pp", o.pp, "pipeline parallelism over MPI ranks (mpirun -np P kvevict-run --pp P; docs/distributed.md)");
   // eviction (docs/runner.md, "Eviction")
   auto* recipe_opt = app.add_option("--recipe", o.recipe,
@@ -166,6 +167,8 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   if (o.batch < 1 || o.batch > 64) return err("--batch must be in [1, 64], got " + std::to_string(o.batch));
   if (o.tp < 0 || o.pp < 0) return err("--tp and --pp must be >= 0 (0: not sharded)");
   if ((o.tp > 0 || o.pp > 0) && o.batch > 1) return err("--batch runs in one process: it cannot be combined with --tp / --pp");
+  if ((o.tp > 0 || o.pp > 0) && o.footprint)
+    return err("--footprint runs in one process: it cannot be combined with --tp / --pp (--report can)");
   // every count is checked here, before any file is read or any work starts (docs/conventions.md)
   if (o.calibration < 1) return err("--calibration must be >= 1, got " + std::to_string(o.calibration));
   if (o.prompts < 1) return err("--prompts must be >= 1, got " + std::to_string(o.prompts));

@@ -493,6 +493,46 @@ inline kvevict::model_shape shape_of(const config& c) {
   return {c.n_layers, c.n_kv_heads, c.n_heads, c.head_size()};
 }
 
+/// The chunked driver's configuration for a P-token prompt under `o` (--driver chunked-naive /
+/// chunked-patched, --chunk-fraction), without its allocation (the caller's).
+inline kvevict::chunked_config chunked_config_of(const evict_options& o, const kvevict::recipe& rec,
+                                                 kvevict::model_shape shape, index_t P) {
+  kvevict::chunked_config cc;
+  cc.model = shape;
+  cc.tokens = P;
+  cc.capacity = P;
+  cc.rec = rec;
+  cc.queries = o.driver == driver_kind::chunked_patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
+  cc.target = o.chunk_fraction >= 0.0 ? kvevict::chunk_target::fraction : kvevict::chunk_target::budget;
+  if (o.chunk_fraction >= 0.0) cc.fraction = o.chunk_fraction;
+  return cc;
+}
+
+/// Layer l's queries for the chunked driver (and the patch block's keys): the patch block's when the
+/// chunk has one, else the chunk's last `rows` queries (none when rows is 0).
+inline void chunk_queries_of(const block_capture& patch_q, const block_capture& chunk_q, kvevict::patch_block patch,
+                             index_t rows, int l, kvevict::kv_view<const float>& q, kvevict::kv_view<const float>& pk) {
+  if (patch.count > 0) {
+    q = patch_q.queries(l, 0, patch.count);
+    pk = patch_q.keys(l, 0, patch.count);
+  } else if (rows > 0) {
+    q = chunk_q.queries(l, 0, rows);
+  }
+}
+
+/// Layer l's queries for a decode_driver step under `rec`: the new token's (h2o, tova), the last
+/// `window` tokens' (window recipes), none (knorm, streaming_llm).
+inline kvevict::kv_view<const float> decode_queries_of(const kvevict::recipe& rec, const block_capture& step_q,
+                                                       const block_capture& recent_q, int l, index_t window) {
+  switch (rec.kind) {
+    case kvevict::recipe_kind::h2o:
+    case kvevict::recipe_kind::tova: return step_q.queries(l, 0, 1);
+    case kvevict::recipe_kind::knorm:
+    case kvevict::recipe_kind::streaming_llm: return {};
+    default: return recent_q.queries(l, 0, window);
+  }
+}
+
 /// A driver's state memory and workspace, kept between calls (they only grow: grown()).
 struct driver_scratch {
   std::vector<unsigned char> state, ws;

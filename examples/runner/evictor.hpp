@@ -212,14 +212,7 @@ class evictor {
     KVEVICT_TRY(run.decode(cache, token, hk));
     const auto t0 = std::chrono::steady_clock::now();
     for (int l = 0; l < c.n_layers; ++l) {
-      kvevict::kv_view<const float> q;
-      switch (rec_.kind) {
-        case kvevict::recipe_kind::h2o:
-        case kvevict::recipe_kind::tova: q = step_q_.queries(l, 0, 1); break;
-        case kvevict::recipe_kind::knorm:
-        case kvevict::recipe_kind::streaming_llm: break;
-        default: q = recent_q_.queries(l, 0, o_.window);
-      }
+      const kvevict::kv_view<const float> q = decode_queries_of(rec_, step_q_, recent_q_, l, o_.window);
       KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, l, layer_view(cache, l), q));
       if (dd_.evicted(l)) KVEVICT_TRY(cache.compact(l, dd_.kept(l)));
     }
@@ -404,15 +397,8 @@ class evictor {
     const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
     const bool patched = o_.driver == driver_kind::chunked_patched;
     KVEVICT_TRY(plan(P));
-    kvevict::chunked_config cc;
-    cc.model = shape_of(c);
-    cc.tokens = P;
-    cc.capacity = P;
-    cc.rec = rec_;
+    kvevict::chunked_config cc = chunked_config_of(o_, rec_, shape_of(c), P);
     cc.pool_pages = cache.pool_pages();
-    cc.queries = patched ? kvevict::chunk_queries::patched : kvevict::chunk_queries::naive;
-    cc.target = o_.chunk_fraction >= 0.0 ? kvevict::chunk_target::fraction : kvevict::chunk_target::budget;
-    cc.fraction = o_.chunk_fraction >= 0.0 ? o_.chunk_fraction : cc.fraction;
     cc.alloc = alloc_.alloc;
     kvevict::workspace ws;
     KVEVICT_TRY(init_driver(ch_, scratch_, cc, rec, ws));
@@ -442,12 +428,7 @@ class evictor {
       }
       for (int l = 0; l < c.n_layers; ++l) {
         kvevict::kv_view<const float> q, pk;
-        if (patch.count > 0) {
-          q = patch_q_.queries(l, 0, patch.count);
-          pk = patch_q_.keys(l, 0, patch.count);
-        } else if (rows > 0) {
-          q = chunk_q_.queries(l, 0, rows);
-        }
+        chunk_queries_of(patch_q_, chunk_q_, patch, rows, l, q, pk);
         KVEVICT_TRY(ch_.add_layer(kvevict::seq, ws, l, layer_view(cache, l), q, pk));
       }
       KVEVICT_TRY(ch_.decide(kvevict::seq, ws));

@@ -8,20 +8,24 @@
 // per-head attention outputs are then allgathered and every rank runs the output projection and
 // the FFN on the whole row, in the order one process uses: no float sum is split across ranks (an
 // all-reduce of partial output projections would change the summation order and the tokens).
-// Eviction: post_fill_driver with the communicator (post_fill_config::tp): per-head budgets need
-// none, AdaKV and LAVa select across the ranks with the library's exact sharded radix select, LAVa's
-// entropies are sharded, CAKE's preferences come from the sharded cake_window_preference.
+// Eviction: the postfill, chunked (naive, patched) and decode drivers, each given the
+// communicator (post_fill_config::tp, chunked_config::tp, decode_config::tp) and called as
+// evictor does on one process: per-head budgets need none, AdaKV and LAVa select across the
+// ranks with the library's exact sharded radix select, LAVa's entropies are sharded, CAKE's
+// preferences come from the sharded cake_window_preference.
 //
 // Pipeline parallelism (--pp P, P <= layers): rank r holds the layers layer_shard(L, P, r). The
 // stages run in order; after each, its activations reach every rank (an allgather of the block's
 // rows, the other ranks' slots unused), so every rank computes the same logits and samples the same
-// token. Eviction: post_fill_driver on the stage's layers (post_fill_config::pp: uniform, PyramidKV
-// need only the layer index, AdaKV selects within a layer; LAVa's and CAKE's layer budgets come from
-// every stage's entropies / preferences, gathered by the driver's decide()).
+// token. Eviction: the drivers on the stage's layers (uniform, PyramidKV need only the layer
+// index, AdaKV selects within a layer; post-fill LAVa's and CAKE's layer budgets come from every
+// stage's entropies / preferences, gathered by post_fill_driver's decide() (post_fill_config::pp);
+// the chunked drivers' LAVa is not layer-sharded: an error under --pp).
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
-// kvevict/mpi.hpp; the tests also run it on threads). Only the postfill driver and the methods
-// full, snapkv, pyramidkv, adakv, lava, cake run sharded; the others are a clear error.
+// kvevict/mpi.hpp; the tests also run it on threads). The recipes that need head types (duo,
+// prulong, duo-heuristic) or a query block (laq, laq++, speckv, lookaheadkv, oracle) and the
+// layerwise driver do not run sharded: a clear error (check_sharded).
 #pragma once
 
 #include <report/report.hpp>
@@ -78,6 +82,7 @@ class shard_cache {
     pos_[static_cast<std::size_t>(off(l, h, j) / hs_)] = p;
     ++lens_[static_cast<std::size_t>(l * heads_ + h)];
   }
+  pos_t position(int l, index_t h, index_t j) const { return pos_[static_cast<std::size_t>(off(l, h, j) / hs_)]; }
   kvevict::ragged_cache<float> keys(int l) { return {keys_.data() + off(l, 0, 0), cu_.data(), lens(l), heads_, hs_, hs_}; }
   kvevict::ragged_cache<float> values(int l) {
     return {values_.data() + off(l, 0, 0), cu_.data(), lens(l), heads_, hs_, hs_};
@@ -90,6 +95,9 @@ class shard_cache {
   kvevict::kv_view<const float> dense_keys(int l, index_t rows) const {
     return *kvevict::make_kv_view<const float>(keys_.data() + off(l, 0, 0), heads_, rows, hs_, cap_ * hs_, hs_);
   }
+  /// Every (layer, head)'s length, and setting them back (an extra block's rows dropped).
+  const std::vector<std::int32_t>& lengths() const { return lens_; }
+  void set_lengths(const std::vector<std::int32_t>& lens) { std::copy(lens.begin(), lens.end(), lens_.begin()); }
   status compact(int l, kvevict::ragged_positions kept) {
     return kvevict::compact_layer(kvevict::seq, keys(l), values(l), positions(l), kept);
   }
@@ -104,7 +112,12 @@ class shard_cache {
   std::vector<std::int32_t> lens_, cu_;
 };
 
-/// The methods a sharded run takes (postfill driver): full, snapkv, pyramidkv, adakv, lava, cake. Error: a clear one naming what is not supported.
+/// The methods a sharded run takes: every recipe that needs neither head types nor a query block
+/// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava), with the
+/// postfill, chunked-naive, chunked-patched and decode drivers and the combinations
+/// check_evict_options accepts; the chunked drivers' lava allocator under --tp only (its budget is
+/// the whole model's, shared across layers: not layer-sharded). Error: a clear one naming what is
+/// not supported.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1 || (s.tp > 1 && s.pp > 1))
     return status::error(errc::invalid_argument, "--tp %d --pp %d: give one of them (tensor or pipeline parallelism)",
@@ -118,21 +131,30 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
   if (s.pp > 1)
     if (const auto r = kvevict::layer_shard(c.n_layers, s.pp, 0); !r) return r.error();
   const method m = o.recipe;
-  if (m != method::full && m != method::snapkv && m != method::pyramidkv && m != method::adakv && m != method::lava &&
-      m != method::cake)
+  if (m == method::full) return {};
+  if (uses_head_types(m) || m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv ||
+      m == method::oracle)
     return status::error(errc::unsupported,
-                         "--recipe %s does not run sharded (full, snapkv, pyramidkv, adakv, lava and cake do)",
+                         "--recipe %s does not run sharded (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, "
+                         "vatp, adakv, cake and lava do)",
                          method_name(m));
-  if (m != method::full && o.driver != driver_kind::postfill)
-    return status::error(errc::unsupported, "--driver %s does not run sharded (postfill does)", driver_name(o.driver));
+  if (o.driver == driver_kind::layerwise)
+    return status::error(errc::unsupported,
+                         "--driver layerwise does not run sharded (postfill, chunked-naive, chunked-patched and decode do)");
   const budget_scheme a = allocator_of(o);
-  if (m != method::full && a != budget_scheme::uniform && a != budget_scheme::pyramid && a != budget_scheme::adakv &&
-      a != budget_scheme::lava && a != budget_scheme::cake)
+  if (a == budget_scheme::duo)
     return status::error(errc::unsupported, "--allocator %s does not run sharded", allocator_name(a));
+  const bool chunked = o.driver == driver_kind::chunked_naive || o.driver == driver_kind::chunked_patched;
+  if (chunked && a == budget_scheme::lava && s.pp > 1)
+    return status::error(errc::unsupported,
+                         "--driver %s --allocator lava does not run under --pp (its model budget is not layer-sharded; "
+                         "--tp is)",
+                         driver_name(o.driver));
   return check_evict_options(c, o);
 }
 
-/// The model on one rank of a tensor- or pipeline-parallel job, with post-fill eviction.
+/// The model on one rank of a tensor- or pipeline-parallel job, with eviction by the postfill,
+/// chunked and decode drivers (each given the communicator), as evictor does on one process.
 template <class Comm>
 class sharded_runner {
  public:
@@ -146,6 +168,8 @@ class sharded_runner {
     s_ = s;
     o_ = o;
     rec_ = make_recipe(o);
+    next_ = 0;
+    recorder_ = nullptr;
     const int P = comm.size(), r = comm.rank();
     heads_ = {0, c.n_kv_heads};
     layers_ = {0, c.n_layers};
@@ -154,6 +178,10 @@ class sharded_runner {
     group_ = c.group_size();
     hs_ = c.head_size();
     lq_ = heads_.count * group_;
+    mine_cfg_ = c;  // this rank's heads (the head size kept), for block_capture
+    mine_cfg_.dim = static_cast<int>(lq_ * hs_);
+    mine_cfg_.n_heads = static_cast<int>(lq_);
+    mine_cfg_.n_kv_heads = static_cast<int>(heads_.count);
     cache_.init(c.n_layers, heads_.count, hs_, c.seq_len);
     const auto T = static_cast<std::size_t>(c.seq_len), d = static_cast<std::size_t>(c.dim);
     x_.assign(T * d, 0.0f);
@@ -170,8 +198,14 @@ class sharded_runner {
     return {};
   }
 
-  const float* logits() const { return logits_.data(); }
+  /// The logits of the last forward's last row (row 0), or of its row `row` (extra with logits_mode::all).
+  const float* logits(index_t row = 0) const { return logits_.data() + row * m_->cfg().vocab_size; }
   pos_t next_position() const { return next_; }
+  /// This rank's KV heads and layers, its cache and the model config of its heads (for block_capture).
+  kvevict::shard_range heads() const { return heads_; }
+  kvevict::shard_range layers() const { return layers_; }
+  const shard_cache& cache() const { return cache_; }
+  const config& shard_config() const { return mine_cfg_; }
   /// KV rows the whole model holds (every rank's heads / layers, summed over the ranks).
   status rows(index_t& out) const {
     std::int64_t n = 0;
@@ -182,26 +216,47 @@ class sharded_runner {
     return {};
   }
 
-  /// Prefills `prompt` (an empty cache) and evicts as configured; logits() then holds the first
-  /// generated token's. Errors: an empty or too long prompt, the driver's.
-  status prefill(const std::vector<int>& prompt) {
+  /// Prefills `prompt` (an empty cache) and evicts as configured (evictor::prefill's drivers);
+  /// logits() then holds the first generated token's. `rec` (may be null; must outlive the
+  /// runner's decoding) receives the schedule of this rank's [layers().count][heads().count] rows.
+  /// Errors: an empty or too long prompt, the driver's.
+  status prefill(const std::vector<int>& prompt, kvevict::eviction_recorder* rec = nullptr) {
+    recorder_ = rec;
     const config& c = m_->cfg();
     const auto n = static_cast<index_t>(prompt.size());
     if (n < 1 || n > c.seq_len || next_ != 0)
       return status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
                            static_cast<long long>(n), c.seq_len);
-    capture_ = o_.recipe != method::full;
-    if (capture_) queries_.assign(static_cast<std::size_t>(c.n_layers * lq_ * n * hs_), 0.0f);
-    KVEVICT_TRY(forward(prompt.data(), n));
-    capture_ = false;
-    return o_.recipe == method::full ? status{} : evict(n);
+    if (o_.recipe == method::full) return forward(prompt.data(), n);
+    switch (o_.driver) {
+      case driver_kind::chunked_naive:
+      case driver_kind::chunked_patched: return prefill_chunked(prompt);
+      case driver_kind::decode: return prefill_decode(prompt);
+      default: break;
+    }
+    prompt_q_.reset(mine_cfg_, n);
+    const forward_hooks hk = prompt_q_.hooks();
+    KVEVICT_TRY(forward(prompt.data(), n, &hk));
+    return evict(n);
   }
 
-  /// Decodes one token (no eviction after the prefill: the postfill driver's decode).
+  /// runner::forward_extra: `tokens` at the next positions through the model, this rank's events
+  /// to `hooks`, logits per `mode`; their KV rows dropped afterwards.
+  status extra(const std::vector<int>& tokens, const forward_hooks* hooks, logits_mode mode) {
+    const auto n = static_cast<index_t>(tokens.size());
+    if (n < 1 || next_ + n > m_->cfg().seq_len)
+      return status::error(errc::invalid_argument, "sharded_runner: an extra block of %lld tokens after %d",
+                           static_cast<long long>(n), next_);
+    return forward(tokens.data(), n, hooks, nullptr, true, mode);
+  }
+
+  /// Decodes one token; with the decode driver, decode_driver::step then runs on every layer of
+  /// this rank (evictor::decode's).
   status decode(int token) {
     if (next_ >= m_->cfg().seq_len)
       return status::error(errc::out_of_range, "sharded_runner: the context of %d tokens is full", m_->cfg().seq_len);
-    return forward(&token, 1);
+    if (o_.recipe == method::full || o_.driver != driver_kind::decode) return forward(&token, 1);
+    return decode_step(token);
   }
 
  private:
@@ -212,50 +267,68 @@ class sharded_runner {
   kvevict::recipe rec_;
   kvevict::shard_range heads_, layers_;
   index_t group_ = 1, hs_ = 0, lq_ = 0;
+  config mine_cfg_;
   shard_cache cache_;
-  std::vector<float> x_, xb_, tmp_, qkv_, mine_, gathered_, xs_, h13_, att_, logits_, queries_;
-  std::vector<pos_t> pos_;
+  std::vector<float> x_, xb_, tmp_, qkv_, mine_, gathered_, xs_, h13_, att_, logits_;
+  std::vector<pos_t> pos_, patch_pos_;
+  std::vector<std::int32_t> held_;  // the lengths before an extra block
   pos_t next_ = 0;
-  bool capture_ = false;
+  kvevict::eviction_recorder* recorder_ = nullptr;
+  block_capture prompt_q_, chunk_q_, patch_q_, step_q_, recent_q_;
   kvevict::post_fill_driver pf_;
+  kvevict::chunked_driver ch_;
+  kvevict::decode_driver dd_;
   driver_scratch scratch_;
+  kvevict::workspace decode_ws_;  // the decode driver's (in scratch_.ws)
   allocation_plan alloc_;
   std::vector<std::int32_t> budgets_;
-  std::vector<unsigned char> pref_ws_;
+  std::vector<unsigned char> pref_ws_, init_ws_;
+  std::vector<float> initial_;
 
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
 
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
-  status forward(const int* tokens, index_t n) {
+  // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values).
+  // `extra` (runner::forward_extra): at `positions`, the block's rows dropped afterwards.
+  status forward(const int* tokens, index_t n, const forward_hooks* hooks = nullptr, const pos_t* positions = nullptr,
+                 bool extra = false, logits_mode mode = logits_mode::last) {
     const model& m = *m_;
     const config& c = m.cfg();
     const index_t d = c.dim;
     float* x = x_.data();
     for (index_t i = 0; i < n; ++i) {
-      pos_[static_cast<std::size_t>(i)] = static_cast<pos_t>(next_ + i);
+      pos_[static_cast<std::size_t>(i)] = positions != nullptr ? positions[i] : static_cast<pos_t>(next_ + i);
       const float* e = m.embedding(tokens[i]);
       std::copy(e, e + d, x + i * d);
     }
+    if (extra) held_ = cache_.lengths();
     const int stages = s_.pp > 1 ? comm_->size() : 1;
     for (int st = 0; st < stages; ++st) {
       if (stages == 1 || st == comm_->rank())
-        for (index_t l = layers_.first; l < layers_.first + layers_.count; ++l) KVEVICT_TRY(layer(static_cast<int>(l), n));
+        for (index_t l = layers_.first; l < layers_.first + layers_.count; ++l)
+          KVEVICT_TRY(layer(static_cast<int>(l), n, hooks, extra));
       if (stages > 1) {  // stage st's rows to every rank
         const auto bytes = static_cast<std::size_t>(n * d) * sizeof(float);
         KVEVICT_TRY(comm_->allgather(x, bytes, xs_.data()));
         std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
       }
     }
-    float* xb = xb_.data();
-    detail::rmsnorm(xb, x + (n - 1) * d, m.final_norm(), d);
-    detail::matmul(s_.threads, xb, d, 1, d, m.classifier(), c.vocab_size, logits_.data(), c.vocab_size);
-    next_ += static_cast<pos_t>(n);
+    if (extra) cache_.set_lengths(held_);
+    const index_t rows = mode == logits_mode::none ? 0 : mode == logits_mode::last ? 1 : n;  // as runner::run
+    if (rows > 0) {
+      float* xb = xb_.data();
+      const auto V = static_cast<std::size_t>(c.vocab_size);
+      if (logits_.size() < static_cast<std::size_t>(rows) * V) logits_.resize(static_cast<std::size_t>(rows) * V);
+      for (index_t i = 0; i < rows; ++i) detail::rmsnorm(xb + i * d, x + (n - rows + i) * d, m.final_norm(), d);
+      detail::matmul(s_.threads, xb, d, rows, d, m.classifier(), c.vocab_size, logits_.data(), c.vocab_size);
+    }
+    if (!extra) next_ += static_cast<pos_t>(n);
     return {};
   }
 
   // Layer l on the block's n rows (x), this rank's heads' attention.
-  status layer(int l, index_t n) {
+  status layer(int l, index_t n, const forward_hooks* hooks, bool extra) {
     const model& m = *m_;
     const config& c = m.cfg();
     const index_t d = c.dim, qs = m.qkv_width(), hidden = c.hidden_dim, hk = heads_.count;
@@ -285,10 +358,6 @@ class sharded_runner {
         cache_.append(l, h, row + (lq_ + h) * hs_, row + (lq_ + hk + h) * hs_, p);
       }
     }
-    if (capture_)
-      for (index_t q = 0; q < lq_; ++q)
-        for (index_t i = 0; i < n; ++i)
-          std::copy(qkv + i * lw + q * hs_, qkv + i * lw + (q + 1) * hs_, queries_.data() + ((l * lq_ + q) * n + i) * hs_);
     // this rank's heads' attention; row i sees the rows held before the block and the block's rows <= i
     for (index_t i = 0; i < n; ++i)
       for (index_t q = 0; q < lq_; ++q) {
@@ -315,138 +384,388 @@ class sharded_runner {
     for (index_t i = 0; i < n; ++i) detail::swiglu(h13 + i * 2 * hidden, h13 + i * 2 * hidden + hidden, hidden);
     detail::matmul(T, h13, 2 * hidden, n, hidden, m.w2(l), d, tmp, d);
     for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
-    return {};
+    if (hooks == nullptr || !hooks->after_layer) return {};
+    layer_event ev;  // this rank's heads, as runner::run's event
+    ev.layer = l;
+    ev.rows = n;
+    ev.positions = pos_.data();
+    ev.queries = *kvevict::make_kv_view<const float>(qkv, lq_, n, hs_, hs_, lw);
+    ev.keys = *kvevict::make_kv_view<const float>(qkv + lq_ * hs_, hk, n, hs_, hs_, lw);
+    ev.values = *kvevict::make_kv_view<const float>(qkv + (lq_ + hk) * hs_, hk, n, hs_, hs_, lw);
+    ev.rolled_back = extra;
+    return hooks->after_layer(ev);
   }
 
   // CAKE's layer preference from the window's queries over the prompt's keys (sharded under --tp).
   status preference(kvevict::kv_view<const float> wq, kvevict::kv_view<const float> keys, double& pref) {
-    const auto call = [&](kvevict::workspace& ws) {
+    return with_workspace(pref_ws_, [&](kvevict::workspace& ws) {
       if (s_.tp > 1) return kvevict::cake_window_preference(kvevict::seq, ws, *comm_, wq, keys, {}, &pref);
       return kvevict::cake_window_preference(kvevict::seq, ws, wq, keys, {}, &pref);
-    };
-    kvevict::workspace ws;
-    KVEVICT_TRY(call(ws));
-    ws = {grown(pref_ws_, ws.bytes), ws.bytes};
-    return call(ws);
+    });
   }
 
- public:
-  /// The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers.
+  // The allocation of a `tokens`-token sequence (plan_allocation, as evictor::plan) with this
+  // rank's block of the [L][H] budgets; `most`: max_head_rows of the whole model's allocation.
+  status plan(index_t tokens, kvevict::allocation& out, index_t* most = nullptr) {
+    const config& c = m_->cfg();
+    const index_t H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
+    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent}, nullptr, alloc_));
+    if (most != nullptr) *most = kvevict::max_head_rows(alloc_.alloc);
+    out = alloc_.alloc;
+    if (alloc_.budgets.empty()) return {};
+    budgets_.assign(static_cast<std::size_t>(Ls * hk), 0);
+    for (index_t l = 0; l < Ls; ++l)
+      for (index_t h = 0; h < hk; ++h)
+        budgets_[static_cast<std::size_t>(l * hk + h)] =
+            alloc_.budgets[static_cast<std::size_t>((layers_.first + l) * H + heads_.first + h)];
+    out.budgets = *kvevict::make_matrix_view(budgets_.data(), Ls, hk);
+    return {};
+  }
+  kvevict::model_shape shape() const { return {layers_.count, heads_.count, lq_, hs_}; }
+  kvevict::comm_ref tp() { return s_.tp > 1 ? kvevict::comm_ref(*comm_) : kvevict::comm_ref{}; }
+  int model_layer(index_t ls) const { return static_cast<int>(layers_.first + ls); }
+  template <class Driver>
+  status compact_all(const Driver& d) {
+    for (index_t ls = 0; ls < layers_.count; ++ls) KVEVICT_TRY(cache_.compact(model_layer(ls), d.kept(ls)));
+    return {};
+  }
+
+  // evictor::prefill_chunked on this rank's heads / layers: forward a chunk (patched: then the
+  // prompt's last w tokens as an extra block), add every layer, decide, compact.
+  status prefill_chunked(const std::vector<int>& prompt) {
+    const index_t P = static_cast<index_t>(prompt.size()), w = o_.window;
+    const bool patched = o_.driver == driver_kind::chunked_patched;
+    kvevict::chunked_config cc = chunked_config_of(o_, rec_, shape(), P);
+    KVEVICT_TRY(plan(P, cc.alloc));
+    cc.tp = tp();
+    kvevict::workspace ws;
+    KVEVICT_TRY(init_driver(ch_, scratch_, cc, recorder_, ws));
+    chunk_q_.reset(mine_cfg_, w);
+    patch_q_.reset(mine_cfg_, w);
+    for (index_t s = 0, e = 0; s < P; s = e) {
+      e = std::min(s + o_.chunk, P);
+      if (patched && e < P && e > P - w) e = P;  // the final chunk holds the whole window
+      KVEVICT_TRY(ch_.begin_chunk(s, e));
+      const index_t n = e - s, rows = ch_.query_rows();
+      const kvevict::patch_block patch = ch_.patch();
+      forward_hooks hk;
+      if (rows > 0 && patch.count == 0)
+        hk.after_layer = [this, n, rows](const layer_event& ev) { return chunk_q_.store(ev, 0, n - rows, rows); };
+      KVEVICT_TRY(forward(prompt.data() + s, n, &hk));
+      if (patch.count > 0) {
+        patch_pos_.resize(static_cast<std::size_t>(patch.count));
+        for (index_t i = 0; i < patch.count; ++i) patch_pos_[static_cast<std::size_t>(i)] = static_cast<pos_t>(patch.first + i);
+        const forward_hooks ph = patch_q_.hooks();
+        KVEVICT_TRY(forward(prompt.data() + patch.first, patch.count, &ph, patch_pos_.data(), true, logits_mode::none));
+      }
+      for (index_t ls = 0; ls < layers_.count; ++ls) {
+        const int l = model_layer(ls);
+        kvevict::kv_view<const float> q, pk;
+        chunk_queries_of(patch_q_, chunk_q_, patch, rows, l, q, pk);
+        KVEVICT_TRY(ch_.add_layer(kvevict::seq, ws, ls, cache_.layer(l), q, pk));
+      }
+      KVEVICT_TRY(ch_.decide(kvevict::seq, ws));
+      KVEVICT_TRY(compact_all(ch_));
+    }
+    return {};
+  }
+
+  // evictor::prefill_decode on this rank's heads / layers: a plain prefill, the decode driver
+  // begun on the whole prompt (H2O from the prompt's accumulated attention), the last w queries kept.
+  status prefill_decode(const std::vector<int>& prompt) {
+    const config& c = m_->cfg();
+    const index_t P = static_cast<index_t>(prompt.size()), w = o_.window, hk = heads_.count;
+    prompt_q_.reset(mine_cfg_, P);
+    const forward_hooks pq = prompt_q_.hooks();
+    KVEVICT_TRY(forward(prompt.data(), P, &pq));
+    kvevict::decode_config dc;
+    index_t most = 0;
+    KVEVICT_TRY(plan(std::max(o_.budget, P), dc.alloc, &most));
+    dc.model = shape();
+    dc.capacity = std::min<index_t>(c.seq_len, std::max(P, most) + o_.evict_every);
+    dc.interval = o_.evict_every;
+    dc.rec = rec_;
+    dc.tp = tp();
+    KVEVICT_TRY(init_driver(dd_, scratch_, dc, recorder_, decode_ws_));
+    const bool h2o = rec_.kind == kvevict::recipe_kind::h2o;
+    initial_.assign(h2o ? static_cast<std::size_t>(hk * P) : 0, 0.0f);
+    kvevict::recipe hr = rec_;  // H2O: the prompt's accumulated attention, unprotected
+    hr.n_sink = hr.n_recent = 0;
+    for (index_t ls = 0; ls < layers_.count; ++ls) {
+      const int l = model_layer(ls);
+      kvevict::matrix_view<const float> init_scores;
+      if (h2o) {
+        const auto out = *kvevict::make_matrix_view(initial_.data(), hk, P);
+        KVEVICT_TRY(with_workspace(init_ws_, [&](kvevict::workspace& ws) {
+          return kvevict::recipe_scores(kvevict::seq, ws, hr, prompt_q_.queries(l, 0, P), cache_.dense_keys(l, P),
+                                        kvevict::kv_view<const float>{}, out);
+        }));
+        init_scores = out;
+      }
+      KVEVICT_TRY(dd_.begin(ls, cache_.layer(l), P, init_scores));
+    }
+    step_q_.reset(mine_cfg_, 1);
+    recent_q_.reset(mine_cfg_, w);
+    const index_t have = std::min(w, P);
+    for (index_t ls = 0; ls < layers_.count; ++ls)
+      recent_q_.put(model_layer(ls), w - have, prompt_q_.queries(model_layer(ls), P - have, have));
+    return {};
+  }
+
+  // evictor::decode with the decode driver: the token's forward (its queries kept, the window of
+  // recent queries shifted), then decode_driver::step on every layer, compacting those it evicts.
+  status decode_step(int token) {
+    const index_t w = o_.window;
+    forward_hooks hk;
+    hk.after_layer = [&](const layer_event& ev) -> status {
+      KVEVICT_TRY(step_q_.store(ev, 0));
+      for (index_t h = 0; h < lq_; ++h) {  // evictor::push_recent
+        float* first = recent_q_.query_row(ev.layer, h, 0);
+        std::memmove(first, first + hs_, static_cast<std::size_t>((w - 1) * hs_) * sizeof(float));
+      }
+      recent_q_.put(ev.layer, w - 1, ev.queries);
+      return {};
+    };
+    KVEVICT_TRY(forward(&token, 1, &hk));
+    for (index_t ls = 0; ls < layers_.count; ++ls) {
+      const int l = model_layer(ls);
+      const kvevict::kv_view<const float> q = decode_queries_of(rec_, step_q_, recent_q_, l, w);
+      KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, ls, cache_.layer(l), q));
+      if (dd_.evicted(ls)) KVEVICT_TRY(cache_.compact(l, dd_.kept(ls)));
+    }
+    return {};
+  }
+
+  // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers.
   status evict(index_t P) {
     const config& c = m_->cfg();
-    const index_t L = c.n_layers, H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
-    const budget_scheme a = allocator_of(o_);
-    KVEVICT_TRY(plan_allocation(c, a, o_.budget, P, {rec_.n_sink, rec_.n_recent}, nullptr, alloc_));
+    const index_t L = c.n_layers;
     kvevict::post_fill_config pc;
-    pc.model = {Ls, hk, lq_, hs_};
+    KVEVICT_TRY(plan(P, pc.alloc));
+    pc.model = shape();
     pc.tokens = P;
     pc.rec = rec_;
-    pc.alloc = alloc_.alloc;
-    if (!alloc_.budgets.empty()) {  // this rank's block of the [L][H] budgets
-      budgets_.assign(static_cast<std::size_t>(Ls * hk), 0);
-      for (index_t l = 0; l < Ls; ++l)
-        for (index_t h = 0; h < hk; ++h)
-          budgets_[static_cast<std::size_t>(l * hk + h)] =
-              alloc_.budgets[static_cast<std::size_t>((layers_.first + l) * H + heads_.first + h)];
-      pc.alloc.budgets = *kvevict::make_matrix_view(budgets_.data(), Ls, hk);
-    }
-    if (s_.tp > 1) pc.tp = kvevict::comm_ref(*comm_);
+    pc.tp = tp();
     if (s_.pp > 1) {  // this stage's layers of the model's L
       pc.pp = kvevict::comm_ref(*comm_);
       pc.first_layer = layers_.first;
       pc.model_layers = L;
     }
-    const bool cake = a == budget_scheme::cake;
+    const bool cake = allocator_of(o_) == budget_scheme::cake;
     const index_t w = o_.window;
-    const auto queries = [&](int l, index_t first, index_t rows) {
-      return *kvevict::make_kv_view<const float>(queries_.data() + (l * lq_ * P + first) * hs_, lq_, rows, hs_, P * hs_,
-                                                hs_);
-    };
     const auto inputs = [&](int ls, layer_inputs& in) {
-      const int l = static_cast<int>(layers_.first) + ls;
+      const int l = model_layer(ls);
       in.kv = cache_.layer(l);
-      const auto q = kvevict::recipe_queries(rec_, queries(l, 0, P));
+      const auto q = kvevict::recipe_queries(rec_, prompt_q_.queries(l, 0, P));
       if (!q) return q.error();
       in.queries = *q;
-      return cake ? preference(queries(l, P - w, w), cache_.dense_keys(l, P), in.weight) : status{};
+      return cake ? preference(prompt_q_.queries(l, P - w, w), cache_.dense_keys(l, P), in.weight) : status{};
     };
-    KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, nullptr));
-    for (index_t ls = 0; ls < Ls; ++ls) KVEVICT_TRY(cache_.compact(static_cast<int>(layers_.first + ls), pf_.kept(ls)));
-    return {};
+    KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, recorder_));
+    return compact_all(pf_);
   }
 };
 
-/// The quality report, reduced, on a sharded job (kvevict-run --report --tp P / --pp P, docs/distributed.md):
-/// on one prompt, the full cache generates `steps` positions greedily (the response); every
-/// recipe x budget then evicts after the prefill and is teacher-forced through the response.
-/// Per row: the KV rows kept after the prefill (the whole model's), the mean KL(full || evicted)
-/// of the next-token distributions, the top-1 agreement with the response, the greedy agreement
-/// (positions before the first differing argmax) and the KL at every position. `json` (every
-/// rank) holds them with 17 significant digits, and nothing about the sharding: a run on P ranks
-/// prints what one rank prints, bit for bit, or the sharding changed a number.
-template <class Comm>
-status sharded_quality(const model& m, Comm& comm, const shard_options& s, const evict_options& base,
-                       const std::vector<method>& recipes, const std::vector<index_t>& budgets,
-                       const std::vector<int>& prompt, int steps, std::string& json) {
-  const index_t V = m.cfg().vocab_size, n = static_cast<index_t>(prompt.size());
-  if (recipes.empty() || budgets.empty() || steps <= n)
-    return status::error(errc::invalid_argument,
-                         "sharded report: %zu recipes, %zu budgets, %d steps for a %lld-token prompt (need recipes, "
-                         "budgets and a response)",
-                         recipes.size(), budgets.size(), steps, static_cast<long long>(n));
-  const index_t resp = steps - n;
-  evict_options full_o = base;
-  full_o.recipe = method::full;
-  sharded_runner<Comm> full;
-  KVEVICT_TRY(full.init(m, comm, s, full_o));
-  KVEVICT_TRY(full.prefill(prompt));
-  std::vector<double> full_logp(static_cast<std::size_t>(resp * V)), logq(static_cast<std::size_t>(V));
-  std::vector<int> response(static_cast<std::size_t>(resp));
-  for (index_t t = 0; t < resp; ++t) {
-    detail::log_softmax(full.logits(), V, full_logp.data() + t * V);
-    response[static_cast<std::size_t>(t)] = sampler::argmax(full.logits(), static_cast<int>(V));
-    if (t + 1 < resp) KVEVICT_TRY(full.decode(response[static_cast<std::size_t>(t)]));
-  }
-  const auto fmt = [](double v) {  // every bit of a double
-    char b[40];
-    std::snprintf(b, sizeof b, "%.17g", v);
-    return std::string(b);
+namespace detail {
+
+/// The whole model's [L][H][e] values from every rank's [layers().count][heads().count][e] block
+/// (one allgather, each block padded to the largest). `pad` and `blocks` are scratch.
+template <class T, class Comm>
+status gather_model(Comm& comm, const shard_options& s, const config& c, index_t e, const T* mine, std::vector<T>& pad,
+                    std::vector<T>& blocks, std::vector<T>& out) {
+  const int P = comm.size(), me = comm.rank();
+  const index_t L = c.n_layers, H = c.n_kv_heads;
+  const auto range = [&](int r, kvevict::shard_range& hr, kvevict::shard_range& lr) {
+    hr = s.tp > 1 ? *kvevict::head_shard(H, P, r) : kvevict::shard_range{0, H};
+    lr = s.pp > 1 ? *kvevict::layer_shard(L, P, r) : kvevict::shard_range{0, L};
   };
-  json = "{\"prompt_tokens\": " + std::to_string(n) + ", \"response_tokens\": " + std::to_string(resp) + ", \"rows\": [";
-  bool first_row = true;
-  for (const method r : recipes)
-    for (const index_t b : budgets) {
-      evict_options e = base;
-      e.recipe = r;
-      e.budget = b;
-      sharded_runner<Comm> run;
-      KVEVICT_TRY(run.init(m, comm, s, e));
-      KVEVICT_TRY(run.prefill(prompt));
-      index_t kept = 0;
-      KVEVICT_TRY(run.rows(kept));
-      double kl_sum = 0.0, top1 = 0.0;
-      index_t agreement = 0;
-      bool agreeing = true;
-      std::string at;
-      for (index_t t = 0; t < resp; ++t) {
-        detail::log_softmax(run.logits(), V, logq.data());
-        const double kl = detail::kl_divergence(full_logp.data() + t * V, logq.data(), V);
-        kl_sum += kl;
-        at += (t > 0 ? ", " : "") + fmt(kl);
-        const bool same = sampler::argmax(run.logits(), static_cast<int>(V)) == response[static_cast<std::size_t>(t)];
-        top1 += same ? 1.0 : 0.0;
-        agreeing = agreeing && same;
-        agreement += agreeing ? 1 : 0;
-        if (t + 1 < resp) KVEVICT_TRY(run.decode(response[static_cast<std::size_t>(t)]));
+  index_t most = 0;
+  for (int r = 0; r < P; ++r) {
+    kvevict::shard_range hr, lr;
+    range(r, hr, lr);
+    most = std::max(most, hr.count * lr.count * e);
+  }
+  kvevict::shard_range hr, lr;
+  range(me, hr, lr);
+  pad.assign(static_cast<std::size_t>(most), T{});
+  std::copy(mine, mine + hr.count * lr.count * e, pad.begin());
+  blocks.resize(static_cast<std::size_t>(most * P));
+  KVEVICT_TRY(comm.allgather(pad.data(), static_cast<std::size_t>(most) * sizeof(T), blocks.data()));
+  out.resize(static_cast<std::size_t>(L * H * e));
+  for (int r = 0; r < P; ++r) {
+    range(r, hr, lr);
+    for (index_t l = 0; l < lr.count; ++l)
+      for (index_t h = 0; h < hr.count; ++h) {
+        const T* from = blocks.data() + r * most + (l * hr.count + h) * e;
+        std::copy(from, from + e, out.begin() + ((lr.first + l) * H + hr.first + h) * e);
       }
-      json += first_row ? "\n  " : ",\n  ";
-      first_row = false;
-      json += "{\"recipe\": \"" + std::string(method_name(r)) + "\", \"budget\": " + std::to_string(b) +
-              ", \"kept\": " + std::to_string(kept) + ", \"kl\": " + fmt(kl_sum / static_cast<double>(resp)) +
-              ", \"top1\": " + fmt(top1 / static_cast<double>(resp)) + ", \"agreement\": " +
-              std::to_string(agreement) + ", \"kl_at\": [" + at + "]}";
+  }
+  return {};
+}
+
+/// One rank's state of the sharded report.
+template <class Comm>
+struct sharded_report_worker {
+  sharded_runner<Comm> full, run;
+  block_capture response_q;            // the true response's queries and keys (this rank's heads)
+  std::vector<float> gt;               // [layers().count][heads().count][P] ground truth
+  std::vector<double> full_logp, logq, per_head, recall_pad, recall_blocks, recalls;
+  std::vector<pos_t> schedule, schedule_pad, schedule_blocks, model_schedule, whole;
+  std::vector<unsigned char> ws;
+  std::vector<pos_t> kept_pos;
+  std::vector<std::int32_t> kept_cu;
+};
+
+/// held_recall on a sharded run: every rank's per-head recalls gathered, then averaged over the
+/// heads and the layers in one process's order (kept_recall_at_k's sum over the rows).
+template <class Comm>
+status sharded_recall(const model& mdl, Comm& comm, const shard_options& s, index_t P, index_t k,
+                      sharded_report_worker<Comm>& w, double& recall) {
+  const config& c = mdl.cfg();
+  const kvevict::shard_range hr = w.run.heads(), lr = w.run.layers();
+  const index_t hk = hr.count, L = c.n_layers, H = c.n_kv_heads;
+  w.per_head.assign(static_cast<std::size_t>(lr.count * hk), 0.0);
+  for (index_t ls = 0; ls < lr.count; ++ls) {
+    const int l = static_cast<int>(lr.first + ls);
+    w.kept_pos.clear();
+    w.kept_cu.assign(static_cast<std::size_t>(hk + 1), 0);
+    for (index_t h = 0; h < hk; ++h) {
+      for (index_t j = 0; j < w.run.cache().length(l, h); ++j)
+        if (w.run.cache().position(l, h, j) < P) w.kept_pos.push_back(w.run.cache().position(l, h, j));
+      w.kept_cu[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(w.kept_pos.size());
     }
-  json += "\n]}\n";
+    const kvevict::ragged_positions kept{w.kept_pos.data(), w.kept_cu.data(), hk};
+    const auto truth = *kvevict::make_matrix_view<const float>(w.gt.data() + ls * hk * P, hk, P);
+    double mean = 0.0;
+    KVEVICT_TRY(with_workspace(w.ws, [&](kvevict::workspace& ws) {
+      return kvevict::kept_recall_at_k(ws, kept, truth, k, mean, w.per_head.data() + ls * hk);
+    }));
+  }
+  KVEVICT_TRY(gather_model(comm, s, c, 1, w.per_head.data(), w.recall_pad, w.recall_blocks, w.recalls));
+  double sum = 0.0;
+  for (index_t l = 0; l < L; ++l) {
+    double layer = 0.0;
+    for (index_t h = 0; h < H; ++h) layer += w.recalls[static_cast<std::size_t>(l * H + h)];
+    sum += layer / static_cast<double>(H);
+  }
+  recall = sum / static_cast<double>(L);
+  return {};
+}
+
+/// evaluate_prompt on a sharded job: every configuration on one prompt, every number but the
+/// times (left 0) as one process computes it.
+template <class Comm>
+status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options& s, const report_options& o,
+                               const std::vector<report_config>& configs, const text_pair& tp,
+                               sharded_report_worker<Comm>& w, std::vector<prompt_result>& out) {
+  const config& c = mdl.cfg();
+  const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size());
+  const index_t V = c.vocab_size, L = c.n_layers, H = c.n_kv_heads, N = P + m - 1;
+  // the full cache: prefill, the response teacher-forced (its queries and keys captured), the ground truth
+  evict_options fo = o.base;
+  fo.recipe = method::full;
+  KVEVICT_TRY(w.full.init(mdl, comm, s, fo));
+  KVEVICT_TRY(w.full.prefill(tp.prompt));
+  w.full_logp.resize(static_cast<std::size_t>(m * V));
+  log_softmax(w.full.logits(), V, w.full_logp.data());
+  w.response_q.reset(w.full.shard_config(), m);
+  const forward_hooks rh = w.response_q.hooks();
+  KVEVICT_TRY(w.full.extra(tp.response, &rh, logits_mode::all));
+  for (index_t t = 1; t < m; ++t) log_softmax(w.full.logits(t - 1), V, w.full_logp.data() + t * V);
+  const kvevict::shard_range hr = w.full.heads(), lr = w.full.layers();
+  const index_t hk = hr.count;
+  w.gt.assign(static_cast<std::size_t>(lr.count * hk * P), 0.0f);
+  const kvevict::recipe gr = ground_truth_recipe();
+  for (index_t ls = 0; ls < lr.count; ++ls) {
+    const int l = static_cast<int>(lr.first + ls);
+    const auto out_l = *kvevict::make_matrix_view(w.gt.data() + ls * hk * P, hk, P);
+    KVEVICT_TRY(with_workspace(w.ws, [&](kvevict::workspace& ws) {
+      return kvevict::recipe_scores(kvevict::seq, ws, gr, w.response_q.queries(l, 0, m), w.full.cache().dense_keys(l, P),
+                                    kvevict::kv_view<const float>{}, out_l, w.response_q.keys(l, 0, m));
+    }));
+  }
+  w.logq.resize(static_cast<std::size_t>(V));
+  w.schedule.resize(static_cast<std::size_t>(lr.count * hk * N));
+  out.assign(configs.size(), prompt_result{});
+  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
+    const report_config& rc = configs[ci];
+    KVEVICT_TRY(w.run.init(mdl, comm, s, config_options(o, rc)));
+    auto made = kvevict::make_eviction_recorder(w.schedule.data(), lr.count, hk, N);
+    if (!made) return made.error();
+    kvevict::eviction_recorder rec = *made;
+    prompt_result& r = out[ci];
+    KVEVICT_TRY(w.run.prefill(tp.prompt, &rec));
+    KVEVICT_TRY(w.run.rows(r.kept));
+    const index_t k = rc.budget > 0 ? std::min(rc.budget, P) : P;
+    bool agreeing = true;
+    double kl = 0.0, recall = 0.0, step_recall = 0.0;
+    for (index_t t = 0; t < m; ++t) {  // evaluate_prompt's loop
+      kl += score_position(w.full_logp.data() + t * V, w.run.logits(), V, tp.response[static_cast<std::size_t>(t)],
+                           w.logq.data(), agreeing, r);
+      if (t + 1 < m) {
+        if (t == 0 || rc.driver == driver_kind::decode) KVEVICT_TRY(sharded_recall(mdl, comm, s, P, k, w, step_recall));
+        recall += step_recall;
+        KVEVICT_TRY(w.run.decode(tp.response[static_cast<std::size_t>(t)]));
+      }
+    }
+    // the whole model's schedule from every rank's block
+    KVEVICT_TRY(gather_model(comm, s, c, N, w.schedule.data(), w.schedule_pad, w.schedule_blocks, w.model_schedule));
+    w.whole.resize(static_cast<std::size_t>(L * H * N));
+    const auto whole = kvevict::make_eviction_recorder(w.whole.data(), L, H, N);  // the view measure_kv_usage takes
+    if (!whole) return whole.error();
+    std::copy(w.model_schedule.begin(), w.model_schedule.end(), w.whole.begin());
+    const auto sched = whole->schedule(N);
+    if (!sched) return sched.error();
+    KVEVICT_TRY(finish_prompt(kl, recall, m, *sched, w.ws, r));
+  }
+  return {};
+}
+
+}  // namespace detail
+
+/// The quality report on a sharded job (kvevict-run --report --tp P / --pp P, docs/distributed.md):
+/// run_report's prompts, configurations and numbers, the prompts one after another on every rank
+/// (each configuration through sharded_runner), so that every number but the times (left 0:
+/// prefill_ms, evict_ms; overhead 1) equals the one-process report's bit for bit. Every rank
+/// returns the same `out`. Errors: run_report's; a configuration that does not run sharded
+/// (check_sharded; the head-type rows), naming it, before any prompt runs.
+template <class Comm>
+status run_sharded_report(const model& mdl, Comm& comm, const shard_options& s, const report_options& o,
+                          report_result& out) {
+  const config& c = mdl.cfg();
+  const auto t_start = std::chrono::steady_clock::now();
+  if (o.prompts < 1) return status::error(errc::invalid_argument, "--prompts must be >= 1, got %lld", static_cast<long long>(o.prompts));
+  std::vector<report_config> configs;
+  KVEVICT_TRY(report_configs(c, o, configs));
+  for (const report_config& rc : configs) {
+    const status st = rc.head_sparsity >= 0.0 ? status::error(errc::unsupported, "head-type rows do not run sharded")
+                                              : check_sharded(c, s, comm.size(), detail::config_options(o, rc));
+    if (!st.ok())
+      return status::error(errc::unsupported, "sharded report: %s / %s / budget %lld: %s (choose --recipes / --drivers that do)",
+                           method_name(rc.recipe), driver_name(rc.driver), static_cast<long long>(rc.budget), st.message());
+  }
+  out = report_result{};
+  out.options = o;
+  out.options.progress = {};
+  const int nt = thread_count(o.threads);
+  out.threads = nt;
+  std::vector<text_pair> pairs;
+  KVEVICT_TRY(detail::report_prompts(mdl, o, nt, pairs, out));
+  const index_t n = o.prompts;
+  std::vector<std::vector<prompt_result>> results(static_cast<std::size_t>(n));
+  detail::sharded_report_worker<Comm> w;
+  for (index_t i = 0; i < n; ++i) {
+    KVEVICT_TRY(detail::sharded_evaluate_prompt(mdl, comm, s, o, configs, pairs[static_cast<std::size_t>(i)], w,
+                                                results[static_cast<std::size_t>(i)]));
+    if (o.progress) {
+      char msg[160];
+      std::snprintf(msg, sizeof msg, "report: %lld/%lld prompts, %.1f s", static_cast<long long>(i + 1),
+                    static_cast<long long>(n), seconds_since(t_start));
+      o.progress(msg);
+    }
+  }
+  detail::report_rows(configs, std::vector<duo_heads>(configs.size()), results, out);
+  out.seconds = seconds_since(t_start);
   return {};
 }
 

@@ -18,6 +18,7 @@
 #include <kvevict/postprocess_types.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/detail/block/pool_block.hpp>
+#include <kvevict/detail/block/view_args.hpp>
 #include <kvevict/detail/base/softmax.hpp>
 
 #include <cstdint>
@@ -213,12 +214,8 @@ inline pp_params make_pp_params(const matrix_view<const float>& in, const matrix
                                 const postprocess_options& opt, const std::int32_t* row_lengths,
                                 const std::int32_t* value_lengths, const float* factors) {
   pp_params a{};
-  a.in = in.data_handle();
-  a.is0 = in.stride(0);
-  a.is1 = in.stride(1);
-  a.out = out.data_handle();
-  a.os0 = out.stride(0);
-  a.os1 = out.stride(1);
+  view_args(in, a.in, a.is0, a.is1);
+  view_args(out, a.out, a.os0, a.os1);
   a.hkv = out.extent(0);
   a.g = a.hkv > 0 ? in.extent(0) / a.hkv : 1;
   a.T = in.extent(1);

@@ -26,6 +26,7 @@
 #include <kvevict/detail/block/paged_block.hpp>
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/detail/block/simt_bodies.hpp>
+#include <kvevict/detail/block/view_args.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/gqa_types.hpp>
 #include <kvevict/paged.hpp>
@@ -419,10 +420,7 @@ inline status carve_cuda_score(const char* fn, workspace& ws, const cuda_score_p
 template <class QE, class Keys>
 void cs_fill_args(cuda_score_args<QE, Keys>& a, const kv_view<const QE>& q, const score_shape& sh,
                   const cuda_score_plan& pl, const score_options& opt, softmax_stats* part, softmax_stats* rowst) {
-  a.q = q.data_handle();
-  a.qs0 = q.stride(0);
-  a.qs1 = q.stride(1);
-  a.qs2 = q.stride(2);
+  view_args(q, a.q, a.qs0, a.qs1, a.qs2);
   a.hkv = sh.hkv;
   a.group = sh.group;
   a.w = sh.w;
@@ -489,12 +487,8 @@ status attention_scores_launch(const char* fn, Launcher& l, workspace& ws, const
   a.keys = {prefix.data_handle(), prefix.stride(0), prefix.stride(1), prefix.stride(2),
             sh.has_block ? block.data_handle() : nullptr, sh.has_block ? block.stride(0) : 0,
             sh.has_block ? block.stride(1) : 0, sh.has_block ? block.stride(2) : 0, sh.p};
-  a.out_h = want_h ? out_h.data_handle() : nullptr;
-  a.oh0 = want_h ? out_h.stride(0) : 0;
-  a.oh1 = want_h ? out_h.stride(1) : 0;
-  a.out_kv = kv_requested ? out_kv.data_handle() : nullptr;
-  a.ok0 = kv_requested ? out_kv.stride(0) : 0;
-  a.ok1 = kv_requested ? out_kv.stride(1) : 0;
+  view_args(out_h, a.out_h, a.oh0, a.oh1, want_h);
+  view_args(out_kv, a.out_kv, a.ok0, a.ok1, kv_requested);
   a.op = op;
   if (opt.fused_multiply_add)
     cs_launch<true>(l, a, grid_cap);
@@ -577,9 +571,7 @@ status paged_window_scores_launch(const char* fn, Launcher& l, workspace& ws, co
   cuda_score_args<QE, cs_paged_keys<T>> a{};
   cs_fill_args(a, q, sh, pl, opt, part, rowst);
   a.keys = {layer, rowp};
-  a.out_h = out.data_handle();
-  a.oh0 = out.stride(0);
-  a.oh1 = out.stride(1);
+  view_args(out, a.out_h, a.oh0, a.oh1);
   a.op = gqa_op::mean;
   if (opt.fused_multiply_add)
     cs_launch<true>(l, a, grid_cap);

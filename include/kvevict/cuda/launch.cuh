@@ -31,22 +31,4 @@ status check_device_alignment(const char* fn, const char* name, const T* p) {
   return {};
 }
 
-#if defined(__CUDACC__)
-/// The length of row `row` from device lengths (or `limit` when there are none). A length outside
-/// [0, limit] returns false; if `count`, it is added once to *bad (when bad is non-null).
-__device__ inline bool device_row_length(const std::int32_t* lengths, index_t row, index_t limit, index_t& len,
-                                         int* bad, bool count) {
-  cuda_simt_ctx c;
-  return simt_row_length(c, lengths, row, limit, len, bad, count);
-}
-
-/// staged_row_reduce on the CUDA context (detail/block/simt_bodies.hpp has the function and the
-/// staging geometry: stage_rows, stage_cols, stage_ld).
-template <class T, class F>
-__device__ float staged_row_reduce(const T* base, index_t rs, index_t es, int nrows, index_t d, float* sm, F f) {
-  cuda_simt_ctx c;
-  return simt_staged_row_reduce(c, base, rs, es, nrows, d, sm, f);
-}
-#endif
-
 }  // namespace kvevict::detail

@@ -30,8 +30,9 @@
 // prompts: the mean of the per-prompt differences and its standard error (paired_difference).
 // LookaheadKV needs report_options::lookahead (the trained module); without one, "every method"
 // leaves it out.
-// Prompts run in parallel (one runner per thread, single-threaded forwards); every number but the
-// times is independent of the thread count.
+// Prompts run in parallel (one runner per thread, single-threaded forwards), report_options::batch
+// of them at a time per thread as one batch on one page pool (evaluate_batch); every number but the
+// times is independent of the thread count and of the batch size.
 #pragma once
 
 #include <methods/duo_calibration.hpp>

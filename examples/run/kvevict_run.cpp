@@ -110,6 +110,8 @@ int sweep_options(const options& o, const kvrun::model& model, kvrun::lookahead_
   r.base = o.evict;
   r.calibration = o.calibration;
   r.threads = o.threads;
+  r.batch = o.batch;  // --batch N: each thread runs N prompts as one batch on one page pool
+  r.page_size = o.page_size;
   for (const std::string& name : o.recipes) {
     kvrun::method m;
     if (auto st = kvrun::parse_method(name, m); !st.ok()) return fail("--recipes: ", st);
@@ -251,8 +253,6 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   if (const int code = sweep_options(o, model, lookahead, r, r.recipes, r.drivers, files); code != 0) return code;
   r.budgets = o.budgets;
   r.all_drivers = o.all_drivers;
-  r.batch = o.batch;  // --batch N: each thread runs N prompts as one batch on one page pool
-  r.page_size = o.page_size;
   std::vector<kvrun::report_config> configs;
   if (auto st = kvrun::report_configs(model.cfg(), r, configs); !st.ok()) return fail("", st);
   kvrun::report_result result;

@@ -290,9 +290,13 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
   REQUIRE(j["speckv_draft_match"].items.size() == 2);
   for (const json& x : j["speckv_draft_match"].items) CHECK((x.num >= 0.0 && x.num <= 1.0));
 
-  // the numbers do not depend on the thread count (only the times do)
+  // the numbers do not depend on the thread count nor on the batch (only the times do): one thread
+  // running both prompts as one batch on one pool of 5-token pages against two unbatched threads
   report_result r1;
-  REQUIRE(run_report(kvtest::shipped_model(), tiny(1), r1).ok());
+  report_options batched = tiny(1);
+  batched.batch = 2;
+  batched.page_size = 5;
+  REQUIRE(run_report(kvtest::shipped_model(), batched, r1).ok());
   REQUIRE(r1.rows.size() == r.rows.size());
   for (std::size_t i = 0; i < r.rows.size(); ++i)
     for (std::size_t p = 0; p < 2; ++p) {
@@ -300,6 +304,7 @@ TEST_CASE("the report on a tiny configuration: a JSON of consistent numbers, a t
       CHECK(a.recall == b.recall);
       CHECK(a.kl == b.kl);
       CHECK(a.agreement == b.agreement);
+      CHECK(a.top1 == b.top1);
       CHECK(a.footprint == b.footprint);
       CHECK(a.peak == b.peak);
       CHECK(a.kept == b.kept);
@@ -347,6 +352,9 @@ TEST_CASE("report options errors") {
   o.prompts = 0;
   report_result r;
   kvtest::require_error(run_report(kvtest::shipped_model(), o, r), errc::invalid_argument, "--prompts must be >= 1, got 0");
+  o.prompts = 1;
+  o.batch = 0;
+  kvtest::require_error(run_report(kvtest::shipped_model(), o, r), errc::invalid_argument, "report: batch 0 and page size 16 must be >= 1");
   o = tiny(1);
   o.all_drivers = true;
   o.budgets = {24};

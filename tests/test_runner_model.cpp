@@ -1087,6 +1087,28 @@ TEST_CASE("caches sharing one page pool give the private caches' logits, bit for
   CHECK(pool.in_use() == used);
   CHECK(copy.total_pages() == c.n_layers * c.n_kv_heads * ((c.seq_len + 4) / 5));
   {
+    // a copy into a cache drawing from the shared pool keeps taking pages from it (the report's
+    // batches); into one whose shared pool lacks the free pages: a private pool, the shared one untouched
+    kv_pool roomy;
+    REQUIRE(roomy.init(c, c.n_kv_heads * ((c.seq_len + 4) / 5), 5).ok());
+    kv_cache onto;
+    REQUIRE(onto.init(c, 0, 5, &roomy).ok());
+    onto = a;
+    CHECK(compare_caches(onto, a) == 0.0);
+    CHECK(roomy.in_use() == a.pages_in_use());
+    CHECK(onto.pool_pages() == roomy.pages());
+    CHECK(pool.in_use() == used);
+    kv_pool small;
+    REQUIRE(small.init(c, 1, 5).ok());
+    kv_cache cramped;
+    REQUIRE(cramped.init(c, 0, 5, &small).ok());
+    cramped = a;
+    CHECK(compare_caches(cramped, a) == 0.0);
+    CHECK(small.in_use() == 0);
+    CHECK(cramped.total_pages() == c.n_layers * c.n_kv_heads * ((c.seq_len + 4) / 5));
+  }
+  CHECK(pool.in_use() == used);
+  {
     kv_cache d;  // a cache's pages come back when it is destroyed
     REQUIRE(d.init(c, 0, 5, &pool).ok());
     REQUIRE(r.forward(d, tokens(ids.data(), 9)).ok());

@@ -30,8 +30,9 @@
 // prompts: the mean of the per-prompt differences and its standard error (paired_difference).
 // LookaheadKV needs report_options::lookahead (the trained module); without one, "every method"
 // leaves it out.
-// Prompts run in parallel (one runner per thread, single-threaded forwards); every number but the
-// times is independent of the thread count.
+// Prompts run in parallel (one runner per thread, single-threaded forwards), report_options::batch
+// of them at a time per thread as one batch on one page pool (evaluate_batch); every number but the
+// times is independent of the thread count and of the batch size.
 #pragma once
 
 #include <methods/duo_calibration.hpp>
@@ -51,6 +52,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -116,6 +118,11 @@ struct report_options {
   const lookahead_module* lookahead = nullptr;
   std::string lookahead_path;  ///< recorded in the JSON by kvevict::program::recorded_path
   int threads = 0;          ///< prompts in parallel (0: all cores)
+  /// Prompts each thread runs as one batch (>= 1): their full and evicted caches on one page pool
+  /// of the thread (kv_pool), the configurations' teacher-forced responses stepped across the batch
+  /// one position at a time. Every number equals the unbatched run's.
+  index_t batch = 1;
+  index_t page_size = 16;   ///< tokens per page of the caches
   std::function<void(const char*)> progress;  ///< one line of progress (may be empty)
 };
 
@@ -309,21 +316,38 @@ inline status finish_prompt(double kl, double recall, index_t m, kvevict::evicti
   return {};
 }
 
-/// Per-thread state of the report.
-struct report_worker {
-  runner run;
+/// One prompt's state in a worker: its full and evicted caches, the full cache's captures, logits
+/// and ground truth, and the configuration row in progress (its evictor and teacher-forced sums).
+struct report_sequence {
   kv_cache full, cache;
   block_capture prompt_q, response_q;
   evictor ev;
+  std::vector<int> draft;      // the prompt's draft tokens (speckv rows)
+  block_capture draft_q;       // their queries and keys under the target model (full cache)
+  double draft_match = 0.0;    // the fraction of the draft tokens equal to the full cache's response
+  double prefill_ms = 0.0, draft_ms = 0.0;
+  std::vector<float> first;              // [V] the full prefill's last logits
+  std::vector<float> gt;                 // [L][H][P] ground truth
+  std::vector<double> full_logp;         // [m][V]
+  std::vector<pos_t> schedule;           // [L][H][N]
+  kvevict::eviction_recorder rec;
+  // the row in progress
+  bool agreeing = true;
+  double kl = 0.0, recall = 0.0, step_recall = 0.0;
+  index_t k = 0;
+};
+
+/// Per-thread state of the report: one runner, and the sequences of the prompts it runs together
+/// (report_options::batch of them, their caches on one shared page pool; one without a batch, its
+/// caches on their own pools).
+struct report_worker {
+  runner run;
+  kv_pool pool;                // the batch's pages (batch > 1)
+  std::vector<std::unique_ptr<report_sequence>> seqs;
   laq_queries laq;             // the laq and laq++ rows' query blocks
   lookahead_scorer lookahead;  // bound to report_options::lookahead, if any
   speckv_drafter drafter;      // the speckv rows' draft model
-  std::vector<int> draft;      // a prompt's draft tokens
-  block_capture draft_q;       // their queries and keys under the target model (full cache)
-  double draft_match = 0.0;    // the fraction of the draft tokens equal to the full cache's response
-  std::vector<float> gt;                 // [L][H][P] ground truth
-  std::vector<double> full_logp, logq;   // [m][V], [V]
-  std::vector<pos_t> schedule;           // [L][H][N]
+  std::vector<double> logq;    // [V]
   std::vector<unsigned char> ws;
   std::vector<pos_t> kept_pos;
   std::vector<std::int32_t> kept_cu;
@@ -341,18 +365,20 @@ inline kvevict::recipe ground_truth_recipe() {
   return make_recipe(o);
 }
 
-/// GT[l] [H_kv][P] for a prompt in `full` (unevicted) and the response's captured queries / keys.
-inline status ground_truth(const config& c, const kv_cache& full, const block_capture& response_q, report_worker& w) {
+/// s.gt: GT[l] [H_kv][P] for a prompt in s.full (unevicted) and the response's captured queries / keys.
+inline status ground_truth(const config& c, report_sequence& s, report_worker& w) {
+  const kv_cache& full = s.full;
+  const block_capture& response_q = s.response_q;
   const index_t P = full.next_position(), m = response_q.rows(), H = c.n_kv_heads;
   const kvevict::recipe r = ground_truth_recipe();
-  w.gt.assign(static_cast<std::size_t>(c.n_layers * H * P), 0.0f);
+  s.gt.assign(static_cast<std::size_t>(c.n_layers * H * P), 0.0f);
   const auto need = kvevict::recipe_scores_workspace_bytes(kvevict::seq, r, c.n_heads, m, H, P, c.head_size(), m);
   if (!need) return need.error();
   kvevict::workspace ws = w.workspace_for(*need);
   for (int l = 0; l < c.n_layers; ++l) {
     const auto keys = full.dense_keys(l, P);
     if (!keys) return keys.error();
-    const auto out = *kvevict::make_matrix_view(w.gt.data() + l * H * P, H, P);
+    const auto out = *kvevict::make_matrix_view(s.gt.data() + l * H * P, H, P);
     KVEVICT_TRY(kvevict::recipe_scores(kvevict::seq, ws, r, response_q.queries(l, 0, m), *keys,
                                        kvevict::kv_view<const float>{}, out, response_q.keys(l, 0, m)));
   }
@@ -360,7 +386,8 @@ inline status ground_truth(const config& c, const kv_cache& full, const block_ca
 }
 
 /// Recall of the prompt positions `cache` holds against the top-k of GT, mean over layers and heads.
-inline status held_recall(const config& c, const kv_cache& cache, index_t P, index_t k, report_worker& w, double& recall) {
+inline status held_recall(const config& c, const kv_cache& cache, const std::vector<float>& gt, index_t P, index_t k,
+                          report_worker& w, double& recall) {
   const index_t H = c.n_kv_heads;
   double sum = 0.0;
   for (int l = 0; l < c.n_layers; ++l) {
@@ -372,7 +399,7 @@ inline status held_recall(const config& c, const kv_cache& cache, index_t P, ind
       w.kept_cu[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>(w.kept_pos.size());
     }
     const kvevict::ragged_positions kept{w.kept_pos.data(), w.kept_cu.data(), H};
-    const auto truth = *kvevict::make_matrix_view<const float>(w.gt.data() + l * H * P, H, P);
+    const auto truth = *kvevict::make_matrix_view<const float>(gt.data() + l * H * P, H, P);
     kvevict::workspace q;
     double mean = 0.0;
     KVEVICT_TRY(kvevict::kept_recall_at_k(q, kept, truth, k, mean));
@@ -384,86 +411,127 @@ inline status held_recall(const config& c, const kv_cache& cache, index_t P, ind
   return {};
 }
 
-/// Every configuration on one prompt.
-inline status evaluate_prompt(const model& mdl, const report_options& o, const std::vector<report_config>& configs,
-                              const std::vector<duo_heads>& heads, const text_pair& tp, report_worker& w,
-                              std::vector<prompt_result>& out) {
+/// A prompt's full-cache work (shared by every configuration): the prefill (queries captured), the
+/// response teacher-forced, the ground truth, SpecKV's draft run by the target as a query block (the
+/// same for every budget; its time is added to every speckv row's eviction time).
+inline status prepare_prompt(const model& mdl, const report_options& o, bool speckv, const text_pair& tp,
+                             report_worker& w, report_sequence& s) {
   const config& c = mdl.cfg();
   const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size());
-  const index_t V = c.vocab_size, L = c.n_layers, H = c.n_kv_heads, N = P + m - 1;
-  // the full cache: prefill (queries captured), the response teacher-forced, the ground truth
-  w.full.clear();
-  w.prompt_q.reset(c, P);
+  const index_t V = c.vocab_size;
+  s.full.clear();
+  s.prompt_q.reset(c, P);
   auto t0 = std::chrono::steady_clock::now();
-  KVEVICT_TRY(w.run.forward(w.full, tokens(tp.prompt), logits_mode::last, w.prompt_q.hooks()));
-  const double prefill_ms = seconds_since(t0) * 1e3;
-  std::vector<float> first(w.run.logits(0), w.run.logits(0) + V);
-  w.full_logp.resize(static_cast<std::size_t>(m * V));
-  log_softmax(first.data(), V, w.full_logp.data());
-  w.response_q.reset(c, m);
-  KVEVICT_TRY(w.run.forward_extra(w.full, tokens(tp.response), logits_mode::all, w.response_q.hooks()));
-  for (index_t t = 1; t < m; ++t) log_softmax(w.run.logits(t - 1), V, w.full_logp.data() + t * V);
-  KVEVICT_TRY(ground_truth(c, w.full, w.response_q, w));
-  w.logq.resize(static_cast<std::size_t>(V));
-  w.schedule.resize(static_cast<std::size_t>(L * H * N));
-  // SpecKV: the draft (the same for every budget), run by the target as a query block; its time
-  // is added to every speckv row's eviction time
-  double draft_ms = 0.0;
-  if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; })) {
-    KVEVICT_TRY(w.drafter.draft(tp.prompt, o.base.draft_tokens, w.draft));
+  KVEVICT_TRY(w.run.forward(s.full, tokens(tp.prompt), logits_mode::last, s.prompt_q.hooks()));
+  s.prefill_ms = seconds_since(t0) * 1e3;
+  s.first.assign(w.run.logits(0), w.run.logits(0) + V);
+  s.full_logp.resize(static_cast<std::size_t>(m * V));
+  log_softmax(s.first.data(), V, s.full_logp.data());
+  s.response_q.reset(c, m);
+  KVEVICT_TRY(w.run.forward_extra(s.full, tokens(tp.response), logits_mode::all, s.response_q.hooks()));
+  for (index_t t = 1; t < m; ++t) log_softmax(w.run.logits(t - 1), V, s.full_logp.data() + t * V);
+  KVEVICT_TRY(ground_truth(c, s, w));
+  s.schedule.resize(static_cast<std::size_t>(c.n_layers * c.n_kv_heads * (P + m - 1)));
+  s.draft_ms = 0.0;
+  if (speckv) {
+    KVEVICT_TRY(w.drafter.draft(tp.prompt, o.base.draft_tokens, s.draft));
     index_t same = 0;
-    for (std::size_t i = 0; i < w.draft.size() && i < tp.response.size(); ++i) same += w.draft[i] == tp.response[i];
-    w.draft_match = static_cast<double>(same) / static_cast<double>(w.draft.size());
+    for (std::size_t i = 0; i < s.draft.size() && i < tp.response.size(); ++i) same += s.draft[i] == tp.response[i];
+    s.draft_match = static_cast<double>(same) / static_cast<double>(s.draft.size());
     const auto t1 = std::chrono::steady_clock::now();
-    w.draft_q.reset(c, static_cast<index_t>(w.draft.size()));
-    KVEVICT_TRY(w.run.forward_extra(w.full, tokens(w.draft), logits_mode::none, w.draft_q.hooks()));
-    draft_ms = (w.drafter.seconds() + seconds_since(t1)) * 1e3;
+    s.draft_q.reset(c, static_cast<index_t>(s.draft.size()));
+    KVEVICT_TRY(w.run.forward_extra(s.full, tokens(s.draft), logits_mode::none, s.draft_q.hooks()));
+    s.draft_ms = (w.drafter.seconds() + seconds_since(t1)) * 1e3;
   }
+  return {};
+}
 
-  out.assign(configs.size(), prompt_result{});
+/// Starts row `rc` (configuration ci) on a prepared prompt: its evictor, the prefill with eviction
+/// (post-fill: a copy of the full cache evicted), response position 0.
+inline status start_row(const model& mdl, const report_options& o, const report_config& rc, const duo_heads& heads,
+                        const text_pair& tp, report_worker& w, report_sequence& s, prompt_result& r) {
+  const config& c = mdl.cfg();
+  const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size());
+  const index_t L = c.n_layers, H = c.n_kv_heads;
+  KVEVICT_TRY(s.ev.init(mdl, config_options(o, rc), &heads, o.lookahead != nullptr ? &w.lookahead : nullptr, &w.laq));
+  auto made = kvevict::make_eviction_recorder(s.schedule.data(), L, H, P + m - 1);
+  if (!made) return made.error();
+  s.rec = *made;
+  r = prompt_result{};
+  if (rc.driver == driver_kind::postfill) {
+    s.cache = s.full;
+    KVEVICT_TRY(s.ev.evict_prefilled(w.run, s.cache, s.prompt_q, s.first.data(), &s.rec,
+                                     rc.recipe == method::speckv ? &s.draft_q : &s.response_q));
+    r.prefill_ms = s.prefill_ms;
+  } else {
+    s.cache.clear();
+    KVEVICT_TRY(s.ev.prefill(w.run, s.cache, tp.prompt, &s.rec, &tp.response));
+    r.prefill_ms = s.ev.prefill_seconds() * 1e3;
+  }
+  r.kept = s.cache.total_rows();
+  // recall's k: the budget; a head-type row's: the rows it keeps per head on average
+  s.k = rc.budget > 0                ? std::min(rc.budget, P)
+        : rc.head_sparsity >= 0.0 ? std::clamp<index_t>((r.kept + L * H / 2) / (L * H), 1, P)
+                                  : P;
+  s.agreeing = true;
+  s.kl = s.recall = s.step_recall = 0.0;
+  s.kl += score_position(s.full_logp.data(), s.ev.next_logits(), c.vocab_size, tp.response[0], w.logq.data(),
+                         s.agreeing, r);
+  return {};
+}
+
+/// Response position t >= 1 of the row in progress: the recall of the prompt positions the cache
+/// holds when response token t - 1 is decoded (it changes only under decode-time eviction), that
+/// token's decode, position t's logits scored right after it.
+inline status step_row(const config& c, const report_config& rc, const text_pair& tp, index_t t, report_worker& w,
+                       report_sequence& s, prompt_result& r) {
+  const index_t P = static_cast<index_t>(tp.prompt.size());
+  if (t == 1 || rc.driver == driver_kind::decode) KVEVICT_TRY(held_recall(c, s.cache, s.gt, P, s.k, w, s.step_recall));
+  s.recall += s.step_recall;
+  KVEVICT_TRY(s.ev.decode(w.run, s.cache, tp.response[static_cast<std::size_t>(t - 1)]));
+  s.kl += score_position(s.full_logp.data() + t * c.vocab_size, w.run.logits(0), c.vocab_size,
+                         tp.response[static_cast<std::size_t>(t)], w.logq.data(), s.agreeing, r);
+  return {};
+}
+
+/// Ends the row in progress: the means over the response, the times, the schedule's footprint.
+inline status finish_row(const report_config& rc, const text_pair& tp, report_worker& w, report_sequence& s,
+                         prompt_result& r) {
+  const index_t m = static_cast<index_t>(tp.response.size()), N = static_cast<index_t>(tp.prompt.size()) + m - 1;
+  r.evict_ms = s.ev.evict_seconds() * 1e3 + (rc.recipe == method::speckv ? s.draft_ms : 0.0);
+  r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;
+  const auto sched = s.rec.schedule(N);
+  if (!sched) return sched.error();
+  return finish_prompt(s.kl, s.recall, m, *sched, w.ws, r);
+}
+
+/// Every configuration on the prompts `tps` (at most w.seqs.size()) run as one batch: each
+/// prompt's full-cache work, then per configuration every prompt's prefill with eviction, then the
+/// teacher-forced response one position at a time across the batch (each sequence's logits scored
+/// right after its own forward). One prompt alone is the unbatched report. Every sequence's numbers
+/// equal those of the prompt alone: its computation reads only its own caches and captures.
+inline status evaluate_batch(const model& mdl, const report_options& o, const std::vector<report_config>& configs,
+                             const std::vector<duo_heads>& heads, const text_pair* tps, index_t count, report_worker& w,
+                             std::vector<prompt_result>* out) {
+  const config& c = mdl.cfg();
+  const bool speckv =
+      std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; });
+  w.logq.resize(static_cast<std::size_t>(c.vocab_size));
+  index_t m = 0;
+  for (index_t i = 0; i < count; ++i) {
+    KVEVICT_TRY(prepare_prompt(mdl, o, speckv, tps[i], w, *w.seqs[static_cast<std::size_t>(i)]));
+    out[i].assign(configs.size(), prompt_result{});
+    m = std::max(m, static_cast<index_t>(tps[i].response.size()));
+  }
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
-    const report_config& rc = configs[ci];
-    const evict_options e = config_options(o, rc);
-    KVEVICT_TRY(w.ev.init(mdl, e, &heads[ci], o.lookahead != nullptr ? &w.lookahead : nullptr, &w.laq));
-    auto made = kvevict::make_eviction_recorder(w.schedule.data(), L, H, N);
-    if (!made) return made.error();
-    kvevict::eviction_recorder rec = *made;
-    prompt_result& r = out[ci];
-    if (rc.driver == driver_kind::postfill) {
-      w.cache = w.full;
-      KVEVICT_TRY(w.ev.evict_prefilled(w.run, w.cache, w.prompt_q, first.data(), &rec,
-                                       rc.recipe == method::speckv ? &w.draft_q : &w.response_q));
-      r.prefill_ms = prefill_ms;
-    } else {
-      w.cache.clear();
-      KVEVICT_TRY(w.ev.prefill(w.run, w.cache, tp.prompt, &rec, &tp.response));
-      r.prefill_ms = w.ev.prefill_seconds() * 1e3;
-    }
-    r.kept = w.cache.total_rows();
-    // teacher-forced response: KL at every position, greedy agreement until the first difference,
-    // recall of the prompt positions the cache holds when each response token is decoded (it
-    // changes only under decode-time eviction)
-    // recall's k: the budget; a head-type row's: the rows it keeps per head on average
-    const index_t k = rc.budget > 0                ? std::min(rc.budget, P)
-                      : rc.head_sparsity >= 0.0 ? std::clamp<index_t>((r.kept + L * H / 2) / (L * H), 1, P)
-                                                : P;
-    bool agreeing = true;
-    double kl = 0.0, recall = 0.0, step_recall = 0.0;
-    for (index_t t = 0; t < m; ++t) {
-      const float* logits = t == 0 ? w.ev.next_logits() : w.run.logits(0);
-      kl += score_position(w.full_logp.data() + t * V, logits, V, tp.response[static_cast<std::size_t>(t)], w.logq.data(),
-                           agreeing, r);
-      if (t + 1 < m) {
-        if (t == 0 || rc.driver == driver_kind::decode) KVEVICT_TRY(held_recall(c, w.cache, P, k, w, step_recall));
-        recall += step_recall;
-        KVEVICT_TRY(w.ev.decode(w.run, w.cache, tp.response[static_cast<std::size_t>(t)]));
-      }
-    }
-    r.evict_ms = w.ev.evict_seconds() * 1e3 + (rc.recipe == method::speckv ? draft_ms : 0.0);
-    r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;
-    const auto sched = rec.schedule(N);
-    if (!sched) return sched.error();
-    KVEVICT_TRY(finish_prompt(kl, recall, m, *sched, w.ws, r));
+    for (index_t i = 0; i < count; ++i)
+      KVEVICT_TRY(start_row(mdl, o, configs[ci], heads[ci], tps[i], w, *w.seqs[static_cast<std::size_t>(i)], out[i][ci]));
+    for (index_t t = 1; t < m; ++t)
+      for (index_t i = 0; i < count; ++i)
+        if (t < static_cast<index_t>(tps[i].response.size()))
+          KVEVICT_TRY(step_row(c, configs[ci], tps[i], t, w, *w.seqs[static_cast<std::size_t>(i)], out[i][ci]));
+    for (index_t i = 0; i < count; ++i)
+      KVEVICT_TRY(finish_row(configs[ci], tps[i], w, *w.seqs[static_cast<std::size_t>(i)], out[i][ci]));
   }
   return {};
 }
@@ -640,6 +708,9 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   const config& c = mdl.cfg();
   const auto t_start = std::chrono::steady_clock::now();
   if (o.prompts < 1) return status::error(errc::invalid_argument, "--prompts must be >= 1, got %lld", static_cast<long long>(o.prompts));
+  if (o.batch < 1 || o.page_size < 1)
+    return status::error(errc::invalid_argument, "report: batch %lld and page size %lld must be >= 1",
+                         static_cast<long long>(o.batch), static_cast<long long>(o.page_size));
   std::vector<report_config> configs;
   KVEVICT_TRY(report_configs(c, o, configs));
   out = report_result{};
@@ -676,26 +747,37 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   const index_t n = o.prompts;
   std::vector<std::vector<prompt_result>> results(static_cast<std::size_t>(n));
   std::vector<double> draft_match(static_cast<std::size_t>(n), 0.0);
+  // batch > 1: each worker runs `batch` prompts at a time, their caches on one page pool
+  const index_t batch = std::max<index_t>(1, std::min(o.batch, n)), groups = (n + batch - 1) / batch;
+  const index_t head_pages = (c.seq_len + o.page_size - 1) / o.page_size;
   std::vector<detail::report_worker> workers(static_cast<std::size_t>(nt));
   for (detail::report_worker& w : workers) {
     KVEVICT_TRY(w.run.init(mdl, {0, 0, 1}));
-    KVEVICT_TRY(w.full.init(c));
-    KVEVICT_TRY(w.cache.init(c));
+    if (batch > 1) KVEVICT_TRY(w.pool.init(c, batch * 2 * c.n_kv_heads * head_pages, o.page_size));
+    for (index_t i = 0; i < batch; ++i) {
+      w.seqs.push_back(std::make_unique<detail::report_sequence>());
+      detail::report_sequence& s = *w.seqs.back();
+      KVEVICT_TRY(s.full.init(c, 0, o.page_size, batch > 1 ? &w.pool : nullptr));
+      KVEVICT_TRY(s.cache.init(c, 0, o.page_size, batch > 1 ? &w.pool : nullptr));
+    }
     if (o.lookahead != nullptr) KVEVICT_TRY(w.lookahead.init(mdl, *o.lookahead));
     if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; }))
       KVEVICT_TRY(w.drafter.init(mdl, o.base.draft_layers));
   }
   KVEVICT_TRY(for_each_item(
-      workers, n,
-      [&](detail::report_worker& w, index_t i) {
-        const status st = detail::evaluate_prompt(mdl, o, configs, heads, pairs[static_cast<std::size_t>(i)], w,
-                                                  results[static_cast<std::size_t>(i)]);
-        draft_match[static_cast<std::size_t>(i)] = w.draft_match;
+      workers, groups,
+      [&](detail::report_worker& w, index_t g) {
+        const index_t first = g * batch, count = std::min(batch, n - first);
+        const status st = detail::evaluate_batch(mdl, o, configs, heads, pairs.data() + first, count, w,
+                                                 results.data() + first);
+        for (index_t i = 0; i < count; ++i)
+          draft_match[static_cast<std::size_t>(first + i)] = w.seqs[static_cast<std::size_t>(i)]->draft_match;
         return st;
       },
       [&](index_t d, int) {
         if (!o.progress) return;
         char msg[160];
+        d = std::min(d * batch, n);  // groups done -> prompts done
         std::snprintf(msg, sizeof msg, "report: %lld/%lld prompts (%.0f%%), %.1f s", static_cast<long long>(d),
                       static_cast<long long>(n), 100.0 * static_cast<double>(d) / static_cast<double>(n),
                       seconds_since(t_start));

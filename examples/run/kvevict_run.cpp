@@ -111,6 +111,8 @@ int sweep_options(const options& o, const kvrun::model& model, kvrun::lookahead_
   r.base = o.evict;
   r.calibration = o.calibration;
   r.threads = o.threads;
+  r.batch = o.batch;  // --batch N: each thread runs N prompts as one batch on one page pool
+  r.page_size = o.page_size;
   for (const std::string& name : o.recipes) {
     kvrun::method m;
     if (auto st = kvrun::parse_method(name, m); !st.ok()) return fail("--recipes: ", st);

@@ -87,7 +87,7 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   app.add_flag("--ids", o.ids, "print the token ids of prompt (with BOS) and output on one line instead of text");
   app.add_flag("--stats", o.stats, "print prefill and decode speed (and the eviction's cost, footprint and pages) on stderr");
   integer("--page-size", o.page_size, "tokens per page of the paged KV cache");
-  integer("--batch", o.batch, "sequences run as one batch with continuous decoding (prompts: --prompt, --batch-prompt ..., cycled)");
+  integer("--batch", o.batch, "sequences run as one batch with continuous decoding (prompts: --prompt, --batch-prompt ..., cycled); with --report: prompts per batch of each thread");
   app.add_option("--batch-prompt", o.batch_prompts, "--batch: further prompts (repeatable)");
   integer("--tp", o.tp,
           "tensor parallelism over MPI ranks (mpirun -np P kvevict-run --tp P; also with --report; docs/distributed.md)");

@@ -138,26 +138,39 @@ class kv_cache : private kv_cache_state {
  public:
   kv_cache() = default;
   /// A copy holds the same rows in a private pool (of the source's size when the source owns its
-  /// pool, else ceil(capacity / page_size) pages per KV head).
+  /// pool, else ceil(capacity / page_size) pages per KV head); a destination drawing from a shared
+  /// pool (of the source's shape, with the free pages needed) keeps taking its pages from it.
   kv_cache(const kv_cache& o) { *this = o; }
   kv_cache& operator=(const kv_cache& o) {
     if (this == &o) return *this;
     release_all();
+    kv_pool* shared = pool_ != &own_ ? pool_ : nullptr;
     const kv_pool* src = o.pool_;
     static_cast<kv_cache_state&>(*this) = o;
     pool_ = nullptr;
     if (src == nullptr) return *this;
-    own_.alloc(layers_, heads_ * head_pages_, page_size_, head_size_);  // sizes the source's init checked
-    pool_ = &own_;
+    bool fits = shared != nullptr && shared->layers() == layers_ && shared->head_size_ == head_size_ &&
+                shared->page_size() == page_size_;
+    for (int l = 0; fits && l < layers_; ++l) {
+      index_t need = 0;
+      for (index_t h = 0; h < heads_; ++h) need += held(l, h);
+      fits = need <= shared->free_pages(l);
+    }
+    if (fits) {
+      pool_ = shared;
+    } else {
+      own_.alloc(layers_, heads_ * head_pages_, page_size_, head_size_);  // sizes the source's init checked
+      pool_ = &own_;
+    }
     for (int l = 0; l < layers_; ++l)
       for (index_t h = 0; h < heads_; ++h)
         for (index_t i = 0; i < held(l, h); ++i) {
-          const std::int32_t from = o.slot(l, h, i), to = own_.take(l);
+          const std::int32_t from = o.slot(l, h, i), to = pool_->take(l);
           slot(l, h, i) = to;
-          const index_t a = src->row_index(l, from, 0), b = own_.row_index(l, to, 0), ps = page_size_;
-          std::copy_n(src->keys_.begin() + a * head_size_, ps * head_size_, own_.keys_.begin() + b * head_size_);
-          std::copy_n(src->values_.begin() + a * head_size_, ps * head_size_, own_.values_.begin() + b * head_size_);
-          std::copy_n(src->positions_.begin() + a, ps, own_.positions_.begin() + b);
+          const index_t a = src->row_index(l, from, 0), b = pool_->row_index(l, to, 0), ps = page_size_;
+          std::copy_n(src->keys_.begin() + a * head_size_, ps * head_size_, pool_->keys_.begin() + b * head_size_);
+          std::copy_n(src->values_.begin() + a * head_size_, ps * head_size_, pool_->values_.begin() + b * head_size_);
+          std::copy_n(src->positions_.begin() + a, ps, pool_->positions_.begin() + b);
         }
     return *this;
   }

@@ -188,32 +188,23 @@ KVEVICT_ALWAYS_INLINE void lava_head_body(const float* KVEVICT_RESTRICT x, index
       bool *any_bad
 #define KVEVICT_LAVA_HEAD_CALL x, n, sx, inv_s, log_s, lanes, any_bad
 
-KVEVICT_NO_CONTRACT inline void cake_head_sse2(KVEVICT_CAKE_HEAD_ARGS) {
-  if (sj == 1) cake_head_body<true>(KVEVICT_CAKE_HEAD_CALL);
-  else cake_head_body<false>(KVEVICT_CAKE_HEAD_CALL);
-}
-KVEVICT_NO_CONTRACT inline void lava_head_sse2(KVEVICT_LAVA_HEAD_ARGS) {
-  if (sx == 1) lava_head_body<true>(KVEVICT_LAVA_HEAD_CALL);
-  else lava_head_body<false>(KVEVICT_LAVA_HEAD_CALL);
-}
+// One CAKE and one LAVa head kernel per instruction set (`attrs`: its target attribute): the same
+// bodies, compiled for each, chosen at run time.
+#define KVEVICT_ENTROPY_HEAD_KERNELS(isa, attrs)                                       \
+  attrs KVEVICT_NO_CONTRACT inline void cake_head_##isa(KVEVICT_CAKE_HEAD_ARGS) {      \
+    if (sj == 1) cake_head_body<true>(KVEVICT_CAKE_HEAD_CALL);                         \
+    else cake_head_body<false>(KVEVICT_CAKE_HEAD_CALL);                                \
+  }                                                                                    \
+  attrs KVEVICT_NO_CONTRACT inline void lava_head_##isa(KVEVICT_LAVA_HEAD_ARGS) {      \
+    if (sx == 1) lava_head_body<true>(KVEVICT_LAVA_HEAD_CALL);                         \
+    else lava_head_body<false>(KVEVICT_LAVA_HEAD_CALL);                                \
+  }
+KVEVICT_ENTROPY_HEAD_KERNELS(sse2, )
 #if KVEVICT_SCORE_X86_DISPATCH
-__attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void cake_head_avx2(KVEVICT_CAKE_HEAD_ARGS) {
-  if (sj == 1) cake_head_body<true>(KVEVICT_CAKE_HEAD_CALL);
-  else cake_head_body<false>(KVEVICT_CAKE_HEAD_CALL);
-}
-__attribute__((target("avx512f,avx2"))) KVEVICT_NO_CONTRACT inline void cake_head_avx512(KVEVICT_CAKE_HEAD_ARGS) {
-  if (sj == 1) cake_head_body<true>(KVEVICT_CAKE_HEAD_CALL);
-  else cake_head_body<false>(KVEVICT_CAKE_HEAD_CALL);
-}
-__attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void lava_head_avx2(KVEVICT_LAVA_HEAD_ARGS) {
-  if (sx == 1) lava_head_body<true>(KVEVICT_LAVA_HEAD_CALL);
-  else lava_head_body<false>(KVEVICT_LAVA_HEAD_CALL);
-}
-__attribute__((target("avx512f,avx2"))) KVEVICT_NO_CONTRACT inline void lava_head_avx512(KVEVICT_LAVA_HEAD_ARGS) {
-  if (sx == 1) lava_head_body<true>(KVEVICT_LAVA_HEAD_CALL);
-  else lava_head_body<false>(KVEVICT_LAVA_HEAD_CALL);
-}
+KVEVICT_ENTROPY_HEAD_KERNELS(avx2, __attribute__((target("avx2"))))
+KVEVICT_ENTROPY_HEAD_KERNELS(avx512, __attribute__((target("avx512f,avx2"))))
 #endif
+#undef KVEVICT_ENTROPY_HEAD_KERNELS
 
 /// The profile of the entropy and value-norm kernels (norm_host.hpp): score_isa_supported() unless a
 /// test forces a lower one (< 0: none forced).

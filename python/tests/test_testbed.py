@@ -1,10 +1,12 @@
 """The long-context testbed (examples/testbed, docs/testbed.md): the data generator is deterministic and
 its splits are disjoint, examples encode exactly as run.c's encoder, the llama2.c export round-trips,
 and the C++ runner's logits and greedy ids on an exported checkpoint equal the PyTorch model's."""
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -186,3 +188,85 @@ def test_dump_writes_prompts_that_encode_to_their_ids(tmp_path, tok):
     for r in rows:
         assert tok.encode(r["prompt"]) == r["prompt_ids"] and r["prompt"].endswith("Answer:")
         assert tok.decode(r["answer_ids"]).lstrip() == r["answer"] == f"the {r['meta']['key']}'s code is {r['meta']['code']}"
+
+
+def test_recall_examples_are_deterministic_and_answerable_from_their_context(tok):
+    a = tb_data.Generator(tok, STORIES, "train", 7)
+    b = tb_data.Generator(tok, STORIES, "train", 7)
+    for i, L in enumerate([256, 512, 1024]):
+        e, f = a.example(i, L, "recall"), b.example(i, L, "recall")
+        assert e.ids == f.ids and e.weights == f.weights and e.questions == f.questions and e.meta == f.meta
+        assert len(e.ids) <= L and len(e.weights) == len(e.ids) - 1
+        if L == 256:
+            assert e.ids == tok.encode(e.text)
+        m = e.meta
+        assert len(e.questions) == L // 128 + 1 == len(m["asked"]) <= m["needles"] == len(m["facts"])
+        assert len({k for k, _ in m["facts"]}) == len(m["facts"])  # distinct keys
+        assert e.answers == [t for q in e.questions for t in q] and e.digits == tb_data.DIGITS
+        spans = a.questions_facts(e)
+        for q, (key, code), (span, others) in zip(e.questions, m["asked"], spans):
+            # the answer is the asked fact restated, and that fact is in the context before its question
+            assert tok.decode([e.ids[t + 1] for t in q]) == f" the {key}'s code is {code}"
+            fact = tok.encode(f"The {key}'s code is {code}.")[1:]
+            d = m["depths"][[k for k, _ in m["asked"]].index(key)]
+            assert e.ids[d:d + len(fact)] == fact and d + len(fact) <= q[0]
+            # the code span is the space and the digits of that fact, which carry no loss there
+            assert [e.ids[p] for p in span] == fact[-6:-1] and tok.decode(fact[-5:-1]) == code
+            assert all(e.weights[p - 1] == 0.0 for p in span)
+            assert len(others) == len(m["facts"]) - 1 and all(set(o).isdisjoint(span) for o in others)
+        assert len({k for k, _ in m["asked"]}) == len(m["asked"])  # every question about a different fact
+    # another seed or split: other examples (the splits' story pools are disjoint: test_splits_are_disjoint)
+    first = a.example(0, 256, "recall").meta["asked"]
+    assert tb_data.Generator(tok, STORIES, "train", 8).example(0, 256, "recall").meta["asked"] != first
+    assert tb_data.Generator(tok, STORIES, "val", 7).example(0, 256, "recall").meta["asked"] != first
+
+
+def test_code_spans_of_the_single_question_kinds(tok):
+    gen = tb_data.Generator(tok, STORIES, "val", 3)
+    for kind in ("after", "before"):
+        e = gen.example(1, 512, kind, 4)
+        (span, others), = gen.questions_facts(e)
+        assert span == gen.code_span((e.meta["key"], e.meta["code"]), e.meta["depth"])
+        assert tok.decode([e.ids[p] for p in span]).strip() == e.meta["code"] and len(others) == 3
+        codes = {tok.decode([e.ids[p] for p in o]).strip() for o in others}
+        assert codes == {c for k, c in e.meta["facts"] if k != e.meta["key"]}
+
+
+def test_attention_probe_rows_are_the_model_attention():
+    m = small_model()
+    ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(3))
+    rows = [0, 5, 255, 256, 299]
+    with torch.no_grad():
+        plain = m(ids)
+        logits, maps = m(ids, probe_rows=rows)
+    assert torch.equal(plain, logits) and len(maps) == m.cfg.n_layers
+    for a in maps:
+        assert a.shape == (1, m.cfg.n_heads, len(rows), 300)
+        assert torch.allclose(a.sum(-1), torch.ones(1, m.cfg.n_heads, len(rows)), atol=1e-5)
+        for j, r in enumerate(rows):
+            assert float(a[0, :, j, r + 1:].abs().sum()) == 0.0  # causal
+    # layer 0's rows recomputed naively from the weights: softmax(q k^T / sqrt(hs)) with RoPE, GQA
+    c, hs = m.cfg, m.cfg.head_size
+    with torch.no_grad():
+        xb = m.rmsnorm(m.tok[ids], m.rms_att[0])
+        q = m.rope((xb @ m.wq[0].T).view(1, 300, c.n_heads, hs))[0]
+        k = m.rope((xb @ m.wk[0].T).view(1, 300, c.n_kv_heads, hs))[0]
+        for h in range(c.n_heads):
+            kh = k[:, h // (c.n_heads // c.n_kv_heads)]
+            for j, r in enumerate(rows):
+                ref = torch.softmax(q[r, h] @ kh[:r + 1].T / hs ** 0.5, dim=-1)
+                assert torch.allclose(maps[0][0, h, j, :r + 1], ref, atol=1e-6)
+
+
+def test_recall_phase_comes_first_and_stop_time(tok):
+    gen = tb_data.Generator(tok, STORIES, "train", 1)
+    args = argparse.Namespace(seed=1, steps=10, recall_steps=4, recall_mix=0.0, plain=0.0,
+                              batch_tokens=1024, seq_len=2048, max_length=512)
+    for step in range(10):
+        batch = testbed.step_batch(gen, args, step)
+        kinds = {e.meta["kind"] for e in batch}
+        assert (kinds == {"recall"}) == (step < 4) and (step < 4) == (testbed.allowed_lengths(args, step) == [256])
+        assert all(len(e.questions) >= 1 for e in batch)
+    assert testbed.stop_time("") is None
+    t = testbed.stop_time(time.strftime("%H:%M", time.gmtime(time.time() + 120)))
+    assert 0 < t - time.time() <= 180

@@ -61,16 +61,16 @@ def causal_attention(q, k, v):
 
 
 class Model(torch.nn.Module):
-    def __init__(self, cfg: Config, seed: int = 0):
+    def __init__(self, cfg: Config, seed: int = 0, init_std: float = 0.02):
         super().__init__()
         self.cfg = cfg.check()
         L, d, hd, kv = cfg.n_layers, cfg.dim, cfg.hidden_dim, cfg.n_kv_heads * cfg.head_size
         g = torch.Generator().manual_seed(seed)
 
-        def init(*shape, std=0.02):
+        def init(*shape, std=init_std):
             return torch.nn.Parameter(torch.randn(*shape, generator=g) * std)
 
-        out_std = 0.02 / math.sqrt(2 * L)  # GPT-2 / llama2.c: residual projections scaled down
+        out_std = init_std / math.sqrt(2 * L)  # GPT-2 / llama2.c: residual projections scaled down
         self.tok = init(cfg.vocab_size, d)
         self.rms_att = torch.nn.Parameter(torch.ones(L, d))
         self.wq, self.wk, self.wv = init(L, d, d), init(L, kv, d), init(L, kv, d)

@@ -317,10 +317,58 @@ def cmd_probe(args):
                 print("   layer", li, " ".join(f"{float(a):.2f}/{float(o):.2f}" for a, o in zip(asked[li], other[li])))
 
 
+def synth_example(rng, task, n):
+    """The diagnosis tasks (docs/testbed.md), on token ids 100..399 (no text): `copy`: a random prefix of
+    0..63 tokens, n random tokens, 0..63 random tokens, the n tokens again (loss on the repeat but its
+    first token: an induction copy at a random offset); `recall`: n (key, value) pairs (distinct keys
+    out of 200, values out of 10: a digit-like alphabet), then n // 2 of the keys again, each followed by
+    its value (loss on those values only)."""
+    if task == "copy":
+        pre, s, gap = (rng.integers(100, 400, size=k).tolist() for k in (rng.integers(64), n, rng.integers(64)))
+        ids = [1] + pre + s + gap + s
+        w = [0.0] * (len(ids) - 1 - n) + [0.0] + [1.0] * (n - 1)
+        q = list(range(len(ids) - n, len(ids) - 1))
+        return tb_data.Example(ids=ids, weights=w, answers=q, digits=n - 1, questions=[q], meta={})
+    keys, vals = rng.choice(np.arange(100, 300), size=n, replace=False), rng.integers(300, 310, size=n)
+    ids, w, qs = [1], [], []
+    for k, v in zip(keys, vals):
+        ids += [int(k), int(v)]
+        w += [0.0, 0.0]
+    for j in rng.choice(n, size=n // 2, replace=False):
+        ids += [int(keys[j]), int(vals[j])]
+        w += [0.0, 1.0]
+        qs.append([len(ids) - 2])
+    return tb_data.Example(ids=ids, weights=w, answers=[t for q in qs for t in q], digits=1, questions=qs, meta={})
+
+
+def cmd_synth(args):
+    """The diagnosis: a synthetic task through the same model class, loss and AdamW settings as `train`
+    (lr with 50 warm-up steps, weight decay 0.1, clip 1); prints the answer tokens' accuracy."""
+    torch.set_num_threads(args.threads)
+    model = tb_model.Model(model_config(args), seed=args.seed, init_std=args.init_std)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = np.random.default_rng(args.seed)
+    t0 = time.time()
+    for step in range(1, args.steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, step / 50)
+        batch = [synth_example(rng, args.task, args.n) for _ in range(args.batch)]
+        lm, _, hits = losses(model, batch)
+        opt.zero_grad(set_to_none=True)
+        lm.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % args.log_every == 0 or step == 1:
+            h = torch.cat([x for hs in hits for x in hs]).float()
+            print(f"{args.task} step {step}: loss {float(lm):.3f} answer accuracy {float(h.mean()):.3f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+
+
 def cmd_plot(args):
     """Exact match and code digits' accuracy against the training step, from RUN/eval.jsonl, as SVG."""
     import matplotlib
     matplotlib.use("Agg")
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text: a smaller file
     import matplotlib.pyplot as plt
     rows = [json.loads(line) for line in open(os.path.join(args.run_dir, "eval.jsonl")) if line.strip()]
     cells = sorted({c for r in rows for c in r["cells"]}, key=lambda c: (c.split("@")[0], int(c.split("@")[1])))
@@ -337,7 +385,8 @@ def cmd_plot(args):
     axes[1].legend(fontsize=7, ncol=2)
     fig.suptitle(args.title or os.path.basename(os.path.normpath(args.run_dir)))
     fig.tight_layout()
-    fig.savefig(args.out, format="svg", metadata={"Date": None})
+    fig.savefig(args.out, format="svg" if args.out.endswith(".svg") else None,
+                metadata={"Date": None} if args.out.endswith(".svg") else None)
     print(f"{args.out}: {len(rows)} evaluations, steps {rows[0]['step']}..{rows[-1]['step']}")
 
 
@@ -473,6 +522,17 @@ def main(argv=None):
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--verbose", action="store_true", help="every layer and head")
+    p = sub.add_parser("synth", help="diagnosis: a synthetic copy / associative-recall task, same model and optimizer")
+    p.add_argument("--task", choices=["copy", "recall"], required=True)
+    p.add_argument("--n", type=int, default=16, help="copy: tokens repeated; recall: pairs")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--init-std", type=float, default=0.02)
+    model_args(p)
     p = sub.add_parser("plot", help="learning curves (RUN/eval.jsonl) as SVG")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--out", required=True)
@@ -502,7 +562,7 @@ def main(argv=None):
             tb_data.generate_stories(args.kvevict_run, split, os.path.join(args.out_dir, f"{split}.jsonl"),
                                      log=log_to(None))
     else:
-        {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
+        {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
          "bench": cmd_bench}[args.cmd](args)
 
 

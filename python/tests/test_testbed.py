@@ -270,3 +270,19 @@ def test_recall_phase_comes_first_and_stop_time(tok):
     assert testbed.stop_time("") is None
     t = testbed.stop_time(time.strftime("%H:%M", time.gmtime(time.time() + 120)))
     assert 0 < t - time.time() <= 180
+
+
+def test_synthetic_diagnosis_tasks():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        e = testbed.synth_example(rng, "copy", 8)
+        assert len(e.weights) == len(e.ids) - 1 and sum(e.weights) == 7 == len(e.questions[0])
+        rep = e.ids[-8:]
+        first = max(i for i in range(1, len(e.ids) - 8) if e.ids[i:i + 8] == rep)  # the earlier occurrence
+        assert [e.ids[t + 1] for t in e.questions[0]] == rep[1:] and first + 8 <= len(e.ids) - 8
+        assert all(e.weights[t] == 1.0 for t in e.questions[0])
+        r = testbed.synth_example(rng, "recall", 6)
+        pairs = dict(zip(r.ids[1:13:2], r.ids[2:13:2]))
+        assert len(pairs) == 6 and len(r.questions) == 3 and sum(r.weights) == 3
+        for (t,) in r.questions:  # the query's key is the token at t, its answer the pair's value
+            assert r.ids[t + 1] == pairs[r.ids[t]] and r.weights[t] == 1.0

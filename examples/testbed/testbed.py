@@ -232,13 +232,16 @@ def cmd_train(args):
     else:
         log(f"start: {vars(args)}")
     log(f"model: {vars(model.cfg)}, {model.n_params()} parameters; val set {len(val_set)} examples")
+    def checkpoint():
+        save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                     "config": vars(model.cfg), "args": vars(args)}, ckpt_path)
+        export_atomic(model, args.run_dir)
+
     t0, tokens, acc = time.time(), 0, []
     start_step = step
     while step < args.steps:
         if stop_at is not None and time.time() >= stop_at:
-            save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                         "config": vars(model.cfg), "args": vars(args)}, ckpt_path)
-            export_atomic(model, args.run_dir)
+            checkpoint()
             log(f"stopped at step {step}: the wall-clock stop {args.stop_at} UTC (rerun the command to resume)")
             return
         for g in opt.param_groups:
@@ -263,9 +266,7 @@ def cmd_train(args):
                 f"len<= {max(allowed_lengths(args, step - 1))} {tokens / dt:.0f} tok/s")
             t0, tokens, acc = time.time(), 0, []
         if step % args.ckpt_every == 0 or step == args.steps:
-            save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                         "config": vars(model.cfg), "args": vars(args)}, ckpt_path)
-            export_atomic(model, args.run_dir)
+            checkpoint()
         if step % args.eval_every == 0 or step == args.steps or step == start_step + 1 == 1:
             te = time.time()
             cells, vlm = evaluate(model, val_set)
@@ -297,7 +298,8 @@ def cmd_eval(args):
 
 def cmd_probe(args):
     """Prints per layer and head the attention mass of the first code digit's prediction onto the asked
-    fact's code and onto another fact's code (retrieval_attention), for each kind and length."""
+    fact's code and onto another fact's code (retrieval_attention), for each kind and length, and the
+    most selective head (the largest asked - other)."""
     torch.set_num_threads(args.threads)
     model = tb_model.load(args.checkpoint)
     gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
@@ -309,8 +311,8 @@ def cmd_probe(args):
         else:  # the needle count cycling 2, 4: a distractor fact in every example
             exs = [gen.example(12_000_000 + j, length, kind, (2, 4)[j % 2]) for j in range(args.per_cell)]
         asked, other, n = retrieval_attention(model, gen, exs)
-        l, h = divmod(int(asked.argmax()), asked.shape[1])
-        print(f"{args.split} {kind:6s} {length:5d}: {n} questions; best head layer {l} head {h}: "
+        l, h = divmod(int((asked - other).argmax()), asked.shape[1])  # the most selective head
+        print(f"{args.split} {kind:6s} {length:5d}: {n} questions; most selective head layer {l} head {h}: "
               f"{float(asked[l, h]):.3f} on the asked code, {float(other[l, h]):.3f} on another fact's code")
         if args.verbose:
             for li in range(asked.shape[0]):

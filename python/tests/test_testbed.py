@@ -286,3 +286,26 @@ def test_synthetic_diagnosis_tasks():
         assert len(pairs) == 6 and len(r.questions) == 3 and sum(r.weights) == 3
         for (t,) in r.questions:  # the query's key is the token at t, its answer the pair's value
             assert r.ids[t + 1] == pairs[r.ids[t]] and r.weights[t] == 1.0
+
+
+def test_training_stops_at_the_wall_clock_and_resumes(tmp_path, monkeypatch):
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    for split in ("train", "val"):
+        (stories / f"{split}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    common = ["train", "--stories-dir", str(stories), "--run-dir", str(tmp_path / "r"), "--dim", "32", "--hidden",
+              "48", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "512", "--max-length", "256",
+              "--batch-tokens", "512", "--warmup", "2", "--steps", "3", "--recall-steps", "2", "--eval-every", "1000",
+              "--eval-per-cell", "1", "--ckpt-every", "1000"]
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(testbed, "stop_time", lambda hhmm: 0.0)  # already past: stop before the first step
+        testbed.main(common + ["--stop-at", "00:00"])
+        assert torch.load(tmp_path / "r" / "ckpt.pt")["step"] == 0 and (tmp_path / "r" / "model.bin").exists()
+        monkeypatch.undo()
+        testbed.main(common)
+    finally:
+        torch.set_num_threads(threads)
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "stopped at step 0" in log and "resumed from" in log and "recall@256" in log
+    assert torch.load(tmp_path / "r" / "ckpt.pt")["step"] == 3

@@ -271,11 +271,18 @@ def cmd_train(args):
             te = time.time()
             cells, vlm = evaluate(model, val_set)
             tot = [sum(c[0] for c in cells.values()), sum(c[1] for c in cells.values())]
-            log(f"eval step {step}: val lm {vlm:.4f} exact match {tot[0]}/{tot[1]} {format_cells(cells)} "
+            row = {"step": step, "val_lm": vlm, "cells": {f"{k}@{L}": c for (k, L), c in cells.items()}}
+            head = ""
+            recall = [e for e in val_set if e.meta["kind"] == "recall"]
+            if recall:  # the retrieval-head check on the recall cell (cmd_probe's numbers)
+                asked, other, _ = retrieval_attention(model, val, recall)
+                l, h = divmod(int((asked - other).argmax()), asked.shape[1])
+                row["head"] = [l, h, float(asked[l, h]), float(other[l, h])]
+                head = f"; most selective head layer {l} head {h}: {row['head'][2]:.3f} asked / {row['head'][3]:.3f} other"
+            log(f"eval step {step}: val lm {vlm:.4f} exact match {tot[0]}/{tot[1]} {format_cells(cells)}{head} "
                 f"({time.time() - te:.0f} s)")
             with open(os.path.join(args.run_dir, "eval.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "val_lm": vlm,
-                                    "cells": {f"{k}@{L}": c for (k, L), c in cells.items()}}) + "\n")
+                f.write(json.dumps(row) + "\n")
             t0 = time.time() - (te - t0)  # eval time does not count in tok/s
     log("done")
 

@@ -308,4 +308,7 @@ def test_training_stops_at_the_wall_clock_and_resumes(tmp_path, monkeypatch):
         torch.set_num_threads(threads)
     log = (tmp_path / "r" / "train.log").read_text()
     assert "stopped at step 0" in log and "resumed from" in log and "recall@256" in log
+    assert "most selective head layer" in log
     assert torch.load(tmp_path / "r" / "ckpt.pt")["step"] == 3
+    rows = [json.loads(r) for r in (tmp_path / "r" / "eval.jsonl").read_text().splitlines()]
+    assert rows and all(len(r["head"]) == 4 and 0.0 <= r["head"][3] <= 1.0 for r in rows)

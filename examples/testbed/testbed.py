@@ -130,6 +130,11 @@ def retrieval_attention(model, gen, examples):
     return asked / max(n, 1), other / max(n_other, 1), n
 
 
+def selective_head(asked, other):
+    """(layer, head) of the largest asked - other attention mass (retrieval_attention's outputs)."""
+    return divmod(int((asked - other).argmax()), asked.shape[1])
+
+
 def format_cells(cells):
     return " ".join(f"{k}@{L}={c}/{t} (digits {d / (t * tb_data.DIGITS):.2f})"
                     for (k, L), (c, t, d) in sorted(cells.items()))
@@ -276,7 +281,7 @@ def cmd_train(args):
             recall = [e for e in val_set if e.meta["kind"] == "recall"]
             if recall:  # the retrieval-head check on the recall cell (cmd_probe's numbers)
                 asked, other, _ = retrieval_attention(model, val, recall)
-                l, h = divmod(int((asked - other).argmax()), asked.shape[1])
+                l, h = selective_head(asked, other)
                 row["head"] = [l, h, float(asked[l, h]), float(other[l, h])]
                 head = f"; most selective head layer {l} head {h}: {row['head'][2]:.3f} asked / {row['head'][3]:.3f} other"
             log(f"eval step {step}: val lm {vlm:.4f} exact match {tot[0]}/{tot[1]} {format_cells(cells)}{head} "
@@ -318,7 +323,7 @@ def cmd_probe(args):
         else:  # the needle count cycling 2, 4: a distractor fact in every example
             exs = [gen.example(12_000_000 + j, length, kind, (2, 4)[j % 2]) for j in range(args.per_cell)]
         asked, other, n = retrieval_attention(model, gen, exs)
-        l, h = divmod(int((asked - other).argmax()), asked.shape[1])  # the most selective head
+        l, h = selective_head(asked, other)
         print(f"{args.split} {kind:6s} {length:5d}: {n} questions; most selective head layer {l} head {h}: "
               f"{float(asked[l, h]):.3f} on the asked code, {float(other[l, h]):.3f} on another fact's code")
         if args.verbose:

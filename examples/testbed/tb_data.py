@@ -104,6 +104,7 @@ class Example:
     weights: List[float]                 # per target position t (predicting ids[t + 1]): loss weight
     answers: List[int] = field(default_factory=list)  # target positions t of the answer's tokens (ids[t + 1])
     digits: int = 0                      # the last `digits` answer tokens are the code
+    questions: List[List[int]] = field(default_factory=list)  # per question its answer's target positions
     text: str = ""
     meta: dict = field(default_factory=dict)
 
@@ -140,15 +141,12 @@ class Generator:
         """kind: 'after' (question after the context), 'before' (question before it) or 'plain'.
         At most `length` tokens (BOS included); sentences are whole, so usually a few fewer."""
         rng = self.rng(i)
+        if kind == "recall":
+            return self._recall(rng, length)
         if kind == "plain":
             parts = [(t, ids, 1.0) for t, ids in self._fill(rng, length - 1)]
             return self._assemble(parts, [], {"kind": kind, "length": length})
-        keys = rng.choice(len(COLORS) * len(OBJECTS), size=needles, replace=False)
-        facts = []
-        for k in keys:
-            color, obj = COLORS[k // len(OBJECTS)], OBJECTS[k % len(OBJECTS)]
-            code = "".join(str(int(d)) for d in rng.integers(10, size=DIGITS))
-            facts.append((f"{color} {obj}", code))
+        facts = self._facts(rng, needles)
         asked = int(rng.integers(needles))
         key, code = facts[asked]
         question = self._sentence(f"Question: What is the {key}'s code?")
@@ -161,21 +159,7 @@ class Generator:
         if overhead + 8 > length:
             raise ValueError(f"length {length} is too short for {needles} needles")
         hay = self._fill(rng, length - overhead)
-        # each fact at a random sentence boundary (depth uniform over the boundaries)
-        slots = sorted(int(x) for x in rng.integers(len(hay) + 1, size=needles))
-        order = rng.permutation(needles)
-        depth = {}
-        body, tokens = [], 1 + (len(question[1]) if kind == "before" else 0)
-        for j in range(len(hay) + 1):
-            for n, slot in enumerate(slots):
-                if slot == j:
-                    f = int(order[n])
-                    depth[f] = tokens
-                    body.append(fact_sents[f] + (0.0,))  # the fact's code is random: no loss on it
-                    tokens += len(fact_sents[f][1])
-            if j < len(hay):
-                body.append(hay[j] + (1.0,))
-                tokens += len(hay[j][1])
+        body, depth = self._scatter(rng, hay, fact_sents, 1 + (len(question[1]) if kind == "before" else 0))
         parts = []
         if kind == "before":
             parts.append(question + (1.0,))
@@ -184,8 +168,115 @@ class Generator:
             parts.append(question + (1.0,))
         parts.append(answer_head + (1.0,))
         meta = {"kind": kind, "length": length, "needles": needles, "key": key, "code": code,
-                "depth": depth[asked], "facts": facts}
+                "depth": depth[asked], "facts": facts, "fact_depths": [depth[f] for f in range(needles)]}
         return self._assemble(parts, [answer], meta)
+
+    def _facts(self, rng, n: int) -> List[tuple]:
+        """n facts (key, code): distinct keys out of COLORS x OBJECTS, DIGITS random digits each."""
+        facts = []
+        for k in rng.choice(len(COLORS) * len(OBJECTS), size=n, replace=False):
+            color, obj = COLORS[k // len(OBJECTS)], OBJECTS[k % len(OBJECTS)]
+            facts.append((f"{color} {obj}", "".join(str(int(d)) for d in rng.integers(10, size=DIGITS))))
+        return facts
+
+    @staticmethod
+    def _scatter(rng, hay, fact_sents, start: int):
+        """The haystack's sentences with each fact at a random sentence boundary (depth uniform over the
+        boundaries; the facts' codes are random: no loss on them). Returns (parts, {fact: token position})
+        for a body that starts at token position `start`."""
+        n = len(fact_sents)
+        slots = sorted(int(x) for x in rng.integers(len(hay) + 1, size=n))
+        order = rng.permutation(n)
+        depth, body, tokens = {}, [], start
+        for j in range(len(hay) + 1):
+            for m, slot in enumerate(slots):
+                if slot == j:
+                    f = int(order[m])
+                    depth[f] = tokens
+                    body.append(fact_sents[f] + (0.0,))
+                    tokens += len(fact_sents[f][1])
+            if j < len(hay):
+                body.append(hay[j] + (1.0,))
+                tokens += len(hay[j][1])
+        return body, depth
+
+    def _recall(self, rng, length: int) -> Example:
+        """The dense associative-recall kind (the first phase of training): many facts in a short haystack,
+        then `length // 128 + 1` questions in the `after` form, each about a different fact, each with its
+        answer (`Question: What is the {key}'s code? Answer: the {key}'s code is dddd.`): a retrieval
+        target every ~50 tokens instead of one a sequence."""
+        n_q = length // 128 + 1
+        facts = self._facts(rng, min(len(COLORS) * len(OBJECTS), 2 * n_q + 4))
+        qa = []
+        for f in range(len(facts)):
+            key, code = facts[f]
+            qa.append((self._sentence(f"Question: What is the {key}'s code?"), self._sentence("Answer:"),
+                       self._sentence(f"the {key}'s code is {code}.")))
+        fact_sents = [self._sentence(f"The {k}'s code is {c}.") for k, c in facts]
+        cost = lambda f: len(fact_sents[f][1])  # noqa: E731
+        qa_cost = lambda f: sum(len(p[1]) for p in qa[f])  # noqa: E731
+        # as many facts as fit with n_q questions (at least one fact a question; fewer questions if need be)
+        order = [int(x) for x in rng.permutation(len(facts))]
+        n_f, used = 0, 1
+        asked = []
+        for f in order:
+            extra = cost(f) + (qa_cost(f) if len(asked) < n_q else 0)
+            if used + extra + 4 > length:
+                break
+            if len(asked) < n_q:
+                asked.append(f)
+            used += extra
+            n_f += 1
+        if not asked:
+            raise ValueError(f"length {length} is too short for a recall example")
+        kept = order[:n_f]
+        hay = self._fill(rng, length - used)
+        body, depth = self._scatter(rng, hay, [fact_sents[f] for f in kept], 1)
+        ask_order = [asked[int(j)] for j in rng.permutation(len(asked))]
+        # the haystack with its facts, then question, "Answer:", answer for each asked fact
+        ex = self._assemble(body, [], {})
+        ids, weights, texts = ex.ids, ex.weights, [ex.text] if ex.text else []
+        questions = []
+        for f in ask_order:
+            q, head, ans = qa[f]
+            for text, toks in (q, head):
+                texts.append(text)
+                ids.extend(toks)
+                weights.extend([1.0] * len(toks))
+            texts.append(ans[0])
+            first = len(ids)
+            ids.extend(ans[1])
+            weights.extend([1.0] * len(ans[1]))
+            questions.append([first - 1 + j for j in range(len(ans[1]) - 1)])
+            self._check_digits(ids, questions[-1], facts[f][1])
+        meta = {"kind": "recall", "length": length, "needles": n_f, "facts": [facts[f] for f in kept],
+                "fact_depths": [depth[j] for j in range(n_f)],
+                "asked": [facts[f] for f in ask_order], "depths": [depth[kept.index(f)] for f in ask_order],
+                "tokens": len(ids)}
+        return Example(ids=ids, weights=weights, answers=[t for q in questions for t in q], digits=DIGITS,
+                       text=" ".join(texts), meta=meta, questions=questions)
+
+    def code_span(self, fact, depth: int) -> range:
+        """The token positions of a fact's code (the space before it and its DIGITS digits) for the fact
+        (key, code) that starts at token position `depth`."""
+        end = depth + len(self._sentence(f"The {fact[0]}'s code is {fact[1]}.")[1]) - 1  # its "."
+        return range(end - DIGITS - 1, end)
+
+    def questions_facts(self, e: Example):
+        """Per question of `e`: (the asked fact's code span, the other facts' code spans)."""
+        m = e.meta
+        facts, depths = m["facts"], m["fact_depths"]
+        asked = m["asked"] if m["kind"] == "recall" else [(m["key"], m["code"])]
+        out = []
+        for key, code in asked:
+            j = [f[0] for f in facts].index(key)
+            out.append((self.code_span(facts[j], depths[j]),
+                        [self.code_span(facts[o], depths[o]) for o in range(len(facts)) if o != j]))
+        return out
+
+    def _check_digits(self, ids, targets, code):
+        if [ids[t + 1] for t in targets[-DIGITS:]] != [self.digit_ids[int(c)] for c in code]:
+            raise AssertionError("answer digits are not single tokens")
 
     def _sentence(self, text: str):
         return (text, self.enc.encode(text))
@@ -205,13 +296,12 @@ class Generator:
             ids.extend(toks)
             weights.extend([1.0] * len(toks))
             answers = [first - 1 + j for j in range(len(toks) - 1)]  # target position t predicts ids[t + 1]
-            if [ids[t + 1] for t in answers[-DIGITS:]] != [self.digit_ids[int(c)] for c in meta["code"]]:
-                raise AssertionError("answer digits are not single tokens")
+            self._check_digits(ids, answers, meta["code"])
             meta["prompt_tokens"] = first  # BOS .. the ":" of "Answer:"
         meta["tokens"] = len(ids)
         # weights[t] is the weight of predicting ids[t + 1]: shift by one (BOS is never a target)
         return Example(ids=ids, weights=weights, answers=answers, digits=DIGITS if answers else 0,
-                       text=" ".join(texts), meta=meta)
+                       text=" ".join(texts), meta=meta, questions=[answers] if answers else [])
 
 
 def eval_set(gen: Generator, per_cell: int, lengths=LENGTHS, kinds=("after", "before"), needles=(1, 2, 4),

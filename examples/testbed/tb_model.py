@@ -61,16 +61,16 @@ def causal_attention(q, k, v):
 
 
 class Model(torch.nn.Module):
-    def __init__(self, cfg: Config, seed: int = 0):
+    def __init__(self, cfg: Config, seed: int = 0, init_std: float = 0.02):
         super().__init__()
         self.cfg = cfg.check()
         L, d, hd, kv = cfg.n_layers, cfg.dim, cfg.hidden_dim, cfg.n_kv_heads * cfg.head_size
         g = torch.Generator().manual_seed(seed)
 
-        def init(*shape, std=0.02):
+        def init(*shape, std=init_std):
             return torch.nn.Parameter(torch.randn(*shape, generator=g) * std)
 
-        out_std = 0.02 / math.sqrt(2 * L)  # GPT-2 / llama2.c: residual projections scaled down
+        out_std = init_std / math.sqrt(2 * L)  # GPT-2 / llama2.c: residual projections scaled down
         self.tok = init(cfg.vocab_size, d)
         self.rms_att = torch.nn.Parameter(torch.ones(L, d))
         self.wq, self.wk, self.wv = init(L, d, d), init(L, kv, d), init(L, kv, d)
@@ -96,14 +96,16 @@ class Model(torch.nn.Module):
         x0, x1 = x[..., 0::2], x[..., 1::2]
         return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
 
-    def forward(self, ids):
-        """ids [B, T] at positions 0..T-1 -> logits [B, T, vocab]."""
+    def forward(self, ids, probe_rows=None):
+        """ids [B, T] at positions 0..T-1 -> logits [B, T, vocab]. With `probe_rows` (query positions R)
+        also the attention probabilities of those rows, per layer [B, n_heads, R, T]: (logits, maps)."""
         c = self.cfg
         B, T = ids.shape
         if T > c.seq_len:
             raise ValueError(f"{T} tokens exceed the context of {c.seq_len}")
         hs, g = c.head_size, c.n_heads // c.n_kv_heads
         x = self.tok[ids]
+        maps = []
         for l in range(c.n_layers):
             xb = self.rmsnorm(x, self.rms_att[l])
             q = self.rope((xb @ self.wq[l].T).view(B, T, c.n_heads, hs)).transpose(1, 2)
@@ -111,11 +113,17 @@ class Model(torch.nn.Module):
             v = (xb @ self.wv[l].T).view(B, T, c.n_kv_heads, hs).transpose(1, 2)
             k = k.repeat_interleave(g, dim=1).reshape(B * c.n_heads, T, hs)  # query head h reads KV head h // g
             v = v.repeat_interleave(g, dim=1).reshape(B * c.n_heads, T, hs)
+            if probe_rows is not None:
+                r = torch.as_tensor(probe_rows, dtype=torch.long)
+                sc = q[:, :, r] @ k.view(B, c.n_heads, T, hs).transpose(2, 3) / math.sqrt(hs)
+                sc = sc.masked_fill(torch.arange(T)[None, :] > r[:, None], float("-inf"))
+                maps.append(torch.softmax(sc, dim=-1))
             att = causal_attention(q.reshape(B * c.n_heads, T, hs), k, v)
             x = x + att.view(B, c.n_heads, T, hs).transpose(1, 2).reshape(B, T, c.dim) @ self.wo[l].T
             xb = self.rmsnorm(x, self.rms_ffn[l])
             x = x + (F.silu(xb @ self.w1[l].T) * (xb @ self.w3[l].T)) @ self.w2[l].T
-        return self.rmsnorm(x, self.rms_final) @ self.tok.T
+        logits = self.rmsnorm(x, self.rms_final) @ self.tok.T
+        return logits if probe_rows is None else (logits, maps)
 
     def n_params(self):
         return sum(p.numel() for p in self.parameters())

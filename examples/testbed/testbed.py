@@ -72,21 +72,21 @@ def batch_tensors(examples):
 
 
 def losses(model, examples):
-    """(language-model loss over the weighted targets, the answer codes' loss, per example the answer
-    tokens' hits [n_answer] (argmax == target given the true prefix; the last e.digits are the code))."""
+    """(language-model loss over the weighted targets, the answer codes' loss, per example and question the
+    answer tokens' hits [n_answer] (argmax == target given the true prefix; the last DIGITS are the code))."""
     ids, w = batch_tensors(examples)
     logits = model(ids[:, :-1])
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none").view_as(w)
     lm = (ce * w).sum() / w.sum()
     hit = logits.argmax(-1) == ids[:, 1:]
-    codes = [ce[b, e.answers[len(e.answers) - e.digits:]] for b, e in enumerate(examples) if e.digits]
+    codes = [ce[b, q[-tb_data.DIGITS:]] for b, e in enumerate(examples) for q in e.questions]
     answer = torch.cat(codes).mean() if codes else torch.zeros(())
-    return lm, answer, [hit[b, e.answers] for b, e in enumerate(examples)]
+    return lm, answer, [[hit[b, q] for q in e.questions] for b, e in enumerate(examples)]
 
 
 @torch.no_grad()
 def evaluate(model, examples, batch_tokens=4096):
-    """Exact match per example: every answer token (the key restated, then the code) is the argmax
+    """Exact match per question: every answer token (the key restated, then the code) is the argmax
     given the true prefix, which is the same as greedy decoding reproducing the answer. Returns
     {(kind, length): [correct, total, code digits correct]}, mean LM loss."""
     cells, lm_sum, n = {}, 0.0, 0
@@ -100,12 +100,39 @@ def evaluate(model, examples, batch_tokens=4096):
             lm, _, hits = losses(model, part)
             lm_sum += float(lm) * len(part)
             n += len(part)
-            for e, h in zip(part, hits):
+            for e, hs in zip(part, hits):
                 c = cells.setdefault((e.meta["kind"], e.meta["length"]), [0, 0, 0])
-                c[0] += int(h.all())
-                c[1] += 1
-                c[2] += int(h[len(h) - e.digits:].sum())
+                for h in hs:  # one per question (the recall kind asks several)
+                    c[0] += int(h.all())
+                    c[1] += 1
+                    c[2] += int(h[-tb_data.DIGITS:].sum())
     return cells, lm_sum / max(n, 1)
+
+
+@torch.no_grad()
+def retrieval_attention(model, gen, examples):
+    """The retrieval-head check: for every question, the attention of the position that predicts the
+    code's first digit (the space after "is" in the answer) onto the asked fact's code (its space and
+    digits), against the mean over the other facts' codes. Returns (asked [layers, heads], distractor
+    [layers, heads], number of questions): mean attention mass."""
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    asked, other, n, n_other = torch.zeros(L, H), torch.zeros(L, H), 0, 0
+    for e in examples:
+        rows = [q[-tb_data.DIGITS] for q in e.questions]
+        _, maps = model(torch.tensor([e.ids[:-1]]), probe_rows=rows)
+        att = torch.stack([m[0] for m in maps])  # [L, H, R, T]
+        for r, (span, others) in enumerate(gen.questions_facts(e)):
+            asked += att[:, :, r, list(span)].sum(-1)
+            n += 1
+            for o in others:
+                other += att[:, :, r, list(o)].sum(-1)
+                n_other += 1
+    return asked / max(n, 1), other / max(n_other, 1), n
+
+
+def selective_head(asked, other):
+    """(layer, head) of the largest asked - other attention mass (retrieval_attention's outputs)."""
+    return divmod(int((asked - other).argmax()), asked.shape[1])
 
 
 def format_cells(cells):
@@ -116,17 +143,22 @@ def format_cells(cells):
 # ---- training ----------------------------------------------------------------------------------
 
 def allowed_lengths(args, step):
-    """The length curriculum: 256..512 for the first 15 % of the steps, up to 1024 until 35 %, then all
-    (never above --max-length)."""
-    f = step / args.steps
+    """The length curriculum: 256 during the dense-recall phase (the first --recall-steps steps), then
+    256..512 for the first 15 % of the remaining steps, up to 1024 until 35 %, then all (never above
+    --max-length)."""
+    if step < args.recall_steps:
+        return [tb_data.LENGTHS[0]]
+    f = (step - args.recall_steps) / max(1, args.steps - args.recall_steps)
     top = min(512 if f < 0.15 else 1024 if f < 0.35 else args.seq_len, args.max_length or args.seq_len)
     return [L for L in tb_data.LENGTHS if L <= top]
 
 
 def step_batch(gen, args, step):
     """The examples of one step, a pure function of (seed, step): one length for the whole step,
-    batch_tokens // length sequences, each plain text with probability args.plain, else retrieval
-    (question after or before, 1, 2 or 4 needles)."""
+    batch_tokens // length sequences, each plain text with probability args.plain, else during the
+    dense-recall phase (step < args.recall_steps) a recall example (many facts and questions), after it
+    a recall example with probability args.recall_mix and otherwise a retrieval example (question
+    after or before, 1, 2 or 4 needles)."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
     lengths = allowed_lengths(args, step)
     L = int(lengths[rng.integers(len(lengths))])
@@ -136,6 +168,8 @@ def step_batch(gen, args, step):
         u = rng.random()
         if u < args.plain:
             out.append(gen.example(i, L, "plain"))
+        elif step < args.recall_steps or rng.random() < args.recall_mix:
+            out.append(gen.example(i, L, "recall"))
         else:
             kind = "after" if rng.random() < 0.5 else "before"
             out.append(gen.example(i, L, kind, int((1, 2, 4)[rng.integers(3)])))
@@ -159,6 +193,21 @@ def save_atomic(obj, path):
     os.replace(tmp, path)
 
 
+def export_atomic(model, run_dir):
+    tb_model.export(model, os.path.join(run_dir, "model.bin.tmp"))
+    os.replace(os.path.join(run_dir, "model.bin.tmp"), os.path.join(run_dir, "model.bin"))
+
+
+def stop_time(hhmm):
+    """--stop-at HH:MM (UTC) -> the next such time as a Unix time (None without a stop)."""
+    if not hhmm:
+        return None
+    h, m = (int(x) for x in hhmm.split(":"))
+    now = time.time()
+    t = now - now % 86400 + 3600 * h + 60 * m
+    return t if t > now else t + 86400
+
+
 def cmd_train(args):
     torch.set_num_threads(args.threads)
     os.makedirs(args.run_dir, exist_ok=True)
@@ -170,6 +219,9 @@ def cmd_train(args):
     val = tb_data.Generator(tok, tb_data.load_stories(os.path.join(stories, "val.jsonl")), "val", args.seed)
     val_set = tb_data.eval_set(val, args.eval_per_cell,
                                lengths=[L for L in tb_data.LENGTHS if L <= (args.max_length or args.seq_len)])
+    if args.recall_steps or args.recall_mix:  # the recall kind's own cell (3 questions an example)
+        val_set += [val.example(11_000_000 + j, tb_data.LENGTHS[0], "recall") for j in range(args.eval_per_cell)]
+    stop_at = stop_time(args.stop_at)
     torch.manual_seed(args.seed)
     model = tb_model.Model(model_config(args), seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -185,9 +237,18 @@ def cmd_train(args):
     else:
         log(f"start: {vars(args)}")
     log(f"model: {vars(model.cfg)}, {model.n_params()} parameters; val set {len(val_set)} examples")
+    def checkpoint():
+        save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                     "config": vars(model.cfg), "args": vars(args)}, ckpt_path)
+        export_atomic(model, args.run_dir)
+
     t0, tokens, acc = time.time(), 0, []
     start_step = step
     while step < args.steps:
+        if stop_at is not None and time.time() >= stop_at:
+            checkpoint()
+            log(f"stopped at step {step}: the wall-clock stop {args.stop_at} UTC (rerun the command to resume)")
+            return
         for g in opt.param_groups:
             g["lr"] = lr_at(args, step)
         batch = step_batch(train, args, step)
@@ -199,7 +260,7 @@ def cmd_train(args):
         opt.step()
         step += 1
         tokens += sum(len(e.ids) for e in batch)
-        codes = [h[len(h) - e.digits:] for e, h in zip(batch, hit) if e.digits]
+        codes = [h[-tb_data.DIGITS:] for hs in hit for h in hs]
         acc.append((float(lm), float(answer), sum(int(h.sum()) for h in codes), sum(h.numel() for h in codes)))
         if step % args.log_every == 0 or step == args.steps:
             dt = time.time() - t0
@@ -210,19 +271,23 @@ def cmd_train(args):
                 f"len<= {max(allowed_lengths(args, step - 1))} {tokens / dt:.0f} tok/s")
             t0, tokens, acc = time.time(), 0, []
         if step % args.ckpt_every == 0 or step == args.steps:
-            save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                         "config": vars(model.cfg), "args": vars(args)}, ckpt_path)
-            tb_model.export(model, os.path.join(args.run_dir, "model.bin.tmp"))
-            os.replace(os.path.join(args.run_dir, "model.bin.tmp"), os.path.join(args.run_dir, "model.bin"))
+            checkpoint()
         if step % args.eval_every == 0 or step == args.steps or step == start_step + 1 == 1:
             te = time.time()
             cells, vlm = evaluate(model, val_set)
             tot = [sum(c[0] for c in cells.values()), sum(c[1] for c in cells.values())]
-            log(f"eval step {step}: val lm {vlm:.4f} exact match {tot[0]}/{tot[1]} {format_cells(cells)} "
+            row = {"step": step, "val_lm": vlm, "cells": {f"{k}@{L}": c for (k, L), c in cells.items()}}
+            head = ""
+            recall = [e for e in val_set if e.meta["kind"] == "recall"]
+            if recall:  # the retrieval-head check on the recall cell (cmd_probe's numbers)
+                asked, other, _ = retrieval_attention(model, val, recall)
+                l, h = selective_head(asked, other)
+                row["head"] = [l, h, float(asked[l, h]), float(other[l, h])]
+                head = f"; most selective head layer {l} head {h}: {row['head'][2]:.3f} asked / {row['head'][3]:.3f} other"
+            log(f"eval step {step}: val lm {vlm:.4f} exact match {tot[0]}/{tot[1]} {format_cells(cells)}{head} "
                 f"({time.time() - te:.0f} s)")
             with open(os.path.join(args.run_dir, "eval.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "val_lm": vlm,
-                                    "cells": {f"{k}@{L}": c for (k, L), c in cells.items()}}) + "\n")
+                f.write(json.dumps(row) + "\n")
             t0 = time.time() - (te - t0)  # eval time does not count in tok/s
     log("done")
 
@@ -241,6 +306,102 @@ def cmd_eval(args):
         print(f"{args.split} {k:6s} {L:5d}: exact match {c}/{t} = {p:.3f} (se {math.sqrt(p * (1 - p) / t):.3f}), "
               f"answer digits {d / (t * tb_data.DIGITS):.3f}")
     print(f"{args.split} lm loss {lm:.4f}")
+
+
+def cmd_probe(args):
+    """Prints per layer and head the attention mass of the first code digit's prediction onto the asked
+    fact's code and onto another fact's code (retrieval_attention), for each kind and length, and the
+    most selective head (the largest asked - other)."""
+    torch.set_num_threads(args.threads)
+    model = tb_model.load(args.checkpoint)
+    gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
+                            args.split, args.seed)
+    for kind, length in [("recall", 256)] + [(k, L) for L in tb_data.LENGTHS if L <= (args.max_length or 2048)
+                                              for k in ("after", "before")]:
+        if kind == "recall":
+            exs = [gen.example(11_000_000 + j, length, "recall") for j in range(args.per_cell)]
+        else:  # the needle count cycling 2, 4: a distractor fact in every example
+            exs = [gen.example(12_000_000 + j, length, kind, (2, 4)[j % 2]) for j in range(args.per_cell)]
+        asked, other, n = retrieval_attention(model, gen, exs)
+        l, h = selective_head(asked, other)
+        print(f"{args.split} {kind:6s} {length:5d}: {n} questions; most selective head layer {l} head {h}: "
+              f"{float(asked[l, h]):.3f} on the asked code, {float(other[l, h]):.3f} on another fact's code")
+        if args.verbose:
+            for li in range(asked.shape[0]):
+                print("   layer", li, " ".join(f"{float(a):.2f}/{float(o):.2f}" for a, o in zip(asked[li], other[li])))
+
+
+def synth_example(rng, task, n):
+    """The diagnosis tasks (docs/testbed.md), on token ids 100..399 (no text): `copy`: a random prefix of
+    0..63 tokens, n random tokens, 0..63 random tokens, the n tokens again (loss on the repeat but its
+    first token: an induction copy at a random offset); `recall`: n (key, value) pairs (distinct keys
+    out of 200, values out of 10: a digit-like alphabet), then n // 2 of the keys again, each followed by
+    its value (loss on those values only)."""
+    if task == "copy":
+        pre, s, gap = (rng.integers(100, 400, size=k).tolist() for k in (rng.integers(64), n, rng.integers(64)))
+        ids = [1] + pre + s + gap + s
+        w = [0.0] * (len(ids) - 1 - n) + [0.0] + [1.0] * (n - 1)
+        q = list(range(len(ids) - n, len(ids) - 1))
+        return tb_data.Example(ids=ids, weights=w, answers=q, digits=n - 1, questions=[q], meta={})
+    keys, vals = rng.choice(np.arange(100, 300), size=n, replace=False), rng.integers(300, 310, size=n)
+    ids, w, qs = [1], [], []
+    for k, v in zip(keys, vals):
+        ids += [int(k), int(v)]
+        w += [0.0, 0.0]
+    for j in rng.choice(n, size=n // 2, replace=False):
+        ids += [int(keys[j]), int(vals[j])]
+        w += [0.0, 1.0]
+        qs.append([len(ids) - 2])
+    return tb_data.Example(ids=ids, weights=w, answers=[t for q in qs for t in q], digits=1, questions=qs, meta={})
+
+
+def cmd_synth(args):
+    """The diagnosis: a synthetic task through the same model class, loss and AdamW settings as `train`
+    (lr with 50 warm-up steps, weight decay 0.1, clip 1); prints the answer tokens' accuracy."""
+    torch.set_num_threads(args.threads)
+    model = tb_model.Model(model_config(args), seed=args.seed, init_std=args.init_std)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = np.random.default_rng(args.seed)
+    t0 = time.time()
+    for step in range(1, args.steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, step / 50)
+        batch = [synth_example(rng, args.task, args.n) for _ in range(args.batch)]
+        lm, _, hits = losses(model, batch)
+        opt.zero_grad(set_to_none=True)
+        lm.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % args.log_every == 0 or step == 1:
+            h = torch.cat([x for hs in hits for x in hs]).float()
+            print(f"{args.task} step {step}: loss {float(lm):.3f} answer accuracy {float(h.mean()):.3f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+
+
+def cmd_plot(args):
+    """Exact match and code digits' accuracy against the training step, from RUN/eval.jsonl, as SVG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text: a smaller file
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in open(os.path.join(args.run_dir, "eval.jsonl")) if line.strip()]
+    cells = sorted({c for r in rows for c in r["cells"]}, key=lambda c: (c.split("@")[0], int(c.split("@")[1])))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for c in cells:
+        pts = [(r["step"], r["cells"][c]) for r in rows if c in r["cells"]]
+        steps = [p[0] for p in pts]
+        style = "-" if c.startswith("recall") else "--" if c.startswith("after") else ":"
+        axes[0].plot(steps, [v[0] / v[1] for _, v in pts], style, marker=".", label=c)
+        axes[1].plot(steps, [v[2] / (v[1] * tb_data.DIGITS) for _, v in pts], style, marker=".", label=c)
+    axes[0].set(xlabel="training step", ylabel="exact match (validation)", ylim=(-0.02, 1.02))
+    axes[1].set(xlabel="training step", ylabel="code digits' accuracy (chance 0.1)", ylim=(-0.02, 1.02))
+    axes[1].axhline(0.1, color="gray", lw=0.5)
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(args.title or os.path.basename(os.path.normpath(args.run_dir)))
+    fig.tight_layout()
+    fig.savefig(args.out, format="svg" if args.out.endswith(".svg") else None,
+                metadata={"Date": None} if args.out.endswith(".svg") else None)
+    print(f"{args.out}: {len(rows)} evaluations, steps {rows[0]['step']}..{rows[-1]['step']}")
 
 
 def cmd_dump(args):
@@ -356,6 +517,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--plain", type=float, default=0.2, help="fraction of plain story sequences")
     p.add_argument("--answer-weight", type=float, default=1.0)
+    p.add_argument("--recall-steps", type=int, default=0,
+                   help="steps of the dense associative-recall phase (length 256) before the length curriculum")
+    p.add_argument("--recall-mix", type=float, default=0.0,
+                   help="after that phase, the fraction of retrieval sequences that stay recall examples")
+    p.add_argument("--stop-at", default="", help="wall-clock stop, HH:MM UTC: checkpoint and exit at that time")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--ckpt-every", type=int, default=50)
@@ -366,6 +532,25 @@ def main(argv=None):
     p = eval_set_args(sub.add_parser("eval", help="exact-match retrieval accuracy of a llama2.c checkpoint"))
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
+    p = eval_set_args(sub.add_parser("probe", help="the retrieval-head check: attention onto the asked fact's code"))
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--verbose", action="store_true", help="every layer and head")
+    p = sub.add_parser("synth", help="diagnosis: a synthetic copy / associative-recall task, same model and optimizer")
+    p.add_argument("--task", choices=["copy", "recall"], required=True)
+    p.add_argument("--n", type=int, default=16, help="copy: tokens repeated; recall: pairs")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--init-std", type=float, default=0.02)
+    model_args(p)
+    p = sub.add_parser("plot", help="learning curves (RUN/eval.jsonl) as SVG")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--title", default="")
     p = eval_set_args(sub.add_parser("dump", help="an evaluation set as JSON lines (prompt text and ids, answer)"))
     p.add_argument("--out", required=True)
     p = sub.add_parser("export", help="ckpt.pt -> llama2.c checkpoint")
@@ -391,7 +576,7 @@ def main(argv=None):
             tb_data.generate_stories(args.kvevict_run, split, os.path.join(args.out_dir, f"{split}.jsonl"),
                                      log=log_to(None))
     else:
-        {"train": cmd_train, "eval": cmd_eval, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
+        {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
          "bench": cmd_bench}[args.cmd](args)
 
 

@@ -1,10 +1,12 @@
 """The long-context testbed (examples/testbed, docs/testbed.md): the data generator is deterministic and
 its splits are disjoint, examples encode exactly as run.c's encoder, the llama2.c export round-trips,
 and the C++ runner's logits and greedy ids on an exported checkpoint equal the PyTorch model's."""
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -186,3 +188,127 @@ def test_dump_writes_prompts_that_encode_to_their_ids(tmp_path, tok):
     for r in rows:
         assert tok.encode(r["prompt"]) == r["prompt_ids"] and r["prompt"].endswith("Answer:")
         assert tok.decode(r["answer_ids"]).lstrip() == r["answer"] == f"the {r['meta']['key']}'s code is {r['meta']['code']}"
+
+
+def test_recall_examples_are_deterministic_and_answerable_from_their_context(tok):
+    a = tb_data.Generator(tok, STORIES, "train", 7)
+    b = tb_data.Generator(tok, STORIES, "train", 7)
+    for i, L in enumerate([256, 512, 1024]):
+        e, f = a.example(i, L, "recall"), b.example(i, L, "recall")
+        assert e.ids == f.ids and e.weights == f.weights and e.questions == f.questions and e.meta == f.meta
+        assert len(e.ids) <= L and len(e.weights) == len(e.ids) - 1
+        if L == 256:
+            assert e.ids == tok.encode(e.text)
+        m = e.meta
+        assert len(e.questions) == L // 128 + 1 == len(m["asked"]) <= m["needles"] == len(m["facts"])
+        assert len({k for k, _ in m["facts"]}) == len(m["facts"])  # distinct keys
+        assert e.answers == [t for q in e.questions for t in q] and e.digits == tb_data.DIGITS
+        spans = a.questions_facts(e)
+        for q, (key, code), (span, others) in zip(e.questions, m["asked"], spans):
+            # the answer is the asked fact restated, and that fact is in the context before its question
+            assert tok.decode([e.ids[t + 1] for t in q]) == f" the {key}'s code is {code}"
+            fact = tok.encode(f"The {key}'s code is {code}.")[1:]
+            d = m["depths"][[k for k, _ in m["asked"]].index(key)]
+            assert e.ids[d:d + len(fact)] == fact and d + len(fact) <= q[0]
+            # the code span is the space and the digits of that fact, which carry no loss there
+            assert [e.ids[p] for p in span] == fact[-6:-1] and tok.decode(fact[-5:-1]) == code
+            assert all(e.weights[p - 1] == 0.0 for p in span)
+            assert len(others) == len(m["facts"]) - 1 and all(set(o).isdisjoint(span) for o in others)
+        assert len({k for k, _ in m["asked"]}) == len(m["asked"])  # every question about a different fact
+    # another seed or split: other examples (the splits' story pools are disjoint: test_splits_are_disjoint)
+    first = a.example(0, 256, "recall").meta["asked"]
+    assert tb_data.Generator(tok, STORIES, "train", 8).example(0, 256, "recall").meta["asked"] != first
+    assert tb_data.Generator(tok, STORIES, "val", 7).example(0, 256, "recall").meta["asked"] != first
+
+
+def test_code_spans_of_the_single_question_kinds(tok):
+    gen = tb_data.Generator(tok, STORIES, "val", 3)
+    for kind in ("after", "before"):
+        e = gen.example(1, 512, kind, 4)
+        (span, others), = gen.questions_facts(e)
+        assert span == gen.code_span((e.meta["key"], e.meta["code"]), e.meta["depth"])
+        assert tok.decode([e.ids[p] for p in span]).strip() == e.meta["code"] and len(others) == 3
+        codes = {tok.decode([e.ids[p] for p in o]).strip() for o in others}
+        assert codes == {c for k, c in e.meta["facts"] if k != e.meta["key"]}
+
+
+def test_attention_probe_rows_are_the_model_attention():
+    m = small_model()
+    ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(3))
+    rows = [0, 5, 255, 256, 299]
+    with torch.no_grad():
+        plain = m(ids)
+        logits, maps = m(ids, probe_rows=rows)
+    assert torch.equal(plain, logits) and len(maps) == m.cfg.n_layers
+    for a in maps:
+        assert a.shape == (1, m.cfg.n_heads, len(rows), 300)
+        assert torch.allclose(a.sum(-1), torch.ones(1, m.cfg.n_heads, len(rows)), atol=1e-5)
+        for j, r in enumerate(rows):
+            assert float(a[0, :, j, r + 1:].abs().sum()) == 0.0  # causal
+    # layer 0's rows recomputed naively from the weights: softmax(q k^T / sqrt(hs)) with RoPE, GQA
+    c, hs = m.cfg, m.cfg.head_size
+    with torch.no_grad():
+        xb = m.rmsnorm(m.tok[ids], m.rms_att[0])
+        q = m.rope((xb @ m.wq[0].T).view(1, 300, c.n_heads, hs))[0]
+        k = m.rope((xb @ m.wk[0].T).view(1, 300, c.n_kv_heads, hs))[0]
+        for h in range(c.n_heads):
+            kh = k[:, h // (c.n_heads // c.n_kv_heads)]
+            for j, r in enumerate(rows):
+                ref = torch.softmax(q[r, h] @ kh[:r + 1].T / hs ** 0.5, dim=-1)
+                assert torch.allclose(maps[0][0, h, j, :r + 1], ref, atol=1e-6)
+
+
+def test_recall_phase_comes_first_and_stop_time(tok):
+    gen = tb_data.Generator(tok, STORIES, "train", 1)
+    args = argparse.Namespace(seed=1, steps=10, recall_steps=4, recall_mix=0.0, plain=0.0,
+                              batch_tokens=1024, seq_len=2048, max_length=512)
+    for step in range(10):
+        batch = testbed.step_batch(gen, args, step)
+        kinds = {e.meta["kind"] for e in batch}
+        assert (kinds == {"recall"}) == (step < 4) and (step < 4) == (testbed.allowed_lengths(args, step) == [256])
+        assert all(len(e.questions) >= 1 for e in batch)
+    assert testbed.stop_time("") is None
+    t = testbed.stop_time(time.strftime("%H:%M", time.gmtime(time.time() + 120)))
+    assert 0 < t - time.time() <= 180
+
+
+def test_synthetic_diagnosis_tasks():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        e = testbed.synth_example(rng, "copy", 8)
+        assert len(e.weights) == len(e.ids) - 1 and sum(e.weights) == 7 == len(e.questions[0])
+        rep = e.ids[-8:]
+        first = max(i for i in range(1, len(e.ids) - 8) if e.ids[i:i + 8] == rep)  # the earlier occurrence
+        assert [e.ids[t + 1] for t in e.questions[0]] == rep[1:] and first + 8 <= len(e.ids) - 8
+        assert all(e.weights[t] == 1.0 for t in e.questions[0])
+        r = testbed.synth_example(rng, "recall", 6)
+        pairs = dict(zip(r.ids[1:13:2], r.ids[2:13:2]))
+        assert len(pairs) == 6 and len(r.questions) == 3 and sum(r.weights) == 3
+        for (t,) in r.questions:  # the query's key is the token at t, its answer the pair's value
+            assert r.ids[t + 1] == pairs[r.ids[t]] and r.weights[t] == 1.0
+
+
+def test_training_stops_at_the_wall_clock_and_resumes(tmp_path, monkeypatch):
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    for split in ("train", "val"):
+        (stories / f"{split}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    common = ["train", "--stories-dir", str(stories), "--run-dir", str(tmp_path / "r"), "--dim", "32", "--hidden",
+              "48", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "512", "--max-length", "256",
+              "--batch-tokens", "512", "--warmup", "2", "--steps", "3", "--recall-steps", "2", "--eval-every", "1000",
+              "--eval-per-cell", "1", "--ckpt-every", "1000"]
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(testbed, "stop_time", lambda hhmm: 0.0)  # already past: stop before the first step
+        testbed.main(common + ["--stop-at", "00:00"])
+        assert torch.load(tmp_path / "r" / "ckpt.pt")["step"] == 0 and (tmp_path / "r" / "model.bin").exists()
+        monkeypatch.undo()
+        testbed.main(common)
+    finally:
+        torch.set_num_threads(threads)
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "stopped at step 0" in log and "resumed from" in log and "recall@256" in log
+    assert "most selective head layer" in log
+    assert torch.load(tmp_path / "r" / "ckpt.pt")["step"] == 3
+    rows = [json.loads(r) for r in (tmp_path / "r" / "eval.jsonl").read_text().splitlines()]
+    assert rows and all(len(r["head"]) == 4 and 0.0 <= r["head"][3] <= 1.0 for r in rows)

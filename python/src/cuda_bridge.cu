@@ -8,6 +8,7 @@
 #include <kvevict/cuda/paged.cuh>
 #include <kvevict/cuda/pool.cuh>
 #include <kvevict/cuda/recipes.cuh>
+#include <kvevict/cuda/score.cuh>
 #include <kvevict/cuda/weight.cuh>
 
 #include <cuda_runtime.h>
@@ -375,11 +376,12 @@ status recipe_select_ragged(const recipe& r, const raw& scores, const std::int32
 }
 
 status select_topk_batch(const raw& scores, index_t sequences, index_t kv_heads, const std::int32_t* row_lengths,
-                         const std::int32_t* budgets, std::int32_t* cu, pos_t* positions, index_t capacity,
-                         std::int32_t* total, stream_t s) {
+                         const std::int32_t* cu_seqlens, const std::int32_t* budgets, std::int32_t* cu, pos_t* positions,
+                         index_t capacity, std::int32_t* total, stream_t s) {
   constexpr const char* fn = "select_topk_batch(cuda)";
   KVEVICT_BRIDGE_VIEW(sv, const float, 2, "scores", scores);
-  const batch_rows rows = batch_padded(sv, sequences, kv_heads, row_lengths);
+  const batch_rows rows = cu_seqlens != nullptr ? batch_varlen(sv, cu_seqlens, sequences)
+                                                : batch_padded(sv, sequences, kv_heads, row_lengths);
   KVEVICT_TRY(with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
     return kvevict::select_topk_batch(cuda_t{s}, ws, rows, budgets, batch_budget::per_head, cu, positions, capacity,
                                       bad);
@@ -433,6 +435,19 @@ status paged_weight_by_value_norm(const raw& scores, paged_layer<T> layer, value
 }
 
 template <class T>
+status paged_window_scores(const raw& window_queries, paged_layer<T> layer, const raw& out, bool include_window,
+                           const score_options& opt, stream_t s) {
+  constexpr const char* fn = "paged_window_scores(cuda)";
+  KVEVICT_BRIDGE_VIEW(qv, const T, 3, "window_queries", window_queries);
+  KVEVICT_BRIDGE_VIEW(o, float, 2, "out", out);
+  return with_device_table(fn, s, layer, 0, [&](const paged_layer<T>& L, std::int32_t*) {
+    return with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
+      return kvevict::paged_window_scores(cuda_t{s}, ws, qv, L, o, include_window, opt, bad);
+    });
+  });
+}
+
+template <class T>
 status compact_paged(paged_layer<T> layer, ragged_positions kept, std::int32_t* lengths, std::int32_t* freed_pages,
                      index_t freed_capacity, std::int32_t* freed_count, stream_t s) {
   constexpr const char* fn = "compact_paged(cuda)";
@@ -451,6 +466,8 @@ status compact_paged(paged_layer<T> layer, ragged_positions kept, std::int32_t* 
   template status compact_into_ragged_cache<T>(const raw&, ragged_positions, ragged_cache<T>, index_t, stream_t);   \
   template status paged_key_norm_scores<T>(paged_layer<T>, const raw&, stream_t);                                   \
   template status paged_weight_by_value_norm<T>(const raw&, paged_layer<T>, value_weight, stream_t);                \
+  template status paged_window_scores<T>(const raw&, paged_layer<T>, const raw&, bool, const score_options&,         \
+                                         stream_t);                                                                 \
   template status compact_paged<T>(paged_layer<T>, ragged_positions, std::int32_t*, std::int32_t*, index_t,         \
                                    std::int32_t*, stream_t);
 KVEVICT_BRIDGE_TYPES(float)

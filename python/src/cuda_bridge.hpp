@@ -71,11 +71,12 @@ status select_topk_ragged(const raw& scores, const std::int32_t* row_lengths, co
                           std::int32_t* cu, pos_t* positions, stream_t s);
 status recipe_select_ragged(const recipe& r, const raw& scores, const std::int32_t* host_cu, std::int32_t* cu,
                             pos_t* positions, stream_t s);
-// batch.hpp, padded rows with per-head budgets (budgets [S], row_lengths [S*H] or null, device);
-// cu [R+1], positions [capacity] device; *total receives cu[R] (read back)
+// batch.hpp with per-head budgets: padded rows (row_lengths [S*H] or null) or, when cu_seqlens [S+1]
+// is given, varlen rows (scores [H][total]); budgets [S]; cu [R+1], positions [capacity]; every array
+// device memory; *total receives cu[R] (read back)
 status select_topk_batch(const raw& scores, index_t sequences, index_t kv_heads, const std::int32_t* row_lengths,
-                         const std::int32_t* budgets, std::int32_t* cu, pos_t* positions, index_t capacity,
-                         std::int32_t* total, stream_t s);
+                         const std::int32_t* cu_seqlens, const std::int32_t* budgets, std::int32_t* cu, pos_t* positions,
+                         index_t capacity, std::int32_t* total, stream_t s);
 
 // ragged caches with capacity (T: float, float16, bfloat16): every array device memory;
 // buffer_rows: the buffer's row count, checked against cu_capacity (read back) before any launch
@@ -93,6 +94,9 @@ template <class T>
 status paged_key_norm_scores(paged_layer<T> layer, const raw& out, stream_t s);
 template <class T>
 status paged_weight_by_value_norm(const raw& scores, paged_layer<T> layer, value_weight mode, stream_t s);
+template <class T>
+status paged_window_scores(const raw& window_queries, paged_layer<T> layer, const raw& out, bool include_window,
+                           const score_options& opt, stream_t s);
 template <class T>
 status compact_paged(paged_layer<T> layer, ragged_positions kept, std::int32_t* lengths, std::int32_t* freed_pages,
                      index_t freed_capacity, std::int32_t* freed_count, stream_t s);

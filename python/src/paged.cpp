@@ -129,18 +129,30 @@ py::object key_norms_py(py::handle k, py::handle v, py::handle ip, py::handle ix
 py::object window_scores_py(py::handle q_, py::handle k, py::handle v, py::handle ip, py::handle ix, py::handle lp,
                             index_t heads, page_lists lk, page_layout lay, bool include_window,
                             const score_options& opt, py::handle out_) {
+  constexpr const char* fn = "paged_window_scores";
   const paged_args a(k, v, ip, ix, lp, heads, lk, lay, false);
   const tensor q = as_tensor(q_, "window_queries", 3);
-  require_kv({&q, &a.keys, &a.values});  // no cuda_t path in the library
+  require_kv_type({&q, &a.keys, &a.values});
+  const bool gpu = runs_on_gpu(fn, {&q, &a.keys, &a.values});
   py::object result;
   with_paged(a, [&](const auto& L) {
     using T = std::remove_pointer_t<decltype(L.keys.data)>;
     const index_t cols = std::max<index_t>(0, longest_row(L) - (include_window ? 0 : q.shape[1]));
     const tensor out = output(out_, "out", q, {q.shape[0], cols}, dtype::f32);
-    if (out_.is_none()) std::fill_n(static_cast<float*>(out.data), out.numel(), 0.0f);  // columns past a row's end
-    const auto qv = kv<const T>(q);
-    const auto ov = mat<float>(out);
-    run_ws([&](workspace& ws) { return paged_window_scores(backend(), ws, qv, L, ov, include_window, opt); });
+    if (out_.is_none()) {  // columns past a row's end: 0
+      if (gpu) out.object.attr("zero_")();
+      else std::fill_n(static_cast<float*>(out.data), out.numel(), 0.0f);
+    }
+    on_device(
+        fn, {&q, &a.keys, &a.values, &out},
+        [&] {
+          const auto qv = kv<const T>(q);
+          const auto ov = mat<float>(out);
+          run_ws([&](workspace& ws) { return paged_window_scores(backend(), ws, qv, L, ov, include_window, opt); });
+        },
+        [&](gpu::stream_t st) {
+          return gpu::paged_window_scores<T>(raw_of(q), L, raw_of(out), include_window, opt, st);
+        });
     result = out.object;
   });
   return result;
@@ -250,16 +262,17 @@ py::tuple select_batch_py(py::handle scores_, py::handle budgets_, index_t kv_he
   if (rl.data != nullptr && cs.data != nullptr)
     raise(errc::invalid_argument, "select_topk_batch: row_lengths (padded) or cu_seqlens (varlen), not both");
   const bool gpu = runs_on_gpu(fn, {&scores, &rl, &cs, &budgets});
-  if (gpu && (cs.data != nullptr || kind != batch_budget::per_head))
-    raise(errc::unsupported, "select_topk_batch: CUDA tensors run the padded layout with per-head budgets only (the "
-                             "library's cuda_t path); pass CPU tensors for the varlen layout or flattened budgets");
+  if (gpu && kind != batch_budget::per_head)
+    raise(errc::unsupported, "select_topk_batch: CUDA tensors run per-head budgets only, padded or varlen (the "
+                             "library's cuda_t path); pass CPU tensors for flattened budgets");
   if (!gpu) require_host(budgets);
   const auto sv = mat<const float>(scores);
   batch_rows rows;
   if (cs.data != nullptr) {
     require_dtype(cs, {dtype::i32});
     const index_t S = cs.shape[0] - 1;
-    rows = batch_varlen(sv, int32_array(cs, cs.shape[0]), S);
+    // on the GPU, cu_seqlens stays device memory: the library checks it there (all or nothing)
+    rows = batch_varlen(sv, gpu ? int32_data(cs, cs.shape[0]) : int32_array(cs, cs.shape[0]), S);
   } else {
     if (kv_heads <= 0 || scores.shape[0] % kv_heads != 0)
       raise(errc::shape_mismatch, "select_topk_batch: padded scores have sequences x kv_heads rows; " +
@@ -281,14 +294,14 @@ py::tuple select_batch_py(py::handle scores_, py::handle budgets_, index_t kv_he
   auto* pp = static_cast<pos_t*>(pos.data);
   std::int32_t total = 0;
   on_device(
-      fn, {&scores, &rl, &budgets, &cu, &pos},
+      fn, {&scores, &rl, &cs, &budgets, &cu, &pos},
       [&] {
         run_ws([&](workspace& ws) { return select_topk_batch(backend(), ws, rows, b, kind, cup, pp, capacity); });
         total = cup[R];
       },
       [&](gpu::stream_t st) {
-        return gpu::select_topk_batch(raw_of(scores), rows.sequences, rows.kv_heads, rows.row_lengths, b, cup, pp,
-                                      capacity, &total, st);
+        return gpu::select_topk_batch(raw_of(scores), rows.sequences, rows.kv_heads, rows.row_lengths,
+                                      rows.cu_seqlens, b, cup, pp, capacity, &total, st);
       });
   return py::make_tuple(py::object(pos.object[py::slice(py::int_(0), py::int_(total), py::none())]), cu.object);
 }
@@ -330,8 +343,8 @@ void bind_paged(py::module_& m) {
         "row_lengths"_a = py::none(), "cu_seqlens"_a = py::none(), "out"_a = py::none(),
         "One selection for a batch: padded scores [S*H][T] (row_lengths [S*H]) or varlen [H][total] (cu_seqlens "
         "[S+1]); budgets [S] tokens per KV head: (positions, cu) over rows r = s*H + h (or into out=(positions "
-        "[rows x T], cu [rows + 1]); the positions returned are its first cu[-1]). CUDA tensors: the padded layout "
-        "with per-head budgets, every tensor on the GPU.");
+        "[rows x T], cu [rows + 1]); the positions returned are its first cu[-1]). CUDA tensors: per-head budgets, "
+        "padded or varlen, every tensor on the GPU.");
 }
 
 }  // namespace kvevict::python

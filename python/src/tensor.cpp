@@ -257,7 +257,7 @@ const char* const cuda_functions[] = {
     "select_topk_flat",   "select_topk_ragged",  "select_topk_batch",    "compact",
     "compact_ragged",     "compact_inplace",     "recipe_scores",        "recipe_select",
     "append",             "compact_ragged_inplace", "compact_into_ragged_cache", "paged_key_norm_scores",
-    "paged_weight_by_value_norm", "compact_paged"};
+    "paged_weight_by_value_norm", "paged_window_scores", "compact_paged"};
 
 namespace {
 std::string cuda_function_list() {

@@ -107,6 +107,9 @@ def _calls(gen, cuda=cuda):
         ("select_topk_batch", lambda: kvevict.select_topk_batch(cuda(s4), cuda(ints(3, 4)), kv_heads=2,
                                                                 row_lengths=cuda(ints(10, 9, 8, 10)),
                                                                 out=(cuda(i32(40)), cuda(i32(5))))),
+        ("select_topk_batch", lambda: kvevict.select_topk_batch(cuda(s2), cuda(ints(3, 4)),
+                                                                cu_seqlens=cuda(ints(0, 4, 10)),
+                                                                out=(cuda(i32(20)), cuda(i32(5))))),
         ("compact", lambda: kvevict.compact(cuda(k), cuda(kept), out=cuda(f32(2, 3, 8)))),
         ("compact_ragged", lambda: kvevict.compact_ragged(cuda(k), cuda(kept.flatten()), cuda(ints(0, 3, 6)),
                                                           out=cuda(f32(6, 8)))),
@@ -121,6 +124,8 @@ def _calls(gen, cuda=cuda):
             cuda(k), cuda(kept.flatten()), cuda(ints(0, 3, 6)), *cache())),
         ("paged_key_norm_scores", lambda: kvevict.paged_key_norm_scores(cuda(pk), cuda(pv), *table, 2,
                                                                         out=cuda(f32(4, 10)))),
+        ("paged_window_scores", lambda: kvevict.paged_window_scores(cuda(q), cuda(pk), cuda(pv), *table, 2,
+                                                                    out=cuda(f32(4, 7)))),
         ("paged_weight_by_value_norm", lambda: kvevict.paged_weight_by_value_norm(cuda(f32(4, 10)), cuda(pk), cuda(pv),
                                                                                   *table, 2)),
         ("compact_paged", lambda: kvevict.compact_paged(cuda(pk.clone()), cuda(pv.clone()), *table, 2,
@@ -165,8 +170,8 @@ def test_select_topk_flat_cuda_needs_a_producer_of_outputs(gen):
 
 
 def test_other_functions_refuse_cuda_naming_the_supported_ones(gen):
-    # no cuda_t path in the library: AdaKV's selection, compact_layer (ragged and paged), the paged
-    # window scores, CAKE's window preference (docs/python.md, "CUDA tensors")
+    # no cuda_t path in the library: AdaKV's selection, compact_layer (ragged and paged), CAKE's
+    # window preference (docs/python.md, "CUDA tensors")
     s2 = randn(gen, 2, 10)
     ints = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     pk, pv, indptr, indices, last = _paged(gen)
@@ -178,7 +183,6 @@ def test_other_functions_refuse_cuda_naming_the_supported_ones(gen):
                                       cuda(ints(0, 2, 4))),
         lambda: kvevict.compact_layer_paged(cuda(pk), cuda(pv), cuda(torch.zeros(6, 4, 2, 1, dtype=torch.int32)),
                                             indptr, indices, last, 2, tuple(cuda(t) for t in kept_rows)),
-        lambda: kvevict.paged_window_scores(cuda(randn(gen, 4, 3, 8)), cuda(pk), cuda(pv), indptr, indices, last, 2),
         lambda: kvevict.cake_window_preference(cuda(randn(gen, 4, 3, 8)), cuda(randn(gen, 2, 10, 8))),
     ]
     for call in calls:

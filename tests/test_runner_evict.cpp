@@ -725,11 +725,13 @@ TEST_CASE("the oracle's scores are the ground truth of recall (naive double refe
   const text_pair& tp = the_pairs()[0];
   const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size()), B = 20;
   prefilled full = prefill_full(run, tp.prompt);
-  block_capture resp;
+  detail::report_sequence seq;  // the report's per-prompt state: the full cache and the response's captures
+  block_capture& resp = seq.response_q;
   resp.reset(c, m);
   REQUIRE_OK(run.forward_extra(full.cache, tokens(tp.response), logits_mode::none, resp.hooks()));
+  seq.full = full.cache;
   detail::report_worker w;
-  REQUIRE_OK(detail::ground_truth(c, full.cache, resp, w));
+  REQUIRE_OK(detail::ground_truth(c, seq, w));
   // naive: for each query head and response row, softmax over the prompt and the response up to
   // itself (double), the prompt columns averaged over the rows, then over the group
   double worst = 0.0;
@@ -751,7 +753,7 @@ TEST_CASE("the oracle's scores are the ground truth of recall (naive double refe
             for (const double s : logit) z += std::exp(s - mx);
             v += std::exp(logit[static_cast<std::size_t>(j)] - mx) / z / static_cast<double>(m * g);
           }
-        const double got = w.gt[static_cast<std::size_t>((l * H + h) * P + j)];
+        const double got = seq.gt[static_cast<std::size_t>((l * H + h) * P + j)];
         worst = std::max(worst, std::abs(got - v) / std::max(v, 1e-6));
       }
   MESSAGE("ground truth vs naive double: worst relative error " << worst);
@@ -766,12 +768,12 @@ TEST_CASE("the oracle's scores are the ground truth of recall (naive double refe
   REQUIRE_OK(cache.init(c));
   REQUIRE_OK(ev.prefill(run, cache, tp.prompt, nullptr, &tp.response));
   double recall = 0.0;
-  REQUIRE_OK(detail::held_recall(c, cache, P, B, w, recall));
+  REQUIRE_OK(detail::held_recall(c, cache, seq.gt, P, B, w, recall));
   CHECK(recall == 1.0);
   // and exactly the ground truth's top-B per head
   const recipe r = detail::ground_truth_recipe();
   std::vector<std::vector<float>> gt;
-  for (int l = 0; l < L; ++l) gt.emplace_back(w.gt.begin() + l * H * P, w.gt.begin() + (l + 1) * H * P);
+  for (int l = 0; l < L; ++l) gt.emplace_back(seq.gt.begin() + l * H * P, seq.gt.begin() + (l + 1) * H * P);
   CHECK(held(cache) == library_select(budget_scheme::uniform, r, gt, P, B, {}, nullptr));
 }
 

@@ -4,7 +4,7 @@
 // Per curve (method x driver) a sweep: budgets for the post-fill, layer-wise and decode drivers,
 // the per-chunk eviction fraction p for the chunked drivers (the paper's "evict p% of input KVs at
 // each pre-filling step"). Every point runs on the same held-out prompts as the report
-// (report.hpp's evaluate_prompt) and gives its mean KV footprint (kvevict::measure_kv_usage over the
+// (report.hpp's evaluate_batch) and gives its mean KV footprint (kvevict::measure_kv_usage over the
 // prompt and the response) and a performance whose full-cache value is defined:
 //   top1       teacher-forced top-1 agreement with the full cache's greedy response (full = 1);
 //   agreement  greedy tokens before the first divergence / response length (full = 1);

@@ -7,6 +7,10 @@
     testbed.py dump --stories-dir RUN/stories --split test --out test.jsonl   # prompts and answers
     testbed.py parity --checkpoint RUN/model.bin --kvevict-run build/release/examples/runner/kvevict-run
     testbed.py bench                          # training tokens/s per length
+    testbed.py report --checkpoint RUN/model.bin --kvevict-run build/release/examples/runner/kvevict-run \
+        --stories-dir RUN/stories --out-dir REPORT   # exact match vs budget / footprint, every recipe x driver
+    testbed.py lookahead --checkpoint RUN/model.bin --kvevict-lookahead B/kvevict-lookahead \
+        --stories-dir RUN/stories --out RUN/lookahead.bin   # LookaheadKV on the testbed's prompts
 
 Python: Debian's /usr/bin/python3 with python3-torch and python3-numpy.
 """
@@ -30,6 +34,7 @@ SOURCE = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 import tb_data  # noqa: E402
 import tb_model  # noqa: E402
+import tb_report  # noqa: E402
 
 TOKENIZER = os.path.join(SOURCE, "models", "tok512.bin")
 
@@ -482,6 +487,62 @@ def cmd_bench(args):
               flush=True)
 
 
+def split_generator(args):
+    return tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
+                             args.split, args.seed)
+
+
+def csv_list(text, conv=str):
+    return [conv(x) for x in text.split(",") if x.strip()]
+
+
+def cmd_report(args):
+    """The retrieval report (tb_report.py): every check before any work, the examples, then the runs."""
+    for what, path in (("--checkpoint", args.checkpoint), ("--kvevict-run", args.kvevict_run)):
+        if not os.path.isfile(path):
+            raise SystemExit(f"report: {what} {path} is not a file")
+    if not os.path.isdir(args.out_dir):
+        raise SystemExit(f"report: --out-dir {args.out_dir} is not a directory")
+    args.recipes = csv_list(args.recipes) if args.recipes else [
+        r for r in tb_report.RECIPES if r != "lookaheadkv" or args.lookahead_module]
+    args.drivers = csv_list(args.drivers) if args.drivers else list(tb_report.DRIVERS)
+    args.budgets = csv_list(args.budgets, int)
+    for r in args.recipes:
+        if r not in tb_report.RECIPES + ("duo-heuristic",):
+            raise SystemExit(f"report: --recipes: unknown or unsupported recipe {r!r} (one of {', '.join(tb_report.RECIPES)}, duo-heuristic)")
+    for d in args.drivers:
+        if d not in tb_report.DRIVERS:
+            raise SystemExit(f"report: --drivers: unknown driver {d!r} (one of {', '.join(tb_report.DRIVERS)})")
+    if "lookaheadkv" in args.recipes and not (args.lookahead_module and os.path.isfile(args.lookahead_module)):
+        raise SystemExit("report: lookaheadkv needs --lookahead-module, a module trained for this model (testbed.py lookahead)")
+    if not args.budgets or min(args.budgets) < 1:
+        raise SystemExit(f"report: --budgets must be positive integers, got {args.budgets}")
+    if not (0 < args.fraction <= 1) or args.per_cell < 1 or args.jobs < 1:
+        raise SystemExit("report: --fraction must be in (0, 1], --per-cell and --jobs >= 1")
+    seq_len = tb_model.Config(*__import__("struct").unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
+    lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
+    if any(L > seq_len or L not in tb_data.LENGTHS for L in lengths):
+        raise SystemExit(f"report: --lengths {lengths}: each one of {tb_data.LENGTHS} and at most the model's context {seq_len}")
+    kinds = csv_list(args.kinds)
+    if not kinds or any(k not in ("after", "before") for k in kinds):
+        raise SystemExit(f"report: --kinds must be after and/or before, got {kinds}")
+    tb_report.kvevict_binding()  # fail now, not after the runs
+    gen = split_generator(args)
+    examples = [tb_report.Example(e, i) for i, e in
+                enumerate(tb_data.eval_set(gen, args.per_cell, lengths=lengths, kinds=tuple(kinds)))]
+    n_cfg = len(tb_report.configs(args.recipes, args.drivers, args.budgets))
+    print(f"report: {len(examples)} examples ({args.split}, lengths {lengths}, {kinds}), {n_cfg} configurations: "
+          f"{len(examples) * n_cfg} kvevict-run calls on {args.jobs} processes", file=sys.stderr, flush=True)
+    rep = tb_report.run_report(args, examples, log=lambda m: print(m, file=sys.stderr, flush=True))
+    rep["command"] = "testbed.py " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("testbed.py") else ""
+    md = tb_report.markdown(rep)
+    tb_report.write_all(args.out_dir, {"testbed_report.json": json.dumps(rep, indent=1) + "\n",
+                                       "testbed_report.md": md, "testbed_report.svg": tb_report.svg(rep)})
+    sys.stdout.write(md)
+    print(f"report: wrote testbed_report.json, .md and .svg in {args.out_dir} ({rep['seconds']:.0f} s)",
+          file=sys.stderr)
+
+
 def model_args(p):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=384)
@@ -564,6 +625,22 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
+    p = eval_set_args(sub.add_parser("report", help="retrieval exact match vs KV budget and footprint (kvevict-run)"))
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--kvevict-run", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--lengths", default="", help="comma-separated (default: every length up to the context)")
+    p.add_argument("--kinds", default="after,before")
+    p.add_argument("--budgets", default="32,64,128,256", help="tokens kept per KV head, comma-separated")
+    p.add_argument("--window", type=int, default=32, help="observation window (the question's ~25 tokens fit)")
+    p.add_argument("--recipes", default="", help="comma-separated (default: every recipe of tb_report.RECIPES)")
+    p.add_argument("--drivers", default="", help="comma-separated (default: all; the runner report's matrix)")
+    p.add_argument("--lookahead-module", default="", help="lookaheadkv's module for this model (else left out)")
+    p.add_argument("--fraction", type=float, default=0.9, help="F of the critical footprint")
+    p.add_argument("--bootstrap", type=int, default=200)
+    p.add_argument("--jobs", type=int, default=2, help="kvevict-run processes at a time")
+    p.add_argument("--threads", type=int, default=1, help="threads of each kvevict-run")
+    p.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     p = sub.add_parser("bench", help="training tokens/s per length")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-tokens", type=int, default=4096)
@@ -577,6 +654,7 @@ def main(argv=None):
                                      log=log_to(None))
     else:
         {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
+         "report": cmd_report,
          "bench": cmd_bench}[args.cmd](args)
 
 

@@ -483,6 +483,70 @@ inline status make_training_samples(const model& m, pair_options o, std::uint64_
   return {};
 }
 
+/// The checks of samples_from_prompts: at least one prompt, `response` >= 1, every prompt at least 2
+/// tokens, BOS first, every token inside the vocabulary, prompt + response within the context.
+inline status check_prompts(const config& c, const std::vector<std::vector<int>>& prompts, index_t response) {
+  if (prompts.empty()) return status::error(errc::invalid_argument, "prompts: none given");
+  if (response < 1) return status::error(errc::invalid_argument, "prompts: response length %lld is not >= 1",
+                                         static_cast<long long>(response));
+  for (std::size_t k = 0; k < prompts.size(); ++k) {
+    const std::vector<int>& x = prompts[k];
+    if (x.size() < 2 || x.front() != bos_token)
+      return status::error(errc::invalid_argument, "prompt %zu: %zu tokens; a prompt is BOS (%d) and at least one more token",
+                           k + 1, x.size(), bos_token);
+    for (const int t : x)
+      if (t < 0 || t >= c.vocab_size)
+        return status::error(errc::invalid_argument, "prompt %zu: token %d is outside the vocabulary [0, %d)", k + 1, t,
+                             c.vocab_size);
+    if (static_cast<index_t>(x.size()) + response > c.seq_len)
+      return status::error(errc::invalid_argument, "prompt %zu: %zu tokens + a response of %lld exceed the context of %d",
+                           k + 1, x.size(), static_cast<long long>(response), c.seq_len);
+  }
+  return {};
+}
+
+/// Samples from given prompts instead of model-generated ones (the testbed's retrieval prompts,
+/// docs/testbed.md): pair k is prompt k as X (seed k), Y = the next `response` tokens decoded greedily
+/// with the full cache after a block prefill of X, and its sample (the prompt KV rolled back to the
+/// end of X, Eq. 1's ground truth with Y). Errors, before any work: check_prompts'; then the runner's.
+inline status samples_from_prompts(const model& m, const std::vector<std::vector<int>>& prompts, index_t response,
+                                   std::vector<text_pair>& pairs_out, std::vector<lookahead_sample>& samples_out,
+                                   int threads = 0, const std::function<void(index_t, index_t)>& progress = {}) {
+  const config& c = m.cfg();
+  KVEVICT_TRY(check_prompts(c, prompts, response));
+  const auto n = static_cast<index_t>(prompts.size());
+  std::vector<text_pair> pairs(prompts.size());
+  std::vector<lookahead_sample> samples(prompts.size());
+  std::vector<runner_worker> workers(static_cast<std::size_t>(thread_count(threads)));
+  for (runner_worker& w : workers) KVEVICT_TRY(w.init(m));
+  const status st = for_each_item(
+      workers, n,
+      [&](runner_worker& w, index_t i) {
+        const auto k = static_cast<std::size_t>(i);
+        text_pair& p = pairs[k];
+        p.seed = k;
+        p.prompt = prompts[k];
+        w.cache.clear();
+        KVEVICT_TRY(w.run.forward(w.cache, tokens(p.prompt), logits_mode::last));
+        const cache_checkpoint cp = w.cache.save();
+        while (static_cast<index_t>(p.response.size()) < response) {
+          const int t = sampler::argmax(w.run.logits(0), c.vocab_size);
+          p.response.push_back(t);
+          if (static_cast<index_t>(p.response.size()) < response) KVEVICT_TRY(w.run.decode(w.cache, t));
+        }
+        KVEVICT_TRY(w.cache.rollback(cp));
+        return sample_from_cache(w.run, w.cache, p.response, samples[k], w.scratch);
+      },
+      [&](index_t d, int t) {
+        if (t == 0 && progress) progress(d, n);
+      });
+  KVEVICT_TRY(st);
+  if (progress) progress(n, n);
+  pairs_out = std::move(pairs);
+  samples_out = std::move(samples);
+  return {};
+}
+
 /// prepare_sample for many pairs on `threads` OpenMP threads (0: all), one runner each.
 inline status prepare_samples(const model& m, const std::vector<text_pair>& pairs, std::vector<lookahead_sample>& out,
                               int threads = 0) {

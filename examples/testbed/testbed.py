@@ -336,26 +336,35 @@ def cmd_probe(args):
                 print("   layer", li, " ".join(f"{float(a):.2f}/{float(o):.2f}" for a, o in zip(asked[li], other[li])))
 
 
-def synth_example(rng, task, n):
+def synth_example(rng, task, n, key_tokens=1):
     """The diagnosis tasks (docs/testbed.md), on token ids 100..399 (no text): `copy`: a random prefix of
     0..63 tokens, n random tokens, 0..63 random tokens, the n tokens again (loss on the repeat but its
     first token: an induction copy at a random offset); `recall`: n (key, value) pairs (distinct keys
-    out of 200, values out of 10: a digit-like alphabet), then n // 2 of the keys again, each followed by
-    its value (loss on those values only)."""
+    out of 200, values out of 10: a digit-like alphabet), then n // 2 of the keys again (at least one), each
+    followed by its value (loss on those values only); with key_tokens > 1 every key is that many tokens out
+    of a 12-token alphabet (distinct keys sharing pieces, as the testbed's keys do in tok512)."""
     if task == "copy":
         pre, s, gap = (rng.integers(100, 400, size=k).tolist() for k in (rng.integers(64), n, rng.integers(64)))
         ids = [1] + pre + s + gap + s
         w = [0.0] * (len(ids) - 1 - n) + [0.0] + [1.0] * (n - 1)
         q = list(range(len(ids) - n, len(ids) - 1))
         return tb_data.Example(ids=ids, weights=w, answers=q, digits=n - 1, questions=[q], meta={})
-    keys, vals = rng.choice(np.arange(100, 300), size=n, replace=False), rng.integers(300, 310, size=n)
+    if key_tokens == 1:  # keys drawn before the values: the round-five runs' streams
+        keys = [[int(k)] for k in rng.choice(np.arange(100, 300), size=n, replace=False)]
+    else:  # multi-token keys over a 12-token alphabet, distinct as sequences: pieces shared between keys, as in tok512
+        keys = []
+        while len(keys) < n:
+            k = [int(x) for x in rng.integers(100, 112, size=key_tokens)]
+            if k not in keys:
+                keys.append(k)
+    vals = rng.integers(300, 310, size=n)
     ids, w, qs = [1], [], []
     for k, v in zip(keys, vals):
-        ids += [int(k), int(v)]
-        w += [0.0, 0.0]
-    for j in rng.choice(n, size=n // 2, replace=False):
-        ids += [int(keys[j]), int(vals[j])]
-        w += [0.0, 1.0]
+        ids += k + [int(v)]
+        w += [0.0] * (len(k) + 1)
+    for j in rng.choice(n, size=max(1, n // 2), replace=False):
+        ids += keys[j] + [int(vals[j])]
+        w += [0.0] * len(keys[j]) + [1.0]
         qs.append([len(ids) - 2])
     return tb_data.Example(ids=ids, weights=w, answers=[t for q in qs for t in q], digits=1, questions=qs, meta={})
 
@@ -371,7 +380,7 @@ def cmd_synth(args):
     for step in range(1, args.steps + 1):
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, step / 50)
-        batch = [synth_example(rng, args.task, args.n) for _ in range(args.batch)]
+        batch = [synth_example(rng, args.task, args.n, args.key_tokens) for _ in range(args.batch)]
         lm, _, hits = losses(model, batch)
         opt.zero_grad(set_to_none=True)
         lm.backward()
@@ -543,6 +552,52 @@ def cmd_report(args):
           file=sys.stderr)
 
 
+def lookahead_prompts(gen, first, count, lengths, response):
+    """`count` prompts of a split (ids, BOS first, ending at "Answer:"): example indices first, first + 1, ...,
+    the question after / before the context in turn, the lengths and the needle counts (1, 2, 4) cycling;
+    each example made `response` tokens shorter than its length so that prompt + response fit in it."""
+    out = []
+    for j in range(count):
+        e = gen.example(first + j, lengths[j // 2 % len(lengths)] - response, ("after", "before")[j % 2], (1, 2, 4)[j % 3])
+        out.append(e.ids[:e.meta["prompt_tokens"]])
+    return out
+
+
+def cmd_lookahead(args):
+    """LookaheadKV for a testbed model with the existing trainer (kvevict-lookahead train, docs/lookaheadkv.md):
+    training prompts from the train split (example indices 30,000,000 ..), validation prompts from the val
+    split (31,000,000 ..), written as token-id files next to --out; the responses are the model's greedy ones."""
+    for what, path in (("--checkpoint", args.checkpoint), ("--kvevict-lookahead", args.kvevict_lookahead)):
+        if not os.path.isfile(path):
+            raise SystemExit(f"lookahead: {what} {path} is not a file")
+    seq_len = tb_model.Config(*__import__("struct").unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
+    lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
+    if not lengths or any(L > seq_len or L - args.response < 128 for L in lengths):
+        raise SystemExit(f"lookahead: --lengths {lengths}: each at most the context {seq_len} and >= 128 + --response")
+    if args.train_prompts < 1 or args.val_prompts < 1 or args.response < 2:
+        raise SystemExit("lookahead: --train-prompts and --val-prompts must be >= 1, --response >= 2")
+    work = args.work_dir or os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(work):
+        raise SystemExit(f"lookahead: {work} is not a directory")
+    files = {}
+    for split, first, count in (("train", 30_000_000, args.train_prompts), ("val", 31_000_000, args.val_prompts)):
+        gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{split}.jsonl")),
+                                split, args.seed)
+        files[split] = os.path.join(work, f"lookahead_{split}_prompts.txt")
+        text = "".join(" ".join(map(str, ids)) + "\n" for ids in lookahead_prompts(gen, first, count, lengths, args.response))
+        with open(files[split] + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(files[split] + ".tmp", files[split])
+        print(f"lookahead: {count} {split} prompts (lengths {lengths}) in {files[split]}", flush=True)
+    cmd = [args.kvevict_lookahead, "--model", args.checkpoint, "--threads", str(args.threads), "--response",
+           str(args.response), "train", "--out", args.out, "--prompts", files["train"], "--val-prompts", files["val"],
+           "--n-lookahead", str(args.n_lookahead), "--steps", str(args.steps), "--batch", str(args.batch),
+           "--lr", str(args.lr), "--seed", str(args.seed), "--log-every", str(args.log_every),
+           "--validate-every", str(args.validate_every)] + args.extra
+    print("lookahead: " + " ".join(cmd[:1] + [c if len(c) < 200 else "..." for c in cmd[1:]]), flush=True)
+    raise SystemExit(subprocess.run(cmd).returncode)
+
+
 def model_args(p):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=384)
@@ -607,6 +662,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--key-tokens", type=int, default=1, help="recall: tokens a key (> 1: a 12-token alphabet)")
     model_args(p)
     p = sub.add_parser("plot", help="learning curves (RUN/eval.jsonl) as SVG")
     p.add_argument("--run-dir", required=True)
@@ -641,6 +697,25 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=2, help="kvevict-run processes at a time")
     p.add_argument("--threads", type=int, default=1, help="threads of each kvevict-run")
     p.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    p = sub.add_parser("lookahead", help="train LookaheadKV for a testbed model (kvevict-lookahead on testbed prompts)")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--kvevict-lookahead", required=True)
+    p.add_argument("--stories-dir", required=True)
+    p.add_argument("--out", required=True, help="the module file")
+    p.add_argument("--work-dir", default="", help="where the prompt files go (default: --out's directory)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--lengths", default="", help="comma-separated (default: every length up to the context)")
+    p.add_argument("--train-prompts", type=int, default=512)
+    p.add_argument("--val-prompts", type=int, default=32)
+    p.add_argument("--response", type=int, default=24, help="greedy response tokens (the answer is ~16-21)")
+    p.add_argument("--n-lookahead", type=int, default=16)
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--validate-every", type=int, default=200)
+    p.add_argument("extra", nargs="*", help="further kvevict-lookahead train options (after --)")
     p = sub.add_parser("bench", help="training tokens/s per length")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-tokens", type=int, default=4096)
@@ -654,7 +729,7 @@ def main(argv=None):
                                      log=log_to(None))
     else:
         {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
-         "report": cmd_report,
+         "report": cmd_report, "lookahead": cmd_lookahead,
          "bench": cmd_bench}[args.cmd](args)
 
 

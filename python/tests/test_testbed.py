@@ -375,3 +375,15 @@ def test_report_scores_the_runner_and_writes_its_files(tmp_path, tok):
     with pytest.raises(SystemExit, match="needs --lookahead-module"):
         testbed.main(["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories),
                       "--recipes", "lookaheadkv", "--out-dir", str(out)])
+
+
+def test_lookahead_prompts_leave_room_for_the_response(tok):
+    gen = tb_data.Generator(tok, STORIES, "train", 1)
+    prompts = testbed.lookahead_prompts(gen, 30_000_000, 6, [256, 512], 24)
+    assert len(prompts) == 6
+    for j, ids in enumerate(prompts):
+        L = [256, 512][j // 2 % 2]
+        assert ids[0] == 1 and len(ids) + 24 <= L and tok.decode(ids[-1:]) == ":"
+        text = tok.decode(ids[1:])
+        assert text.rstrip().endswith("Answer:") and text.lstrip().startswith("Question:") == (j % 2 == 1)
+    assert prompts == testbed.lookahead_prompts(gen, 30_000_000, 6, [256, 512], 24)  # a function of the seed

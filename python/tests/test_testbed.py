@@ -81,9 +81,7 @@ def test_examples_encode_as_run_c_and_hold_their_facts(tok, kind, needles, lengt
 
 
 def test_stories_from_the_runner_are_deterministic(tmp_path):
-    run = os.environ.get("KVEVICT_RUN", "")
-    if not run or not os.path.exists(run):
-        pytest.skip("KVEVICT_RUN is not built (the examples are off)")
+    run = built("KVEVICT_RUN")
     for name in ("a.jsonl", "b.jsonl"):
         tb_data.generate_stories(run, "val", str(tmp_path / name), limit=2)
     a, b = tb_data.load_stories(str(tmp_path / "a.jsonl")), tb_data.load_stories(str(tmp_path / "b.jsonl"))
@@ -99,6 +97,22 @@ def small_model(seed=5):
         for p in (m.tok, m.wq, m.wk, m.wv, m.wo, m.w1, m.w2, m.w3):
             p.mul_(10.0)
     return m
+
+
+def exported_small_model(tmp_path):
+    """small_model() and its llama2.c export (tmp_path/m.bin)."""
+    m = small_model()
+    path = str(tmp_path / "m.bin")
+    tb_model.export(m, path)
+    return m, path
+
+
+def built(variable):
+    """The path of a program CTest names in `variable`; skips the test when it is not built."""
+    path = os.environ.get(variable, "")
+    if not path or not os.path.exists(path):
+        pytest.skip(f"{variable} is not built (the examples are off)")
+    return path
 
 
 def test_export_round_trip_and_reference_model(tmp_path, tok):
@@ -131,12 +145,8 @@ def test_export_round_trip_and_reference_model(tmp_path, tok):
 
 
 def test_runner_matches_the_pytorch_model_on_an_exported_checkpoint(tmp_path, tok):
-    helper = os.environ.get("KVEVICT_RUNNER_LOGITS", "")
-    if not helper or not os.path.exists(helper):
-        pytest.skip("KVEVICT_RUNNER_LOGITS is not built (the examples are off)")
-    m = small_model()
-    path = str(tmp_path / "m.bin")
-    tb_model.export(m, path)
+    helper = built("KVEVICT_RUNNER_LOGITS")
+    m, path = exported_small_model(tmp_path)
     gen = tb_data.Generator(tok, STORIES, "test", 1)
     e = gen.example(0, 512, "before", 2)
     prompt = e.text[:e.text.rindex("Answer:") + len("Answer:")]
@@ -319,13 +329,9 @@ def test_report_scores_the_runner_and_writes_its_files(tmp_path, tok):
     the PyTorch model's greedy continuation makes (exact match 1 with the full cache and with a budget that
     keeps the whole prompt; the runner's ids are the PyTorch model's), footprints come from the runner's
     --stats, and the critical footprint is kvevict.critical_footprint of the mean curve."""
-    run = os.environ.get("KVEVICT_RUN", "")
-    if not run or not os.path.exists(run):
-        pytest.skip("KVEVICT_RUN is not built (the examples are off)")
+    run = built("KVEVICT_RUN")
     import tb_report
-    m = small_model()
-    path = str(tmp_path / "m.bin")
-    tb_model.export(m, path)
+    m, path = exported_small_model(tmp_path)
     gen = tb_data.Generator(tok, STORIES, "test", 1)
     examples = [tb_report.Example(e, i) for i, e in
                 enumerate(tb_data.eval_set(gen, 1, lengths=(256,), kinds=("after", "before")))]

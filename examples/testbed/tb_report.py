@@ -324,7 +324,7 @@ def svg(rep):
         for j, (rc, d) in enumerate(names):
             pts = sorted((r["budget"], r["footprint"], r["exact_match"], r["se"]) for r in rep["rows"]
                          if (r["recipe"], r["driver"], r["kind"]) == (rc, d, kind))
-            color = f"C{sorted({n[0] for n in names}).index(rc) % 10}"
+            color = plt.cm.tab20(sorted({n[0] for n in names}).index(rc) % 20)
             label = rc + ("" if d == "postfill" else " / " + d)
             for ax, x in ((axes[ki][0], [p[0] for p in pts]), (axes[ki][1], [p[1] for p in pts])):
                 ax.errorbar(x, [p[2] for p in pts], yerr=[p[3] for p in pts], ls=styles[d], color=color, marker=".",
@@ -340,11 +340,13 @@ def svg(rep):
         axes[ki][0].set_xscale("log", base=2)
         axes[ki][0].set_xlabel("KV budget (tokens per KV head)")
         axes[ki][1].set_xlabel("KV footprint (fraction of the full cache's)")
-    axes[0][1].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"testbed retrieval report: {os.path.basename(rep['model'])}, {rep['split']} split")
+    handles, labels = axes[0][1].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"testbed retrieval report: {os.path.basename(rep['model'])}, {rep['split']} split; "
+                 "colour = recipe, dash = driver, bars = standard errors")
     fig.tight_layout()
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None})
+    fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 

@@ -296,6 +296,13 @@ def test_synthetic_diagnosis_tasks():
         assert len(pairs) == 6 and len(r.questions) == 3 and sum(r.weights) == 3
         for (t,) in r.questions:  # the query's key is the token at t, its answer the pair's value
             assert r.ids[t + 1] == pairs[r.ids[t]] and r.weights[t] == 1.0
+        m = testbed.synth_example(rng, "recall", 4, key_tokens=3)  # 4 keys of 3 tokens, then 2 queries
+        keys = [tuple(m.ids[1 + 4 * j:4 + 4 * j]) for j in range(4)]
+        vals = dict(zip(keys, m.ids[4:17:4]))
+        assert len(set(keys)) == 4 and all(100 <= t < 112 for k in keys for t in k) and len(m.questions) == 2
+        for (t,) in m.questions:  # the query's key is the 3 tokens ending at t
+            assert tuple(m.ids[t - 2:t + 1]) in vals and m.ids[t + 1] == vals[tuple(m.ids[t - 2:t + 1])]
+        assert sum(m.weights) == 2 and len(m.weights) == len(m.ids) - 1
 
 
 def test_training_stops_at_the_wall_clock_and_resumes(tmp_path, monkeypatch):

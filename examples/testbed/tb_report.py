@@ -108,7 +108,10 @@ def run_one(opts, ex: Example, config):
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit status {p.returncode}"}
-    ids = [int(x) for x in p.stdout.split()]
+    try:
+        ids = [int(x) for x in p.stdout.split()]
+    except ValueError:
+        raise SystemExit(f"report: {opts.kvevict_run} printed no token ids for {config}: {p.stdout[:80]!r}") from None
     if ids[:P] != ex.prompt:
         raise SystemExit(f"report: example {ex.index}: kvevict-run's encoding of the prompt differs from the generator's ids")
     gen = ids[P:P + A]
@@ -193,14 +196,19 @@ def run_report(opts, examples, log=print):
     t0, done, last = time.time(), 0, 0.0
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
         futures = {pool.submit(run_one, opts, examples[i], c): (i, c) for i, c in work}
-        for fut in concurrent.futures.as_completed(futures):
-            results[futures[fut]] = fut.result()
-            done += 1
-            now = time.time() - t0
-            if done == len(work) or now - last >= opts.progress_every:
-                last = now
-                eta = now / done * (len(work) - done)
-                log(f"report: {done}/{len(work)} kvevict-run calls ({now:.0f} s, about {eta:.0f} s left)")
+        try:
+            for fut in concurrent.futures.as_completed(futures):
+                results[futures[fut]] = fut.result()
+                done += 1
+                now = time.time() - t0
+                if done == len(work) or now - last >= opts.progress_every:
+                    last = now
+                    eta = now / done * (len(work) - done)
+                    log(f"report: {done}/{len(work)} kvevict-run calls ({now:.0f} s, about {eta:.0f} s left)")
+        except BaseException:  # a failed check or ^C: the queued calls are not started
+            for fut in futures:
+                fut.cancel()
+            raise
     kinds = sorted({e.kind for e in examples}, key=("after", "before").index)
     lengths = sorted({e.length for e in examples})
     rows, skipped = [], []

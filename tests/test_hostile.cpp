@@ -490,6 +490,25 @@ TEST_CASE("hostile: kvevict-run and kvevict-lookahead validate every number befo
   require_one_line_failure(run({lkv, "eval", "--timing-pairs", "-1"}), "kvevict-lookahead", "--timing-pairs must be >= 1");
   require_one_line_failure(run({lkv, "eval", "--test-pairs", "0"}), "kvevict-lookahead", "--test-pairs must be >= 1, got 0");
   require_one_line_failure(run({lkv, "sweep", "--lrs", "0.01,-1"}), "kvevict-lookahead", "--lrs: -1 is outside");
+  // --prompts files (testbed.py lookahead): both or neither, every token id checked before any work
+  scratch_dir d("lookahead_prompts");
+  write_bytes(d.file("ok.txt"), "1 50 60\n\n1 70 80 90\n");
+  write_bytes(d.file("word.txt"), "1 50 60\n1 7x 80\n");
+  write_bytes(d.file("vocab.txt"), "1 50 512\n");
+  std::string long_prompt = "1";
+  for (int i = 0; i < 510; ++i) long_prompt += " 5";
+  write_bytes(d.file("long.txt"), long_prompt + "\n");
+  const std::string out = "/tmp/kvevict_never.bin";
+  require_one_line_failure(run({lkv, "train", "--out", out, "--prompts", d.file("ok.txt")}), "kvevict-lookahead",
+                           "--prompts and --val-prompts go together");
+  require_one_line_failure(run({lkv, "train", "--out", out, "--prompts", d.file("word.txt"), "--val-prompts", d.file("ok.txt")}),
+                           "kvevict-lookahead", "word.txt:2: \"7x\" is not a token id");
+  require_one_line_failure(run({lkv, "train", "--out", out, "--prompts", d.file("ok.txt"), "--val-prompts", d.file("vocab.txt")}),
+                           "kvevict-lookahead", "vocab.txt: prompt 1: token 512 is outside the vocabulary");
+  require_one_line_failure(run({lkv, "train", "--out", out, "--prompts", d.file("long.txt"), "--val-prompts", d.file("ok.txt")}),
+                           "kvevict-lookahead", "prompt 1: 511 tokens + a response of 64 exceed the context of 512");
+  require_one_line_failure(run({lkv, "train", "--out", out, "--prompts", d.file("none.txt"), "--val-prompts", d.file("ok.txt")}),
+                           "kvevict-lookahead", "none.txt");
   CHECK(!fs::exists("/tmp/kvevict_never.bin"));
 }
 

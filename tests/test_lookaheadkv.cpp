@@ -712,6 +712,36 @@ TEST_CASE("pairs: a function of the seed alone; samples from the generation equa
   require_error(make_pairs(m, bad, 1, 2, again), errc::invalid_argument, "max_prompt + response");
 }
 
+TEST_CASE("samples from given prompts: greedy responses and samples equal the generated pairs'; errors before any work") {
+  const model& m = kvtest::shipped_model();
+  const auto& d = stories_data();
+  std::vector<std::vector<int>> prompts;
+  for (std::size_t i = 0; i < 3; ++i) prompts.push_back(d.pairs[i].prompt);
+  std::vector<text_pair> pairs;
+  std::vector<lookahead_sample> samples;
+  require_ok(samples_from_prompts(m, prompts, 16, pairs, samples, 2));
+  REQUIRE(pairs.size() == 3);
+  REQUIRE(samples.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {  // a block prefill gives the bits of the generation's one-token decoding
+    CHECK(pairs[i].seed == i);
+    CHECK(pairs[i].prompt == d.pairs[i].prompt);
+    CHECK(pairs[i].response == d.pairs[i].response);
+    CHECK(samples[i].P == d.samples[i].P);
+    CHECK(samples[i].keys == d.samples[i].keys);
+    CHECK(samples[i].values == d.samples[i].values);
+    CHECK(samples[i].gt == d.samples[i].gt);
+  }
+  require_error(samples_from_prompts(m, {}, 16, pairs, samples), errc::invalid_argument, "none given");
+  require_error(samples_from_prompts(m, prompts, 0, pairs, samples), errc::invalid_argument, "response length 0");
+  require_error(samples_from_prompts(m, {{bos_token}}, 16, pairs, samples), errc::invalid_argument, "prompt 1: 1 tokens");
+  require_error(samples_from_prompts(m, {prompts[0], {5, 6}}, 16, pairs, samples), errc::invalid_argument, "prompt 2");
+  require_error(samples_from_prompts(m, {{bos_token, 512}}, 16, pairs, samples), errc::invalid_argument,
+                "token 512 is outside the vocabulary");
+  require_error(samples_from_prompts(m, {std::vector<int>(500, bos_token)}, 16, pairs, samples), errc::invalid_argument,
+                "exceed the context of 512");
+  CHECK(pairs.size() == 3);  // an error leaves the outputs as they were
+}
+
 TEST_CASE("training: same seed gives the same module bits (any thread count); a short run lowers the loss") {
   const model& m = kvtest::shipped_model();
   const auto& d = stories_data();

@@ -70,6 +70,9 @@ struct train_cli {
   kvrun::lookahead_config cfg;
   std::string placement = "all";
   index_t train_pairs = 1536, val_pairs = 32;
+  /// Given prompts instead of model-generated pairs (both or neither): token ids, one prompt a line
+  /// (e.g. the testbed's, `testbed.py lookahead`); each pair's response is the model's greedy one.
+  std::string prompts, val_prompts;
   kvrun::train_options opt;
 };
 
@@ -107,6 +110,10 @@ void add_train_options(CLI::App* app, train_cli& t) {
   app->add_option("--log-every", t.opt.log_every, "print the running loss every N steps")->check(kvevict::program::integer<index_t>())->capture_default_str();
   app->add_option("--validate-every", t.opt.validate_every, "validation loss every N steps (0: at the end)")
       ->check(kvevict::program::integer<index_t>())->capture_default_str();
+  app->add_option("--prompts", t.prompts,
+                  "training prompts instead of model-generated pairs: token ids (BOS first), one prompt a line; "
+                  "responses greedy (--response tokens); with --val-prompts");
+  app->add_option("--val-prompts", t.val_prompts, "validation prompts (the file format of --prompts)");
 }
 
 // ---- shared steps ----------------------------------------------------------------------------
@@ -131,6 +138,67 @@ status make_samples(const kvrun::model& m, const common_options& c, std::uint64_
   const std::string label = std::string("generating ") + what + " pairs and samples";
   return kvrun::make_training_samples(m, po, base, base + static_cast<std::uint64_t>(n), pairs, out, c.threads,
                                       [&](index_t d, index_t total) { progress_line(label.c_str(), d, total, t); });
+}
+
+// A --prompts file: one prompt a line, token ids as decimal integers separated by spaces (blank lines
+// skipped). Errors name the file and the line.
+status read_prompts(const std::string& path, std::vector<std::vector<int>>& out) {
+  std::vector<unsigned char> bytes;
+  KVEVICT_TRY(kvevict::io::read_file(path, "--prompts", std::uint64_t(1) << 30, bytes));
+  out.clear();
+  std::istringstream lines(std::string(bytes.begin(), bytes.end()));
+  std::string line;
+  for (long long n = 1; std::getline(lines, line); ++n) {
+    std::vector<int> ids;
+    std::istringstream words(line);
+    std::string w;
+    while (words >> w) {
+      long long v = 0;
+      std::size_t used = 0;
+      bool ok = !w.empty() && w.size() <= 9;
+      if (ok) {
+        try {
+          v = std::stoll(w, &used);
+        } catch (const std::exception&) {
+          ok = false;
+        }
+      }
+      if (!ok || used != w.size() || v < 0)
+        return status::error(kvevict::errc::invalid_argument, "%s:%lld: \"%s\" is not a token id (a non-negative integer)",
+                             path.c_str(), n, w.c_str());
+      ids.push_back(static_cast<int>(v));
+    }
+    if (!ids.empty()) out.push_back(std::move(ids));
+  }
+  if (out.empty()) return status::error(kvevict::errc::invalid_argument, "%s: no prompts", path.c_str());
+  return {};
+}
+
+// The training and validation samples: from --prompts / --val-prompts when given, else model-generated
+// pairs of the training and validation seed ranges.
+status training_data(const kvrun::model& m, const common_options& c, const train_cli& t,
+                     std::vector<kvrun::lookahead_sample>& train, std::vector<kvrun::lookahead_sample>& val) {
+  if (t.prompts.empty()) {
+    KVEVICT_TRY(make_samples(m, c, kvrun::train_seed_base, t.train_pairs, "training", train));
+    return make_samples(m, c, kvrun::validation_seed_base, t.val_pairs, "validation", val);
+  }
+  // both files read and checked before any work
+  std::vector<std::vector<int>> prompts[2];
+  const std::string* paths[2] = {&t.prompts, &t.val_prompts};
+  for (int i = 0; i < 2; ++i) {
+    KVEVICT_TRY(read_prompts(*paths[i], prompts[i]));
+    if (auto st = kvrun::check_prompts(m.cfg(), prompts[i], c.response); !st.ok())
+      return status::error(st.code(), "%s: %s", paths[i]->c_str(), st.message());
+  }
+  std::vector<kvrun::lookahead_sample>* outs[2] = {&train, &val};
+  for (int i = 0; i < 2; ++i) {
+    std::vector<kvrun::text_pair> pairs;
+    clock_since tm;
+    const std::string label = std::string("samples from ") + (i == 0 ? "training" : "validation") + " prompts";
+    KVEVICT_TRY(kvrun::samples_from_prompts(m, prompts[i], c.response, pairs, *outs[i], c.threads,
+                                            [&](index_t d, index_t total) { progress_line(label.c_str(), d, total, tm); }));
+  }
+  return {};
 }
 
 status train_one(const kvrun::model& m, const kvrun::frozen_model<float>& fm, const kvrun::lookahead_config& cfg,
@@ -198,6 +266,7 @@ std::string check_train(const common_options& c, const train_cli& t, bool needs_
   if (o.steps < 1) return "--steps must be >= 1, got " + std::to_string(o.steps);
   if (o.batch < 1) return "--batch must be >= 1, got " + std::to_string(o.batch);
   if (o.log_every < 1) return "--log-every must be >= 1, got " + std::to_string(o.log_every);
+  if (t.prompts.empty() != t.val_prompts.empty()) return "--prompts and --val-prompts go together";
   if (o.validate_every < 0) return "--validate-every must be >= 0, got " + std::to_string(o.validate_every);
   if (!(std::isfinite(o.lr) && o.lr > 0)) return range_error("--lr", o.lr, "(0, inf)");
   if (!(o.warmup >= 0 && o.warmup <= 1)) return range_error("--warmup", o.warmup, "[0, 1]");
@@ -208,7 +277,9 @@ std::string check_train(const common_options& c, const train_cli& t, bool needs_
     return std::string("--n-lookahead, --rank or --alpha: ") + st.message();
   if (needs_out) {
     if (t.out.empty()) return "train: --out is required";
-    if (const status st = kvevict::io::check_paths({{"--model", c.model}}, {{"--out", t.out}}); !st.ok())
+    if (const status st = kvevict::io::check_paths({{"--model", c.model}, {"--prompts", t.prompts}, {"--val-prompts", t.val_prompts}},
+                                                   {{"--out", t.out}});
+        !st.ok())
       return st.message();
   }
   return {};
@@ -245,8 +316,7 @@ int cmd_train(const common_options& c, train_cli& t) {
   kvrun::model m;
   if (auto st = kvrun::model::load_file(c.model, m); !st.ok()) return fail_file(c.model, st);
   std::vector<kvrun::lookahead_sample> train, val;
-  if (auto st = make_samples(m, c, kvrun::train_seed_base, t.train_pairs, "training", train); !st.ok()) return fail(st);
-  if (auto st = make_samples(m, c, kvrun::validation_seed_base, t.val_pairs, "validation", val); !st.ok()) return fail(st);
+  if (auto st = training_data(m, c, t, train, val); !st.ok()) return fail(st);
   std::fprintf(stderr, "data ready in %.1f s\n", total.seconds());
   kvrun::frozen_model<float> fm;
   fm.from(m);
@@ -270,8 +340,7 @@ int cmd_sweep(const common_options& c, train_cli& t, const std::vector<double>& 
   kvrun::model m;
   if (auto st = kvrun::model::load_file(c.model, m); !st.ok()) return fail_file(c.model, st);
   std::vector<kvrun::lookahead_sample> train, val;
-  if (auto st = make_samples(m, c, kvrun::train_seed_base, t.train_pairs, "training", train); !st.ok()) return fail(st);
-  if (auto st = make_samples(m, c, kvrun::validation_seed_base, t.val_pairs, "validation", val); !st.ok()) return fail(st);
+  if (auto st = training_data(m, c, t, train, val); !st.ok()) return fail(st);
   kvrun::frozen_model<float> fm;
   fm.from(m);
   std::printf("%-10s %-8s %-10s %-12s %-12s\n", "lr", "steps", "seconds", "train loss", "validation");

@@ -451,15 +451,14 @@ inline status prepare_sample(runner& run, kv_cache& cache, const text_pair& p, l
   return sample_from_cache(run, cache, p.response, out, ws_buf);
 }
 
-/// make_pairs and prepare_sample in one pass: each pair's prompt KV is the generation's own cache
-/// rolled back to the end of X (decoding one token at a time gives the bits of a block prefill,
-/// tested), so no second prefill is needed. Same pairs as make_pairs; samples equal to
-/// prepare_sample's. Errors: those of make_pairs and prepare_sample.
-inline status make_training_samples(const model& m, pair_options o, std::uint64_t seed_begin, std::uint64_t seed_end,
-                                    std::vector<text_pair>& pairs_out, std::vector<lookahead_sample>& samples_out,
-                                    int threads = 0, const std::function<void(index_t, index_t)>& progress = {}) {
-  KVEVICT_TRY(detail::resolve_pair_options(m.cfg(), o));
-  const index_t n = seed_end > seed_begin ? static_cast<index_t>(seed_end - seed_begin) : 0;
+namespace detail {
+
+/// n (pair, sample) items on `threads` OpenMP threads (0: all), one runner each: make(w, i, pair,
+/// checkpoint) fills pair i and leaves the worker's cache holding its prompt with `checkpoint` taken
+/// right after it (and possibly more); the sample comes from the cache rolled back there.
+template <class Make>
+status samples_of(const model& m, index_t n, int threads, const std::function<void(index_t, index_t)>& progress,
+                  Make make, std::vector<text_pair>& pairs_out, std::vector<lookahead_sample>& samples_out) {
   std::vector<text_pair> pairs(static_cast<std::size_t>(n));
   std::vector<lookahead_sample> samples(static_cast<std::size_t>(n));
   std::vector<runner_worker> workers(static_cast<std::size_t>(thread_count(threads)));
@@ -469,7 +468,7 @@ inline status make_training_samples(const model& m, pair_options o, std::uint64_
       [&](runner_worker& w, index_t i) {
         const auto k = static_cast<std::size_t>(i);
         cache_checkpoint cp;
-        KVEVICT_TRY(detail::make_pair(w.run, w.cache, o, seed_begin + static_cast<std::uint64_t>(i), pairs[k], &cp));
+        KVEVICT_TRY(make(w, i, pairs[k], cp));
         KVEVICT_TRY(w.cache.rollback(cp));
         return sample_from_cache(w.run, w.cache, pairs[k].response, samples[k], w.scratch);
       },
@@ -481,6 +480,75 @@ inline status make_training_samples(const model& m, pair_options o, std::uint64_
   pairs_out = std::move(pairs);
   samples_out = std::move(samples);
   return {};
+}
+
+}  // namespace detail
+
+/// make_pairs and prepare_sample in one pass: each pair's prompt KV is the generation's own cache
+/// rolled back to the end of X (decoding one token at a time gives the bits of a block prefill,
+/// tested), so no second prefill is needed. Same pairs as make_pairs; samples equal to
+/// prepare_sample's. Errors: those of make_pairs and prepare_sample.
+inline status make_training_samples(const model& m, pair_options o, std::uint64_t seed_begin, std::uint64_t seed_end,
+                                    std::vector<text_pair>& pairs_out, std::vector<lookahead_sample>& samples_out,
+                                    int threads = 0, const std::function<void(index_t, index_t)>& progress = {}) {
+  KVEVICT_TRY(detail::resolve_pair_options(m.cfg(), o));
+  const index_t n = seed_end > seed_begin ? static_cast<index_t>(seed_end - seed_begin) : 0;
+  return detail::samples_of(
+      m, n, threads, progress,
+      [&](runner_worker& w, index_t i, text_pair& p, cache_checkpoint& cp) {
+        return detail::make_pair(w.run, w.cache, o, seed_begin + static_cast<std::uint64_t>(i), p, &cp);
+      },
+      pairs_out, samples_out);
+}
+
+/// The checks of samples_from_prompts: at least one prompt, `response` >= 1, every prompt at least 2
+/// tokens, BOS first, every token inside the vocabulary, prompt + response within the context.
+inline status check_prompts(const config& c, const std::vector<std::vector<int>>& prompts, index_t response) {
+  if (prompts.empty()) return status::error(errc::invalid_argument, "prompts: none given");
+  if (response < 1) return status::error(errc::invalid_argument, "prompts: response length %lld is not >= 1",
+                                         static_cast<long long>(response));
+  for (std::size_t k = 0; k < prompts.size(); ++k) {
+    const std::vector<int>& x = prompts[k];
+    if (x.size() < 2 || x.front() != bos_token)
+      return status::error(errc::invalid_argument, "prompt %zu: %zu tokens; a prompt is BOS (%d) and at least one more token",
+                           k + 1, x.size(), bos_token);
+    for (const int t : x)
+      if (t < 0 || t >= c.vocab_size)
+        return status::error(errc::invalid_argument, "prompt %zu: token %d is outside the vocabulary [0, %d)", k + 1, t,
+                             c.vocab_size);
+    if (static_cast<index_t>(x.size()) + response > c.seq_len)
+      return status::error(errc::invalid_argument, "prompt %zu: %zu tokens + a response of %lld exceed the context of %d",
+                           k + 1, x.size(), static_cast<long long>(response), c.seq_len);
+  }
+  return {};
+}
+
+/// Samples from given prompts instead of model-generated ones (the testbed's retrieval prompts,
+/// docs/testbed.md): pair k is prompt k as X (seed k), Y = the next `response` tokens decoded greedily
+/// with the full cache after a block prefill of X, and its sample (the prompt KV rolled back to the
+/// end of X, Eq. 1's ground truth with Y). Errors, before any work: check_prompts'; then the runner's.
+inline status samples_from_prompts(const model& m, const std::vector<std::vector<int>>& prompts, index_t response,
+                                   std::vector<text_pair>& pairs_out, std::vector<lookahead_sample>& samples_out,
+                                   int threads = 0, const std::function<void(index_t, index_t)>& progress = {}) {
+  const config& c = m.cfg();
+  KVEVICT_TRY(check_prompts(c, prompts, response));
+  return detail::samples_of(
+      m, static_cast<index_t>(prompts.size()), threads, progress,
+      [&](runner_worker& w, index_t i, text_pair& p, cache_checkpoint& cp) -> status {
+        p.seed = static_cast<std::uint64_t>(i);
+        p.prompt = prompts[static_cast<std::size_t>(i)];
+        p.response.clear();
+        w.cache.clear();
+        KVEVICT_TRY(w.run.forward(w.cache, tokens(p.prompt), logits_mode::last));
+        cp = w.cache.save();
+        while (static_cast<index_t>(p.response.size()) < response) {
+          const int t = sampler::argmax(w.run.logits(0), c.vocab_size);
+          p.response.push_back(t);
+          if (static_cast<index_t>(p.response.size()) < response) KVEVICT_TRY(w.run.decode(w.cache, t));
+        }
+        return {};
+      },
+      pairs_out, samples_out);
 }
 
 /// prepare_sample for many pairs on `threads` OpenMP threads (0: all), one runner each.

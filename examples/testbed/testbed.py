@@ -7,6 +7,10 @@
     testbed.py dump --stories-dir RUN/stories --split test --out test.jsonl   # prompts and answers
     testbed.py parity --checkpoint RUN/model.bin --kvevict-run build/release/examples/runner/kvevict-run
     testbed.py bench                          # training tokens/s per length
+    testbed.py report --checkpoint RUN/model.bin --kvevict-run build/release/examples/runner/kvevict-run \
+        --stories-dir RUN/stories --out-dir REPORT   # exact match vs budget / footprint, every recipe x driver
+    testbed.py lookahead --checkpoint RUN/model.bin --kvevict-lookahead B/kvevict-lookahead \
+        --stories-dir RUN/stories --out RUN/lookahead.bin   # LookaheadKV on the testbed's prompts
 
 Python: Debian's /usr/bin/python3 with python3-torch and python3-numpy.
 """
@@ -30,6 +34,7 @@ SOURCE = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 import tb_data  # noqa: E402
 import tb_model  # noqa: E402
+import tb_report  # noqa: E402
 
 TOKENIZER = os.path.join(SOURCE, "models", "tok512.bin")
 
@@ -331,26 +336,35 @@ def cmd_probe(args):
                 print("   layer", li, " ".join(f"{float(a):.2f}/{float(o):.2f}" for a, o in zip(asked[li], other[li])))
 
 
-def synth_example(rng, task, n):
+def synth_example(rng, task, n, key_tokens=1):
     """The diagnosis tasks (docs/testbed.md), on token ids 100..399 (no text): `copy`: a random prefix of
     0..63 tokens, n random tokens, 0..63 random tokens, the n tokens again (loss on the repeat but its
     first token: an induction copy at a random offset); `recall`: n (key, value) pairs (distinct keys
-    out of 200, values out of 10: a digit-like alphabet), then n // 2 of the keys again, each followed by
-    its value (loss on those values only)."""
+    out of 200, values out of 10: a digit-like alphabet), then n // 2 of the keys again (at least one), each
+    followed by its value (loss on those values only); with key_tokens > 1 every key is that many tokens out
+    of a 12-token alphabet (distinct keys sharing pieces, as the testbed's keys do in tok512)."""
     if task == "copy":
         pre, s, gap = (rng.integers(100, 400, size=k).tolist() for k in (rng.integers(64), n, rng.integers(64)))
         ids = [1] + pre + s + gap + s
         w = [0.0] * (len(ids) - 1 - n) + [0.0] + [1.0] * (n - 1)
         q = list(range(len(ids) - n, len(ids) - 1))
         return tb_data.Example(ids=ids, weights=w, answers=q, digits=n - 1, questions=[q], meta={})
-    keys, vals = rng.choice(np.arange(100, 300), size=n, replace=False), rng.integers(300, 310, size=n)
+    if key_tokens == 1:  # keys drawn before the values: the round-five runs' streams
+        keys = [[int(k)] for k in rng.choice(np.arange(100, 300), size=n, replace=False)]
+    else:  # multi-token keys over a 12-token alphabet, distinct as sequences: pieces shared between keys, as in tok512
+        keys = []
+        while len(keys) < n:
+            k = [int(x) for x in rng.integers(100, 112, size=key_tokens)]
+            if k not in keys:
+                keys.append(k)
+    vals = rng.integers(300, 310, size=n)
     ids, w, qs = [1], [], []
     for k, v in zip(keys, vals):
-        ids += [int(k), int(v)]
-        w += [0.0, 0.0]
-    for j in rng.choice(n, size=n // 2, replace=False):
-        ids += [int(keys[j]), int(vals[j])]
-        w += [0.0, 1.0]
+        ids += k + [int(v)]
+        w += [0.0] * (len(k) + 1)
+    for j in rng.choice(n, size=max(1, n // 2), replace=False):
+        ids += keys[j] + [int(vals[j])]
+        w += [0.0] * len(keys[j]) + [1.0]
         qs.append([len(ids) - 2])
     return tb_data.Example(ids=ids, weights=w, answers=[t for q in qs for t in q], digits=1, questions=qs, meta={})
 
@@ -366,7 +380,7 @@ def cmd_synth(args):
     for step in range(1, args.steps + 1):
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, step / 50)
-        batch = [synth_example(rng, args.task, args.n) for _ in range(args.batch)]
+        batch = [synth_example(rng, args.task, args.n, args.key_tokens) for _ in range(args.batch)]
         lm, _, hits = losses(model, batch)
         opt.zero_grad(set_to_none=True)
         lm.backward()
@@ -482,6 +496,108 @@ def cmd_bench(args):
               flush=True)
 
 
+def split_generator(args):
+    return tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
+                             args.split, args.seed)
+
+
+def csv_list(text, conv=str):
+    return [conv(x) for x in text.split(",") if x.strip()]
+
+
+def cmd_report(args):
+    """The retrieval report (tb_report.py): every check before any work, the examples, then the runs."""
+    for what, path in (("--checkpoint", args.checkpoint), ("--kvevict-run", args.kvevict_run)):
+        if not os.path.isfile(path):
+            raise SystemExit(f"report: {what} {path} is not a file")
+    if not os.path.isdir(args.out_dir):
+        raise SystemExit(f"report: --out-dir {args.out_dir} is not a directory")
+    args.recipes = csv_list(args.recipes) if args.recipes else [
+        r for r in tb_report.RECIPES if r != "lookaheadkv" or args.lookahead_module]
+    args.drivers = csv_list(args.drivers) if args.drivers else list(tb_report.DRIVERS)
+    args.budgets = csv_list(args.budgets, int)
+    for r in args.recipes:
+        if r not in tb_report.RECIPES + ("duo-heuristic",):
+            raise SystemExit(f"report: --recipes: unknown or unsupported recipe {r!r} (one of {', '.join(tb_report.RECIPES)}, duo-heuristic)")
+    for d in args.drivers:
+        if d not in tb_report.DRIVERS:
+            raise SystemExit(f"report: --drivers: unknown driver {d!r} (one of {', '.join(tb_report.DRIVERS)})")
+    if "lookaheadkv" in args.recipes and not (args.lookahead_module and os.path.isfile(args.lookahead_module)):
+        raise SystemExit("report: lookaheadkv needs --lookahead-module, a module trained for this model (testbed.py lookahead)")
+    if not args.budgets or min(args.budgets) < 1:
+        raise SystemExit(f"report: --budgets must be positive integers, got {args.budgets}")
+    if not (0 < args.fraction <= 1) or args.per_cell < 1 or args.jobs < 1:
+        raise SystemExit("report: --fraction must be in (0, 1], --per-cell and --jobs >= 1")
+    seq_len = tb_model.Config(*__import__("struct").unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
+    lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
+    if any(L > seq_len or L not in tb_data.LENGTHS for L in lengths):
+        raise SystemExit(f"report: --lengths {lengths}: each one of {tb_data.LENGTHS} and at most the model's context {seq_len}")
+    kinds = csv_list(args.kinds)
+    if not kinds or any(k not in ("after", "before") for k in kinds):
+        raise SystemExit(f"report: --kinds must be after and/or before, got {kinds}")
+    tb_report.kvevict_binding()  # fail now, not after the runs
+    gen = split_generator(args)
+    examples = [tb_report.Example(e, i) for i, e in
+                enumerate(tb_data.eval_set(gen, args.per_cell, lengths=lengths, kinds=tuple(kinds)))]
+    n_cfg = len(tb_report.configs(args.recipes, args.drivers, args.budgets))
+    print(f"report: {len(examples)} examples ({args.split}, lengths {lengths}, {kinds}), {n_cfg} configurations: "
+          f"{len(examples) * n_cfg} kvevict-run calls on {args.jobs} processes", file=sys.stderr, flush=True)
+    rep = tb_report.run_report(args, examples, log=lambda m: print(m, file=sys.stderr, flush=True))
+    rep["command"] = "testbed.py " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("testbed.py") else ""
+    md = tb_report.markdown(rep)
+    tb_report.write_all(args.out_dir, {"testbed_report.json": json.dumps(rep, indent=1) + "\n",
+                                       "testbed_report.md": md, "testbed_report.svg": tb_report.svg(rep)})
+    sys.stdout.write(md)
+    print(f"report: wrote testbed_report.json, .md and .svg in {args.out_dir} ({rep['seconds']:.0f} s)",
+          file=sys.stderr)
+
+
+def lookahead_prompts(gen, first, count, lengths, response):
+    """`count` prompts of a split (ids, BOS first, ending at "Answer:"): example indices first, first + 1, ...,
+    the question after / before the context in turn, the lengths and the needle counts (1, 2, 4) cycling;
+    each example made `response` tokens shorter than its length so that prompt + response fit in it."""
+    out = []
+    for j in range(count):
+        e = gen.example(first + j, lengths[j // 2 % len(lengths)] - response, ("after", "before")[j % 2], (1, 2, 4)[j % 3])
+        out.append(e.ids[:e.meta["prompt_tokens"]])
+    return out
+
+
+def cmd_lookahead(args):
+    """LookaheadKV for a testbed model with the existing trainer (kvevict-lookahead train, docs/lookaheadkv.md):
+    training prompts from the train split (example indices 30,000,000 ..), validation prompts from the val
+    split (31,000,000 ..), written as token-id files next to --out; the responses are the model's greedy ones."""
+    for what, path in (("--checkpoint", args.checkpoint), ("--kvevict-lookahead", args.kvevict_lookahead)):
+        if not os.path.isfile(path):
+            raise SystemExit(f"lookahead: {what} {path} is not a file")
+    seq_len = tb_model.Config(*__import__("struct").unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
+    lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
+    if not lengths or any(L > seq_len or L - args.response < 128 for L in lengths):
+        raise SystemExit(f"lookahead: --lengths {lengths}: each at most the context {seq_len} and >= 128 + --response")
+    if args.train_prompts < 1 or args.val_prompts < 1 or args.response < 2:
+        raise SystemExit("lookahead: --train-prompts and --val-prompts must be >= 1, --response >= 2")
+    work = args.work_dir or os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(work):
+        raise SystemExit(f"lookahead: {work} is not a directory")
+    files = {}
+    for split, first, count in (("train", 30_000_000, args.train_prompts), ("val", 31_000_000, args.val_prompts)):
+        gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{split}.jsonl")),
+                                split, args.seed)
+        files[split] = os.path.join(work, f"lookahead_{split}_prompts.txt")
+        text = "".join(" ".join(map(str, ids)) + "\n" for ids in lookahead_prompts(gen, first, count, lengths, args.response))
+        with open(files[split] + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(files[split] + ".tmp", files[split])
+        print(f"lookahead: {count} {split} prompts (lengths {lengths}) in {files[split]}", flush=True)
+    cmd = [args.kvevict_lookahead, "--model", args.checkpoint, "--threads", str(args.threads), "--response",
+           str(args.response), "train", "--out", args.out, "--prompts", files["train"], "--val-prompts", files["val"],
+           "--n-lookahead", str(args.n_lookahead), "--steps", str(args.steps), "--batch", str(args.batch),
+           "--lr", str(args.lr), "--seed", str(args.seed), "--log-every", str(args.log_every),
+           "--validate-every", str(args.validate_every)] + args.extra
+    print("lookahead: " + " ".join(cmd[:1] + [c if len(c) < 200 else "..." for c in cmd[1:]]), flush=True)
+    raise SystemExit(subprocess.run(cmd).returncode)
+
+
 def model_args(p):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=384)
@@ -546,6 +662,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--key-tokens", type=int, default=1, help="recall: tokens a key (> 1: a 12-token alphabet)")
     model_args(p)
     p = sub.add_parser("plot", help="learning curves (RUN/eval.jsonl) as SVG")
     p.add_argument("--run-dir", required=True)
@@ -564,6 +681,41 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
+    p = eval_set_args(sub.add_parser("report", help="retrieval exact match vs KV budget and footprint (kvevict-run)"))
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--kvevict-run", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--lengths", default="", help="comma-separated (default: every length up to the context)")
+    p.add_argument("--kinds", default="after,before")
+    p.add_argument("--budgets", default="32,64,128,256", help="tokens kept per KV head, comma-separated")
+    p.add_argument("--window", type=int, default=32, help="observation window (the question's ~25 tokens fit)")
+    p.add_argument("--recipes", default="", help="comma-separated (default: every recipe of tb_report.RECIPES)")
+    p.add_argument("--drivers", default="", help="comma-separated (default: all; the runner report's matrix)")
+    p.add_argument("--lookahead-module", default="", help="lookaheadkv's module for this model (else left out)")
+    p.add_argument("--fraction", type=float, default=0.9, help="F of the critical footprint")
+    p.add_argument("--bootstrap", type=int, default=200)
+    p.add_argument("--jobs", type=int, default=2, help="kvevict-run processes at a time")
+    p.add_argument("--threads", type=int, default=1, help="threads of each kvevict-run")
+    p.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    p = sub.add_parser("lookahead", help="train LookaheadKV for a testbed model (kvevict-lookahead on testbed prompts)")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--kvevict-lookahead", required=True)
+    p.add_argument("--stories-dir", required=True)
+    p.add_argument("--out", required=True, help="the module file")
+    p.add_argument("--work-dir", default="", help="where the prompt files go (default: --out's directory)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--lengths", default="", help="comma-separated (default: every length up to the context)")
+    p.add_argument("--train-prompts", type=int, default=512)
+    p.add_argument("--val-prompts", type=int, default=32)
+    p.add_argument("--response", type=int, default=24, help="greedy response tokens (the answer is ~16-21)")
+    p.add_argument("--n-lookahead", type=int, default=16)
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--validate-every", type=int, default=200)
+    p.add_argument("extra", nargs="*", help="further kvevict-lookahead train options (after --)")
     p = sub.add_parser("bench", help="training tokens/s per length")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-tokens", type=int, default=4096)
@@ -577,6 +729,7 @@ def main(argv=None):
                                      log=log_to(None))
     else:
         {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
+         "report": cmd_report, "lookahead": cmd_lookahead,
          "bench": cmd_bench}[args.cmd](args)
 
 

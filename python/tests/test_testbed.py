@@ -81,9 +81,7 @@ def test_examples_encode_as_run_c_and_hold_their_facts(tok, kind, needles, lengt
 
 
 def test_stories_from_the_runner_are_deterministic(tmp_path):
-    run = os.environ.get("KVEVICT_RUN", "")
-    if not run or not os.path.exists(run):
-        pytest.skip("KVEVICT_RUN is not built (the examples are off)")
+    run = built("KVEVICT_RUN")
     for name in ("a.jsonl", "b.jsonl"):
         tb_data.generate_stories(run, "val", str(tmp_path / name), limit=2)
     a, b = tb_data.load_stories(str(tmp_path / "a.jsonl")), tb_data.load_stories(str(tmp_path / "b.jsonl"))
@@ -99,6 +97,22 @@ def small_model(seed=5):
         for p in (m.tok, m.wq, m.wk, m.wv, m.wo, m.w1, m.w2, m.w3):
             p.mul_(10.0)
     return m
+
+
+def exported_small_model(tmp_path):
+    """small_model() and its llama2.c export (tmp_path/m.bin)."""
+    m = small_model()
+    path = str(tmp_path / "m.bin")
+    tb_model.export(m, path)
+    return m, path
+
+
+def built(variable):
+    """The path of a program CTest names in `variable`; skips the test when it is not built."""
+    path = os.environ.get(variable, "")
+    if not path or not os.path.exists(path):
+        pytest.skip(f"{variable} is not built (the examples are off)")
+    return path
 
 
 def test_export_round_trip_and_reference_model(tmp_path, tok):
@@ -131,12 +145,8 @@ def test_export_round_trip_and_reference_model(tmp_path, tok):
 
 
 def test_runner_matches_the_pytorch_model_on_an_exported_checkpoint(tmp_path, tok):
-    helper = os.environ.get("KVEVICT_RUNNER_LOGITS", "")
-    if not helper or not os.path.exists(helper):
-        pytest.skip("KVEVICT_RUNNER_LOGITS is not built (the examples are off)")
-    m = small_model()
-    path = str(tmp_path / "m.bin")
-    tb_model.export(m, path)
+    helper = built("KVEVICT_RUNNER_LOGITS")
+    m, path = exported_small_model(tmp_path)
     gen = tb_data.Generator(tok, STORIES, "test", 1)
     e = gen.example(0, 512, "before", 2)
     prompt = e.text[:e.text.rindex("Answer:") + len("Answer:")]
@@ -286,6 +296,13 @@ def test_synthetic_diagnosis_tasks():
         assert len(pairs) == 6 and len(r.questions) == 3 and sum(r.weights) == 3
         for (t,) in r.questions:  # the query's key is the token at t, its answer the pair's value
             assert r.ids[t + 1] == pairs[r.ids[t]] and r.weights[t] == 1.0
+        m = testbed.synth_example(rng, "recall", 4, key_tokens=3)  # 4 keys of 3 tokens, then 2 queries
+        keys = [tuple(m.ids[1 + 4 * j:4 + 4 * j]) for j in range(4)]
+        vals = dict(zip(keys, m.ids[4:17:4]))
+        assert len(set(keys)) == 4 and all(100 <= t < 112 for k in keys for t in k) and len(m.questions) == 2
+        for (t,) in m.questions:  # the query's key is the 3 tokens ending at t
+            assert tuple(m.ids[t - 2:t + 1]) in vals and m.ids[t + 1] == vals[tuple(m.ids[t - 2:t + 1])]
+        assert sum(m.weights) == 2 and len(m.weights) == len(m.ids) - 1
 
 
 def test_training_stops_at_the_wall_clock_and_resumes(tmp_path, monkeypatch):
@@ -312,3 +329,74 @@ def test_training_stops_at_the_wall_clock_and_resumes(tmp_path, monkeypatch):
     assert torch.load(tmp_path / "r" / "ckpt.pt")["step"] == 3
     rows = [json.loads(r) for r in (tmp_path / "r" / "eval.jsonl").read_text().splitlines()]
     assert rows and all(len(r["head"]) == 4 and 0.0 <= r["head"][3] <= 1.0 for r in rows)
+
+
+def test_report_scores_the_runner_and_writes_its_files(tmp_path, tok):
+    """testbed.py report on an exported random model: the runner's greedy answer is scored against a target
+    the PyTorch model's greedy continuation makes (exact match 1 with the full cache and with a budget that
+    keeps the whole prompt; the runner's ids are the PyTorch model's), footprints come from the runner's
+    --stats, and the critical footprint is kvevict.critical_footprint of the mean curve."""
+    run = built("KVEVICT_RUN")
+    import tb_report
+    m, path = exported_small_model(tmp_path)
+    gen = tb_data.Generator(tok, STORIES, "test", 1)
+    examples = [tb_report.Example(e, i) for i, e in
+                enumerate(tb_data.eval_set(gen, 1, lengths=(256,), kinds=("after", "before")))]
+    for ex in examples:  # the target: what the model itself decodes greedily after the prompt
+        ex.answer = testbed.greedy(m, ex.prompt, len(ex.prompt) + len(ex.answer))[len(ex.prompt):]
+    opts = argparse.Namespace(kvevict_run=run, checkpoint=path, threads=1, window=8, lookahead_module="",
+                              recipes=["snapkv", "h2o"], drivers=["postfill", "chunked-naive", "decode"],
+                              budgets=[16, 512], jobs=2, progress_every=1e9, fraction=0.9, bootstrap=20,
+                              split="test", per_cell=1)
+    rep = tb_report.run_report(opts, examples, log=lambda _: None)
+    rows = {(r["recipe"], r["driver"], r["budget"], r["kind"]): r for r in rep["rows"]}
+    assert len(rows) == 2 * (1 + 5 * 2) and not rep["skipped"]  # (full + (snapkv x 3 drivers + h2o x 2) x 2 budgets) x 2 kinds
+    for kind in ("after", "before"):
+        full = rows[("full", "postfill", 0, kind)]
+        assert full["exact_match"] == 1.0 and full["footprint"] == 1.0 and full["code_digits"] == 1.0
+        keep_all = rows[("snapkv", "postfill", 512, kind)]  # 512 >= the prompt: nothing is evicted
+        assert keep_all["exact_match"] == 1.0 and "d_snapkv" not in keep_all  # it is the reference row
+        assert rows[("snapkv", "chunked-naive", 512, kind)]["exact_match"] == 1.0
+        for (rc, d, b, k), r in rows.items():
+            if k == kind and rc != "full":
+                assert 0.0 < r["footprint"] <= 1.0 and 0.0 <= r["exact_match"] <= 1.0
+                if b == 16:  # evicting to 16 of ~250 rows per head holds less KV than keeping them all
+                    assert r["footprint"] < rows[(rc, d, 512, kind)]["footprint"]
+        assert rows[("h2o", "postfill", 16, kind)]["d_snapkv"]["mean"] == (
+            rows[("h2o", "postfill", 16, kind)]["exact_match"] - rows[("snapkv", "postfill", 16, kind)]["exact_match"])
+    # the critical footprint of one curve, recomputed from its rows with the library function
+    kvevict = tb_report.kvevict_binding()
+    c = next(x for x in rep["critical"] if (x["recipe"], x["driver"], x["kind"]) == ("snapkv", "postfill", "after"))
+    pts = [rows[("snapkv", "postfill", b, "after")] for b in (16, 512)]
+    ref = kvevict.critical_footprint([p["footprint"] for p in pts], [p["exact_match"] for p in pts], 1.0, 0.9)
+    assert c["critical"]["footprint"] == ref[0] and c["critical"]["kind"] == str(ref[2]).split(".")[-1]
+    # the command: files written, tables and plot
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    (stories / "test.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    out = tmp_path / "rep"
+    out.mkdir()
+    testbed.main(["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories), "--per-cell",
+                  "1", "--lengths", "256", "--kinds", "after", "--budgets", "16,32", "--recipes", "snapkv",
+                  "--drivers", "postfill", "--window", "8", "--bootstrap", "5", "--out-dir", str(out)])
+    files = sorted(os.listdir(out))
+    assert files == ["testbed_report.json", "testbed_report.md", "testbed_report.svg"]
+    rep = json.loads((out / "testbed_report.json").read_text())
+    assert [r["budget"] for r in rep["rows"]] == [0, 16, 32] and rep["examples"][0]["kind"] == "after"
+    assert "## Critical KV footprint" in (out / "testbed_report.md").read_text()
+    assert (out / "testbed_report.svg").read_text().startswith("<?xml")
+    with pytest.raises(SystemExit, match="needs --lookahead-module"):
+        testbed.main(["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories),
+                      "--recipes", "lookaheadkv", "--out-dir", str(out)])
+
+
+def test_lookahead_prompts_leave_room_for_the_response(tok):
+    gen = tb_data.Generator(tok, STORIES, "train", 1)
+    prompts = testbed.lookahead_prompts(gen, 30_000_000, 6, [256, 512], 24)
+    assert len(prompts) == 6
+    for j, ids in enumerate(prompts):
+        L = [256, 512][j // 2 % 2]
+        assert ids[0] == 1 and len(ids) + 24 <= L and tok.decode(ids[-1:]) == ":"
+        text = tok.decode(ids[1:])
+        assert text.rstrip().endswith("Answer:") and text.lstrip().startswith("Question:") == (j % 2 == 1)
+    assert prompts == testbed.lookahead_prompts(gen, 30_000_000, 6, [256, 512], 24)  # a function of the seed

@@ -41,28 +41,42 @@ inline status check_probed_size(const char* fn, const workspace& ws, const works
                        ws.bytes, probe.bytes);
 }
 
+/// The host checks of a batch's arrays (after the shared ones): varlen shape, T within int32,
+/// alignment, the kept lists overlapping the inputs or each other.
+inline status check_batch_arrays(const char* fn, const batch_rows& rows, const std::int32_t* budgets,
+                                 const std::int32_t* kept_cu, const pos_t* kept_pos, index_t kept_capacity) {
+  const index_t S = rows.sequences, H = rows.kv_heads, R = S * H, T = rows.scores.extent(1);
+  const bool varlen = rows.cu_seqlens != nullptr;
+  if (varlen && rows.row_lengths != nullptr)
+    return status::error(errc::invalid_argument, "%s: give row_lengths (padded) or cu_seqlens (varlen), not both", fn);
+  if (varlen && rows.scores.extent(0) != H)
+    return status::error(errc::shape_mismatch, "%s: varlen scores have %lld rows, expected the %lld KV heads", fn,
+                         static_cast<long long>(rows.scores.extent(0)), static_cast<long long>(H));
+  if (T > INT32_MAX)
+    return status::error(errc::size_overflow, "%s: %lld score columns do not fit int32 positions", fn,
+                         static_cast<long long>(T));
+  KVEVICT_TRY(check_select_alignment(fn, rows.scores, rows.row_lengths, nullptr, kept_pos, "kept_pos", kept_cu, "kept_cu"));
+  KVEVICT_TRY(check_device_alignment(fn, "cu_seqlens", rows.cu_seqlens));
+  const byte_range in[] = {range_of(rows.scores), ints_range(rows.row_lengths, R), ints_range(rows.cu_seqlens, S + 1),
+                           ints_range(budgets, S)};
+  const byte_range cur = ints_range(kept_cu, R + 1), pr = positions_range(kept_pos, kept_capacity > 0 ? kept_capacity : 1);
+  const char* const names[] = {"scores", "row_lengths", "cu_seqlens", "budgets"};
+  for (int i = 0; i < 4; ++i)
+    if (cur.intersects(in[i]) || pr.intersects(in[i]))
+      return status::error(errc::overlap, "%s: the kept lists overlap %s in memory", fn, names[i]);
+  if (cur.intersects(pr)) return status::error(errc::overlap, "%s: kept_cu and kept_pos overlap in memory", fn);
+  return {};
+}
+
 /// The varlen batch's selection (after the shared checks): the host checks of its arrays, then the
 /// workspace (two-phase), the offsets op and the selection ops.
 inline status select_topk_batch_varlen(cuda_t be, const char* fn, workspace& ws, const batch_rows& rows,
                                        const std::int32_t* budgets, std::int32_t* kept_cu, pos_t* kept_pos,
                                        index_t kept_capacity, const cuda_select_options& opt, int* bad) {
   const index_t S = rows.sequences, H = rows.kv_heads, R = S * H, T = rows.scores.extent(1);
-  if (rows.row_lengths != nullptr)
-    return status::error(errc::invalid_argument, "%s: give row_lengths (padded) or cu_seqlens (varlen), not both", fn);
-  if (rows.scores.extent(0) != H)
-    return status::error(errc::shape_mismatch, "%s: varlen scores have %lld rows, expected the %lld KV heads", fn,
-                         static_cast<long long>(rows.scores.extent(0)), static_cast<long long>(H));
-  if (T > INT32_MAX)
-    return status::error(errc::size_overflow, "%s: %lld score columns do not fit int32 positions", fn,
-                         static_cast<long long>(T));
-  KVEVICT_TRY(check_select_alignment(fn, rows.scores, rows.cu_seqlens, nullptr, kept_pos, "kept_pos", kept_cu, "kept_cu"));
+  KVEVICT_TRY(check_batch_arrays(fn, rows, budgets, kept_cu, kept_pos, kept_capacity));
   const byte_range in[] = {range_of(rows.scores), ints_range(rows.cu_seqlens, S + 1), ints_range(budgets, S)};
   const byte_range cur = ints_range(kept_cu, R + 1), pr = positions_range(kept_pos, kept_capacity > 0 ? kept_capacity : 1);
-  const char* const names[] = {"scores", "cu_seqlens", "budgets"};
-  for (int i = 0; i < 3; ++i)
-    if (cur.intersects(in[i]) || pr.intersects(in[i]))
-      return status::error(errc::overlap, "%s: the kept lists overlap %s in memory", fn, names[i]);
-  if (cur.intersects(pr)) return status::error(errc::overlap, "%s: kept_cu and kept_pos overlap in memory", fn);
   const varlen_rows vr{rows.cu_seqlens, S, H, T, kept_cu, kept_pos, kept_capacity};
   const auto check_ws = [&](std::size_t used) -> status {
     const auto w0 = reinterpret_cast<std::uintptr_t>(ws.data);
@@ -89,26 +103,8 @@ inline status select_topk_batch_varlen(cuda_t be, const char* fn, workspace& ws,
 inline status select_topk_batch_flat(cuda_t be, const char* fn, workspace& ws, const batch_rows& rows,
                                      const std::int32_t* budgets, std::int32_t* kept_cu, pos_t* kept_pos,
                                      index_t kept_capacity, int* bad) {
-  const index_t S = rows.sequences, H = rows.kv_heads, R = S * H, T = rows.scores.extent(1);
-  const bool varlen = rows.cu_seqlens != nullptr;
-  if (varlen && rows.row_lengths != nullptr)
-    return status::error(errc::invalid_argument, "%s: give row_lengths (padded) or cu_seqlens (varlen), not both", fn);
-  if (varlen && rows.scores.extent(0) != H)
-    return status::error(errc::shape_mismatch, "%s: varlen scores have %lld rows, expected the %lld KV heads", fn,
-                         static_cast<long long>(rows.scores.extent(0)), static_cast<long long>(H));
-  if (T > INT32_MAX)
-    return status::error(errc::size_overflow, "%s: %lld score columns do not fit int32 positions", fn,
-                         static_cast<long long>(T));
-  KVEVICT_TRY(check_select_alignment(fn, rows.scores, rows.row_lengths, nullptr, kept_pos, "kept_pos", kept_cu, "kept_cu"));
-  KVEVICT_TRY(check_device_alignment(fn, "cu_seqlens", rows.cu_seqlens));
-  const byte_range in[] = {range_of(rows.scores), ints_range(rows.row_lengths, R), ints_range(rows.cu_seqlens, S + 1),
-                           ints_range(budgets, S)};
-  const byte_range cur = ints_range(kept_cu, R + 1), pr = positions_range(kept_pos, kept_capacity > 0 ? kept_capacity : 1);
-  const char* const names[] = {"scores", "row_lengths", "cu_seqlens", "budgets"};
-  for (int i = 0; i < 4; ++i)
-    if (cur.intersects(in[i]) || pr.intersects(in[i]))
-      return status::error(errc::overlap, "%s: the kept lists overlap %s in memory", fn, names[i]);
-  if (cur.intersects(pr)) return status::error(errc::overlap, "%s: kept_cu and kept_pos overlap in memory", fn);
+  const index_t S = rows.sequences, H = rows.kv_heads, T = rows.scores.extent(1);
+  KVEVICT_TRY(check_batch_arrays(fn, rows, budgets, kept_cu, kept_pos, kept_capacity));
   if (ws.is_query()) {
     ws.bytes = 0;
     return {};

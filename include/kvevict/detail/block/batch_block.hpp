@@ -172,8 +172,8 @@ KVEVICT_HOST_DEVICE void batch_flat_sequence(Block& blk, const batch_keys& b, co
       if (kept > 0) block_emit(blk, keys, 0, n, st.t, ties, out, kept, 0, sm.keys);
     }
     at += kept;
-    blk.each([&](int tid) {
-      if (tid == 0) cu[first + h + 1] = static_cast<std::int32_t>(at);
+    blk.each([&](int tid) {  // cu[first + H] (= at now) is the offsets op's, read by the next sequence's block
+      if (tid == 0 && h + 1 < H) cu[first + h + 1] = static_cast<std::int32_t>(at);
     });
     blk.sync();  // sm.keys (the emit's staging) is reused by the next head
   }

@@ -284,8 +284,12 @@ void batch_offsets_launch(L& l, const std::int32_t* budgets, const std::int32_t*
 }
 
 /// Block s (grid-stride): sequence s of a flattened batch (detail/block/batch_block.hpp,
-/// batch_flat_sequence).
-struct batch_flat_op : select_op_base {
+/// batch_flat_sequence). At least 2 blocks per SM (not 3): one block per sequence, and at 3 the
+/// register cap (80) spilled.
+struct batch_flat_op {
+  static constexpr int threads = select_block_threads;
+  static constexpr int min_blocks = 2;
+  using shared = select_shared;
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, batch_keys b, const std::int32_t* budgets, std::int32_t* cu,
                                        pos_t* pos) {

@@ -271,7 +271,7 @@ TEST_CASE("batched selection device logic: flattened budgets (padded and varlen)
         scores[static_cast<std::size_t>(kvtest::uniform_int(g, 0, rows_m * T - 1))] = i == 0 ? std::numeric_limits<float>::quiet_NaN() : -std::numeric_limits<float>::infinity();
     const auto sv = kvtest::value_of(make_matrix_view<const float>(scores.data(), rows_m, T));
     const batch_rows rows = varlen ? batch_varlen(sv, cu_seqlens.data(), S) : batch_padded(sv, S, H, lens.data());
-    const index_t capacity = std::max<index_t>(R * T, 1);
+    const index_t capacity = R * T + 1;  // one spare slot: nothing may be written past the kept entries
     std::vector<std::int32_t> host_cu(static_cast<std::size_t>(R + 1)), dev_cu(host_cu.size(), -9);
     std::vector<pos_t> host_pos(static_cast<std::size_t>(capacity)), dev_pos(host_pos.size(), -9);
     REQUIRE(kvtest::two_phase([&](workspace& ws) {

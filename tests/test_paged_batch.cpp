@@ -977,7 +977,7 @@ TEST_CASE("paged drivers: decode_driver on paged layers across tensor-parallel r
   CHECK(evictions > 0);
 }
 
-TEST_CASE("paged drivers: bad paged layers are refused before anything changes") {
+TEST_CASE("paged drivers: bad paged layers and cuda_t are refused before anything changes") {
   auto g = kvtest::rng(1315);
   const index_t H = 2, d = 4, P = 20, w = 4;
   post_fill_config cfg;
@@ -1039,6 +1039,37 @@ TEST_CASE("paged drivers: bad paged layers are refused before anything changes")
   kvtest::require_error(add(pc, store.view()), errc::not_sorted, "arrival order");
   *p0 = old;
   REQUIRE(add(pc, store.view()).ok());
+  // every driver call on cuda_t: errc::unsupported with the reason, nothing changes
+  {
+    std::vector<unsigned char> m(kvtest::value_of(post_fill_driver::state_bytes(pc)));
+    post_fill_driver drv;
+    REQUIRE(drv.init(pc, m.data(), m.size()).ok());
+    workspace none;
+    const auto kvp = store.view();
+    const std::vector<float> sc(static_cast<std::size_t>(H * P));
+    const auto sv = kvtest::value_of(make_matrix_view<const float>(sc.data(), H, P));
+    const auto refused = [](const status& st, const char* fn) {
+      kvtest::require_error(st, errc::unsupported, fn);
+      kvtest::require_error(st, errc::unsupported, "host backends");
+    };
+    refused(drv.add_layer(kvevict::cuda, none, 0, kvp, qv), "post_fill_driver::add_layer");
+    refused(drv.add_layer_scores(kvevict::cuda, none, 0, kvp, sv), "post_fill_driver::add_layer_scores");
+    refused(drv.decide(kvevict::cuda, none), "post_fill_driver::decide");
+    CHECK(drv.layers_added() == 0);
+    REQUIRE(with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.add_layer(seq, ws, 0, kvp, qv); }).ok());
+    cascade_driver cas;
+    refused(cas.add_layer(kvevict::cuda, none, 0, kvp, qv), "cascade_driver::add_layer");
+    refused(cas.add_layer_scores(kvevict::cuda, none, 0, kvp, sv), "cascade_driver::add_layer_scores");
+    refused(cas.add_remote_layer(kvevict::cuda, none, 0, 1.0), "cascade_driver::add_remote_layer");
+    chunked_driver ch;
+    refused(ch.add_layer(kvevict::cuda, none, 0, kvp, qv), "chunked_driver::add_layer");
+    refused(ch.add_layer_scores(kvevict::cuda, none, 0, kvp, sv), "chunked_driver::add_layer_scores");
+    refused(ch.decide(kvevict::cuda, none), "chunked_driver::decide");
+    decode_driver dec;
+    refused(dec.begin(kvevict::cuda, none, 0, kvp, P), "decode_driver::begin");
+    refused(dec.step(kvevict::cuda, none, 0, kvp, qv), "decode_driver::step");
+    refused(dec.step_scores(kvevict::cuda, none, 0, kvp, sv), "decode_driver::step_scores");
+  }
 }
 
 TEST_CASE("paged drivers: chunked_driver on paged layers equals it on the same rows dense, chunk by chunk") {

@@ -4,7 +4,8 @@
 // (fibers, interleaved resident blocks, small grids, small flag rings): identical pools, outputs and
 // scores to the seq forms on random layouts, and all or nothing on bad device data (nothing written,
 // the problems counted). Also the batched selection's offsets (batch_offsets_launch) and the varlen
-// batched selection (offsets, then the selection ops over detail::varlen_rows).
+// batched selection (offsets, then the selection ops over detail::varlen_rows), and the flattened
+// batched selection (offsets, then one block per sequence: detail::batch_flat_launch).
 #include "paged_fixture.hpp"
 
 #include <kvevict/batch.hpp>
@@ -238,6 +239,79 @@ TEST_CASE("batched selection device logic: varlen rows (cu_seqlens) on the execu
       bad_cs.back() = static_cast<std::int32_t>(T + 1);
       CHECK(run(bad_cs, 2) > 0);
       CHECK(std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }));
+    }
+  }
+}
+
+TEST_CASE("batched selection device logic: flattened budgets (padded and varlen) on the executor == select_topk_batch(seq)") {
+  auto g = kvtest::rng(1327);
+  for (int trial = 0; trial < 32; ++trial) {
+    CAPTURE(trial);
+    const bool varlen = trial % 2 == 1;
+    const index_t S = kvtest::uniform_int(g, 0, 7), H = kvtest::uniform_int(g, 1, 4);
+    const auto S1 = static_cast<std::size_t>(S);
+    std::vector<std::int32_t> cu_seqlens(S1 + 1, 0), budgets(std::max<std::size_t>(S1, 1));
+    std::vector<std::int32_t> lens(std::max<std::size_t>(S1 * static_cast<std::size_t>(H), 1));
+    index_t T = 0;
+    for (index_t s = 0; s < S; ++s) {
+      const index_t n = trial % 8 == 7 ? kvtest::uniform_int(g, 300, 600) : kvtest::uniform_int(g, 0, 40);
+      cu_seqlens[static_cast<std::size_t>(s) + 1] = cu_seqlens[static_cast<std::size_t>(s)] + static_cast<std::int32_t>(n);
+      T = varlen ? cu_seqlens[static_cast<std::size_t>(s) + 1] : std::max(T, n);
+      for (index_t h = 0; h < H; ++h) lens[static_cast<std::size_t>(s * H + h)] = static_cast<std::int32_t>(kvtest::uniform_int(g, 0, n));
+      // k = 0, k = all, and budgets in between
+      const int pick = static_cast<int>(g() % 4);
+      budgets[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(pick == 0 ? 0 : pick == 1 ? n + 2 : kvtest::uniform_int(g, 0, n));
+    }
+    T += kvtest::uniform_int(g, 0, 3);  // spare columns
+    const index_t rows_m = varlen ? H : S * H, R = S * H;
+    std::vector<float> scores(static_cast<std::size_t>(std::max<index_t>(rows_m * T, 1)));
+    for (auto& x : scores) x = static_cast<float>(kvtest::uniform_int(g, 0, trial % 3 == 0 ? 3 : 1000));  // ties
+    if (trial % 4 == 3 && rows_m * T > 0)
+      for (int i = 0; i < 3; ++i)
+        scores[static_cast<std::size_t>(kvtest::uniform_int(g, 0, rows_m * T - 1))] = i == 0 ? std::numeric_limits<float>::quiet_NaN() : -std::numeric_limits<float>::infinity();
+    const auto sv = kvtest::value_of(make_matrix_view<const float>(scores.data(), rows_m, T));
+    const batch_rows rows = varlen ? batch_varlen(sv, cu_seqlens.data(), S) : batch_padded(sv, S, H, lens.data());
+    const index_t capacity = R * T + 1;  // one spare slot: nothing may be written past the kept entries
+    std::vector<std::int32_t> host_cu(static_cast<std::size_t>(R + 1)), dev_cu(host_cu.size(), -9);
+    std::vector<pos_t> host_pos(static_cast<std::size_t>(capacity)), dev_pos(host_pos.size(), -9);
+    REQUIRE(kvtest::two_phase([&](workspace& ws) {
+              return select_topk_batch(seq, ws, rows, budgets.data(), batch_budget::flattened, host_cu.data(),
+                                       host_pos.data(), capacity);
+            }).ok());
+    // select_topk_batch(cuda)'s flattened sequence: the offsets op, then one block per sequence
+    const auto run = [&](const std::int32_t* cs, const std::int32_t* ls, const std::vector<std::int32_t>& b, index_t cap_pos) {
+      std::fill(dev_cu.begin(), dev_cu.end(), -9);
+      std::fill(dev_pos.begin(), dev_pos.end(), -9);
+      const detail::batch_keys keys{sv, varlen ? nullptr : ls, varlen ? cs : nullptr, S, H, T};
+      return on_executor(g, [&](auto& l, int* bad, index_t cap) {
+        detail::batch_flat_launch(l, keys, b.data(), cap_pos, dev_cu.data(), dev_pos.data(), bad, cap);
+      });
+    };
+    CHECK(run(cu_seqlens.data(), lens.data(), budgets, capacity) == 0);
+    REQUIRE(dev_cu == host_cu);
+    for (index_t i = 0; i < host_cu.back(); ++i)
+      REQUIRE(dev_pos[static_cast<std::size_t>(i)] == host_pos[static_cast<std::size_t>(i)]);
+    CHECK(dev_pos[static_cast<std::size_t>(host_cu.back())] == -9);  // nothing past the kept entries
+    // all or nothing on bad device data: every offset 0, no position written, the problems counted
+    const auto nothing = [&] {
+      return std::all_of(dev_cu.begin(), dev_cu.end(), [](std::int32_t x) { return x == 0; }) &&
+             std::all_of(dev_pos.begin(), dev_pos.end(), [](pos_t x) { return x == -9; });
+    };
+    if (host_cu.back() > 0) {
+      CHECK(run(cu_seqlens.data(), lens.data(), budgets, host_cu.back() - 1) == 1);
+      CHECK(nothing());
+    }
+    if (S > 0) {
+      auto bad_budgets = budgets;
+      bad_budgets[S1 - 1] = -1;
+      CHECK(run(cu_seqlens.data(), lens.data(), bad_budgets, capacity) == H);
+      CHECK(nothing());
+      auto bad_cs = cu_seqlens;
+      auto bad_lens = lens;
+      if (varlen) bad_cs.back() = static_cast<std::int32_t>(T + 1);
+      else bad_lens[0] = static_cast<std::int32_t>(T + 1);
+      CHECK(run(bad_cs.data(), bad_lens.data(), budgets, capacity) > 0);
+      CHECK(nothing());
     }
   }
 }

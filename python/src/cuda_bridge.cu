@@ -376,15 +376,14 @@ status recipe_select_ragged(const recipe& r, const raw& scores, const std::int32
 }
 
 status select_topk_batch(const raw& scores, index_t sequences, index_t kv_heads, const std::int32_t* row_lengths,
-                         const std::int32_t* cu_seqlens, const std::int32_t* budgets, std::int32_t* cu, pos_t* positions,
-                         index_t capacity, std::int32_t* total, stream_t s) {
+                         const std::int32_t* cu_seqlens, const std::int32_t* budgets, batch_budget kind, std::int32_t* cu,
+                         pos_t* positions, index_t capacity, std::int32_t* total, stream_t s) {
   constexpr const char* fn = "select_topk_batch(cuda)";
   KVEVICT_BRIDGE_VIEW(sv, const float, 2, "scores", scores);
   const batch_rows rows = cu_seqlens != nullptr ? batch_varlen(sv, cu_seqlens, sequences)
                                                 : batch_padded(sv, sequences, kv_heads, row_lengths);
   KVEVICT_TRY(with_workspace_and_count(fn, s, [&](workspace& ws, int* bad) {
-    return kvevict::select_topk_batch(cuda_t{s}, ws, rows, budgets, batch_budget::per_head, cu, positions, capacity,
-                                      bad);
+    return kvevict::select_topk_batch(cuda_t{s}, ws, rows, budgets, kind, cu, positions, capacity, bad);
   }));
   return read_back(fn, s, cu + sequences * kv_heads, total, 1);
 }

@@ -16,6 +16,7 @@
 // buffer's rows before any launch.
 #pragma once
 
+#include <kvevict/batch.hpp>
 #include <kvevict/compact.hpp>
 #include <kvevict/paged_types.hpp>
 #include <kvevict/recipes.hpp>
@@ -71,12 +72,12 @@ status select_topk_ragged(const raw& scores, const std::int32_t* row_lengths, co
                           std::int32_t* cu, pos_t* positions, stream_t s);
 status recipe_select_ragged(const recipe& r, const raw& scores, const std::int32_t* host_cu, std::int32_t* cu,
                             pos_t* positions, stream_t s);
-// batch.hpp with per-head budgets: padded rows (row_lengths [S*H] or null) or, when cu_seqlens [S+1]
-// is given, varlen rows (scores [H][total]); budgets [S]; cu [R+1], positions [capacity]; every array
-// device memory; *total receives cu[R] (read back)
+// batch.hpp with per-head or flattened budgets: padded rows (row_lengths [S*H] or null) or, when
+// cu_seqlens [S+1] is given, varlen rows (scores [H][total]); budgets [S]; cu [R+1], positions
+// [capacity]; every array device memory; *total receives cu[R] (read back)
 status select_topk_batch(const raw& scores, index_t sequences, index_t kv_heads, const std::int32_t* row_lengths,
-                         const std::int32_t* cu_seqlens, const std::int32_t* budgets, std::int32_t* cu, pos_t* positions,
-                         index_t capacity, std::int32_t* total, stream_t s);
+                         const std::int32_t* cu_seqlens, const std::int32_t* budgets, batch_budget kind, std::int32_t* cu,
+                         pos_t* positions, index_t capacity, std::int32_t* total, stream_t s);
 
 // ragged caches with capacity (T: float, float16, bfloat16): every array device memory;
 // buffer_rows: the buffer's row count, checked against cu_capacity (read back) before any launch

@@ -262,9 +262,6 @@ py::tuple select_batch_py(py::handle scores_, py::handle budgets_, index_t kv_he
   if (rl.data != nullptr && cs.data != nullptr)
     raise(errc::invalid_argument, "select_topk_batch: row_lengths (padded) or cu_seqlens (varlen), not both");
   const bool gpu = runs_on_gpu(fn, {&scores, &rl, &cs, &budgets});
-  if (gpu && kind != batch_budget::per_head)
-    raise(errc::unsupported, "select_topk_batch: CUDA tensors run per-head budgets only, padded or varlen (the "
-                             "library's cuda_t path); pass CPU tensors for flattened budgets");
   if (!gpu) require_host(budgets);
   const auto sv = mat<const float>(scores);
   batch_rows rows;
@@ -301,7 +298,7 @@ py::tuple select_batch_py(py::handle scores_, py::handle budgets_, index_t kv_he
       },
       [&](gpu::stream_t st) {
         return gpu::select_topk_batch(raw_of(scores), rows.sequences, rows.kv_heads, rows.row_lengths,
-                                      rows.cu_seqlens, b, cup, pp, capacity, &total, st);
+                                      rows.cu_seqlens, b, kind, cup, pp, capacity, &total, st);
       });
   return py::make_tuple(py::object(pos.object[py::slice(py::int_(0), py::int_(total), py::none())]), cu.object);
 }

@@ -110,6 +110,12 @@ def _calls(gen, cuda=cuda):
         ("select_topk_batch", lambda: kvevict.select_topk_batch(cuda(s2), cuda(ints(3, 4)),
                                                                 cu_seqlens=cuda(ints(0, 4, 10)),
                                                                 out=(cuda(i32(20)), cuda(i32(5))))),
+        ("select_topk_batch", lambda: kvevict.select_topk_batch(cuda(s4), cuda(ints(3, 4)), kv_heads=2,
+                                                                kind="flattened", row_lengths=cuda(ints(10, 9, 8, 10)),
+                                                                out=(cuda(i32(40)), cuda(i32(5))))),
+        ("select_topk_batch", lambda: kvevict.select_topk_batch(cuda(s2), cuda(ints(3, 4)), kind="flattened",
+                                                                cu_seqlens=cuda(ints(0, 4, 10)),
+                                                                out=(cuda(i32(20)), cuda(i32(5))))),
         ("compact", lambda: kvevict.compact(cuda(k), cuda(kept), out=cuda(f32(2, 3, 8)))),
         ("compact_ragged", lambda: kvevict.compact_ragged(cuda(k), cuda(kept.flatten()), cuda(ints(0, 3, 6)),
                                                           out=cuda(f32(6, 8)))),
@@ -204,10 +210,6 @@ def test_cuda_forms_that_need_host_metadata(gen):
     with pytest.raises(kvevict.Error, match="page tables are read on the host"):
         kvevict.paged_key_norm_scores(cuda(pk), cuda(pv), cuda(indptr), indices, last, 2,
                                       out=cuda(torch.zeros(4, 10)))
-    # the batched selection's cuda_t path: padded rows, per-head budgets
-    with pytest.raises(kvevict.Error, match="per-head budgets only" if kvevict.has_cuda else "this build has none"):
-        kvevict.select_topk_batch(cuda(randn(gen, 4, 10)), cuda(ints(3, 4)), kv_heads=2, kind="flattened",
-                                  out=(cuda(torch.zeros(40, dtype=torch.int32)), cuda(torch.zeros(5, dtype=torch.int32))))
 
 
 def test_mixed_host_and_cuda_tensors_refused(gen):

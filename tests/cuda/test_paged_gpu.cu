@@ -10,7 +10,9 @@
 #include <kvevict/paged.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -115,8 +117,13 @@ void host_checks() {
   std::vector<float> s(8);
   std::int32_t cu_seq[2] = {0, 8}, budget[1] = {3}, kept_cu[2] = {0, 0};
   const batch_rows rows = batch_varlen(*make_matrix_view<const float>(s.data(), 1, 8), cu_seq, 1);
-  KVGPU_CHECK(select_topk_batch(kvevict::cuda, q, rows, budget, batch_budget::flattened, kept_cu, nullptr, 0).code() ==
-              errc::unsupported);
+  workspace fq;  // flattened budgets run on cuda without workspace: the query answers 0 bytes
+  fq.bytes = 99;
+  KVGPU_CHECK(select_topk_batch(kvevict::cuda, fq, rows, budget, batch_budget::flattened, kept_cu, nullptr, 0).ok() &&
+              fq.bytes == 0);
+  const batch_rows both{rows.scores, cu_seq, cu_seq, 1, 1};
+  KVGPU_CHECK(select_topk_batch(kvevict::cuda, fq, both, budget, batch_budget::flattened, kept_cu, nullptr, 0).code() ==
+              errc::invalid_argument);
   workspace vq;  // varlen per-head budgets run on cuda: a size query
   KVGPU_CHECK(select_topk_batch(kvevict::cuda, vq, rows, budget, batch_budget::per_head, kept_cu, nullptr, 0).ok() &&
               vq.bytes > 0);
@@ -199,11 +206,14 @@ void scores_case(std::mt19937_64& g) {
   KVGPU_CHECK(sk.get(hk.size()) == hk && sw.get(hw.size()) == hw);
 }
 
-void batch_case(std::mt19937_64& g) {
+// padded rows with per-head or flattened budgets (ties: scores rounded to halves every other trial)
+void batch_case(std::mt19937_64& g, batch_budget kind) {
   const index_t S = 1 + g() % 16, H = 1 + g() % 8, T = 1 + g() % 2000;
   std::vector<float> s(S * H * T);
   std::normal_distribution<float> nd;
-  for (auto& x : s) x = nd(g);
+  const bool ties = g() % 2 == 0;
+  for (auto& x : s) x = ties ? std::round(2 * nd(g)) / 2 : nd(g);
+  if (!s.empty()) s[g() % s.size()] = std::numeric_limits<float>::quiet_NaN();
   std::vector<std::int32_t> lens(S * H), budgets(S);
   for (auto& l : lens) l = static_cast<std::int32_t>(g() % (T + 1));
   for (auto& b : budgets) b = static_cast<std::int32_t>(g() % (T / 4 + 2));
@@ -211,20 +221,21 @@ void batch_case(std::mt19937_64& g) {
   std::vector<pos_t> hpos(S * H * T + 1, -1);
   KVGPU_CHECK(two_phase_host([&](workspace& ws) {
                 return select_topk_batch(seq, ws, batch_padded(*make_matrix_view<const float>(s.data(), S * H, T), S, H, lens.data()),
-                                         budgets.data(), batch_budget::per_head, hcu.data(), hpos.data(), hpos.size());
+                                         budgets.data(), kind, hcu.data(), hpos.data(), hpos.size());
               }).ok());
   dbuf<float> ds(s);
   dbuf<std::int32_t> dl(lens), db(budgets), dcu(std::vector<std::int32_t>(hcu.size(), -1));
   dbuf<pos_t> dpos(std::vector<pos_t>(hpos.size(), -1));
   KVGPU_CHECK(two_phase([&](workspace& ws) {
                 return select_topk_batch(kvevict::cuda, ws, batch_padded(*make_matrix_view<const float>(ds.p, S * H, T), S, H, dl.p),
-                                         db.p, batch_budget::per_head, dcu.p, dpos.p, hpos.size());
+                                         db.p, kind, dcu.p, dpos.p, hpos.size());
               }).ok());
   KVGPU_CHECK(dcu.get(hcu.size()) == hcu && dpos.get(hpos.size()) == hpos);
 }
 
-// varlen rows (scores [H][total], cu_seqlens) with per-head budgets: the same kept lists as seq
-void varlen_case(std::mt19937_64& g) {
+// varlen rows (scores [H][total], cu_seqlens) with per-head or flattened budgets: the same kept
+// lists as seq
+void varlen_case(std::mt19937_64& g, batch_budget kind) {
   const index_t S = 1 + g() % 12, H = 1 + g() % 8;
   std::vector<std::int32_t> cu(S + 1, 0), budgets(S);
   for (index_t i = 0; i < S; ++i) {
@@ -239,14 +250,14 @@ void varlen_case(std::mt19937_64& g) {
   std::vector<pos_t> hpos(H * T + 1, -1);
   KVGPU_CHECK(two_phase_host([&](workspace& ws) {
                 return select_topk_batch(seq, ws, batch_varlen(*make_matrix_view<const float>(s.data(), H, T), cu.data(), S),
-                                         budgets.data(), batch_budget::per_head, hcu.data(), hpos.data(), hpos.size());
+                                         budgets.data(), kind, hcu.data(), hpos.data(), hpos.size());
               }).ok());
   dbuf<float> ds(s);
   dbuf<std::int32_t> dc(cu), db(budgets), dcu(std::vector<std::int32_t>(hcu.size(), -1));
   dbuf<pos_t> dpos(std::vector<pos_t>(hpos.size(), -1));
   KVGPU_CHECK(two_phase([&](workspace& ws) {
                 return select_topk_batch(kvevict::cuda, ws, batch_varlen(*make_matrix_view<const float>(ds.p, H, T), dc.p, S),
-                                         db.p, batch_budget::per_head, dcu.p, dpos.p, hpos.size());
+                                         db.p, kind, dcu.p, dpos.p, hpos.size());
               }).ok());
   KVGPU_CHECK(dcu.get(hcu.size()) == hcu && dpos.get(hpos.size()) == hpos);
 }
@@ -262,7 +273,10 @@ int main() {
     for (const page_lists lists : {page_lists::per_sequence, page_lists::per_head})
       for (const page_layout pl : {page_layout::nhd, page_layout::hnd})
         for (int trial = 0; trial < 4; ++trial) compaction_case(g, ps, lists, pl, trial == 3);
-  for (int trial = 0; trial < 10; ++trial) scores_case(g), batch_case(g), varlen_case(g);
+  for (int trial = 0; trial < 10; ++trial) {
+    scores_case(g);
+    for (const batch_budget kind : {batch_budget::per_head, batch_budget::flattened}) batch_case(g, kind), varlen_case(g, kind);
+  }
   std::printf("paged gpu: %d failures\n", kvgpu::failures);
   return kvgpu::failures == 0 ? 0 : 1;
 }

@@ -81,6 +81,9 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
   /// known: its layers end holding what one process holds.
   /// Errors (nothing changes): not initialised; layer out of order or past L; weight NaN, infinite
   /// or negative; workspace too small or overlapping the state; the recorder's errors.
+  status add_remote_layer(cuda_t, workspace&, index_t, double) {
+    return detail::drivers_on_cuda("cascade_driver::add_remote_layer");
+  }
   template <class Backend>
   status add_remote_layer(Backend be, workspace& ws, index_t layer, double weight) {
     constexpr const char* fn = "cascade_driver::add_remote_layer";

@@ -200,6 +200,15 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     in_collective_ = false;
     return joined(fn, ws, add_layer_given_scores(fn, be, ws, layer, kv, scores, 0.0));
   }
+  /// On cuda_t: errc::unsupported (detail::drivers_on_cuda), nothing changes.
+  template <class KV, class Q>
+  status add_layer(cuda_t, workspace&, index_t, const KV&, kv_view<Q>, kv_view<const detail::layer_element_t<KV>> = {}) {
+    return detail::drivers_on_cuda("chunked_driver::add_layer");
+  }
+  template <class KV, typename = detail::layer_element_t<KV>>
+  status add_layer_scores(cuda_t, workspace&, index_t, const KV&, matrix_view<const float>) {
+    return detail::drivers_on_cuda("chunked_driver::add_layer_scores");
+  }
 
   /// The recipe the current chunk is scored with: naive / final chunks as a prompt window of the
   /// chunk's last query_rows() rows, patched non-final chunks as an external block (the patch)
@@ -222,6 +231,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   /// entropies (apportion with each layer's evictable rows as its cap) and selects every layer;
   /// per-layer allocators have nothing left to do. Errors: not initialised; no chunk; layers
   /// missing; called twice for a chunk; workspace too small; the recorder's errors.
+  status decide(cuda_t, workspace&) { return detail::drivers_on_cuda("chunked_driver::decide"); }
   template <class Backend>
   status decide(Backend be, workspace& ws) {
     constexpr const char* fn = "chunked_driver::decide";

@@ -90,6 +90,10 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
 
   /// begin on a paged layer (one sequence of it, paged_layer_kv): the same, with the workspace of
   /// every call (two-phase, workspace_bytes(be)) for the block-table checks.
+  template <class T>
+  status begin(cuda_t, workspace&, index_t, const paged_layer_kv<T>&, index_t, matrix_view<const float> = {}) {
+    return detail::drivers_on_cuda("decode_driver::begin");
+  }
   template <class Backend, class T>
   status begin(Backend be, workspace& ws, index_t layer, const paged_layer_kv<T>& kv_in, index_t tokens,
                matrix_view<const float> initial = {}) {
@@ -156,6 +160,16 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   /// recorder's errors.
   /// kv: a layer_kv, or a paged_layer_kv (one sequence of a paged layer; config.pool_pages
   /// bounds its pools).
+  /// On cuda_t (step, step_scores, begin): errc::unsupported (detail::drivers_on_cuda), nothing
+  /// changes.
+  template <class KV, class Q>
+  status step(cuda_t, workspace&, index_t, const KV&, kv_view<Q>, kv_view<const detail::layer_element_t<KV>> = {}) {
+    return detail::drivers_on_cuda("decode_driver::step");
+  }
+  template <class KV, typename = detail::layer_element_t<KV>>
+  status step_scores(cuda_t, workspace&, index_t, const KV&, matrix_view<const float>) {
+    return detail::drivers_on_cuda("decode_driver::step_scores");
+  }
   template <class Backend, class KV, class Q>
   status step(Backend be, workspace& ws, index_t layer, const KV& kv_in, kv_view<Q> queries_in,
               kv_view<const detail::layer_element_t<KV>> block_keys = {}) {

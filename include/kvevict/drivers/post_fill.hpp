@@ -149,6 +149,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     return joined("post_fill_driver::add_layer_scores", ws,
                   prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores, weight), layer, weight);
   }
+  using prefill_driver_skeleton::add_layer;  // the cuda_t overloads: errc::unsupported
+  using prefill_driver_skeleton::add_layer_scores;
 
   // init(cfg, memory, bytes, recorder): detail::driver_skeleton, ending in attach() below.
   // Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
@@ -168,6 +170,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   /// add_layer's. Errors: not initialised; layers missing; called twice; lava: total below the
   /// layers' protected rows or above their rows; cake: the allocator's errors (cake_budgets);
   /// workspace too small; the recorder's errors.
+  status decide(cuda_t, workspace&) { return detail::drivers_on_cuda("post_fill_driver::decide"); }
   template <class Backend>
   status decide(Backend be, workspace& ws) {
     constexpr const char* fn = "post_fill_driver::decide";

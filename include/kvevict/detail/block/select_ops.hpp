@@ -265,22 +265,51 @@ struct batch_offsets_op {
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, const std::int32_t* budgets, const std::int32_t* row_lengths,
                                        const std::int32_t* cu_seqlens, index_t R, index_t H, index_t T,
-                                       index_t capacity, std::int32_t* cu, int* bad) {
+                                       index_t capacity, std::int32_t* cu, int* bad, bool flattened) {
     simt_block<Ctx, threads> blk{c, sh.scan};
-    const index_t added = batch_offsets(blk, budgets, row_lengths, cu_seqlens, R, H, T, capacity, cu);
+    const index_t added = batch_offsets(blk, budgets, row_lengths, cu_seqlens, R, H, T, capacity, cu, flattened);
     if (c.thread() == 0 && added > 0 && bad != nullptr)
       c.atomic_add(bad, static_cast<int>(added < 1 << 30 ? added : 1 << 30));
   }
 };
 
 /// Launched for R = 0 too: kept_cu[0] = 0, as the host writes it. cu_seqlens: varlen lengths (or
-/// null: row_lengths, padded).
+/// null: row_lengths, padded). flattened: per-sequence counts (batch_flat_launch).
 template <class L>
 void batch_offsets_launch(L& l, const std::int32_t* budgets, const std::int32_t* row_lengths,
                           const std::int32_t* cu_seqlens, index_t R, index_t H, index_t T, index_t capacity,
-                          std::int32_t* cu, int* bad) {
+                          std::int32_t* cu, int* bad, bool flattened = false) {
   l.template run<batch_offsets_op>(simt_shape{1, select_block_threads}, budgets, row_lengths, cu_seqlens, R, H, T,
-                                   capacity, cu, bad);
+                                   capacity, cu, bad, flattened);
+}
+
+/// Block s (grid-stride): sequence s of a flattened batch (detail/block/batch_block.hpp,
+/// batch_flat_sequence). At least 2 blocks per SM (not 3): one block per sequence, and at 3 the
+/// register cap (80) spilled.
+struct batch_flat_op {
+  static constexpr int threads = select_block_threads;
+  static constexpr int min_blocks = 2;
+  using shared = select_shared;
+  template <class Ctx>
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, batch_keys b, const std::int32_t* budgets, std::int32_t* cu,
+                                       pos_t* pos) {
+    simt_block<Ctx, threads> blk{c, sh.scan};
+    for (index_t s = c.block(); s < b.S; s += c.grid_dim()) {
+      batch_flat_sequence(blk, b, budgets, s, cu, pos, sh.sm);
+      c.sync();  // shared memory is reused by the next sequence
+    }
+  }
+};
+
+/// select_topk_batch(cuda)'s flattened budgets: the offsets op (per-sequence counts, all or
+/// nothing; problems into *bad), then one block per sequence. `capacity`: room in pos (0 when pos
+/// is null). `cap` bounds the grid (tests).
+template <class L>
+void batch_flat_launch(L& l, const batch_keys& b, const std::int32_t* budgets, index_t capacity, std::int32_t* cu,
+                       pos_t* pos, int* bad, index_t cap = index_t(1) << 20) {
+  const index_t R = b.S * b.H;
+  batch_offsets_launch(l, budgets, b.row_lengths, b.cu_seqlens, R, b.H, b.T, capacity, cu, bad, true);
+  if (R > 0) l.template run<batch_flat_op>(simt_shape{simt_grid(b.S, cap), select_block_threads}, b, budgets, cu, pos);
 }
 
 // ---- launch sequences (after the host-side checks and the workspace zeroing) -------------------------

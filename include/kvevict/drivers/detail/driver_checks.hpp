@@ -2,6 +2,7 @@
 // its state memory, a layer of the engine's cache and a query block (internal).
 #pragma once
 
+#include <kvevict/backend.hpp>
 #include <kvevict/compact.hpp>
 #include <kvevict/budget/allocation.hpp>
 #include <kvevict/budget/apportion.hpp>
@@ -42,6 +43,18 @@ inline status check_model(const char* fn, const model_shape& m) {
 inline status check_supported(const char* fn, bool refused, const char* what, const char* why) {
   if (!refused) return {};
   return status::error(errc::unsupported, "%s: %s %s", fn, what, why);
+}
+
+/// Every driver call on cuda_t (the overloads taking cuda_t in place of a host backend): refused.
+/// The drivers' state (kept lists, budgets, H2O sums, the recorder) is in host memory and their
+/// block-table / position checks, allocators and bookkeeping are host loops reading the layer, so
+/// they cannot take device memory (docs/paged.md, "On the GPU").
+inline status drivers_on_cuda(const char* fn) {
+  return status::error(errc::unsupported,
+                       "%s: the drivers run on host backends (seq, par): their state and checks are host memory and "
+                       "host loops; on cuda run the per-layer stages (paged_window_scores, select_topk_batch, "
+                       "compact_paged) directly",
+                       fn);
 }
 
 /// Rows per head a driver scores at most (C): positive, H C and C within int32.

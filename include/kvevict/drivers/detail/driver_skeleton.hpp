@@ -558,6 +558,21 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
     return add_layer_given_scores(fn, be, ws, layer, kv, scores, weight);
   }
 
+  /// On cuda_t: errc::unsupported (detail::drivers_on_cuda), nothing changes.
+  template <class KV, class Q>
+  status add_layer(cuda_t, workspace&, index_t, const KV&, kv_view<Q>, kv_view<const layer_element_t<KV>> = {},
+                   double = 0.0) {
+    char fn[64];
+    std::snprintf(fn, sizeof fn, "%s::add_layer", Derived::name);
+    return drivers_on_cuda(fn);
+  }
+  template <class KV, typename = layer_element_t<KV>>
+  status add_layer_scores(cuda_t, workspace&, index_t, const KV&, matrix_view<const float>, double = 0.0) {
+    char fn[64];
+    std::snprintf(fn, sizeof fn, "%s::add_layer_scores", Derived::name);
+    return drivers_on_cuda(fn);
+  }
+
  protected:
   /// The recorder holds the prompt's positions: cfg.tokens.
   static index_t recorder_tokens(const Config& c) { return c.tokens; }

@@ -18,6 +18,7 @@
 #include <kvevict/detail/block/select_block.hpp>
 #include <kvevict/detail/block/simt_bodies.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -60,6 +61,8 @@ struct simt_block {
   }
   KVEVICT_HOST_DEVICE void atomic_add(std::uint32_t* p, std::uint32_t v) const { c.atomic_add(p, v); }
   KVEVICT_HOST_DEVICE void atomic_add(ucount* p, ucount v) const { c.atomic_add(p, v); }
+  KVEVICT_HOST_DEVICE void plain_read(const void* p, std::size_t bytes) const { c.plain_read(p, bytes); }
+  KVEVICT_HOST_DEVICE void plain_write(void* p, std::size_t bytes) const { c.plain_write(p, bytes); }
 };
 
 KVEVICT_HOST_DEVICE inline score_keys select_row_keys(const matrix_view<const float>& scores, index_t r) {

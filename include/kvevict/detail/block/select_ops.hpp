@@ -145,9 +145,9 @@ struct select_multi_pass_op : select_op_base {
         c.fence();  // this block's histogram atomics before its ticket
         c.sync();
         if (c.thread() == 0)
-          sh.sm.flag = c.atomic_add(&w.tickets[index_t(pass) * R + r], 1u) == unsigned(C - 1) ? 1 : 0;
+          c.st(&sh.sm.flag, c.atomic_add(&w.tickets[index_t(pass) * R + r], 1u) == unsigned(C - 1) ? 1 : 0);
         c.sync();
-        if (sh.sm.flag != 0) {
+        if (c.ld(&sh.sm.flag) != 0) {
           c.fence();
           const std::uint32_t* h = w.hist + (index_t(pass) * R + r) * radix_bins;
           multi_pass_finish(blk, [&c, h](int b) { return c.ld_cg(h + b); }, rows, w, r, pass, full_key, sh.sm);
@@ -221,9 +221,9 @@ struct flat_layer_pass_op : select_op_base {
       c.fence();
       c.sync();
       if (c.thread() == 0)
-        sh.sm.flag = c.atomic_add(&w.tickets[pass], ucount(1)) == static_cast<ucount>(R * C - 1) ? 1 : 0;
+        c.st(&sh.sm.flag, c.atomic_add(&w.tickets[pass], ucount(1)) == static_cast<ucount>(R * C - 1) ? 1 : 0);
       c.sync();
-      if (sh.sm.flag != 0) {
+      if (c.ld(&sh.sm.flag) != 0) {
         c.fence();
         const ucount* h = w.layer_hist + index_t(pass) * radix_bins;
         flat_finish_pass(blk, [&c, h](int b) { return c.ld_cg(h + b); }, w.rows, R, pass, g, *w.layer, sh.sm);

@@ -649,6 +649,11 @@ inline std::uint32_t simt_thread::vote(bool p) {
 }
 
 inline void simt_thread::access(const void* p, std::size_t bytes, bool write, bool atomic, bool plain) {
+  if (plain) {  // an announced plain access of global memory: nothing to check, no preemption point
+    const auto* b = static_cast<const unsigned char*>(p);
+    const auto& sh = slot_->shared;
+    if (bytes == 0 || sh.empty() || b < sh.data() || b >= sh.data() + sh.size()) return;
+  }
   ex_->check_access(*this, p, bytes, write, atomic, plain);
   if (!ex_->error_.empty()) throw simt_executor::aborted{};
   ex_->maybe_preempt(*this);

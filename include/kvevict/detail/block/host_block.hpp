@@ -48,8 +48,8 @@ struct host_block {
   }
   void atomic_add(std::uint32_t* p, std::uint32_t v) { *p += v; }
   void atomic_add(ucount* p, ucount v) { *p += v; }
-  void plain_read(const void*, std::size_t) {}  // no race check in this emulation
-  void plain_write(void*, std::size_t) {}
+  void plain_read(const void*, std::size_t) const {}  // no race check in this emulation
+  void plain_write(void*, std::size_t) const {}
 };
 
 

@@ -221,8 +221,10 @@ void run_case(std::mt19937_64& g, index_t hkv, index_t group, index_t w, index_t
     }
 }
 
+// chunks: prefixes around the 1024-column chunk boundaries (block keys crossing one, chunks of 1 to
+// 16 tiles), one KV head, w up to 12, d up to 5 (the executor's cost is the logits).
 template <class QE, class KE>
-void random_cases(std::uint64_t seed, int n, bool specials) {
+void random_cases(std::uint64_t seed, int n, bool specials, bool chunks = false) {
   auto g = kvtest::rng(seed);
   const score_reduce reds[] = {score_reduce::mean, score_reduce::sum, score_reduce::mean_visible,
                                score_reduce::mean_plus_variance};
@@ -233,18 +235,22 @@ void random_cases(std::uint64_t seed, int n, bool specials) {
     const index_t hkv = kvtest::uniform_int(g, 1, 2), group = kvtest::uniform_int(g, 1, 3);
     // w small, or above the 128-row block (one head: pass 2 in pieces of one head); P around tile
     // multiples, incl. P = 0 with block keys; d around the 32-element staging chunk
-    const bool tall = trial % 11 == 10;
-    const index_t w = tall ? kvtest::uniform_int(g, 129, 140) : kvtest::uniform_int(g, 1, 20);
+    const bool tall = !chunks && trial % 11 == 10;
+    const index_t w = tall ? kvtest::uniform_int(g, 129, 140) : kvtest::uniform_int(g, 1, chunks ? 12 : 20);
     const bool has_block = trial % 4 != 3;
-    const index_t p = has_block && trial % 7 == 0 ? 0 : kvtest::uniform_int(g, 1, tall ? 70 : 150);
-    const index_t d = tall ? kvtest::uniform_int(g, 1, 6) : kvtest::uniform_int(g, 1, 40);
+    const index_t bases[] = {1000, 1024, 2030};
+    const index_t p = chunks ? bases[trial % 3] + kvtest::uniform_int(g, -12, 12)
+                      : has_block && trial % 7 == 0 ? 0
+                                                    : kvtest::uniform_int(g, 1, tall ? 70 : 150);
+    const index_t d = tall ? kvtest::uniform_int(g, 1, 6) : kvtest::uniform_int(g, 1, chunks ? 5 : 40);
     score_options opt;
     opt.reduce = reds[trial % 4];
     opt.fused_multiply_add = trial % 3 == 1;
     opt.variance = trial % 2 ? variance_estimator::biased : variance_estimator::unbiased;
     if (trial % 6 == 5) opt.scale = 0.37f;
-    run_case<QE, KE>(g, tall ? 1 : hkv, tall ? std::min<index_t>(group, 2) : group, w, p, d, has_block, trial % 2 == 0, opt, ops[trial % 3], trial % 4,
-                     trial % 9 == 4 ? 6.f : 1.f, specials);
+    run_case<QE, KE>(g, tall || chunks ? 1 : hkv, tall ? std::min<index_t>(group, 2) : group, w, p, d, has_block,
+                     trial % 2 == 0, opt, ops[trial % 3], trial % 4, trial % 9 == 4 || (chunks && trial % 3 == 1) ? 6.f : 1.f,
+                     specials);
   }
 }
 
@@ -266,33 +272,10 @@ TEST_CASE("cuda score logic: NaN and infinities give the host's NaN pattern") {
   random_cases<float16, float16>(707, 10, true);
 }
 
-template <class QE, class KE>
-void chunk_cases(std::uint64_t seed, int n) {
-  auto g = kvtest::rng(seed);
-  const score_reduce reds[] = {score_reduce::mean, score_reduce::sum, score_reduce::mean_visible,
-                               score_reduce::mean_plus_variance};
-  const gqa_op ops[] = {gqa_op::mean, gqa_op::max, gqa_op::sum};
-  for (int trial = 0; trial < n; ++trial) {
-    CAPTURE(seed);
-    CAPTURE(trial);
-    // P around the 1024-column chunk boundaries (block keys crossing one, chunks of 1 to 16 tiles),
-    // GQA groups of 1-3, w from 1 to 12, d small (the executor's cost is the logits)
-    const index_t bases[] = {1000, 1024, 2030};
-    const index_t w = kvtest::uniform_int(g, 1, 12);
-    const index_t p = bases[trial % 3] + kvtest::uniform_int(g, -12, 12);
-    score_options opt;
-    opt.reduce = reds[trial % 4];
-    opt.fused_multiply_add = trial % 3 == 2;
-    if (trial % 5 == 4) opt.scale = 0.9f;
-    run_case<QE, KE>(g, 1, kvtest::uniform_int(g, 1, 3), w, p, kvtest::uniform_int(g, 1, 5), trial % 4 != 1,
-                     trial % 2 == 0, opt, ops[trial % 3], trial % 4, trial % 3 == 1 ? 8.f : 2.f, trial % 7 == 6);
-  }
-}
-
 TEST_CASE("cuda score logic: several chunks (splits of 16 tiles), partial last chunk, bit for bit with seq") {
-  chunk_cases<float, float>(811, 4);
-  chunk_cases<float16, float16>(812, 3);
-  chunk_cases<bfloat16, float>(813, 3);
+  random_cases<float, float>(811, 4, false, true);
+  random_cases<float16, float16>(812, 3, false, true);
+  random_cases<bfloat16, float>(813, 3, true, true);
 }
 
 TEST_CASE("cuda score logic: a long prefix and a row whose logits are all -inf") {

@@ -256,7 +256,7 @@ void random_cases(std::uint64_t seed, int n, bool specials, bool chunks = false)
 
 }  // namespace
 
-TEST_CASE("cuda score logic: emulated kernels match the host within the stated bound (float)") {
+TEST_CASE("cuda score logic: the kernels on the executor equal seq bit for bit (float)") {
   random_cases<float, float>(101, 40, false);
 }
 
@@ -267,7 +267,7 @@ TEST_CASE("cuda score logic: float16 and bfloat16 inputs, mixed element types") 
   random_cases<float16, float>(505, 10, false);
 }
 
-TEST_CASE("cuda score logic: NaN and infinities give the host's NaN pattern") {
+TEST_CASE("cuda score logic: NaN and infinities: the host's NaN pattern, other values bit for bit") {
   random_cases<float, float>(606, 30, true);
   random_cases<float16, float16>(707, 10, true);
 }

@@ -380,8 +380,8 @@ TEST_CASE("cuda score logic: shared-memory staging and logit-tile accesses are c
     CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
   }
   // logit / probability tile: thread (tr, tk) stores rows tr*8+r, columns tk*4 .. tk*4+3 as two float2
-  // (a 64-bit access is served per half warp); the statistics runs read row tid/2, columns
-  // (tid%2)*32 + i, one float per thread.
+  // (a 64-bit access is served per half warp); the chunk max reads row tid/2, columns
+  // (tid%2)*32 + i, one float per thread; the lane sums read row tid/2 in groups of 8 columns.
   constexpr int key_threads = cs_keys / cs_thread_keys;
   for (int w = 0; w < cs_threads / 32; ++w) {
     for (int r = 0; r < cs_thread_rows; ++r)
@@ -404,6 +404,16 @@ TEST_CASE("cuda score logic: shared-memory staging and logit-tile accesses are c
       }
       CHECK(bank_degree(words) <= 2);
     }
+    // the chunk sums' lane reads: thread 2r + h reads row r, column 8 g + 4 h + l (lane 4 h + l)
+    for (int l = 0; l < cs_chunk_lanes / 2; ++l)
+      for (int grp = 0; grp < cs_keys / cs_chunk_lanes; ++grp) {
+        std::vector<long> words;
+        for (int lane = 0; lane < 32; ++lane) {
+          const int tid = w * 32 + lane;
+          words.push_back(static_cast<long>(tid / 2) * cs_l_ld + grp * cs_chunk_lanes + (tid % 2) * (cs_chunk_lanes / 2) + l);
+        }
+        CHECK(bank_degree(words) <= 2);
+      }
   }
 }
 

@@ -710,3 +710,54 @@ TEST_CASE("simt executor: shared memory is per block when blocks interleave") {
   CHECK(ex.most_in_flight() == 5);
   CHECK(wrong == std::vector<int>(12, 0));
 }
+
+// The in-place staging copies are plain C++ (row_copy::unit: memcpy on the host) announced to the
+// executor (Block::plain_write / plain_read): staging a tile with one thread-to-unit mapping and
+// writing it back with another (the next thread's units) is a race without a barrier between, and
+// reported as one between plain accesses; with the barrier it is correct.
+namespace {
+struct rotated_block {  // simt_block with thread t doing thread (t + 1) % 256's part
+  detail::simt_block<detail::simt_thread, 256> b;
+  int size() const { return 256; }
+  template <class F>
+  void each(F&& f) const {
+    f(static_cast<int>((b.c.thread() + 1) % 256));
+  }
+  void plain_read(const void* p, std::size_t n) const { b.plain_read(p, n); }
+  void plain_write(void* p, std::size_t n) const { b.plain_write(p, n); }
+};
+}  // namespace
+
+TEST_CASE("compact device logic: the in-place staging is race-checked: a missing barrier is reported") {
+  constexpr index_t rows = 40, dim = 6;
+  for (const bool barrier : {true, false}) {
+    CAPTURE(barrier);
+    std::vector<float> data(static_cast<std::size_t>((rows + 1) * dim));
+    for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<float>(i);
+    std::vector<pos_t> kept(static_cast<std::size_t>(rows));
+    for (index_t j = 0; j < rows; ++j) kept[static_cast<std::size_t>(j)] = static_cast<pos_t>(j + 1);  // every row moves
+    const detail::dense_inplace_head<float> head{data.data(), dim, kept.data(), 1};
+    const detail::row_copy<float, 0> rc{dim, 1, 1};
+    detail::simt_executor ex(77, detail::inplace_stage_bytes);
+    const bool ok = ex.run(1, 256, [&](detail::simt_thread& c) {
+      auto* stage = ex.shared_as<unsigned char>();
+      detail::simt_block<detail::simt_thread, 256> blk{c, nullptr};
+      detail::inplace_stage(blk, head, rc, 0, rows, stage);
+      if (barrier) c.sync();
+      rotated_block rot{blk};
+      detail::inplace_unstage(rot, head, rc, 0, rows, stage);
+    });
+    if (barrier) {
+      REQUIRE_MESSAGE(ok, ex.error());
+      for (index_t j = 0; j < rows; ++j)
+        for (index_t d = 0; d < dim; ++d)
+          CHECK(data[static_cast<std::size_t>(j * dim + d)] == static_cast<float>((j + 1) * dim + d));
+    } else {
+      CHECK_FALSE(ok);
+      INFO(ex.error());
+      CHECK(ex.error().find("shared-memory race") != std::string::npos);
+      const bool read_after_write = ex.error().find("plain read after a plain write") != std::string::npos;
+      CHECK((read_after_write || ex.error().find("plain write after a plain read") != std::string::npos));
+    }
+  }
+}

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -274,7 +275,8 @@ std::vector<float> host_fused(Backend be, const case_data<V>& c) {
 // pp_block_op, as pp_choose_variant picks) on the SIMT executor, grids capped at 2 blocks half the
 // time, 1 to 3 resident blocks.
 template <class V>
-std::vector<float> executor_fused(std::mt19937_64& g, const case_data<V>& c) {
+std::vector<float> executor_fused(std::mt19937_64& g, const case_data<V>& c, index_t drop = 0,
+                                  std::string* error = nullptr) {
   using namespace detail;
   std::vector<float> out(static_cast<std::size_t>(c.hkv * c.T), -3.f);
   const bool head_max = c.opt.weight_values && c.opt.weight == value_weight::head_max;
@@ -286,10 +288,15 @@ std::vector<float> executor_fused(std::mt19937_64& g, const case_data<V>& c) {
   const pp_values<V> vals = make_pp_values(c.values_view(), c.opt.weight_values);
   simt_executor ex(g(), 0);
   ex.resident(1 + static_cast<index_t>(g() % 3));
+  ex.drop_barrier(drop);
   simt_launcher<simt_executor> l{ex};
   int bad = 0;
   postprocess_launch(l, a, vals, partial.data(), head_max ? factors.data() : nullptr, stash.data(), &bad,
                      g() % 2 == 0 ? index_t(2) : index_t(1) << 20);
+  if (error != nullptr) {  // a run with a deliberately missing barrier: its report
+    *error = ex.error();
+    return out;
+  }
   REQUIRE_MESSAGE(l.ok, ex.error());
   CHECK(bad == 0);
   return out;
@@ -647,4 +654,37 @@ TEST_CASE("on(executor): every stage's loops go through the caller's executor, b
                       value_of(make_matrix_view(k0.data(), hkv, k)))
               .ok());
   CHECK(q2.bytes > q1.bytes);
+}
+
+// The pooling tiles' plain shared-memory accesses (staged inputs, the blocks' suffix stash, the
+// outputs, the value norms) are announced to the executor (plain_read / plain_write): a barrier of
+// pp_tile_op left out is reported as a race between plain accesses of two threads.
+TEST_CASE("postprocess on the executor: a missing barrier around the pooling tile's plain accesses is reported") {
+  auto g = kvtest::rng(4242);
+  for (const gqa_order order : {gqa_order::gqa_first, gqa_order::pool_first}) {
+    CAPTURE(static_cast<int>(order));
+    case_data<float> c = random_case<float>(g, 2);
+    c.hkv = 1;
+    c.g = 2;
+    c.T = 80;
+    c.tv = 80;
+    c.d = 4;
+    c.in = random_scores(g, static_cast<std::size_t>(c.hkv * c.g * c.T), false);
+    c.values.assign(static_cast<std::size_t>(c.hkv * c.tv * c.d), 0.5f);
+    c.use_row_lengths = c.use_value_lengths = false;
+    c.opt.order = order;
+    c.opt.pool = pool_kind::max;
+    c.opt.kernel = 7;
+    c.opt.weight_values = true;
+    c.opt.weight = value_weight::per_token;
+    std::string error;
+    (void)executor_fused(g, c, 0, &error);
+    CHECK(error.empty());  // every barrier in place: no report
+    int plain = 0;
+    for (index_t k = 1; k <= 8; ++k) {
+      (void)executor_fused(g, c, k, &error);
+      if (error.find("race") != std::string::npos && error.find("plain") != std::string::npos) ++plain;
+    }
+    CHECK(plain > 0);
+  }
 }

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <vector>
 
 using namespace kvevict;
@@ -105,13 +106,20 @@ struct emulator {
   }
   /// Runs launch(launcher) on a fresh executor; REQUIREs that no race, divergence or deadlock
   /// was reported.
+  index_t drop = 0;              ///< the executor's drop_barrier (a deliberately missing barrier)
+  std::string* error = nullptr;  ///< set: the executor's report goes here instead of being REQUIREd empty
   template <class Launch>
   void on_executor(Launch&& launch) {
     detail::simt_executor ex(g(), 0);
     ex.resident(1 + static_cast<index_t>(g() % 4));
     ex.preempt_one_in(16);
+    ex.drop_barrier(drop);
     detail::simt_launcher<detail::simt_executor> l{ex};
     launch(l);
+    if (error != nullptr) {
+      *error = ex.error();
+      return;
+    }
     REQUIRE_MESSAGE(l.ok, ex.error());
   }
 
@@ -387,7 +395,7 @@ TEST_CASE("device logic: dense and ragged top-k, one block and several blocks pe
     std::vector<pos_t> ref(static_cast<std::size_t>(std::max<index_t>(1, R * k)), -1), got(ref);
     auto ref_view = value_of(make_matrix_view(ref.data(), R, k));
     with_ws([&](workspace& ws) { return select_topk(seq, ws, s.view, lens.data(), ref_view); });
-    emulator em{g, cap, {}, {}, 0};
+    emulator em{g, cap, {}, {}, 0, 0, nullptr};
     em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), R, k)), algo);
     CHECK(em.bad == 0);
     REQUIRE(got == ref);
@@ -420,7 +428,7 @@ TEST_CASE("device logic: bad device-resident arguments skip exactly the bad rows
     const std::vector<std::int32_t> lens = {500, 501, 300, -1, 40, 499};
     const index_t k = 50;
     std::vector<pos_t> got(static_cast<std::size_t>(R * k), -7);
-    emulator em{g, index_t(1) << 20, {}, {}, 0};
+    emulator em{g, index_t(1) << 20, {}, {}, 0, 0, nullptr};
     em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), R, k)), algo);
     CHECK(em.bad == 3);
     for (index_t r = 0; r < R; ++r) {
@@ -493,7 +501,7 @@ TEST_CASE("device logic: the flattened selection matches select_topk_flat") {
     std::vector<std::int32_t> cu_ref(static_cast<std::size_t>(R + 1), -1), cu_got(cu_ref);
     std::vector<pos_t> ref(static_cast<std::size_t>(std::max<index_t>(1, total)), -1), got(ref);
     with_ws([&](workspace& ws) { return select_topk_flat(seq, ws, s.view, lens.data(), total, fp, cu_ref.data(), ref.data()); });
-    emulator em{g, cap, {}, {}, 0};
+    emulator em{g, cap, {}, {}, 0, 0, nullptr};
     em.flat(s, lens.data(), total, fp, cu_got.data(), got.data(), algo);
     CHECK(em.bad == 0);
     REQUIRE(cu_got == cu_ref);
@@ -559,7 +567,7 @@ TEST_CASE("device logic: flattened selection over many rows with ties across row
     std::vector<std::int32_t> cu_ref(static_cast<std::size_t>(R + 1)), cu_got(cu_ref.size(), -1);
     std::vector<pos_t> ref(static_cast<std::size_t>(std::max<index_t>(1, total))), got(ref.size(), -1);
     with_ws([&](workspace& ws) { return select_topk_flat(seq, ws, s.view, lens.data(), total, fp, cu_ref.data(), ref.data()); });
-    emulator em{g, cap, {}, {}, 0};
+    emulator em{g, cap, {}, {}, 0, 0, nullptr};
     em.flat(s, lens.data(), total, fp, cu_got.data(), got.data(), algo);
     CHECK(em.bad == 0);
     REQUIRE(cu_got == cu_ref);
@@ -572,7 +580,7 @@ namespace {
 void check_dense(std::mt19937_64& g, const scores_t& s, const std::vector<std::int32_t>& lens, index_t k, int algo) {
   std::vector<pos_t> ref(static_cast<std::size_t>(s.R * k)), got(ref.size(), -1);
   with_ws([&](workspace& ws) { return select_topk(seq, ws, s.view, lens.data(), value_of(make_matrix_view(ref.data(), s.R, k))); });
-  emulator em{g, index_t(1) << 20, {}, {}, 0};
+  emulator em{g, index_t(1) << 20, {}, {}, 0, 0, nullptr};
   em.dense(s, lens.data(), value_of(make_matrix_view(got.data(), s.R, k)), algo);
   CHECK(em.bad == 0);
   REQUIRE(got == ref);
@@ -605,10 +613,38 @@ TEST_CASE("device logic: a 1M-token row, long rows by one block, and 300 short r
     with_ws([&](workspace& ws) {
       return select_topk_flat(seq, ws, s.view, lens.data(), total, floors.data(), cu_ref.data(), ref.data());
     });
-    emulator em{g, index_t(1) << 20, {}, {}, 0};
+    emulator em{g, index_t(1) << 20, {}, {}, 0, 0, nullptr};
     em.flat(s, lens.data(), total, floors.data(), cu_got.data(), got.data(), 0);
     CHECK(em.bad == 0);
     REQUIRE(cu_got == cu_ref);
     REQUIRE(got == ref);
+  }
+}
+
+// The selection functions' plain shared-memory accesses (key cache, emit staging, histograms, the
+// chosen bucket, the merged layer histogram) are announced to the executor (Block::plain_read /
+// plain_write): a barrier of the one-block selection left out is reported as a race between plain
+// accesses, for a cached row (keys in shared memory) and a longer one (emit tiles staged).
+TEST_CASE("select device logic: a missing barrier around the selection's plain shared-memory accesses is reported") {
+  auto g = kvtest::rng(9191);
+  for (const index_t T : {index_t(300), index_t(8300)}) {
+    CAPTURE(T);
+    const scores_t s(g, 1, T, dist::uniform, 0);
+    const index_t k = T / 3;
+    std::vector<pos_t> kept(static_cast<std::size_t>(k));
+    const auto kv = value_of(make_matrix_view(kept.data(), 1, k));
+    std::vector<std::int32_t> lengths{static_cast<std::int32_t>(T)};
+    emulator em{g, index_t(1) << 20, {}, {}, 0, 0, nullptr};
+    std::string error;
+    em.error = &error;
+    em.dense(s, lengths.data(), kv, 1);
+    CHECK(error.empty());
+    int plain = 0;
+    for (index_t drop = 1; drop <= 8 && plain == 0; ++drop) {
+      em.drop = drop;
+      em.dense(s, lengths.data(), kv, 1);
+      if (error.find("race") != std::string::npos && error.find("plain") != std::string::npos) ++plain;
+    }
+    CHECK(plain > 0);
   }
 }

@@ -1,7 +1,7 @@
 // The CUDA benchmarks of scripts/gpu-check: each launcher on a representative shape, timed with CUDA
 // events (median of 20 launches after 3 warm-up launches), against the bound of docs/cuda.md: the
 // least memory traffic the stage needs (bytes / the device's peak DRAM bandwidth) and, for the
-// attention scores, the fp32 FLOPs of both passes / the device's peak fp32 rate. Prints one TSV line
+// attention scores, the fp32 FLOPs of the three sweeps over the keys / the device's peak fp32 rate. Prints one TSV line
 // per case: stage, shape, median us, bytes, flops, bound us, bound / time (1 = at the bound).
 // Exits 77 without a GPU. Built only on request (target kvevict_bench_cuda, EXCLUDE_FROM_ALL).
 #include "gpu_buffer.cuh"
@@ -154,8 +154,10 @@ void bench_scores(std::mt19937_64& g, index_t hq, index_t hkv, index_t w, index_
   KVGPU_CHECK(window_scores(kvevict::cuda, qws, qv, kv, ov).ok());
   device_buffer<unsigned char> wmem(qws.bytes);
   workspace ws{wmem.ptr, qws.bytes};
-  const double bytes = 2.0 * hkv * T * d * 2 + 2.0 * hq * w * d + 4.0 * hq * (T - w);  // keys read by both passes
-  const double flops = 2.0 * 2.0 * hq * w * T * d;                                     // logits computed twice
+  // the logits are computed three times (pass 1: the chunk max, then the chunk sums; pass 2) and the
+  // keys read by each sweep (docs/cuda.md)
+  const double bytes = 3.0 * hkv * T * d * 2 + 2.0 * hq * w * d + 4.0 * hq * (T - w);
+  const double flops = 3.0 * 2.0 * hq * w * T * d;
   report("window_scores", "Hq=" + std::to_string(hq) + " Hkv=" + std::to_string(hkv) + " w=" + std::to_string(w) +
                               " T=" + std::to_string(T) + " d=" + std::to_string(d) + " fp16",
          median_us([&] { return window_scores(kvevict::cuda, ws, qv, kv, ov); }), bytes, flops);

@@ -9,6 +9,7 @@
 
 #include <cuda/atomic>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -35,6 +36,8 @@ struct cuda_simt_ctx {
   __device__ T ld(const T* p) const { return *p; }
   template <class T>
   __device__ void st(T* p, T v) const { *p = v; }
+  __device__ void plain_read(const void*, std::size_t) const {}
+  __device__ void plain_write(void*, std::size_t) const {}
   template <class T>
   __device__ T atomic_add(T* p, T v) const { return atomicAdd(p, v); }
   template <class T>

@@ -11,6 +11,11 @@
 //                                             in tid order; then(tid, own, prefix, total) on every
 //                                             thread; ends with a barrier
 //   void atomic_add(std::uint32_t*, std::uint32_t), atomic_add(ucount*, ucount)
+//   void plain_read(const void* p, size_t n), plain_write(void* p, size_t n)
+//                                             announce the plain C++ access of n bytes at p the calling
+//                                             thread makes next (shared memory: race-checked by the
+//                                             SIMT executor like the context's ld / st; no-ops on the
+//                                             GPU and in host_block)
 // Code outside each() runs on every thread of a CUDA block and once on the host; it only computes
 // values that are the same on every thread (uniform) and reads memory written before a barrier. All
 // writes happen inside each(). GPU and host SIMT executor: detail::simt_block (select_ops.hpp, one
@@ -19,6 +24,7 @@
 // Ctx (pooling, post-processing: detail/block/pool_block.hpp, postprocess_device.hpp), loop-shared:
 //   void each(index_t n, F f)                 f(i) for i in [0, n), the block's threads sharing the loop
 //   void sync()                               barrier
+//   void plain_read(p, n), plain_write(p, n)  as for Block
 //   void l1_norms(base, rs, es, n, d, norms)  norms[t] = ||row t||_1 (rows staged through shared
 //                                             memory, simt_staged_row_reduce)
 // GPU and host SIMT executor: detail::simt_loop_ctx (postprocess_ops.hpp).

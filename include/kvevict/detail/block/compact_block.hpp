@@ -13,6 +13,7 @@
 #include <kvevict/detail/block/select_block.hpp>
 #include <kvevict/view.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -256,7 +257,10 @@ KVEVICT_HOST_DEVICE void inplace_stage(Block& blk, const Head& hd, const row_cop
   blk.each([&](int tid) {
     for (index_t i = tid; i < count * units; i += blk.size()) {
       const index_t j = first + i / units, u = i % units, p = hd.pos(j);
-      if (p != j) rc.unit(stage + (i - u) * ub, 1, hd.row(p), rc.src_step, u);
+      if (p != j) {
+        blk.plain_write(stage + i * ub, static_cast<std::size_t>(ub));  // unit u of tile row i / units
+        rc.unit(stage + (i - u) * ub, 1, hd.row(p), rc.src_step, u);
+      }
     }
   });
 }
@@ -268,7 +272,10 @@ KVEVICT_HOST_DEVICE void inplace_unstage(Block& blk, const Head& hd, const row_c
   blk.each([&](int tid) {
     for (index_t i = tid; i < count * units; i += blk.size()) {
       const index_t j = first + i / units, u = i % units, p = hd.pos(j);
-      if (p != j) rc.unit(hd.row(j), rc.dst_step, stage + (i - u) * ub, 1, u);
+      if (p != j) {
+        blk.plain_read(stage + i * ub, static_cast<std::size_t>(ub));
+        rc.unit(hd.row(j), rc.dst_step, stage + (i - u) * ub, 1, u);
+      }
     }
   });
 }

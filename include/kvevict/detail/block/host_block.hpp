@@ -9,6 +9,7 @@
 #include <kvevict/detail/base/stage_math.hpp>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <numeric>
 #include <random>
@@ -47,6 +48,8 @@ struct host_block {
   }
   void atomic_add(std::uint32_t* p, std::uint32_t v) { *p += v; }
   void atomic_add(ucount* p, ucount v) { *p += v; }
+  void plain_read(const void*, std::size_t) const {}  // no race check in this emulation
+  void plain_write(void*, std::size_t) const {}
 };
 
 

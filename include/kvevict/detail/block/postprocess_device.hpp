@@ -21,6 +21,7 @@
 #include <kvevict/detail/block/view_args.hpp>
 #include <kvevict/detail/base/softmax.hpp>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace kvevict::detail {
@@ -66,6 +67,22 @@ KVEVICT_HOST_DEVICE inline float pp_gqa_at(const pp_params& a, index_t h, index_
   return gqa_finish(a.op, acc, a.g);
 }
 
+/// Announces to the context (the host SIMT executor's race check; nothing on the GPU) the plain
+/// shared-memory accesses of pooling block b in pp_run_tile (pool_block over a row of P, radius r,
+/// outputs [t0, ph)): its inputs span[p - base] read, its outputs' stash and acc entries written
+/// (and read back) by this thread alone.
+template <class Ctx>
+KVEVICT_HOST_DEVICE void pp_announce_pool_block(const Ctx& ctx, const float* span, index_t base, float* stash,
+                                                float* acc, index_t t0, index_t ph, index_t P, index_t r, index_t b) {
+  const index_t k = 2 * r + 1, e0 = b * k;
+  const index_t first = e0 > t0 ? e0 : t0, last = e0 + k < ph ? e0 + k : ph;
+  if (first >= last) return;
+  const index_t lo = first - r > 0 ? first - r : 0, hi = last + k - 1 - r < P ? last + k - 1 - r : P;
+  if (hi > lo) ctx.plain_read(span + (lo - base), static_cast<std::size_t>(hi - lo) * sizeof(float));
+  ctx.plain_write(stash + (first - t0), static_cast<std::size_t>(last - first) * sizeof(float));
+  ctx.plain_write(acc + (first - t0), static_cast<std::size_t>(last - first) * sizeof(float));
+}
+
 /// Outputs [t0, min(t0 + pp_tile, L)) of KV head h (row length L, value length vlen; L > t0).
 /// span: pp_span floats, stash and acc: pp_tile floats each (shared memory on the GPU). Opens and
 /// ends with a barrier-free ctx: callers sync before reusing the buffers.
@@ -78,7 +95,10 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
   const bool pool_first = pooled && a.order == gqa_order::pool_first;
   const index_t P = pooled_length(L, a.unpooled_tail);
   if (!pooled) {
-    ctx.each(nout, [&](index_t i) { acc[i] = pp_gqa_at(a, h, t0 + i); });
+    ctx.each(nout, [&](index_t i) {
+      ctx.plain_write(acc + i, sizeof(float));
+      acc[i] = pp_gqa_at(a, h, t0 + i);
+    });
   } else if (t0 < P) {
     // the pooled outputs [t0, ph) of the tile, pooling a row of P
     const index_t ph = hi < P ? hi : P;
@@ -88,9 +108,13 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
     const index_t b_lo = pool_first_block(a.kernel, P, t0), nb = pool_last_block(a.kernel, P, ph) - b_lo + 1;
     const auto x = [&](index_t p) { return span[p - base]; };
     if (!pool_first) {
-      ctx.each(phi - plo, [&](index_t k) { span[plo + k - base] = pp_gqa_at(a, h, plo + k); });
+      ctx.each(phi - plo, [&](index_t k) {
+        ctx.plain_write(span + (plo + k - base), sizeof(float));
+        span[plo + k - base] = pp_gqa_at(a, h, plo + k);
+      });
       ctx.sync();
       ctx.each(nb, [&](index_t bi) {
+        pp_announce_pool_block(ctx, span, base, stash, acc, t0, ph, P, r, b_lo + bi);
         pool_block_any(a.pool, a.div, x, stash, t0, 1, [&](index_t i, float v) { acc[i - t0] = v; }, P, a.kernel,
                        b_lo + bi, t0, ph);
       });
@@ -98,9 +122,13 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
       for (index_t j = 0; j < a.g; ++j) {
         const float* row = a.in + (h * a.g + j) * a.is0;
         ctx.sync();  // the previous query head's pooling is done with span and stash
-        ctx.each(phi - plo, [&](index_t k) { span[plo + k - base] = row[(plo + k) * a.is1]; });
+        ctx.each(phi - plo, [&](index_t k) {
+          ctx.plain_write(span + (plo + k - base), sizeof(float));
+          span[plo + k - base] = row[(plo + k) * a.is1];
+        });
         ctx.sync();
         ctx.each(nb, [&](index_t bi) {
+          pp_announce_pool_block(ctx, span, base, stash, acc, t0, ph, P, r, b_lo + bi);
           pool_block_any(
               a.pool, a.div, x, stash, t0, 1,
               [&](index_t i, float v) { acc[i - t0] = j == 0 ? v : gqa_combine(a.op, acc[i - t0], v); }, P, a.kernel,
@@ -111,7 +139,11 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
   }
   // the unpooled tail's outputs of the tile: the group's reduced scores (finished already)
   const index_t raw0 = pooled && t0 < P ? P : t0;
-  if (pooled && raw0 < hi) ctx.each(hi - raw0, [&](index_t k) { acc[raw0 - t0 + k] = pp_gqa_at(a, h, raw0 + k); });
+  if (pooled && raw0 < hi)
+    ctx.each(hi - raw0, [&](index_t k) {
+      ctx.plain_write(acc + (raw0 - t0 + k), sizeof(float));
+      acc[raw0 - t0 + k] = pp_gqa_at(a, h, raw0 + k);
+    });
   ctx.sync();
   // per-token value norms of the weighted outputs, into stash (free again)
   const index_t wend = a.weight ? (L < vlen ? L : vlen) : 0;
@@ -124,6 +156,8 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
   const index_t recent_begin = a.protect ? protect_recent_begin(L, a.n_recent) : L;
   ctx.each(nout, [&](index_t i) {
     const index_t t = t0 + i;
+    ctx.plain_read(acc + i, sizeof(float));
+    if (a.mode == value_weight::per_token && i < nw) ctx.plain_read(stash + i, sizeof(float));
     float v = acc[i];
     if (pool_first && t < P) v = gqa_finish(a.op, v, a.g);
     const bool weighted = i < nw;

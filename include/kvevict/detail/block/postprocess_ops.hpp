@@ -9,6 +9,8 @@
 #include <kvevict/detail/block/postprocess_device.hpp>
 #include <kvevict/detail/block/simt_bodies.hpp>
 
+#include <cstddef>
+
 #include <cstdint>
 
 namespace kvevict::detail {
@@ -25,12 +27,17 @@ struct simt_loop_ctx {
     for (index_t i = c.thread(); i < n; i += c.block_dim()) f(i);
   }
   KVEVICT_HOST_DEVICE void sync() const { c.sync(); }
+  KVEVICT_HOST_DEVICE void plain_read(const void* p, std::size_t bytes) const { c.plain_read(p, bytes); }
+  KVEVICT_HOST_DEVICE void plain_write(void* p, std::size_t bytes) const { c.plain_write(p, bytes); }
   template <class VE>
   KVEVICT_HOST_DEVICE void l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) const {
     for (index_t t0 = 0; t0 < n; t0 += stage_rows) {
       const int m = n - t0 < stage_rows ? static_cast<int>(n - t0) : stage_rows;
       const float s = simt_staged_row_reduce(c, base + t0 * rs, rs, es, m, d, stage, value_l1_step{});
-      if (c.thread() < m) norms[t0 + c.thread()] = s;
+      if (c.thread() < m) {
+        c.plain_write(norms + t0 + c.thread(), sizeof(float));
+        norms[t0 + c.thread()] = s;
+      }
     }
   }
 };

@@ -2,16 +2,22 @@
 // arithmetic they do, as host-device functions: the kernels' bodies (detail/block/score_ops.hpp) call
 // them on the GPU and, in the host tests, on the SIMT executor. Nothing here is API.
 //
+// Every value is computed in the host kernels' order (detail/host/score_host.hpp, docs/score.md
+// "Summation order"), so the CUDA results equal seq's bit for bit:
 //   pass 1 (statistics) one CTA per (KV head, block of up to cs_rows query rows of its GQA group,
-//                       range of key tiles): logits of the block against each key tile of cs_keys
-//                       keys, each row's statistics of the tile (two runs of cs_half keys merged),
-//                       merged over the range's tiles in order -> part[row][split]
-//   merge               one warp per row: lane l merges splits l, l + 32, ... in order, then the 32
-//                       lane results by a fixed shuffle tree -> rowst[row]
+//                       split = one host chunk of cs_chunk columns, cs_chunk_tiles key tiles): the
+//                       logits of the block against each key tile of the chunk, twice: the first sweep
+//                       takes each row's chunk max m_c (exact, any order), the second sums
+//                       e^(l - m_c) in the host's cs_chunk_lanes lanes (lane j % 8 over the chunk's
+//                       whole groups of 8 visible columns, the rest into lane 0, then lanes 0..7 added
+//                       in order) -> part[row][chunk] = (m_c, L_c)
+//   merge               one thread per row: the chunks the row sees merged in order from the empty
+//                       statistics (softmax_merge, as the host's running st[r]) -> rowst[row] = (M, L)
 //   pass 2 (columns)    one CTA per (KV head, tile of cs_keys output columns): for each block of rows
-//                       of the group (whole heads when w <= cs_rows), the logits again, p = e^(l - M)/L,
-//                       then per (query head, column) the rows added (or Welford-pushed) in order
-//                       i = 0..w-1, finalized, and optionally combined over the group's heads in order
+//                       of the group (whole heads when w <= cs_rows), the logits again,
+//                       p = e^(l - m_c) * (e^(m_c - M) / L) (the host's chunk factor), then per
+//                       (query head, column) the rows added (or Welford-pushed) in order i = 0..w-1,
+//                       finalized, and optionally combined over the group's heads in order
 //
 // Every logit is the host's: one sequential fp32 dot product over d (separately rounded products and
 // sums, or fused multiply-adds with score_options::fused_multiply_add) times the scale.
@@ -42,13 +48,16 @@ inline constexpr int cs_q_ld = cs_rows + 4;         ///< staged queries [cs_dchu
 inline constexpr int cs_k_ld = cs_keys + 4;         ///< staged keys [cs_dchunk][cs_k_ld]
 inline constexpr int cs_l_ld = cs_keys + 2;         ///< logit / probability tile [cs_rows][cs_l_ld] (float2 rows)
 inline constexpr int cs_tile_floats = cs_rows * cs_l_ld;  ///< the shared buffer (the staging aliases it)
-inline constexpr int cs_merge_lanes = 32;           ///< lanes merging one row's split statistics
-/// Bound on the split statistics entries (rows x splits), 8 bytes each: 32 MiB.
-inline constexpr index_t cs_stats_budget = index_t(1) << 22;
-inline constexpr index_t cs_max_splits = 4096;
+/// The host's statistics chunk (score_chunk in detail/host/score_host.hpp; tests/test_score_device_logic.cpp
+/// checks they are equal): the columns [c * cs_chunk, (c + 1) * cs_chunk) of a row have one max m_c.
+inline constexpr int cs_chunk = 1024;
+inline constexpr int cs_chunk_tiles = cs_chunk / cs_keys;  ///< key tiles per chunk (= per pass-1 split)
+inline constexpr int cs_chunk_lanes = 8;            ///< the host's lanes of a chunk's sum (score_lanes)
 
 static_assert(cs_threads == (cs_rows / cs_thread_rows) * (cs_keys / cs_thread_keys), "one logit block per CTA");
 static_assert(cs_threads == 2 * cs_rows, "two threads (runs) per row for the statistics");
+static_assert(cs_chunk % cs_keys == 0 && cs_keys % cs_chunk_lanes == 0 && cs_chunk_lanes % 2 == 0,
+              "tiles do not straddle chunks; each thread of a row's pair owns half of the lanes");
 static_assert(cs_dchunk * (cs_q_ld + cs_k_ld) <= cs_tile_floats, "the staging fits in the logit tile");
 static_assert(cs_q_ld % 4 == 0 && cs_k_ld % 4 == 0 && (cs_dchunk * cs_q_ld) % 4 == 0 && cs_thread_rows % 4 == 0 &&
                   cs_thread_keys == 4,
@@ -76,11 +85,11 @@ struct cuda_score_plan {
   index_t rows_g = 0;           ///< group * w: rows of one KV head's group
   index_t rows_total = 0;       ///< H_q * w
   index_t tiles = 0;            ///< key tiles over the visible columns (pass 1)
-  index_t tiles_per_split = 0;  ///< key tiles per pass-1 CTA
-  index_t splits = 0;           ///< pass-1 CTAs per (KV head, row block)
+  index_t tiles_per_split = 0;  ///< key tiles per pass-1 CTA: cs_chunk_tiles (one host chunk)
+  index_t splits = 0;           ///< pass-1 CTAs per (KV head, row block): the chunks, ceil(cols / cs_chunk)
   index_t row_blocks = 0;       ///< pass-1 row blocks per KV head
   index_t out_tiles = 0;        ///< output column tiles (pass 2)
-  index_t part_entries = 0;     ///< rows_total * splits
+  index_t part_entries = 0;     ///< rows_total * splits: (m_c, L_c) of every row's chunks
 };
 
 inline status make_cuda_score_plan(const char* fn, const score_shape& sh, cuda_score_plan& pl) {
@@ -91,10 +100,7 @@ inline status make_cuda_score_plan(const char* fn, const score_shape& sh, cuda_s
   pl.tiles = (sh.cols + cs_keys - 1) / cs_keys;
   pl.out_tiles = (sh.out_cols + cs_keys - 1) / cs_keys;
   pl.row_blocks = (pl.rows_g + cs_rows - 1) / cs_rows;
-  index_t max_splits = cs_stats_budget / pl.rows_total;
-  if (max_splits < 1) max_splits = 1;
-  if (max_splits > cs_max_splits) max_splits = cs_max_splits;
-  pl.tiles_per_split = (pl.tiles + max_splits - 1) / max_splits;
+  pl.tiles_per_split = cs_chunk_tiles;  // a split is one host chunk: its max and lane sums are the host's
   pl.splits = (pl.tiles + pl.tiles_per_split - 1) / pl.tiles_per_split;
   if (!checked_mul(pl.rows_total, pl.splits, pl.part_entries))
     return status::error(errc::size_overflow, "%s: the statistics workspace overflows", fn);
@@ -140,47 +146,37 @@ KVEVICT_HOST_DEVICE inline index_t score_block_max_visible(index_t row0, index_t
   return score_row_visible(p, has_block, imax);
 }
 
-/// Softmax statistics of the n logits l[0], l[stride], ..., l[(n-1)*stride]: the max in the float
-/// order of float_order_key (a NaN with the sign bit clear is the max; one with it set ranks below
-/// -inf, as in the host kernel's score_chunk_exp), then the sum of e^(l - max) left to right. When the
-/// max is -inf (no logit, or only -inf and sign-bit NaN) the sum is 0, or NaN if a NaN was seen, and
-/// the max stays -inf. Any NaN therefore makes the row's merged statistics NaN.
-KVEVICT_HOST_DEVICE inline softmax_stats score_run_stats(const float* l, int stride, int n) noexcept {
-  std::int32_t mk = float_order_key(neg_inf_f());
-  for (int j = 0; j < n; ++j) {
-    const std::int32_t k = float_order_key(l[j * stride]);
-    mk = k > mk ? k : mk;
-  }
-  const float m = float_from_order_key(mk);
-  float sum = 0.0f;
-  if (m == neg_inf_f()) {
-    for (int j = 0; j < n; ++j) {
-      const float x = l[j * stride];
-      sum = sum + (is_nan_f(x) ? x : 0.0f);
-    }
-    return {m, sum};
-  }
-  for (int j = 0; j < n; ++j) sum = sum + softmax_exp(sub_rn(l[j * stride], m));
-  return {m, sum};
-}
-
-/// Number of visible keys of run `half` (0 or 1) of the tile starting at column j0, for a row that
-/// sees `visible` columns (a prefix of them).
+/// Visible columns of a run of a tile, for a row that sees `visible` columns (a prefix): the tile
+/// starting at column j0, run `half` (0 or 1) = its columns [half * cs_half, (half + 1) * cs_half).
 KVEVICT_HOST_DEVICE inline int score_run_count(index_t visible, index_t j0, int half) noexcept {
   const index_t n = visible - j0 - static_cast<index_t>(half) * cs_half;
   return n <= 0 ? 0 : n >= cs_half ? cs_half : static_cast<int>(n);
 }
 
-/// Lane `lane`'s part of the merge of a row's split statistics: splits lane, lane + 32, ... in order.
-KVEVICT_HOST_DEVICE inline softmax_stats score_merge_lane(const softmax_stats* part, index_t splits, int lane) noexcept {
-  softmax_stats s = softmax_empty();
-  for (index_t k = lane; k < splits; k += cs_merge_lanes) s = softmax_merge(s, part[k]);
-  return s;
+/// Visible columns of chunk `ch` for a row that sees `visible` columns: the host's m (0 to cs_chunk).
+KVEVICT_HOST_DEVICE inline int score_chunk_count(index_t visible, index_t ch) noexcept {
+  const index_t n = visible - ch * cs_chunk;
+  return n <= 0 ? 0 : n >= cs_chunk ? cs_chunk : static_cast<int>(n);
 }
 
-/// The probability of a logit in its row (0 for a column the row does not see).
-KVEVICT_HOST_DEVICE inline float score_tile_prob(softmax_stats row, float logit, bool visible) noexcept {
-  return visible ? softmax_prob(row, logit) : 0.0f;
+/// The host's e of logit l in a chunk whose max is m (score_chunk_exp): e^(l - m); in a chunk whose
+/// max is -inf (only -inf and sign-bit NaN logits) the logit itself if NaN, else 0.
+KVEVICT_HOST_DEVICE inline float score_chunk_e(float l, float m) noexcept {
+  if (m == neg_inf_f()) return is_nan_f(l) ? l : 0.0f;
+  return softmax_exp(sub_rn(l, m));
+}
+
+/// The host's factor turning chunk exponentials into probabilities (score_chunk_factor):
+/// e^(m_c - M) / L for a row with statistics (M, L).
+KVEVICT_HOST_DEVICE inline float score_chunk_scale(float chunk_max, softmax_stats row) noexcept {
+  return softmax_exp(sub_rn(chunk_max, row.max)) / row.sum;
+}
+
+/// Sum of a chunk's lanes in the host's order: ((sm[0] + sm[1]) + ...) + sm[7].
+KVEVICT_HOST_DEVICE inline float score_lanes_total(const float (&sm)[cs_chunk_lanes]) noexcept {
+  float sum = sm[0];
+  for (int l = 1; l < cs_chunk_lanes; ++l) sum = add_rn(sum, sm[l]);
+  return sum;
 }
 
 /// Adds row i's probability p to a column's accumulator: a sum, or Welford's mean and sum of squared

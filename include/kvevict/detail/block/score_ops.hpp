@@ -4,16 +4,18 @@
 // cuda_launcher (one generic __global__ per op), the host tests with simt_launcher (the host SIMT
 // executor: fibers, real barriers and warp shuffles, shared-memory race checks). Not API.
 //
-// The decomposition and the per-element arithmetic are those of detail/block/score_device.hpp:
-//   cs_stats_op    item (KV head, row block, split): the logits of up to cs_rows rows of the GQA
-//                  group against each key tile of the split (thread (tr, tk): 8 rows x 4 keys in
-//                  registers, the head dimension staged through shared memory cs_dchunk elements at
-//                  a time), each row's statistics of the tile (two runs of cs_half keys, threads 2r
-//                  and 2r + 1, paired by a shuffle), merged over the split's tiles -> part[row][split]
-//   cs_merge_op    one warp per row: lane l merges splits l, l + 32, ..., then a fixed shuffle tree
+// The decomposition and the per-element arithmetic are those of detail/block/score_device.hpp, in
+// the host kernels' summation order (docs/score.md "Summation order": the results equal seq's bits):
+//   cs_stats_op    item (KV head, row block, split = host chunk of cs_chunk columns): the logits of up
+//                  to cs_rows rows of the GQA group against each key tile of the chunk (thread (tr, tk):
+//                  8 rows x 4 keys in registers, the head dimension staged through shared memory
+//                  cs_dchunk elements at a time), in two sweeps: the chunk max, then the host's eight
+//                  lane sums of e^(l - max) (threads 2r and 2r + 1 four lanes each, joined by a
+//                  shuffle) -> part[row][chunk]
+//   cs_merge_op    one thread per row: its chunks' statistics merged in order -> rowst[row]
 //   cs_columns_op  item (KV head, output column tile): the probabilities of each block of the group's
-//                  rows, per (query head, column) pushed in row order, finalised, written, combined
-//                  over the group's heads in order (GQA output)
+//                  rows (e^(l - m_c) times the chunk's factor), per (query head, column) pushed in row
+//                  order, finalised, written, combined over the group's heads in order (GQA output)
 // Shared memory is read and written through the context (ld / st: race-checked on the host; on the
 // GPU plain accesses, the staged operands read as float4 and the logit tile stored as float2).
 #pragma once
@@ -127,13 +129,6 @@ struct cuda_score_args {
   KVEVICT_HOST_DEVICE index_t out_cols_of(index_t p) const { return out_all ? cols_of(p) : p; }
 };
 
-/// Announces reads of n shared-memory floats at p that a per-element function then reads directly
-/// (the host executor's race check sees them; on the GPU the unused loads are dropped).
-template <class Ctx>
-KVEVICT_HOST_DEVICE inline void cs_reads(Ctx& c, const float* p, int n) {
-  for (int k = 0; k < n; ++k) (void)c.ld(p + k);
-}
-
 /// The logits of `nrows` (<= cs_rows) query rows, whose element k is q[qoff[row] + k * qs2], against
 /// keys j0 .. j0 + cs_keys - 1 of KV head g: thread (tr, tk) accumulates rows tr*8 .. tr*8+7 x keys
 /// tk*4 .. tk*4+3 in registers, the head dimension staged through shared memory cs_dchunk elements
@@ -196,16 +191,39 @@ struct cs_pass_op_base {
   };
 };
 
-/// Pass 1: item (g, row block rb, split s) merges, for each row of the block, the statistics of key
-/// tiles [s * tiles_per_split, ...) in order: two runs of cs_half keys per tile (threads 2r and
-/// 2r + 1), merged, then merged into the row's running statistics -> part[row][s].
+/// Pass 1, one key tile: the block's logits against keys j0 .. j0 + cs_keys - 1, scaled, stored in
+/// sm[row][column] (row stride cs_l_ld). Opens and ends with a block barrier.
+template <bool Fused, class Ctx, class QE, class Keys>
+KVEVICT_HOST_DEVICE inline void cs_logit_tile(Ctx& c, const cuda_score_args<QE, Keys>& a, float* sm,
+                                              const index_t* qoff, int nrows, index_t g, index_t j0) {
+  constexpr int key_threads = cs_keys / cs_thread_keys;
+  const int tid = static_cast<int>(c.thread()), tr = tid / key_threads, tk = tid % key_threads;
+  float acc[cs_thread_rows][cs_thread_keys];
+  cs_block_logits<Fused>(c, a, sm, qoff, nrows, g, j0, acc);
+  c.sync();  // the staged queries and keys are no longer read
+  KVEVICT_CS_UNROLL
+  for (int r = 0; r < cs_thread_rows; ++r) {  // float2 stores: 2-way at most (scalar: 4-way)
+    cs_f2* const dst = reinterpret_cast<cs_f2*>(sm + (tr * cs_thread_rows + r) * cs_l_ld + tk * cs_thread_keys);
+    c.st(dst, cs_f2{mul_rn(acc[r][0], a.scale), mul_rn(acc[r][1], a.scale)});
+    c.st(dst + 1, cs_f2{mul_rn(acc[r][2], a.scale), mul_rn(acc[r][3], a.scale)});
+  }
+  c.sync();
+}
+
+/// Pass 1: item (g, row block rb, split s = host chunk s) computes each row's statistics of the
+/// chunk as the host's score_chunk_exp does: sweep 1 over the chunk's key tiles takes the max m_c of
+/// the row's visible logits (threads 2r and 2r + 1 each over half of every tile, then the larger of
+/// the two: exact); sweep 2 computes the logits again and adds e^(l - m_c) into the host's lanes
+/// (thread 2r + h owns lanes 4h .. 4h + 3: lane j % 8 for the chunk's whole groups of 8 visible
+/// columns, in column order; the remaining < 8 columns into lane 0 by thread 2r), then thread 2r
+/// adds lanes 0..7 in order -> part[row][s] = (m_c, L_c). Rows that do not see the chunk write nothing.
 template <bool Fused, class QE, class Keys>
 struct cs_stats_op : cs_pass_op_base {
   using shared = tile_shared;
   template <class Ctx>
   KVEVICT_HOST_DEVICE static void body(Ctx& c, shared& sh, const cuda_score_args<QE, Keys> a) {
-    constexpr int key_threads = cs_keys / cs_thread_keys;
-    const int tid = static_cast<int>(c.thread()), tr = tid / key_threads, tk = tid % key_threads;
+    constexpr int half_lanes = cs_chunk_lanes / 2;
+    const int tid = static_cast<int>(c.thread());
     const int srow = tid / 2, half = tid % 2;
     const index_t items = a.hkv * a.row_blocks * a.splits;
     for (index_t item = c.block(); item < items; item += c.grid_dim()) {
@@ -214,68 +232,81 @@ struct cs_stats_op : cs_pass_op_base {
       if (p < 0) continue;  // a paged row its table does not describe (counted by cs_paged_rows_op)
       const index_t row0 = rb * cs_rows;
       const int nrows = a.rows_g - row0 < cs_rows ? static_cast<int>(a.rows_g - row0) : cs_rows;
+      const index_t max_vis = score_block_max_visible(row0, nrows, a.w, p, a.has_block);
+      const index_t t0 = s * a.tiles_per_split;
+      if (t0 * cs_keys >= max_vis) continue;  // causal block: no row of the block sees this chunk
       c.sync();  // the previous item's readers of qoff and sm are done
       for (int lr = tid; lr < nrows; lr += cs_threads) {
         const index_t r = row0 + lr;
         c.st(sh.qoff + lr, (g * a.group + r / a.w) * a.qs0 + (r % a.w) * a.qs1);
       }
       const index_t my_vis = srow < nrows ? score_row_visible(p, a.has_block, (row0 + srow) % a.w) : 0;
-      const index_t max_vis = score_block_max_visible(row0, nrows, a.w, p, a.has_block);
-      softmax_stats run = softmax_empty();
-      const index_t t_end = (s + 1) * a.tiles_per_split < a.tiles ? (s + 1) * a.tiles_per_split : a.tiles;
-      for (index_t t = s * a.tiles_per_split; t < t_end; ++t) {
-        const index_t j0 = t * cs_keys;
-        if (j0 >= max_vis) break;  // causal block: no row of the block sees this tile or later ones
-        float acc[cs_thread_rows][cs_thread_keys];
-        cs_block_logits<Fused>(c, a, sh.sm, sh.qoff, nrows, g, j0, acc);
-        c.sync();  // the staged queries and keys are no longer read
-        KVEVICT_CS_UNROLL
-        for (int r = 0; r < cs_thread_rows; ++r) {  // float2 stores: 2-way at most (scalar: 4-way)
-          cs_f2* const dst = reinterpret_cast<cs_f2*>(sh.sm + (tr * cs_thread_rows + r) * cs_l_ld + tk * cs_thread_keys);
-          c.st(dst, cs_f2{mul_rn(acc[r][0], a.scale), mul_rn(acc[r][1], a.scale)});
-          c.st(dst + 1, cs_f2{mul_rn(acc[r][2], a.scale), mul_rn(acc[r][3], a.scale)});
+      const index_t t_end = t0 + a.tiles_per_split < a.tiles ? t0 + a.tiles_per_split : a.tiles;
+      const float* const lrow = sh.sm + srow * cs_l_ld;
+      // sweep 1: the chunk max of each row (order keys: NaN and -0 ranked as the host ranks them)
+      std::int32_t mk = float_order_key(neg_inf_f());
+      for (index_t t = t0; t < t_end && t * cs_keys < max_vis; ++t) {
+        cs_logit_tile<Fused>(c, a, sh.sm, sh.qoff, nrows, g, t * cs_keys);
+        const int run_n = score_run_count(my_vis, t * cs_keys, half);
+        for (int k = 0; k < run_n; ++k) {
+          const std::int32_t key = float_order_key(c.ld(lrow + half * cs_half + k));
+          mk = key > mk ? key : mk;
         }
-        c.sync();
-        const float* const run_l = sh.sm + srow * cs_l_ld + half * cs_half;
-        const int run_n = score_run_count(my_vis, j0, half);
-        cs_reads(c, run_l, run_n);
-        const softmax_stats mine = score_run_stats(run_l, 1, run_n);
-        softmax_stats other;
-        other.max = c.shfl_xor(mine.max, 1);
-        other.sum = c.shfl_xor(mine.sum, 1);
-        const softmax_stats tile = half == 0 ? softmax_merge(mine, other) : softmax_merge(other, mine);
-        run = softmax_merge(run, tile);
       }
-      if (half == 0 && srow < nrows) a.part[(g * a.rows_g + row0 + srow) * a.splits + s] = run;
+      const std::int32_t other_mk = c.shfl_xor(mk, 1);
+      const float m = float_from_order_key(other_mk > mk ? other_mk : mk);
+      // sweep 2: the lanes of e^(l - m), in the host's order
+      const int n = score_chunk_count(my_vis, s), full = n - n % cs_chunk_lanes;
+      float lane[half_lanes];
+      KVEVICT_CS_UNROLL
+      for (int l = 0; l < half_lanes; ++l) lane[l] = 0.0f;
+      for (index_t t = t0; t < t_end && t * cs_keys < max_vis; ++t) {
+        cs_logit_tile<Fused>(c, a, sh.sm, sh.qoff, nrows, g, t * cs_keys);
+        const int base = static_cast<int>((t - t0) * cs_keys);  // the tile's first column in the chunk
+        KVEVICT_CS_UNROLL
+        for (int l = 0; l < half_lanes; ++l)
+          for (int k = half * half_lanes + l; k < cs_keys && base + k < full; k += cs_chunk_lanes)
+            lane[l] = add_rn(lane[l], score_chunk_e(c.ld(lrow + k), m));
+        if (half == 0)  // the last n % 8 visible columns, after lane 0's whole groups
+          for (int k = full > base ? full - base : 0; k < cs_keys && base + k < n; ++k)
+            lane[0] = add_rn(lane[0], score_chunk_e(c.ld(lrow + k), m));
+      }
+      float sm[cs_chunk_lanes];
+      KVEVICT_CS_UNROLL
+      for (int l = 0; l < half_lanes; ++l) {
+        const float o = c.shfl_xor(lane[l], 1);
+        sm[l] = half == 0 ? lane[l] : o;
+        sm[half_lanes + l] = half == 0 ? o : lane[l];
+      }
+      if (half == 0 && n > 0) a.part[(g * a.rows_g + row0 + srow) * a.splits + s] = softmax_stats{m, score_lanes_total(sm)};
     }
   }
 };
 
-/// The merge: one warp per row, lane l merges splits l, l + 32, ... in order, then the lanes by a
-/// fixed shuffle tree (offsets 16, 8, 4, 2, 1) -> rowst[row].
+/// The merge: one thread per row folds the statistics of the chunks the row sees, in order, into the
+/// empty statistics (the host's running st[r]) -> rowst[row]. Rows of a paged row the table does not
+/// describe are skipped.
+template <class QE, class Keys>
 struct cs_merge_op {
   static constexpr int threads = cs_threads;
   using shared = simt_no_shared;
   template <class Ctx>
-  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared&, const softmax_stats* part, softmax_stats* rowst, index_t rows,
-                                       index_t splits) {
-    constexpr index_t warps = cs_threads / 32;
-    const int lane = c.lane();
-    for (index_t row = c.block() * warps + c.warp(); row < rows; row += c.grid_dim() * warps) {
-      softmax_stats s = score_merge_lane(part + row * splits, splits, lane);
-      for (int off = cs_merge_lanes / 2; off > 0; off /= 2) {
-        softmax_stats o;
-        o.max = c.shfl_down(s.max, off);
-        o.sum = c.shfl_down(s.sum, off);
-        s = softmax_merge(s, o);
-      }
-      if (lane == 0) rowst[row] = s;
+  KVEVICT_HOST_DEVICE static void body(Ctx& c, shared&, const cuda_score_args<QE, Keys> a) {
+    for (index_t row = c.block() * cs_threads + c.thread(); row < a.rows_total; row += c.grid_dim() * cs_threads) {
+      const index_t g = row / a.rows_g, p = a.keys.prefix(g);
+      if (p < 0) continue;
+      const index_t vis = score_row_visible(p, a.has_block, (row % a.rows_g) % a.w);
+      const index_t chunks = (vis + cs_chunk - 1) / cs_chunk;
+      softmax_stats s = softmax_empty();
+      for (index_t k = 0; k < chunks; ++k) s = softmax_merge(s, a.part[row * a.splits + k]);
+      a.rowst[row] = s;
     }
   }
 };
 
 /// Pass 2, one block of rows [row0, row0 + nrows) of KV head g's group against output columns
-/// [c0, c0 + ncols): the probabilities p (0 where a row does not see a column) in sm[row][column].
+/// [c0, c0 + ncols) (inside chunk c0 / cs_chunk): the probabilities p = e^(l - m_c) * (e^(m_c - M) / L),
+/// the host's, (0 where a row does not see a column) in sm[row][column]; rst[row] holds (m_c, factor).
 /// Returns false, without touching sm, when no row of the block sees any of the columns (every p is
 /// 0). Opens with a block barrier; ends with one when it returns true.
 template <bool Fused, class Ctx, class QE, class Keys>
@@ -289,8 +320,14 @@ KVEVICT_HOST_DEVICE inline bool cs_prob_tile(Ctx& c, const cuda_score_args<QE, K
   for (int lr = tid; lr < nrows; lr += cs_threads) {
     const index_t r = row0 + lr, i = r % a.w;
     c.st(qoff + lr, (g * a.group + r / a.w) * a.qs0 + i * a.qs1);
-    c.st(rvis + lr, score_row_visible(p, a.has_block, i));
-    c.st(rst + lr, a.rowst[g * a.rows_g + r]);
+    const index_t vis = score_row_visible(p, a.has_block, i);
+    c.st(rvis + lr, vis);
+    softmax_stats cf{0.0f, 0.0f};  // (chunk max, chunk factor); unused where the row sees no column
+    if (vis > c0) {
+      cf.max = a.part[(g * a.rows_g + r) * a.splits + c0 / cs_chunk].max;
+      cf.sum = score_chunk_scale(cf.max, a.rowst[g * a.rows_g + r]);
+    }
+    c.st(rst + lr, cf);
   }
   float acc[cs_thread_rows][cs_thread_keys];
   cs_block_logits<Fused>(c, a, sm, qoff, nrows, g, c0, acc);
@@ -305,8 +342,10 @@ KVEVICT_HOST_DEVICE inline bool cs_prob_tile(Ctx& c, const cuda_score_args<QE, K
     for (int k = 0; k < cs_thread_keys; ++k) {
       const int kk = tk * cs_thread_keys + k;
       pv[k] = 0.0f;
-      if (lr < nrows && kk < ncols)
-        pv[k] = score_tile_prob(c.ld(rst + lr), mul_rn(acc[r][k], a.scale), c0 + kk < c.ld(rvis + lr));
+      if (lr < nrows && kk < ncols && c0 + kk < c.ld(rvis + lr)) {
+        const softmax_stats cf = c.ld(rst + lr);
+        pv[k] = mul_rn(score_chunk_e(mul_rn(acc[r][k], a.scale), cf.max), cf.sum);
+      }
     }
     cs_f2* const dst = reinterpret_cast<cs_f2*>(sm + lr * cs_l_ld + tk * cs_thread_keys);  // 2-way at most
     c.st(dst, cs_f2{pv[0], pv[1]});
@@ -399,11 +438,10 @@ struct cs_columns_op : cs_pass_op_base {
 /// the results do not depend on it; tests pass a small one to exercise the grid-stride loops).
 template <bool Fused, class QE, class Keys, class Launcher>
 void cs_launch(Launcher& l, const cuda_score_args<QE, Keys>& a, index_t grid_cap = index_t(1) << 20) {
-  constexpr index_t warps = cs_threads / 32;
   l.template run<cs_stats_op<Fused, QE, Keys>>(simt_shape{simt_grid(a.hkv * a.row_blocks * a.splits, grid_cap), cs_threads},
                                              a);
-  l.template run<cs_merge_op>(simt_shape{simt_grid((a.rows_total + warps - 1) / warps, grid_cap), cs_threads},
-                              static_cast<const softmax_stats*>(a.part), a.rowst, a.rows_total, a.splits);
+  l.template run<cs_merge_op<QE, Keys>>(
+      simt_shape{simt_grid((a.rows_total + cs_threads - 1) / cs_threads, grid_cap), cs_threads}, a);
   l.template run<cs_columns_op<Fused, QE, Keys>>(simt_shape{simt_grid(a.hkv * a.out_tiles, grid_cap), cs_threads}, a);
 }
 

@@ -53,13 +53,25 @@ struct score_keys {
   const float* data;
   index_t stride;
   KVEVICT_HOST_DEVICE std::uint32_t operator()(index_t i) const noexcept { return score_key(data[i * stride]); }
+  KVEVICT_HOST_DEVICE const void* addr(index_t i) const noexcept { return data + i * stride; }
+  static constexpr std::size_t bytes = sizeof(float);
 };
 /// Keys of a row held in a padded shared-memory array, key i of the row at keys[smem_pad(i - first)].
 struct cached_keys {
   const std::uint32_t* keys;
   index_t first;
   KVEVICT_HOST_DEVICE std::uint32_t operator()(index_t i) const noexcept { return keys[smem_pad(i - first)]; }
+  KVEVICT_HOST_DEVICE const void* addr(index_t i) const noexcept { return keys + smem_pad(i - first); }
+  static constexpr std::size_t bytes = sizeof(std::uint32_t);
 };
+
+/// Key i of `keys`, its plain read announced to the block (Block::plain_read: shared-memory keys are
+/// race-checked on the host SIMT executor).
+template <class Block, class Keys>
+KVEVICT_HOST_DEVICE std::uint32_t block_key(const Block& blk, const Keys& keys, index_t i) {
+  blk.plain_read(keys.addr(i), Keys::bytes);
+  return keys(i);
+}
 
 /// Where a row's kept positions go: position of slot j at data[j * stride].
 struct pos_out {
@@ -224,7 +236,10 @@ KVEVICT_HOST_DEVICE inline bool emit_keep(ucount before, ucount flag, index_t ti
 template <class Block, class U>
 KVEVICT_HOST_DEVICE void block_fill(Block& blk, U* p, index_t n, U value) {
   blk.each([&](int tid) {
-    for (index_t i = tid; i < n; i += blk.size()) p[i] = value;
+    for (index_t i = tid; i < n; i += blk.size()) {
+      blk.plain_write(p + i, sizeof(U));
+      p[i] = value;
+    }
   });
 }
 
@@ -235,7 +250,7 @@ KVEVICT_HOST_DEVICE void block_histogram(Block& blk, const Keys& keys, index_t b
                                          int pass, std::uint32_t* hist) {
   blk.each([&](int tid) {
     for (index_t i = begin + tid; i < end; i += blk.size()) {
-      const std::uint32_t key = keys(i);
+      const std::uint32_t key = block_key(blk, keys, i);
       if (counts(key)) blk.atomic_add(&hist[radix_digit(key, pass)], 1u);
     }
   });
@@ -262,6 +277,9 @@ KVEVICT_HOST_DEVICE radix_bucket block_choose(Block& blk, const Load& load, int 
         for (int b = hi - 1; b >= lo; --b) {
           const index_t c = static_cast<index_t>(load(b));
           if (radix_bucket_holds(static_cast<std::uint32_t>(b), above, c, k)) {
+            blk.plain_write(&sm.bucket, sizeof(sm.bucket));
+            blk.plain_write(&sm.above, sizeof(sm.above));
+            blk.plain_write(&sm.count, sizeof(sm.count));
             sm.bucket = static_cast<std::uint32_t>(b);
             sm.above = above;
             sm.count = c;
@@ -269,6 +287,9 @@ KVEVICT_HOST_DEVICE radix_bucket block_choose(Block& blk, const Load& load, int 
           above += c;
         }
       });
+  blk.plain_read(&sm.bucket, sizeof(sm.bucket));  // every thread (uniform), after the sum's barrier
+  blk.plain_read(&sm.above, sizeof(sm.above));
+  blk.plain_read(&sm.count, sizeof(sm.count));
   radix_bucket r;
   r.bucket = sm.bucket;
   r.above = sm.above;
@@ -290,7 +311,7 @@ KVEVICT_HOST_DEVICE ucount block_count(Block& blk, const Keys& keys, index_t beg
                                        const radix_threshold& t) {
   return block_sum(blk, [&](int tid) {
     ucount s = 0;
-    for (index_t i = begin + tid; i < end; i += blk.size()) s += emit_flag(keys(i), t);
+    for (index_t i = begin + tid; i < end; i += blk.size()) s += emit_flag(block_key(blk, keys, i), t);
     return s;
   });
 }
@@ -311,11 +332,19 @@ KVEVICT_HOST_DEVICE void block_emit(Block& blk, const Keys& keys, index_t begin,
     const index_t n = imin(tile, end - base);
     if (stage != nullptr) {
       blk.each([&](int tid) {
-        for (index_t i = tid; i < n; i += blk.size()) stage[smem_pad(i)] = keys(base + i);
+        for (index_t i = tid; i < n; i += blk.size()) {
+          const std::uint32_t key = block_key(blk, keys, base + i);
+          blk.plain_write(stage + smem_pad(i), sizeof(std::uint32_t));
+          stage[smem_pad(i)] = key;
+        }
       });
       blk.sync();
     }
-    const auto key_at = [&](index_t i) { return stage != nullptr ? stage[smem_pad(i)] : keys(base + i); };
+    const auto key_at = [&](index_t i) {
+      if (stage == nullptr) return block_key(blk, keys, base + i);
+      blk.plain_read(stage + smem_pad(i), sizeof(std::uint32_t));
+      return stage[smem_pad(i)];
+    };
     ucount tile_total = 0;
     blk.exclusive_sum(
         [&](int tid) {
@@ -364,7 +393,13 @@ KVEVICT_HOST_DEVICE row_state block_threshold(Block& blk, const Keys& keys, row_
     const radix_threshold t = s.t;
     block_histogram(blk, keys, 0, s.n, [t](std::uint32_t key) { return radix_tied(key, t); }, pass, sm.hist);
     blk.sync();
-    const radix_bucket b = block_choose(blk, [&](int bin) { return sm.hist[bin]; }, bins, s.t.ties, sm);
+    const radix_bucket b = block_choose(
+        blk,
+        [&](int bin) {
+          blk.plain_read(&sm.hist[bin], sizeof(std::uint32_t));
+          return sm.hist[bin];
+        },
+        bins, s.t.ties, sm);
     row_narrow(s, pass, b, full_key);
   }
   return s;
@@ -381,7 +416,10 @@ KVEVICT_HOST_DEVICE row_state block_select_row(Block& blk, const score_keys& sco
   if (s.mode != row_select) return s;
   if (s.n <= key_cache_keys) {
     blk.each([&](int tid) {
-      for (index_t i = tid; i < s.n; i += blk.size()) sm.keys[smem_pad(i)] = scores(i);
+      for (index_t i = tid; i < s.n; i += blk.size()) {
+        blk.plain_write(&sm.keys[smem_pad(i)], sizeof(std::uint32_t));
+        sm.keys[smem_pad(i)] = scores(i);
+      }
     });
     blk.sync();
     const cached_keys keys{sm.keys, 0};
@@ -420,8 +458,10 @@ KVEVICT_HOST_DEVICE void chunk_histogram(Block& blk, const Keys& keys, index_t b
   block_histogram(blk, keys, begin, end, [t](std::uint32_t key) { return radix_tied(key, t); }, pass, sm.hist);
   blk.sync();
   blk.each([&](int tid) {
-    for (int b = tid; b < bins; b += blk.size())
+    for (int b = tid; b < bins; b += blk.size()) {
+      blk.plain_read(&sm.hist[b], sizeof(std::uint32_t));
       if (sm.hist[b] != 0) blk.atomic_add(&row_hist[b], sm.hist[b]);
+    }
   });
 }
 
@@ -525,11 +565,13 @@ KVEVICT_HOST_DEVICE void flat_chunk_histogram(Block& blk, const Keys& keys, inde
   }
   blk.sync();
   blk.each([&](int tid) {
-    for (int b = tid; b < bins; b += blk.size())
+    for (int b = tid; b < bins; b += blk.size()) {
+      blk.plain_read(&sm.hist[b], sizeof(std::uint32_t));
       if (sm.hist[b] != 0) {
         blk.atomic_add(&row_hist[b], sm.hist[b]);
         blk.atomic_add(&layer_hist[b], static_cast<ucount>(sm.hist[b]));
       }
+    }
   });
 }
 
@@ -542,7 +584,11 @@ KVEVICT_HOST_DEVICE void flat_finish_pass(Block& blk, const Load& load, const fl
   const int bins = radix_pass_bins(pass);
   ucount* merged = sm.merged;
   blk.each([&](int tid) {
-    for (int b = tid; b < bins; b += blk.size()) merged[b] = static_cast<ucount>(load(b));
+    for (int b = tid; b < bins; b += blk.size()) {
+      const ucount v = static_cast<ucount>(load(b));
+      blk.plain_write(merged + b, sizeof(ucount));
+      merged[b] = v;
+    }
   });
   blk.sync();
   blk.each([&](int tid) {
@@ -553,7 +599,13 @@ KVEVICT_HOST_DEVICE void flat_finish_pass(Block& blk, const Load& load, const fl
     }
   });
   blk.sync();
-  const radix_bucket b = block_choose(blk, [&](int bin) { return merged[bin]; }, bins, g.ties, sm);
+  const radix_bucket b = block_choose(
+      blk,
+      [&](int bin) {
+        blk.plain_read(merged + bin, sizeof(ucount));
+        return merged[bin];
+      },
+      bins, g.ties, sm);
   radix_threshold next = g;
   radix_narrow(next, pass, b, g.ties, true);
   blk.each([&](int tid) {

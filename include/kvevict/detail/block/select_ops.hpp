@@ -18,6 +18,7 @@
 #include <kvevict/detail/block/select_block.hpp>
 #include <kvevict/detail/block/simt_bodies.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -60,6 +61,8 @@ struct simt_block {
   }
   KVEVICT_HOST_DEVICE void atomic_add(std::uint32_t* p, std::uint32_t v) const { c.atomic_add(p, v); }
   KVEVICT_HOST_DEVICE void atomic_add(ucount* p, ucount v) const { c.atomic_add(p, v); }
+  KVEVICT_HOST_DEVICE void plain_read(const void* p, std::size_t bytes) const { c.plain_read(p, bytes); }
+  KVEVICT_HOST_DEVICE void plain_write(void* p, std::size_t bytes) const { c.plain_write(p, bytes); }
 };
 
 KVEVICT_HOST_DEVICE inline score_keys select_row_keys(const matrix_view<const float>& scores, index_t r) {
@@ -142,9 +145,9 @@ struct select_multi_pass_op : select_op_base {
         c.fence();  // this block's histogram atomics before its ticket
         c.sync();
         if (c.thread() == 0)
-          sh.sm.flag = c.atomic_add(&w.tickets[index_t(pass) * R + r], 1u) == unsigned(C - 1) ? 1 : 0;
+          c.st(&sh.sm.flag, c.atomic_add(&w.tickets[index_t(pass) * R + r], 1u) == unsigned(C - 1) ? 1 : 0);
         c.sync();
-        if (sh.sm.flag != 0) {
+        if (c.ld(&sh.sm.flag) != 0) {
           c.fence();
           const std::uint32_t* h = w.hist + (index_t(pass) * R + r) * radix_bins;
           multi_pass_finish(blk, [&c, h](int b) { return c.ld_cg(h + b); }, rows, w, r, pass, full_key, sh.sm);
@@ -218,9 +221,9 @@ struct flat_layer_pass_op : select_op_base {
       c.fence();
       c.sync();
       if (c.thread() == 0)
-        sh.sm.flag = c.atomic_add(&w.tickets[pass], ucount(1)) == static_cast<ucount>(R * C - 1) ? 1 : 0;
+        c.st(&sh.sm.flag, c.atomic_add(&w.tickets[pass], ucount(1)) == static_cast<ucount>(R * C - 1) ? 1 : 0);
       c.sync();
-      if (sh.sm.flag != 0) {
+      if (c.ld(&sh.sm.flag) != 0) {
         c.fence();
         const ucount* h = w.layer_hist + index_t(pass) * radix_bins;
         flat_finish_pass(blk, [&c, h](int b) { return c.ld_cg(h + b); }, w.rows, R, pass, g, *w.layer, sh.sm);

@@ -9,6 +9,10 @@
 //   T shfl(T v, int src), shfl_xor(T v, int m), shfl_down(T v, int d)   full-warp shuffles
 //   bool any(bool), all(bool); std::uint32_t ballot(bool)                full-warp votes
 //   T ld(const T* p); void st(T* p, T v)                 shared-memory accesses (race-checked on the host)
+//   void plain_read(const void* p, size_t bytes)         announces a plain C++ read / write of the bytes
+//   void plain_write(void* p, size_t bytes)              at p made next by this thread (code shared with
+//                                                        host-only callers: memcpy, Op::stash): race-
+//                                                        checked on the host like ld / st; nothing on the GPU
 //   T atomic_add(T* p, T v), atomic_max(T* p, T v)       atomicAdd / atomicMax (return the old value)
 //   void fence()                                         __threadfence
 //   T ld_acquire(const T* p); void st_release(T* p, T v) device-scope acquire load / release store
@@ -158,6 +162,11 @@ class simt_thread {
   T ld(const T* p);
   template <class T>
   void st(T* p, T v);
+  void plain_read(const void* p, std::size_t bytes) { access(p, bytes, false, false, true); }
+  void plain_write(void* p, std::size_t bytes) {
+    access(p, bytes, true, false, true);
+    progress();
+  }
   template <class T>
   T atomic_add(T* p, T v);
   template <class T>
@@ -198,8 +207,9 @@ class simt_thread {
   T exchange_value(T v, int src, char kind);
   std::uint32_t vote(bool p);
   void block_on(state s);
-  void access(const void* p, std::size_t bytes, bool write, bool atomic);
+  void access(const void* p, std::size_t bytes, bool write, bool atomic, bool plain = false);
   void progress() noexcept { spinning_ = false; }
+  index_t syncs_ = 0;  ///< barriers this thread reached in its block (drop_barrier)
 };
 
 /// Shadow state of one 4-byte shared-memory word in one barrier epoch.
@@ -209,6 +219,7 @@ struct simt_shadow {
   index_t reader = -1;  ///< a reading thread in this epoch
   bool many_readers = false;
   bool atomic_only = true;
+  bool plain_writer = false, plain_reader = false;  ///< the writer's / reader's access was announced (plain_*)
 };
 
 /// A resident block: its threads, shared memory and shadow state.
@@ -270,6 +281,9 @@ class simt_executor {
   index_t barriers() const noexcept { return barriers_; }
   /// The largest number of blocks that had started and not finished at one time (for tests).
   index_t most_in_flight() const noexcept { return most_in_flight_; }
+  /// Test hook: every thread's k-th barrier in each block (counted from 1; 0: none) returns at once
+  /// without waiting or starting a new epoch, as if the barrier were missing from the code.
+  void drop_barrier(index_t k) noexcept { drop_ = k; }
 
  private:
   friend class simt_thread;
@@ -283,6 +297,7 @@ class simt_executor {
   std::function<void(simt_thread&)> body_;
   index_t grid_ = 0, block_dim_ = 0, epochs_ = 0, barriers_ = 0, resident_ = 4, most_in_flight_ = 0;
   index_t calm_ = 0;  ///< pauses in a row while every live thread waits or spins
+  index_t drop_ = 0;  ///< drop_barrier
   unsigned preempt_ = 8;
   unsigned char fill_ = 0xa5;
 #if KVEVICT_SIMT_ASM_SWITCH
@@ -385,6 +400,7 @@ class simt_executor {
       t.tid_ = i;
       t.st_ = simt_thread::state::ready;
       t.spinning_ = false;
+      t.syncs_ = 0;
       if (t.stack_size_ != stack_bytes_) {
         t.stack_.reset(new char[stack_bytes_]);
         t.stack_size_ = stack_bytes_;
@@ -548,7 +564,7 @@ class simt_executor {
               "or a flag never set (deadlock)");
   }
 
-  void check_access(simt_thread& t, const void* p, std::size_t bytes, bool write, bool atomic) {
+  void check_access(simt_thread& t, const void* p, std::size_t bytes, bool write, bool atomic, bool plain) {
     simt_slot& sl = *t.slot_;
     const auto* b = static_cast<const unsigned char*>(p);
     if (sl.shared.empty() || b < sl.shared.data() || b >= sl.shared.data() + sl.shared.size()) return;  // global
@@ -559,23 +575,27 @@ class simt_executor {
     }
     for (std::size_t w = off / 4; w <= (off + bytes - 1) / 4; ++w) {
       simt_shadow& s = sl.shadow[w];
-      if (s.epoch != sl.epoch) s = simt_shadow{sl.epoch, -1, -1, false, true};
+      if (s.epoch != sl.epoch) s = simt_shadow{sl.epoch, -1, -1, false, true, false, false};
       const index_t me = t.tid_;
       const bool other_writer = s.writer >= 0 && s.writer != me;
       const bool other_reader = s.many_readers || (s.reader >= 0 && s.reader != me);
       const bool both_atomic = atomic && s.atomic_only;
       if (!both_atomic && (other_writer || (write && other_reader))) {
         const index_t other = other_writer ? s.writer : s.reader;
-        fail(t, std::string("shared-memory race on word ") + std::to_string(w) + ": " + (write ? "write" : "read") +
-                    " after a " + (other_writer ? "write" : "read") + " by thread " + std::to_string(other) +
+        const bool other_plain = other_writer ? s.plain_writer : s.plain_reader;
+        fail(t, std::string("shared-memory race on word ") + std::to_string(w) + ": " + (plain ? "plain " : "") +
+                    (write ? "write" : "read") + " after a " + (other_plain ? "plain " : "") +
+                    (other_writer ? "write" : "read") + " by thread " + std::to_string(other) +
                     " with no barrier between");
         return;
       }
       s.atomic_only = s.atomic_only && atomic;
       if (write) {
         s.writer = me;
+        s.plain_writer = plain;
       } else if (s.reader < 0 || s.reader == me) {
         s.reader = me;
+        s.plain_reader = plain;
       } else {
         s.many_readers = true;
       }
@@ -600,6 +620,7 @@ inline void simt_thread::block_on(state s) {
 }
 inline void simt_thread::sync() {
   progress();
+  if (++syncs_ == ex_->drop_) return;  // a deliberately missing barrier (drop_barrier)
   block_on(state::barrier);
 }
 
@@ -627,8 +648,13 @@ inline std::uint32_t simt_thread::vote(bool p) {
   return static_cast<std::uint32_t>(xres_);
 }
 
-inline void simt_thread::access(const void* p, std::size_t bytes, bool write, bool atomic) {
-  ex_->check_access(*this, p, bytes, write, atomic);
+inline void simt_thread::access(const void* p, std::size_t bytes, bool write, bool atomic, bool plain) {
+  if (plain) {  // an announced plain access of global memory: nothing to check, no preemption point
+    const auto* b = static_cast<const unsigned char*>(p);
+    const auto& sh = slot_->shared;
+    if (bytes == 0 || sh.empty() || b < sh.data() || b >= sh.data() + sh.size()) return;
+  }
+  ex_->check_access(*this, p, bytes, write, atomic, plain);
   if (!ex_->error_.empty()) throw simt_executor::aborted{};
   ex_->maybe_preempt(*this);
 }

@@ -26,12 +26,9 @@
 #include <cstring>
 #include <type_traits>
 
-#if !defined(KVEVICT_NO_X86_DISPATCH) && (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && \
-    !defined(__CUDACC__) && !defined(__NVCOMPILER)
-#  define KVEVICT_GATHER_X86_DISPATCH 1
+#include <kvevict/detail/host/cpu_x86.hpp>
+#if KVEVICT_HOST_X86_DISPATCH
 #  include <immintrin.h>
-#else
-#  define KVEVICT_GATHER_X86_DISPATCH 0
 #endif
 
 namespace kvevict::detail {
@@ -98,7 +95,7 @@ KVEVICT_GATHER_INLINE void gather_rows_sized(unsigned char* dst, std::size_t dst
   }
 }
 
-#if KVEVICT_GATHER_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
 /// Copies `bytes` (a multiple of 32) forward by groups of up to 256 bytes, each group loaded into
 /// registers before any of it is stored: memmove's result when dst <= src or the spans are disjoint.
 /// SSE2: 16-byte vectors (every x86-64 CPU); AVX2: 32-byte vectors (chosen at run time).
@@ -142,13 +139,6 @@ __attribute__((target("avx2"))) inline void gather_rows_avx2(unsigned char* dst,
                                                              std::size_t row_bytes, bool in_place) noexcept {
   gather_rows_sized<copy_forward_avx2>(dst, dst_rs, src, src_rs, pos, ps, n, ahead, row_bytes, in_place);
 }
-inline bool gather_has_avx2() noexcept {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
-  return yes;
-}
 #endif
 
 /// The row copies of the gather: bytes (memcpy / memmove, any row), sse2 and avx2 (rows of a
@@ -158,8 +148,8 @@ enum class gather_copy : int { bytes = 0, sse2 = 1, avx2 = 2 };
 /// Whether `c` can copy rows of row_bytes bytes on this CPU and build.
 inline bool gather_copy_available(gather_copy c, std::size_t row_bytes) noexcept {
   if (c == gather_copy::bytes) return true;
-#if KVEVICT_GATHER_X86_DISPATCH
-  return row_bytes % 32 == 0 && (c == gather_copy::sse2 || gather_has_avx2());
+#if KVEVICT_HOST_X86_DISPATCH
+  return row_bytes % 32 == 0 && (c == gather_copy::sse2 || host_has_avx2());
 #else
   (void)row_bytes;
   return false;
@@ -186,7 +176,7 @@ void gather_rows_with(gather_copy c, T* dst, index_t dst_rs, const T* src, index
   const auto* s = reinterpret_cast<const unsigned char*>(src);
   const std::size_t drs = static_cast<std::size_t>(dst_rs) * sizeof(T), srs = static_cast<std::size_t>(src_rs) * sizeof(T);
   if (!gather_copy_available(c, row_bytes)) c = gather_copy::bytes;
-#if KVEVICT_GATHER_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
   if (c == gather_copy::avx2) return gather_rows_avx2(d, drs, s, srs, pos, ps, n, ahead, row_bytes, in_place);
   if (c == gather_copy::sse2)
     return gather_rows_sized<copy_forward_sse2>(d, drs, s, srs, pos, ps, n, ahead, row_bytes, in_place);

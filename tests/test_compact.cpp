@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 using namespace kvevict;
@@ -95,6 +96,135 @@ TEST_CASE("compact dense: random shapes, layouts, backends and element types mat
   dense_gather_matches_reference<float>(par, 2);
   dense_gather_matches_reference<float16>(seq, 3);
   dense_gather_matches_reference<float16>(par, 4);
+}
+
+namespace {
+
+/// An engine's executor for on(ex): the calling thread and one std::thread, chunks of 5 taken from
+/// the end and interleaved (a partition unlike seq's or par's).
+struct two_worker_executor {
+  int concurrency() const { return 2; }
+  void parallel_for(index_t n, task_ref task) {
+    auto run = [&](int worker) {
+      const index_t chunk = 5, chunks = (n + chunk - 1) / chunk;
+      for (index_t c = chunks - 1 - worker; c >= 0; c -= 2) task(c * chunk, std::min(n, (c + 1) * chunk), worker);
+    };
+    std::thread other(run, 1);
+    run(0);
+    other.join();
+  }
+};
+
+/// gather_rows_with(c, ...) against one memcpy per row (out of place, any positions, duplicates) and
+/// against one memmove per row in order (in place, ascending positions), for rows of `dim`
+/// elements `stride` apart; the positions after the n copied ones (`ahead`) are only prefetched.
+template <class T>
+void gather_copy_matches_memcpy(detail::gather_copy c, index_t dim, index_t stride, std::mt19937_64& g) {
+  const index_t rows = kvtest::uniform_int(g, 1, 300);
+  const std::size_t row_bytes = static_cast<std::size_t>(dim) * sizeof(T);
+  std::vector<unsigned char> src(static_cast<std::size_t>(rows * stride) * sizeof(T));
+  for (auto& b : src) b = static_cast<unsigned char>(g());
+  const T* s = reinterpret_cast<const T*>(src.data());
+  // out of place: n random positions (repeats allowed), then `ahead` more of the same source
+  const index_t n = kvtest::uniform_int(g, 0, 200), ahead = kvtest::uniform_int(g, 0, 40);
+  std::vector<pos_t> pos(static_cast<std::size_t>(n + ahead));  // exactly n + ahead: ASan sees overreads
+  for (auto& p : pos) p = static_cast<pos_t>(kvtest::uniform_int(g, 0, rows - 1));
+  const index_t dst_stride = stride + (n % 2);
+  std::vector<unsigned char> got(static_cast<std::size_t>(std::max<index_t>(1, n * dst_stride)) * sizeof(T), 0xA5),
+      want = got;
+  detail::gather_rows_with(c, reinterpret_cast<T*>(got.data()), dst_stride, s, stride, pos.data(), 1, n, ahead, dim,
+                           false);
+  for (index_t j = 0; j < n; ++j)
+    std::memcpy(want.data() + static_cast<std::size_t>(j * dst_stride) * sizeof(T),
+                src.data() + static_cast<std::size_t>(pos[j] * stride) * sizeof(T), row_bytes);
+  REQUIRE(got == want);
+  // in place: k ascending positions (runs and rows already in place included), every other one read
+  // through a position stride of 2
+  std::vector<pos_t> asc;
+  for (pos_t p = 0; p < rows; ++p)
+    if (g() % 3 != 0) asc.push_back(p);
+  const index_t k = static_cast<index_t>(asc.size());
+  std::vector<pos_t> strided(static_cast<std::size_t>(2 * k));
+  for (index_t j = 0; j < k; ++j) strided[static_cast<std::size_t>(2 * j)] = asc[static_cast<std::size_t>(j)];
+  std::vector<unsigned char> cache = src, ref = src;
+  detail::gather_rows_with(c, reinterpret_cast<T*>(cache.data()), stride, reinterpret_cast<const T*>(cache.data()),
+                           stride, strided.data(), 2, k, 0, dim, true);
+  for (index_t j = 0; j < k; ++j)
+    std::memmove(ref.data() + static_cast<std::size_t>(j * stride) * sizeof(T),
+                 ref.data() + static_cast<std::size_t>(asc[static_cast<std::size_t>(j)] * stride) * sizeof(T),
+                 row_bytes);
+  REQUIRE(cache == ref);
+}
+
+}  // namespace
+
+TEST_CASE("compact: every row copy of the host gather (bytes, SSE2, AVX2) gives one memcpy's bytes per row") {
+  auto g = kvtest::rng(77);
+  int ran = 0;
+  for (detail::gather_copy c : {detail::gather_copy::bytes, detail::gather_copy::sse2, detail::gather_copy::avx2}) {
+    CAPTURE(static_cast<int>(c));
+    // row sizes: the constants of gather_rows_sized (128, 256, 512, 1024 bytes), other multiples of
+    // 32 bytes, and sizes no vector copy takes
+    for (index_t dim : {1, 3, 8, 16, 24, 32, 40, 64, 72, 128, 256}) {
+      CAPTURE(dim);
+      if (!detail::gather_copy_available(c, static_cast<std::size_t>(dim) * sizeof(float))) continue;
+      for (index_t pad : {0, 1, 8}) gather_copy_matches_memcpy<float>(c, dim, dim + pad, g);
+      ++ran;
+    }
+    for (index_t dim : {5, 16, 48, 64, 128, 256, 512}) {
+      CAPTURE(dim);
+      if (!detail::gather_copy_available(c, static_cast<std::size_t>(dim) * sizeof(float16))) continue;
+      for (index_t pad : {0, 3, 16}) gather_copy_matches_memcpy<float16>(c, dim, dim + pad, g);
+      ++ran;
+    }
+  }
+  CHECK(ran >= 18);  // bytes on every size at least
+}
+
+TEST_CASE("compact: KV-sized rows over several blocks per head, seq / par / on(ex) equal the naive gather") {
+  // d = 128 fp16 and d = 64 / 128 fp32 rows (the sizes the gather copies as constants), k above
+  // detail::compact_block so that a head's rows span blocks (each prefetching into the next)
+  auto g = kvtest::rng(91);
+  two_worker_executor ex;
+  auto check = [&](auto zero, index_t H, index_t Tn, index_t D, index_t k) {
+    using T = decltype(zero);
+    CAPTURE(D);
+    CAPTURE(k);
+    test_cache<T> src(H, Tn, D, layouts[0], g);
+    const auto kept = random_kept(g, H, Tn, k, false);
+    const auto asc = random_kept(g, H, Tn, k, true);
+    auto run_all = [&](auto be) {
+      std::vector<T> out(static_cast<std::size_t>(H * k * D));
+      REQUIRE(compact(be, src.view, value_of(make_matrix_view(kept.data(), H, k)),
+                      value_of(make_kv_view(out.data(), H, k, D)))
+                  .ok());
+      for (index_t h = 0; h < H; ++h)
+        for (index_t j = 0; j < k; ++j)
+          REQUIRE(std::memcmp(&out[static_cast<std::size_t>((h * k + j) * D)], &src.view(h, kept[h * k + j], 0),
+                              static_cast<std::size_t>(D) * sizeof(T)) == 0);
+      // ragged view with the same positions (blocks cut at head boundaries)
+      std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1));
+      for (index_t h = 0; h <= H; ++h) cu[h] = static_cast<std::int32_t>(h * k);
+      std::vector<T> flat(out.size());
+      REQUIRE(compact(be, src.view, ragged_positions{kept.data(), cu.data(), H},
+                      ragged_view<T>{flat.data(), cu.data(), H, D, D})
+                  .ok());
+      REQUIRE(std::memcmp(flat.data(), out.data(), out.size() * sizeof(T)) == 0);
+      test_cache<T> cache = src;
+      cache.view = kv_view<T>(cache.buf.data(), src.view.mapping());
+      REQUIRE(compact_inplace(be, cache.view, value_of(make_matrix_view(asc.data(), H, k))).ok());
+      for (index_t h = 0; h < H; ++h)
+        for (index_t j = 0; j < k; ++j)
+          REQUIRE(std::memcmp(&cache.view(h, j, 0), &src.view(h, asc[h * k + j], 0),
+                              static_cast<std::size_t>(D) * sizeof(T)) == 0);
+    };
+    run_all(seq);
+    run_all(par);
+    run_all(on(ex));
+  };
+  check(float16{}, 3, 700, 128, 300);
+  check(float{}, 2, 600, 64, 260);
+  check(float{}, 2, 400, 128, 129);
 }
 
 TEST_CASE("compact ragged: per-head kept counts, into a ragged_view and into a ragged_cache") {

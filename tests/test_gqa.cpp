@@ -110,6 +110,11 @@ void matches_reference(Backend be, std::uint64_t seed) {
           const float want = reference(op, group), got = out.view(h, t);
           if (std::isnan(want)) REQUIRE(std::isnan(got));
           else REQUIRE(bits(got) == bits(want));
+          if (op == gqa_op::max) {  // NaNs included: the bits of the fold of total_order_max in head order
+            float m = group[0];
+            for (index_t j = 1; j < grp; ++j) m = detail::total_order_max(m, group[j]);
+            REQUIRE(bits(got) == bits(m));
+          }
         }
       // in place: out = the first H_kv rows of (a copy of) in
       matrix copy = in;
@@ -269,5 +274,31 @@ TEST_CASE("gqa_reduce: the CUDA kernel body under the SIMT executor equals seq b
     const std::vector<float>& e = in_place ? expect : out_e;
     const std::vector<float>& r = in_place ? got : out_g;
     CHECK(std::memcmp(r.data(), e.data(), r.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("gqa max rows: the baseline and AVX2 copies give the bits of the total_order_max fold") {
+  auto g = kvtest::rng(1818);
+  for (int trial = 0; trial < 60; ++trial) {
+    const index_t grp = kvtest::uniform_int(g, 1, 6), n = kvtest::uniform_int(g, 0, detail::gqa_chunk);
+    const index_t xs = n + kvtest::uniform_int(g, 0, 5);
+    std::vector<float> x(static_cast<std::size_t>(std::max<index_t>(1, grp * xs)));
+    for (auto& v : x) v = random_score(g, trial % 2 == 0);
+    std::vector<float> want(static_cast<std::size_t>(std::max<index_t>(1, n)));
+    for (index_t t = 0; t < n; ++t) {
+      float m = x[static_cast<std::size_t>(t)];
+      for (index_t j = 1; j < grp; ++j) m = detail::total_order_max(m, x[static_cast<std::size_t>(j * xs + t)]);
+      want[static_cast<std::size_t>(t)] = m;
+    }
+    std::vector<float> got(want.size(), 7.f);
+    detail::gqa_max_rows_body(got.data(), x.data(), xs, grp, n);
+    for (index_t t = 0; t < n; ++t) REQUIRE(bits(got[t]) == bits(want[t]));
+#if KVEVICT_HOST_X86_DISPATCH
+    if (detail::host_has_avx2()) {
+      std::vector<float> got2(want.size(), 7.f);
+      detail::gqa_max_rows_avx2(got2.data(), x.data(), xs, grp, n);
+      for (index_t t = 0; t < n; ++t) REQUIRE(bits(got2[t]) == bits(want[t]));
+    }
+#endif
   }
 }

@@ -17,6 +17,7 @@
 #include <kvevict/backend.hpp>
 #include <kvevict/detail/base/checks.hpp>
 #include <kvevict/detail/base/parallel.hpp>
+#include <kvevict/detail/host/gather_host.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 
@@ -39,50 +40,6 @@ inline void copy_row_host(T* dst, index_t dst_stride, const T* src, index_t src_
     if (dst != src) std::memcpy(dst, src, static_cast<std::size_t>(dim) * sizeof(T));
   } else {
     copy_row(dst, dst_stride, src, src_stride, dim);
-  }
-}
-
-/// Rows the gathers prefetch ahead (the source rows of kept positions are scattered: the hardware
-/// prefetcher cannot predict them).
-#if !defined(KVEVICT_GATHER_PREFETCH_ROWS)
-#  define KVEVICT_GATHER_PREFETCH_ROWS 6
-#endif
-inline constexpr index_t gather_prefetch_rows = KVEVICT_GATHER_PREFETCH_ROWS;
-/// Rows of one head an out-of-place gather hands to one parallel iteration.
-inline constexpr index_t compact_block = 128;
-
-/// dst row j (j < n, rows dst_rs elements apart) = src row pos[j * ps] (rows src_rs apart), rows
-/// of dim contiguous elements. Runs of consecutive positions are one copy when both sides' rows
-/// are packed (row stride = dim); the source rows a few kept positions ahead are prefetched.
-/// in_place: dst and src are the same cache and every pos[j] >= j (ascending): memmove, and
-/// rows already in place are skipped. Same bytes as one copy_row_host per row.
-template <class T>
-inline void gather_rows_host(T* dst, index_t dst_rs, const T* src, index_t src_rs, const pos_t* pos, index_t ps,
-                             index_t n, index_t dim, bool in_place) {
-  const std::size_t row_bytes = static_cast<std::size_t>(dim) * sizeof(T);
-  const bool packed = dst_rs == dim && src_rs == dim;
-  for (index_t j = 0; j < n;) {
-    const index_t p = pos[j * ps];
-    index_t run = 1;
-    if (packed)
-      while (j + run < n && pos[(j + run) * ps] == p + run) ++run;
-#if defined(__GNUC__) || defined(__clang__)
-    if (gather_prefetch_rows > 0 && j + gather_prefetch_rows < n) {  // the row gather_prefetch_rows kept positions ahead
-      const char* q = reinterpret_cast<const char*>(src + pos[(j + gather_prefetch_rows) * ps] * src_rs);
-      for (std::size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(q + b);
-    }
-#endif
-    const std::size_t bytes = row_bytes * static_cast<std::size_t>(run);
-    if (packed) {
-      if (in_place) {
-        if (p != j) std::memmove(dst + j * dst_rs, src + p * src_rs, bytes);
-      } else {
-        std::memcpy(dst + j * dst_rs, src + p * src_rs, bytes);
-      }
-    } else if (!in_place || p != j) {
-      std::memcpy(dst + j * dst_rs, src + p * src_rs, row_bytes);
-    }
-    j += run;
   }
 }
 
@@ -350,15 +307,15 @@ status compact(Backend be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_
   KVEVICT_TRY(detail::check_kept_matrix(fn, kept, src.extent(1), /*ascending=*/false));
   const index_t k = kept.extent(1), dim = src.extent(2);
   if (src.stride(2) == 1 && dst.stride(2) == 1) {
-    // contiguous rows: blocks of up to compact_block rows of a head per iteration (runs merged,
-    // prefetched: detail::gather_rows_host)
+    // contiguous rows: blocks of up to compact_block rows of a head per iteration, the source rows
+    // prefetched across the blocks of a head (detail::gather_rows_host)
     const index_t blocks = (k + detail::compact_block - 1) / detail::compact_block;
     detail::parallel_for(be, src.extent(0) * blocks, [&](index_t i) {
       const index_t h = i / blocks, j0 = (i % blocks) * detail::compact_block;
       const index_t n = std::min(detail::compact_block, k - j0);
       detail::gather_rows_host(detail::row_ptr(dst, h, j0), dst.stride(1), detail::row_ptr(src, h, 0), src.stride(1),
-                               kept.data_handle() + h * kept.stride(0) + j0 * kept.stride(1), kept.stride(1), n, dim,
-                               false);
+                               kept.data_handle() + h * kept.stride(0) + j0 * kept.stride(1), kept.stride(1), n,
+                               k - j0 - n, dim, false);
     });
     return {};
   }
@@ -381,7 +338,7 @@ status compact_inplace(Backend be, kv_view<T> cache, matrix_view<const pos_t> ke
   detail::parallel_for(be, cache.extent(0), [&](index_t h) {
     if (cache.stride(2) == 1) {
       detail::gather_rows_host(detail::row_ptr(cache, h, 0), cache.stride(1), detail::row_ptr(cache, h, 0),
-                               cache.stride(1), kept.data_handle() + h * kept.stride(0), kept.stride(1), k, dim, true);
+                               cache.stride(1), kept.data_handle() + h * kept.stride(0), kept.stride(1), k, 0, dim, true);
       return;
     }
     for (index_t j = 0; j < k; ++j) {
@@ -409,7 +366,7 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_view
       for (index_t r = r0; r < r1; ++h) {
         const index_t e = std::min<index_t>(r1, kept.cu[h + 1]);
         detail::gather_rows_host(dst.data + r * dst.row_stride, dst.row_stride, detail::row_ptr(src, h, 0),
-                                 src.stride(1), kept.pos + r, 1, e - r, dst.dim, false);
+                                 src.stride(1), kept.pos + r, 1, e - r, kept.cu[h + 1] - e, dst.dim, false);
         r = e;
       }
     });
@@ -434,7 +391,7 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_cach
     const index_t n = kept.length(h);
     if (src.stride(2) == 1)
       detail::gather_rows_host(dst.row(h, 0), dst.row_stride, detail::row_ptr(src, h, 0), src.stride(1),
-                               kept.pos + kept.cu[h], 1, n, dst.dim, false);
+                               kept.pos + kept.cu[h], 1, n, 0, dst.dim, false);
     else
       for (index_t j = 0; j < n; ++j)
         detail::copy_row_host(dst.row(h, j), 1, detail::row_ptr(src, h, kept.pos[kept.cu[h] + j]), src.stride(2),
@@ -473,7 +430,7 @@ status compact_inplace(Backend be, ragged_cache<T> cache, ragged_positions kept)
   detail::parallel_for(be, cache.heads, [&](index_t h) {
     const index_t n = kept.length(h);
     detail::gather_rows_host(cache.row(h, 0), cache.row_stride, cache.row(h, 0), cache.row_stride, kept.pos + kept.cu[h],
-                             1, n, cache.dim, true);
+                             1, n, 0, cache.dim, true);
     cache.lens[h] = static_cast<std::int32_t>(n);
   });
   return {};

@@ -29,8 +29,10 @@
 #include <kvevict/view.hpp>
 #include <kvevict/gqa_types.hpp>
 #include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/detail/host/cpu_x86.hpp>
 
 #include <algorithm>
+#include <cstdint>
 
 namespace kvevict {
 
@@ -71,6 +73,41 @@ inline void combine_contiguous(gqa_op op, float* o, const float* x, index_t n) n
     for (index_t p = 0; p < n; ++p) o[p] = o[p] + x[p];
   }
 }
+
+#if defined(__GNUC__) || defined(__clang__)
+#  define KVEVICT_GQA_INLINE __attribute__((always_inline)) inline
+#else
+#  define KVEVICT_GQA_INLINE inline
+#endif
+/// dst[t] = the total-order maximum of rows x + j * xs (j < g) at t < n (n <= gqa_chunk), in head
+/// order: the maximum of the rows' total_order_key, turned back into a float once. The same bits as
+/// folding total_order_max (it keeps the operand with the larger key, and equal keys are equal
+/// bits); integer operations that vectorise (unsigned max with AVX2).
+KVEVICT_GQA_INLINE void gqa_max_rows_body(float* dst, const float* x, index_t xs, index_t g, index_t n) noexcept {
+  std::uint32_t key[gqa_chunk];
+  for (index_t t = 0; t < n; ++t) key[t] = total_order_key(x[t]);
+  for (index_t j = 1; j < g; ++j) {
+    const float* row = x + j * xs;
+    for (index_t t = 0; t < n; ++t) {
+      const std::uint32_t k = total_order_key(row[t]);
+      key[t] = k > key[t] ? k : key[t];
+    }
+  }
+  for (index_t t = 0; t < n; ++t) dst[t] = total_order_from_key(key[t]);
+}
+#if KVEVICT_HOST_X86_DISPATCH
+__attribute__((target("avx2"))) inline void gqa_max_rows_avx2(float* dst, const float* x, index_t xs, index_t g,
+                                                              index_t n) noexcept {
+  gqa_max_rows_body(dst, x, xs, g, n);
+}
+#endif
+inline void gqa_max_rows(float* dst, const float* x, index_t xs, index_t g, index_t n) noexcept {
+#if KVEVICT_HOST_X86_DISPATCH
+  if (host_has_avx2()) return gqa_max_rows_avx2(dst, x, xs, g, n);
+#endif
+  gqa_max_rows_body(dst, x, xs, g, n);
+}
+#undef KVEVICT_GQA_INLINE
 
 /// The checks of gqa_reduce, shared by every backend; in_place tells whether out is the first H_kv
 /// rows of in (same pointer and strides).
@@ -114,6 +151,10 @@ status gqa_reduce(Backend be, matrix_view<const float> in, matrix_view<float> ou
   auto run = [&](index_t h0, index_t h1, index_t c) {
     const index_t t0 = c * detail::gqa_chunk, n = std::min(detail::gqa_chunk, T - t0);
     float acc[detail::gqa_chunk];
+    if (is1 == 1 && os1 == 1 && op == gqa_op::max) {  // contiguous rows, max (detail::gqa_max_rows)
+      for (index_t h = h0; h < h1; ++h) detail::gqa_max_rows(op_ + h * os0 + t0, ip + (h * g) * is0 + t0, is0, g, n);
+      return;
+    }
     if (is1 == 1 && os1 == 1) {  // contiguous rows: the same operations in vectorisable loops
       for (index_t h = h0; h < h1; ++h) {
         const float* row = ip + (h * g) * is0 + t0;

@@ -18,6 +18,7 @@
 #include <kvevict/config.hpp>
 #include <kvevict/detail/base/score_order.hpp>
 #include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/detail/host/cpu_x86.hpp>
 #include <kvevict/pool_types.hpp>
 
 #include <cstdint>
@@ -160,26 +161,19 @@ void interior_base(bool is_max, const float* x, float* y, index_t lo, index_t hi
   if (is_max) max_interior<K>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
-#  if defined(__x86_64__)
+#  if KVEVICT_HOST_X86_DISPATCH
 template <int K>
 __attribute__((target("avx2"))) void interior_avx2(bool is_max, const float* x, float* y, index_t lo, index_t hi,
                                                     float div) noexcept {
   if (is_max) max_interior<K>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
-inline bool has_avx2() noexcept {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
-  return yes;
-}
 #  endif
 /// The same operations on either copy: the ISA changes the speed, never the bits.
 template <int K>
 void interior(bool is_max, const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
-#  if defined(__x86_64__)
-  if (has_avx2()) return interior_avx2<K>(is_max, x, y, lo, hi, div);
+#  if KVEVICT_HOST_X86_DISPATCH
+  if (host_has_avx2()) return interior_avx2<K>(is_max, x, y, lo, hi, div);
 #  endif
   interior_base<K>(is_max, x, y, lo, hi, div);
 }

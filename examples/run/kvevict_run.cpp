@@ -221,6 +221,23 @@ struct mpi_session {
 kvrun::shard_options shard_options_of(const options& o) {
   return {o.tp > 0 ? o.tp : 1, o.pp > 0 ? o.pp : 1, o.threads > 0 ? o.threads : 1};
 }
+
+// The job's communicators (construct after MPI_Init, destroy before MPI_Finalize): MPI_COMM_WORLD
+// for --tp or --pp alone; for both, the stage's and the heads' groups split by kvevict::mpi_grid.
+// A job of the wrong size keeps MPI_COMM_WORLD alone, for check_sharded's error on every rank.
+struct job_comms {
+  kvevict::mpi_comm world{MPI_COMM_WORLD};
+  kvevict::mpi_grid grid;
+  kvrun::shard_comms<kvevict::mpi_comm> groups = kvrun::one_group(world);
+  kvevict::status init(const kvrun::shard_options& s) {
+    if (s.tp > 1 && s.pp > 1 && world.size() == s.tp * s.pp) {
+      KVEVICT_TRY(grid.init(MPI_COMM_WORLD, s.tp, s.pp));
+      groups.tp = &grid.tp();
+      groups.pp = &grid.pp();
+    }
+    return {};
+  }
+};
 #endif
 
 // kvevict-run --tp P / --pp P under mpirun (sharded/sharded.hpp): every rank generates the same
@@ -228,14 +245,16 @@ kvrun::shard_options shard_options_of(const options& o) {
 int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt) {
 #if defined(KVEVICT_RUN_MPI)
   const mpi_session mpi;
-  kvevict::mpi_comm comm(MPI_COMM_WORLD);
+  job_comms comm;
   kvrun::sampler sampler;
   if (auto st = sampler.init(model.cfg().vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
   std::vector<int> generated;
   const kvrun::shard_options s = shard_options_of(o);
-  const auto st = kvrun::sharded_generate(model, comm, s, o.evict, prompt, o.steps,
-                                          [&](const float* logits) { return sampler.sample(logits); }, generated);
-  if (comm.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
+  auto st = comm.init(s);
+  if (st.ok())
+    st = kvrun::sharded_generate(model, comm.groups, s, o.evict, prompt, o.steps,
+                                 [&](const float* logits) { return sampler.sample(logits); }, generated);
+  if (comm.world.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
   if (!st.ok()) return fail("", st);
   return print_output(o, tok, prompt, generated);
 #else
@@ -252,12 +271,12 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   const bool sharded = o.tp > 0 || o.pp > 0;
 #if defined(KVEVICT_RUN_MPI)
   std::optional<mpi_session> mpi;
-  std::optional<kvevict::mpi_comm> comm;
+  std::optional<job_comms> comm;
   if (sharded) {
     mpi.emplace();
-    comm.emplace(MPI_COMM_WORLD);
+    comm.emplace();
   }
-  const bool writer = !comm || comm->rank() == 0;
+  const bool writer = !comm || comm->world.rank() == 0;
 #else
   if (sharded) return fail(std::string(o.tp > 0 ? "--tp" : "--pp") +
                            " needs MPI: this kvevict-run was built without it (install libopenmpi-dev and reconfigure)");
@@ -275,7 +294,8 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   kvrun::report_result result;
 #if defined(KVEVICT_RUN_MPI)
   if (comm) {
-    const auto st = kvrun::run_sharded_report(model, *comm, shard_options_of(o), r, result);
+    auto st = comm->init(shard_options_of(o));
+    if (st.ok()) st = kvrun::run_sharded_report(model, comm->groups, shard_options_of(o), r, result);
     if (!writer) return st.ok() ? 0 : 1;  // one message, from rank 0 (every rank has the same status)
     if (!st.ok()) return fail("", st);
   } else

@@ -119,13 +119,17 @@ class shard_cache {
 /// the whole model's, shared across layers: not layer-sharded). Error: a clear one naming what is
 /// not supported.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
-  if (s.tp < 1 || s.pp < 1 || (s.tp > 1 && s.pp > 1))
-    return status::error(errc::invalid_argument, "--tp %d --pp %d: give one of them (tensor or pipeline parallelism)",
-                         s.tp, s.pp);
-  const int want = s.tp > 1 ? s.tp : s.pp;
-  if (want != ranks)
-    return status::error(errc::invalid_argument, "--%s %d but the job has %d ranks (run mpirun -np %d)",
-                         s.tp > 1 ? "tp" : "pp", want, ranks, want);
+  if (s.tp < 1 || s.pp < 1)
+    return status::error(errc::invalid_argument, "--tp %d --pp %d: each must be >= 1", s.tp, s.pp);
+  const int want = s.tp * s.pp;
+  if (want != ranks) {
+    char grid[64];
+    if (s.tp > 1 && s.pp > 1)
+      std::snprintf(grid, sizeof grid, "--tp %d --pp %d", s.tp, s.pp);
+    else
+      std::snprintf(grid, sizeof grid, "--%s %d", s.tp > 1 ? "tp" : "pp", s.tp > 1 ? s.tp : s.pp);
+    return status::error(errc::invalid_argument, "%s but the job has %d ranks (run mpirun -np %d)", grid, ranks, want);
+  }
   if (s.tp > 1)
     if (const auto r = kvevict::head_shard(c.n_kv_heads, s.tp, 0); !r) return r.error();
   if (s.pp > 1)
@@ -153,28 +157,61 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
   return check_evict_options(c, o);
 }
 
-/// The model on one rank of a tensor- or pipeline-parallel job, with eviction by the postfill,
-/// chunked and decode drivers (each given the communicator), as evictor does on one process.
+/// The communicators of a sharded job (kvevict/comm.hpp's grid_place_of: world rank = stage x tp +
+/// head shard): `world` every rank, `tp` this stage's head shards (its rank: the shard), `pp` the
+/// ranks holding this rank's heads, one per stage (its rank: the stage). With one kind of sharding
+/// the job's communicator is all three (one_group); with both, the engine splits them (kvevict-run:
+/// kvevict::mpi_grid).
+template <class Comm>
+struct shard_comms {
+  Comm* world = nullptr;
+  Comm* tp = nullptr;
+  Comm* pp = nullptr;
+};
+template <class Comm>
+shard_comms<Comm> one_group(Comm& c) {
+  return {&c, &c, &c};
+}
+
+/// The model on one rank of a tensor- and / or pipeline-parallel job, with eviction by the
+/// postfill, chunked and decode drivers (each given the communicators), as evictor does on one
+/// process.
 template <class Comm>
 class sharded_runner {
  public:
-  /// Binds to `m` (must outlive this) and `comm` (every rank calls the same methods in the same
-  /// order). Errors: check_sharded's.
-  status init(const model& m, Comm& comm, const shard_options& s, const evict_options& o) {
+  /// Binds to `m` (must outlive this) and the communicators `g` (every rank calls the same methods
+  /// in the same order). Errors: check_sharded's; the groups' sizes not tp x pp, tp and pp.
+  /// Every rank must pass the same options: the ranks agree on them first (one allgather over
+  /// `world`), so a rank with other options, or failing a check, fails every rank (no hang).
+  status init(const model& m, const shard_comms<Comm>& g, const shard_options& s, const evict_options& o) {
     const config& c = m.cfg();
-    KVEVICT_TRY(check_sharded(c, s, comm.size(), o));
+    status local = check_sharded(c, s, g.world->size(), o);
+    if (local.ok() && ((s.tp > 1 && g.tp->size() != s.tp) || (s.pp > 1 && g.pp->size() != s.pp)))
+      local = status::error(errc::invalid_argument,
+                            "sharded_runner: --tp %d --pp %d but the groups have %d (tp) and %d (pp) ranks", s.tp, s.pp,
+                            g.tp->size(), g.pp->size());
+    char line[agree_text];
+    std::snprintf(line, sizeof line,
+                  "--tp %d --pp %d --recipe %s --allocator %s --driver %s --budget %lld --window %lld --sinks %lld "
+                  "--chunk %lld --chunk-fraction %.17g --evict-every %lld, %d layers x %d KV heads",
+                  s.tp, s.pp, method_name(o.recipe), allocator_name(allocator_of(o)), driver_name(o.driver),
+                  static_cast<long long>(o.budget), static_cast<long long>(o.window), static_cast<long long>(o.sinks),
+                  static_cast<long long>(o.chunk), o.chunk_fraction, static_cast<long long>(o.evict_every), c.n_layers,
+                  c.n_kv_heads);
+    world_ = g.world;
+    KVEVICT_TRY(agree("sharded_runner::init", local, line));
     m_ = &m;
-    comm_ = &comm;
+    tpc_ = g.tp;
+    ppc_ = g.pp;
     s_ = s;
     o_ = o;
     rec_ = make_recipe(o);
     next_ = 0;
     recorder_ = nullptr;
-    const int P = comm.size(), r = comm.rank();
     heads_ = {0, c.n_kv_heads};
     layers_ = {0, c.n_layers};
-    if (s.tp > 1) heads_ = *kvevict::head_shard(c.n_kv_heads, P, r);
-    if (s.pp > 1) layers_ = *kvevict::layer_shard(c.n_layers, P, r);
+    if (s.tp > 1) heads_ = *kvevict::head_shard(c.n_kv_heads, s.tp, g.tp->rank());
+    if (s.pp > 1) layers_ = *kvevict::layer_shard(c.n_layers, s.pp, g.pp->rank());
     group_ = c.group_size();
     hs_ = c.head_size();
     lq_ = heads_.count * group_;
@@ -189,8 +226,8 @@ class sharded_runner {
     tmp_.assign(T * d, 0.0f);
     qkv_.assign(T * static_cast<std::size_t>((lq_ + 2 * heads_.count) * hs_), 0.0f);
     mine_.assign(T * static_cast<std::size_t>(lq_ * hs_), 0.0f);
-    gathered_.assign(mine_.size() * static_cast<std::size_t>(P), 0.0f);
-    xs_.assign(T * d * static_cast<std::size_t>(P), 0.0f);
+    gathered_.assign(mine_.size() * static_cast<std::size_t>(s.tp), 0.0f);
+    xs_.assign(T * d * static_cast<std::size_t>(s.pp), 0.0f);
     h13_.assign(T * 2 * static_cast<std::size_t>(c.hidden_dim), 0.0f);
     att_.assign(T, 0.0f);
     logits_.assign(static_cast<std::size_t>(c.vocab_size), 0.0f);
@@ -211,7 +248,7 @@ class sharded_runner {
     std::int64_t n = 0;
     for (int l = 0; l < m_->cfg().n_layers; ++l)
       for (index_t h = 0; h < heads_.count; ++h) n += cache_.length(l, h);
-    KVEVICT_TRY(comm_->allreduce_sum(&n, 1));
+    KVEVICT_TRY(world_->allreduce_sum(&n, 1));
     out = n;
     return {};
   }
@@ -224,9 +261,16 @@ class sharded_runner {
     recorder_ = rec;
     const config& c = m_->cfg();
     const auto n = static_cast<index_t>(prompt.size());
+    status local;
     if (n < 1 || n > c.seq_len || next_ != 0)
-      return status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
-                           static_cast<long long>(n), c.seq_len);
+      local = status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
+                            static_cast<long long>(n), c.seq_len);
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a of the prompt's tokens
+    for (const int t : prompt) h = (h ^ static_cast<std::uint32_t>(t)) * 1099511628211ull;
+    char line[agree_text];
+    std::snprintf(line, sizeof line, "a prompt of %lld tokens, hash %016llx", static_cast<long long>(n),
+                  static_cast<unsigned long long>(h));
+    KVEVICT_TRY(agree("sharded_runner::prefill", local, line));  // every rank the same prompt
     if (o_.recipe == method::full) return forward(prompt.data(), n);
     switch (o_.driver) {
       case driver_kind::chunked_naive:
@@ -261,7 +305,7 @@ class sharded_runner {
 
  private:
   const model* m_ = nullptr;
-  Comm* comm_ = nullptr;
+  Comm *world_ = nullptr, *tpc_ = nullptr, *ppc_ = nullptr;  // shard_comms
   shard_options s_;
   evict_options o_;
   kvevict::recipe rec_;
@@ -287,6 +331,47 @@ class sharded_runner {
 
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
 
+  // The ranks agree (one allgather over the world of a status flag and a line): a rank that failed
+  // fails every rank with its message; lines that differ (other options, another prompt) fail every
+  // rank naming the first two that differ. Every rank returns the same status.
+  static constexpr std::size_t agree_text = 248;
+  struct agree_record {
+    std::int32_t failed = 0, rank = 0;
+    char text[agree_text] = {};
+  };
+  status agree(const char* fn, const status& local, const char* line) {
+    agree_record mine;
+    mine.failed = local.ok() ? 0 : 1;
+    mine.rank = world_->rank();
+    std::snprintf(mine.text, sizeof mine.text, "%s", local.ok() ? line : local.message());
+    agree_all_.resize(static_cast<std::size_t>(world_->size()));
+    KVEVICT_TRY(world_->allgather(&mine, sizeof mine, agree_all_.data()));
+    const int P = world_->size();
+    bool same = true;  // every rank failed the same way (e.g. the job's size): the message alone
+    for (const agree_record& r : agree_all_) same = same && r.failed != 0 && std::strcmp(r.text, agree_all_[0].text) == 0;
+    if (same) return status::error(errc::invalid_argument, "%s", agree_all_[0].text);
+    for (const agree_record& r : agree_all_)
+      if (r.failed != 0) return status::error(errc::invalid_argument, "rank %d of %d: %s", r.rank, P, r.text);
+    for (const agree_record& r : agree_all_) {
+      const char* a = agree_all_[0].text;
+      std::size_t i = 0;  // the first difference, widened to its option ("--budget 8") or clause
+      while (a[i] != '\0' && a[i] == r.text[i]) ++i;
+      if (a[i] == '\0' && r.text[i] == '\0') continue;
+      std::size_t b = i;
+      while (b > 0 && a[b - 1] != ',' && !(a[b - 1] == ' ' && a[b] == '-')) --b;
+      const auto field = [b](const char* t) {
+        std::size_t e = b;
+        while (t[e] != '\0' && t[e] != ',' && !(t[e] == ' ' && t[e + 1] == '-')) ++e;
+        return std::string(t + b, t + e);
+      };
+      return status::error(errc::invalid_argument,
+                           "%s: the ranks disagree (every rank must run the same configuration): rank 0 {%s}, rank %d {%s}",
+                           fn, field(a).c_str(), r.rank, field(r.text).c_str());
+    }
+    return {};
+  }
+  std::vector<agree_record> agree_all_;
+
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
   // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values).
@@ -303,14 +388,14 @@ class sharded_runner {
       std::copy(e, e + d, x + i * d);
     }
     if (extra) held_ = cache_.lengths();
-    const int stages = s_.pp > 1 ? comm_->size() : 1;
+    const int stages = s_.pp;
     for (int st = 0; st < stages; ++st) {
-      if (stages == 1 || st == comm_->rank())
+      if (stages == 1 || st == ppc_->rank())
         for (index_t l = layers_.first; l < layers_.first + layers_.count; ++l)
           KVEVICT_TRY(layer(static_cast<int>(l), n, hooks, extra));
-      if (stages > 1) {  // stage st's rows to every rank
+      if (stages > 1) {  // stage st's rows to every rank (each pp group: one rank of every stage)
         const auto bytes = static_cast<std::size_t>(n * d) * sizeof(float);
-        KVEVICT_TRY(comm_->allgather(x, bytes, xs_.data()));
+        KVEVICT_TRY(ppc_->allgather(x, bytes, xs_.data()));
         std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
       }
     }
@@ -368,11 +453,11 @@ class sharded_runner {
     // every head's output on every rank, in head order; then wo and the FFN on whole rows
     const index_t per = n * lq_ * hs_;
     if (s_.tp > 1) {
-      KVEVICT_TRY(comm_->allgather(mine_.data(), static_cast<std::size_t>(per) * sizeof(float), gathered_.data()));
+      KVEVICT_TRY(tpc_->allgather(mine_.data(), static_cast<std::size_t>(per) * sizeof(float), gathered_.data()));
     } else {
       std::copy(mine_.data(), mine_.data() + per, gathered_.data());
     }
-    const int ranks = s_.tp > 1 ? comm_->size() : 1;
+    const int ranks = s_.tp;
     for (int r = 0; r < ranks; ++r)
       for (index_t i = 0; i < n; ++i)
         std::copy(gathered_.data() + r * per + i * lq_ * hs_, gathered_.data() + r * per + (i + 1) * lq_ * hs_,
@@ -399,7 +484,7 @@ class sharded_runner {
   // CAKE's layer preference from the window's queries over the prompt's keys (sharded under --tp).
   status preference(kvevict::kv_view<const float> wq, kvevict::kv_view<const float> keys, double& pref) {
     return with_workspace(pref_ws_, [&](kvevict::workspace& ws) {
-      if (s_.tp > 1) return kvevict::cake_window_preference(kvevict::seq, ws, *comm_, wq, keys, {}, &pref);
+      if (s_.tp > 1) return kvevict::cake_window_preference(kvevict::seq, ws, *tpc_, wq, keys, {}, &pref);
       return kvevict::cake_window_preference(kvevict::seq, ws, wq, keys, {}, &pref);
     });
   }
@@ -422,7 +507,7 @@ class sharded_runner {
     return {};
   }
   kvevict::model_shape shape() const { return {layers_.count, heads_.count, lq_, hs_}; }
-  kvevict::comm_ref tp() { return s_.tp > 1 ? kvevict::comm_ref(*comm_) : kvevict::comm_ref{}; }
+  kvevict::comm_ref tp() { return s_.tp > 1 ? kvevict::comm_ref(*tpc_) : kvevict::comm_ref{}; }
   int model_layer(index_t ls) const { return static_cast<int>(layers_.first + ls); }
   template <class Driver>
   status compact_all(const Driver& d) {
@@ -547,7 +632,7 @@ class sharded_runner {
     pc.rec = rec_;
     pc.tp = tp();
     if (s_.pp > 1) {  // this stage's layers of the model's L
-      pc.pp = kvevict::comm_ref(*comm_);
+      pc.pp = kvevict::comm_ref(*ppc_);
       pc.first_layer = layers_.first;
       pc.model_layers = L;
     }
@@ -573,11 +658,12 @@ namespace detail {
 template <class T, class Comm>
 status gather_model(Comm& comm, const shard_options& s, const config& c, index_t e, const T* mine, std::vector<T>& pad,
                     std::vector<T>& blocks, std::vector<T>& out) {
-  const int P = comm.size(), me = comm.rank();
+  const int P = comm.size(), me = comm.rank();  // the world: rank = stage x tp + head shard
   const index_t L = c.n_layers, H = c.n_kv_heads;
   const auto range = [&](int r, kvevict::shard_range& hr, kvevict::shard_range& lr) {
-    hr = s.tp > 1 ? *kvevict::head_shard(H, P, r) : kvevict::shard_range{0, H};
-    lr = s.pp > 1 ? *kvevict::layer_shard(L, P, r) : kvevict::shard_range{0, L};
+    const kvevict::grid_place at = *kvevict::grid_place_of(s.tp, s.pp, r);
+    hr = s.tp > 1 ? *kvevict::head_shard(H, s.tp, at.shard) : kvevict::shard_range{0, H};
+    lr = s.pp > 1 ? *kvevict::layer_shard(L, s.pp, at.stage) : kvevict::shard_range{0, L};
   };
   index_t most = 0;
   for (int r = 0; r < P; ++r) {
@@ -619,7 +705,7 @@ struct sharded_report_worker {
 /// held_recall on a sharded run: every rank's per-head recalls gathered, then averaged over the
 /// heads and the layers in one process's order (kept_recall_at_k's sum over the rows).
 template <class Comm>
-status sharded_recall(const model& mdl, Comm& comm, const shard_options& s, index_t P, index_t k,
+status sharded_recall(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, index_t P, index_t k,
                       sharded_report_worker<Comm>& w, double& recall) {
   const config& c = mdl.cfg();
   const kvevict::shard_range hr = w.run.heads(), lr = w.run.layers();
@@ -641,7 +727,7 @@ status sharded_recall(const model& mdl, Comm& comm, const shard_options& s, inde
       return kvevict::kept_recall_at_k(ws, kept, truth, k, mean, w.per_head.data() + ls * hk);
     }));
   }
-  KVEVICT_TRY(gather_model(comm, s, c, 1, w.per_head.data(), w.recall_pad, w.recall_blocks, w.recalls));
+  KVEVICT_TRY(gather_model(*comm.world, s, c, 1, w.per_head.data(), w.recall_pad, w.recall_blocks, w.recalls));
   double sum = 0.0;
   for (index_t l = 0; l < L; ++l) {
     double layer = 0.0;
@@ -655,7 +741,7 @@ status sharded_recall(const model& mdl, Comm& comm, const shard_options& s, inde
 /// evaluate_prompt on a sharded job: every configuration on one prompt, every number but the
 /// times (left 0) as one process computes it.
 template <class Comm>
-status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options& s, const report_options& o,
+status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, const report_options& o,
                                const std::vector<report_config>& configs, const text_pair& tp,
                                sharded_report_worker<Comm>& w, std::vector<prompt_result>& out) {
   const config& c = mdl.cfg();
@@ -709,7 +795,7 @@ status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options
       }
     }
     // the whole model's schedule from every rank's block
-    KVEVICT_TRY(gather_model(comm, s, c, N, w.schedule.data(), w.schedule_pad, w.schedule_blocks, w.model_schedule));
+    KVEVICT_TRY(gather_model(*comm.world, s, c, N, w.schedule.data(), w.schedule_pad, w.schedule_blocks, w.model_schedule));
     w.whole.resize(static_cast<std::size_t>(L * H * N));
     const auto whole = kvevict::make_eviction_recorder(w.whole.data(), L, H, N);  // the view measure_kv_usage takes
     if (!whole) return whole.error();
@@ -730,7 +816,7 @@ status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options
 /// returns the same `out`. Errors: run_report's; a configuration that does not run sharded
 /// (check_sharded; the head-type rows), naming it, before any prompt runs.
 template <class Comm>
-status run_sharded_report(const model& mdl, Comm& comm, const shard_options& s, const report_options& o,
+status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, const report_options& o,
                           report_result& out) {
   const config& c = mdl.cfg();
   const auto t_start = std::chrono::steady_clock::now();
@@ -739,7 +825,7 @@ status run_sharded_report(const model& mdl, Comm& comm, const shard_options& s, 
   KVEVICT_TRY(report_configs(c, o, configs));
   for (const report_config& rc : configs) {
     const status st = rc.head_sparsity >= 0.0 ? status::error(errc::unsupported, "head-type rows do not run sharded")
-                                              : check_sharded(c, s, comm.size(), detail::config_options(o, rc));
+                                              : check_sharded(c, s, comm.world->size(), detail::config_options(o, rc));
     if (!st.ok())
       return status::error(errc::unsupported, "sharded report: %s / %s / budget %lld: %s (choose --recipes / --drivers that do)",
                            method_name(rc.recipe), driver_name(rc.driver), static_cast<long long>(rc.budget), st.message());
@@ -773,7 +859,7 @@ status run_sharded_report(const model& mdl, Comm& comm, const shard_options& s, 
 /// `steps` positions (prompt included) as continue_generation does; every rank gets the same `generated`.
 /// `sample` draws a token from logits (every rank draws the same: the logits are equal bit for bit).
 template <class Comm, class Sample>
-status sharded_generate(const model& m, Comm& comm, const shard_options& s, const evict_options& o,
+status sharded_generate(const model& m, const shard_comms<Comm>& comm, const shard_options& s, const evict_options& o,
                         const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated) {
   sharded_runner<Comm> run;
   KVEVICT_TRY(run.init(m, comm, s, o));

@@ -45,7 +45,9 @@ struct post_fill_config {
   /// model's budgets as one process does; per-layer allocators (budgets: this stage's rows) need no
   /// communicator. alloc.total is the model's total over all model_layers. Every stage must call
   /// decide(), also after one of its add_layer calls failed (decide() then fails on every stage).
-  /// Not together with a tp communicator of more than one rank. Empty: one process.
+  /// With tp too (a grid of stages x head shards): `pp` connects the ranks holding the same heads
+  /// (one per stage), `tp` the ranks of this stage; lava's rows are gathered over `pp`, then summed
+  /// over `tp`. Empty: one process.
   comm_ref pp;
   index_t first_layer = 0;   ///< this stage's first layer in the model (0 without pp)
   index_t model_layers = 0;  ///< the model's layers (0: model.layers, one stage)
@@ -160,8 +162,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   // (flattened, adakv) or not a multiple of H (adakv); budgets not [L][H]; lava / cake total
   // negative or above L H P, cake total not a multiple of L H or its per-head budget below the
   // protected tokens; adakv alpha outside [0, 1]; first_layer / model_layers not
-  // holding this driver's layers (or a stage without a pp communicator); tp and pp communicators
-  // of more than one rank together (unsupported); recorder shape; memory null or too small.
+  // holding this driver's layers (or a stage without a pp communicator); recorder shape; memory
+  // null or too small.
 
   /// After every layer was added: the all-layer allocators compute the budgets and select every
   /// layer (ready(l) afterwards); the per-layer ones have nothing left to do. Workspace: as
@@ -212,8 +214,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
         }
         detail::held_layers::row_sums(ML, w.caps, w.totals, &prot_sum, &rows);
       }
-      if (sharded(cfg_))  // the layers' protected and evictable rows over every rank's heads
-        KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, L, w.caps, w.totals, &prot_sum, &rows));
+      if (sharded(cfg_))  // the model's layers' protected and evictable rows over every rank's heads
+        KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, ML, w.caps, w.totals, &prot_sum, &rows));
       if (cfg_.alloc.total < prot_sum || cfg_.alloc.total > rows)
         return status::error(errc::invalid_argument,
                              "%s: lava total %lld is outside [%lld, %lld] (the layers' protected rows, their rows)", fn,
@@ -230,7 +232,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
       const allocator kind = cfg_.alloc.kind == allocator::lava ? allocator::lava : allocator::per_head;
       if (kind == allocator::lava && sharded(cfg_)) {  // the layer's total over every rank's heads
         comm_ref tp = cfg_.tp;
-        KVEVICT_TRY(select_topk_flat(be, w.sel, tp, held_.scores_view(l), held_.lens + l * H, w.totals[l], nullptr,
+        KVEVICT_TRY(select_topk_flat(be, w.sel, tp, held_.scores_view(l), held_.lens + l * H, w.totals[f + l], nullptr,
                                      kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
       } else {
         KVEVICT_TRY(detail::select_layer(be, w.sel, kind, held_.scores_view(l), held_.lens + l * H, budgets_ + l * H,
@@ -372,8 +374,6 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                            "one process holds every layer)",
                            fn, static_cast<long long>(c.first_layer), static_cast<long long>(c.first_layer + L),
                            static_cast<long long>(ML));
-    KVEVICT_TRY(detail::check_supported(fn, c.tp.size() > 1 && c.pp.size() > 1, "tensor and pipeline parallelism",
-                                        "together are not supported"));
     KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
     index_t rows = 0;
     bool bk = false;

@@ -19,13 +19,19 @@
 // rows, the other ranks' slots unused), so every rank computes the same logits and samples the same
 // token. Eviction: the drivers on the stage's layers (uniform, PyramidKV need only the layer
 // index, AdaKV selects within a layer; post-fill LAVa's and CAKE's layer budgets come from every
-// stage's entropies / preferences, gathered by post_fill_driver's decide() (post_fill_config::pp);
-// the chunked drivers' LAVa is not layer-sharded: an error under --pp).
+// stage's entropies / preferences, gathered by post_fill_driver's decide() (post_fill_config::pp),
+// the chunked drivers' LAVa budget of every chunk by chunked_driver's (chunked_config::pp)).
+//
+// Both (--tp T --pp S on T x S ranks, shard_comms): stage-major ranks (kvevict::grid_place_of);
+// the heads' allgathers run within a stage (tp), the stages' rows and gathers across the ranks
+// holding the same heads (pp), the report's gathers over the world.
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
 // kvevict/mpi.hpp; the tests also run it on threads). The recipes that need head types (duo,
 // prulong, duo-heuristic) or a query block (laq, laq++, speckv, lookaheadkv, oracle) and the
-// layerwise driver do not run sharded: a clear error (check_sharded).
+// layerwise driver are not supported sharded: a clear error saying why (check_sharded). Every
+// rank must pass the same options and prompt: sharded_runner's init and prefill agree on them
+// first (one allgather), so a rank with others fails every rank instead of hanging.
 #pragma once
 
 #include <report/report.hpp>
@@ -39,6 +45,8 @@
 #include <kvevict/driver.hpp>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -136,24 +144,25 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
     if (const auto r = kvevict::layer_shard(c.n_layers, s.pp, 0); !r) return r.error();
   const method m = o.recipe;
   if (m == method::full) return {};
-  if (uses_head_types(m) || m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv ||
-      m == method::oracle)
+  // not supported sharded: <why> (docs/distributed.md, "The runner sharded")
+  if (uses_head_types(m))
     return status::error(errc::unsupported,
-                         "--recipe %s does not run sharded (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, "
-                         "vatp, adakv, cake and lava do)",
+                         "--recipe %s is not supported sharded: the runner's head-type path (streaming heads, per-head "
+                         "patterns) is not split across ranks (the math allows it: head types are per KV head)",
+                         method_name(m));
+  if (m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv || m == method::oracle)
+    return status::error(errc::unsupported,
+                         "--recipe %s is not supported sharded: its query block comes from extra forward passes "
+                         "(pseudo-decoding, a draft, a trained module, the response) the sharded runner does not run",
                          method_name(m));
   if (o.driver == driver_kind::layerwise)
     return status::error(errc::unsupported,
-                         "--driver layerwise does not run sharded (postfill, chunked-naive, chunked-patched and decode do)");
+                         "--driver layerwise is not supported sharded: the sharded runner does not wire the cascade "
+                         "across ranks (cascade_driver::add_remote_layer does; postfill, chunked-* and decode run)");
   const budget_scheme a = allocator_of(o);
   if (a == budget_scheme::duo)
-    return status::error(errc::unsupported, "--allocator %s does not run sharded", allocator_name(a));
-  const bool chunked = o.driver == driver_kind::chunked_naive || o.driver == driver_kind::chunked_patched;
-  if (chunked && a == budget_scheme::lava && s.pp > 1)
-    return status::error(errc::unsupported,
-                         "--driver %s --allocator lava does not run under --pp (its model budget is not layer-sharded; "
-                         "--tp is)",
-                         driver_name(o.driver));
+    return status::error(errc::unsupported, "--allocator %s is not supported sharded: it needs head types",
+                         allocator_name(a));
   return check_evict_options(c, o);
 }
 
@@ -271,7 +280,8 @@ class sharded_runner {
     std::snprintf(line, sizeof line, "a prompt of %lld tokens, hash %016llx", static_cast<long long>(n),
                   static_cast<unsigned long long>(h));
     KVEVICT_TRY(agree("sharded_runner::prefill", local, line));  // every rank the same prompt
-    if (o_.recipe == method::full) return forward(prompt.data(), n);
+    prefill_s_ = evict_s_ = 0.0;
+    if (o_.recipe == method::full) return timed(prefill_s_, [&] { return forward(prompt.data(), n); });
     switch (o_.driver) {
       case driver_kind::chunked_naive:
       case driver_kind::chunked_patched: return prefill_chunked(prompt);
@@ -280,9 +290,15 @@ class sharded_runner {
     }
     prompt_q_.reset(mine_cfg_, n);
     const forward_hooks hk = prompt_q_.hooks();
-    KVEVICT_TRY(forward(prompt.data(), n, &hk));
-    return evict(n);
+    KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data(), n, &hk); }));
+    return timed(evict_s_, [&] { return evict(n); });
   }
+
+  /// This rank's seconds in the last prefill's forward passes (chunked: every chunk's and patch's)
+  /// and in eviction (the drivers' calls and the compaction; the decode driver: its begin and every
+  /// step since), as evictor's prefill_seconds / evict_seconds (the report takes the max over ranks).
+  double prefill_seconds() const { return prefill_s_; }
+  double evict_seconds() const { return evict_s_; }
 
   /// runner::forward_extra: `tokens` at the next positions through the model, this rank's events
   /// to `hooks`, logits per `mode`; their KV rows dropped afterwards.
@@ -330,6 +346,16 @@ class sharded_runner {
   std::vector<float> initial_;
 
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
+
+  double prefill_s_ = 0.0, evict_s_ = 0.0;
+  /// Runs f(), adding its wall time to `acc`.
+  template <class F>
+  static status timed(double& acc, F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const status st = f();
+    acc += seconds_since(t0);
+    return st;
+  }
 
   // The ranks agree (one allgather over the world of a status flag and a line): a rank that failed
   // fails every rank with its message; lines that differ (other options, another prompt) fail every
@@ -523,6 +549,11 @@ class sharded_runner {
     kvevict::chunked_config cc = chunked_config_of(o_, rec_, shape(), P);
     KVEVICT_TRY(plan(P, cc.alloc));
     cc.tp = tp();
+    if (s_.pp > 1) {  // this stage's layers of the model's (lava: each chunk's budget gathered)
+      cc.pp = kvevict::comm_ref(*ppc_);
+      cc.first_layer = layers_.first;
+      cc.model_layers = m_->cfg().n_layers;
+    }
     kvevict::workspace ws;
     KVEVICT_TRY(init_driver(ch_, scratch_, cc, recorder_, ws));
     chunk_q_.reset(mine_cfg_, w);
@@ -536,7 +567,8 @@ class sharded_runner {
       forward_hooks hk;
       if (rows > 0 && patch.count == 0)
         hk.after_layer = [this, n, rows](const layer_event& ev) { return chunk_q_.store(ev, 0, n - rows, rows); };
-      KVEVICT_TRY(forward(prompt.data() + s, n, &hk));
+      KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data() + s, n, &hk); }));
+      const auto t0 = std::chrono::steady_clock::now();  // the patch's forward and the eviction (as evictor's)
       if (patch.count > 0) {
         patch_pos_.resize(static_cast<std::size_t>(patch.count));
         for (index_t i = 0; i < patch.count; ++i) patch_pos_[static_cast<std::size_t>(i)] = static_cast<pos_t>(patch.first + i);
@@ -551,6 +583,7 @@ class sharded_runner {
       }
       KVEVICT_TRY(ch_.decide(kvevict::seq, ws));
       KVEVICT_TRY(compact_all(ch_));
+      evict_s_ += seconds_since(t0);
     }
     return {};
   }
@@ -562,7 +595,8 @@ class sharded_runner {
     const index_t P = static_cast<index_t>(prompt.size()), w = o_.window, hk = heads_.count;
     prompt_q_.reset(mine_cfg_, P);
     const forward_hooks pq = prompt_q_.hooks();
-    KVEVICT_TRY(forward(prompt.data(), P, &pq));
+    KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data(), P, &pq); }));
+    const auto t0 = std::chrono::steady_clock::now();  // the driver's plan, init and begin
     kvevict::decode_config dc;
     index_t most = 0;
     KVEVICT_TRY(plan(std::max(o_.budget, P), dc.alloc, &most));
@@ -594,6 +628,7 @@ class sharded_runner {
     const index_t have = std::min(w, P);
     for (index_t ls = 0; ls < layers_.count; ++ls)
       recent_q_.put(model_layer(ls), w - have, prompt_q_.queries(model_layer(ls), P - have, have));
+    evict_s_ += seconds_since(t0);
     return {};
   }
 
@@ -612,13 +647,15 @@ class sharded_runner {
       return {};
     };
     KVEVICT_TRY(forward(&token, 1, &hk));
-    for (index_t ls = 0; ls < layers_.count; ++ls) {
-      const int l = model_layer(ls);
-      const kvevict::kv_view<const float> q = decode_queries_of(rec_, step_q_, recent_q_, l, w);
-      KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, ls, cache_.layer(l), q));
-      if (dd_.evicted(ls)) KVEVICT_TRY(cache_.compact(l, dd_.kept(ls)));
-    }
-    return {};
+    return timed(evict_s_, [&]() -> status {
+      for (index_t ls = 0; ls < layers_.count; ++ls) {
+        const int l = model_layer(ls);
+        const kvevict::kv_view<const float> q = decode_queries_of(rec_, step_q_, recent_q_, l, w);
+        KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, ls, cache_.layer(l), q));
+        if (dd_.evicted(ls)) KVEVICT_TRY(cache_.compact(l, dd_.kept(ls)));
+      }
+      return {};
+    });
   }
 
   // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers.
@@ -689,6 +726,20 @@ status gather_model(Comm& comm, const shard_options& s, const config& c, index_t
   return {};
 }
 
+/// The report's times of a sharded row: each the max over the ranks (the slowest rank bounds the
+/// step), one allgather of this rank's two.
+template <class Comm>
+status slowest_rank(Comm& world, std::array<double, 2> mine, double& prefill_ms, double& evict_ms) {
+  std::vector<std::array<double, 2>> all(static_cast<std::size_t>(world.size()));
+  KVEVICT_TRY(world.allgather(mine.data(), sizeof mine, all.data()));
+  prefill_ms = evict_ms = 0.0;
+  for (const auto& a : all) {
+    prefill_ms = std::max(prefill_ms, a[0]);
+    evict_ms = std::max(evict_ms, a[1]);
+  }
+  return {};
+}
+
 /// One rank's state of the sharded report.
 template <class Comm>
 struct sharded_report_worker {
@@ -739,7 +790,7 @@ status sharded_recall(const model& mdl, const shard_comms<Comm>& comm, const sha
 }
 
 /// evaluate_prompt on a sharded job: every configuration on one prompt, every number but the
-/// times (left 0) as one process computes it.
+/// times as one process computes it (the times: measured on every rank, the slowest rank's).
 template <class Comm>
 status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, const report_options& o,
                                const std::vector<report_config>& configs, const text_pair& tp,
@@ -782,6 +833,8 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
     prompt_result& r = out[ci];
     KVEVICT_TRY(w.run.prefill(tp.prompt, &rec));
     KVEVICT_TRY(w.run.rows(r.kept));
+    // post-fill rows share the full cache's timed prefill, as one process's
+    const double prefill_s = rc.driver == driver_kind::postfill ? w.full.prefill_seconds() : w.run.prefill_seconds();
     const index_t k = rc.budget > 0 ? std::min(rc.budget, P) : P;
     bool agreeing = true;
     double kl = 0.0, recall = 0.0, step_recall = 0.0;
@@ -802,6 +855,8 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
     std::copy(w.model_schedule.begin(), w.model_schedule.end(), w.whole.begin());
     const auto sched = whole->schedule(N);
     if (!sched) return sched.error();
+    KVEVICT_TRY(slowest_rank(*comm.world, {prefill_s * 1e3, w.run.evict_seconds() * 1e3}, r.prefill_ms, r.evict_ms));
+    r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;  // finish_row's
     KVEVICT_TRY(finish_prompt(kl, recall, m, *sched, w.ws, r));
   }
   return {};
@@ -811,8 +866,9 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
 
 /// The quality report on a sharded job (kvevict-run --report --tp P / --pp P, docs/distributed.md):
 /// run_report's prompts, configurations and numbers, the prompts one after another on every rank
-/// (each configuration through sharded_runner), so that every number but the times (left 0:
-/// prefill_ms, evict_ms; overhead 1) equals the one-process report's bit for bit. Every rank
+/// (each configuration through sharded_runner), so that every number but the times equals the
+/// one-process report's bit for bit (prefill_ms, evict_ms: measured per rank as evictor does, the
+/// max over the ranks; overhead from those, per prompt, as finish_row's). Every rank
 /// returns the same `out`. Errors: run_report's; a configuration that does not run sharded
 /// (check_sharded; the head-type rows), naming it, before any prompt runs.
 template <class Comm>

@@ -25,6 +25,17 @@
 
 namespace kvevict {
 
+namespace detail {
+/// An MPI return code as a status: errc::io_error naming `who` and the call.
+inline status mpi_check(const char* who, const char* call, int rc) noexcept {
+  if (rc == MPI_SUCCESS) return {};
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  return status::error(errc::io_error, "%s: %s failed: %s", who, call, text);
+}
+}  // namespace detail
+
 class mpi_comm {
  public:
   explicit mpi_comm(MPI_Comm comm) noexcept : comm_(comm) {
@@ -65,13 +76,7 @@ class mpi_comm {
                            static_cast<long long>(n));
     return {};
   }
-  static status check(const char* call, int rc) noexcept {
-    if (rc == MPI_SUCCESS) return {};
-    char text[MPI_MAX_ERROR_STRING] = {};
-    int len = 0;
-    MPI_Error_string(rc, text, &len);
-    return status::error(errc::io_error, "mpi_comm: %s failed: %s", call, text);
-  }
+  static status check(const char* call, int rc) noexcept { return detail::mpi_check("mpi_comm", call, rc); }
 
   MPI_Comm comm_;
   int rank_ = 0;
@@ -104,10 +109,7 @@ class mpi_grid {
     if (rc == MPI_SUCCESS) rc = MPI_Comm_split(world, at.shard, at.stage, &pp_);
     if (rc != MPI_SUCCESS) {
       release();
-      char text[MPI_MAX_ERROR_STRING] = {};
-      int len = 0;
-      MPI_Error_string(rc, text, &len);
-      return status::error(errc::io_error, "mpi_grid: MPI_Comm_split failed: %s", text);
+      return detail::mpi_check("mpi_grid", "MPI_Comm_split", rc);
     }
     tp_comm_.emplace(tp_);
     pp_comm_.emplace(pp_);

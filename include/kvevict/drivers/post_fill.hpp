@@ -14,6 +14,7 @@
 
 #include <kvevict/distributed.hpp>
 #include <kvevict/drivers/detail/driver_skeleton.hpp>
+#include <kvevict/drivers/detail/stages.hpp>
 
 namespace kvevict {
 
@@ -195,23 +196,20 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     const protection prot = detail::recipe_protection(cfg_.rec);
     // the model's layers: this driver's (one stage) or every stage's, gathered (pipeline)
     const index_t ML = model_layers(cfg_), f = cfg_.first_layer;
-    stage_scratch g;
-    if (pipelined(cfg_)) KVEVICT_TRY(carve_stage(w.sel, g));
+    const detail::stage_span stage = stage_of(cfg_);
+    detail::stage_span::scratch g;
+    if (pipelined(cfg_)) KVEVICT_TRY(stage.carve(name, w.sel, H, g));
     detail::held_layers whole = held_;  // with the weights of all ML layers
     if (pipelined(cfg_)) {
-      KVEVICT_TRY(gather_stages(held_.weight, g.weights, g));
+      KVEVICT_TRY(stage.gather(held_.weight, g.weights, g));
       whole.weight = g.weights;
     }
     if (cfg_.alloc.kind == allocator::lava) {
       // layer totals: protected rows + apportion(total - protected, entropies, evictable rows)
       index_t prot_sum = 0, rows = 0;
       held_.protected_totals(L, prot, w.caps + f, w.totals + f, &prot_sum, &rows);
-      if (pipelined(cfg_)) {  // every stage's protected and evictable rows (exact as doubles: < 2^53)
-        for (index_t* v : {w.caps, w.totals}) {
-          for (index_t l = 0; l < L; ++l) g.local[l] = static_cast<double>(v[f + l]);
-          KVEVICT_TRY(gather_stages(g.local, g.all, g));
-          for (index_t l = 0; l < ML; ++l) v[l] = static_cast<index_t>(g.all[l]);
-        }
+      if (pipelined(cfg_)) {  // every stage's protected and evictable rows
+        KVEVICT_TRY(stage.gather_rows(w.caps, w.totals, g));
         detail::held_layers::row_sums(ML, w.caps, w.totals, &prot_sum, &rows);
       }
       if (sharded(cfg_))  // the model's layers' protected and evictable rows over every rank's heads
@@ -321,32 +319,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     return c.pp.size() > 1 && (c.alloc.kind == allocator::lava || c.alloc.kind == allocator::cake);
   }
 
-  /// decide()'s pipeline scratch (inside the selection's workspace, used before any selection):
-  /// gather_layer_values' workspace, the model's weights, a stage's values and the model's, cake's
-  /// model budgets [ML][H].
-  struct stage_scratch {
-    workspace gather;
-    double *weights = nullptr, *local = nullptr, *all = nullptr;
-    std::int32_t* budgets = nullptr;
-  };
-  status carve_stage(workspace& ws, stage_scratch& g) const {
-    const index_t ML = model_layers(cfg_);
-    workspace q;  // gather_layer_values' size (a query never communicates nor writes)
-    double unused = 0.0;
-    KVEVICT_TRY(gather_layer_values(q, cfg_.pp, shard_range{0, 0}, nullptr, ML, &unused));
-    detail::workspace_carver c(ws);
-    g.gather = workspace{c.take<unsigned char>(q.bytes), q.bytes};
-    g.weights = c.take<double>(static_cast<std::size_t>(ML));
-    g.local = c.take<double>(static_cast<std::size_t>(cfg_.model.layers));
-    g.all = c.take<double>(static_cast<std::size_t>(ML));
-    g.budgets = c.take<std::int32_t>(static_cast<std::size_t>(ML * cfg_.model.kv_heads));
-    return c.finish(name);
-  }
-  /// This stage's per-layer values (model.layers of them) -> all ML layers' on every stage.
-  status gather_stages(const double* local, double* all, stage_scratch& g) const {
-    comm_ref pp = cfg_.pp;
-    return gather_layer_values(g.gather, pp, shard_range{cfg_.first_layer, cfg_.model.layers}, local,
-                               model_layers(cfg_), all);
+  static detail::stage_span stage_of(const post_fill_config& c) {
+    return {c.pp, c.first_layer, c.model.layers, model_layers(c)};
   }
   /// Pipeline parallelism, decide() of lava / cake: the stages agree on the allocator, the total and
   /// the model's shape, or every stage fails (a stage whose add_layer failed fails them all).
@@ -355,8 +329,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     config.print("%s total %lld, %lld model layers x %lld heads, %lld tokens", allocator_name(cfg_.alloc.kind),
                  static_cast<long long>(cfg_.alloc.total), static_cast<long long>(model_layers(cfg_)),
                  static_cast<long long>(cfg_.model.kv_heads), static_cast<long long>(cfg_.tokens));
-    comm_ref pp = cfg_.pp;
-    return detail::agree(pp, fn, local, config, nullptr, 0);
+    return stage_of(cfg_).agree(fn, local, config);
   }
   /// Collective calls of a sharded layer: lava's entropy agrees on no sums, the selections on two.
   int agree_sums() const { return cfg_.alloc.kind == allocator::lava ? 0 : 2; }
@@ -368,12 +341,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     KVEVICT_TRY(detail::check_recipe(fn, c.rec));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
     const index_t ML = model_layers(c);
-    if (c.first_layer < 0 || c.model_layers < 0 || c.first_layer + L > ML || (c.pp.size() <= 1 && ML != L))
-      return status::error(errc::invalid_argument,
-                           "%s: layers [%lld, %lld) of a model of %lld layers (a stage needs a pp communicator; "
-                           "one process holds every layer)",
-                           fn, static_cast<long long>(c.first_layer), static_cast<long long>(c.first_layer + L),
-                           static_cast<long long>(ML));
+    KVEVICT_TRY(detail::stage_span::check(fn, c.pp, c.first_layer, L, c.model_layers < 0 ? c.model_layers : ML));
     KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
     index_t rows = 0;
     bool bk = false;
@@ -418,10 +386,9 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     s.sel = detail::driver_select_bytes(be, sharded(cfg_), cfg_.alloc.kind, all_layer_ ? allocator::lava : cfg_.alloc.kind,
                                         s.H, s.C, cfg_.tp.size());
     if (pipelined(cfg_)) {  // decide()'s gathers, before its selections
-      workspace q;
-      stage_scratch g;
-      KVEVICT_TRY(carve_stage(q, g));
-      s.sel = std::max(s.sel, q.bytes);
+      const auto bytes = stage_of(cfg_).scratch_bytes(name, cfg_.model.kv_heads);
+      if (!bytes) return bytes.error();
+      s.sel = std::max(s.sel, *bytes);
     }
     s.layers = model_layers(cfg_);
     s.pool_pages = cfg_.pool_pages;

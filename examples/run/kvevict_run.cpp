@@ -242,7 +242,8 @@ struct job_comms {
 
 // kvevict-run --tp P / --pp P under mpirun (sharded/sharded.hpp): every rank generates the same
 // tokens; rank 0 prints them. Without MPI: a clear error.
-int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt) {
+int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt,
+                const kvrun::duo_heads& duo) {
 #if defined(KVEVICT_RUN_MPI)
   const mpi_session mpi;
   job_comms comm;
@@ -253,12 +254,12 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
   auto st = comm.init(s);
   if (st.ok())
     st = kvrun::sharded_generate(model, comm.groups, s, o.evict, prompt, o.steps,
-                                 [&](const float* logits) { return sampler.sample(logits); }, generated);
+                                 [&](const float* logits) { return sampler.sample(logits); }, generated, &duo);
   if (comm.world.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
   if (!st.ok()) return fail("", st);
   return print_output(o, tok, prompt, generated);
 #else
-  (void)model, (void)tok, (void)prompt;
+  (void)model, (void)tok, (void)prompt, (void)duo;
   return fail(std::string(o.tp > 0 ? "--tp" : "--pp") +
               " needs MPI: this kvevict-run was built without it (install libopenmpi-dev and reconfigure)");
 #endif
@@ -369,11 +370,19 @@ int run(int argc, char** argv) {
 
   std::vector<int> prompt;
   if (const int code = encode_prompt(o, tok, c, o.prompt, "the prompt", prompt); code != 0) return code;
-  if (sharded) return run_sharded(o, model, tok, prompt);
+  // the head types of duo, prulong (a mask file) and duo-heuristic (a calibration)
+  const bool full = method == kvrun::method::full;
+  kvrun::duo_heads duo;
+  if (method == kvrun::method::duo || method == kvrun::method::prulong) {
+    if (auto st = kvrun::head_types_from_file(c, o.head_mask, o.head_sparsity, duo); !st.ok())
+      return fail_file(o.head_mask, st);
+  } else if (!full && kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo) {
+    if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
+  }
+  if (sharded) return run_sharded(o, model, tok, prompt, duo);
 
   // The full cache is sized for the prompt and the steps; the evicted one for the whole context:
   // LAQ decodes pseudo tokens past the prompt and the oracle runs the response.
-  const bool full = method == kvrun::method::full;
   kvrun::runner run;
   kvrun::kv_cache cache;
   kvrun::sampler sampler;
@@ -382,7 +391,6 @@ int run(int argc, char** argv) {
     return fail("", st);
   if (auto st = cache.init(c, full ? o.steps : 0, o.page_size); !st.ok()) return fail("", st);
   if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
-  kvrun::duo_heads duo;
   kvrun::lookahead_module lookahead;
   kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
   kvrun::laq_queries laq;          // the laq and laq++ methods' query blocks
@@ -393,12 +401,6 @@ int run(int argc, char** argv) {
   const float* logits = nullptr;  // of the first generated token
   kvrun::decode_step decode;      // evicted: the evictor's decode (decode-time eviction)
   double prefill_s = 0.0;
-  if (method == kvrun::method::duo || method == kvrun::method::prulong) {
-    if (auto st = kvrun::head_types_from_file(c, o.head_mask, o.head_sparsity, duo); !st.ok())
-      return fail_file(o.head_mask, st);
-  } else if (!full && kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo) {
-    if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
-  }
   if (method == kvrun::method::lookaheadkv) {
     if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
     if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);

@@ -145,11 +145,11 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
   const method m = o.recipe;
   if (m == method::full) return {};
   // not supported sharded: <why> (docs/distributed.md, "The runner sharded")
-  if (uses_head_types(m))
+  if (uses_head_types(m) && o.driver != driver_kind::postfill)
     return status::error(errc::unsupported,
-                         "--recipe %s is not supported sharded: the runner's head-type path (streaming heads, per-head "
-                         "patterns) is not split across ranks (the math allows it: head types are per KV head)",
-                         method_name(m));
+                         "--recipe %s --driver %s is not supported sharded: the runner's streaming-heads path is not "
+                         "split across ranks (postfill runs: head types are per KV head)",
+                         method_name(m), driver_name(o.driver));
   if (m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv || m == method::oracle)
     return status::error(errc::unsupported,
                          "--recipe %s is not supported sharded: its query block comes from extra forward passes "
@@ -159,10 +159,6 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
     return status::error(errc::unsupported,
                          "--driver layerwise is not supported sharded: the sharded runner does not wire the cascade "
                          "across ranks (cascade_driver::add_remote_layer does; postfill, chunked-* and decode run)");
-  const budget_scheme a = allocator_of(o);
-  if (a == budget_scheme::duo)
-    return status::error(errc::unsupported, "--allocator %s is not supported sharded: it needs head types",
-                         allocator_name(a));
   return check_evict_options(c, o);
 }
 
@@ -192,9 +188,18 @@ class sharded_runner {
   /// in the same order). Errors: check_sharded's; the groups' sizes not tp x pp, tp and pp.
   /// Every rank must pass the same options: the ranks agree on them first (one allgather over
   /// `world`), so a rank with other options, or failing a check, fails every rank (no hang).
-  status init(const model& m, const shard_comms<Comm>& g, const shard_options& s, const evict_options& o) {
+  /// `duo`: the head types of duo, prulong and duo-heuristic (the whole model's [L][H], the same on
+  /// every rank; copied), as evictor::init takes them.
+  status init(const model& m, const shard_comms<Comm>& g, const shard_options& s, const evict_options& o,
+              const duo_heads* duo = nullptr) {
     const config& c = m.cfg();
     status local = check_sharded(c, s, g.world->size(), o);
+    const bool typed = allocator_of(o) == budget_scheme::duo && o.recipe != method::full;
+    if (local.ok() && typed &&
+        (duo == nullptr || static_cast<index_t>(duo->global.size()) != index_t(c.n_layers) * c.n_kv_heads))
+      local = status::error(errc::invalid_argument, "sharded_runner: %s needs the model's head types",
+                            method_name(o.recipe));
+    duo_ = typed && local.ok() ? *duo : duo_heads{};
     if (local.ok() && ((s.tp > 1 && g.tp->size() != s.tp) || (s.pp > 1 && g.pp->size() != s.pp)))
       local = status::error(errc::invalid_argument,
                             "sharded_runner: --tp %d --pp %d but the groups have %d (tp) and %d (pp) ranks", s.tp, s.pp,
@@ -202,11 +207,11 @@ class sharded_runner {
     char line[agree_text];
     std::snprintf(line, sizeof line,
                   "--tp %d --pp %d --recipe %s --allocator %s --driver %s --budget %lld --window %lld --sinks %lld "
-                  "--chunk %lld --chunk-fraction %.17g --evict-every %lld, %d layers x %d KV heads",
+                  "--chunk %lld --chunk-fraction %.17g --evict-every %lld, %d layers x %d KV heads, head types %016llx",
                   s.tp, s.pp, method_name(o.recipe), allocator_name(allocator_of(o)), driver_name(o.driver),
                   static_cast<long long>(o.budget), static_cast<long long>(o.window), static_cast<long long>(o.sinks),
                   static_cast<long long>(o.chunk), o.chunk_fraction, static_cast<long long>(o.evict_every), c.n_layers,
-                  c.n_kv_heads);
+                  c.n_kv_heads, static_cast<unsigned long long>(head_types_hash()));
     world_ = g.world;
     KVEVICT_TRY(agree("sharded_runner::init", local, line));
     m_ = &m;
@@ -348,6 +353,17 @@ class sharded_runner {
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
 
   double prefill_s_ = 0.0, evict_s_ = 0.0;
+  duo_heads duo_;  // head types (duo, prulong, duo-heuristic): the whole model's
+  /// FNV-1a of the head types (the ranks must hold the same; 0 bits without any).
+  std::uint64_t head_types_hash() const {
+    std::uint64_t h = 1469598103934665603ull;
+    for (const auto x : duo_.global) {
+      unsigned char b[sizeof x];
+      std::memcpy(b, &x, sizeof x);
+      for (unsigned char y : b) h = (h ^ y) * 1099511628211ull;
+    }
+    return h ^ static_cast<std::uint64_t>(duo_.retrieval);
+  }
   /// Runs f(), adding its wall time to `acc`.
   template <class F>
   static status timed(double& acc, F&& f) {
@@ -520,7 +536,7 @@ class sharded_runner {
   status plan(index_t tokens, kvevict::allocation& out, index_t* most = nullptr) {
     const config& c = m_->cfg();
     const index_t H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
-    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent}, nullptr, alloc_));
+    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     if (most != nullptr) *most = kvevict::max_head_rows(alloc_.alloc);
     out = alloc_.alloc;
     if (alloc_.budgets.empty()) return {};
@@ -916,9 +932,10 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
 /// `sample` draws a token from logits (every rank draws the same: the logits are equal bit for bit).
 template <class Comm, class Sample>
 status sharded_generate(const model& m, const shard_comms<Comm>& comm, const shard_options& s, const evict_options& o,
-                        const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated) {
+                        const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated,
+                        const duo_heads* duo = nullptr) {
   sharded_runner<Comm> run;
-  KVEVICT_TRY(run.init(m, comm, s, o));
+  KVEVICT_TRY(run.init(m, comm, s, o, duo));
   KVEVICT_TRY(run.prefill(prompt));
   generated.clear();
   for (;;) {  // continue_generation's loop (generate.hpp): BOS ends, `steps` positions in all

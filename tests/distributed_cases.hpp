@@ -264,16 +264,19 @@ std::string check_cake_window(Comm& comm, std::uint64_t seed) {
 }
 
 /// post_fill_driver with an all-layer allocator (lava; cake when `cake`) on a sharded model, scores
-/// with many ties (cake: the same preferences on every rank). Tensor parallel (`pipeline` false):
-/// each rank's driver holds its heads of every layer; pipeline (post_fill_config::pp): each stage
-/// holds layer_shard(L, P, r) of the layers, lava's heads ragged. Either keeps exactly the
-/// single-process driver's rows of those heads / layers.
-template <class Comm>
-std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake, bool pipeline = false) {
+/// with many ties (cake: the same preferences on every rank). `tp` (may be null: one head shard):
+/// each rank's driver holds its heads of every layer; `pp` (may be null: one stage;
+/// post_fill_config::pp): each stage holds layer_shard(L, S, stage) of the layers, lava's heads
+/// ragged; both: a grid (the tp ranks of a stage, the pp ranks holding the same heads). Either
+/// keeps exactly the single-process driver's rows of those heads / layers.
+template <class TpComm, class PpComm>
+std::string check_post_fill_grid(TpComm* tp, PpComm* pp, std::uint64_t seed, bool cake) {
   using namespace kvevict;
   std::mt19937_64 g(seed);
-  const index_t L = pipeline ? pick(g, comm.size(), comm.size() + 4) : pick(g, 1, 4), per = pick(g, 1, 3);
-  const index_t H = pipeline ? per : per * comm.size(), d = 2, P = pick(g, 6, 40);
+  const bool pipeline = pp != nullptr;
+  const int T = tp != nullptr ? tp->size() : 1, S = pp != nullptr ? pp->size() : 1;
+  const index_t L = pipeline ? pick(g, S, S + 4) : pick(g, 1, 4), per = pick(g, 1, 3);
+  const index_t H = per * T, d = 2, P = pick(g, 6, 40);
   recipe r = recipe::snapkv();
   r.window = pick(g, 1, 4);
   r.n_sink = pick(g, 0, 2);
@@ -337,15 +340,16 @@ std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake,
   post_fill_config sc = cfg;
   shard_range layers{0, L}, heads{0, H};
   if (pipeline) {
-    layers = layer_shard(L, comm.size(), comm.rank()).value();
+    layers = layer_shard(L, S, pp->rank()).value();
     sc.model.layers = layers.count;
     sc.first_layer = layers.first;
     sc.model_layers = L;
-    sc.pp = comm_ref(comm);
-  } else {
-    heads = {per * comm.rank(), per};
+    sc.pp = comm_ref(*pp);
+  }
+  if (tp != nullptr) {
+    heads = {per * tp->rank(), per};
     sc.model.kv_heads = sc.model.query_heads = per;
-    sc.tp = comm_ref(comm);
+    sc.tp = comm_ref(*tp);
   }
   st = run(sc, layers.first, layers.count, heads.first, heads.count, got);
   if (!st.ok()) return std::string("sharded driver failed: ") + st.message();
@@ -355,6 +359,13 @@ std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake,
           want[static_cast<std::size_t>((layers.first + l) * H + heads.first + h)])
         return "kept rows differ from the single-process driver's";
   return "";
+}
+
+/// check_post_fill_grid on one communicator: tensor parallel (`pipeline` false) or pipeline stages.
+template <class Comm>
+std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake, bool pipeline = false) {
+  return pipeline ? check_post_fill_grid<Comm, Comm>(nullptr, &comm, seed, cake)
+                  : check_post_fill_grid<Comm, Comm>(&comm, nullptr, seed, cake);
 }
 
 /// The decode driver with a tensor-parallel communicator (flattened or adakv, scores with many ties

@@ -8,7 +8,9 @@
 #include <kvevict/comm.hpp>
 #include <kvevict/distributed.hpp>
 
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace kvevict;
@@ -70,6 +72,44 @@ TEST_CASE("layer-sharded LAVa / CAKE budgets: gathered layer values give the sin
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, false, true); });
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_post_fill_all_layer(c, s, true, true); });
     }
+}
+
+TEST_CASE("tensor and pipeline parallelism together: post_fill_driver (lava, cake) on a grid keeps the single-process rows") {
+  // ranks as threads numbered stage-major (grid_place_of): each stage's tp ranks share one
+  // thread_group, the ranks holding the same heads (one per stage) another
+  for (const auto& [tp, pp] : {std::pair{2, 2}, std::pair{2, 3}, std::pair{3, 2}, std::pair{1, 2}, std::pair{2, 1}})
+    for (std::uint64_t seed = 0; seed < 12; ++seed)
+      for (bool cake : {false, true}) {
+        std::vector<std::unique_ptr<kvevict::thread_group>> stages, shards;
+        for (int s = 0; s < pp; ++s) stages.push_back(std::make_unique<kvevict::thread_group>(tp));
+        for (int h = 0; h < tp; ++h) shards.push_back(std::make_unique<kvevict::thread_group>(pp));
+        std::vector<std::string> out(static_cast<std::size_t>(tp * pp));
+        thread_world::run(tp * pp, [&](thread_comm& world) {
+          const grid_place at = grid_place_of(tp, pp, world.rank()).value();
+          thread_comm t(*stages[static_cast<std::size_t>(at.stage)], at.shard);
+          thread_comm p(*shards[static_cast<std::size_t>(at.shard)], at.stage);
+          out[static_cast<std::size_t>(world.rank())] = kvtest::dist::check_post_fill_grid(&t, &p, 100 * seed + tp, cake);
+        });
+        for (int r = 0; r < tp * pp; ++r) {
+          CAPTURE(tp);
+          CAPTURE(pp);
+          CAPTURE(seed);
+          CAPTURE(cake);
+          CAPTURE(r);
+          CHECK_MESSAGE(out[static_cast<std::size_t>(r)].empty(), out[static_cast<std::size_t>(r)]);
+        }
+      }
+}
+
+TEST_CASE("grid_place_of: stage-major ranks; errors") {
+  CHECK(grid_place_of(2, 3, 0).value().stage == 0);
+  CHECK(grid_place_of(2, 3, 3).value().stage == 1);
+  CHECK(grid_place_of(2, 3, 3).value().shard == 1);
+  CHECK(grid_place_of(2, 3, 5).value().stage == 2);
+  CHECK(grid_place_of(1, 4, 2).value().stage == 2);
+  CHECK(grid_place_of(4, 1, 2).value().shard == 2);
+  kvtest::require_error(grid_place_of(2, 2, 4).error(), errc::invalid_argument, "rank 4 of a 2 x 2 grid");
+  kvtest::require_error(grid_place_of(0, 2, 0).error(), errc::invalid_argument, "need tp, pp >= 1");
 }
 
 TEST_CASE("pipeline-parallel cascade: each stage's layers hold what the single-process cascade holds") {

@@ -60,6 +60,19 @@ synth slice_heads(const synth& s, index_t h0, index_t n) {
   return r;
 }
 
+/// A pipeline stage's part of s: layers [l0, l0 + n).
+synth slice_layers(const synth& s, index_t l0, index_t n) {
+  synth r{n, s.H, s.Hq, s.d, s.N, {}, {}, {}};
+  const auto part = [&](const std::vector<float>& v) {
+    const auto per = static_cast<index_t>(v.size()) / s.L;
+    return std::vector<float>(v.begin() + l0 * per, v.begin() + (l0 + n) * per);
+  };
+  r.q = part(s.q);
+  r.k = part(s.k);
+  r.v = part(s.v);
+  return r;
+}
+
 /// A rank's rows [h0, h0 + n) of a [L][H] budget matrix.
 std::vector<std::int32_t> slice_budgets(const std::vector<std::int32_t>& b, index_t L, index_t H, index_t h0, index_t n) {
   std::vector<std::int32_t> r;
@@ -791,7 +804,7 @@ TEST_CASE("drivers: post-fill across pipeline stages keeps the single-process ro
   CHECK(cases == 8 * 2 * 5);
 }
 
-TEST_CASE("drivers: post-fill stage configuration errors") {
+TEST_CASE("drivers: post-fill and chunked stage configuration errors") {
   post_fill_config cfg;
   cfg.model = {2, 2, 2, 4};
   cfg.tokens = 16;
@@ -811,10 +824,32 @@ TEST_CASE("drivers: post-fill stage configuration errors") {
     rc.first_layer = 3;  // past the model
     CHECK(post_fill_driver::state_bytes(rc).error().code() == errc::invalid_argument);
     rc.first_layer = 2;
-    rc.tp = comm_ref(c);
-    CHECK(post_fill_driver::state_bytes(rc).error().code() == errc::unsupported);
-    rc.tp = {};
     CHECK(post_fill_driver::state_bytes(rc).ok());
+    rc.tp = comm_ref(c);  // tensor and pipeline parallelism together (a grid; test_distributed runs it)
+    CHECK(post_fill_driver::state_bytes(rc).ok());
+  });
+  // the chunked driver's stages: the same checks
+  chunked_config cc;
+  cc.model = {2, 2, 2, 4};
+  cc.tokens = cc.capacity = 16;
+  cc.rec = small_window(recipe::lava(), 4);
+  cc.alloc.kind = allocator::lava;
+  cc.alloc.total = 40;
+  cc.first_layer = 1;
+  require_error(chunked_driver::state_bytes(cc).error(), errc::invalid_argument, "layers [1, 3) of a model of 2 layers");
+  cc.first_layer = 0;
+  cc.model_layers = 4;
+  require_error(chunked_driver::state_bytes(cc).error(), errc::invalid_argument,
+                "layers [0, 2) of a model of 4 layers (a stage needs a pp communicator");
+  kvtest::thread_world::run(2, [&](kvtest::thread_comm& c) {
+    chunked_config rc = cc;
+    rc.pp = comm_ref(c);
+    rc.first_layer = 3;
+    CHECK(chunked_driver::state_bytes(rc).error().code() == errc::invalid_argument);
+    rc.first_layer = 2;
+    CHECK(chunked_driver::state_bytes(rc).ok());
+    rc.alloc.total = 4 * 2 * 4 - 1;  // below the model's protected rows (4 layers x 2 heads x 4)
+    require_error(chunked_driver::state_bytes(rc).error(), errc::invalid_argument, "below the 32 protected tokens");
   });
 }
 
@@ -1125,6 +1160,8 @@ struct chunk_case {
   bool patch_keys = true;
   std::vector<index_t> bounds;        // chunk boundaries 0 = b0 < b1 < ... = N
   comm_ref tp;                        // tensor parallelism: s holds this rank's heads
+  comm_ref pp;                        // pipeline parallelism: s holds this stage's layers
+  index_t first_layer = 0, model_layers = 0;
 };
 
 chunked_config chunk_cfg(const chunk_case& c) {
@@ -1140,6 +1177,9 @@ chunked_config chunk_cfg(const chunk_case& c) {
   if (c.kind != allocator::lava) cfg.alloc.budgets = value_of(make_matrix_view<const std::int32_t>(c.budgets.data(), c.s.L, c.s.H));
   cfg.alloc.total = c.total;
   cfg.tp = c.tp;
+  cfg.pp = c.pp;
+  cfg.first_layer = c.first_layer;
+  cfg.model_layers = c.model_layers;
   return cfg;
 }
 
@@ -2532,6 +2572,30 @@ void check_tensor_parallel(const Case& c, int ranks, Run run) {
   CHECK(merged == ref);
 }
 
+/// As check_tensor_parallel across `stages` pipeline stages (chunk_case: lava), each holding
+/// layer_shard's layers: per chunk, the stages' layers in stage order equal the one process's.
+template <class Run>
+void check_pipeline(const chunk_case& c, int stages, Run run) {
+  const auto ref = run(c);
+  std::vector<std::decay_t<decltype(ref)>> got(static_cast<std::size_t>(stages));
+  kvtest::thread_world::run(stages, [&](kvtest::thread_comm& comm) {
+    const shard_range mine = value_of(layer_shard(c.s.L, stages, comm.rank()));
+    chunk_case rc = c;
+    rc.s = slice_layers(c.s, mine.first, mine.count);
+    rc.pp = comm_ref(comm);
+    rc.first_layer = mine.first;
+    rc.model_layers = c.s.L;
+    got[static_cast<std::size_t>(comm.rank())] = run(rc);
+  });
+  auto merged = got[0];
+  for (std::size_t t = 0; t < merged.size(); ++t)
+    for (int r = 1; r < stages; ++r) {
+      const auto& part = got[static_cast<std::size_t>(r)][t];
+      merged[t].insert(merged[t].end(), part.begin(), part.end());
+    }
+  CHECK(merged == ref);
+}
+
 /// Budgets [L][H] whose ranks' blocks are the same random block (every rank's sum per layer is
 /// the same, as the sharded flattened / adakv layers require).
 std::vector<std::int32_t> rank_budgets(std::mt19937_64& g, index_t L, index_t H, int ranks, index_t lo, index_t hi,
@@ -2578,6 +2642,33 @@ TEST_CASE("drivers: chunked across tensor-parallel ranks keeps the single-proces
         ++cases;
       }
   CHECK(cases == 6 * 4 * 2);
+}
+
+TEST_CASE("drivers: chunked lava across pipeline stages keeps the single-process rows (budget and fraction targets)") {
+  int cases = 0;
+  for (std::uint64_t seed = 1; seed <= 8; ++seed)
+    for (int stages : {2, 3}) {
+      auto g = kvtest::rng(seed * 17 + static_cast<std::uint64_t>(stages));
+      chunk_case c;
+      const index_t L = kvtest::uniform_int(g, stages, stages + 2), H = kvtest::uniform_int(g, 1, 3);
+      c.N = kvtest::uniform_int(g, 30, 60);
+      c.s = make_synth(seed + 40, L, H, H * kvtest::uniform_int(g, 1, 2), 4, c.N);
+      c.r = seed % 3 == 0 ? small_window(recipe::snapkv(), 5) : seed % 3 == 1 ? small_window(recipe::lava(), 4)
+                                                                              : recipe::streaming_llm(3);
+      c.mode = seed % 2 ? chunk_queries::patched : chunk_queries::naive;
+      c.target = seed % 4 < 2 ? chunk_target::fraction : chunk_target::budget;
+      c.p = double(kvtest::uniform_int(g, 0, 10)) / 10.0;
+      c.kind = allocator::lava;
+      const index_t prot = c.r.n_sink + c.r.n_recent;
+      c.total = L * H * kvtest::uniform_int(g, std::max<index_t>(prot, 1), prot + 20);
+      const bool patched = c.mode == chunk_queries::patched && uses_attention(c.r.kind);
+      c.bounds = random_bounds(g, c.N, patched ? c.N - c.r.window : c.N - 1, kvtest::uniform_int(g, 1, 4));
+      CAPTURE(seed);
+      CAPTURE(stages);
+      check_pipeline(c, stages, [](const chunk_case& x) { return run_chunked(seq, x, nullptr); });
+      ++cases;
+    }
+  CHECK(cases == 8 * 2);
 }
 
 TEST_CASE("drivers: decode across tensor-parallel ranks keeps the single-process rows (flattened, adakv)") {
@@ -2740,4 +2831,61 @@ TEST_CASE("drivers: chunked across tensor-parallel ranks sends one agreement per
       }
   CHECK(evicting > 0);
   CHECK(keeping > 0);
+}
+
+TEST_CASE("drivers: chunked lava's collectives per chunk across tensor-parallel ranks and pipeline stages, pinned") {
+  // pinned (docs/distributed.md), per chunk. Tensor parallel (Hl heads per rank, L layers): per
+  // layer the sharded entropy (72 + 64 Hl bytes in 3 collectives); decide(): the agreement (72 in
+  // 1), the layers' protected and evictable rows (2 allreduces of 8 L), per layer the sharded
+  // selection (41,064 in 6). Pipeline: decide()'s agreement (72 in 1) and three layer gathers
+  // (entropies, protected, evictable rows; 72 + 16 L in 2 each: an agreement and an allgather):
+  // 288 + 48 L in 7, as post_fill_driver's decide() once per prefill.
+  int checked = 0;
+  for (int ranks : {2, 3})
+    for (bool pipeline : {false, true}) {
+      auto g = kvtest::rng(71 + static_cast<std::uint64_t>(ranks) * 3 + (pipeline ? 1u : 0u));
+      chunk_case c;
+      const index_t L = pipeline ? ranks + 1 : 2, Hl = 2, H = pipeline ? Hl : ranks * Hl;
+      c.N = 40;
+      c.s = make_synth(static_cast<std::uint64_t>(ranks) + 9, L, H, H, 4, c.N);
+      c.r = small_window(recipe::snapkv(), 4);
+      c.mode = chunk_queries::patched;
+      c.target = chunk_target::budget;
+      c.kind = allocator::lava;
+      c.total = L * H * 10;
+      c.bounds = random_bounds(g, c.N, c.N - c.r.window, 3);
+      const auto chunks = static_cast<std::uint64_t>(c.bounds.size() - 1);
+      std::vector<std::uint64_t> bytes(static_cast<std::size_t>(ranks)), calls(bytes.size());
+      kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& comm) {
+        chunk_case rc = c;
+        counting_comm<kvtest::thread_comm> counted(comm);
+        if (pipeline) {
+          const shard_range mine = value_of(layer_shard(L, ranks, comm.rank()));
+          rc.s = slice_layers(c.s, mine.first, mine.count);
+          rc.pp = comm_ref(counted);
+          rc.first_layer = mine.first;
+          rc.model_layers = L;
+        } else {
+          rc.s = slice_heads(c.s, Hl * comm.rank(), Hl);
+          rc.tp = comm_ref(counted);
+        }
+        run_chunked(seq, rc, nullptr);
+        bytes[static_cast<std::size_t>(comm.rank())] = counted.bytes();
+        calls[static_cast<std::size_t>(comm.rank())] = counted.calls();
+      });
+      const auto Lu = static_cast<std::uint64_t>(L), Hu = static_cast<std::uint64_t>(Hl);
+      const std::uint64_t per_chunk_bytes =
+          pipeline ? 72 + 3 * (72 + 16 * Lu) : Lu * (72 + 64 * Hu) + 72 + 2 * 8 * Lu + Lu * 41064;
+      const std::uint64_t per_chunk_calls = pipeline ? 1 + 3 * 2 : Lu * 3 + 1 + 2 + Lu * 6;
+      for (int rk = 0; rk < ranks; ++rk) {
+        CAPTURE(ranks);
+        CAPTURE(pipeline);
+        CAPTURE(rk);
+        CAPTURE(chunks);
+        CHECK(bytes[static_cast<std::size_t>(rk)] == chunks * per_chunk_bytes);
+        CHECK(calls[static_cast<std::size_t>(rk)] == chunks * per_chunk_calls);
+        ++checked;
+      }
+    }
+  CHECK(checked == 2 * 2 + 2 * 3);
 }

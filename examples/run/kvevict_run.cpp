@@ -221,25 +221,45 @@ struct mpi_session {
 kvrun::shard_options shard_options_of(const options& o) {
   return {o.tp > 0 ? o.tp : 1, o.pp > 0 ? o.pp : 1, o.threads > 0 ? o.threads : 1};
 }
+
+// The job's communicators (construct after MPI_Init, destroy before MPI_Finalize): MPI_COMM_WORLD
+// for --tp or --pp alone; for both, the stage's and the heads' groups split by kvevict::mpi_grid.
+// A job of the wrong size keeps MPI_COMM_WORLD alone, for check_sharded's error on every rank.
+struct job_comms {
+  kvevict::mpi_comm world{MPI_COMM_WORLD};
+  kvevict::mpi_grid grid;
+  kvrun::shard_comms<kvevict::mpi_comm> groups = kvrun::one_group(world);
+  kvevict::status init(const kvrun::shard_options& s) {
+    if (s.tp > 1 && s.pp > 1 && world.size() == s.tp * s.pp) {
+      KVEVICT_TRY(grid.init(MPI_COMM_WORLD, s.tp, s.pp));
+      groups.tp = &grid.tp();
+      groups.pp = &grid.pp();
+    }
+    return {};
+  }
+};
 #endif
 
 // kvevict-run --tp P / --pp P under mpirun (sharded/sharded.hpp): every rank generates the same
 // tokens; rank 0 prints them. Without MPI: a clear error.
-int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt) {
+int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& prompt,
+                const kvrun::duo_heads& duo) {
 #if defined(KVEVICT_RUN_MPI)
   const mpi_session mpi;
-  kvevict::mpi_comm comm(MPI_COMM_WORLD);
+  job_comms comm;
   kvrun::sampler sampler;
   if (auto st = sampler.init(model.cfg().vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
   std::vector<int> generated;
   const kvrun::shard_options s = shard_options_of(o);
-  const auto st = kvrun::sharded_generate(model, comm, s, o.evict, prompt, o.steps,
-                                          [&](const float* logits) { return sampler.sample(logits); }, generated);
-  if (comm.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
+  auto st = comm.init(s);
+  if (st.ok())
+    st = kvrun::sharded_generate(model, comm.groups, s, o.evict, prompt, o.steps,
+                                 [&](const float* logits) { return sampler.sample(logits); }, generated, &duo);
+  if (comm.world.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
   if (!st.ok()) return fail("", st);
   return print_output(o, tok, prompt, generated);
 #else
-  (void)model, (void)tok, (void)prompt;
+  (void)model, (void)tok, (void)prompt, (void)duo;
   return fail(std::string(o.tp > 0 ? "--tp" : "--pp") +
               " needs MPI: this kvevict-run was built without it (install libopenmpi-dev and reconfigure)");
 #endif
@@ -252,12 +272,12 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   const bool sharded = o.tp > 0 || o.pp > 0;
 #if defined(KVEVICT_RUN_MPI)
   std::optional<mpi_session> mpi;
-  std::optional<kvevict::mpi_comm> comm;
+  std::optional<job_comms> comm;
   if (sharded) {
     mpi.emplace();
-    comm.emplace(MPI_COMM_WORLD);
+    comm.emplace();
   }
-  const bool writer = !comm || comm->rank() == 0;
+  const bool writer = !comm || comm->world.rank() == 0;
 #else
   if (sharded) return fail(std::string(o.tp > 0 ? "--tp" : "--pp") +
                            " needs MPI: this kvevict-run was built without it (install libopenmpi-dev and reconfigure)");
@@ -275,7 +295,8 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
   kvrun::report_result result;
 #if defined(KVEVICT_RUN_MPI)
   if (comm) {
-    const auto st = kvrun::run_sharded_report(model, *comm, shard_options_of(o), r, result);
+    auto st = comm->init(shard_options_of(o));
+    if (st.ok()) st = kvrun::run_sharded_report(model, comm->groups, shard_options_of(o), r, result);
     if (!writer) return st.ok() ? 0 : 1;  // one message, from rank 0 (every rank has the same status)
     if (!st.ok()) return fail("", st);
   } else
@@ -349,11 +370,19 @@ int run(int argc, char** argv) {
 
   std::vector<int> prompt;
   if (const int code = encode_prompt(o, tok, c, o.prompt, "the prompt", prompt); code != 0) return code;
-  if (sharded) return run_sharded(o, model, tok, prompt);
+  // the head types of duo, prulong (a mask file) and duo-heuristic (a calibration)
+  const bool full = method == kvrun::method::full;
+  kvrun::duo_heads duo;
+  if (method == kvrun::method::duo || method == kvrun::method::prulong) {
+    if (auto st = kvrun::head_types_from_file(c, o.head_mask, o.head_sparsity, duo); !st.ok())
+      return fail_file(o.head_mask, st);
+  } else if (!full && kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo) {
+    if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
+  }
+  if (sharded) return run_sharded(o, model, tok, prompt, duo);
 
   // The full cache is sized for the prompt and the steps; the evicted one for the whole context:
   // LAQ decodes pseudo tokens past the prompt and the oracle runs the response.
-  const bool full = method == kvrun::method::full;
   kvrun::runner run;
   kvrun::kv_cache cache;
   kvrun::sampler sampler;
@@ -362,7 +391,6 @@ int run(int argc, char** argv) {
     return fail("", st);
   if (auto st = cache.init(c, full ? o.steps : 0, o.page_size); !st.ok()) return fail("", st);
   if (auto st = sampler.init(c.vocab_size, o.temperature, o.topp, o.seed); !st.ok()) return fail("", st);
-  kvrun::duo_heads duo;
   kvrun::lookahead_module lookahead;
   kvrun::lookahead_scorer scorer;  // the lookaheadkv method's scores
   kvrun::laq_queries laq;          // the laq and laq++ methods' query blocks
@@ -373,12 +401,6 @@ int run(int argc, char** argv) {
   const float* logits = nullptr;  // of the first generated token
   kvrun::decode_step decode;      // evicted: the evictor's decode (decode-time eviction)
   double prefill_s = 0.0;
-  if (method == kvrun::method::duo || method == kvrun::method::prulong) {
-    if (auto st = kvrun::head_types_from_file(c, o.head_mask, o.head_sparsity, duo); !st.ok())
-      return fail_file(o.head_mask, st);
-  } else if (!full && kvrun::allocator_of(o.evict) == kvrun::budget_scheme::duo) {
-    if (auto st = calibrate_duo(model, o.evict, o.calibration, o.threads, duo); !st.ok()) return fail("duo calibration: ", st);
-  }
   if (method == kvrun::method::lookaheadkv) {
     if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
     if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);

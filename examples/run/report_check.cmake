@@ -18,4 +18,9 @@ execute_process(COMMAND "${PYTHON}" "${COMPARE}" "${DIR}/one/report.json" "${DIR
 if(NOT rc3 EQUAL 0 OR NOT out3 MATCHES " 0 differ" OR out3 MATCHES "not computed by the new run: [1-9]")
   message(FATAL_ERROR "the sharded report differs from one process's (status ${rc3}):\n${out3}${err3}")
 endif()
+# the sharded run measures its times (the slowest rank's): some prefill and eviction time is not 0
+file(READ "${DIR}/sharded/report.json" json)
+if(NOT json MATCHES "\"prefill_ms\": [0-9]*\\.?[0-9]*[1-9]" OR NOT json MATCHES "\"evict_ms\": [0-9]*\\.?[0-9]*[1-9]")
+  message(FATAL_ERROR "the sharded report.json has no measured prefill_ms / evict_ms")
+endif()
 message(STATUS "${out3}")

@@ -19,13 +19,19 @@
 // rows, the other ranks' slots unused), so every rank computes the same logits and samples the same
 // token. Eviction: the drivers on the stage's layers (uniform, PyramidKV need only the layer
 // index, AdaKV selects within a layer; post-fill LAVa's and CAKE's layer budgets come from every
-// stage's entropies / preferences, gathered by post_fill_driver's decide() (post_fill_config::pp);
-// the chunked drivers' LAVa is not layer-sharded: an error under --pp).
+// stage's entropies / preferences, gathered by post_fill_driver's decide() (post_fill_config::pp),
+// the chunked drivers' LAVa budget of every chunk by chunked_driver's (chunked_config::pp)).
+//
+// Both (--tp T --pp S on T x S ranks, shard_comms): stage-major ranks (kvevict::grid_place_of);
+// the heads' allgathers run within a stage (tp), the stages' rows and gathers across the ranks
+// holding the same heads (pp), the report's gathers over the world.
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
 // kvevict/mpi.hpp; the tests also run it on threads). The recipes that need head types (duo,
 // prulong, duo-heuristic) or a query block (laq, laq++, speckv, lookaheadkv, oracle) and the
-// layerwise driver do not run sharded: a clear error (check_sharded).
+// layerwise driver are not supported sharded: a clear error saying why (check_sharded). Every
+// rank must pass the same options and prompt: sharded_runner's init and prefill agree on them
+// first (one allgather), so a rank with others fails every rank instead of hanging.
 #pragma once
 
 #include <report/report.hpp>
@@ -39,6 +45,8 @@
 #include <kvevict/driver.hpp>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -119,62 +127,105 @@ class shard_cache {
 /// the whole model's, shared across layers: not layer-sharded). Error: a clear one naming what is
 /// not supported.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
-  if (s.tp < 1 || s.pp < 1 || (s.tp > 1 && s.pp > 1))
-    return status::error(errc::invalid_argument, "--tp %d --pp %d: give one of them (tensor or pipeline parallelism)",
-                         s.tp, s.pp);
-  const int want = s.tp > 1 ? s.tp : s.pp;
-  if (want != ranks)
-    return status::error(errc::invalid_argument, "--%s %d but the job has %d ranks (run mpirun -np %d)",
-                         s.tp > 1 ? "tp" : "pp", want, ranks, want);
+  if (s.tp < 1 || s.pp < 1)
+    return status::error(errc::invalid_argument, "--tp %d --pp %d: each must be >= 1", s.tp, s.pp);
+  const int want = s.tp * s.pp;
+  if (want != ranks) {
+    char grid[64];
+    if (s.tp > 1 && s.pp > 1)
+      std::snprintf(grid, sizeof grid, "--tp %d --pp %d", s.tp, s.pp);
+    else
+      std::snprintf(grid, sizeof grid, "--%s %d", s.tp > 1 ? "tp" : "pp", s.tp > 1 ? s.tp : s.pp);
+    return status::error(errc::invalid_argument, "%s but the job has %d ranks (run mpirun -np %d)", grid, ranks, want);
+  }
   if (s.tp > 1)
     if (const auto r = kvevict::head_shard(c.n_kv_heads, s.tp, 0); !r) return r.error();
   if (s.pp > 1)
     if (const auto r = kvevict::layer_shard(c.n_layers, s.pp, 0); !r) return r.error();
   const method m = o.recipe;
   if (m == method::full) return {};
-  if (uses_head_types(m) || m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv ||
-      m == method::oracle)
+  // not supported sharded: <why> (docs/distributed.md, "The runner sharded")
+  if (uses_head_types(m) && o.driver != driver_kind::postfill)
     return status::error(errc::unsupported,
-                         "--recipe %s does not run sharded (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, "
-                         "vatp, adakv, cake and lava do)",
+                         "--recipe %s --driver %s is not supported sharded: the runner's streaming-heads path is not "
+                         "split across ranks (postfill runs: head types are per KV head)",
+                         method_name(m), driver_name(o.driver));
+  if (m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv || m == method::oracle)
+    return status::error(errc::unsupported,
+                         "--recipe %s is not supported sharded: its query block comes from extra forward passes "
+                         "(pseudo-decoding, a draft, a trained module, the response) the sharded runner does not run",
                          method_name(m));
   if (o.driver == driver_kind::layerwise)
     return status::error(errc::unsupported,
-                         "--driver layerwise does not run sharded (postfill, chunked-naive, chunked-patched and decode do)");
-  const budget_scheme a = allocator_of(o);
-  if (a == budget_scheme::duo)
-    return status::error(errc::unsupported, "--allocator %s does not run sharded", allocator_name(a));
-  const bool chunked = o.driver == driver_kind::chunked_naive || o.driver == driver_kind::chunked_patched;
-  if (chunked && a == budget_scheme::lava && s.pp > 1)
-    return status::error(errc::unsupported,
-                         "--driver %s --allocator lava does not run under --pp (its model budget is not layer-sharded; "
-                         "--tp is)",
-                         driver_name(o.driver));
+                         "--driver layerwise is not supported sharded: the sharded runner does not wire the cascade "
+                         "across ranks (cascade_driver::add_remote_layer does; postfill, chunked-* and decode run)");
   return check_evict_options(c, o);
 }
 
-/// The model on one rank of a tensor- or pipeline-parallel job, with eviction by the postfill,
-/// chunked and decode drivers (each given the communicator), as evictor does on one process.
+/// The communicators of a sharded job (kvevict/comm.hpp's grid_place_of: world rank = stage x tp +
+/// head shard): `world` every rank, `tp` this stage's head shards (its rank: the shard), `pp` the
+/// ranks holding this rank's heads, one per stage (its rank: the stage). With one kind of sharding
+/// the job's communicator is all three (one_group); with both, the engine splits them (kvevict-run:
+/// kvevict::mpi_grid).
+template <class Comm>
+struct shard_comms {
+  Comm* world = nullptr;
+  Comm* tp = nullptr;
+  Comm* pp = nullptr;
+};
+template <class Comm>
+shard_comms<Comm> one_group(Comm& c) {
+  return {&c, &c, &c};
+}
+
+/// The model on one rank of a tensor- and / or pipeline-parallel job, with eviction by the
+/// postfill, chunked and decode drivers (each given the communicators), as evictor does on one
+/// process.
 template <class Comm>
 class sharded_runner {
  public:
-  /// Binds to `m` (must outlive this) and `comm` (every rank calls the same methods in the same
-  /// order). Errors: check_sharded's.
-  status init(const model& m, Comm& comm, const shard_options& s, const evict_options& o) {
+  /// Binds to `m` (must outlive this) and the communicators `g` (every rank calls the same methods
+  /// in the same order). Errors: check_sharded's; the groups' sizes not tp x pp, tp and pp.
+  /// Every rank must pass the same options: the ranks agree on them first (one allgather over
+  /// `world`), so a rank with other options, or failing a check, fails every rank (no hang).
+  /// `duo`: the head types of duo, prulong and duo-heuristic (the whole model's [L][H], the same on
+  /// every rank; copied), as evictor::init takes them.
+  status init(const model& m, const shard_comms<Comm>& g, const shard_options& s, const evict_options& o,
+              const duo_heads* duo = nullptr) {
     const config& c = m.cfg();
-    KVEVICT_TRY(check_sharded(c, s, comm.size(), o));
+    status local = check_sharded(c, s, g.world->size(), o);
+    const bool typed = allocator_of(o) == budget_scheme::duo && o.recipe != method::full;
+    if (local.ok() && typed &&
+        (duo == nullptr || static_cast<index_t>(duo->global.size()) != index_t(c.n_layers) * c.n_kv_heads))
+      local = status::error(errc::invalid_argument, "sharded_runner: %s needs the model's head types",
+                            method_name(o.recipe));
+    duo_ = typed && local.ok() ? *duo : duo_heads{};
+    if (local.ok() && ((s.tp > 1 && g.tp->size() != s.tp) || (s.pp > 1 && g.pp->size() != s.pp)))
+      local = status::error(errc::invalid_argument,
+                            "sharded_runner: --tp %d --pp %d but the groups have %d (tp) and %d (pp) ranks", s.tp, s.pp,
+                            g.tp->size(), g.pp->size());
+    char line[agree_text];
+    std::snprintf(line, sizeof line,
+                  "--tp %d --pp %d --recipe %s --allocator %s --driver %s --budget %lld --window %lld --sinks %lld "
+                  "--chunk %lld --chunk-fraction %.17g --evict-every %lld, %d layers x %d KV heads, head types %016llx",
+                  s.tp, s.pp, method_name(o.recipe), allocator_name(allocator_of(o)), driver_name(o.driver),
+                  static_cast<long long>(o.budget), static_cast<long long>(o.window), static_cast<long long>(o.sinks),
+                  static_cast<long long>(o.chunk), o.chunk_fraction, static_cast<long long>(o.evict_every), c.n_layers,
+                  c.n_kv_heads, static_cast<unsigned long long>(head_types_hash()));
+    world_ = g.world;
+    KVEVICT_TRY(agree("sharded_runner::init", local, line));
     m_ = &m;
-    comm_ = &comm;
+    tpc_ = g.tp;
+    ppc_ = g.pp;
     s_ = s;
     o_ = o;
     rec_ = make_recipe(o);
     next_ = 0;
     recorder_ = nullptr;
-    const int P = comm.size(), r = comm.rank();
     heads_ = {0, c.n_kv_heads};
     layers_ = {0, c.n_layers};
-    if (s.tp > 1) heads_ = *kvevict::head_shard(c.n_kv_heads, P, r);
-    if (s.pp > 1) layers_ = *kvevict::layer_shard(c.n_layers, P, r);
+    if (s.tp > 1) heads_ = *kvevict::head_shard(c.n_kv_heads, s.tp, g.tp->rank());
+    if (s.pp > 1) layers_ = *kvevict::layer_shard(c.n_layers, s.pp, g.pp->rank());
     group_ = c.group_size();
     hs_ = c.head_size();
     lq_ = heads_.count * group_;
@@ -189,8 +240,8 @@ class sharded_runner {
     tmp_.assign(T * d, 0.0f);
     qkv_.assign(T * static_cast<std::size_t>((lq_ + 2 * heads_.count) * hs_), 0.0f);
     mine_.assign(T * static_cast<std::size_t>(lq_ * hs_), 0.0f);
-    gathered_.assign(mine_.size() * static_cast<std::size_t>(P), 0.0f);
-    xs_.assign(T * d * static_cast<std::size_t>(P), 0.0f);
+    gathered_.assign(mine_.size() * static_cast<std::size_t>(s.tp), 0.0f);
+    xs_.assign(T * d * static_cast<std::size_t>(s.pp), 0.0f);
     h13_.assign(T * 2 * static_cast<std::size_t>(c.hidden_dim), 0.0f);
     att_.assign(T, 0.0f);
     logits_.assign(static_cast<std::size_t>(c.vocab_size), 0.0f);
@@ -211,7 +262,7 @@ class sharded_runner {
     std::int64_t n = 0;
     for (int l = 0; l < m_->cfg().n_layers; ++l)
       for (index_t h = 0; h < heads_.count; ++h) n += cache_.length(l, h);
-    KVEVICT_TRY(comm_->allreduce_sum(&n, 1));
+    KVEVICT_TRY(world_->allreduce_sum(&n, 1));
     out = n;
     return {};
   }
@@ -224,10 +275,18 @@ class sharded_runner {
     recorder_ = rec;
     const config& c = m_->cfg();
     const auto n = static_cast<index_t>(prompt.size());
+    status local;
     if (n < 1 || n > c.seq_len || next_ != 0)
-      return status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
-                           static_cast<long long>(n), c.seq_len);
-    if (o_.recipe == method::full) return forward(prompt.data(), n);
+      local = status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
+                            static_cast<long long>(n), c.seq_len);
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a of the prompt's tokens
+    for (const int t : prompt) h = (h ^ static_cast<std::uint32_t>(t)) * 1099511628211ull;
+    char line[agree_text];
+    std::snprintf(line, sizeof line, "a prompt of %lld tokens, hash %016llx", static_cast<long long>(n),
+                  static_cast<unsigned long long>(h));
+    KVEVICT_TRY(agree("sharded_runner::prefill", local, line));  // every rank the same prompt
+    prefill_s_ = evict_s_ = 0.0;
+    if (o_.recipe == method::full) return timed(prefill_s_, [&] { return forward(prompt.data(), n); });
     switch (o_.driver) {
       case driver_kind::chunked_naive:
       case driver_kind::chunked_patched: return prefill_chunked(prompt);
@@ -236,9 +295,15 @@ class sharded_runner {
     }
     prompt_q_.reset(mine_cfg_, n);
     const forward_hooks hk = prompt_q_.hooks();
-    KVEVICT_TRY(forward(prompt.data(), n, &hk));
-    return evict(n);
+    KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data(), n, &hk); }));
+    return timed(evict_s_, [&] { return evict(n); });
   }
+
+  /// This rank's seconds in the last prefill's forward passes (chunked: every chunk's and patch's)
+  /// and in eviction (the drivers' calls and the compaction; the decode driver: its begin and every
+  /// step since), as evictor's prefill_seconds / evict_seconds (the report takes the max over ranks).
+  double prefill_seconds() const { return prefill_s_; }
+  double evict_seconds() const { return evict_s_; }
 
   /// runner::forward_extra: `tokens` at the next positions through the model, this rank's events
   /// to `hooks`, logits per `mode`; their KV rows dropped afterwards.
@@ -261,7 +326,7 @@ class sharded_runner {
 
  private:
   const model* m_ = nullptr;
-  Comm* comm_ = nullptr;
+  Comm *world_ = nullptr, *tpc_ = nullptr, *ppc_ = nullptr;  // shard_comms
   shard_options s_;
   evict_options o_;
   kvevict::recipe rec_;
@@ -287,6 +352,68 @@ class sharded_runner {
 
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
 
+  double prefill_s_ = 0.0, evict_s_ = 0.0;
+  duo_heads duo_;  // head types (duo, prulong, duo-heuristic): the whole model's
+  /// FNV-1a of the head types (the ranks must hold the same; 0 bits without any).
+  std::uint64_t head_types_hash() const {
+    std::uint64_t h = 1469598103934665603ull;
+    for (const auto x : duo_.global) {
+      unsigned char b[sizeof x];
+      std::memcpy(b, &x, sizeof x);
+      for (unsigned char y : b) h = (h ^ y) * 1099511628211ull;
+    }
+    return h ^ static_cast<std::uint64_t>(duo_.retrieval);
+  }
+  /// Runs f(), adding its wall time to `acc`.
+  template <class F>
+  static status timed(double& acc, F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const status st = f();
+    acc += seconds_since(t0);
+    return st;
+  }
+
+  // The ranks agree (one allgather over the world of a status flag and a line): a rank that failed
+  // fails every rank with its message; lines that differ (other options, another prompt) fail every
+  // rank naming the first two that differ. Every rank returns the same status.
+  static constexpr std::size_t agree_text = 248;
+  struct agree_record {
+    std::int32_t failed = 0, rank = 0;
+    char text[agree_text] = {};
+  };
+  status agree(const char* fn, const status& local, const char* line) {
+    agree_record mine;
+    mine.failed = local.ok() ? 0 : 1;
+    mine.rank = world_->rank();
+    std::snprintf(mine.text, sizeof mine.text, "%s", local.ok() ? line : local.message());
+    agree_all_.resize(static_cast<std::size_t>(world_->size()));
+    KVEVICT_TRY(world_->allgather(&mine, sizeof mine, agree_all_.data()));
+    const int P = world_->size();
+    bool same = true;  // every rank failed the same way (e.g. the job's size): the message alone
+    for (const agree_record& r : agree_all_) same = same && r.failed != 0 && std::strcmp(r.text, agree_all_[0].text) == 0;
+    if (same) return status::error(errc::invalid_argument, "%s", agree_all_[0].text);
+    for (const agree_record& r : agree_all_)
+      if (r.failed != 0) return status::error(errc::invalid_argument, "rank %d of %d: %s", r.rank, P, r.text);
+    for (const agree_record& r : agree_all_) {
+      const char* a = agree_all_[0].text;
+      std::size_t i = 0;  // the first difference, widened to its option ("--budget 8") or clause
+      while (a[i] != '\0' && a[i] == r.text[i]) ++i;
+      if (a[i] == '\0' && r.text[i] == '\0') continue;
+      std::size_t b = i;
+      while (b > 0 && a[b - 1] != ',' && !(a[b - 1] == ' ' && a[b] == '-')) --b;
+      const auto field = [b](const char* t) {
+        std::size_t e = b;
+        while (t[e] != '\0' && t[e] != ',' && !(t[e] == ' ' && t[e + 1] == '-')) ++e;
+        return std::string(t + b, t + e);
+      };
+      return status::error(errc::invalid_argument,
+                           "%s: the ranks disagree (every rank must run the same configuration): rank 0 {%s}, rank %d {%s}",
+                           fn, field(a).c_str(), r.rank, field(r.text).c_str());
+    }
+    return {};
+  }
+  std::vector<agree_record> agree_all_;
+
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
   // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values).
@@ -303,14 +430,14 @@ class sharded_runner {
       std::copy(e, e + d, x + i * d);
     }
     if (extra) held_ = cache_.lengths();
-    const int stages = s_.pp > 1 ? comm_->size() : 1;
+    const int stages = s_.pp;
     for (int st = 0; st < stages; ++st) {
-      if (stages == 1 || st == comm_->rank())
+      if (stages == 1 || st == ppc_->rank())
         for (index_t l = layers_.first; l < layers_.first + layers_.count; ++l)
           KVEVICT_TRY(layer(static_cast<int>(l), n, hooks, extra));
-      if (stages > 1) {  // stage st's rows to every rank
+      if (stages > 1) {  // stage st's rows to every rank (each pp group: one rank of every stage)
         const auto bytes = static_cast<std::size_t>(n * d) * sizeof(float);
-        KVEVICT_TRY(comm_->allgather(x, bytes, xs_.data()));
+        KVEVICT_TRY(ppc_->allgather(x, bytes, xs_.data()));
         std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
       }
     }
@@ -368,11 +495,11 @@ class sharded_runner {
     // every head's output on every rank, in head order; then wo and the FFN on whole rows
     const index_t per = n * lq_ * hs_;
     if (s_.tp > 1) {
-      KVEVICT_TRY(comm_->allgather(mine_.data(), static_cast<std::size_t>(per) * sizeof(float), gathered_.data()));
+      KVEVICT_TRY(tpc_->allgather(mine_.data(), static_cast<std::size_t>(per) * sizeof(float), gathered_.data()));
     } else {
       std::copy(mine_.data(), mine_.data() + per, gathered_.data());
     }
-    const int ranks = s_.tp > 1 ? comm_->size() : 1;
+    const int ranks = s_.tp;
     for (int r = 0; r < ranks; ++r)
       for (index_t i = 0; i < n; ++i)
         std::copy(gathered_.data() + r * per + i * lq_ * hs_, gathered_.data() + r * per + (i + 1) * lq_ * hs_,
@@ -399,7 +526,7 @@ class sharded_runner {
   // CAKE's layer preference from the window's queries over the prompt's keys (sharded under --tp).
   status preference(kvevict::kv_view<const float> wq, kvevict::kv_view<const float> keys, double& pref) {
     return with_workspace(pref_ws_, [&](kvevict::workspace& ws) {
-      if (s_.tp > 1) return kvevict::cake_window_preference(kvevict::seq, ws, *comm_, wq, keys, {}, &pref);
+      if (s_.tp > 1) return kvevict::cake_window_preference(kvevict::seq, ws, *tpc_, wq, keys, {}, &pref);
       return kvevict::cake_window_preference(kvevict::seq, ws, wq, keys, {}, &pref);
     });
   }
@@ -409,7 +536,7 @@ class sharded_runner {
   status plan(index_t tokens, kvevict::allocation& out, index_t* most = nullptr) {
     const config& c = m_->cfg();
     const index_t H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
-    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent}, nullptr, alloc_));
+    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
     if (most != nullptr) *most = kvevict::max_head_rows(alloc_.alloc);
     out = alloc_.alloc;
     if (alloc_.budgets.empty()) return {};
@@ -422,7 +549,7 @@ class sharded_runner {
     return {};
   }
   kvevict::model_shape shape() const { return {layers_.count, heads_.count, lq_, hs_}; }
-  kvevict::comm_ref tp() { return s_.tp > 1 ? kvevict::comm_ref(*comm_) : kvevict::comm_ref{}; }
+  kvevict::comm_ref tp() { return s_.tp > 1 ? kvevict::comm_ref(*tpc_) : kvevict::comm_ref{}; }
   int model_layer(index_t ls) const { return static_cast<int>(layers_.first + ls); }
   template <class Driver>
   status compact_all(const Driver& d) {
@@ -438,6 +565,11 @@ class sharded_runner {
     kvevict::chunked_config cc = chunked_config_of(o_, rec_, shape(), P);
     KVEVICT_TRY(plan(P, cc.alloc));
     cc.tp = tp();
+    if (s_.pp > 1) {  // this stage's layers of the model's (lava: each chunk's budget gathered)
+      cc.pp = kvevict::comm_ref(*ppc_);
+      cc.first_layer = layers_.first;
+      cc.model_layers = m_->cfg().n_layers;
+    }
     kvevict::workspace ws;
     KVEVICT_TRY(init_driver(ch_, scratch_, cc, recorder_, ws));
     chunk_q_.reset(mine_cfg_, w);
@@ -451,7 +583,8 @@ class sharded_runner {
       forward_hooks hk;
       if (rows > 0 && patch.count == 0)
         hk.after_layer = [this, n, rows](const layer_event& ev) { return chunk_q_.store(ev, 0, n - rows, rows); };
-      KVEVICT_TRY(forward(prompt.data() + s, n, &hk));
+      KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data() + s, n, &hk); }));
+      const auto t0 = std::chrono::steady_clock::now();  // the patch's forward and the eviction (as evictor's)
       if (patch.count > 0) {
         patch_pos_.resize(static_cast<std::size_t>(patch.count));
         for (index_t i = 0; i < patch.count; ++i) patch_pos_[static_cast<std::size_t>(i)] = static_cast<pos_t>(patch.first + i);
@@ -466,6 +599,7 @@ class sharded_runner {
       }
       KVEVICT_TRY(ch_.decide(kvevict::seq, ws));
       KVEVICT_TRY(compact_all(ch_));
+      evict_s_ += seconds_since(t0);
     }
     return {};
   }
@@ -477,7 +611,8 @@ class sharded_runner {
     const index_t P = static_cast<index_t>(prompt.size()), w = o_.window, hk = heads_.count;
     prompt_q_.reset(mine_cfg_, P);
     const forward_hooks pq = prompt_q_.hooks();
-    KVEVICT_TRY(forward(prompt.data(), P, &pq));
+    KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data(), P, &pq); }));
+    const auto t0 = std::chrono::steady_clock::now();  // the driver's plan, init and begin
     kvevict::decode_config dc;
     index_t most = 0;
     KVEVICT_TRY(plan(std::max(o_.budget, P), dc.alloc, &most));
@@ -509,6 +644,7 @@ class sharded_runner {
     const index_t have = std::min(w, P);
     for (index_t ls = 0; ls < layers_.count; ++ls)
       recent_q_.put(model_layer(ls), w - have, prompt_q_.queries(model_layer(ls), P - have, have));
+    evict_s_ += seconds_since(t0);
     return {};
   }
 
@@ -527,13 +663,15 @@ class sharded_runner {
       return {};
     };
     KVEVICT_TRY(forward(&token, 1, &hk));
-    for (index_t ls = 0; ls < layers_.count; ++ls) {
-      const int l = model_layer(ls);
-      const kvevict::kv_view<const float> q = decode_queries_of(rec_, step_q_, recent_q_, l, w);
-      KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, ls, cache_.layer(l), q));
-      if (dd_.evicted(ls)) KVEVICT_TRY(cache_.compact(l, dd_.kept(ls)));
-    }
-    return {};
+    return timed(evict_s_, [&]() -> status {
+      for (index_t ls = 0; ls < layers_.count; ++ls) {
+        const int l = model_layer(ls);
+        const kvevict::kv_view<const float> q = decode_queries_of(rec_, step_q_, recent_q_, l, w);
+        KVEVICT_TRY(dd_.step(kvevict::seq, decode_ws_, ls, cache_.layer(l), q));
+        if (dd_.evicted(ls)) KVEVICT_TRY(cache_.compact(l, dd_.kept(ls)));
+      }
+      return {};
+    });
   }
 
   // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers.
@@ -547,7 +685,7 @@ class sharded_runner {
     pc.rec = rec_;
     pc.tp = tp();
     if (s_.pp > 1) {  // this stage's layers of the model's L
-      pc.pp = kvevict::comm_ref(*comm_);
+      pc.pp = kvevict::comm_ref(*ppc_);
       pc.first_layer = layers_.first;
       pc.model_layers = L;
     }
@@ -573,11 +711,12 @@ namespace detail {
 template <class T, class Comm>
 status gather_model(Comm& comm, const shard_options& s, const config& c, index_t e, const T* mine, std::vector<T>& pad,
                     std::vector<T>& blocks, std::vector<T>& out) {
-  const int P = comm.size(), me = comm.rank();
+  const int P = comm.size(), me = comm.rank();  // the world: rank = stage x tp + head shard
   const index_t L = c.n_layers, H = c.n_kv_heads;
   const auto range = [&](int r, kvevict::shard_range& hr, kvevict::shard_range& lr) {
-    hr = s.tp > 1 ? *kvevict::head_shard(H, P, r) : kvevict::shard_range{0, H};
-    lr = s.pp > 1 ? *kvevict::layer_shard(L, P, r) : kvevict::shard_range{0, L};
+    const kvevict::grid_place at = *kvevict::grid_place_of(s.tp, s.pp, r);
+    hr = s.tp > 1 ? *kvevict::head_shard(H, s.tp, at.shard) : kvevict::shard_range{0, H};
+    lr = s.pp > 1 ? *kvevict::layer_shard(L, s.pp, at.stage) : kvevict::shard_range{0, L};
   };
   index_t most = 0;
   for (int r = 0; r < P; ++r) {
@@ -603,6 +742,20 @@ status gather_model(Comm& comm, const shard_options& s, const config& c, index_t
   return {};
 }
 
+/// The report's times of a sharded row: each the max over the ranks (the slowest rank bounds the
+/// step), one allgather of this rank's two.
+template <class Comm>
+status slowest_rank(Comm& world, std::array<double, 2> mine, double& prefill_ms, double& evict_ms) {
+  std::vector<std::array<double, 2>> all(static_cast<std::size_t>(world.size()));
+  KVEVICT_TRY(world.allgather(mine.data(), sizeof mine, all.data()));
+  prefill_ms = evict_ms = 0.0;
+  for (const auto& a : all) {
+    prefill_ms = std::max(prefill_ms, a[0]);
+    evict_ms = std::max(evict_ms, a[1]);
+  }
+  return {};
+}
+
 /// One rank's state of the sharded report.
 template <class Comm>
 struct sharded_report_worker {
@@ -619,7 +772,7 @@ struct sharded_report_worker {
 /// held_recall on a sharded run: every rank's per-head recalls gathered, then averaged over the
 /// heads and the layers in one process's order (kept_recall_at_k's sum over the rows).
 template <class Comm>
-status sharded_recall(const model& mdl, Comm& comm, const shard_options& s, index_t P, index_t k,
+status sharded_recall(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, index_t P, index_t k,
                       sharded_report_worker<Comm>& w, double& recall) {
   const config& c = mdl.cfg();
   const kvevict::shard_range hr = w.run.heads(), lr = w.run.layers();
@@ -641,7 +794,7 @@ status sharded_recall(const model& mdl, Comm& comm, const shard_options& s, inde
       return kvevict::kept_recall_at_k(ws, kept, truth, k, mean, w.per_head.data() + ls * hk);
     }));
   }
-  KVEVICT_TRY(gather_model(comm, s, c, 1, w.per_head.data(), w.recall_pad, w.recall_blocks, w.recalls));
+  KVEVICT_TRY(gather_model(*comm.world, s, c, 1, w.per_head.data(), w.recall_pad, w.recall_blocks, w.recalls));
   double sum = 0.0;
   for (index_t l = 0; l < L; ++l) {
     double layer = 0.0;
@@ -653,9 +806,9 @@ status sharded_recall(const model& mdl, Comm& comm, const shard_options& s, inde
 }
 
 /// evaluate_prompt on a sharded job: every configuration on one prompt, every number but the
-/// times (left 0) as one process computes it.
+/// times as one process computes it (the times: measured on every rank, the slowest rank's).
 template <class Comm>
-status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options& s, const report_options& o,
+status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, const report_options& o,
                                const std::vector<report_config>& configs, const text_pair& tp,
                                sharded_report_worker<Comm>& w, std::vector<prompt_result>& out) {
   const config& c = mdl.cfg();
@@ -696,6 +849,8 @@ status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options
     prompt_result& r = out[ci];
     KVEVICT_TRY(w.run.prefill(tp.prompt, &rec));
     KVEVICT_TRY(w.run.rows(r.kept));
+    // post-fill rows share the full cache's timed prefill, as one process's
+    const double prefill_s = rc.driver == driver_kind::postfill ? w.full.prefill_seconds() : w.run.prefill_seconds();
     const index_t k = rc.budget > 0 ? std::min(rc.budget, P) : P;
     bool agreeing = true;
     double kl = 0.0, recall = 0.0, step_recall = 0.0;
@@ -709,13 +864,15 @@ status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options
       }
     }
     // the whole model's schedule from every rank's block
-    KVEVICT_TRY(gather_model(comm, s, c, N, w.schedule.data(), w.schedule_pad, w.schedule_blocks, w.model_schedule));
+    KVEVICT_TRY(gather_model(*comm.world, s, c, N, w.schedule.data(), w.schedule_pad, w.schedule_blocks, w.model_schedule));
     w.whole.resize(static_cast<std::size_t>(L * H * N));
     const auto whole = kvevict::make_eviction_recorder(w.whole.data(), L, H, N);  // the view measure_kv_usage takes
     if (!whole) return whole.error();
     std::copy(w.model_schedule.begin(), w.model_schedule.end(), w.whole.begin());
     const auto sched = whole->schedule(N);
     if (!sched) return sched.error();
+    KVEVICT_TRY(slowest_rank(*comm.world, {prefill_s * 1e3, w.run.evict_seconds() * 1e3}, r.prefill_ms, r.evict_ms));
+    r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;  // finish_row's
     KVEVICT_TRY(finish_prompt(kl, recall, m, *sched, w.ws, r));
   }
   return {};
@@ -725,12 +882,13 @@ status sharded_evaluate_prompt(const model& mdl, Comm& comm, const shard_options
 
 /// The quality report on a sharded job (kvevict-run --report --tp P / --pp P, docs/distributed.md):
 /// run_report's prompts, configurations and numbers, the prompts one after another on every rank
-/// (each configuration through sharded_runner), so that every number but the times (left 0:
-/// prefill_ms, evict_ms; overhead 1) equals the one-process report's bit for bit. Every rank
+/// (each configuration through sharded_runner), so that every number but the times equals the
+/// one-process report's bit for bit (prefill_ms, evict_ms: measured per rank as evictor does, the
+/// max over the ranks; overhead from those, per prompt, as finish_row's). Every rank
 /// returns the same `out`. Errors: run_report's; a configuration that does not run sharded
 /// (check_sharded; the head-type rows), naming it, before any prompt runs.
 template <class Comm>
-status run_sharded_report(const model& mdl, Comm& comm, const shard_options& s, const report_options& o,
+status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, const report_options& o,
                           report_result& out) {
   const config& c = mdl.cfg();
   const auto t_start = std::chrono::steady_clock::now();
@@ -739,7 +897,7 @@ status run_sharded_report(const model& mdl, Comm& comm, const shard_options& s, 
   KVEVICT_TRY(report_configs(c, o, configs));
   for (const report_config& rc : configs) {
     const status st = rc.head_sparsity >= 0.0 ? status::error(errc::unsupported, "head-type rows do not run sharded")
-                                              : check_sharded(c, s, comm.size(), detail::config_options(o, rc));
+                                              : check_sharded(c, s, comm.world->size(), detail::config_options(o, rc));
     if (!st.ok())
       return status::error(errc::unsupported, "sharded report: %s / %s / budget %lld: %s (choose --recipes / --drivers that do)",
                            method_name(rc.recipe), driver_name(rc.driver), static_cast<long long>(rc.budget), st.message());
@@ -773,10 +931,11 @@ status run_sharded_report(const model& mdl, Comm& comm, const shard_options& s, 
 /// `steps` positions (prompt included) as continue_generation does; every rank gets the same `generated`.
 /// `sample` draws a token from logits (every rank draws the same: the logits are equal bit for bit).
 template <class Comm, class Sample>
-status sharded_generate(const model& m, Comm& comm, const shard_options& s, const evict_options& o,
-                        const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated) {
+status sharded_generate(const model& m, const shard_comms<Comm>& comm, const shard_options& s, const evict_options& o,
+                        const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated,
+                        const duo_heads* duo = nullptr) {
   sharded_runner<Comm> run;
-  KVEVICT_TRY(run.init(m, comm, s, o));
+  KVEVICT_TRY(run.init(m, comm, s, o, duo));
   KVEVICT_TRY(run.prefill(prompt));
   generated.clear();
   for (;;) {  // continue_generation's loop (generate.hpp): BOS ends, `steps` positions in all

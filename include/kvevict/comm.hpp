@@ -164,4 +164,22 @@ inline result<shard_range> layer_shard(index_t layers, int ranks, int rank) {
   return shard_range{b, e - b};
 }
 
+/// Tensor and pipeline parallelism together: a rank's place in a grid of `pp` pipeline stages x
+/// `tp` head shards, ranks numbered stage-major (rank = stage tp + shard, as Megatron-style
+/// launchers lay out a TP group on consecutive ranks). The engine passes two communicators: its
+/// stage's `tp` ranks (rank `shard` of them; post_fill_config::tp ...) and the `pp` ranks holding
+/// the same heads, one per stage (rank `stage`; post_fill_config::pp); with MPI,
+/// `mpi_grid` (kvevict/mpi.hpp) splits them from the job's communicator. Errors: tp < 1, pp < 1,
+/// rank outside [0, tp pp).
+struct grid_place {
+  int stage = 0;  ///< pipeline stage: this rank's rank in its pp communicator
+  int shard = 0;  ///< head shard: this rank's rank in its tp communicator
+};
+inline result<grid_place> grid_place_of(int tp, int pp, int rank) {
+  if (tp < 1 || pp < 1 || rank < 0 || static_cast<long long>(rank) >= static_cast<long long>(tp) * pp)
+    return status::error(errc::invalid_argument, "grid_place_of: rank %d of a %d x %d grid (tp x pp; need tp, pp >= 1, "
+                         "0 <= rank < tp pp)", rank, tp, pp);
+  return grid_place{rank / tp, rank % tp};
+}
+
 }  // namespace kvevict

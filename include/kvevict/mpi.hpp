@@ -13,6 +13,7 @@
 // job; with MPI_ERRORS_RETURN on the communicator, it comes back as errc::io_error naming the call.
 #pragma once
 
+#include <kvevict/comm.hpp>
 #include <kvevict/config.hpp>
 #include <kvevict/status.hpp>
 
@@ -20,8 +21,20 @@
 
 #include <climits>
 #include <cstdint>
+#include <optional>
 
 namespace kvevict {
+
+namespace detail {
+/// An MPI return code as a status: errc::io_error naming `who` and the call.
+inline status mpi_check(const char* who, const char* call, int rc) noexcept {
+  if (rc == MPI_SUCCESS) return {};
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  return status::error(errc::io_error, "%s: %s failed: %s", who, call, text);
+}
+}  // namespace detail
 
 class mpi_comm {
  public:
@@ -63,17 +76,59 @@ class mpi_comm {
                            static_cast<long long>(n));
     return {};
   }
-  static status check(const char* call, int rc) noexcept {
-    if (rc == MPI_SUCCESS) return {};
-    char text[MPI_MAX_ERROR_STRING] = {};
-    int len = 0;
-    MPI_Error_string(rc, text, &len);
-    return status::error(errc::io_error, "mpi_comm: %s failed: %s", call, text);
-  }
+  static status check(const char* call, int rc) noexcept { return detail::mpi_check("mpi_comm", call, rc); }
 
   MPI_Comm comm_;
   int rank_ = 0;
   int size_ = 1;
+};
+
+/// Tensor and pipeline parallelism together (comm.hpp's grid_place_of): the job's `tp x pp` ranks
+/// split (MPI_Comm_split, collective over `world`) into this rank's stage (`tp()`, its `tp` head
+/// shards) and the ranks holding its heads (`pp()`, one per stage). Owns both (MPI_Comm_free at
+/// destruction, which must precede MPI_Finalize). Errors (the same on every rank: they depend only
+/// on the arguments and the job's size): tp or pp < 1, tp pp != the ranks of `world`; an MPI error
+/// (with MPI_ERRORS_RETURN) as errc::io_error.
+class mpi_grid {
+ public:
+  mpi_grid() = default;
+  mpi_grid(const mpi_grid&) = delete;
+  mpi_grid& operator=(const mpi_grid&) = delete;
+  ~mpi_grid() { release(); }
+
+  status init(MPI_Comm world, int tp, int pp) noexcept {
+    release();
+    int rank = 0, size = 0;
+    MPI_Comm_rank(world, &rank);
+    MPI_Comm_size(world, &size);
+    if (tp < 1 || pp < 1 || static_cast<long long>(tp) * pp != size)
+      return status::error(errc::invalid_argument, "mpi_grid: a %d x %d grid (tp x pp) needs %lld ranks, the job has %d",
+                           tp, pp, static_cast<long long>(tp) * (pp > 0 ? pp : 0), size);
+    const grid_place at = grid_place_of(tp, pp, rank).value();
+    int rc = MPI_Comm_split(world, at.stage, at.shard, &tp_);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_split(world, at.shard, at.stage, &pp_);
+    if (rc != MPI_SUCCESS) {
+      release();
+      return detail::mpi_check("mpi_grid", "MPI_Comm_split", rc);
+    }
+    tp_comm_.emplace(tp_);
+    pp_comm_.emplace(pp_);
+    return {};
+  }
+  /// This rank's stage (rank: its head shard) and the ranks holding its heads (rank: its stage).
+  /// Valid after a successful init().
+  mpi_comm& tp() noexcept { return *tp_comm_; }
+  mpi_comm& pp() noexcept { return *pp_comm_; }
+
+ private:
+  void release() noexcept {
+    tp_comm_.reset();
+    pp_comm_.reset();
+    for (MPI_Comm* c : {&tp_, &pp_})
+      if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+  }
+  MPI_Comm tp_ = MPI_COMM_NULL, pp_ = MPI_COMM_NULL;
+  std::optional<mpi_comm> tp_comm_, pp_comm_;
 };
 
 }  // namespace kvevict

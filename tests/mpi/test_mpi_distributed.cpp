@@ -50,6 +50,29 @@ int main(int argc, char** argv) {
       expect(rank, "layer budgets", seed, d::check_layer_budgets(comm, seed));
       expect(rank, "pipeline cascade", seed, d::check_pipeline_cascade(comm, seed));
     }
+    if (comm.size() == 4) {  // tensor and pipeline parallelism together: a 2 x 2 grid split by mpi_grid
+      kvevict::mpi_grid grid;
+      const kvevict::status st = grid.init(MPI_COMM_WORLD, 2, 2);
+      expect(rank, "mpi_grid", 0, st.ok() ? "" : st.message());
+      if (st.ok()) {
+        const kvevict::grid_place at = kvevict::grid_place_of(2, 2, rank).value();
+        expect(rank, "mpi_grid ranks", 0,
+               grid.tp().rank() == at.shard && grid.pp().rank() == at.stage && grid.tp().size() == 2 &&
+                       grid.pp().size() == 2
+                   ? ""
+                   : "the groups' ranks are not grid_place_of's");
+        for (std::uint64_t seed = 0; seed < 4; ++seed)
+          for (bool cake : {false, true})
+            expect(rank, cake ? "post_fill_driver cake, 2 x 2 grid" : "post_fill_driver lava, 2 x 2 grid", seed,
+                   d::check_post_fill_grid(&grid.tp(), &grid.pp(), seed, cake));
+      }
+      kvevict::mpi_grid wrong;  // the job's size is not 3 x 2: the same error on every rank
+      const kvevict::status bad = wrong.init(MPI_COMM_WORLD, 3, 2);
+      expect(rank, "mpi_grid of the wrong size", 0,
+             !bad.ok() && std::string(bad.message()).find("needs 6 ranks, the job has 4") != std::string::npos
+                 ? ""
+                 : "no error for a 3 x 2 grid on 4 ranks");
+    }
     // inconsistent configuration / invalid arguments on one rank: every rank fails, none hangs
     for (int odd = 0; odd < comm.size(); ++odd)
       for (bool bad_lengths : {false, true})

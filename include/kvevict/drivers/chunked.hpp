@@ -21,7 +21,9 @@
 
 #include <kvevict/distributed.hpp>
 #include <kvevict/drivers/detail/driver_skeleton.hpp>
+#include <kvevict/drivers/detail/stages.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -70,6 +72,17 @@ struct chunked_config {
   /// selection run across the ranks. A call failing on one rank before its collectives fails on
   /// every rank. Empty: one process.
   comm_ref tp;
+  /// Pipeline parallelism (docs/distributed.md): this stage's driver holds model.layers layers, the
+  /// model's [first_layer, first_layer + model.layers) of model_layers (e.g. layer_shard), every
+  /// stage running the same chunks. Only lava communicates: each chunk's decide() agrees on the
+  /// chunk and gathers every stage's entropies and protected / evictable rows
+  /// (gather_layer_values; 3 gathers per chunk), then shares the model's target as one process
+  /// does (alloc.total: the whole model's). Per-layer allocators need no communicator. With tp too
+  /// (a grid): the rows gathered over pp, then summed over tp. Every stage must call decide() for
+  /// every chunk, also after an add_layer error (it then fails on every stage). Empty: one process.
+  comm_ref pp;
+  index_t first_layer = 0;   ///< this stage's first layer in the model (0 without pp)
+  index_t model_layers = 0;  ///< the model's layers (0: model.layers, one stage)
   /// Paged layers (paged_layer_kv): the most pages their pools have (the workspace holds a bitmap
   /// of them for the block-table checks); 0 = ragged layers (layer_kv) only.
   index_t pool_pages = 0;
@@ -258,23 +271,43 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
       comm_ref c = cfg_.tp;
       st = detail::agree(c, fn, st, config, nullptr, 0);
     }
+    const bool pp = ok_ && lava() && pipelined(cfg_);
+    const detail::stage_span stage{cfg_.pp, cfg_.first_layer, L, model_layers(cfg_)};
+    if (pp) {  // the stages agree on the chunk and the model (a stage failing here fails them all)
+      detail::config_line config;
+      config.print("lava total %lld, chunk [%lld, %lld), %lld model layers x %lld heads", static_cast<long long>(cfg_.alloc.total),
+                   static_cast<long long>(begin_), static_cast<long long>(end_),
+                   static_cast<long long>(stage.model_layers), static_cast<long long>(H));
+      st = stage.agree(fn, st, config);
+    }
     KVEVICT_TRY(st);
+    // the model's layers: this driver's, or every stage's gathered (pipeline: this stage's at f)
+    const index_t ML = stage.model_layers, f = stage.first;
     index_t prot_sum = 0, held = 0;
-    held_.protected_totals(L, chunk_protection(), w.caps, w.totals, &prot_sum, &held);
+    held_.protected_totals(L, chunk_protection(), w.caps + f, w.totals + f, &prot_sum, &held);
+    detail::held_layers whole = held_;  // with the weights of all ML layers
+    if (pp) {
+      detail::stage_span::scratch g;
+      KVEVICT_TRY(stage.carve(name, w.sel, H, g));
+      KVEVICT_TRY(stage.gather(held_.weight, g.weights, g));
+      KVEVICT_TRY(stage.gather_rows(w.caps, w.totals, g));
+      whole.weight = g.weights;
+      detail::held_layers::row_sums(ML, w.caps, w.totals, &prot_sum, &held);
+    }
     // the layers' protected and evictable rows over every rank's heads
-    if (tp) KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, L, w.caps, w.totals, &prot_sum, &held));
+    if (tp) KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, ML, w.caps, w.totals, &prot_sum, &held));
     index_t keep = cfg_.target == chunk_target::budget ? (cfg_.alloc.total < held ? cfg_.alloc.total : held)
                                                        : held - evict_count(held - prot_sum);
     if (keep < prot_sum) keep = prot_sum;  // not reached: init checks total >= L H (n_sink + n_recent)
-    KVEVICT_TRY(held_.share_lava_totals(L, keep - prot_sum, w.caps, w.shares, w.totals));
+    KVEVICT_TRY(whole.share_lava_totals(ML, keep - prot_sum, w.caps, w.shares, w.totals));
     for (index_t l = 0; l < L; ++l) {
       if (tp) {
         comm_ref c = cfg_.tp;
-        KVEVICT_TRY(select_topk_flat(be, w.sel, c, held_.scores_view(l), held_.lens + l * H, w.totals[l], nullptr,
+        KVEVICT_TRY(select_topk_flat(be, w.sel, c, held_.scores_view(l), held_.lens + l * H, w.totals[f + l], nullptr,
                                      kept_cu_ + l * (H + 1), kept_pos_ + l * H * cfg_.capacity));
       } else {
         KVEVICT_TRY(detail::select_layer(be, w.sel, allocator::lava, held_.scores_view(l), held_.lens + l * H,
-                                         nullptr, w.totals[l], adakv_options{}, kept_cu_ + l * (H + 1),
+                                         nullptr, w.totals[f + l], adakv_options{}, kept_cu_ + l * (H + 1),
                                          kept_pos_ + l * H * cfg_.capacity));
       }
       KVEVICT_TRY(held_.record(rec_, l, kept(l, true), end_, w));
@@ -440,6 +473,10 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   }
   /// Tensor-parallel ranks (1 without a communicator).
   static index_t tp_ranks(const chunked_config& c) { return c.tp.size() > 1 ? c.tp.size() : 1; }
+  /// The model's layers (this driver holds model.layers of them).
+  static index_t model_layers(const chunked_config& c) { return c.model_layers > 0 ? c.model_layers : c.model.layers; }
+  /// lava over pipeline stages: decide() gathers every stage's layer statistics.
+  static bool pipelined(const chunked_config& c) { return c.pp.size() > 1 && c.alloc.kind == allocator::lava; }
 
   /// flattened / adakv across the ranks: the ranks agree on the chunk, the layer and their budget
   /// sum and sum their rows and protected rows; the layer's target is computed from those, as one
@@ -519,6 +556,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
       return status::error(errc::invalid_argument, "%s: unknown chunk_target value %d", fn, static_cast<int>(c.target));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
     KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
+    KVEVICT_TRY(detail::stage_span::check(fn, c.pp, c.first_layer, L, c.model_layers < 0 ? c.model_layers : model_layers(c)));
     KVEVICT_TRY(detail::check_supported(fn, c.alloc.kind == allocator::cake, "the cake allocator",
                                         "needs per-layer preferences of the whole prompt; use per_head budgets "
                                         "(cake_budgets) or the post-fill / cascade drivers"));
@@ -532,7 +570,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     const index_t min_head = c.rec.n_sink + c.rec.n_recent;
     if (has_matrix(c.alloc.kind)) return detail::check_budget_matrix(fn, c.alloc, c.model, min_head, -1);
     index_t floor_total = 0;
-    if (!detail::checked_mul(L * H * tp_ranks(c), min_head, floor_total) || c.alloc.total < floor_total)
+    if (!detail::checked_mul(model_layers(c) * H * tp_ranks(c), min_head, floor_total) || c.alloc.total < floor_total)
       return status::error(errc::invalid_argument,
                            "%s: lava total %lld is below the %lld protected tokens (n_sink + n_recent per head)", fn,
                            static_cast<long long>(c.alloc.total), static_cast<long long>(floor_total));
@@ -560,7 +598,13 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
       KVEVICT_TRY(fit_score_slots(be, ext, cfg_.rec.window, true, s));
     }
     s.sel = detail::driver_select_bytes(be, sharded(), cfg_.alloc.kind, cfg_.alloc.kind, s.H, s.C, cfg_.tp.size());
-    s.layers = cfg_.model.layers;
+    if (pipelined(cfg_)) {  // decide()'s gathers, before its selections
+      const detail::stage_span stage{cfg_.pp, cfg_.first_layer, cfg_.model.layers, model_layers(cfg_)};
+      const auto bytes = stage.scratch_bytes(name, cfg_.model.kv_heads);
+      if (!bytes) return bytes.error();
+      s.sel = std::max(s.sel, *bytes);
+    }
+    s.layers = model_layers(cfg_);
     s.pool_pages = cfg_.pool_pages;
     return detail::carve_call_scratch(name, ws, s, w);
   }

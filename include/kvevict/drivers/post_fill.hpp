@@ -14,6 +14,7 @@
 
 #include <kvevict/distributed.hpp>
 #include <kvevict/drivers/detail/driver_skeleton.hpp>
+#include <kvevict/drivers/detail/stages.hpp>
 
 namespace kvevict {
 
@@ -45,7 +46,9 @@ struct post_fill_config {
   /// model's budgets as one process does; per-layer allocators (budgets: this stage's rows) need no
   /// communicator. alloc.total is the model's total over all model_layers. Every stage must call
   /// decide(), also after one of its add_layer calls failed (decide() then fails on every stage).
-  /// Not together with a tp communicator of more than one rank. Empty: one process.
+  /// With tp too (a grid of stages x head shards): `pp` connects the ranks holding the same heads
+  /// (one per stage), `tp` the ranks of this stage; lava's rows are gathered over `pp`, then summed
+  /// over `tp`. Empty: one process.
   comm_ref pp;
   index_t first_layer = 0;   ///< this stage's first layer in the model (0 without pp)
   index_t model_layers = 0;  ///< the model's layers (0: model.layers, one stage)
@@ -162,8 +165,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   // (flattened, adakv) or not a multiple of H (adakv); budgets not [L][H]; lava / cake total
   // negative or above L H P, cake total not a multiple of L H or its per-head budget below the
   // protected tokens; adakv alpha outside [0, 1]; first_layer / model_layers not
-  // holding this driver's layers (or a stage without a pp communicator); tp and pp communicators
-  // of more than one rank together (unsupported); recorder shape; memory null or too small.
+  // holding this driver's layers (or a stage without a pp communicator); recorder shape; memory
+  // null or too small.
 
   /// After every layer was added: the all-layer allocators compute the budgets and select every
   /// layer (ready(l) afterwards); the per-layer ones have nothing left to do. Workspace: as
@@ -196,27 +199,24 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     const protection prot = detail::recipe_protection(cfg_.rec);
     // the model's layers: this driver's (one stage) or every stage's, gathered (pipeline)
     const index_t ML = model_layers(cfg_), f = cfg_.first_layer;
-    stage_scratch g;
-    if (pipelined(cfg_)) KVEVICT_TRY(carve_stage(w.sel, g));
+    const detail::stage_span stage = stage_of(cfg_);
+    detail::stage_span::scratch g;
+    if (pipelined(cfg_)) KVEVICT_TRY(stage.carve(name, w.sel, H, g));
     detail::held_layers whole = held_;  // with the weights of all ML layers
     if (pipelined(cfg_)) {
-      KVEVICT_TRY(gather_stages(held_.weight, g.weights, g));
+      KVEVICT_TRY(stage.gather(held_.weight, g.weights, g));
       whole.weight = g.weights;
     }
     if (cfg_.alloc.kind == allocator::lava) {
       // layer totals: protected rows + apportion(total - protected, entropies, evictable rows)
       index_t prot_sum = 0, rows = 0;
       held_.protected_totals(L, prot, w.caps + f, w.totals + f, &prot_sum, &rows);
-      if (pipelined(cfg_)) {  // every stage's protected and evictable rows (exact as doubles: < 2^53)
-        for (index_t* v : {w.caps, w.totals}) {
-          for (index_t l = 0; l < L; ++l) g.local[l] = static_cast<double>(v[f + l]);
-          KVEVICT_TRY(gather_stages(g.local, g.all, g));
-          for (index_t l = 0; l < ML; ++l) v[l] = static_cast<index_t>(g.all[l]);
-        }
+      if (pipelined(cfg_)) {  // every stage's protected and evictable rows
+        KVEVICT_TRY(stage.gather_rows(w.caps, w.totals, g));
         detail::held_layers::row_sums(ML, w.caps, w.totals, &prot_sum, &rows);
       }
-      if (sharded(cfg_))  // the layers' protected and evictable rows over every rank's heads
-        KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, L, w.caps, w.totals, &prot_sum, &rows));
+      if (sharded(cfg_))  // the model's layers' protected and evictable rows over every rank's heads
+        KVEVICT_TRY(detail::held_layers::sum_over_ranks(cfg_.tp, ML, w.caps, w.totals, &prot_sum, &rows));
       if (cfg_.alloc.total < prot_sum || cfg_.alloc.total > rows)
         return status::error(errc::invalid_argument,
                              "%s: lava total %lld is outside [%lld, %lld] (the layers' protected rows, their rows)", fn,
@@ -233,7 +233,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
       const allocator kind = cfg_.alloc.kind == allocator::lava ? allocator::lava : allocator::per_head;
       if (kind == allocator::lava && sharded(cfg_)) {  // the layer's total over every rank's heads
         comm_ref tp = cfg_.tp;
-        KVEVICT_TRY(select_topk_flat(be, w.sel, tp, held_.scores_view(l), held_.lens + l * H, w.totals[l], nullptr,
+        KVEVICT_TRY(select_topk_flat(be, w.sel, tp, held_.scores_view(l), held_.lens + l * H, w.totals[f + l], nullptr,
                                      kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
       } else {
         KVEVICT_TRY(detail::select_layer(be, w.sel, kind, held_.scores_view(l), held_.lens + l * H, budgets_ + l * H,
@@ -322,32 +322,8 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     return c.pp.size() > 1 && (c.alloc.kind == allocator::lava || c.alloc.kind == allocator::cake);
   }
 
-  /// decide()'s pipeline scratch (inside the selection's workspace, used before any selection):
-  /// gather_layer_values' workspace, the model's weights, a stage's values and the model's, cake's
-  /// model budgets [ML][H].
-  struct stage_scratch {
-    workspace gather;
-    double *weights = nullptr, *local = nullptr, *all = nullptr;
-    std::int32_t* budgets = nullptr;
-  };
-  status carve_stage(workspace& ws, stage_scratch& g) const {
-    const index_t ML = model_layers(cfg_);
-    workspace q;  // gather_layer_values' size (a query never communicates nor writes)
-    double unused = 0.0;
-    KVEVICT_TRY(gather_layer_values(q, cfg_.pp, shard_range{0, 0}, nullptr, ML, &unused));
-    detail::workspace_carver c(ws);
-    g.gather = workspace{c.take<unsigned char>(q.bytes), q.bytes};
-    g.weights = c.take<double>(static_cast<std::size_t>(ML));
-    g.local = c.take<double>(static_cast<std::size_t>(cfg_.model.layers));
-    g.all = c.take<double>(static_cast<std::size_t>(ML));
-    g.budgets = c.take<std::int32_t>(static_cast<std::size_t>(ML * cfg_.model.kv_heads));
-    return c.finish(name);
-  }
-  /// This stage's per-layer values (model.layers of them) -> all ML layers' on every stage.
-  status gather_stages(const double* local, double* all, stage_scratch& g) const {
-    comm_ref pp = cfg_.pp;
-    return gather_layer_values(g.gather, pp, shard_range{cfg_.first_layer, cfg_.model.layers}, local,
-                               model_layers(cfg_), all);
+  static detail::stage_span stage_of(const post_fill_config& c) {
+    return {c.pp, c.first_layer, c.model.layers, model_layers(c)};
   }
   /// Pipeline parallelism, decide() of lava / cake: the stages agree on the allocator, the total and
   /// the model's shape, or every stage fails (a stage whose add_layer failed fails them all).
@@ -356,8 +332,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     config.print("%s total %lld, %lld model layers x %lld heads, %lld tokens", allocator_name(cfg_.alloc.kind),
                  static_cast<long long>(cfg_.alloc.total), static_cast<long long>(model_layers(cfg_)),
                  static_cast<long long>(cfg_.model.kv_heads), static_cast<long long>(cfg_.tokens));
-    comm_ref pp = cfg_.pp;
-    return detail::agree(pp, fn, local, config, nullptr, 0);
+    return stage_of(cfg_).agree(fn, local, config);
   }
   /// Collective calls of a sharded layer: lava's entropy agrees on no sums, the selections on two.
   int agree_sums() const { return cfg_.alloc.kind == allocator::lava ? 0 : 2; }
@@ -369,14 +344,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     KVEVICT_TRY(detail::check_recipe(fn, c.rec));
     KVEVICT_TRY(detail::check_allocation_options(fn, c.alloc));
     const index_t ML = model_layers(c);
-    if (c.first_layer < 0 || c.model_layers < 0 || c.first_layer + L > ML || (c.pp.size() <= 1 && ML != L))
-      return status::error(errc::invalid_argument,
-                           "%s: layers [%lld, %lld) of a model of %lld layers (a stage needs a pp communicator; "
-                           "one process holds every layer)",
-                           fn, static_cast<long long>(c.first_layer), static_cast<long long>(c.first_layer + L),
-                           static_cast<long long>(ML));
-    KVEVICT_TRY(detail::check_supported(fn, c.tp.size() > 1 && c.pp.size() > 1, "tensor and pipeline parallelism",
-                                        "together are not supported"));
+    KVEVICT_TRY(detail::stage_span::check(fn, c.pp, c.first_layer, L, c.model_layers < 0 ? c.model_layers : ML));
     KVEVICT_TRY(detail::check_pool_pages(fn, c.pool_pages));
     index_t rows = 0;
     bool bk = false;
@@ -421,10 +389,9 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     s.sel = detail::driver_select_bytes(be, sharded(cfg_), cfg_.alloc.kind, all_layer_ ? allocator::lava : cfg_.alloc.kind,
                                         s.H, s.C, cfg_.tp.size());
     if (pipelined(cfg_)) {  // decide()'s gathers, before its selections
-      workspace q;
-      stage_scratch g;
-      KVEVICT_TRY(carve_stage(q, g));
-      s.sel = std::max(s.sel, q.bytes);
+      const auto bytes = stage_of(cfg_).scratch_bytes(name, cfg_.model.kv_heads);
+      if (!bytes) return bytes.error();
+      s.sel = std::max(s.sel, *bytes);
     }
     s.layers = model_layers(cfg_);
     s.pool_pages = cfg_.pool_pages;

@@ -60,6 +60,7 @@ struct batch_stats {
   index_t pool_pages = 0;     ///< pages in the shared pool (all layers)
   index_t pages_freed = 0;    ///< pages eviction gave back
   index_t pages_released = 0; ///< pages given back by sequences leaving the batch
+  index_t pages_left = 0;     ///< pages still taken from the pool after every sequence left (0: none leaked)
 };
 
 /// Runs `prompts` (token ids, BOS first, each at most settings.steps tokens) as one batch;
@@ -166,6 +167,7 @@ inline status run_batch(const model& m, const std::vector<std::vector<int>>& pro
   stats.schedule = sched.stats();
   stats.steps = stats.schedule.steps;
   stats.mixed_steps = stats.schedule.mixed_steps;
+  stats.pages_left = pool.in_use();
   stats.peak_pages = pool.peak();
   stats.pool_pages = index_t(c.n_layers) * pool.pages();
   return {};

@@ -353,14 +353,15 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
     if (const int code = print_output(o, tok, prompts[s], out[s]); code != 0) return code;
   if (o.stats)
     std::fprintf(stderr,
-                 "batch: %lld sequences in %lld steps (%lld with a prefill beside decodes; %lld rows in %lld forwards); "
-                 "pages: peak %lld held by the batch, %lld freed by eviction, %lld released by finished sequences "
-                 "(%lld tokens per page, %lld in the shared pools)\n",
+                 "batch: %lld sequences in %lld steps (%lld with a prefill beside decodes, %lld rows in %lld forwards), "
+                 "pages: peak %lld held by the batch, %lld freed by eviction, %lld released by finished sequences, "
+                 "%lld in use after the batch (%lld tokens per page, %lld in the shared pools)\n",
                  static_cast<long long>(o.batch), static_cast<long long>(stats.steps),
                  static_cast<long long>(stats.mixed_steps), static_cast<long long>(stats.schedule.rows),
                  static_cast<long long>(stats.schedule.forwards), static_cast<long long>(stats.peak_pages),
                  static_cast<long long>(stats.pages_freed), static_cast<long long>(stats.pages_released),
-                 static_cast<long long>(o.page_size), static_cast<long long>(stats.pool_pages));
+                 static_cast<long long>(stats.pages_left), static_cast<long long>(o.page_size),
+                 static_cast<long long>(stats.pool_pages));
   return 0;
 }
 

@@ -1272,6 +1272,8 @@ TEST_CASE("forward_batch: sequences at different stages in one forward get their
   big[0].cache = &a[0];
   big[1].cache = &a[1];
   require_error(eng.forward_batch(big.data(), 2), errc::invalid_argument, "a batch of 600 rows exceeds max_block 512");
+  runner none;
+  require_error(none.forward_batch(big.data(), 2), errc::invalid_argument, "needs an initialised, ungated runner");
 }
 
 TEST_CASE("generate errors") {

@@ -100,7 +100,8 @@ TEST_CASE("every supported recipe x allocator x driver runs at every budget from
 
 // Continuous batching (batch/batch.hpp): four prompts of different lengths on two slots (a sequence
 // joins when one leaves), one batched forward per step, every recipe with every driver it supports
-// (its own allocator) and every allocator with every driver under snapkv / cake / duo: each
+// (its own allocator) and every allocator under snapkv with the layer-wise and chunked-patched
+// drivers: each
 // sequence's greedy tokens equal its prompt's run alone, bit for bit; some step had a sequence
 // prefilling (a chunk, under the chunked drivers) beside a decoding one; the pages freed by
 // eviction and released at the end equal the single runs' on pools of the same page size, and
@@ -121,7 +122,7 @@ TEST_CASE("a batch of sequences at different stages gives each prompt's tokens r
       encode("Lily and Ben went to the park. They saw a big dog. The dog was friendly."),
       encode("Once upon a time there was a big dog"), encode("Tom had a big red truck and a ball"),
       encode("The sun was shining and the birds sang in the tall trees by the river")};
-  const index_t steps = 40, page = 5;
+  const index_t steps = 36, page = 5;
   runner run;
   REQUIRE(run.init(mdl, {0, 0, 1}).ok());
   int combos = 0;
@@ -129,7 +130,10 @@ TEST_CASE("a batch of sequences at different stages gives each prompt's tokens r
   for (const auto& [m, m_name] : method_names)
     for (const auto& [a, a_name] : allocator_names)
       for (const auto& [d, d_name] : driver_names) {
-        const bool sampled = a == default_allocator(m) || m == method::snapkv || m == method::cake || m == method::duo;
+        // every recipe with its own allocator, every allocator under snapkv with the layer-wise (the
+        // cascade for lava / cake) and chunked-patched drivers
+        const bool sampled = a == default_allocator(m) ||
+                             (m == method::snapkv && (d == driver_kind::layerwise || d == driver_kind::chunked_patched));
         evict_options o;
         o.recipe = m;
         o.alloc = a;
@@ -197,5 +201,5 @@ TEST_CASE("a batch of sequences at different stages gives each prompt's tokens r
         mixed += stats.mixed_steps;
       }
   MESSAGE("batched combinations: " << combos << ", steps mixing a prefill and a decode: " << mixed);
-  CHECK(combos > 60);
+  CHECK(combos > 50);
 }

@@ -1124,6 +1124,158 @@ TEST_CASE("caches sharing one page pool give the private caches' logits, bit for
   CHECK(pool.peak() >= pool.in_use());
 }
 
+TEST_CASE("forward_batch: sequences at different stages in one forward get their own forward's logits and cache, bit for bit") {
+  const model& m = kvtest::shipped_model();
+  const config& c = m.cfg();
+  const auto& ids = story_tokens();
+  const index_t V = c.vocab_size;
+  runner one, eng;  // one: each sequence alone on private caches; eng: the batch on one pool of 5-token pages
+  REQUIRE(one.init(m).ok());
+  require_error(eng.init(m, {0, 0, 0, 0}), errc::invalid_argument, "max_sequences 0 < 1");
+  REQUIRE(eng.init(m, {0, 0, 0, 4}).ok());
+  kv_pool pool;
+  REQUIRE(pool.init(c, 160, 5).ok());
+  kv_cache a[4], r[4];
+  for (int i = 0; i < 4; ++i) {
+    REQUIRE(a[i].init(c, 0, 5, &pool).ok());
+    REQUIRE(r[i].init(c).ok());
+  }
+  // hooks, the same for a sequence's batched and single forwards: a capture of every layer's queries,
+  // a LoRA-like change of the last rows' projections, a compaction of each layer (layer-wise eviction)
+  std::vector<float> seen[2];
+  int capture_into = 0;
+  forward_hooks capture, adapter, evicting, failing;
+  capture.after_layer = [&](const layer_event& ev) {
+    for (index_t h = 0; h < ev.queries.extent(0); ++h)
+      for (index_t t = 0; t < ev.rows; ++t)
+        for (index_t e = 0; e < ev.queries.extent(2); ++e) seen[capture_into].push_back(ev.queries(h, t, e));
+    return status{};
+  };
+  adapter.after_projection = [](const projection_event& ev) {
+    for (index_t row = ev.rows / 2; row < ev.rows; ++row)
+      for (index_t o = 0; o < ev.out; ++o) ev.output[row * ev.output_stride + o] += 0.03f * std::cos(float(row * 7 + o));
+    return status{};
+  };
+  kv_cache* evicted = nullptr;  // the cache the evicting hook compacts (set before each forward)
+  evicting.after_layer = [&](const layer_event& ev) {
+    kept_rows keep;  // every other row of each head
+    for (index_t h = 0; h < c.n_kv_heads; ++h) {
+      std::vector<pos_t> rows;
+      for (index_t j = 0; j < evicted->length(ev.layer, h); j += 2) rows.push_back(static_cast<pos_t>(j));
+      keep.add_head(rows);
+    }
+    return evicted->compact(ev.layer, keep.view());
+  };
+  failing.after_layer = [](const layer_event& ev) {
+    return ev.layer == 2 ? status::error(errc::invalid_argument, "hook stops at layer 2") : status{};
+  };
+  const auto rows_of = [](const forward_segment& g) {
+    return g.mode == logits_mode::none ? 0 : g.mode == logits_mode::last ? 1 : g.b.n;
+  };
+  // runs `segs` as one forward_batch, then each alone on its reference cache, and compares
+  int mixed = 0;
+  const auto step = [&](std::vector<forward_segment> segs, const std::vector<int>& which) {
+    for (std::size_t k = 0; k < segs.size(); ++k) segs[k].cache = &a[which[k]];
+    for (forward_segment& g : segs)
+      if (g.hooks == &evicting) evicted = g.cache;
+    seen[0].clear();
+    capture_into = 0;
+    REQUIRE(eng.forward_batch(segs.data(), static_cast<index_t>(segs.size())).ok());
+    mixed += segs.size() > 1 && std::any_of(segs.begin(), segs.end(), [](const forward_segment& g) { return g.b.n == 1; }) &&
+             std::any_of(segs.begin(), segs.end(), [](const forward_segment& g) { return g.b.n > 1; });
+    for (std::size_t k = 0; k < segs.size(); ++k) {
+      const forward_segment& g = segs[k];
+      REQUIRE_MESSAGE(g.st.ok(), g.st.message());
+      kv_cache& ref = r[which[k]];
+      if (g.hooks == &evicting) evicted = &ref;
+      seen[1].clear();
+      capture_into = 1;
+      REQUIRE(one.forward(ref, g.b, g.mode, g.hooks != nullptr ? *g.hooks : forward_hooks{}).ok());
+      REQUIRE(one.logits_rows() == rows_of(g));
+      for (index_t i = 0; i < rows_of(g); ++i)
+        CHECK(std::memcmp(eng.logits(g.logits_row + i), one.logits(i), static_cast<std::size_t>(V) * sizeof(float)) == 0);
+      CHECK(compare_caches(*g.cache, ref) == 0.0);
+      if (g.hooks == &capture) CHECK(seen[0] == seen[1]);
+    }
+  };
+  const auto seg = [&](const int* t, index_t n, logits_mode mode, const forward_hooks* hooks = nullptr) {
+    forward_segment g;
+    g.b = tokens(t, n);
+    g.mode = mode;
+    g.hooks = hooks;
+    return g;
+  };
+  const int* s = ids.data();
+  step({seg(s, 20, logits_mode::last), seg(s + 40, 9, logits_mode::all, &capture)}, {0, 1});
+  // a decode, a prefill's next chunk (captured), a new prompt with adapters (every row's logits), an
+  // evicting prompt
+  step({seg(s + 20, 1, logits_mode::last), seg(s + 49, 7, logits_mode::all, &capture),
+        seg(s + 60, 13, logits_mode::all, &adapter), seg(s + 80, 11, logits_mode::last, &evicting)},
+       {0, 1, 2, 3});
+  for (int i = 0; i < 6; ++i)  // decodes beside a chunked prefill (chunks of 3) and the evicting sequence's tokens
+    step({seg(s + 21 + i, 1, logits_mode::last), seg(s + 100 + 3 * i, 3, logits_mode::last, &capture),
+          seg(s + 73 + i, 1, logits_mode::last, &adapter), seg(s + 91 + i, 1, logits_mode::last, &evicting)},
+         {0, 1, 2, 3});
+  CHECK(mixed == 7);
+  // an embeddings block at chosen positions (a lookahead-style extra block) beside a decode
+  std::vector<float> emb(static_cast<std::size_t>(4 * c.dim));
+  for (std::size_t i = 0; i < emb.size(); ++i) emb[i] = 0.1f * std::sin(float(i));
+  const pos_t at[4] = {200, 201, 202, 203};
+  forward_segment e;
+  e.b = embeddings(emb.data(), 4, at);
+  e.mode = logits_mode::all;
+  step({e, seg(s + 27, 1, logits_mode::last)}, {2, 0});
+  CHECK(pool.in_use() == a[0].pages_in_use() + a[1].pages_in_use() + a[2].pages_in_use() + a[3].pages_in_use());
+
+  // a hook's error stops its own segment only: its cache as before, the others run on
+  {
+    const index_t len = a[1].length(0, 0);
+    const pos_t next = a[1].next_position();
+    const index_t in_use = pool.in_use();
+    std::vector<forward_segment> segs{seg(s + 28, 1, logits_mode::last), seg(s + 130, 5, logits_mode::last, &failing)};
+    segs[0].cache = &a[0];
+    segs[1].cache = &a[1];
+    REQUIRE(eng.forward_batch(segs.data(), 2).ok());
+    CHECK(segs[0].st.ok());
+    require_error(segs[1].st, errc::invalid_argument, "hook stops at layer 2");
+    for (int l = 0; l < c.n_layers; ++l) CHECK(a[1].length(l, 0) == len);
+    CHECK(a[1].next_position() == next);
+    REQUIRE(one.forward(r[0], tokens(s + 28, 1)).ok());
+    CHECK(std::memcmp(eng.logits(segs[0].logits_row), one.logits(0), static_cast<std::size_t>(V) * sizeof(float)) == 0);
+    CHECK(compare_caches(a[0], r[0]) == 0.0);
+    CHECK(pool.in_use() >= in_use);  // a[0]'s token may have opened a page, a[1] holds what it held
+    CHECK(pool.in_use() == a[0].pages_in_use() + a[1].pages_in_use() + a[2].pages_in_use() + a[3].pages_in_use());
+  }
+  // segments on one pool must fit together: the later one gets capacity_exceeded, nothing of it changes
+  {
+    kv_pool small;
+    REQUIRE(small.init(c, 10, 8).ok());  // 10 pages of 8 per layer: 2 pages per head for one 9-token block
+    kv_cache x, y;
+    REQUIRE(x.init(c, 0, 8, &small).ok());
+    REQUIRE(y.init(c, 0, 8, &small).ok());
+    std::vector<forward_segment> segs{seg(s, 9, logits_mode::last), seg(s + 9, 9, logits_mode::last)};
+    segs[0].cache = &x;
+    segs[1].cache = &y;
+    REQUIRE(eng.forward_batch(segs.data(), 2).ok());
+    CHECK(segs[0].st.ok());
+    require_error(segs[1].st, errc::capacity_exceeded, "the batch's blocks up to segment 1 need 16");
+    CHECK(y.total_rows() == 0);
+    CHECK(small.in_use() == index_t(c.n_layers) * 8);
+  }
+  // the call's errors
+  std::vector<forward_segment> five(5, seg(s, 1, logits_mode::last));
+  for (int i = 0; i < 4; ++i) five[static_cast<std::size_t>(i)].cache = &a[i];
+  five[4].cache = &a[1];
+  require_error(eng.forward_batch(five.data(), 5), errc::invalid_argument, "5 segments, max_sequences is 4");
+  require_error(eng.forward_batch(five.data() + 1, 4), errc::invalid_argument, "segments 0 and 3 share a cache");
+  std::vector<forward_segment> big{seg(s, 300, logits_mode::none), seg(s, 300, logits_mode::none)};
+  big[0].cache = &a[0];
+  big[1].cache = &a[1];
+  require_error(eng.forward_batch(big.data(), 2), errc::invalid_argument, "a batch of 600 rows exceeds max_block 512");
+  runner none;
+  require_error(none.forward_batch(big.data(), 2), errc::invalid_argument, "needs an initialised, ungated runner");
+}
+
 TEST_CASE("generate errors") {
   const model& m = kvtest::shipped_model();
   runner r;

@@ -38,6 +38,7 @@
 #include <methods/duo_calibration.hpp>
 #include <methods/laq.hpp>
 #include <methods/speckv.hpp>
+#include <batch/scheduler.hpp>
 #include <runner/evictor.hpp>
 #include <runner/workers.hpp>
 #include <lookaheadkv/data.hpp>
@@ -319,9 +320,12 @@ inline status finish_prompt(double kl, double recall, index_t m, kvevict::evicti
 /// One prompt's state in a worker: its full and evicted caches, the full cache's captures, logits
 /// and ground truth, and the configuration row in progress (its evictor and teacher-forced sums).
 struct report_sequence {
+  runner* run = nullptr;       // its forwards: the worker's runner, or its batch slot's (gated)
   kv_cache full, cache;
   block_capture prompt_q, response_q;
   evictor ev;
+  laq_queries laq;             // the laq and laq++ rows' query blocks
+  lookahead_scorer lookahead;  // bound to report_options::lookahead, if any
   std::vector<int> draft;      // the prompt's draft tokens (speckv rows)
   block_capture draft_q;       // their queries and keys under the target model (full cache)
   double draft_match = 0.0;    // the fraction of the draft tokens equal to the full cache's response
@@ -338,14 +342,13 @@ struct report_sequence {
 };
 
 /// Per-thread state of the report: one runner, and the sequences of the prompts it runs together
-/// (report_options::batch of them, their caches on one shared page pool; one without a batch, its
-/// caches on their own pools).
+/// (report_options::batch of them on a batch_scheduler, their caches on one shared page pool; one
+/// without a batch, its caches on their own pools).
 struct report_worker {
   runner run;
   kv_pool pool;                // the batch's pages (batch > 1)
+  batch_scheduler batch;       // the batch's steps (batch > 1)
   std::vector<std::unique_ptr<report_sequence>> seqs;
-  laq_queries laq;             // the laq and laq++ rows' query blocks
-  lookahead_scorer lookahead;  // bound to report_options::lookahead, if any
   speckv_drafter drafter;      // the speckv rows' draft model
   std::vector<double> logq;    // [V]
   std::vector<unsigned char> ws;
@@ -422,14 +425,15 @@ inline status prepare_prompt(const model& mdl, const report_options& o, bool spe
   s.full.clear();
   s.prompt_q.reset(c, P);
   auto t0 = std::chrono::steady_clock::now();
-  KVEVICT_TRY(w.run.forward(s.full, tokens(tp.prompt), logits_mode::last, s.prompt_q.hooks()));
+  runner& run = *s.run;
+  KVEVICT_TRY(run.forward(s.full, tokens(tp.prompt), logits_mode::last, s.prompt_q.hooks()));
   s.prefill_ms = seconds_since(t0) * 1e3;
-  s.first.assign(w.run.logits(0), w.run.logits(0) + V);
+  s.first.assign(run.logits(0), run.logits(0) + V);
   s.full_logp.resize(static_cast<std::size_t>(m * V));
   log_softmax(s.first.data(), V, s.full_logp.data());
   s.response_q.reset(c, m);
-  KVEVICT_TRY(w.run.forward_extra(s.full, tokens(tp.response), logits_mode::all, s.response_q.hooks()));
-  for (index_t t = 1; t < m; ++t) log_softmax(w.run.logits(t - 1), V, s.full_logp.data() + t * V);
+  KVEVICT_TRY(run.forward_extra(s.full, tokens(tp.response), logits_mode::all, s.response_q.hooks()));
+  for (index_t t = 1; t < m; ++t) log_softmax(run.logits(t - 1), V, s.full_logp.data() + t * V);
   KVEVICT_TRY(ground_truth(c, s, w));
   s.schedule.resize(static_cast<std::size_t>(c.n_layers * c.n_kv_heads * (P + m - 1)));
   s.draft_ms = 0.0;
@@ -440,7 +444,7 @@ inline status prepare_prompt(const model& mdl, const report_options& o, bool spe
     s.draft_match = static_cast<double>(same) / static_cast<double>(s.draft.size());
     const auto t1 = std::chrono::steady_clock::now();
     s.draft_q.reset(c, static_cast<index_t>(s.draft.size()));
-    KVEVICT_TRY(w.run.forward_extra(s.full, tokens(s.draft), logits_mode::none, s.draft_q.hooks()));
+    KVEVICT_TRY(run.forward_extra(s.full, tokens(s.draft), logits_mode::none, s.draft_q.hooks()));
     s.draft_ms = (w.drafter.seconds() + seconds_since(t1)) * 1e3;
   }
   return {};
@@ -453,19 +457,19 @@ inline status start_row(const model& mdl, const report_options& o, const report_
   const config& c = mdl.cfg();
   const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size());
   const index_t L = c.n_layers, H = c.n_kv_heads;
-  KVEVICT_TRY(s.ev.init(mdl, config_options(o, rc), &heads, o.lookahead != nullptr ? &w.lookahead : nullptr, &w.laq));
+  KVEVICT_TRY(s.ev.init(mdl, config_options(o, rc), &heads, o.lookahead != nullptr ? &s.lookahead : nullptr, &s.laq));
   auto made = kvevict::make_eviction_recorder(s.schedule.data(), L, H, P + m - 1);
   if (!made) return made.error();
   s.rec = *made;
   r = prompt_result{};
   if (rc.driver == driver_kind::postfill) {
     s.cache = s.full;
-    KVEVICT_TRY(s.ev.evict_prefilled(w.run, s.cache, s.prompt_q, s.first.data(), &s.rec,
+    KVEVICT_TRY(s.ev.evict_prefilled(*s.run, s.cache, s.prompt_q, s.first.data(), &s.rec,
                                      rc.recipe == method::speckv ? &s.draft_q : &s.response_q));
     r.prefill_ms = s.prefill_ms;
   } else {
     s.cache.clear();
-    KVEVICT_TRY(s.ev.prefill(w.run, s.cache, tp.prompt, &s.rec, &tp.response));
+    KVEVICT_TRY(s.ev.prefill(*s.run, s.cache, tp.prompt, &s.rec, &tp.response));
     r.prefill_ms = s.ev.prefill_seconds() * 1e3;
   }
   r.kept = s.cache.total_rows();
@@ -488,8 +492,8 @@ inline status step_row(const config& c, const report_config& rc, const text_pair
   const index_t P = static_cast<index_t>(tp.prompt.size());
   if (t == 1 || rc.driver == driver_kind::decode) KVEVICT_TRY(held_recall(c, s.cache, s.gt, P, s.k, w, s.step_recall));
   s.recall += s.step_recall;
-  KVEVICT_TRY(s.ev.decode(w.run, s.cache, tp.response[static_cast<std::size_t>(t - 1)]));
-  s.kl += score_position(s.full_logp.data() + t * c.vocab_size, w.run.logits(0), c.vocab_size,
+  KVEVICT_TRY(s.ev.decode(*s.run, s.cache, tp.response[static_cast<std::size_t>(t - 1)]));
+  s.kl += score_position(s.full_logp.data() + t * c.vocab_size, s.run->logits(0), c.vocab_size,
                          tp.response[static_cast<std::size_t>(t)], w.logq.data(), s.agreeing, r);
   return {};
 }
@@ -505,11 +509,14 @@ inline status finish_row(const report_config& rc, const text_pair& tp, report_wo
   return finish_prompt(s.kl, s.recall, m, *sched, w.ws, r);
 }
 
-/// Every configuration on the prompts `tps` (at most w.seqs.size()) run as one batch: each
-/// prompt's full-cache work, then per configuration every prompt's prefill with eviction, then the
-/// teacher-forced response one position at a time across the batch (each sequence's logits scored
-/// right after its own forward). One prompt alone is the unbatched report. Every sequence's numbers
-/// equal those of the prompt alone: its computation reads only its own caches and captures.
+/// Every configuration on the prompts `tps` (at most w.seqs.size()) run as one batch: per prompt
+/// its full-cache work, then per configuration its prefill with eviction and the teacher-forced
+/// response one position at a time (its logits scored right after its own forward). Batched
+/// (count > 1), each prompt is one sequence of the worker's batch_scheduler (batch/scheduler.hpp):
+/// every step is one batched forward of the sequences' next blocks, whatever stage each is at. One
+/// prompt alone is the unbatched report (the worker's own runner). Every sequence's numbers equal
+/// those of the prompt alone: its computation reads only its own caches and captures, and the
+/// batched forward gives each row the single forward's arithmetic.
 inline status evaluate_batch(const model& mdl, const report_options& o, const std::vector<report_config>& configs,
                              const std::vector<duo_heads>& heads, const text_pair* tps, index_t count, report_worker& w,
                              std::vector<prompt_result>* out) {
@@ -517,23 +524,22 @@ inline status evaluate_batch(const model& mdl, const report_options& o, const st
   const bool speckv =
       std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; });
   w.logq.resize(static_cast<std::size_t>(c.vocab_size));
-  index_t m = 0;
-  for (index_t i = 0; i < count; ++i) {
-    KVEVICT_TRY(prepare_prompt(mdl, o, speckv, tps[i], w, *w.seqs[static_cast<std::size_t>(i)]));
+  const auto prompt = [&](index_t i, runner& run) -> status {
+    report_sequence& s = *w.seqs[static_cast<std::size_t>(i)];
+    const text_pair& tp = tps[i];
+    s.run = &run;
+    KVEVICT_TRY(prepare_prompt(mdl, o, speckv, tp, w, s));
     out[i].assign(configs.size(), prompt_result{});
-    m = std::max(m, static_cast<index_t>(tps[i].response.size()));
-  }
-  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
-    for (index_t i = 0; i < count; ++i)
-      KVEVICT_TRY(start_row(mdl, o, configs[ci], heads[ci], tps[i], w, *w.seqs[static_cast<std::size_t>(i)], out[i][ci]));
-    for (index_t t = 1; t < m; ++t)
-      for (index_t i = 0; i < count; ++i)
-        if (t < static_cast<index_t>(tps[i].response.size()))
-          KVEVICT_TRY(step_row(c, configs[ci], tps[i], t, w, *w.seqs[static_cast<std::size_t>(i)], out[i][ci]));
-    for (index_t i = 0; i < count; ++i)
-      KVEVICT_TRY(finish_row(configs[ci], tps[i], w, *w.seqs[static_cast<std::size_t>(i)], out[i][ci]));
-  }
-  return {};
+    for (std::size_t ci = 0; ci < configs.size(); ++ci) {
+      KVEVICT_TRY(start_row(mdl, o, configs[ci], heads[ci], tp, w, s, out[i][ci]));
+      for (index_t t = 1; t < static_cast<index_t>(tp.response.size()); ++t)
+        KVEVICT_TRY(step_row(c, configs[ci], tp, t, w, s, out[i][ci]));
+      KVEVICT_TRY(finish_row(configs[ci], tp, w, s, out[i][ci]));
+    }
+    return {};
+  };
+  if (count == 1) return prompt(0, w.run);
+  return w.batch.run(count, [&](index_t i, index_t, runner& run) { return prompt(i, run); });
 }
 
 /// Mean and standard error of the per-prompt differences get(a) - get(b).
@@ -754,13 +760,14 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   for (detail::report_worker& w : workers) {
     KVEVICT_TRY(w.run.init(mdl, {0, 0, 1}));
     if (batch > 1) KVEVICT_TRY(w.pool.init(c, batch * 2 * c.n_kv_heads * head_pages, o.page_size));
+    if (batch > 1) KVEVICT_TRY(w.batch.init(mdl, batch, 1));
     for (index_t i = 0; i < batch; ++i) {
       w.seqs.push_back(std::make_unique<detail::report_sequence>());
       detail::report_sequence& s = *w.seqs.back();
       KVEVICT_TRY(s.full.init(c, 0, o.page_size, batch > 1 ? &w.pool : nullptr));
       KVEVICT_TRY(s.cache.init(c, 0, o.page_size, batch > 1 ? &w.pool : nullptr));
+      if (o.lookahead != nullptr) KVEVICT_TRY(s.lookahead.init(mdl, *o.lookahead));
     }
-    if (o.lookahead != nullptr) KVEVICT_TRY(w.lookahead.init(mdl, *o.lookahead));
     if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; }))
       KVEVICT_TRY(w.drafter.init(mdl, o.base.draft_layers));
   }

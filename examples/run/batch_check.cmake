@@ -1,7 +1,8 @@
-# cmake -DRUN=<kvevict-run> -P batch_check.cmake: `kvevict-run --batch` (batch/batch.hpp) against
-# each prompt run alone, for a few recipes x drivers: the batch's greedy ids must equal, line by
-# line, the single-sequence runs' (which use the default page size, the batch page size 7: paging
-# must not change a bit either).
+# cmake -DRUN=<kvevict-run> -P batch_check.cmake: `kvevict-run --batch` (batch/batch.hpp: one batched
+# forward per step, 4 sequences on 3 slots, the last joining when one leaves) against each prompt run
+# alone, for a few recipes x drivers: the batch's greedy ids must equal, line by line, the
+# single-sequence runs' (which use the default page size, the batch page size 7: paging must not
+# change a bit either).
 set(_p0 "Lily and Ben went to the park. They saw a big dog. The dog was friendly and wanted to play.")
 set(_p1 "Tom had a big red truck")
 set(_p2 "The sun was shining and the birds sang in the tall trees by the river where the")
@@ -15,7 +16,7 @@ foreach(_c IN LISTS _configs)
   if(NOT _recipe STREQUAL "full")
     set(_evict --recipe ${_recipe} --driver ${_driver} --budget 12 --chunk 8)
   endif()
-  execute_process(COMMAND ${RUN} --ids --steps 72 ${_evict} --page-size 7 --batch 4 --prompt "${_p0}"
+  execute_process(COMMAND ${RUN} --ids --steps 72 ${_evict} --page-size 7 --batch 4 --batch-slots 3 --prompt "${_p0}"
                           --batch-prompt "${_p1}" "${_p2}"
                   OUTPUT_VARIABLE _batch ERROR_VARIABLE _err RESULT_VARIABLE _rc)
   if(NOT _rc EQUAL 0)

@@ -315,8 +315,9 @@ int run_report(const options& o, const kvrun::model& model, const std::string& c
 
 // kvevict-run --batch N: sequence i's prompt is the i-th of --prompt, --batch-prompt ... (cycled),
 // all run as one batch (batch.hpp); prints each sequence's output on its own line(s), in order.
+// --batch-bench: the batch run batched and one forward at a time, alternating, timed.
 int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenizer& tok, const std::vector<int>& first,
-              const kvrun::duo_heads* duo, kvrun::prompt_scorer* scorer, kvrun::query_source* queries) {
+              const kvrun::duo_heads* duo, const kvrun::lookahead_module* lookahead) {
   const kvrun::config& c = model.cfg();
   std::vector<std::vector<int>> given{first}, prompts;
   for (const std::string& text : o.batch_prompts) {
@@ -324,21 +325,64 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
     if (const int code = encode_prompt(o, tok, c, text, "a --batch-prompt", given.back()); code != 0) return code;
   }
   for (kvevict::index_t i = 0; i < o.batch; ++i) prompts.push_back(given[static_cast<std::size_t>(i) % given.size()]);
-  const kvrun::batch_settings bs{o.steps, o.page_size, 0, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer, queries};
+  const kvevict::index_t slots = o.batch_slots > 0 ? o.batch_slots : o.batch;
+  // lookaheadkv's scorers and laq's query sources: one per slot
+  std::vector<kvrun::lookahead_scorer> scorers(o.evict.recipe == kvrun::method::lookaheadkv ? static_cast<std::size_t>(slots) : 0);
+  std::vector<kvrun::laq_queries> laq(static_cast<std::size_t>(slots));
+  kvrun::batch_settings bs;
+  bs.steps = o.steps;
+  bs.page_size = o.page_size;
+  bs.temperature = o.temperature;
+  bs.topp = o.topp;
+  bs.seed = o.seed;
+  bs.threads = o.threads;
+  bs.evict = o.evict;
+  bs.duo = duo;
+  bs.slots = slots;
+  for (kvrun::lookahead_scorer& s : scorers) {
+    if (auto st = s.init(model, *lookahead); !st.ok()) return fail("", st);
+    bs.scorers.push_back(&s);
+  }
+  for (kvrun::laq_queries& q : laq) bs.queries.push_back(&q);
   std::vector<std::vector<int>> out;
   kvrun::batch_stats stats;
-  if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);
+  if (o.batch_bench) {  // alternating, best of 3 each; the tokens must not change
+    double best[2] = {1e300, 1e300}, fwd[2] = {1e300, 1e300};
+    std::vector<std::vector<int>> ref;
+    for (int rep = 0; rep < 6; ++rep) {
+      bs.batched = rep % 2 == 1;
+      const auto t0 = std::chrono::steady_clock::now();
+      if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);
+      const double s = kvrun::seconds_since(t0);
+      best[rep % 2] = std::min(best[rep % 2], s);
+      fwd[rep % 2] = std::min(fwd[rep % 2], stats.schedule.forward_seconds);
+      if (rep == 0) ref = out;
+      if (out != ref) return fail("batch bench: the batched forward's tokens differ from the one-at-a-time run's");
+    }
+    const double rows = static_cast<double>(stats.schedule.rows);
+    std::fprintf(stderr,
+                 "batch bench: %lld sequences, %lld slots, %lld steps, %lld rows (prompts and decoded tokens); best of 3: "
+                 "one forward at a time %.0f tok/s (steps' forwards %.0f tok/s), batched forward %.0f tok/s (%.0f tok/s): "
+                 "x%.2f (x%.2f); tokens equal\n",
+                 static_cast<long long>(o.batch), static_cast<long long>(slots), static_cast<long long>(stats.steps),
+                 static_cast<long long>(stats.schedule.rows), rows / best[0], rows / fwd[0], rows / best[1], rows / fwd[1],
+                 best[0] / best[1], fwd[0] / fwd[1]);
+  } else if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) {
+    return fail("", st);
+  }
   for (std::size_t s = 0; s < prompts.size(); ++s)
     if (const int code = print_output(o, tok, prompts[s], out[s]); code != 0) return code;
   if (o.stats)
     std::fprintf(stderr,
-                 "batch: %lld sequences in %lld steps (%lld with a prefill beside decodes); pages: peak %lld held by "
-                 "the batch, %lld freed by eviction, %lld released by finished sequences (%lld tokens per page, "
-                 "%lld in the shared pools)\n",
+                 "batch: %lld sequences in %lld steps (%lld with a prefill beside decodes, %lld rows in %lld forwards), "
+                 "pages: peak %lld held by the batch, %lld freed by eviction, %lld released by finished sequences, "
+                 "%lld in use after the batch (%lld tokens per page, %lld in the shared pools)\n",
                  static_cast<long long>(o.batch), static_cast<long long>(stats.steps),
-                 static_cast<long long>(stats.mixed_steps), static_cast<long long>(stats.peak_pages),
+                 static_cast<long long>(stats.mixed_steps), static_cast<long long>(stats.schedule.rows),
+                 static_cast<long long>(stats.schedule.forwards), static_cast<long long>(stats.peak_pages),
                  static_cast<long long>(stats.pages_freed), static_cast<long long>(stats.pages_released),
-                 static_cast<long long>(o.page_size), static_cast<long long>(stats.pool_pages));
+                 static_cast<long long>(stats.pages_left), static_cast<long long>(o.page_size),
+                 static_cast<long long>(stats.pool_pages));
   return 0;
 }
 
@@ -405,7 +449,7 @@ int run(int argc, char** argv) {
     if (!load_lookahead(o.lookahead_module, model, lookahead)) return 1;
     if (auto st = scorer.init(model, lookahead); !st.ok()) return fail("", st);
   }
-  if (o.batch > 1) return run_batch(o, model, tok, prompt, &duo, &scorer, &laq);  // batch.hpp
+  if (o.batch > 1) return run_batch(o, model, tok, prompt, &duo, &lookahead);  // batch.hpp
   if (full) {
     const auto t0 = std::chrono::steady_clock::now();
     if (auto st = run.forward(cache, kvrun::tokens(prompt)); !st.ok()) return fail("", st);

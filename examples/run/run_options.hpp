@@ -33,6 +33,8 @@ struct run_options {
   index_t page_size = 16;  ///< tokens per page of the paged KV cache (kv_cache.hpp)
   index_t batch = 1;       ///< sequences decoded as one batch (batch.hpp)
   std::vector<std::string> batch_prompts;  ///< the batch's prompts after --prompt (cycled)
+  index_t batch_slots = 0;  ///< --batch: sequences running at once (0: all)
+  bool batch_bench = false; ///< --batch: time the batched forward against the forwards one after another
   int tp = 0, pp = 0;  ///< sharded over MPI ranks (sharded/sharded.hpp): tensor / pipeline parallel, 0 = not
   // eviction
   std::string recipe = "full";
@@ -89,6 +91,10 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   integer("--page-size", o.page_size, "tokens per page of the paged KV cache");
   integer("--batch", o.batch, "sequences run as one batch with continuous decoding (prompts: --prompt, --batch-prompt ..., cycled); with --report: prompts per batch of each thread");
   app.add_option("--batch-prompt", o.batch_prompts, "--batch: further prompts (repeatable)");
+  integer("--batch-slots", o.batch_slots, "--batch: sequences running at once, a new one joining when one leaves (0 = all)");
+  app.add_flag("--batch-bench", o.batch_bench,
+               "--batch: run the batch with one batched forward per step and with its forwards one after another "
+               "(3 times each, alternating), check both give the same tokens, print tokens/s of each on stderr");
   integer("--tp", o.tp,
           "tensor parallelism over MPI ranks (mpirun -np P kvevict-run --tp P; also with --report; docs/distributed.md)");
   integer("--pp", o.pp, "pipeline parallelism over MPI ranks (mpirun -np P kvevict-run --pp P; docs/distributed.md)");
@@ -165,6 +171,9 @@ inline int parse_run_options(int argc, const char* const* argv, run_options& o, 
   if (o.threads < 0) return err("--threads must be >= 0, got " + std::to_string(o.threads));
   if (o.page_size < 1 || o.page_size > 4096) return err("--page-size must be in [1, 4096], got " + std::to_string(o.page_size));
   if (o.batch < 1 || o.batch > 64) return err("--batch must be in [1, 64], got " + std::to_string(o.batch));
+  if (o.batch_slots < 0 || o.batch_slots > o.batch)
+    return err("--batch-slots must be in [0, --batch " + std::to_string(o.batch) + "], got " + std::to_string(o.batch_slots));
+  if ((o.batch_slots > 0 || o.batch_bench) && o.batch < 2) return err("--batch-slots and --batch-bench need --batch >= 2");
   if (o.tp < 0 || o.pp < 0) return err("--tp and --pp must be >= 0 (0: not sharded)");
   if ((o.tp > 0 || o.pp > 0) && o.batch > 1) return err("--batch runs in one process: it cannot be combined with --tp / --pp");
   if ((o.tp > 0 || o.pp > 0) && o.footprint)

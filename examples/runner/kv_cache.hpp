@@ -434,16 +434,19 @@ class kv_cache : private kv_cache_state {
   // --- used by the runner ---
   // Pages layer l's pool must still give for n more rows per head; errors when a head's capacity
   // or the pool's free pages do not allow them.
-  status check_room(int l, index_t n) const {
+  index_t pages_needed(int l, index_t n) const {
     index_t need = 0;
-    for (index_t h = 0; h < heads_; ++h) {
+    for (index_t h = 0; h < heads_; ++h) need += (length(l, h) + n + page_size_ - 1) / page_size_ - held(l, h);
+    return need;
+  }
+  status check_room(int l, index_t n) const {
+    for (index_t h = 0; h < heads_; ++h)
       if (length(l, h) + n > capacity_)
         return status::error(errc::capacity_exceeded,
                              "runner: layer %d head %lld holds %lld of %lld rows; a block of %lld does not fit", l,
                              static_cast<long long>(h), static_cast<long long>(length(l, h)),
                              static_cast<long long>(capacity_), static_cast<long long>(n));
-      need += (length(l, h) + n + page_size_ - 1) / page_size_ - held(l, h);
-    }
+    const index_t need = pages_needed(l, n);
     if (need > pool_->free_pages(l))
       return status::error(errc::capacity_exceeded, "runner: layer %d's page pool has %lld free pages, a block of %lld needs %lld",
                            l, static_cast<long long>(pool_->free_pages(l)), static_cast<long long>(n),

@@ -303,7 +303,7 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
     if (const int code = encode_prompt(o, tok, c, text, "a --batch-prompt", given.back()); code != 0) return code;
   }
   for (kvevict::index_t i = 0; i < o.batch; ++i) prompts.push_back(given[static_cast<std::size_t>(i) % given.size()]);
-  const kvrun::batch_settings bs{o.steps, o.page_size, 0, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer, queries};
+  const kvrun::batch_options bs{o.steps, o.page_size, 0, o.temperature, o.topp, o.seed, o.threads, o.evict, duo, scorer, queries};
   std::vector<std::vector<int>> out;
   kvrun::batch_stats stats;
   if (auto st = kvrun::run_batch(model, prompts, bs, out, stats); !st.ok()) return fail("", st);

@@ -97,18 +97,21 @@ struct cs_paged_keys {
   KVEVICT_HOST_DEVICE row_keys row(index_t g) const { return {layer, g}; }
 };
 
-/// Everything the score kernels read: the call's shape (score_shape: heads, w, d, has_block, the
-/// resolved scale; the keys' per-head prefix P is the keys'), its launch plan (cuda_score_plan), raw
-/// pointers and strides (elements), the keys, the options.
+/// Everything the score kernels read: raw pointers and strides (elements), the keys, shapes (P is
+/// the keys' per-head prefix), options, plan.
 template <class QE, class Keys>
-struct cuda_score_args : score_shape, cuda_score_plan {
+struct cuda_score_args {
   const QE* q;
   index_t qs0, qs1, qs2;
   Keys keys;
+  index_t hkv, group, w, d;
+  bool has_block;
   bool out_all;  ///< output columns: the P prefix columns (false) or all P (+ w) columns (true)
+  float scale;
   score_reduce reduce;
   float gamma;
   variance_estimator variance;
+  index_t rows_g, rows_total, tiles, tiles_per_split, splits, row_blocks, out_tiles;
   float* out_h;  // [H_q][out_cols] or null
   index_t oh0, oh1;
   float* out_kv;  // [H_kv][out_cols] or null
@@ -117,11 +120,9 @@ struct cuda_score_args : score_shape, cuda_score_plan {
   softmax_stats* part;   // [rows_total][splits]
   softmax_stats* rowst;  // [rows_total]
 
-  /// Columns a KV head with a prefix of `prefix` keys sees (the prefix, then the block) and its
-  /// output columns. (The kernels read each head's prefix from keys; score_shape's p, cols and
-  /// out_cols are the call's checks', not read by the kernels.)
-  KVEVICT_HOST_DEVICE index_t cols_of(index_t prefix) const { return has_block ? prefix + w : prefix; }
-  KVEVICT_HOST_DEVICE index_t out_cols_of(index_t prefix) const { return out_all ? cols_of(prefix) : prefix; }
+  /// Columns KV head g sees (prefix p, then the block) and the output columns of head g.
+  KVEVICT_HOST_DEVICE index_t cols_of(index_t p) const { return has_block ? p + w : p; }
+  KVEVICT_HOST_DEVICE index_t out_cols_of(index_t p) const { return out_all ? cols_of(p) : p; }
 };
 
 /// Announces reads of n shared-memory floats at p that a per-element function then reads directly
@@ -417,13 +418,24 @@ inline status carve_cuda_score(const char* fn, workspace& ws, const cuda_score_p
 template <class QE, class Keys>
 void cs_fill_args(cuda_score_args<QE, Keys>& a, const kv_view<const QE>& q, const score_shape& sh,
                   const cuda_score_plan& pl, const score_options& opt, softmax_stats* part, softmax_stats* rowst) {
-  static_cast<score_shape&>(a) = sh;
-  static_cast<cuda_score_plan&>(a) = pl;
   view_args(q, a.q, a.qs0, a.qs1, a.qs2);
+  a.hkv = sh.hkv;
+  a.group = sh.group;
+  a.w = sh.w;
+  a.d = sh.d;
+  a.has_block = sh.has_block;
   a.out_all = sh.out_cols == sh.cols;
+  a.scale = sh.scale;
   a.reduce = opt.reduce;
   a.gamma = opt.gamma;
   a.variance = opt.variance;
+  a.rows_g = pl.rows_g;
+  a.rows_total = pl.rows_total;
+  a.tiles = pl.tiles;
+  a.tiles_per_split = pl.tiles_per_split;
+  a.splits = pl.splits;
+  a.row_blocks = pl.row_blocks;
+  a.out_tiles = pl.out_tiles;
   a.part = part;
   a.rowst = rowst;
 }

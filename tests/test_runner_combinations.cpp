@@ -179,7 +179,7 @@ TEST_CASE("a batch of sequences at different stages gives each prompt's tokens r
           freed += cache.pages_freed();
           held += cache.pages_in_use();
         }
-        batch_settings bs;
+        batch_options bs;
         bs.steps = steps;
         bs.page_size = page;
         bs.threads = 1;

@@ -31,7 +31,7 @@
 namespace kvrun {
 
 /// What run_batch needs besides the prompts: the run's settings and the evictors' shared inputs.
-struct batch_settings {
+struct batch_options {
   index_t steps = 0;      ///< positions per sequence, prompt included
   index_t page_size = 16;
   /// Pages per layer of the shared pool; 0: room for every sequence at its full capacity
@@ -68,7 +68,7 @@ struct batch_stats {
 /// any forward): no prompts, an empty prompt or one longer than steps, steps above the context,
 /// fewer scorers / query sources than slots for the methods that need them; then those of the
 /// evictors, the runner and the sampler.
-inline status run_batch(const model& m, const std::vector<std::vector<int>>& prompts, const batch_settings& bs,
+inline status run_batch(const model& m, const std::vector<std::vector<int>>& prompts, const batch_options& bs,
                         std::vector<std::vector<int>>& out, batch_stats& stats) {
   const config& c = m.cfg();
   const index_t n = static_cast<index_t>(prompts.size());

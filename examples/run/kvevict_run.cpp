@@ -329,7 +329,7 @@ int run_batch(const options& o, const kvrun::model& model, const kvrun::tokenize
   // lookaheadkv's scorers and laq's query sources: one per slot
   std::vector<kvrun::lookahead_scorer> scorers(o.evict.recipe == kvrun::method::lookaheadkv ? static_cast<std::size_t>(slots) : 0);
   std::vector<kvrun::laq_queries> laq(static_cast<std::size_t>(slots));
-  kvrun::batch_settings bs;
+  kvrun::batch_options bs;
   bs.steps = o.steps;
   bs.page_size = o.page_size;
   bs.temperature = o.temperature;

@@ -40,13 +40,6 @@ namespace detail {
 
 inline constexpr index_t gqa_chunk = 256;  // columns per work item (a stack accumulator)
 
-inline status check_gqa_op(const char* fn, gqa_op op) {
-  if (op != gqa_op::mean && op != gqa_op::max && op != gqa_op::sum)
-    return status::error(errc::invalid_argument, "%s: op = %d is not a gqa_op (mean, max or sum)", fn,
-                         static_cast<int>(op));
-  return {};
-}
-
 /// H_q = hq rows reduced to H_kv = hkv rows, t_in and t_out columns.
 inline status check_gqa_shapes(const char* fn, index_t hq, index_t hkv, index_t t_in, index_t t_out) {
   if (hkv == 0 && hq > 0)

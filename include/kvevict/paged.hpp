@@ -342,29 +342,6 @@ inline status paged_window_plan(const char* fn, index_t g, index_t w, index_t p,
   return paged_score_plan(fn, g, w, p, d, true, include_window ? p + w : p, threads, opt, sh, pl);
 }
 
-/// The checks of paged_window_scores that do not read the table (the CUDA overload's too).
-template <class Q, class T>
-status check_paged_window_shape(const char* fn, const kv_view<const Q>& q, const paged_layer<T>& L,
-                                const matrix_view<float>& out, index_t& g) {
-  KVEVICT_TRY(check_view(fn, "window_queries", q));
-  KVEVICT_TRY(check_view(fn, "out", out));
-  const index_t S = L.sequences, H = L.kv_heads, w = q.extent(1);
-  if (S == 0) return {};
-  if (q.extent(0) % S != 0 || (q.extent(0) / S) % H != 0 || q.extent(0) == 0)
-    return status::error(errc::shape_mismatch,
-                         "%s: window_queries have %lld heads, not sequences (%lld) x a multiple of %lld KV heads", fn,
-                         static_cast<long long>(q.extent(0)), static_cast<long long>(S), static_cast<long long>(H));
-  g = q.extent(0) / S / H;
-  if (q.extent(2) != L.keys.dim)
-    return status::error(errc::shape_mismatch, "%s: queries have dim %lld, the keys %lld", fn,
-                         static_cast<long long>(q.extent(2)), static_cast<long long>(L.keys.dim));
-  if (w < 1) return status::error(errc::invalid_argument, "%s: the window is empty", fn);
-  if (out.extent(0) != q.extent(0))
-    return status::error(errc::shape_mismatch, "%s: out has %lld rows, expected one per query head (%lld)", fn,
-                         static_cast<long long>(out.extent(0)), static_cast<long long>(q.extent(0)));
-  return {};
-}
-
 template <class Q, class T>
 status check_paged_window(const char* fn, const kv_view<const Q>& q, const paged_layer<T>& L,
                           const matrix_view<float>& out, bool include_window, index_t& g) {

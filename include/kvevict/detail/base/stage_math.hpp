@@ -10,6 +10,7 @@
 #include <kvevict/gqa_types.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/score_types.hpp>
+#include <kvevict/status.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -25,6 +26,13 @@ KVEVICT_HOST_DEVICE inline float gqa_combine(gqa_op op, float acc, float x) noex
 /// The reduced score of a group of g members from its accumulator.
 KVEVICT_HOST_DEVICE inline float gqa_finish(gqa_op op, float acc, index_t g) noexcept {
   return op == gqa_op::mean ? acc / static_cast<float>(g) : acc;
+}
+/// op is one of the gqa_op values (host check of every GQA entry point, host and CUDA).
+inline status check_gqa_op(const char* fn, gqa_op op) {
+  if (op != gqa_op::mean && op != gqa_op::max && op != gqa_op::sum)
+    return status::error(errc::invalid_argument, "%s: op = %d is not a gqa_op (mean, max or sum)", fn,
+                         static_cast<int>(op));
+  return {};
 }
 
 // ---- pooling operators (pool.hpp) -------------------------------------------------------------

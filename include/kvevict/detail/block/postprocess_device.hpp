@@ -30,23 +30,16 @@ inline constexpr index_t pp_tile = 1024;        ///< outputs per tile (per CTA w
 inline constexpr index_t pp_max_radius = 1024;  ///< largest kernel / 2 of the tiled path (kernel <= 2049)
 inline constexpr index_t pp_span = pp_tile + 2 * pp_max_radius;  ///< staged inputs of one tile
 
-/// Arguments of the fused post-processing (and of pooling alone: g = 1, no weighting, no protection).
-struct pp_params {
+/// Arguments of the fused post-processing (and of pooling alone: g = 1, no weighting, no protection):
+/// postprocess_scores' options as given (gqa, order, pool, kernel, divisor, weight_values, weight,
+/// n_sink, n_recent, unpooled_tail), then the views, shape and per-row inputs.
+struct pp_params : postprocess_options {
   const float* in;  ///< [H_q][T]
   index_t is0, is1;
   float* out;  ///< [H_kv][T]
   index_t os0, os1;
   index_t hkv, g, T;
-  gqa_op op;
-  gqa_order order;
-  pool_kind pool;
-  index_t kernel;
-  avg_divisor div;
-  bool weight;
-  value_weight mode;
-  bool protect;
-  index_t n_sink, n_recent;
-  index_t unpooled_tail;              ///< postprocess_options::unpooled_tail
+  bool protect;                       ///< n_sink / n_recent applied (false: pooling alone)
   const std::int32_t* row_lengths;    ///< [H_kv] or null
   const std::int32_t* value_lengths;  ///< [H_kv] or null
   const float* factors;               ///< head_max: [H_kv] max value norms
@@ -63,8 +56,8 @@ struct pp_values {
 KVEVICT_HOST_DEVICE inline float pp_gqa_at(const pp_params& a, index_t h, index_t p) {
   const float* col = a.in + (h * a.g) * a.is0 + p * a.is1;
   float acc = col[0];
-  for (index_t j = 1; j < a.g; ++j) acc = gqa_combine(a.op, acc, col[j * a.is0]);
-  return gqa_finish(a.op, acc, a.g);
+  for (index_t j = 1; j < a.g; ++j) acc = gqa_combine(a.gqa, acc, col[j * a.is0]);
+  return gqa_finish(a.gqa, acc, a.g);
 }
 
 /// Announces to the context (the host SIMT executor's race check; nothing on the GPU) the plain
@@ -115,7 +108,7 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
       ctx.sync();
       ctx.each(nb, [&](index_t bi) {
         pp_announce_pool_block(ctx, span, base, stash, acc, t0, ph, P, r, b_lo + bi);
-        pool_block_any(a.pool, a.div, x, stash, t0, 1, [&](index_t i, float v) { acc[i - t0] = v; }, P, a.kernel,
+        pool_block_any(a.pool, a.divisor, x, stash, t0, 1, [&](index_t i, float v) { acc[i - t0] = v; }, P, a.kernel,
                        b_lo + bi, t0, ph);
       });
     } else {
@@ -130,8 +123,8 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
         ctx.each(nb, [&](index_t bi) {
           pp_announce_pool_block(ctx, span, base, stash, acc, t0, ph, P, r, b_lo + bi);
           pool_block_any(
-              a.pool, a.div, x, stash, t0, 1,
-              [&](index_t i, float v) { acc[i - t0] = j == 0 ? v : gqa_combine(a.op, acc[i - t0], v); }, P, a.kernel,
+              a.pool, a.divisor, x, stash, t0, 1,
+              [&](index_t i, float v) { acc[i - t0] = j == 0 ? v : gqa_combine(a.gqa, acc[i - t0], v); }, P, a.kernel,
               b_lo + bi, t0, ph);
         });
       }
@@ -146,22 +139,22 @@ KVEVICT_HOST_DEVICE void pp_run_tile(const Ctx& ctx, const pp_params& a, const p
     });
   ctx.sync();
   // per-token value norms of the weighted outputs, into stash (free again)
-  const index_t wend = a.weight ? (L < vlen ? L : vlen) : 0;
+  const index_t wend = a.weight_values ? (L < vlen ? L : vlen) : 0;
   const index_t nw = wend > t0 ? (wend < hi ? wend : hi) - t0 : 0;
-  if (a.weight && a.mode == value_weight::per_token)
+  if (a.weight_values && a.weight == value_weight::per_token)
     ctx.l1_norms(vals.v + h * vals.vs0 + t0 * vals.vs1, vals.vs1, vals.vs2, nw, vals.d, stash);
   ctx.sync();
-  const float factor = a.weight && a.mode == value_weight::head_max ? a.factors[h] : 0.0f;
+  const float factor = a.weight_values && a.weight == value_weight::head_max ? a.factors[h] : 0.0f;
   const index_t sink_end = a.protect ? protect_sink_end(L, a.n_sink) : -1;
   const index_t recent_begin = a.protect ? protect_recent_begin(L, a.n_recent) : L;
   ctx.each(nout, [&](index_t i) {
     const index_t t = t0 + i;
     ctx.plain_read(acc + i, sizeof(float));
-    if (a.mode == value_weight::per_token && i < nw) ctx.plain_read(stash + i, sizeof(float));
+    if (a.weight == value_weight::per_token && i < nw) ctx.plain_read(stash + i, sizeof(float));
     float v = acc[i];
-    if (pool_first && t < P) v = gqa_finish(a.op, v, a.g);
+    if (pool_first && t < P) v = gqa_finish(a.gqa, v, a.g);
     const bool weighted = i < nw;
-    const float f = a.mode == value_weight::per_token ? (weighted ? stash[i] : 0.0f) : factor;
+    const float f = a.weight == value_weight::per_token ? (weighted ? stash[i] : 0.0f) : factor;
     v = weighted ? mul_rn(v, f) : v;
     a.out[h * a.os0 + t * a.os1] = a.protect ? protect_value(v, t, sink_end, recent_begin) : v;
   });
@@ -183,14 +176,14 @@ KVEVICT_HOST_DEVICE void pp_run_block(const pp_params& a, const pp_values<VE>& v
                                       index_t b, float* stash) {
   float* const o = a.out + h * a.os0;
   const index_t P = pooled_length(L, a.unpooled_tail);
-  const index_t wend = a.weight ? (L < vlen ? L : vlen) : 0;
+  const index_t wend = a.weight_values ? (L < vlen ? L : vlen) : 0;
   const index_t sink_end = a.protect ? protect_sink_end(L, a.n_sink) : -1;
   const index_t recent_begin = a.protect ? protect_recent_begin(L, a.n_recent) : L;
-  const float factor = a.weight && a.mode == value_weight::head_max ? a.factors[h] : 0.0f;
+  const float factor = a.weight_values && a.weight == value_weight::head_max ? a.factors[h] : 0.0f;
   const auto finish = [&](index_t t, float v) {
     const bool weighted = t < wend;
     float f = factor;
-    if (weighted && a.mode == value_weight::per_token)
+    if (weighted && a.weight == value_weight::per_token)
       f = value_l1_norm(vals.v + h * vals.vs0 + t * vals.vs1, vals.d, vals.vs2);
     v = weighted ? mul_rn(v, f) : v;
     o[t * a.os1] = a.protect ? protect_value(v, t, sink_end, recent_begin) : v;
@@ -204,20 +197,20 @@ KVEVICT_HOST_DEVICE void pp_run_block(const pp_params& a, const pp_values<VE>& v
   }
   if (a.order == gqa_order::gqa_first || a.g == 1) {
     const auto x = [&](index_t p) { return pp_gqa_at(a, h, p); };
-    pool_block_any(a.pool, a.div, x, o, 0, a.os1, finish, P, a.kernel, b, 0, P);
+    pool_block_any(a.pool, a.divisor, x, o, 0, a.os1, finish, P, a.kernel, b, 0, P);
     return;
   }
   for (index_t j = 0; j < a.g; ++j) {
     const float* row = a.in + (h * a.g + j) * a.is0;
     const auto x = [&](index_t p) { return row[p * a.is1]; };
     pool_block_any(
-        a.pool, a.div, x, stash, 0, 1,
-        [&](index_t i, float v) { o[i * a.os1] = j == 0 ? v : gqa_combine(a.op, o[i * a.os1], v); }, P, a.kernel, b, 0,
+        a.pool, a.divisor, x, stash, 0, 1,
+        [&](index_t i, float v) { o[i * a.os1] = j == 0 ? v : gqa_combine(a.gqa, o[i * a.os1], v); }, P, a.kernel, b, 0,
         P);
   }
   const index_t k = 2 * pool_radius(a.kernel, P) + 1;
   const index_t last = (b + 1) * k < P ? (b + 1) * k : P;
-  for (index_t t = b * k; t < last; ++t) finish(t, gqa_finish(a.op, o[t * a.os1], a.g));
+  for (index_t t = b * k; t < last; ++t) finish(t, gqa_finish(a.gqa, o[t * a.os1], a.g));
 }
 
 /// The two decompositions of the fused work (and of pooling alone). The launcher and the host
@@ -248,22 +241,13 @@ inline pp_params make_pp_params(const matrix_view<const float>& in, const matrix
                                 const postprocess_options& opt, const std::int32_t* row_lengths,
                                 const std::int32_t* value_lengths, const float* factors) {
   pp_params a{};
+  static_cast<postprocess_options&>(a) = opt;
   view_args(in, a.in, a.is0, a.is1);
   view_args(out, a.out, a.os0, a.os1);
   a.hkv = out.extent(0);
   a.g = a.hkv > 0 ? in.extent(0) / a.hkv : 1;
   a.T = in.extent(1);
-  a.op = opt.gqa;
-  a.order = opt.order;
-  a.pool = opt.pool;
-  a.kernel = opt.kernel;
-  a.div = opt.divisor;
-  a.weight = opt.weight_values;
-  a.mode = opt.weight;
   a.protect = true;
-  a.n_sink = opt.n_sink;
-  a.n_recent = opt.n_recent;
-  a.unpooled_tail = opt.unpooled_tail;
   a.row_lengths = row_lengths;
   a.value_lengths = opt.weight_values ? value_lengths : nullptr;
   a.factors = factors;

@@ -49,7 +49,7 @@ KVEVICT_HOST_DEVICE bool pp_row_lengths(Ctx& c, const pp_params& a, index_t tv, 
                                         int* bad, bool count) {
   if (!simt_row_length(c, a.row_lengths, h, a.T, L, bad, count)) return false;
   vlen = tv;
-  return !a.weight || simt_row_length(c, a.value_lengths, h, tv, vlen, bad, count);
+  return !a.weight_values || simt_row_length(c, a.value_lengths, h, tv, vlen, bad, count);
 }
 
 /// One block per (KV head or row, tile of pp_tile outputs), grid-stride: pp_run_tile with the inputs

@@ -29,9 +29,7 @@
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/detail/block/simt_bodies.hpp>
 #include <kvevict/detail/block/view_args.hpp>
-#include <kvevict/gqa.hpp>
 #include <kvevict/gqa_types.hpp>
-#include <kvevict/paged.hpp>
 #include <kvevict/paged_types.hpp>
 #include <kvevict/score_types.hpp>
 #include <kvevict/status.hpp>

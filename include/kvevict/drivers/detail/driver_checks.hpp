@@ -229,19 +229,32 @@ status check_cache_layout(const char* fn, const char* name, const ragged_cache<c
   return {};
 }
 
-// A layer as the drivers read it: its heads, rows per head and the original position of a row,
-// for a layer_kv here and for a paged layer's rows in paged_rows.hpp.
+// A layer as the drivers read it (layer_reader's type, paged_rows.hpp): a layer_kv, or a paged
+// layer's rows (paged_rows: its paged_layer, position pages and lengths). Each accessor answers for
+// both: the heads, the rows per head and the original position of row j of head h.
+template <class KV>
+inline constexpr bool is_layer_kv_v = false;
 template <class T>
-index_t layer_heads(const layer_kv<T>& kv) {
-  return kv.keys.heads;
+inline constexpr bool is_layer_kv_v<layer_kv<T>> = true;
+
+template <class KV>
+index_t layer_heads(const KV& kv) {
+  if constexpr (is_layer_kv_v<KV>) return kv.keys.heads;
+  else return kv.layer.kv_heads;
 }
-template <class T>
-const std::int32_t* layer_lens(const layer_kv<T>& kv) {
-  return kv.keys.lens;
+template <class KV>
+const std::int32_t* layer_lens(const KV& kv) {
+  if constexpr (is_layer_kv_v<KV>) return kv.keys.lens;
+  else return kv.lens;
 }
-template <class T>
-pos_t layer_pos(const layer_kv<T>& kv, index_t h, index_t j) {
-  return kv.positions[kv.keys.cu_capacity[h] + j];
+template <class KV>
+pos_t layer_pos(const KV& kv, index_t h, index_t j) {
+  if constexpr (is_layer_kv_v<KV>) {
+    return kv.positions[kv.keys.cu_capacity[h] + j];
+  } else {
+    const index_t ps = kv.positions.page_size;
+    return *kv.positions.row(kv.layer.table.page_of(kv.layer.list_of(h), j, ps), j % ps, kv.layer.head_of(h));
+  }
 }
 
 /// The layer's layout: both caches, equal key / value row counts, positions present.

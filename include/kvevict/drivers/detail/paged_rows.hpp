@@ -104,23 +104,6 @@ status open_paged_rows(const char* fn, const paged_rows_scratch& s, const paged_
   return {};
 }
 
-// ---- the accessors the drivers read a layer through (layer_kv: driver_checks.hpp) -------------
-
-template <class T>
-index_t layer_heads(const paged_rows<T>& kv) {
-  return kv.layer.kv_heads;
-}
-template <class T>
-const std::int32_t* layer_lens(const paged_rows<T>& kv) {
-  return kv.lens;
-}
-/// The original position of row j of head h.
-template <class T>
-pos_t layer_pos(const paged_rows<T>& kv, index_t h, index_t j) {
-  const index_t ps = kv.positions.page_size;
-  return *kv.positions.row(kv.layer.table.page_of(kv.layer.list_of(h), j, ps), j % ps, kv.layer.head_of(h));
-}
-
 /// open_paged_rows checked the layout already.
 template <class T>
 status check_layer_layout(const char*, index_t, const paged_rows<T>&, index_t, index_t) {

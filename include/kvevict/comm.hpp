@@ -136,6 +136,19 @@ struct shard_range {
   index_t count = 0;
 };
 
+/// Where a driver sits in a sharded model (docs/distributed.md): the base of the drivers' configs
+/// that take part in global decisions. Empty communicators: one process.
+struct model_sharding {
+  /// Tensor parallelism: the ranks holding this stage's other KV heads (head_shard); the driver
+  /// holds model.kv_heads of the layer's model.kv_heads x tp.size() KV heads.
+  comm_ref tp;
+  /// Pipeline parallelism: the ranks holding the same heads in the other stages (layer_shard); the
+  /// driver holds the model's layers [first_layer, first_layer + model.layers) of model_layers.
+  comm_ref pp;
+  index_t first_layer = 0;   ///< this stage's first layer in the model (0 without pp)
+  index_t model_layers = 0;  ///< the model's layers (0: model.layers, one stage)
+};
+
 /// Tensor parallelism: rank r of P holds KV heads [r H / P, (r + 1) H / P). Errors: H < 1, P < 1,
 /// rank outside [0, P), H not divisible by P (invalid_argument: every rank must hold as many heads,
 /// as in vLLM, SGLang and TensorRT-LLM).

@@ -47,7 +47,7 @@ enum class chunk_target : int {
   fraction = 1,
 };
 
-struct chunked_config {
+struct chunked_config : model_sharding {
   model_shape model;
   /// N: the prompt length (the patch is [N - w, N)).
   index_t tokens = 0;
@@ -62,27 +62,24 @@ struct chunked_config {
   double fraction = 0.5;  ///< p in [0, 1] for chunk_target::fraction
   /// per_head, flattened, adakv (budget target only) or lava; cake is not supported here.
   allocation alloc;
-  /// Tensor parallelism (docs/distributed.md): this rank's driver holds model.kv_heads of the
-  /// layer's model.kv_heads x tp.size() KV heads (head_shard), every rank running the same calls
-  /// with the same chunks. per_head needs no communicator. flattened / adakv: every rank passes the
-  /// same budget sum per layer (its block of the [L][H x P] budgets); a layer's target is computed
-  /// from every rank's rows (one agreement per layer and chunk) and selected across the ranks
-  /// (sharded select_topk_flat / adakv_budgets), exactly as one process would. lava: alloc.total
-  /// is the model's total over every rank's heads; the entropies, the layers' rows and the
-  /// selection run across the ranks. A call failing on one rank before its collectives fails on
-  /// every rank. Empty: one process.
-  comm_ref tp;
-  /// Pipeline parallelism (docs/distributed.md): this stage's driver holds model.layers layers, the
-  /// model's [first_layer, first_layer + model.layers) of model_layers (e.g. layer_shard), every
-  /// stage running the same chunks. Only lava communicates: each chunk's decide() agrees on the
-  /// chunk and gathers every stage's entropies and protected / evictable rows
-  /// (gather_layer_values; 3 gathers per chunk), then shares the model's target as one process
-  /// does (alloc.total: the whole model's). Per-layer allocators need no communicator. With tp too
-  /// (a grid): the rows gathered over pp, then summed over tp. Every stage must call decide() for
-  /// every chunk, also after an add_layer error (it then fails on every stage). Empty: one process.
-  comm_ref pp;
-  index_t first_layer = 0;   ///< this stage's first layer in the model (0 without pp)
-  index_t model_layers = 0;  ///< the model's layers (0: model.layers, one stage)
+  // Sharding (the base model_sharding: tp, pp, first_layer, model_layers), for this driver:
+  // Tensor parallelism (docs/distributed.md): this rank's driver holds model.kv_heads of the
+  // layer's model.kv_heads x tp.size() KV heads (head_shard), every rank running the same calls
+  // with the same chunks. per_head needs no communicator. flattened / adakv: every rank passes the
+  // same budget sum per layer (its block of the [L][H x P] budgets); a layer's target is computed
+  // from every rank's rows (one agreement per layer and chunk) and selected across the ranks
+  // (sharded select_topk_flat / adakv_budgets), exactly as one process would. lava: alloc.total
+  // is the model's total over every rank's heads; the entropies, the layers' rows and the
+  // selection run across the ranks. A call failing on one rank before its collectives fails on
+  // every rank. Empty: one process.
+  // Pipeline parallelism (docs/distributed.md): this stage's driver holds model.layers layers, the
+  // model's [first_layer, first_layer + model.layers) of model_layers (e.g. layer_shard), every
+  // stage running the same chunks. Only lava communicates: each chunk's decide() agrees on the
+  // chunk and gathers every stage's entropies and protected / evictable rows
+  // (gather_layer_values; 3 gathers per chunk), then shares the model's target as one process
+  // does (alloc.total: the whole model's). Per-layer allocators need no communicator. With tp too
+  // (a grid): the rows gathered over pp, then summed over tp. Every stage must call decide() for
+  // every chunk, also after an add_layer error (it then fails on every stage). Empty: one process.
   /// Paged layers (paged_layer_kv): the most pages their pools have (the workspace holds a bitmap
   /// of them for the block-table checks); 0 = ragged layers (layer_kv) only.
   index_t pool_pages = 0;

@@ -18,7 +18,7 @@
 
 namespace kvevict {
 
-struct post_fill_config {
+struct post_fill_config : model_sharding {
   model_shape model;
   /// P: the tokens prefilled (the prompt). Every position is < P; a head holds at most P rows.
   index_t tokens = 0;
@@ -28,30 +28,27 @@ struct post_fill_config {
   index_t query_rows = 0;
   recipe rec = recipe::snapkv();
   allocation alloc;
-  /// Tensor parallelism (docs/distributed.md): this rank's driver holds model.kv_heads of the
-  /// layer's model.kv_heads x tp.size() KV heads (head_shard), every rank running the same calls.
-  /// flattened layers keep tp.size() x this rank's budget sum, adakv layers B x all heads, selected
-  /// across the ranks exactly as one process would (per_head needs no communicator). lava and cake:
-  /// alloc.total is the model's total over every rank's heads (L x tp.size() x kv_heads x ...);
-  /// lava's entropies (lava_layer_entropy, sharded), its layer totals and its flattened selection
-  /// run across the ranks; cake's preferences (add_layer's weight) must be the same on every rank
-  /// (the sharded cake_window_preference gives every rank the layer's), its per-head budgets then
-  /// need no communicator. Empty: one process.
-  comm_ref tp;
-  /// Pipeline parallelism (docs/distributed.md): this stage's driver holds model.layers layers, the
-  /// model's layers [first_layer, first_layer + model.layers) of model_layers (the stages' ranges
-  /// tile [0, model_layers), e.g. layer_shard), every stage of `pp` running the same calls. Only
-  /// lava and cake communicate: decide() gathers every stage's layer statistics (lava: entropies,
-  /// protected and evictable rows; cake: preferences) with gather_layer_values and computes the
-  /// model's budgets as one process does; per-layer allocators (budgets: this stage's rows) need no
-  /// communicator. alloc.total is the model's total over all model_layers. Every stage must call
-  /// decide(), also after one of its add_layer calls failed (decide() then fails on every stage).
-  /// With tp too (a grid of stages x head shards): `pp` connects the ranks holding the same heads
-  /// (one per stage), `tp` the ranks of this stage; lava's rows are gathered over `pp`, then summed
-  /// over `tp`. Empty: one process.
-  comm_ref pp;
-  index_t first_layer = 0;   ///< this stage's first layer in the model (0 without pp)
-  index_t model_layers = 0;  ///< the model's layers (0: model.layers, one stage)
+  // Sharding (the base model_sharding: tp, pp, first_layer, model_layers), for this driver:
+  // Tensor parallelism (docs/distributed.md): this rank's driver holds model.kv_heads of the
+  // layer's model.kv_heads x tp.size() KV heads (head_shard), every rank running the same calls.
+  // flattened layers keep tp.size() x this rank's budget sum, adakv layers B x all heads, selected
+  // across the ranks exactly as one process would (per_head needs no communicator). lava and cake:
+  // alloc.total is the model's total over every rank's heads (L x tp.size() x kv_heads x ...);
+  // lava's entropies (lava_layer_entropy, sharded), its layer totals and its flattened selection
+  // run across the ranks; cake's preferences (add_layer's weight) must be the same on every rank
+  // (the sharded cake_window_preference gives every rank the layer's), its per-head budgets then
+  // need no communicator. Empty: one process.
+  // Pipeline parallelism (docs/distributed.md): this stage's driver holds model.layers layers, the
+  // model's layers [first_layer, first_layer + model.layers) of model_layers (the stages' ranges
+  // tile [0, model_layers), e.g. layer_shard), every stage of `pp` running the same calls. Only
+  // lava and cake communicate: decide() gathers every stage's layer statistics (lava: entropies,
+  // protected and evictable rows; cake: preferences) with gather_layer_values and computes the
+  // model's budgets as one process does; per-layer allocators (budgets: this stage's rows) need no
+  // communicator. alloc.total is the model's total over all model_layers. Every stage must call
+  // decide(), also after one of its add_layer calls failed (decide() then fails on every stage).
+  // With tp too (a grid of stages x head shards): `pp` connects the ranks holding the same heads
+  // (one per stage), `tp` the ranks of this stage; lava's rows are gathered over `pp`, then summed
+  // over `tp`. Empty: one process.
   /// Paged layers (paged_layer_kv): the most pages their pools have (the workspace holds a bitmap
   /// of them for the block-table checks); 0 = ragged layers (layer_kv) only.
   index_t pool_pages = 0;

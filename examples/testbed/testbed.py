@@ -394,6 +394,84 @@ def cmd_probe(args):
                 print("   layer", li, " ".join(f"{float(a):.2f}/{float(o):.2f}" for a, o in zip(asked[li], other[li])))
 
 
+FIRST_DIGIT_CLASSES = ("right", "other fact", "other digit", "non-digit")
+
+
+@torch.no_grad()
+def first_digit_errors(model, examples, digit_ids, batch_tokens=4096):
+    """Per question of the single-question kinds: what the model predicts for the code's first digit
+    given the true prefix (the argmax at the space before the code). Classes: `right`; `other fact`
+    (the first digit of another fact's code in the context, not the asked one's: retrieval confusion);
+    `other digit` (a digit that starts no fact's code here); `non-digit` (any other token). Returns
+    rows {kind, length, needles, depth (the asked fact's token position / the example's length),
+    class, predicted (token id), shares_word (for `other fact`: the confused fact's key shares its
+    colour or object with the asked key), side (for `other fact`: "later" / "earlier" when every fact
+    whose code starts with the predicted digit comes after / before the asked fact in the context, else
+    "either"), chance (the fraction of the 9 wrong digits that start another fact's code: `other
+    fact`'s share of the wrong digits if they were drawn at random)}."""
+    rows, by_len = [], {}
+    for e in examples:
+        by_len.setdefault(len(e.ids), []).append(e)
+    for _, group in sorted(by_len.items()):
+        per = max(1, batch_tokens // len(group[0].ids))
+        for s in range(0, len(group), per):
+            part = group[s:s + per]
+            logits = model(torch.tensor([e.ids[:-1] for e in part]))
+            for b, e in enumerate(part):
+                m = e.meta
+                t = e.questions[0][-tb_data.DIGITS]  # target position of the first code digit
+                pred, truth = int(logits[b, t].argmax()), e.ids[t + 1]
+                others = [(k, c, d) for (k, c), d in zip(m["facts"], m["fact_depths"]) if k != m["key"]]
+                wrong_firsts = {digit_ids[int(c[0])] for _, c, _ in others} - {truth}
+                cls = ("right" if pred == truth else "other fact" if pred in wrong_firsts
+                       else "other digit" if pred in digit_ids else "non-digit")
+                confused = [(k, d) for k, c, d in others if cls == "other fact" and digit_ids[int(c[0])] == pred]
+                sides = {"later" if d > m["depth"] else "earlier" for _, d in confused}
+                rows.append({"kind": m["kind"], "length": m["length"], "needles": m["needles"],
+                             "depth": m["depth"] / len(e.ids), "class": cls, "predicted": pred,
+                             "shares_word": any(set(k.split()) & set(m["key"].split()) for k, _ in confused),
+                             "side": sides.pop() if len(sides) == 1 else "either" if sides else "",
+                             "chance": len(wrong_firsts) / 9})
+    return rows
+
+
+def digit_table(rows, key, label=str):
+    """Counts of FIRST_DIGIT_CLASSES per value of `key` (a function of a row) as printed lines."""
+    out = []
+    for v in sorted({key(r) for r in rows}):
+        sel = [r for r in rows if key(r) == v]
+        n = {c: sum(r["class"] == c for r in sel) for c in FIRST_DIGIT_CLASSES}
+        wrong = [r for r in sel if r["class"] in ("other fact", "other digit")]
+        chance = sum(r["chance"] for r in wrong) / max(1, len(wrong))
+        side = {d: sum(r["side"] == d for r in sel) for d in ("later", "earlier", "either")}
+        out.append(f"{label(v):>11s}: {len(sel):4d} questions, " + ", ".join(f"{c} {n[c]}" for c in FIRST_DIGIT_CLASSES)
+                   + (f"; wrong digits starting another fact's code {n['other fact']}/{len(wrong)} (chance {chance:.2f}; "
+                      f"that fact later / earlier / either {side['later']}/{side['earlier']}/{side['either']}, "
+                      f"sharing a key word {sum(r['shares_word'] for r in sel)})" if wrong else ""))
+    return out
+
+
+def cmd_digits(args):
+    """The first code digit's failures by class (first_digit_errors), per kind x length, needles and depth."""
+    torch.set_num_threads(args.threads)
+    model = tb_model.load(args.checkpoint)
+    gen = split_generator(args)
+    lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or model.cfg.seq_len)]
+    rows = first_digit_errors(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths), gen.digit_ids)
+    print(f"{args.checkpoint}: the first code digit of {len(rows)} {args.split} questions (argmax given the true prefix)")
+    quarter = lambda r: min(3, int(r["depth"] * 4)) / 4
+    for title, key, label in (("kind x length", lambda r: (r["kind"], r["length"]), lambda v: f"{v[0]}@{v[1]}"),
+                              ("needles", lambda r: r["needles"], str),
+                              ("depth of the asked fact", quarter, lambda v: f"{v:.2f}-{v + 0.25:.2f}"),
+                              ("all", lambda r: "all", str)):
+        print(f"by {title}:")
+        for line in digit_table(rows, key, label):
+            print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def synth_example(rng, task, n, key_tokens=1):
     """The diagnosis tasks (docs/testbed.md), on token ids 100..399 (no text): `copy`: a random prefix of
     0..63 tokens, n random tokens, 0..63 random tokens, the n tokens again (loss on the repeat but its
@@ -851,6 +929,10 @@ def main(argv=None):
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--verbose", action="store_true", help="every layer and head")
+    p = eval_set_args(sub.add_parser("digits", help="diagnosis: the first code digit's failures (wrong fact's code or not)"))
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="", help="the per-question rows as JSON lines")
     p = sub.add_parser("synth", help="diagnosis: a synthetic copy / associative-recall task, same model and optimizer")
     p.add_argument("--task", choices=["copy", "recall"], required=True)
     p.add_argument("--n", type=int, default=16, help="copy: tokens repeated; recall: pairs")
@@ -930,7 +1012,7 @@ def main(argv=None):
             tb_data.generate_stories(args.kvevict_run, split, os.path.join(args.out_dir, f"{split}.jsonl"),
                                      log=log_to(None))
     else:
-        {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
+        {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "digits": cmd_digits, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
          "report": cmd_report, "lookahead": cmd_lookahead, "schedule": cmd_schedule, "make": cmd_make,
          "bench": cmd_bench}[args.cmd](args)
 

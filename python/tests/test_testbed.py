@@ -536,3 +536,46 @@ def test_make_goes_from_nothing_to_the_shipped_files(tmp_path):
     assert len(lines) == 3 and lines[0].startswith("test after    256: exact match") and "lm loss" in lines[-1]
     assert "parity: 1/1 prompts identical" in (out / "parity.txt").read_text()
     assert (out / "schedule.json").read_text() == sched.read_text()
+
+
+def test_first_digit_errors_classify_the_prediction(tok):
+    """first_digit_errors on a stand-in model that predicts chosen tokens at the first code digit."""
+    gen = tb_data.Generator(tok, STORIES, "val", 5)
+    exs = [gen.example(i, 256, ("after", "before")[i % 2], 4) for i in range(8)]
+    digit = lambda c: gen.digit_ids[int(c)]
+    want, chosen = [], {}
+    for j, e in enumerate(exs):
+        m = e.meta
+        others = [(c, d) for (k, c), d in zip(m["facts"], m["fact_depths"]) if k != m["key"]]
+        firsts = {c[0] for c, _ in others} - {m["code"][0]}
+        if j % 4 == 1 and firsts:
+            pick = sorted(firsts)[0]
+            sides = {"later" if d > m["depth"] else "earlier" for c, d in others if c[0] == pick}
+            want.append(("other fact", sides.pop() if len(sides) == 1 else "either"))
+            chosen[j] = digit(pick)
+        elif j % 4 == 2:
+            chosen[j] = digit(min(set("0123456789") - firsts - {m["code"][0]}))
+            want.append(("other digit", ""))
+        elif j % 4 == 3:
+            chosen[j] = tok.encode(" the")[-1]
+            want.append(("non-digit", ""))
+        else:
+            chosen[j] = digit(m["code"][0])
+            want.append(("right", ""))
+
+    def fake(ids):  # the next true token everywhere (truth for this test), the chosen one at the first digit
+        out = torch.zeros(ids.shape[0], ids.shape[1], 512)
+        for b in range(ids.shape[0]):
+            j = next(j for j, e in enumerate(exs) if e.ids[:-1] == ids[b].tolist())
+            out[b, torch.arange(ids.shape[1]), torch.tensor(exs[j].ids[1:])] = 1.0
+            out[b, exs[j].questions[0][-tb_data.DIGITS]] = 0.0
+            out[b, exs[j].questions[0][-tb_data.DIGITS], chosen[j]] = 1.0
+        return out
+
+    rows = testbed.first_digit_errors(fake, exs, gen.digit_ids, batch_tokens=512)
+    order = sorted(range(len(exs)), key=lambda j: len(exs[j].ids))  # rows come grouped by length
+    assert [(rows[i]["class"], rows[i]["side"]) for i in range(len(rows))] == [want[j] for j in order]
+    assert all(0 < r["depth"] < 1 and r["needles"] == 4 and 0 <= r["chance"] <= 1 for r in rows)
+    assert sum(r["class"] == "other fact" for r in rows) == 2
+    lines = testbed.digit_table(rows, lambda r: "all")
+    assert "right 2, other fact 2, other digit 2, non-digit 2" in lines[0] and "2/4" in lines[0]

@@ -408,7 +408,8 @@ def first_digit_errors(model, examples, digit_ids, batch_tokens=4096):
     colour or object with the asked key), side (for `other fact`: "later" / "earlier" when every fact
     whose code starts with the predicted digit comes after / before the asked fact in the context, else
     "either"), chance (the fraction of the 9 wrong digits that start another fact's code: `other
-    fact`'s share of the wrong digits if they were drawn at random)}."""
+    fact`'s share of the wrong digits if they were drawn at random), pick (the chance of `right` if the
+    model copied the first digit of a fact of the context drawn at random: no key matching)}."""
     rows, by_len = [], {}
     for e in examples:
         by_len.setdefault(len(e.ids), []).append(e)
@@ -431,7 +432,8 @@ def first_digit_errors(model, examples, digit_ids, batch_tokens=4096):
                              "depth": m["depth"] / len(e.ids), "class": cls, "predicted": pred,
                              "shares_word": any(set(k.split()) & set(m["key"].split()) for k, _ in confused),
                              "side": sides.pop() if len(sides) == 1 else "either" if sides else "",
-                             "chance": len(wrong_firsts) / 9})
+                             "chance": len(wrong_firsts) / 9,
+                             "pick": sum(f[1][0] == m["code"][0] for f in m["facts"]) / len(m["facts"])})
     return rows
 
 
@@ -445,6 +447,7 @@ def digit_table(rows, key, label=str):
         chance = sum(r["chance"] for r in wrong) / max(1, len(wrong))
         side = {d: sum(r["side"] == d for r in sel) for d in ("later", "earlier", "either")}
         out.append(f"{label(v):>11s}: {len(sel):4d} questions, " + ", ".join(f"{c} {n[c]}" for c in FIRST_DIGIT_CLASSES)
+                   + f" (right by a random fact's code {sum(r['pick'] for r in sel):.1f})"
                    + (f"; wrong digits starting another fact's code {n['other fact']}/{len(wrong)} (chance {chance:.2f}; "
                       f"that fact later / earlier / either {side['later']}/{side['earlier']}/{side['either']}, "
                       f"sharing a key word {sum(r['shares_word'] for r in sel)})" if wrong else ""))

@@ -575,7 +575,9 @@ def test_first_digit_errors_classify_the_prediction(tok):
     rows = testbed.first_digit_errors(fake, exs, gen.digit_ids, batch_tokens=512)
     order = sorted(range(len(exs)), key=lambda j: len(exs[j].ids))  # rows come grouped by length
     assert [(rows[i]["class"], rows[i]["side"]) for i in range(len(rows))] == [want[j] for j in order]
-    assert all(0 < r["depth"] < 1 and r["needles"] == 4 and 0 <= r["chance"] <= 1 for r in rows)
+    assert all(0 < r["depth"] < 1 and r["needles"] == 4 and 0 <= r["chance"] <= 1 and 0.25 <= r["pick"] <= 1 for r in rows)
+    assert [r["pick"] for r in rows] == [sum(c[0] == exs[j].meta["code"][0] for _, c in exs[j].meta["facts"]) / 4
+                                         for j in order]
     assert sum(r["class"] == "other fact" for r in rows) == 2
     lines = testbed.digit_table(rows, lambda r: "all")
     assert "right 2, other fact 2, other digit 2, non-digit 2" in lines[0] and "2/4" in lines[0]

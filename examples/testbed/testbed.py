@@ -90,28 +90,33 @@ def losses(model, examples):
     return lm, answer, [[hit[b, q] for q in e.questions] for b, e in enumerate(examples)]
 
 
-@torch.no_grad()
-def evaluate(model, examples, batch_tokens=4096):
-    """Exact match per question: every answer token (the key restated, then the code) is the argmax
-    given the true prefix, which is the same as greedy decoding reproducing the answer. Returns
-    {(kind, length): [correct, total, code digits correct]}, mean LM loss."""
-    cells, lm_sum, n = {}, 0.0, 0
+def length_batches(examples, batch_tokens):
+    """The examples in batches of one token count each (shortest first), about batch_tokens tokens a batch."""
     by_len = {}
     for e in examples:
         by_len.setdefault(len(e.ids), []).append(e)
     for _, group in sorted(by_len.items()):
         per = max(1, batch_tokens // len(group[0].ids))
         for s in range(0, len(group), per):
-            part = group[s:s + per]
-            lm, _, hits = losses(model, part)
-            lm_sum += float(lm) * len(part)
-            n += len(part)
-            for e, hs in zip(part, hits):
-                c = cells.setdefault((e.meta["kind"], e.meta["length"]), [0, 0, 0])
-                for h in hs:  # one per question (the recall kind asks several)
-                    c[0] += int(h.all())
-                    c[1] += 1
-                    c[2] += int(h[-tb_data.DIGITS:].sum())
+            yield group[s:s + per]
+
+
+@torch.no_grad()
+def evaluate(model, examples, batch_tokens=4096):
+    """Exact match per question: every answer token (the key restated, then the code) is the argmax
+    given the true prefix, which is the same as greedy decoding reproducing the answer. Returns
+    {(kind, length): [correct, total, code digits correct]}, mean LM loss."""
+    cells, lm_sum, n = {}, 0.0, 0
+    for part in length_batches(examples, batch_tokens):
+        lm, _, hits = losses(model, part)
+        lm_sum += float(lm) * len(part)
+        n += len(part)
+        for e, hs in zip(part, hits):
+            c = cells.setdefault((e.meta["kind"], e.meta["length"]), [0, 0, 0])
+            for h in hs:  # one per question (the recall kind asks several)
+                c[0] += int(h.all())
+                c[1] += 1
+                c[2] += int(h[-tb_data.DIGITS:].sum())
     return cells, lm_sum / max(n, 1)
 
 
@@ -410,30 +415,25 @@ def first_digit_errors(model, examples, digit_ids, batch_tokens=4096):
     "either"), chance (the fraction of the 9 wrong digits that start another fact's code: `other
     fact`'s share of the wrong digits if they were drawn at random), pick (the chance of `right` if the
     model copied the first digit of a fact of the context drawn at random: no key matching)}."""
-    rows, by_len = [], {}
-    for e in examples:
-        by_len.setdefault(len(e.ids), []).append(e)
-    for _, group in sorted(by_len.items()):
-        per = max(1, batch_tokens // len(group[0].ids))
-        for s in range(0, len(group), per):
-            part = group[s:s + per]
-            logits = model(torch.tensor([e.ids[:-1] for e in part]))
-            for b, e in enumerate(part):
-                m = e.meta
-                t = e.questions[0][-tb_data.DIGITS]  # target position of the first code digit
-                pred, truth = int(logits[b, t].argmax()), e.ids[t + 1]
-                others = [(k, c, d) for (k, c), d in zip(m["facts"], m["fact_depths"]) if k != m["key"]]
-                wrong_firsts = {digit_ids[int(c[0])] for _, c, _ in others} - {truth}
-                cls = ("right" if pred == truth else "other fact" if pred in wrong_firsts
-                       else "other digit" if pred in digit_ids else "non-digit")
-                confused = [(k, d) for k, c, d in others if cls == "other fact" and digit_ids[int(c[0])] == pred]
-                sides = {"later" if d > m["depth"] else "earlier" for _, d in confused}
-                rows.append({"kind": m["kind"], "length": m["length"], "needles": m["needles"],
-                             "depth": m["depth"] / len(e.ids), "class": cls, "predicted": pred,
-                             "shares_word": any(set(k.split()) & set(m["key"].split()) for k, _ in confused),
-                             "side": sides.pop() if len(sides) == 1 else "either" if sides else "",
-                             "chance": len(wrong_firsts) / 9,
-                             "pick": sum(f[1][0] == m["code"][0] for f in m["facts"]) / len(m["facts"])})
+    rows = []
+    for part in length_batches(examples, batch_tokens):
+        logits = model(torch.tensor([e.ids[:-1] for e in part]))
+        for b, e in enumerate(part):
+            m = e.meta
+            t = e.questions[0][-tb_data.DIGITS]  # target position of the first code digit
+            pred, truth = int(logits[b, t].argmax()), e.ids[t + 1]
+            others = [(k, c, d) for (k, c), d in zip(m["facts"], m["fact_depths"]) if k != m["key"]]
+            wrong_firsts = {digit_ids[int(c[0])] for _, c, _ in others} - {truth}
+            cls = ("right" if pred == truth else "other fact" if pred in wrong_firsts
+                   else "other digit" if pred in digit_ids else "non-digit")
+            confused = [(k, d) for k, c, d in others if cls == "other fact" and digit_ids[int(c[0])] == pred]
+            sides = {"later" if d > m["depth"] else "earlier" for _, d in confused}
+            rows.append({"kind": m["kind"], "length": m["length"], "needles": m["needles"],
+                         "depth": m["depth"] / len(e.ids), "class": cls, "predicted": pred,
+                         "shares_word": any(set(k.split()) & set(m["key"].split()) for k, _ in confused),
+                         "side": sides.pop() if len(sides) == 1 else "either" if sides else "",
+                         "chance": len(wrong_firsts) / 9,
+                         "pick": sum(f[1][0] == m["code"][0] for f in m["facts"]) / len(m["facts"])})
     return rows
 
 

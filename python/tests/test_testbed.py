@@ -536,6 +536,33 @@ def test_make_goes_from_nothing_to_the_shipped_files(tmp_path):
     assert len(lines) == 3 and lines[0].startswith("test after    256: exact match") and "lm loss" in lines[-1]
     assert "parity: 1/1 prompts identical" in (out / "parity.txt").read_text()
     assert (out / "schedule.json").read_text() == sched.read_text()
+    # rerun: nothing is generated or trained again, the same model ships
+    shipped, pools = (out / "model.bin").read_bytes(), (tmp_path / "run" / "stories" / "train.jsonl").read_bytes()
+    try:
+        testbed.main(["make", "--schedule", str(sched), "--kvevict-run", run, "--run-dir", str(tmp_path / "run"),
+                      "--out-dir", str(out), "--per-cell", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert (out / "model.bin").read_bytes() == shipped and torch.load(tmp_path / "run" / "ckpt.pt")["step"] == 6
+    assert (tmp_path / "run" / "stories" / "train.jsonl").read_bytes() == pools
+    make_log = (tmp_path / "run" / "make.log").read_text()
+    assert make_log.count("stories train: 0 -> 3") == 1 and make_log.count("make: done") == 2
+
+
+def test_make_refuses_full_pools_of_another_sha256(tmp_path):
+    """With the full pools' sizes the schedule's sha256 must match, before any training."""
+    stories = tmp_path / "run" / "stories"
+    stories.mkdir(parents=True)
+    for split, (_, _, n) in tb_data.SPLITS.items():
+        (stories / f"{split}.jsonl").write_text("".join(json.dumps(f"story {i}.") + "\n" for i in range(n)))
+    sched = tmp_path / "s.json"
+    sched.write_text(json.dumps({"stories": {"sha256": {"val": "0" * 64}}, "phases": [{"from": 0, "set": {"steps": 1}}]}))
+    fake_run = tmp_path / "kvevict-run"
+    fake_run.write_text("")
+    with pytest.raises(SystemExit, match="val.jsonl has sha256 .*, the schedule's pool 0000"):
+        testbed.main(["make", "--schedule", str(sched), "--kvevict-run", str(fake_run), "--run-dir",
+                      str(tmp_path / "run"), "--out-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
 
 
 def test_first_digit_errors_classify_the_prediction(tok):

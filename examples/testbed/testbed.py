@@ -17,7 +17,10 @@ Python: Debian's /usr/bin/python3 with python3-torch and python3-numpy.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -301,10 +304,10 @@ def cmd_train(args):
             log(f"schedule: phase {phase} from step {step}: {sched.command(phase, sched.defaults)}")
         if step >= args.steps:
             break
-        if stop_at is not None and time.time() >= stop_at or args.stop_step is not None and step >= args.stop_step:
+        at_step = args.stop_step is not None and step >= args.stop_step
+        if at_step or stop_at is not None and time.time() >= stop_at:
             checkpoint()
-            why = f"the wall-clock stop {args.stop_at} UTC" if args.stop_step is None or step < args.stop_step \
-                else f"--stop-step {args.stop_step}"
+            why = f"--stop-step {args.stop_step}" if at_step else f"the wall-clock stop {args.stop_at} UTC"
             log(f"stopped at step {step}: {why} (rerun the command to resume)")
             return "stopped"
         for g in opt.param_groups:
@@ -668,7 +671,6 @@ def cmd_schedule(args):
 
 
 def sha256_of(path):
-    import hashlib
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -730,8 +732,6 @@ def cmd_make(args):
         f.write("".join(line + "\n" for line in lines))
     for line in lines:
         log(f"make: {line}")
-    import contextlib
-    import io
     buf = io.StringIO()
     pargs = argparse.Namespace(checkpoint=shipped, kvevict_run=args.kvevict_run, stories_dir=stories,
                                seed=run_args.seed, prompts=4, new_tokens=16, threads=1)

@@ -17,7 +17,10 @@ Python: Debian's /usr/bin/python3 with python3-torch and python3-numpy.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -35,6 +38,7 @@ sys.path.insert(0, HERE)
 import tb_data  # noqa: E402
 import tb_model  # noqa: E402
 import tb_report  # noqa: E402
+import tb_schedule  # noqa: E402
 
 TOKENIZER = os.path.join(SOURCE, "models", "tok512.bin")
 
@@ -89,28 +93,33 @@ def losses(model, examples):
     return lm, answer, [[hit[b, q] for q in e.questions] for b, e in enumerate(examples)]
 
 
-@torch.no_grad()
-def evaluate(model, examples, batch_tokens=4096):
-    """Exact match per question: every answer token (the key restated, then the code) is the argmax
-    given the true prefix, which is the same as greedy decoding reproducing the answer. Returns
-    {(kind, length): [correct, total, code digits correct]}, mean LM loss."""
-    cells, lm_sum, n = {}, 0.0, 0
+def length_batches(examples, batch_tokens):
+    """The examples in batches of one token count each (shortest first), about batch_tokens tokens a batch."""
     by_len = {}
     for e in examples:
         by_len.setdefault(len(e.ids), []).append(e)
     for _, group in sorted(by_len.items()):
         per = max(1, batch_tokens // len(group[0].ids))
         for s in range(0, len(group), per):
-            part = group[s:s + per]
-            lm, _, hits = losses(model, part)
-            lm_sum += float(lm) * len(part)
-            n += len(part)
-            for e, hs in zip(part, hits):
-                c = cells.setdefault((e.meta["kind"], e.meta["length"]), [0, 0, 0])
-                for h in hs:  # one per question (the recall kind asks several)
-                    c[0] += int(h.all())
-                    c[1] += 1
-                    c[2] += int(h[-tb_data.DIGITS:].sum())
+            yield group[s:s + per]
+
+
+@torch.no_grad()
+def evaluate(model, examples, batch_tokens=4096):
+    """Exact match per question: every answer token (the key restated, then the code) is the argmax
+    given the true prefix, which is the same as greedy decoding reproducing the answer. Returns
+    {(kind, length): [correct, total, code digits correct]}, mean LM loss."""
+    cells, lm_sum, n = {}, 0.0, 0
+    for part in length_batches(examples, batch_tokens):
+        lm, _, hits = losses(model, part)
+        lm_sum += float(lm) * len(part)
+        n += len(part)
+        for e, hs in zip(part, hits):
+            c = cells.setdefault((e.meta["kind"], e.meta["length"]), [0, 0, 0])
+            for h in hs:  # one per question (the recall kind asks several)
+                c[0] += int(h.all())
+                c[1] += 1
+                c[2] += int(h[-tb_data.DIGITS:].sum())
     return cells, lm_sum / max(n, 1)
 
 
@@ -213,7 +222,32 @@ def stop_time(hhmm):
     return t if t > now else t + 86400
 
 
+def train_val_set(val, args):
+    """The validation set of a run with these options (16 examples per length and kind up to
+    --max-length, plus the recall cell when the run uses that kind)."""
+    out = tb_data.eval_set(val, args.eval_per_cell,
+                           lengths=[L for L in tb_data.LENGTHS if L <= (args.max_length or args.seq_len)])
+    if args.recall_steps or args.recall_mix:  # the recall kind's own cell (3 questions an example)
+        out += [val.example(11_000_000 + j, tb_data.LENGTHS[0], "recall") for j in range(args.eval_per_cell)]
+    return out
+
+
 def cmd_train(args):
+    """Trains, or resumes from RUN/ckpt.pt. With --schedule the options of each step are its phase's
+    (tb_schedule.py): a switch in the loop does what a stop and a resume with the new options do (the
+    batches, the lr and the val set are functions of the options and the step; the weights and AdamW's
+    state carry over). Returns "done" or "stopped"."""
+    sched = None
+    if args.schedule:
+        try:
+            sched = tb_schedule.load(args.schedule, args)
+        except ValueError as e:
+            raise SystemExit(f"train: {e}") from None
+        clash = sorted(k for k in getattr(args, "given", ()) if k in sched.set_options)
+        if clash:
+            raise SystemExit(f"train: {', '.join('--' + k.replace('_', '-') for k in clash)} set by the schedule "
+                             f"{args.schedule}: change it there (add a phase), not on the command line")
+        args = sched.phases[0][1]
     torch.set_num_threads(args.threads)
     os.makedirs(args.run_dir, exist_ok=True)
     log = log_to(os.path.join(args.run_dir, "train.log"))
@@ -222,10 +256,14 @@ def cmd_train(args):
     stories = os.path.join(args.stories_dir or os.path.join(args.run_dir, "stories"))
     train = tb_data.Generator(tok, tb_data.load_stories(os.path.join(stories, "train.jsonl")), "train", args.seed)
     val = tb_data.Generator(tok, tb_data.load_stories(os.path.join(stories, "val.jsonl")), "val", args.seed)
-    val_set = tb_data.eval_set(val, args.eval_per_cell,
-                               lengths=[L for L in tb_data.LENGTHS if L <= (args.max_length or args.seq_len)])
-    if args.recall_steps or args.recall_mix:  # the recall kind's own cell (3 questions an example)
-        val_set += [val.example(11_000_000 + j, tb_data.LENGTHS[0], "recall") for j in range(args.eval_per_cell)]
+    val_sets = {}
+
+    def val_set_of(a):
+        key = (a.eval_per_cell, a.max_length, bool(a.recall_steps or a.recall_mix))
+        if key not in val_sets:
+            val_sets[key] = train_val_set(val, a)
+        return val_sets[key]
+
     stop_at = stop_time(args.stop_at)
     torch.manual_seed(args.seed)
     model = tb_model.Model(model_config(args), seed=args.seed)
@@ -235,13 +273,23 @@ def cmd_train(args):
         ck = torch.load(ckpt_path)
         if ck["config"] != vars(model.cfg):
             raise SystemExit(f"{ckpt_path} holds a model of {ck['config']}, not {vars(model.cfg)}")
+        step = ck["step"]
+        off = tb_schedule.mismatch(ck["args"], step, sched) if sched else []
+        if off:
+            raise SystemExit(f"train: {ckpt_path} (step {step}) was trained with {', '.join(off)}: the schedule "
+                             f"{args.schedule} does not hold this run's past (extend it with a phase from step {step})")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        step = ck["step"]
         log(f"resumed from {ckpt_path} at step {step}")
     else:
         log(f"start: {vars(args)}")
-    log(f"model: {vars(model.cfg)}, {model.n_params()} parameters; val set {len(val_set)} examples")
+    phase = None
+    if sched:
+        phase = sched.index(step)
+        args = sched.phases[phase][1]
+        log(f"schedule {args.schedule}: {len(sched.phases)} phases to step {sched.steps}; at step {step} phase {phase} "
+            f"(from {sched.phases[phase][0]}): {sched.command(phase, sched.defaults)}")
+    log(f"model: {vars(model.cfg)}, {model.n_params()} parameters; val set {len(val_set_of(args))} examples")
     def checkpoint():
         save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                      "config": vars(model.cfg), "args": vars(args)}, ckpt_path)
@@ -249,11 +297,19 @@ def cmd_train(args):
 
     t0, tokens, acc = time.time(), 0, []
     start_step = step
-    while step < args.steps:
-        if stop_at is not None and time.time() >= stop_at:
+    while True:
+        if sched and sched.index(step) != phase:  # the next phase: as a resume with its options
+            phase = sched.index(step)
+            args = sched.phases[phase][1]
+            log(f"schedule: phase {phase} from step {step}: {sched.command(phase, sched.defaults)}")
+        if step >= args.steps:
+            break
+        at_step = args.stop_step is not None and step >= args.stop_step
+        if at_step or stop_at is not None and time.time() >= stop_at:
             checkpoint()
-            log(f"stopped at step {step}: the wall-clock stop {args.stop_at} UTC (rerun the command to resume)")
-            return
+            why = f"--stop-step {args.stop_step}" if at_step else f"the wall-clock stop {args.stop_at} UTC"
+            log(f"stopped at step {step}: {why} (rerun the command to resume)")
+            return "stopped"
         for g in opt.param_groups:
             g["lr"] = lr_at(args, step)
         batch = step_batch(train, args, step)
@@ -279,6 +335,7 @@ def cmd_train(args):
             checkpoint()
         if step % args.eval_every == 0 or step == args.steps or step == start_step + 1 == 1:
             te = time.time()
+            val_set = val_set_of(args)
             cells, vlm = evaluate(model, val_set)
             tot = [sum(c[0] for c in cells.values()), sum(c[1] for c in cells.values())]
             row = {"step": step, "val_lm": vlm, "cells": {f"{k}@{L}": c for (k, L), c in cells.items()}}
@@ -295,22 +352,31 @@ def cmd_train(args):
                 f.write(json.dumps(row) + "\n")
             t0 = time.time() - (te - t0)  # eval time does not count in tok/s
     log("done")
+    return "done"
 
 
 # ---- evaluation, export, parity, bench ----------------------------------------------------------
 
-def cmd_eval(args):
-    torch.set_num_threads(args.threads)
-    model = tb_model.load(args.checkpoint)
-    gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
-                            args.split, args.seed)
-    lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or model.cfg.seq_len)]
-    cells, lm = evaluate(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths))
+def eval_lines(checkpoint, stories_dir, split, seed, per_cell, max_length=0, threads=1):
+    """The held-out exact match per (kind, length) of a llama2.c checkpoint, as printed lines."""
+    torch.set_num_threads(threads)
+    model = tb_model.load(checkpoint)
+    gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(stories_dir, f"{split}.jsonl")), split, seed)
+    lengths = [L for L in tb_data.LENGTHS if L <= (max_length or model.cfg.seq_len)]
+    cells, lm = evaluate(model, tb_data.eval_set(gen, per_cell, lengths=lengths))
+    out = []
     for (k, L), (c, t, d) in sorted(cells.items()):
         p = c / t
-        print(f"{args.split} {k:6s} {L:5d}: exact match {c}/{t} = {p:.3f} (se {math.sqrt(p * (1 - p) / t):.3f}), "
-              f"answer digits {d / (t * tb_data.DIGITS):.3f}")
-    print(f"{args.split} lm loss {lm:.4f}")
+        out.append(f"{split} {k:6s} {L:5d}: exact match {c}/{t} = {p:.3f} (se {math.sqrt(p * (1 - p) / t):.3f}), "
+                   f"answer digits {d / (t * tb_data.DIGITS):.3f}")
+    out.append(f"{split} lm loss {lm:.4f}")
+    return out
+
+
+def cmd_eval(args):
+    for line in eval_lines(args.checkpoint, args.stories_dir, args.split, args.seed, args.per_cell, args.max_length,
+                           args.threads):
+        print(line)
 
 
 def cmd_probe(args):
@@ -334,6 +400,82 @@ def cmd_probe(args):
         if args.verbose:
             for li in range(asked.shape[0]):
                 print("   layer", li, " ".join(f"{float(a):.2f}/{float(o):.2f}" for a, o in zip(asked[li], other[li])))
+
+
+FIRST_DIGIT_CLASSES = ("right", "other fact", "other digit", "non-digit")
+
+
+@torch.no_grad()
+def first_digit_errors(model, examples, digit_ids, batch_tokens=4096):
+    """Per question of the single-question kinds: what the model predicts for the code's first digit
+    given the true prefix (the argmax at the space before the code). Classes: `right`; `other fact`
+    (the first digit of another fact's code in the context, not the asked one's: retrieval confusion);
+    `other digit` (a digit that starts no fact's code here); `non-digit` (any other token). Returns
+    rows {kind, length, needles, depth (the asked fact's token position / the example's length),
+    class, predicted (token id), shares_word (for `other fact`: the confused fact's key shares its
+    colour or object with the asked key), side (for `other fact`: "later" / "earlier" when every fact
+    whose code starts with the predicted digit comes after / before the asked fact in the context, else
+    "either"), chance (the fraction of the 9 wrong digits that start another fact's code: `other
+    fact`'s share of the wrong digits if they were drawn at random), pick (the chance of `right` if the
+    model copied the first digit of a fact of the context drawn at random: no key matching)}."""
+    rows = []
+    for part in length_batches(examples, batch_tokens):
+        logits = model(torch.tensor([e.ids[:-1] for e in part]))
+        for b, e in enumerate(part):
+            m = e.meta
+            t = e.questions[0][-tb_data.DIGITS]  # target position of the first code digit
+            pred, truth = int(logits[b, t].argmax()), e.ids[t + 1]
+            others = [(k, c, d) for (k, c), d in zip(m["facts"], m["fact_depths"]) if k != m["key"]]
+            wrong_firsts = {digit_ids[int(c[0])] for _, c, _ in others} - {truth}
+            cls = ("right" if pred == truth else "other fact" if pred in wrong_firsts
+                   else "other digit" if pred in digit_ids else "non-digit")
+            confused = [(k, d) for k, c, d in others if cls == "other fact" and digit_ids[int(c[0])] == pred]
+            sides = {"later" if d > m["depth"] else "earlier" for _, d in confused}
+            rows.append({"kind": m["kind"], "length": m["length"], "needles": m["needles"],
+                         "depth": m["depth"] / len(e.ids), "class": cls, "predicted": pred,
+                         "shares_word": any(set(k.split()) & set(m["key"].split()) for k, _ in confused),
+                         "side": sides.pop() if len(sides) == 1 else "either" if sides else "",
+                         "chance": len(wrong_firsts) / 9,
+                         "pick": sum(f[1][0] == m["code"][0] for f in m["facts"]) / len(m["facts"])})
+    return rows
+
+
+def digit_table(rows, key, label=str):
+    """Counts of FIRST_DIGIT_CLASSES per value of `key` (a function of a row) as printed lines."""
+    out = []
+    for v in sorted({key(r) for r in rows}):
+        sel = [r for r in rows if key(r) == v]
+        n = {c: sum(r["class"] == c for r in sel) for c in FIRST_DIGIT_CLASSES}
+        wrong = [r for r in sel if r["class"] in ("other fact", "other digit")]
+        chance = sum(r["chance"] for r in wrong) / max(1, len(wrong))
+        side = {d: sum(r["side"] == d for r in sel) for d in ("later", "earlier", "either")}
+        out.append(f"{label(v):>11s}: {len(sel):4d} questions, " + ", ".join(f"{c} {n[c]}" for c in FIRST_DIGIT_CLASSES)
+                   + f" (right by a random fact's code {sum(r['pick'] for r in sel):.1f})"
+                   + (f"; wrong digits starting another fact's code {n['other fact']}/{len(wrong)} (chance {chance:.2f}; "
+                      f"that fact later / earlier / either {side['later']}/{side['earlier']}/{side['either']}, "
+                      f"sharing a key word {sum(r['shares_word'] for r in sel)})" if wrong else ""))
+    return out
+
+
+def cmd_digits(args):
+    """The first code digit's failures by class (first_digit_errors), per kind x length, needles and depth."""
+    torch.set_num_threads(args.threads)
+    model = tb_model.load(args.checkpoint)
+    gen = split_generator(args)
+    lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or model.cfg.seq_len)]
+    rows = first_digit_errors(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths), gen.digit_ids)
+    print(f"{args.checkpoint}: the first code digit of {len(rows)} {args.split} questions (argmax given the true prefix)")
+    quarter = lambda r: min(3, int(r["depth"] * 4)) / 4
+    for title, key, label in (("kind x length", lambda r: (r["kind"], r["length"]), lambda v: f"{v[0]}@{v[1]}"),
+                              ("needles", lambda r: r["needles"], str),
+                              ("depth of the asked fact", quarter, lambda v: f"{v:.2f}-{v + 0.25:.2f}"),
+                              ("all", lambda r: "all", str)):
+        print(f"by {title}:")
+        for line in digit_table(rows, key, label):
+            print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def synth_example(rng, task, n, key_tokens=1):
@@ -455,7 +597,9 @@ def cmd_parity(args):
     tok = tokenizer()
     gen = tb_data.Generator(tok, tb_data.load_stories(os.path.join(args.stories_dir, "test.jsonl")), "test", args.seed)
     ok = 0
-    for i, (L, kind) in enumerate([(256, "after"), (512, "before"), (1024, "after"), (2048, "before")][:args.prompts]):
+    cases = [(L, kind) for L, kind in [(256, "after"), (512, "before"), (1024, "after"), (2048, "before")]
+             if L <= model.cfg.seq_len][:args.prompts]
+    for i, (L, kind) in enumerate(cases):
         e = gen.example(20_000_000 + i, L, kind, 2)
         prompt_text = e.text[:e.text.rindex("Answer:") + len("Answer:")]
         prompt = tok.encode(prompt_text)
@@ -472,8 +616,8 @@ def cmd_parity(args):
         print(f"prompt {i} ({kind}, {len(prompt)} tokens): runner {'==' if same else '!='} PyTorch over "
               f"{steps - len(prompt)} greedy tokens; continuation {tok.decode(mine[len(prompt):])!r} "
               f"(truth: the {e.meta['key']}'s code is {e.meta['code']})")
-    print(f"parity: {ok}/{min(4, args.prompts)} prompts identical")
-    if ok != min(4, args.prompts):
+    print(f"parity: {ok}/{len(cases)} prompts identical")
+    if ok != len(cases):
         raise SystemExit(1)
 
 
@@ -494,6 +638,116 @@ def cmd_bench(args):
             times.append(time.time() - t)
         print(f"length {L}: {ids.numel() / min(times):.0f} tokens/s (best of {args.reps} steps of {ids.numel()} tokens)",
               flush=True)
+
+
+def train_defaults(run_dir):
+    return train_options(argparse.ArgumentParser()).parse_args(["--run-dir", run_dir])
+
+
+def load_schedule(path, defaults):
+    try:
+        return tb_schedule.load(path, defaults)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def cmd_schedule(args):
+    """The phases as the hand commands they replay; --check: each checkpoint's options are its phase's."""
+    defaults = train_defaults("RUN")
+    sched = load_schedule(args.schedule, defaults)
+    for i, (start, a) in enumerate(sched.phases):
+        end = sched.phases[i + 1][0] if i + 1 < len(sched.phases) else a.steps
+        print(f"phase {i}: steps {start}..{end - 1}: train {sched.command(i, defaults)}")
+    bad = 0
+    for path in args.check:
+        ck = torch.load(path)
+        off = tb_schedule.mismatch(ck["args"], ck["step"], sched)
+        bad += bool(off)
+        print(f"{path}: step {ck['step']}: " + (f"differs from phase {sched.index(max(0, ck['step'] - 1))}: "
+                                               f"{', '.join(off)}" if off else
+                                               f"on the schedule (phase {sched.index(max(0, ck['step'] - 1))})"))
+    if bad:
+        raise SystemExit(1)
+
+
+def sha256_of(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cmd_make(args):
+    """From nothing to the shipped model, each step skipped when its output is there (rerun to resume):
+    the story pools (kvevict-run), `train --schedule`, the llama2.c export with the training log, the
+    held-out test exact match, the runner's parity."""
+    for what, path in (("--kvevict-run", args.kvevict_run), ("--schedule", args.schedule)):
+        if not os.path.isfile(path):
+            raise SystemExit(f"make: {what} {path} is not a file")
+    if args.per_cell < 1:
+        raise SystemExit(f"make: --per-cell must be >= 1, got {args.per_cell}")
+    sched = load_schedule(args.schedule, train_defaults(args.run_dir))
+    sizes, sums = sched.stories(), sched.doc.get("stories", {}).get("sha256", {})
+    for split, n in sizes.items():
+        if n is not None and n > tb_data.SPLITS[split][2]:
+            raise SystemExit(f"make: the schedule's {split} pool of {n} stories is larger than the split's "
+                             f"{tb_data.SPLITS[split][2]}")
+    stories = os.path.join(args.run_dir, "stories")
+    os.makedirs(stories, exist_ok=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    log = log_to(os.path.join(args.run_dir, "make.log"))
+    log(f"make: {args.schedule} -> {args.out_dir} (run {args.run_dir})")
+    for split in ("val", "test", "train"):
+        path, n = os.path.join(stories, f"{split}.jsonl"), sizes[split]
+        want = n or tb_data.SPLITS[split][2]
+        have = sum(1 for _ in open(path)) if os.path.exists(path) else 0
+        if have > want:
+            raise SystemExit(f"make: {path} holds {have} stories, the schedule {want}")
+        if have < want:
+            log(f"make: stories {split}: {have} -> {want} (kvevict-run)")
+            tb_data.generate_stories(args.kvevict_run, split, path, limit=want, log=log)
+        if split in sums and want == tb_data.SPLITS[split][2] and sha256_of(path) != sums[split]:
+            raise SystemExit(f"make: {path} has sha256 {sha256_of(path)}, the schedule's pool {sums[split]}")
+    targs = train_options(argparse.ArgumentParser()).parse_args(
+        ["--run-dir", args.run_dir, "--schedule", args.schedule] + (["--stop-at", args.stop_at] if args.stop_at else []))
+    targs.given = {"run_dir", "schedule"} | ({"stop_at"} if args.stop_at else set())
+    if cmd_train(targs) != "done":
+        log("make: the training stopped (rerun the same command to resume)")
+        return
+    run_args = sched.phases[-1][1]
+    ck = torch.load(os.path.join(args.run_dir, "ckpt.pt"))
+    model = tb_model.Model(tb_model.Config(**ck["config"]))
+    model.load_state_dict(ck["model"])
+    shipped = os.path.join(args.out_dir, "model.bin")
+    tb_model.export(model, shipped + ".tmp")
+    os.replace(shipped + ".tmp", shipped)
+    for src, name in ((os.path.join(args.run_dir, "train.log"), "train.log"),
+                      (os.path.join(args.run_dir, "eval.jsonl"), "eval.jsonl"), (args.schedule, "schedule.json")):
+        with open(src, "rb") as f, open(os.path.join(args.out_dir, name), "wb") as g:
+            g.write(f.read())
+    log(f"make: {shipped}: step {ck['step']}, {model.n_params()} parameters, sha256 {sha256_of(shipped)}")
+    lines = eval_lines(shipped, stories, "test", run_args.seed, args.per_cell, threads=run_args.threads)
+    with open(os.path.join(args.out_dir, "eval_test.txt"), "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+    for line in lines:
+        log(f"make: {line}")
+    buf = io.StringIO()
+    pargs = argparse.Namespace(checkpoint=shipped, kvevict_run=args.kvevict_run, stories_dir=stories,
+                               seed=run_args.seed, prompts=4, new_tokens=16, threads=1)
+    failed = None
+    with contextlib.redirect_stdout(buf):
+        try:
+            cmd_parity(pargs)
+        except SystemExit as e:
+            failed = e
+    with open(os.path.join(args.out_dir, "parity.txt"), "w") as f:
+        f.write(buf.getvalue())
+    for line in buf.getvalue().splitlines():
+        log(f"make: {line}")
+    if failed is not None:
+        raise SystemExit(f"make: the runner's greedy ids differ from the PyTorch model's ({args.out_dir}/parity.txt)")
+    log(f"make: done: {args.out_dir} holds model.bin, train.log, eval.jsonl, schedule.json, eval_test.txt, parity.txt")
 
 
 def split_generator(args):
@@ -598,6 +852,43 @@ def cmd_lookahead(args):
     raise SystemExit(subprocess.run(cmd).returncode)
 
 
+def train_options(p):
+    """train's options (also parsed without defaults to see which ones the command line gives)."""
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--stories-dir", default=None, help="default RUN/stories")
+    p.add_argument("--schedule", default="", help="the run's phases (tb_schedule.py): the options switch at their steps")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--plain", type=float, default=0.2, help="fraction of plain story sequences")
+    p.add_argument("--answer-weight", type=float, default=1.0)
+    p.add_argument("--recall-steps", type=int, default=0,
+                   help="steps of the dense associative-recall phase (length 256) before the length curriculum")
+    p.add_argument("--recall-mix", type=float, default=0.0,
+                   help="after that phase, the fraction of retrieval sequences that stay recall examples")
+    p.add_argument("--stop-at", default="", help="wall-clock stop, HH:MM UTC: checkpoint and exit at that time")
+    p.add_argument("--stop-step", type=int, default=None, help="checkpoint and exit once this many steps are done")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-per-cell", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=0, help="cap the curriculum and the val set (0 = the context)")
+    model_args(p)
+    return p
+
+
+def given_options(argv):
+    """The train options that `argv` (after "train") names: a parse without defaults."""
+    p = train_options(argparse.ArgumentParser(add_help=False))
+    for a in p._actions:
+        a.default = argparse.SUPPRESS
+        a.required = False
+    return set(vars(p.parse_known_args(argv)[0]))
+
+
 def model_args(p):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=384)
@@ -623,28 +914,17 @@ def main(argv=None):
     p = sub.add_parser("stories", help="the story pools from the shipped model (kvevict-run)")
     p.add_argument("--kvevict-run", required=True)
     p.add_argument("--out-dir", required=True)
-    p = sub.add_parser("train", help="train (or resume from RUN/ckpt.pt)")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--stories-dir", default=None, help="default RUN/stories")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--steps", type=int, default=4000)
-    p.add_argument("--batch-tokens", type=int, default=4096)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--plain", type=float, default=0.2, help="fraction of plain story sequences")
-    p.add_argument("--answer-weight", type=float, default=1.0)
-    p.add_argument("--recall-steps", type=int, default=0,
-                   help="steps of the dense associative-recall phase (length 256) before the length curriculum")
-    p.add_argument("--recall-mix", type=float, default=0.0,
-                   help="after that phase, the fraction of retrieval sequences that stay recall examples")
-    p.add_argument("--stop-at", default="", help="wall-clock stop, HH:MM UTC: checkpoint and exit at that time")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--ckpt-every", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-per-cell", type=int, default=16)
-    p.add_argument("--max-length", type=int, default=0, help="cap the curriculum and the val set (0 = the context)")
-    model_args(p)
+    train_options(sub.add_parser("train", help="train (or resume from RUN/ckpt.pt)"))
+    p = sub.add_parser("schedule", help="a schedule's phases as hand commands; checks checkpoints against it")
+    p.add_argument("--schedule", required=True)
+    p.add_argument("--check", nargs="*", default=[], help="checkpoints (ckpt.pt) that must be on the schedule")
+    p = sub.add_parser("make", help="from nothing to the shipped model: stories, train --schedule, export, eval, parity")
+    p.add_argument("--schedule", required=True)
+    p.add_argument("--kvevict-run", required=True)
+    p.add_argument("--run-dir", required=True, help="the run (RUN/stories, RUN/ckpt.pt, logs); rerun to resume")
+    p.add_argument("--out-dir", required=True, help="what ships: model.bin, train.log, eval.jsonl, schedule.json, eval_test.txt, parity.txt")
+    p.add_argument("--stop-at", default="", help="wall-clock stop of the training, HH:MM UTC (rerun to resume)")
+    p.add_argument("--per-cell", type=int, default=64, help="held-out test examples per (kind, length)")
     p = eval_set_args(sub.add_parser("eval", help="exact-match retrieval accuracy of a llama2.c checkpoint"))
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
@@ -652,6 +932,10 @@ def main(argv=None):
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--verbose", action="store_true", help="every layer and head")
+    p = eval_set_args(sub.add_parser("digits", help="diagnosis: the first code digit's failures (wrong fact's code or not)"))
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="", help="the per-question rows as JSON lines")
     p = sub.add_parser("synth", help="diagnosis: a synthetic copy / associative-recall task, same model and optimizer")
     p.add_argument("--task", choices=["copy", "recall"], required=True)
     p.add_argument("--n", type=int, default=16, help="copy: tokens repeated; recall: pairs")
@@ -721,15 +1005,18 @@ def main(argv=None):
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
     model_args(p)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.cmd == "train":
+        args.given = given_options(argv[1:])
     if args.cmd == "stories":
         os.makedirs(args.out_dir, exist_ok=True)
         for split in ("val", "test", "train"):
             tb_data.generate_stories(args.kvevict_run, split, os.path.join(args.out_dir, f"{split}.jsonl"),
                                      log=log_to(None))
     else:
-        {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
-         "report": cmd_report, "lookahead": cmd_lookahead,
+        {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "digits": cmd_digits, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
+         "report": cmd_report, "lookahead": cmd_lookahead, "schedule": cmd_schedule, "make": cmd_make,
          "bench": cmd_bench}[args.cmd](args)
 
 

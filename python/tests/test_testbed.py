@@ -400,3 +400,211 @@ def test_lookahead_prompts_leave_room_for_the_response(tok):
         text = tok.decode(ids[1:])
         assert text.rstrip().endswith("Answer:") and text.lstrip().startswith("Question:") == (j % 2 == 1)
     assert prompts == testbed.lookahead_prompts(gen, 30_000_000, 6, [256, 512], 24)  # a function of the seed
+
+
+TINY = ["--dim", "32", "--hidden", "48", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "512"]
+PHASES = [  # 3 phases over 6 steps: the lr schedule re-stretched, the mix, the lengths and the loss change
+    {"from": 0, "set": {"steps": 6, "recall-steps": 2, "max-length": 256, "batch-tokens": 512, "warmup": 2}},
+    {"from": 2, "set": {"steps": 9, "plain": 0.5, "recall-mix": 0.5, "lr": 3e-3}},
+    {"from": 4, "set": {"steps": 6, "answer-weight": 3.0, "max-length": 0}},
+]
+HAND = [  # the same run by hand: stop at each phase's end, resume with its options on the command line
+    ["--steps", "6", "--recall-steps", "2", "--max-length", "256", "--batch-tokens", "512", "--warmup", "2",
+     "--stop-step", "2"],
+    ["--steps", "9", "--recall-steps", "2", "--max-length", "256", "--batch-tokens", "512", "--warmup", "2",
+     "--plain", "0.5", "--recall-mix", "0.5", "--lr", "3e-3", "--stop-step", "4"],
+    ["--steps", "6", "--recall-steps", "2", "--max-length", "0", "--batch-tokens", "512", "--warmup", "2",
+     "--plain", "0.5", "--recall-mix", "0.5", "--lr", "3e-3", "--answer-weight", "3"],
+]
+
+
+def tiny_pools(tmp_path):
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    for split in ("train", "val", "test"):
+        (stories / f"{split}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    return stories
+
+
+def train_runs(runs):
+    threads = torch.get_num_threads()
+    try:
+        for argv in runs:
+            testbed.main(argv)
+    finally:
+        torch.set_num_threads(threads)  # train sets one thread
+
+
+def assert_same_state(a, b):
+    a, b = torch.load(a), torch.load(b)
+    assert a["step"] == b["step"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["opt"]["state"], b["opt"]["state"]
+    assert sa.keys() == sb.keys()
+    for p in sa:
+        for k in sa[p]:
+            assert torch.equal(sa[p][k], sb[p][k]), (p, k)
+    return a, b
+
+
+def test_schedule_equals_the_hand_resumes_and_resumes_mid_phase(tmp_path):
+    stories = tiny_pools(tmp_path)
+    sched = tmp_path / "schedule.json"
+    sched.write_text(json.dumps({"run": {"seed": 3}, "phases": PHASES}))
+    common = ["train", "--stories-dir", str(stories), "--log-every", "1", "--ckpt-every", "1000", "--eval-every",
+              "1000", "--eval-per-cell", "1", "--seed", "3"] + TINY
+    train_runs([common + ["--run-dir", str(tmp_path / "hand")] + h for h in HAND])
+    common = common[:-len(TINY) - 2] + TINY  # the seed is the schedule's
+    train_runs([common + ["--run-dir", str(tmp_path / "sched"), "--schedule", str(sched)]])
+    train_runs([common + ["--run-dir", str(tmp_path / "mid"), "--schedule", str(sched), "--stop-step", str(s)]
+                for s in (3, 5)] + [common + ["--run-dir", str(tmp_path / "mid"), "--schedule", str(sched)]])
+    hand, straight = assert_same_state(tmp_path / "hand" / "ckpt.pt", tmp_path / "sched" / "ckpt.pt")
+    assert hand["step"] == 6 and straight["args"]["answer_weight"] == 3.0 and straight["args"]["lr"] == 3e-3
+    assert_same_state(tmp_path / "sched" / "ckpt.pt", tmp_path / "mid" / "ckpt.pt")
+    for run in ("sched", "mid"):
+        assert (tmp_path / "hand" / "model.bin").read_bytes() == (tmp_path / run / "model.bin").read_bytes()
+    log = (tmp_path / "mid" / "train.log").read_text()
+    assert "stopped at step 3: --stop-step 3" in log and "at step 3 phase 1 (from 2)" in log
+    assert "schedule: phase 2 from step 4" in log and log.rstrip().endswith("done")
+    # the lr the log prints per step is the hand run's
+    lr = lambda text: [line.split(" lr ")[1].split()[0] for line in text.splitlines() if " lr " in line]
+    assert lr((tmp_path / "hand" / "train.log").read_text()) == lr((tmp_path / "sched" / "train.log").read_text())
+
+    # a checkpoint of another past is refused, and so is an option the schedule sets
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"run": {"seed": 3}, "phases": PHASES[:2] + [dict(PHASES[2], set={"steps": 7})]}))
+    with pytest.raises(SystemExit, match=r"trained with steps 6 \(schedule: 7\), answer-weight 3.0 \(schedule: 1.0\), "
+                                         r"max-length 0 \(schedule: 256\)"):
+        train_runs([common + ["--run-dir", str(tmp_path / "sched"), "--schedule", str(other)]])
+    with pytest.raises(SystemExit, match="--steps set by the schedule"):
+        train_runs([common + ["--run-dir", str(tmp_path / "x"), "--schedule", str(sched), "--steps", "7"]])
+
+
+@pytest.mark.parametrize("phases,message", [
+    ([{"from": 1, "set": {"steps": 4}}], "starts at step 0"),
+    ([{"from": 0, "set": {"steps": 4}}, {"from": 0, "set": {"steps": 5}}], "not after the previous"),
+    ([{"from": 0, "set": {"steps": 2}}, {"from": 3, "set": {"steps": 5}}], "before the next phase"),
+    ([{"from": 0, "set": {"steps": 4, "dim": 8}}], "'dim' is not one of"),
+    ([{"from": 0, "set": {"steps": 4.5}}], "steps must be an integer"),
+    ([{"from": 0, "set": {"steps": 4, "plain": 2}}], r"plain must be in \[0, 1\]"),
+    ([], "non-empty list"),
+])
+def test_schedule_errors(tmp_path, phases, message):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"phases": phases}))
+    with pytest.raises(ValueError, match=message):
+        testbed.tb_schedule.load(str(path), testbed.train_defaults("R"))
+
+
+def test_the_committed_schedule_is_the_runs_hand_resumes():
+    """examples/testbed/schedule.json replays the run's RESUME.txt commands (docs/testbed.md, "Reproduce")."""
+    sched = testbed.tb_schedule.load(os.path.join(SOURCE_DIR, "examples", "testbed", "schedule.json"),
+                                     testbed.train_defaults("R"))
+    assert [p for p, _ in sched.phases] == [0, 450, 4000, 7247, 8400, 14000]
+    got = [(a.steps, a.recall_steps, a.recall_mix, a.plain, a.max_length, a.answer_weight, a.eval_every)
+           for _, a in sched.phases]
+    assert got == [(1500, 500, 0.25, 0.2, 0, 1.0, 100), (4000, 4000, 0.25, 0.1, 512, 1.0, 100),
+                   (8000, 8000, 0.25, 0.1, 512, 1.0, 100), (12000, 12000, 0.25, 0.1, 512, 1.0, 100),
+                   (14000, 8400, 0.25, 0.1, 0, 1.0, 250), (22000, 8400, 0.25, 0.1, 0, 3.0, 250)]
+    assert all(a.seed == 1 and a.threads == 1 and a.batch_tokens == 4096 and a.lr == 2e-3 for _, a in sched.phases)
+    # a checkpoint written at a phase's end carries that phase's options
+    ck = dict(vars(sched.phases[3][1]))
+    assert testbed.tb_schedule.mismatch(ck, 8400, sched) == [] and testbed.tb_schedule.mismatch(ck, 8401, sched)
+
+
+def test_make_goes_from_nothing_to_the_shipped_files(tmp_path):
+    run = built("KVEVICT_RUN")
+    sched = tmp_path / "tiny.json"
+    sched.write_text(json.dumps({"run": {"seed": 3, "dim": 32, "hidden": 48, "layers": 2, "heads": 4, "kv_heads": 2,
+                                         "seq_len": 256}, "stories": {"train": 3, "val": 2, "test": 2},
+                                 "phases": [dict(p, set=dict(p["set"], **{"eval-per-cell": 1, "log-every": 1}))
+                                            for p in PHASES]}))
+    out = tmp_path / "ship"
+    threads = torch.get_num_threads()
+    try:
+        testbed.main(["make", "--schedule", str(sched), "--kvevict-run", run, "--run-dir", str(tmp_path / "run"),
+                      "--out-dir", str(out), "--per-cell", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(os.listdir(out)) == ["eval.jsonl", "eval_test.txt", "model.bin", "parity.txt", "schedule.json",
+                                       "train.log"]
+    assert [len(tb_data.load_stories(str(tmp_path / "run" / "stories" / f"{s}.jsonl"))) for s in ("train", "val", "test")] == [3, 2, 2]
+    ck = torch.load(tmp_path / "run" / "ckpt.pt")
+    assert ck["step"] == 6 and (tmp_path / "run" / "model.bin").read_bytes() == (out / "model.bin").read_bytes()
+    lines = (out / "eval_test.txt").read_text().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("test after    256: exact match") and "lm loss" in lines[-1]
+    assert "parity: 1/1 prompts identical" in (out / "parity.txt").read_text()
+    assert (out / "schedule.json").read_text() == sched.read_text()
+    # rerun: nothing is generated or trained again, the same model ships
+    shipped, pools = (out / "model.bin").read_bytes(), (tmp_path / "run" / "stories" / "train.jsonl").read_bytes()
+    try:
+        testbed.main(["make", "--schedule", str(sched), "--kvevict-run", run, "--run-dir", str(tmp_path / "run"),
+                      "--out-dir", str(out), "--per-cell", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert (out / "model.bin").read_bytes() == shipped and torch.load(tmp_path / "run" / "ckpt.pt")["step"] == 6
+    assert (tmp_path / "run" / "stories" / "train.jsonl").read_bytes() == pools
+    make_log = (tmp_path / "run" / "make.log").read_text()
+    assert make_log.count("stories train: 0 -> 3") == 1 and make_log.count("make: done") == 2
+
+
+def test_make_refuses_full_pools_of_another_sha256(tmp_path):
+    """With the full pools' sizes the schedule's sha256 must match, before any training."""
+    stories = tmp_path / "run" / "stories"
+    stories.mkdir(parents=True)
+    for split, (_, _, n) in tb_data.SPLITS.items():
+        (stories / f"{split}.jsonl").write_text("".join(json.dumps(f"story {i}.") + "\n" for i in range(n)))
+    sched = tmp_path / "s.json"
+    sched.write_text(json.dumps({"stories": {"sha256": {"val": "0" * 64}}, "phases": [{"from": 0, "set": {"steps": 1}}]}))
+    fake_run = tmp_path / "kvevict-run"
+    fake_run.write_text("")
+    with pytest.raises(SystemExit, match="val.jsonl has sha256 .*, the schedule's pool 0000"):
+        testbed.main(["make", "--schedule", str(sched), "--kvevict-run", str(fake_run), "--run-dir",
+                      str(tmp_path / "run"), "--out-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_first_digit_errors_classify_the_prediction(tok):
+    """first_digit_errors on a stand-in model that predicts chosen tokens at the first code digit."""
+    gen = tb_data.Generator(tok, STORIES, "val", 5)
+    exs = [gen.example(i, 256, ("after", "before")[i % 2], 4) for i in range(8)]
+    digit = lambda c: gen.digit_ids[int(c)]
+    want, chosen = [], {}
+    for j, e in enumerate(exs):
+        m = e.meta
+        others = [(c, d) for (k, c), d in zip(m["facts"], m["fact_depths"]) if k != m["key"]]
+        firsts = {c[0] for c, _ in others} - {m["code"][0]}
+        if j % 4 == 1 and firsts:
+            pick = sorted(firsts)[0]
+            sides = {"later" if d > m["depth"] else "earlier" for c, d in others if c[0] == pick}
+            want.append(("other fact", sides.pop() if len(sides) == 1 else "either"))
+            chosen[j] = digit(pick)
+        elif j % 4 == 2:
+            chosen[j] = digit(min(set("0123456789") - firsts - {m["code"][0]}))
+            want.append(("other digit", ""))
+        elif j % 4 == 3:
+            chosen[j] = tok.encode(" the")[-1]
+            want.append(("non-digit", ""))
+        else:
+            chosen[j] = digit(m["code"][0])
+            want.append(("right", ""))
+
+    def fake(ids):  # the next true token everywhere (truth for this test), the chosen one at the first digit
+        out = torch.zeros(ids.shape[0], ids.shape[1], 512)
+        for b in range(ids.shape[0]):
+            j = next(j for j, e in enumerate(exs) if e.ids[:-1] == ids[b].tolist())
+            out[b, torch.arange(ids.shape[1]), torch.tensor(exs[j].ids[1:])] = 1.0
+            out[b, exs[j].questions[0][-tb_data.DIGITS]] = 0.0
+            out[b, exs[j].questions[0][-tb_data.DIGITS], chosen[j]] = 1.0
+        return out
+
+    rows = testbed.first_digit_errors(fake, exs, gen.digit_ids, batch_tokens=512)
+    order = sorted(range(len(exs)), key=lambda j: len(exs[j].ids))  # rows come grouped by length
+    assert [(rows[i]["class"], rows[i]["side"]) for i in range(len(rows))] == [want[j] for j in order]
+    assert all(0 < r["depth"] < 1 and r["needles"] == 4 and 0 <= r["chance"] <= 1 and 0.25 <= r["pick"] <= 1 for r in rows)
+    assert [r["pick"] for r in rows] == [sum(c[0] == exs[j].meta["code"][0] for _, c in exs[j].meta["facts"]) / 4
+                                         for j in order]
+    assert sum(r["class"] == "other fact" for r in rows) == 2
+    lines = testbed.digit_table(rows, lambda r: "all")
+    assert "right 2, other fact 2, other digit 2, non-digit 2" in lines[0] and "2/4" in lines[0]

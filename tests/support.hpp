@@ -9,13 +9,43 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
 namespace kvtest {
+
+/// Special floats and bit patterns for the stages' tests (`using namespace kvtest::floats;`).
+namespace floats {
+inline constexpr float inf = std::numeric_limits<float>::infinity();
+inline constexpr float qnan = std::numeric_limits<float>::quiet_NaN();
+inline std::uint32_t bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float from_bits(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+/// The selection order, written independently of detail/base/score_order.hpp: is a above b?
+inline bool ranks_above(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) {
+    if (!std::isnan(a) || !std::isnan(b)) return std::isnan(b);
+    // two NaNs (documented in detail/base/score_order.hpp): sign clear below sign set; then by payload,
+    // larger higher with the sign clear, smaller higher with the sign set
+    if (std::signbit(a) != std::signbit(b)) return std::signbit(a);
+    return std::signbit(a) ? bits(a) < bits(b) : bits(a) > bits(b);
+  }
+  if (a == 0.f && b == 0.f) return !std::signbit(a) && std::signbit(b);  // +0 above -0
+  return a > b;
+}
+}  // namespace floats
 
 /// Seeded generator; every randomized test prints its seed through doctest's CAPTURE on failure.
 inline std::mt19937_64 rng(std::uint64_t seed) { return std::mt19937_64(seed); }

@@ -12,31 +12,11 @@
 using namespace kvevict;
 using kvtest::require_error;
 using kvtest::value_of;
+using namespace kvtest::floats;
 
 namespace {
 
-const float inf = std::numeric_limits<float>::infinity();
-const float qnan = std::numeric_limits<float>::quiet_NaN();
 const float sentinel = -12345.f;
-
-std::uint32_t bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-// The selection order, written independently of detail/base/score_order.hpp: is a above b?
-bool ranks_above(float a, float b) {
-  if (std::isnan(a) || std::isnan(b)) {
-    if (!std::isnan(a) || !std::isnan(b)) return std::isnan(b);
-    // two NaNs (documented in detail/base/score_order.hpp): sign clear below sign set; then by payload,
-    // larger higher with the sign clear, smaller higher with the sign set
-    if (std::signbit(a) != std::signbit(b)) return std::signbit(a);
-    return std::signbit(a) ? bits(a) < bits(b) : bits(a) > bits(b);
-  }
-  if (a == 0.f && b == 0.f) return !std::signbit(a) && std::signbit(b);
-  return a > b;
-}
 
 // Naive reference for position i of a row of n values: every in-range position of the window.
 float ref_max(const std::vector<float>& x, index_t n, index_t i, index_t kernel) {

@@ -32,17 +32,9 @@
 using namespace kvevict;
 using kvtest::require_error;
 using kvtest::value_of;
+using namespace kvtest::floats;
 
 namespace {
-
-const float inf = std::numeric_limits<float>::infinity();
-const float qnan = std::numeric_limits<float>::quiet_NaN();
-
-std::uint32_t bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
 
 template <class T>
 T from_f(float f) {

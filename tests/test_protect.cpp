@@ -15,19 +15,12 @@
 using namespace kvevict;
 using kvtest::require_error;
 using kvtest::value_of;
+using namespace kvtest::floats;
 
 namespace {
 
-const float inf = std::numeric_limits<float>::infinity();
-const float qnan = std::numeric_limits<float>::quiet_NaN();
 const float flt_max = std::numeric_limits<float>::max();
 const float sentinel = -4242.f;
-
-std::uint32_t bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
 
 bool is_protected(index_t t, index_t n, index_t n_sink, index_t n_recent) {
   return t < n_sink || t >= n - n_recent;

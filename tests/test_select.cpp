@@ -12,17 +12,9 @@
 using namespace kvevict;
 using kvtest::require_error;
 using kvtest::value_of;
+using namespace kvtest::floats;
 
 namespace {
-
-constexpr float inf = std::numeric_limits<float>::infinity();
-const float qnan = std::numeric_limits<float>::quiet_NaN();
-
-float from_bits(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // ---- the naive reference, written for clarity -------------------------------------------------
 

@@ -26,21 +26,13 @@
 using namespace kvevict;
 using kvevict::detail::ucount;
 using kvtest::value_of;
+using namespace kvtest::floats;
 
 namespace {
 
 using kvevict::detail::host_block;
 
 // ---- scores ---------------------------------------------------------------------------------------
-
-const float qnan = std::numeric_limits<float>::quiet_NaN();
-constexpr float inf = std::numeric_limits<float>::infinity();
-
-float from_bits(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 enum class dist { uniform, ties3, all_equal, specials, wide, pooled };
 const dist all_dists[] = {dist::uniform, dist::ties3, dist::all_equal, dist::specials, dist::wide, dist::pooled};

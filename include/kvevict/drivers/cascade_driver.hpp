@@ -81,20 +81,20 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
   /// known: its layers end holding what one process holds.
   /// Errors (nothing changes): not initialised; layer out of order or past L; weight NaN, infinite
   /// or negative; workspace too small or overlapping the state; the recorder's errors.
-  status add_remote_layer(cuda_t, workspace&, index_t, double) {
-    return detail::drivers_on_cuda("cascade_driver::add_remote_layer");
-  }
+  /// On cuda_t: errc::unsupported (detail::drivers_on_cuda), nothing changes.
   template <class Backend>
   status add_remote_layer(Backend be, workspace& ws, index_t layer, double weight) {
     constexpr const char* fn = "cascade_driver::add_remote_layer";
-    detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
-    KVEVICT_TRY(check_order(fn, layer, cascade_.layers_added(), cfg_.model.layers));
-    KVEVICT_TRY(check_ws(fn, ws));
-    KVEVICT_TRY(detail::check_layer_weight(fn, layer, weight, "weight"));
-    KVEVICT_TRY(cascade_.add_remote_layer(be, w.sel, layer, weight));
-    return record_changed(layer);
+    return detail::on_host(fn, be, [&](auto host) -> status {
+      detail::call_scratch w;
+      KVEVICT_TRY(open_call(fn, host, ws, w));
+      if (ws.is_query()) return {};
+      KVEVICT_TRY(check_order(fn, layer, cascade_.layers_added(), cfg_.model.layers));
+      KVEVICT_TRY(check_ws(fn, ws));
+      KVEVICT_TRY(detail::check_layer_weight(fn, layer, weight, "weight"));
+      KVEVICT_TRY(cascade_.add_remote_layer(host, w.sel, layer, weight));
+      return record_changed(layer);
+    });
   }
 
   /// The cascade's answers (budget/layer_cascade.hpp): the new layer's kept rows are prompt positions

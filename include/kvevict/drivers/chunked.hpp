@@ -194,8 +194,10 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
                    kv_view<const detail::layer_element_t<KV>> patch_keys = {}) {
     constexpr const char* fn = "chunked_driver::add_layer";
-    in_collective_ = false;
-    return joined(fn, ws, add_layer_queries(fn, be, ws, layer, kv, queries, patch_keys, 0.0));
+    return detail::on_host(fn, be, [&](auto host) {
+      in_collective_ = false;
+      return joined(fn, ws, add_layer_queries(fn, host, ws, layer, kv, queries, patch_keys, 0.0));
+    });
   }
 
   /// add_layer with scores an engine or a trained scorer computed for the layer's current cache
@@ -207,17 +209,10 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   template <class Backend, class KV, typename = detail::layer_element_t<KV>>
   status add_layer_scores(Backend be, workspace& ws, index_t layer, const KV& kv, matrix_view<const float> scores) {
     constexpr const char* fn = "chunked_driver::add_layer_scores";
-    in_collective_ = false;
-    return joined(fn, ws, add_layer_given_scores(fn, be, ws, layer, kv, scores, 0.0));
-  }
-  /// On cuda_t: errc::unsupported (detail::drivers_on_cuda), nothing changes.
-  template <class KV, class Q>
-  status add_layer(cuda_t, workspace&, index_t, const KV&, kv_view<Q>, kv_view<const detail::layer_element_t<KV>> = {}) {
-    return detail::drivers_on_cuda("chunked_driver::add_layer");
-  }
-  template <class KV, typename = detail::layer_element_t<KV>>
-  status add_layer_scores(cuda_t, workspace&, index_t, const KV&, matrix_view<const float>) {
-    return detail::drivers_on_cuda("chunked_driver::add_layer_scores");
+    return detail::on_host(fn, be, [&](auto host) {
+      in_collective_ = false;
+      return joined(fn, ws, add_layer_given_scores(fn, host, ws, layer, kv, scores, 0.0));
+    });
   }
 
   /// The recipe the current chunk is scored with: naive / final chunks as a prompt window of the
@@ -241,19 +236,16 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   /// entropies (apportion with each layer's evictable rows as its cap) and selects every layer;
   /// per-layer allocators have nothing left to do. Errors: not initialised; no chunk; layers
   /// missing; called twice for a chunk; workspace too small; the recorder's errors.
-  status decide(cuda_t, workspace&) { return detail::drivers_on_cuda("chunked_driver::decide"); }
   template <class Backend>
-  status decide(Backend be, workspace& ws) {
-    constexpr const char* fn = "chunked_driver::decide";
-    detail::call_scratch w;
-    status st = open_call(fn, be, ws, w);
-    if (ws.is_query()) return st;
+  status decide(Backend be, workspace& ws) { return decide_call(be, ws, next_, scope().text); }
+
+ private:
+  /// decide() after detail::prefill_driver_skeleton::decide_call's opening (the call opened, every
+  /// layer of the chunk added; st: the status so far).
+  template <class Backend>
+  status decide_layers(const char* fn, Backend be, workspace& ws, detail::call_scratch& w, status st) {
     const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads;
     if (st.ok() && !open_) st = status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
-    if (st.ok() && next_ < L)
-      st = status::error(errc::invalid_argument, "%s: only %lld of %lld layers of chunk [%lld, %lld) were added", fn,
-                         static_cast<long long>(next_), static_cast<long long>(L), static_cast<long long>(begin_),
-                         static_cast<long long>(end_));
     if (st.ok() && !lava()) return {};
     if (st.ok() && decided_)
       st = status::error(errc::invalid_argument, "%s: chunk [%lld, %lld) was already decided", fn,
@@ -298,22 +290,16 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     if (keep < prot_sum) keep = prot_sum;  // not reached: init checks total >= L H (n_sink + n_recent)
     KVEVICT_TRY(whole.share_lava_totals(ML, keep - prot_sum, w.caps, w.shares, w.totals));
     for (index_t l = 0; l < L; ++l) {
-      if (tp) {
-        comm_ref c = cfg_.tp;
-        KVEVICT_TRY(select_topk_flat(be, w.sel, c, held_.scores_view(l), held_.lens + l * H, w.totals[f + l], nullptr,
-                                     kept_cu_ + l * (H + 1), kept_pos_ + l * H * cfg_.capacity));
-      } else {
-        KVEVICT_TRY(detail::select_layer(be, w.sel, allocator::lava, held_.scores_view(l), held_.lens + l * H,
-                                         nullptr, w.totals[f + l], adakv_options{}, kept_cu_ + l * (H + 1),
-                                         kept_pos_ + l * H * cfg_.capacity));
-      }
-      KVEVICT_TRY(held_.record(rec_, l, kept(l, true), end_, w));
+      KVEVICT_TRY(select_held(be, w, allocator::lava, cfg_.tp, tp, l, w.totals[f + l],
+                              kept_pos_ + l * H * cfg_.capacity, rec_, end_));
       commit(l);
     }
     decided_ = true;
     ++chunks_;
     return {};
   }
+
+ public:
 
   /// Is layer l's kept list for the current chunk available?
   bool ready(index_t layer) const noexcept { return ok_ && layer >= 0 && layer < cfg_.model.layers && ready_[layer]; }
@@ -361,6 +347,16 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   struct plan_t : store_plan {
     std::size_t expect = 0;
   };
+  /// How add_layer's and decide()'s errors name the pass: " of chunk [s, e)".
+  struct scope_text {
+    char text[64];
+  };
+  scope_text scope() const {
+    scope_text s;
+    std::snprintf(s.text, sizeof s.text, " of chunk [%lld, %lld)", static_cast<long long>(begin_),
+                  static_cast<long long>(end_));
+    return s;
+  }
   bool lava() const noexcept { return cfg_.alloc.kind == allocator::lava; }
   bool patched() const noexcept { return cfg_.queries == chunk_queries::patched && attention_; }
   bool patch_active() const noexcept { return patched() && !final_chunk(); }
@@ -392,10 +388,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     const index_t H = cfg_.model.kv_heads;
     const std::int32_t* lens = detail::layer_lens(kv);
     if (!open_) return status::error(errc::invalid_argument, "%s: no chunk was begun (begin_chunk)", fn);
-    char scope[64];
-    std::snprintf(scope, sizeof scope, " of chunk [%lld, %lld)", static_cast<long long>(begin_),
-                  static_cast<long long>(end_));
-    KVEVICT_TRY(check_order(fn, layer, next_, cfg_.model.layers, scope));
+    KVEVICT_TRY(check_order(fn, layer, next_, cfg_.model.layers, scope().text));
     const index_t n = end_ - begin_;
     detail::row_rules rr;
     rr.tokens = end_;
@@ -597,7 +590,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
     s.sel = detail::driver_select_bytes(be, sharded(), cfg_.alloc.kind, cfg_.alloc.kind, s.H, s.C, cfg_.tp.size());
     if (pipelined(cfg_)) {  // decide()'s gathers, before its selections
       const detail::stage_span stage{cfg_.pp, cfg_.first_layer, cfg_.model.layers, model_layers(cfg_)};
-      const auto bytes = stage.scratch_bytes(name, cfg_.model.kv_heads);
+      const auto bytes = stage.workspace_bytes(name, cfg_.model.kv_heads);
       if (!bytes) return bytes.error();
       s.sel = std::max(s.sel, *bytes);
     }

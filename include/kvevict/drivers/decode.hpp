@@ -90,21 +90,19 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
 
   /// begin on a paged layer (one sequence of it, paged_layer_kv): the same, with the workspace of
   /// every call (two-phase, workspace_bytes(be)) for the block-table checks.
-  template <class T>
-  status begin(cuda_t, workspace&, index_t, const paged_layer_kv<T>&, index_t, matrix_view<const float> = {}) {
-    return detail::drivers_on_cuda("decode_driver::begin");
-  }
   template <class Backend, class T>
   status begin(Backend be, workspace& ws, index_t layer, const paged_layer_kv<T>& kv_in, index_t tokens,
                matrix_view<const float> initial = {}) {
     constexpr const char* fn = "decode_driver::begin";
-    detail::call_scratch w;
-    KVEVICT_TRY(open_call(fn, be, ws, w));
-    if (ws.is_query()) return {};
-    KVEVICT_TRY(check_ws(fn, ws));
-    detail::paged_rows<T> kv;
-    KVEVICT_TRY(detail::open_layer(fn, w.paged, kv_in, cfg_.model.kv_heads, cfg_.model.head_dim, kv));
-    return begin_rows(fn, layer, kv, tokens, initial);
+    return detail::on_host(fn, be, [&](auto host) -> status {
+      detail::call_scratch w;
+      KVEVICT_TRY(open_call(fn, host, ws, w));
+      if (ws.is_query()) return {};
+      KVEVICT_TRY(check_ws(fn, ws));
+      detail::paged_rows<T> kv;
+      KVEVICT_TRY(detail::open_layer(fn, w.paged, kv_in, cfg_.model.kv_heads, cfg_.model.head_dim, kv));
+      return begin_rows(fn, layer, kv, tokens, initial);
+    });
   }
 
   /// Does the next step of layer l evict? (So the engine knows when to gather window queries.)
@@ -162,21 +160,15 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   /// bounds its pools).
   /// On cuda_t (step, step_scores, begin): errc::unsupported (detail::drivers_on_cuda), nothing
   /// changes.
-  template <class KV, class Q>
-  status step(cuda_t, workspace&, index_t, const KV&, kv_view<Q>, kv_view<const detail::layer_element_t<KV>> = {}) {
-    return detail::drivers_on_cuda("decode_driver::step");
-  }
-  template <class KV, typename = detail::layer_element_t<KV>>
-  status step_scores(cuda_t, workspace&, index_t, const KV&, matrix_view<const float>) {
-    return detail::drivers_on_cuda("decode_driver::step_scores");
-  }
   template <class Backend, class KV, class Q>
   status step(Backend be, workspace& ws, index_t layer, const KV& kv_in, kv_view<Q> queries_in,
               kv_view<const detail::layer_element_t<KV>> block_keys = {}) {
     constexpr const char* fn = "decode_driver::step";
-    const bool join = sharded() && evicts_next(layer) && !ws.is_query();
-    in_collective_ = false;
-    return joined(fn, join, step_local(fn, be, ws, layer, kv_in, queries_in, block_keys));
+    return detail::on_host(fn, be, [&](auto host) {
+      const bool join = sharded() && evicts_next(layer) && !ws.is_query();
+      in_collective_ = false;
+      return joined(fn, join, step_local(fn, host, ws, layer, kv_in, queries_in, block_keys));
+    });
   }
 
   /// step with scores an engine or a trained scorer computed instead of the queries: scores
@@ -193,9 +185,11 @@ class decode_driver : public detail::driver_skeleton<decode_driver, decode_confi
   template <class Backend, class KV, typename = detail::layer_element_t<KV>>
   status step_scores(Backend be, workspace& ws, index_t layer, const KV& kv_in, matrix_view<const float> scores) {
     constexpr const char* fn = "decode_driver::step_scores";
-    const bool join = sharded() && evicts_next(layer) && !ws.is_query();
-    in_collective_ = false;
-    return joined(fn, join, step_scores_local(fn, be, ws, layer, kv_in, scores));
+    return detail::on_host(fn, be, [&](auto host) {
+      const bool join = sharded() && evicts_next(layer) && !ws.is_query();
+      in_collective_ = false;
+      return joined(fn, join, step_scores_local(fn, host, ws, layer, kv_in, scores));
+    });
   }
 
  private:

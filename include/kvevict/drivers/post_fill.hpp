@@ -134,23 +134,28 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton.
 
   /// detail::prefill_driver_skeleton's add_layer and add_layer_scores (documented above); with a
-  /// tensor-parallel communicator a call failing on one rank fails on every rank.
+  /// tensor-parallel communicator a call failing on one rank fails on every rank. On cuda_t:
+  /// errc::unsupported (detail::drivers_on_cuda), nothing changes.
   template <class Backend, class KV, class Q>
   status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
                    kv_view<const detail::layer_element_t<KV>> block_keys = {}, double weight = 0.0) {
-    in_collective_ = false;
-    return joined("post_fill_driver::add_layer", ws,
-                  prefill_driver_skeleton::add_layer(be, ws, layer, kv, queries, block_keys, weight), layer, weight);
+    constexpr const char* fn = "post_fill_driver::add_layer";
+    return detail::on_host(fn, be, [&](auto host) {
+      in_collective_ = false;
+      return joined(fn, ws, prefill_driver_skeleton::add_layer(host, ws, layer, kv, queries, block_keys, weight),
+                    layer, weight);
+    });
   }
   template <class Backend, class KV, typename = detail::layer_element_t<KV>>
   status add_layer_scores(Backend be, workspace& ws, index_t layer, const KV& kv, matrix_view<const float> scores,
                           double weight = 0.0) {
-    in_collective_ = false;
-    return joined("post_fill_driver::add_layer_scores", ws,
-                  prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores, weight), layer, weight);
+    constexpr const char* fn = "post_fill_driver::add_layer_scores";
+    return detail::on_host(fn, be, [&](auto host) {
+      in_collective_ = false;
+      return joined(fn, ws, prefill_driver_skeleton::add_layer_scores(host, ws, layer, kv, scores, weight), layer,
+                    weight);
+    });
   }
-  using prefill_driver_skeleton::add_layer;  // the cuda_t overloads: errc::unsupported
-  using prefill_driver_skeleton::add_layer_scores;
 
   // init(cfg, memory, bytes, recorder): detail::driver_skeleton, ending in attach() below.
   // Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and
@@ -170,19 +175,17 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
   /// add_layer's. Errors: not initialised; layers missing; called twice; lava: total below the
   /// layers' protected rows or above their rows; cake: the allocator's errors (cake_budgets);
   /// workspace too small; the recorder's errors.
-  status decide(cuda_t, workspace&) { return detail::drivers_on_cuda("post_fill_driver::decide"); }
   template <class Backend>
-  status decide(Backend be, workspace& ws) {
-    constexpr const char* fn = "post_fill_driver::decide";
-    detail::call_scratch w;
-    status st = open_call(fn, be, ws, w);
-    if (ws.is_query()) return st;
+  status decide(Backend be, workspace& ws) { return decide_call(be, ws, added_, ""); }
+
+ private:
+  /// decide() after detail::prefill_driver_skeleton::decide_call's opening (the call opened, every
+  /// layer added; st: the status so far).
+  template <class Backend>
+  status decide_layers(const char* fn, Backend be, workspace& ws, detail::call_scratch& w, status st) {
     const index_t L = cfg_.model.layers, H = cfg_.model.kv_heads;
     if (st.ok() && decided_)
       st = status::error(errc::invalid_argument, "%s: decide() already ran; init() the driver again", fn);
-    if (st.ok() && added_ < L)
-      st = status::error(errc::invalid_argument, "%s: only %lld of %lld layers were added", fn,
-                         static_cast<long long>(added_), static_cast<long long>(L));
     if (st.ok()) st = check_ws(fn, ws);
     // tensor / pipeline parallelism, lava / cake: every rank agrees first (a rank failing here
     // fails them all)
@@ -226,23 +229,17 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
                                detail::rows_view(out, ML, H, H)));
       if (out != budgets_) std::copy(out + f * H, out + (f + L) * H, budgets_);
     }
+    const bool lava = cfg_.alloc.kind == allocator::lava;
     for (index_t l = 0; l < L; ++l) {
-      const allocator kind = cfg_.alloc.kind == allocator::lava ? allocator::lava : allocator::per_head;
-      if (kind == allocator::lava && sharded(cfg_)) {  // the layer's total over every rank's heads
-        comm_ref tp = cfg_.tp;
-        KVEVICT_TRY(select_topk_flat(be, w.sel, tp, held_.scores_view(l), held_.lens + l * H, w.totals[f + l], nullptr,
-                                     kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
-      } else {
-        KVEVICT_TRY(detail::select_layer(be, w.sel, kind, held_.scores_view(l), held_.lens + l * H, budgets_ + l * H,
-                                         kind == allocator::lava ? w.totals[f + l] : 0, adakv_options{},
-                                         kept_cu_ + l * (H + 1), kept_pos_ + kept_off_[l]));
-      }
-      KVEVICT_TRY(held_.record(rec_, l, kept(l, true), cfg_.tokens, w));
+      KVEVICT_TRY(select_held(be, w, lava ? allocator::lava : allocator::per_head, cfg_.tp, sharded(cfg_), l,
+                              lava ? w.totals[f + l] : 0, kept_pos_ + kept_off_[l], rec_, cfg_.tokens));
       ready_[l] = 1;
     }
     decided_ = true;
     return {};
   }
+
+ public:
 
   /// Is layer l's kept list available? (per-layer allocators: after add_layer(l); lava, cake:
   /// after decide()).
@@ -386,7 +383,7 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
     s.sel = detail::driver_select_bytes(be, sharded(cfg_), cfg_.alloc.kind, all_layer_ ? allocator::lava : cfg_.alloc.kind,
                                         s.H, s.C, cfg_.tp.size());
     if (pipelined(cfg_)) {  // decide()'s gathers, before its selections
-      const auto bytes = stage_of(cfg_).scratch_bytes(name, cfg_.model.kv_heads);
+      const auto bytes = stage_of(cfg_).workspace_bytes(name, cfg_.model.kv_heads);
       if (!bytes) return bytes.error();
       s.sel = std::max(s.sel, *bytes);
     }

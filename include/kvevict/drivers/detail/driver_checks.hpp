@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 namespace kvevict {
 namespace detail {
@@ -45,7 +46,7 @@ inline status check_supported(const char* fn, bool refused, const char* what, co
   return status::error(errc::unsupported, "%s: %s %s", fn, what, why);
 }
 
-/// Every driver call on cuda_t (the overloads taking cuda_t in place of a host backend): refused.
+/// Every driver call on cuda_t: refused with errc::unsupported, nothing changes (on_host below).
 /// The drivers' state (kept lists, budgets, H2O sums, the recorder) is in host memory and their
 /// block-table / position checks, allocators and bookkeeping are host loops reading the layer, so
 /// they cannot take device memory (docs/paged.md, "On the GPU").
@@ -55,6 +56,15 @@ inline status drivers_on_cuda(const char* fn) {
                        "host loops; on cuda run the per-layer stages (paged_window_scores, select_topk_batch, "
                        "compact_paged) directly",
                        fn);
+}
+
+/// A driver entry point's frame: on cuda_t refused (drivers_on_cuda(fn), nothing changes), on a
+/// host backend host(be). Every entry point taking a backend runs its body through it, as a
+/// generic lambda, so the body is never compiled for cuda_t.
+template <class Backend, class Host>
+status on_host(const char* fn, Backend be, Host&& host) {
+  if constexpr (std::is_same_v<Backend, cuda_t>) return drivers_on_cuda(fn);
+  else return host(be);
 }
 
 /// Rows per head a driver scores at most (C): positive, H C and C within int32.
@@ -230,31 +240,26 @@ status check_cache_layout(const char* fn, const char* name, const ragged_cache<c
 }
 
 // A layer as the drivers read it (layer_reader's type, paged_rows.hpp): a layer_kv, or a paged
-// layer's rows (paged_rows: its paged_layer, position pages and lengths). Each accessor answers for
-// both: the heads, the rows per head and the original position of row j of head h.
-template <class KV>
-inline constexpr bool is_layer_kv_v = false;
+// layer's rows (paged_rows: its paged_layer, position pages and lengths). Each accessor has one
+// overload per kind: the heads, the rows per head and the original position of row j of head h.
 template <class T>
-inline constexpr bool is_layer_kv_v<layer_kv<T>> = true;
+struct paged_rows;
 
-template <class KV>
-index_t layer_heads(const KV& kv) {
-  if constexpr (is_layer_kv_v<KV>) return kv.keys.heads;
-  else return kv.layer.kv_heads;
-}
-template <class KV>
-const std::int32_t* layer_lens(const KV& kv) {
-  if constexpr (is_layer_kv_v<KV>) return kv.keys.lens;
-  else return kv.lens;
-}
-template <class KV>
-pos_t layer_pos(const KV& kv, index_t h, index_t j) {
-  if constexpr (is_layer_kv_v<KV>) {
-    return kv.positions[kv.keys.cu_capacity[h] + j];
-  } else {
-    const index_t ps = kv.positions.page_size;
-    return *kv.positions.row(kv.layer.table.page_of(kv.layer.list_of(h), j, ps), j % ps, kv.layer.head_of(h));
-  }
+template <class T>
+index_t layer_heads(const layer_kv<T>& kv) { return kv.keys.heads; }
+template <class T>
+const std::int32_t* layer_lens(const layer_kv<T>& kv) { return kv.keys.lens; }
+template <class T>
+pos_t layer_pos(const layer_kv<T>& kv, index_t h, index_t j) { return kv.positions[kv.keys.cu_capacity[h] + j]; }
+
+template <class T>
+index_t layer_heads(const paged_rows<T>& kv) { return kv.layer.kv_heads; }
+template <class T>
+const std::int32_t* layer_lens(const paged_rows<T>& kv) { return kv.lens; }
+template <class T>
+pos_t layer_pos(const paged_rows<T>& kv, index_t h, index_t j) {
+  const index_t ps = kv.positions.page_size;
+  return *kv.positions.row(kv.layer.table.page_of(kv.layer.list_of(h), j, ps), j % ps, kv.layer.head_of(h));
 }
 
 /// The layer's layout: both caches, equal key / value row counts, positions present.

@@ -536,12 +536,15 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
   /// the driver takes one): every head is scored with recipe_scores, then add_layer_scores' path.
   /// kv: a layer_kv, or a paged_layer_kv (one sequence of a paged layer; the config's
   /// pool_pages bounds its pools).
+  /// On cuda_t both refuse (drivers_on_cuda), nothing changes.
   template <class Backend, class KV, class Q>
   status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
                    kv_view<const layer_element_t<KV>> block_keys = {}, double weight = 0.0) {
     char fn[64];
     std::snprintf(fn, sizeof fn, "%s::add_layer", Derived::name);
-    return add_layer_queries(fn, be, ws, layer, kv, queries, block_keys, weight);
+    return on_host(fn, be, [&](auto host) {
+      return add_layer_queries(fn, host, ws, layer, kv, queries, block_keys, weight);
+    });
   }
 
   /// Layer `layer` (in order) with scores an engine or a trained scorer computed: [H][>= rows of a
@@ -555,27 +558,33 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
                           double weight = 0.0) {
     char fn[64];
     std::snprintf(fn, sizeof fn, "%s::add_layer_scores", Derived::name);
-    return add_layer_given_scores(fn, be, ws, layer, kv, scores, weight);
-  }
-
-  /// On cuda_t: errc::unsupported (detail::drivers_on_cuda), nothing changes.
-  template <class KV, class Q>
-  status add_layer(cuda_t, workspace&, index_t, const KV&, kv_view<Q>, kv_view<const layer_element_t<KV>> = {},
-                   double = 0.0) {
-    char fn[64];
-    std::snprintf(fn, sizeof fn, "%s::add_layer", Derived::name);
-    return drivers_on_cuda(fn);
-  }
-  template <class KV, typename = layer_element_t<KV>>
-  status add_layer_scores(cuda_t, workspace&, index_t, const KV&, matrix_view<const float>, double = 0.0) {
-    char fn[64];
-    std::snprintf(fn, sizeof fn, "%s::add_layer_scores", Derived::name);
-    return drivers_on_cuda(fn);
+    return on_host(fn, be, [&](auto host) { return add_layer_given_scores(fn, host, ws, layer, kv, scores, weight); });
   }
 
  protected:
   /// The recorder holds the prompt's positions: cfg.tokens.
   static index_t recorder_tokens(const Config& c) { return c.tokens; }
+
+  /// decide() of the drivers that decide after their layers (post-fill, chunked): refused on
+  /// cuda_t (nothing changes); the call opened (a size query ends here); `added` of the pass's L
+  /// layers added (`scope` names the pass, as check_order's: " of chunk [s, e)" or ""); then
+  /// Derived::decide_layers(fn, be, ws, w, st) with the status so far: it checks the rest and, with
+  /// ranks or stages, hands the status to their agreement (a rank failing here fails them all).
+  template <class Backend>
+  status decide_call(Backend be, workspace& ws, index_t added, const char* scope) {
+    char fn[64];
+    std::snprintf(fn, sizeof fn, "%s::decide", Derived::name);
+    return on_host(fn, be, [&](auto host) {
+      call_scratch w;
+      status st = this->open_call(fn, host, ws, w);
+      if (ws.is_query()) return st;
+      const index_t L = this->cfg_.model.layers;
+      if (st.ok() && added < L)
+        st = status::error(errc::invalid_argument, "%s: only %lld of %lld layers%s were added", fn,
+                           static_cast<long long>(added), static_cast<long long>(L), scope);
+      return static_cast<Derived&>(*this).decide_layers(fn, host, ws, w, st);
+    });
+  }
 
   /// The opening of both add paths: the call's scratch carved from ws (a size query stops there),
   /// the layer opened (dense or paged) and checked against the driver's order and layout
@@ -766,6 +775,25 @@ class layer_store {
       }
       for (index_t h = 0; h <= H; ++h) kept_cu_[l * (H + 1) + h] = 0;
     }
+  }
+
+  /// decide()'s last step for held layer l (an all-layer allocator): its rows selected into its
+  /// kept lists (offsets at kept_cu_, positions at `pos`), lava keeping `total` rows of the layer
+  /// (select_topk_flat; across the tensor-parallel ranks `tp` when `sharded`), cake (per_head) each
+  /// head its budgets_ row; then the rows it drops recorded at `step`.
+  template <class Backend>
+  status select_held(Backend be, call_scratch& w, allocator kind, const comm_ref& tp, bool sharded, index_t l,
+                     index_t total, pos_t* pos, eviction_recorder* rec, index_t step) {
+    const index_t H = held_.H;
+    std::int32_t* cu = kept_cu_ + l * (H + 1);
+    if (kind == allocator::lava && sharded) {  // the layer's total over every rank's heads
+      comm_ref c = tp;
+      KVEVICT_TRY(select_topk_flat(be, w.sel, c, held_.scores_view(l), held_.lens + l * H, total, nullptr, cu, pos));
+    } else {
+      KVEVICT_TRY(select_layer(be, w.sel, kind, held_.scores_view(l), held_.lens + l * H, budgets_ + l * H, total,
+                               adakv_options{}, cu, pos));
+    }
+    return held_.record(rec, l, ragged_positions{pos, cu, H}, step, w);
   }
 
   std::int32_t* budgets_ = nullptr;

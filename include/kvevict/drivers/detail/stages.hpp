@@ -36,8 +36,8 @@ struct stage_span {
     g.budgets = w.take<std::int32_t>(static_cast<std::size_t>(model_layers * heads));
     return w.finish(name);
   }
-  /// The scratch's bytes (a query of carve).
-  result<std::size_t> scratch_bytes(const char* name, index_t heads) const {
+  /// The workspace bytes of the scratch (a query of carve).
+  result<std::size_t> workspace_bytes(const char* name, index_t heads) const {
     workspace q;
     scratch g;
     KVEVICT_TRY(carve(name, q, heads, g));

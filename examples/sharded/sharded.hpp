@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -155,10 +156,13 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
                          "--recipe %s is not supported sharded: its query block comes from extra forward passes "
                          "(pseudo-decoding, a draft, a trained module, the response) the sharded runner does not run",
                          method_name(m));
-  if (o.driver == driver_kind::layerwise)
+  const budget_scheme a = allocator_of(o);
+  if (o.driver == driver_kind::layerwise && s.tp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
     return status::error(errc::unsupported,
-                         "--driver layerwise is not supported sharded: the sharded runner does not wire the cascade "
-                         "across ranks (cascade_driver::add_remote_layer does; postfill, chunked-* and decode run)");
+                         "--driver layerwise --allocator %s is not supported under --tp: the cascade's per-layer "
+                         "selection is not sharded across heads (cascade_driver has no tp; --pp runs it, and the "
+                         "per-layer allocators run layerwise under --tp)",
+                         allocator_name(a));
   return check_evict_options(c, o);
 }
 
@@ -291,6 +295,7 @@ class sharded_runner {
       case driver_kind::chunked_naive:
       case driver_kind::chunked_patched: return prefill_chunked(prompt);
       case driver_kind::decode: return prefill_decode(prompt);
+      case driver_kind::layerwise: return prefill_layerwise(prompt);
       default: break;
     }
     prompt_q_.reset(mine_cfg_, n);
@@ -343,12 +348,16 @@ class sharded_runner {
   kvevict::post_fill_driver pf_;
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
+  kvevict::cascade_driver cd_;
   driver_scratch scratch_;
   kvevict::workspace decode_ws_;  // the decode driver's (in scratch_.ws)
   allocation_plan alloc_;
   std::vector<std::int32_t> budgets_;
-  std::vector<unsigned char> pref_ws_, init_ws_;
+  std::vector<unsigned char> pref_ws_, init_ws_, gather_ws_;
   std::vector<float> initial_;
+  std::vector<double> stage_weights_, model_weights_;  // the layerwise cascade's (pipeline stages)
+  std::vector<pos_t> cascade_schedule_;                // its recorder's [L][heads][N]
+  std::function<status(int)> after_stage_;             // forward(): after stage st's rows reached every rank
 
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
 
@@ -439,6 +448,7 @@ class sharded_runner {
         const auto bytes = static_cast<std::size_t>(n * d) * sizeof(float);
         KVEVICT_TRY(ppc_->allgather(x, bytes, xs_.data()));
         std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
+        if (after_stage_) KVEVICT_TRY(after_stage_(st));
       }
     }
     if (extra) cache_.set_lengths(held_);
@@ -601,6 +611,127 @@ class sharded_runner {
       KVEVICT_TRY(compact_all(ch_));
       evict_s_ += seconds_since(t0);
     }
+    return {};
+  }
+
+  // evictor::prefill_layerwise on this rank's heads / layers, inside the prefill's after_layer hook:
+  // per-layer allocators through post_fill_driver layer by layer (TP: flattened / adakv select
+  // across the ranks in add_layer; PP: each stage's driver on its layers, no communication), then
+  // decide(); lava / cake through cascade_driver holding the whole model's L layers, the other
+  // stages' as remote layers (add_remote_layer, docs/distributed.md "The cascade"): the layers
+  // before this stage by their weights gathered at each stage boundary, the layers after it once
+  // the prefill is done, compacting this stage's layers whenever a step shrinks them. check_sharded
+  // refuses the cascade under --tp (its per-layer selection is not sharded across heads).
+  status prefill_layerwise(const std::vector<int>& prompt) {
+    const config& c = m_->cfg();
+    const index_t P = static_cast<index_t>(prompt.size()), L = c.n_layers, w = o_.window, hk = heads_.count;
+    const index_t a = layers_.first, b = layers_.first + layers_.count;
+    const budget_scheme scheme = allocator_of(o_);
+    const bool cascade = scheme == budget_scheme::lava || scheme == budget_scheme::cake;
+    kvevict::workspace ws;
+    kvevict::eviction_recorder cascade_rec;
+    if (cascade) {
+      kvevict::allocation al;
+      KVEVICT_TRY(plan(P, al));
+      kvevict::cascade_driver_config cc;
+      cc.model = {L, hk, lq_, hs_};  // the whole model's layers (the other stages' are remote)
+      cc.tokens = P;
+      cc.rec = rec_;
+      cc.total = al.total;
+      cc.split = scheme == budget_scheme::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
+      cc.weight = scheme == budget_scheme::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
+      if (recorder_ != nullptr) {  // the driver records [L][heads][N]; this stage's layers copied out below
+        const index_t N = recorder_->capacity();
+        cascade_schedule_.assign(static_cast<std::size_t>(L * hk * N), 0);
+        const auto made = kvevict::make_eviction_recorder(cascade_schedule_.data(), L, hk, N);
+        if (!made) return made.error();
+        cascade_rec = *made;
+      }
+      KVEVICT_TRY(init_driver(cd_, scratch_, cc, recorder_ != nullptr ? &cascade_rec : nullptr, ws));
+      stage_weights_.assign(static_cast<std::size_t>(std::max<index_t>(layers_.count, 1)), 0.0);
+      model_weights_.assign(static_cast<std::size_t>(L), 0.0);
+    } else {
+      kvevict::post_fill_config pc;
+      KVEVICT_TRY(plan(P, pc.alloc));
+      pc.model = shape();
+      pc.tokens = P;
+      pc.rec = rec_;
+      pc.tp = tp();
+      KVEVICT_TRY(init_driver(pf_, scratch_, pc, recorder_, ws));
+    }
+    // the cascade's layers [first, end): the other stages' remote ones, compacting this stage's
+    // layers that shrink
+    const auto remote = [&](index_t first, index_t end) -> status {
+      for (index_t j = first; j < end; ++j) {
+        KVEVICT_TRY(cd_.add_remote_layer(kvevict::seq, ws, j, model_weights_[static_cast<std::size_t>(j)]));
+        for (index_t i = a; i < b; ++i)
+          if (cd_.changed(i)) KVEVICT_TRY(cache_.compact(static_cast<int>(i), cd_.kept(i)));
+      }
+      return {};
+    };
+    // the weights of layers [0, end) on every rank, each stage giving its own layers among them
+    const auto gather = [&](index_t end) {
+      const index_t lo = std::min(a, end), hi = std::min(b, end);
+      return with_workspace(gather_ws_, [&](kvevict::workspace& gws) {
+        return kvevict::gather_layer_values(gws, *ppc_, kvevict::shard_range{lo, hi - lo}, stage_weights_.data(), end,
+                                            model_weights_.data());
+      });
+    };
+    double hook_s = 0.0;
+    forward_hooks hk_;
+    hk_.after_layer = [&](const layer_event& ev) -> status {
+      const auto t0 = std::chrono::steady_clock::now();
+      const int l = ev.layer;
+      const auto q = kvevict::recipe_queries(rec_, ev.queries);
+      if (!q) return q.error();
+      if (cascade) {
+        double weight = 0.0;
+        if (scheme == budget_scheme::cake)
+          KVEVICT_TRY(preference(*kvevict::token_range(ev.queries, P - w, w), cache_.dense_keys(l, P), weight));
+        KVEVICT_TRY(cd_.add_layer(kvevict::seq, ws, l, cache_.layer(l), *q, {}, weight));
+        stage_weights_[static_cast<std::size_t>(l - a)] = cd_.layer_weight(l);
+        KVEVICT_TRY(cache_.compact(l, cd_.kept(l)));
+        for (index_t j = a; j < l; ++j)
+          if (cd_.changed(j)) KVEVICT_TRY(cache_.compact(static_cast<int>(j), cd_.kept(j)));
+      } else {
+        const index_t ls = l - a;
+        KVEVICT_TRY(pf_.add_layer(kvevict::seq, ws, ls, cache_.layer(l), *q));
+        KVEVICT_TRY(cache_.compact(l, pf_.kept(ls)));
+      }
+      hook_s += seconds_since(t0);
+      return {};
+    };
+    const bool staged = cascade && s_.pp > 1;
+    if (staged)  // every stage boundary but the last: the earlier layers' weights, the next stage adds them
+      after_stage_ = [&](int st) -> status {
+        const auto t0 = std::chrono::steady_clock::now();
+        const kvevict::shard_range done = *kvevict::layer_shard(L, s_.pp, st);
+        const index_t end = done.first + done.count;
+        status r;
+        if (end < L) {
+          r = gather(end);
+          if (r.ok() && st + 1 == ppc_->rank()) r = remote(0, end);
+        }
+        hook_s += seconds_since(t0);
+        return r;
+      };
+    const auto t0 = std::chrono::steady_clock::now();
+    const status fw = forward(prompt.data(), P, &hk_);
+    after_stage_ = nullptr;
+    KVEVICT_TRY(fw);
+    if (!cascade) KVEVICT_TRY(pf_.decide(kvevict::seq, ws));
+    const auto t1 = std::chrono::steady_clock::now();  // the prefill as evictor's: forward + decide - hooks
+    prefill_s_ += seconds_since(t0) - hook_s;
+    if (staged) {  // the later stages' layers, now that every weight is known
+      KVEVICT_TRY(gather(L));
+      KVEVICT_TRY(remote(b, L));
+    }
+    if (cascade && recorder_ != nullptr)  // this stage's layers of the driver's schedule
+      for (index_t ls = 0; ls < layers_.count; ++ls)
+        for (index_t h = 0; h < hk; ++h)
+          for (index_t p = 0; p < recorder_->capacity(); ++p)
+            recorder_->storage()(ls, h, p) = cascade_rec.storage()(a + ls, h, p);
+    evict_s_ += hook_s + seconds_since(t1);
     return {};
   }
 

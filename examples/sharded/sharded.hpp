@@ -151,10 +151,10 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
                          "--recipe %s --driver %s is not supported sharded: the runner's streaming-heads path is not "
                          "split across ranks (postfill runs: head types are per KV head)",
                          method_name(m), driver_name(o.driver));
-  if (m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv || m == method::oracle)
+  if (m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv)
     return status::error(errc::unsupported,
                          "--recipe %s is not supported sharded: its query block comes from extra forward passes "
-                         "(pseudo-decoding, a draft, a trained module, the response) the sharded runner does not run",
+                         "(pseudo-decoding, a draft, a trained module) the sharded runner does not run (oracle runs)",
                          method_name(m));
   const budget_scheme a = allocator_of(o);
   if (o.driver == driver_kind::layerwise && s.tp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
@@ -274,21 +274,33 @@ class sharded_runner {
   /// Prefills `prompt` (an empty cache) and evicts as configured (evictor::prefill's drivers);
   /// logits() then holds the first generated token's. `rec` (may be null; must outlive the
   /// runner's decoding) receives the schedule of this rank's [layers().count][heads().count] rows.
-  /// Errors: an empty or too long prompt, the driver's.
-  status prefill(const std::vector<int>& prompt, kvevict::eviction_recorder* rec = nullptr) {
+  /// `response` (oracle only: its query block, the true continuation; every rank the same): run
+  /// after the prompt as an extra block whose queries and keys are kept and KV rows dropped.
+  /// Errors: an empty or too long prompt, the oracle without a response or with one that does not
+  /// fit the context, the driver's.
+  status prefill(const std::vector<int>& prompt, kvevict::eviction_recorder* rec = nullptr,
+                 const std::vector<int>* response = nullptr) {
     recorder_ = rec;
     const config& c = m_->cfg();
     const auto n = static_cast<index_t>(prompt.size());
+    const bool oracle = o_.recipe == method::oracle;
+    const auto m = static_cast<index_t>(oracle && response != nullptr ? response->size() : 0);
     status local;
     if (n < 1 || n > c.seq_len || next_ != 0)
       local = status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
                             static_cast<long long>(n), c.seq_len);
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a of the prompt's tokens
+    else if (oracle && (m < 1 || n + m > c.seq_len))  // evictor::prefill's checks
+      local = status::error(errc::invalid_argument,
+                            m < 1 ? "oracle: the true response is needed as the query block"
+                                  : "oracle: the prompt and the response do not fit the cache");
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a of the prompt's tokens (and the oracle's response)
     for (const int t : prompt) h = (h ^ static_cast<std::uint32_t>(t)) * 1099511628211ull;
+    if (m > 0)
+      for (const int t : *response) h = (h ^ static_cast<std::uint32_t>(t)) * 1099511628211ull;
     char line[agree_text];
-    std::snprintf(line, sizeof line, "a prompt of %lld tokens, hash %016llx", static_cast<long long>(n),
-                  static_cast<unsigned long long>(h));
-    KVEVICT_TRY(agree("sharded_runner::prefill", local, line));  // every rank the same prompt
+    std::snprintf(line, sizeof line, "a prompt of %lld tokens, a response of %lld, hash %016llx", static_cast<long long>(n),
+                  static_cast<long long>(m), static_cast<unsigned long long>(h));
+    KVEVICT_TRY(agree("sharded_runner::prefill", local, line));  // every rank the same prompt (and response)
     prefill_s_ = evict_s_ = 0.0;
     if (o_.recipe == method::full) return timed(prefill_s_, [&] { return forward(prompt.data(), n); });
     switch (o_.driver) {
@@ -301,7 +313,12 @@ class sharded_runner {
     prompt_q_.reset(mine_cfg_, n);
     const forward_hooks hk = prompt_q_.hooks();
     KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data(), n, &hk); }));
-    return timed(evict_s_, [&] { return evict(n); });
+    if (oracle) {  // the true response after the prompt, its queries and keys kept, its KV rows dropped
+      response_q_.reset(mine_cfg_, m);
+      const forward_hooks rh = response_q_.hooks();
+      KVEVICT_TRY(forward(response->data(), m, &rh, nullptr, true, logits_mode::none));
+    }
+    return timed(evict_s_, [&] { return evict(n, oracle ? &response_q_ : nullptr); });
   }
 
   /// This rank's seconds in the last prefill's forward passes (chunked: every chunk's and patch's)
@@ -344,7 +361,7 @@ class sharded_runner {
   std::vector<std::int32_t> held_;  // the lengths before an extra block
   pos_t next_ = 0;
   kvevict::eviction_recorder* recorder_ = nullptr;
-  block_capture prompt_q_, chunk_q_, patch_q_, step_q_, recent_q_;
+  block_capture prompt_q_, chunk_q_, patch_q_, step_q_, recent_q_, response_q_;
   kvevict::post_fill_driver pf_;
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
@@ -805,8 +822,9 @@ class sharded_runner {
     });
   }
 
-  // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers.
-  status evict(index_t P) {
+  // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers; `block`
+  // (the oracle's true response): an external query block with its own keys, this rank's heads.
+  status evict(index_t P, const block_capture* block = nullptr) {
     const config& c = m_->cfg();
     const index_t L = c.n_layers;
     kvevict::post_fill_config pc;
@@ -815,6 +833,7 @@ class sharded_runner {
     pc.tokens = P;
     pc.rec = rec_;
     pc.tp = tp();
+    if (block != nullptr) pc.query_rows = block->rows();
     if (s_.pp > 1) {  // this stage's layers of the model's L
       pc.pp = kvevict::comm_ref(*ppc_);
       pc.first_layer = layers_.first;
@@ -825,9 +844,14 @@ class sharded_runner {
     const auto inputs = [&](int ls, layer_inputs& in) {
       const int l = model_layer(ls);
       in.kv = cache_.layer(l);
-      const auto q = kvevict::recipe_queries(rec_, prompt_q_.queries(l, 0, P));
-      if (!q) return q.error();
-      in.queries = *q;
+      if (block != nullptr) {
+        in.queries = block->queries(l, 0, block->rows());
+        in.block_keys = block->keys(l, 0, block->rows());
+      } else {
+        const auto q = kvevict::recipe_queries(rec_, prompt_q_.queries(l, 0, P));
+        if (!q) return q.error();
+        in.queries = *q;
+      }
       return cake ? preference(prompt_q_.queries(l, P - w, w), cache_.dense_keys(l, P), in.weight) : status{};
     };
     KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, recorder_));
@@ -978,7 +1002,7 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
     prompt_result& r = out[ci];
-    KVEVICT_TRY(w.run.prefill(tp.prompt, &rec));
+    KVEVICT_TRY(w.run.prefill(tp.prompt, &rec, &tp.response));  // the oracle's query block: the true response
     KVEVICT_TRY(w.run.rows(r.kept));
     // post-fill rows share the full cache's timed prefill, as one process's
     const double prefill_s = rc.driver == driver_kind::postfill ? w.full.prefill_seconds() : w.run.prefill_seconds();
@@ -1061,13 +1085,15 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
 /// Generation on one rank of a sharded job: prefill `prompt` with eviction, then sample until
 /// `steps` positions (prompt included) as continue_generation does; every rank gets the same `generated`.
 /// `sample` draws a token from logits (every rank draws the same: the logits are equal bit for bit).
+/// `response`: the oracle's query block (the full cache's continuation, e.g. from this function
+/// with --recipe full), the same on every rank.
 template <class Comm, class Sample>
 status sharded_generate(const model& m, const shard_comms<Comm>& comm, const shard_options& s, const evict_options& o,
                         const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated,
-                        const duo_heads* duo = nullptr) {
+                        const duo_heads* duo = nullptr, const std::vector<int>* response = nullptr) {
   sharded_runner<Comm> run;
   KVEVICT_TRY(run.init(m, comm, s, o, duo));
-  KVEVICT_TRY(run.prefill(prompt));
+  KVEVICT_TRY(run.prefill(prompt, nullptr, response));
   generated.clear();
   for (;;) {  // continue_generation's loop (generate.hpp): BOS ends, `steps` positions in all
     const int token = sample(run.logits());

@@ -26,10 +26,17 @@
 // the heads' allgathers run within a stage (tp), the stages' rows and gathers across the ranks
 // holding the same heads (pp), the report's gathers over the world.
 //
+// The layerwise driver: per-layer allocators through post_fill_driver layer by layer (TP selects
+// across the ranks), LAVa / CAKE through cascade_driver across pipeline stages (add_remote_layer:
+// the earlier stages' layers by their weights gathered at each stage boundary, the later ones after
+// the prefill). The oracle: the full cache's continuation generated sharded, then run after the
+// prompt as an extra block whose queries and keys (this rank's heads) are the post-fill query block.
+//
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
-// kvevict/mpi.hpp; the tests also run it on threads). The recipes that need head types (duo,
-// prulong, duo-heuristic) or a query block (laq, laq++, speckv, lookaheadkv, oracle) and the
-// layerwise driver are not supported sharded: a clear error saying why (check_sharded). Every
+// kvevict/mpi.hpp; the tests also run it on threads). The head-type recipes (duo, prulong,
+// duo-heuristic) with any driver but postfill, the query-block recipes laq, laq++, speckv and
+// lookaheadkv, and the layerwise cascade (lava, cake) under --tp are not supported sharded: a
+// clear error saying why (check_sharded). Every
 // rank must pass the same options and prompt: sharded_runner's init and prefill agree on them
 // first (one allgather), so a rank with others fails every rank instead of hanging.
 #pragma once
@@ -122,11 +129,10 @@ class shard_cache {
 };
 
 /// The methods a sharded run takes: every recipe that needs neither head types nor a query block
-/// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava), with the
-/// postfill, chunked-naive, chunked-patched and decode drivers and the combinations
-/// check_evict_options accepts; the chunked drivers' lava allocator under --tp only (its budget is
-/// the whole model's, shared across layers: not layer-sharded). Error: a clear one naming what is
-/// not supported.
+/// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava) with every
+/// driver and the combinations check_evict_options accepts, except the layerwise cascade (lava,
+/// cake allocators) under --tp; the head-type recipes with the postfill driver; the oracle.
+/// Error: a clear one naming what is not supported and why.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1)
     return status::error(errc::invalid_argument, "--tp %d --pp %d: each must be >= 1", s.tp, s.pp);
@@ -183,8 +189,8 @@ shard_comms<Comm> one_group(Comm& c) {
 }
 
 /// The model on one rank of a tensor- and / or pipeline-parallel job, with eviction by the
-/// postfill, chunked and decode drivers (each given the communicators), as evictor does on one
-/// process.
+/// postfill, layerwise, chunked and decode drivers (each given the communicators), as evictor does
+/// on one process.
 template <class Comm>
 class sharded_runner {
  public:

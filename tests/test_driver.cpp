@@ -2611,6 +2611,26 @@ std::vector<std::int32_t> rank_budgets(std::mt19937_64& g, index_t L, index_t H,
   return b;
 }
 
+/// A chunked LAVa case across `stages` pipeline stages: stages to stages + 2 layers, 1-3 KV heads
+/// (1 or 2 query heads each), 30-60 tokens in 1-4 random chunks, a random fraction and total.
+chunk_case pipeline_lava_case(std::mt19937_64& g, std::uint64_t synth_seed, int stages, const recipe& r,
+                              chunk_queries mode, chunk_target target) {
+  chunk_case c;
+  const index_t L = kvtest::uniform_int(g, stages, stages + 2), H = kvtest::uniform_int(g, 1, 3);
+  c.N = kvtest::uniform_int(g, 30, 60);
+  c.s = make_synth(synth_seed, L, H, H * kvtest::uniform_int(g, 1, 2), 4, c.N);
+  c.r = r;
+  c.mode = mode;
+  c.target = target;
+  c.p = double(kvtest::uniform_int(g, 0, 10)) / 10.0;
+  c.kind = allocator::lava;
+  const index_t prot = c.r.n_sink + c.r.n_recent;
+  c.total = L * H * kvtest::uniform_int(g, std::max<index_t>(prot, 1), prot + 20);
+  const bool patched = c.mode == chunk_queries::patched && uses_attention(c.r.kind);
+  c.bounds = random_bounds(g, c.N, patched ? c.N - c.r.window : c.N - 1, kvtest::uniform_int(g, 1, 4));
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("drivers: chunked across tensor-parallel ranks keeps the single-process rows (flattened, adakv, lava)") {
@@ -2649,20 +2669,11 @@ TEST_CASE("drivers: chunked lava across pipeline stages keeps the single-process
   for (std::uint64_t seed = 1; seed <= 8; ++seed)
     for (int stages : {2, 3}) {
       auto g = kvtest::rng(seed * 17 + static_cast<std::uint64_t>(stages));
-      chunk_case c;
-      const index_t L = kvtest::uniform_int(g, stages, stages + 2), H = kvtest::uniform_int(g, 1, 3);
-      c.N = kvtest::uniform_int(g, 30, 60);
-      c.s = make_synth(seed + 40, L, H, H * kvtest::uniform_int(g, 1, 2), 4, c.N);
-      c.r = seed % 3 == 0 ? small_window(recipe::snapkv(), 5) : seed % 3 == 1 ? small_window(recipe::lava(), 4)
-                                                                              : recipe::streaming_llm(3);
-      c.mode = seed % 2 ? chunk_queries::patched : chunk_queries::naive;
-      c.target = seed % 4 < 2 ? chunk_target::fraction : chunk_target::budget;
-      c.p = double(kvtest::uniform_int(g, 0, 10)) / 10.0;
-      c.kind = allocator::lava;
-      const index_t prot = c.r.n_sink + c.r.n_recent;
-      c.total = L * H * kvtest::uniform_int(g, std::max<index_t>(prot, 1), prot + 20);
-      const bool patched = c.mode == chunk_queries::patched && uses_attention(c.r.kind);
-      c.bounds = random_bounds(g, c.N, patched ? c.N - c.r.window : c.N - 1, kvtest::uniform_int(g, 1, 4));
+      const recipe r = seed % 3 == 0 ? small_window(recipe::snapkv(), 5)
+                       : seed % 3 == 1 ? small_window(recipe::lava(), 4)
+                                       : recipe::streaming_llm(3);
+      const chunk_case c = pipeline_lava_case(g, seed + 40, stages, r, seed % 2 ? chunk_queries::patched : chunk_queries::naive,
+                                              seed % 4 < 2 ? chunk_target::fraction : chunk_target::budget);
       CAPTURE(seed);
       CAPTURE(stages);
       check_pipeline(c, stages, [](const chunk_case& x) { return run_chunked(seq, x, nullptr); });
@@ -2679,18 +2690,11 @@ TEST_CASE("drivers: chunked lava across pipeline stages: a stage failing in add_
   for (std::uint64_t seed = 1; seed <= 6; ++seed)
     for (int stages : {2, 3}) {
       auto g = kvtest::rng(seed * 19 + static_cast<std::uint64_t>(stages));
-      chunk_case c;
-      const index_t L = kvtest::uniform_int(g, stages, stages + 2), H = kvtest::uniform_int(g, 1, 3);
-      c.N = kvtest::uniform_int(g, 30, 60);
-      c.s = make_synth(seed + 60, L, H, H * kvtest::uniform_int(g, 1, 2), 4, c.N);
-      c.r = seed % 2 ? small_window(recipe::lava(), 4) : small_window(recipe::snapkv(), 5);
-      c.mode = seed % 3 ? chunk_queries::patched : chunk_queries::naive;
-      c.target = seed % 4 < 2 ? chunk_target::fraction : chunk_target::budget;
-      c.p = 0.5;
-      c.kind = allocator::lava;
-      c.total = L * H * kvtest::uniform_int(g, c.r.n_sink + c.r.n_recent, c.r.n_sink + c.r.n_recent + 20);
+      const chunk_case c = pipeline_lava_case(g, seed + 60, stages, seed % 2 ? small_window(recipe::lava(), 4) : small_window(recipe::snapkv(), 5),
+                                              seed % 3 ? chunk_queries::patched : chunk_queries::naive,
+                                              seed % 4 < 2 ? chunk_target::fraction : chunk_target::budget);
+      const index_t L = c.s.L, H = c.s.H;
       const bool patched = c.mode == chunk_queries::patched;
-      c.bounds = random_bounds(g, c.N, patched ? c.N - c.r.window : c.N - 1, kvtest::uniform_int(g, 1, 4));
       const index_t chunks = static_cast<index_t>(c.bounds.size()) - 1;
       const int bad = static_cast<int>(kvtest::uniform_int(g, 0, stages - 1));
       const bool nan = seed % 2 == 0;

@@ -503,6 +503,21 @@ index_t random_budgets(std::mt19937_64& g, allocation& a, std::vector<std::int32
   return a.kind == allocator::per_head ? most : sum;
 }
 
+/// A recipe the chunked driver takes: SnapKV, VATP, LAVa (window w, protecting it), Knorm or
+/// StreamingLLM.
+recipe chunk_recipe_of(std::mt19937_64& g, index_t w) {
+  recipe r;
+  switch (kvtest::uniform_int(g, 0, 4)) {
+    case 0: r = recipe::snapkv(); break;
+    case 1: r = recipe::vatp(); break;
+    case 2: r = recipe::lava(); break;
+    case 3: r = recipe::knorm(); break;
+    default: r = recipe::streaming_llm(1);
+  }
+  if (uses_attention(r.kind)) r.window = r.n_recent = w, r.kernel = 3;
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("paged drivers: post_fill_driver on paged layers equals it on the same rows dense") {
@@ -1078,16 +1093,8 @@ TEST_CASE("paged drivers: chunked_driver on paged layers equals it on the same r
     const index_t H = kvtest::uniform_int(g, 1, 3), gq = kvtest::uniform_int(g, 1, 2), d = 2 * kvtest::uniform_int(g, 2, 8);
     const index_t w = kvtest::uniform_int(g, 1, 4), N = kvtest::uniform_int(g, 20, 70), cs = kvtest::uniform_int(g, 4, 16);
     const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
-    recipe r;
-    switch (kvtest::uniform_int(g, 0, 4)) {
-      case 0: r = recipe::snapkv(); break;
-      case 1: r = recipe::vatp(); break;
-      case 2: r = recipe::lava(); break;
-      case 3: r = recipe::knorm(); break;
-      default: r = recipe::streaming_llm(1);
-    }
+    recipe r = chunk_recipe_of(g, w);
     const bool attention = uses_attention(r.kind);
-    if (attention) r.window = r.n_recent = w, r.kernel = 3;
     chunked_config cfg;
     cfg.model = {1, H, H * gq, d};
     cfg.tokens = N;
@@ -1287,16 +1294,7 @@ TEST_CASE("paged drivers: chunked_driver on paged layers across tensor-parallel 
     const index_t d = 2 * kvtest::uniform_int(g, 2, 4), w = kvtest::uniform_int(g, 1, 4);
     const index_t N = kvtest::uniform_int(g, 20, 50), cs = kvtest::uniform_int(g, 4, 14);
     const index_t ps = std::array<index_t, 3>{1, 3, 16}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
-    recipe r;
-    switch (kvtest::uniform_int(g, 0, 4)) {
-      case 0: r = recipe::snapkv(); break;
-      case 1: r = recipe::vatp(); break;
-      case 2: r = recipe::lava(); break;
-      case 3: r = recipe::knorm(); break;
-      default: r = recipe::streaming_llm(1);
-    }
-    const bool attention = uses_attention(r.kind);
-    if (attention) r.window = r.n_recent = w, r.kernel = 3;
+    recipe r = chunk_recipe_of(g, w);
     chunked_config cfg;
     cfg.model = {L, H, H * gq, d};
     cfg.tokens = N;

@@ -582,6 +582,16 @@ class sharded_runner {
     return {};
   }
   kvevict::model_shape shape() const { return {layers_.count, heads_.count, lq_, hs_}; }
+  // The post-fill driver's configuration of a P-token prompt on this rank's heads / layers (the
+  // tensor-parallel communicator set; the pipeline's is the caller's to set).
+  status post_fill_of(index_t P, kvevict::post_fill_config& pc) {
+    KVEVICT_TRY(plan(P, pc.alloc));
+    pc.model = shape();
+    pc.tokens = P;
+    pc.rec = rec_;
+    pc.tp = tp();
+    return {};
+  }
   kvevict::comm_ref tp() { return s_.tp > 1 ? kvevict::comm_ref(*tpc_) : kvevict::comm_ref{}; }
   int model_layer(index_t ls) const { return static_cast<int>(layers_.first + ls); }
   template <class Driver>
@@ -675,11 +685,7 @@ class sharded_runner {
       model_weights_.assign(static_cast<std::size_t>(L), 0.0);
     } else {
       kvevict::post_fill_config pc;
-      KVEVICT_TRY(plan(P, pc.alloc));
-      pc.model = shape();
-      pc.tokens = P;
-      pc.rec = rec_;
-      pc.tp = tp();
+      KVEVICT_TRY(post_fill_of(P, pc));
       KVEVICT_TRY(init_driver(pf_, scratch_, pc, recorder_, ws));
     }
     // the cascade's layers [first, end): the other stages' remote ones, compacting this stage's
@@ -834,11 +840,7 @@ class sharded_runner {
     const config& c = m_->cfg();
     const index_t L = c.n_layers;
     kvevict::post_fill_config pc;
-    KVEVICT_TRY(plan(P, pc.alloc));
-    pc.model = shape();
-    pc.tokens = P;
-    pc.rec = rec_;
-    pc.tp = tp();
+    KVEVICT_TRY(post_fill_of(P, pc));
     if (block != nullptr) pc.query_rows = block->rows();
     if (s_.pp > 1) {  // this stage's layers of the model's L
       pc.pp = kvevict::comm_ref(*ppc_);

@@ -2611,6 +2611,26 @@ std::vector<std::int32_t> rank_budgets(std::mt19937_64& g, index_t L, index_t H,
   return b;
 }
 
+/// A chunked LAVa case across `stages` pipeline stages: stages to stages + 2 layers, 1-3 KV heads
+/// (1 or 2 query heads each), 30-60 tokens in 1-4 random chunks, a random fraction and total.
+chunk_case pipeline_lava_case(std::mt19937_64& g, std::uint64_t synth_seed, int stages, const recipe& r,
+                              chunk_queries mode, chunk_target target) {
+  chunk_case c;
+  const index_t L = kvtest::uniform_int(g, stages, stages + 2), H = kvtest::uniform_int(g, 1, 3);
+  c.N = kvtest::uniform_int(g, 30, 60);
+  c.s = make_synth(synth_seed, L, H, H * kvtest::uniform_int(g, 1, 2), 4, c.N);
+  c.r = r;
+  c.mode = mode;
+  c.target = target;
+  c.p = double(kvtest::uniform_int(g, 0, 10)) / 10.0;
+  c.kind = allocator::lava;
+  const index_t prot = c.r.n_sink + c.r.n_recent;
+  c.total = L * H * kvtest::uniform_int(g, std::max<index_t>(prot, 1), prot + 20);
+  const bool patched = c.mode == chunk_queries::patched && uses_attention(c.r.kind);
+  c.bounds = random_bounds(g, c.N, patched ? c.N - c.r.window : c.N - 1, kvtest::uniform_int(g, 1, 4));
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("drivers: chunked across tensor-parallel ranks keeps the single-process rows (flattened, adakv, lava)") {
@@ -2649,26 +2669,102 @@ TEST_CASE("drivers: chunked lava across pipeline stages keeps the single-process
   for (std::uint64_t seed = 1; seed <= 8; ++seed)
     for (int stages : {2, 3}) {
       auto g = kvtest::rng(seed * 17 + static_cast<std::uint64_t>(stages));
-      chunk_case c;
-      const index_t L = kvtest::uniform_int(g, stages, stages + 2), H = kvtest::uniform_int(g, 1, 3);
-      c.N = kvtest::uniform_int(g, 30, 60);
-      c.s = make_synth(seed + 40, L, H, H * kvtest::uniform_int(g, 1, 2), 4, c.N);
-      c.r = seed % 3 == 0 ? small_window(recipe::snapkv(), 5) : seed % 3 == 1 ? small_window(recipe::lava(), 4)
-                                                                              : recipe::streaming_llm(3);
-      c.mode = seed % 2 ? chunk_queries::patched : chunk_queries::naive;
-      c.target = seed % 4 < 2 ? chunk_target::fraction : chunk_target::budget;
-      c.p = double(kvtest::uniform_int(g, 0, 10)) / 10.0;
-      c.kind = allocator::lava;
-      const index_t prot = c.r.n_sink + c.r.n_recent;
-      c.total = L * H * kvtest::uniform_int(g, std::max<index_t>(prot, 1), prot + 20);
-      const bool patched = c.mode == chunk_queries::patched && uses_attention(c.r.kind);
-      c.bounds = random_bounds(g, c.N, patched ? c.N - c.r.window : c.N - 1, kvtest::uniform_int(g, 1, 4));
+      const recipe r = seed % 3 == 0 ? small_window(recipe::snapkv(), 5)
+                       : seed % 3 == 1 ? small_window(recipe::lava(), 4)
+                                       : recipe::streaming_llm(3);
+      const chunk_case c = pipeline_lava_case(g, seed + 40, stages, r, seed % 2 ? chunk_queries::patched : chunk_queries::naive,
+                                              seed % 4 < 2 ? chunk_target::fraction : chunk_target::budget);
       CAPTURE(seed);
       CAPTURE(stages);
       check_pipeline(c, stages, [](const chunk_case& x) { return run_chunked(seq, x, nullptr); });
       ++cases;
     }
   CHECK(cases == 8 * 2);
+}
+
+TEST_CASE("drivers: chunked lava across pipeline stages: a stage failing in add_layer fails every stage in decide, no hang") {
+  // one stage's add_layer fails in some chunk (a NaN query: LAVa's entropy refuses the NaN scores;
+  // or a query block of the wrong shape); it stops adding layers and decides, as the contract
+  // says; every other stage's decide() returns the error naming that stage, no chunk is decided
+  int cases = 0;
+  for (std::uint64_t seed = 1; seed <= 6; ++seed)
+    for (int stages : {2, 3}) {
+      auto g = kvtest::rng(seed * 19 + static_cast<std::uint64_t>(stages));
+      const chunk_case c = pipeline_lava_case(g, seed + 60, stages, seed % 2 ? small_window(recipe::lava(), 4) : small_window(recipe::snapkv(), 5),
+                                              seed % 3 ? chunk_queries::patched : chunk_queries::naive,
+                                              seed % 4 < 2 ? chunk_target::fraction : chunk_target::budget);
+      const index_t L = c.s.L, H = c.s.H;
+      const bool patched = c.mode == chunk_queries::patched;
+      const index_t chunks = static_cast<index_t>(c.bounds.size()) - 1;
+      const int bad = static_cast<int>(kvtest::uniform_int(g, 0, stages - 1));
+      const bool nan = seed % 2 == 0;
+      // a NaN query reaches the scores only where a row is evictable: a naive first chunk no longer
+      // than the window protects every row (its scores are not read), so NaN naive cases poison the
+      // final chunk (the whole prompt's rows)
+      const index_t bad_chunk = nan && !patched ? chunks - 1 : kvtest::uniform_int(g, 0, chunks - 1);
+      std::vector<std::string> added(static_cast<std::size_t>(stages)), decided(added.size());
+      std::vector<index_t> done(added.size(), -1);
+      kvtest::thread_world::run(stages, [&](kvtest::thread_comm& comm) {
+        const auto me = static_cast<std::size_t>(comm.rank());
+        const shard_range mine = value_of(layer_shard(L, stages, comm.rank()));
+        chunk_case rc = c;
+        rc.s = slice_layers(c.s, mine.first, mine.count);
+        rc.pp = comm_ref(comm);
+        rc.first_layer = mine.first;
+        rc.model_layers = L;
+        const chunked_config cfg = chunk_cfg(rc);
+        std::vector<unsigned char> mem(value_of(chunked_driver::state_bytes(cfg)));
+        chunked_driver d;
+        REQUIRE(d.init(cfg, mem.data(), mem.size()).ok());
+        aligned_buf wb;
+        workspace ws = make_ws(d, seq, wb);
+        auto layers = make_layers(mine.count, H, c.s.d, c.N);
+        for (index_t ci = 0; ci < chunks; ++ci) {
+          const index_t b = c.bounds[static_cast<std::size_t>(ci)], e = c.bounds[static_cast<std::size_t>(ci + 1)];
+          REQUIRE(d.begin_chunk(b, e).ok());
+          const patch_block pb = d.patch();
+          const index_t qr = d.query_rows();
+          const auto qpos = pb.count > 0 ? range_of(pb.first, pb.first + pb.count) : range_of(e - qr, e);
+          status st;
+          for (index_t l = 0; l < mine.count && st.ok(); ++l) {
+            auto& lay = layers[static_cast<std::size_t>(l)];
+            lay.append(rc.s, l, b, e);
+            auto qb = gather_queries(rc.s, l, qpos);
+            const bool poison = static_cast<int>(me) == bad && ci == bad_chunk && l == mine.count - 1;
+            if (poison && nan) qb[0] = std::numeric_limits<float>::quiet_NaN();
+            const index_t rows = poison && !nan ? qr - 1 : qr;  // one row short
+            st = d.add_layer(seq, ws, l, lay.view(), block_view(qb, rc.s.Hq, rows, rc.s.d));
+          }
+          const status dec = d.decide(seq, ws);  // every stage decides, also after a failure
+          if (!st.ok() || !dec.ok()) {
+            added[me] = st.ok() ? "" : st.message();
+            decided[me] = dec.ok() ? "" : dec.message();
+            break;
+          }
+          for (index_t l = 0; l < mine.count; ++l) layers[static_cast<std::size_t>(l)].compact(d.kept(l));
+        }
+        done[me] = d.chunks_done();
+      });
+      for (int rk = 0; rk < stages; ++rk) {
+        CAPTURE(seed);
+        CAPTURE(stages);
+        CAPTURE(bad);
+        CAPTURE(bad_chunk);
+        CAPTURE(rk);
+        const auto me = static_cast<std::size_t>(rk);
+        CHECK(done[me] == bad_chunk);  // the failing chunk is decided nowhere
+        CHECK(decided[me] != "");
+        if (rk == bad) {
+          CHECK(added[me].find(nan ? "NaN" : "queries") != std::string::npos);
+        } else {
+          CHECK(added[me] == "");
+          CHECK(decided[me].find("rank " + std::to_string(bad) + " of " + std::to_string(stages)) != std::string::npos);
+          CHECK(decided[me].find("chunked_driver::decide") != std::string::npos);
+        }
+      }
+      ++cases;
+    }
+  CHECK(cases == 6 * 2);
 }
 
 TEST_CASE("drivers: decode across tensor-parallel ranks keeps the single-process rows (flattened, adakv)") {

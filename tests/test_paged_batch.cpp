@@ -503,6 +503,21 @@ index_t random_budgets(std::mt19937_64& g, allocation& a, std::vector<std::int32
   return a.kind == allocator::per_head ? most : sum;
 }
 
+/// A recipe the chunked driver takes: SnapKV, VATP, LAVa (window w, protecting it), Knorm or
+/// StreamingLLM.
+recipe chunk_recipe_of(std::mt19937_64& g, index_t w) {
+  recipe r;
+  switch (kvtest::uniform_int(g, 0, 4)) {
+    case 0: r = recipe::snapkv(); break;
+    case 1: r = recipe::vatp(); break;
+    case 2: r = recipe::lava(); break;
+    case 3: r = recipe::knorm(); break;
+    default: r = recipe::streaming_llm(1);
+  }
+  if (uses_attention(r.kind)) r.window = r.n_recent = w, r.kernel = 3;
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("paged drivers: post_fill_driver on paged layers equals it on the same rows dense") {
@@ -1078,16 +1093,8 @@ TEST_CASE("paged drivers: chunked_driver on paged layers equals it on the same r
     const index_t H = kvtest::uniform_int(g, 1, 3), gq = kvtest::uniform_int(g, 1, 2), d = 2 * kvtest::uniform_int(g, 2, 8);
     const index_t w = kvtest::uniform_int(g, 1, 4), N = kvtest::uniform_int(g, 20, 70), cs = kvtest::uniform_int(g, 4, 16);
     const index_t ps = std::array<index_t, 4>{1, 3, 16, 64}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 3))];
-    recipe r;
-    switch (kvtest::uniform_int(g, 0, 4)) {
-      case 0: r = recipe::snapkv(); break;
-      case 1: r = recipe::vatp(); break;
-      case 2: r = recipe::lava(); break;
-      case 3: r = recipe::knorm(); break;
-      default: r = recipe::streaming_llm(1);
-    }
+    recipe r = chunk_recipe_of(g, w);
     const bool attention = uses_attention(r.kind);
-    if (attention) r.window = r.n_recent = w, r.kernel = 3;
     chunked_config cfg;
     cfg.model = {1, H, H * gq, d};
     cfg.tokens = N;
@@ -1271,4 +1278,192 @@ TEST_CASE("paged drivers: cascade_driver on paged layers equals it on the same r
       }
     }
   }
+}
+
+TEST_CASE("paged drivers: chunked_driver on paged layers across tensor-parallel ranks and pipeline stages keeps one process's rows") {
+  // the one process: the dense chunked driver over every head and layer; the ranks: each holds
+  // its heads (tp) or its layers (pp, lava) in its own page pools (a new random layout per chunk),
+  // every chunk's kept rows must be the one process's for its heads / layers
+  auto g = kvtest::rng(1418);
+  int evicted = 0, pipelines = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const bool pipeline = trial % 4 == 3;
+    const int ranks = 2 + (trial / 4) % 2;
+    const index_t Hl = kvtest::uniform_int(g, 1, 2), H = pipeline ? Hl + 1 : Hl * ranks, gq = kvtest::uniform_int(g, 1, 2);
+    const index_t L = pipeline ? kvtest::uniform_int(g, ranks, ranks + 1) : kvtest::uniform_int(g, 1, 2);
+    const index_t d = 2 * kvtest::uniform_int(g, 2, 4), w = kvtest::uniform_int(g, 1, 4);
+    const index_t N = kvtest::uniform_int(g, 20, 50), cs = kvtest::uniform_int(g, 4, 14);
+    const index_t ps = std::array<index_t, 3>{1, 3, 16}[static_cast<std::size_t>(kvtest::uniform_int(g, 0, 2))];
+    recipe r = chunk_recipe_of(g, w);
+    chunked_config cfg;
+    cfg.model = {L, H, H * gq, d};
+    cfg.tokens = N;
+    cfg.capacity = N;
+    cfg.rec = r;
+    cfg.queries = kvtest::uniform_int(g, 0, 1) ? chunk_queries::patched : chunk_queries::naive;
+    const auto kinds = std::array<allocator, 4>{allocator::per_head, allocator::flattened, allocator::adakv, allocator::lava};
+    cfg.alloc.kind = pipeline ? allocator::lava : kinds[static_cast<std::size_t>((trial / 2) % 4)];
+    if (cfg.alloc.kind == allocator::lava && r.kind == recipe_kind::knorm) {  // LAVa's entropy needs scores >= 0
+      r = recipe::streaming_llm(1);
+      cfg.rec = r;
+    }
+    const bool patched = cfg.queries == chunk_queries::patched && uses_attention(r.kind);
+    cfg.target = cfg.alloc.kind != allocator::adakv && kvtest::uniform_int(g, 0, 1) ? chunk_target::fraction : chunk_target::budget;
+    cfg.fraction = static_cast<double>(kvtest::uniform_int(g, 0, 10)) / 10.0;
+    const index_t least = r.n_sink + r.n_recent + 1;
+    // budgets [L][H]: every rank's block the same (the sharded layers need the same sum per rank)
+    std::vector<std::int32_t> budgets(static_cast<std::size_t>(L * H));
+    for (index_t l = 0; l < L; ++l) {
+      const auto shared = static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 12));
+      for (index_t h = 0; h < (pipeline ? H : Hl); ++h) {
+        const auto b = cfg.alloc.kind == allocator::adakv ? shared : static_cast<std::int32_t>(kvtest::uniform_int(g, least, least + 12));
+        for (int rk = 0; rk < (pipeline ? 1 : ranks); ++rk) budgets[static_cast<std::size_t>(l * H + rk * Hl + h)] = b;
+      }
+    }
+    if (cfg.alloc.kind == allocator::lava) cfg.alloc.total = L * H * kvtest::uniform_int(g, least, least + 12);
+    else cfg.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data(), L, H));
+    // the chunks, every token's key and value [l][t][h][d] (keys from 3 values per dimension on
+    // half the trials: ties), every chunk's queries [l][H gq][w][d] and patch keys [l][H][w][d]
+    std::vector<index_t> bounds{0};
+    while (bounds.back() < N) {
+      index_t e = std::min(N, bounds.back() + kvtest::uniform_int(g, 1, cs));
+      if (patched && e < N && e > N - w) e = N;
+      bounds.push_back(e);
+    }
+    const index_t chunks = static_cast<index_t>(bounds.size()) - 1;
+    const bool ties = kvtest::uniform_int(g, 0, 1) == 1;
+    auto keys = kvtest::random_floats(g, static_cast<std::size_t>(L * N * H * d));
+    if (ties)
+      for (auto& x : keys) x = std::round(x);
+    const auto vals = kvtest::random_floats(g, static_cast<std::size_t>(L * N * H * d));
+    const auto qs = kvtest::random_floats(g, static_cast<std::size_t>(chunks * L * H * gq * w * d));
+    const auto pks = kvtest::random_floats(g, static_cast<std::size_t>(chunks * L * H * w * d));
+    std::vector<int> with_patch_keys(static_cast<std::size_t>(chunks));
+    for (auto& b : with_patch_keys) b = static_cast<int>(kvtest::uniform_int(g, 0, 1));
+    const auto query = [&](index_t c, index_t l, index_t h0, index_t n, index_t rows) {
+      if (rows == 0) return kv_view<const float>{};
+      const float* base = qs.data() + ((c * L + l) * H + h0) * gq * w * d;
+      return kvtest::value_of(make_kv_view<const float>(base, n * gq, rows, d, w * d, d));
+    };
+    const auto patch_keys = [&](const chunked_driver& drv, index_t c, index_t l, index_t h0, index_t n) {
+      if (drv.patch().count == 0 || !with_patch_keys[static_cast<std::size_t>(c)]) return kv_view<const float>{};
+      const float* base = pks.data() + ((c * L + l) * H + h0) * w * d;
+      return kvtest::value_of(make_kv_view<const float>(base, n, w, d, w * d, d));
+    };
+    // tokens [s, e) of layer l appended to heads [h0, h0 + n) of `rows`
+    const auto append = [&](head_rows_set& rows, index_t l, index_t h0, index_t s, index_t e) {
+      for (index_t t = s; t < e; ++t)
+        for (index_t h = 0; h < rows.H; ++h) {
+          const auto at = static_cast<std::size_t>(((l * N + t) * H + h0 + h) * d);
+          rows.append(h, keys.data() + at, vals.data() + at, static_cast<pos_t>(t));
+        }
+    };
+    const auto empty_rows = [&](index_t n) {
+      head_rows_set s;
+      s.H = n, s.d = d;
+      s.k.resize(static_cast<std::size_t>(n)), s.v.resize(static_cast<std::size_t>(n)), s.pos.resize(static_cast<std::size_t>(n));
+      return s;
+    };
+    INFO("trial ", trial, pipeline ? " stages " : " ranks ", ranks, " recipe ", std::string(recipe_name(r.kind)), " allocator ",
+         std::string(allocator_name(cfg.alloc.kind)), " ", cfg.queries == chunk_queries::patched ? "patched" : "naive",
+         cfg.target == chunk_target::budget ? " budget" : " fraction", " L ", L, " H ", H, " g ", gq, " w ", w, " N ", N,
+         " chunks ", chunks, " page size ", ps, ties ? " ties" : "");
+    // the one process, dense: per chunk and layer every head's held positions
+    std::vector<std::vector<std::vector<std::vector<pos_t>>>> want(static_cast<std::size_t>(chunks));
+    {
+      std::vector<unsigned char> mem(kvtest::value_of(chunked_driver::state_bytes(cfg))), wmem;
+      chunked_driver one;
+      REQUIRE(one.init(cfg, mem.data(), mem.size()).ok());
+      std::vector<head_rows_set> truth(static_cast<std::size_t>(L), empty_rows(H));
+      for (index_t c = 0; c < chunks; ++c) {
+        const index_t s = bounds[static_cast<std::size_t>(c)], e = bounds[static_cast<std::size_t>(c + 1)];
+        REQUIRE(one.begin_chunk(s, e).ok());
+        for (index_t l = 0; l < L; ++l) {
+          auto& rows = truth[static_cast<std::size_t>(l)];
+          append(rows, l, 0, s, e);
+          ragged_layer rl(rows, N);
+          const auto st = with_ws(one, seq, wmem, [&](workspace& ws) {
+            return one.add_layer(seq, ws, l, rl.view(rows), query(c, l, 0, H, one.query_rows()), patch_keys(one, c, l, 0, H));
+          });
+          REQUIRE_MESSAGE(st.ok(), std::string(st.message()));
+        }
+        REQUIRE(with_ws(one, seq, wmem, [&](workspace& ws) { return one.decide(seq, ws); }).ok());
+        for (index_t l = 0; l < L; ++l) {
+          auto& rows = truth[static_cast<std::size_t>(l)];
+          index_t before = 0;
+          for (index_t h = 0; h < H; ++h) before += rows.len(h);
+          evicted += one.kept(l).cu[H] < before ? 1 : 0;
+          rows.compact(one.kept(l));
+          want[static_cast<std::size_t>(c)].push_back(rows.pos);
+        }
+      }
+    }
+    // the ranks: paged layers in their own pools, a new layout per chunk
+    std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+    std::vector<std::vector<std::vector<std::vector<std::vector<pos_t>>>>> got(static_cast<std::size_t>(ranks));
+    const auto seed = static_cast<std::uint64_t>(trial) * 131 + 5;
+    kvtest::thread_world::run(ranks, [&](kvtest::thread_comm& comm) {
+      const auto me = static_cast<std::size_t>(comm.rank());
+      auto rg = kvtest::rng(seed + me);
+      const shard_range mine = pipeline ? kvtest::value_of(layer_shard(L, ranks, comm.rank())) : shard_range{0, L};
+      const index_t h0 = pipeline ? 0 : Hl * comm.rank(), Hr = pipeline ? H : Hl;
+      chunked_config rc = cfg;
+      rc.model.layers = mine.count;
+      rc.model.kv_heads = Hr;
+      rc.model.query_heads = Hr * gq;
+      rc.pool_pages = 3 * Hr * (N + 64) + 80;
+      if (pipeline) {
+        rc.pp = comm_ref(comm);
+        rc.first_layer = mine.first;
+        rc.model_layers = L;
+      } else {
+        rc.tp = comm_ref(comm);
+      }
+      if (cfg.alloc.kind != allocator::lava)
+        rc.alloc.budgets = kvtest::value_of(make_matrix_view<const std::int32_t>(budgets.data() + h0, L, Hr, H));
+      std::vector<unsigned char> mem(chunked_driver::state_bytes(rc).value()), wmem;
+      chunked_driver drv;
+      status st = drv.init(rc, mem.data(), mem.size());
+      std::vector<head_rows_set> held(static_cast<std::size_t>(mine.count), empty_rows(Hr));
+      for (index_t c = 0; c < chunks && st.ok(); ++c) {
+        const index_t s = bounds[static_cast<std::size_t>(c)], e = bounds[static_cast<std::size_t>(c + 1)];
+        st = drv.begin_chunk(s, e);
+        for (index_t i = 0; i < mine.count && st.ok(); ++i) {
+          const index_t l = mine.first + i;
+          auto& rows = held[static_cast<std::size_t>(i)];
+          append(rows, l, h0, s, e);
+          auto store = paged_of(rg, rows, ps, true);
+          st = with_ws(drv, seq, wmem, [&](workspace& ws) {
+            return drv.add_layer(seq, ws, i, store.view(), query(c, l, h0, Hr, drv.query_rows()), patch_keys(drv, c, l, h0, Hr));
+          });
+        }
+        if (st.ok()) st = with_ws(drv, seq, wmem, [&](workspace& ws) { return drv.decide(seq, ws); });
+        if (!st.ok()) break;
+        std::vector<std::vector<std::vector<pos_t>>> per;
+        for (index_t i = 0; i < mine.count; ++i) {
+          held[static_cast<std::size_t>(i)].compact(drv.kept(i));
+          per.push_back(held[static_cast<std::size_t>(i)].pos);
+        }
+        got[me].push_back(per);
+      }
+      errors[me] = st.ok() ? "" : st.message();
+    });
+    for (int rk = 0; rk < ranks; ++rk) {
+      CAPTURE(rk);
+      REQUIRE(errors[static_cast<std::size_t>(rk)] == "");
+      const auto& mine = got[static_cast<std::size_t>(rk)];
+      REQUIRE(static_cast<index_t>(mine.size()) == chunks);
+      const shard_range layers = pipeline ? kvtest::value_of(layer_shard(L, ranks, rk)) : shard_range{0, L};
+      for (index_t c = 0; c < chunks; ++c)
+        for (index_t i = 0; i < layers.count; ++i) {
+          const auto& all = want[static_cast<std::size_t>(c)][static_cast<std::size_t>(layers.first + i)];
+          const index_t h0 = pipeline ? 0 : Hl * rk, n = pipeline ? H : Hl;
+          const std::vector<std::vector<pos_t>> part(all.begin() + h0, all.begin() + h0 + n);
+          CHECK(mine[static_cast<std::size_t>(c)][static_cast<std::size_t>(i)] == part);
+        }
+    }
+    pipelines += pipeline ? 1 : 0;
+  }
+  CHECK(evicted > 0);
+  CHECK(pipelines == 10);
 }

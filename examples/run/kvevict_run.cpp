@@ -252,9 +252,21 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
   std::vector<int> generated;
   const kvrun::shard_options s = shard_options_of(o);
   auto st = comm.init(s);
+  std::vector<int> response;  // the oracle's block: the full cache's continuation (sharded too), same sampler
+  if (st.ok() && o.evict.recipe == kvrun::method::oracle) {
+    kvrun::sampler s0;
+    kvrun::evict_options fo = o.evict;
+    fo.recipe = kvrun::method::full;
+    st = s0.init(model.cfg().vocab_size, o.temperature, o.topp, o.seed);
+    if (st.ok())
+      st = kvrun::sharded_generate(model, comm.groups, s, fo, prompt, o.steps,
+                                   [&](const float* logits) { return s0.sample(logits); }, response);
+    if (st.ok() && response.empty())
+      st = kvevict::status::error(kvevict::errc::invalid_argument, "oracle: the full cache generates nothing after this prompt");
+  }
   if (st.ok())
     st = kvrun::sharded_generate(model, comm.groups, s, o.evict, prompt, o.steps,
-                                 [&](const float* logits) { return sampler.sample(logits); }, generated, &duo);
+                                 [&](const float* logits) { return sampler.sample(logits); }, generated, &duo, &response);
   if (comm.world.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
   if (!st.ok()) return fail("", st);
   return print_output(o, tok, prompt, generated);

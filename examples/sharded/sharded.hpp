@@ -26,10 +26,17 @@
 // the heads' allgathers run within a stage (tp), the stages' rows and gathers across the ranks
 // holding the same heads (pp), the report's gathers over the world.
 //
+// The layerwise driver: per-layer allocators through post_fill_driver layer by layer (TP selects
+// across the ranks), LAVa / CAKE through cascade_driver across pipeline stages (add_remote_layer:
+// the earlier stages' layers by their weights gathered at each stage boundary, the later ones after
+// the prefill). The oracle: the full cache's continuation generated sharded, then run after the
+// prompt as an extra block whose queries and keys (this rank's heads) are the post-fill query block.
+//
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
-// kvevict/mpi.hpp; the tests also run it on threads). The recipes that need head types (duo,
-// prulong, duo-heuristic) or a query block (laq, laq++, speckv, lookaheadkv, oracle) and the
-// layerwise driver are not supported sharded: a clear error saying why (check_sharded). Every
+// kvevict/mpi.hpp; the tests also run it on threads). The head-type recipes (duo, prulong,
+// duo-heuristic) with any driver but postfill, the query-block recipes laq, laq++, speckv and
+// lookaheadkv, and the layerwise cascade (lava, cake) under --tp are not supported sharded: a
+// clear error saying why (check_sharded). Every
 // rank must pass the same options and prompt: sharded_runner's init and prefill agree on them
 // first (one allgather), so a rank with others fails every rank instead of hanging.
 #pragma once
@@ -50,6 +57,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -121,11 +129,10 @@ class shard_cache {
 };
 
 /// The methods a sharded run takes: every recipe that needs neither head types nor a query block
-/// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava), with the
-/// postfill, chunked-naive, chunked-patched and decode drivers and the combinations
-/// check_evict_options accepts; the chunked drivers' lava allocator under --tp only (its budget is
-/// the whole model's, shared across layers: not layer-sharded). Error: a clear one naming what is
-/// not supported.
+/// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava) with every
+/// driver and the combinations check_evict_options accepts, except the layerwise cascade (lava,
+/// cake allocators) under --tp; the head-type recipes with the postfill driver; the oracle.
+/// Error: a clear one naming what is not supported and why.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1)
     return status::error(errc::invalid_argument, "--tp %d --pp %d: each must be >= 1", s.tp, s.pp);
@@ -150,15 +157,18 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
                          "--recipe %s --driver %s is not supported sharded: the runner's streaming-heads path is not "
                          "split across ranks (postfill runs: head types are per KV head)",
                          method_name(m), driver_name(o.driver));
-  if (m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv || m == method::oracle)
+  if (m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv)
     return status::error(errc::unsupported,
                          "--recipe %s is not supported sharded: its query block comes from extra forward passes "
-                         "(pseudo-decoding, a draft, a trained module, the response) the sharded runner does not run",
+                         "(pseudo-decoding, a draft, a trained module) the sharded runner does not run (oracle runs)",
                          method_name(m));
-  if (o.driver == driver_kind::layerwise)
+  const budget_scheme a = allocator_of(o);
+  if (o.driver == driver_kind::layerwise && s.tp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
     return status::error(errc::unsupported,
-                         "--driver layerwise is not supported sharded: the sharded runner does not wire the cascade "
-                         "across ranks (cascade_driver::add_remote_layer does; postfill, chunked-* and decode run)");
+                         "--driver layerwise --allocator %s is not supported under --tp: the cascade's per-layer "
+                         "selection is not sharded across heads (cascade_driver has no tp; --pp runs it, and the "
+                         "per-layer allocators run layerwise under --tp)",
+                         allocator_name(a));
   return check_evict_options(c, o);
 }
 
@@ -179,8 +189,8 @@ shard_comms<Comm> one_group(Comm& c) {
 }
 
 /// The model on one rank of a tensor- and / or pipeline-parallel job, with eviction by the
-/// postfill, chunked and decode drivers (each given the communicators), as evictor does on one
-/// process.
+/// postfill, layerwise, chunked and decode drivers (each given the communicators), as evictor does
+/// on one process.
 template <class Comm>
 class sharded_runner {
  public:
@@ -270,33 +280,51 @@ class sharded_runner {
   /// Prefills `prompt` (an empty cache) and evicts as configured (evictor::prefill's drivers);
   /// logits() then holds the first generated token's. `rec` (may be null; must outlive the
   /// runner's decoding) receives the schedule of this rank's [layers().count][heads().count] rows.
-  /// Errors: an empty or too long prompt, the driver's.
-  status prefill(const std::vector<int>& prompt, kvevict::eviction_recorder* rec = nullptr) {
+  /// `response` (oracle only: its query block, the true continuation; every rank the same): run
+  /// after the prompt as an extra block whose queries and keys are kept and KV rows dropped.
+  /// Errors: an empty or too long prompt, the oracle without a response or with one that does not
+  /// fit the context, the driver's.
+  status prefill(const std::vector<int>& prompt, kvevict::eviction_recorder* rec = nullptr,
+                 const std::vector<int>* response = nullptr) {
     recorder_ = rec;
     const config& c = m_->cfg();
     const auto n = static_cast<index_t>(prompt.size());
+    const bool oracle = o_.recipe == method::oracle;
+    const auto m = static_cast<index_t>(oracle && response != nullptr ? response->size() : 0);
     status local;
     if (n < 1 || n > c.seq_len || next_ != 0)
       local = status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
                             static_cast<long long>(n), c.seq_len);
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a of the prompt's tokens
+    else if (oracle && (m < 1 || n + m > c.seq_len))  // evictor::prefill's checks
+      local = status::error(errc::invalid_argument,
+                            m < 1 ? "oracle: the true response is needed as the query block"
+                                  : "oracle: the prompt and the response do not fit the cache");
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a of the prompt's tokens (and the oracle's response)
     for (const int t : prompt) h = (h ^ static_cast<std::uint32_t>(t)) * 1099511628211ull;
+    if (m > 0)
+      for (const int t : *response) h = (h ^ static_cast<std::uint32_t>(t)) * 1099511628211ull;
     char line[agree_text];
-    std::snprintf(line, sizeof line, "a prompt of %lld tokens, hash %016llx", static_cast<long long>(n),
-                  static_cast<unsigned long long>(h));
-    KVEVICT_TRY(agree("sharded_runner::prefill", local, line));  // every rank the same prompt
+    std::snprintf(line, sizeof line, "a prompt of %lld tokens, a response of %lld, hash %016llx", static_cast<long long>(n),
+                  static_cast<long long>(m), static_cast<unsigned long long>(h));
+    KVEVICT_TRY(agree("sharded_runner::prefill", local, line));  // every rank the same prompt (and response)
     prefill_s_ = evict_s_ = 0.0;
     if (o_.recipe == method::full) return timed(prefill_s_, [&] { return forward(prompt.data(), n); });
     switch (o_.driver) {
       case driver_kind::chunked_naive:
       case driver_kind::chunked_patched: return prefill_chunked(prompt);
       case driver_kind::decode: return prefill_decode(prompt);
+      case driver_kind::layerwise: return prefill_layerwise(prompt);
       default: break;
     }
     prompt_q_.reset(mine_cfg_, n);
     const forward_hooks hk = prompt_q_.hooks();
     KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data(), n, &hk); }));
-    return timed(evict_s_, [&] { return evict(n); });
+    if (oracle) {  // the true response after the prompt, its queries and keys kept, its KV rows dropped
+      response_q_.reset(mine_cfg_, m);
+      const forward_hooks rh = response_q_.hooks();
+      KVEVICT_TRY(forward(response->data(), m, &rh, nullptr, true, logits_mode::none));
+    }
+    return timed(evict_s_, [&] { return evict(n, oracle ? &response_q_ : nullptr); });
   }
 
   /// This rank's seconds in the last prefill's forward passes (chunked: every chunk's and patch's)
@@ -339,16 +367,20 @@ class sharded_runner {
   std::vector<std::int32_t> held_;  // the lengths before an extra block
   pos_t next_ = 0;
   kvevict::eviction_recorder* recorder_ = nullptr;
-  block_capture prompt_q_, chunk_q_, patch_q_, step_q_, recent_q_;
+  block_capture prompt_q_, chunk_q_, patch_q_, step_q_, recent_q_, response_q_;
   kvevict::post_fill_driver pf_;
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
+  kvevict::cascade_driver cd_;
   driver_scratch scratch_;
   kvevict::workspace decode_ws_;  // the decode driver's (in scratch_.ws)
   allocation_plan alloc_;
   std::vector<std::int32_t> budgets_;
-  std::vector<unsigned char> pref_ws_, init_ws_;
+  std::vector<unsigned char> pref_ws_, init_ws_, gather_ws_;
   std::vector<float> initial_;
+  std::vector<double> stage_weights_, model_weights_;  // the layerwise cascade's (pipeline stages)
+  std::vector<pos_t> cascade_schedule_;                // its recorder's [L][heads][N]
+  std::function<status(int)> after_stage_;             // forward(): after stage st's rows reached every rank
 
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
 
@@ -439,6 +471,7 @@ class sharded_runner {
         const auto bytes = static_cast<std::size_t>(n * d) * sizeof(float);
         KVEVICT_TRY(ppc_->allgather(x, bytes, xs_.data()));
         std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
+        if (after_stage_) KVEVICT_TRY(after_stage_(st));
       }
     }
     if (extra) cache_.set_lengths(held_);
@@ -549,6 +582,16 @@ class sharded_runner {
     return {};
   }
   kvevict::model_shape shape() const { return {layers_.count, heads_.count, lq_, hs_}; }
+  // The post-fill driver's configuration of a P-token prompt on this rank's heads / layers (the
+  // tensor-parallel communicator set; the pipeline's is the caller's to set).
+  status post_fill_of(index_t P, kvevict::post_fill_config& pc) {
+    KVEVICT_TRY(plan(P, pc.alloc));
+    pc.model = shape();
+    pc.tokens = P;
+    pc.rec = rec_;
+    pc.tp = tp();
+    return {};
+  }
   kvevict::comm_ref tp() { return s_.tp > 1 ? kvevict::comm_ref(*tpc_) : kvevict::comm_ref{}; }
   int model_layer(index_t ls) const { return static_cast<int>(layers_.first + ls); }
   template <class Driver>
@@ -601,6 +644,123 @@ class sharded_runner {
       KVEVICT_TRY(compact_all(ch_));
       evict_s_ += seconds_since(t0);
     }
+    return {};
+  }
+
+  // evictor::prefill_layerwise on this rank's heads / layers, inside the prefill's after_layer hook:
+  // per-layer allocators through post_fill_driver layer by layer (TP: flattened / adakv select
+  // across the ranks in add_layer; PP: each stage's driver on its layers, no communication), then
+  // decide(); lava / cake through cascade_driver holding the whole model's L layers, the other
+  // stages' as remote layers (add_remote_layer, docs/distributed.md "The cascade"): the layers
+  // before this stage by their weights gathered at each stage boundary, the layers after it once
+  // the prefill is done, compacting this stage's layers whenever a step shrinks them. check_sharded
+  // refuses the cascade under --tp (its per-layer selection is not sharded across heads).
+  status prefill_layerwise(const std::vector<int>& prompt) {
+    const config& c = m_->cfg();
+    const index_t P = static_cast<index_t>(prompt.size()), L = c.n_layers, w = o_.window, hk = heads_.count;
+    const index_t a = layers_.first, b = layers_.first + layers_.count;
+    const budget_scheme scheme = allocator_of(o_);
+    const bool cascade = scheme == budget_scheme::lava || scheme == budget_scheme::cake;
+    kvevict::workspace ws;
+    kvevict::eviction_recorder cascade_rec;
+    if (cascade) {
+      kvevict::allocation al;
+      KVEVICT_TRY(plan(P, al));
+      kvevict::cascade_driver_config cc;
+      cc.model = {L, hk, lq_, hs_};  // the whole model's layers (the other stages' are remote)
+      cc.tokens = P;
+      cc.rec = rec_;
+      cc.total = al.total;
+      cc.split = scheme == budget_scheme::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
+      cc.weight = scheme == budget_scheme::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
+      if (recorder_ != nullptr) {  // the driver records [L][heads][N]; this stage's layers copied out below
+        const index_t N = recorder_->capacity();
+        cascade_schedule_.assign(static_cast<std::size_t>(L * hk * N), 0);
+        const auto made = kvevict::make_eviction_recorder(cascade_schedule_.data(), L, hk, N);
+        if (!made) return made.error();
+        cascade_rec = *made;
+      }
+      KVEVICT_TRY(init_driver(cd_, scratch_, cc, recorder_ != nullptr ? &cascade_rec : nullptr, ws));
+      stage_weights_.assign(static_cast<std::size_t>(std::max<index_t>(layers_.count, 1)), 0.0);
+      model_weights_.assign(static_cast<std::size_t>(L), 0.0);
+    } else {
+      kvevict::post_fill_config pc;
+      KVEVICT_TRY(post_fill_of(P, pc));
+      KVEVICT_TRY(init_driver(pf_, scratch_, pc, recorder_, ws));
+    }
+    // the cascade's layers [first, end): the other stages' remote ones, compacting this stage's
+    // layers that shrink
+    const auto remote = [&](index_t first, index_t end) -> status {
+      for (index_t j = first; j < end; ++j) {
+        KVEVICT_TRY(cd_.add_remote_layer(kvevict::seq, ws, j, model_weights_[static_cast<std::size_t>(j)]));
+        for (index_t i = a; i < b; ++i)
+          if (cd_.changed(i)) KVEVICT_TRY(cache_.compact(static_cast<int>(i), cd_.kept(i)));
+      }
+      return {};
+    };
+    // the weights of layers [0, end) on every rank, each stage giving its own layers among them
+    const auto gather = [&](index_t end) {
+      const index_t lo = std::min(a, end), hi = std::min(b, end);
+      return with_workspace(gather_ws_, [&](kvevict::workspace& gws) {
+        return kvevict::gather_layer_values(gws, *ppc_, kvevict::shard_range{lo, hi - lo}, stage_weights_.data(), end,
+                                            model_weights_.data());
+      });
+    };
+    double hook_s = 0.0;
+    forward_hooks hk_;
+    hk_.after_layer = [&](const layer_event& ev) -> status {
+      const auto t0 = std::chrono::steady_clock::now();
+      const int l = ev.layer;
+      const auto q = kvevict::recipe_queries(rec_, ev.queries);
+      if (!q) return q.error();
+      if (cascade) {
+        double weight = 0.0;
+        if (scheme == budget_scheme::cake)
+          KVEVICT_TRY(preference(*kvevict::token_range(ev.queries, P - w, w), cache_.dense_keys(l, P), weight));
+        KVEVICT_TRY(cd_.add_layer(kvevict::seq, ws, l, cache_.layer(l), *q, {}, weight));
+        stage_weights_[static_cast<std::size_t>(l - a)] = cd_.layer_weight(l);
+        KVEVICT_TRY(cache_.compact(l, cd_.kept(l)));
+        for (index_t j = a; j < l; ++j)
+          if (cd_.changed(j)) KVEVICT_TRY(cache_.compact(static_cast<int>(j), cd_.kept(j)));
+      } else {
+        const index_t ls = l - a;
+        KVEVICT_TRY(pf_.add_layer(kvevict::seq, ws, ls, cache_.layer(l), *q));
+        KVEVICT_TRY(cache_.compact(l, pf_.kept(ls)));
+      }
+      hook_s += seconds_since(t0);
+      return {};
+    };
+    const bool staged = cascade && s_.pp > 1;
+    if (staged)  // every stage boundary but the last: the earlier layers' weights, the next stage adds them
+      after_stage_ = [&](int st) -> status {
+        const auto t0 = std::chrono::steady_clock::now();
+        const kvevict::shard_range done = *kvevict::layer_shard(L, s_.pp, st);
+        const index_t end = done.first + done.count;
+        status r;
+        if (end < L) {
+          r = gather(end);
+          if (r.ok() && st + 1 == ppc_->rank()) r = remote(0, end);
+        }
+        hook_s += seconds_since(t0);
+        return r;
+      };
+    const auto t0 = std::chrono::steady_clock::now();
+    const status fw = forward(prompt.data(), P, &hk_);
+    after_stage_ = nullptr;
+    KVEVICT_TRY(fw);
+    if (!cascade) KVEVICT_TRY(pf_.decide(kvevict::seq, ws));
+    const auto t1 = std::chrono::steady_clock::now();  // the prefill as evictor's: forward + decide - hooks
+    prefill_s_ += seconds_since(t0) - hook_s;
+    if (staged) {  // the later stages' layers, now that every weight is known
+      KVEVICT_TRY(gather(L));
+      KVEVICT_TRY(remote(b, L));
+    }
+    if (cascade && recorder_ != nullptr)  // this stage's layers of the driver's schedule
+      for (index_t ls = 0; ls < layers_.count; ++ls)
+        for (index_t h = 0; h < hk; ++h)
+          for (index_t p = 0; p < recorder_->capacity(); ++p)
+            recorder_->storage()(ls, h, p) = cascade_rec.storage()(a + ls, h, p);
+    evict_s_ += hook_s + seconds_since(t1);
     return {};
   }
 
@@ -674,16 +834,14 @@ class sharded_runner {
     });
   }
 
-  // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers.
-  status evict(index_t P) {
+  // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers; `block`
+  // (the oracle's true response): an external query block with its own keys, this rank's heads.
+  status evict(index_t P, const block_capture* block = nullptr) {
     const config& c = m_->cfg();
     const index_t L = c.n_layers;
     kvevict::post_fill_config pc;
-    KVEVICT_TRY(plan(P, pc.alloc));
-    pc.model = shape();
-    pc.tokens = P;
-    pc.rec = rec_;
-    pc.tp = tp();
+    KVEVICT_TRY(post_fill_of(P, pc));
+    if (block != nullptr) pc.query_rows = block->rows();
     if (s_.pp > 1) {  // this stage's layers of the model's L
       pc.pp = kvevict::comm_ref(*ppc_);
       pc.first_layer = layers_.first;
@@ -694,9 +852,14 @@ class sharded_runner {
     const auto inputs = [&](int ls, layer_inputs& in) {
       const int l = model_layer(ls);
       in.kv = cache_.layer(l);
-      const auto q = kvevict::recipe_queries(rec_, prompt_q_.queries(l, 0, P));
-      if (!q) return q.error();
-      in.queries = *q;
+      if (block != nullptr) {
+        in.queries = block->queries(l, 0, block->rows());
+        in.block_keys = block->keys(l, 0, block->rows());
+      } else {
+        const auto q = kvevict::recipe_queries(rec_, prompt_q_.queries(l, 0, P));
+        if (!q) return q.error();
+        in.queries = *q;
+      }
       return cake ? preference(prompt_q_.queries(l, P - w, w), cache_.dense_keys(l, P), in.weight) : status{};
     };
     KVEVICT_TRY(post_fill_decide(pf_, scratch_, pc, inputs, recorder_));
@@ -847,7 +1010,7 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
     prompt_result& r = out[ci];
-    KVEVICT_TRY(w.run.prefill(tp.prompt, &rec));
+    KVEVICT_TRY(w.run.prefill(tp.prompt, &rec, &tp.response));  // the oracle's query block: the true response
     KVEVICT_TRY(w.run.rows(r.kept));
     // post-fill rows share the full cache's timed prefill, as one process's
     const double prefill_s = rc.driver == driver_kind::postfill ? w.full.prefill_seconds() : w.run.prefill_seconds();
@@ -930,13 +1093,15 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
 /// Generation on one rank of a sharded job: prefill `prompt` with eviction, then sample until
 /// `steps` positions (prompt included) as continue_generation does; every rank gets the same `generated`.
 /// `sample` draws a token from logits (every rank draws the same: the logits are equal bit for bit).
+/// `response`: the oracle's query block (the full cache's continuation, e.g. from this function
+/// with --recipe full), the same on every rank.
 template <class Comm, class Sample>
 status sharded_generate(const model& m, const shard_comms<Comm>& comm, const shard_options& s, const evict_options& o,
                         const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated,
-                        const duo_heads* duo = nullptr) {
+                        const duo_heads* duo = nullptr, const std::vector<int>* response = nullptr) {
   sharded_runner<Comm> run;
   KVEVICT_TRY(run.init(m, comm, s, o, duo));
-  KVEVICT_TRY(run.prefill(prompt));
+  KVEVICT_TRY(run.prefill(prompt, nullptr, response));
   generated.clear();
   for (;;) {  // continue_generation's loop (generate.hpp): BOS ends, `steps` positions in all
     const int token = sample(run.logits());

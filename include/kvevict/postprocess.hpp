@@ -184,12 +184,17 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
       // x[p] = gqa over the group of in[.][p], into the output (no pooling) or the scratch row
       float* const x = pooled ? t : o;
       const index_t xs = pooled ? 1 : os1;
-      for (index_t p = 0; p < L; ++p) x[p * xs] = first[p * is1];
-      for (index_t j = 1; j < g; ++j) {
-        const float* row = ip + (h * g + j) * is0;
-        for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_combine(opt.gqa, x[p * xs], row[p * is1]);
+      if (xs == 1 && is1 == 1 && opt.gqa == gqa_op::max) {
+        // contiguous rows, max (LAVa): gqa_reduce's kernel, the bits of the total_order_max fold
+        for (index_t c = 0; c < L; c += gqa_chunk) gqa_max_rows(x + c, first + c, is0, g, L - c < gqa_chunk ? L - c : gqa_chunk);
+      } else {
+        for (index_t p = 0; p < L; ++p) x[p * xs] = first[p * is1];
+        for (index_t j = 1; j < g; ++j) {
+          const float* row = ip + (h * g + j) * is0;
+          for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_combine(opt.gqa, x[p * xs], row[p * is1]);
+        }
+        for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_finish(opt.gqa, x[p * xs], g);
       }
-      for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_finish(opt.gqa, x[p * xs], g);
       if (pooled) {
         pool_row(opt.pool, opt.divisor, t, 1, o, os1, P, opt.kernel);
         for (index_t p = P; p < L; ++p) o[p * os1] = t[p];

@@ -5,7 +5,9 @@
 //   memcpy   the bandwidth bound: memcpy moving the stage's traffic (harness.hpp)
 // Ops: gqa_mean, gqa_max; pool_max7, pool_avg5 (every query head); snapkv (pool max 7 per query
 // head, then GQA mean, protect the window: recipe::snapkv's post-processing); lava (GQA max, then
-// pool max 7, weight by the head's max value L1 norm over fp16 values [H_kv][T][d], protect).
+// pool max 7, weight by the head's max value L1 norm over fp16 values [H_kv][T][d], protect); cake
+// (avg pool 5 per query head, GQA mean, protect: recipe::cake's post-processing); vatp (snapkv's,
+// then weight by each token's value L1 norm: recipe::vatp's).
 #include <kvevict/gqa.hpp>
 #include <kvevict/pool.hpp>
 #include <kvevict/postprocess.hpp>
@@ -39,7 +41,7 @@ const pp_case& get_case(const model_shape& s, index_t T) {
   return cached<pp_case>(std::make_tuple(std::string(s.name), T), [&] { return std::make_unique<pp_case>(s, T); });
 }
 
-enum class op { gqa_mean, gqa_max, pool_max7, pool_avg5, snapkv, lava };
+enum class op { gqa_mean, gqa_max, pool_max7, pool_avg5, snapkv, lava, cake, vatp };
 const char* op_name(op o) {
   switch (o) {
     case op::gqa_mean: return "gqa_mean";
@@ -48,10 +50,14 @@ const char* op_name(op o) {
     case op::pool_avg5: return "pool_avg5";
     case op::snapkv: return "snapkv";
     case op::lava: return "lava";
+    case op::cake: return "cake";
+    case op::vatp: return "vatp";
   }
   return "?";
 }
 bool is_pool(op o) { return o == op::pool_max7 || o == op::pool_avg5; }
+bool is_fused(op o) { return o == op::snapkv || o == op::lava || o == op::cake || o == op::vatp; }
+bool reads_values(op o) { return o == op::lava || o == op::vatp; }
 index_t out_rows(const model_shape& s, op o) { return is_pool(o) ? s.hq : s.hkv; }
 
 postprocess_options fused_options(const model_shape& s, op o) {
@@ -59,9 +65,17 @@ postprocess_options fused_options(const model_shape& s, op o) {
   opt.pool = pool_kind::max;
   opt.kernel = 7;
   opt.n_recent = s.window;
-  if (o == op::snapkv) {
+  if (o == op::snapkv || o == op::cake || o == op::vatp) {
     opt.gqa = gqa_op::mean;
     opt.order = gqa_order::pool_first;
+    if (o == op::cake) {
+      opt.pool = pool_kind::avg;
+      opt.kernel = 5;
+    }
+    if (o == op::vatp) {
+      opt.weight_values = true;
+      opt.weight = value_weight::per_token;
+    }
   } else {
     opt.gqa = gqa_op::max;
     opt.order = gqa_order::gqa_first;
@@ -75,7 +89,7 @@ postprocess_options fused_options(const model_shape& s, op o) {
 std::pair<std::size_t, std::size_t> traffic(const pp_case& c, op o) {
   const std::size_t in = static_cast<std::size_t>(c.s.hq * c.T) * 4;
   const std::size_t out = static_cast<std::size_t>(out_rows(c.s, o) * c.T) * 4;
-  const std::size_t vals = o == op::lava ? c.values.size() * sizeof(float16) : 0;
+  const std::size_t vals = reads_values(o) ? c.values.size() * sizeof(float16) : 0;
   return {in + vals, out};
 }
 
@@ -87,8 +101,10 @@ status run_fused(Backend be, workspace& ws, const pp_case& c, op o, matrix_view<
     case op::gqa_max: return gqa_reduce(be, c.in_view(), out, gqa_op::max);
     case op::pool_max7: return pool1d(be, c.in_view(), out, pool_kind::max, 7);
     case op::pool_avg5: return pool1d(be, c.in_view(), out, pool_kind::avg, 5);
-    case op::snapkv: return postprocess_scores(be, ws, c.in_view(), out, fused_options(c.s, o));
-    case op::lava: return postprocess_scores(be, ws, c.in_view(), out, c.values_view(), fused_options(c.s, o));
+    case op::snapkv:
+    case op::cake: return postprocess_scores(be, ws, c.in_view(), out, fused_options(c.s, o));
+    case op::lava:
+    case op::vatp: return postprocess_scores(be, ws, c.in_view(), out, c.values_view(), fused_options(c.s, o));
   }
   return status::error(errc::invalid_argument, "unknown op");
 }
@@ -96,10 +112,12 @@ status run_fused(Backend be, workspace& ws, const pp_case& c, op o, matrix_view<
 /// kvevict, the chain of stages the fused op replaces (docs/postprocess.md).
 template <class Backend>
 status run_chain(Backend be, const pp_case& c, op o, float* tmp, matrix_view<float> out) {
-  if (o == op::snapkv) {
+  if (o != op::lava) {
     const auto t = *make_matrix_view(tmp, c.s.hq, c.T);
-    KVEVICT_TRY(pool1d(be, c.in_view(), t, pool_kind::max, 7));
+    if (o == op::cake) KVEVICT_TRY(pool1d(be, c.in_view(), t, pool_kind::avg, 5));
+    else KVEVICT_TRY(pool1d(be, c.in_view(), t, pool_kind::max, 7));
     KVEVICT_TRY(gqa_reduce(be, matrix_view<const float>(t), out, gqa_op::mean));
+    if (o == op::vatp) KVEVICT_TRY(weight_by_value_norm(be, out, c.values_view(), value_weight::per_token));
   } else {
     const auto t = *make_matrix_view(tmp, c.s.hkv, c.T);
     KVEVICT_TRY(gqa_reduce(be, c.in_view(), t, gqa_op::max));
@@ -144,9 +162,23 @@ void run_naive_once(const pp_case& c, op o, float* tmp, float* out, int threads)
     case op::pool_max7: return pool(in, out, hq, true, 7);
     case op::pool_avg5: return pool(in, out, hq, false, 5);
     case op::snapkv:
-      pool(in, tmp, hq, true, 7);
+    case op::cake:
+      pool(in, tmp, hq, o == op::snapkv, o == op::snapkv ? 7 : 5);
       reduce(tmp, out, true);
       return protect_rows(out);
+    case op::vatp: {
+      pool(in, tmp, hq, true, 7);
+      reduce(tmp, out, true);
+      const index_t d = c.s.dim;
+#pragma omp parallel for schedule(static) num_threads(threads)
+      for (index_t h = 0; h < hkv; ++h)
+        for (index_t t = 0; t < T; ++t) {
+          float n = 0.f;
+          for (index_t e = 0; e < d; ++e) n += std::fabs(to_float(c.values[static_cast<std::size_t>((h * T + t) * d + e)]));
+          out[h * T + t] *= n;
+        }
+      return protect_rows(out);
+    }
     case op::lava: {
       reduce(in, tmp, false);
       pool(tmp, out, hkv, true, 7);
@@ -220,8 +252,8 @@ void run(benchmark::State& st, const model_shape& s, index_t T, op o, impl which
     benchmark::ClobberMemory();
   }
   set_traffic(st, rd, wr);
-  // naive avg pooling and the naive lava value norms use another summation order
-  const bool exact = which != impl::naive || (o != op::pool_avg5 && o != op::lava);
+  // naive avg pooling and the naive value norms use another summation order
+  const bool exact = which != impl::naive || (o != op::pool_avg5 && o != op::cake && !reads_values(o));
   check(st, ref, out, exact);
 }
 
@@ -229,7 +261,7 @@ void register_benchmarks() {
   for (const auto& mc : model_cases()) {
     const model_shape s = mc.shape;
     const index_t T = mc.tokens;
-    for (op o : {op::gqa_mean, op::gqa_max, op::pool_max7, op::pool_avg5, op::snapkv, op::lava}) {
+    for (op o : {op::gqa_mean, op::gqa_max, op::pool_max7, op::pool_avg5, op::snapkv, op::lava, op::cake, op::vatp}) {
       const params p = shape_params(s, T).add("w", s.window);
       auto reg = [&](const char* iname, impl which) {
         add(bench_name("postprocess", op_name(o), iname, "seq", p),
@@ -244,7 +276,7 @@ void register_benchmarks() {
           [=](benchmark::State& st) { run(st, s, T, o, impl::kvevict, on(bench_executor())); });
       add(bench_name("postprocess", op_name(o), "kvevict", "exec1", p),
           [=](benchmark::State& st) { run(st, s, T, o, impl::kvevict, on(bench_inline_executor())); });
-      if (o == op::snapkv || o == op::lava) reg("kvevict_chain", impl::chain);
+      if (is_fused(o)) reg("kvevict_chain", impl::chain);
       reg("naive", impl::naive);
       reg("memcpy", impl::memcpy);
     }

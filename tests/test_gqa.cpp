@@ -276,3 +276,40 @@ TEST_CASE("gqa max rows: the baseline and AVX2 copies give the bits of the total
 #endif
   }
 }
+
+TEST_CASE("gqa sum rows: the baseline and AVX2 copies give the bits of gqa_combine / gqa_finish (mean, sum)") {
+  auto g = kvtest::rng(1820);
+  for (int trial = 0; trial < 80; ++trial) {
+    const index_t grp = kvtest::uniform_int(g, 1, 6), n = kvtest::uniform_int(g, 0, detail::gqa_chunk);
+    const index_t xs = n + kvtest::uniform_int(g, 0, 5);
+    const gqa_op op = trial % 2 == 0 ? gqa_op::mean : gqa_op::sum;
+    std::vector<float> x(static_cast<std::size_t>(std::max<index_t>(1, grp * xs)));
+    for (auto& v : x) v = random_score(g, trial % 3 == 0);
+    if (trial % 5 == 1)  // huge terms: the order of the additions decides overflow and rounding
+      for (auto& v : x) v = std::ldexp(static_cast<float>(kvtest::uniform_int(g, -1000, 1000)) / 999.f, 127);
+    std::vector<float> want(static_cast<std::size_t>(std::max<index_t>(1, n)));
+    for (index_t t = 0; t < n; ++t) {
+      float a = x[static_cast<std::size_t>(t)];
+      for (index_t j = 1; j < grp; ++j) a = detail::gqa_combine(op, a, x[static_cast<std::size_t>(j * xs + t)]);
+      want[static_cast<std::size_t>(t)] = detail::gqa_finish(op, a, grp);
+    }
+    // a NaN sum: its sign and payload follow the operand order the compiler picks for +: NaN only
+    const auto same = [&](const std::vector<float>& got) {
+      for (index_t t = 0; t < n; ++t) {
+        CAPTURE(t);
+        if (std::isnan(want[static_cast<std::size_t>(t)])) REQUIRE(std::isnan(got[static_cast<std::size_t>(t)]));
+        else REQUIRE(bits(got[static_cast<std::size_t>(t)]) == bits(want[static_cast<std::size_t>(t)]));
+      }
+    };
+    std::vector<float> got(want.size(), 7.f);
+    detail::gqa_sum_rows_body(got.data(), x.data(), xs, grp, n, op == gqa_op::mean);
+    same(got);
+#if KVEVICT_HOST_X86_DISPATCH
+    if (detail::host_has_avx2()) {
+      std::vector<float> got2(want.size(), 7.f);
+      detail::gqa_sum_rows_avx2(got2.data(), x.data(), xs, grp, n, op == gqa_op::mean);
+      same(got2);
+    }
+#endif
+  }
+}

@@ -330,3 +330,76 @@ TEST_CASE("pool1d: the small-kernel direct path gives the two-pass algorithm's b
       }
   }
 }
+
+#if defined(KVEVICT_POOL_FAST_PATH)
+TEST_CASE("pool1d: every ISA copy of the small-kernel path equals the two-pass algorithm bit for bit") {
+  // Each copy (baseline, AVX2, AVX-512F: those this CPU runs) called directly on the interior of
+  // rows long enough for several 512-output chunks. Max takes the raw-bits path on chunks whose
+  // inputs are all >= +0 (or +inf) and the key path on the others, so the rows are non-negative
+  // scores with ties, +0, subnormals, FLT_MAX and +inf, some with one negative / -0 / NaN / -inf
+  // put into one chunk, and some random with specials everywhere.
+  using copy_fn = void (*)(bool, const float*, float*, index_t, index_t, float);
+  struct copy {
+    const char* name;
+    copy_fn fn[4];  // kernels 3, 5, 7, 9
+  };
+  std::vector<copy> copies = {{"baseline",
+                               {detail::pool_fast::interior_base<3>, detail::pool_fast::interior_base<5>,
+                                detail::pool_fast::interior_base<7>, detail::pool_fast::interior_base<9>}}};
+#  if KVEVICT_HOST_X86_DISPATCH
+  if (detail::host_has_avx2())
+    copies.push_back({"avx2",
+                      {detail::pool_fast::interior_avx2<3>, detail::pool_fast::interior_avx2<5>,
+                       detail::pool_fast::interior_avx2<7>, detail::pool_fast::interior_avx2<9>}});
+  if (detail::host_has_avx512f())
+    copies.push_back({"avx512",
+                      {detail::pool_fast::interior_avx512<3>, detail::pool_fast::interior_avx512<5>,
+                       detail::pool_fast::interior_avx512<7>, detail::pool_fast::interior_avx512<9>}});
+#  endif
+  const float bad[] = {-1.5f, -0.f, qnan, -qnan, -inf, -std::numeric_limits<float>::denorm_min()};
+  auto g = kvtest::rng(1818);
+  for (int trial = 0; trial < 120; ++trial) {
+    const index_t lens[] = {36, 37, 100, 511, 530, 1031, 1600};
+    const index_t n = lens[trial % 7];
+    const int ki = static_cast<int>(kvtest::uniform_int(g, 0, 3));
+    const index_t kernel = 3 + 2 * ki, r = kernel / 2;
+    const int kind = trial % 4;  // 0, 1: non-negative; 2: one bad value; 3: specials everywhere
+    CAPTURE(trial);
+    CAPTURE(n);
+    CAPTURE(kernel);
+    CAPTURE(kind);
+    std::vector<float> x(static_cast<std::size_t>(n));
+    for (auto& v : x) {
+      if (kind == 3) {
+        v = random_score(g, true, trial % 8 == 3);
+        continue;
+      }
+      switch (kvtest::uniform_int(g, 0, 11)) {
+        case 0: v = 0.f; break;
+        case 1: v = std::numeric_limits<float>::denorm_min() * static_cast<float>(kvtest::uniform_int(g, 1, 3)); break;
+        case 2: v = kind == 1 ? inf : std::numeric_limits<float>::max(); break;
+        case 3: case 4: v = static_cast<float>(kvtest::uniform_int(g, 0, 3)); break;  // ties
+        default: v = kvtest::random_floats(g, 1, 0.f, 1.f)[0];
+      }
+    }
+    if (kind == 2) x[static_cast<std::size_t>(kvtest::uniform_int(g, 0, n - 1))] = bad[trial / 4 % 6];
+    for (pool_kind pk : {pool_kind::max, pool_kind::avg}) {
+      std::vector<float> ref(x.size(), sentinel);
+      if (pk == pool_kind::max) detail::pool_row_impl<detail::pool_max_traits>(avg_divisor::kernel, x.data(), 1, ref.data(), 1, n, kernel);
+      else detail::pool_row_impl<detail::pool_sum_traits>(avg_divisor::kernel, x.data(), 1, ref.data(), 1, n, kernel);
+      for (const copy& c : copies) {
+        CAPTURE(c.name);
+        CAPTURE(pk == pool_kind::max);
+        std::vector<float> y(x.size(), sentinel);
+        c.fn[ki](pk == pool_kind::max, x.data(), y.data() + r, r, n - r, static_cast<float>(kernel));
+        for (index_t i = 0; i < n; ++i) {
+          CAPTURE(i);
+          if (i < r || i >= n - r) REQUIRE(bits(y[i]) == bits(sentinel));  // outside the interior: untouched
+          else if (pk == pool_kind::avg && std::isnan(ref[i])) REQUIRE(std::isnan(y[i]));
+          else REQUIRE(bits(y[i]) == bits(ref[i]));
+        }
+      }
+    }
+  }
+}
+#endif

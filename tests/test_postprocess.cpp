@@ -352,6 +352,53 @@ TEST_CASE("postprocess_scores: host and the CUDA kernels on the executor equal t
   compare_fused<bfloat16>(43, 80);
 }
 
+TEST_CASE("postprocess_scores: long rows on the chunked small-kernel path (pool first, no weighting) equal the chain") {
+  // The host runs pool_first without weighting on contiguous rows by chunks of positions
+  // (detail::post_chunk): rows of several chunks, the pooled part ending inside or at a chunk
+  // boundary, sinks and recent windows crossing chunk boundaries, every GQA op and pool kind.
+  auto g = kvtest::rng(1819);
+  for (int trial = 0; trial < 48; ++trial) {
+    CAPTURE(trial);
+    case_data<float> c = random_case<float>(g, 1);
+    c.T = kvtest::uniform_int(g, 1000, 3200);
+    c.tv = c.T;
+    c.d = 0;  // no weighting: the values are not read
+    c.values.assign(1, 0.f);
+    c.in = random_scores(g, static_cast<std::size_t>(c.hkv * c.g * c.T), trial % 3 == 0);
+    if (trial % 4 == 0)  // non-negative scores: the raw-bits path of max pooling
+      for (auto& v : c.in) v = std::isnan(v) ? 0.5f : std::fabs(v);
+    c.use_row_lengths = trial % 2 == 1;
+    c.row_lengths.clear();
+    for (index_t h = 0; h < c.hkv; ++h) c.row_lengths.push_back(static_cast<std::int32_t>(kvtest::uniform_int(g, 0, c.T)));
+    const gqa_op ops[] = {gqa_op::mean, gqa_op::max, gqa_op::sum};
+    c.opt.gqa = ops[trial % 3];
+    c.opt.order = gqa_order::pool_first;
+    c.opt.pool = trial % 5 == 4 ? pool_kind::avg : (trial % 2 ? pool_kind::max : pool_kind::avg);
+    c.opt.kernel = 2 * kvtest::uniform_int(g, 1, 4) + 1;
+    c.opt.divisor = trial % 7 == 3 ? avg_divisor::valid : avg_divisor::kernel;
+    c.opt.weight_values = false;
+    c.opt.n_sink = trial % 3 == 0 ? kvtest::uniform_int(g, 1000, 1100) : kvtest::uniform_int(g, 0, 4);
+    c.opt.n_recent = trial % 3 == 1 ? kvtest::uniform_int(g, 1000, 2100) : kvtest::uniform_int(g, 0, 40);
+    c.opt.unpooled_tail = trial % 4 == 2 ? 1024 + 7 * trial : trial % 4 == 3 ? kvtest::uniform_int(g, 1, 40) : 0;
+    CAPTURE(c.T);
+    CAPTURE(c.g);
+    CAPTURE(static_cast<int>(c.opt.gqa));
+    CAPTURE(static_cast<int>(c.opt.pool));
+    CAPTURE(c.opt.kernel);
+    CAPTURE(c.opt.unpooled_tail);
+    const auto ref = chain(c);
+    const auto fused = host_fused(seq, c);
+    const auto fused_par = host_fused(par, c);
+    for (index_t h = 0; h < c.hkv; ++h) {
+      CAPTURE(h);
+      const index_t L = c.use_row_lengths ? c.row_lengths[static_cast<std::size_t>(h)] : c.T;
+      require_same_bits(fused.data() + h * c.T, ref.data() + h * c.T, L);
+      require_same_bits(fused_par.data() + h * c.T, ref.data() + h * c.T, L);
+      for (index_t t = L; t < c.T; ++t) REQUIRE(fused[static_cast<std::size_t>(h * c.T + t)] == -3.f);
+    }
+  }
+}
+
 TEST_CASE("postprocess_scores: staged norms and key norms equal the host's row functions") {
   auto g = kvtest::rng(51);
   for (int trial = 0; trial < 200; ++trial) {

@@ -100,6 +100,36 @@ inline void gqa_max_rows(float* dst, const float* x, index_t xs, index_t g, inde
 #endif
   gqa_max_rows_body(dst, x, xs, g, n);
 }
+/// dst[t] = the sum of rows x + j * xs (j < g) at t < n (n <= gqa_chunk), added in head order, then
+/// divided by g when `mean`: gqa_combine / gqa_finish per element (mean and sum), in loops that
+/// vectorise (8 lanes with AVX2; the same operations, so the same bits on every copy).
+KVEVICT_GQA_INLINE void gqa_sum_rows_body(float* dst, const float* x, index_t xs, index_t g, index_t n,
+                                          bool mean) noexcept {
+  float acc[gqa_chunk];
+  for (index_t t = 0; t < n; ++t) acc[t] = x[t];
+  for (index_t j = 1; j < g; ++j) {
+    const float* row = x + j * xs;
+    for (index_t t = 0; t < n; ++t) acc[t] = acc[t] + row[t];
+  }
+  if (mean) {
+    const float gf = static_cast<float>(g);
+    for (index_t t = 0; t < n; ++t) dst[t] = acc[t] / gf;
+  } else {
+    for (index_t t = 0; t < n; ++t) dst[t] = acc[t];
+  }
+}
+#if KVEVICT_HOST_X86_DISPATCH
+__attribute__((target("avx2"))) inline void gqa_sum_rows_avx2(float* dst, const float* x, index_t xs, index_t g,
+                                                              index_t n, bool mean) noexcept {
+  gqa_sum_rows_body(dst, x, xs, g, n, mean);
+}
+#endif
+inline void gqa_sum_rows(float* dst, const float* x, index_t xs, index_t g, index_t n, bool mean) noexcept {
+#if KVEVICT_HOST_X86_DISPATCH
+  if (host_has_avx2()) return gqa_sum_rows_avx2(dst, x, xs, g, n, mean);
+#endif
+  gqa_sum_rows_body(dst, x, xs, g, n, mean);
+}
 #undef KVEVICT_GQA_INLINE
 
 /// The checks of gqa_reduce, shared by every backend; in_place tells whether out is the first H_kv
@@ -148,19 +178,9 @@ status gqa_reduce(Backend be, matrix_view<const float> in, matrix_view<float> ou
       for (index_t h = h0; h < h1; ++h) detail::gqa_max_rows(op_ + h * os0 + t0, ip + (h * g) * is0 + t0, is0, g, n);
       return;
     }
-    if (is1 == 1 && os1 == 1) {  // contiguous rows: the same operations in vectorisable loops
-      for (index_t h = h0; h < h1; ++h) {
-        const float* row = ip + (h * g) * is0 + t0;
-        for (index_t t = 0; t < n; ++t) acc[t] = row[t];
-        for (index_t j = 1; j < g; ++j) detail::combine_contiguous(op, acc, ip + (h * g + j) * is0 + t0, n);
-        float* dst = op_ + h * os0 + t0;
-        if (op == gqa_op::mean) {
-          const float gf = static_cast<float>(g);
-          for (index_t t = 0; t < n; ++t) dst[t] = acc[t] / gf;
-        } else {
-          for (index_t t = 0; t < n; ++t) dst[t] = acc[t];
-        }
-      }
+    if (is1 == 1 && os1 == 1) {  // contiguous rows, mean or sum (detail::gqa_sum_rows)
+      for (index_t h = h0; h < h1; ++h)
+        detail::gqa_sum_rows(op_ + h * os0 + t0, ip + (h * g) * is0 + t0, is0, g, n, op == gqa_op::mean);
       return;
     }
     for (index_t h = h0; h < h1; ++h) {

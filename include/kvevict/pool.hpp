@@ -172,6 +172,21 @@ KVEVICT_HOST_DEVICE inline float pool_one(avg_divisor div, const float* x, index
   return pool_output<Op>(div, w, i, n, r_full, static_cast<float>(kernel));
 }
 
+/// Outputs [lo, hi) of a contiguous row of n positions that pool_fast_applies to (host code), output
+/// i into y[i - lo]: the bits of pool_row's output i. The r outputs at each end of the row one by
+/// one (pool_one), the interior by pool_host.hpp's kernels.
+inline void pool_row_part(bool is_max, avg_divisor div, const float* x, float* y, index_t n, index_t kernel,
+                          index_t lo, index_t hi) {
+  const index_t r = kernel / 2;
+  const auto one = [&](index_t i) {
+    return is_max ? pool_one<pool_max_traits>(div, x, n, kernel, i) : pool_one<pool_sum_traits>(div, x, n, kernel, i);
+  };
+  const index_t a = lo > r ? lo : r, b = hi < n - r ? hi : n - r;  // the interior part
+  for (index_t i = lo; i < hi && i < r; ++i) y[i - lo] = one(i);
+  if (a < b) pool_fast_interior(is_max, x, y + (a - lo), kernel, a, b);
+  for (index_t i = lo > n - r ? lo : n - r; i < hi; ++i) y[i - lo] = one(i);
+}
+
 /// One row of pooling of any kind.
 KVEVICT_HOST_DEVICE inline void pool_row(pool_kind kind, avg_divisor div, const float* x, index_t sx, float* y,
                                          index_t sy, index_t n, index_t kernel) {
@@ -181,14 +196,7 @@ KVEVICT_HOST_DEVICE inline void pool_row(pool_kind kind, avg_divisor div, const 
 #if !defined(__CUDA_ARCH__)
   } else if (pool_fast_applies(sx, sy, n, kernel)) {
     // small kernels on the host: a direct sliding window with the same bits (detail/host/pool_host.hpp)
-    const index_t r = kernel / 2;
-    const bool is_max = kind == pool_kind::max;
-    for (index_t i = 0; i < r; ++i) {
-      y[i] = is_max ? pool_one<pool_max_traits>(div, x, n, kernel, i) : pool_one<pool_sum_traits>(div, x, n, kernel, i);
-      const index_t e = n - 1 - i;
-      y[e] = is_max ? pool_one<pool_max_traits>(div, x, n, kernel, e) : pool_one<pool_sum_traits>(div, x, n, kernel, e);
-    }
-    pool_fast_interior(is_max, x, y, n, kernel);
+    pool_row_part(kind == pool_kind::max, div, x, y, n, kernel, 0, n);
 #endif
   } else if (kind == pool_kind::max) {
     pool_row_impl<pool_max_traits>(div, x, sx, y, sy, n, kernel);

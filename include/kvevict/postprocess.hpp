@@ -118,6 +118,31 @@ inline void finish_protect_contiguous(gqa_op op, float* o, index_t n, index_t g,
   for (index_t p = mid_end; p < n; ++p) o[p] = inf;
 }
 
+constexpr index_t post_chunk = 1024;
+/// The pool_first steps without weighting on contiguous rows whose pooled part P takes the host's
+/// small-kernel path: for each chunk of positions [c0, c1), pool (or copy, at t >= P) each query
+/// head of the group in head order into the chunk (the first into o, the others into `chunk`
+/// and combined into o), then the GQA finish and the protection. Every position gets the same
+/// operations in the same order as the whole-row steps, so the same bits.
+inline void post_chunked_contiguous(const postprocess_options& opt, const float* first, index_t is0, float* o,
+                                    index_t L, index_t P, index_t g, float* chunk) {
+  const bool is_max = opt.pool == pool_kind::max;
+  const index_t sink_end = protect_sink_end(L, opt.n_sink), recent_begin = protect_recent_begin(L, opt.n_recent);
+  const auto clamp = [](index_t v, index_t m) { return v < 0 ? index_t{0} : v > m ? m : v; };
+  for (index_t c0 = 0; c0 < L; c0 += post_chunk) {
+    const index_t c1 = L - c0 < post_chunk ? L : c0 + post_chunk, m = c1 - c0;
+    const index_t pe = P < c0 ? c0 : P < c1 ? P : c1;  // [c0, pe) pooled, [pe, c1) copied
+    for (index_t j = 0; j < g; ++j) {
+      const float* x = first + j * is0;
+      float* y = j == 0 ? o + c0 : chunk;
+      if (c0 < pe) pool_row_part(is_max, opt.divisor, x, y, P, opt.kernel, c0, pe);
+      for (index_t p = pe; p < c1; ++p) y[p - c0] = x[p];
+      if (j > 0) combine_contiguous(opt.gqa, o + c0, chunk, m);
+    }
+    finish_protect_contiguous(opt.gqa, o + c0, m, g, clamp(sink_end - c0, m), clamp(recent_begin - c0, m));
+  }
+}
+
 template <class Backend, class VE>
 status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const matrix_view<const float>& in,
                                const matrix_view<float>& out, const kv_view<const VE>& values, bool has_values,
@@ -153,21 +178,32 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
     const index_t P = pooled_length(L, opt.unpooled_tail);
     float* const o = op + h * os0;
     float* const t = tmp + h * T;  // only when pooled
+    float tmp_chunk[post_chunk];
     const float* const first = ip + (h * g) * is0;
     if (!pooled || opt.order == gqa_order::gqa_first) {
       // x[p] = gqa over the group of in[.][p], into the output (no pooling) or the scratch row
       float* const x = pooled ? t : o;
       const index_t xs = pooled ? 1 : os1;
-      for (index_t p = 0; p < L; ++p) x[p * xs] = first[p * is1];
-      for (index_t j = 1; j < g; ++j) {
-        const float* row = ip + (h * g + j) * is0;
-        for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_combine(opt.gqa, x[p * xs], row[p * is1]);
+      if (xs == 1 && is1 == 1 && opt.gqa == gqa_op::max) {
+        // contiguous rows, max (LAVa): gqa_reduce's kernel, the bits of the total_order_max fold
+        for (index_t c = 0; c < L; c += gqa_chunk) gqa_max_rows(x + c, first + c, is0, g, L - c < gqa_chunk ? L - c : gqa_chunk);
+      } else {
+        for (index_t p = 0; p < L; ++p) x[p * xs] = first[p * is1];
+        for (index_t j = 1; j < g; ++j) {
+          const float* row = ip + (h * g + j) * is0;
+          for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_combine(opt.gqa, x[p * xs], row[p * is1]);
+        }
+        for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_finish(opt.gqa, x[p * xs], g);
       }
-      for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_finish(opt.gqa, x[p * xs], g);
       if (pooled) {
         pool_row(opt.pool, opt.divisor, t, 1, o, os1, P, opt.kernel);
         for (index_t p = P; p < L; ++p) o[p * os1] = t[p];
       }
+    } else if (os1 == 1 && is1 == 1 && !opt.weight_values && pool_fast_applies(1, 1, P, opt.kernel)) {
+      // contiguous rows, small kernel, no weighting: the same steps by chunks of post_chunk
+      // positions, each chunk's pooled rows, sum and protection in L1 (one pass over the output)
+      post_chunked_contiguous(opt, first, is0, o, L, P, g, tmp_chunk);
+      return;
     } else if (os1 == 1 && is1 == 1 && !opt.weight_values) {
       // contiguous rows, no weighting: the same steps with vectorisable loops, and the GQA finish
       // fused with the protection (one pass)

@@ -1,8 +1,10 @@
 // Host fast path of pooling for the small kernels the recipes use (k = 3, 5, 7, 9), contiguous
-// rows: a direct sliding window, 8 outputs at a time (GCC / clang vector extensions), with the
+// rows: a direct sliding window, 8 outputs at a time (16 for max in the AVX-512 copy; GCC / clang
+// vector extensions; baseline, AVX2 and AVX-512F copies chosen at run time), with the
 // bits of the O(T) algorithm in pool.hpp:
 //   max  the total-order max of the window's keys (associative and commutative on keys: any order
-//        gives the same bits);
+//        gives the same bits); chunks of 512 outputs whose inputs are all +0, positive or +inf (the
+//        scores' case) take the unsigned max of the raw bits instead, which is that same max;
 //   avg  every window sum is evaluated with the association of pool.hpp's two passes. Window
 //        [i - r, i + r] of an interior output i (all positions real) has, with j = i mod k and
 //        a_t = x[i - r + t]:
@@ -41,6 +43,7 @@ typedef float vf8 __attribute__((vector_size(32)));
 typedef std::uint32_t vu8 __attribute__((vector_size(32)));
 typedef std::int32_t vi8 __attribute__((vector_size(32)));
 typedef float vf8u __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned loads / stores
+typedef std::uint32_t vu16 __attribute__((vector_size(64)));  // the AVX-512 copy's max pooling
 
 // (one unaligned vector access each: a memcpy is split into halves in the baseline copy, which
 // defeats store forwarding)
@@ -62,17 +65,20 @@ KVEVICT_POOL_INLINE void from_keys8(const vu8& k, vf8& f) noexcept {
   std::memcpy(&f, &b, sizeof f);
 }
 
-/// Max pooling of outputs [lo, hi) (all windows inside the row), in chunks of `chunk` outputs: the
-/// chunk's inputs turned into keys once, then window maxima by doubling (pairs, quads, then the
-/// window as two overlapping quads or an octet plus one), 8 lanes at a time. The max of keys is
-/// associative and commutative, so any grouping gives the same bits.
+// Every kernel below computes outputs [lo, hi) of a row (all windows inside it) into y, output i at
+// y[i - lo].
+
+/// Max pooling of the nc outputs from c0 (all windows inside the row, nc <= max_chunk) by keys: the
+/// inputs turned into total-order keys once, then window maxima by doubling (pairs, quads, then the
+/// window as two overlapping quads or an octet plus one). The max of keys is associative and
+/// commutative, so any grouping gives the same bits.
+constexpr index_t max_chunk = 512;
 template <int K>
-KVEVICT_POOL_INLINE void max_interior(const float* x, float* y, index_t lo, index_t hi) noexcept {
+KVEVICT_POOL_INLINE void max_chunk_keys(const float* x, float* y, index_t c0, index_t nc) noexcept {
   constexpr int r = K / 2;
-  constexpr index_t chunk = 512;
+  constexpr index_t chunk = max_chunk;
   alignas(32) std::uint32_t kb[chunk + 16 + 8], m2[chunk + 16 + 8], m4[chunk + 16 + 8];
-  for (index_t c0 = lo; c0 < hi; c0 += chunk) {
-    const index_t nc = hi - c0 < chunk ? hi - c0 : chunk;
+  {
     const index_t nv = (nc + 7) / 8 * 8;  // outputs computed (the last vector partly past nc: not stored)
     const float* xs = x + c0 - r;          // input of window position 0 of output c0
     // keys of the inputs [c0 - r, c0 + nc + r): nc + K - 1 of them; padded to what the vectors read
@@ -101,8 +107,64 @@ KVEVICT_POOL_INLINE void max_interior(const float* x, float* y, index_t lo, inde
         const std::uint32_t a = m4[i] > m4[i + 4] ? m4[i] : m4[i + 4];
         m = a > kb[i + 8] ? a : kb[i + 8];
       }
-      y[c0 + i] = total_order_from_key(m);
+      y[i] = total_order_from_key(m);
     }
+  }
+}
+
+/// The largest bit pattern of a float that is neither negative nor a NaN (+inf): on the patterns
+/// 0 .. plus_inf_bits (+0, positive subnormals and normals, +inf) the unsigned order of the raw bits
+/// is the total score order, so their unsigned maximum is the total-order maximum, bit for bit.
+constexpr std::uint32_t plus_inf_bits = 0x7f800000u;
+
+/// Max pooling of the nc outputs from c0 on the raw bits, VU lanes at a time (VU: a vector of
+/// uint32, loaded and stored with memcpy: GCC keeps a 64-byte vector's alignment through an
+/// aligned(4) typedef and would emit aligned AVX-512 loads): each output the unsigned maximum of its K inputs'
+/// bits. Returns false if some input of the chunk is negative or a NaN (its bits above
+/// plus_inf_bits: then the maximum of some window is, and the fold of every window's maximum
+/// shows it); the outputs written are then wrong and the caller recomputes the chunk by keys.
+/// Scores (softmax probabilities) are never negative, so this is the path they take.
+template <int K, class VU>
+KVEVICT_POOL_INLINE bool max_chunk_bits(const float* x, float* y, index_t c0, index_t nc) noexcept {
+  constexpr int r = K / 2;
+  constexpr index_t W = static_cast<index_t>(sizeof(VU) / sizeof(std::uint32_t));
+  VU seen{};
+  index_t i = c0;
+  const index_t hi = c0 + nc;
+  for (; i + W <= hi; i += W) {
+    const float* p = x + i - r;
+    VU m;
+    std::memcpy(&m, p, sizeof m);
+    for (int t = 1; t < K; ++t) {
+      VU v;
+      std::memcpy(&v, p + t, sizeof v);
+      m = m > v ? m : v;
+    }
+    seen = seen > m ? seen : m;
+    std::memcpy(y + (i - c0), &m, sizeof m);
+  }
+  std::uint32_t top = 0;
+  for (index_t l = 0; l < W; ++l) top = seen[l] > top ? seen[l] : top;
+  for (; i < hi; ++i) {
+    std::uint32_t m = 0;
+    for (int t = 0; t < K; ++t) {
+      std::uint32_t u;
+      std::memcpy(&u, x + i - r + t, sizeof u);
+      m = u > m ? u : m;
+    }
+    top = m > top ? m : top;
+    std::memcpy(y + (i - c0), &m, sizeof m);
+  }
+  return top <= plus_inf_bits;
+}
+
+/// Max pooling of outputs [lo, hi) (all windows inside the row), in chunks of max_chunk outputs:
+/// each chunk on the raw bits (max_chunk_bits) when no input is negative or NaN, else by keys.
+template <int K, class VU>
+KVEVICT_POOL_INLINE void max_interior(const float* x, float* y, index_t lo, index_t hi) noexcept {
+  for (index_t c0 = lo; c0 < hi; c0 += max_chunk) {
+    const index_t nc = hi - c0 < max_chunk ? hi - c0 : max_chunk;
+    if (!max_chunk_bits<K, VU>(x, y + (c0 - lo), c0, nc)) max_chunk_keys<K>(x, y + (c0 - lo), c0, nc);
   }
 }
 
@@ -142,7 +204,7 @@ KVEVICT_POOL_INLINE void avg_interior(const float* x, float* y, index_t lo, inde
         s = phase == j ? e : s;
       }
       s = s / dv;
-      store8(y + i, s);
+      store8(y + (i - lo), s);
       phase += 8 % K;
       phase = phase >= K ? phase - K : phase;
     }
@@ -152,27 +214,36 @@ KVEVICT_POOL_INLINE void avg_interior(const float* x, float* y, index_t lo, inde
     for (int t = 0; t < K; ++t) a[t] = x[i - r + t];
     float s = 0.f;
     phase_sum<K>(a, static_cast<int>(static_cast<std::uint64_t>(i) % K), s);
-    y[i] = s / div;
+    y[i - lo] = s / div;
   }
 }
 
 template <int K>
 void interior_base(bool is_max, const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
-  if (is_max) max_interior<K>(x, y, lo, hi);
+  if (is_max) max_interior<K, vu8>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
 #  if KVEVICT_HOST_X86_DISPATCH
 template <int K>
 __attribute__((target("avx2"))) void interior_avx2(bool is_max, const float* x, float* y, index_t lo, index_t hi,
                                                     float div) noexcept {
-  if (is_max) max_interior<K>(x, y, lo, hi);
+  if (is_max) max_interior<K, vu8>(x, y, lo, hi);
+  else avg_interior<K>(x, y, lo, hi, div);
+}
+/// 16 lanes for max pooling (the raw-bits path); avg as in the AVX2 copy (its cost is the phase
+/// expressions and the division, not the lanes' count).
+template <int K>
+__attribute__((target("avx512f,avx2"))) void interior_avx512(bool is_max, const float* x, float* y, index_t lo,
+                                                              index_t hi, float div) noexcept {
+  if (is_max) max_interior<K, vu16>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
 #  endif
-/// The same operations on either copy: the ISA changes the speed, never the bits.
+/// The same operations on every copy: the ISA changes the speed, never the bits.
 template <int K>
 void interior(bool is_max, const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
 #  if KVEVICT_HOST_X86_DISPATCH
+  if (host_has_avx512f()) return interior_avx512<K>(is_max, x, y, lo, hi, div);
   if (host_has_avx2()) return interior_avx2<K>(is_max, x, y, lo, hi, div);
 #  endif
   interior_base<K>(is_max, x, y, lo, hi, div);
@@ -196,20 +267,21 @@ inline bool pool_fast_applies(index_t sx, index_t sy, index_t n, index_t kernel)
 #endif
 }
 
-/// Interior outputs [r, n - r) of a row the fast path applies to (max or avg; div is the kernel
-/// size as a float: the divisor of every interior window for both avg_divisor values).
-inline void pool_fast_interior(bool is_max, const float* x, float* y, index_t n, index_t kernel) noexcept {
+/// Outputs [lo, hi) of a row of n positions the fast path applies to, all in its interior
+/// (r <= lo, hi <= n - r; max or avg; div is the kernel size as a float: the divisor of every
+/// interior window for both avg_divisor values), output i into y[i - lo].
+inline void pool_fast_interior(bool is_max, const float* x, float* y, index_t kernel, index_t lo, index_t hi) noexcept {
 #if defined(KVEVICT_POOL_FAST_PATH)
-  const index_t r = kernel / 2;
+  if (lo >= hi) return;
   const float div = static_cast<float>(kernel);
   switch (kernel) {
-    case 3: return pool_fast::interior<3>(is_max, x, y, r, n - r, div);
-    case 5: return pool_fast::interior<5>(is_max, x, y, r, n - r, div);
-    case 7: return pool_fast::interior<7>(is_max, x, y, r, n - r, div);
-    default: return pool_fast::interior<9>(is_max, x, y, r, n - r, div);
+    case 3: return pool_fast::interior<3>(is_max, x, y, lo, hi, div);
+    case 5: return pool_fast::interior<5>(is_max, x, y, lo, hi, div);
+    case 7: return pool_fast::interior<7>(is_max, x, y, lo, hi, div);
+    default: return pool_fast::interior<9>(is_max, x, y, lo, hi, div);
   }
 #else
-  (void)is_max, (void)x, (void)y, (void)n, (void)kernel;
+  (void)is_max, (void)x, (void)y, (void)kernel, (void)lo, (void)hi;
 #endif
 }
 

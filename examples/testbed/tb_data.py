@@ -33,6 +33,12 @@ LENGTHS = (256, 512, 1024, 2048)
 COLORS = ("red", "blue", "green", "yellow", "pink", "purple", "orange", "brown", "black", "white", "gray", "gold")
 OBJECTS = ("door", "box", "car", "ball", "hat", "cup", "bed", "tree", "boat", "house", "bird", "kite")
 DIGITS = 4
+SHORT_KEYS = ("Lily", "Tim", "Timmy", "mom", "friend", "day", "time", "play", "big", "little", "happy", "saw",
+              "want", "very", "upon", "there")
+"""keys="short" (the key-match curriculum, docs/testbed.md "Round seven: the key match"): each key one tok512
+token, also inside "The {key}'s code is" and "the {key}'s code" (`Generator` checks it), so no two keys share a
+piece; the real keys (colour object) are 4-8 pieces shared with ~29 other keys each"""
+KEY_SETS = ("words", "short")
 
 
 def story_seeds(split: str) -> range:
@@ -121,6 +127,10 @@ class Generator:
         if not self.stories:
             raise ValueError(f"{split}: no stories")
         self.digit_ids = [self.enc.encode(str(d))[-1] for d in range(10)]
+        for k in SHORT_KEYS:
+            one = self.enc.encode(k)
+            if len(one) != 1 or any(self.enc.encode(f"{h} {k}'s code")[1:2] != one for h in ("The", "the")):
+                raise ValueError(f"short key {k!r} is not one token in its fact and answer")
 
     def rng(self, i: int) -> np.random.Generator:
         return np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, self.stream, i])))
@@ -137,16 +147,20 @@ class Generator:
                 used += len(ids)
             s = (s + 1) % len(self.stories)
 
-    def example(self, i: int, length: int, kind: str, needles: int = 1) -> Example:
-        """kind: 'after' (question after the context), 'before' (question before it) or 'plain'.
+    def example(self, i: int, length: int, kind: str, needles: int = 1, keys: str = "words") -> Example:
+        """kind: 'after' (question after the context), 'before' (question before it), 'recall' or 'plain'.
+        keys: 'words' (colour object, the testbed's task) or 'short' (SHORT_KEYS: one token a key, the
+        key-match curriculum; the random stream is the same, only the key table differs).
         At most `length` tokens (BOS included); sentences are whole, so usually a few fewer."""
+        if keys not in KEY_SETS:
+            raise ValueError(f"keys {keys!r}: one of {KEY_SETS}")
         rng = self.rng(i)
         if kind == "recall":
-            return self._recall(rng, length)
+            return self._recall(rng, length, keys)
         if kind == "plain":
             parts = [(t, ids, 1.0) for t, ids in self._fill(rng, length - 1)]
             return self._assemble(parts, [], {"kind": kind, "length": length})
-        facts = self._facts(rng, needles)
+        facts = self._facts(rng, needles, keys)
         asked = int(rng.integers(needles))
         key, code = facts[asked]
         question = self._sentence(f"Question: What is the {key}'s code?")
@@ -169,14 +183,20 @@ class Generator:
         parts.append(answer_head + (1.0,))
         meta = {"kind": kind, "length": length, "needles": needles, "key": key, "code": code,
                 "depth": depth[asked], "facts": facts, "fact_depths": [depth[f] for f in range(needles)]}
+        if keys != "words":  # (the testbed's own examples keep their meta as before)
+            meta["keys"] = keys
         return self._assemble(parts, [answer], meta)
 
-    def _facts(self, rng, n: int) -> List[tuple]:
-        """n facts (key, code): distinct keys out of COLORS x OBJECTS, DIGITS random digits each."""
+    @staticmethod
+    def key_count(keys: str = "words") -> int:
+        return len(COLORS) * len(OBJECTS) if keys == "words" else len(SHORT_KEYS)
+
+    def _facts(self, rng, n: int, keys: str = "words") -> List[tuple]:
+        """n facts (key, code): distinct keys out of COLORS x OBJECTS (or SHORT_KEYS), DIGITS random digits each."""
         facts = []
-        for k in rng.choice(len(COLORS) * len(OBJECTS), size=n, replace=False):
-            color, obj = COLORS[k // len(OBJECTS)], OBJECTS[k % len(OBJECTS)]
-            facts.append((f"{color} {obj}", "".join(str(int(d)) for d in rng.integers(10, size=DIGITS))))
+        for k in rng.choice(self.key_count(keys), size=n, replace=False):
+            key = f"{COLORS[k // len(OBJECTS)]} {OBJECTS[k % len(OBJECTS)]}" if keys == "words" else SHORT_KEYS[k]
+            facts.append((key, "".join(str(int(d)) for d in rng.integers(10, size=DIGITS))))
         return facts
 
     @staticmethod
@@ -200,13 +220,13 @@ class Generator:
                 tokens += len(hay[j][1])
         return body, depth
 
-    def _recall(self, rng, length: int) -> Example:
+    def _recall(self, rng, length: int, keys: str = "words") -> Example:
         """The dense associative-recall kind (the first phase of training): many facts in a short haystack,
         then `length // 128 + 1` questions in the `after` form, each about a different fact, each with its
         answer (`Question: What is the {key}'s code? Answer: the {key}'s code is dddd.`): a retrieval
         target every ~50 tokens instead of one a sequence."""
         n_q = length // 128 + 1
-        facts = self._facts(rng, min(len(COLORS) * len(OBJECTS), 2 * n_q + 4))
+        facts = self._facts(rng, min(self.key_count(keys), 2 * n_q + 4), keys)
         qa = []
         for f in range(len(facts)):
             key, code = facts[f]
@@ -253,6 +273,8 @@ class Generator:
                 "fact_depths": [depth[j] for j in range(n_f)],
                 "asked": [facts[f] for f in ask_order], "depths": [depth[kept.index(f)] for f in ask_order],
                 "tokens": len(ids)}
+        if keys != "words":
+            meta["keys"] = keys
         return Example(ids=ids, weights=weights, answers=[t for q in questions for t in q], digits=DIGITS,
                        text=" ".join(texts), meta=meta, questions=questions)
 
@@ -305,13 +327,13 @@ class Generator:
 
 
 def eval_set(gen: Generator, per_cell: int, lengths=LENGTHS, kinds=("after", "before"), needles=(1, 2, 4),
-             first_index: int = 10_000_000) -> List[Example]:
+             first_index: int = 10_000_000, keys: str = "words") -> List[Example]:
     """per_cell examples for every (length, kind), the needle count cycling through `needles`; indices
     from `first_index` up (training draws from 0 .. first_index - 1 of the train stream only)."""
     out, i = [], first_index
     for length in lengths:
         for kind in kinds:
             for j in range(per_cell):
-                out.append(gen.example(i, length, kind, needles[j % len(needles)]))
+                out.append(gen.example(i, length, kind, needles[j % len(needles)], keys))
                 i += 1
     return out

@@ -24,7 +24,7 @@ from typing import Dict, List, Tuple
 
 PHASE_OPTIONS = {"steps": int, "batch_tokens": int, "lr": float, "warmup": int, "plain": float,
                  "answer_weight": float, "recall_steps": int, "recall_mix": float, "max_length": int,
-                 "log_every": int, "ckpt_every": int, "eval_every": int, "eval_per_cell": int}
+                 "short_keys": float, "log_every": int, "ckpt_every": int, "eval_every": int, "eval_per_cell": int}
 """train options a phase may change (what a hand resume with new options could change)"""
 
 RUN_OPTIONS = {"seed": int, "threads": int, "dim": int, "hidden": int, "layers": int, "heads": int,
@@ -33,7 +33,7 @@ RUN_OPTIONS = {"seed": int, "threads": int, "dim": int, "hidden": int, "layers":
 thread count changes the float sums)"""
 
 BITS = ("seed", "threads", "steps", "batch_tokens", "lr", "warmup", "plain", "answer_weight", "recall_steps",
-        "recall_mix", "max_length")
+        "recall_mix", "max_length", "short_keys")
 """the options the weights depend on (the others only say when to log, checkpoint and evaluate)"""
 
 SPLIT_NAMES = ("train", "val", "test")

@@ -172,7 +172,9 @@ def step_batch(gen, args, step):
     batch_tokens // length sequences, each plain text with probability args.plain, else during the
     dense-recall phase (step < args.recall_steps) a recall example (many facts and questions), after it
     a recall example with probability args.recall_mix and otherwise a retrieval example (question
-    after or before, 1, 2 or 4 needles)."""
+    after or before, 1, 2 or 4 needles). With --short-keys F > 0 a recall or retrieval example has
+    one-token keys (tb_data.SHORT_KEYS) with probability F (drawn after its kind; F = 0 draws nothing,
+    so the batches of a run without it are unchanged)."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
     lengths = allowed_lengths(args, step)
     L = int(lengths[rng.integers(len(lengths))])
@@ -183,11 +185,18 @@ def step_batch(gen, args, step):
         if u < args.plain:
             out.append(gen.example(i, L, "plain"))
         elif step < args.recall_steps or rng.random() < args.recall_mix:
-            out.append(gen.example(i, L, "recall"))
+            out.append(gen.example(i, L, "recall", keys=key_set(args, rng)))
         else:
             kind = "after" if rng.random() < 0.5 else "before"
-            out.append(gen.example(i, L, kind, int((1, 2, 4)[rng.integers(3)])))
+            needles = int((1, 2, 4)[rng.integers(3)])
+            out.append(gen.example(i, L, kind, needles, key_set(args, rng)))
     return out
+
+
+def key_set(args, rng):
+    """The key table of one training example: 'short' with probability --short-keys (no draw when 0)."""
+    short = getattr(args, "short_keys", 0.0)
+    return "short" if short > 0 and rng.random() < short else "words"
 
 
 def lr_at(args, step):
@@ -450,7 +459,8 @@ def digit_table(rows, key, label=str):
         chance = sum(r["chance"] for r in wrong) / max(1, len(wrong))
         side = {d: sum(r["side"] == d for r in sel) for d in ("later", "earlier", "either")}
         out.append(f"{label(v):>11s}: {len(sel):4d} questions, " + ", ".join(f"{c} {n[c]}" for c in FIRST_DIGIT_CLASSES)
-                   + f" (right by a random fact's code {sum(r['pick'] for r in sel):.1f})"
+                   + f" (right by a random fact's code {sum(r['pick'] for r in sel):.1f} "
+                      f"sd {math.sqrt(sum(r['pick'] * (1 - r['pick']) for r in sel)):.1f})"
                    + (f"; wrong digits starting another fact's code {n['other fact']}/{len(wrong)} (chance {chance:.2f}; "
                       f"that fact later / earlier / either {side['later']}/{side['earlier']}/{side['either']}, "
                       f"sharing a key word {sum(r['shares_word'] for r in sel)})" if wrong else ""))
@@ -463,8 +473,9 @@ def cmd_digits(args):
     model = tb_model.load(args.checkpoint)
     gen = split_generator(args)
     lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or model.cfg.seq_len)]
-    rows = first_digit_errors(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths), gen.digit_ids)
-    print(f"{args.checkpoint}: the first code digit of {len(rows)} {args.split} questions (argmax given the true prefix)")
+    rows = first_digit_errors(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths, keys=args.keys), gen.digit_ids)
+    print(f"{args.checkpoint}: the first code digit of {len(rows)} {args.split} questions, keys {args.keys} "
+          f"(argmax given the true prefix)")
     quarter = lambda r: min(3, int(r["depth"] * 4)) / 4
     for title, key, label in (("kind x length", lambda r: (r["kind"], r["length"]), lambda v: f"{v[0]}@{v[1]}"),
                               ("needles", lambda r: r["needles"], str),
@@ -876,6 +887,8 @@ def train_options(p):
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-per-cell", type=int, default=16)
     p.add_argument("--max-length", type=int, default=0, help="cap the curriculum and the val set (0 = the context)")
+    p.add_argument("--short-keys", type=float, default=0.0,
+                   help="fraction of recall / retrieval examples with one-token keys (the key-match curriculum)")
     model_args(p)
     return p
 
@@ -933,6 +946,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--verbose", action="store_true", help="every layer and head")
     p = eval_set_args(sub.add_parser("digits", help="diagnosis: the first code digit's failures (wrong fact's code or not)"))
+    p.add_argument("--keys", default="words", choices=list(tb_data.KEY_SETS),
+                   help="the key table of the questions (short: the key-match curriculum's one-token keys)")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="", help="the per-question rows as JSON lines")

@@ -608,3 +608,41 @@ def test_first_digit_errors_classify_the_prediction(tok):
     assert sum(r["class"] == "other fact" for r in rows) == 2
     lines = testbed.digit_table(rows, lambda r: "all")
     assert "right 2, other fact 2, other digit 2, non-digit 2" in lines[0] and "2/4" in lines[0]
+
+
+def test_short_keys_are_one_token_and_leave_the_default_data_unchanged(tok):
+    """keys="short" (the key-match curriculum): every key one token in the fact, the question and the
+    answer, no piece shared between keys; the same random stream as the real keys (only the key table
+    differs); --short-keys 0 leaves step_batch's batches as without the option; the rate is about F."""
+    gen = tb_data.Generator(tok, STORIES, "train", 4)
+    assert len({tok.encode(k)[-1] for k in tb_data.SHORT_KEYS}) == len(tb_data.SHORT_KEYS)
+    for i, (L, kind, n) in enumerate([(256, "after", 4), (256, "before", 2), (512, "after", 1)]):
+        e, w = gen.example(i, L, kind, n, "short"), gen.example(i, L, kind, n)
+        m = e.meta
+        assert m["keys"] == "short" and "keys" not in w.meta and m["key"] in tb_data.SHORT_KEYS
+        assert e.ids == tok.encode(e.text) and len(e.ids) <= L
+        assert len({k for k, _ in m["facts"]}) == n and all(k in tb_data.SHORT_KEYS for k, _ in m["facts"])
+        assert [c for _, c in m["facts"]] == [c for _, c in w.meta["facts"]]  # same stream, other keys
+        key_id = tok.encode(m["key"])[-1]
+        fact = tok.encode(f"The {m['key']}'s code is {m['code']}.")[1:]
+        assert fact[1] == key_id and e.ids[m["depth"]:m["depth"] + len(fact)] == fact
+        assert tok.decode([e.ids[t + 1] for t in e.answers]) == f" the {m['key']}'s code is {m['code']}"
+        assert e.ids[e.answers[0] + 2] == key_id  # " the", then the key as its one token
+        span, others = gen.questions_facts(e)[0]
+        assert [e.ids[p] for p in span] == fact[-6:-1] and len(others) == n - 1
+    r = gen.example(0, 256, "recall", keys="short")
+    assert r.meta["keys"] == "short" and len(r.meta["facts"]) > gen.example(0, 256, "recall").meta["needles"]
+    assert all(tok.decode([r.ids[t + 1] for t in q]) == f" the {k}'s code is {c}"
+               for q, (k, c) in zip(r.questions, r.meta["asked"]))
+    with pytest.raises(ValueError, match="keys 'long'"):
+        gen.example(0, 256, "after", 1, "long")
+    args = argparse.Namespace(seed=1, steps=40, recall_steps=0, recall_mix=0.5, plain=0.1,
+                              batch_tokens=2048, seq_len=2048, max_length=256)
+    plain = [testbed.step_batch(gen, args, s) for s in range(6)]
+    args.short_keys = 0.0
+    assert [[e.ids for e in b] for b in plain] == [[e.ids for e in b] for b in
+                                                   (testbed.step_batch(gen, args, s) for s in range(6))]
+    args.short_keys = 0.5
+    mixed = [e for s in range(6) for e in testbed.step_batch(gen, args, s) if e.meta["kind"] != "plain"]
+    short = sum(e.meta.get("keys") == "short" for e in mixed)
+    assert 0.25 * len(mixed) < short < 0.75 * len(mixed)

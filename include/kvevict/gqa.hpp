@@ -130,6 +130,12 @@ inline void gqa_sum_rows(float* dst, const float* x, index_t xs, index_t g, inde
 #endif
   gqa_sum_rows_body(dst, x, xs, g, n, mean);
 }
+/// One group's reduced row on contiguous rows (n <= gqa_chunk), any op: gqa_max_rows or
+/// gqa_sum_rows, the bits of gqa_combine / gqa_finish per element.
+inline void gqa_rows(gqa_op op, float* dst, const float* x, index_t xs, index_t g, index_t n) noexcept {
+  if (op == gqa_op::max) return gqa_max_rows(dst, x, xs, g, n);
+  gqa_sum_rows(dst, x, xs, g, n, op == gqa_op::mean);
+}
 #undef KVEVICT_GQA_INLINE
 
 /// The checks of gqa_reduce, shared by every backend; in_place tells whether out is the first H_kv
@@ -174,13 +180,8 @@ status gqa_reduce(Backend be, matrix_view<const float> in, matrix_view<float> ou
   auto run = [&](index_t h0, index_t h1, index_t c) {
     const index_t t0 = c * detail::gqa_chunk, n = std::min(detail::gqa_chunk, T - t0);
     float acc[detail::gqa_chunk];
-    if (is1 == 1 && os1 == 1 && op == gqa_op::max) {  // contiguous rows, max (detail::gqa_max_rows)
-      for (index_t h = h0; h < h1; ++h) detail::gqa_max_rows(op_ + h * os0 + t0, ip + (h * g) * is0 + t0, is0, g, n);
-      return;
-    }
-    if (is1 == 1 && os1 == 1) {  // contiguous rows, mean or sum (detail::gqa_sum_rows)
-      for (index_t h = h0; h < h1; ++h)
-        detail::gqa_sum_rows(op_ + h * os0 + t0, ip + (h * g) * is0 + t0, is0, g, n, op == gqa_op::mean);
+    if (is1 == 1 && os1 == 1) {  // contiguous rows (detail::gqa_rows)
+      for (index_t h = h0; h < h1; ++h) detail::gqa_rows(op, op_ + h * os0 + t0, ip + (h * g) * is0 + t0, is0, g, n);
       return;
     }
     for (index_t h = h0; h < h1; ++h) {

@@ -184,9 +184,9 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
       // x[p] = gqa over the group of in[.][p], into the output (no pooling) or the scratch row
       float* const x = pooled ? t : o;
       const index_t xs = pooled ? 1 : os1;
-      if (xs == 1 && is1 == 1 && opt.gqa == gqa_op::max) {
-        // contiguous rows, max (LAVa): gqa_reduce's kernel, the bits of the total_order_max fold
-        for (index_t c = 0; c < L; c += gqa_chunk) gqa_max_rows(x + c, first + c, is0, g, L - c < gqa_chunk ? L - c : gqa_chunk);
+      if (xs == 1 && is1 == 1) {
+        // contiguous rows: gqa_reduce's kernels (gqa_rows), the bits of the per-element fold
+        for (index_t c = 0; c < L; c += gqa_chunk) gqa_rows(opt.gqa, x + c, first + c, is0, g, L - c < gqa_chunk ? L - c : gqa_chunk);
       } else {
         for (index_t p = 0; p < L; ++p) x[p * xs] = first[p * is1];
         for (index_t j = 1; j < g; ++j) {

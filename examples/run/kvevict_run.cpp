@@ -252,7 +252,7 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
   std::vector<int> generated;
   const kvrun::shard_options s = shard_options_of(o);
   auto st = comm.init(s);
-  std::vector<int> response;  // the oracle's block: the full cache's continuation (sharded too), same sampler
+  std::vector<int> response;  // the oracle's block: the full cache's continuation (sharded too), same sampler; speckv's: the draft
   if (st.ok() && o.evict.recipe == kvrun::method::oracle) {
     kvrun::sampler s0;
     kvrun::evict_options fo = o.evict;
@@ -263,6 +263,11 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
                                    [&](const float* logits) { return s0.sample(logits); }, response);
     if (st.ok() && response.empty())
       st = kvevict::status::error(kvevict::errc::invalid_argument, "oracle: the full cache generates nothing after this prompt");
+  }
+  if (st.ok() && o.evict.recipe == kvrun::method::speckv) {  // the draft model (methods/speckv.hpp), whole on every rank
+    kvrun::speckv_drafter drafter;
+    st = drafter.init(model, o.evict.draft_layers);
+    if (st.ok()) st = drafter.draft(prompt, o.evict.draft_tokens, response);
   }
   if (st.ok())
     st = kvrun::sharded_generate(model, comm.groups, s, o.evict, prompt, o.steps,

@@ -37,11 +37,15 @@
 // tokens on it with the sharded forward (every rank samples the same argmax), their queries and keys
 // (this rank's heads) the block; the full cache is then restored and evicted with that block (LAQ++:
 // its union with the prompt's window, scored as evictor's laq_pp_scores on this rank's heads).
+// LookaheadKV (lookaheadkv/scores.hpp): the module's lookahead rows run as an extra block through
+// the sharded forward, its LoRA adapters on this rank's columns of q, k, v (their heads') and on
+// the whole o, w1, w2, w3 (computed on whole rows on every rank), each delta column the same sum as
+// lookahead_scorer's; every rank's heads' scores are lookahead_scorer's rows of those heads.
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
 // kvevict/mpi.hpp; the tests also run it on threads). The head-type recipes (duo, prulong,
-// duo-heuristic) with any driver but postfill, lookaheadkv, and the layerwise cascade (lava, cake)
-// under --tp are not supported sharded: a clear error saying why (check_sharded). Every
+// duo-heuristic) with any driver but postfill and the layerwise cascade (lava, cake) under --tp
+// are not supported sharded: a clear error saying why (check_sharded). Every
 // rank must pass the same options and prompt: sharded_runner's init and prefill agree on them
 // first (one allgather), so a rank with others fails every rank instead of hanging.
 #pragma once
@@ -52,6 +56,7 @@
 #include <runner/model.hpp>
 #include <runner/ops.hpp>
 #include <methods/speckv.hpp>
+#include <lookaheadkv/scores.hpp>
 
 #include <kvevict/comm.hpp>
 #include <kvevict/distributed.hpp>
@@ -139,7 +144,7 @@ class shard_cache {
 /// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava) with every
 /// driver and the combinations check_evict_options accepts, except the layerwise cascade (lava,
 /// cake allocators) under --tp; the head-type recipes with the postfill driver; the query-block
-/// recipes oracle, speckv, laq and laq++ (postfill). Not lookaheadkv.
+/// recipes oracle, speckv, laq, laq++ and lookaheadkv (postfill).
 /// Error: a clear one naming what is not supported and why.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1)
@@ -165,12 +170,6 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
                          "--recipe %s --driver %s is not supported sharded: the runner's streaming-heads path is not "
                          "split across ranks (postfill runs: head types are per KV head)",
                          method_name(m), driver_name(o.driver));
-  if (m == method::lookaheadkv)
-    return status::error(errc::unsupported,
-                         "--recipe %s is not supported sharded: its scores come from the trained module's lookahead "
-                         "rows (learned embeddings, LoRA adapters on the projections) the sharded forward does not run "
-                         "(laq, laq++, speckv and oracle run)",
-                         method_name(m));
   const budget_scheme a = allocator_of(o);
   if (o.driver == driver_kind::layerwise && s.tp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
     return status::error(errc::unsupported,
@@ -208,9 +207,10 @@ class sharded_runner {
   /// Every rank must pass the same options: the ranks agree on them first (one allgather over
   /// `world`), so a rank with other options, or failing a check, fails every rank (no hang).
   /// `duo`: the head types of duo, prulong and duo-heuristic (the whole model's [L][H], the same on
-  /// every rank; copied), as evictor::init takes them.
+  /// every rank; copied), as evictor::init takes them. `lookahead`: lookaheadkv's trained module
+  /// (the same on every rank; must outlive the runner).
   status init(const model& m, const shard_comms<Comm>& g, const shard_options& s, const evict_options& o,
-              const duo_heads* duo = nullptr) {
+              const duo_heads* duo = nullptr, const lookahead_module* lookahead = nullptr) {
     const config& c = m.cfg();
     status local = check_sharded(c, s, g.world->size(), o);
     const bool typed = allocator_of(o) == budget_scheme::duo && o.recipe != method::full;
@@ -219,6 +219,11 @@ class sharded_runner {
       local = status::error(errc::invalid_argument, "sharded_runner: %s needs the model's head types",
                             method_name(o.recipe));
     duo_ = typed && local.ok() ? *duo : duo_heads{};
+    if (local.ok() && o.recipe == method::lookaheadkv)
+      local = lookahead == nullptr ? status::error(errc::invalid_argument,
+                                                   "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)")
+                                   : lookahead->check_model(c);
+    lkv_ = o.recipe == method::lookaheadkv ? lookahead : nullptr;
     if (local.ok() && ((s.tp > 1 && g.tp->size() != s.tp) || (s.pp > 1 && g.pp->size() != s.pp)))
       local = status::error(errc::invalid_argument,
                             "sharded_runner: --tp %d --pp %d but the groups have %d (tp) and %d (pp) ranks", s.tp, s.pp,
@@ -340,6 +345,12 @@ class sharded_runner {
       const forward_hooks rh = response_q_.hooks();
       KVEVICT_TRY(forward(response->data(), m, &rh, nullptr, true, logits_mode::none));
     }
+    if (lkv_ != nullptr)  // the module's block and the eviction (none with a budget of at least the prompt)
+      return timed(evict_s_, [&]() -> status {
+        if (o_.budget >= n) return {};
+        KVEVICT_TRY(lookahead_scores(n));
+        return evict(n);
+      });
     if (laq())  // LAQ's stage 1 and pseudo decoding count as eviction (evictor's evict_seconds)
       return timed(evict_s_, [&] {
         KVEVICT_TRY(laq_block(n));
@@ -406,6 +417,9 @@ class sharded_runner {
   block_capture pseudo_q_, union_q_;                   // their pseudo block, laq++'s union block
   std::vector<float> laq_logits_, laq_scores_;         // the prefill's logits; laq++'s scores [heads][P]
   std::vector<unsigned char> laq_ws_;
+  const lookahead_module* lkv_ = nullptr;                     // lookaheadkv's module
+  std::vector<float> lkv_raw_, lkv_scores_, lkv_xa_, lkv_delta_;  // its scores, adapters' scratch
+  std::vector<unsigned char> lkv_ws_;
 
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
 
@@ -474,16 +488,17 @@ class sharded_runner {
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
   // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values).
-  // `extra` (runner::forward_extra): at `positions`, the block's rows dropped afterwards.
+  // `extra` (runner::forward_extra): at `positions`, the block's rows dropped afterwards. `inputs`
+  // (instead of tokens' embeddings): the block's input vectors [n][dim] (LookaheadKV's).
   status forward(const int* tokens, index_t n, const forward_hooks* hooks = nullptr, const pos_t* positions = nullptr,
-                 bool extra = false, logits_mode mode = logits_mode::last) {
+                 bool extra = false, logits_mode mode = logits_mode::last, const float* inputs = nullptr) {
     const model& m = *m_;
     const config& c = m.cfg();
     const index_t d = c.dim;
     float* x = x_.data();
     for (index_t i = 0; i < n; ++i) {
       pos_[static_cast<std::size_t>(i)] = positions != nullptr ? positions[i] : static_cast<pos_t>(next_ + i);
-      const float* e = m.embedding(tokens[i]);
+      const float* e = inputs != nullptr ? inputs + i * d : m.embedding(tokens[i]);
       std::copy(e, e + d, x + i * d);
     }
     if (extra) held_ = cache_.lengths();
@@ -526,6 +541,13 @@ class sharded_runner {
     detail::matmul(T, xb, d, n, d, m.wqkv(l) + q0, lq_ * hs_, qkv, lw, qs);
     detail::matmul(T, xb, d, n, d, m.wqkv(l) + k0, hk * hs_, qkv + lq_ * hs_, lw, qs);
     detail::matmul(T, xb, d, n, d, m.wqkv(l) + v0, hk * hs_, qkv + (lq_ + hk) * hs_, lw, qs);
+    // projection hooks (runner's; q, k, v: this rank's heads' columns only, out = their width)
+    const bool projected = hooks != nullptr && static_cast<bool>(hooks->after_projection);
+    if (projected) {
+      KVEVICT_TRY(hooks->after_projection({l, projection::q, n, xb, d, d, qkv, lw, lq_ * hs_}));
+      KVEVICT_TRY(hooks->after_projection({l, projection::k, n, xb, d, d, qkv + lq_ * hs_, lw, hk * hs_}));
+      KVEVICT_TRY(hooks->after_projection({l, projection::v, n, xb, d, d, qkv + (lq_ + hk) * hs_, lw, hk * hs_}));
+    }
     for (index_t i = 0; i < n; ++i) {
       float* row = qkv + i * lw;
       const pos_t p = pos_[static_cast<std::size_t>(i)];
@@ -563,11 +585,17 @@ class sharded_runner {
         std::copy(gathered_.data() + r * per + i * lq_ * hs_, gathered_.data() + r * per + (i + 1) * lq_ * hs_,
                   xb + i * d + r * lq_ * hs_);
     detail::matmul(T, xb, d, n, d, m.wo(l), d, tmp, d);
+    if (projected) KVEVICT_TRY(hooks->after_projection({l, projection::o, n, xb, d, d, tmp, d, d}));
     for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
     for (index_t i = 0; i < n; ++i) detail::rmsnorm(xb + i * d, x + i * d, m.ffn_norm(l), d);
     detail::matmul(T, xb, d, n, d, m.w13(l), 2 * hidden, h13, 2 * hidden);
+    if (projected) {
+      KVEVICT_TRY(hooks->after_projection({l, projection::w1, n, xb, d, d, h13, 2 * hidden, hidden}));
+      KVEVICT_TRY(hooks->after_projection({l, projection::w3, n, xb, d, d, h13 + hidden, 2 * hidden, hidden}));
+    }
     for (index_t i = 0; i < n; ++i) detail::swiglu(h13 + i * 2 * hidden, h13 + i * 2 * hidden + hidden, hidden);
     detail::matmul(T, h13, 2 * hidden, n, hidden, m.w2(l), d, tmp, d);
+    if (projected) KVEVICT_TRY(hooks->after_projection({l, projection::w2, n, h13, 2 * hidden, hidden, tmp, d, d}));
     for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
     if (hooks == nullptr || !hooks->after_layer) return {};
     layer_event ev;  // this rank's heads, as runner::run's event
@@ -941,6 +969,70 @@ class sharded_runner {
     });
   }
 
+  // lookahead_scorer::score on this rank's heads / layers after the prefill of a P-token prompt: the
+  // module's n lookahead rows as an extra block (positions P .. P + n - 1, KV dropped), the
+  // adapters through lookahead_lora, at each layer its queries and own keys over the prompt's keys
+  // (attention_scores, [lq][P]) pooled and GQA-reduced (postprocess_scores, the scorer's default
+  // options) into lkv_scores_ [layers().count][heads().count][P].
+  status lookahead_scores(index_t P) {
+    const config& c = m_->cfg();
+    const lookahead_module& mod = *lkv_;
+    const index_t n = mod.n_lookahead(), hk = heads_.count;
+    if (P + n > c.seq_len)
+      return status::error(errc::out_of_range,
+                           "lookahead_scorer: %lld prompt tokens + %lld lookahead tokens exceed the context of %d",
+                           static_cast<long long>(P), static_cast<long long>(n), c.seq_len);
+    lkv_raw_.assign(static_cast<std::size_t>(lq_ * P), 0.0f);
+    lkv_scores_.assign(static_cast<std::size_t>(layers_.count * hk * P), 0.0f);
+    lkv_xa_.assign(static_cast<std::size_t>(n * mod.rank()), 0.0f);
+    lkv_delta_.assign(static_cast<std::size_t>(n * std::max<index_t>(c.dim, c.hidden_dim)), 0.0f);
+    forward_hooks hk_;
+    hk_.after_projection = [&](const projection_event& ev) { return lookahead_lora(ev); };
+    hk_.after_layer = [&](const layer_event& ev) -> status {
+      const auto raw = *kvevict::make_matrix_view(lkv_raw_.data(), lq_, P);
+      const auto out = *kvevict::make_matrix_view(lkv_scores_.data() + (ev.layer - layers_.first) * hk * P, hk, P);
+      KVEVICT_TRY(with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+        return kvevict::attention_scores(kvevict::seq, ws, ev.queries, cache_.dense_keys(ev.layer, P), ev.keys, raw);
+      }));
+      return with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+        return kvevict::postprocess_scores(kvevict::seq, ws, kvevict::matrix_view<const float>(raw), out,
+                                           kvevict::postprocess_options{});
+      });
+    };
+    return forward(nullptr, n, &hk_, nullptr, true, logits_mode::none, mod.embeddings());
+  }
+
+  // lookahead_scorer::add_lora on an event of the sharded forward: out[r] += (alpha / rank) (in[r] A) B
+  // over the event's columns, which for q, k, v are this rank's heads' (B's columns from the
+  // heads' first one); each delta column is the same sum over B's rows as the whole one's.
+  status lookahead_lora(const projection_event& ev) {
+    const lookahead_module& m = *lkv_;
+    if (!m.adapted(ev.which)) return {};
+    const config& c = m_->cfg();
+    index_t first = 0, whole = ev.out;  // the event's first column of the whole projection, its width
+    if (ev.which == projection::q) {
+      first = heads_.first * group_ * hs_;
+      whole = c.dim;
+    } else if (ev.which == projection::k || ev.which == projection::v) {
+      first = heads_.first * hs_;
+      whole = c.kv_dim();
+    }
+    const index_t r = m.rank(), in = ev.in, out = ev.out, n = ev.rows;
+    const float* a = m.params().data() + m.offset(ev.layer, ev.which);
+    const float* b = a + in * r;
+    auto x = lkv::strided<const float>(ev.input, n, in, ev.input_stride, 1);
+    auto xa = lkv::strided<float>(lkv_xa_.data(), n, r, r, 1);
+    auto delta = lkv::strided<float>(lkv_delta_.data(), n, out, out, 1);
+    KVEVICT_TRY(kvevict::linear_forward(kvevict::seq, x, lkv::strided<const float>(a, r, in, 1, r), xa));
+    KVEVICT_TRY(kvevict::linear_forward(kvevict::seq, kvevict::matrix_view<const float>(xa),
+                                        lkv::strided<const float>(b + first, out, r, 1, whole), delta));
+    const float scale = m.alpha() / static_cast<float>(r);
+    for (index_t i = 0; i < n; ++i)
+      for (index_t o = 0; o < out; ++o)
+        ev.output[i * ev.output_stride + o] += scale * lkv_delta_[static_cast<std::size_t>(i * out + o)];
+    return {};
+  }
+
   // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers; `block`
   // (the oracle's true response, speckv's draft, laq's pseudo block): an external query block with
   // its own keys, this rank's heads (laq++: its union block scores the prompt minus its window).
@@ -950,6 +1042,7 @@ class sharded_runner {
     kvevict::post_fill_config pc;
     KVEVICT_TRY(post_fill_of(P, pc));
     if (block != nullptr) pc.query_rows = block->rows();
+    if (lkv_ != nullptr) pc.rec.window = 1;  // lookaheadkv: no queries are read on the scores path
     if (s_.pp > 1) {  // this stage's layers of the model's L
       pc.pp = kvevict::comm_ref(*ppc_);
       pc.first_layer = layers_.first;
@@ -960,7 +1053,9 @@ class sharded_runner {
     const auto inputs = [&](int ls, layer_inputs& in) {
       const int l = model_layer(ls);
       in.kv = cache_.layer(l);
-      if (block != nullptr && o_.recipe == method::laq_pp) {
+      if (lkv_ != nullptr) {
+        in.scores = *kvevict::make_matrix_view<const float>(lkv_scores_.data() + ls * heads_.count * P, heads_.count, P);
+      } else if (block != nullptr && o_.recipe == method::laq_pp) {
         KVEVICT_TRY(laq_pp_scores(l, P, *block));
         in.scores = *kvevict::make_matrix_view<const float>(laq_scores_.data(), heads_.count, P);
       } else if (block != nullptr) {
@@ -1127,7 +1222,7 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
   out.assign(configs.size(), prompt_result{});
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
     const report_config& rc = configs[ci];
-    KVEVICT_TRY(w.run.init(mdl, comm, s, config_options(o, rc)));
+    KVEVICT_TRY(w.run.init(mdl, comm, s, config_options(o, rc), nullptr, o.lookahead));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), lr.count, hk, N);
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
@@ -1223,13 +1318,14 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
 /// `steps` positions (prompt included) as continue_generation does; every rank gets the same `generated`.
 /// `sample` draws a token from logits (every rank draws the same: the logits are equal bit for bit).
 /// `response`: the oracle's query block (the full cache's continuation, e.g. from this function
-/// with --recipe full), the same on every rank.
+/// with --recipe full) or speckv's (the draft), the same on every rank. `lookahead`: lookaheadkv's module.
 template <class Comm, class Sample>
 status sharded_generate(const model& m, const shard_comms<Comm>& comm, const shard_options& s, const evict_options& o,
                         const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated,
-                        const duo_heads* duo = nullptr, const std::vector<int>* response = nullptr) {
+                        const duo_heads* duo = nullptr, const std::vector<int>* response = nullptr,
+                        const lookahead_module* lookahead = nullptr) {
   sharded_runner<Comm> run;
-  KVEVICT_TRY(run.init(m, comm, s, o, duo));
+  KVEVICT_TRY(run.init(m, comm, s, o, duo, lookahead));
   KVEVICT_TRY(run.prefill(prompt, nullptr, response));
   generated.clear();
   for (;;) {  // continue_generation's loop (generate.hpp): BOS ends, `steps` positions in all

@@ -55,6 +55,7 @@
 #include <runner/generate.hpp>
 #include <runner/model.hpp>
 #include <runner/ops.hpp>
+#include <methods/laq.hpp>
 #include <methods/speckv.hpp>
 #include <lookaheadkv/scores.hpp>
 
@@ -904,14 +905,10 @@ class sharded_runner {
     const config& c = m_->cfg();
     const index_t V = c.vocab_size, n = o_.laq_steps;
     laq_full_ = cache_;
-    evict_options stage1 = o_;
-    stage1.recipe = method::snapkv;
-    stage1.alloc = budget_scheme::uniform;
-    stage1.sinks = sinks_of(o_);
     kvevict::post_fill_config pc;
     pc.model = shape();
     pc.tokens = P;
-    pc.rec = make_recipe(stage1);
+    pc.rec = make_recipe(laq_stage1_options(o_));
     pc.tp = tp();
     if (s_.pp > 1) {
       pc.pp = kvevict::comm_ref(*ppc_);
@@ -1002,12 +999,10 @@ class sharded_runner {
     return forward(nullptr, n, &hk_, nullptr, true, logits_mode::none, mod.embeddings());
   }
 
-  // lookahead_scorer::add_lora on an event of the sharded forward: out[r] += (alpha / rank) (in[r] A) B
-  // over the event's columns, which for q, k, v are this rank's heads' (B's columns from the
-  // heads' first one); each delta column is the same sum over B's rows as the whole one's.
+  // lookahead_scorer's adapters on an event of the sharded forward (lkv::add_lora): the event's
+  // columns, which for q, k, v are this rank's heads' (B's columns from the heads' first one);
+  // each delta column is the same sum over B's rows as the whole product's.
   status lookahead_lora(const projection_event& ev) {
-    const lookahead_module& m = *lkv_;
-    if (!m.adapted(ev.which)) return {};
     const config& c = m_->cfg();
     index_t first = 0, whole = ev.out;  // the event's first column of the whole projection, its width
     if (ev.which == projection::q) {
@@ -1017,20 +1012,7 @@ class sharded_runner {
       first = heads_.first * hs_;
       whole = c.kv_dim();
     }
-    const index_t r = m.rank(), in = ev.in, out = ev.out, n = ev.rows;
-    const float* a = m.params().data() + m.offset(ev.layer, ev.which);
-    const float* b = a + in * r;
-    auto x = lkv::strided<const float>(ev.input, n, in, ev.input_stride, 1);
-    auto xa = lkv::strided<float>(lkv_xa_.data(), n, r, r, 1);
-    auto delta = lkv::strided<float>(lkv_delta_.data(), n, out, out, 1);
-    KVEVICT_TRY(kvevict::linear_forward(kvevict::seq, x, lkv::strided<const float>(a, r, in, 1, r), xa));
-    KVEVICT_TRY(kvevict::linear_forward(kvevict::seq, kvevict::matrix_view<const float>(xa),
-                                        lkv::strided<const float>(b + first, out, r, 1, whole), delta));
-    const float scale = m.alpha() / static_cast<float>(r);
-    for (index_t i = 0; i < n; ++i)
-      for (index_t o = 0; o < out; ++o)
-        ev.output[i * ev.output_stride + o] += scale * lkv_delta_[static_cast<std::size_t>(i * out + o)];
-    return {};
+    return lkv::add_lora(*lkv_, ev, first, whole, lkv_xa_.data(), lkv_delta_.data());
   }
 
   // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers; `block`

@@ -488,7 +488,8 @@ class sharded_runner {
 
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
-  // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values).
+  // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values);
+  // hooks->after_projection their projections (q, k, v: its heads' columns only; o, w1, w3, w2 whole).
   // `extra` (runner::forward_extra): at `positions`, the block's rows dropped afterwards. `inputs`
   // (instead of tokens' embeddings): the block's input vectors [n][dim] (LookaheadKV's).
   status forward(const int* tokens, index_t n, const forward_hooks* hooks = nullptr, const pos_t* positions = nullptr,

@@ -53,6 +53,30 @@ kvevict::matrix_view<T> strided(T* p, index_t rows, index_t cols, index_t s0, in
                                                                            cuda::std::array<index_t, 2>{s0, s1}));
 }
 
+/// The Lookahead LoRA delta of module `m` on a projection event: out[r][o] += (alpha / rank)
+/// ((in[r] A) B)[first + o] for the event's rows and its `out` columns, which are columns
+/// [first, first + out) of the `whole`-wide projection (one process: 0 and out; a tensor-parallel
+/// rank: its heads' columns, examples/sharded/), each the same expression and summation order as
+/// kvevict::lora_linear_forward's on its adapter rows. `xa` [rows][rank] and `delta` [rows][out]:
+/// scratch. Nothing for a projection the module does not adapt.
+inline status add_lora(const lookahead_module& m, const projection_event& ev, index_t first, index_t whole, float* xa_buf,
+                       float* delta_buf) {
+  if (!m.adapted(ev.which)) return {};
+  const index_t r = m.rank(), in = ev.in, out = ev.out, n = ev.rows;
+  const float* a = m.params().data() + m.offset(ev.layer, ev.which);
+  const float* b = a + in * r;
+  auto x = strided<const float>(ev.input, n, in, ev.input_stride, 1);
+  auto xa = strided<float>(xa_buf, n, r, r, 1);
+  auto delta = strided<float>(delta_buf, n, out, out, 1);
+  KVEVICT_TRY(kvevict::linear_forward(kvevict::seq, x, strided<const float>(a, r, in, 1, r), xa));
+  KVEVICT_TRY(kvevict::linear_forward(kvevict::seq, kvevict::matrix_view<const float>(xa),
+                                      strided<const float>(b + first, out, r, 1, whole), delta));
+  const float scale = m.alpha() / static_cast<float>(r);
+  for (index_t i = 0; i < n; ++i)
+    for (index_t o = 0; o < out; ++o) ev.output[i * ev.output_stride + o] += scale * delta_buf[i * out + o];
+  return {};
+}
+
 }  // namespace lkv
 
 class lookahead_scorer : public prompt_scorer {
@@ -117,25 +141,8 @@ class lookahead_scorer : public prompt_scorer {
   std::vector<unsigned char> ws_;
   index_t T_ = 0;
 
-  // out[r] += (alpha / rank) (in[r] A) B for the block's rows: the same expression and summation
-  // order as kvevict::lora_linear_forward on its adapter rows (base + scale * delta)
-  status add_lora(const projection_event& ev) {
-    const lookahead_module& m = *mod_;
-    if (!m.adapted(ev.which)) return {};
-    const index_t r = m.rank(), in = ev.in, out = ev.out, n = ev.rows;
-    const float* a = m.params().data() + m.offset(ev.layer, ev.which);
-    const float* b = a + in * r;
-    auto x = lkv::strided<const float>(ev.input, n, in, ev.input_stride, 1);
-    auto xa = lkv::strided<float>(xa_.data(), n, r, r, 1);
-    auto delta = lkv::strided<float>(delta_.data(), n, out, out, 1);
-    KVEVICT_TRY(kvevict::linear_forward(kvevict::seq, x, lkv::strided<const float>(a, r, in, 1, r), xa));
-    KVEVICT_TRY(kvevict::linear_forward(kvevict::seq, kvevict::matrix_view<const float>(xa),
-                                        lkv::strided<const float>(b, out, r, 1, out), delta));
-    const float scale = m.alpha() / static_cast<float>(r);
-    for (index_t i = 0; i < n; ++i)
-      for (index_t o = 0; o < out; ++o) ev.output[i * ev.output_stride + o] += scale * delta_[static_cast<std::size_t>(i * out + o)];
-    return {};
-  }
+  // out[r] += (alpha / rank) (in[r] A) B for the block's rows (lkv::add_lora over every column)
+  status add_lora(const projection_event& ev) { return lkv::add_lora(*mod_, ev, 0, ev.out, xa_.data(), delta_.data()); }
 
   template <class Backend>
   status score_on(Backend be, runner& run, kv_cache& cache) {

@@ -30,6 +30,15 @@ namespace kvrun {
 /// and keys (row i = the i-th token), tokens their ids (tokens[0] = argmax of prefill_logits, then
 /// argmax of each step's logits). `full` is not changed. Errors: the prompt and the pseudo tokens
 /// do not fit the context; the drivers' and the runner's errors.
+/// LAQ's stage-1 eviction (§4.2): `o` with SnapKV, the uniform budget o.budget and the method's sinks.
+inline evict_options laq_stage1_options(const evict_options& o) {
+  evict_options stage1 = o;
+  stage1.recipe = method::snapkv;
+  stage1.alloc = budget_scheme::uniform;
+  stage1.sinks = sinks_of(o);
+  return stage1;
+}
+
 inline status laq_pseudo_queries(runner& run, const kv_cache& full, const block_capture& prompt_q,
                                  const float* prefill_logits, const evict_options& o, kv_cache& copy,
                                  kvevict::post_fill_driver& d, driver_scratch& s, block_capture& pseudo,
@@ -42,10 +51,7 @@ inline status laq_pseudo_queries(runner& run, const kv_cache& full, const block_
                          static_cast<long long>(P), static_cast<long long>(o.laq_steps),
                          static_cast<long long>(full.capacity()));
   copy = full;
-  evict_options stage1 = o;
-  stage1.recipe = method::snapkv;
-  stage1.alloc = budget_scheme::uniform;
-  stage1.sinks = sinks_of(o);
+  const evict_options stage1 = laq_stage1_options(o);
   kvevict::post_fill_config cfg;
   cfg.model = shape_of(c);
   cfg.tokens = P;

@@ -252,7 +252,7 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
   std::vector<int> generated;
   const kvrun::shard_options s = shard_options_of(o);
   auto st = comm.init(s);
-  std::vector<int> response;  // the oracle's block: the full cache's continuation (sharded too), same sampler
+  std::vector<int> response;  // the oracle's block: the full cache's continuation (sharded too), same sampler; speckv's: the draft
   if (st.ok() && o.evict.recipe == kvrun::method::oracle) {
     kvrun::sampler s0;
     kvrun::evict_options fo = o.evict;
@@ -264,9 +264,23 @@ int run_sharded(const options& o, const kvrun::model& model, const kvrun::tokeni
     if (st.ok() && response.empty())
       st = kvevict::status::error(kvevict::errc::invalid_argument, "oracle: the full cache generates nothing after this prompt");
   }
+  if (st.ok() && o.evict.recipe == kvrun::method::speckv) {  // the draft model (methods/speckv.hpp), whole on every rank
+    kvrun::speckv_drafter drafter;
+    st = drafter.init(model, o.evict.draft_layers);
+    if (st.ok()) st = drafter.draft(prompt, o.evict.draft_tokens, response);
+  }
+  kvrun::lookahead_module lookahead;  // lookaheadkv's module, loaded on every rank
+  if (st.ok() && o.evict.recipe == kvrun::method::lookaheadkv) {
+    st = kvrun::load_module(o.lookahead_module, lookahead);  // load_lookahead's checks and message, rank 0 printing
+    if (st.ok()) st = lookahead.check_model(model.cfg());
+    if (!st.ok())
+      st = kvevict::status::error(st.code(), "--lookahead-module%s%s: %s", st.code() == kvevict::errc::io_error ? "" : " ",
+                                  st.code() == kvevict::errc::io_error ? "" : o.lookahead_module.c_str(), st.message());
+  }
   if (st.ok())
     st = kvrun::sharded_generate(model, comm.groups, s, o.evict, prompt, o.steps,
-                                 [&](const float* logits) { return sampler.sample(logits); }, generated, &duo, &response);
+                                 [&](const float* logits) { return sampler.sample(logits); }, generated, &duo, &response,
+                                 &lookahead);
   if (comm.world.rank() != 0) return st.ok() ? 0 : 1;  // one line from rank 0 (every rank has the same status)
   if (!st.ok()) return fail("", st);
   return print_output(o, tok, prompt, generated);

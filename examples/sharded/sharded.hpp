@@ -31,12 +31,21 @@
 // the earlier stages' layers by their weights gathered at each stage boundary, the later ones after
 // the prefill). The oracle: the full cache's continuation generated sharded, then run after the
 // prompt as an extra block whose queries and keys (this rank's heads) are the post-fill query block.
+// SpecKV: the same with the draft response (the draft model, the target's first layers, run whole
+// on every rank by the caller: methods/speckv.hpp). LAQ / LAQ++ (methods/laq.hpp): stage 1 evicts a
+// copy of the prefilled cache (SnapKV, uniform, this rank's heads / layers) and decodes the pseudo
+// tokens on it with the sharded forward (every rank samples the same argmax), their queries and keys
+// (this rank's heads) the block; the full cache is then restored and evicted with that block (LAQ++:
+// its union with the prompt's window, scored as evictor's laq_pp_scores on this rank's heads).
+// LookaheadKV (lookaheadkv/scores.hpp): the module's lookahead rows run as an extra block through
+// the sharded forward, its LoRA adapters on this rank's columns of q, k, v (their heads') and on
+// the whole o, w1, w2, w3 (computed on whole rows on every rank), each delta column the same sum as
+// lookahead_scorer's; every rank's heads' scores are lookahead_scorer's rows of those heads.
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
 // kvevict/mpi.hpp; the tests also run it on threads). The head-type recipes (duo, prulong,
-// duo-heuristic) with any driver but postfill, the query-block recipes laq, laq++, speckv and
-// lookaheadkv, and the layerwise cascade (lava, cake) under --tp are not supported sharded: a
-// clear error saying why (check_sharded). Every
+// duo-heuristic) with any driver but postfill and the layerwise cascade (lava, cake) under --tp
+// are not supported sharded: a clear error saying why (check_sharded). Every
 // rank must pass the same options and prompt: sharded_runner's init and prefill agree on them
 // first (one allgather), so a rank with others fails every rank instead of hanging.
 #pragma once
@@ -46,6 +55,9 @@
 #include <runner/generate.hpp>
 #include <runner/model.hpp>
 #include <runner/ops.hpp>
+#include <methods/laq.hpp>
+#include <methods/speckv.hpp>
+#include <lookaheadkv/scores.hpp>
 
 #include <kvevict/comm.hpp>
 #include <kvevict/distributed.hpp>
@@ -58,6 +70,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -131,7 +144,8 @@ class shard_cache {
 /// The methods a sharded run takes: every recipe that needs neither head types nor a query block
 /// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava) with every
 /// driver and the combinations check_evict_options accepts, except the layerwise cascade (lava,
-/// cake allocators) under --tp; the head-type recipes with the postfill driver; the oracle.
+/// cake allocators) under --tp; the head-type recipes with the postfill driver; the query-block
+/// recipes oracle, speckv, laq, laq++ and lookaheadkv (postfill).
 /// Error: a clear one naming what is not supported and why.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1)
@@ -157,11 +171,6 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
                          "--recipe %s --driver %s is not supported sharded: the runner's streaming-heads path is not "
                          "split across ranks (postfill runs: head types are per KV head)",
                          method_name(m), driver_name(o.driver));
-  if (m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv)
-    return status::error(errc::unsupported,
-                         "--recipe %s is not supported sharded: its query block comes from extra forward passes "
-                         "(pseudo-decoding, a draft, a trained module) the sharded runner does not run (oracle runs)",
-                         method_name(m));
   const budget_scheme a = allocator_of(o);
   if (o.driver == driver_kind::layerwise && s.tp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
     return status::error(errc::unsupported,
@@ -199,9 +208,10 @@ class sharded_runner {
   /// Every rank must pass the same options: the ranks agree on them first (one allgather over
   /// `world`), so a rank with other options, or failing a check, fails every rank (no hang).
   /// `duo`: the head types of duo, prulong and duo-heuristic (the whole model's [L][H], the same on
-  /// every rank; copied), as evictor::init takes them.
+  /// every rank; copied), as evictor::init takes them. `lookahead`: lookaheadkv's trained module
+  /// (the same on every rank; must outlive the runner).
   status init(const model& m, const shard_comms<Comm>& g, const shard_options& s, const evict_options& o,
-              const duo_heads* duo = nullptr) {
+              const duo_heads* duo = nullptr, const lookahead_module* lookahead = nullptr) {
     const config& c = m.cfg();
     status local = check_sharded(c, s, g.world->size(), o);
     const bool typed = allocator_of(o) == budget_scheme::duo && o.recipe != method::full;
@@ -210,6 +220,11 @@ class sharded_runner {
       local = status::error(errc::invalid_argument, "sharded_runner: %s needs the model's head types",
                             method_name(o.recipe));
     duo_ = typed && local.ok() ? *duo : duo_heads{};
+    if (local.ok() && o.recipe == method::lookaheadkv)
+      local = lookahead == nullptr ? status::error(errc::invalid_argument,
+                                                   "--recipe lookaheadkv needs a trained lookahead module (--lookahead-module)")
+                                   : lookahead->check_model(c);
+    lkv_ = o.recipe == method::lookaheadkv ? lookahead : nullptr;
     if (local.ok() && ((s.tp > 1 && g.tp->size() != s.tp) || (s.pp > 1 && g.pp->size() != s.pp)))
       local = status::error(errc::invalid_argument,
                             "sharded_runner: --tp %d --pp %d but the groups have %d (tp) and %d (pp) ranks", s.tp, s.pp,
@@ -280,25 +295,32 @@ class sharded_runner {
   /// Prefills `prompt` (an empty cache) and evicts as configured (evictor::prefill's drivers);
   /// logits() then holds the first generated token's. `rec` (may be null; must outlive the
   /// runner's decoding) receives the schedule of this rank's [layers().count][heads().count] rows.
-  /// `response` (oracle only: its query block, the true continuation; every rank the same): run
-  /// after the prompt as an extra block whose queries and keys are kept and KV rows dropped.
-  /// Errors: an empty or too long prompt, the oracle without a response or with one that does not
-  /// fit the context, the driver's.
+  /// `response` (oracle: its query block, the true continuation; speckv: the draft response;
+  /// every rank the same): run after the prompt as an extra block whose queries and keys are kept
+  /// and KV rows dropped. laq, laq++: the pseudo tokens decoded on an evicted copy (laq_block).
+  /// Errors: an empty or too long prompt, the oracle or speckv without a response or with one that
+  /// does not fit the context, laq's pseudo tokens not fitting it, the driver's.
   status prefill(const std::vector<int>& prompt, kvevict::eviction_recorder* rec = nullptr,
                  const std::vector<int>* response = nullptr) {
     recorder_ = rec;
     const config& c = m_->cfg();
     const auto n = static_cast<index_t>(prompt.size());
-    const bool oracle = o_.recipe == method::oracle;
+    const bool oracle = o_.recipe == method::oracle || o_.recipe == method::speckv;  // an external response
     const auto m = static_cast<index_t>(oracle && response != nullptr ? response->size() : 0);
     status local;
     if (n < 1 || n > c.seq_len || next_ != 0)
       local = status::error(errc::invalid_argument, "sharded_runner: prefill of %lld tokens (1 to %d, once)",
                             static_cast<long long>(n), c.seq_len);
     else if (oracle && (m < 1 || n + m > c.seq_len))  // evictor::prefill's checks
+      local = status::error(errc::invalid_argument, "%s: %s", method_name(o_.recipe),
+                            m < 1 ? (o_.recipe == method::oracle ? "the true response is needed as the query block"
+                                                                 : "the draft response (speckv.hpp) is needed as the query block")
+                                  : "the prompt and the response do not fit the cache");
+    else if (laq() && n + o_.laq_steps > c.seq_len)  // laq_pseudo_queries' check
       local = status::error(errc::invalid_argument,
-                            m < 1 ? "oracle: the true response is needed as the query block"
-                                  : "oracle: the prompt and the response do not fit the cache");
+                            "laq: the prompt (%lld tokens) and %lld pseudo tokens do not fit the cache (%lld rows)",
+                            static_cast<long long>(n), static_cast<long long>(o_.laq_steps),
+                            static_cast<long long>(c.seq_len));
     std::uint64_t h = 1469598103934665603ull;  // FNV-1a of the prompt's tokens (and the oracle's response)
     for (const int t : prompt) h = (h ^ static_cast<std::uint32_t>(t)) * 1099511628211ull;
     if (m > 0)
@@ -324,6 +346,17 @@ class sharded_runner {
       const forward_hooks rh = response_q_.hooks();
       KVEVICT_TRY(forward(response->data(), m, &rh, nullptr, true, logits_mode::none));
     }
+    if (lkv_ != nullptr)  // the module's block and the eviction (none with a budget of at least the prompt)
+      return timed(evict_s_, [&]() -> status {
+        if (o_.budget >= n) return {};
+        KVEVICT_TRY(lookahead_scores(n));
+        return evict(n);
+      });
+    if (laq())  // LAQ's stage 1 and pseudo decoding count as eviction (evictor's evict_seconds)
+      return timed(evict_s_, [&] {
+        KVEVICT_TRY(laq_block(n));
+        return evict(n, o_.recipe == method::laq_pp ? &union_q_ : &pseudo_q_);
+      });
     return timed(evict_s_, [&] { return evict(n, oracle ? &response_q_ : nullptr); });
   }
 
@@ -381,6 +414,13 @@ class sharded_runner {
   std::vector<double> stage_weights_, model_weights_;  // the layerwise cascade's (pipeline stages)
   std::vector<pos_t> cascade_schedule_;                // its recorder's [L][heads][N]
   std::function<status(int)> after_stage_;             // forward(): after stage st's rows reached every rank
+  shard_cache laq_full_;                               // laq, laq++: the full cache while stage 1 decodes
+  block_capture pseudo_q_, union_q_;                   // their pseudo block, laq++'s union block
+  std::vector<float> laq_logits_, laq_scores_;         // the prefill's logits; laq++'s scores [heads][P]
+  std::vector<unsigned char> laq_ws_;
+  const lookahead_module* lkv_ = nullptr;                     // lookaheadkv's module
+  std::vector<float> lkv_raw_, lkv_scores_, lkv_xa_, lkv_delta_;  // its scores, adapters' scratch
+  std::vector<unsigned char> lkv_ws_;
 
   bool owns_layer(int l) const { return l >= layers_.first && l < layers_.first + layers_.count; }
 
@@ -448,17 +488,19 @@ class sharded_runner {
 
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
-  // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values).
-  // `extra` (runner::forward_extra): at `positions`, the block's rows dropped afterwards.
+  // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values);
+  // hooks->after_projection their projections (q, k, v: its heads' columns only; o, w1, w3, w2 whole).
+  // `extra` (runner::forward_extra): at `positions`, the block's rows dropped afterwards. `inputs`
+  // (instead of tokens' embeddings): the block's input vectors [n][dim] (LookaheadKV's).
   status forward(const int* tokens, index_t n, const forward_hooks* hooks = nullptr, const pos_t* positions = nullptr,
-                 bool extra = false, logits_mode mode = logits_mode::last) {
+                 bool extra = false, logits_mode mode = logits_mode::last, const float* inputs = nullptr) {
     const model& m = *m_;
     const config& c = m.cfg();
     const index_t d = c.dim;
     float* x = x_.data();
     for (index_t i = 0; i < n; ++i) {
       pos_[static_cast<std::size_t>(i)] = positions != nullptr ? positions[i] : static_cast<pos_t>(next_ + i);
-      const float* e = m.embedding(tokens[i]);
+      const float* e = inputs != nullptr ? inputs + i * d : m.embedding(tokens[i]);
       std::copy(e, e + d, x + i * d);
     }
     if (extra) held_ = cache_.lengths();
@@ -501,6 +543,13 @@ class sharded_runner {
     detail::matmul(T, xb, d, n, d, m.wqkv(l) + q0, lq_ * hs_, qkv, lw, qs);
     detail::matmul(T, xb, d, n, d, m.wqkv(l) + k0, hk * hs_, qkv + lq_ * hs_, lw, qs);
     detail::matmul(T, xb, d, n, d, m.wqkv(l) + v0, hk * hs_, qkv + (lq_ + hk) * hs_, lw, qs);
+    // projection hooks (runner's; q, k, v: this rank's heads' columns only, out = their width)
+    const bool projected = hooks != nullptr && static_cast<bool>(hooks->after_projection);
+    if (projected) {
+      KVEVICT_TRY(hooks->after_projection({l, projection::q, n, xb, d, d, qkv, lw, lq_ * hs_}));
+      KVEVICT_TRY(hooks->after_projection({l, projection::k, n, xb, d, d, qkv + lq_ * hs_, lw, hk * hs_}));
+      KVEVICT_TRY(hooks->after_projection({l, projection::v, n, xb, d, d, qkv + (lq_ + hk) * hs_, lw, hk * hs_}));
+    }
     for (index_t i = 0; i < n; ++i) {
       float* row = qkv + i * lw;
       const pos_t p = pos_[static_cast<std::size_t>(i)];
@@ -538,11 +587,17 @@ class sharded_runner {
         std::copy(gathered_.data() + r * per + i * lq_ * hs_, gathered_.data() + r * per + (i + 1) * lq_ * hs_,
                   xb + i * d + r * lq_ * hs_);
     detail::matmul(T, xb, d, n, d, m.wo(l), d, tmp, d);
+    if (projected) KVEVICT_TRY(hooks->after_projection({l, projection::o, n, xb, d, d, tmp, d, d}));
     for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
     for (index_t i = 0; i < n; ++i) detail::rmsnorm(xb + i * d, x + i * d, m.ffn_norm(l), d);
     detail::matmul(T, xb, d, n, d, m.w13(l), 2 * hidden, h13, 2 * hidden);
+    if (projected) {
+      KVEVICT_TRY(hooks->after_projection({l, projection::w1, n, xb, d, d, h13, 2 * hidden, hidden}));
+      KVEVICT_TRY(hooks->after_projection({l, projection::w3, n, xb, d, d, h13 + hidden, 2 * hidden, hidden}));
+    }
     for (index_t i = 0; i < n; ++i) detail::swiglu(h13 + i * 2 * hidden, h13 + i * 2 * hidden + hidden, hidden);
     detail::matmul(T, h13, 2 * hidden, n, hidden, m.w2(l), d, tmp, d);
+    if (projected) KVEVICT_TRY(hooks->after_projection({l, projection::w2, n, h13, 2 * hidden, hidden, tmp, d, d}));
     for (index_t i = 0; i < n * d; ++i) x[i] += tmp[i];
     if (hooks == nullptr || !hooks->after_layer) return {};
     layer_event ev;  // this rank's heads, as runner::run's event
@@ -567,9 +622,13 @@ class sharded_runner {
   // The allocation of a `tokens`-token sequence (plan_allocation, as evictor::plan) with this
   // rank's block of the [L][H] budgets; `most`: max_head_rows of the whole model's allocation.
   status plan(index_t tokens, kvevict::allocation& out, index_t* most = nullptr) {
+    return plan_as(allocator_of(o_), {rec_.n_sink, rec_.n_recent}, tokens, out, most);
+  }
+  // plan() with scheme `a` and protection `prot` (LAQ's stage 1: uniform, its SnapKV's).
+  status plan_as(budget_scheme a, kvevict::protection prot, index_t tokens, kvevict::allocation& out, index_t* most = nullptr) {
     const config& c = m_->cfg();
     const index_t H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
-    KVEVICT_TRY(plan_allocation(c, allocator_of(o_), o_.budget, tokens, {rec_.n_sink, rec_.n_recent}, &duo_, alloc_));
+    KVEVICT_TRY(plan_allocation(c, a, o_.budget, tokens, prot, &duo_, alloc_));
     if (most != nullptr) *most = kvevict::max_head_rows(alloc_.alloc);
     out = alloc_.alloc;
     if (alloc_.budgets.empty()) return {};
@@ -834,14 +893,139 @@ class sharded_runner {
     });
   }
 
+  bool laq() const { return o_.recipe == method::laq || o_.recipe == method::laq_pp; }
+
+  // methods/laq.hpp's laq_queries on this rank's heads / layers, after the postfill prefill of a
+  // P-token prompt (prompt_q_, logits_ its last row's): stage 1 evicts a copy of the cache (SnapKV,
+  // uniform budget, the method's sinks: laq_pseudo_queries' configuration), the o_.laq_steps greedy
+  // pseudo tokens are decoded on it (their queries and keys into pseudo_q_; every rank has the same
+  // logits, so the same argmax), then the full cache, the position and the prefill's logits are
+  // restored. laq++: union_q_ = the prompt's last w queries and keys, then the pseudo block
+  // (laq_union_block's rows).
+  status laq_block(index_t P) {
+    const config& c = m_->cfg();
+    const index_t V = c.vocab_size, n = o_.laq_steps;
+    laq_full_ = cache_;
+    kvevict::post_fill_config pc;
+    pc.model = shape();
+    pc.tokens = P;
+    pc.rec = make_recipe(laq_stage1_options(o_));
+    pc.tp = tp();
+    if (s_.pp > 1) {
+      pc.pp = kvevict::comm_ref(*ppc_);
+      pc.first_layer = layers_.first;
+      pc.model_layers = c.n_layers;
+    }
+    KVEVICT_TRY(plan_as(budget_scheme::uniform, {pc.rec.n_sink, pc.rec.n_recent}, P, pc.alloc));
+    KVEVICT_TRY(post_fill_decide(
+        pf_, scratch_, pc,
+        [&](int ls, layer_inputs& in) -> status {
+          const int l = model_layer(ls);
+          in.kv = cache_.layer(l);
+          const auto q = kvevict::recipe_queries(pc.rec, prompt_q_.queries(l, 0, P));
+          if (!q) return q.error();
+          in.queries = *q;
+          return {};
+        },
+        nullptr));
+    KVEVICT_TRY(compact_all(pf_));
+    laq_logits_.assign(logits_.begin(), logits_.begin() + V);
+    pseudo_q_.reset(mine_cfg_, n);
+    int tok = sampler::argmax(laq_logits_.data(), static_cast<int>(V));
+    for (index_t i = 0; i < n; ++i) {
+      const forward_hooks hk = pseudo_q_.hooks(i);
+      KVEVICT_TRY(forward(&tok, 1, &hk));
+      tok = sampler::argmax(logits_.data(), static_cast<int>(V));
+    }
+    std::swap(cache_, laq_full_);
+    next_ = static_cast<pos_t>(P);
+    std::copy(laq_logits_.begin(), laq_logits_.end(), logits_.begin());
+    if (o_.recipe != method::laq_pp) return {};
+    const index_t w = o_.window;
+    union_q_.reset(mine_cfg_, w + n);
+    for (index_t ls = 0; ls < layers_.count; ++ls) {
+      const int l = model_layer(ls);
+      union_q_.put(l, 0, prompt_q_.queries(l, P - w, w), *kvevict::token_range(cache_.dense_keys(l, P), P - w, w));
+      union_q_.put(l, w, pseudo_q_.queries(l, 0, n), pseudo_q_.keys(l, 0, n));
+    }
+    return {};
+  }
+
+  // evictor::laq_pp_scores on this rank's heads: layer l's [heads().count][P] scores into
+  // laq_scores_, the prompt's first P - w columns scored with the union block (its own keys), the
+  // window's w columns +inf (the recipe protects them).
+  status laq_pp_scores(int l, index_t P, const block_capture& blk) {
+    const index_t hk = heads_.count, w = rec_.n_recent, prefix = P - w;
+    laq_scores_.assign(static_cast<std::size_t>(hk * P), std::numeric_limits<float>::infinity());
+    const auto out = *kvevict::make_matrix_view(laq_scores_.data(), hk, prefix, P);
+    kvevict::recipe r = rec_;
+    r.n_recent = 0;  // the prefix's own last rows are not protected
+    return with_workspace(laq_ws_, [&](kvevict::workspace& ws) {
+      return kvevict::recipe_scores(kvevict::seq, ws, r, blk.queries(l, 0, blk.rows()),
+                                    *kvevict::token_range(cache_.dense_keys(l, P), 0, prefix),
+                                    kvevict::kv_view<const float>{}, out, blk.keys(l, 0, blk.rows()));
+    });
+  }
+
+  // lookahead_scorer::score on this rank's heads / layers after the prefill of a P-token prompt: the
+  // module's n lookahead rows as an extra block (positions P .. P + n - 1, KV dropped), the
+  // adapters through lookahead_lora, at each layer its queries and own keys over the prompt's keys
+  // (attention_scores, [lq][P]) pooled and GQA-reduced (postprocess_scores, the scorer's default
+  // options) into lkv_scores_ [layers().count][heads().count][P].
+  status lookahead_scores(index_t P) {
+    const config& c = m_->cfg();
+    const lookahead_module& mod = *lkv_;
+    const index_t n = mod.n_lookahead(), hk = heads_.count;
+    if (P + n > c.seq_len)
+      return status::error(errc::out_of_range,
+                           "lookahead_scorer: %lld prompt tokens + %lld lookahead tokens exceed the context of %d",
+                           static_cast<long long>(P), static_cast<long long>(n), c.seq_len);
+    lkv_raw_.assign(static_cast<std::size_t>(lq_ * P), 0.0f);
+    lkv_scores_.assign(static_cast<std::size_t>(layers_.count * hk * P), 0.0f);
+    lkv_xa_.assign(static_cast<std::size_t>(n * mod.rank()), 0.0f);
+    lkv_delta_.assign(static_cast<std::size_t>(n * std::max<index_t>(c.dim, c.hidden_dim)), 0.0f);
+    forward_hooks hk_;
+    hk_.after_projection = [&](const projection_event& ev) { return lookahead_lora(ev); };
+    hk_.after_layer = [&](const layer_event& ev) -> status {
+      const auto raw = *kvevict::make_matrix_view(lkv_raw_.data(), lq_, P);
+      const auto out = *kvevict::make_matrix_view(lkv_scores_.data() + (ev.layer - layers_.first) * hk * P, hk, P);
+      KVEVICT_TRY(with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+        return kvevict::attention_scores(kvevict::seq, ws, ev.queries, cache_.dense_keys(ev.layer, P), ev.keys, raw);
+      }));
+      return with_workspace(lkv_ws_, [&](kvevict::workspace& ws) {
+        return kvevict::postprocess_scores(kvevict::seq, ws, kvevict::matrix_view<const float>(raw), out,
+                                           kvevict::postprocess_options{});
+      });
+    };
+    return forward(nullptr, n, &hk_, nullptr, true, logits_mode::none, mod.embeddings());
+  }
+
+  // lookahead_scorer's adapters on an event of the sharded forward (lkv::add_lora): the event's
+  // columns, which for q, k, v are this rank's heads' (B's columns from the heads' first one);
+  // each delta column is the same sum over B's rows as the whole product's.
+  status lookahead_lora(const projection_event& ev) {
+    const config& c = m_->cfg();
+    index_t first = 0, whole = ev.out;  // the event's first column of the whole projection, its width
+    if (ev.which == projection::q) {
+      first = heads_.first * group_ * hs_;
+      whole = c.dim;
+    } else if (ev.which == projection::k || ev.which == projection::v) {
+      first = heads_.first * hs_;
+      whole = c.kv_dim();
+    }
+    return lkv::add_lora(*lkv_, ev, first, whole, lkv_xa_.data(), lkv_delta_.data());
+  }
+
   // The post-fill eviction of a prefilled prompt of P tokens on this rank's heads / layers; `block`
-  // (the oracle's true response): an external query block with its own keys, this rank's heads.
+  // (the oracle's true response, speckv's draft, laq's pseudo block): an external query block with
+  // its own keys, this rank's heads (laq++: its union block scores the prompt minus its window).
   status evict(index_t P, const block_capture* block = nullptr) {
     const config& c = m_->cfg();
     const index_t L = c.n_layers;
     kvevict::post_fill_config pc;
     KVEVICT_TRY(post_fill_of(P, pc));
     if (block != nullptr) pc.query_rows = block->rows();
+    if (lkv_ != nullptr) pc.rec.window = 1;  // lookaheadkv: no queries are read on the scores path
     if (s_.pp > 1) {  // this stage's layers of the model's L
       pc.pp = kvevict::comm_ref(*ppc_);
       pc.first_layer = layers_.first;
@@ -852,7 +1036,12 @@ class sharded_runner {
     const auto inputs = [&](int ls, layer_inputs& in) {
       const int l = model_layer(ls);
       in.kv = cache_.layer(l);
-      if (block != nullptr) {
+      if (lkv_ != nullptr) {
+        in.scores = *kvevict::make_matrix_view<const float>(lkv_scores_.data() + ls * heads_.count * P, heads_.count, P);
+      } else if (block != nullptr && o_.recipe == method::laq_pp) {
+        KVEVICT_TRY(laq_pp_scores(l, P, *block));
+        in.scores = *kvevict::make_matrix_view<const float>(laq_scores_.data(), heads_.count, P);
+      } else if (block != nullptr) {
         in.queries = block->queries(l, 0, block->rows());
         in.block_keys = block->keys(l, 0, block->rows());
       } else {
@@ -930,6 +1119,8 @@ struct sharded_report_worker {
   std::vector<unsigned char> ws;
   std::vector<pos_t> kept_pos;
   std::vector<std::int32_t> kept_cu;
+  speckv_drafter drafter;  // the speckv rows' draft model (whole on every rank)
+  std::vector<int> draft;  // the prompt's draft tokens
 };
 
 /// held_recall on a sharded run: every rank's per-head recalls gathered, then averaged over the
@@ -973,7 +1164,7 @@ status sharded_recall(const model& mdl, const shard_comms<Comm>& comm, const sha
 template <class Comm>
 status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, const report_options& o,
                                const std::vector<report_config>& configs, const text_pair& tp,
-                               sharded_report_worker<Comm>& w, std::vector<prompt_result>& out) {
+                               sharded_report_worker<Comm>& w, std::vector<prompt_result>& out, double& draft_match) {
   const config& c = mdl.cfg();
   const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size());
   const index_t V = c.vocab_size, L = c.n_layers, H = c.n_kv_heads, N = P + m - 1;
@@ -1000,17 +1191,27 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
                                     kvevict::kv_view<const float>{}, out_l, w.response_q.keys(l, 0, m));
     }));
   }
+  // SpecKV's draft (prepare_prompt's): the draft model run whole on every rank, the same tokens
+  double draft_s = 0.0;
+  if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; })) {
+    KVEVICT_TRY(w.drafter.draft(tp.prompt, o.base.draft_tokens, w.draft));
+    index_t same = 0;
+    for (std::size_t i = 0; i < w.draft.size() && i < tp.response.size(); ++i) same += w.draft[i] == tp.response[i];
+    draft_match = static_cast<double>(same) / static_cast<double>(w.draft.size());
+    draft_s = w.drafter.seconds();
+  }
   w.logq.resize(static_cast<std::size_t>(V));
   w.schedule.resize(static_cast<std::size_t>(lr.count * hk * N));
   out.assign(configs.size(), prompt_result{});
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
     const report_config& rc = configs[ci];
-    KVEVICT_TRY(w.run.init(mdl, comm, s, config_options(o, rc)));
+    KVEVICT_TRY(w.run.init(mdl, comm, s, config_options(o, rc), nullptr, o.lookahead));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), lr.count, hk, N);
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
     prompt_result& r = out[ci];
-    KVEVICT_TRY(w.run.prefill(tp.prompt, &rec, &tp.response));  // the oracle's query block: the true response
+    const bool speckv = rc.recipe == method::speckv;  // its block: the draft; the oracle's: the true response
+    KVEVICT_TRY(w.run.prefill(tp.prompt, &rec, speckv ? &w.draft : &tp.response));
     KVEVICT_TRY(w.run.rows(r.kept));
     // post-fill rows share the full cache's timed prefill, as one process's
     const double prefill_s = rc.driver == driver_kind::postfill ? w.full.prefill_seconds() : w.run.prefill_seconds();
@@ -1034,7 +1235,8 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
     std::copy(w.model_schedule.begin(), w.model_schedule.end(), w.whole.begin());
     const auto sched = whole->schedule(N);
     if (!sched) return sched.error();
-    KVEVICT_TRY(slowest_rank(*comm.world, {prefill_s * 1e3, w.run.evict_seconds() * 1e3}, r.prefill_ms, r.evict_ms));
+    const double evict_s = w.run.evict_seconds() + (speckv ? draft_s : 0.0);  // finish_row's: the draft's time added
+    KVEVICT_TRY(slowest_rank(*comm.world, {prefill_s * 1e3, evict_s * 1e3}, r.prefill_ms, r.evict_ms));
     r.overhead = r.prefill_ms > 0.0 ? (r.prefill_ms + r.evict_ms) / r.prefill_ms : 1.0;  // finish_row's
     KVEVICT_TRY(finish_prompt(kl, recall, m, *sched, w.ws, r));
   }
@@ -1074,10 +1276,14 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
   KVEVICT_TRY(detail::report_prompts(mdl, o, nt, pairs, out));
   const index_t n = o.prompts;
   std::vector<std::vector<prompt_result>> results(static_cast<std::size_t>(n));
+  std::vector<double> draft_match(static_cast<std::size_t>(n), 0.0);
   detail::sharded_report_worker<Comm> w;
+  const bool speckv =
+      std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; });
+  if (speckv) KVEVICT_TRY(w.drafter.init(mdl, o.base.draft_layers));
   for (index_t i = 0; i < n; ++i) {
     KVEVICT_TRY(detail::sharded_evaluate_prompt(mdl, comm, s, o, configs, pairs[static_cast<std::size_t>(i)], w,
-                                                results[static_cast<std::size_t>(i)]));
+                                                results[static_cast<std::size_t>(i)], draft_match[static_cast<std::size_t>(i)]));
     if (o.progress) {
       char msg[160];
       std::snprintf(msg, sizeof msg, "report: %lld/%lld prompts, %.1f s", static_cast<long long>(i + 1),
@@ -1086,6 +1292,7 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
     }
   }
   detail::report_rows(configs, std::vector<duo_heads>(configs.size()), results, out);
+  if (speckv) out.draft_match = std::move(draft_match);
   out.seconds = seconds_since(t_start);
   return {};
 }
@@ -1094,13 +1301,14 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
 /// `steps` positions (prompt included) as continue_generation does; every rank gets the same `generated`.
 /// `sample` draws a token from logits (every rank draws the same: the logits are equal bit for bit).
 /// `response`: the oracle's query block (the full cache's continuation, e.g. from this function
-/// with --recipe full), the same on every rank.
+/// with --recipe full) or speckv's (the draft), the same on every rank. `lookahead`: lookaheadkv's module.
 template <class Comm, class Sample>
 status sharded_generate(const model& m, const shard_comms<Comm>& comm, const shard_options& s, const evict_options& o,
                         const std::vector<int>& prompt, int steps, Sample&& sample, std::vector<int>& generated,
-                        const duo_heads* duo = nullptr, const std::vector<int>* response = nullptr) {
+                        const duo_heads* duo = nullptr, const std::vector<int>* response = nullptr,
+                        const lookahead_module* lookahead = nullptr) {
   sharded_runner<Comm> run;
-  KVEVICT_TRY(run.init(m, comm, s, o, duo));
+  KVEVICT_TRY(run.init(m, comm, s, o, duo, lookahead));
   KVEVICT_TRY(run.prefill(prompt, nullptr, response));
   generated.clear();
   for (;;) {  // continue_generation's loop (generate.hpp): BOS ends, `steps` positions in all

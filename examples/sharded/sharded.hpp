@@ -27,16 +27,16 @@
 // holding the same heads (pp), the report's gathers over the world.
 //
 // The layerwise driver: per-layer allocators through post_fill_driver layer by layer (TP selects
-// across the ranks), LAVa / CAKE through cascade_driver across pipeline stages (add_remote_layer:
-// the earlier stages' layers by their weights gathered at each stage boundary, the later ones after
-// the prefill). The oracle: the full cache's continuation generated sharded, then run after the
+// across the ranks), LAVa / CAKE through cascade_driver: across the head shards with its
+// communicator (cascade_driver_config::tp: every step's selections sharded), across pipeline stages
+// with add_remote_layer (the earlier stages' layers by their weights gathered at each stage
+// boundary, the later ones after the prefill), or both. The oracle: the full cache's continuation generated sharded, then run after the
 // prompt as an extra block whose queries and keys (this rank's heads) are the post-fill query block.
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
 // kvevict/mpi.hpp; the tests also run it on threads). The head-type recipes (duo, prulong,
 // duo-heuristic) with any driver but postfill, the query-block recipes laq, laq++, speckv and
-// lookaheadkv, and the layerwise cascade (lava, cake) under --tp are not supported sharded: a
-// clear error saying why (check_sharded). Every
+// lookaheadkv are not supported sharded: a clear error saying why (check_sharded). Every
 // rank must pass the same options and prompt: sharded_runner's init and prefill agree on them
 // first (one allgather), so a rank with others fails every rank instead of hanging.
 #pragma once
@@ -130,8 +130,8 @@ class shard_cache {
 
 /// The methods a sharded run takes: every recipe that needs neither head types nor a query block
 /// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava) with every
-/// driver and the combinations check_evict_options accepts, except the layerwise cascade (lava,
-/// cake allocators) under --tp; the head-type recipes with the postfill driver; the oracle.
+/// driver and the combinations check_evict_options accepts; the head-type recipes with the postfill
+/// driver; the oracle.
 /// Error: a clear one naming what is not supported and why.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1)
@@ -162,13 +162,6 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
                          "--recipe %s is not supported sharded: its query block comes from extra forward passes "
                          "(pseudo-decoding, a draft, a trained module) the sharded runner does not run (oracle runs)",
                          method_name(m));
-  const budget_scheme a = allocator_of(o);
-  if (o.driver == driver_kind::layerwise && s.tp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
-    return status::error(errc::unsupported,
-                         "--driver layerwise --allocator %s is not supported under --tp: the cascade's per-layer "
-                         "selection is not sharded across heads (cascade_driver has no tp; --pp runs it, and the "
-                         "per-layer allocators run layerwise under --tp)",
-                         allocator_name(a));
   return check_evict_options(c, o);
 }
 
@@ -653,8 +646,8 @@ class sharded_runner {
   // decide(); lava / cake through cascade_driver holding the whole model's L layers, the other
   // stages' as remote layers (add_remote_layer, docs/distributed.md "The cascade"): the layers
   // before this stage by their weights gathered at each stage boundary, the layers after it once
-  // the prefill is done, compacting this stage's layers whenever a step shrinks them. check_sharded
-  // refuses the cascade under --tp (its per-layer selection is not sharded across heads).
+  // the prefill is done, compacting this stage's layers whenever a step shrinks them; under --tp the
+  // driver holds this rank's heads and selects across the head shards (cascade_driver_config::tp).
   status prefill_layerwise(const std::vector<int>& prompt) {
     const config& c = m_->cfg();
     const index_t P = static_cast<index_t>(prompt.size()), L = c.n_layers, w = o_.window, hk = heads_.count;
@@ -673,6 +666,7 @@ class sharded_runner {
       cc.total = al.total;
       cc.split = scheme == budget_scheme::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
       cc.weight = scheme == budget_scheme::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
+      cc.tp = tp();  // total: the model's over every rank's heads (plan's)
       if (recorder_ != nullptr) {  // the driver records [L][heads][N]; this stage's layers copied out below
         const index_t N = recorder_->capacity();
         cascade_schedule_.assign(static_cast<std::size_t>(L * hk * N), 0);

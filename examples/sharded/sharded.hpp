@@ -56,6 +56,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -217,6 +218,9 @@ class sharded_runner {
                   c.n_kv_heads, static_cast<unsigned long long>(head_types_hash()));
     world_ = g.world;
     KVEVICT_TRY(agree("sharded_runner::init", local, line));
+    fault_rank_ = fault_layer_ = -1;  // the tests' fault injection: KVEVICT_SHARDED_FAULT=<world rank>:<layer>
+    if (const char* f = std::getenv("KVEVICT_SHARDED_FAULT"); f != nullptr && std::sscanf(f, "%d:%d", &fault_rank_, &fault_layer_) != 2)
+      fault_rank_ = fault_layer_ = -1;
     m_ = &m;
     tpc_ = g.tp;
     ppc_ = g.pp;
@@ -439,6 +443,36 @@ class sharded_runner {
   }
   std::vector<agree_record> agree_all_;
 
+  // Mid-forward: a rank's own failure (a driver call, a compaction, a hook) reaches the other ranks
+  // of `comm` at the next collective point instead of leaving them waiting: one allreduce of a flag;
+  // only when a rank failed, an allgather of the statuses, and every rank returns the lowest failing
+  // rank's error ("rank r of P: ..." in world ranks, unless the message names its rank already).
+  struct fail_record {
+    std::int32_t failed = 0, code = 0, rank = 0;
+    char text[agree_text] = {};
+  };
+  template <class C>
+  status agree_failure(C& comm, const status& local) {
+    std::int64_t failed = local.ok() ? 0 : 1;
+    KVEVICT_TRY(comm.allreduce_sum(&failed, 1));
+    if (failed == 0) return {};
+    fail_record mine;
+    mine.failed = local.ok() ? 0 : 1;
+    mine.code = static_cast<std::int32_t>(local.code());
+    mine.rank = world_->rank();
+    std::snprintf(mine.text, sizeof mine.text, "%s", local.ok() ? "" : local.message());
+    fail_all_.resize(static_cast<std::size_t>(comm.size()));
+    KVEVICT_TRY(comm.allgather(&mine, sizeof mine, fail_all_.data()));
+    for (const fail_record& r : fail_all_) {
+      if (r.failed == 0) continue;
+      if (std::strncmp(r.text, "rank ", 5) == 0) return status::error(static_cast<errc>(r.code), "%s", r.text);
+      return status::error(static_cast<errc>(r.code), "rank %d of %d: %s", r.rank, world_->size(), r.text);
+    }
+    return {};
+  }
+  std::vector<fail_record> fail_all_;
+  int fault_rank_ = -1, fault_layer_ = -1;
+
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
   // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values).
@@ -456,17 +490,28 @@ class sharded_runner {
     }
     if (extra) held_ = cache_.lengths();
     const int stages = s_.pp;
+    // a rank's failure in a layer (its hook: the drivers, the compaction) or after a stage reaches
+    // every rank at the next collective point: the stage's ranks after every layer (tp), then every
+    // stage before the rows' allgather (pp), every rank after the stage hook
+    status pending;
     for (int st = 0; st < stages; ++st) {
       if (stages == 1 || st == ppc_->rank())
-        for (index_t l = layers_.first; l < layers_.first + layers_.count; ++l)
-          KVEVICT_TRY(layer(static_cast<int>(l), n, hooks, extra));
+        for (index_t l = layers_.first; l < layers_.first + layers_.count && pending.ok(); ++l) {
+          status r = layer(static_cast<int>(l), n, hooks, extra);
+          if (r.ok() && l == fault_layer_ && world_->rank() == fault_rank_)
+            r = status::error(errc::invalid_argument, "sharded_runner: injected fault at layer %d (KVEVICT_SHARDED_FAULT)",
+                              static_cast<int>(l));
+          pending = s_.tp > 1 ? agree_failure(*tpc_, r) : r;
+        }
       if (stages > 1) {  // stage st's rows to every rank (each pp group: one rank of every stage)
+        KVEVICT_TRY(agree_failure(*ppc_, pending));
         const auto bytes = static_cast<std::size_t>(n * d) * sizeof(float);
         KVEVICT_TRY(ppc_->allgather(x, bytes, xs_.data()));
         std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
-        if (after_stage_) KVEVICT_TRY(after_stage_(st));
+        if (after_stage_) KVEVICT_TRY(agree_failure(*world_, after_stage_(st)));
       }
     }
+    KVEVICT_TRY(pending);
     if (extra) cache_.set_lengths(held_);
     const index_t rows = mode == logits_mode::none ? 0 : mode == logits_mode::last ? 1 : n;  // as runner::run
     if (rows > 0) {

@@ -30,12 +30,14 @@
 // across the ranks), LAVa / CAKE through cascade_driver: across the head shards with its
 // communicator (cascade_driver_config::tp: every step's selections sharded), across pipeline stages
 // with add_remote_layer (the earlier stages' layers by their weights gathered at each stage
-// boundary, the later ones after the prefill), or both. The oracle: the full cache's continuation generated sharded, then run after the
-// prompt as an extra block whose queries and keys (this rank's heads) are the post-fill query block.
+// boundary, the later ones after the prefill), or both. The oracle: the full cache's continuation
+// generated sharded, then run after the prompt as an extra block whose queries and keys (this
+// rank's heads) are the post-fill query block.
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
 // kvevict/mpi.hpp; the tests also run it on threads). The head-type recipes (duo, prulong,
-// duo-heuristic) with any driver but postfill, the query-block recipes laq, laq++, speckv and
+// duo-heuristic) run with every driver (the non-post-fill ones through the streaming heads, each
+// rank on its slice of the head types). The query-block recipes laq, laq++, speckv and
 // lookaheadkv are not supported sharded: a clear error saying why (check_sharded). Every
 // rank must pass the same options and prompt: sharded_runner's init and prefill agree on them
 // first (one allgather), so a rank with others fails every rank instead of hanging.
@@ -131,8 +133,8 @@ class shard_cache {
 
 /// The methods a sharded run takes: every recipe that needs neither head types nor a query block
 /// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava) with every
-/// driver and the combinations check_evict_options accepts; the head-type recipes with the postfill
-/// driver; the oracle.
+/// driver and the combinations check_evict_options accepts; the head-type recipes with every driver;
+/// the oracle.
 /// Error: a clear one naming what is not supported and why.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1)
@@ -153,11 +155,6 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
   const method m = o.recipe;
   if (m == method::full) return {};
   // not supported sharded: <why> (docs/distributed.md, "The runner sharded")
-  if (uses_head_types(m) && o.driver != driver_kind::postfill)
-    return status::error(errc::unsupported,
-                         "--recipe %s --driver %s is not supported sharded: the runner's streaming-heads path is not "
-                         "split across ranks (postfill runs: head types are per KV head)",
-                         method_name(m), driver_name(o.driver));
   if (m == method::laq || m == method::laq_pp || m == method::speckv || m == method::lookaheadkv)
     return status::error(errc::unsupported,
                          "--recipe %s is not supported sharded: its query block comes from extra forward passes "
@@ -306,6 +303,7 @@ class sharded_runner {
     KVEVICT_TRY(agree("sharded_runner::prefill", local, line));  // every rank the same prompt (and response)
     prefill_s_ = evict_s_ = 0.0;
     if (o_.recipe == method::full) return timed(prefill_s_, [&] { return forward(prompt.data(), n); });
+    if (streaming()) return prefill_streaming(prompt);
     switch (o_.driver) {
       case driver_kind::chunked_naive:
       case driver_kind::chunked_patched: return prefill_chunked(prompt);
@@ -345,6 +343,10 @@ class sharded_runner {
   status decode(int token) {
     if (next_ >= m_->cfg().seq_len)
       return status::error(errc::out_of_range, "sharded_runner: the context of %d tokens is full", m_->cfg().seq_len);
+    if (streaming()) {  // evictor::decode's: the streaming heads drop the key that left their window
+      KVEVICT_TRY(forward(&token, 1));
+      return timed(evict_s_, [&] { return stream_layers(); });
+    }
     if (o_.recipe == method::full || o_.driver != driver_kind::decode) return forward(&token, 1);
     return decode_step(token);
   }
@@ -369,6 +371,8 @@ class sharded_runner {
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
   kvevict::cascade_driver cd_;
+  kvevict::streaming_heads_driver sh_;
+  std::vector<std::uint8_t> retrieval_;  // this rank's [layers][heads] of the head types (streaming heads)
   driver_scratch scratch_;
   kvevict::workspace decode_ws_;  // the decode driver's (in scratch_.ws)
   allocation_plan alloc_;
@@ -636,6 +640,56 @@ class sharded_runner {
   status compact_all(const Driver& d) {
     for (index_t ls = 0; ls < layers_.count; ++ls) KVEVICT_TRY(cache_.compact(model_layer(ls), d.kept(ls)));
     return {};
+  }
+
+  // Head types (duo, prulong, duo-heuristic) with the layerwise, chunked and decode drivers
+  // (evictor::prefill_streaming on this rank's heads / layers): the prompt forwarded in chunks (the
+  // chunked drivers' --chunk, else at once), after each the streaming heads drop what left their
+  // window (kvevict::streaming_heads_driver on this rank's slice of the head types: head types are
+  // per KV head, no communication); retrieval heads keep everything.
+  bool streaming() const {
+    return o_.recipe != method::full && allocator_of(o_) == budget_scheme::duo && o_.driver != driver_kind::postfill;
+  }
+  status prefill_streaming(const std::vector<int>& prompt) {
+    const config& c = m_->cfg();
+    const index_t P = static_cast<index_t>(prompt.size()), H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
+    const bool chunked = o_.driver == driver_kind::chunked_naive || o_.driver == driver_kind::chunked_patched;
+    kvevict::allocation al;  // decode: the allocation of a max(B, P)-token sequence, as evictor's
+    status st = plan(o_.driver == driver_kind::decode ? std::max(o_.budget, P) : P, al);
+    if (st.ok() && static_cast<index_t>(alloc_.retrieval.size()) != index_t(c.n_layers) * H)
+      st = status::error(errc::invalid_argument, "sharded_runner: %s has no head types", method_name(o_.recipe));
+    if (st.ok()) {
+      retrieval_.assign(static_cast<std::size_t>(Ls * hk), 0);
+      for (index_t l = 0; l < Ls; ++l)
+        for (index_t h = 0; h < hk; ++h)
+          retrieval_[static_cast<std::size_t>(l * hk + h)] =
+              alloc_.retrieval[static_cast<std::size_t>((layers_.first + l) * H + heads_.first + h)];
+      kvevict::streaming_heads_config sc;
+      sc.model = shape();
+      sc.capacity = c.seq_len;  // the cache's: the heads grow by the decoded tokens
+      sc.streaming = {rec_.n_sink, rec_.n_recent};
+      sc.retrieval = *kvevict::make_matrix_view<const std::uint8_t>(retrieval_.data(), Ls, hk);
+      kvevict::workspace ws;
+      st = init_driver(sh_, scratch_, sc, recorder_, ws);
+    }
+    KVEVICT_TRY(agree_failure(*world_, st));
+    for (index_t s = 0, e = 0; s < P; s = e) {
+      e = chunked ? std::min(s + o_.chunk, P) : P;
+      KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data() + s, e - s); }));
+      KVEVICT_TRY(timed(evict_s_, [&] { return stream_layers(); }));
+    }
+    return {};
+  }
+  // This rank's layers after a forward: the streaming heads' update at next_ tokens, the layers that
+  // dropped rows compacted; a rank failing here fails every rank before the next forward.
+  status stream_layers() {
+    status st;
+    for (index_t ls = 0; ls < layers_.count && st.ok(); ++ls) {
+      const int l = model_layer(ls);
+      st = sh_.update(ls, cache_.layer(l), next_);
+      if (st.ok() && sh_.evicted(ls)) st = cache_.compact(l, sh_.kept(ls));
+    }
+    return agree_failure(*world_, st);
   }
 
   // evictor::prefill_chunked on this rank's heads / layers: forward a chunk (patched: then the

@@ -369,6 +369,22 @@ std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake,
                   : check_post_fill_grid<Comm, Comm>(&comm, nullptr, seed, cake);
 }
 
+/// A driver initialised on its own state memory `mem`, with a workspace `ws` in `wmem` sized for
+/// backend `be`.
+template <class Driver, class Config, class Backend>
+kvevict::status init_driver(Driver& drv, const Config& cfg, Backend be, std::vector<unsigned char>& mem,
+                            std::vector<unsigned char>& wmem, kvevict::workspace& ws) {
+  const auto bytes = Driver::state_bytes(cfg);
+  if (!bytes) return bytes.error();
+  mem.assign(*bytes, 0);
+  KVEVICT_TRY(drv.init(cfg, mem.data(), mem.size()));
+  const auto wb = drv.workspace_bytes(be);
+  if (!wb) return wb.error();
+  wmem.assign(*wb, 0);
+  ws = kvevict::workspace{wmem.data(), wmem.size()};
+  return {};
+}
+
 /// The decode driver with a tensor-parallel communicator (flattened or adakv, scores with many ties
 /// given by step_scores): every step's kept rows of this rank's heads equal the single-process
 /// driver's.
@@ -400,14 +416,9 @@ std::string check_decode_sharded(Comm& comm, std::uint64_t seed, bool adakv) {
     cfg.alloc.budgets = make_matrix_view<const std::int32_t>(budgets.data() + first, 1, n).value();
     cfg.tp = tp;
     decode_driver drv;
-    const auto bytes = decode_driver::state_bytes(cfg);
-    if (!bytes) return bytes.error();
-    std::vector<unsigned char> mem(*bytes);
-    KVEVICT_TRY(drv.init(cfg, mem.data(), mem.size()));
-    const auto wb = drv.workspace_bytes(seq);
-    if (!wb) return wb.error();
-    std::vector<unsigned char> wmem(*wb);
-    workspace ws{wmem.data(), wmem.size()};
+    std::vector<unsigned char> mem, wmem;
+    workspace ws;
+    KVEVICT_TRY(init_driver(drv, cfg, seq, mem, wmem, ws));
     std::vector<float> kv(static_cast<std::size_t>(n * C * d), 0.0f), vals(kv.size(), 0.0f);
     std::vector<float> sc(static_cast<std::size_t>(n * C), 0.0f);
     std::vector<pos_t> pos(static_cast<std::size_t>(n * C));
@@ -612,14 +623,9 @@ inline kvevict::status run_tp_cascade(const tp_cascade_case& c, index_t first, i
   cfg.weight = c.cake ? weight_source::caller : weight_source::lava_entropy;
   cfg.tp = tp;
   cascade_driver drv;
-  const auto bytes = cascade_driver::state_bytes(cfg);
-  if (!bytes) return bytes.error();
-  std::vector<unsigned char> mem(*bytes);
-  KVEVICT_TRY(drv.init(cfg, mem.data(), mem.size()));
-  const auto wb = par ? drv.workspace_bytes(par_t{2}) : drv.workspace_bytes(seq);
-  if (!wb) return wb.error();
-  std::vector<unsigned char> wmem(*wb);
-  workspace ws{wmem.data(), wmem.size()};
+  std::vector<unsigned char> mem, wmem;
+  workspace ws;
+  KVEVICT_TRY(par ? init_driver(drv, cfg, par_t{2}, mem, wmem, ws) : init_driver(drv, cfg, seq, mem, wmem, ws));
   const index_t N = c.N, d = c.d;
   std::vector<float> kv(static_cast<std::size_t>(n * N * d), 0.0f);
   std::vector<pos_t> pos(static_cast<std::size_t>(n * N));

@@ -7,6 +7,7 @@
 
 #include <kvevict/budget/layer_cascade.hpp>
 #include <kvevict/distributed.hpp>
+#include <kvevict/drivers/cascade_driver.hpp>
 #include <kvevict/drivers/compact_layer.hpp>
 #include <kvevict/drivers/decode.hpp>
 #include <kvevict/drivers/post_fill.hpp>
@@ -368,6 +369,22 @@ std::string check_post_fill_all_layer(Comm& comm, std::uint64_t seed, bool cake,
                   : check_post_fill_grid<Comm, Comm>(&comm, nullptr, seed, cake);
 }
 
+/// A driver initialised on its own state memory `mem`, with a workspace `ws` in `wmem` sized for
+/// backend `be`.
+template <class Driver, class Config, class Backend>
+kvevict::status init_driver(Driver& drv, const Config& cfg, Backend be, std::vector<unsigned char>& mem,
+                            std::vector<unsigned char>& wmem, kvevict::workspace& ws) {
+  const auto bytes = Driver::state_bytes(cfg);
+  if (!bytes) return bytes.error();
+  mem.assign(*bytes, 0);
+  KVEVICT_TRY(drv.init(cfg, mem.data(), mem.size()));
+  const auto wb = drv.workspace_bytes(be);
+  if (!wb) return wb.error();
+  wmem.assign(*wb, 0);
+  ws = kvevict::workspace{wmem.data(), wmem.size()};
+  return {};
+}
+
 /// The decode driver with a tensor-parallel communicator (flattened or adakv, scores with many ties
 /// given by step_scores): every step's kept rows of this rank's heads equal the single-process
 /// driver's.
@@ -399,14 +416,9 @@ std::string check_decode_sharded(Comm& comm, std::uint64_t seed, bool adakv) {
     cfg.alloc.budgets = make_matrix_view<const std::int32_t>(budgets.data() + first, 1, n).value();
     cfg.tp = tp;
     decode_driver drv;
-    const auto bytes = decode_driver::state_bytes(cfg);
-    if (!bytes) return bytes.error();
-    std::vector<unsigned char> mem(*bytes);
-    KVEVICT_TRY(drv.init(cfg, mem.data(), mem.size()));
-    const auto wb = drv.workspace_bytes(seq);
-    if (!wb) return wb.error();
-    std::vector<unsigned char> wmem(*wb);
-    workspace ws{wmem.data(), wmem.size()};
+    std::vector<unsigned char> mem, wmem;
+    workspace ws;
+    KVEVICT_TRY(init_driver(drv, cfg, seq, mem, wmem, ws));
     std::vector<float> kv(static_cast<std::size_t>(n * C * d), 0.0f), vals(kv.size(), 0.0f);
     std::vector<float> sc(static_cast<std::size_t>(n * C), 0.0f);
     std::vector<pos_t> pos(static_cast<std::size_t>(n * C));
@@ -557,6 +569,149 @@ std::string check_pipeline_cascade(Comm& comm, std::uint64_t seed) {
       if (a.cu[h] != b.cu[h]) return "layer " + std::to_string(l) + ": per-head counts differ";
     if (a.cu[H] > 0 && std::memcmp(a.pos, b.pos, static_cast<std::size_t>(a.cu[H]) * sizeof(pos_t)) != 0)
       return "layer " + std::to_string(l) + ": kept positions differ";
+  }
+  return "";
+}
+
+/// The layer-wise cascade under tensor parallelism: cascade_driver over this rank's `per` of the
+/// H = per P heads of every layer (tp = comm), the layers given as scores with many ties; LAVa
+/// (flattened, the driver's entropy) or CAKE (per_head, the caller's weight). After every step,
+/// every layer's held positions and kept lists (and changed flags) of this rank's heads must equal
+/// the single-process driver's over all H heads. `fault` >= 0: rank `fault` passes a bad call at
+/// layer `fault_layer` (fault 0: NaN scores; 1: a layer out of order; 2: a different CAKE weight /
+/// a different total), and every rank must return the same error there.
+struct tp_cascade_case {
+  index_t L = 0, per = 0, H = 0, N = 0, d = 2, total = 0;
+  kvevict::recipe rec;
+  bool cake = false;
+  std::vector<float> scores;   // [L][H][N]
+  std::vector<double> weight;  // CAKE: [L]
+};
+
+inline tp_cascade_case make_tp_cascade(std::mt19937_64& g, int P) {
+  tp_cascade_case c;
+  c.cake = pick(g, 0, 1) == 1;
+  c.L = pick(g, 1, 5);
+  c.per = pick(g, 1, 3);
+  c.H = c.per * P;
+  c.N = pick(g, 4, 40);
+  c.rec = kvevict::recipe::knorm();
+  c.rec.n_sink = pick(g, 0, 1);
+  c.rec.n_recent = pick(g, 0, 2);
+  const index_t W = kvevict::protected_count(c.N, c.rec.n_sink, c.rec.n_recent);
+  c.total = c.cake ? pick(g, c.L * W, c.L * c.N) * c.H : pick(g, c.L * c.H * W, c.L * c.H * c.N);
+  c.scores.resize(static_cast<std::size_t>(c.L * c.H * c.N));
+  const int top = static_cast<int>(pick(g, 1, 4));  // few distinct values: ties across heads and ranks
+  for (auto& x : c.scores) x = static_cast<float>(pick(g, 0, top));
+  for (index_t l = 0; l < c.L; ++l) c.weight.push_back(pick(g, 0, 4) == 0 ? 0.0 : static_cast<double>(pick(g, 1, 50)) / 7.0);
+  return c;
+}
+
+/// One driver over heads [first, first + n) of the case, layer by layer; after each step `seen`
+/// gets, for every layer added, changed and per head its positions and kept list. `fault`: as
+/// check_tp_cascade's, applied by this driver (the caller decides which rank).
+inline kvevict::status run_tp_cascade(const tp_cascade_case& c, index_t first, index_t n, kvevict::comm_ref tp,
+                                      bool par, int fault, index_t fault_layer, std::vector<std::vector<pos_t>>& seen) {
+  using namespace kvevict;
+  cascade_driver_config cfg;
+  cfg.model = {c.L, n, n, c.d};
+  cfg.tokens = c.N;
+  cfg.rec = c.rec;
+  cfg.total = c.total;
+  if (fault == 2 && !c.cake) cfg.total += c.total < c.L * c.H * c.N ? 1 : -1;  // still a valid total here
+  cfg.split = c.cake ? cascade_split::per_head : cascade_split::flattened;
+  cfg.weight = c.cake ? weight_source::caller : weight_source::lava_entropy;
+  cfg.tp = tp;
+  cascade_driver drv;
+  std::vector<unsigned char> mem, wmem;
+  workspace ws;
+  KVEVICT_TRY(par ? init_driver(drv, cfg, par_t{2}, mem, wmem, ws) : init_driver(drv, cfg, seq, mem, wmem, ws));
+  const index_t N = c.N, d = c.d;
+  std::vector<float> kv(static_cast<std::size_t>(n * N * d), 0.0f);
+  std::vector<pos_t> pos(static_cast<std::size_t>(n * N));
+  std::vector<std::int32_t> cu(static_cast<std::size_t>(n + 1)), lens(static_cast<std::size_t>(n), static_cast<std::int32_t>(N));
+  for (index_t h = 0; h <= n; ++h) cu[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * N);
+  for (index_t h = 0; h < n; ++h)
+    for (index_t p = 0; p < N; ++p) pos[static_cast<std::size_t>(h * N + p)] = static_cast<pos_t>(p);
+  const ragged_cache<float> keys{kv.data(), cu.data(), lens.data(), n, d, d};
+  const auto layer_kv = make_layer_kv(keys, keys, pos.data());
+  std::vector<float> sc(static_cast<std::size_t>(n * N));
+  seen.clear();
+  for (index_t l = 0; l < c.L; ++l) {
+    std::copy(c.scores.begin() + (l * c.H + first) * N, c.scores.begin() + (l * c.H + first + n) * N, sc.begin());
+    double w = c.weight[static_cast<std::size_t>(l)];
+    index_t at = l;
+    if (l == fault_layer) {
+      if (fault == 0) sc[static_cast<std::size_t>(n * N - 1)] = std::numeric_limits<float>::quiet_NaN();
+      if (fault == 1) at = l + 1;
+      if (fault == 2 && c.cake) w += 1.0;
+    }
+    const auto view = make_matrix_view<const float>(sc.data(), n, N).value();
+    KVEVICT_TRY(par ? drv.add_layer_scores(par_t{2}, ws, at, layer_kv, view, w)
+                    : drv.add_layer_scores(seq, ws, at, layer_kv, view, w));
+    for (index_t j = 0; j <= l; ++j) {
+      seen.push_back({static_cast<pos_t>(drv.changed(j) ? 1 : 0)});
+      const ragged_positions held = drv.positions(j), kept = drv.kept(j);
+      for (index_t h = 0; h < n; ++h) {
+        seen.emplace_back(held.pos + held.cu[h], held.pos + held.cu[h + 1]);
+        seen.emplace_back(kept.pos + kept.cu[h], kept.pos + kept.cu[h + 1]);
+      }
+    }
+  }
+  return {};
+}
+
+template <class Comm>
+std::string check_tp_cascade(Comm& comm, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  const int P = comm.size();
+  const tp_cascade_case c = make_tp_cascade(g, P);
+  std::vector<std::vector<pos_t>> want, got;
+  auto st = run_tp_cascade(c, 0, c.H, kvevict::comm_ref{}, false, -1, -1, want);
+  if (!st.ok()) return std::string("single-process cascade failed: ") + st.message();
+  st = run_tp_cascade(c, c.per * comm.rank(), c.per, kvevict::comm_ref(comm), seed % 2 == 1, -1, -1, got);
+  if (!st.ok()) return std::string("sharded cascade failed: ") + st.message();
+  // the single-process entries of this rank's heads: per step, per layer j <= l: changed, then per
+  // head held, kept
+  std::size_t a = 0, b = 0;
+  for (index_t l = 0; l < c.L; ++l)
+    for (index_t j = 0; j <= l; ++j) {
+      const std::string where = (c.cake ? "cake" : "lava") + std::string(" step ") + std::to_string(l) + ", layer " +
+                                std::to_string(j);
+      if (want[a++] != got[b++]) return where + ": changed differs";
+      for (index_t h = 0; h < c.H; ++h) {
+        const bool mine = h >= c.per * comm.rank() && h < c.per * (comm.rank() + 1);
+        for (int k = 0; k < 2; ++k, ++a)
+          if (mine && want[a] != got[b++])
+            return where + ", head " + std::to_string(h) + (k == 0 ? ": held positions differ" : ": kept lists differ");
+      }
+    }
+  return "";
+}
+
+/// check_tp_cascade's faults: rank `odd` passes a bad call at a random layer; every rank must fail
+/// there with the same error, naming the rank (or the disagreement).
+template <class Comm>
+std::string check_tp_cascade_error(Comm& comm, std::uint64_t seed, int odd, int fault) {
+  std::mt19937_64 g(seed);
+  const int P = comm.size();
+  tp_cascade_case c = make_tp_cascade(g, P);
+  if (fault == 2) c.cake = pick(g, 0, 1) == 1;
+  if (c.cake && c.total % c.H != 0) c.total -= c.total % c.H;
+  const index_t at = pick(g, 0, c.L - 1);
+  std::vector<std::vector<pos_t>> got;
+  const bool me = comm.rank() == odd;
+  const auto st = run_tp_cascade(c, c.per * comm.rank(), c.per, kvevict::comm_ref(comm), false, me ? fault : -1,
+                                 me ? at : -1, got);
+  if (st.ok()) return "the sharded cascade accepted a bad call on rank " + std::to_string(odd);
+  const std::string msg = st.message();
+  const std::string want = fault == 2 ? "disagree" : "rank " + std::to_string(odd) + " of " + std::to_string(P);
+  if (msg.find(want) == std::string::npos) return "expected \"" + want + "\", got: " + msg;
+  // every step before the fault ran: the error came at the faulty layer, not earlier
+  if (fault != 2 || c.cake) {
+    std::size_t steps = 0;
+    for (index_t l = 0; l < at; ++l) steps += static_cast<std::size_t>((l + 1) * (1 + 2 * c.per));
+    if (got.size() != steps) return "the error came at the wrong step: " + msg;
   }
   return "";
 }

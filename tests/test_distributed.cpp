@@ -118,6 +118,22 @@ TEST_CASE("pipeline-parallel cascade: each stage's layers hold what the single-p
       on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_pipeline_cascade(c, s); });
 }
 
+TEST_CASE("tensor-parallel cascade: each rank's layers hold its heads' rows of the single-process cascade, every step") {
+  for (int ranks : {1, 2, 3})
+    for (std::uint64_t seed = 0; seed < 40; ++seed)
+      on_ranks(ranks, seed, [](thread_comm& c, std::uint64_t s) { return kvtest::dist::check_tp_cascade(c, s); });
+  // a bad call (NaN scores, a layer out of order) or a disagreement (CAKE weight, total) on one rank
+  // fails every rank at that layer with the same error
+  for (int ranks : {2, 3})
+    for (int fault = 0; fault < 3; ++fault)
+      for (std::uint64_t seed = 0; seed < 6; ++seed) {
+        const int odd = static_cast<int>(seed % static_cast<std::uint64_t>(ranks));
+        on_ranks(ranks, seed, [odd, fault](thread_comm& c, std::uint64_t s) {
+          return kvtest::dist::check_tp_cascade_error(c, s, odd, fault);
+        });
+      }
+}
+
 TEST_CASE("sharded calls: an inconsistent or invalid rank fails every rank with the same error") {
   for (int ranks : {2, 3, 4})
     for (int odd = 0; odd < ranks; ++odd)

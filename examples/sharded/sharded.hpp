@@ -27,10 +27,12 @@
 // holding the same heads (pp), the report's gathers over the world.
 //
 // The layerwise driver: per-layer allocators through post_fill_driver layer by layer (TP selects
-// across the ranks), LAVa / CAKE through cascade_driver across pipeline stages (add_remote_layer:
-// the earlier stages' layers by their weights gathered at each stage boundary, the later ones after
-// the prefill). The oracle: the full cache's continuation generated sharded, then run after the
-// prompt as an extra block whose queries and keys (this rank's heads) are the post-fill query block.
+// across the ranks), LAVa / CAKE through cascade_driver: across the head shards with its
+// communicator (cascade_driver_config::tp: every step's selections sharded), across pipeline stages
+// with add_remote_layer (the earlier stages' layers by their weights gathered at each stage
+// boundary, the later ones after the prefill), or both. The oracle: the full cache's continuation
+// generated sharded, then run after the prompt as an extra block whose queries and keys (this
+// rank's heads) are the post-fill query block.
 // SpecKV: the same with the draft response (the draft model, the target's first layers, run whole
 // on every rank by the caller: methods/speckv.hpp). LAQ / LAQ++ (methods/laq.hpp): stage 1 evicts a
 // copy of the prefilled cache (SnapKV, uniform, this rank's heads / layers) and decodes the pseudo
@@ -44,10 +46,10 @@
 //
 // The communicator is any of kvevict/comm.hpp's (kvevict-run passes the MPI adapter of
 // kvevict/mpi.hpp; the tests also run it on threads). The head-type recipes (duo, prulong,
-// duo-heuristic) with any driver but postfill and the layerwise cascade (lava, cake) under --tp
-// are not supported sharded: a clear error saying why (check_sharded). Every
-// rank must pass the same options and prompt: sharded_runner's init and prefill agree on them
-// first (one allgather), so a rank with others fails every rank instead of hanging.
+// duo-heuristic) run with every driver (the non-post-fill ones through the streaming heads, each
+// rank on its slice of the head types). Every rank must pass the same options and prompt:
+// sharded_runner's init and prefill agree on them first (one allgather), so a rank with others
+// fails every rank instead of hanging.
 #pragma once
 
 #include <report/report.hpp>
@@ -68,6 +70,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -141,12 +144,9 @@ class shard_cache {
   std::vector<std::int32_t> lens_, cu_;
 };
 
-/// The methods a sharded run takes: every recipe that needs neither head types nor a query block
-/// (full, streaming_llm, h2o, tova, snapkv, pyramidkv, knorm, vatp, adakv, cake, lava) with every
-/// driver and the combinations check_evict_options accepts, except the layerwise cascade (lava,
-/// cake allocators) under --tp; the head-type recipes with the postfill driver; the query-block
-/// recipes oracle, speckv, laq, laq++ and lookaheadkv (postfill).
-/// Error: a clear one naming what is not supported and why.
+/// The methods a sharded run takes: every recipe with every driver check_evict_options accepts on
+/// one process; on top, the layout (tp x pp ranks, heads and layers divisible) is checked here.
+/// Error: a clear one naming what does not fit and why.
 inline status check_sharded(const config& c, const shard_options& s, int ranks, const evict_options& o) {
   if (s.tp < 1 || s.pp < 1)
     return status::error(errc::invalid_argument, "--tp %d --pp %d: each must be >= 1", s.tp, s.pp);
@@ -163,21 +163,7 @@ inline status check_sharded(const config& c, const shard_options& s, int ranks, 
     if (const auto r = kvevict::head_shard(c.n_kv_heads, s.tp, 0); !r) return r.error();
   if (s.pp > 1)
     if (const auto r = kvevict::layer_shard(c.n_layers, s.pp, 0); !r) return r.error();
-  const method m = o.recipe;
-  if (m == method::full) return {};
-  // not supported sharded: <why> (docs/distributed.md, "The runner sharded")
-  if (uses_head_types(m) && o.driver != driver_kind::postfill)
-    return status::error(errc::unsupported,
-                         "--recipe %s --driver %s is not supported sharded: the runner's streaming-heads path is not "
-                         "split across ranks (postfill runs: head types are per KV head)",
-                         method_name(m), driver_name(o.driver));
-  const budget_scheme a = allocator_of(o);
-  if (o.driver == driver_kind::layerwise && s.tp > 1 && (a == budget_scheme::lava || a == budget_scheme::cake))
-    return status::error(errc::unsupported,
-                         "--driver layerwise --allocator %s is not supported under --tp: the cascade's per-layer "
-                         "selection is not sharded across heads (cascade_driver has no tp; --pp runs it, and the "
-                         "per-layer allocators run layerwise under --tp)",
-                         allocator_name(a));
+  if (o.recipe == method::full) return {};
   return check_evict_options(c, o);
 }
 
@@ -239,6 +225,9 @@ class sharded_runner {
                   c.n_kv_heads, static_cast<unsigned long long>(head_types_hash()));
     world_ = g.world;
     KVEVICT_TRY(agree("sharded_runner::init", local, line));
+    fault_rank_ = fault_layer_ = -1;  // the tests' fault injection: KVEVICT_SHARDED_FAULT=<world rank>:<layer>
+    if (const char* f = std::getenv("KVEVICT_SHARDED_FAULT"); f != nullptr && std::sscanf(f, "%d:%d", &fault_rank_, &fault_layer_) != 2)
+      fault_rank_ = fault_layer_ = -1;
     m_ = &m;
     tpc_ = g.tp;
     ppc_ = g.pp;
@@ -331,6 +320,7 @@ class sharded_runner {
     KVEVICT_TRY(agree("sharded_runner::prefill", local, line));  // every rank the same prompt (and response)
     prefill_s_ = evict_s_ = 0.0;
     if (o_.recipe == method::full) return timed(prefill_s_, [&] { return forward(prompt.data(), n); });
+    if (streaming()) return prefill_streaming(prompt);
     switch (o_.driver) {
       case driver_kind::chunked_naive:
       case driver_kind::chunked_patched: return prefill_chunked(prompt);
@@ -381,6 +371,10 @@ class sharded_runner {
   status decode(int token) {
     if (next_ >= m_->cfg().seq_len)
       return status::error(errc::out_of_range, "sharded_runner: the context of %d tokens is full", m_->cfg().seq_len);
+    if (streaming()) {  // evictor::decode's: the streaming heads drop the key that left their window
+      KVEVICT_TRY(forward(&token, 1));
+      return timed(evict_s_, [&] { return stream_layers(); });
+    }
     if (o_.recipe == method::full || o_.driver != driver_kind::decode) return forward(&token, 1);
     return decode_step(token);
   }
@@ -405,6 +399,8 @@ class sharded_runner {
   kvevict::chunked_driver ch_;
   kvevict::decode_driver dd_;
   kvevict::cascade_driver cd_;
+  kvevict::streaming_heads_driver sh_;
+  std::vector<std::uint8_t> retrieval_;  // this rank's [layers][heads] of the head types (streaming heads)
   driver_scratch scratch_;
   kvevict::workspace decode_ws_;  // the decode driver's (in scratch_.ws)
   allocation_plan alloc_;
@@ -486,6 +482,36 @@ class sharded_runner {
   }
   std::vector<agree_record> agree_all_;
 
+  // Mid-forward: a rank's own failure (a driver call, a compaction, a hook) reaches the other ranks
+  // of `comm` at the next collective point instead of leaving them waiting: one allreduce of a flag;
+  // only when a rank failed, an allgather of the statuses, and every rank returns the lowest failing
+  // rank's error ("rank r of P: ..." in world ranks, unless the message names its rank already).
+  struct fail_record {
+    std::int32_t failed = 0, code = 0, rank = 0;
+    char text[agree_text] = {};
+  };
+  template <class C>
+  status agree_failure(C& comm, const status& local) {
+    std::int64_t failed = local.ok() ? 0 : 1;
+    KVEVICT_TRY(comm.allreduce_sum(&failed, 1));
+    if (failed == 0) return {};
+    fail_record mine;
+    mine.failed = local.ok() ? 0 : 1;
+    mine.code = static_cast<std::int32_t>(local.code());
+    mine.rank = world_->rank();
+    std::snprintf(mine.text, sizeof mine.text, "%s", local.ok() ? "" : local.message());
+    fail_all_.resize(static_cast<std::size_t>(comm.size()));
+    KVEVICT_TRY(comm.allgather(&mine, sizeof mine, fail_all_.data()));
+    for (const fail_record& r : fail_all_) {
+      if (r.failed == 0) continue;
+      if (std::strncmp(r.text, "rank ", 5) == 0) return status::error(static_cast<errc>(r.code), "%s", r.text);
+      return status::error(static_cast<errc>(r.code), "rank %d of %d: %s", r.rank, world_->size(), r.text);
+    }
+    return {};
+  }
+  std::vector<fail_record> fail_all_;
+  int fault_rank_ = -1, fault_layer_ = -1;
+
   // The block's rows through the model; logits of the last row on every rank. Pipeline: the stages
   // run in order, stage s on the rows stage s - 1 produced, which reach every rank by an allgather.
   // hooks->after_layer sees this rank's layers' events (its heads' queries, keys and values);
@@ -505,17 +531,28 @@ class sharded_runner {
     }
     if (extra) held_ = cache_.lengths();
     const int stages = s_.pp;
+    // a rank's failure in a layer (its hook: the drivers, the compaction) or after a stage reaches
+    // every rank at the next collective point: the stage's ranks after every layer (tp), then every
+    // stage before the rows' allgather (pp), every rank after the stage hook
+    status pending;
     for (int st = 0; st < stages; ++st) {
       if (stages == 1 || st == ppc_->rank())
-        for (index_t l = layers_.first; l < layers_.first + layers_.count; ++l)
-          KVEVICT_TRY(layer(static_cast<int>(l), n, hooks, extra));
+        for (index_t l = layers_.first; l < layers_.first + layers_.count && pending.ok(); ++l) {
+          status r = layer(static_cast<int>(l), n, hooks, extra);
+          if (r.ok() && l == fault_layer_ && world_->rank() == fault_rank_)
+            r = status::error(errc::invalid_argument, "sharded_runner: injected fault at layer %d (KVEVICT_SHARDED_FAULT)",
+                              static_cast<int>(l));
+          pending = s_.tp > 1 ? agree_failure(*tpc_, r) : r;
+        }
       if (stages > 1) {  // stage st's rows to every rank (each pp group: one rank of every stage)
+        KVEVICT_TRY(agree_failure(*ppc_, pending));
         const auto bytes = static_cast<std::size_t>(n * d) * sizeof(float);
         KVEVICT_TRY(ppc_->allgather(x, bytes, xs_.data()));
         std::copy(xs_.data() + st * n * d, xs_.data() + (st + 1) * n * d, x);
-        if (after_stage_) KVEVICT_TRY(after_stage_(st));
+        if (after_stage_) KVEVICT_TRY(agree_failure(*world_, after_stage_(st)));
       }
     }
+    KVEVICT_TRY(pending);
     if (extra) cache_.set_lengths(held_);
     const index_t rows = mode == logits_mode::none ? 0 : mode == logits_mode::last ? 1 : n;  // as runner::run
     if (rows > 0) {
@@ -659,6 +696,56 @@ class sharded_runner {
     return {};
   }
 
+  // Head types (duo, prulong, duo-heuristic) with the layerwise, chunked and decode drivers
+  // (evictor::prefill_streaming on this rank's heads / layers): the prompt forwarded in chunks (the
+  // chunked drivers' --chunk, else at once), after each the streaming heads drop what left their
+  // window (kvevict::streaming_heads_driver on this rank's slice of the head types: head types are
+  // per KV head, no communication); retrieval heads keep everything.
+  bool streaming() const {
+    return o_.recipe != method::full && allocator_of(o_) == budget_scheme::duo && o_.driver != driver_kind::postfill;
+  }
+  status prefill_streaming(const std::vector<int>& prompt) {
+    const config& c = m_->cfg();
+    const index_t P = static_cast<index_t>(prompt.size()), H = c.n_kv_heads, hk = heads_.count, Ls = layers_.count;
+    const bool chunked = o_.driver == driver_kind::chunked_naive || o_.driver == driver_kind::chunked_patched;
+    kvevict::allocation al;  // decode: the allocation of a max(B, P)-token sequence, as evictor's
+    status st = plan(o_.driver == driver_kind::decode ? std::max(o_.budget, P) : P, al);
+    if (st.ok() && static_cast<index_t>(alloc_.retrieval.size()) != index_t(c.n_layers) * H)
+      st = status::error(errc::invalid_argument, "sharded_runner: %s has no head types", method_name(o_.recipe));
+    if (st.ok()) {
+      retrieval_.assign(static_cast<std::size_t>(Ls * hk), 0);
+      for (index_t l = 0; l < Ls; ++l)
+        for (index_t h = 0; h < hk; ++h)
+          retrieval_[static_cast<std::size_t>(l * hk + h)] =
+              alloc_.retrieval[static_cast<std::size_t>((layers_.first + l) * H + heads_.first + h)];
+      kvevict::streaming_heads_config sc;
+      sc.model = shape();
+      sc.capacity = c.seq_len;  // the cache's: the heads grow by the decoded tokens
+      sc.streaming = {rec_.n_sink, rec_.n_recent};
+      sc.retrieval = *kvevict::make_matrix_view<const std::uint8_t>(retrieval_.data(), Ls, hk);
+      kvevict::workspace ws;
+      st = init_driver(sh_, scratch_, sc, recorder_, ws);
+    }
+    KVEVICT_TRY(agree_failure(*world_, st));
+    for (index_t s = 0, e = 0; s < P; s = e) {
+      e = chunked ? std::min(s + o_.chunk, P) : P;
+      KVEVICT_TRY(timed(prefill_s_, [&] { return forward(prompt.data() + s, e - s); }));
+      KVEVICT_TRY(timed(evict_s_, [&] { return stream_layers(); }));
+    }
+    return {};
+  }
+  // This rank's layers after a forward: the streaming heads' update at next_ tokens, the layers that
+  // dropped rows compacted; a rank failing here fails every rank before the next forward.
+  status stream_layers() {
+    status st;
+    for (index_t ls = 0; ls < layers_.count && st.ok(); ++ls) {
+      const int l = model_layer(ls);
+      st = sh_.update(ls, cache_.layer(l), next_);
+      if (st.ok() && sh_.evicted(ls)) st = cache_.compact(l, sh_.kept(ls));
+    }
+    return agree_failure(*world_, st);
+  }
+
   // evictor::prefill_chunked on this rank's heads / layers: forward a chunk (patched: then the
   // prompt's last w tokens as an extra block), add every layer, decide, compact.
   status prefill_chunked(const std::vector<int>& prompt) {
@@ -712,8 +799,8 @@ class sharded_runner {
   // decide(); lava / cake through cascade_driver holding the whole model's L layers, the other
   // stages' as remote layers (add_remote_layer, docs/distributed.md "The cascade"): the layers
   // before this stage by their weights gathered at each stage boundary, the layers after it once
-  // the prefill is done, compacting this stage's layers whenever a step shrinks them. check_sharded
-  // refuses the cascade under --tp (its per-layer selection is not sharded across heads).
+  // the prefill is done, compacting this stage's layers whenever a step shrinks them; under --tp the
+  // driver holds this rank's heads and selects across the head shards (cascade_driver_config::tp).
   status prefill_layerwise(const std::vector<int>& prompt) {
     const config& c = m_->cfg();
     const index_t P = static_cast<index_t>(prompt.size()), L = c.n_layers, w = o_.window, hk = heads_.count;
@@ -732,6 +819,7 @@ class sharded_runner {
       cc.total = al.total;
       cc.split = scheme == budget_scheme::lava ? kvevict::cascade_split::flattened : kvevict::cascade_split::per_head;
       cc.weight = scheme == budget_scheme::lava ? kvevict::weight_source::lava_entropy : kvevict::weight_source::caller;
+      cc.tp = tp();  // total: the model's over every rank's heads (plan's)
       if (recorder_ != nullptr) {  // the driver records [L][heads][N]; this stage's layers copied out below
         const index_t N = recorder_->capacity();
         cascade_schedule_.assign(static_cast<std::size_t>(L * hk * N), 0);

@@ -49,6 +49,11 @@ int main(int argc, char** argv) {
       }
       expect(rank, "layer budgets", seed, d::check_layer_budgets(comm, seed));
       expect(rank, "pipeline cascade", seed, d::check_pipeline_cascade(comm, seed));
+      if (seed < 4) {  // a collective per step and per shrinking layer: the threads run 40 seeds
+        expect(rank, "tensor-parallel cascade", seed, d::check_tp_cascade(comm, seed));
+        expect(rank, "tensor-parallel cascade, a bad call on one rank", seed,
+               d::check_tp_cascade_error(comm, seed, static_cast<int>(seed) % comm.size(), static_cast<int>(seed % 3)));
+      }
     }
     if (comm.size() == 4) {  // tensor and pipeline parallelism together: a 2 x 2 grid split by mpi_grid
       kvevict::mpi_grid grid;

@@ -20,6 +20,7 @@
 #include <kvevict/budget/adakv.hpp>
 #include <kvevict/budget/apportion.hpp>
 #include <kvevict/budget/lava.hpp>
+#include <kvevict/distributed.hpp>
 #include <kvevict/select.hpp>
 
 #include <cstring>
@@ -44,6 +45,11 @@ struct cascade_config {
   /// and L H N (W = protected_count(N, prot)); a multiple of H for the per_head split.
   index_t total = 0;
   cascade_split split = cascade_split::flattened;
+  /// Tensor parallelism (docs/distributed.md "The cascade"): every layer's KV heads are spread over
+  /// `ranks` ranks, this cascade holding `heads` of them (head_shard); `total` is the model's over
+  /// all ranks' heads (L x ranks x heads x ...), and add_layer / add_remote_layer take the ranks'
+  /// communicator. 1: one process.
+  index_t ranks = 1;
 };
 
 /// The cascading state (see the file comment). Non-owning: it lives in memory the engine provides
@@ -102,7 +108,8 @@ class layer_cascade {
     step_ = reinterpret_cast<pos_t*>(base + lay.step);
     const index_t L = cfg.layers, H = cfg.heads;
     W_ = protected_count(cfg.prompt_length, cfg.prot.n_sink, cfg.prot.n_recent);
-    evictable_ = cfg.split == cascade_split::flattened ? cfg.total - L * H * W_ : cfg.total / H - L * W_;
+    const index_t HA = H * cfg.ranks;  // every rank's heads
+    evictable_ = cfg.split == cascade_split::flattened ? cfg.total - L * HA * W_ : cfg.total / HA - L * W_;
     for (index_t l = 0; l < L; ++l) {
       weight_[l] = 0.0;
       alloc_[l] = 0;
@@ -143,23 +150,39 @@ class layer_cascade {
   template <class Backend>
   status add_layer(Backend be, workspace& ws, index_t layer, matrix_view<const float> scores, double weight) {
     constexpr const char* fn = "layer_cascade::add_layer";
-    KVEVICT_TRY(check_ready(fn));
-    KVEVICT_TRY(detail::check_select_scores(fn, scores));
-    const index_t H = cfg_.heads, N = cfg_.prompt_length;
-    if (scores.extent(0) != H || scores.extent(1) != N)
-      return status::error(errc::shape_mismatch, "%s: scores is [%lld][%lld], expected [%lld heads][%lld tokens]", fn,
-                           static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
-                           static_cast<long long>(H), static_cast<long long>(N));
+    KVEVICT_TRY(check_scores_shape(fn, scores));
     KVEVICT_TRY(carve_selection(be, ws, fn));
     if (ws.is_query()) return {};
-    KVEVICT_TRY(check_order(fn, layer, weight));
-    const detail::byte_range wr = detail::ws_range(ws);
-    if (mem_.intersects(detail::range_of(scores)))
-      return detail::select_overlap(fn, "scores", "the cascade's memory");
-    if (wr.intersects(mem_)) return detail::select_overlap(fn, "the workspace", "the cascade's memory");
-    if (wr.intersects(detail::range_of(scores))) return detail::select_overlap(fn, "the workspace", "scores");
-    for (index_t h = 0; h < H; ++h) KVEVICT_TRY(detail::check_protected_scores(fn, scores, h, N, cfg_.prot));
-    return step(be, ws, layer, weight, &scores);
+    KVEVICT_TRY(check_one_process(fn));
+    KVEVICT_TRY(check_add(fn, ws, layer, scores, weight));
+    return step(be, ws, static_cast<single_process*>(nullptr), layer, weight, &scores);
+  }
+
+  /// Tensor parallelism (cfg.ranks = comm.size() ranks, each holding cfg.heads heads of every
+  /// layer; docs/distributed.md "The cascade"): add_layer with this rank's [heads][N] scores. Every
+  /// rank receives exactly its heads' rows of what the single-process cascade over all ranks' heads
+  /// keeps: the flattened split selects (the new layer and every re-selection of a lower layer)
+  /// across the ranks (histograms summed, ties to the lower global head, then the lower position);
+  /// the per_head split's selections are per head and need no communication. `weight` must be the
+  /// same on every rank (LAVa: the sharded lava_layer_entropy's; CAKE: the sharded preference's).
+  /// Workspace: add_layer's on this rank's heads, or the sharded selections' (the larger).
+  /// Communication per step: one agreement (13 integers); flattened: one sharded selection for the
+  /// new layer and one per lower layer that shrinks (sharded select_topk_flat's allreduces).
+  /// Errors: add_layer's, and the communicator's size differing from cfg.ranks; a rank whose
+  /// arguments are invalid, or ranks disagreeing on the layer, its weight or the configuration,
+  /// fail every rank with the same error (the state unchanged). A failing collective's status is
+  /// returned as is (the cascade must then be init()ed again).
+  template <class Backend, class Comm>
+  status add_layer(Backend be, workspace& ws, Comm& comm, index_t layer, matrix_view<const float> scores,
+                   double weight) {
+    constexpr const char* fn = "layer_cascade::add_layer (sharded)";
+    status st = check_scores_shape(fn, scores);
+    if (st.ok()) st = carve_selection(be, ws, fn);
+    if (ws.is_query()) return st;
+    if (st.ok()) st = check_ranks(fn, comm.size());
+    if (st.ok()) st = check_add(fn, ws, layer, scores, weight);
+    KVEVICT_TRY(agree_step(comm, fn, st, layer, weight, false));
+    return step(be, ws, &comm, layer, weight, &scores);
   }
 
   /// Pipeline parallelism (docs/distributed.md): layer `layer` (= layers_added()) is held by another
@@ -176,12 +199,80 @@ class layer_cascade {
     KVEVICT_TRY(check_ready(fn));
     KVEVICT_TRY(carve_selection(be, ws, fn));
     if (ws.is_query()) return {};
-    KVEVICT_TRY(check_order(fn, layer, weight));
-    if (detail::ws_range(ws).intersects(mem_)) return detail::select_overlap(fn, "the workspace", "the cascade's memory");
-    return step(be, ws, layer, weight, nullptr);
+    KVEVICT_TRY(check_one_process(fn));
+    KVEVICT_TRY(check_remote(fn, ws, layer, weight));
+    return step(be, ws, static_cast<single_process*>(nullptr), layer, weight, nullptr);
+  }
+
+  /// Tensor and pipeline parallelism together (a grid): add_remote_layer on every rank of this
+  /// stage (`comm`: the stage's tensor-parallel ranks), each re-selecting its heads of the lower
+  /// layers that shrink across the ranks as add_layer (sharded) does. Errors: add_remote_layer's and
+  /// add_layer (sharded)'s agreement errors, on every rank.
+  template <class Backend, class Comm>
+  status add_remote_layer(Backend be, workspace& ws, Comm& comm, index_t layer, double weight) {
+    constexpr const char* fn = "layer_cascade::add_remote_layer (sharded)";
+    status st = check_ready(fn);
+    if (st.ok()) st = carve_selection(be, ws, fn);
+    if (ws.is_query()) return st;
+    if (st.ok()) st = check_ranks(fn, comm.size());
+    if (st.ok()) st = check_remote(fn, ws, layer, weight);
+    KVEVICT_TRY(agree_step(comm, fn, st, layer, weight, true));
+    return step(be, ws, &comm, layer, weight, nullptr);
   }
 
  private:
+  status check_scores_shape(const char* fn, const matrix_view<const float>& scores) const {
+    KVEVICT_TRY(check_ready(fn));
+    KVEVICT_TRY(detail::check_select_scores(fn, scores));
+    const index_t H = cfg_.heads, N = cfg_.prompt_length;
+    if (scores.extent(0) != H || scores.extent(1) != N)
+      return status::error(errc::shape_mismatch, "%s: scores is [%lld][%lld], expected [%lld heads][%lld tokens]", fn,
+                           static_cast<long long>(scores.extent(0)), static_cast<long long>(scores.extent(1)),
+                           static_cast<long long>(H), static_cast<long long>(N));
+    return {};
+  }
+  /// add_layer's checks after the workspace's size: order, weight, overlaps, protection.
+  status check_add(const char* fn, const workspace& ws, index_t layer, const matrix_view<const float>& scores,
+                   double weight) const {
+    KVEVICT_TRY(check_order(fn, layer, weight));
+    const detail::byte_range wr = detail::ws_range(ws);
+    if (mem_.intersects(detail::range_of(scores)))
+      return detail::select_overlap(fn, "scores", "the cascade's memory");
+    if (wr.intersects(mem_)) return detail::select_overlap(fn, "the workspace", "the cascade's memory");
+    if (wr.intersects(detail::range_of(scores))) return detail::select_overlap(fn, "the workspace", "scores");
+    for (index_t h = 0; h < cfg_.heads; ++h)
+      KVEVICT_TRY(detail::check_protected_scores(fn, scores, h, cfg_.prompt_length, cfg_.prot));
+    return {};
+  }
+  status check_remote(const char* fn, const workspace& ws, index_t layer, double weight) const {
+    KVEVICT_TRY(check_order(fn, layer, weight));
+    if (detail::ws_range(ws).intersects(mem_)) return detail::select_overlap(fn, "the workspace", "the cascade's memory");
+    return {};
+  }
+  /// A cascade configured for several ranks needs their communicator (and the other way round).
+  status check_one_process(const char* fn) const {
+    if (cfg_.ranks == 1) return {};
+    return status::error(errc::invalid_argument, "%s: the cascade is configured for %lld tensor-parallel ranks; pass "
+                         "their communicator", fn, static_cast<long long>(cfg_.ranks));
+  }
+  status check_ranks(const char* fn, int size) const {
+    if (size == cfg_.ranks) return {};
+    return status::error(errc::invalid_argument, "%s: the communicator has %d ranks, the cascade is configured for "
+                         "%lld (cascade_config::ranks)", fn, size, static_cast<long long>(cfg_.ranks));
+  }
+  /// Tensor parallelism: the ranks agree that every rank's call is valid and that they add the same
+  /// layer with the same weight to the same configuration, before any collective of the step.
+  template <class Comm>
+  status agree_step(Comm& comm, const char* fn, const status& local, index_t layer, double weight, bool remote) const {
+    detail::config_line config;
+    config.print("%s layer %lld, weight %.17g, split %d, total %lld, %lld layers x %lld heads per rank, %lld tokens, "
+                 "n_sink %lld, n_recent %lld", remote ? "remote" : "own", static_cast<long long>(layer), weight,
+                 static_cast<int>(cfg_.split), static_cast<long long>(cfg_.total), static_cast<long long>(cfg_.layers),
+                 static_cast<long long>(cfg_.heads), static_cast<long long>(cfg_.prompt_length),
+                 static_cast<long long>(cfg_.prot.n_sink), static_cast<long long>(cfg_.prot.n_recent));
+    return detail::agree(comm, fn, local, config, nullptr, 0);
+  }
+
   status check_ready(const char* fn) const {
     if (!ready_) return status::error(errc::invalid_argument, "%s: the cascade is not initialised (init)", fn);
     if (broken_)
@@ -204,9 +295,10 @@ class layer_cascade {
 
   /// One step of the cascade: the budgets of layers 0..m, the lower layers shrunk, then layer m
   /// selected from `scores` (null: a layer held by another stage, which stores nothing here).
-  template <class Backend>
-  status step(Backend be, workspace& ws, index_t layer, double weight, const matrix_view<const float>* scores) {
-    const index_t H = cfg_.heads, N = cfg_.prompt_length;
+  template <class Backend, class Comm>
+  status step(Backend be, workspace& ws, Comm* comm, index_t layer, double weight,
+              const matrix_view<const float>* scores) {
+    const index_t H = cfg_.heads * cfg_.ranks, N = cfg_.prompt_length;  // every rank's heads
     const bool flat = cfg_.split == cascade_split::flattened;
     // 1. budgets of layers 0..m
     const index_t m = layer;
@@ -227,7 +319,7 @@ class layer_cascade {
         off_[j] = at;
         continue;
       }
-      st = flat ? reselect_flat(be, ws, j, at) : reselect_per_head(be, ws, j, at);
+      st = flat ? reselect_flat(be, ws, comm, j, at) : reselect_per_head(be, ws, j, at);
       at = off_[j] + count(held_cu(j));
     }
     // 3. the new layer
@@ -236,7 +328,7 @@ class layer_cascade {
       off_[m] = at;
       changed_[m] = 0;
     } else if (st.ok()) {
-      st = flat ? select_new_flat(be, ws, *scores, m, at) : select_new_per_head(be, ws, *scores, m, at);
+      st = flat ? select_new_flat(be, ws, comm, *scores, m, at) : select_new_per_head(be, ws, *scores, m, at);
     }
     if (!st.ok()) {
       broken_ = true;
@@ -318,12 +410,19 @@ class layer_cascade {
       return status::error(errc::invalid_argument, "%s: %lld heads x %lld tokens is above %d per layer (int32 offsets)",
                            fn, static_cast<long long>(cfg.heads), static_cast<long long>(cfg.prompt_length), INT32_MAX);
     const index_t W = protected_count(cfg.prompt_length, cfg.prot.n_sink, cfg.prot.n_recent);
-    KVEVICT_TRY(detail::check_model_total(fn, cfg.total, cfg.layers, cfg.heads, cfg.prompt_length, W));
-    if (cfg.split == cascade_split::per_head && cfg.total % cfg.heads != 0)
+    if (cfg.ranks < 1 || cfg.ranks > detail::max_agree_ranks)
+      return status::error(errc::invalid_argument, "%s: ranks = %lld (1 to %d)", fn, static_cast<long long>(cfg.ranks),
+                           detail::max_agree_ranks);
+    index_t all_heads = 0;
+    if (!detail::checked_mul(cfg.heads, cfg.ranks, all_heads))
+      return status::error(errc::size_overflow, "%s: %lld heads x %lld ranks overflow", fn,
+                           static_cast<long long>(cfg.heads), static_cast<long long>(cfg.ranks));
+    KVEVICT_TRY(detail::check_model_total(fn, cfg.total, cfg.layers, all_heads, cfg.prompt_length, W));
+    if (cfg.split == cascade_split::per_head && cfg.total % all_heads != 0)
       return status::error(errc::invalid_argument,
                            "%s: total budget %lld is not a multiple of the %lld heads (per_head split: every head of "
                            "a layer keeps the same number)",
-                           fn, static_cast<long long>(cfg.total), static_cast<long long>(cfg.heads));
+                           fn, static_cast<long long>(cfg.total), static_cast<long long>(all_heads));
     return {};
   }
 
@@ -331,8 +430,11 @@ class layer_cascade {
   std::size_t selection_bytes(Backend be) const {
     const index_t H = cfg_.heads, N = cfg_.prompt_length;
     if (cfg_.split != cascade_split::flattened) return select_topk_workspace_bytes(be, N);
-    const std::size_t flat = select_topk_flat_workspace_bytes(be, H, N);
-    const std::size_t one = select_topk_workspace_bytes(be, cfg_.total < H * N ? cfg_.total : H * N);
+    const index_t row = cfg_.total < H * N ? cfg_.total : H * N;  // the most a lower layer holds here
+    const std::size_t flat = cfg_.ranks > 1 ? sharded_flat_workspace_bytes(be, H, N, false)
+                                            : select_topk_flat_workspace_bytes(be, H, N);
+    const std::size_t one = cfg_.ranks > 1 ? sharded_flat_workspace_bytes(be, 1, row, false)
+                                           : select_topk_workspace_bytes(be, row);
     return flat > one ? flat : one;
   }
 
@@ -375,16 +477,25 @@ class layer_cascade {
     changed_[j] = 0;
   }
 
-  template <class Backend>
-  status reselect_flat(Backend be, workspace& ws, index_t j, index_t at) {
-    if (next_[j] == alloc_[j]) {
+  template <class Backend, class Comm>
+  status reselect_flat(Backend be, workspace& ws, Comm* comm, index_t j, index_t at) {
+    if (next_[j] == alloc_[j]) {  // the same on every rank (the budgets are global)
       keep_all(j, at);
       return {};
     }
-    const index_t H = cfg_.heads, from = off_[j], n = count(held_cu(j)), k = H * W_ + next_[j];
+    const index_t H = cfg_.heads, from = off_[j], n = count(held_cu(j));
+    index_t k = H * cfg_.ranks * W_ + next_[j];
     // one row holding the layer's heads back to back: the flat index order (head, then position)
-    // is select_topk_flat's tie order, so this is the flattened selection of what the layer holds
-    KVEVICT_TRY(select_topk(be, ws, row_view(scores_ + from, n), nullptr, kept_view(step_ + at, 1, k)));
+    // is select_topk_flat's tie order, so this is the flattened selection of what the layer holds.
+    // Across ranks: one such row per rank, in rank order (= global head order); this rank keeps k
+    // of the layer's global k.
+    if (comm == nullptr) {
+      KVEVICT_TRY(select_topk(be, ws, row_view(scores_ + from, n), nullptr, kept_view(step_ + at, 1, k)));
+    } else {
+      std::int32_t cu[2] = {};
+      KVEVICT_TRY(select_sharded(be, ws, *comm, row_view(scores_ + from, n), k, cu, step_ + at));
+      k = cu[1];
+    }
     std::int32_t* old_cu = held_cu(j);
     std::int32_t* new_cu = step_cu(j);
     index_t h = 0;
@@ -423,16 +534,34 @@ class layer_cascade {
     return {};
   }
 
+  /// The flattened selection of `k` entries over every rank's rows (rank order = row order): this
+  /// rank's counts at cu[rows + 1], its kept positions at pos. The ranks agreed before the step, and
+  /// every rank makes the same calls (the budgets are global), so this goes straight to the
+  /// sharded selection's collectives.
+  template <class Backend, class Comm>
+  status select_sharded(Backend be, workspace& ws, Comm& comm, const matrix_view<const float>& scores, index_t k,
+                        std::int32_t* cu, pos_t* pos) {
+    detail::workspace_carver c(ws);
+    const detail::sharded_flat_ws sws =
+        detail::carve_sharded_flat_ws(c, scores.extent(0), scores.extent(1), detail::thread_count(be));
+    KVEVICT_TRY(c.finish("layer_cascade (sharded selection)"));  // fits: selection_bytes is the largest
+    return detail::run_sharded_flat(be, comm, scores, nullptr, k, nullptr, 0, cu, pos, sws);
+  }
+
   void fill_uniform_cu(index_t j, index_t per_head) {
     std::int32_t* a = held_cu(j);
     std::int32_t* b = step_cu(j);
     for (index_t h = 0; h <= cfg_.heads; ++h) a[h] = b[h] = static_cast<std::int32_t>(h * per_head);
   }
 
-  template <class Backend>
-  status select_new_flat(Backend be, workspace& ws, const matrix_view<const float>& scores, index_t m, index_t at) {
-    const index_t H = cfg_.heads, k = H * W_ + next_[m];
-    KVEVICT_TRY(select_topk_flat(be, ws, scores, nullptr, k, nullptr, step_cu(m), step_ + at));
+  template <class Backend, class Comm>
+  status select_new_flat(Backend be, workspace& ws, Comm* comm, const matrix_view<const float>& scores, index_t m,
+                         index_t at) {
+    const index_t H = cfg_.heads, k = H * cfg_.ranks * W_ + next_[m];
+    if (comm == nullptr)
+      KVEVICT_TRY(select_topk_flat(be, ws, scores, nullptr, k, nullptr, step_cu(m), step_ + at));
+    else  // this rank's heads' part of the layer's k (after the step, what a rank holds <= cfg.total)
+      KVEVICT_TRY(select_sharded(be, ws, *comm, scores, k, step_cu(m), step_ + at));
     std::memcpy(held_cu(m), step_cu(m), static_cast<std::size_t>(H + 1) * sizeof(std::int32_t));
     const std::int32_t* cu = held_cu(m);
     for (index_t h = 0; h < H; ++h)

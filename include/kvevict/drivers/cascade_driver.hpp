@@ -40,6 +40,15 @@ struct cascade_driver_config {
   /// Paged layers (paged_layer_kv): the most pages their pools have (the workspace holds a bitmap
   /// of them for the block-table checks); 0 = ragged layers (layer_kv) only.
   index_t pool_pages = 0;
+  /// Tensor parallelism (docs/distributed.md "The cascade"): this rank's driver holds model.kv_heads
+  /// of every layer's model.kv_heads x tp.size() KV heads (head_shard), every rank making the same
+  /// calls; `total` is the model's over every rank's heads. LAVa's entropies (the sharded
+  /// lava_layer_entropy) and the flattened selections of every step run across the ranks; CAKE's
+  /// weights (add_layer's) must be the same on every rank (the sharded cake_window_preference).
+  /// Each rank's layers then hold exactly its heads' rows of the single-process cascade's. With
+  /// pipeline stages too (a grid): `tp` connects this stage's ranks, add_remote_layer as below.
+  /// Empty: one process.
+  comm_ref tp;
 };
 
 /// Layer-by-layer prefill with cascading recompression (see the file comment, docs/drivers.md and
@@ -80,20 +89,55 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
   /// [0, a) remotely, its own layers with add_layer, then [b, L) remotely once their weights are
   /// known: its layers end holding what one process holds.
   /// Errors (nothing changes): not initialised; layer out of order or past L; weight NaN, infinite
-  /// or negative; workspace too small or overlapping the state; the recorder's errors.
+  /// or negative; workspace too small or overlapping the state; the recorder's errors. With `tp`:
+  /// every rank of the stage makes the call with the same weight, and a rank failing before the
+  /// step fails every rank (the recorder's errors stay this rank's).
   /// On cuda_t: errc::unsupported (detail::drivers_on_cuda), nothing changes.
   template <class Backend>
   status add_remote_layer(Backend be, workspace& ws, index_t layer, double weight) {
     constexpr const char* fn = "cascade_driver::add_remote_layer";
     return detail::on_host(fn, be, [&](auto host) -> status {
+      in_collective_ = false;
       detail::call_scratch w;
-      KVEVICT_TRY(open_call(fn, host, ws, w));
-      if (ws.is_query()) return {};
-      KVEVICT_TRY(check_order(fn, layer, cascade_.layers_added(), cfg_.model.layers));
-      KVEVICT_TRY(check_ws(fn, ws));
-      KVEVICT_TRY(detail::check_layer_weight(fn, layer, weight, "weight"));
-      KVEVICT_TRY(cascade_.add_remote_layer(host, w.sel, layer, weight));
+      const auto local = [&]() -> status {
+        KVEVICT_TRY(open_call(fn, host, ws, w));
+        if (ws.is_query()) return {};
+        KVEVICT_TRY(check_order(fn, layer, cascade_.layers_added(), cfg_.model.layers));
+        KVEVICT_TRY(check_ws(fn, ws));
+        return detail::check_layer_weight(fn, layer, weight, "weight");
+      };
+      const status st = local();
+      if (!st.ok() || ws.is_query()) return joined(fn, ws, st);
+      if (sharded()) {
+        in_collective_ = true;
+        comm_ref tp = cfg_.tp;
+        KVEVICT_TRY(cascade_.add_remote_layer(host, w.sel, tp, layer, weight));
+      } else {
+        KVEVICT_TRY(cascade_.add_remote_layer(host, w.sel, layer, weight));
+      }
       return record_changed(layer);
+    });
+  }
+
+  /// detail::prefill_driver_skeleton's add_layer and add_layer_scores (documented above); with a
+  /// tensor-parallel communicator a call failing on one rank before the step fails on every rank.
+  /// On cuda_t: errc::unsupported (detail::drivers_on_cuda), nothing changes.
+  template <class Backend, class KV, class Q>
+  status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
+                   kv_view<const detail::layer_element_t<KV>> block_keys = {}, double weight = 0.0) {
+    constexpr const char* fn = "cascade_driver::add_layer";
+    return detail::on_host(fn, be, [&](auto host) {
+      in_collective_ = false;
+      return joined(fn, ws, prefill_driver_skeleton::add_layer(host, ws, layer, kv, queries, block_keys, weight));
+    });
+  }
+  template <class Backend, class KV, typename = detail::layer_element_t<KV>>
+  status add_layer_scores(Backend be, workspace& ws, index_t layer, const KV& kv, matrix_view<const float> scores,
+                          double weight = 0.0) {
+    constexpr const char* fn = "cascade_driver::add_layer_scores";
+    return detail::on_host(fn, be, [&](auto host) {
+      in_collective_ = false;
+      return joined(fn, ws, prefill_driver_skeleton::add_layer_scores(host, ws, layer, kv, scores, weight));
     });
   }
 
@@ -137,6 +181,7 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     k.prot = detail::recipe_protection(c.rec);
     k.total = c.total;
     k.split = c.split;
+    k.ranks = c.tp.size() > 1 ? c.tp.size() : 1;
     return k;
   }
 
@@ -168,6 +213,8 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     const auto cq = cascade_.workspace_bytes(be);
     if (!cq) return cq.error();
     s.sel = *cq;
+    if (sharded() && cfg_.weight == weight_source::lava_entropy)  // the sharded entropy's records
+      s.sel = std::max(s.sel, sharded_lava_entropy_workspace_bytes(cfg_.model.kv_heads * cfg_.tp.size()));
     s.pool_pages = cfg_.pool_pages;
     return detail::carve_call_scratch(name, ws, s, w);
   }
@@ -197,14 +244,17 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     const index_t H = cfg_.model.kv_heads, N = cfg_.tokens;
     const auto sv = detail::rows_view<const float>(scores, H, N, N);
     double e = weight;
-    if (cfg_.weight == weight_source::lava_entropy) {
-      lava_entropy_options eo;
-      eo.prot = detail::recipe_protection(cfg_.rec);
-      eo.norm = cfg_.norm;
-      KVEVICT_TRY(lava_layer_entropy(be, sv, nullptr, eo, &e));
-    }
+    if (sharded()) in_collective_ = true;  // from here every rank makes the same collectives
+    if (cfg_.weight == weight_source::lava_entropy)
+      KVEVICT_TRY(detail::driver_layer_entropy(be, w.sel, cfg_.tp, sharded(), &in_collective_, sv, nullptr,
+                                               detail::recipe_protection(cfg_.rec), cfg_.norm, &e));
     const index_t before = cascade_.held_total();
-    KVEVICT_TRY(cascade_.add_layer(be, w.sel, layer, sv, e));
+    if (sharded()) {
+      comm_ref tp = cfg_.tp;
+      KVEVICT_TRY(cascade_.add_layer(be, w.sel, tp, layer, sv, e));
+    } else {
+      KVEVICT_TRY(cascade_.add_layer(be, w.sel, layer, sv, e));
+    }
     if (before + H * N > peak_) peak_ = before + H * N;
     return record_changed(layer);
   }
@@ -217,7 +267,19 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
     return {};
   }
 
+  /// Tensor parallelism: the calls run across the ranks.
+  bool sharded() const noexcept { return cfg_.tp.size() > 1; }
+
+  /// Tensor parallelism: a call that failed on this rank before its first collective (the sharded
+  /// entropy's or the cascade's agreement, both with no sums) still joins it, so the other ranks
+  /// return the same error instead of waiting.
+  status joined(const char* fn, const workspace& ws, const status& st) const {
+    if (ws.is_query() || st.ok() || !ok_ || !sharded() || in_collective_) return st;
+    return detail::join_failed_call(cfg_.tp, fn, st, 0);
+  }
+
   layer_cascade cascade_{};
+  bool in_collective_ = false;  // this call reached its first collective
   detail::row_rules rules_{};
   index_t query_rows_ = 0;
   bool block_keys_ = false;

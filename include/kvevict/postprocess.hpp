@@ -212,7 +212,7 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
         for (index_t k0 = 0; k0 < vlen; k0 += norm_block) {
           const index_t m = vlen - k0 < norm_block ? vlen - k0 : norm_block;
           value_l1_norms(wt.vh + k0 * wt.rs, wt.rs, wt.es, m, wt.d, wbuf);
-          for (index_t k = 0; k < m; ++k) wt.factor = max_nan(wt.factor, wbuf[k]);
+          wt.factor = max_nan_fold(wt.factor, wbuf, m);
         }
       }
     }

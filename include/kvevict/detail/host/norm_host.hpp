@@ -10,6 +10,7 @@
 // on x86-64 (SSE2, AVX2, AVX-512F, chosen at run time), all the same operations.
 #pragma once
 
+#include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/detail/host/entropy_host.hpp>
 #include <kvevict/numeric.hpp>
 
@@ -146,6 +147,23 @@ inline void value_l1_norms(const VE* base, index_t rs, index_t es, index_t n, in
   }
 #endif
   value_l1_norms_sse2(base, rs, es, n, d, norms);
+}
+
+/// The fold m = max_nan(m, x[k]) for k < n (the head-max weight's maximum of norms, in order: the
+/// last NaN wins, else the maximum). When m and every x[k] are non-negative and not NaN (norms
+/// always are, unless a value is NaN), the maximum of their bits is that fold's result (the bits
+/// of +0 ... +inf are in the order of the floats, equal floats equal bits): integer loops that
+/// vectorise instead of a branch per element; otherwise the fold itself.
+inline float max_nan_fold(float m, const float* x, index_t n) noexcept {
+  std::uint32_t sign_or_nan = float_bits(m) >> 31 | (m != m ? 1u : 0u), top = float_bits(m);
+  for (index_t k = 0; k < n; ++k) {
+    const std::uint32_t b = float_bits(x[k]);
+    sign_or_nan |= (b >> 31) | ((b & 0x7fffffffu) > 0x7f800000u ? 1u : 0u);
+    top = b > top ? b : top;
+  }
+  if (sign_or_nan == 0) return bits_float(top);
+  for (index_t k = 0; k < n; ++k) m = max_nan(m, x[k]);
+  return m;
 }
 
 KVEVICT_SCORE_ABI_END

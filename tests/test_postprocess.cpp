@@ -346,6 +346,21 @@ void compare_fused(std::uint64_t seed, int trials) {
   }
 }
 
+// The host's fused call on seq and par equals the chain on positions < L and leaves the rest alone.
+template <class V>
+void require_fused_equals_chain(const case_data<V>& c) {
+  const auto ref = chain(c);
+  const auto fused = host_fused(seq, c);
+  const auto fused_par = host_fused(par, c);
+  for (index_t h = 0; h < c.hkv; ++h) {
+    CAPTURE(h);
+    const index_t L = c.use_row_lengths ? c.row_lengths[static_cast<std::size_t>(h)] : c.T;
+    require_same_bits(fused.data() + h * c.T, ref.data() + h * c.T, L);
+    require_same_bits(fused_par.data() + h * c.T, ref.data() + h * c.T, L);
+    for (index_t t = L; t < c.T; ++t) REQUIRE(fused[static_cast<std::size_t>(h * c.T + t)] == -3.f);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("postprocess_scores: host and the CUDA kernels on the executor equal the chain of stages bit for bit") {
@@ -388,16 +403,7 @@ TEST_CASE("postprocess_scores: long rows on the chunked small-kernel path (pool 
     CAPTURE(static_cast<int>(c.opt.pool));
     CAPTURE(c.opt.kernel);
     CAPTURE(c.opt.unpooled_tail);
-    const auto ref = chain(c);
-    const auto fused = host_fused(seq, c);
-    const auto fused_par = host_fused(par, c);
-    for (index_t h = 0; h < c.hkv; ++h) {
-      CAPTURE(h);
-      const index_t L = c.use_row_lengths ? c.row_lengths[static_cast<std::size_t>(h)] : c.T;
-      require_same_bits(fused.data() + h * c.T, ref.data() + h * c.T, L);
-      require_same_bits(fused_par.data() + h * c.T, ref.data() + h * c.T, L);
-      for (index_t t = L; t < c.T; ++t) REQUIRE(fused[static_cast<std::size_t>(h * c.T + t)] == -3.f);
-    }
+    require_fused_equals_chain(c);
   }
 }
 
@@ -459,16 +465,7 @@ void compare_long_weighted(std::uint64_t seed, int trials) {
     CAPTURE(c.opt.weight_values);
     CAPTURE(static_cast<int>(c.opt.weight));
     CAPTURE(c.opt.unpooled_tail);
-    const auto ref = chain(c);
-    const auto fused = host_fused(seq, c);
-    const auto fused_par = host_fused(par, c);
-    for (index_t h = 0; h < c.hkv; ++h) {
-      CAPTURE(h);
-      const index_t L = c.use_row_lengths ? c.row_lengths[static_cast<std::size_t>(h)] : c.T;
-      require_same_bits(fused.data() + h * c.T, ref.data() + h * c.T, L);
-      require_same_bits(fused_par.data() + h * c.T, ref.data() + h * c.T, L);
-      for (index_t t = L; t < c.T; ++t) REQUIRE(fused[static_cast<std::size_t>(h * c.T + t)] == -3.f);
-    }
+    require_fused_equals_chain(c);
   }
 }
 

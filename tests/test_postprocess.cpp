@@ -9,6 +9,7 @@
 #include <kvevict/detail/block/postprocess_device.hpp>
 #include <kvevict/detail/block/postprocess_ops.hpp>
 #include <kvevict/detail/block/simt.hpp>
+#include <kvevict/detail/host/post_host.hpp>
 #include <kvevict/detail/block/score_device.hpp>
 #include <kvevict/compact.hpp>
 #include <kvevict/gqa.hpp>
@@ -27,6 +28,7 @@
 #include <limits>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace kvevict;
@@ -344,6 +346,21 @@ void compare_fused(std::uint64_t seed, int trials) {
   }
 }
 
+// The host's fused call on seq and par equals the chain on positions < L and leaves the rest alone.
+template <class V>
+void require_fused_equals_chain(const case_data<V>& c) {
+  const auto ref = chain(c);
+  const auto fused = host_fused(seq, c);
+  const auto fused_par = host_fused(par, c);
+  for (index_t h = 0; h < c.hkv; ++h) {
+    CAPTURE(h);
+    const index_t L = c.use_row_lengths ? c.row_lengths[static_cast<std::size_t>(h)] : c.T;
+    require_same_bits(fused.data() + h * c.T, ref.data() + h * c.T, L);
+    require_same_bits(fused_par.data() + h * c.T, ref.data() + h * c.T, L);
+    for (index_t t = L; t < c.T; ++t) REQUIRE(fused[static_cast<std::size_t>(h * c.T + t)] == -3.f);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("postprocess_scores: host and the CUDA kernels on the executor equal the chain of stages bit for bit") {
@@ -386,15 +403,123 @@ TEST_CASE("postprocess_scores: long rows on the chunked small-kernel path (pool 
     CAPTURE(static_cast<int>(c.opt.pool));
     CAPTURE(c.opt.kernel);
     CAPTURE(c.opt.unpooled_tail);
-    const auto ref = chain(c);
-    const auto fused = host_fused(seq, c);
-    const auto fused_par = host_fused(par, c);
+    require_fused_equals_chain(c);
+  }
+}
+
+template <class V>
+void compare_long_weighted(std::uint64_t seed, int trials) {
+  // Long rows of every recipe shape with weighting (VATP: pool first, per-token; LAVa: GQA max
+  // first, head max), GQA first and no pooling (StreamingLLM / H2O / TOVA / Knorm): the chunked
+  // finish (detail::post_finish_chunk: division, weight, protection per chunk, norms only of the
+  // unprotected weighted positions) against the chain. Values with NaN and norms that overflow to
+  // +inf (0 * inf = NaN, large * inf = +inf -> FLT_MAX), tied scores, sinks / windows / value
+  // lengths across chunk boundaries, lengths 0 and T.
+  auto g = kvtest::rng(seed);
+  for (int trial = 0; trial < trials; ++trial) {
+    CAPTURE(trial);
+    case_data<V> c = random_case<V>(g, 1);
+    c.T = kvtest::uniform_int(g, 1000, 3200);
+    c.tv = c.T + kvtest::uniform_int(g, 0, 3);
+    c.d = kvtest::uniform_int(g, 1, 48);
+    c.in = random_scores(g, static_cast<std::size_t>(c.hkv * c.g * c.T), trial % 3 == 0);
+    if (trial % 5 == 1)  // ties: few distinct scores
+      for (auto& v : c.in) v = static_cast<float>(kvtest::uniform_int(g, 0, 3)) * 0.5f;
+    c.values.resize(static_cast<std::size_t>(c.hkv * c.tv * c.d));
+    const float big = std::is_same_v<V, float> ? 3e38f : std::is_same_v<V, float16> ? 60000.f : 3e38f;
+    for (auto& v : c.values) {
+      const int k = static_cast<int>(kvtest::uniform_int(g, 0, 400));
+      v = from_f<V>(k == 0 && trial % 4 == 3 ? qnan : k == 1 && trial % 6 == 5 ? big : k == 2 ? 0.f
+                    : static_cast<float>(kvtest::uniform_int(g, -500, 500)) / 61.f);
+    }
+    if (trial % 7 == 6)  // a head whose values are all zero: norms 0, weights 0
+      for (index_t i = 0; i < c.tv * c.d; ++i) c.values[static_cast<std::size_t>(i)] = from_f<V>(0.f);
+    c.use_row_lengths = trial % 2 == 1;
+    c.use_value_lengths = trial % 3 == 2;
+    c.row_lengths.clear();
+    c.value_lengths.clear();
     for (index_t h = 0; h < c.hkv; ++h) {
-      CAPTURE(h);
-      const index_t L = c.use_row_lengths ? c.row_lengths[static_cast<std::size_t>(h)] : c.T;
-      require_same_bits(fused.data() + h * c.T, ref.data() + h * c.T, L);
-      require_same_bits(fused_par.data() + h * c.T, ref.data() + h * c.T, L);
-      for (index_t t = L; t < c.T; ++t) REQUIRE(fused[static_cast<std::size_t>(h * c.T + t)] == -3.f);
+      const index_t pick = kvtest::uniform_int(g, 0, 9);
+      c.row_lengths.push_back(static_cast<std::int32_t>(pick == 0 ? 0 : pick == 1 ? c.T : kvtest::uniform_int(g, 0, c.T)));
+      c.value_lengths.push_back(static_cast<std::int32_t>(kvtest::uniform_int(g, 0, c.tv)));
+    }
+    const gqa_op ops[] = {gqa_op::mean, gqa_op::max, gqa_op::sum};
+    const pool_kind kinds[] = {pool_kind::max, pool_kind::avg, pool_kind::none};
+    c.opt.gqa = ops[trial % 3];
+    c.opt.order = (trial / 3) % 2 ? gqa_order::gqa_first : gqa_order::pool_first;
+    c.opt.pool = kinds[(trial / 2) % 3];
+    c.opt.kernel = 2 * kvtest::uniform_int(g, 1, 4) + 1;
+    c.opt.divisor = trial % 7 == 3 ? avg_divisor::valid : avg_divisor::kernel;
+    c.opt.weight_values = trial % 8 != 7;  // and a few unweighted rows of the same paths
+    c.opt.weight = trial % 4 < 2 ? value_weight::per_token : value_weight::head_max;
+    c.opt.n_sink = trial % 5 == 0 ? kvtest::uniform_int(g, 1000, 1100) : kvtest::uniform_int(g, 0, 4);
+    c.opt.n_recent = trial % 5 == 2 ? kvtest::uniform_int(g, 1000, 2100) : kvtest::uniform_int(g, 0, 40);
+    c.opt.unpooled_tail = trial % 4 == 2 ? 1024 + 7 * trial : trial % 4 == 3 ? kvtest::uniform_int(g, 1, 40) : 0;
+    CAPTURE(c.T);
+    CAPTURE(c.g);
+    CAPTURE(c.d);
+    CAPTURE(static_cast<int>(c.opt.gqa));
+    CAPTURE(static_cast<int>(c.opt.order));
+    CAPTURE(static_cast<int>(c.opt.pool));
+    CAPTURE(c.opt.kernel);
+    CAPTURE(c.opt.weight_values);
+    CAPTURE(static_cast<int>(c.opt.weight));
+    CAPTURE(c.opt.unpooled_tail);
+    require_fused_equals_chain(c);
+  }
+}
+
+TEST_CASE("postprocess_scores: long rows with weighting, GQA first and no pooling (the chunked finish) equal the chain") {
+  compare_long_weighted<float>(1820, 64);
+  compare_long_weighted<float16>(1821, 24);
+  compare_long_weighted<bfloat16>(1822, 12);
+}
+
+TEST_CASE("post_combine / post_finish: the baseline and AVX2 copies equal the per-element stage functions") {
+  // detail/host/post_host.hpp called directly on chunks of 0-1100 positions, every (s, e, r), NaN
+  // payloads of both signs, +-inf, -0, subnormals, FLT_MAX, per-token weights and one factor.
+  auto g = kvtest::rng(1823);
+  const float specials[] = {qnan, -qnan, detail::bits_float(0x7fa00001u), inf, -inf, -0.f, 0.f, 1e-45f, -1e-45f,
+                            std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(), 0.5f};
+  const auto pick = [&] {
+    return kvtest::uniform_int(g, 0, 3) == 0 ? specials[kvtest::uniform_int(g, 0, 11)]
+                                              : static_cast<float>(kvtest::uniform_int(g, -300, 300)) / 7.f;
+  };
+  using combine_fn = void (*)(bool, float*, const float*, index_t);
+  using finish_fn = void (*)(float*, index_t, index_t, index_t, index_t, index_t, const float*, float);
+  std::vector<std::pair<combine_fn, finish_fn>> copies = {{detail::post_combine_base, detail::post_finish_base},
+                                                          {detail::post_combine, detail::post_finish}};
+#if KVEVICT_HOST_X86_DISPATCH
+  if (detail::host_has_avx2()) copies.emplace_back(detail::post_combine_avx2, detail::post_finish_avx2);
+#endif
+  for (int trial = 0; trial < 300; ++trial) {
+    CAPTURE(trial);
+    const index_t n = trial % 10 == 0 ? kvtest::uniform_int(g, 0, 9) : kvtest::uniform_int(g, 1, 1100);
+    std::vector<float> o(static_cast<std::size_t>(n)), x(o.size()), w(o.size());
+    for (auto& v : o) v = pick();
+    for (auto& v : x) v = pick();
+    for (auto& v : w) v = std::fabs(pick());
+    index_t s = kvtest::uniform_int(g, 0, n), r = kvtest::uniform_int(g, 0, n);
+    if (r < s) std::swap(r, s);
+    const index_t e = kvtest::uniform_int(g, s, r), div_g = trial % 3 == 0 ? 0 : kvtest::uniform_int(g, 1, 8);
+    const bool is_max = trial % 2 == 0, per_token = trial % 4 < 2;
+    const float factor = std::fabs(pick());
+    // the references: gqa_combine, then gqa_finish / postprocess_finish per element
+    std::vector<float> rc = o, rf = o;
+    for (index_t p = 0; p < n; ++p) {
+      const auto i = static_cast<std::size_t>(p);
+      rc[i] = detail::gqa_combine(is_max ? gqa_op::max : gqa_op::sum, o[i], x[i]);
+      const float v = div_g > 0 ? detail::gqa_finish(gqa_op::mean, o[i], div_g) : o[i];
+      const bool weighted = p >= s && p < e;
+      rf[i] = detail::postprocess_finish(v, p, weighted, per_token ? w[i] : factor, s, r);
+    }
+    for (const auto& [combine, finish] : copies) {
+      std::vector<float> c1 = o, f1 = o;
+      combine(is_max, c1.data(), x.data(), n);
+      finish(f1.data(), n, s, e, r, div_g, per_token ? w.data() : nullptr, factor);
+      if (is_max) require_identical_bits(c1.data(), rc.data(), n);
+      else require_same_bits(c1.data(), rc.data(), n);
+      require_same_bits(f1.data(), rf.data(), n);
     }
   }
 }

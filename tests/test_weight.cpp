@@ -97,7 +97,8 @@ void check_norm_kernels(std::uint64_t seed) {
   auto g = kvtest::rng(seed);
   const int best = static_cast<int>(detail::score_isa_supported());
   for (int rep = 0; rep < 40; ++rep) {
-    const index_t n = kvtest::uniform_int(g, 0, 70), d = kvtest::uniform_int(g, 1, 150), es = rep % 4 == 3 ? 2 : 1;
+    // n >= 64 on a third of the reps: the AVX-512 copy's four-block (64-row) path, then 16-row blocks and a tail
+    const index_t n = rep % 3 == 0 ? kvtest::uniform_int(g, 64, 200) : kvtest::uniform_int(g, 0, 70), d = kvtest::uniform_int(g, 1, 150), es = rep % 4 == 3 ? 2 : 1;
     const index_t rs = d * es + kvtest::uniform_int(g, 0, 3);
     std::vector<VE> v(static_cast<std::size_t>(std::max<index_t>(n * rs, 1)));
     std::uniform_real_distribution<float> u(-3.0f, 3.0f);
@@ -148,6 +149,29 @@ TEST_CASE("value_l1_norms (the host kernel across rows): value_l1_norm's bits on
   check_norm_kernels<float>(1);
   check_norm_kernels<float16>(2);
   check_norm_kernels<bfloat16>(3);
+}
+
+TEST_CASE("max_nan_fold (the head-max weight's maximum of norms) equals the max_nan fold, NaN included") {
+  // the integer path (every operand non-negative, no NaN) and the fallback (a NaN, a negative, -0 or
+  // a NaN start anywhere): the same bits as folding max_nan in order (the last NaN wins)
+  auto g = kvtest::rng(77);
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), detail::bits_float(0x7fc00123u),
+                            detail::bits_float(0xffc00005u), std::numeric_limits<float>::infinity(), 0.0f, -0.0f,
+                            1e-45f, std::numeric_limits<float>::max(), -1.0f};
+  for (int rep = 0; rep < 2000; ++rep) {
+    const index_t n = kvtest::uniform_int(g, 0, 80);
+    std::vector<float> x(static_cast<std::size_t>(n));
+    for (auto& v : x) v = static_cast<float>(kvtest::uniform_int(g, 0, 40)) * 0.25f;  // ties
+    const int kind = rep % 4;  // 0: clean; 1-3: one to three specials put anywhere
+    for (int s = 0; s < kind && n > 0; ++s)
+      x[static_cast<std::size_t>(kvtest::uniform_int(g, 0, n - 1))] = specials[kvtest::uniform_int(g, 0, 8)];
+    const float m0 = rep % 7 == 0 ? specials[kvtest::uniform_int(g, 0, 8)] : 0.0f;
+    float want = m0;
+    for (const float v : x) want = detail::max_nan(want, v);
+    const float got = detail::max_nan_fold(m0, x.data(), n);
+    CAPTURE(rep);
+    REQUIRE(detail::float_bits(got) == detail::float_bits(want));
+  }
 }
 
 TEST_CASE("weight_by_value_norm: VATP and LAVa match the double reference (random shapes, layouts, types, GQA rows)") {

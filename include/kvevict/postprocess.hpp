@@ -28,6 +28,7 @@
 #include <kvevict/detail/base/checks.hpp>
 #include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/detail/base/softmax.hpp>
+#include <kvevict/detail/host/post_host.hpp>
 #include <kvevict/gqa.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/pool.hpp>
@@ -99,36 +100,53 @@ inline status carve_postprocess_host(const char* fn, workspace& ws, index_t hkv,
   return carver.finish(fn);
 }
 
-/// protect_value(gqa_finish(op, o[p], g), p, ...) for p in [0, n) on a contiguous row, by ranges
-/// (the sinks and the recent window are +inf whatever the score: the same values as per element).
-inline void finish_protect_contiguous(gqa_op op, float* o, index_t n, index_t g, index_t sink_end,
-                                      index_t recent_begin) noexcept {
-  const float inf = bits_float(0x7f800000u), top = bits_float(0x7f7fffffu);
-  const index_t mid_end = recent_begin > sink_end ? recent_begin : sink_end;
-  for (index_t p = 0; p < sink_end; ++p) o[p] = inf;
-  if (op == gqa_op::mean) {
-    const float gf = static_cast<float>(g);
-    for (index_t p = sink_end; p < mid_end; ++p) {
-      const float v = o[p] / gf;
-      o[p] = v == inf ? top : v;
-    }
-  } else {
-    for (index_t p = sink_end; p < mid_end; ++p) o[p] = o[p] == inf ? top : o[p];
-  }
-  for (index_t p = mid_end; p < n; ++p) o[p] = inf;
-}
+/// A KV head's value weighting, as the finish applies it: positions [0, end) weighted, by the L1
+/// norm of their own value row (per_token: rows vh + t * rs, elements es apart, d of them) or by one
+/// factor (head_max); end = 0 when not weighted.
+template <class VE>
+struct post_weights {
+  const VE* vh = nullptr;
+  index_t rs = 0, es = 0, d = 0, end = 0;
+  bool per_token = false;
+  float factor = 0.0f;
+};
 
 constexpr index_t post_chunk = 1024;
-/// The pool_first steps without weighting on contiguous rows whose pooled part P takes the host's
-/// small-kernel path: for each chunk of positions [c0, c1), pool (or copy, at t >= P) each query
-/// head of the group in head order into the chunk (the first into o, the others into `chunk`
-/// and combined into o), then the GQA finish and the protection. Every position gets the same
-/// operations in the same order as the whole-row steps, so the same bits.
+/// Finishes the positions [c0, c0 + n) (n <= post_chunk) of a contiguous output row, o pointing at
+/// position c0: the GQA mean's division when div_g > 0, the weight, the protection of a row whose
+/// sinks end at sink_end and whose recent window begins at recent_begin (post_finish, AVX2 when the
+/// CPU has it). Per-token norms are computed only for the weighted positions outside the protected
+/// ranges (those are +inf whatever the score), into wbuf (post_chunk floats).
+template <class VE>
+inline void post_finish_chunk(float* o, index_t c0, index_t n, index_t div_g, index_t sink_end, index_t recent_begin,
+                              const post_weights<VE>& wt, float* wbuf) {
+  const auto clamp = [](index_t v, index_t lo, index_t hi) { return v < lo ? lo : v > hi ? hi : v; };
+  const index_t s = clamp(sink_end - c0, 0, n);
+  const index_t r = clamp((recent_begin > sink_end ? recent_begin : sink_end) - c0, s, n);
+  const index_t e = clamp(wt.end - c0, s, r);
+  const float* w = nullptr;
+  if (wt.per_token && e > s) {
+    for (index_t p = s; p < e; p += norm_block) {
+      const index_t m = e - p < norm_block ? e - p : norm_block;
+      value_l1_norms(wt.vh + (c0 + p) * wt.rs, wt.rs, wt.es, m, wt.d, wbuf + p);
+    }
+    w = wbuf;
+  }
+  post_finish(o, n, s, e, r, div_g, w, wt.factor);
+}
+
+/// The pool_first steps on contiguous rows whose pooled part P takes the host's small-kernel path:
+/// for each chunk of positions [c0, c1), pool (or copy, at t >= P) each query head of the group in
+/// head order into the chunk (the first into o, the others into `chunk` and combined into o), then
+/// the GQA finish, the weight and the protection. Every position gets the same operations in the
+/// same order as the whole-row steps, so the same bits.
+template <class VE>
 inline void post_chunked_contiguous(const postprocess_options& opt, const float* first, index_t is0, float* o,
-                                    index_t L, index_t P, index_t g, float* chunk) {
+                                    index_t L, index_t P, index_t g, const post_weights<VE>& wt, float* chunk,
+                                    float* wbuf) {
   const bool is_max = opt.pool == pool_kind::max;
   const index_t sink_end = protect_sink_end(L, opt.n_sink), recent_begin = protect_recent_begin(L, opt.n_recent);
-  const auto clamp = [](index_t v, index_t m) { return v < 0 ? index_t{0} : v > m ? m : v; };
+  const index_t div_g = opt.gqa == gqa_op::mean ? g : 0;
   for (index_t c0 = 0; c0 < L; c0 += post_chunk) {
     const index_t c1 = L - c0 < post_chunk ? L : c0 + post_chunk, m = c1 - c0;
     const index_t pe = P < c0 ? c0 : P < c1 ? P : c1;  // [c0, pe) pooled, [pe, c1) copied
@@ -137,9 +155,9 @@ inline void post_chunked_contiguous(const postprocess_options& opt, const float*
       float* y = j == 0 ? o + c0 : chunk;
       if (c0 < pe) pool_row_part(is_max, opt.divisor, x, y, P, opt.kernel, c0, pe);
       for (index_t p = pe; p < c1; ++p) y[p - c0] = x[p];
-      if (j > 0) combine_contiguous(opt.gqa, o + c0, chunk, m);
+      if (j > 0) post_combine(opt.gqa == gqa_op::max, o + c0, chunk, m);
     }
-    finish_protect_contiguous(opt.gqa, o + c0, m, g, clamp(sink_end - c0, m), clamp(recent_begin - c0, m));
+    post_finish_chunk(o + c0, c0, m, div_g, sink_end, recent_begin, wt, wbuf);
   }
 }
 
@@ -178,8 +196,42 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
     const index_t P = pooled_length(L, opt.unpooled_tail);
     float* const o = op + h * os0;
     float* const t = tmp + h * T;  // only when pooled
-    float tmp_chunk[post_chunk];
+    float tmp_chunk[post_chunk], wbuf[post_chunk];
     const float* const first = ip + (h * g) * is0;
+    // the head's weighting: the head-max factor needs every norm of the head first
+    post_weights<VE> wt;
+    if (opt.weight_values) {
+      const index_t vlen = value_lengths != nullptr ? value_lengths[h] : values.extent(1);
+      wt.vh = values.data_handle() + h * values.stride(0);
+      wt.rs = values.stride(1);
+      wt.es = values.stride(2);
+      wt.d = values.extent(2);
+      wt.end = L < vlen ? L : vlen;
+      wt.per_token = opt.weight == value_weight::per_token;
+      if (!wt.per_token) {
+        for (index_t k0 = 0; k0 < vlen; k0 += norm_block) {
+          const index_t m = vlen - k0 < norm_block ? vlen - k0 : norm_block;
+          value_l1_norms(wt.vh + k0 * wt.rs, wt.rs, wt.es, m, wt.d, wbuf);
+          wt.factor = max_nan_fold(wt.factor, wbuf, m);
+        }
+      }
+    }
+    const index_t sink_end = protect_sink_end(L, opt.n_sink), recent_begin = protect_recent_begin(L, opt.n_recent);
+    // the finish (weight, protection) of a contiguous output row whose GQA is finished, by chunks
+    const auto finish_row = [&] {
+      for (index_t c0 = 0; c0 < L; c0 += post_chunk)
+        post_finish_chunk(o + c0, c0, L - c0 < post_chunk ? L - c0 : post_chunk, 0, sink_end, recent_begin, wt, wbuf);
+    };
+    if (os1 == 1 && is1 == 1 && !pooled) {
+      // contiguous rows, no pooling: each chunk reduced by gqa_reduce's kernels (gqa_rows, the bits
+      // of the per-element fold) and finished while in L1
+      for (index_t c = 0; c < L; c += gqa_chunk) {
+        const index_t n = L - c < gqa_chunk ? L - c : gqa_chunk;
+        gqa_rows(opt.gqa, o + c, first + c, is0, g, n);
+        post_finish_chunk(o + c, c, n, 0, sink_end, recent_begin, wt, wbuf);
+      }
+      return;
+    }
     if (!pooled || opt.order == gqa_order::gqa_first) {
       // x[p] = gqa over the group of in[.][p], into the output (no pooling) or the scratch row
       float* const x = pooled ? t : o;
@@ -195,28 +247,40 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
         }
         for (index_t p = 0; p < L; ++p) x[p * xs] = gqa_finish(opt.gqa, x[p * xs], g);
       }
+      if (pooled && os1 == 1 && pool_fast_applies(1, 1, P, opt.kernel)) {
+        // contiguous output, small kernel: pool, copy the unpooled tail and finish by chunks in L1
+        for (index_t c0 = 0; c0 < L; c0 += post_chunk) {
+          const index_t c1 = L - c0 < post_chunk ? L : c0 + post_chunk;
+          const index_t pe = P < c0 ? c0 : P < c1 ? P : c1;  // [c0, pe) pooled, [pe, c1) copied
+          if (c0 < pe) pool_row_part(opt.pool == pool_kind::max, opt.divisor, t, o + c0, P, opt.kernel, c0, pe);
+          for (index_t p = pe; p < c1; ++p) o[p] = t[p];
+          post_finish_chunk(o + c0, c0, c1 - c0, 0, sink_end, recent_begin, wt, wbuf);
+        }
+        return;
+      }
       if (pooled) {
         pool_row(opt.pool, opt.divisor, t, 1, o, os1, P, opt.kernel);
         for (index_t p = P; p < L; ++p) o[p * os1] = t[p];
       }
-    } else if (os1 == 1 && is1 == 1 && !opt.weight_values && pool_fast_applies(1, 1, P, opt.kernel)) {
-      // contiguous rows, small kernel, no weighting: the same steps by chunks of post_chunk
-      // positions, each chunk's pooled rows, sum and protection in L1 (one pass over the output)
-      post_chunked_contiguous(opt, first, is0, o, L, P, g, tmp_chunk);
+    } else if (os1 == 1 && is1 == 1 && pool_fast_applies(1, 1, P, opt.kernel)) {
+      // contiguous rows, small kernel: the same steps by chunks of post_chunk positions, each
+      // chunk's pooled rows, sum, weight and protection in L1 (one pass over the output)
+      post_chunked_contiguous(opt, first, is0, o, L, P, g, wt, tmp_chunk, wbuf);
       return;
-    } else if (os1 == 1 && is1 == 1 && !opt.weight_values) {
-      // contiguous rows, no weighting: the same steps with vectorisable loops, and the GQA finish
-      // fused with the protection (one pass)
+    } else if (os1 == 1 && is1 == 1) {
+      // contiguous rows: the same steps with vectorisable loops, the GQA finish fused with the
+      // weight and the protection (one pass)
       pool_row(opt.pool, opt.divisor, first, 1, o, 1, P, opt.kernel);
       for (index_t p = P; p < L; ++p) o[p] = first[p];
       for (index_t j = 1; j < g; ++j) {
         const float* x = ip + (h * g + j) * is0;
         pool_row(opt.pool, opt.divisor, x, 1, t, 1, P, opt.kernel);
         for (index_t p = P; p < L; ++p) t[p] = x[p];
-        combine_contiguous(opt.gqa, o, t, L);
+        post_combine(opt.gqa == gqa_op::max, o, t, L);
       }
-      finish_protect_contiguous(opt.gqa, o, L, g, protect_sink_end(L, opt.n_sink),
-                                protect_recent_begin(L, opt.n_recent));
+      for (index_t c0 = 0; c0 < L; c0 += post_chunk)
+        post_finish_chunk(o + c0, c0, L - c0 < post_chunk ? L - c0 : post_chunk, opt.gqa == gqa_op::mean ? g : 0,
+                          sink_end, recent_begin, wt, wbuf);
       return;
     } else {
       // pool each query head of the group (its unpooled tail copied) and combine in head order; the
@@ -232,34 +296,16 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
       }
       for (index_t p = 0; p < L; ++p) o[p * os1] = gqa_finish(opt.gqa, o[p * os1], g);
     }
-    index_t weighted_end = 0;
-    float norms[norm_block];  // value norms of up to norm_block rows at a time (norm_host.hpp)
-    float factor = 0.0f;
-    const VE* vh = nullptr;
-    if (opt.weight_values) {
-      const index_t vlen = value_lengths != nullptr ? value_lengths[h] : values.extent(1);
-      weighted_end = L < vlen ? L : vlen;
-      vh = values.data_handle() + h * values.stride(0);
-      if (opt.weight == value_weight::head_max) {
-        factor = 0.0f;
-        for (index_t k0 = 0; k0 < vlen; k0 += norm_block) {
-          const index_t m = vlen - k0 < norm_block ? vlen - k0 : norm_block;
-          value_l1_norms(vh + k0 * values.stride(1), values.stride(1), values.stride(2), m, values.extent(2), norms);
-          for (index_t k = 0; k < m; ++k) factor = max_nan(factor, norms[k]);
-        }
-      }
-    }
-    const index_t sink_end = protect_sink_end(L, opt.n_sink), recent_begin = protect_recent_begin(L, opt.n_recent);
-    const bool per_token = opt.weight_values && opt.weight == value_weight::per_token;
+    if (os1 == 1) return finish_row();
+    // strided output: the finish per element
     for (index_t p0 = 0; p0 < L; p0 += norm_block) {
       const index_t m = L - p0 < norm_block ? L - p0 : norm_block;
-      const index_t mw = weighted_end - p0 < m ? (weighted_end > p0 ? weighted_end - p0 : 0) : m;
-      if (per_token && mw > 0)
-        value_l1_norms(vh + p0 * values.stride(1), values.stride(1), values.stride(2), mw, values.extent(2), norms);
+      const index_t mw = wt.end - p0 < m ? (wt.end > p0 ? wt.end - p0 : 0) : m;
+      if (wt.per_token && mw > 0) value_l1_norms(wt.vh + p0 * wt.rs, wt.rs, wt.es, mw, wt.d, wbuf);
       for (index_t k = 0; k < m; ++k) {
         const index_t p = p0 + k;
-        const bool weighted = p < weighted_end;
-        const float f = weighted && per_token ? norms[k] : factor;
+        const bool weighted = p < wt.end;
+        const float f = weighted && wt.per_token ? wbuf[k] : wt.factor;
         o[p * os1] = postprocess_finish(o[p * os1], p, weighted, f, sink_end, recent_begin);
       }
     }

@@ -29,6 +29,7 @@
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/detail/host/post_host.hpp>
 
 #include <cstdint>
 
@@ -100,7 +101,13 @@ status protect(Backend be, matrix_view<float> scores, index_t n_sink, index_t n_
   float* p = scores.data_handle();
   const index_t s0 = scores.stride(0), s1 = scores.stride(1);
   detail::parallel_for(be, R, [&](index_t r) {
-    detail::protect_row(p + r * s0, s1, row_lengths != nullptr ? row_lengths[r] : T, n_sink, n_recent);
+    const index_t L = row_lengths != nullptr ? row_lengths[r] : T;
+    if (s1 != 1) return detail::protect_row(p + r * s0, s1, L, n_sink, n_recent);
+    // contiguous rows: by ranges in loops that vectorise (post_host.hpp, AVX2 when the CPU has it),
+    // protect_value's bits
+    const index_t sink_end = detail::protect_sink_end(L, n_sink), recent_begin = detail::protect_recent_begin(L, n_recent);
+    detail::post_finish(p + r * s0, L, sink_end, sink_end, recent_begin > sink_end ? recent_begin : sink_end, 0, nullptr,
+                        0.0f);
   });
   return {};
 }

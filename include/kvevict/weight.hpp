@@ -108,7 +108,7 @@ status weight_by_value_norm(Backend be, matrix_view<float> scores, kv_view<V> va
       for (index_t t0 = 0; t0 < len; t0 += detail::norm_block) {
         const index_t m = len - t0 < detail::norm_block ? len - t0 : detail::norm_block;
         detail::value_l1_norms(vh + t0 * v1, v1, v2, m, d, norms);
-        for (index_t t = 0; t < m; ++t) mx = detail::max_nan(mx, norms[t]);
+        mx = detail::max_nan_fold(mx, norms, m);
       }
       for (index_t r = h * group; r < (h + 1) * group; ++r)
         for (index_t j = 0; j < n; ++j) sd[r * s0 + j * s1] *= mx;

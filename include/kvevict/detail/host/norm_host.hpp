@@ -10,6 +10,7 @@
 // on x86-64 (SSE2, AVX2, AVX-512F, chosen at run time), all the same operations.
 #pragma once
 
+#include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/detail/host/entropy_host.hpp>
 #include <kvevict/numeric.hpp>
 
@@ -88,6 +89,35 @@ __attribute__((target("avx512f,avx2,f16c"))) KVEVICT_NO_CONTRACT inline void val
     constexpr __mmask16 all = 0xFFFF;
     const __m512i mag = _mm512_set1_epi32(0x7fffffff);
     alignas(64) float tmp[norm_cols * norm_rows];
+    // norm_block rows (four blocks of 16) at a time: four independent chains of adds (each lane still
+    // adds its own row in order), the next norm_block rows prefetched
+    constexpr index_t nb = norm_block / norm_rows;
+    alignas(64) float tmps[nb][norm_cols * norm_rows];
+    const index_t row_bytes = d * static_cast<index_t>(sizeof(VE));
+    for (; r0 + norm_block <= n; r0 += norm_block) {
+      // callers ask for norm_block rows at a time: the prefetch covers the rows the next call reads
+      // (past n too: a prefetch never faults; integer addresses, no pointer past the array)
+      const auto at = reinterpret_cast<std::uintptr_t>(base);
+      for (index_t l = r0 + norm_block; l < r0 + 2 * norm_block; ++l) {
+        const std::uintptr_t row = at + static_cast<std::uintptr_t>(l * rs) * sizeof(VE);
+        for (index_t b = 0; b < row_bytes; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(row + static_cast<std::uintptr_t>(b)), _MM_HINT_T0);
+      }
+      __m512 acc[nb];
+      for (index_t k = 0; k < nb; ++k) acc[k] = _mm512_setzero_ps();
+      for (index_t t0 = 0; t0 < d; t0 += norm_cols) {
+        const index_t m = d - t0 < norm_cols ? d - t0 : norm_cols;
+        const VE* rows[norm_block];
+        for (index_t l = 0; l < norm_block; ++l) rows[l] = base + (r0 + l) * rs + t0;
+        for (index_t k = 0; k < nb; ++k) score_pack16_avx512(tmps[k], norm_rows, rows + k * norm_rows, m);
+        for (index_t t = 0; t < m; ++t)
+          for (index_t k = 0; k < nb; ++k)
+            acc[k] = _mm512_maskz_add_ps(
+                all, acc[k],
+                _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_load_ps(tmps[k] + t * norm_rows)), mag)));
+      }
+      for (index_t k = 0; k < nb; ++k) _mm512_storeu_ps(norms + r0 + k * norm_rows, acc[k]);
+    }
     for (; r0 + norm_rows <= n; r0 += norm_rows) {
       __m512 acc = _mm512_setzero_ps();
       for (index_t t0 = 0; t0 < d; t0 += norm_cols) {
@@ -117,6 +147,23 @@ inline void value_l1_norms(const VE* base, index_t rs, index_t es, index_t n, in
   }
 #endif
   value_l1_norms_sse2(base, rs, es, n, d, norms);
+}
+
+/// The fold m = max_nan(m, x[k]) for k < n (the head-max weight's maximum of norms, in order: the
+/// last NaN wins, else the maximum). When m and every x[k] are non-negative and not NaN (norms
+/// always are, unless a value is NaN), the maximum of their bits is that fold's result (the bits
+/// of +0 ... +inf are in the order of the floats, equal floats equal bits): integer loops that
+/// vectorise instead of a branch per element; otherwise the fold itself.
+inline float max_nan_fold(float m, const float* x, index_t n) noexcept {
+  std::uint32_t sign_or_nan = float_bits(m) >> 31 | (m != m ? 1u : 0u), top = float_bits(m);
+  for (index_t k = 0; k < n; ++k) {
+    const std::uint32_t b = float_bits(x[k]);
+    sign_or_nan |= (b >> 31) | ((b & 0x7fffffffu) > 0x7f800000u ? 1u : 0u);
+    top = b > top ? b : top;
+  }
+  if (sign_or_nan == 0) return bits_float(top);
+  for (index_t k = 0; k < n; ++k) m = max_nan(m, x[k]);
+  return m;
 }
 
 KVEVICT_SCORE_ABI_END

@@ -118,7 +118,7 @@ typedef double vd8 __attribute__((vector_size(64)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef std::uint32_t vu8 __attribute__((vector_size(32)));
 typedef std::int32_t vi8 __attribute__((vector_size(32)));
-constexpr int chains = 4;  ///< vectors whose logarithms are evaluated side by side
+constexpr int chains = 8;  ///< vectors whose logarithms are evaluated side by side
 
 // (vectors only through references: a vector returned by value is what GCC's ABI note is about)
 KVEVICT_ALWAYS_INLINE void load_bits8(const float* p, vu8& v) noexcept { std::memcpy(&v, p, sizeof v); }

@@ -15,7 +15,10 @@
 // The loops are written so that GCC and clang vectorise them across columns; they run in three
 // copies on x86-64 (SSE2, AVX2, AVX-512F, chosen at run time like the score kernels), all compiled
 // without FMA contraction, so every copy computes the same operations and gives identical bits
-// (tests/test_budget.cpp compares each against a scalar model of these definitions).
+// (tests/test_budget.cpp compares each against a scalar model of these definitions). The AVX2 and
+// AVX-512F copies run the unit-stride loops of entropy_vec below (the logarithms of 8 vectors side
+// by side; AVX-512F splits m and e by getmant / getexp), the SSE2 copy and strided views the scalar
+// loops.
 #pragma once
 
 #include <kvevict/config.hpp>
@@ -74,6 +77,12 @@ KVEVICT_ALWAYS_INLINE double entropy_log(float x) noexcept {
   return entropy_log_reduced(static_cast<double>(m), static_cast<double>(e));
 }
 
+/// entropy_log of the float with bits u when it is positive, else of 1.0f (0: a zero term for +-0;
+/// the select is on the argument, so the loops calling this vectorise).
+KVEVICT_ALWAYS_INLINE double entropy_log_bits(std::uint32_t u) noexcept {
+  return entropy_log(bits_float(select_bits(static_cast<std::int32_t>(u) > 0, u, 0x3f800000u)));
+}
+
 /// log x for a finite double x > 0 (the once-per-layer logarithms).
 inline double entropy_log(double x) noexcept {
   KVEVICT_FP_CONTRACT_OFF
@@ -101,15 +110,15 @@ KVEVICT_ALWAYS_INLINE void lanes_add(double* KVEVICT_RESTRICT lanes, const doubl
 
 #if KVEVICT_SCORE_X86_DISPATCH
 // The AVX2 / AVX-512F copies' unit-stride loops, written with GCC / clang vector extensions: 8
-// columns per vector (a double vector of 8 lanes: one zmm, two ymm), and the logarithms of 4 such
-// vectors evaluated step by step side by side (`entropy_log8x4`), so that the division and the
-// Horner chain of one vector overlap those of the other three (the scalar loops vectorised by the
+// columns per vector (a double vector of 8 lanes: one zmm, two ymm), and the logarithms of `chains`
+// such vectors evaluated step by step side by side (log_reduced_chains), so that the division and the
+// Horner chain of one vector overlap those of the others (the scalar loops vectorised by the
 // compiler evaluate one vector's chain after the other, and the core waited on its latency: round
 // eight's profile in docs/PERFORMANCE.md). Every element still goes through the operations of
 // entropy_log(float) above in their order (integer selects, exact conversions, the same double
 // operations, no contraction), and every lane receives its terms in the documented order, so the
 // results are the scalar loops' bits (tests/test_budget.cpp).
-// (the 64-byte vectors never cross a call: everything below is inlined into the dispatched kernels,
+// (the 64-byte vectors never cross a call by value: only by reference or inlined into the kernels,
 // so GCC's ABI note does not apply; the note is off until after those kernels)
 #  pragma GCC diagnostic push
 #  pragma GCC diagnostic ignored "-Wpsabi"
@@ -155,7 +164,7 @@ KVEVICT_ALWAYS_INLINE void log_split8(const vu8& u, vd8& m, vd8& e) noexcept {
   e = __builtin_convertvector(ex, vd8);
 }
 /// entropy_log_reduced on `chains` vectors, each step for all of them before the next.
-KVEVICT_ALWAYS_INLINE void log_reduced8x4(const vd8* m, const vd8* e, vd8* out) noexcept {
+KVEVICT_ALWAYS_INLINE void log_reduced_chains(const vd8* m, const vd8* e, vd8* out) noexcept {
   KVEVICT_FP_CONTRACT_OFF
   constexpr double ln2_hi = 6.93147180369123816490e-01, ln2_lo = 1.90821492927058770002e-10;
   vd8 s[chains], z[chains], p[chains];
@@ -208,7 +217,7 @@ __attribute__((target("avx512f,avx2"))) KVEVICT_ALWAYS_INLINE void split_chains_
     const __m512i u = _mm512_loadu_si512(x + 16 * h);
     if constexpr (Check)
       bad = static_cast<__mmask16>(bad | (_mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(0x3f800000)) &
-                                          _mm512_cmpneq_epi32_mask(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)))));
+                                          _mm512_cmpneq_epi32_mask(u, _mm512_set1_epi32(INT32_MIN))));
     // (the masked forms with a full mask: GCC 12 warns falsely inside the plain intrinsics, as in
     // score_host.hpp)
     const __m512d d[2] = {_mm512_maskz_cvtps_pd(all, _mm256_castsi256_ps(_mm512_maskz_extracti64x4_epi64(all, u, 0))),
@@ -236,7 +245,7 @@ KVEVICT_ALWAYS_INLINE void cake_row_tail(const float* KVEVICT_RESTRICT row, inde
     const std::uint32_t u = float_bits(p);
     bad[0] |= -static_cast<std::int32_t>(u > 0x3f800000u && u != 0x80000000u);
     mean[j] += static_cast<double>(p);
-    ent[j & 7] = ent[j & 7] - static_cast<double>(p) * entropy_log(bits_float(select_bits(static_cast<std::int32_t>(u) > 0, u, 0x3f800000u)));
+    ent[j & 7] = ent[j & 7] - static_cast<double>(p) * entropy_log_bits(u);
   }
 }
 KVEVICT_ALWAYS_INLINE void lava_pass2_tail(const float* KVEVICT_RESTRICT x, index_t k, index_t n, double inv_s,
@@ -244,8 +253,7 @@ KVEVICT_ALWAYS_INLINE void lava_pass2_tail(const float* KVEVICT_RESTRICT x, inde
   KVEVICT_FP_CONTRACT_OFF
   for (; k < n; ++k) {
     const std::uint32_t u = float_bits(x[k]);
-    lanes[k & 7] = lanes[k & 7] + (static_cast<double>(x[k]) * inv_s) *
-                                      (entropy_log(bits_float(select_bits(static_cast<std::int32_t>(u) > 0, u, 0x3f800000u))) - log_s);
+    lanes[k & 7] = lanes[k & 7] + (static_cast<double>(x[k]) * inv_s) * (entropy_log_bits(u) - log_s);
   }
 }
 /// One step of cake_row: mean += p, then ent -= p log p chain by chain.
@@ -258,7 +266,7 @@ KVEVICT_ALWAYS_INLINE void cake_step(double* KVEVICT_RESTRICT mean, const vd8* p
     load8(mean + 8 * c, mc);
     store8(mean + 8 * c, mc + p[c]);
   }
-  log_reduced8x4(m, e, lg);
+  log_reduced_chains(m, e, lg);
   for (int c = 0; c < chains; ++c) ent = ent - p[c] * lg[c];
 }
 /// One step of lava_pass2: lanes += (v inv_s)(log v - log_s) chain by chain.
@@ -266,7 +274,7 @@ KVEVICT_ALWAYS_INLINE void lava_step(const vd8* v, const vd8* m, const vd8* e, d
                                      vd8& lanes) noexcept {
   KVEVICT_FP_CONTRACT_OFF
   vd8 lg[chains];
-  log_reduced8x4(m, e, lg);
+  log_reduced_chains(m, e, lg);
   for (int c = 0; c < chains; ++c) lanes = lanes + (v[c] * inv_s) * (lg[c] - log_s);
 }
 
@@ -361,7 +369,7 @@ KVEVICT_ALWAYS_INLINE void cake_head_body(const float* base, index_t w, index_t 
         mean[j] += static_cast<double>(p);
         // p log p for p > 0; p = +-0 gives a zero term (log 1 = 0) that leaves the lane unchanged (the
         // select is on the argument: a select of the product would stop the vectorisation)
-        term[j] = static_cast<double>(p) * entropy_log(bits_float(select_bits(static_cast<std::int32_t>(u) > 0, u, 0x3f800000u)));
+        term[j] = static_cast<double>(p) * entropy_log_bits(u);
       }
       lanes_add<true>(ent, term, n);
     }
@@ -426,8 +434,7 @@ KVEVICT_ALWAYS_INLINE void lava_head_body(const float* KVEVICT_RESTRICT x, index
       for (index_t k = 0; k < m; ++k) {
         const float v = xs[Unit ? k : k * sx];
         const std::uint32_t u = float_bits(v);  // v = +-0 (log of 1 taken instead): a zero term
-        term[k] = (static_cast<double>(v) * inv_s) *
-                  (entropy_log(bits_float(select_bits(static_cast<std::int32_t>(u) > 0, u, 0x3f800000u))) - log_s);
+        term[k] = (static_cast<double>(v) * inv_s) * (entropy_log_bits(u) - log_s);
       }
     }
     lanes_add<false>(lanes, term, m);

@@ -1163,6 +1163,59 @@ TEST_CASE("entropy kernels: entropy_log within 2 ulp of log; cake_layer_stats an
   detail::host_kernel_isa_override().store(-1);
 }
 
+#if KVEVICT_SCORE_X86_DISPATCH
+namespace {
+namespace ev = detail::entropy_vec;
+/// The (m, e) of 8 chains of floats by the AVX-512F split (getmant / getexp) and by the generic one.
+__attribute__((target("avx512f,avx2"))) void split_avx512(const float* x, double* m, double* e) {
+  ev::vd8 v[ev::chains], mm[ev::chains], ee[ev::chains];
+  __mmask16 bad = 0;
+  ev::split_chains_avx512<false>(x, v, mm, ee, bad);
+  std::memcpy(m, mm, sizeof mm);
+  std::memcpy(e, ee, sizeof ee);
+}
+void split_generic(const float* x, double* m, double* e) {
+  ev::vd8 v[ev::chains], mm[ev::chains], ee[ev::chains];
+  ev::vi8 bad{};
+  ev::split_chains<false>(x, v, mm, ee, bad);
+  std::memcpy(m, mm, sizeof mm);
+  std::memcpy(e, ee, sizeof ee);
+}
+}  // namespace
+
+TEST_CASE("entropy kernels: the AVX-512F split (getmant / getexp) gives entropy_log(float)'s m and e: every float "
+          "of [0.5, 1), every 3rd subnormal, every binade, +-0") {
+  if (detail::score_isa_supported() != detail::score_isa::avx512) return;  // (no AVX-512F here: nothing to compare)
+  constexpr int n = 8 * ev::chains;
+  std::vector<std::uint32_t> bits;
+  for (std::uint32_t m = 0; m < 0x800000u; ++m) bits.push_back(0x3f000000u | m);        // [0.5, 1): CAKE's and LAVa's p
+  for (std::uint32_t m = 1; m < 0x800000u; m += 3) bits.push_back(m);                   // subnormals
+  for (std::uint32_t ex = 1; ex < 255; ++ex)
+    for (std::uint32_t m : {0u, 1u, 0x3504f2u, 0x3504f3u, 0x3504f4u, 0x400000u, 0x7ffffeu, 0x7fffffu})
+      bits.push_back(ex << 23 | m);                                                    // binades, sqrt(2)'s split
+  bits.push_back(0u);
+  bits.push_back(0x80000000u);
+  while (bits.size() % n != 0) bits.push_back(0x3f800000u);
+  float x[n];
+  double m1[n], e1[n], m2[n], e2[n];
+  std::size_t wrong = 0, first = 0;
+  for (std::size_t k = 0; k < bits.size(); k += n) {
+    for (int l = 0; l < n; ++l) x[l] = detail::bits_float(bits[k + static_cast<std::size_t>(l)]);
+    split_avx512(x, m1, e1);
+    split_generic(x, m2, e2);
+    for (int l = 0; l < n; ++l) {
+      const double want = detail::entropy_log(x[l] > 0.0f ? x[l] : 1.0f);
+      const double got = detail::entropy_log_reduced(m1[l], e1[l]);
+      if (std::memcmp(&m1[l], &m2[l], sizeof(double)) != 0 || std::memcmp(&e1[l], &e2[l], sizeof(double)) != 0 ||
+          std::memcmp(&got, &want, sizeof got) != 0)
+        if (wrong++ == 0) first = k + static_cast<std::size_t>(l);
+    }
+  }
+  CAPTURE(bits[first]);
+  CHECK(wrong == 0);
+}
+#endif
+
 TEST_CASE("cake_budgets: exact B x H x L, proportional to the preferences within the rounding rule, errors") {
   for (std::uint64_t seed = 1; seed <= 300; ++seed) {
     CAPTURE(seed);

@@ -251,10 +251,10 @@ TEST_CASE("gqa_reduce: the CUDA kernel body under the SIMT executor equals seq b
   }
 }
 
-TEST_CASE("gqa max rows: the baseline and AVX2 copies give the bits of the total_order_max fold") {
+TEST_CASE("gqa max rows: the baseline, AVX2 and AVX-512F copies give the bits of the total_order_max fold") {
   auto g = kvtest::rng(1818);
   for (int trial = 0; trial < 60; ++trial) {
-    const index_t grp = kvtest::uniform_int(g, 1, 6), n = kvtest::uniform_int(g, 0, detail::gqa_chunk);
+    const index_t grp = kvtest::uniform_int(g, 1, 8), n = kvtest::uniform_int(g, 0, detail::gqa_chunk);
     const index_t xs = n + kvtest::uniform_int(g, 0, 5);
     std::vector<float> x(static_cast<std::size_t>(std::max<index_t>(1, grp * xs)));
     for (auto& v : x) v = random_score(g, trial % 2 == 0);
@@ -273,14 +273,19 @@ TEST_CASE("gqa max rows: the baseline and AVX2 copies give the bits of the total
       detail::gqa_max_rows_avx2(got2.data(), x.data(), xs, grp, n);
       for (index_t t = 0; t < n; ++t) REQUIRE(bits(got2[t]) == bits(want[t]));
     }
+    if (detail::host_has_avx512f()) {
+      std::vector<float> got3(want.size(), 7.f);
+      detail::gqa_max_rows_avx512(got3.data(), x.data(), xs, grp, n);
+      for (index_t t = 0; t < n; ++t) REQUIRE(bits(got3[t]) == bits(want[t]));
+    }
 #endif
   }
 }
 
-TEST_CASE("gqa sum rows: the baseline and AVX2 copies give the bits of gqa_combine / gqa_finish (mean, sum)") {
+TEST_CASE("gqa sum rows: the baseline, AVX2 and AVX-512F copies give the bits of gqa_combine / gqa_finish (mean, sum)") {
   auto g = kvtest::rng(1820);
   for (int trial = 0; trial < 80; ++trial) {
-    const index_t grp = kvtest::uniform_int(g, 1, 6), n = kvtest::uniform_int(g, 0, detail::gqa_chunk);
+    const index_t grp = kvtest::uniform_int(g, 1, 8), n = kvtest::uniform_int(g, 0, detail::gqa_chunk);
     const index_t xs = n + kvtest::uniform_int(g, 0, 5);
     const gqa_op op = trial % 2 == 0 ? gqa_op::mean : gqa_op::sum;
     std::vector<float> x(static_cast<std::size_t>(std::max<index_t>(1, grp * xs)));
@@ -309,6 +314,11 @@ TEST_CASE("gqa sum rows: the baseline and AVX2 copies give the bits of gqa_combi
       std::vector<float> got2(want.size(), 7.f);
       detail::gqa_sum_rows_avx2(got2.data(), x.data(), xs, grp, n, op == gqa_op::mean);
       same(got2);
+    }
+    if (detail::host_has_avx512f()) {
+      std::vector<float> got3(want.size(), 7.f);
+      detail::gqa_sum_rows_avx512(got3.data(), x.data(), xs, grp, n, op == gqa_op::mean);
+      same(got3);
     }
 #endif
   }

@@ -76,7 +76,28 @@ inline void combine_contiguous(gqa_op op, float* o, const float* x, index_t n) n
 /// order: the maximum of the rows' total_order_key, turned back into a float once. The same bits as
 /// folding total_order_max (it keeps the operand with the larger key, and equal keys are equal
 /// bits); integer operations that vectorise (unsigned max with AVX2).
+/// (G: the group size as a constant, G > 1: one pass, the group's g loads per output in registers;
+/// the same operations in the same order as the loops over a stack row below. dst may be one of the
+/// group's rows at the same columns, as gqa_reduce in place writes it, but no other overlap: each
+/// output is written after its column's loads.)
+template <int G>
+KVEVICT_GQA_INLINE void gqa_max_rows_fixed(float* dst, const float* x, index_t xs, index_t n) noexcept {
+  for (index_t t = 0; t < n; ++t) {
+    std::uint32_t key = total_order_key(x[t]);
+    for (int j = 1; j < G; ++j) {
+      const std::uint32_t k = total_order_key(x[j * xs + t]);
+      key = k > key ? k : key;
+    }
+    dst[t] = total_order_from_key(key);
+  }
+}
 KVEVICT_GQA_INLINE void gqa_max_rows_body(float* dst, const float* x, index_t xs, index_t g, index_t n) noexcept {
+  switch (g) {
+    case 2: return gqa_max_rows_fixed<2>(dst, x, xs, n);
+    case 4: return gqa_max_rows_fixed<4>(dst, x, xs, n);
+    case 8: return gqa_max_rows_fixed<8>(dst, x, xs, n);
+    default: break;
+  }
   std::uint32_t key[gqa_chunk];
   for (index_t t = 0; t < n; ++t) key[t] = total_order_key(x[t]);
   for (index_t j = 1; j < g; ++j) {
@@ -93,18 +114,47 @@ __attribute__((target("avx2"))) inline void gqa_max_rows_avx2(float* dst, const 
                                                               index_t n) noexcept {
   gqa_max_rows_body(dst, x, xs, g, n);
 }
+__attribute__((target("avx512f,avx2"))) inline void gqa_max_rows_avx512(float* dst, const float* x, index_t xs,
+                                                                        index_t g, index_t n) noexcept {
+  gqa_max_rows_body(dst, x, xs, g, n);
+}
 #endif
 inline void gqa_max_rows(float* dst, const float* x, index_t xs, index_t g, index_t n) noexcept {
 #if KVEVICT_HOST_X86_DISPATCH
+  if (host_has_avx512f()) return gqa_max_rows_avx512(dst, x, xs, g, n);
   if (host_has_avx2()) return gqa_max_rows_avx2(dst, x, xs, g, n);
 #endif
   gqa_max_rows_body(dst, x, xs, g, n);
 }
 /// dst[t] = the sum of rows x + j * xs (j < g) at t < n (n <= gqa_chunk), added in head order, then
 /// divided by g when `mean`: gqa_combine / gqa_finish per element (mean and sum), in loops that
-/// vectorise (8 lanes with AVX2; the same operations, so the same bits on every copy).
+/// vectorise (8 lanes with AVX2, 16 with AVX-512F; the same operations, so the same bits on every
+/// copy).
+template <int G>
+KVEVICT_GQA_INLINE void gqa_sum_rows_fixed(float* dst, const float* x, index_t xs, index_t n, bool mean) noexcept {
+  const float gf = static_cast<float>(G);
+  if (mean) {
+    for (index_t t = 0; t < n; ++t) {
+      float a = x[t];
+      for (int j = 1; j < G; ++j) a = a + x[j * xs + t];
+      dst[t] = a / gf;
+    }
+  } else {
+    for (index_t t = 0; t < n; ++t) {
+      float a = x[t];
+      for (int j = 1; j < G; ++j) a = a + x[j * xs + t];
+      dst[t] = a;
+    }
+  }
+}
 KVEVICT_GQA_INLINE void gqa_sum_rows_body(float* dst, const float* x, index_t xs, index_t g, index_t n,
                                           bool mean) noexcept {
+  switch (g) {
+    case 2: return gqa_sum_rows_fixed<2>(dst, x, xs, n, mean);
+    case 4: return gqa_sum_rows_fixed<4>(dst, x, xs, n, mean);
+    case 8: return gqa_sum_rows_fixed<8>(dst, x, xs, n, mean);
+    default: break;
+  }
   float acc[gqa_chunk];
   for (index_t t = 0; t < n; ++t) acc[t] = x[t];
   for (index_t j = 1; j < g; ++j) {
@@ -123,9 +173,14 @@ __attribute__((target("avx2"))) inline void gqa_sum_rows_avx2(float* dst, const 
                                                               index_t n, bool mean) noexcept {
   gqa_sum_rows_body(dst, x, xs, g, n, mean);
 }
+__attribute__((target("avx512f,avx2"))) inline void gqa_sum_rows_avx512(float* dst, const float* x, index_t xs,
+                                                                        index_t g, index_t n, bool mean) noexcept {
+  gqa_sum_rows_body(dst, x, xs, g, n, mean);
+}
 #endif
 inline void gqa_sum_rows(float* dst, const float* x, index_t xs, index_t g, index_t n, bool mean) noexcept {
 #if KVEVICT_HOST_X86_DISPATCH
+  if (host_has_avx512f()) return gqa_sum_rows_avx512(dst, x, xs, g, n, mean);
   if (host_has_avx2()) return gqa_sum_rows_avx2(dst, x, xs, g, n, mean);
 #endif
   gqa_sum_rows_body(dst, x, xs, g, n, mean);

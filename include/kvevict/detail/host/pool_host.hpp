@@ -1,5 +1,5 @@
 // Host fast path of pooling for the small kernels the recipes use (k = 3, 5, 7, 9), contiguous
-// rows: a direct sliding window, 8 outputs at a time (16 for max in the AVX-512 copy; GCC / clang
+// rows: a direct sliding window, 8 outputs at a time (16 in the AVX-512 copy; GCC / clang
 // vector extensions; baseline, AVX2 and AVX-512F copies chosen at run time), with the
 // bits of the O(T) algorithm in pool.hpp:
 //   max  the total-order max of the window's keys (associative and commutative on keys: any order
@@ -44,6 +44,8 @@ typedef std::uint32_t vu8 __attribute__((vector_size(32)));
 typedef std::int32_t vi8 __attribute__((vector_size(32)));
 typedef float vf8u __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned loads / stores
 typedef std::uint32_t vu16 __attribute__((vector_size(64)));  // the AVX-512 copy's max pooling
+typedef float vf16 __attribute__((vector_size(64)));          // and its avg pooling
+typedef std::int32_t vi16 __attribute__((vector_size(64)));
 
 // (one unaligned vector access each: a memcpy is split into halves in the baseline copy, which
 // defeats store forwarding)
@@ -185,27 +187,32 @@ KVEVICT_POOL_INLINE void phase_sum(const V* a, int j, V& out) noexcept {
 }
 
 /// Average pooling (divided by `div`, the kernel or the valid count, which is K inside the row) of
-/// outputs [lo, hi), all windows inside the row.
-template <int K>
+/// outputs [lo, hi), all windows inside the row; VF lanes at a time (VI: the lanes' phases).
+template <int K, class VF = vf8, class VI = vi8>
 KVEVICT_POOL_INLINE void avg_interior(const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
   constexpr int r = K / 2;
+  constexpr index_t W = static_cast<index_t>(sizeof(VF) / sizeof(float));
   index_t i = lo;
-  if (i + 8 <= hi) {
-    vi8 phase;
-    for (int l = 0; l < 8; ++l) phase[l] = static_cast<std::int32_t>((i + l) % K);
-    const vf8 dv = {div, div, div, div, div, div, div, div};
-    for (; i + 8 <= hi; i += 8) {
-      vf8 a[K];
-      for (int t = 0; t < K; ++t) load8(x + i - r + t, a[t]);
-      vf8 s, e;
+  if (i + W <= hi) {
+    VI phase;
+    for (int l = 0; l < W; ++l) phase[l] = static_cast<std::int32_t>((i + l) % K);
+    const VF dv = VF{} + div;
+    for (; i + W <= hi; i += W) {
+      VF a[K];
+      for (int t = 0; t < K; ++t) {
+        if constexpr (W == 8) load8(x + i - r + t, a[t]);
+        else std::memcpy(&a[t], x + i - r + t, sizeof(VF));
+      }
+      VF s, e;
       phase_sum<K>(a, 0, s);
       for (int j = 1; j < K; ++j) {
         phase_sum<K>(a, j, e);
         s = phase == j ? e : s;
       }
       s = s / dv;
-      store8(y + (i - lo), s);
-      phase += 8 % K;
+      if constexpr (W == 8) store8(y + (i - lo), s);
+      else std::memcpy(y + (i - lo), &s, sizeof s);
+      phase += W % K;
       phase = phase >= K ? phase - K : phase;
     }
   }
@@ -230,13 +237,13 @@ __attribute__((target("avx2"))) void interior_avx2(bool is_max, const float* x, 
   if (is_max) max_interior<K, vu8>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
-/// 16 lanes for max pooling (the raw-bits path); avg as in the AVX2 copy (its cost is the phase
-/// expressions and the division, not the lanes' count).
+/// 16 lanes for max pooling (the raw-bits path) and for avg (16 outputs per division and per
+/// evaluation of the K phase expressions: the same operations per lane as the 8-lane copies).
 template <int K>
 __attribute__((target("avx512f,avx2"))) void interior_avx512(bool is_max, const float* x, float* y, index_t lo,
                                                               index_t hi, float div) noexcept {
   if (is_max) max_interior<K, vu16>(x, y, lo, hi);
-  else avg_interior<K>(x, y, lo, hi, div);
+  else avg_interior<K, vf16, vi16>(x, y, lo, hi, div);
 }
 #  endif
 /// The same operations on every copy: the ISA changes the speed, never the bits.

@@ -699,3 +699,18 @@ def test_adjacent_facts_put_the_key_right_before_the_code(tok, keys):
     assert {e.meta["kind"] for e in adj} == {"plain", "recall", "after", "before"}
     assert all(e.meta.get("fact_format") == ("adjacent" if e.meta["kind"] != "plain" else None) for e in adj)
     assert tb_data.FACT_FORMATS == testbed.tb_schedule.FACT_FORMATS and "fact_format" in testbed.tb_schedule.BITS
+
+
+def test_schedule_switches_the_fact_format(tmp_path):
+    """--fact-format as a schedule option: a phase sets it, the phase's command names it, and a checkpoint
+    trained with the other format is not on the schedule (it is among the weight-relevant options)."""
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"phases": [{"from": 0, "set": {"steps": 4}},
+                                           {"from": 2, "set": {"fact-format": "adjacent"}}]}))
+    defaults = testbed.train_defaults("R")
+    sched = testbed.tb_schedule.load(str(path), defaults)
+    assert [testbed.fact_format_of(sched.args(s)) for s in range(4)] == ["is", "is", "adjacent", "adjacent"]
+    assert "--fact-format adjacent" in sched.command(1, defaults) and "fact-format" not in sched.command(0, defaults)
+    ck = dict(vars(sched.args(3)), fact_format="is")
+    assert testbed.tb_schedule.mismatch(ck, 4, sched) == ["fact-format is (schedule: adjacent)"]
+    assert testbed.tb_schedule.mismatch(vars(sched.args(1)), 2, sched) == []

@@ -162,12 +162,13 @@ class Generator:
             s = (s + 1) % len(self.stories)
 
     def example(self, i: int, length: int, kind: str, needles: int = 1, keys: str = "words",
-                fact_format: str = "is") -> Example:
+                fact_format: str = "is", recall_facts: int = 0) -> Example:
         """kind: 'after' (question after the context), 'before' (question before it), 'recall' or 'plain'.
         keys: 'words' (colour object, the testbed's task) or 'short' (SHORT_KEYS: one token a key, the
         key-match curriculum; the random stream is the same, only the key table differs).
         fact_format: FACT_FORMATS ('is' the testbed's, 'adjacent' the key next to the code; the same random
-        stream, only the fact and answer sentences differ).
+        stream, only the fact and answer sentences differ). recall_facts > 0: a recall example holds at most
+        that many facts (0: as many as fit; the same random stream).
         At most `length` tokens (BOS included); sentences are whole, so usually a few fewer."""
         if keys not in KEY_SETS:
             raise ValueError(f"keys {keys!r}: one of {KEY_SETS}")
@@ -175,7 +176,7 @@ class Generator:
             raise ValueError(f"fact_format {fact_format!r}: one of {FACT_FORMATS}")
         rng = self.rng(i)
         if kind == "recall":
-            return self._recall(rng, length, keys, fact_format)
+            return self._recall(rng, length, keys, fact_format, recall_facts)
         if kind == "plain":
             parts = [(t, ids, 1.0) for t, ids in self._fill(rng, length - 1)]
             return self._assemble(parts, [], {"kind": kind, "length": length})
@@ -241,7 +242,7 @@ class Generator:
                 tokens += len(hay[j][1])
         return body, depth
 
-    def _recall(self, rng, length: int, keys: str = "words", fact_format: str = "is") -> Example:
+    def _recall(self, rng, length: int, keys: str = "words", fact_format: str = "is", max_facts: int = 0) -> Example:
         """The dense associative-recall kind (the first phase of training): many facts in a short haystack,
         then `length // 128 + 1` questions in the `after` form, each about a different fact, each with its
         answer (`Question: What is the {key}'s code? Answer: the {key}'s code is dddd.`): a retrieval
@@ -261,6 +262,8 @@ class Generator:
         n_f, used = 0, 1
         asked = []
         for f in order:
+            if max_facts and n_f == max_facts:
+                break
             extra = cost(f) + (qa_cost(f) if len(asked) < n_q else 0)
             if used + extra + 4 > length:
                 break

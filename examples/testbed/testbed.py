@@ -175,7 +175,8 @@ def step_batch(gen, args, step):
     after or before, 1, 2 or 4 needles). With --short-keys F > 0 a recall or retrieval example has
     one-token keys (tb_data.SHORT_KEYS) with probability F (drawn after its kind; F = 0 draws nothing,
     so the batches of a run without it are unchanged). --fact-format sets the fact and answer sentences of
-    every recall and retrieval example (tb_data.FACT_FORMATS; no draw, the default "is" the testbed's)."""
+    every recall and retrieval example (tb_data.FACT_FORMATS; no draw, the default "is" the testbed's);
+    --recall-facts N > 0 caps a recall example's facts at N (0: as many as fit)."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
     lengths = allowed_lengths(args, step)
     L = int(lengths[rng.integers(len(lengths))])
@@ -186,7 +187,8 @@ def step_batch(gen, args, step):
         if u < args.plain:
             out.append(gen.example(i, L, "plain"))
         elif step < args.recall_steps or rng.random() < args.recall_mix:
-            out.append(gen.example(i, L, "recall", keys=key_set(args, rng), fact_format=fact_format_of(args)))
+            out.append(gen.example(i, L, "recall", keys=key_set(args, rng), fact_format=fact_format_of(args),
+                                   recall_facts=getattr(args, "recall_facts", 0)))
         else:
             kind = "after" if rng.random() < 0.5 else "before"
             needles = int((1, 2, 4)[rng.integers(3)])
@@ -902,6 +904,8 @@ def train_options(p):
     p.add_argument("--short-keys", type=float, default=0.0,
                    help="fraction of recall / retrieval examples with one-token keys (the key-match curriculum)")
     fact_format_arg(p)
+    p.add_argument("--recall-facts", type=int, default=0,
+                   help="at most this many facts in a recall example (0: as many as fit; 2: synth's smallest task)")
     model_args(p)
     return p
 

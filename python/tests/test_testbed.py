@@ -714,3 +714,23 @@ def test_schedule_switches_the_fact_format(tmp_path):
     ck = dict(vars(sched.args(3)), fact_format="is")
     assert testbed.tb_schedule.mismatch(ck, 4, sched) == ["fact-format is (schedule: adjacent)"]
     assert testbed.tb_schedule.mismatch(vars(sched.args(1)), 2, sched) == []
+
+
+def test_recall_facts_caps_the_facts_of_a_recall_example(tok):
+    """recall_facts=N (train --recall-facts N): at most N facts in a recall example, each asked once when N is
+    below the question count, answers right after their keys; 0 (the default) as before; step_batch passes it."""
+    gen = tb_data.Generator(tok, STORIES, "train", 2)
+    for fmt in tb_data.FACT_FORMATS:
+        for i in range(3):
+            full, two = gen.example(i, 256, "recall", fact_format=fmt), gen.example(i, 256, "recall", fact_format=fmt,
+                                                                                        recall_facts=2)
+            assert full.ids == gen.example(i, 256, "recall", fact_format=fmt, recall_facts=0).ids
+            assert len(full.meta["facts"]) > 2 and len(two.meta["facts"]) == 2 == len(two.questions)
+            assert two.meta["facts"] == full.meta["facts"][:2] and sorted(two.meta["asked"]) == sorted(two.meta["facts"])
+            assert two.ids == tok.encode(two.text) and len(two.ids) <= 256
+            for q, (k, c) in zip(two.questions, two.meta["asked"]):
+                assert [two.ids[t + 1] for t in q[-tb_data.DIGITS:]] == [gen.digit_ids[int(d)] for d in c]
+    args = argparse.Namespace(seed=1, steps=40, recall_steps=40, recall_mix=0.0, plain=0.1,
+                              batch_tokens=2048, seq_len=2048, max_length=256, fact_format="adjacent", recall_facts=2)
+    batch = [e for s in range(2) for e in testbed.step_batch(gen, args, s) if e.meta["kind"] == "recall"]
+    assert batch and all(len(e.meta["facts"]) == 2 and e.meta["fact_format"] == "adjacent" for e in batch)

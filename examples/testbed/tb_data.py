@@ -39,6 +39,20 @@ SHORT_KEYS = ("Lily", "Tim", "Timmy", "mom", "friend", "day", "time", "play", "b
 token, also inside "The {key}'s code is" and "the {key}'s code" (`Generator` checks it), so no two keys share a
 piece; the real keys (colour object) are 4-8 pieces shared with ~29 other keys each"""
 KEY_SETS = ("words", "short")
+FACT_FORMATS = ("is", "adjacent")
+"""fact_format="is" (the testbed's task): "The blue door's code is 4721." answered "the blue door's code is
+4721.", the code's first digit 10 tokens after the key; "adjacent" (docs/testbed.md "Round eight: the key
+next to the code"): "The note said blue door 4721." answered "blue door 4721.", the key's last piece, then
+the space token, then the first digit, in the fact and in the answer (the question is the same)."""
+
+
+def fact_text(key: str, code: str, fact_format: str = "is") -> str:
+    return f"The {key}'s code is {code}." if fact_format == "is" else f"The note said {key} {code}."
+
+
+def answer_text(key: str, code: str, fact_format: str = "is") -> str:
+    """The answer after "Answer:" (restating the key, then the code)."""
+    return f"the {key}'s code is {code}." if fact_format == "is" else f"{key} {code}."
 
 
 def story_seeds(split: str) -> range:
@@ -147,16 +161,22 @@ class Generator:
                 used += len(ids)
             s = (s + 1) % len(self.stories)
 
-    def example(self, i: int, length: int, kind: str, needles: int = 1, keys: str = "words") -> Example:
+    def example(self, i: int, length: int, kind: str, needles: int = 1, keys: str = "words",
+                fact_format: str = "is", recall_facts: int = 0) -> Example:
         """kind: 'after' (question after the context), 'before' (question before it), 'recall' or 'plain'.
         keys: 'words' (colour object, the testbed's task) or 'short' (SHORT_KEYS: one token a key, the
         key-match curriculum; the random stream is the same, only the key table differs).
+        fact_format: FACT_FORMATS ('is' the testbed's, 'adjacent' the key next to the code; the same random
+        stream, only the fact and answer sentences differ). recall_facts > 0: a recall example holds at most
+        that many facts (0: as many as fit; the same random stream).
         At most `length` tokens (BOS included); sentences are whole, so usually a few fewer."""
         if keys not in KEY_SETS:
             raise ValueError(f"keys {keys!r}: one of {KEY_SETS}")
+        if fact_format not in FACT_FORMATS:
+            raise ValueError(f"fact_format {fact_format!r}: one of {FACT_FORMATS}")
         rng = self.rng(i)
         if kind == "recall":
-            return self._recall(rng, length, keys)
+            return self._recall(rng, length, keys, fact_format, recall_facts)
         if kind == "plain":
             parts = [(t, ids, 1.0) for t, ids in self._fill(rng, length - 1)]
             return self._assemble(parts, [], {"kind": kind, "length": length})
@@ -167,8 +187,8 @@ class Generator:
         answer_head = self._sentence("Answer:")
         # the answer restates the key, then the code: "Answer: the blue door's code is 4721." (the
         # model writes the key itself, so the prompt ends at "Answer:" in both kinds)
-        answer = self._sentence(f"the {key}'s code is {code}.")
-        fact_sents = [self._sentence(f"The {k}'s code is {c}.") for k, c in facts]
+        answer = self._sentence(answer_text(key, code, fact_format))
+        fact_sents = [self._sentence(fact_text(k, c, fact_format)) for k, c in facts]
         overhead = 1 + len(question[1]) + len(answer_head[1]) + len(answer[1]) + sum(len(f[1]) for f in fact_sents)
         if overhead + 8 > length:
             raise ValueError(f"length {length} is too short for {needles} needles")
@@ -185,6 +205,8 @@ class Generator:
                 "depth": depth[asked], "facts": facts, "fact_depths": [depth[f] for f in range(needles)]}
         if keys != "words":  # (the testbed's own examples keep their meta as before)
             meta["keys"] = keys
+        if fact_format != "is":
+            meta["fact_format"] = fact_format
         return self._assemble(parts, [answer], meta)
 
     @staticmethod
@@ -220,7 +242,7 @@ class Generator:
                 tokens += len(hay[j][1])
         return body, depth
 
-    def _recall(self, rng, length: int, keys: str = "words") -> Example:
+    def _recall(self, rng, length: int, keys: str = "words", fact_format: str = "is", max_facts: int = 0) -> Example:
         """The dense associative-recall kind (the first phase of training): many facts in a short haystack,
         then `length // 128 + 1` questions in the `after` form, each about a different fact, each with its
         answer (`Question: What is the {key}'s code? Answer: the {key}'s code is dddd.`): a retrieval
@@ -231,8 +253,8 @@ class Generator:
         for f in range(len(facts)):
             key, code = facts[f]
             qa.append((self._sentence(f"Question: What is the {key}'s code?"), self._sentence("Answer:"),
-                       self._sentence(f"the {key}'s code is {code}.")))
-        fact_sents = [self._sentence(f"The {k}'s code is {c}.") for k, c in facts]
+                       self._sentence(answer_text(key, code, fact_format))))
+        fact_sents = [self._sentence(fact_text(k, c, fact_format)) for k, c in facts]
         cost = lambda f: len(fact_sents[f][1])  # noqa: E731
         qa_cost = lambda f: sum(len(p[1]) for p in qa[f])  # noqa: E731
         # as many facts as fit with n_q questions (at least one fact a question; fewer questions if need be)
@@ -240,6 +262,8 @@ class Generator:
         n_f, used = 0, 1
         asked = []
         for f in order:
+            if max_facts and n_f == max_facts:
+                break
             extra = cost(f) + (qa_cost(f) if len(asked) < n_q else 0)
             if used + extra + 4 > length:
                 break
@@ -275,13 +299,15 @@ class Generator:
                 "tokens": len(ids)}
         if keys != "words":
             meta["keys"] = keys
+        if fact_format != "is":
+            meta["fact_format"] = fact_format
         return Example(ids=ids, weights=weights, answers=[t for q in questions for t in q], digits=DIGITS,
                        text=" ".join(texts), meta=meta, questions=questions)
 
-    def code_span(self, fact, depth: int) -> range:
+    def code_span(self, fact, depth: int, fact_format: str = "is") -> range:
         """The token positions of a fact's code (the space before it and its DIGITS digits) for the fact
-        (key, code) that starts at token position `depth`."""
-        end = depth + len(self._sentence(f"The {fact[0]}'s code is {fact[1]}.")[1]) - 1  # its "."
+        (key, code) that starts at token position `depth` (both formats end in " dddd.")."""
+        end = depth + len(self._sentence(fact_text(fact[0], fact[1], fact_format))[1]) - 1  # its "."
         return range(end - DIGITS - 1, end)
 
     def questions_facts(self, e: Example):
@@ -289,11 +315,12 @@ class Generator:
         m = e.meta
         facts, depths = m["facts"], m["fact_depths"]
         asked = m["asked"] if m["kind"] == "recall" else [(m["key"], m["code"])]
+        fmt = m.get("fact_format", "is")
         out = []
         for key, code in asked:
             j = [f[0] for f in facts].index(key)
-            out.append((self.code_span(facts[j], depths[j]),
-                        [self.code_span(facts[o], depths[o]) for o in range(len(facts)) if o != j]))
+            out.append((self.code_span(facts[j], depths[j], fmt),
+                        [self.code_span(facts[o], depths[o], fmt) for o in range(len(facts)) if o != j]))
         return out
 
     def _check_digits(self, ids, targets, code):
@@ -313,7 +340,8 @@ class Generator:
         if answer:
             text, toks = answer[0]
             texts.append(text)
-            # toks = [" the", <key>, "'", "s", " c", ..., " ", d1 .. d4, "."]: all but the "." are the answer
+            # toks = [" the", <key>, "'", "s", " c", ..., " ", d1 .. d4, "."] (adjacent: [<key>, " ", d1 .. d4,
+            # "."]): all but the "." are the answer
             first = len(ids)
             ids.extend(toks)
             weights.extend([1.0] * len(toks))
@@ -327,13 +355,13 @@ class Generator:
 
 
 def eval_set(gen: Generator, per_cell: int, lengths=LENGTHS, kinds=("after", "before"), needles=(1, 2, 4),
-             first_index: int = 10_000_000, keys: str = "words") -> List[Example]:
+             first_index: int = 10_000_000, keys: str = "words", fact_format: str = "is") -> List[Example]:
     """per_cell examples for every (length, kind), the needle count cycling through `needles`; indices
     from `first_index` up (training draws from 0 .. first_index - 1 of the train stream only)."""
     out, i = [], first_index
     for length in lengths:
         for kind in kinds:
             for j in range(per_cell):
-                out.append(gen.example(i, length, kind, needles[j % len(needles)], keys))
+                out.append(gen.example(i, length, kind, needles[j % len(needles)], keys, fact_format))
                 i += 1
     return out

@@ -24,7 +24,8 @@ from typing import Dict, List, Tuple
 
 PHASE_OPTIONS = {"steps": int, "batch_tokens": int, "lr": float, "warmup": int, "plain": float,
                  "answer_weight": float, "recall_steps": int, "recall_mix": float, "max_length": int,
-                 "short_keys": float, "log_every": int, "ckpt_every": int, "eval_every": int, "eval_per_cell": int}
+                 "short_keys": float, "fact_format": str, "recall_facts": int, "log_every": int, "ckpt_every": int,
+                 "eval_every": int, "eval_per_cell": int}
 """train options a phase may change (what a hand resume with new options could change)"""
 
 RUN_OPTIONS = {"seed": int, "threads": int, "dim": int, "hidden": int, "layers": int, "heads": int,
@@ -33,10 +34,12 @@ RUN_OPTIONS = {"seed": int, "threads": int, "dim": int, "hidden": int, "layers":
 thread count changes the float sums)"""
 
 BITS = ("seed", "threads", "steps", "batch_tokens", "lr", "warmup", "plain", "answer_weight", "recall_steps",
-        "recall_mix", "max_length", "short_keys")
+        "recall_mix", "max_length", "short_keys", "fact_format", "recall_facts")
 """the options the weights depend on (the others only say when to log, checkpoint and evaluate)"""
 
 SPLIT_NAMES = ("train", "val", "test")
+FACT_FORMATS = ("is", "adjacent")
+"""tb_data.FACT_FORMATS (repeated: this module does not import the data's dependencies; a test checks they agree)"""
 
 
 class Schedule:
@@ -82,6 +85,11 @@ def _options(where: str, given: dict, allowed: Dict[str, type]) -> dict:
         if key not in allowed:
             raise ValueError(f"{where}: {name!r} is not one of {', '.join(k.replace('_', '-') for k in allowed)}")
         kind = allowed[key]
+        if kind is str:
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {name} must be a string, got {value!r}")
+            out[key] = value
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
             raise ValueError(f"{where}: {name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
         out[key] = kind(value)
@@ -93,12 +101,14 @@ def _check_phase(where: str, a: argparse.Namespace, first: int, next_from) -> No
     for k in ("steps", "batch_tokens", "log_every", "ckpt_every", "eval_every", "eval_per_cell", "threads"):
         if getattr(a, k) < 1:
             problems.append(f"{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
-    for k in ("warmup", "recall_steps", "max_length"):
+    for k in ("warmup", "recall_steps", "max_length", "recall_facts"):
         if getattr(a, k) < 0:
             problems.append(f"{k.replace('_', '-')} must be >= 0, got {getattr(a, k)}")
     for k in ("plain", "recall_mix"):
         if not 0.0 <= getattr(a, k) <= 1.0:
             problems.append(f"{k.replace('_', '-')} must be in [0, 1], got {getattr(a, k)}")
+    if a.fact_format not in FACT_FORMATS:
+        problems.append(f"fact-format must be one of {', '.join(FACT_FORMATS)}, got {a.fact_format!r}")
     if not a.lr > 0 or not a.answer_weight >= 0:
         problems.append(f"lr must be > 0 and answer-weight >= 0, got {a.lr} and {a.answer_weight}")
     if a.steps <= first:

@@ -174,7 +174,9 @@ def step_batch(gen, args, step):
     a recall example with probability args.recall_mix and otherwise a retrieval example (question
     after or before, 1, 2 or 4 needles). With --short-keys F > 0 a recall or retrieval example has
     one-token keys (tb_data.SHORT_KEYS) with probability F (drawn after its kind; F = 0 draws nothing,
-    so the batches of a run without it are unchanged)."""
+    so the batches of a run without it are unchanged). --fact-format sets the fact and answer sentences of
+    every recall and retrieval example (tb_data.FACT_FORMATS; no draw, the default "is" the testbed's);
+    --recall-facts N > 0 caps a recall example's facts at N (0: as many as fit)."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
     lengths = allowed_lengths(args, step)
     L = int(lengths[rng.integers(len(lengths))])
@@ -185,12 +187,18 @@ def step_batch(gen, args, step):
         if u < args.plain:
             out.append(gen.example(i, L, "plain"))
         elif step < args.recall_steps or rng.random() < args.recall_mix:
-            out.append(gen.example(i, L, "recall", keys=key_set(args, rng)))
+            out.append(gen.example(i, L, "recall", keys=key_set(args, rng), fact_format=fact_format_of(args),
+                                   recall_facts=getattr(args, "recall_facts", 0)))
         else:
             kind = "after" if rng.random() < 0.5 else "before"
             needles = int((1, 2, 4)[rng.integers(3)])
-            out.append(gen.example(i, L, kind, needles, key_set(args, rng)))
+            out.append(gen.example(i, L, kind, needles, key_set(args, rng), fact_format_of(args)))
     return out
+
+
+def fact_format_of(args):
+    """The fact format of a run's examples ("is" for runs and checkpoints from before the option)."""
+    return getattr(args, "fact_format", "is")
 
 
 def key_set(args, rng):
@@ -234,10 +242,12 @@ def stop_time(hhmm):
 def train_val_set(val, args):
     """The validation set of a run with these options (16 examples per length and kind up to
     --max-length, plus the recall cell when the run uses that kind)."""
+    fmt = fact_format_of(args)
     out = tb_data.eval_set(val, args.eval_per_cell,
-                           lengths=[L for L in tb_data.LENGTHS if L <= (args.max_length or args.seq_len)])
+                           lengths=[L for L in tb_data.LENGTHS if L <= (args.max_length or args.seq_len)], fact_format=fmt)
     if args.recall_steps or args.recall_mix:  # the recall kind's own cell (3 questions an example)
-        out += [val.example(11_000_000 + j, tb_data.LENGTHS[0], "recall") for j in range(args.eval_per_cell)]
+        out += [val.example(11_000_000 + j, tb_data.LENGTHS[0], "recall", fact_format=fmt)
+                for j in range(args.eval_per_cell)]
     return out
 
 
@@ -268,7 +278,7 @@ def cmd_train(args):
     val_sets = {}
 
     def val_set_of(a):
-        key = (a.eval_per_cell, a.max_length, bool(a.recall_steps or a.recall_mix))
+        key = (a.eval_per_cell, a.max_length, bool(a.recall_steps or a.recall_mix), fact_format_of(a))
         if key not in val_sets:
             val_sets[key] = train_val_set(val, a)
         return val_sets[key]
@@ -366,13 +376,13 @@ def cmd_train(args):
 
 # ---- evaluation, export, parity, bench ----------------------------------------------------------
 
-def eval_lines(checkpoint, stories_dir, split, seed, per_cell, max_length=0, threads=1):
+def eval_lines(checkpoint, stories_dir, split, seed, per_cell, max_length=0, threads=1, fact_format="is"):
     """The held-out exact match per (kind, length) of a llama2.c checkpoint, as printed lines."""
     torch.set_num_threads(threads)
     model = tb_model.load(checkpoint)
     gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(stories_dir, f"{split}.jsonl")), split, seed)
     lengths = [L for L in tb_data.LENGTHS if L <= (max_length or model.cfg.seq_len)]
-    cells, lm = evaluate(model, tb_data.eval_set(gen, per_cell, lengths=lengths))
+    cells, lm = evaluate(model, tb_data.eval_set(gen, per_cell, lengths=lengths, fact_format=fact_format))
     out = []
     for (k, L), (c, t, d) in sorted(cells.items()):
         p = c / t
@@ -384,7 +394,7 @@ def eval_lines(checkpoint, stories_dir, split, seed, per_cell, max_length=0, thr
 
 def cmd_eval(args):
     for line in eval_lines(args.checkpoint, args.stories_dir, args.split, args.seed, args.per_cell, args.max_length,
-                           args.threads):
+                           args.threads, args.fact_format):
         print(line)
 
 
@@ -399,9 +409,10 @@ def cmd_probe(args):
     for kind, length in [("recall", 256)] + [(k, L) for L in tb_data.LENGTHS if L <= (args.max_length or 2048)
                                               for k in ("after", "before")]:
         if kind == "recall":
-            exs = [gen.example(11_000_000 + j, length, "recall") for j in range(args.per_cell)]
+            exs = [gen.example(11_000_000 + j, length, "recall", fact_format=args.fact_format) for j in range(args.per_cell)]
         else:  # the needle count cycling 2, 4: a distractor fact in every example
-            exs = [gen.example(12_000_000 + j, length, kind, (2, 4)[j % 2]) for j in range(args.per_cell)]
+            exs = [gen.example(12_000_000 + j, length, kind, (2, 4)[j % 2], fact_format=args.fact_format)
+                   for j in range(args.per_cell)]
         asked, other, n = retrieval_attention(model, gen, exs)
         l, h = selective_head(asked, other)
         print(f"{args.split} {kind:6s} {length:5d}: {n} questions; most selective head layer {l} head {h}: "
@@ -473,8 +484,10 @@ def cmd_digits(args):
     model = tb_model.load(args.checkpoint)
     gen = split_generator(args)
     lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or model.cfg.seq_len)]
-    rows = first_digit_errors(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths, keys=args.keys), gen.digit_ids)
-    print(f"{args.checkpoint}: the first code digit of {len(rows)} {args.split} questions, keys {args.keys} "
+    rows = first_digit_errors(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths, keys=args.keys,
+                                                      fact_format=args.fact_format), gen.digit_ids)
+    print(f"{args.checkpoint}: the first code digit of {len(rows)} {args.split} questions, keys {args.keys}, "
+          f"facts {args.fact_format} "
           f"(argmax given the true prefix)")
     quarter = lambda r: min(3, int(r["depth"] * 4)) / 4
     for title, key, label in (("kind x length", lambda r: (r["kind"], r["length"]), lambda v: f"{v[0]}@{v[1]}"),
@@ -579,7 +592,7 @@ def cmd_dump(args):
                             args.split, args.seed)
     lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or tb_data.LENGTHS[-1])]
     with open(args.out, "w") as f:
-        for e in tb_data.eval_set(gen, args.per_cell, lengths=lengths):
+        for e in tb_data.eval_set(gen, args.per_cell, lengths=lengths, fact_format=args.fact_format):
             n = e.meta["prompt_tokens"]
             f.write(json.dumps({"prompt": e.text[:e.text.rindex("Answer:") + len("Answer:")],
                                 "prompt_ids": e.ids[:n], "answer": e.text[e.text.rindex("Answer:") + 8:-1],
@@ -738,7 +751,8 @@ def cmd_make(args):
         with open(src, "rb") as f, open(os.path.join(args.out_dir, name), "wb") as g:
             g.write(f.read())
     log(f"make: {shipped}: step {ck['step']}, {model.n_params()} parameters, sha256 {sha256_of(shipped)}")
-    lines = eval_lines(shipped, stories, "test", run_args.seed, args.per_cell, threads=run_args.threads)
+    lines = eval_lines(shipped, stories, "test", run_args.seed, args.per_cell, threads=run_args.threads,
+                       fact_format=fact_format_of(run_args))
     with open(os.path.join(args.out_dir, "eval_test.txt"), "w") as f:
         f.write("".join(line + "\n" for line in lines))
     for line in lines:
@@ -889,6 +903,9 @@ def train_options(p):
     p.add_argument("--max-length", type=int, default=0, help="cap the curriculum and the val set (0 = the context)")
     p.add_argument("--short-keys", type=float, default=0.0,
                    help="fraction of recall / retrieval examples with one-token keys (the key-match curriculum)")
+    fact_format_arg(p)
+    p.add_argument("--recall-facts", type=int, default=0,
+                   help="at most this many facts in a recall example (0: as many as fit; 2: synth's smallest task)")
     model_args(p)
     return p
 
@@ -900,6 +917,12 @@ def given_options(argv):
         a.default = argparse.SUPPRESS
         a.required = False
     return set(vars(p.parse_known_args(argv)[0]))
+
+
+def fact_format_arg(p):
+    p.add_argument("--fact-format", default="is", choices=list(tb_data.FACT_FORMATS),
+                   help="facts and answers: 'is' (The blue door's code is 4721.) or 'adjacent' "
+                        "(The note said blue door 4721.: the key right before the code)")
 
 
 def model_args(p):
@@ -939,13 +962,16 @@ def main(argv=None):
     p.add_argument("--stop-at", default="", help="wall-clock stop of the training, HH:MM UTC (rerun to resume)")
     p.add_argument("--per-cell", type=int, default=64, help="held-out test examples per (kind, length)")
     p = eval_set_args(sub.add_parser("eval", help="exact-match retrieval accuracy of a llama2.c checkpoint"))
+    fact_format_arg(p)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
     p = eval_set_args(sub.add_parser("probe", help="the retrieval-head check: attention onto the asked fact's code"))
+    fact_format_arg(p)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--verbose", action="store_true", help="every layer and head")
     p = eval_set_args(sub.add_parser("digits", help="diagnosis: the first code digit's failures (wrong fact's code or not)"))
+    fact_format_arg(p)
     p.add_argument("--keys", default="words", choices=list(tb_data.KEY_SETS),
                    help="the key table of the questions (short: the key-match curriculum's one-token keys)")
     p.add_argument("--checkpoint", required=True)
@@ -968,6 +994,7 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--title", default="")
     p = eval_set_args(sub.add_parser("dump", help="an evaluation set as JSON lines (prompt text and ids, answer)"))
+    fact_format_arg(p)
     p.add_argument("--out", required=True)
     p = sub.add_parser("export", help="ckpt.pt -> llama2.c checkpoint")
     p.add_argument("--ckpt", required=True)

@@ -488,6 +488,8 @@ def test_schedule_equals_the_hand_resumes_and_resumes_mid_phase(tmp_path):
     ([{"from": 0, "set": {"steps": 4, "dim": 8}}], "'dim' is not one of"),
     ([{"from": 0, "set": {"steps": 4.5}}], "steps must be an integer"),
     ([{"from": 0, "set": {"steps": 4, "plain": 2}}], r"plain must be in \[0, 1\]"),
+    ([{"from": 0, "set": {"steps": 4, "fact-format": "next"}}], "fact-format must be one of is, adjacent"),
+    ([{"from": 0, "set": {"steps": 4, "fact-format": 1}}], "fact-format must be a string"),
     ([], "non-empty list"),
 ])
 def test_schedule_errors(tmp_path, phases, message):
@@ -646,3 +648,89 @@ def test_short_keys_are_one_token_and_leave_the_default_data_unchanged(tok):
     mixed = [e for s in range(6) for e in testbed.step_batch(gen, args, s) if e.meta["kind"] != "plain"]
     short = sum(e.meta.get("keys") == "short" for e in mixed)
     assert 0.25 * len(mixed) < short < 0.75 * len(mixed)
+
+
+@pytest.mark.parametrize("keys", ["short", "words"])
+def test_adjacent_facts_put_the_key_right_before_the_code(tok, keys):
+    """fact_format="adjacent": "The note said {key} {code}." answered "{key} {code}.": in the fact and in the
+    answer the key's last piece (one-token keys: the key), then the space token, then the first digit; the
+    question as before; the same random stream as the default format (the same haystack, keys, codes and
+    fact order, so the splits stay disjoint); code spans on the code; the default unchanged; step_batch's
+    --fact-format reaches every recall and retrieval example."""
+    gen = tb_data.Generator(tok, STORIES, "val", 3)
+    space = tok.encode(" 1")[1]
+    for i, (L, kind, n) in enumerate([(256, "after", 4), (256, "before", 2), (512, "after", 1), (256, "recall", 0)]):
+        e = gen.example(i, L, kind, max(n, 1), keys, "adjacent")
+        w = gen.example(i, L, kind, max(n, 1), keys)
+        assert w.ids == gen.example(i, L, kind, max(n, 1), keys, "is").ids and "fact_format" not in w.meta
+        m = e.meta
+        assert m["fact_format"] == "adjacent" and e.ids == tok.encode(e.text) and len(e.ids) <= L
+        # (recall: the shorter facts leave room for more of them, the first ones the same)
+        assert m["facts"][:len(w.meta["facts"])] == w.meta["facts"]
+        assert all(f"The {k}'s code is {c}." in w.text for k, c in w.meta["facts"])
+        hay = lambda x: [s for s in tb_data.sentences(x.text) if "code" not in s and "note said" not in s]  # noqa: E731
+        assert hay(e)[:len(hay(w))] == hay(w)  # the same haystack (shorter facts leave room for a little more)
+        asked = m["asked"] if kind == "recall" else [(m["key"], m["code"])]
+        for (key, code), q, (span, others) in zip(asked, e.questions, gen.questions_facts(e)):
+            key_ids = tok.encode(key)[1:]
+            assert len(key_ids) == 1 or keys == "words"
+            assert f"Question: What is the {key}'s code?" in e.text and f"Answer: {key} {code}." in e.text
+            assert f"The note said {key} {code}." in e.text
+            digits = [gen.digit_ids[int(c)] for c in code]
+            # the answer: the key's pieces, the space, the digits (all weighted), the "." not an answer token
+            assert [e.ids[t + 1] for t in q] == key_ids + [space] + digits
+            assert all(e.weights[t] == 1.0 for t in q) and e.ids[q[-1] + 2] == tok.encode(".")[-1]
+            # the fact: its code span is the space and the digits, right after the key's last piece
+            assert [e.ids[p] for p in span] == [space] + digits and e.ids[span.start - 1] == key_ids[-1]
+            assert e.ids[span.start - len(key_ids):span.start] == key_ids
+            assert all(e.weights[p - 1] == 0.0 for p in span)  # no loss on the facts' random codes
+            assert len(others) == len(m["facts"]) - 1
+            for o in others:
+                assert e.ids[o.start] == space and all(e.ids[p] in gen.digit_ids for p in o[1:])
+    with pytest.raises(ValueError, match="fact_format 'next'"):
+        gen.example(0, 256, "after", 1, keys, "next")
+    args = argparse.Namespace(seed=1, steps=40, recall_steps=0, recall_mix=0.5, plain=0.1,
+                              batch_tokens=2048, seq_len=2048, max_length=256)
+    plain = [[e.ids for e in testbed.step_batch(gen, args, s)] for s in range(4)]
+    args.fact_format = "is"
+    assert plain == [[e.ids for e in testbed.step_batch(gen, args, s)] for s in range(4)]
+    args.fact_format = "adjacent"
+    adj = [e for s in range(4) for e in testbed.step_batch(gen, args, s)]
+    assert {e.meta["kind"] for e in adj} == {"plain", "recall", "after", "before"}
+    assert all(e.meta.get("fact_format") == ("adjacent" if e.meta["kind"] != "plain" else None) for e in adj)
+    assert tb_data.FACT_FORMATS == testbed.tb_schedule.FACT_FORMATS and "fact_format" in testbed.tb_schedule.BITS
+
+
+def test_schedule_switches_the_fact_format(tmp_path):
+    """--fact-format as a schedule option: a phase sets it, the phase's command names it, and a checkpoint
+    trained with the other format is not on the schedule (it is among the weight-relevant options)."""
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"phases": [{"from": 0, "set": {"steps": 4}},
+                                           {"from": 2, "set": {"fact-format": "adjacent"}}]}))
+    defaults = testbed.train_defaults("R")
+    sched = testbed.tb_schedule.load(str(path), defaults)
+    assert [testbed.fact_format_of(sched.args(s)) for s in range(4)] == ["is", "is", "adjacent", "adjacent"]
+    assert "--fact-format adjacent" in sched.command(1, defaults) and "fact-format" not in sched.command(0, defaults)
+    ck = dict(vars(sched.args(3)), fact_format="is")
+    assert testbed.tb_schedule.mismatch(ck, 4, sched) == ["fact-format is (schedule: adjacent)"]
+    assert testbed.tb_schedule.mismatch(vars(sched.args(1)), 2, sched) == []
+
+
+def test_recall_facts_caps_the_facts_of_a_recall_example(tok):
+    """recall_facts=N (train --recall-facts N): at most N facts in a recall example, each asked once when N is
+    below the question count, answers right after their keys; 0 (the default) as before; step_batch passes it."""
+    gen = tb_data.Generator(tok, STORIES, "train", 2)
+    for fmt in tb_data.FACT_FORMATS:
+        for i in range(3):
+            full, two = gen.example(i, 256, "recall", fact_format=fmt), gen.example(i, 256, "recall", fact_format=fmt,
+                                                                                        recall_facts=2)
+            assert full.ids == gen.example(i, 256, "recall", fact_format=fmt, recall_facts=0).ids
+            assert len(full.meta["facts"]) > 2 and len(two.meta["facts"]) == 2 == len(two.questions)
+            assert two.meta["facts"] == full.meta["facts"][:2] and sorted(two.meta["asked"]) == sorted(two.meta["facts"])
+            assert two.ids == tok.encode(two.text) and len(two.ids) <= 256
+            for q, (k, c) in zip(two.questions, two.meta["asked"]):
+                assert [two.ids[t + 1] for t in q[-tb_data.DIGITS:]] == [gen.digit_ids[int(d)] for d in c]
+    args = argparse.Namespace(seed=1, steps=40, recall_steps=40, recall_mix=0.0, plain=0.1,
+                              batch_tokens=2048, seq_len=2048, max_length=256, fact_format="adjacent", recall_facts=2)
+    batch = [e for s in range(2) for e in testbed.step_batch(gen, args, s) if e.meta["kind"] == "recall"]
+    assert batch and all(len(e.meta["facts"]) == 2 and e.meta["fact_format"] == "adjacent" for e in batch)

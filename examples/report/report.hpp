@@ -450,6 +450,14 @@ inline status prepare_prompt(const model& mdl, const report_options& o, bool spe
   return {};
 }
 
+/// Recall's k for a row on a `P`-token prompt: the budget; a head-type row's: the rows it keeps
+/// (`kept` over the model's L x H heads) per head on average, rounded; without either, P.
+inline index_t recall_k(const report_config& rc, index_t P, index_t kept, index_t L, index_t H) {
+  return rc.budget > 0                ? std::min(rc.budget, P)
+         : rc.head_sparsity >= 0.0 ? std::clamp<index_t>((kept + L * H / 2) / (L * H), 1, P)
+                                   : P;
+}
+
 /// Starts row `rc` (configuration ci) on a prepared prompt: its evictor, the prefill with eviction
 /// (post-fill: a copy of the full cache evicted), response position 0.
 inline status start_row(const model& mdl, const report_options& o, const report_config& rc, const duo_heads& heads,
@@ -473,10 +481,7 @@ inline status start_row(const model& mdl, const report_options& o, const report_
     r.prefill_ms = s.ev.prefill_seconds() * 1e3;
   }
   r.kept = s.cache.total_rows();
-  // recall's k: the budget; a head-type row's: the rows it keeps per head on average
-  s.k = rc.budget > 0                ? std::min(rc.budget, P)
-        : rc.head_sparsity >= 0.0 ? std::clamp<index_t>((r.kept + L * H / 2) / (L * H), 1, P)
-                                  : P;
+  s.k = recall_k(rc, P, r.kept, L, H);
   s.agreeing = true;
   s.kl = s.recall = s.step_recall = 0.0;
   s.kl += score_position(s.full_logp.data(), s.ev.next_logits(), c.vocab_size, tp.response[0], w.logq.data(),
@@ -631,6 +636,26 @@ inline status config_head_types(const config& c, const report_options& o, const 
   return {};
 }
 
+/// The head types of every configuration (config_head_types), duo-heuristic's calibration first if
+/// a configuration needs it (`calibrated`, on `threads` threads; progress through o.progress).
+inline status report_head_types(const model& mdl, const report_options& o, const std::vector<report_config>& configs,
+                                int threads, duo_heads& calibrated, std::vector<duo_heads>& out) {
+  if (std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::duo_heuristic; })) {
+    if (o.progress) {
+      char line[128];
+      std::snprintf(line, sizeof line, "report: duo calibration on %lld training texts", static_cast<long long>(o.calibration));
+      o.progress(line);
+    }
+    std::vector<std::vector<int>> texts;
+    KVEVICT_TRY(training_texts(mdl, o.pairs, o.calibration, texts, threads));
+    duo_calibration_options dco;
+    dco.sinks = o.base.sinks >= 0 ? o.base.sinks : 4;
+    dco.recent = o.base.duo_recent;
+    KVEVICT_TRY(duo_calibrate(mdl, texts, dco, calibrated));
+  }
+  return config_head_types(mdl.cfg(), o, configs, calibrated, out);
+}
+
 /// The report's prompts and their full-cache responses (make_pairs on `threads` threads), recorded in `out`.
 inline status report_prompts(const model& mdl, const report_options& o, int threads, std::vector<text_pair>& pairs,
                              report_result& out) {
@@ -732,20 +757,8 @@ inline status run_report(const model& mdl, const report_options& o, report_resul
   std::vector<text_pair> pairs;
   KVEVICT_TRY(detail::report_prompts(mdl, o, nt, pairs, out));
 
-  const bool need_duo = std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::duo_heuristic; });
-  if (need_duo) {
-    std::snprintf(line, sizeof line, "report: duo calibration on %lld training texts", static_cast<long long>(o.calibration));
-    say(line);
-    std::vector<std::vector<int>> texts;
-    KVEVICT_TRY(training_texts(mdl, o.pairs, o.calibration, texts, nt));
-    duo_calibration_options dco;
-    dco.sinks = o.base.sinks >= 0 ? o.base.sinks : 4;
-    dco.recent = o.base.duo_recent;
-    KVEVICT_TRY(duo_calibrate(mdl, texts, dco, out.duo));
-  }
-
   std::vector<duo_heads> heads;
-  KVEVICT_TRY(detail::config_head_types(c, o, configs, out.duo, heads));
+  KVEVICT_TRY(detail::report_head_types(mdl, o, configs, nt, out.duo, heads));
 
   std::snprintf(line, sizeof line, "report: %zu configurations x %lld prompts on %d threads", configs.size(),
                 static_cast<long long>(o.prompts), nt);

@@ -1251,7 +1251,8 @@ status sharded_recall(const model& mdl, const shard_comms<Comm>& comm, const sha
 /// times as one process computes it (the times: measured on every rank, the slowest rank's).
 template <class Comm>
 status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, const report_options& o,
-                               const std::vector<report_config>& configs, const text_pair& tp,
+                               const std::vector<report_config>& configs, const std::vector<duo_heads>& heads,
+                               const text_pair& tp,
                                sharded_report_worker<Comm>& w, std::vector<prompt_result>& out, double& draft_match) {
   const config& c = mdl.cfg();
   const index_t P = static_cast<index_t>(tp.prompt.size()), m = static_cast<index_t>(tp.response.size());
@@ -1293,7 +1294,7 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
   out.assign(configs.size(), prompt_result{});
   for (std::size_t ci = 0; ci < configs.size(); ++ci) {
     const report_config& rc = configs[ci];
-    KVEVICT_TRY(w.run.init(mdl, comm, s, config_options(o, rc), nullptr, o.lookahead));
+    KVEVICT_TRY(w.run.init(mdl, comm, s, config_options(o, rc), &heads[ci], o.lookahead));
     auto made = kvevict::make_eviction_recorder(w.schedule.data(), lr.count, hk, N);
     if (!made) return made.error();
     kvevict::eviction_recorder rec = *made;
@@ -1303,7 +1304,7 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
     KVEVICT_TRY(w.run.rows(r.kept));
     // post-fill rows share the full cache's timed prefill, as one process's
     const double prefill_s = rc.driver == driver_kind::postfill ? w.full.prefill_seconds() : w.run.prefill_seconds();
-    const index_t k = rc.budget > 0 ? std::min(rc.budget, P) : P;
+    const index_t k = recall_k(rc, P, r.kept, L, H);
     bool agreeing = true;
     double kl = 0.0, recall = 0.0, step_recall = 0.0;
     for (index_t t = 0; t < m; ++t) {  // evaluate_prompt's loop
@@ -1339,7 +1340,7 @@ status sharded_evaluate_prompt(const model& mdl, const shard_comms<Comm>& comm, 
 /// one-process report's bit for bit (prefill_ms, evict_ms: measured per rank as evictor does, the
 /// max over the ranks; overhead from those, per prompt, as finish_row's). Every rank
 /// returns the same `out`. Errors: run_report's; a configuration that does not run sharded
-/// (check_sharded; the head-type rows), naming it, before any prompt runs.
+/// (check_sharded), naming it, before any prompt runs.
 template <class Comm>
 status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const shard_options& s, const report_options& o,
                           report_result& out) {
@@ -1349,8 +1350,7 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
   std::vector<report_config> configs;
   KVEVICT_TRY(report_configs(c, o, configs));
   for (const report_config& rc : configs) {
-    const status st = rc.head_sparsity >= 0.0 ? status::error(errc::unsupported, "head-type rows do not run sharded")
-                                              : check_sharded(c, s, comm.world->size(), detail::config_options(o, rc));
+    const status st = check_sharded(c, s, comm.world->size(), detail::config_options(o, rc));
     if (!st.ok())
       return status::error(errc::unsupported, "sharded report: %s / %s / budget %lld: %s (choose --recipes / --drivers that do)",
                            method_name(rc.recipe), driver_name(rc.driver), static_cast<long long>(rc.budget), st.message());
@@ -1362,6 +1362,8 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
   out.threads = nt;
   std::vector<text_pair> pairs;
   KVEVICT_TRY(detail::report_prompts(mdl, o, nt, pairs, out));
+  std::vector<duo_heads> heads;  // every rank calibrates and reads the masks alike (init agrees on a hash)
+  KVEVICT_TRY(detail::report_head_types(mdl, o, configs, nt, out.duo, heads));
   const index_t n = o.prompts;
   std::vector<std::vector<prompt_result>> results(static_cast<std::size_t>(n));
   std::vector<double> draft_match(static_cast<std::size_t>(n), 0.0);
@@ -1370,7 +1372,7 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
       std::any_of(configs.begin(), configs.end(), [](const report_config& rc) { return rc.recipe == method::speckv; });
   if (speckv) KVEVICT_TRY(w.drafter.init(mdl, o.base.draft_layers));
   for (index_t i = 0; i < n; ++i) {
-    KVEVICT_TRY(detail::sharded_evaluate_prompt(mdl, comm, s, o, configs, pairs[static_cast<std::size_t>(i)], w,
+    KVEVICT_TRY(detail::sharded_evaluate_prompt(mdl, comm, s, o, configs, heads, pairs[static_cast<std::size_t>(i)], w,
                                                 results[static_cast<std::size_t>(i)], draft_match[static_cast<std::size_t>(i)]));
     if (o.progress) {
       char msg[160];
@@ -1379,7 +1381,7 @@ status run_sharded_report(const model& mdl, const shard_comms<Comm>& comm, const
       o.progress(msg);
     }
   }
-  detail::report_rows(configs, std::vector<duo_heads>(configs.size()), results, out);
+  detail::report_rows(configs, heads, results, out);
   if (speckv) out.draft_match = std::move(draft_match);
   out.seconds = seconds_since(t_start);
   return {};

@@ -57,16 +57,6 @@ inline status check_gqa_shapes(const char* fn, index_t hq, index_t hkv, index_t 
   return {};
 }
 
-/// o[p] = gqa_combine(op, o[p], x[p]) for p in [0, n) on contiguous rows: the op hoisted out of
-/// the loop so that it vectorises (the same operation per element, so the same bits).
-inline void combine_contiguous(gqa_op op, float* o, const float* x, index_t n) noexcept {
-  if (op == gqa_op::max) {
-    for (index_t p = 0; p < n; ++p) o[p] = total_order_max(o[p], x[p]);
-  } else {
-    for (index_t p = 0; p < n; ++p) o[p] = o[p] + x[p];
-  }
-}
-
 #if defined(__GNUC__) || defined(__clang__)
 #  define KVEVICT_GQA_INLINE __attribute__((always_inline)) inline
 #else

@@ -201,6 +201,12 @@ def fact_format_of(args):
     return getattr(args, "fact_format", "is")
 
 
+def keys_of(args):
+    """The key table a run's questions are evaluated on: 'short' once every training question has
+    one-token keys (--short-keys 1), else the colour-object keys."""
+    return "short" if getattr(args, "short_keys", 0.0) >= 1.0 else "words"
+
+
 def key_set(args, rng):
     """The key table of one training example: 'short' with probability --short-keys (no draw when 0)."""
     short = getattr(args, "short_keys", 0.0)
@@ -242,11 +248,12 @@ def stop_time(hhmm):
 def train_val_set(val, args):
     """The validation set of a run with these options (16 examples per length and kind up to
     --max-length, plus the recall cell when the run uses that kind)."""
-    fmt = fact_format_of(args)
+    fmt, keys = fact_format_of(args), keys_of(args)
     out = tb_data.eval_set(val, args.eval_per_cell,
-                           lengths=[L for L in tb_data.LENGTHS if L <= (args.max_length or args.seq_len)], fact_format=fmt)
+                           lengths=[L for L in tb_data.LENGTHS if L <= (args.max_length or args.seq_len)], keys=keys,
+                           fact_format=fmt)
     if args.recall_steps or args.recall_mix:  # the recall kind's own cell (3 questions an example)
-        out += [val.example(11_000_000 + j, tb_data.LENGTHS[0], "recall", fact_format=fmt)
+        out += [val.example(11_000_000 + j, tb_data.LENGTHS[0], "recall", keys=keys, fact_format=fmt)
                 for j in range(args.eval_per_cell)]
     return out
 
@@ -278,7 +285,7 @@ def cmd_train(args):
     val_sets = {}
 
     def val_set_of(a):
-        key = (a.eval_per_cell, a.max_length, bool(a.recall_steps or a.recall_mix), fact_format_of(a))
+        key = (a.eval_per_cell, a.max_length, bool(a.recall_steps or a.recall_mix), fact_format_of(a), keys_of(a))
         if key not in val_sets:
             val_sets[key] = train_val_set(val, a)
         return val_sets[key]
@@ -376,13 +383,13 @@ def cmd_train(args):
 
 # ---- evaluation, export, parity, bench ----------------------------------------------------------
 
-def eval_lines(checkpoint, stories_dir, split, seed, per_cell, max_length=0, threads=1, fact_format="is"):
+def eval_lines(checkpoint, stories_dir, split, seed, per_cell, max_length=0, threads=1, fact_format="is", keys="words"):
     """The held-out exact match per (kind, length) of a llama2.c checkpoint, as printed lines."""
     torch.set_num_threads(threads)
     model = tb_model.load(checkpoint)
     gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(stories_dir, f"{split}.jsonl")), split, seed)
     lengths = [L for L in tb_data.LENGTHS if L <= (max_length or model.cfg.seq_len)]
-    cells, lm = evaluate(model, tb_data.eval_set(gen, per_cell, lengths=lengths, fact_format=fact_format))
+    cells, lm = evaluate(model, tb_data.eval_set(gen, per_cell, lengths=lengths, keys=keys, fact_format=fact_format))
     out = []
     for (k, L), (c, t, d) in sorted(cells.items()):
         p = c / t
@@ -394,7 +401,7 @@ def eval_lines(checkpoint, stories_dir, split, seed, per_cell, max_length=0, thr
 
 def cmd_eval(args):
     for line in eval_lines(args.checkpoint, args.stories_dir, args.split, args.seed, args.per_cell, args.max_length,
-                           args.threads, args.fact_format):
+                           args.threads, args.fact_format, args.keys):
         print(line)
 
 
@@ -409,9 +416,10 @@ def cmd_probe(args):
     for kind, length in [("recall", 256)] + [(k, L) for L in tb_data.LENGTHS if L <= (args.max_length or 2048)
                                               for k in ("after", "before")]:
         if kind == "recall":
-            exs = [gen.example(11_000_000 + j, length, "recall", fact_format=args.fact_format) for j in range(args.per_cell)]
+            exs = [gen.example(11_000_000 + j, length, "recall", keys=args.keys, fact_format=args.fact_format)
+                   for j in range(args.per_cell)]
         else:  # the needle count cycling 2, 4: a distractor fact in every example
-            exs = [gen.example(12_000_000 + j, length, kind, (2, 4)[j % 2], fact_format=args.fact_format)
+            exs = [gen.example(12_000_000 + j, length, kind, (2, 4)[j % 2], args.keys, args.fact_format)
                    for j in range(args.per_cell)]
         asked, other, n = retrieval_attention(model, gen, exs)
         l, h = selective_head(asked, other)
@@ -592,7 +600,7 @@ def cmd_dump(args):
                             args.split, args.seed)
     lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or tb_data.LENGTHS[-1])]
     with open(args.out, "w") as f:
-        for e in tb_data.eval_set(gen, args.per_cell, lengths=lengths, fact_format=args.fact_format):
+        for e in tb_data.eval_set(gen, args.per_cell, lengths=lengths, keys=args.keys, fact_format=args.fact_format):
             n = e.meta["prompt_tokens"]
             f.write(json.dumps({"prompt": e.text[:e.text.rindex("Answer:") + len("Answer:")],
                                 "prompt_ids": e.ids[:n], "answer": e.text[e.text.rindex("Answer:") + 8:-1],
@@ -624,7 +632,7 @@ def cmd_parity(args):
     cases = [(L, kind) for L, kind in [(256, "after"), (512, "before"), (1024, "after"), (2048, "before")]
              if L <= model.cfg.seq_len][:args.prompts]
     for i, (L, kind) in enumerate(cases):
-        e = gen.example(20_000_000 + i, L, kind, 2)
+        e = gen.example(20_000_000 + i, L, kind, 2, args.keys, args.fact_format)
         prompt_text = e.text[:e.text.rindex("Answer:") + len("Answer:")]
         prompt = tok.encode(prompt_text)
         if prompt != e.ids[:e.meta["prompt_tokens"]]:
@@ -752,14 +760,15 @@ def cmd_make(args):
             g.write(f.read())
     log(f"make: {shipped}: step {ck['step']}, {model.n_params()} parameters, sha256 {sha256_of(shipped)}")
     lines = eval_lines(shipped, stories, "test", run_args.seed, args.per_cell, threads=run_args.threads,
-                       fact_format=fact_format_of(run_args))
+                       fact_format=fact_format_of(run_args), keys=keys_of(run_args))
     with open(os.path.join(args.out_dir, "eval_test.txt"), "w") as f:
         f.write("".join(line + "\n" for line in lines))
     for line in lines:
         log(f"make: {line}")
     buf = io.StringIO()
     pargs = argparse.Namespace(checkpoint=shipped, kvevict_run=args.kvevict_run, stories_dir=stories,
-                               seed=run_args.seed, prompts=4, new_tokens=16, threads=1)
+                               seed=run_args.seed, prompts=4, new_tokens=16, threads=1,
+                               keys=keys_of(run_args), fact_format=fact_format_of(run_args))
     failed = None
     with contextlib.redirect_stdout(buf):
         try:
@@ -817,7 +826,8 @@ def cmd_report(args):
     tb_report.kvevict_binding()  # fail now, not after the runs
     gen = split_generator(args)
     examples = [tb_report.Example(e, i) for i, e in
-                enumerate(tb_data.eval_set(gen, args.per_cell, lengths=lengths, kinds=tuple(kinds)))]
+                enumerate(tb_data.eval_set(gen, args.per_cell, lengths=lengths, kinds=tuple(kinds), keys=args.keys,
+                                           fact_format=args.fact_format))]
     n_cfg = len(tb_report.configs(args.recipes, args.drivers, args.budgets))
     print(f"report: {len(examples)} examples ({args.split}, lengths {lengths}, {kinds}), {n_cfg} configurations: "
           f"{len(examples) * n_cfg} kvevict-run calls on {args.jobs} processes", file=sys.stderr, flush=True)
@@ -831,13 +841,14 @@ def cmd_report(args):
           file=sys.stderr)
 
 
-def lookahead_prompts(gen, first, count, lengths, response):
+def lookahead_prompts(gen, first, count, lengths, response, keys="words", fact_format="is"):
     """`count` prompts of a split (ids, BOS first, ending at "Answer:"): example indices first, first + 1, ...,
     the question after / before the context in turn, the lengths and the needle counts (1, 2, 4) cycling;
     each example made `response` tokens shorter than its length so that prompt + response fit in it."""
     out = []
     for j in range(count):
-        e = gen.example(first + j, lengths[j // 2 % len(lengths)] - response, ("after", "before")[j % 2], (1, 2, 4)[j % 3])
+        e = gen.example(first + j, lengths[j // 2 % len(lengths)] - response, ("after", "before")[j % 2], (1, 2, 4)[j % 3],
+                        keys, fact_format)
         out.append(e.ids[:e.meta["prompt_tokens"]])
     return out
 
@@ -863,7 +874,8 @@ def cmd_lookahead(args):
         gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{split}.jsonl")),
                                 split, args.seed)
         files[split] = os.path.join(work, f"lookahead_{split}_prompts.txt")
-        text = "".join(" ".join(map(str, ids)) + "\n" for ids in lookahead_prompts(gen, first, count, lengths, args.response))
+        text = "".join(" ".join(map(str, ids)) + "\n" for ids in lookahead_prompts(gen, first, count, lengths, args.response,
+                                                                                args.keys, args.fact_format))
         with open(files[split] + ".tmp", "w") as f:
             f.write(text)
         os.replace(files[split] + ".tmp", files[split])
@@ -925,6 +937,14 @@ def fact_format_arg(p):
                         "(The note said blue door 4721.: the key right before the code)")
 
 
+def question_args(p):
+    """The format of the questions a command makes: the fact sentences and the key table (a trained
+    model is evaluated in the format it was trained on)."""
+    fact_format_arg(p)
+    p.add_argument("--keys", default="words", choices=list(tb_data.KEY_SETS),
+                   help="the key table of the questions: words (colour object) or short (one token a key)")
+
+
 def model_args(p):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=384)
@@ -941,6 +961,7 @@ def eval_set_args(p):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--per-cell", type=int, default=64)
     p.add_argument("--max-length", type=int, default=0, help="only lengths up to this (0 = all)")
+    question_args(p)
     return p
 
 
@@ -962,18 +983,13 @@ def main(argv=None):
     p.add_argument("--stop-at", default="", help="wall-clock stop of the training, HH:MM UTC (rerun to resume)")
     p.add_argument("--per-cell", type=int, default=64, help="held-out test examples per (kind, length)")
     p = eval_set_args(sub.add_parser("eval", help="exact-match retrieval accuracy of a llama2.c checkpoint"))
-    fact_format_arg(p)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
     p = eval_set_args(sub.add_parser("probe", help="the retrieval-head check: attention onto the asked fact's code"))
-    fact_format_arg(p)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--verbose", action="store_true", help="every layer and head")
     p = eval_set_args(sub.add_parser("digits", help="diagnosis: the first code digit's failures (wrong fact's code or not)"))
-    fact_format_arg(p)
-    p.add_argument("--keys", default="words", choices=list(tb_data.KEY_SETS),
-                   help="the key table of the questions (short: the key-match curriculum's one-token keys)")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="", help="the per-question rows as JSON lines")
@@ -994,12 +1010,12 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--title", default="")
     p = eval_set_args(sub.add_parser("dump", help="an evaluation set as JSON lines (prompt text and ids, answer)"))
-    fact_format_arg(p)
     p.add_argument("--out", required=True)
     p = sub.add_parser("export", help="ckpt.pt -> llama2.c checkpoint")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p = sub.add_parser("parity", help="kvevict-run's greedy ids == the PyTorch model's")
+    question_args(p)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--kvevict-run", required=True)
     p.add_argument("--stories-dir", required=True)
@@ -1024,6 +1040,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="threads of each kvevict-run")
     p.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     p = sub.add_parser("lookahead", help="train LookaheadKV for a testbed model (kvevict-lookahead on testbed prompts)")
+    question_args(p)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--kvevict-lookahead", required=True)
     p.add_argument("--stories-dir", required=True)

@@ -734,3 +734,28 @@ def test_recall_facts_caps_the_facts_of_a_recall_example(tok):
                               batch_tokens=2048, seq_len=2048, max_length=256, fact_format="adjacent", recall_facts=2)
     batch = [e for s in range(2) for e in testbed.step_batch(gen, args, s) if e.meta["kind"] == "recall"]
     assert batch and all(len(e.meta["facts"]) == 2 and e.meta["fact_format"] == "adjacent" for e in batch)
+
+
+def test_questions_follow_the_run_format(tmp_path, tok):
+    """--keys / --fact-format on every command that makes questions (dump here), and a run's own format for
+    its evaluations: a run trained with --short-keys 1 is validated (and `make` tests it) on one-token keys,
+    with fewer it stays on the colour-object keys."""
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    (stories / "test.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    out = tmp_path / "set.jsonl"
+    testbed.main(["dump", "--stories-dir", str(stories), "--per-cell", "2", "--max-length", "256", "--out", str(out),
+                  "--keys", "short", "--fact-format", "adjacent"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["meta"]["keys"] == "short" and r["meta"]["key"] in tb_data.SHORT_KEYS
+        assert tok.encode(r["prompt"]) == r["prompt_ids"] and r["answer"] == f"{r['meta']['key']} {r['meta']['code']}"
+    gen = tb_data.Generator(tok, STORIES, "val", 1)
+    args = argparse.Namespace(eval_per_cell=2, max_length=256, seq_len=2048, recall_steps=0, recall_mix=1.0,
+                              fact_format="adjacent", short_keys=1.0)
+    assert testbed.keys_of(args) == "short"
+    val = testbed.train_val_set(gen, args)
+    assert len(val) == 6 and all(e.meta["keys"] == "short" and e.meta["fact_format"] == "adjacent" for e in val)
+    args.short_keys = 0.9
+    assert testbed.keys_of(args) == "words" and all("keys" not in e.meta for e in testbed.train_val_set(gen, args))

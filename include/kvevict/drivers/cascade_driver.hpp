@@ -74,8 +74,9 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
  public:
   static constexpr const char* name = "cascade_driver";
 
-  // state_bytes(cfg) (layer_cascade::state_bytes), workspace_bytes(be), add_layer, add_layer_scores:
-  // detail::prefill_driver_skeleton.
+  // state_bytes(cfg) (layer_cascade::state_bytes), workspace_bytes(be), add_layer, add_layer_scores
+  // (documented above): detail::prefill_driver_skeleton; with a tensor-parallel communicator a call
+  // failing on one rank before the step fails on every rank.
 
   // init(cfg, memory, bytes, recorder): detail::driver_skeleton, ending in attach() below.
   // init's errors: as post_fill_driver's model / recipe / query errors; the cascade's configuration
@@ -107,7 +108,7 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
         return detail::check_layer_weight(fn, layer, weight, "weight");
       };
       const status st = local();
-      if (!st.ok() || ws.is_query()) return joined(fn, ws, st);
+      if (!st.ok() || ws.is_query()) return joined(fn, ws, st, layer, weight);
       if (sharded()) {
         in_collective_ = true;
         comm_ref tp = cfg_.tp;
@@ -116,28 +117,6 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
         KVEVICT_TRY(cascade_.add_remote_layer(host, w.sel, layer, weight));
       }
       return record_changed(layer);
-    });
-  }
-
-  /// detail::prefill_driver_skeleton's add_layer and add_layer_scores (documented above); with a
-  /// tensor-parallel communicator a call failing on one rank before the step fails on every rank.
-  /// On cuda_t: errc::unsupported (detail::drivers_on_cuda), nothing changes.
-  template <class Backend, class KV, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
-                   kv_view<const detail::layer_element_t<KV>> block_keys = {}, double weight = 0.0) {
-    constexpr const char* fn = "cascade_driver::add_layer";
-    return detail::on_host(fn, be, [&](auto host) {
-      in_collective_ = false;
-      return joined(fn, ws, prefill_driver_skeleton::add_layer(host, ws, layer, kv, queries, block_keys, weight));
-    });
-  }
-  template <class Backend, class KV, typename = detail::layer_element_t<KV>>
-  status add_layer_scores(Backend be, workspace& ws, index_t layer, const KV& kv, matrix_view<const float> scores,
-                          double weight = 0.0) {
-    constexpr const char* fn = "cascade_driver::add_layer_scores";
-    return detail::on_host(fn, be, [&](auto host) {
-      in_collective_ = false;
-      return joined(fn, ws, prefill_driver_skeleton::add_layer_scores(host, ws, layer, kv, scores, weight));
     });
   }
 
@@ -273,7 +252,7 @@ class cascade_driver : public detail::prefill_driver_skeleton<cascade_driver, ca
   /// Tensor parallelism: a call that failed on this rank before its first collective (the sharded
   /// entropy's or the cascade's agreement, both with no sums) still joins it, so the other ranks
   /// return the same error instead of waiting.
-  status joined(const char* fn, const workspace& ws, const status& st) const {
+  status joined(const char* fn, const workspace& ws, const status& st, index_t /*layer*/, double /*weight*/) const {
     if (ws.is_query() || st.ok() || !ok_ || !sharded() || in_collective_) return st;
     return detail::join_failed_call(cfg_.tp, fn, st, 0);
   }

@@ -193,11 +193,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   template <class Backend, class KV, class Q>
   status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
                    kv_view<const detail::layer_element_t<KV>> patch_keys = {}) {
-    constexpr const char* fn = "chunked_driver::add_layer";
-    return detail::on_host(fn, be, [&](auto host) {
-      in_collective_ = false;
-      return joined(fn, ws, add_layer_queries(fn, host, ws, layer, kv, queries, patch_keys, 0.0));
-    });
+    return prefill_driver_skeleton::add_layer(be, ws, layer, kv, queries, patch_keys);
   }
 
   /// add_layer with scores an engine or a trained scorer computed for the layer's current cache
@@ -208,11 +204,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
   /// Errors (nothing changes): add_layer's, except the query ones; scores of the wrong shape or NaN.
   template <class Backend, class KV, typename = detail::layer_element_t<KV>>
   status add_layer_scores(Backend be, workspace& ws, index_t layer, const KV& kv, matrix_view<const float> scores) {
-    constexpr const char* fn = "chunked_driver::add_layer_scores";
-    return detail::on_host(fn, be, [&](auto host) {
-      in_collective_ = false;
-      return joined(fn, ws, add_layer_given_scores(fn, host, ws, layer, kv, scores, 0.0));
-    });
+    return prefill_driver_skeleton::add_layer_scores(be, ws, layer, kv, scores);
   }
 
   /// The recipe the current chunk is scored with: naive / final chunks as a prompt window of the
@@ -507,7 +499,7 @@ class chunked_driver : public detail::prefill_driver_skeleton<chunked_driver, ch
 
   /// Tensor parallelism: a call that failed on this rank before its layer's first collective
   /// still joins it, so the other ranks return the same error instead of waiting.
-  status joined(const char* fn, const workspace& ws, const status& st) {
+  status joined(const char* fn, const workspace& ws, const status& st, index_t /*layer*/, double /*weight*/) {
     if (ws.is_query() || st.ok() || !ok_ || !sharded() || in_collective_) return st;
     return detail::join_failed_call(cfg_.tp, fn, st, lava() ? 0 : 2);
   }

@@ -131,31 +131,9 @@ class post_fill_driver : public detail::prefill_driver_skeleton<post_fill_driver
  public:
   static constexpr const char* name = "post_fill_driver";
 
-  // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton.
-
-  /// detail::prefill_driver_skeleton's add_layer and add_layer_scores (documented above); with a
-  /// tensor-parallel communicator a call failing on one rank fails on every rank. On cuda_t:
-  /// errc::unsupported (detail::drivers_on_cuda), nothing changes.
-  template <class Backend, class KV, class Q>
-  status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
-                   kv_view<const detail::layer_element_t<KV>> block_keys = {}, double weight = 0.0) {
-    constexpr const char* fn = "post_fill_driver::add_layer";
-    return detail::on_host(fn, be, [&](auto host) {
-      in_collective_ = false;
-      return joined(fn, ws, prefill_driver_skeleton::add_layer(host, ws, layer, kv, queries, block_keys, weight),
-                    layer, weight);
-    });
-  }
-  template <class Backend, class KV, typename = detail::layer_element_t<KV>>
-  status add_layer_scores(Backend be, workspace& ws, index_t layer, const KV& kv, matrix_view<const float> scores,
-                          double weight = 0.0) {
-    constexpr const char* fn = "post_fill_driver::add_layer_scores";
-    return detail::on_host(fn, be, [&](auto host) {
-      in_collective_ = false;
-      return joined(fn, ws, prefill_driver_skeleton::add_layer_scores(host, ws, layer, kv, scores, weight), layer,
-                    weight);
-    });
-  }
+  // state_bytes(cfg), workspace_bytes(be): detail::driver_skeleton. add_layer, add_layer_scores
+  // (documented above): detail::prefill_driver_skeleton; with a tensor-parallel communicator a call
+  // failing on one rank fails on every rank.
 
   // init(cfg, memory, bytes, recorder): detail::driver_skeleton, ending in attach() below.
   // Binds the driver to `memory` (>= state_bytes(cfg), any alignment), copies the budgets and

@@ -526,7 +526,10 @@ class driver_skeleton {
 /// recipe's queries (add_layer) or with scores (add_layer_scores); both reach Derived::add_scored.
 /// Derived provides, besides driver_skeleton's: check_layer_call(fn, layer, kv, by_scores),
 /// query_rows_now(), block_keys_now(), check_call_rest(fn, ws, layer, lens, weight),
-/// score_recipe(), scores_of(layer, w), score_columns(), add_scored(be, w, layer, kv, scores, weight).
+/// score_recipe(), scores_of(layer, w), score_columns(), add_scored(be, w, layer, kv, scores, weight),
+/// and for tensor parallelism a member `bool in_collective_` (set once the call reaches its first
+/// collective) and joined(fn, ws, st, layer, weight) (a call that failed on this rank before it still
+/// joins the ranks' agreement, so every rank returns the error instead of waiting).
 /// The public entry points are documented in docs/drivers.md and at each driver's class.
 template <class Derived, class Config>
 class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
@@ -536,6 +539,7 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
   /// the driver takes one): every head is scored with recipe_scores, then add_layer_scores' path.
   /// kv: a layer_kv, or a paged_layer_kv (one sequence of a paged layer; the config's
   /// pool_pages bounds its pools).
+  /// With a tensor-parallel communicator a call failing on one rank fails on every rank.
   /// On cuda_t both refuse (drivers_on_cuda), nothing changes.
   template <class Backend, class KV, class Q>
   status add_layer(Backend be, workspace& ws, index_t layer, const KV& kv, kv_view<Q> queries,
@@ -543,7 +547,9 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
     char fn[64];
     std::snprintf(fn, sizeof fn, "%s::add_layer", Derived::name);
     return on_host(fn, be, [&](auto host) {
-      return add_layer_queries(fn, host, ws, layer, kv, queries, block_keys, weight);
+      Derived& d = static_cast<Derived&>(*this);
+      d.in_collective_ = false;
+      return d.joined(fn, ws, add_layer_queries(fn, host, ws, layer, kv, queries, block_keys, weight), layer, weight);
     });
   }
 
@@ -558,7 +564,11 @@ class prefill_driver_skeleton : public driver_skeleton<Derived, Config> {
                           double weight = 0.0) {
     char fn[64];
     std::snprintf(fn, sizeof fn, "%s::add_layer_scores", Derived::name);
-    return on_host(fn, be, [&](auto host) { return add_layer_given_scores(fn, host, ws, layer, kv, scores, weight); });
+    return on_host(fn, be, [&](auto host) {
+      Derived& d = static_cast<Derived&>(*this);
+      d.in_collective_ = false;
+      return d.joined(fn, ws, add_layer_given_scores(fn, host, ws, layer, kv, scores, weight), layer, weight);
+    });
   }
 
  protected:

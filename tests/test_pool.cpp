@@ -333,7 +333,7 @@ TEST_CASE("pool1d: the small-kernel direct path gives the two-pass algorithm's b
 
 #if defined(KVEVICT_POOL_FAST_PATH)
 TEST_CASE("pool1d: every ISA copy of the small-kernel path equals the two-pass algorithm bit for bit") {
-  // Each copy (baseline, AVX2, AVX2 + FMA, AVX-512F: those this CPU runs) called directly on the interior of
+  // Each copy (baseline, AVX2, AVX-512F: those this CPU runs) called directly on the interior of
   // rows long enough for several 512-output chunks. Max takes the raw-bits path on chunks whose
   // inputs are all >= +0 (or +inf) and the key path on the others, so the rows are non-negative
   // scores with ties, +0, subnormals, FLT_MAX and +inf, some with one negative / -0 / NaN / -inf
@@ -351,10 +351,6 @@ TEST_CASE("pool1d: every ISA copy of the small-kernel path equals the two-pass a
     copies.push_back({"avx2",
                       {detail::pool_fast::interior_avx2<3>, detail::pool_fast::interior_avx2<5>,
                        detail::pool_fast::interior_avx2<7>, detail::pool_fast::interior_avx2<9>}});
-  if (detail::host_has_avx2() && detail::host_has_fma())
-    copies.push_back({"avx2_fma",
-                      {detail::pool_fast::interior_avx2_fma<3>, detail::pool_fast::interior_avx2_fma<5>,
-                       detail::pool_fast::interior_avx2_fma<7>, detail::pool_fast::interior_avx2_fma<9>}});
   if (detail::host_has_avx512f())
     copies.push_back({"avx512",
                       {detail::pool_fast::interior_avx512<3>, detail::pool_fast::interior_avx512<5>,
@@ -406,105 +402,4 @@ TEST_CASE("pool1d: every ISA copy of the small-kernel path equals the two-pass a
     }
   }
 }
-
-#  if KVEVICT_HOST_X86_DISPATCH
-namespace {
-// The reciprocal quotients of avg pooling on n sums (n a multiple of 16): apply (the library's, with
-// its division of vectors holding a tiny sum) or lanes (the per-lane quotient alone).
-__attribute__((target("avx2,fma"))) void quotients8(bool whole, const float* s, float d, float* out, std::size_t n) {
-  using namespace detail::pool_fast;
-  const vf8 dv = vf8{} + d, yv = vf8{} + reciprocal(d);
-  for (std::size_t i = 0; i < n; i += 8) {
-    vf8 v, q;
-    std::memcpy(&v, s + i, sizeof v);
-    if (whole) quot_fma8::apply(v, dv, yv, q);
-    else quot_fma8::lanes(v, dv, yv, q);
-    std::memcpy(out + i, &q, sizeof q);
-  }
-}
-__attribute__((target("avx512f,avx2,fma"))) void quotients16(bool whole, const float* s, float d, float* out,
-                                                            std::size_t n) {
-  using namespace detail::pool_fast;
-  const vf16 dv = vf16{} + d, yv = vf16{} + reciprocal(d);
-  for (std::size_t i = 0; i < n; i += 16) {
-    vf16 v, q;
-    std::memcpy(&v, s + i, sizeof v);
-    if (whole) quot_fma16::apply(v, dv, yv, q);
-    else quot_fma16::lanes(v, dv, yv, q);
-    std::memcpy(out + i, &q, sizeof q);
-  }
-}
-}  // namespace
-
-TEST_CASE("pool1d: the reciprocal quotient of avg pooling gives the IEEE division's bits (sampled sums)") {
-  // The sampled version of bench/pool_div_check.cpp (which runs all 2^32 patterns per divisor): for
-  // each divisor 1 .. recip_max_divisor, 4096 sums: edge patterns (zeros, subnormals, the 2^-120
-  // threshold of the division fallback, FLT_MIN / FLT_MAX, infinities, NaNs with payloads, the
-  // subnormal midpoint 9 * 2^-149 / 6 the correction alone gets wrong), exact multiples of d, scores in
-  // [0, 1), patterns near the threshold and random bit patterns, in random order (so vectors mix tiny
-  // sums with others). apply must equal s / d everywhere; lanes (the vector path without the fallback)
-  // everywhere but 0 < |s| < 2^-120. Every pattern is also run in vectors of non-tiny sums only.
-  using detail::pool_fast::recip_max_divisor;
-  using detail::pool_fast::recip_tiny_bits;
-  struct copy {
-    const char* name;
-    void (*fn)(bool, const float*, float, float*, std::size_t);
-  };
-  std::vector<copy> copies;
-  if (detail::host_has_avx2() && detail::host_has_fma()) copies.push_back({"avx2_fma", quotients8});
-  if (detail::host_has_avx512f()) copies.push_back({"avx512", quotients16});
-  if (copies.empty()) return;  // this CPU runs neither: the division is the only path
-  const auto tiny = [&](float f) { return (bits(f) & 0x7fffffffu) - 1u < recip_tiny_bits - 1u; };
-  auto g = kvtest::rng(1909);
-  constexpr std::size_t n = 4096;
-  const std::uint32_t edges[] = {0x00000000u, 0x80000000u, 0x00000001u, 0x80000001u, 0x00000009u, 0x007fffffu, 0x00800000u,
-                                 0x037fffffu, 0x03800000u, 0x03800001u, 0x837fffffu, 0x83800000u, 0x3f800000u, 0x7f7fffffu,
-                                 0xff7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00000u, 0x7fa00001u, 0x7f800001u,
-                                 0xffffffffu};
-  std::vector<float> s(n), ok(n), out(n);
-  for (int d = 1; d <= recip_max_divisor; ++d) {
-    CAPTURE(d);
-    std::size_t m = 0;
-    for (std::uint32_t e : edges) s[m++] = from_bits(e);
-    while (m < n) {
-      const std::uint64_t u = kvtest::uniform_int(g, 0, (std::int64_t{1} << 32) - 1);
-      switch (m % 5) {
-        case 0: s[m++] = static_cast<float>(d) * static_cast<float>(kvtest::uniform_int(g, -4096, 4096)); break;
-        case 1: s[m++] = kvtest::random_floats(g, 1, 0.f, 1.f)[0]; break;
-        case 2:  // near 2^-120, either sign
-          s[m++] = from_bits((recip_tiny_bits + static_cast<std::uint32_t>(u % 4096) - 2048u) |
-                             (static_cast<std::uint32_t>(u >> 31) << 31));
-          break;
-        default: s[m++] = from_bits(static_cast<std::uint32_t>(u));
-      }
-    }
-    std::shuffle(s.begin(), s.end(), g);
-    std::size_t nk = 0;  // the non-tiny sums, padded to whole vectors with 1
-    for (float v : s)
-      if (!tiny(v)) ok[nk++] = v;
-    for (; nk % 16 != 0; ++nk) ok[nk] = 1.f;
-    for (const copy& c : copies) {
-      CAPTURE(c.name);
-      c.fn(true, s.data(), static_cast<float>(d), out.data(), n);
-      for (std::size_t i = 0; i < n; ++i) {
-        CAPTURE(bits(s[i]));
-        REQUIRE(bits(out[i]) == bits(s[i] / static_cast<float>(d)));
-      }
-      c.fn(false, s.data(), static_cast<float>(d), out.data(), n);
-      for (std::size_t i = 0; i < n; ++i)
-        if (!tiny(s[i])) {
-          CAPTURE(bits(s[i]));
-          REQUIRE(bits(out[i]) == bits(s[i] / static_cast<float>(d)));
-        }
-      for (bool whole : {true, false}) {
-        c.fn(whole, ok.data(), static_cast<float>(d), out.data(), nk);
-        for (std::size_t i = 0; i < nk; ++i) {
-          CAPTURE(bits(ok[i]));
-          REQUIRE(bits(out[i]) == bits(ok[i] / static_cast<float>(d)));
-        }
-      }
-    }
-  }
-}
-#  endif
 #endif

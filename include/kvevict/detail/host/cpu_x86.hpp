@@ -1,6 +1,5 @@
 // Run-time CPU checks of the host kernels that have an AVX2 copy besides their baseline one
-// (compaction's gather, the GQA max, pooling; pooling also has an AVX-512F one and an AVX2 + FMA one).
-// Nothing here is API.
+// (compaction's gather, the GQA max, pooling; pooling also has an AVX-512F one). Nothing here is API.
 #pragma once
 
 #if !defined(KVEVICT_NO_X86_DISPATCH) && (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && \
@@ -17,14 +16,6 @@ inline bool host_has_avx2() noexcept {
   static const bool yes = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") != 0;
-  }();
-  return yes;
-}
-/// Whether this CPU has FMA (asked once; pooling's reciprocal quotient needs it besides AVX2).
-inline bool host_has_fma() noexcept {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("fma") != 0;
   }();
   return yes;
 }

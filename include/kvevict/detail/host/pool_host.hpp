@@ -13,9 +13,6 @@
 //                  + (((a_{k-j} + a_{k-j+1}) + ...) + a_{k-1})             (prefix of the next)
 //        Each of the k expressions is evaluated for the 8 lanes and the lane's own phase selected,
 //        so the result is that of pool.hpp's code bit for bit (tests/test_pool.cpp compares them).
-//        The window sum's division `sum / div` is the IEEE division in the baseline and AVX2 copies;
-//        the AVX2 + FMA and AVX-512F copies compute the same bits from a reciprocal and two FMAs
-//        (quot_fma8 / quot_fma16 below, checked exhaustively by bench/pool_div_check.cpp).
 // The r outputs at each end of a row (windows reaching outside it) use pool.hpp's row code.
 // Only for GCC / clang host code (not nvcc's front end); elsewhere pool.hpp's code runs alone.
 #pragma once
@@ -32,10 +29,6 @@
 #if !defined(KVEVICT_NO_POOL_FAST_PATH) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && \
     !defined(__NVCOMPILER)
 #  define KVEVICT_POOL_FAST_PATH 1
-#endif
-
-#if defined(KVEVICT_POOL_FAST_PATH) && KVEVICT_HOST_X86_DISPATCH
-#  include <immintrin.h>
 #endif
 
 #if defined(KVEVICT_POOL_FAST_PATH)
@@ -193,104 +186,9 @@ KVEVICT_POOL_INLINE void phase_sum(const V* a, int j, V& out) noexcept {
   out = s + p;
 }
 
-/// Average pooling's quotient `out = s / d` on the lanes of s (d: div in every lane, y: reciprocal(div)
-/// in every lane). quot_div is the IEEE division (the baseline and AVX2 copies, and any divisor the
-/// reciprocal is not checked for).
-struct quot_div {
-  template <class VF>
-  static KVEVICT_POOL_INLINE void apply(const VF& s, const VF& d, const VF&, VF& out) noexcept {
-    out = s / d;
-  }
-};
-
-/// The divisors the reciprocal quotient is checked for: every integer 1 .. recip_max_divisor (the
-/// fast path uses div = K <= 9; pool_div_check covers every kernel and valid count up to 64).
-constexpr int recip_max_divisor = 64;
-/// Whether div is one of those divisors (the FMA copies divide for any other).
-inline bool recip_checked(float div) noexcept {
-  return div >= 1.f && div <= static_cast<float>(recip_max_divisor) && div == static_cast<float>(static_cast<int>(div));
-}
-/// The bits of 2^-120: sums below it in magnitude (zero excepted) take the division (quot_fma8 / 16).
-constexpr std::uint32_t recip_tiny_bits = 0x03800000u;
-/// y = RN(1 / div), computed once per row part.
-inline float reciprocal(float div) noexcept { return 1.f / div; }
-
-#  if KVEVICT_HOST_X86_DISPATCH
-/// The quotient from the reciprocal, with y = RN(1/d):
-///   q  = RN(s * y)
-///   r  = fma(-q, d, s)       the remainder s - q*d, exact (one rounding of an exact value)
-///   q' = fma(r, y, q)        Markstein's correction
-/// and q itself in the lanes where r == 0 (q*d == s: q is the exact quotient; q' would turn a -0
-/// quotient into +0, as -0 + +0 = +0) or s is not finite (an infinite s: q = +-inf, the quotient,
-/// while r and q' are NaN; a NaN s: q is s quieted, as the division gives it). A vector with a lane
-/// 0 < |s| < 2^-120 (recip_tiny_bits) is divided instead: a quotient in the subnormal range can be an
-/// exact midpoint of its coarser grid (s = 9 * 2^-149, d = 6: 1.5 * 2^-149, rounded to even 2^-148),
-/// which the correction misses (it gives 2^-149); 2^-120 = 64 * 2^-126 keeps every quotient of the
-/// checked divisors that the correction computes normal. bench/pool_div_check.cpp
-/// runs every one of the 2^32 float bit patterns as s through both copies below, for every divisor
-/// 1 .. recip_max_divisor, against the IEEE division: no pattern differs (docs/PERFORMANCE.md, "Issue
-/// 18, round nine: average pooling"), so the result is the bits of `s / d`, in the default
-/// floating-point environment (round to nearest, no flush-to-zero / denormals-are-zero, as for every
-/// kernel here). The fused operations are explicit intrinsics (never a contraction the compiler may
-/// or may not make).
-struct quot_fma8 {
-  /// The per-lane quotient (q' or q), without the tiny-sum test.
-  __attribute__((target("avx2,fma"))) static KVEVICT_POOL_INLINE void lanes(const vf8& s, const vf8& d, const vf8& y,
-                                                                          vf8& out) noexcept {
-    const vf8 q = s * y;
-    const vf8 rem = _mm256_fnmadd_ps(q, d, s);
-    const vf8 c = _mm256_fmadd_ps(rem, y, q);
-    vu8 sb;
-    std::memcpy(&sb, &s, sizeof sb);
-    const vi8 keep_q = (rem == 0.f) | ((sb & 0x7fffffffu) >= 0x7f800000u);
-    out = keep_q ? q : c;
-  }
-  /// Whether some lane has 0 < |s| < 2^-120.
-  __attribute__((target("avx2,fma"))) static KVEVICT_POOL_INLINE bool has_tiny(const vf8& s) noexcept {
-    vu8 sb;
-    std::memcpy(&sb, &s, sizeof sb);
-    const vi8 tiny = ((sb & 0x7fffffffu) - 1u) < (recip_tiny_bits - 1u);
-    return _mm256_movemask_ps(reinterpret_cast<__m256>(tiny)) != 0;
-  }
-  /// (not always_inline: avg_interior has no target of its own; once it is inlined into the AVX2 + FMA
-  /// copy, the compiler inlines this there)
-  __attribute__((target("avx2,fma"))) static inline void apply(const vf8& s, const vf8& d, const vf8& y,
-                                                             vf8& out) noexcept {
-    lanes(s, d, y, out);
-    if (has_tiny(s)) out = s / d;
-  }
-};
-/// The same operations on 16 lanes (AVX-512F).
-struct quot_fma16 {
-  __attribute__((target("avx512f,avx2,fma"))) static KVEVICT_POOL_INLINE void lanes(const vf16& s, const vf16& d,
-                                                                                  const vf16& y, vf16& out) noexcept {
-    const vf16 q = s * y;
-    const vf16 rem = _mm512_fnmadd_ps(q, d, s);
-    const vf16 c = _mm512_fmadd_ps(rem, y, q);
-    vu16 sb;
-    std::memcpy(&sb, &s, sizeof sb);
-    const vi16 keep_q = (rem == 0.f) | ((sb & 0x7fffffffu) >= 0x7f800000u);
-    out = keep_q ? q : c;
-  }
-  __attribute__((target("avx512f,avx2,fma"))) static KVEVICT_POOL_INLINE bool has_tiny(const vf16& s) noexcept {
-    vu16 sb;
-    std::memcpy(&sb, &s, sizeof sb);
-    const vu16 t = (sb & 0x7fffffffu) - 1u;
-    return _mm512_cmplt_epu32_mask(reinterpret_cast<__m512i>(t),
-                                   _mm512_set1_epi32(static_cast<int>(recip_tiny_bits - 1u))) != 0;
-  }
-  __attribute__((target("avx512f,avx2,fma"))) static inline void apply(const vf16& s, const vf16& d, const vf16& y,
-                                                                     vf16& out) noexcept {
-    lanes(s, d, y, out);
-    if (has_tiny(s)) out = s / d;
-  }
-};
-#  endif
-
 /// Average pooling (divided by `div`, the kernel or the valid count, which is K inside the row) of
-/// outputs [lo, hi), all windows inside the row; VF lanes at a time (VI: the lanes' phases), each
-/// vector's quotient by Quot.
-template <int K, class VF = vf8, class VI = vi8, class Quot = quot_div>
+/// outputs [lo, hi), all windows inside the row; VF lanes at a time (VI: the lanes' phases).
+template <int K, class VF = vf8, class VI = vi8>
 KVEVICT_POOL_INLINE void avg_interior(const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
   constexpr int r = K / 2;
   constexpr index_t W = static_cast<index_t>(sizeof(VF) / sizeof(float));
@@ -298,7 +196,7 @@ KVEVICT_POOL_INLINE void avg_interior(const float* x, float* y, index_t lo, inde
   if (i + W <= hi) {
     VI phase;
     for (int l = 0; l < W; ++l) phase[l] = static_cast<std::int32_t>((i + l) % K);
-    const VF dv = VF{} + div, yv = VF{} + reciprocal(div);
+    const VF dv = VF{} + div;
     for (; i + W <= hi; i += W) {
       VF a[K];
       for (int t = 0; t < K; ++t) {
@@ -311,9 +209,9 @@ KVEVICT_POOL_INLINE void avg_interior(const float* x, float* y, index_t lo, inde
         phase_sum<K>(a, j, e);
         s = phase == j ? e : s;
       }
-      Quot::apply(s, dv, yv, e);
-      if constexpr (W == 8) store8(y + (i - lo), e);
-      else std::memcpy(y + (i - lo), &e, sizeof e);
+      s = s / dv;
+      if constexpr (W == 8) store8(y + (i - lo), s);
+      else std::memcpy(y + (i - lo), &s, sizeof s);
       phase += W % K;
       phase = phase >= K ? phase - K : phase;
     }
@@ -339,31 +237,20 @@ __attribute__((target("avx2"))) void interior_avx2(bool is_max, const float* x, 
   if (is_max) max_interior<K, vu8>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
-/// The AVX2 copy with the reciprocal quotient (quot_fma8) for the divisors it is checked for.
+/// 16 lanes for max pooling (the raw-bits path) and for avg (16 outputs per division and per
+/// evaluation of the K phase expressions: the same operations per lane as the 8-lane copies).
 template <int K>
-__attribute__((target("avx2,fma"))) void interior_avx2_fma(bool is_max, const float* x, float* y, index_t lo,
-                                                            index_t hi, float div) noexcept {
-  if (is_max) max_interior<K, vu8>(x, y, lo, hi);
-  else if (recip_checked(div)) avg_interior<K, vf8, vi8, quot_fma8>(x, y, lo, hi, div);
-  else avg_interior<K>(x, y, lo, hi, div);
-}
-/// 16 lanes for max pooling (the raw-bits path) and for avg (16 outputs per quotient and per
-/// evaluation of the K phase expressions: the same operations per lane as the 8-lane copies; the
-/// reciprocal quotient quot_fma16, AVX-512F having FMA).
-template <int K>
-__attribute__((target("avx512f,avx2,fma"))) void interior_avx512(bool is_max, const float* x, float* y, index_t lo,
-                                                                  index_t hi, float div) noexcept {
+__attribute__((target("avx512f,avx2"))) void interior_avx512(bool is_max, const float* x, float* y, index_t lo,
+                                                              index_t hi, float div) noexcept {
   if (is_max) max_interior<K, vu16>(x, y, lo, hi);
-  else if (recip_checked(div)) avg_interior<K, vf16, vi16, quot_fma16>(x, y, lo, hi, div);
   else avg_interior<K, vf16, vi16>(x, y, lo, hi, div);
 }
 #  endif
-/// The same bits on every copy: the ISA changes the speed, never the result.
+/// The same operations on every copy: the ISA changes the speed, never the bits.
 template <int K>
 void interior(bool is_max, const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
 #  if KVEVICT_HOST_X86_DISPATCH
   if (host_has_avx512f()) return interior_avx512<K>(is_max, x, y, lo, hi, div);
-  if (host_has_avx2() && host_has_fma()) return interior_avx2_fma<K>(is_max, x, y, lo, hi, div);
   if (host_has_avx2()) return interior_avx2<K>(is_max, x, y, lo, hi, div);
 #  endif
   interior_base<K>(is_max, x, y, lo, hi, div);

@@ -74,6 +74,12 @@ struct quot8 {
     const vi8 keep_q = (rem == 0.f) | ((sb & 0x7fffffffu) >= 0x7f800000u);
     out = keep_q ? q : c;
   }
+  /// q' alone (not exact: the check's `corrected` variant)
+  __attribute__((target("avx2,fma"))) static inline void corrected(const vf8& s, const vf8& d, const vf8& y,
+                                                                  vf8& out) noexcept {
+    const vf8 q = s * y;
+    out = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, d, s), y, q);
+  }
   __attribute__((target("avx2,fma"))) static inline void apply(const vf8& s, const vf8& d, const vf8& y,
                                                               vf8& out) noexcept {
     lanes(s, d, y, out);
@@ -94,6 +100,11 @@ struct quot16 {
     std::memcpy(&sb, &s, sizeof sb);
     const vi16 keep_q = (rem == 0.f) | ((sb & 0x7fffffffu) >= 0x7f800000u);
     out = keep_q ? q : c;
+  }
+  __attribute__((target("avx512f,avx2,fma"))) static inline void corrected(const vf16& s, const vf16& d,
+                                                                          const vf16& y, vf16& out) noexcept {
+    const vf16 q = s * y;
+    out = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, d, s), y, q);
   }
   __attribute__((target("avx512f,avx2,fma"))) static inline void apply(const vf16& s, const vf16& d, const vf16& y,
                                                                       vf16& out) noexcept {
@@ -116,46 +127,40 @@ constexpr std::size_t keep_first = 8;  // mismatches printed per divisor
 
 enum class variant { guarded = 0, lanes = 1, product = 2, corrected = 3 };
 
-/// Every pattern through quot_fma16 (or a variant) and the division, 16 lanes at a time; mismatches
-/// appended to bad.
-template <variant V>
-__attribute__((target("avx512f,avx2,fma"))) std::uint64_t check_avx512(float d, std::vector<mismatch>& bad, std::uint64_t& n_tiny) {
-  const vf16 dv = vf16{} + d, yv = vf16{} + (1.f / d);
-  vu16 lane;
-  for (std::uint32_t l = 0; l < 16; ++l) lane[l] = l;
+/// Every pattern through Q's quotient (or a variant: V) and the division, W lanes at a time (VF / VU:
+/// W floats / uint32); mismatches counted, the first keep_first appended to bad. Inlined into the two
+/// target copies below, so its vector operations and Q's calls compile for that ISA.
+template <class VF, class VU, class Q, variant V>
+__attribute__((always_inline)) inline std::uint64_t check_all(float d, std::vector<mismatch>& bad, std::uint64_t& n_tiny) {
+  constexpr int W = static_cast<int>(sizeof(VF) / sizeof(float));
+  const VF dv = VF{} + d, yv = VF{} + (1.f / d);
+  VU lane;
+  for (int l = 0; l < W; ++l) lane[l] = static_cast<std::uint32_t>(l);
+  const auto both = [&](std::uint64_t p, VU& sb, VU& qb, VU& wb) {  // patterns p .. p + W - 1
+    sb = lane + static_cast<std::uint32_t>(p);
+    VF s, q;
+    std::memcpy(&s, &sb, sizeof s);
+    if constexpr (V == variant::guarded) Q::apply(s, dv, yv, q);
+    else if constexpr (V == variant::lanes) Q::lanes(s, dv, yv, q);
+    else if constexpr (V == variant::product) q = s * yv;
+    else Q::corrected(s, dv, yv, q);
+    const VF want = s / dv;
+    std::memcpy(&qb, &q, sizeof qb);
+    std::memcpy(&wb, &want, sizeof wb);
+  };
   std::uint64_t n_bad = 0;
   for (std::uint64_t b0 = 0; b0 < all_patterns; b0 += block) {
-    vu16 diff{};
-    for (std::uint64_t p = b0; p < b0 + block; p += 16) {
-      const vu16 sb = lane + static_cast<std::uint32_t>(p);
-      vf16 s, q;
-      std::memcpy(&s, &sb, sizeof s);
-      if constexpr (V == variant::guarded) quot16::apply(s, dv, yv, q);
-      else if constexpr (V == variant::lanes) quot16::lanes(s, dv, yv, q);
-      else if constexpr (V == variant::product) q = s * yv;
-      else q = _mm512_fmadd_ps(_mm512_fnmadd_ps(s * yv, dv, s), yv, s * yv);
-      const vf16 want = s / dv;
-      vu16 qb, wb;
-      std::memcpy(&qb, &q, sizeof qb);
-      std::memcpy(&wb, &want, sizeof wb);
+    VU diff{}, sb, qb, wb;
+    for (std::uint64_t p = b0; p < b0 + block; p += W) {
+      both(p, sb, qb, wb);
       diff |= qb ^ wb;
     }
     std::uint32_t any = 0;
-    for (int l = 0; l < 16; ++l) any |= diff[l];
+    for (int l = 0; l < W; ++l) any |= diff[l];
     if (any == 0) continue;
-    for (std::uint64_t p = b0; p < b0 + block; p += 16) {  // the block again, lane by lane
-      const vu16 sb = lane + static_cast<std::uint32_t>(p);
-      vf16 s, q;
-      std::memcpy(&s, &sb, sizeof s);
-      if constexpr (V == variant::guarded) quot16::apply(s, dv, yv, q);
-      else if constexpr (V == variant::lanes) quot16::lanes(s, dv, yv, q);
-      else if constexpr (V == variant::product) q = s * yv;
-      else q = _mm512_fmadd_ps(_mm512_fnmadd_ps(s * yv, dv, s), yv, s * yv);
-      const vf16 want = s / dv;
-      vu16 qb, wb;
-      std::memcpy(&qb, &q, sizeof qb);
-      std::memcpy(&wb, &want, sizeof wb);
-      for (int l = 0; l < 16; ++l)
+    for (std::uint64_t p = b0; p < b0 + block; p += W) {  // the block again, lane by lane
+      both(p, sb, qb, wb);
+      for (int l = 0; l < W; ++l)
         if (qb[l] != wb[l]) {
           ++n_bad;
           if (tiny(sb[l])) ++n_tiny;
@@ -166,53 +171,14 @@ __attribute__((target("avx512f,avx2,fma"))) std::uint64_t check_avx512(float d, 
   return n_bad;
 }
 
-/// The same with quot_fma8, 8 lanes at a time.
+template <variant V>
+__attribute__((target("avx512f,avx2,fma"))) std::uint64_t check_avx512(float d, std::vector<mismatch>& bad,
+                                                                        std::uint64_t& n_tiny) {
+  return check_all<vf16, vu16, quot16, V>(d, bad, n_tiny);
+}
 template <variant V>
 __attribute__((target("avx2,fma"))) std::uint64_t check_avx2fma(float d, std::vector<mismatch>& bad, std::uint64_t& n_tiny) {
-  const vf8 dv = vf8{} + d, yv = vf8{} + (1.f / d);
-  vu8 lane;
-  for (std::uint32_t l = 0; l < 8; ++l) lane[l] = l;
-  std::uint64_t n_bad = 0;
-  for (std::uint64_t b0 = 0; b0 < all_patterns; b0 += block) {
-    vu8 diff{};
-    for (std::uint64_t p = b0; p < b0 + block; p += 8) {
-      const vu8 sb = lane + static_cast<std::uint32_t>(p);
-      vf8 s, q;
-      std::memcpy(&s, &sb, sizeof s);
-      if constexpr (V == variant::guarded) quot8::apply(s, dv, yv, q);
-      else if constexpr (V == variant::lanes) quot8::lanes(s, dv, yv, q);
-      else if constexpr (V == variant::product) q = s * yv;
-      else q = _mm256_fmadd_ps(_mm256_fnmadd_ps(s * yv, dv, s), yv, s * yv);
-      const vf8 want = s / dv;
-      vu8 qb, wb;
-      std::memcpy(&qb, &q, sizeof qb);
-      std::memcpy(&wb, &want, sizeof wb);
-      diff |= qb ^ wb;
-    }
-    std::uint32_t any = 0;
-    for (int l = 0; l < 8; ++l) any |= diff[l];
-    if (any == 0) continue;
-    for (std::uint64_t p = b0; p < b0 + block; p += 8) {
-      const vu8 sb = lane + static_cast<std::uint32_t>(p);
-      vf8 s, q;
-      std::memcpy(&s, &sb, sizeof s);
-      if constexpr (V == variant::guarded) quot8::apply(s, dv, yv, q);
-      else if constexpr (V == variant::lanes) quot8::lanes(s, dv, yv, q);
-      else if constexpr (V == variant::product) q = s * yv;
-      else q = _mm256_fmadd_ps(_mm256_fnmadd_ps(s * yv, dv, s), yv, s * yv);
-      const vf8 want = s / dv;
-      vu8 qb, wb;
-      std::memcpy(&qb, &q, sizeof qb);
-      std::memcpy(&wb, &want, sizeof wb);
-      for (int l = 0; l < 8; ++l)
-        if (qb[l] != wb[l]) {
-          ++n_bad;
-          if (tiny(sb[l])) ++n_tiny;
-          if (bad.size() < keep_first) bad.push_back({sb[l], qb[l], wb[l]});
-        }
-    }
-  }
-  return n_bad;
+  return check_all<vf8, vu8, quot8, V>(d, bad, n_tiny);
 }
 
 float from_bits(std::uint32_t u) {

@@ -105,9 +105,7 @@ template <class E, class Backend>
 status r8_compact(Backend be, op o, const E* src, index_t H, index_t T, index_t d, index_t k, const pos_t* kept,
                   const std::int32_t* cu, std::int32_t* lens, E* out, E* cache) {
   constexpr index_t block = 128;
-  const auto c = detail::gather_copy_best(static_cast<std::size_t>(d) * sizeof(E)) == detail::gather_copy::bytes
-                     ? detail::gather_copy::bytes
-                     : detail::gather_copy::avx2;
+  constexpr auto c = detail::gather_copy::avx2;  // the bytes copy where unavailable
   switch (o) {
     case op::dense: {
       if (!r8_kept_ok(kept, H, k, T, false)) return status::error(errc::out_of_range, "kept");
@@ -233,7 +231,9 @@ void run(benchmark::State& st, index_t H, index_t T, index_t d, index_t k, op o,
     if (which == impl::kvevict) {
       if (!ok(st, call(), op_name(o))) return;
     } else if (which == impl::kvevict_r8) {
-      if (!ok(st, r8_compact(be, o, c.src.data(), H, T, d, k, kept, cu, lens.data(), out.data(), cache.data()), op_name(o))) return;
+      if (!ok(st, r8_compact(be, o, c.src.data(), H, T, d, k, kept, cu, lens.data(), out.data(), cache.data()),
+              op_name(o)))
+        return;
     } else {
       by_hand();
     }

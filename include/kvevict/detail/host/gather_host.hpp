@@ -10,16 +10,16 @@
 //   - copies a row whose size is a multiple of 32 bytes inline (the usual sizes as constants), by
 //     groups of up to 256 bytes loaded into registers before any of it is stored, groups in
 //     ascending order: a forward copy, which is also memmove's result when the destination does
-//     not lie above the source (in place: row j comes from row pos[j] >= j); 64-byte vectors when
-//     the CPU has AVX-512F and the row is a multiple of 64 bytes, else 32-byte vectors when it has
-//     AVX2 (chosen at run time), 16-byte ones otherwise; other rows with memcpy / memmove;
-//   - when the caller asks to stream (an output larger than gather_stream_bytes, beyond L2) and
-//     the destination rows are aligned to the vector, stores with non-temporal stores (no read
-//     for ownership of the destination lines; one sfence at the end of the call). In place this
-//     is safe too: a later row's source pos[j'] >= j' lies above every row already written.
-// One line per vector matters: 64-byte loads and stores took the fp16 d = 128 gather (256-byte
-// rows) from 288 to 228 us, streaming stores to 205 us (docs/PERFORMANCE.md, "Issue 18, round
-// nine: compaction").
+//     not lie above the source (in place: row j comes from row pos[j] >= j); 32-byte vectors when
+//     the CPU has AVX2 (chosen at run time), 16-byte ones otherwise; other rows with memcpy /
+//     memmove;
+//   - when the caller asks to stream (an output of at least gather_stream_bytes) and the
+//     destination rows are 32-byte aligned, with AVX2's non-temporal stores (no read for
+//     ownership of the destination lines; one sfence at the end of the call). In place this is
+//     safe too: a later row's source pos[j'] >= j' lies above every row already written.
+// Measured (docs/PERFORMANCE.md, "Issue 18, round nine: compaction"): streaming takes the fp16
+// d = 128, k = 4096 gather (8 MiB out) from 374 to 270 us, but slows 2 and 4 MiB outputs (whose
+// rows stay in the 32 MiB L3) by 15-20%; 64-byte AVX-512F copies gave nothing without it and were slower with it.
 // Runs of consecutive kept rows are not merged into one copy: detecting them costs a
 // data-dependent branch per row, whose mispredictions on scattered positions (a run continues
 // with probability k/T) squash the loads in flight; a run's rows are copied one by one at the
@@ -52,9 +52,10 @@ inline constexpr index_t compact_block = 128;
 inline constexpr index_t compact_stream_block = 1024;
 
 /// Output bytes of one compaction from which the gathers stream their stores (non-temporal: the
-/// output goes to memory, not the caches); 0 never streams.
+/// output goes to memory, not the caches); 0 never streams. 8 MiB: smaller outputs were faster with
+/// ordinary stores on the measured machine (32 MiB L3).
 #if !defined(KVEVICT_GATHER_STREAM_BYTES)
-#  define KVEVICT_GATHER_STREAM_BYTES (std::size_t{1} << 20)
+#  define KVEVICT_GATHER_STREAM_BYTES (std::size_t{8} << 20)
 #endif
 inline constexpr std::size_t gather_stream_bytes = KVEVICT_GATHER_STREAM_BYTES;
 /// Whether a compaction writing out_bytes streams its stores.
@@ -121,9 +122,8 @@ KVEVICT_GATHER_INLINE void gather_rows_sized(unsigned char* dst, std::size_t dst
 #if KVEVICT_HOST_X86_DISPATCH
 /// Copies `bytes` (a multiple of 32) forward by groups of up to 256 bytes, each group loaded into
 /// registers before any of it is stored: memmove's result when dst <= src or the spans are disjoint.
-/// SSE2: 16-byte vectors (every x86-64 CPU); AVX2: 32-byte vectors; AVX-512F: 64-byte vectors
-/// (rows of a multiple of 64 bytes); the last two chosen at run time. Stream: non-temporal stores
-/// (dst aligned to the vector; the caller fences).
+/// SSE2: 16-byte vectors (every x86-64 CPU); AVX2: 32-byte vectors (chosen at run time); Stream:
+/// AVX2's non-temporal stores (dst aligned to 32 bytes; the caller fences).
 struct copy_forward_sse2 {
   static KVEVICT_GATHER_INLINE void copy(unsigned char* dst, const unsigned char* src, std::size_t bytes) noexcept {
     for (std::size_t b = 0; b < bytes; b += 32) {
@@ -164,30 +164,6 @@ struct copy_forward_avx2 {
   }
 };
 template <bool Stream>
-struct copy_forward_avx512 {
-  __attribute__((target("avx512f"))) static inline void store(unsigned char* dst, __m512i v) noexcept {
-    if constexpr (Stream)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
-    else
-      _mm512_storeu_si512(dst, v);
-  }
-  __attribute__((target("avx512f"))) static inline void copy(unsigned char* dst, const unsigned char* src,
-                                                             std::size_t bytes) noexcept {
-    std::size_t b = 0;
-    for (; b + 256 <= bytes; b += 256) {
-      const unsigned char* s = src + b;
-      unsigned char* d = dst + b;
-      const __m512i a0 = _mm512_loadu_si512(s), a1 = _mm512_loadu_si512(s + 64), a2 = _mm512_loadu_si512(s + 128),
-                    a3 = _mm512_loadu_si512(s + 192);
-      store(d, a0);
-      store(d + 64, a1);
-      store(d + 128, a2);
-      store(d + 192, a3);
-    }
-    for (; b < bytes; b += 64) store(dst + b, _mm512_loadu_si512(src + b));
-  }
-};
-template <bool Stream>
 __attribute__((target("avx2"))) inline void gather_rows_avx2(unsigned char* dst, std::size_t dst_rs,
                                                              const unsigned char* src, std::size_t src_rs,
                                                              const pos_t* pos, index_t ps, index_t n, index_t ahead,
@@ -195,27 +171,16 @@ __attribute__((target("avx2"))) inline void gather_rows_avx2(unsigned char* dst,
   gather_rows_sized<copy_forward_avx2<Stream>>(dst, dst_rs, src, src_rs, pos, ps, n, ahead, row_bytes, in_place);
   if constexpr (Stream) _mm_sfence();
 }
-template <bool Stream>
-__attribute__((target("avx512f"))) inline void gather_rows_avx512(unsigned char* dst, std::size_t dst_rs,
-                                                                  const unsigned char* src, std::size_t src_rs,
-                                                                  const pos_t* pos, index_t ps, index_t n,
-                                                                  index_t ahead, std::size_t row_bytes,
-                                                                  bool in_place) noexcept {
-  gather_rows_sized<copy_forward_avx512<Stream>>(dst, dst_rs, src, src_rs, pos, ps, n, ahead, row_bytes, in_place);
-  if constexpr (Stream) _mm_sfence();
-}
 #endif
 
 /// The row copies of the gather: bytes (memcpy / memmove, any row), sse2 and avx2 (rows of a
-/// multiple of 32 bytes, x86-64; avx2 when the CPU has it), avx512 (rows of a multiple of 64 bytes,
-/// when the CPU has AVX-512F). Every one gives the same bytes.
-enum class gather_copy : int { bytes = 0, sse2 = 1, avx2 = 2, avx512 = 3 };
+/// multiple of 32 bytes, x86-64; avx2 when the CPU has it). Every one gives the same bytes.
+enum class gather_copy : int { bytes = 0, sse2 = 1, avx2 = 2 };
 
 /// Whether `c` can copy rows of row_bytes bytes on this CPU and build.
 inline bool gather_copy_available(gather_copy c, std::size_t row_bytes) noexcept {
   if (c == gather_copy::bytes) return true;
 #if KVEVICT_HOST_X86_DISPATCH
-  if (c == gather_copy::avx512) return row_bytes % 64 == 0 && host_has_avx512f();
   return row_bytes % 32 == 0 && (c == gather_copy::sse2 || host_has_avx2());
 #else
   (void)row_bytes;
@@ -225,7 +190,7 @@ inline bool gather_copy_available(gather_copy c, std::size_t row_bytes) noexcept
 
 /// The fastest available copy for rows of row_bytes bytes.
 inline gather_copy gather_copy_best(std::size_t row_bytes) noexcept {
-  for (gather_copy c : {gather_copy::avx512, gather_copy::avx2, gather_copy::sse2})
+  for (gather_copy c : {gather_copy::avx2, gather_copy::sse2})
     if (gather_copy_available(c, row_bytes)) return c;
   return gather_copy::bytes;
 }
@@ -234,8 +199,8 @@ inline gather_copy gather_copy_best(std::size_t row_bytes) noexcept {
 /// of dim contiguous elements; pos[(n + i) * ps] for i < ahead are the next blocks' positions of the
 /// same source (prefetched, never copied). in_place: dst and src are the same cache and every
 /// pos[j] >= j (ascending): rows already in place are skipped. stream: non-temporal stores when
-/// the copy is avx2 / avx512 and every destination row is aligned to its vector (else ordinary
-/// stores), fenced before the return. Same bytes as one memcpy / memmove per row, whichever copy
+/// the copy is avx2 and every destination row is 32-byte aligned (else ordinary stores), fenced
+/// before the return. Same bytes as one memcpy / memmove per row, whichever copy
 /// `c` (an unavailable one falls back to bytes) and whether it streams.
 template <class T>
 void gather_rows_with(gather_copy c, T* dst, index_t dst_rs, const T* src, index_t src_rs, const pos_t* pos,
@@ -246,16 +211,10 @@ void gather_rows_with(gather_copy c, T* dst, index_t dst_rs, const T* src, index
   const std::size_t drs = static_cast<std::size_t>(dst_rs) * sizeof(T), srs = static_cast<std::size_t>(src_rs) * sizeof(T);
   if (!gather_copy_available(c, row_bytes)) c = gather_copy::bytes;
 #if KVEVICT_HOST_X86_DISPATCH
-  // streaming needs every destination row aligned to the vector (the rows' stride too when n > 1)
-  auto aligned = [&](std::size_t v) {
-    return reinterpret_cast<std::uintptr_t>(d) % v == 0 && (n <= 1 || drs % v == 0);
-  };
-  if (c == gather_copy::avx512) {
-    if (stream && aligned(64)) return gather_rows_avx512<true>(d, drs, s, srs, pos, ps, n, ahead, row_bytes, in_place);
-    return gather_rows_avx512<false>(d, drs, s, srs, pos, ps, n, ahead, row_bytes, in_place);
-  }
   if (c == gather_copy::avx2) {
-    if (stream && aligned(32)) return gather_rows_avx2<true>(d, drs, s, srs, pos, ps, n, ahead, row_bytes, in_place);
+    // streaming needs every destination row aligned to the vector (the rows' stride too when n > 1)
+    const bool aligned = reinterpret_cast<std::uintptr_t>(d) % 32 == 0 && (n <= 1 || drs % 32 == 0);
+    if (stream && aligned) return gather_rows_avx2<true>(d, drs, s, srs, pos, ps, n, ahead, row_bytes, in_place);
     return gather_rows_avx2<false>(d, drs, s, srs, pos, ps, n, ahead, row_bytes, in_place);
   }
   if (c == gather_copy::sse2)

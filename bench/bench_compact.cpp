@@ -3,7 +3,7 @@
 //   memcpy   the bandwidth bound: one memcpy of the bytes the stage moves (harness.hpp): kept rows x
 //            row bytes summed over the heads, from a contiguous source into a 64-byte aligned buffer
 //   kvevict_r8  the round-eight kernel (dense, ragged, in place): the same checks (the positions'
-//            range check as round eight wrote it), 128-row blocks of AVX2 copies with ordinary
+//            check as round eight wrote it), 128-row blocks of AVX2 copies with ordinary
 //            stores, so that before and after are measured in one run
 // Outputs and in-place caches are 64-byte aligned buffers, as an engine's allocator gives them.
 // Ops on one KV tensor [H_kv][T][d] (head-major):
@@ -108,6 +108,8 @@ status r8_compact(Backend be, op o, const E* src, index_t H, index_t T, index_t 
   constexpr auto c = detail::gather_copy::avx2;  // the bytes copy where unavailable
   switch (o) {
     case op::dense: {
+      KVEVICT_TRY(detail::check_compact_dense_shapes("compact", *make_kv_view(src, H, T, d),
+                                                     *make_matrix_view(kept, H, k), *make_kv_view(out, H, k, d)));
       if (!r8_kept_ok(kept, H, k, T, false)) return status::error(errc::out_of_range, "kept");
       const index_t blocks = (k + block - 1) / block;
       detail::parallel_for(be, H * blocks, [&](index_t i) {
@@ -128,6 +130,8 @@ status r8_compact(Backend be, op o, const E* src, index_t H, index_t T, index_t 
       return {};
     }
     case op::inplace: {
+      KVEVICT_TRY(detail::check_inplace_dense_shape("compact_inplace", *make_kv_view(cache, H, T, d),
+                                                    *make_matrix_view(kept, H, k)));
       if (!r8_kept_ok(kept, H, k, T, true)) return status::error(errc::not_sorted, "kept");
       detail::parallel_for(be, H, [&](index_t h) {
         detail::gather_rows_with(c, cache + h * T * d, d, static_cast<const E*>(cache + h * T * d), d, kept + h * k, 1,

@@ -19,7 +19,7 @@
 //     safe too: a later row's source pos[j'] >= j' lies above every row already written.
 // Measured (docs/PERFORMANCE.md, "Issue 18, round nine: compaction"): streaming takes the fp16
 // d = 128, k = 4096 gather (8 MiB out) from 374 to 270 us, but slows 2 and 4 MiB outputs (whose
-// rows stay in the 32 MiB L3) by 15-20%; 64-byte AVX-512F copies gave nothing without it and were slower with it.
+// rows stay in the 32 MiB L3) by 7-34%; 64-byte AVX-512F copies gave nothing without it and were slower with it.
 // Runs of consecutive kept rows are not merged into one copy: detecting them costs a
 // data-dependent branch per row, whose mispredictions on scattered positions (a run continues
 // with probability k/T) squash the loads in flight; a run's rows are copied one by one at the

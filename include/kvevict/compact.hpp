@@ -332,8 +332,8 @@ status compact(Backend be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_
   const index_t k = kept.extent(1), dim = src.extent(2);
   if (src.stride(2) == 1 && dst.stride(2) == 1) {
     // contiguous rows: blocks of rows of a head per iteration (detail::gather_block), the source
-    // rows prefetched across the blocks of a head, streamed stores for outputs beyond L2
-    // (detail::gather_rows_host)
+    // rows prefetched across the blocks of a head, streamed stores for outputs of 8 MiB or more
+    // (detail::gather_streams, detail::gather_rows_host)
     const bool stream = detail::gather_streams(detail::rows_bytes<T>(src.extent(0) * k, dim));
     const index_t block = detail::gather_block(stream), blocks = (k + block - 1) / block;
     detail::parallel_for(be, src.extent(0) * blocks, [&](index_t i) {

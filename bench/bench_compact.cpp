@@ -1,6 +1,11 @@
 // Compaction (compact.hpp) against
 //   gather   one memcpy per kept row, written by hand (what compact does, without its checks)
-//   memcpy   the bandwidth bound: one memcpy of the bytes the stage moves (harness.hpp)
+//   memcpy   the bandwidth bound: one memcpy of the bytes the stage moves (harness.hpp): kept rows x
+//            row bytes summed over the heads, from a contiguous source into a 64-byte aligned buffer
+//   kvevict_r8  the round-eight kernel (dense, ragged, in place): the same checks (the positions'
+//            check as round eight wrote it), 128-row blocks of AVX2 copies with ordinary
+//            stores, so that before and after are measured in one run
+// Outputs and in-place caches are 64-byte aligned buffers, as an engine's allocator gives them.
 // Ops on one KV tensor [H_kv][T][d] (head-major):
 //   dense    compact(src, kept [H][k], dst [H][k][d])
 //   ragged   compact(src, ragged kept, ragged_cache dst): per-head budgets around k
@@ -73,8 +78,71 @@ const char* op_name(op o) {
   }
   return "?";
 }
-enum class impl { kvevict, gather, memcpy };
-const char* impl_name(impl i) { return i == impl::kvevict ? "kvevict" : i == impl::gather ? "gather" : "memcpy"; }
+enum class impl { kvevict, kvevict_r8, gather, memcpy };
+const char* impl_name(impl i) {
+  switch (i) {
+    case impl::kvevict: return "kvevict";
+    case impl::kvevict_r8: return "kvevict_r8";
+    case impl::gather: return "gather";
+    case impl::memcpy: return "memcpy";
+  }
+  return "?";
+}
+
+/// Round eight's check of a dense kept matrix (range; ascent in place): a branch per position.
+bool r8_kept_ok(const pos_t* kept, index_t H, index_t k, index_t T, bool ascending) {
+  for (index_t h = 0; h < H; ++h)
+    for (index_t j = 0; j < k; ++j) {
+      const pos_t p = kept[h * k + j];
+      if (p < 0 || p >= T) return false;
+      if (ascending && j > 0 && p <= kept[h * k + j - 1]) return false;
+    }
+  return true;
+}
+
+/// Round eight's compaction of contiguous rows (dense, ragged, in place) on backend be.
+template <class E, class Backend>
+status r8_compact(Backend be, op o, const E* src, index_t H, index_t T, index_t d, index_t k, const pos_t* kept,
+                  const std::int32_t* cu, std::int32_t* lens, E* out, E* cache) {
+  constexpr index_t block = 128;
+  constexpr auto c = detail::gather_copy::avx2;  // the bytes copy where unavailable
+  switch (o) {
+    case op::dense: {
+      KVEVICT_TRY(detail::check_compact_dense_shapes("compact", *make_kv_view(src, H, T, d),
+                                                     *make_matrix_view(kept, H, k), *make_kv_view(out, H, k, d)));
+      if (!r8_kept_ok(kept, H, k, T, false)) return status::error(errc::out_of_range, "kept");
+      const index_t blocks = (k + block - 1) / block;
+      detail::parallel_for(be, H * blocks, [&](index_t i) {
+        const index_t h = i / blocks, j0 = (i % blocks) * block, n = std::min(block, k - j0);
+        detail::gather_rows_with(c, out + (h * k + j0) * d, d, src + h * T * d, d, kept + h * k + j0, 1, n, k - j0 - n,
+                                 d, false);
+      });
+      return {};
+    }
+    case op::ragged: {  // into a ragged_cache: one parallel iteration per head
+      KVEVICT_TRY(detail::check_ragged_gather("compact", *make_kv_view(src, H, T, d), ragged_positions{kept, cu, H},
+                                              ragged_cache<E>{out, cu, lens, H, d, d}));
+      detail::parallel_for(be, H, [&](index_t h) {
+        const index_t n = cu[h + 1] - cu[h];
+        detail::gather_rows_with(c, out + cu[h] * d, d, src + h * T * d, d, kept + cu[h], 1, n, 0, d, false);
+        lens[h] = static_cast<std::int32_t>(n);
+      });
+      return {};
+    }
+    case op::inplace: {
+      KVEVICT_TRY(detail::check_inplace_dense_shape("compact_inplace", *make_kv_view(cache, H, T, d),
+                                                    *make_matrix_view(kept, H, k)));
+      if (!r8_kept_ok(kept, H, k, T, true)) return status::error(errc::not_sorted, "kept");
+      detail::parallel_for(be, H, [&](index_t h) {
+        detail::gather_rows_with(c, cache + h * T * d, d, static_cast<const E*>(cache + h * T * d), d, kept + h * k, 1,
+                                 k, 0, d, true);
+      });
+      return {};
+    }
+    case op::append: break;
+  }
+  return status::error(errc::invalid_argument, "kvevict_r8: not an op of round eight's gather");
+}
 
 /// Rows a call moves.
 template <class E>
@@ -101,16 +169,20 @@ void run(benchmark::State& st, index_t H, index_t T, index_t d, index_t k, op o,
   const bool ragged = o == op::ragged;
   const pos_t* kept = ragged ? c.rkept.data() : c.kept.data();
   const std::int32_t* cu = ragged ? c.rcu.data() : c.cu_k.data();
-  std::vector<E> out, expected;
+  buffer<E> out;
+  std::vector<E> expected;
   if (o == op::dense || o == op::ragged) {
-    out.assign(static_cast<std::size_t>(cu[H] * d), E{});
-    expected = out;
+    out.resize(static_cast<std::size_t>(cu[H] * d));
+    expected.assign(out.size(), E{});
     baseline::gather_rows(c.src.data(), T, d, kept, cu, H, expected.data(), 1);
   }
   // in place: a private copy of the cache (the timed calls compact it again and again: the same
   // rows move every time, only their contents change)
-  std::vector<E> cache;
-  if (o == op::inplace) cache = c.src;
+  buffer<E> cache;
+  if (o == op::inplace) {
+    cache.resize(c.src.size());
+    std::memcpy(static_cast<void*>(cache.data()), c.src.data(), c.src.size() * sizeof(E));
+  }
   // append: a ragged cache of k + n rows per head holding k; each call appends n and is undone
   std::vector<E> rcache, rows;
   std::vector<std::int32_t> cap(static_cast<std::size_t>(H + 1)), lens(static_cast<std::size_t>(H), static_cast<std::int32_t>(k));
@@ -162,6 +234,10 @@ void run(benchmark::State& st, index_t H, index_t T, index_t d, index_t k, op o,
   for (auto _ : st) {
     if (which == impl::kvevict) {
       if (!ok(st, call(), op_name(o))) return;
+    } else if (which == impl::kvevict_r8) {
+      if (!ok(st, r8_compact(be, o, c.src.data(), H, T, d, k, kept, cu, lens.data(), out.data(), cache.data()),
+              op_name(o)))
+        return;
     } else {
       by_hand();
     }
@@ -188,7 +264,8 @@ void reg_case(const std::string& shape, index_t H, index_t T, index_t d, index_t
   p.add("shape", shape).add("hkv", H).add("d", d).add("T", T).add("k", k);
   if (o == op::append) p.add("n", n_append);
   p.add("kv", kv_type_name(E{}));
-  for (impl i : {impl::kvevict, impl::gather, impl::memcpy}) {
+  for (impl i : {impl::kvevict, impl::kvevict_r8, impl::gather, impl::memcpy}) {
+    if (i == impl::kvevict_r8 && o == op::append) continue;
     add(bench_name("compact", op_name(o), impl_name(i), "seq", p),
         [=](benchmark::State& st) { run<E>(st, H, T, d, k, o, n_append, i, seq); });
     add(bench_name("compact", op_name(o), impl_name(i), "par", p),

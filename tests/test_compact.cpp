@@ -4,6 +4,7 @@
 #include <kvevict/numeric.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <thread>
@@ -115,29 +116,48 @@ struct two_worker_executor {
   }
 };
 
+/// Bytes at a chosen offset from a 64-byte boundary (0, 32: aligned to the 32-byte vectors; 16: not),
+/// so the streamed stores' aligned path and their fallback both run.
+struct offset_bytes {
+  std::vector<unsigned char> raw;
+  unsigned char* p;
+  offset_bytes(std::size_t n, std::size_t offset, unsigned char fill) : raw(n + 64 + offset, fill) {
+    const auto a = reinterpret_cast<std::uintptr_t>(raw.data());
+    p = raw.data() + ((64 - a % 64) % 64) + offset;
+  }
+};
+
 /// gather_rows_with(c, ...) against one memcpy per row (out of place, any positions, duplicates) and
 /// against one memmove per row in order (in place, ascending positions), for rows of `dim`
 /// elements `stride` apart; the positions after the n copied ones (`ahead`) are only prefetched.
+/// stream: the non-temporal stores (taken when the destination rows are 32-byte aligned: offset 0
+/// or 32 with strides of a multiple of 32 bytes); `offset`: the destination's (and the in-place
+/// cache's) distance from a 64-byte boundary.
 template <class T>
-void gather_copy_matches_memcpy(detail::gather_copy c, index_t dim, index_t stride, std::mt19937_64& g) {
+void gather_copy_matches_memcpy(detail::gather_copy c, index_t dim, index_t stride, std::mt19937_64& g,
+                                bool stream = false, std::size_t offset = 0) {
   const index_t rows = kvtest::uniform_int(g, 1, 300);
   const std::size_t row_bytes = static_cast<std::size_t>(dim) * sizeof(T);
   std::vector<unsigned char> src(static_cast<std::size_t>(rows * stride) * sizeof(T));
   for (auto& b : src) b = static_cast<unsigned char>(g());
   const T* s = reinterpret_cast<const T*>(src.data());
-  // out of place: n random positions (repeats allowed), then `ahead` more of the same source
+  // out of place: n random positions (repeats allowed, runs of consecutive ones from time to time),
+  // then `ahead` more of the same source
   const index_t n = kvtest::uniform_int(g, 0, 200), ahead = kvtest::uniform_int(g, 0, 40);
   std::vector<pos_t> pos(static_cast<std::size_t>(n + ahead));  // exactly n + ahead: ASan sees overreads
-  for (auto& p : pos) p = static_cast<pos_t>(kvtest::uniform_int(g, 0, rows - 1));
+  for (std::size_t i = 0; i < pos.size(); ++i)
+    pos[i] = i > 0 && g() % 3 == 0 ? std::min<pos_t>(pos[i - 1] + 1, static_cast<pos_t>(rows - 1))
+                                   : static_cast<pos_t>(kvtest::uniform_int(g, 0, rows - 1));
   const index_t dst_stride = stride + (n % 2);
-  std::vector<unsigned char> got(static_cast<std::size_t>(std::max<index_t>(1, n * dst_stride)) * sizeof(T), 0xA5),
-      want = got;
-  detail::gather_rows_with(c, reinterpret_cast<T*>(got.data()), dst_stride, s, stride, pos.data(), 1, n, ahead, dim,
-                           false);
+  const std::size_t out_bytes = static_cast<std::size_t>(std::max<index_t>(1, n * dst_stride)) * sizeof(T);
+  offset_bytes got(out_bytes, offset, 0xA5);
+  std::vector<unsigned char> want(got.p, got.p + out_bytes);
+  detail::gather_rows_with(c, reinterpret_cast<T*>(got.p), dst_stride, s, stride, pos.data(), 1, n, ahead, dim,
+                           false, stream);
   for (index_t j = 0; j < n; ++j)
     std::memcpy(want.data() + static_cast<std::size_t>(j * dst_stride) * sizeof(T),
                 src.data() + static_cast<std::size_t>(pos[j] * stride) * sizeof(T), row_bytes);
-  REQUIRE(got == want);
+  REQUIRE(std::memcmp(got.p, want.data(), out_bytes) == 0);
   // in place: k ascending positions (runs and rows already in place included), every other one read
   // through a position stride of 2
   std::vector<pos_t> asc;
@@ -146,14 +166,16 @@ void gather_copy_matches_memcpy(detail::gather_copy c, index_t dim, index_t stri
   const index_t k = static_cast<index_t>(asc.size());
   std::vector<pos_t> strided(static_cast<std::size_t>(2 * k));
   for (index_t j = 0; j < k; ++j) strided[static_cast<std::size_t>(2 * j)] = asc[static_cast<std::size_t>(j)];
-  std::vector<unsigned char> cache = src, ref = src;
-  detail::gather_rows_with(c, reinterpret_cast<T*>(cache.data()), stride, reinterpret_cast<const T*>(cache.data()),
-                           stride, strided.data(), 2, k, 0, dim, true);
+  offset_bytes cache(src.size(), offset, 0);
+  std::memcpy(cache.p, src.data(), src.size());
+  std::vector<unsigned char> ref = src;
+  detail::gather_rows_with(c, reinterpret_cast<T*>(cache.p), stride, reinterpret_cast<const T*>(cache.p), stride,
+                           strided.data(), 2, k, 0, dim, true, stream);
   for (index_t j = 0; j < k; ++j)
     std::memmove(ref.data() + static_cast<std::size_t>(j * stride) * sizeof(T),
                  ref.data() + static_cast<std::size_t>(asc[static_cast<std::size_t>(j)] * stride) * sizeof(T),
                  row_bytes);
-  REQUIRE(cache == ref);
+  REQUIRE(std::memcmp(cache.p, ref.data(), src.size()) == 0);
 }
 
 }  // namespace
@@ -179,6 +201,125 @@ TEST_CASE("compact: every row copy of the host gather (bytes, SSE2, AVX2) gives 
     }
   }
   CHECK(ran >= 18);  // bytes on every size at least
+}
+
+TEST_CASE("compact: the host gather's streamed stores (aligned and misaligned destinations) give one memcpy's bytes") {
+  // rows and strides of a multiple of 32 bytes take the non-temporal stores at offsets 0 and 32 and
+  // the ordinary ones at offset 16; other strides and rows the ordinary ones
+  auto g = kvtest::rng(78);
+  for (detail::gather_copy c : {detail::gather_copy::bytes, detail::gather_copy::sse2, detail::gather_copy::avx2}) {
+    CAPTURE(static_cast<int>(c));
+    for (std::size_t offset : {std::size_t{0}, std::size_t{16}, std::size_t{32}})
+      for (index_t dim : {8, 16, 24, 64, 128, 256}) {
+        CAPTURE(offset);
+        CAPTURE(dim);
+        if (!detail::gather_copy_available(c, static_cast<std::size_t>(dim) * sizeof(float))) continue;
+        for (index_t pad : {0, 8, 16}) gather_copy_matches_memcpy<float>(c, dim, dim + pad, g, true, offset);
+        if (detail::gather_copy_available(c, static_cast<std::size_t>(dim) * sizeof(float16)))
+          for (index_t pad : {0, 32}) gather_copy_matches_memcpy<float16>(c, dim, dim + pad, g, true, offset);
+      }
+  }
+}
+
+TEST_CASE("compact: outputs beyond the streaming size (non-temporal stores) equal the naive gather") {
+  // outputs of at least detail::gather_stream_bytes (8 MiB) through the public calls: random kept rows with
+  // runs of consecutive positions, k = 0, 1 and T, 64-byte aligned and misaligned outputs and caches,
+  // row sizes the streamed stores take (d = 128 fp16 / fp32) and ones they do not (d = 100, 72 fp16)
+  auto g = kvtest::rng(93);
+  two_worker_executor ex;
+  auto check = [&](auto zero, index_t H, index_t Tn, index_t D, index_t k, std::size_t offset) {
+    using T = decltype(zero);
+    CAPTURE(D);
+    CAPTURE(k);
+    CAPTURE(offset);
+    // kept: runs of consecutive positions (a run continues with probability 1/2), ascending, distinct
+    std::vector<pos_t> kept(static_cast<std::size_t>(H * k));
+    for (index_t h = 0; h < H; ++h) {
+      std::vector<pos_t> pick;
+      std::vector<char> taken(static_cast<std::size_t>(Tn), 0);
+      while (static_cast<index_t>(pick.size()) < k) {
+        pos_t p = static_cast<pos_t>(kvtest::uniform_int(g, 0, Tn - 1));
+        do {
+          if (!taken[static_cast<std::size_t>(p)]) {
+            taken[static_cast<std::size_t>(p)] = 1;
+            pick.push_back(p);
+          }
+          ++p;
+        } while (p < Tn && static_cast<index_t>(pick.size()) < k && g() % 2 == 0);
+      }
+      std::sort(pick.begin(), pick.end());
+      std::copy(pick.begin(), pick.end(), kept.begin() + h * k);
+    }
+    std::vector<T> src(static_cast<std::size_t>(H * Tn * D));  // random bytes (NaN patterns too: bytes are copied)
+    for (std::size_t i = 0; i < src.size() * sizeof(T); i += 8) {
+      const std::uint64_t r = g();
+      std::memcpy(reinterpret_cast<unsigned char*>(src.data()) + i, &r, std::min<std::size_t>(8, src.size() * sizeof(T) - i));
+    }
+    const auto src_view = value_of(make_kv_view(static_cast<const T*>(src.data()), H, Tn, D));
+    const std::size_t out_bytes = static_cast<std::size_t>(std::max<index_t>(1, H * k * D)) * sizeof(T);
+    auto run_all = [&](auto be) {
+      offset_bytes out(out_bytes, offset, 0);
+      T* o = reinterpret_cast<T*>(out.p);
+      REQUIRE(compact(be, src_view, value_of(make_matrix_view(kept.data(), H, k)), value_of(make_kv_view(o, H, k, D)))
+                  .ok());
+      for (index_t h = 0; h < H; ++h)
+        for (index_t j = 0; j < k; ++j)
+          REQUIRE(std::memcmp(o + (h * k + j) * D, &src[static_cast<std::size_t>((h * Tn + kept[h * k + j]) * D)],
+                              static_cast<std::size_t>(D) * sizeof(T)) == 0);
+      // ragged view and ragged cache with the same positions
+      std::vector<std::int32_t> cu(static_cast<std::size_t>(H + 1)), lens(static_cast<std::size_t>(H), -1);
+      for (index_t h = 0; h <= H; ++h) cu[h] = static_cast<std::int32_t>(h * k);
+      offset_bytes flat(out_bytes, offset, 0), rc(out_bytes, offset, 0);
+      REQUIRE(compact(be, src_view, ragged_positions{kept.data(), cu.data(), H},
+                      ragged_view<T>{reinterpret_cast<T*>(flat.p), cu.data(), H, D, D})
+                  .ok());
+      REQUIRE(std::memcmp(flat.p, out.p, out_bytes) == 0);
+      REQUIRE(compact(be, src_view, ragged_positions{kept.data(), cu.data(), H},
+                      ragged_cache<T>{reinterpret_cast<T*>(rc.p), cu.data(), lens.data(), H, D, D})
+                  .ok());
+      REQUIRE(std::memcmp(rc.p, out.p, out_bytes) == 0);
+      for (index_t h = 0; h < H; ++h) REQUIRE(lens[static_cast<std::size_t>(h)] == k);
+      // in place, dense and ragged (the cache's first k rows of every head become the kept rows)
+      offset_bytes cache(src.size() * sizeof(T), offset, 0);
+      std::memcpy(cache.p, src.data(), src.size() * sizeof(T));
+      T* c = reinterpret_cast<T*>(cache.p);
+      REQUIRE(compact_inplace(be, value_of(make_kv_view(c, H, Tn, D)), value_of(make_matrix_view(kept.data(), H, k)))
+                  .ok());
+      for (index_t h = 0; h < H; ++h)
+        REQUIRE(std::memcmp(c + h * Tn * D, o + h * k * D, static_cast<std::size_t>(k * D) * sizeof(T)) == 0);
+      std::memcpy(cache.p, src.data(), src.size() * sizeof(T));
+      std::vector<std::int32_t> cap(static_cast<std::size_t>(H + 1)), full(static_cast<std::size_t>(H),
+                                                                            static_cast<std::int32_t>(Tn));
+      for (index_t h = 0; h <= H; ++h) cap[h] = static_cast<std::int32_t>(h * Tn);
+      REQUIRE(compact_inplace(be, ragged_cache<T>{c, cap.data(), full.data(), H, D, D},
+                              ragged_positions{kept.data(), cu.data(), H})
+                  .ok());
+      for (index_t h = 0; h < H; ++h) {
+        REQUIRE(full[static_cast<std::size_t>(h)] == k);
+        REQUIRE(std::memcmp(c + h * Tn * D, o + h * k * D, static_cast<std::size_t>(k * D) * sizeof(T)) == 0);
+      }
+    };
+    run_all(seq);
+    run_all(par);
+    run_all(on(ex));
+  };
+  REQUIRE(detail::gather_streams(detail::gather_stream_bytes));
+  REQUIRE(!detail::gather_streams(detail::gather_stream_bytes - 1));
+  const index_t Tn = 9000;
+  for (std::size_t offset : {std::size_t{0}, std::size_t{16}, std::size_t{32}}) {
+    // fp32 d = 128: 512-byte rows, 2 heads x 8200 rows = 8.0 MiB (streams), blocks cut inside heads
+    check(float{}, 2, Tn, 128, 8200, offset);
+    // fp16 d = 128: 256-byte rows, 4 heads x 8200 rows
+    check(float16{}, 4, Tn, 128, 8200, offset);
+  }
+  // k = T: 17000 rows of 512 bytes (8.3 MiB), every row already in place for compact_inplace
+  check(float{}, 1, 17000, 128, 17000, 0);
+  // rows the streamed stores do not take: 200 bytes (no vector copy), 144 bytes (not a multiple of 32)
+  check(float16{}, 6, Tn, 100, 7000, 0);
+  check(float16{}, 8, Tn, 72, 7300, 0);
+  // below the streaming size: k = 0 and 1
+  check(float{}, 2, Tn, 128, 0, 0);
+  check(float{}, 2, Tn, 128, 1, 16);
 }
 
 TEST_CASE("compact: KV-sized rows over several blocks per head, seq / par / on(ex) equal the naive gather") {

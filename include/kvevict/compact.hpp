@@ -22,6 +22,7 @@
 #include <kvevict/view.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -52,11 +53,33 @@ T* row_ptr(const kv_view<T>& v, index_t h, index_t t) {
   return v.data_handle() + h * v.stride(0) + t * v.stride(1);
 }
 
+/// Bytes of `rows` rows of dim elements of T (the output of one compaction).
+template <class T>
+std::size_t rows_bytes(index_t rows, index_t dim) {
+  return static_cast<std::size_t>(rows) * static_cast<std::size_t>(dim) * sizeof(T);
+}
+
 /// Kept positions of one dense kept matrix: shape, range and (for in-place) strict ascent.
+/// Each head's row is first scanned without branches (a flag folded over the row, vectorisable);
+/// only a row that fails is walked again for the first bad position, whose error is returned.
 inline status check_kept_matrix(const char* fn, const matrix_view<const pos_t>& kept, index_t tokens,
                                 bool ascending) {
-  for (index_t h = 0; h < kept.extent(0); ++h)
-    for (index_t j = 0; j < kept.extent(1); ++j) {
+  const index_t k = kept.extent(1), ks = kept.stride(1);
+  for (index_t h = 0; h < kept.extent(0); ++h) {
+    const pos_t* row = kept.data_handle() + h * kept.stride(0);
+    // p outside [0, tokens) as one unsigned compare; in-place: p <= the previous position
+    const auto limit = static_cast<std::uint64_t>(tokens);
+    unsigned bad = 0;
+    if (ks == 1) {
+      for (index_t j = 0; j < k; ++j)
+        bad |= static_cast<unsigned>(static_cast<std::uint64_t>(static_cast<std::int64_t>(row[j])) >= limit);
+      if (ascending)
+        for (index_t j = 1; j < k; ++j) bad |= static_cast<unsigned>(row[j] <= row[j - 1]);
+    } else {
+      bad = 1;  // strided positions: the walk below
+    }
+    if (bad == 0) continue;
+    for (index_t j = 0; j < k; ++j) {
       const pos_t p = kept(h, j);
       if (p < 0 || p >= tokens)
         return status::error(errc::out_of_range, "%s: kept[%lld][%lld] = %d is outside [0, %lld) tokens", fn,
@@ -68,6 +91,7 @@ inline status check_kept_matrix(const char* fn, const matrix_view<const pos_t>& 
                              "follows %d",
                              fn, static_cast<long long>(h), static_cast<long long>(j), p, kept(h, j - 1));
     }
+  }
   return {};
 }
 
@@ -307,15 +331,17 @@ status compact(Backend be, kv_view<S> src_in, matrix_view<const pos_t> kept, kv_
   KVEVICT_TRY(detail::check_kept_matrix(fn, kept, src.extent(1), /*ascending=*/false));
   const index_t k = kept.extent(1), dim = src.extent(2);
   if (src.stride(2) == 1 && dst.stride(2) == 1) {
-    // contiguous rows: blocks of up to compact_block rows of a head per iteration, the source rows
-    // prefetched across the blocks of a head (detail::gather_rows_host)
-    const index_t blocks = (k + detail::compact_block - 1) / detail::compact_block;
+    // contiguous rows: blocks of rows of a head per iteration (detail::gather_block), the source
+    // rows prefetched across the blocks of a head, streamed stores for outputs of 8 MiB or more
+    // (detail::gather_streams, detail::gather_rows_host)
+    const bool stream = detail::gather_streams(detail::rows_bytes<T>(src.extent(0) * k, dim));
+    const index_t block = detail::gather_block(stream), blocks = (k + block - 1) / block;
     detail::parallel_for(be, src.extent(0) * blocks, [&](index_t i) {
-      const index_t h = i / blocks, j0 = (i % blocks) * detail::compact_block;
-      const index_t n = std::min(detail::compact_block, k - j0);
+      const index_t h = i / blocks, j0 = (i % blocks) * block;
+      const index_t n = std::min(block, k - j0);
       detail::gather_rows_host(detail::row_ptr(dst, h, j0), dst.stride(1), detail::row_ptr(src, h, 0), src.stride(1),
                                kept.data_handle() + h * kept.stride(0) + j0 * kept.stride(1), kept.stride(1), n,
-                               k - j0 - n, dim, false);
+                               k - j0 - n, dim, false, stream);
     });
     return {};
   }
@@ -335,10 +361,12 @@ status compact_inplace(Backend be, kv_view<T> cache, matrix_view<const pos_t> ke
   KVEVICT_TRY(detail::check_inplace_dense_shape(fn, cache, kept));
   KVEVICT_TRY(detail::check_kept_matrix(fn, kept, cache.extent(1), /*ascending=*/true));
   const index_t k = kept.extent(1), dim = cache.extent(2);
+  const bool stream = detail::gather_streams(detail::rows_bytes<T>(cache.extent(0) * k, dim));
   detail::parallel_for(be, cache.extent(0), [&](index_t h) {
     if (cache.stride(2) == 1) {
       detail::gather_rows_host(detail::row_ptr(cache, h, 0), cache.stride(1), detail::row_ptr(cache, h, 0),
-                               cache.stride(1), kept.data_handle() + h * kept.stride(0), kept.stride(1), k, 0, dim, true);
+                               cache.stride(1), kept.data_handle() + h * kept.stride(0), kept.stride(1), k, 0, dim, true,
+                               stream);
       return;
     }
     for (index_t j = 0; j < k; ++j) {
@@ -358,15 +386,17 @@ status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_view
   const kv_view<const T> src = detail::source_rows<T>(src_in);
   KVEVICT_TRY(detail::check_ragged_gather("compact", src, kept, dst));
   if (src.stride(2) == 1) {
-    // blocks of compact_block flat rows, each cut at head boundaries (detail::gather_rows_host)
-    const index_t total = dst.total_rows(), blocks = (total + detail::compact_block - 1) / detail::compact_block;
+    // blocks of flat rows (detail::gather_block), each cut at head boundaries (detail::gather_rows_host)
+    const index_t total = dst.total_rows();
+    const bool stream = detail::gather_streams(detail::rows_bytes<T>(total, dst.dim));
+    const index_t block = detail::gather_block(stream), blocks = (total + block - 1) / block;
     detail::parallel_for(be, blocks, [&](index_t b) {
-      const index_t r0 = b * detail::compact_block, r1 = std::min(total, r0 + detail::compact_block);
+      const index_t r0 = b * block, r1 = std::min(total, r0 + block);
       index_t h = std::upper_bound(kept.cu, kept.cu + kept.heads + 1, r0) - kept.cu - 1;
       for (index_t r = r0; r < r1; ++h) {
         const index_t e = std::min<index_t>(r1, kept.cu[h + 1]);
         detail::gather_rows_host(dst.data + r * dst.row_stride, dst.row_stride, detail::row_ptr(src, h, 0),
-                                 src.stride(1), kept.pos + r, 1, e - r, kept.cu[h + 1] - e, dst.dim, false);
+                                 src.stride(1), kept.pos + r, 1, e - r, kept.cu[h + 1] - e, dst.dim, false, stream);
         r = e;
       }
     });
@@ -387,11 +417,12 @@ template <class Backend, class S, class T>
 status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_cache<T> dst) {
   const kv_view<const T> src = detail::source_rows<T>(src_in);
   KVEVICT_TRY(detail::check_ragged_gather("compact", src, kept, dst));
+  const bool stream = detail::gather_streams(detail::rows_bytes<T>(kept.heads > 0 ? kept.cu[kept.heads] : 0, dst.dim));
   detail::parallel_for(be, dst.heads, [&](index_t h) {
     const index_t n = kept.length(h);
     if (src.stride(2) == 1)
       detail::gather_rows_host(dst.row(h, 0), dst.row_stride, detail::row_ptr(src, h, 0), src.stride(1),
-                               kept.pos + kept.cu[h], 1, n, 0, dst.dim, false);
+                               kept.pos + kept.cu[h], 1, n, 0, dst.dim, false, stream);
     else
       for (index_t j = 0; j < n; ++j)
         detail::copy_row_host(dst.row(h, j), 1, detail::row_ptr(src, h, kept.pos[kept.cu[h] + j]), src.stride(2),
@@ -427,10 +458,11 @@ status compact_inplace(Backend be, ragged_cache<T> cache, ragged_positions kept)
     KVEVICT_TRY(detail::check_disjoint(fn, written, read));
   }
   KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t h) { return index_t(cache.lens[h]); }, true));
+  const bool stream = detail::gather_streams(detail::rows_bytes<T>(kept.heads > 0 ? kept.cu[kept.heads] : 0, cache.dim));
   detail::parallel_for(be, cache.heads, [&](index_t h) {
     const index_t n = kept.length(h);
     detail::gather_rows_host(cache.row(h, 0), cache.row_stride, cache.row(h, 0), cache.row_stride, kept.pos + kept.cu[h],
-                             1, n, 0, cache.dim, true);
+                             1, n, 0, cache.dim, true, stream);
     cache.lens[h] = static_cast<std::int32_t>(n);
   });
   return {};

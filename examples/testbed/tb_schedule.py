@@ -23,9 +23,9 @@ import json
 from typing import Dict, List, Tuple
 
 PHASE_OPTIONS = {"steps": int, "batch_tokens": int, "lr": float, "warmup": int, "plain": float,
-                 "answer_weight": float, "recall_steps": int, "recall_mix": float, "max_length": int,
-                 "short_keys": float, "fact_format": str, "recall_facts": int, "log_every": int, "ckpt_every": int,
-                 "eval_every": int, "eval_per_cell": int}
+                 "answer_weight": float, "answer_tokens": str, "recall_steps": int, "recall_mix": float,
+                 "max_length": int, "short_keys": float, "fact_format": str, "recall_facts": int, "log_every": int,
+                 "ckpt_every": int, "eval_every": int, "eval_per_cell": int}
 """train options a phase may change (what a hand resume with new options could change)"""
 
 RUN_OPTIONS = {"seed": int, "threads": int, "dim": int, "hidden": int, "layers": int, "heads": int,
@@ -33,13 +33,15 @@ RUN_OPTIONS = {"seed": int, "threads": int, "dim": int, "hidden": int, "layers":
 """train options fixed for the whole run: the initial weights, the model's shape, the bits (the
 thread count changes the float sums)"""
 
-BITS = ("seed", "threads", "steps", "batch_tokens", "lr", "warmup", "plain", "answer_weight", "recall_steps",
-        "recall_mix", "max_length", "short_keys", "fact_format", "recall_facts")
+BITS = ("seed", "threads", "steps", "batch_tokens", "lr", "warmup", "plain", "answer_weight", "answer_tokens",
+        "recall_steps", "recall_mix", "max_length", "short_keys", "fact_format", "recall_facts")
 """the options the weights depend on (the others only say when to log, checkpoint and evaluate)"""
 
 SPLIT_NAMES = ("train", "val", "test")
 FACT_FORMATS = ("is", "adjacent")
 """tb_data.FACT_FORMATS (repeated: this module does not import the data's dependencies; a test checks they agree)"""
+ANSWER_TOKENS = ("code", "all")
+"""testbed.ANSWER_TOKENS (repeated likewise)"""
 
 
 class Schedule:
@@ -109,6 +111,8 @@ def _check_phase(where: str, a: argparse.Namespace, first: int, next_from) -> No
             problems.append(f"{k.replace('_', '-')} must be in [0, 1], got {getattr(a, k)}")
     if a.fact_format not in FACT_FORMATS:
         problems.append(f"fact-format must be one of {', '.join(FACT_FORMATS)}, got {a.fact_format!r}")
+    if a.answer_tokens not in ANSWER_TOKENS:
+        problems.append(f"answer-tokens must be one of {', '.join(ANSWER_TOKENS)}, got {a.answer_tokens!r}")
     if not a.lr > 0 or not a.answer_weight >= 0:
         problems.append(f"lr must be > 0 and answer-weight >= 0, got {a.lr} and {a.answer_weight}")
     if a.steps <= first:

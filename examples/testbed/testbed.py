@@ -80,15 +80,18 @@ def batch_tensors(examples):
     return ids, w
 
 
-def losses(model, examples):
-    """(language-model loss over the weighted targets, the answer codes' loss, per example and question the
-    answer tokens' hits [n_answer] (argmax == target given the true prefix; the last DIGITS are the code))."""
+def losses(model, examples, answer_tokens="code"):
+    """(language-model loss over the weighted targets, the answers' loss, per example and question the
+    answer tokens' hits [n_answer] (argmax == target given the true prefix; the last DIGITS are the code)).
+    The answers' loss is the mean cross-entropy of every question's code digits (answer_tokens "code"), or
+    of all its answer tokens, the key restated included ("all")."""
     ids, w = batch_tensors(examples)
     logits = model(ids[:, :-1])
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none").view_as(w)
     lm = (ce * w).sum() / w.sum()
     hit = logits.argmax(-1) == ids[:, 1:]
-    codes = [ce[b, q[-tb_data.DIGITS:]] for b, e in enumerate(examples) for q in e.questions]
+    codes = [ce[b, q if answer_tokens == "all" else q[-tb_data.DIGITS:]] for b, e in enumerate(examples)
+             for q in e.questions]
     answer = torch.cat(codes).mean() if codes else torch.zeros(())
     return lm, answer, [[hit[b, q] for q in e.questions] for b, e in enumerate(examples)]
 
@@ -194,6 +197,9 @@ def step_batch(gen, args, step):
             needles = int((1, 2, 4)[rng.integers(3)])
             out.append(gen.example(i, L, kind, needles, key_set(args, rng), fact_format_of(args)))
     return out
+
+
+ANSWER_TOKENS = ("code", "all")
 
 
 def fact_format_of(args):
@@ -339,7 +345,7 @@ def cmd_train(args):
         for g in opt.param_groups:
             g["lr"] = lr_at(args, step)
         batch = step_batch(train, args, step)
-        lm, answer, hit = losses(model, batch)
+        lm, answer, hit = losses(model, batch, getattr(args, "answer_tokens", "code"))
         loss = lm + args.answer_weight * answer
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -901,6 +907,9 @@ def train_options(p):
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--plain", type=float, default=0.2, help="fraction of plain story sequences")
     p.add_argument("--answer-weight", type=float, default=1.0)
+    p.add_argument("--answer-tokens", default="code", choices=list(ANSWER_TOKENS),
+                   help="the answer term's tokens: the code digits, or all the answer's tokens (the key restated "
+                        "too: the question-before kind has to write the key from the question at the start)")
     p.add_argument("--recall-steps", type=int, default=0,
                    help="steps of the dense associative-recall phase (length 256) before the length curriculum")
     p.add_argument("--recall-mix", type=float, default=0.0,

@@ -490,6 +490,7 @@ def test_schedule_equals_the_hand_resumes_and_resumes_mid_phase(tmp_path):
     ([{"from": 0, "set": {"steps": 4, "plain": 2}}], r"plain must be in \[0, 1\]"),
     ([{"from": 0, "set": {"steps": 4, "fact-format": "next"}}], "fact-format must be one of is, adjacent"),
     ([{"from": 0, "set": {"steps": 4, "fact-format": 1}}], "fact-format must be a string"),
+    ([{"from": 0, "set": {"steps": 4, "answer-tokens": "key"}}], "answer-tokens must be one of code, all"),
     ([], "non-empty list"),
 ])
 def test_schedule_errors(tmp_path, phases, message):
@@ -765,3 +766,27 @@ def test_questions_follow_the_run_format(tmp_path, tok):
     assert len(val) == 6 and all(e.meta["keys"] == "short" and e.meta["fact_format"] == "adjacent" for e in val)
     args.short_keys = 0.9
     assert testbed.keys_of(args) == "words" and all("keys" not in e.meta for e in testbed.train_val_set(gen, args))
+
+
+def test_answer_tokens_all_puts_the_key_in_the_answer_term(tok):
+    """--answer-tokens all: the answer term is the mean cross-entropy of every answer token of every question
+    (the key restated, the space, the code), "code" (the default) of the code digits only; the LM term and
+    the hits are the same either way."""
+    gen = tb_data.Generator(tok, STORIES, "train", 3)
+    torch.manual_seed(0)
+    model = tb_model.Model(tb_model.Config(32, 64, 2, 4, 2, 512, 512), seed=3)
+    batch = [gen.example(i, 256, kind, 2, "short", "adjacent") for i, kind in enumerate(("after", "before", "recall"))]
+    lm_c, code, hits_c = testbed.losses(model, batch)
+    lm_a, every, hits_a = testbed.losses(model, batch, "all")
+    assert float(lm_c) == float(lm_a) and all(torch.equal(x, y) for a, b in zip(hits_c, hits_a) for x, y in zip(a, b))
+    ids, _ = testbed.batch_tensors(batch)
+    with torch.no_grad():
+        logits = model(ids[:, :-1])
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
+    qs = [(b, q) for b, e in enumerate(batch) for q in e.questions]
+    assert all(len(q) > tb_data.DIGITS for _, q in qs)  # the key and the space before the code
+    want_all = sum(float(ce[b, t]) for b, q in qs for t in q) / sum(len(q) for _, q in qs)
+    want_code = sum(float(ce[b, t]) for b, q in qs for t in q[-tb_data.DIGITS:]) / (len(qs) * tb_data.DIGITS)
+    assert abs(float(every) - want_all) < 1e-5 and abs(float(code) - want_code) < 1e-5 and float(every) != float(code)
+    assert testbed.ANSWER_TOKENS == testbed.tb_schedule.ANSWER_TOKENS
+    assert testbed.train_options(argparse.ArgumentParser()).parse_args(["--run-dir", "R"]).answer_tokens == "code"

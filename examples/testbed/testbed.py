@@ -440,7 +440,7 @@ FIRST_DIGIT_CLASSES = ("right", "other fact", "other digit", "non-digit")
 
 
 @torch.no_grad()
-def first_digit_errors(model, examples, digit_ids, batch_tokens=4096):
+def first_digit_errors(model, examples, digit_ids, batch_tokens=4096, enc=None):
     """Per question of the single-question kinds: what the model predicts for the code's first digit
     given the true prefix (the argmax at the space before the code). Classes: `right`; `other fact`
     (the first digit of another fact's code in the context, not the asked one's: retrieval confusion);
@@ -451,7 +451,10 @@ def first_digit_errors(model, examples, digit_ids, batch_tokens=4096):
     whose code starts with the predicted digit comes after / before the asked fact in the context, else
     "either"), chance (the fraction of the 9 wrong digits that start another fact's code: `other
     fact`'s share of the wrong digits if they were drawn at random), pick (the chance of `right` if the
-    model copied the first digit of a fact of the context drawn at random: no key matching)}."""
+    model copied the first digit of a fact of the context drawn at random: no key matching)}. With `enc` (the
+    generator's ChunkEncoder) also `first_token`: the answer's first token (the key restated, which the
+    question-before kind writes from the question at the start) given the prompt: `right`, `other fact` (the
+    first answer token of another fact of the context) or `other`."""
     rows = []
     for part in length_batches(examples, batch_tokens):
         logits = model(torch.tensor([e.ids[:-1] for e in part]))
@@ -471,6 +474,12 @@ def first_digit_errors(model, examples, digit_ids, batch_tokens=4096):
                          "side": sides.pop() if len(sides) == 1 else "either" if sides else "",
                          "chance": len(wrong_firsts) / 9,
                          "pick": sum(f[1][0] == m["code"][0] for f in m["facts"]) / len(m["facts"])})
+            if enc is not None:
+                t0 = e.questions[0][0]
+                first = lambda k, c: enc.encode(tb_data.answer_text(k, c, m.get("fact_format", "is")))[0]
+                pred0, others0 = int(logits[b, t0].argmax()), {first(k, c) for k, c, _ in others}
+                rows[-1]["first_token"] = ("right" if pred0 == e.ids[t0 + 1] else
+                                           "other fact" if pred0 in others0 else "other")
     return rows
 
 
@@ -499,7 +508,7 @@ def cmd_digits(args):
     gen = split_generator(args)
     lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or model.cfg.seq_len)]
     rows = first_digit_errors(model, tb_data.eval_set(gen, args.per_cell, lengths=lengths, keys=args.keys,
-                                                      fact_format=args.fact_format), gen.digit_ids)
+                                                      fact_format=args.fact_format), gen.digit_ids, enc=gen.enc)
     print(f"{args.checkpoint}: the first code digit of {len(rows)} {args.split} questions, keys {args.keys}, "
           f"facts {args.fact_format} "
           f"(argmax given the true prefix)")
@@ -511,6 +520,11 @@ def cmd_digits(args):
         print(f"by {title}:")
         for line in digit_table(rows, key, label):
             print(line)
+    print("the answer's first token (the key restated) given the prompt, by kind x length:")
+    for v in sorted({(r["kind"], r["length"]) for r in rows}):
+        sel = [r["first_token"] for r in rows if (r["kind"], r["length"]) == v]
+        print(f"{v[0] + '@' + str(v[1]):>11s}: {len(sel):4d} questions, "
+              + ", ".join(f"{c} {sel.count(c)}" for c in ("right", "other fact", "other")))
     if args.out:
         with open(args.out, "w") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))

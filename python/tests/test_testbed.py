@@ -792,3 +792,32 @@ def test_answer_tokens_all_puts_the_key_in_the_answer_term(tok):
     assert abs(float(every) - want_all) < 1e-5 and abs(float(code) - want_code) < 1e-5 and float(every) != float(code)
     assert testbed.ANSWER_TOKENS == testbed.tb_schedule.ANSWER_TOKENS
     assert testbed.train_options(argparse.ArgumentParser()).parse_args(["--run-dir", "R"]).answer_tokens == "code"
+
+
+def test_first_answer_token_is_classified(tok):
+    """first_digit_errors(..., enc=): the answer's first token (the key restated) given the prompt is `right`,
+    `other fact` (another fact's key as its answer would start) or `other`, on a stand-in model."""
+    gen = tb_data.Generator(tok, STORIES, "val", 6)
+    exs = [gen.example(i, 256, ("before", "after")[i % 2], 4, "short", "adjacent") for i in range(6)]
+    chosen, want = {}, []
+    for j, e in enumerate(exs):
+        m = e.meta
+        other = next(k for k, _ in m["facts"] if k != m["key"])
+        chosen[j] = [e.ids[e.questions[0][0] + 1], gen.enc.encode(other)[0], gen.digit_ids[7]][j % 3]
+        want.append(("right", "other fact", "other")[j % 3])
+
+    def fake(ids):  # the true next token everywhere but the chosen one at the answer's first token
+        out = torch.zeros(ids.shape[0], ids.shape[1], 512)
+        for b in range(ids.shape[0]):
+            j = next(j for j, e in enumerate(exs) if e.ids[:-1] == ids[b].tolist())
+            out[b, torch.arange(ids.shape[1]), torch.tensor(exs[j].ids[1:])] = 1.0
+            t0 = exs[j].questions[0][0]
+            out[b, t0] = 0.0
+            out[b, t0, chosen[j]] = 1.0
+        return out
+
+    rows = testbed.first_digit_errors(fake, exs, gen.digit_ids, batch_tokens=512, enc=gen.enc)
+    order = sorted(range(len(exs)), key=lambda j: len(exs[j].ids))
+    assert [r["first_token"] for r in rows] == [want[j] for j in order]
+    assert all(r["class"] == "right" for r in rows)  # the first code digit is still the true one
+    assert "first_token" not in testbed.first_digit_errors(fake, exs, gen.digit_ids, batch_tokens=512)[0]

@@ -41,7 +41,7 @@ SPLIT_NAMES = ("train", "val", "test")
 FACT_FORMATS = ("is", "adjacent")
 """tb_data.FACT_FORMATS (repeated: this module does not import the data's dependencies; a test checks they agree)"""
 ANSWER_TOKENS = ("code", "all")
-"""testbed.ANSWER_TOKENS (repeated likewise)"""
+"""train --answer-tokens: the answer term over the code digits, or over every answer token (testbed.losses)"""
 
 
 class Schedule:

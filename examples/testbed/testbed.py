@@ -199,9 +199,6 @@ def step_batch(gen, args, step):
     return out
 
 
-ANSWER_TOKENS = ("code", "all")
-
-
 def fact_format_of(args):
     """The fact format of a run's examples ("is" for runs and checkpoints from before the option)."""
     return getattr(args, "fact_format", "is")
@@ -475,9 +472,9 @@ def first_digit_errors(model, examples, digit_ids, batch_tokens=4096, enc=None):
                          "chance": len(wrong_firsts) / 9,
                          "pick": sum(f[1][0] == m["code"][0] for f in m["facts"]) / len(m["facts"])})
             if enc is not None:
-                t0 = e.questions[0][0]
-                first = lambda k, c: enc.encode(tb_data.answer_text(k, c, m.get("fact_format", "is")))[0]
-                pred0, others0 = int(logits[b, t0].argmax()), {first(k, c) for k, c, _ in others}
+                t0, fmt = e.questions[0][0], m.get("fact_format", "is")
+                others0 = {enc.encode(tb_data.answer_text(k, c, fmt))[0] for k, c, _ in others}
+                pred0 = int(logits[b, t0].argmax())
                 rows[-1]["first_token"] = ("right" if pred0 == e.ids[t0 + 1] else
                                            "other fact" if pred0 in others0 else "other")
     return rows
@@ -921,7 +918,7 @@ def train_options(p):
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--plain", type=float, default=0.2, help="fraction of plain story sequences")
     p.add_argument("--answer-weight", type=float, default=1.0)
-    p.add_argument("--answer-tokens", default="code", choices=list(ANSWER_TOKENS),
+    p.add_argument("--answer-tokens", default="code", choices=list(tb_schedule.ANSWER_TOKENS),
                    help="the answer term's tokens: the code digits, or all the answer's tokens (the key restated "
                         "too: the question-before kind has to write the key from the question at the start)")
     p.add_argument("--recall-steps", type=int, default=0,

@@ -790,7 +790,6 @@ def test_answer_tokens_all_puts_the_key_in_the_answer_term(tok):
     want_all = sum(float(ce[b, t]) for b, q in qs for t in q) / sum(len(q) for _, q in qs)
     want_code = sum(float(ce[b, t]) for b, q in qs for t in q[-tb_data.DIGITS:]) / (len(qs) * tb_data.DIGITS)
     assert abs(float(every) - want_all) < 1e-5 and abs(float(code) - want_code) < 1e-5 and float(every) != float(code)
-    assert testbed.ANSWER_TOKENS == testbed.tb_schedule.ANSWER_TOKENS
     assert testbed.train_options(argparse.ArgumentParser()).parse_args(["--run-dir", "R"]).answer_tokens == "code"
 
 

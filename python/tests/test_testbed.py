@@ -504,19 +504,21 @@ def test_the_committed_schedule_is_the_runs_hand_resumes():
     """examples/testbed/schedule.json replays the run's RESUME.txt commands (docs/testbed.md, "Reproduce")."""
     sched = testbed.tb_schedule.load(os.path.join(SOURCE_DIR, "examples", "testbed", "schedule.json"),
                                      testbed.train_defaults("R"))
-    assert [p for p, _ in sched.phases] == [0, 450, 4000, 7247, 8400, 14000, 15300, 20000, 23050, 24600]
+    assert [p for p, _ in sched.phases] == [0, 450, 4000, 7247, 8400, 14000, 15300, 20000, 23050, 24600, 26450]
     got = [(a.steps, a.recall_steps, a.recall_mix, a.plain, a.max_length, a.answer_weight, a.eval_every)
            for _, a in sched.phases]
     assert got == [(1500, 500, 0.25, 0.2, 0, 1.0, 100), (4000, 4000, 0.25, 0.1, 512, 1.0, 100),
                    (8000, 8000, 0.25, 0.1, 512, 1.0, 100), (12000, 12000, 0.25, 0.1, 512, 1.0, 100),
                    (14000, 8400, 0.25, 0.1, 0, 1.0, 250), (22000, 8400, 0.25, 0.1, 0, 3.0, 250),
                    (22000, 8400, 1.0, 0.1, 256, 1.0, 100000), (30000, 20000, 0.5, 0.1, 0, 1.0, 500),
-                   (30000, 20000, 0.25, 0.1, 0, 1.0, 500), (30000, 20000, 0.25, 0.1, 0, 1.0, 500)]
+                   (30000, 20000, 0.25, 0.1, 0, 1.0, 500), (30000, 20000, 0.25, 0.1, 0, 1.0, 500),
+                   (27450, 20000, 0.25, 0.1, 0, 1.0, 500)]
     assert [(a.short_keys, a.fact_format, a.lr) for _, a in sched.phases[6:]] == [(1.0, "adjacent", 2e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
+                                                                                  (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3)]
-    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"]
+    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"] * 2
     assert all(a.seed == 1 and a.threads == 1 and a.batch_tokens == 4096 for _, a in sched.phases)
     assert all(a.short_keys == 0 and a.fact_format == "is" and a.lr == 2e-3 for _, a in sched.phases[:6])
     # a checkpoint written at a phase's end carries that phase's options

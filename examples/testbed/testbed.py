@@ -664,7 +664,7 @@ def cmd_parity(args):
         ok += same
         print(f"prompt {i} ({kind}, {len(prompt)} tokens): runner {'==' if same else '!='} PyTorch over "
               f"{steps - len(prompt)} greedy tokens; continuation {tok.decode(mine[len(prompt):])!r} "
-              f"(truth: the {e.meta['key']}'s code is {e.meta['code']})")
+              f"(truth: {tb_data.answer_text(e.meta['key'], e.meta['code'], args.fact_format)})")
     print(f"parity: {ok}/{len(cases)} prompts identical")
     if ok != len(cases):
         raise SystemExit(1)

@@ -504,7 +504,8 @@ def test_the_committed_schedule_is_the_runs_hand_resumes():
     """examples/testbed/schedule.json replays the run's RESUME.txt commands (docs/testbed.md, "Reproduce")."""
     sched = testbed.tb_schedule.load(os.path.join(SOURCE_DIR, "examples", "testbed", "schedule.json"),
                                      testbed.train_defaults("R"))
-    assert [p for p, _ in sched.phases] == [0, 450, 4000, 7247, 8400, 14000, 15300, 20000, 23050, 24600, 26450]
+    assert [p for p, _ in sched.phases] == [0, 450, 4000, 7247, 8400, 14000, 15300, 20000, 23050, 24600, 26450,
+                                           27450]
     got = [(a.steps, a.recall_steps, a.recall_mix, a.plain, a.max_length, a.answer_weight, a.eval_every)
            for _, a in sched.phases]
     assert got == [(1500, 500, 0.25, 0.2, 0, 1.0, 100), (4000, 4000, 0.25, 0.1, 512, 1.0, 100),
@@ -512,13 +513,14 @@ def test_the_committed_schedule_is_the_runs_hand_resumes():
                    (14000, 8400, 0.25, 0.1, 0, 1.0, 250), (22000, 8400, 0.25, 0.1, 0, 3.0, 250),
                    (22000, 8400, 1.0, 0.1, 256, 1.0, 100000), (30000, 20000, 0.5, 0.1, 0, 1.0, 500),
                    (30000, 20000, 0.25, 0.1, 0, 1.0, 500), (30000, 20000, 0.25, 0.1, 0, 1.0, 500),
-                   (27450, 20000, 0.25, 0.1, 0, 1.0, 500)]
+                   (27450, 20000, 0.25, 0.1, 0, 1.0, 500), (31450, 20000, 0.25, 0.1, 0, 1.0, 500)]
     assert [(a.short_keys, a.fact_format, a.lr) for _, a in sched.phases[6:]] == [(1.0, "adjacent", 2e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
+                                                                                  (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3)]
-    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"] * 2
+    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"] * 3
     assert all(a.seed == 1 and a.threads == 1 and a.batch_tokens == 4096 for _, a in sched.phases)
     assert all(a.short_keys == 0 and a.fact_format == "is" and a.lr == 2e-3 for _, a in sched.phases[:6])
     # a checkpoint written at a phase's end carries that phase's options
@@ -822,3 +824,19 @@ def test_first_answer_token_is_classified(tok):
     assert [r["first_token"] for r in rows] == [want[j] for j in order]
     assert all(r["class"] == "right" for r in rows)  # the first code digit is still the true one
     assert "first_token" not in testbed.first_digit_errors(fake, exs, gen.digit_ids, batch_tokens=512)[0]
+
+
+def test_the_shipped_model_is_made_by_its_schedule():
+    """models/testbed: its schedule is the committed schedule up to the shipped step (the run continues from
+    there in later phases), and model.bin is that run's llama2.c checkpoint (the testbed's shape)."""
+    root = os.path.join(SOURCE_DIR, "models", "testbed")
+    defaults = testbed.train_defaults("R")
+    shipped = testbed.tb_schedule.load(os.path.join(root, "schedule.json"), defaults)
+    current = testbed.tb_schedule.load(os.path.join(SOURCE_DIR, "examples", "testbed", "schedule.json"), defaults)
+    n = len(shipped.phases)
+    assert shipped.steps == 27450 and [(p, vars(a)) for p, a in shipped.phases] == [(p, vars(a)) for p, a in current.phases[:n]]
+    assert all(p >= shipped.steps for p, _ in current.phases[n:])
+    header = np.frombuffer(open(os.path.join(root, "model.bin"), "rb").read(28), dtype="<i4").tolist()
+    assert header == [128, 384, 4, 8, 2, 512, 2048]
+    assert os.path.getsize(os.path.join(root, "model.bin")) == 28 + 4 * tb_model.Model(tb_model.Config(*header)).n_params() \
+        + 4 * 2 * 2048 * 8  # the weights, then the two legacy RoPE tables (seq_len x head_size / 2 floats each)

@@ -443,7 +443,7 @@ index_t layer_totals(const head_rows_set& rows, const recipe& r, index_t P, inde
 }
 
 std::vector<std::int32_t> kept_cu_of(const ragged_positions& k) { return {k.cu, k.cu + (k.heads + 1)}; }
-std::vector<pos_t> kept_pos_of(const ragged_positions& k) { return {k.pos, k.pos + (k.heads > 0 ? k.cu[k.heads] : 0)}; }
+std::vector<pos_t> kept_pos_of(const ragged_positions& k) { return {k.pos, k.pos + k.total()}; }
 
 /// A driver call with a workspace of exactly workspace_bytes(be) (misaligned bases included).
 template <class Driver, class Backend, class F>

@@ -313,9 +313,9 @@ class kv_cache : private kv_cache_state {
                            static_cast<long long>(kept.heads), static_cast<long long>(heads_));
     // kept lists living inside the pool (any layer's) would be overwritten midway: refuse them
     // before a row moves (compact_layer checks the offsets, rows and this layer's memory)
-    if (kept.pos != nullptr && kept.cu != nullptr && kept.heads > 0 && kept.cu[kept.heads] > 0) {
+    if (kept.pos != nullptr && kept.cu != nullptr && kept.total() > 0) {
       const auto* first = reinterpret_cast<const unsigned char*>(kept.pos);
-      const auto* last = reinterpret_cast<const unsigned char*>(kept.pos + kept.cu[kept.heads]);
+      const auto* last = reinterpret_cast<const unsigned char*>(kept.pos + kept.total());
       auto inside = [&](const auto& buf) {
         const auto* b = reinterpret_cast<const unsigned char*>(buf.data());
         const auto* e = reinterpret_cast<const unsigned char*>(buf.data() + buf.size());

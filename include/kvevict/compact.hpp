@@ -116,9 +116,9 @@ status check_kept_ragged(const char* fn, const ragged_positions& kept, TokensOf 
 
 inline status check_ragged_positions(const char* fn, const ragged_positions& kept) {
   KVEVICT_TRY(check_offsets(fn, "kept.cu", kept.cu, kept.heads));
-  if (kept.pos == nullptr && kept.heads > 0 && kept.cu[kept.heads] > 0)
-    return status::error(errc::null_pointer, "%s: kept.pos is null but %d positions are listed", fn,
-                         kept.cu[kept.heads]);
+  if (kept.pos == nullptr && kept.total() > 0)
+    return status::error(errc::null_pointer, "%s: kept.pos is null but %lld positions are listed", fn,
+                         static_cast<long long>(kept.total()));
   return {};
 }
 
@@ -299,7 +299,7 @@ status check_ragged_gather(const char* fn, const kv_view<const T>& src, const ra
                              static_cast<long long>(dst.capacity(h)));
   const auto dst_range = rows_range(dst.data, rows, dst.row_stride);
   if (range_of(src).intersects(dst_range)) return overlap_error(fn, "src", "dst");
-  const auto kept_range = positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0);
+  const auto kept_range = positions_range(kept.pos, kept.total());
   if (kept_range.intersects(dst_range)) return overlap_error(fn, "kept", "dst");
   const named_range written[] = {{"dst", dst_range}, {"dst.lens", ints_range(lens, dst.heads)}};
   const named_range read[] = {{"src", range_of(src)},
@@ -417,7 +417,7 @@ template <class Backend, class S, class T>
 status compact(Backend be, kv_view<S> src_in, ragged_positions kept, ragged_cache<T> dst) {
   const kv_view<const T> src = detail::source_rows<T>(src_in);
   KVEVICT_TRY(detail::check_ragged_gather("compact", src, kept, dst));
-  const bool stream = detail::gather_streams(detail::rows_bytes<T>(kept.heads > 0 ? kept.cu[kept.heads] : 0, dst.dim));
+  const bool stream = detail::gather_streams(detail::rows_bytes<T>(kept.total(), dst.dim));
   detail::parallel_for(be, dst.heads, [&](index_t h) {
     const index_t n = kept.length(h);
     if (src.stride(2) == 1)
@@ -447,7 +447,7 @@ status compact_inplace(Backend be, ragged_cache<T> cache, ragged_positions kept)
       return status::error(errc::out_of_range, "%s: cache.lens[%lld] = %d is outside [0, %lld]", fn,
                            static_cast<long long>(h), cache.lens[h], static_cast<long long>(cache.capacity(h)));
   const auto cache_range = detail::rows_range(cache.data, rows, cache.row_stride);
-  const auto kept_range = detail::positions_range(kept.pos, kept.heads > 0 ? kept.cu[kept.heads] : 0);
+  const auto kept_range = detail::positions_range(kept.pos, kept.total());
   if (kept_range.intersects(cache_range)) return detail::overlap_error(fn, "kept", "cache");
   {
     const detail::named_range written[] = {{"cache", cache_range},
@@ -458,7 +458,7 @@ status compact_inplace(Backend be, ragged_cache<T> cache, ragged_positions kept)
     KVEVICT_TRY(detail::check_disjoint(fn, written, read));
   }
   KVEVICT_TRY(detail::check_kept_ragged(fn, kept, [&](index_t h) { return index_t(cache.lens[h]); }, true));
-  const bool stream = detail::gather_streams(detail::rows_bytes<T>(kept.heads > 0 ? kept.cu[kept.heads] : 0, cache.dim));
+  const bool stream = detail::gather_streams(detail::rows_bytes<T>(kept.total(), cache.dim));
   detail::parallel_for(be, cache.heads, [&](index_t h) {
     const index_t n = kept.length(h);
     detail::gather_rows_host(cache.row(h, 0), cache.row_stride, cache.row(h, 0), cache.row_stride, kept.pos + kept.cu[h],

@@ -220,6 +220,8 @@ struct basic_ragged_positions {
       : pos(o.pos), cu(o.cu), heads(o.heads) {}
 
   KVEVICT_HOST_DEVICE index_t length(index_t h) const { return cu[h + 1] - cu[h]; }
+  /// All heads' positions together (0 without heads, when `cu` may be null).
+  KVEVICT_HOST_DEVICE index_t total() const { return heads > 0 ? cu[heads] : 0; }
 };
 using ragged_positions = basic_ragged_positions<const pos_t>;
 using ragged_positions_out = basic_ragged_positions<pos_t>;

@@ -62,9 +62,9 @@ matrix_view<const float> score_view(const tensor& scores) {
 py::tuple kept_arrays(const ragged_positions& k) {
   tensor like;
   const tensor cu = output(py::none(), "cu", like, {k.heads + 1}, dtype::i32);
-  const tensor pos = output(py::none(), "positions", like, {k.cu[k.heads]}, dtype::i32);
+  const tensor pos = output(py::none(), "positions", like, {k.total()}, dtype::i32);
   std::copy_n(k.cu, k.heads + 1, static_cast<std::int32_t*>(cu.data));
-  std::copy_n(k.pos, k.cu[k.heads], static_cast<pos_t*>(pos.data));
+  std::copy_n(k.pos, k.total(), static_cast<pos_t*>(pos.data));
   return py::make_tuple(pos.object, cu.object);
 }
 

@@ -396,8 +396,9 @@ class eviction_recorder {
       return status::error(errc::shape_mismatch, "%s: the position lists have %lld heads, the recorder %lld", fn,
                            static_cast<long long>(r.heads), static_cast<long long>(heads()));
     KVEVICT_TRY(detail::check_offsets(fn, "positions.cu", r.cu, r.heads));
-    if (r.pos == nullptr && r.heads > 0 && r.cu[r.heads] > 0)
-      return status::error(errc::null_pointer, "%s: positions are null but %d are listed", fn, r.cu[r.heads]);
+    if (r.pos == nullptr && r.total() > 0)
+      return status::error(errc::null_pointer, "%s: positions are null but %lld are listed", fn,
+                           static_cast<long long>(r.total()));
     return {};
   }
   // every resident key below `step` that is not in the ascending list `kept` is evicted at `step`

@@ -247,11 +247,13 @@ inline status kept_recall_at_k(workspace& ws, ragged_positions kept, matrix_view
     return status::error(errc::shape_mismatch, "%s: kept has %lld rows, truth %lld", fn, static_cast<long long>(kept.heads),
                          static_cast<long long>(truth.extent(0)));
   KVEVICT_TRY(detail::check_offsets(fn, "kept.cu", kept.cu, kept.heads));
-  if (kept.pos == nullptr && kept.cu[kept.heads] > 0)
-    return status::error(errc::null_pointer, "%s: kept.pos is null but %d positions are listed", fn, kept.cu[kept.heads]);
-  KVEVICT_TRY(mi::check_positions_not_inside(fn, per_row, truth.extent(0), kept.pos, kept.cu[kept.heads]));
+  if (kept.pos == nullptr && kept.total() > 0)
+    return status::error(errc::null_pointer, "%s: kept.pos is null but %lld positions are listed", fn,
+                         static_cast<long long>(kept.total()));
+  KVEVICT_TRY(mi::check_positions_not_inside(fn, per_row, truth.extent(0), kept.pos, kept.total()));
   const auto kb = reinterpret_cast<std::uintptr_t>(kept.pos);
-  const detail::byte_range kept_range{kb, kept.pos ? kb + static_cast<std::uintptr_t>(kept.cu[kept.heads]) * sizeof(pos_t) : kb};
+  const auto kept_bytes = static_cast<std::uintptr_t>(kept.total()) * sizeof(pos_t);
+  const detail::byte_range kept_range{kb, kept.pos ? kb + kept_bytes : kb};
   return mi::kept_recall_rows(
       fn, ws, truth, k, mean, per_row, kept_range, [&](index_t r) { return kept.length(r); },
       [&](index_t r, index_t i) { return kept.pos[kept.cu[r] + i]; });

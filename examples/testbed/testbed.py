@@ -233,6 +233,14 @@ def save_atomic(obj, path):
     os.replace(tmp, path)
 
 
+def write_atomic(path, data):
+    """Write bytes or text to path through path.tmp, so that a stopped run never leaves a half file."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+    os.replace(tmp, path)
+
+
 def export_atomic(model, run_dir):
     tb_model.export(model, os.path.join(run_dir, "model.bin.tmp"))
     os.replace(os.path.join(run_dir, "model.bin.tmp"), os.path.join(run_dir, "model.bin"))
@@ -523,8 +531,7 @@ def cmd_digits(args):
         print(f"{v[0] + '@' + str(v[1]):>11s}: {len(sel):4d} questions, "
               + ", ".join(f"{c} {sel.count(c)}" for c in ("right", "other fact", "other")))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
+        write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def synth_example(rng, task, n, key_tokens=1):
@@ -616,12 +623,13 @@ def cmd_dump(args):
     gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{args.split}.jsonl")),
                             args.split, args.seed)
     lengths = [L for L in tb_data.LENGTHS if L <= (args.max_length or tb_data.LENGTHS[-1])]
-    with open(args.out, "w") as f:
-        for e in tb_data.eval_set(gen, args.per_cell, lengths=lengths, keys=args.keys, fact_format=args.fact_format):
-            n = e.meta["prompt_tokens"]
-            f.write(json.dumps({"prompt": e.text[:e.text.rindex("Answer:") + len("Answer:")],
-                                "prompt_ids": e.ids[:n], "answer": e.text[e.text.rindex("Answer:") + 8:-1],
-                                "answer_ids": e.ids[n:n + len(e.answers)], "meta": e.meta}) + "\n")
+    lines = []
+    for e in tb_data.eval_set(gen, args.per_cell, lengths=lengths, keys=args.keys, fact_format=args.fact_format):
+        n = e.meta["prompt_tokens"]
+        lines.append(json.dumps({"prompt": e.text[:e.text.rindex("Answer:") + len("Answer:")],
+                                 "prompt_ids": e.ids[:n], "answer": e.text[e.text.rindex("Answer:") + 8:-1],
+                                 "answer_ids": e.ids[n:n + len(e.answers)], "meta": e.meta}) + "\n")
+    write_atomic(args.out, "".join(lines))
 
 
 def cmd_export(args):
@@ -773,13 +781,12 @@ def cmd_make(args):
     os.replace(shipped + ".tmp", shipped)
     for src, name in ((os.path.join(args.run_dir, "train.log"), "train.log"),
                       (os.path.join(args.run_dir, "eval.jsonl"), "eval.jsonl"), (args.schedule, "schedule.json")):
-        with open(src, "rb") as f, open(os.path.join(args.out_dir, name), "wb") as g:
-            g.write(f.read())
+        with open(src, "rb") as f:
+            write_atomic(os.path.join(args.out_dir, name), f.read())
     log(f"make: {shipped}: step {ck['step']}, {model.n_params()} parameters, sha256 {sha256_of(shipped)}")
     lines = eval_lines(shipped, stories, "test", run_args.seed, args.per_cell, threads=run_args.threads,
                        fact_format=fact_format_of(run_args), keys=keys_of(run_args))
-    with open(os.path.join(args.out_dir, "eval_test.txt"), "w") as f:
-        f.write("".join(line + "\n" for line in lines))
+    write_atomic(os.path.join(args.out_dir, "eval_test.txt"), "".join(line + "\n" for line in lines))
     for line in lines:
         log(f"make: {line}")
     buf = io.StringIO()
@@ -792,8 +799,7 @@ def cmd_make(args):
             cmd_parity(pargs)
         except SystemExit as e:
             failed = e
-    with open(os.path.join(args.out_dir, "parity.txt"), "w") as f:
-        f.write(buf.getvalue())
+    write_atomic(os.path.join(args.out_dir, "parity.txt"), buf.getvalue())
     for line in buf.getvalue().splitlines():
         log(f"make: {line}")
     if failed is not None:
@@ -893,9 +899,7 @@ def cmd_lookahead(args):
         files[split] = os.path.join(work, f"lookahead_{split}_prompts.txt")
         text = "".join(" ".join(map(str, ids)) + "\n" for ids in lookahead_prompts(gen, first, count, lengths, args.response,
                                                                                 args.keys, args.fact_format))
-        with open(files[split] + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(files[split] + ".tmp", files[split])
+        write_atomic(files[split], text)
         print(f"lookahead: {count} {split} prompts (lengths {lengths}) in {files[split]}", flush=True)
     cmd = [args.kvevict_lookahead, "--model", args.checkpoint, "--threads", str(args.threads), "--response",
            str(args.response), "train", "--out", args.out, "--prompts", files["train"], "--val-prompts", files["val"],

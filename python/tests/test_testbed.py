@@ -834,7 +834,7 @@ def test_the_shipped_model_is_made_by_its_schedule():
     shipped = testbed.tb_schedule.load(os.path.join(root, "schedule.json"), defaults)
     current = testbed.tb_schedule.load(os.path.join(SOURCE_DIR, "examples", "testbed", "schedule.json"), defaults)
     n = len(shipped.phases)
-    assert shipped.steps == 27450 and [(p, vars(a)) for p, a in shipped.phases] == [(p, vars(a)) for p, a in current.phases[:n]]
+    assert shipped.steps == 31450 and [(p, vars(a)) for p, a in shipped.phases] == [(p, vars(a)) for p, a in current.phases[:n]]
     assert all(p >= shipped.steps for p, _ in current.phases[n:])
     header = np.frombuffer(open(os.path.join(root, "model.bin"), "rb").read(28), dtype="<i4").tolist()
     assert header == [128, 384, 4, 8, 2, 512, 2048]

@@ -840,3 +840,19 @@ def test_the_shipped_model_is_made_by_its_schedule():
     assert header == [128, 384, 4, 8, 2, 512, 2048]
     assert os.path.getsize(os.path.join(root, "model.bin")) == 28 + 4 * tb_model.Model(tb_model.Config(*header)).n_params() \
         + 4 * 2 * 2048 * 8  # the weights, then the two legacy RoPE tables (seq_len x head_size / 2 floats each)
+
+
+def test_the_shipped_lookahead_module_is_for_the_shipped_model():
+    """models/testbed/lookahead-n16.bin: its header (docs/lookaheadkv.md) names the testbed's dimensions and
+    its size is exactly the header plus its parameters (16 tokens, LoRA rank 8 on all seven targets)."""
+    data = open(os.path.join(SOURCE_DIR, "models", "testbed", "lookahead-n16.bin"), "rb").read()
+    assert data[:8] == b"KVLOOKAH"
+    version, = np.frombuffer(data[8:12], dtype="<u4")
+    dims = np.frombuffer(data[12:44], dtype="<i4").tolist()  # dim, layers, heads, kv heads, hidden, vocab, n, rank
+    placement, = np.frombuffer(data[48:52], dtype="<u4")
+    assert version == 1 and dims == [128, 4, 8, 2, 384, 512, 16, 8] and placement == 127
+    dim, layers, heads, kv, hidden = 128, 4, 8, 2, 384
+    kv_dim = dim * kv // heads
+    shapes = [(dim, dim), (dim, kv_dim), (dim, kv_dim), (dim, dim), (dim, hidden), (hidden, dim), (dim, hidden)]
+    count = 16 * dim + layers * sum(8 * (i + o) for i, o in shapes)
+    assert len(data) == 52 + 4 * count and count == 77824

@@ -257,9 +257,36 @@ def run_report(opts, examples, log=print):
             "rows": rows, "critical": crit, "skipped": skipped, "seconds": time.time() - t0}
 
 
+# the seed papers' claims as (A, B, source): A keeps retrieval at least as well as B at equal budgets
+PAPER_PAIRS = ((("lookaheadkv", "postfill"), ("snapkv", "postfill"), "LookaheadKV"),
+               (("lookaheadkv", "postfill"), ("laq", "postfill"), "LookaheadKV"),
+               (("speckv", "postfill"), ("snapkv", "postfill"), "LookaheadKV"),
+               (("laq", "postfill"), ("snapkv", "postfill"), "Lookahead Q-Cache"),
+               (("adakv", "postfill"), ("snapkv", "postfill"), "LAVa"),
+               (("lava", "postfill"), ("adakv", "postfill"), "LAVa"),
+               (("pyramidkv", "postfill"), ("snapkv", "postfill"), "Cache Me If You Can"),
+               (("snapkv", "chunked-patched"), ("snapkv", "chunked-naive"), "Cache Me If You Can"),
+               (("lava", "chunked-patched"), ("lava", "chunked-naive"), "Cache Me If You Can"))
+
+
+def paper_pairs(rep):
+    """[(A, B, source, kind, budget, paired difference of exact match)] for the PAPER_PAIRS both of whose
+    rows the report holds, from the per-example results."""
+    by = {(r["recipe"], r["driver"], r["budget"], r["kind"]): r for r in rep["rows"]}
+    out = []
+    for a, b, src in PAPER_PAIRS:
+        for kind in rep["kinds"]:
+            for budget in rep["budgets"]:
+                ra, rb = by.get(a + (budget, kind)), by.get(b + (budget, kind))
+                if ra is not None and rb is not None:
+                    out.append((a, b, src, kind, budget,
+                                paired(ra["per_example"]["exact_match"], rb["per_example"]["exact_match"])))
+    return out
+
+
 def markdown(rep):
     """Tables: the full cache per kind and length; per kind, exact match (± se) [paired difference to
-    SnapKV post-fill] / mean footprint at every budget; the critical footprints."""
+    SnapKV post-fill] / mean footprint at every budget; the seed papers' pairs; the critical footprints."""
     out = [f"# Testbed retrieval report: {os.path.basename(rep['model'])}", "",
            f"{rep['split']} split, {rep['per_cell']} examples per (kind, length), lengths {rep['lengths']}, "
            f"budgets {rep['budgets']} (tokens per KV head), window {rep['window']}; exact match of the answer's "
@@ -292,6 +319,21 @@ def markdown(rep):
                 ds = (f" [{diff['mean']:+.3f} ± {diff['se']:.3f}{stars(diff['p'], m)}]" if diff else " [ref]")
                 cells.append(f"{r['exact_match']:.3f} ± {r['se']:.3f}{ds} / {r['footprint']:.3f}")
             out.append(f"| {rc}{'' if d == 'postfill' else ' / ' + d} | " + " | ".join(cells) + " |")
+    pairs = paper_pairs(rep)
+    if pairs:
+        name = lambda x: x[0] + ("" if x[1] == "postfill" else " / " + x[1])  # noqa: E731
+        out += ["", "## The seed papers' pairs: exact match of A − B, paired over the examples", "",
+                f"`*` p < 0.05, `**` p < 0.05 / {len(pairs)} (Bonferroni over this table); the paper whose ranking "
+                "(A at least as good as B) the row tests.", "",
+                "| A − B | paper | question | " + " | ".join(f"B = {b}" for b in rep["budgets"]) + " |",
+                "| --- | --- | --- |" + " ---: |" * len(rep["budgets"])]
+        rows = {}
+        for a, b, src, kind, budget, d in pairs:
+            rows.setdefault((name(a) + " − " + name(b), src, kind), {})[budget] = d
+        for (ab, src, kind), ds in rows.items():
+            out.append(f"| {ab} | {src} | {kind} | " + " | ".join(
+                f"{ds[b]['mean']:+.3f} ± {ds[b]['se']:.3f}{stars(ds[b]['p'], len(pairs))}" if b in ds else "—"
+                for b in rep["budgets"]) + " |")
     out += ["", f"## Critical KV footprint at F = {rep['fraction_of_full']:.0%} of the full cache's exact match (%)", "",
             "Linear interpolation over the budget sweep (kvevict.critical_footprint); `< x`: the smallest footprint "
             "measured already meets it, `> x`: none does; ± a bootstrap standard error over the examples.", "",

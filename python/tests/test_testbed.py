@@ -390,6 +390,27 @@ def test_report_scores_the_runner_and_writes_its_files(tmp_path, tok):
                       "--recipes", "lookaheadkv", "--out-dir", str(out)])
 
 
+def test_paper_pairs_are_paired_over_the_examples():
+    """The seed papers' pairs: A - B of exact match per example (mean, standard error, p), only where the
+    report holds both rows; the markdown's table lists them with the Bonferroni count of that table."""
+    import tb_report
+    ems = {"lookaheadkv": [1, 1, 1, 0], "snapkv": [0, 1, 0, 0], "laq": [1, 1, 1, 0]}
+    rows = [{"recipe": rc, "driver": "postfill", "budget": 32, "kind": "before", "n": 4, "exact_match": np.mean(em),
+             "se": 0.0, "footprint": 0.5, "per_example": {"exact_match": em, "footprint": [0.5] * 4}}
+            for rc, em in ems.items()]
+    rep = {"model": "m.bin", "split": "test", "per_cell": 4, "lengths": [256], "kinds": ["before"], "budgets": [32],
+           "window": 32, "rows": rows, "critical": [], "skipped": [], "fraction_of_full": 0.9}
+    pairs = tb_report.paper_pairs(rep)
+    got = {(a[0], b[0]): d for a, b, _, kind, budget, d in pairs}
+    assert set(got) == {("lookaheadkv", "snapkv"), ("lookaheadkv", "laq"), ("laq", "snapkv")}  # others lack rows
+    d = got[("lookaheadkv", "snapkv")]  # differences 1, 0, 1, 0
+    assert d["mean"] == 0.5 and abs(d["se"] - np.std([1, 0, 1, 0], ddof=1) / 2) < 1e-12 and 0 < d["p"] < 0.1
+    assert got[("lookaheadkv", "laq")] == {"mean": 0.0, "se": 0.0, "p": 1.0}
+    md = tb_report.markdown(rep)
+    assert "## The seed papers' pairs" in md and "p < 0.05 / 3" in md
+    assert "| lookaheadkv − snapkv | LookaheadKV | before | +0.500 ± 0.289 |" in md
+
+
 def test_lookahead_prompts_leave_room_for_the_response(tok):
     gen = tb_data.Generator(tok, STORIES, "train", 1)
     prompts = testbed.lookahead_prompts(gen, 30_000_000, 6, [256, 512], 24)

@@ -162,12 +162,13 @@ def format_cells(cells):
 def allowed_lengths(args, step):
     """The length curriculum: 256 during the dense-recall phase (the first --recall-steps steps), then
     256..512 for the first 15 % of the remaining steps, up to 1024 until 35 %, then all (never above
-    --max-length)."""
+    --max-length); with --min-length M only the lengths >= M of those (their longest while all are shorter)."""
     if step < args.recall_steps:
         return [tb_data.LENGTHS[0]]
     f = (step - args.recall_steps) / max(1, args.steps - args.recall_steps)
     top = min(512 if f < 0.15 else 1024 if f < 0.35 else args.seq_len, args.max_length or args.seq_len)
-    return [L for L in tb_data.LENGTHS if L <= top]
+    lengths = [L for L in tb_data.LENGTHS if L <= top]
+    return [L for L in lengths if L >= getattr(args, "min_length", 0)] or lengths[-1:]
 
 
 def step_batch(gen, args, step):
@@ -937,6 +938,8 @@ def train_options(p):
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-per-cell", type=int, default=16)
     p.add_argument("--max-length", type=int, default=0, help="cap the curriculum and the val set (0 = the context)")
+    p.add_argument("--min-length", type=int, default=0,
+                   help="after the dense-recall phase, train only the curriculum's lengths >= this (the val set keeps all)")
     p.add_argument("--short-keys", type=float, default=0.0,
                    help="fraction of recall / retrieval examples with one-token keys (the key-match curriculum)")
     fact_format_arg(p)

@@ -282,6 +282,22 @@ def test_recall_phase_comes_first_and_stop_time(tok):
     assert 0 < t - time.time() <= 180
 
 
+def test_min_length_keeps_the_curriculums_long_lengths(tok):
+    """--min-length M: after the dense-recall phase only the curriculum's lengths >= M (its longest while every
+    allowed length is shorter); 0 changes nothing, and the step's batch has that length."""
+    gen = tb_data.Generator(tok, STORIES, "train", 1)
+    base = dict(seed=1, steps=100, recall_steps=4, recall_mix=0.0, plain=0.0, batch_tokens=2048, seq_len=2048,
+                max_length=0)
+    plain, longer = argparse.Namespace(**base, min_length=0), argparse.Namespace(**base, min_length=1024)
+    assert testbed.allowed_lengths(plain, 99) == [256, 512, 1024, 2048]
+    assert testbed.allowed_lengths(longer, 99) == [1024, 2048]
+    assert testbed.allowed_lengths(longer, 3) == [256]  # the dense-recall phase is not touched
+    assert testbed.allowed_lengths(longer, 10) == [512]  # the curriculum's top is 512 at 6 % of the steps
+    assert testbed.allowed_lengths(argparse.Namespace(**base), 99) == testbed.allowed_lengths(plain, 99)
+    for step in range(60, 70):
+        assert all(512 < len(e.ids) <= 2048 for e in testbed.step_batch(gen, longer, step))
+
+
 def test_synthetic_diagnosis_tasks():
     rng = np.random.default_rng(0)
     for _ in range(20):
@@ -512,6 +528,7 @@ def test_schedule_equals_the_hand_resumes_and_resumes_mid_phase(tmp_path):
     ([{"from": 0, "set": {"steps": 4, "fact-format": "next"}}], "fact-format must be one of is, adjacent"),
     ([{"from": 0, "set": {"steps": 4, "fact-format": 1}}], "fact-format must be a string"),
     ([{"from": 0, "set": {"steps": 4, "answer-tokens": "key"}}], "answer-tokens must be one of code, all"),
+    ([{"from": 0, "set": {"steps": 4, "min-length": -1}}], "min-length must be >= 0"),
     ([], "non-empty list"),
 ])
 def test_schedule_errors(tmp_path, phases, message):
@@ -526,7 +543,7 @@ def test_the_committed_schedule_is_the_runs_hand_resumes():
     sched = testbed.tb_schedule.load(os.path.join(SOURCE_DIR, "examples", "testbed", "schedule.json"),
                                      testbed.train_defaults("R"))
     assert [p for p, _ in sched.phases] == [0, 450, 4000, 7247, 8400, 14000, 15300, 20000, 23050, 24600, 26450,
-                                           27450]
+                                           27450, 31450]
     got = [(a.steps, a.recall_steps, a.recall_mix, a.plain, a.max_length, a.answer_weight, a.eval_every)
            for _, a in sched.phases]
     assert got == [(1500, 500, 0.25, 0.2, 0, 1.0, 100), (4000, 4000, 0.25, 0.1, 512, 1.0, 100),
@@ -534,14 +551,17 @@ def test_the_committed_schedule_is_the_runs_hand_resumes():
                    (14000, 8400, 0.25, 0.1, 0, 1.0, 250), (22000, 8400, 0.25, 0.1, 0, 3.0, 250),
                    (22000, 8400, 1.0, 0.1, 256, 1.0, 100000), (30000, 20000, 0.5, 0.1, 0, 1.0, 500),
                    (30000, 20000, 0.25, 0.1, 0, 1.0, 500), (30000, 20000, 0.25, 0.1, 0, 1.0, 500),
-                   (27450, 20000, 0.25, 0.1, 0, 1.0, 500), (31450, 20000, 0.25, 0.1, 0, 1.0, 500)]
+                   (27450, 20000, 0.25, 0.1, 0, 1.0, 500), (31450, 20000, 0.25, 0.1, 0, 1.0, 500),
+                   (32950, 20000, 0.25, 0.1, 0, 1.0, 500)]
+    assert [a.min_length for _, a in sched.phases] == [0] * 12 + [1024]
     assert [(a.short_keys, a.fact_format, a.lr) for _, a in sched.phases[6:]] == [(1.0, "adjacent", 2e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
+                                                                                  (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3)]
-    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"] * 3
+    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"] * 4
     assert all(a.seed == 1 and a.threads == 1 and a.batch_tokens == 4096 for _, a in sched.phases)
     assert all(a.short_keys == 0 and a.fact_format == "is" and a.lr == 2e-3 for _, a in sched.phases[:6])
     # a checkpoint written at a phase's end carries that phase's options

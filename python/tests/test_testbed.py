@@ -543,7 +543,7 @@ def test_the_committed_schedule_is_the_runs_hand_resumes():
     sched = testbed.tb_schedule.load(os.path.join(SOURCE_DIR, "examples", "testbed", "schedule.json"),
                                      testbed.train_defaults("R"))
     assert [p for p, _ in sched.phases] == [0, 450, 4000, 7247, 8400, 14000, 15300, 20000, 23050, 24600, 26450,
-                                           27450, 31450]
+                                           27450]
     got = [(a.steps, a.recall_steps, a.recall_mix, a.plain, a.max_length, a.answer_weight, a.eval_every)
            for _, a in sched.phases]
     assert got == [(1500, 500, 0.25, 0.2, 0, 1.0, 100), (4000, 4000, 0.25, 0.1, 512, 1.0, 100),
@@ -551,17 +551,15 @@ def test_the_committed_schedule_is_the_runs_hand_resumes():
                    (14000, 8400, 0.25, 0.1, 0, 1.0, 250), (22000, 8400, 0.25, 0.1, 0, 3.0, 250),
                    (22000, 8400, 1.0, 0.1, 256, 1.0, 100000), (30000, 20000, 0.5, 0.1, 0, 1.0, 500),
                    (30000, 20000, 0.25, 0.1, 0, 1.0, 500), (30000, 20000, 0.25, 0.1, 0, 1.0, 500),
-                   (27450, 20000, 0.25, 0.1, 0, 1.0, 500), (31450, 20000, 0.25, 0.1, 0, 1.0, 500),
-                   (32950, 20000, 0.25, 0.1, 0, 1.0, 500)]
-    assert [a.min_length for _, a in sched.phases] == [0] * 12 + [1024]
+                   (27450, 20000, 0.25, 0.1, 0, 1.0, 500), (31450, 20000, 0.25, 0.1, 0, 1.0, 500)]
+    assert all(a.min_length == 0 for _, a in sched.phases)
     assert [(a.short_keys, a.fact_format, a.lr) for _, a in sched.phases[6:]] == [(1.0, "adjacent", 2e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
-                                                                                  (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3)]
-    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"] * 4
+    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"] * 3
     assert all(a.seed == 1 and a.threads == 1 and a.batch_tokens == 4096 for _, a in sched.phases)
     assert all(a.short_keys == 0 and a.fact_format == "is" and a.lr == 2e-3 for _, a in sched.phases[:6])
     # a checkpoint written at a phase's end carries that phase's options

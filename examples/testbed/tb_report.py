@@ -286,7 +286,8 @@ def paper_pairs(rep):
 
 def markdown(rep):
     """Tables: the full cache per kind and length; per kind, exact match (± se) [paired difference to
-    SnapKV post-fill] / mean footprint at every budget; the seed papers' pairs; the critical footprints."""
+    SnapKV post-fill] / mean footprint at every budget; the seed papers' pairs; exact match at the longest
+    length (when there are several); the critical footprints."""
     out = [f"# Testbed retrieval report: {os.path.basename(rep['model'])}", "",
            f"{rep['split']} split, {rep['per_cell']} examples per (kind, length), lengths {rep['lengths']}, "
            f"budgets {rep['budgets']} (tokens per KV head), window {rep['window']}; exact match of the answer's "
@@ -299,6 +300,7 @@ def markdown(rep):
         out.append(f"| {r['kind']} | " + " | ".join(cells) + f" | {r['exact_match']:.3f} ± {r['se']:.3f} | "
                    f"{r['code_digits']:.3f} |")
     m = max(1, sum(1 for r in rep["rows"] if "d_snapkv" in r))
+    by_config = {(r["recipe"], r["driver"], r["budget"], r["kind"]): r for r in rep["rows"]}
     for kind in rep["kinds"]:
         out += ["", f"## Question {kind} the context: exact match (± se) [− SnapKV post-fill] / KV footprint", "",
                 f"`*` p < 0.05, `**` p < 0.05 / {m} (Bonferroni over the report's paired comparisons).", "",
@@ -311,7 +313,7 @@ def markdown(rep):
         for rc, d in names:
             cells = []
             for b in rep["budgets"]:
-                r = next((x for x in rep["rows"] if (x["recipe"], x["driver"], x["budget"], x["kind"]) == (rc, d, b, kind)), None)
+                r = by_config.get((rc, d, b, kind))
                 if r is None:
                     cells.append("—")
                     continue
@@ -334,6 +336,21 @@ def markdown(rep):
             out.append(f"| {ab} | {src} | {kind} | " + " | ".join(
                 f"{ds[b]['mean']:+.3f} ± {ds[b]['se']:.3f}{stars(ds[b]['p'], len(pairs))}" if b in ds else "—"
                 for b in rep["budgets"]) + " |")
+    if len(rep["lengths"]) > 1:  # the long contexts the methods are meant for, apart from the mean over lengths
+        L = str(max(rep["lengths"]))
+        out += ["", f"## Exact match at {L} tokens (± se)", "",
+                "| method / driver | question | " + " | ".join(f"B = {b}" for b in rep["budgets"]) + " |",
+                "| --- | --- |" + " ---: |" * len(rep["budgets"])]
+        names = []
+        for r in rep["rows"]:
+            if r["recipe"] != "full" and (r["recipe"], r["driver"], r["kind"]) not in names:
+                names.append((r["recipe"], r["driver"], r["kind"]))
+        for rc, d, kind in sorted(names, key=lambda n: rep["kinds"].index(n[2])):
+            cells = []
+            for b in rep["budgets"]:
+                r = by_config.get((rc, d, b, kind))
+                cells.append("—" if r is None else "{:.3f} ± {:.3f}".format(*r["per_length"][L]))
+            out.append(f"| {rc}{'' if d == 'postfill' else ' / ' + d} | {kind} | " + " | ".join(cells) + " |")
     out += ["", f"## Critical KV footprint at F = {rep['fraction_of_full']:.0%} of the full cache's exact match (%)", "",
             "Linear interpolation over the budget sweep (kvevict.critical_footprint); `< x`: the smallest footprint "
             "measured already meets it, `> x`: none does; ± a bootstrap standard error over the examples.", "",

@@ -412,9 +412,10 @@ def test_paper_pairs_are_paired_over_the_examples():
     import tb_report
     ems = {"lookaheadkv": [1, 1, 1, 0], "snapkv": [0, 1, 0, 0], "laq": [1, 1, 1, 0]}
     rows = [{"recipe": rc, "driver": "postfill", "budget": 32, "kind": "before", "n": 4, "exact_match": np.mean(em),
-             "se": 0.0, "footprint": 0.5, "per_example": {"exact_match": em, "footprint": [0.5] * 4}}
+             "se": 0.0, "footprint": 0.5, "per_example": {"exact_match": em, "footprint": [0.5] * 4},
+             "per_length": {"256": [np.mean(em[:2]), 0.5], "512": [np.mean(em[2:]), 0.5]}}
             for rc, em in ems.items()]
-    rep = {"model": "m.bin", "split": "test", "per_cell": 4, "lengths": [256], "kinds": ["before"], "budgets": [32],
+    rep = {"model": "m.bin", "split": "test", "per_cell": 2, "lengths": [256, 512], "kinds": ["before"], "budgets": [32],
            "window": 32, "rows": rows, "critical": [], "skipped": [], "fraction_of_full": 0.9}
     pairs = tb_report.paper_pairs(rep)
     got = {(a[0], b[0]): d for a, b, _, kind, budget, d in pairs}
@@ -425,6 +426,9 @@ def test_paper_pairs_are_paired_over_the_examples():
     md = tb_report.markdown(rep)
     assert "## The seed papers' pairs" in md and "p < 0.05 / 3" in md
     assert "| lookaheadkv − snapkv | LookaheadKV | before | +0.500 ± 0.289 |" in md
+    # the longest length's table: the rows' per-length means at 512 (the examples' second half)
+    assert "## Exact match at 512 tokens" in md and "| lookaheadkv | before | 0.500 ± 0.500 |" in md
+    assert "| snapkv | before | 0.000 ± 0.500 |" in md
 
 
 def test_lookahead_prompts_leave_room_for_the_response(tok):

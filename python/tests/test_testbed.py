@@ -415,8 +415,8 @@ def test_paper_pairs_are_paired_over_the_examples():
              "se": 0.0, "footprint": 0.5, "per_example": {"exact_match": em, "footprint": [0.5] * 4},
              "per_length": {"256": [np.mean(em[:2]), 0.5], "512": [np.mean(em[2:]), 0.5]}}
             for rc, em in ems.items()]
-    rep = {"model": "m.bin", "split": "test", "per_cell": 2, "lengths": [256, 512], "kinds": ["before"], "budgets": [32],
-           "window": 32, "rows": rows, "critical": [], "skipped": [], "fraction_of_full": 0.9}
+    rep = {"model": "m.bin", "split": "test", "per_cell": 2, "lengths": [256, 512], "kinds": ["before"],
+           "budgets": [32], "window": 32, "rows": rows, "critical": [], "skipped": [], "fraction_of_full": 0.9}
     pairs = tb_report.paper_pairs(rep)
     got = {(a[0], b[0]): d for a, b, _, kind, budget, d in pairs}
     assert set(got) == {("lookaheadkv", "snapkv"), ("lookaheadkv", "laq"), ("laq", "snapkv")}  # others lack rows

@@ -844,6 +844,11 @@ def cmd_report(args):
     lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
     if any(L > seq_len or L not in tb_data.LENGTHS for L in lengths):
         raise SystemExit(f"report: --lengths {lengths}: each one of {tb_data.LENGTHS} and at most the model's context {seq_len}")
+    if not 0 <= args.reserve <= min(lengths) - 128:
+        raise SystemExit(f"report: --reserve {args.reserve}: in [0, shortest length {min(lengths)} - 128]")
+    # examples of at most L - reserve tokens: the context keeps `reserve` rows free for the tokens LAQ, SpecKV and
+    # LookaheadKV append after the prompt (their configurations are refused where prompt + those exceed seq_len)
+    lengths = [L - args.reserve for L in lengths]
     kinds = csv_list(args.kinds)
     if not kinds or any(k not in ("after", "before") for k in kinds):
         raise SystemExit(f"report: --kinds must be after and/or before, got {kinds}")
@@ -1056,6 +1061,8 @@ def main(argv=None):
     p.add_argument("--out-dir", required=True)
     p.add_argument("--lengths", default="", help="comma-separated (default: every length up to the context)")
     p.add_argument("--kinds", default="after,before")
+    p.add_argument("--reserve", type=int, default=0,
+                   help="examples of at most length - this tokens (room for LAQ's / LookaheadKV's 16 appended tokens)")
     p.add_argument("--budgets", default="32,64,128,256", help="tokens kept per KV head, comma-separated")
     p.add_argument("--window", type=int, default=32, help="observation window (the question's ~25 tokens fit)")
     p.add_argument("--recipes", default="", help="comma-separated (default: every recipe of tb_report.RECIPES)")

@@ -401,6 +401,16 @@ def test_report_scores_the_runner_and_writes_its_files(tmp_path, tok):
     assert [r["budget"] for r in rep["rows"]] == [0, 16, 32] and rep["examples"][0]["kind"] == "after"
     assert "## Critical KV footprint" in (out / "testbed_report.md").read_text()
     assert (out / "testbed_report.svg").read_text().startswith("<?xml")
+    # --reserve: the examples are that many tokens shorter (room for LAQ's pseudo tokens at the full context)
+    testbed.main(["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories), "--per-cell",
+                  "1", "--lengths", "256", "--kinds", "after", "--budgets", "16", "--recipes", "snapkv", "--drivers",
+                  "postfill", "--window", "8", "--bootstrap", "5", "--reserve", "16", "--out-dir", str(out)])
+    rep = json.loads((out / "testbed_report.json").read_text())
+    assert rep["lengths"] == [240] and rep["examples"][0]["length"] == 240
+    assert 128 < rep["examples"][0]["prompt_tokens"] + rep["examples"][0]["answer_tokens"] <= 240
+    with pytest.raises(SystemExit, match="--reserve 129"):
+        testbed.main(["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories),
+                      "--lengths", "256", "--reserve", "129", "--out-dir", str(out)])
     with pytest.raises(SystemExit, match="needs --lookahead-module"):
         testbed.main(["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories),
                       "--recipes", "lookaheadkv", "--out-dir", str(out)])

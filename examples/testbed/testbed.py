@@ -24,6 +24,7 @@ import io
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -285,11 +286,26 @@ def cmd_train(args):
         if clash:
             raise SystemExit(f"train: {', '.join('--' + k.replace('_', '-') for k in clash)} set by the schedule "
                              f"{args.schedule}: change it there (add a phase), not on the command line")
-        args = sched.phases[0][1]
+        init, init_step, args = args.init, args.init_step, sched.phases[0][1]
+    else:
+        init, init_step = args.init, args.init_step
+    ckpt_path = os.path.join(args.run_dir, "ckpt.pt")
+    init_model = None
+    if init_step and not init:
+        raise SystemExit("train: --init-step needs --init")
+    if not 0 <= init_step < (sched.steps if sched else args.steps):
+        raise SystemExit(f"train: --init-step {init_step}: in [0, the run's steps)")
+    if init and not os.path.exists(ckpt_path):  # (a run with a checkpoint resumes from it: --init is its start)
+        try:
+            init_model = tb_model.load(init)
+        except (OSError, ValueError, struct.error) as e:
+            raise SystemExit(f"train: --init {init}: {e}") from None
+        if vars(init_model.cfg) != vars(model_config(args)):
+            raise SystemExit(f"train: --init {init} holds a model of {vars(init_model.cfg)}, not the model options' "
+                             f"{vars(model_config(args))}")
     torch.set_num_threads(args.threads)
     os.makedirs(args.run_dir, exist_ok=True)
     log = log_to(os.path.join(args.run_dir, "train.log"))
-    ckpt_path = os.path.join(args.run_dir, "ckpt.pt")
     tok = tokenizer()
     stories = os.path.join(args.stories_dir or os.path.join(args.run_dir, "stories"))
     train = tb_data.Generator(tok, tb_data.load_stories(os.path.join(stories, "train.jsonl")), "train", args.seed)
@@ -319,6 +335,10 @@ def cmd_train(args):
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         log(f"resumed from {ckpt_path} at step {step}")
+    elif init_model is not None:
+        model.load_state_dict(init_model.state_dict())
+        step = init_step
+        log(f"start from {init} at step {step} (its weights, a fresh AdamW state): {vars(args)}")
     else:
         log(f"start: {vars(args)}")
     phase = None
@@ -840,7 +860,7 @@ def cmd_report(args):
         raise SystemExit(f"report: --budgets must be positive integers, got {args.budgets}")
     if not (0 < args.fraction <= 1) or args.per_cell < 1 or args.jobs < 1:
         raise SystemExit("report: --fraction must be in (0, 1], --per-cell and --jobs >= 1")
-    seq_len = tb_model.Config(*__import__("struct").unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
+    seq_len = tb_model.Config(*struct.unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
     lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
     if any(L > seq_len or L not in tb_data.LENGTHS for L in lengths):
         raise SystemExit(f"report: --lengths {lengths}: each one of {tb_data.LENGTHS} and at most the model's context {seq_len}")
@@ -889,7 +909,7 @@ def cmd_lookahead(args):
     for what, path in (("--checkpoint", args.checkpoint), ("--kvevict-lookahead", args.kvevict_lookahead)):
         if not os.path.isfile(path):
             raise SystemExit(f"lookahead: {what} {path} is not a file")
-    seq_len = tb_model.Config(*__import__("struct").unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
+    seq_len = tb_model.Config(*struct.unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
     lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
     if not lengths or any(L > seq_len or L - args.response < 128 for L in lengths):
         raise SystemExit(f"lookahead: --lengths {lengths}: each at most the context {seq_len} and >= 128 + --response")
@@ -921,6 +941,10 @@ def train_options(p):
     p.add_argument("--run-dir", required=True)
     p.add_argument("--stories-dir", default=None, help="default RUN/stories")
     p.add_argument("--schedule", default="", help="the run's phases (tb_schedule.py): the options switch at their steps")
+    p.add_argument("--init", default="", help="a new run starts from this llama2.c checkpoint's weights (model.bin of "
+                                              "the same model options), not from random ones")
+    p.add_argument("--init-step", type=int, default=0,
+                   help="with --init: the step it starts at (the lr, the curriculum and the batches are the step's)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--batch-tokens", type=int, default=4096)

@@ -187,6 +187,44 @@ def test_training_resumes_bit_identically(tmp_path):
     assert (tmp_path / "a" / "model.bin").read_bytes() == (tmp_path / "b" / "model.bin").read_bytes()
 
 
+def test_training_starts_from_an_exported_checkpoint(tmp_path):
+    """train --init: a new run starts from a llama2.c checkpoint's weights at --init-step (stopping there
+    exports the same bytes), then trains and resumes from its own ckpt.pt; a checkpoint of other model
+    options, a missing file and --init-step without --init are refused before the run directory exists."""
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    for split in ("train", "val"):
+        (stories / f"{split}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    common = ["train", "--stories-dir", str(stories), "--dim", "32", "--hidden", "48", "--layers", "2", "--heads", "4",
+              "--kv-heads", "2", "--seq-len", "512", "--max-length", "256", "--batch-tokens", "512", "--warmup", "2",
+              "--log-every", "1", "--ckpt-every", "1000", "--eval-every", "1000", "--eval-per-cell", "1",
+              "--steps", "4"]
+    init = str(tmp_path / "a" / "model.bin")
+    threads = torch.get_num_threads()
+    try:
+        testbed.main(common + ["--run-dir", str(tmp_path / "a"), "--stop-step", "2"])
+        testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--init", init, "--init-step", "2",
+                               "--stop-step", "2"])
+        assert (tmp_path / "b" / "model.bin").read_bytes() == (tmp_path / "a" / "model.bin").read_bytes()
+        assert torch.load(tmp_path / "b" / "ckpt.pt")["step"] == 2
+        testbed.main(common + ["--run-dir", str(tmp_path / "b"), "--init", init, "--init-step", "2"])
+        with pytest.raises(SystemExit, match="holds a model of"):
+            testbed.main(common + ["--run-dir", str(tmp_path / "c"), "--init", init, "--heads", "8"])
+        with pytest.raises(SystemExit, match="--init-step 4: in"):
+            testbed.main(common + ["--run-dir", str(tmp_path / "c"), "--init", init, "--init-step", "4"])
+        with pytest.raises(SystemExit, match="--init-step needs --init"):
+            testbed.main(common + ["--run-dir", str(tmp_path / "c"), "--init-step", "1"])
+        with pytest.raises(SystemExit, match="--init .*nothing.bin"):
+            testbed.main(common + ["--run-dir", str(tmp_path / "c"), "--init", str(tmp_path / "nothing.bin")])
+    finally:
+        torch.set_num_threads(threads)
+    assert not (tmp_path / "c").exists()
+    log = (tmp_path / "b" / "train.log").read_text()
+    assert f"start from {init} at step 2" in log and "resumed from" in log and "step 4/4" in log
+    b = torch.load(tmp_path / "b" / "ckpt.pt")
+    assert b["step"] == 4 and (tmp_path / "b" / "model.bin").read_bytes() != (tmp_path / "a" / "model.bin").read_bytes()
+
+
 def test_dump_writes_prompts_that_encode_to_their_ids(tmp_path, tok):
     stories = tmp_path / "stories"
     stories.mkdir()

@@ -277,6 +277,7 @@ def cmd_train(args):
     batches, the lr and the val set are functions of the options and the step; the weights and AdamW's
     state carry over). Returns "done" or "stopped"."""
     sched = None
+    init, init_step = args.init, args.init_step  # (the schedule's phases below replace args)
     if args.schedule:
         try:
             sched = tb_schedule.load(args.schedule, args)
@@ -286,9 +287,7 @@ def cmd_train(args):
         if clash:
             raise SystemExit(f"train: {', '.join('--' + k.replace('_', '-') for k in clash)} set by the schedule "
                              f"{args.schedule}: change it there (add a phase), not on the command line")
-        init, init_step, args = args.init, args.init_step, sched.phases[0][1]
-    else:
-        init, init_step = args.init, args.init_step
+        args = sched.phases[0][1]
     ckpt_path = os.path.join(args.run_dir, "ckpt.pt")
     init_model = None
     if init_step and not init:

@@ -24,7 +24,8 @@ from typing import Dict, List, Tuple
 
 PHASE_OPTIONS = {"steps": int, "batch_tokens": int, "lr": float, "warmup": int, "plain": float,
                  "answer_weight": float, "answer_tokens": str, "recall_steps": int, "recall_mix": float,
-                 "max_length": int, "min_length": int, "short_keys": float, "fact_format": str, "recall_facts": int,
+                 "max_length": int, "min_length": int, "long_weight": float, "short_keys": float, "fact_format": str,
+                 "recall_facts": int,
                  "log_every": int, "ckpt_every": int, "eval_every": int, "eval_per_cell": int}
 """train options a phase may change (what a hand resume with new options could change)"""
 
@@ -34,7 +35,8 @@ RUN_OPTIONS = {"seed": int, "threads": int, "dim": int, "hidden": int, "layers":
 thread count changes the float sums)"""
 
 BITS = ("seed", "threads", "steps", "batch_tokens", "lr", "warmup", "plain", "answer_weight", "answer_tokens",
-        "recall_steps", "recall_mix", "max_length", "min_length", "short_keys", "fact_format", "recall_facts")
+        "recall_steps", "recall_mix", "max_length", "min_length", "long_weight", "short_keys", "fact_format",
+        "recall_facts")
 """the options the weights depend on (the others only say when to log, checkpoint and evaluate)"""
 
 SPLIT_NAMES = ("train", "val", "test")
@@ -106,6 +108,8 @@ def _check_phase(where: str, a: argparse.Namespace, first: int, next_from) -> No
     for k in ("warmup", "recall_steps", "max_length", "min_length", "recall_facts"):
         if getattr(a, k) < 0:
             problems.append(f"{k.replace('_', '-')} must be >= 0, got {getattr(a, k)}")
+    if not a.long_weight > 0:
+        problems.append(f"long-weight must be > 0, got {a.long_weight}")
     for k in ("plain", "recall_mix"):
         if not 0.0 <= getattr(a, k) <= 1.0:
             problems.append(f"{k.replace('_', '-')} must be in [0, 1], got {getattr(a, k)}")

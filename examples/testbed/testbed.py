@@ -172,6 +172,15 @@ def allowed_lengths(args, step):
     return [L for L in lengths if L >= getattr(args, "min_length", 0)] or lengths[-1:]
 
 
+def draw_length(rng, lengths, long_weight):
+    """One step's length: each of `lengths` alike, or the longest `long_weight` times as often as each other
+    one (--long-weight; 1 draws as without the option, so a run's batches stay those of its seed)."""
+    if long_weight == 1.0 or len(lengths) == 1:
+        return int(lengths[rng.integers(len(lengths))])
+    u = rng.random() * (len(lengths) - 1 + long_weight)
+    return int(lengths[min(int(u), len(lengths) - 1)])
+
+
 def step_batch(gen, args, step):
     """The examples of one step, a pure function of (seed, step): one length for the whole step,
     batch_tokens // length sequences, each plain text with probability args.plain, else during the
@@ -183,8 +192,7 @@ def step_batch(gen, args, step):
     every recall and retrieval example (tb_data.FACT_FORMATS; no draw, the default "is" the testbed's);
     --recall-facts N > 0 caps a recall example's facts at N (0: as many as fit)."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
-    lengths = allowed_lengths(args, step)
-    L = int(lengths[rng.integers(len(lengths))])
+    L = draw_length(rng, allowed_lengths(args, step), getattr(args, "long_weight", 1.0))
     out = []
     for b in range(max(1, args.batch_tokens // L)):
         i = step * 64 + b  # distinct example seeds: at most 64 sequences a step
@@ -278,6 +286,8 @@ def cmd_train(args):
     state carry over). Returns "done" or "stopped"."""
     sched = None
     init, init_step = args.init, args.init_step  # (the schedule's phases below replace args)
+    if not args.long_weight > 0:  # (a schedule's phases are checked by tb_schedule)
+        raise SystemExit(f"train: --long-weight must be > 0, got {args.long_weight}")
     if args.schedule:
         try:
             sched = tb_schedule.load(args.schedule, args)
@@ -968,6 +978,8 @@ def train_options(p):
     p.add_argument("--max-length", type=int, default=0, help="cap the curriculum and the val set (0 = the context)")
     p.add_argument("--min-length", type=int, default=0,
                    help="after the dense-recall phase, train only the curriculum's lengths >= this (the val set keeps all)")
+    p.add_argument("--long-weight", type=float, default=1.0,
+                   help="draw the curriculum's longest allowed length this many times as often as each other one")
     p.add_argument("--short-keys", type=float, default=0.0,
                    help="fraction of recall / retrieval examples with one-token keys (the key-match curriculum)")
     fact_format_arg(p)

@@ -2,6 +2,7 @@
 its splits are disjoint, examples encode exactly as run.c's encoder, the llama2.c export round-trips,
 and the C++ runner's logits and greedy ids on an exported checkpoint equal the PyTorch model's."""
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -334,6 +335,31 @@ def test_min_length_keeps_the_curriculums_long_lengths(tok):
     assert testbed.allowed_lengths(argparse.Namespace(**base), 99) == testbed.allowed_lengths(plain, 99)
     for step in range(60, 70):
         assert all(512 < len(e.ids) <= 2048 for e in testbed.step_batch(gen, longer, step))
+
+
+def test_long_weight_draws_the_longest_length_more_often(tok):
+    """--long-weight W: the curriculum's longest allowed length W times as often as each other one; 1 draws
+    as without the option (the same lengths, the same batches)."""
+    base = dict(seed=1, steps=4000, recall_steps=0, recall_mix=0.0, plain=0.0, batch_tokens=2048, seq_len=2048,
+                max_length=0, min_length=0)
+    plain, one, four = (argparse.Namespace(**base, **w) for w in ({}, {"long_weight": 1.0}, {"long_weight": 4.0}))
+
+    def lengths(args, steps):
+        out = []
+        for step in steps:
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
+            out.append(testbed.draw_length(rng, testbed.allowed_lengths(args, step), getattr(args, "long_weight", 1.0)))
+        return out
+    late = range(3000, 4000)  # every length allowed
+    assert lengths(plain, late) == lengths(one, late)
+    counts = collections.Counter(lengths(four, late))
+    assert sorted(counts) == [256, 512, 1024, 2048]
+    assert abs(counts[2048] / 1000 - 4 / 7) < 0.05 and all(abs(counts[L] / 1000 - 1 / 7) < 0.04 for L in (256, 512, 1024))
+    assert set(lengths(four, range(0, 50))) == {256, 512}  # the curriculum's top at 1 %: 512 drawn 4 times as often
+    gen = tb_data.Generator(tok, STORIES, "train", 1)
+    assert [e.ids for e in testbed.step_batch(gen, one, 3500)] == [e.ids for e in testbed.step_batch(gen, plain, 3500)]
+    with pytest.raises(SystemExit, match="long-weight must be > 0, got 0.0"):
+        testbed.main(["train", "--run-dir", "/nonexistent/x", "--long-weight", "0"])
 
 
 def test_synthetic_diagnosis_tasks():

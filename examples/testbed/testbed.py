@@ -24,7 +24,6 @@ import io
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 import time
@@ -307,7 +306,7 @@ def cmd_train(args):
     if init and not os.path.exists(ckpt_path):  # (a run with a checkpoint resumes from it: --init is its start)
         try:
             init_model = tb_model.load(init)
-        except (OSError, ValueError, struct.error) as e:
+        except (OSError, ValueError) as e:
             raise SystemExit(f"train: --init {init}: {e}") from None
         if vars(init_model.cfg) != vars(model_config(args)):
             raise SystemExit(f"train: --init {init} holds a model of {vars(init_model.cfg)}, not the model options' "
@@ -869,7 +868,7 @@ def cmd_report(args):
         raise SystemExit(f"report: --budgets must be positive integers, got {args.budgets}")
     if not (0 < args.fraction <= 1) or args.per_cell < 1 or args.jobs < 1:
         raise SystemExit("report: --fraction must be in (0, 1], --per-cell and --jobs >= 1")
-    seq_len = tb_model.Config(*struct.unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
+    seq_len = checkpoint_context(args.checkpoint, "report")
     lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
     if any(L > seq_len or L not in tb_data.LENGTHS for L in lengths):
         raise SystemExit(f"report: --lengths {lengths}: each one of {tb_data.LENGTHS} and at most the model's context {seq_len}")
@@ -899,6 +898,14 @@ def cmd_report(args):
           file=sys.stderr)
 
 
+def checkpoint_context(path, cmd):
+    """The context length of the checkpoint a command runs (a clear error for a short or missing file)."""
+    try:
+        return tb_model.read_config(path).seq_len
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{cmd}: --checkpoint {path}: {e}") from None
+
+
 def lookahead_prompts(gen, first, count, lengths, response, keys="words", fact_format="is"):
     """`count` prompts of a split (ids, BOS first, ending at "Answer:"): example indices first, first + 1, ...,
     the question after / before the context in turn, the lengths and the needle counts (1, 2, 4) cycling;
@@ -918,7 +925,7 @@ def cmd_lookahead(args):
     for what, path in (("--checkpoint", args.checkpoint), ("--kvevict-lookahead", args.kvevict_lookahead)):
         if not os.path.isfile(path):
             raise SystemExit(f"lookahead: {what} {path} is not a file")
-    seq_len = tb_model.Config(*struct.unpack("<7i", open(args.checkpoint, "rb").read(28))).seq_len
+    seq_len = checkpoint_context(args.checkpoint, "lookahead")
     lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
     if not lengths or any(L > seq_len or L - args.response < 128 for L in lengths):
         raise SystemExit(f"lookahead: --lengths {lengths}: each at most the context {seq_len} and >= 128 + --response")

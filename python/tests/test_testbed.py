@@ -478,6 +478,11 @@ def test_report_scores_the_runner_and_writes_its_files(tmp_path, tok):
     with pytest.raises(SystemExit, match="needs --lookahead-module"):
         testbed.main(["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories),
                       "--recipes", "lookaheadkv", "--out-dir", str(out)])
+    short = out / "short.bin"
+    short.write_bytes(open(path, "rb").read(20))
+    with pytest.raises(SystemExit, match="report: --checkpoint .*short.bin: 20 bytes, shorter than a checkpoint's"):
+        testbed.main(["report", "--checkpoint", str(short), "--kvevict-run", run, "--stories-dir", str(stories),
+                      "--out-dir", str(out)])
 
 
 def test_paper_pairs_are_paired_over_the_examples():

@@ -142,19 +142,23 @@ def export(model: Model, path: str):
             f.write(t.detach().to(torch.float32).contiguous().numpy().astype("<f4").tobytes())
 
 
+def _header_config(head: bytes, path: str) -> Config:
+    if len(head) < 28:
+        raise ValueError(f"{path}: {len(head)} bytes, shorter than a checkpoint's 28-byte header")
+    return Config(*struct.unpack("<7i", head[:28]))
+
+
 def read_config(path: str) -> Config:
     """The model shape in a llama2.c checkpoint's header (ValueError when the file is shorter than it)."""
     with open(path, "rb") as f:
-        head = f.read(28)
-    if len(head) < 28:
-        raise ValueError(f"{path}: {len(head)} bytes, shorter than a checkpoint's 28-byte header")
-    return Config(*struct.unpack("<7i", head))
+        return _header_config(f.read(28), path)
 
 
 def load(path: str) -> Model:
     """Reads a checkpoint `export` wrote (shared classifier only) back into a trainable Model."""
-    cfg = read_config(path)
-    raw = open(path, "rb").read()
+    with open(path, "rb") as f:
+        raw = f.read()
+    cfg = _header_config(raw, path)
     if cfg.vocab_size <= 0:
         raise ValueError(f"{path}: an unshared classifier (vocab {cfg.vocab_size}) is not a testbed checkpoint")
     m = Model(cfg)

@@ -171,6 +171,11 @@ def allowed_lengths(args, step):
     return [L for L in lengths if L >= getattr(args, "min_length", 0)] or lengths[-1:]
 
 
+def step_rng(args, step):
+    """The random stream of one training step's batch (its length first: draw_length)."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
+
+
 def draw_length(rng, lengths, long_weight):
     """One step's length: each of `lengths` alike, or the longest `long_weight` times as often as each other
     one (--long-weight; 1 draws as without the option, so a run's batches stay those of its seed)."""
@@ -190,7 +195,7 @@ def step_batch(gen, args, step):
     so the batches of a run without it are unchanged). --fact-format sets the fact and answer sentences of
     every recall and retrieval example (tb_data.FACT_FORMATS; no draw, the default "is" the testbed's);
     --recall-facts N > 0 caps a recall example's facts at N (0: as many as fit)."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
+    rng = step_rng(args, step)
     L = draw_length(rng, allowed_lengths(args, step), getattr(args, "long_weight", 1.0))
     out = []
     for b in range(max(1, args.batch_tokens // L)):

@@ -347,8 +347,8 @@ def test_long_weight_draws_the_longest_length_more_often(tok):
     def lengths(args, steps):
         out = []
         for step in steps:
-            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([args.seed, 99, step])))
-            out.append(testbed.draw_length(rng, testbed.allowed_lengths(args, step), getattr(args, "long_weight", 1.0)))
+            out.append(testbed.draw_length(testbed.step_rng(args, step), testbed.allowed_lengths(args, step),
+                                           getattr(args, "long_weight", 1.0)))
         return out
     late = range(3000, 4000)  # every length allowed
     assert lengths(plain, late) == lengths(one, late)

@@ -290,8 +290,6 @@ def cmd_train(args):
     state carry over). Returns "done" or "stopped"."""
     sched = None
     init, init_step = args.init, args.init_step  # (the schedule's phases below replace args)
-    if not args.long_weight > 0:  # (a schedule's phases are checked by tb_schedule)
-        raise SystemExit(f"train: --long-weight must be > 0, got {args.long_weight}")
     if args.schedule:
         try:
             sched = tb_schedule.load(args.schedule, args)
@@ -302,6 +300,11 @@ def cmd_train(args):
             raise SystemExit(f"train: {', '.join('--' + k.replace('_', '-') for k in clash)} set by the schedule "
                              f"{args.schedule}: change it there (add a phase), not on the command line")
         args = sched.phases[0][1]
+    else:  # the options checked as a schedule's one phase (from 0: --init-step is checked below, with its message)
+        try:
+            tb_schedule._check_phase("train", args, 0, None)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     ckpt_path = os.path.join(args.run_dir, "ckpt.pt")
     init_model = None
     if init_step and not init:

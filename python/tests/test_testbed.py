@@ -362,6 +362,31 @@ def test_long_weight_draws_the_longest_length_more_often(tok):
         testbed.main(["train", "--run-dir", "/nonexistent/x", "--long-weight", "0"])
 
 
+def test_train_checks_the_command_line_options_as_a_phase(tmp_path, capsys):
+    """train without --schedule checks its options as tb_schedule checks a schedule's phase, before any
+    work: a bad option is refused by name and the run directory is not made; the defaults pass."""
+    testbed.tb_schedule._check_phase("train", testbed.train_defaults(str(tmp_path / "run")), 0, None)
+    run = tmp_path / "run"
+    for option, value, message in [("--steps", "0", "steps must be >= 1, got 0"),
+                                   ("--plain", "1.5", r"plain must be in \[0, 1\], got 1.5"),
+                                   ("--recall-mix", "-0.1", r"recall-mix must be in \[0, 1\], got -0.1"),
+                                   ("--threads", "0", "threads must be >= 1, got 0"),
+                                   ("--long-weight", "0", "long-weight must be > 0, got 0.0"),
+                                   ("--lr", "0", "lr must be > 0 and answer-weight >= 0, got 0.0 and 1.0"),
+                                   ("--answer-weight", "-1", "lr .* answer-weight >= 0, got 0.002 and -1.0"),
+                                   ("--warmup", "-1", "warmup must be >= 0, got -1"),
+                                   ("--eval-every", "0", "eval-every must be >= 1, got 0")]:
+        with pytest.raises(SystemExit, match=f"train: {message}"):
+            testbed.main(["train", "--run-dir", str(run), option, value])
+        assert not run.exists()
+    with pytest.raises(SystemExit, match="--init-step 9: in"):  # (its own message, before --init is read)
+        testbed.main(["train", "--run-dir", str(run), "--init", str(tmp_path / "nothing.bin"), "--init-step", "9",
+                      "--steps", "4"])
+    with pytest.raises(SystemExit):  # argparse's choices
+        testbed.main(["train", "--run-dir", str(run), "--fact-format", "nonsense"])
+    assert "--fact-format: invalid choice" in capsys.readouterr().err and not run.exists()
+
+
 def test_synthetic_diagnosis_tasks():
     rng = np.random.default_rng(0)
     for _ in range(20):

@@ -346,6 +346,8 @@ void register_benchmarks() {
             [=](benchmark::State& st) { run(st, s, T, o, which, par); });
       };
       reg("kvevict", impl::kvevict);
+      add_avx2_twin("postprocess", op_name(o), "kvevict", p,
+                    [=](benchmark::State& st) { run(st, s, T, o, impl::kvevict, seq); });
       // the same call on an engine's executor (harness.hpp): a pool of par_threads() workers, and
       // the trivial executor that runs every loop on the calling thread
       add(bench_name("postprocess", op_name(o), "kvevict", "exec", p),

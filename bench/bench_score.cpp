@@ -153,6 +153,8 @@ void register_case(const model_shape& s, index_t T) {
   add(name("kvevict", "par"), [=](benchmark::State& st) { run_kvevict<K>(st, s, T, par, false); });
   add(name("kvevict_fma", "seq"), [=](benchmark::State& st) { run_kvevict<K>(st, s, T, seq, true); });
   add(name("kvevict_fma", "par"), [=](benchmark::State& st) { run_kvevict<K>(st, s, T, par, true); });
+  add_avx2_twin("score", "window", "kvevict", p, [=](benchmark::State& st) { run_kvevict<K>(st, s, T, seq, false); });
+  add_avx2_twin("score", "window", "kvevict_fma", p, [=](benchmark::State& st) { run_kvevict<K>(st, s, T, seq, true); });
 #if defined(KVEVICT_BENCH_CBLAS)
   add(name("sgemm_qk", "seq"), [=](benchmark::State& st) { run_sgemm_qk<K>(st, s, T, 1); });
   add(name("sgemm_qk", "par"), [=](benchmark::State& st) { run_sgemm_qk<K>(st, s, T, par_threads()); });

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <kvevict/backend.hpp>
+#include <kvevict/host_isa.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
@@ -265,6 +266,20 @@ inline benchmark::internal::Benchmark* add_slow(const std::string& name, body fn
   auto* b = add(name, std::move(fn))->Iterations(1);
   if (!smoke()) b->Repetitions(3);
   return b;
+}
+
+/// Registers `fn` a second time as `impl`_avx2 (seq), run with the host kernels limited to their AVX2
+/// copies (kvevict/host_isa.hpp): on CPUs that run 512-bit operations as two halves an AVX2 copy can
+/// be the faster one. Only where the CPU has the AVX-512F copies (elsewhere it would repeat `fn`).
+inline void add_avx2_twin(const std::string& stage, const std::string& op, const std::string& impl,
+                          const params& p, body fn) {
+  if (host_isa_supported() != host_isa::avx512) return;
+  add(bench_name(stage, op, impl + "_avx2", "seq", p), [fn](benchmark::State& st) {
+    const host_isa previous = host_isa_limit();
+    set_host_isa_limit(host_isa::avx2);
+    fn(st);
+    set_host_isa_limit(previous);
+  });
 }
 
 // ------------------------------------------------------------------------------------------------

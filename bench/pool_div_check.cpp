@@ -32,7 +32,7 @@
 // of the test); product: q = RN(s * y) alone (multiplying by 1/d); corrected: q' alone (Markstein's
 // correction without the lanes that keep q). product and corrected are expected to fail: they show that
 // the check sees the difference.
-#include <kvevict/detail/host/cpu_x86.hpp>
+#include <kvevict/host_isa.hpp>
 
 #include <chrono>
 #include <cstdint>
@@ -225,8 +225,8 @@ int main(int argc, char** argv) {
                        check_avx2fma<variant::corrected>};
   __builtin_cpu_init();
   const bool fma = __builtin_cpu_supports("fma") != 0;
-  const copy_t copies[] = {{"avx512", kvevict::detail::host_has_avx512f(), f512[vi]},
-                           {"avx2fma", kvevict::detail::host_has_avx2() && fma, f256[vi]}};
+  const copy_t copies[] = {{"avx512", kvevict::host_isa_supported() >= kvevict::host_isa::avx512, f512[vi]},
+                           {"avx2fma", kvevict::host_isa_supported() >= kvevict::host_isa::avx2 && fma, f256[vi]}};
   std::printf("quotient checked: %s\n", var.c_str());
   std::uint64_t total_patterns = 0, total_bad = 0, total_tiny = 0;
   int divisors_run = 0;

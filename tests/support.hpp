@@ -1,6 +1,7 @@
 // Helpers shared by kvevict's tests: seeded random data and small owning buffers.
 #pragma once
 
+#include <kvevict/host_isa.hpp>
 #include <kvevict/status.hpp>
 #include <kvevict/view.hpp>
 #include <kvevict/workspace.hpp>
@@ -48,6 +49,21 @@ inline bool ranks_above(float a, float b) {
 }  // namespace floats
 
 /// Seeded generator; every randomized test prints its seed through doctest's CAPTURE on failure.
+/// Sets the host kernels' copy limit (kvevict/host_isa.hpp) for a scope; the previous one comes back
+/// at its end, also when a REQUIRE leaves the scope early.
+class isa_limit {
+ public:
+  explicit isa_limit(int level) noexcept : previous_(kvevict::host_isa_limit()) {
+    kvevict::set_host_isa_limit(static_cast<kvevict::host_isa>(level));
+  }
+  ~isa_limit() { kvevict::set_host_isa_limit(previous_); }
+  isa_limit(const isa_limit&) = delete;
+  isa_limit& operator=(const isa_limit&) = delete;
+
+ private:
+  kvevict::host_isa previous_;
+};
+
 inline std::mt19937_64 rng(std::uint64_t seed) { return std::mt19937_64(seed); }
 
 inline std::vector<float> random_floats(std::mt19937_64& g, std::size_t n, float lo = -1.f, float hi = 1.f) {

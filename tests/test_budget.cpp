@@ -1124,7 +1124,7 @@ TEST_CASE("entropy kernels: entropy_log within 2 ulp of log; cake_layer_stats an
   CHECK(detail::entropy_log(1.0) == 0.0);
   // the kernels: random shapes crossing the 256-column blocks and the 8-lane tails, zeros, -0 and
   // subnormal probabilities; every profile the CPU has (the override picks a lower one)
-  const int best = static_cast<int>(detail::score_isa_supported());
+  const int best = static_cast<int>(host_isa_supported());
   for (std::uint64_t seed = 1; seed <= 12; ++seed) {
     CAPTURE(seed);
     auto r = kvtest::rng(seed);
@@ -1144,7 +1144,7 @@ TEST_CASE("entropy kernels: entropy_log within 2 ulp of log; cake_layer_stats an
       const cake_stats want = model_cake(a, R, w, C, ve);
       for (int isa = 0; isa <= best; ++isa) {
         CAPTURE(isa);
-        detail::host_kernel_isa_override().store(isa);
+        const kvtest::isa_limit limit(isa);
         cake_stats got, got_par;
         REQUIRE(cake_layer_stats(seq, view, &got, ve).ok());
         REQUIRE(cake_layer_stats(par_t{2}, view, &got_par, ve).ok());
@@ -1160,10 +1160,9 @@ TEST_CASE("entropy kernels: entropy_log within 2 ulp of log; cake_layer_stats an
       }
     }
   }
-  detail::host_kernel_isa_override().store(-1);
 }
 
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
 namespace {
 namespace ev = detail::entropy_vec;
 /// The (m, e) of 8 chains of floats by the AVX-512F split (getmant / getexp) and by the generic one.
@@ -1185,7 +1184,7 @@ void split_generic(const float* x, double* m, double* e) {
 
 TEST_CASE("entropy kernels: the AVX-512F split (getmant / getexp) gives entropy_log(float)'s m and e: every float "
           "of [0.5, 1), every 3rd subnormal, every binade, +-0") {
-  if (detail::score_isa_supported() != detail::score_isa::avx512) return;  // (no AVX-512F here: nothing to compare)
+  if (host_isa_supported() != host_isa::avx512) return;  // (no AVX-512F here: nothing to compare)
   constexpr int n = 8 * ev::chains;
   std::vector<std::uint32_t> bits;
   for (std::uint32_t m = 0; m < 0x800000u; ++m) bits.push_back(0x3f000000u | m);        // [0.5, 1): CAKE's and LAVa's p

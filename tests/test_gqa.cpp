@@ -268,12 +268,12 @@ TEST_CASE("gqa max rows: the baseline, AVX2 and AVX-512F copies give the bits of
     detail::gqa_max_rows_body(got.data(), x.data(), xs, grp, n);
     for (index_t t = 0; t < n; ++t) REQUIRE(bits(got[t]) == bits(want[t]));
 #if KVEVICT_HOST_X86_DISPATCH
-    if (detail::host_has_avx2()) {
+    if (host_isa_supported() >= host_isa::avx2) {
       std::vector<float> got2(want.size(), 7.f);
       detail::gqa_max_rows_avx2(got2.data(), x.data(), xs, grp, n);
       for (index_t t = 0; t < n; ++t) REQUIRE(bits(got2[t]) == bits(want[t]));
     }
-    if (detail::host_has_avx512f()) {
+    if (host_isa_supported() >= host_isa::avx512) {
       std::vector<float> got3(want.size(), 7.f);
       detail::gqa_max_rows_avx512(got3.data(), x.data(), xs, grp, n);
       for (index_t t = 0; t < n; ++t) REQUIRE(bits(got3[t]) == bits(want[t]));
@@ -310,12 +310,12 @@ TEST_CASE("gqa sum rows: the baseline, AVX2 and AVX-512F copies give the bits of
     detail::gqa_sum_rows_body(got.data(), x.data(), xs, grp, n, op == gqa_op::mean);
     same(got);
 #if KVEVICT_HOST_X86_DISPATCH
-    if (detail::host_has_avx2()) {
+    if (host_isa_supported() >= host_isa::avx2) {
       std::vector<float> got2(want.size(), 7.f);
       detail::gqa_sum_rows_avx2(got2.data(), x.data(), xs, grp, n, op == gqa_op::mean);
       same(got2);
     }
-    if (detail::host_has_avx512f()) {
+    if (host_isa_supported() >= host_isa::avx512) {
       std::vector<float> got3(want.size(), 7.f);
       detail::gqa_sum_rows_avx512(got3.data(), x.data(), xs, grp, n, op == gqa_op::mean);
       same(got3);

@@ -347,11 +347,11 @@ TEST_CASE("pool1d: every ISA copy of the small-kernel path equals the two-pass a
                                {detail::pool_fast::interior_base<3>, detail::pool_fast::interior_base<5>,
                                 detail::pool_fast::interior_base<7>, detail::pool_fast::interior_base<9>}}};
 #  if KVEVICT_HOST_X86_DISPATCH
-  if (detail::host_has_avx2())
+  if (host_isa_supported() >= host_isa::avx2)
     copies.push_back({"avx2",
                       {detail::pool_fast::interior_avx2<3>, detail::pool_fast::interior_avx2<5>,
                        detail::pool_fast::interior_avx2<7>, detail::pool_fast::interior_avx2<9>}});
-  if (detail::host_has_avx512f())
+  if (host_isa_supported() >= host_isa::avx512)
     copies.push_back({"avx512",
                       {detail::pool_fast::interior_avx512<3>, detail::pool_fast::interior_avx512<5>,
                        detail::pool_fast::interior_avx512<7>, detail::pool_fast::interior_avx512<9>}});

@@ -490,7 +490,7 @@ TEST_CASE("post_combine / post_finish: the baseline and AVX2 copies equal the pe
   std::vector<std::pair<combine_fn, finish_fn>> copies = {{detail::post_combine_base, detail::post_finish_base},
                                                           {detail::post_combine, detail::post_finish}};
 #if KVEVICT_HOST_X86_DISPATCH
-  if (detail::host_has_avx2()) copies.emplace_back(detail::post_combine_avx2, detail::post_finish_avx2);
+  if (host_isa_supported() >= host_isa::avx2) copies.emplace_back(detail::post_combine_avx2, detail::post_finish_avx2);
 #endif
   for (int trial = 0; trial < 300; ++trial) {
     CAPTURE(trial);

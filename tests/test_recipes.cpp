@@ -2,11 +2,14 @@
 // explicit pooling / GQA / weighting / protection loops, and selection by a full sort.
 #include "support.hpp"
 
+#include <kvevict/compact.hpp>
+#include <kvevict/host_isa.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/recipes.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -388,4 +391,72 @@ TEST_CASE("recipes: bad input gives specific errors") {
                 "budget 7 is below the 8 protected tokens");
   require_error(recipe_select(seq, sws, recipe::knorm(), sv, value_of(make_matrix_view(kept.data(), 2, 21))),
                 errc::invalid_argument, "k = 21 is larger than row 0's length 20");
+}
+
+TEST_CASE("host_isa: the limit is clamped, active is min(supported, limit), and no copy changes a bit") {
+  const host_isa supported = host_isa_supported();
+  MESSAGE("host kernel copies on this machine: up to " << std::string(host_isa_name(supported)));
+  CHECK(host_isa_limit() == host_isa::avx512);  // the default caps nothing
+  CHECK(host_isa_active() == supported);
+  {
+    const kvtest::isa_limit low(0);
+    CHECK(host_isa_limit() == host_isa::baseline);
+    CHECK(host_isa_active() == host_isa::baseline);
+    set_host_isa_limit(static_cast<host_isa>(-3));  // out-of-range values are clamped into the enum
+    CHECK(host_isa_limit() == host_isa::baseline);
+    set_host_isa_limit(static_cast<host_isa>(9));
+    CHECK(host_isa_limit() == host_isa::avx512);
+    CHECK(host_isa_active() == supported);
+  }
+  CHECK(host_isa_limit() == host_isa::avx512);  // (the guard restored it)
+  CHECK(std::string(host_isa_name(host_isa::avx2)) == "avx2");
+  CHECK(std::string(host_isa_name(static_cast<host_isa>(7))) == "unknown");
+
+  // every recipe's scores and a compaction of fp16 rows, under every limit the CPU allows: the same
+  // bits (scores of the pooling, GQA, value-norm, entropy and window-score kernels; the gather's copy)
+  const std::vector<recipe> recipes = {recipe::snapkv(), recipe::h2o(), recipe::tova(), recipe::vatp(),
+                                       recipe::lava(), recipe::cake(), recipe::knorm()};
+  for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+    auto g = kvtest::rng(100 + seed);
+    const index_t hkv = kvtest::uniform_int(g, 1, 3), group = kvtest::uniform_int(g, 1, 4);
+    const index_t T = kvtest::uniform_int(g, 300, 900), d = 16 * kvtest::uniform_int(g, 1, 8);
+    for (const recipe& r : recipes) {
+      CAPTURE(recipe_name(r.kind));
+      const index_t w = r.kind == recipe_kind::h2o ? T : r.kind == recipe_kind::tova ? 1
+                        : uses_attention(r.kind)  ? r.window : 1;
+      auto rg = kvtest::rng(seed * 31 + static_cast<std::uint64_t>(r.kind));
+      const problem p = make_problem(rg, hkv * group, hkv, T, d, w, false);
+      std::vector<std::vector<float>> outs;
+      for (int level = 0; level <= static_cast<int>(supported); ++level) {
+        const kvtest::isa_limit limit(level);
+        outs.push_back(run_scores(par_t{2}, r, p));
+      }
+      for (std::size_t i = 1; i < outs.size(); ++i)
+        CHECK(std::memcmp(outs[0].data(), outs[i].data(), outs[0].size() * sizeof(float)) == 0);
+    }
+    // compaction: fp16 rows of 16 * 8..128 bytes (multiples of 32: the AVX2 copy's rows)
+    const index_t k = T / 3;
+    std::vector<float16> src(static_cast<std::size_t>(hkv * T * d));
+    for (auto& x : src) x = to_float16(static_cast<float>(kvtest::uniform_int(g, -500, 500)) / 64.f);
+    std::vector<pos_t> kept;
+    for (index_t h = 0; h < hkv; ++h) {
+      std::vector<pos_t> all(static_cast<std::size_t>(T));
+      std::iota(all.begin(), all.end(), pos_t{0});
+      std::shuffle(all.begin(), all.end(), g);
+      all.resize(static_cast<std::size_t>(k));
+      std::sort(all.begin(), all.end());
+      kept.insert(kept.end(), all.begin(), all.end());
+    }
+    std::vector<std::vector<float16>> dsts;
+    for (int level = 0; level <= static_cast<int>(supported); ++level) {
+      const kvtest::isa_limit limit(level);
+      dsts.emplace_back(static_cast<std::size_t>(hkv * k * d), float16{});
+      REQUIRE(compact(seq, value_of(make_kv_view<const float16>(src.data(), hkv, T, d)),
+                      value_of(make_matrix_view<const pos_t>(kept.data(), hkv, k)),
+                      value_of(make_kv_view(dsts.back().data(), hkv, k, d)))
+                  .ok());
+    }
+    for (std::size_t i = 1; i < dsts.size(); ++i)
+      CHECK(std::memcmp(dsts[0].data(), dsts[i].data(), dsts[0].size() * sizeof(float16)) == 0);
+  }
 }

@@ -671,7 +671,7 @@ TEST_CASE("attention_scores: errors are specific and nothing is written") {
 TEST_CASE("attention_scores: fp16 x fp16 logits are the same plain or fused, on every kernel") {
   // fp16 products are exact in fp32, so the plain path may (and on FMA CPUs does) run the fused
   // kernel: every profile and both modes must give the SSE2 plain bits
-  const int supported = static_cast<int>(detail::score_isa_supported());
+  const int supported = static_cast<int>(host_isa_supported());
   auto g = kvtest::rng(77);
   for (int trial = 0; trial < 12; ++trial) {
     CAPTURE(trial);
@@ -689,7 +689,7 @@ TEST_CASE("attention_scores: fp16 x fp16 logits are the same plain or fused, on 
     std::vector<std::vector<float>> outs;
     for (int cap = 0; cap <= supported; ++cap)
       for (bool fused : {false, true}) {
-        detail::score_isa_cap().store(cap);
+        const kvtest::isa_limit limit(cap);
         opt.fused_multiply_add = fused;
         outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
         run_ok([&](workspace& ws) {
@@ -697,14 +697,13 @@ TEST_CASE("attention_scores: fp16 x fp16 logits are the same plain or fused, on 
                                   value_of(make_matrix_view(outs.back().data(), hq, p + w)), opt);
         });
       }
-    detail::score_isa_cap().store(2);
     for (std::size_t i = 1; i < outs.size(); ++i)
       REQUIRE(std::memcmp(outs[0].data(), outs[i].data(), outs[0].size() * sizeof(float)) == 0);
   }
 }
 
 TEST_CASE("attention_scores: the SSE2, AVX2 and AVX-512 kernels give identical bits (plain and fused)") {
-  const int supported = static_cast<int>(detail::score_isa_supported());
+  const int supported = static_cast<int>(host_isa_supported());
   const std::string best = supported == 2 ? "AVX-512" : supported == 1 ? "AVX2" : "SSE2";
   MESSAGE("kernel profiles available on this machine: up to ", best);
   auto g = kvtest::rng(2024);
@@ -722,14 +721,13 @@ TEST_CASE("attention_scores: the SSE2, AVX2 and AVX-512 kernels give identical b
     opt.fused_multiply_add = fused;
     std::vector<std::vector<float>> outs;
     for (int cap = 0; cap <= supported; ++cap) {
-      detail::score_isa_cap().store(cap);
+      const kvtest::isa_limit limit(cap);
       outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
       run_ok([&](workspace& ws) {
         return attention_scores(trial % 2 ? par : par_t{1}, ws, q.view, s.prefix, s.window,
                                 value_of(make_matrix_view(outs.back().data(), hq, p + w)), opt);
       });
     }
-    detail::score_isa_cap().store(2);
     for (std::size_t i = 1; i < outs.size(); ++i)
       REQUIRE(std::memcmp(outs[0].data(), outs[i].data(), outs[0].size() * sizeof(float)) == 0);
   }

@@ -95,7 +95,7 @@ namespace {
 template <class VE>
 void check_norm_kernels(std::uint64_t seed) {
   auto g = kvtest::rng(seed);
-  const int best = static_cast<int>(detail::score_isa_supported());
+  const int best = static_cast<int>(host_isa_supported());
   for (int rep = 0; rep < 40; ++rep) {
     // n >= 64 on a third of the reps: the AVX-512 copy's four-block (64-row) path, then 16-row blocks and a tail
     const index_t n = rep % 3 == 0 ? kvtest::uniform_int(g, 64, 200) : kvtest::uniform_int(g, 0, 70), d = kvtest::uniform_int(g, 1, 150), es = rep % 4 == 3 ? 2 : 1;
@@ -116,7 +116,7 @@ void check_norm_kernels(std::uint64_t seed) {
       CAPTURE(isa);
       CAPTURE(n);
       CAPTURE(d);
-      detail::host_kernel_isa_override().store(isa);
+      const kvtest::isa_limit limit(isa);
       std::vector<float> got(static_cast<std::size_t>(n), -1.0f);
       detail::value_l1_norms(v.data(), rs, es, n, d, got.data());
       // the first row whose bits differ; a row with two different NaNs gives a NaN whose payload
@@ -136,7 +136,6 @@ void check_norm_kernels(std::uint64_t seed) {
       }
     }
   }
-  detail::host_kernel_isa_override().store(-1);
 }
 }  // namespace
 

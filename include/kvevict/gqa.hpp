@@ -111,8 +111,8 @@ __attribute__((target("avx512f,avx2"))) inline void gqa_max_rows_avx512(float* d
 #endif
 inline void gqa_max_rows(float* dst, const float* x, index_t xs, index_t g, index_t n) noexcept {
 #if KVEVICT_HOST_X86_DISPATCH
-  if (host_has_avx512f()) return gqa_max_rows_avx512(dst, x, xs, g, n);
-  if (host_has_avx2()) return gqa_max_rows_avx2(dst, x, xs, g, n);
+  if (host_isa_runs(host_isa::avx512)) return gqa_max_rows_avx512(dst, x, xs, g, n);
+  if (host_isa_runs(host_isa::avx2)) return gqa_max_rows_avx2(dst, x, xs, g, n);
 #endif
   gqa_max_rows_body(dst, x, xs, g, n);
 }
@@ -170,8 +170,8 @@ __attribute__((target("avx512f,avx2"))) inline void gqa_sum_rows_avx512(float* d
 #endif
 inline void gqa_sum_rows(float* dst, const float* x, index_t xs, index_t g, index_t n, bool mean) noexcept {
 #if KVEVICT_HOST_X86_DISPATCH
-  if (host_has_avx512f()) return gqa_sum_rows_avx512(dst, x, xs, g, n, mean);
-  if (host_has_avx2()) return gqa_sum_rows_avx2(dst, x, xs, g, n, mean);
+  if (host_isa_runs(host_isa::avx512)) return gqa_sum_rows_avx512(dst, x, xs, g, n, mean);
+  if (host_isa_runs(host_isa::avx2)) return gqa_sum_rows_avx2(dst, x, xs, g, n, mean);
 #endif
   gqa_sum_rows_body(dst, x, xs, g, n, mean);
 }

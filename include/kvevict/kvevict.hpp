@@ -10,6 +10,7 @@
 #include <kvevict/config.hpp>
 #include <kvevict/driver.hpp>
 #include <kvevict/gqa.hpp>
+#include <kvevict/host_isa.hpp>
 #include <kvevict/metrics.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/paged.hpp>

@@ -160,7 +160,7 @@ void attention_scores_run(Backend be, const score_shape& sh, const score_plan& p
                           const kv_view<const QE>& q, const KS& prefix, const KS& block, const matrix_view<float>& out,
                           const score_options& opt) {
   const index_t w = sh.w, p = sh.p, d = sh.d, oc = sh.out_cols;
-  const score_isa isa = score_isa_active();
+  const host_isa isa = host_isa_now();
   float* const odata = out.data_handle();
   const index_t os0 = out.stride(0), os1 = out.stride(1);
   score_parallel(be, pl.tasks, pl.threads, [&](index_t task, int slot) {

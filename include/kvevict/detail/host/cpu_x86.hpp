@@ -1,31 +1,54 @@
-// Run-time CPU checks of the host kernels that have an AVX2 copy besides their baseline one
-// (compaction's gather, the GQA max, pooling; pooling also has an AVX-512F one). Nothing here is API.
+// Which x86 copy of a host kernel runs: the best level the CPU (and build) runs, capped by the
+// process-wide limit of <kvevict/host_isa.hpp> (the API). Every dispatcher asks host_isa_now()
+// at each call (one relaxed atomic load), so a new limit applies to the next call. Nothing here is API.
 #pragma once
+
+#include <atomic>
 
 #if !defined(KVEVICT_NO_X86_DISPATCH) && (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && \
     !defined(__CUDACC__) && !defined(__NVCOMPILER)
 #  define KVEVICT_HOST_X86_DISPATCH 1
+#  include <cpuid.h>
+#  include <immintrin.h>
 #else
 #  define KVEVICT_HOST_X86_DISPATCH 0
 #endif
 
-#if KVEVICT_HOST_X86_DISPATCH
+namespace kvevict {
+/// The copies of the host kernels, in the order the dispatch prefers them (see <kvevict/host_isa.hpp>).
+enum class host_isa : int { baseline = 0, avx2 = 1, avx512 = 2 };
+}  // namespace kvevict
+
 namespace kvevict::detail {
-/// Whether this CPU runs AVX2 code (asked once).
-inline bool host_has_avx2() noexcept {
-  static const bool yes = [] {
+/// The best level this CPU and build run (asked once). avx2 needs AVX2 and F16C (every AVX2 CPU has
+/// F16C; the score kernels widen fp16 with it), avx512 also AVX-512F.
+inline host_isa host_isa_cpu() noexcept {
+#if KVEVICT_HOST_X86_DISPATCH
+  static const host_isa best = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+    if (!f16c || !__builtin_cpu_supports("avx2")) return host_isa::baseline;
+    return __builtin_cpu_supports("avx512f") ? host_isa::avx512 : host_isa::avx2;
   }();
-  return yes;
-}
-/// Whether this CPU runs AVX-512F code (asked once).
-inline bool host_has_avx512f() noexcept {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return yes;
-}
-}  // namespace kvevict::detail
+  return best;
+#else
+  return host_isa::baseline;
 #endif
+}
+
+/// The process-wide limit (set_host_isa_limit); avx512, the highest level, caps nothing.
+inline std::atomic<int>& host_isa_limit_ref() noexcept {
+  static std::atomic<int> limit{static_cast<int>(host_isa::avx512)};
+  return limit;
+}
+
+/// The level the dispatchers use now: the CPU's best, at most the limit.
+inline host_isa host_isa_now() noexcept {
+  const int best = static_cast<int>(host_isa_cpu()), cap = host_isa_limit_ref().load(std::memory_order_relaxed);
+  return static_cast<host_isa>(best < cap ? best : cap);
+}
+
+/// Whether the copy of level `i` runs now (its level is supported and not above the limit).
+inline bool host_isa_runs(host_isa i) noexcept { return host_isa_now() >= i; }
+}  // namespace kvevict::detail

@@ -108,7 +108,7 @@ KVEVICT_ALWAYS_INLINE void lanes_add(double* KVEVICT_RESTRICT lanes, const doubl
   for (; k < n; ++k) lanes[k & 7] = Subtract ? lanes[k & 7] - t[k] : lanes[k & 7] + t[k];
 }
 
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
 // The AVX2 / AVX-512F copies' unit-stride loops, written with GCC / clang vector extensions: 8
 // columns per vector (a double vector of 8 lanes: one zmm, two ymm), and the logarithms of `chains`
 // such vectors evaluated step by step side by side (log_reduced_chains), so that the division and the
@@ -345,7 +345,7 @@ KVEVICT_ALWAYS_INLINE void cake_head_body(const float* base, index_t w, index_t 
   alignas(64) double mean[cake_block], m2[cake_block], term[cake_block];
   const double wd = static_cast<double>(w);
   int bad = 0;
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
   entropy_vec::vd8 ent_v;
   entropy_vec::load8(ent, ent_v);
   entropy_vec::vi8 bad_v{};
@@ -355,7 +355,7 @@ KVEVICT_ALWAYS_INLINE void cake_head_body(const float* base, index_t w, index_t 
     for (index_t j = 0; j < n; ++j) mean[j] = 0.0;
     for (index_t i = 0; i < w; ++i) {
       const float* KVEVICT_RESTRICT row = base + i * si + j0 * sj;
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
       if constexpr (Vec != 0) {
         if constexpr (Vec == 2) entropy_vec::cake_row_avx512(row, n, mean, ent_v, bad_v);
         else entropy_vec::cake_row(row, n, mean, ent_v, bad_v);
@@ -389,7 +389,7 @@ KVEVICT_ALWAYS_INLINE void cake_head_body(const float* base, index_t w, index_t 
       lanes_add<false>(var, term, n);
     }
   }
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
   if constexpr (Vec != 0) {
     entropy_vec::store8(ent, ent_v);
     for (int l = 0; l < 8; ++l) bad |= bad_v[l];
@@ -404,7 +404,7 @@ template <bool Unit, int Vec = 0>
 KVEVICT_ALWAYS_INLINE void lava_head_body(const float* KVEVICT_RESTRICT x, index_t n, index_t sx, double inv_s,
                                           double log_s, double* KVEVICT_RESTRICT lanes, bool* any_bad) noexcept {
   KVEVICT_FP_CONTRACT_OFF
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
   if constexpr (Vec != 0) {
     if (inv_s != 0.0) {
       entropy_vec::vd8 l;
@@ -464,40 +464,28 @@ KVEVICT_ALWAYS_INLINE void lava_head_body(const float* KVEVICT_RESTRICT x, index
     else lava_head_body<false>(KVEVICT_LAVA_HEAD_CALL);                                \
   }
 KVEVICT_ENTROPY_HEAD_KERNELS(sse2, , 0)
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
 KVEVICT_ENTROPY_HEAD_KERNELS(avx2, __attribute__((target("avx2"))), 1)
 KVEVICT_ENTROPY_HEAD_KERNELS(avx512, __attribute__((target("avx512f,avx2"))), 2)
 #  pragma GCC diagnostic pop
 #endif
 #undef KVEVICT_ENTROPY_HEAD_KERNELS
 
-/// The profile of the entropy and value-norm kernels (norm_host.hpp): score_isa_supported() unless a
-/// test forces a lower one (< 0: none forced).
-inline std::atomic<int>& host_kernel_isa_override() noexcept {
-  static std::atomic<int> forced{-1};
-  return forced;
-}
-inline score_isa host_kernel_isa() noexcept {
-  const int f = host_kernel_isa_override().load(std::memory_order_relaxed);
-  const score_isa best = score_isa_supported();
-  return f >= 0 && f <= static_cast<int>(best) ? static_cast<score_isa>(f) : best;
-}
-
 inline void cake_head(KVEVICT_CAKE_HEAD_ARGS) {
-#if KVEVICT_SCORE_X86_DISPATCH
-  switch (host_kernel_isa()) {
-    case score_isa::avx512: return cake_head_avx512(KVEVICT_CAKE_HEAD_CALL);
-    case score_isa::avx2: return cake_head_avx2(KVEVICT_CAKE_HEAD_CALL);
+#if KVEVICT_HOST_X86_DISPATCH
+  switch (host_isa_now()) {
+    case host_isa::avx512: return cake_head_avx512(KVEVICT_CAKE_HEAD_CALL);
+    case host_isa::avx2: return cake_head_avx2(KVEVICT_CAKE_HEAD_CALL);
     default: break;
   }
 #endif
   cake_head_sse2(KVEVICT_CAKE_HEAD_CALL);
 }
 inline void lava_head_pass(KVEVICT_LAVA_HEAD_ARGS) {
-#if KVEVICT_SCORE_X86_DISPATCH
-  switch (host_kernel_isa()) {
-    case score_isa::avx512: return lava_head_avx512(KVEVICT_LAVA_HEAD_CALL);
-    case score_isa::avx2: return lava_head_avx2(KVEVICT_LAVA_HEAD_CALL);
+#if KVEVICT_HOST_X86_DISPATCH
+  switch (host_isa_now()) {
+    case host_isa::avx512: return lava_head_avx512(KVEVICT_LAVA_HEAD_CALL);
+    case host_isa::avx2: return lava_head_avx2(KVEVICT_LAVA_HEAD_CALL);
     default: break;
   }
 #endif

@@ -181,7 +181,7 @@ enum class gather_copy : int { bytes = 0, sse2 = 1, avx2 = 2 };
 inline bool gather_copy_available(gather_copy c, std::size_t row_bytes) noexcept {
   if (c == gather_copy::bytes) return true;
 #if KVEVICT_HOST_X86_DISPATCH
-  return row_bytes % 32 == 0 && (c == gather_copy::sse2 || host_has_avx2());
+  return row_bytes % 32 == 0 && (c == gather_copy::sse2 || host_isa_runs(host_isa::avx2));
 #else
   (void)row_bytes;
   return false;

@@ -70,7 +70,7 @@ KVEVICT_NO_CONTRACT inline void value_l1_norms_sse2(const VE* base, index_t rs, 
                                                     float* norms) {
   value_l1_norms_body(base, rs, es, n, d, norms);
 }
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
 template <class VE>
 __attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void value_l1_norms_avx2(const VE* base, index_t rs,
                                                                                     index_t es, index_t n, index_t d,
@@ -139,10 +139,10 @@ __attribute__((target("avx512f,avx2,f16c"))) KVEVICT_NO_CONTRACT inline void val
 /// norms[r] = value_l1_norm(base + r rs, d, es) for r < n (the bits of value_l1_norm), on the host.
 template <class VE>
 inline void value_l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) {
-#if KVEVICT_SCORE_X86_DISPATCH
-  switch (host_kernel_isa()) {
-    case score_isa::avx512: return value_l1_norms_avx512(base, rs, es, n, d, norms);
-    case score_isa::avx2: return value_l1_norms_avx2(base, rs, es, n, d, norms);
+#if KVEVICT_HOST_X86_DISPATCH
+  switch (host_isa_now()) {
+    case host_isa::avx512: return value_l1_norms_avx512(base, rs, es, n, d, norms);
+    case host_isa::avx2: return value_l1_norms_avx2(base, rs, es, n, d, norms);
     default: break;
   }
 #endif

@@ -250,8 +250,8 @@ __attribute__((target("avx512f,avx2"))) void interior_avx512(bool is_max, const 
 template <int K>
 void interior(bool is_max, const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
 #  if KVEVICT_HOST_X86_DISPATCH
-  if (host_has_avx512f()) return interior_avx512<K>(is_max, x, y, lo, hi, div);
-  if (host_has_avx2()) return interior_avx2<K>(is_max, x, y, lo, hi, div);
+  if (host_isa_runs(host_isa::avx512)) return interior_avx512<K>(is_max, x, y, lo, hi, div);
+  if (host_isa_runs(host_isa::avx2)) return interior_avx2<K>(is_max, x, y, lo, hi, div);
 #  endif
   interior_base<K>(is_max, x, y, lo, hi, div);
 }

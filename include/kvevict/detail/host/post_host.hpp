@@ -98,7 +98,7 @@ inline void post_finish_base(float* o, index_t n, index_t s, index_t e, index_t 
 /// post_combine_body, the AVX2 copy when the CPU has it.
 inline void post_combine(bool is_max, float* o, const float* x, index_t n) noexcept {
 #if KVEVICT_HOST_X86_DISPATCH
-  if (host_has_avx2()) return post_combine_avx2(is_max, o, x, n);
+  if (host_isa_runs(host_isa::avx2)) return post_combine_avx2(is_max, o, x, n);
 #endif
   post_combine_base(is_max, o, x, n);
 }
@@ -106,7 +106,7 @@ inline void post_combine(bool is_max, float* o, const float* x, index_t n) noexc
 inline void post_finish(float* o, index_t n, index_t s, index_t e, index_t r, index_t div_g, const float* w,
                         float factor) noexcept {
 #if KVEVICT_HOST_X86_DISPATCH
-  if (host_has_avx2()) return post_finish_avx2(o, n, s, e, r, div_g, w, factor);
+  if (host_isa_runs(host_isa::avx2)) return post_finish_avx2(o, n, s, e, r, div_g, w, factor);
 #endif
   post_finish_base(o, n, s, e, r, div_g, w, factor);
 }

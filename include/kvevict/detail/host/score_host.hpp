@@ -35,6 +35,7 @@
 #include <kvevict/detail/base/parallel.hpp>
 #include <kvevict/detail/base/softmax.hpp>
 #include <kvevict/detail/base/stage_math.hpp>
+#include <kvevict/detail/host/cpu_x86.hpp>
 #include <kvevict/numeric.hpp>
 #include <kvevict/view.hpp>
 
@@ -54,18 +55,6 @@
 #  define KVEVICT_ALWAYS_INLINE inline
 #endif
 
-// Runtime x86 dispatch of the logits kernel: GCC or clang on x86-64, not under nvcc (whose front end
-// sees the host code too), unless KVEVICT_NO_X86_DISPATCH.
-#if !defined(KVEVICT_NO_X86_DISPATCH) && (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && \
-    !defined(__CUDACC__) && !defined(__NVCOMPILER)
-#  define KVEVICT_SCORE_X86_DISPATCH 1
-#else
-#  define KVEVICT_SCORE_X86_DISPATCH 0
-#endif
-#if KVEVICT_SCORE_X86_DISPATCH
-#  include <cpuid.h>
-#  include <immintrin.h>
-#endif
 
 // No FMA contraction in the kernels: GCC decides per compiled function (the optimize attribute on
 // the dispatched functions covers everything inlined into them); clang decides per expression, so
@@ -76,9 +65,9 @@
 #  define KVEVICT_NO_CONTRACT
 #endif
 
-#if KVEVICT_SCORE_X86_DISPATCH && defined(_OPENMP)
+#if KVEVICT_HOST_X86_DISPATCH && defined(_OPENMP)
 #  define KVEVICT_SCORE_ABI_BEGIN inline namespace score_x86_omp {
-#elif KVEVICT_SCORE_X86_DISPATCH
+#elif KVEVICT_HOST_X86_DISPATCH
 #  define KVEVICT_SCORE_ABI_BEGIN inline namespace score_x86_serial {
 #elif defined(_OPENMP)
 #  define KVEVICT_SCORE_ABI_BEGIN inline namespace score_generic_omp {
@@ -172,7 +161,7 @@ void score_pack_queries(float* KVEVICT_RESTRICT dst, float* KVEVICT_RESTRICT tmp
   }
 }
 
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
 /// widen_row for contiguous fp16 with F16C (8 values per instruction); only inlined into the AVX2
 /// and AVX-512 kernels, which the dispatcher picks only on CPUs with F16C.
 __attribute__((target("avx2,f16c"))) inline void widen_row_f16c(float* KVEVICT_RESTRICT dst,
@@ -189,7 +178,7 @@ __attribute__((target("avx2,f16c"))) inline void widen_row_f16c(float* KVEVICT_R
 template <class P, class K>
 KVEVICT_ALWAYS_INLINE void score_widen_key(float* KVEVICT_RESTRICT dst, const K* KVEVICT_RESTRICT src, index_t d,
                                            index_t ds) {
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
   if constexpr (P::f16c && std::is_same_v<K, float16>) {
     if (ds == 1) return widen_row_f16c(dst, src, d);
   }
@@ -197,7 +186,7 @@ KVEVICT_ALWAYS_INLINE void score_widen_key(float* KVEVICT_RESTRICT dst, const K*
   widen_row(dst, src, d, ds);
 }
 
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
 // The masked forms with a full mask (compiled to the plain instructions) avoid GCC 12's false
 // -Wmaybe-uninitialized inside the plain intrinsics (which pass an undefined merge source).
 /// 16 consecutive elements of a contiguous key row, widened exactly to fp32 (the values of widen_row).
@@ -261,7 +250,7 @@ KVEVICT_ALWAYS_INLINE void score_pack_keys(float* KVEVICT_RESTRICT dst, float* K
   constexpr index_t nr = P::nr;
   const index_t groups = (nb + nr - 1) / nr;
   for (index_t gi = 0; gi < groups; ++gi) {
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
     if constexpr (std::is_same_v<P, score_profile_avx512>) {
       // a whole group of contiguous key rows: widen and transpose 16 x 16 blocks in registers
       if (gi * nr + nr <= nb) {
@@ -404,7 +393,7 @@ KVEVICT_NO_CONTRACT void score_panel_sse2(KVEVICT_SCORE_PANEL_ARGS) {
   score_panel_body<score_profile_sse2, Fused, KS>(KVEVICT_SCORE_PANEL_CALL);
 }
 
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
 template <class KS>
 __attribute__((target("avx2,f16c"))) KVEVICT_NO_CONTRACT void score_panel_avx2(KVEVICT_SCORE_PANEL_ARGS) {
   score_panel_body<score_profile_avx2, false, KS>(KVEVICT_SCORE_PANEL_CALL);
@@ -426,12 +415,9 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) KVEVICT_NO_CONTRACT void score_
 #undef KVEVICT_SCORE_PANEL_ARGS
 #undef KVEVICT_SCORE_PANEL_CALL
 
-/// The kernel profiles, in the order the dispatcher prefers them.
-enum class score_isa : int { sse2 = 0, avx2 = 1, avx512 = 2 };
-
 /// Whether the CPU has FMA (the fused AVX2 kernel needs it; AVX-512F includes it).
 inline bool score_cpu_has_fma() {
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
   static const bool fma = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("fma") != 0;
@@ -440,35 +426,6 @@ inline bool score_cpu_has_fma() {
 #else
   return false;
 #endif
-}
-
-/// The best profile this CPU (and build) supports.
-inline score_isa score_isa_supported() {
-#if KVEVICT_SCORE_X86_DISPATCH
-  static const score_isa best = [] {
-    __builtin_cpu_init();
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;  // every AVX2 CPU has it
-    if (!f16c) return score_isa::sse2;
-    if (__builtin_cpu_supports("avx512f")) return score_isa::avx512;
-    if (__builtin_cpu_supports("avx2")) return score_isa::avx2;
-    return score_isa::sse2;
-  }();
-  return best;
-#else
-  return score_isa::sse2;
-#endif
-}
-
-/// Test hook: caps the profile used (a value above what the CPU supports is ignored). Not API.
-inline std::atomic<int>& score_isa_cap() {
-  static std::atomic<int> cap{static_cast<int>(score_isa::avx512)};
-  return cap;
-}
-
-inline score_isa score_isa_active() {
-  const int best = static_cast<int>(score_isa_supported()), cap = score_isa_cap().load(std::memory_order_relaxed);
-  return static_cast<score_isa>(best < cap ? best : cap);
 }
 
 /// The softmax of a block of rows, panel by panel (panels of score_chunk columns, see
@@ -487,7 +444,7 @@ void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT
     if constexpr (std::is_same_v<P, score_profile_sse2>) {
       score_panel_sse2<Fused, KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
                                  nchunks, st);
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
     } else if constexpr (std::is_same_v<P, score_profile_avx2>) {
       if constexpr (Fused)
         score_panel_avx2_fma<KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
@@ -510,25 +467,25 @@ void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT
 /// score_block_softmax with the active profile. Fused logits on the AVX2 profile need FMA; without
 /// it they run on the SSE2 profile (software fmaf: same bits, slower).
 template <class Q, class KS>
-void score_block_softmax_dispatch(score_isa isa, bool fused, float* buf, index_t ld, float* qpack, float* kpack,
+void score_block_softmax_dispatch(host_isa isa, bool fused, float* buf, index_t ld, float* qpack, float* kpack,
                                   float* tmp, const kv_view<const Q>& q, index_t head0, index_t w, index_t row0,
                                   index_t nrows, const KS& prefix, const KS& block,
                                   index_t g, index_t p, index_t cols, float scale, const index_t* vis, float* cmax,
                                   index_t nchunks, softmax_stats* st) {
 #define KVEVICT_SCORE_BLOCK_CALL                                                                                 \
   (buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p, cols, scale, vis, cmax, nchunks, st)
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
   // The product of two fp16 values is exact in fp32 (11 + 11 significant bits; |product| within
   // [2^-48, 2^32], far inside fp32's normal range), so rounding q*k and then the sum gives the same
   // bits as one fused multiply-add: fp16 x fp16 logits take the (faster) fused kernel whenever the
   // CPU has FMA. Not for bf16 (its products can overflow or underflow in fp32) or fp32.
   if constexpr (std::is_same_v<Q, float16> && std::is_same_v<key_elem_t<KS>, float16>) {
-    if (isa == score_isa::avx512 || (isa == score_isa::avx2 && score_cpu_has_fma())) fused = true;
+    if (isa == host_isa::avx512 || (isa == host_isa::avx2 && score_cpu_has_fma())) fused = true;
   }
-  if (isa == score_isa::avx512)
+  if (isa == host_isa::avx512)
     return fused ? score_block_softmax<score_profile_avx512, true> KVEVICT_SCORE_BLOCK_CALL
                  : score_block_softmax<score_profile_avx512, false> KVEVICT_SCORE_BLOCK_CALL;
-  if (isa == score_isa::avx2 && (!fused || score_cpu_has_fma()))
+  if (isa == host_isa::avx2 && (!fused || score_cpu_has_fma()))
     return fused ? score_block_softmax<score_profile_avx2, true> KVEVICT_SCORE_BLOCK_CALL
                  : score_block_softmax<score_profile_avx2, false> KVEVICT_SCORE_BLOCK_CALL;
 #else
@@ -584,7 +541,7 @@ KVEVICT_NO_CONTRACT inline void score_row_add_sse2(KVEVICT_SCORE_ADD_ARGS) { sco
 KVEVICT_NO_CONTRACT inline void score_row_welford_sse2(KVEVICT_SCORE_WELFORD_ARGS) {
   score_row_welford_body(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
 }
-#if KVEVICT_SCORE_X86_DISPATCH
+#if KVEVICT_HOST_X86_DISPATCH
 __attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void score_row_add_avx2(KVEVICT_SCORE_ADD_ARGS) {
   score_row_add_body(e, n, cmax, row, acc);
 }
@@ -603,10 +560,10 @@ __attribute__((target("avx512f,avx2"))) KVEVICT_NO_CONTRACT inline void score_ro
 #undef KVEVICT_SCORE_WELFORD_ARGS
 
 /// acc[j] += p_j for j < n, on the active profile.
-inline void score_row_add(score_isa isa, const float* e, index_t n, const float* cmax, softmax_stats row, float* acc) {
-#if KVEVICT_SCORE_X86_DISPATCH
-  if (isa == score_isa::avx512) return score_row_add_avx512(e, n, cmax, row, acc);
-  if (isa == score_isa::avx2) return score_row_add_avx2(e, n, cmax, row, acc);
+inline void score_row_add(host_isa isa, const float* e, index_t n, const float* cmax, softmax_stats row, float* acc) {
+#if KVEVICT_HOST_X86_DISPATCH
+  if (isa == host_isa::avx512) return score_row_add_avx512(e, n, cmax, row, acc);
+  if (isa == host_isa::avx2) return score_row_add_avx2(e, n, cmax, row, acc);
 #else
   (void)isa;
 #endif
@@ -614,11 +571,11 @@ inline void score_row_add(score_isa isa, const float* e, index_t n, const float*
 }
 
 /// The Welford update of score_row_welford_body, on the active profile.
-inline void score_row_welford(score_isa isa, const float* e, index_t n_visible, index_t n_out, const float* cmax,
+inline void score_row_welford(host_isa isa, const float* e, index_t n_visible, index_t n_out, const float* cmax,
                               softmax_stats row, float inv_count, float* mean, float* m2) {
-#if KVEVICT_SCORE_X86_DISPATCH
-  if (isa == score_isa::avx512) return score_row_welford_avx512(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
-  if (isa == score_isa::avx2) return score_row_welford_avx2(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
+#if KVEVICT_HOST_X86_DISPATCH
+  if (isa == host_isa::avx512) return score_row_welford_avx512(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
+  if (isa == host_isa::avx2) return score_row_welford_avx2(e, n_visible, n_out, cmax, row, inv_count, mean, m2);
 #else
   (void)isa;
 #endif

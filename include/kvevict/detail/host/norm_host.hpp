@@ -15,6 +15,7 @@
 #include <kvevict/numeric.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace kvevict::detail {
 KVEVICT_SCORE_ABI_BEGIN
@@ -77,6 +78,68 @@ __attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void value_l1_norms_a
                                                                                     float* norms) {
   value_l1_norms_body(base, rs, es, n, d, norms);
 }
+
+
+/// |widen(h_k)| of 8 packed 16-bit values (fp16 by F16C, bf16 by a shift): abs_float_bits's bits,
+/// NaN payloads aside (F16C quiets a signalling NaN; sums keep only NaN-ness anyway).
+template <class VE>
+__attribute__((target("avx2,f16c"))) KVEVICT_ALWAYS_INLINE __m256 abs_widen8(__m128i h) noexcept {
+  const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  if constexpr (std::is_same_v<VE, float16>) return _mm256_and_ps(_mm256_cvtph_ps(h), mag);
+  return _mm256_and_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)), mag);
+}
+
+/// The copy for contiguous 16-bit rows (fp16, bf16) on AVX2 and AVX-512F CPUs, 8 rows at a time
+/// (lane l = row l). Each 16-element piece of the 8 rows (8 loads of 32 bytes) is transposed as
+/// 16-bit words before any widening (three unpack stages, 24 shuffles for 128 elements: half the
+/// bytes of widening first and transposing fp32), which leaves c_k = [the rows' element k | their
+/// element k + 8]; each lane then adds |v_k| for k = 0..15 in order, so each row is still one
+/// sequential sum (value_l1_norm's bits); the last d % 16 elements are added row by row after.
+/// Why 8 rows (one chain of sums) and not 16 or 32 (more chains): on the Zen 4 class machine of
+/// docs/PERFORMANCE.md, with the values in DRAM (32K tokens), pieces of 16 or 32 rows at a time took
+/// 1.7x and 3.2x the time of 8 (reads spread over more rows at once stream worse there; a plain
+/// read of 16 rows at a time took 1.6x that of 8), against 20% faster for 16 with the values in
+/// L3 (4K); software prefetch only slowed it. Returns the rows done (a multiple of 8).
+template <class VE>
+__attribute__((target("avx2,f16c"))) KVEVICT_NO_CONTRACT inline index_t value_l1_norms16_avx2(
+    const VE* base, index_t rs, index_t n, index_t d, float* norms) noexcept {
+  static_assert(sizeof(VE) == 2, "16-bit values only");
+  constexpr index_t rows = 8;
+  const index_t d16 = d - d % 16;
+  index_t r0 = 0;
+  for (; r0 + rows <= n; r0 += rows) {
+    __m256 acc = _mm256_setzero_ps();
+    for (index_t t0 = 0; t0 < d16; t0 += 16) {
+      const VE* p = base + r0 * rs + t0;
+      __m256i x[rows], a[rows], b[rows], c[rows];
+      for (index_t i = 0; i < rows; ++i) x[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * rs));
+      // a[2i], a[2i + 1]: rows 2i and 2i + 1 interleaved, elements 0-3 | 8-11 and 4-7 | 12-15
+      for (index_t i = 0; i < rows / 2; ++i) {
+        a[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
+      }
+      // b[j] (rows 0-3) and b[4 + j] (rows 4-7): elements 2j, 2j + 1 | 2j + 8, 2j + 9
+      for (index_t h = 0; h < 2; ++h) {
+        const __m256i* in = a + 4 * h;
+        b[4 * h] = _mm256_unpacklo_epi32(in[0], in[2]);
+        b[4 * h + 1] = _mm256_unpackhi_epi32(in[0], in[2]);
+        b[4 * h + 2] = _mm256_unpacklo_epi32(in[1], in[3]);
+        b[4 * h + 3] = _mm256_unpackhi_epi32(in[1], in[3]);
+      }
+      for (index_t j = 0; j < 4; ++j) {
+        c[2 * j] = _mm256_unpacklo_epi64(b[j], b[4 + j]);
+        c[2 * j + 1] = _mm256_unpackhi_epi64(b[j], b[4 + j]);
+      }
+      for (index_t k = 0; k < rows; ++k) acc = _mm256_add_ps(acc, abs_widen8<VE>(_mm256_castsi256_si128(c[k])));
+      for (index_t k = 0; k < rows; ++k) acc = _mm256_add_ps(acc, abs_widen8<VE>(_mm256_extracti128_si256(c[k], 1)));
+    }
+    _mm256_storeu_ps(norms + r0, acc);
+    if (d16 < d)
+      for (index_t l = r0; l < r0 + rows; ++l) norms[l] = value_l1_accumulate(norms[l], base + l * rs + d16, d - d16, 1);
+  }
+  return r0;
+}
+
 /// The AVX-512 copy: 16 contiguous rows at a time widened and transposed in registers by the score
 /// stage's packing (score_pack16_avx512: [64 elements][16 rows] per stage, exact), then |x| added
 /// lane by lane (lane l = row l, its elements in order); rows of a partial block as in
@@ -140,7 +203,16 @@ __attribute__((target("avx512f,avx2,f16c"))) KVEVICT_NO_CONTRACT inline void val
 template <class VE>
 inline void value_l1_norms(const VE* base, index_t rs, index_t es, index_t n, index_t d, float* norms) {
 #if KVEVICT_HOST_X86_DISPATCH
-  switch (host_isa_now()) {
+  const host_isa isa = host_isa_now();
+  if constexpr (sizeof(VE) == 2) {
+    if (isa != host_isa::baseline && es == 1) {  // (the transposing copy above; the rest below)
+      const index_t done = value_l1_norms16_avx2(base, rs, n, d, norms);
+      base += done * rs;
+      n -= done;
+      norms += done;
+    }
+  }
+  switch (isa) {
     case host_isa::avx512: return value_l1_norms_avx512(base, rs, es, n, d, norms);
     case host_isa::avx2: return value_l1_norms_avx2(base, rs, es, n, d, norms);
     default: break;

@@ -160,13 +160,61 @@ KVEVICT_POOL_INLINE bool max_chunk_bits(const float* x, float* y, index_t c0, in
   return top <= plus_inf_bits;
 }
 
+#  if KVEVICT_HOST_X86_DISPATCH
+/// max_chunk_bits for AVX-512F, 16 outputs from two loads: inputs [i - r, i - r + 16) and the next
+/// K - 1 (a masked load: nothing past them is touched), the K windows' shifted vectors made in
+/// registers (valignd) instead of K unaligned loads, half of which split a cache line. Same bits.
+/// (The masked forms with a full mask avoid GCC 12's false -Wmaybe-uninitialized in the plain ones.)
+template <int K>
+__attribute__((target("avx512f,avx2"))) inline bool max_chunk_bits_avx512(const float* x, float* y, index_t c0,
+                                                                           index_t nc) noexcept {
+  constexpr int r = K / 2;
+  constexpr __mmask16 rest = static_cast<__mmask16>((1u << (K - 1)) - 1u), all = 0xFFFF;
+  __m512i seen = _mm512_setzero_si512();
+  index_t i = c0;
+  const index_t hi = c0 + nc;
+  for (; i + 16 <= hi; i += 16) {
+    const __m512i a = _mm512_loadu_si512(x + i - r), b = _mm512_maskz_loadu_epi32(rest, x + i - r + 16);
+    __m512i m = a;
+    // (valignd takes its shift as an immediate: one line per shift, the ones past K - 1 compiled out)
+    if constexpr (K > 1) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 1));
+    if constexpr (K > 2) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 2));
+    if constexpr (K > 3) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 3));
+    if constexpr (K > 4) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 4));
+    if constexpr (K > 5) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 5));
+    if constexpr (K > 6) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 6));
+    if constexpr (K > 7) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 7));
+    if constexpr (K > 8) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 8));
+    static_assert(K <= 9, "the small kernels only");
+    seen = _mm512_maskz_max_epu32(all, seen, m);
+    _mm512_storeu_si512(y + (i - c0), m);
+  }
+  alignas(64) std::uint32_t lanes[16];
+  _mm512_store_si512(lanes, seen);
+  std::uint32_t top = 0;
+  for (std::uint32_t u : lanes) top = u > top ? u : top;
+  for (; i < hi; ++i) {
+    std::uint32_t m = 0;
+    for (int t = 0; t < K; ++t) {
+      std::uint32_t u;
+      std::memcpy(&u, x + i - r + t, sizeof u);
+      m = u > m ? u : m;
+    }
+    top = m > top ? m : top;
+    std::memcpy(y + (i - c0), &m, sizeof m);
+  }
+  return top <= plus_inf_bits;
+}
+#  endif
+
 /// Max pooling of outputs [lo, hi) (all windows inside the row), in chunks of max_chunk outputs:
-/// each chunk on the raw bits (max_chunk_bits) when no input is negative or NaN, else by keys.
-template <int K, class VU>
+/// each chunk on the raw bits (Bits: max_chunk_bits or its AVX-512F copy) when no input is negative
+/// or NaN, else by keys.
+template <int K, bool (*Bits)(const float*, float*, index_t, index_t) noexcept>
 KVEVICT_POOL_INLINE void max_interior(const float* x, float* y, index_t lo, index_t hi) noexcept {
   for (index_t c0 = lo; c0 < hi; c0 += max_chunk) {
     const index_t nc = hi - c0 < max_chunk ? hi - c0 : max_chunk;
-    if (!max_chunk_bits<K, VU>(x, y + (c0 - lo), c0, nc)) max_chunk_keys<K>(x, y + (c0 - lo), c0, nc);
+    if (!Bits(x, y + (c0 - lo), c0, nc)) max_chunk_keys<K>(x, y + (c0 - lo), c0, nc);
   }
 }
 
@@ -227,14 +275,14 @@ KVEVICT_POOL_INLINE void avg_interior(const float* x, float* y, index_t lo, inde
 
 template <int K>
 void interior_base(bool is_max, const float* x, float* y, index_t lo, index_t hi, float div) noexcept {
-  if (is_max) max_interior<K, vu8>(x, y, lo, hi);
+  if (is_max) max_interior<K, max_chunk_bits<K, vu8>>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
 #  if KVEVICT_HOST_X86_DISPATCH
 template <int K>
 __attribute__((target("avx2"))) void interior_avx2(bool is_max, const float* x, float* y, index_t lo, index_t hi,
                                                     float div) noexcept {
-  if (is_max) max_interior<K, vu8>(x, y, lo, hi);
+  if (is_max) max_interior<K, max_chunk_bits<K, vu8>>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
 /// 16 lanes for max pooling (the raw-bits path) and for avg (16 outputs per division and per
@@ -242,7 +290,7 @@ __attribute__((target("avx2"))) void interior_avx2(bool is_max, const float* x, 
 template <int K>
 __attribute__((target("avx512f,avx2"))) void interior_avx512(bool is_max, const float* x, float* y, index_t lo,
                                                               index_t hi, float div) noexcept {
-  if (is_max) max_interior<K, vu16>(x, y, lo, hi);
+  if (is_max) max_interior<K, max_chunk_bits_avx512<K>>(x, y, lo, hi);
   else avg_interior<K, vf16, vi16>(x, y, lo, hi, div);
 }
 #  endif

@@ -106,6 +106,8 @@ void bind_enums(py::module_& m) {
   bind_enum<pool_kind>(m, "PoolKind", {{"none", pool_kind::none}, {"max", pool_kind::max}, {"avg", pool_kind::avg}});
   bind_enum<avg_divisor>(m, "AvgDivisor", {{"kernel", avg_divisor::kernel}, {"valid", avg_divisor::valid}});
   bind_enum<value_weight>(m, "ValueWeight", {{"per_token", value_weight::per_token}, {"head_max", value_weight::head_max}});
+  bind_enum<host_isa>(m, "HostIsa", {{"baseline", host_isa::baseline}, {"avx2", host_isa::avx2},
+                                     {"avx512", host_isa::avx512}});
   bind_enum<recipe_kind>(m, "RecipeKind",
                          {{"streaming_llm", recipe_kind::streaming_llm}, {"h2o", recipe_kind::h2o},
                           {"tova", recipe_kind::tova}, {"snapkv", recipe_kind::snapkv}, {"knorm", recipe_kind::knorm},
@@ -234,6 +236,20 @@ PYBIND11_MODULE(_core, m) {
   // CUDA tensors: the functions of kvevict.cuda_functions run them on cuda_t when built with CUDA
   m.attr("has_cuda") = static_cast<bool>(KVEVICT_PYTHON_CUDA);
   bind_enums(m);
+  // the x86 kernel copies (docs/backends.md, "Kernel copies"): a limit changes the speed, never the bits
+  m.def("host_isa_supported", &kvevict::host_isa_supported, "The best host kernel copy this CPU and build run.");
+  m.def(
+      "set_host_isa_limit",
+      [](py::handle limit) {  // (a name goes through HostIsa(name): an unknown one raises kvevict.Error)
+        const py::type type = py::type::of<kvevict::host_isa>();
+        if (py::isinstance<py::str>(limit)) return kvevict::set_host_isa_limit(type(limit).cast<kvevict::host_isa>());
+        if (!py::isinstance(limit, type))
+          raise(kvevict::errc::invalid_argument, "set_host_isa_limit: limit must be a HostIsa or 'baseline', 'avx2', 'avx512'");
+        kvevict::set_host_isa_limit(limit.cast<kvevict::host_isa>());
+      },
+      py::arg("limit"), "Caps the host kernel copies of every later call (HostIsa or 'baseline' / 'avx2' / 'avx512').");
+  m.def("host_isa_limit", &kvevict::host_isa_limit);
+  m.def("host_isa_active", &kvevict::host_isa_active, "min(host_isa_supported(), host_isa_limit()).");
   bind_recipes(m);
   bind_stages(m);
   bind_budget(m);

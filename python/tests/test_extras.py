@@ -103,3 +103,27 @@ def test_prulong_gates_and_lagrangian(gen):
     assert kvevict.binarize_head_mask(torch.tensor([[0.2, 0.7]]), 0.5).tolist() == [[0, 1]]
     with pytest.raises(kvevict.Error, match="sparsity"):
         kvevict.prulong_retrieval_heads(10, 1.5)
+
+
+def test_host_isa_limit_changes_no_bit(gen):
+    supported = kvevict.host_isa_supported()
+    assert kvevict.host_isa_limit() == kvevict.HostIsa.avx512 and kvevict.host_isa_active() == supported
+    with pytest.raises(kvevict.Error, match="unknown HostIsa 'sse9'"):
+        kvevict.set_host_isa_limit("sse9")
+    with pytest.raises(kvevict.Error, match="limit must be a HostIsa"):
+        kvevict.set_host_isa_limit(5)
+    q, k = randn(gen, 8, 32, 64), randn(gen, 2, 700, 64)
+    v = randn(gen, 2, 700, 64).to(torch.float16)
+    outs = []
+    try:
+        for level in ("baseline", "avx2", "avx512"):
+            kvevict.set_host_isa_limit(level)
+            assert kvevict.host_isa_limit() == kvevict.HostIsa(level)
+            assert int(kvevict.host_isa_active()) == min(int(supported), int(kvevict.HostIsa(level)))
+            s = kvevict.recipe_scores(kvevict.Recipe.vatp(), q.to(torch.float16), k.to(torch.float16), v)
+            outs.append(s)
+    finally:
+        kvevict.set_host_isa_limit("avx512")
+    for s in outs[1:]:
+        assert torch.equal(s.view(torch.int32), outs[0].view(torch.int32))
+

@@ -154,6 +154,27 @@ def read_config(path: str) -> Config:
         return _header_config(f.read(28), path)
 
 
+def grow(small: Model, cfg: Config, seed: int) -> Model:
+    """A model of cfg (small's options but more layers) whose first layers are small's and whose added
+    ones are fresh (seed) with their output projections wo and w2 zero: each added block adds nothing
+    to the residual stream, so the grown model computes small's function until training moves them."""
+    a, b = vars(small.cfg), vars(cfg)
+    if {k: v for k, v in a.items() if k != "n_layers"} != {k: v for k, v in b.items() if k != "n_layers"} \
+            or cfg.n_layers < small.cfg.n_layers:
+        raise ValueError(f"a model of {a} grows only into more layers of the same options, not {b}")
+    big, n = Model(cfg, seed=seed), small.cfg.n_layers
+    with torch.no_grad():
+        for name, p in big.named_parameters():
+            q = getattr(small, name)
+            if p.shape == q.shape:
+                p.copy_(q)
+            else:  # per-layer [L, ...]: the first n from small, the new layers' residual outputs zero
+                p[:n].copy_(q)
+                if name in ("wo", "w2"):
+                    p[n:].zero_()
+    return big
+
+
 def load(path: str) -> Model:
     """Reads a checkpoint `export` wrote (shared classifier only) back into a trainable Model."""
     with open(path, "rb") as f:

@@ -289,7 +289,7 @@ def cmd_train(args):
     batches, the lr and the val set are functions of the options and the step; the weights and AdamW's
     state carry over). Returns "done" or "stopped"."""
     sched = None
-    init, init_step = args.init, args.init_step  # (the schedule's phases below replace args)
+    init, init_step, init_grow = args.init, args.init_step, args.init_grow  # (the schedule's phases replace args)
     if args.schedule:
         try:
             sched = tb_schedule.load(args.schedule, args)
@@ -307,8 +307,8 @@ def cmd_train(args):
             raise SystemExit(str(e)) from None
     ckpt_path = os.path.join(args.run_dir, "ckpt.pt")
     init_model = None
-    if init_step and not init:
-        raise SystemExit("train: --init-step needs --init")
+    if (init_step or init_grow) and not init:
+        raise SystemExit(f"train: --init-{'grow' if init_grow else 'step'} needs --init")
     if not 0 <= init_step < (sched.steps if sched else args.steps):
         raise SystemExit(f"train: --init-step {init_step}: in [0, the run's steps)")
     if init and not os.path.exists(ckpt_path):  # (a run with a checkpoint resumes from it: --init is its start)
@@ -316,7 +316,12 @@ def cmd_train(args):
             init_model = tb_model.load(init)
         except (OSError, ValueError) as e:
             raise SystemExit(f"train: --init {init}: {e}") from None
-        if vars(init_model.cfg) != vars(model_config(args)):
+        if init_grow:  # (the added layers: tb_model.grow)
+            try:
+                init_model = tb_model.grow(init_model, model_config(args), args.seed)
+            except ValueError as e:
+                raise SystemExit(f"train: --init {init} --init-grow: {e}") from None
+        elif vars(init_model.cfg) != vars(model_config(args)):
             raise SystemExit(f"train: --init {init} holds a model of {vars(init_model.cfg)}, not the model options' "
                              f"{vars(model_config(args))}")
     torch.set_num_threads(args.threads)
@@ -969,6 +974,9 @@ def train_options(p):
                                               "the same model options), not from random ones")
     p.add_argument("--init-step", type=int, default=0,
                    help="with --init: the step it starts at (the lr, the curriculum and the batches are the step's)")
+    p.add_argument("--init-grow", action="store_true",
+                   help="with --init: the checkpoint may hold fewer layers (the same other options); the model's "
+                        "first layers are its, the added ones start as identity blocks (tb_model.grow)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--batch-tokens", type=int, default=4096)

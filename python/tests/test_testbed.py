@@ -217,6 +217,10 @@ def test_training_starts_from_an_exported_checkpoint(tmp_path):
             testbed.main(common + ["--run-dir", str(tmp_path / "c"), "--init-step", "1"])
         with pytest.raises(SystemExit, match="--init .*nothing.bin"):
             testbed.main(common + ["--run-dir", str(tmp_path / "c"), "--init", str(tmp_path / "nothing.bin")])
+        with pytest.raises(SystemExit, match="--init-grow: .* grows only into more layers"):
+            testbed.main(common + ["--run-dir", str(tmp_path / "c"), "--init", init, "--init-grow", "--heads", "8"])
+        with pytest.raises(SystemExit, match="--init-grow needs --init"):
+            testbed.main(common + ["--run-dir", str(tmp_path / "c"), "--init-grow"])
     finally:
         torch.set_num_threads(threads)
     assert not (tmp_path / "c").exists()
@@ -224,6 +228,35 @@ def test_training_starts_from_an_exported_checkpoint(tmp_path):
     assert f"start from {init} at step 2" in log and "resumed from" in log and "step 4/4" in log
     b = torch.load(tmp_path / "b" / "ckpt.pt")
     assert b["step"] == 4 and (tmp_path / "b" / "model.bin").read_bytes() != (tmp_path / "a" / "model.bin").read_bytes()
+
+
+def test_grown_model_computes_the_small_ones_function(tmp_path):
+    """tb_model.grow: the added layers are identity blocks at the start (the same logits to float
+    rounding), the first layers are the small model's, and the grown model trains (train --init-grow)."""
+    small = tb_model.Model(tb_model.Config(32, 48, 2, 4, 2, 512, 512), seed=3)
+    big = tb_model.grow(small, tb_model.Config(32, 48, 3, 4, 2, 512, 512), seed=1)
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(small(ids), big(ids))
+    assert torch.equal(big.wq[:2], small.wq) and big.wq[2].abs().sum() > 0 and big.wo[2].abs().sum() == 0
+    with pytest.raises(ValueError, match="grows only into more layers"):
+        tb_model.grow(big, tb_model.Config(32, 48, 2, 4, 2, 512, 512), seed=1)
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    for split in ("train", "val"):
+        (stories / f"{split}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    tb_model.export(small, str(tmp_path / "small.bin"))
+    threads = torch.get_num_threads()
+    try:
+        testbed.main(["train", "--stories-dir", str(stories), "--dim", "32", "--hidden", "48", "--layers", "3",
+                      "--heads", "4", "--kv-heads", "2", "--seq-len", "512", "--max-length", "256", "--batch-tokens",
+                      "512", "--warmup", "1", "--log-every", "1", "--ckpt-every", "1000", "--eval-every", "1000",
+                      "--eval-per-cell", "1", "--steps", "2", "--run-dir", str(tmp_path / "g"), "--init",
+                      str(tmp_path / "small.bin"), "--init-grow"])
+    finally:
+        torch.set_num_threads(threads)
+    grown = tb_model.load(str(tmp_path / "g" / "model.bin"))
+    assert grown.cfg.n_layers == 3 and grown.wo[2].abs().sum() > 0  # (trained: the new block's output moved)
 
 
 def test_dump_writes_prompts_that_encode_to_their_ids(tmp_path, tok):

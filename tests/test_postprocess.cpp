@@ -372,11 +372,13 @@ TEST_CASE("postprocess_scores: host and the CUDA kernels on the executor equal t
 TEST_CASE("postprocess_scores: long rows on the chunked small-kernel path (pool first, no weighting) equal the chain") {
   // The host runs pool_first without weighting on contiguous rows by chunks of positions
   // (detail::post_chunk): rows of several chunks, the pooled part ending inside or at a chunk
-  // boundary, sinks and recent windows crossing chunk boundaries, every GQA op and pool kind.
+  // boundary, sinks and recent windows crossing chunk boundaries, every GQA op and pool kind; groups
+  // of more query heads than one pass pools (detail::post_rows) on every fourth trial.
   auto g = kvtest::rng(1819);
   for (int trial = 0; trial < 48; ++trial) {
     CAPTURE(trial);
     case_data<float> c = random_case<float>(g, 1);
+    if (trial % 4 == 3) c.g = kvtest::uniform_int(g, detail::post_rows + 1, 3 * detail::post_rows);
     c.T = kvtest::uniform_int(g, 1000, 3200);
     c.tv = c.T;
     c.d = 0;  // no weighting: the values are not read

@@ -720,14 +720,18 @@ TEST_CASE("attention_scores: the SSE2, AVX2 and AVX-512 kernels give identical b
     opt.reduce = static_cast<score_reduce>(trial % 4);
     opt.fused_multiply_add = fused;
     std::vector<std::vector<float>> outs;
-    for (int cap = 0; cap <= supported; ++cap) {
-      const kvtest::isa_limit limit(cap);
-      outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
-      run_ok([&](workspace& ws) {
-        return attention_scores(trial % 2 ? par : par_t{1}, ws, q.view, s.prefix, s.window,
-                                value_of(make_matrix_view(outs.back().data(), hq, p + w)), opt);
-      });
-    }
+    const bool prefers = detail::score_plain_prefers_avx2();
+    for (int cap = 0; cap <= supported; ++cap)
+      for (bool prefer : {false, true}) {  // (the AVX-512F plain copy also where the AVX2 one is preferred)
+        const kvtest::isa_limit limit(cap);
+        detail::score_plain_prefers_avx2() = prefer;
+        outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
+        run_ok([&](workspace& ws) {
+          return attention_scores(trial % 2 ? par : par_t{1}, ws, q.view, s.prefix, s.window,
+                                  value_of(make_matrix_view(outs.back().data(), hq, p + w)), opt);
+        });
+      }
+    detail::score_plain_prefers_avx2() = prefers;
     for (std::size_t i = 1; i < outs.size(); ++i)
       REQUIRE(std::memcmp(outs[0].data(), outs[i].data(), outs[0].size() * sizeof(float)) == 0);
   }

@@ -40,6 +40,7 @@
 #include <kvevict/workspace.hpp>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace kvevict {
@@ -109,6 +110,7 @@ struct post_weights {
   index_t rs = 0, es = 0, d = 0, end = 0;
   bool per_token = false;
   float factor = 0.0f;
+  const float* norms = nullptr;  // per_token: the row's norms computed up front (position-indexed), or none
 };
 
 constexpr index_t post_chunk = 1024;
@@ -125,7 +127,9 @@ inline void post_finish_chunk(float* o, index_t c0, index_t n, index_t div_g, in
   const index_t r = clamp((recent_begin > sink_end ? recent_begin : sink_end) - c0, s, n);
   const index_t e = clamp(wt.end - c0, s, r);
   const float* w = nullptr;
-  if (wt.per_token && e > s) {
+  if (wt.per_token && e > s && wt.norms != nullptr) {
+    w = wt.norms + c0;
+  } else if (wt.per_token && e > s) {
     for (index_t p = s; p < e; p += norm_block) {
       const index_t m = e - p < norm_block ? e - p : norm_block;
       value_l1_norms(wt.vh + (c0 + p) * wt.rs, wt.rs, wt.es, m, wt.d, wbuf + p);
@@ -135,27 +139,40 @@ inline void post_finish_chunk(float* o, index_t c0, index_t n, index_t div_g, in
   post_finish(o, n, s, e, r, div_g, w, wt.factor);
 }
 
+/// Query heads pooled per pass of post_chunked_contiguous: its stack buffer holds post_rows chunks.
+constexpr index_t post_rows = 4;
+
 /// The pool_first steps on contiguous rows whose pooled part P takes the host's small-kernel path:
-/// for each chunk of positions [c0, c1), pool (or copy, at t >= P) each query head of the group in
-/// head order into the chunk (the first into o, the others into `chunk` and combined into o), then
-/// the GQA finish, the weight and the protection. Every position gets the same operations in the
-/// same order as the whole-row steps, so the same bits.
+/// for each chunk of positions [c0, c1), pool (or copy, at t >= P) the group's query heads into the
+/// rows of `rows` (post_rows x post_chunk floats) and reduce them by gqa_reduce's kernels (gqa_rows:
+/// max, or the sum in head order; beyond post_rows heads the next pass starts from the running
+/// result, so the order is still 0, 1, ..., g - 1), then the GQA finish, the weight and the
+/// protection. Every position gets the same operations in the same order as the whole-row steps, so
+/// the same bits.
 template <class VE>
 inline void post_chunked_contiguous(const postprocess_options& opt, const float* first, index_t is0, float* o,
-                                    index_t L, index_t P, index_t g, const post_weights<VE>& wt, float* chunk,
+                                    index_t L, index_t P, index_t g, const post_weights<VE>& wt, float* rows,
                                     float* wbuf) {
   const bool is_max = opt.pool == pool_kind::max;
+  const gqa_op combine = opt.gqa == gqa_op::max ? gqa_op::max : gqa_op::sum;  // (the mean divides in the finish)
   const index_t sink_end = protect_sink_end(L, opt.n_sink), recent_begin = protect_recent_begin(L, opt.n_recent);
   const index_t div_g = opt.gqa == gqa_op::mean ? g : 0;
   for (index_t c0 = 0; c0 < L; c0 += post_chunk) {
     const index_t c1 = L - c0 < post_chunk ? L : c0 + post_chunk, m = c1 - c0;
     const index_t pe = P < c0 ? c0 : P < c1 ? P : c1;  // [c0, pe) pooled, [pe, c1) copied
-    for (index_t j = 0; j < g; ++j) {
-      const float* x = first + j * is0;
-      float* y = j == 0 ? o + c0 : chunk;
-      if (c0 < pe) pool_row_part(is_max, opt.divisor, x, y, P, opt.kernel, c0, pe);
-      for (index_t p = pe; p < c1; ++p) y[p - c0] = x[p];
-      if (j > 0) post_combine(opt.gqa == gqa_op::max, o + c0, chunk, m);
+    for (index_t j = 0; j < g;) {
+      // row 0 of a later pass is the result so far; a group of one head is pooled into o directly
+      const index_t r0 = j == 0 ? 0 : 1, n = g - j < post_rows - r0 ? g - j : post_rows - r0;
+      if (r0 == 1) std::memcpy(rows, o + c0, static_cast<std::size_t>(m) * sizeof(float));
+      for (index_t k = 0; k < n; ++k, ++j) {
+        const float* x = first + j * is0;
+        float* y = g == 1 ? o + c0 : rows + (r0 + k) * post_chunk;
+        if (c0 < pe) pool_row_part(is_max, opt.divisor, x, y, P, opt.kernel, c0, pe);
+        std::memcpy(y + (pe - c0), x + pe, static_cast<std::size_t>(c1 - pe) * sizeof(float));
+      }
+      if (g > 1)
+        for (index_t t = 0; t < m; t += gqa_chunk)
+          gqa_rows(combine, o + c0 + t, rows + t, post_chunk, r0 + n, m - t < gqa_chunk ? m - t : gqa_chunk);
     }
     post_finish_chunk(o + c0, c0, m, div_g, sink_end, recent_begin, wt, wbuf);
   }
@@ -196,7 +213,7 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
     const index_t P = pooled_length(L, opt.unpooled_tail);
     float* const o = op + h * os0;
     float* const t = tmp + h * T;  // only when pooled
-    float tmp_chunk[post_chunk], wbuf[post_chunk];
+    float wbuf[post_chunk];
     const float* const first = ip + (h * g) * is0;
     // the head's weighting: the head-max factor needs every norm of the head first
     post_weights<VE> wt;
@@ -264,8 +281,17 @@ status postprocess_scores_impl(const char* fn, Backend be, workspace& ws, const 
       }
     } else if (os1 == 1 && is1 == 1 && pool_fast_applies(1, 1, P, opt.kernel)) {
       // contiguous rows, small kernel: the same steps by chunks of post_chunk positions, each
-      // chunk's pooled rows, sum, weight and protection in L1 (one pass over the output)
-      post_chunked_contiguous(opt, first, is0, o, L, P, g, wt, tmp_chunk, wbuf);
+      // chunk's pooled rows, sum, weight and protection in L1 (one pass over the output). Per-token
+      // norms first, into t (unused on this path): one stream over the values, which read from DRAM
+      // took 1.2x as long interleaved with the chunks (docs/PERFORMANCE.md, "Issue 18, round thirteen")
+      if (wt.per_token) {
+        const index_t e = wt.end < sink_end ? sink_end : wt.end < recent_begin ? wt.end : recent_begin;
+        for (index_t p = sink_end; p < e; p += norm_block)
+          value_l1_norms(wt.vh + p * wt.rs, wt.rs, wt.es, e - p < norm_block ? e - p : norm_block, wt.d, t + p);
+        wt.norms = t;
+      }
+      float rows[post_rows * post_chunk];
+      post_chunked_contiguous(opt, first, is0, o, L, P, g, wt, rows, wbuf);
       return;
     } else if (os1 == 1 && is1 == 1) {
       // contiguous rows: the same steps with vectorisable loops, the GQA finish fused with the

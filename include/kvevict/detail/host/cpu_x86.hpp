@@ -49,6 +49,25 @@ inline host_isa host_isa_now() noexcept {
   return static_cast<host_isa>(best < cap ? best : cap);
 }
 
+/// Whether this is an AMD CPU of family 19h with AVX-512F (Zen 4 class), which executes 512-bit
+/// operations as two 256-bit halves: there some AVX-512F copies measured slower than the AVX2 ones
+/// (docs/PERFORMANCE.md, "Issue 18, round thirteen"), and a dispatcher may prefer the latter.
+inline bool host_cpu_halves_512() noexcept {
+#if KVEVICT_HOST_X86_DISPATCH
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (host_isa_cpu() != host_isa::avx512 || __get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+    const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+    if (!amd || __get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+    const unsigned base = (a >> 8) & 0xfu, family = base == 0xfu ? base + ((a >> 20) & 0xffu) : base;
+    return family == 0x19u;
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
 /// Whether the copy of level `i` runs now (its level is supported and not above the limit).
 inline bool host_isa_runs(host_isa i) noexcept { return host_isa_now() >= i; }
 }  // namespace kvevict::detail

@@ -428,6 +428,15 @@ inline bool score_cpu_has_fma() {
 #endif
 }
 
+/// Whether the plain (separately rounded) panel runs its AVX2 copy where the AVX-512F one is allowed:
+/// on a CPU that halves 512-bit operations (host_cpu_halves_512) the AVX2 copy took 0.78-0.82x the
+/// AVX-512F one's time (docs/PERFORMANCE.md, "Issue 18, round thirteen"). Same bits; tests turn it
+/// off to run the AVX-512F copy there too. Not API.
+inline std::atomic<bool>& score_plain_prefers_avx2() noexcept {
+  static std::atomic<bool> yes{host_cpu_halves_512()};
+  return yes;
+}
+
 /// The softmax of a block of rows, panel by panel (panels of score_chunk columns, see
 /// score_panel_body), with the block's queries packed for profile P.
 template <class P, bool Fused, class Q, class KS>
@@ -482,6 +491,8 @@ void score_block_softmax_dispatch(host_isa isa, bool fused, float* buf, index_t 
   if constexpr (std::is_same_v<Q, float16> && std::is_same_v<key_elem_t<KS>, float16>) {
     if (isa == host_isa::avx512 || (isa == host_isa::avx2 && score_cpu_has_fma())) fused = true;
   }
+  if (isa == host_isa::avx512 && !fused && score_plain_prefers_avx2().load(std::memory_order_relaxed))
+    isa = host_isa::avx2;
   if (isa == host_isa::avx512)
     return fused ? score_block_softmax<score_profile_avx512, true> KVEVICT_SCORE_BLOCK_CALL
                  : score_block_softmax<score_profile_avx512, false> KVEVICT_SCORE_BLOCK_CALL;

@@ -19,7 +19,24 @@ namespace kvevict {
 enum class host_isa : int { baseline = 0, avx2 = 1, avx512 = 2 };
 }  // namespace kvevict
 
+// What depends on the dispatch lives in an inline namespace named after it: a translation unit
+// built without it (nvcc's, or KVEVICT_NO_X86_DISPATCH) and one built with it do not share differing
+// definitions under one name. The limit itself is one variable for the whole process.
+#if KVEVICT_HOST_X86_DISPATCH
+#  define KVEVICT_ISA_ABI_BEGIN inline namespace isa_x86 {
+#else
+#  define KVEVICT_ISA_ABI_BEGIN inline namespace isa_generic {
+#endif
+#define KVEVICT_ISA_ABI_END }
+
 namespace kvevict::detail {
+/// The process-wide limit (set_host_isa_limit); avx512, the highest level, caps nothing.
+inline std::atomic<int>& host_isa_limit_ref() noexcept {
+  static std::atomic<int> limit{static_cast<int>(host_isa::avx512)};
+  return limit;
+}
+
+KVEVICT_ISA_ABI_BEGIN
 /// The best level this CPU and build run (asked once). avx2 needs AVX2 and F16C (every AVX2 CPU has
 /// F16C; the score kernels widen fp16 with it), avx512 also AVX-512F.
 inline host_isa host_isa_cpu() noexcept {
@@ -35,12 +52,6 @@ inline host_isa host_isa_cpu() noexcept {
 #else
   return host_isa::baseline;
 #endif
-}
-
-/// The process-wide limit (set_host_isa_limit); avx512, the highest level, caps nothing.
-inline std::atomic<int>& host_isa_limit_ref() noexcept {
-  static std::atomic<int> limit{static_cast<int>(host_isa::avx512)};
-  return limit;
 }
 
 /// The level the dispatchers use now: the CPU's best, at most the limit.
@@ -70,4 +81,5 @@ inline bool host_cpu_halves_512() noexcept {
 
 /// Whether the copy of level `i` runs now (its level is supported and not above the limit).
 inline bool host_isa_runs(host_isa i) noexcept { return host_isa_now() >= i; }
+KVEVICT_ISA_ABI_END
 }  // namespace kvevict::detail

@@ -7,7 +7,9 @@
 // own row's elements in order, so only the work is spread across lanes, never a row's sum. The
 // elements are widened (|to_float|, exact and branch-free, so the loop vectorises) into a block
 // [64 elements][16 rows] on the stack and the lanes add the block column by column. Three copies
-// on x86-64 (SSE2, AVX2, AVX-512F, chosen at run time), all the same operations.
+// on x86-64 (SSE2, AVX2, AVX-512F, chosen at run time), all the same operations; contiguous fp16 and
+// bf16 rows take value_l1_norms16_avx2 at both wider levels (8 rows a vector, transposed as 16-bit
+// words), the rows it leaves (n mod 8) the level's own copy.
 #pragma once
 
 #include <kvevict/detail/base/softmax.hpp>
@@ -78,7 +80,6 @@ __attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void value_l1_norms_a
                                                                                     float* norms) {
   value_l1_norms_body(base, rs, es, n, d, norms);
 }
-
 
 /// |widen(h_k)| of 8 packed 16-bit values (fp16 by F16C, bf16 by a shift): abs_float_bits's bits,
 /// NaN payloads aside (F16C quiets a signalling NaN; sums keep only NaN-ness anyway).

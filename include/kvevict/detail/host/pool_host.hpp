@@ -1,6 +1,7 @@
 // Host fast path of pooling for the small kernels the recipes use (k = 3, 5, 7, 9), contiguous
 // rows: a direct sliding window, 8 outputs at a time (16 in the AVX-512 copy; GCC / clang
-// vector extensions; baseline, AVX2 and AVX-512F copies chosen at run time), with the
+// vector extensions, and intrinsics for the AVX-512 max on raw bits, which builds a window's shifted
+// inputs in registers; baseline, AVX2 and AVX-512F copies chosen at run time), with the
 // bits of the O(T) algorithm in pool.hpp:
 //   max  the total-order max of the window's keys (associative and commutative on keys: any order
 //        gives the same bits); chunks of 512 outputs whose inputs are all +0, positive or +inf (the
@@ -43,8 +44,7 @@ typedef float vf8 __attribute__((vector_size(32)));
 typedef std::uint32_t vu8 __attribute__((vector_size(32)));
 typedef std::int32_t vi8 __attribute__((vector_size(32)));
 typedef float vf8u __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned loads / stores
-typedef std::uint32_t vu16 __attribute__((vector_size(64)));  // the AVX-512 copy's max pooling
-typedef float vf16 __attribute__((vector_size(64)));          // and its avg pooling
+typedef float vf16 __attribute__((vector_size(64)));  // the AVX-512 copy's avg pooling
 typedef std::int32_t vi16 __attribute__((vector_size(64)));
 
 // (one unaligned vector access each: a memcpy is split into halves in the baseline copy, which
@@ -119,6 +119,25 @@ KVEVICT_POOL_INLINE void max_chunk_keys(const float* x, float* y, index_t c0, in
 /// is the total score order, so their unsigned maximum is the total-order maximum, bit for bit.
 constexpr std::uint32_t plus_inf_bits = 0x7f800000u;
 
+/// The scalar end of max_chunk_bits: outputs [i, hi) of the chunk from c0, one at a time; returns
+/// whether every window maximum, and `top` (the vector part's largest), is at most plus_inf_bits.
+template <int K>
+KVEVICT_POOL_INLINE bool max_bits_tail(const float* x, float* y, index_t c0, index_t i, index_t hi,
+                                       std::uint32_t top) noexcept {
+  constexpr int r = K / 2;
+  for (; i < hi; ++i) {
+    std::uint32_t m = 0;
+    for (int t = 0; t < K; ++t) {
+      std::uint32_t u;
+      std::memcpy(&u, x + i - r + t, sizeof u);
+      m = u > m ? u : m;
+    }
+    top = m > top ? m : top;
+    std::memcpy(y + (i - c0), &m, sizeof m);
+  }
+  return top <= plus_inf_bits;
+}
+
 /// Max pooling of the nc outputs from c0 on the raw bits, VU lanes at a time (VU: a vector of
 /// uint32, loaded and stored with memcpy: GCC keeps a 64-byte vector's alignment through an
 /// aligned(4) typedef and would emit aligned AVX-512 loads): each output the unsigned maximum of its K inputs'
@@ -147,17 +166,7 @@ KVEVICT_POOL_INLINE bool max_chunk_bits(const float* x, float* y, index_t c0, in
   }
   std::uint32_t top = 0;
   for (index_t l = 0; l < W; ++l) top = seen[l] > top ? seen[l] : top;
-  for (; i < hi; ++i) {
-    std::uint32_t m = 0;
-    for (int t = 0; t < K; ++t) {
-      std::uint32_t u;
-      std::memcpy(&u, x + i - r + t, sizeof u);
-      m = u > m ? u : m;
-    }
-    top = m > top ? m : top;
-    std::memcpy(y + (i - c0), &m, sizeof m);
-  }
-  return top <= plus_inf_bits;
+  return max_bits_tail<K>(x, y, c0, i, hi, top);
 }
 
 #  if KVEVICT_HOST_X86_DISPATCH
@@ -193,17 +202,7 @@ __attribute__((target("avx512f,avx2"))) inline bool max_chunk_bits_avx512(const 
   _mm512_store_si512(lanes, seen);
   std::uint32_t top = 0;
   for (std::uint32_t u : lanes) top = u > top ? u : top;
-  for (; i < hi; ++i) {
-    std::uint32_t m = 0;
-    for (int t = 0; t < K; ++t) {
-      std::uint32_t u;
-      std::memcpy(&u, x + i - r + t, sizeof u);
-      m = u > m ? u : m;
-    }
-    top = m > top ? m : top;
-    std::memcpy(y + (i - c0), &m, sizeof m);
-  }
-  return top <= plus_inf_bits;
+  return max_bits_tail<K>(x, y, c0, i, hi, top);
 }
 #  endif
 

@@ -100,7 +100,9 @@ def _options(where: str, given: dict, allowed: Dict[str, type]) -> dict:
     return out
 
 
-def _check_phase(where: str, a: argparse.Namespace, first: int, next_from) -> None:
+def check_phase(where: str, a: argparse.Namespace, first: int, next_from) -> None:
+    """ValueError naming every option of one phase (train's options `a`, from step `first`, the next
+    phase from `next_from` or None) that is out of range; train runs it on its command line too."""
     problems = []
     for k in ("steps", "batch_tokens", "log_every", "ckpt_every", "eval_every", "eval_per_cell", "threads"):
         if getattr(a, k) < 1:
@@ -168,7 +170,7 @@ def load(path: str, defaults: argparse.Namespace) -> Schedule:
             setattr(a, k, v)
         phases.append((start, a))
     for i, (start, a) in enumerate(phases):
-        _check_phase(f"schedule {path}: phase {i} (from {start})", a, start,
+        check_phase(f"schedule {path}: phase {i} (from {start})", a, start,
                      phases[i + 1][0] if i + 1 < len(phases) else None)
     return Schedule(path, doc, phases, set_options, copy.deepcopy(defaults))
 

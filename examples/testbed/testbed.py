@@ -302,7 +302,7 @@ def cmd_train(args):
         args = sched.phases[0][1]
     else:  # the options checked as a schedule's one phase (from 0: --init-step is checked below, with its message)
         try:
-            tb_schedule._check_phase("train", args, 0, None)
+            tb_schedule.check_phase("train", args, 0, None)
         except ValueError as e:
             raise SystemExit(str(e)) from None
     ckpt_path = os.path.join(args.run_dir, "ckpt.pt")

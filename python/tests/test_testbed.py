@@ -398,7 +398,7 @@ def test_long_weight_draws_the_longest_length_more_often(tok):
 def test_train_checks_the_command_line_options_as_a_phase(tmp_path, capsys):
     """train without --schedule checks its options as tb_schedule checks a schedule's phase, before any
     work: a bad option is refused by name and the run directory is not made; the defaults pass."""
-    testbed.tb_schedule._check_phase("train", testbed.train_defaults(str(tmp_path / "run")), 0, None)
+    testbed.tb_schedule.check_phase("train", testbed.train_defaults(str(tmp_path / "run")), 0, None)
     run = tmp_path / "run"
     for option, value, message in [("--steps", "0", "steps must be >= 1, got 0"),
                                    ("--plain", "1.5", r"plain must be in \[0, 1\], got 1.5"),

@@ -136,7 +136,8 @@ __attribute__((target("avx2,f16c"))) KVEVICT_NO_CONTRACT inline index_t value_l1
     }
     _mm256_storeu_ps(norms + r0, acc);
     if (d16 < d)
-      for (index_t l = r0; l < r0 + rows; ++l) norms[l] = value_l1_accumulate(norms[l], base + l * rs + d16, d - d16, 1);
+      for (index_t l = r0; l < r0 + rows; ++l)
+        norms[l] = value_l1_accumulate(norms[l], base + l * rs + d16, d - d16, 1);
   }
   return r0;
 }

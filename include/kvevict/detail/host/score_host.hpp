@@ -19,7 +19,8 @@
 //
 // Kernels: the panel kernel (widening, packing, micro-kernel, chunk softmax) comes in three tile
 // profiles, chosen at run time on x86-64 with GCC or clang: SSE2 (the x86-64 baseline, and the only
-// one elsewhere), AVX2 + F16C and AVX-512F + F16C. All are compiled with FMA contraction disabled,
+// one elsewhere), AVX2 + F16C and AVX-512F + F16C, at most <kvevict/host_isa.hpp>'s limit (the plain
+// panel on AMD family 19h takes AVX2: score_plain_prefers_avx2). All are compiled with FMA contraction disabled,
 // so every profile computes the same separately rounded operations in the same order and all give
 // identical bits (tests/test_score.cpp forces each one); with score_options::fused_multiply_add the
 // logit terms are explicit fmaf calls, again identical on every profile. KVEVICT_NO_X86_DISPATCH
@@ -54,7 +55,6 @@
 #else
 #  define KVEVICT_ALWAYS_INLINE inline
 #endif
-
 
 // No FMA contraction in the kernels: GCC decides per compiled function (the optimize attribute on
 // the dispatched functions covers everything inlined into them); clang decides per expression, so

@@ -275,10 +275,8 @@ inline void add_avx2_twin(const std::string& stage, const std::string& op, const
                           const params& p, body fn) {
   if (host_isa_supported() != host_isa::avx512) return;
   add(bench_name(stage, op, impl + "_avx2", "seq", p), [fn](benchmark::State& st) {
-    const host_isa previous = host_isa_limit();
-    set_host_isa_limit(host_isa::avx2);
+    const host_isa_limit_guard avx2(host_isa::avx2);
     fn(st);
-    set_host_isa_limit(previous);
   });
 }
 

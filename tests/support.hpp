@@ -49,20 +49,8 @@ inline bool ranks_above(float a, float b) {
 }  // namespace floats
 
 /// Seeded generator; every randomized test prints its seed through doctest's CAPTURE on failure.
-/// Sets the host kernels' copy limit (kvevict/host_isa.hpp) for a scope; the previous one comes back
-/// at its end, also when a REQUIRE leaves the scope early.
-class isa_limit {
- public:
-  explicit isa_limit(int level) noexcept : previous_(kvevict::host_isa_limit()) {
-    kvevict::set_host_isa_limit(static_cast<kvevict::host_isa>(level));
-  }
-  ~isa_limit() { kvevict::set_host_isa_limit(previous_); }
-  isa_limit(const isa_limit&) = delete;
-  isa_limit& operator=(const isa_limit&) = delete;
-
- private:
-  kvevict::host_isa previous_;
-};
+/// kvevict::host_isa_limit_guard for a level 0 (baseline), 1 (avx2), 2 (avx512): the tests loop over levels.
+inline kvevict::host_isa isa_level(int level) { return static_cast<kvevict::host_isa>(level); }
 
 inline std::mt19937_64 rng(std::uint64_t seed) { return std::mt19937_64(seed); }
 

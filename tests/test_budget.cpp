@@ -1144,7 +1144,7 @@ TEST_CASE("entropy kernels: entropy_log within 2 ulp of log; cake_layer_stats an
       const cake_stats want = model_cake(a, R, w, C, ve);
       for (int isa = 0; isa <= best; ++isa) {
         CAPTURE(isa);
-        const kvtest::isa_limit limit(isa);
+        const host_isa_limit_guard limit(kvtest::isa_level(isa));
         cake_stats got, got_par;
         REQUIRE(cake_layer_stats(seq, view, &got, ve).ok());
         REQUIRE(cake_layer_stats(par_t{2}, view, &got_par, ve).ok());

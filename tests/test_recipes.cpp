@@ -399,7 +399,7 @@ TEST_CASE("host_isa: the limit is clamped, active is min(supported, limit), and 
   CHECK(host_isa_limit() == host_isa::avx512);  // the default caps nothing
   CHECK(host_isa_active() == supported);
   {
-    const kvtest::isa_limit low(0);
+    const host_isa_limit_guard low(host_isa::baseline);
     CHECK(host_isa_limit() == host_isa::baseline);
     CHECK(host_isa_active() == host_isa::baseline);
     set_host_isa_limit(static_cast<host_isa>(-3));  // out-of-range values are clamped into the enum
@@ -428,7 +428,7 @@ TEST_CASE("host_isa: the limit is clamped, active is min(supported, limit), and 
       const problem p = make_problem(rg, hkv * group, hkv, T, d, w, false);
       std::vector<std::vector<float>> outs;
       for (int level = 0; level <= static_cast<int>(supported); ++level) {
-        const kvtest::isa_limit limit(level);
+        const host_isa_limit_guard limit(kvtest::isa_level(level));
         outs.push_back(run_scores(par_t{2}, r, p));
       }
       for (std::size_t i = 1; i < outs.size(); ++i)
@@ -449,7 +449,7 @@ TEST_CASE("host_isa: the limit is clamped, active is min(supported, limit), and 
     }
     std::vector<std::vector<float16>> dsts;
     for (int level = 0; level <= static_cast<int>(supported); ++level) {
-      const kvtest::isa_limit limit(level);
+      const host_isa_limit_guard limit(kvtest::isa_level(level));
       dsts.emplace_back(static_cast<std::size_t>(hkv * k * d), float16{});
       REQUIRE(compact(seq, value_of(make_kv_view<const float16>(src.data(), hkv, T, d)),
                       value_of(make_matrix_view<const pos_t>(kept.data(), hkv, k)),

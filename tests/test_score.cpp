@@ -689,7 +689,7 @@ TEST_CASE("attention_scores: fp16 x fp16 logits are the same plain or fused, on 
     std::vector<std::vector<float>> outs;
     for (int cap = 0; cap <= supported; ++cap)
       for (bool fused : {false, true}) {
-        const kvtest::isa_limit limit(cap);
+        const host_isa_limit_guard limit(kvtest::isa_level(cap));
         opt.fused_multiply_add = fused;
         outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
         run_ok([&](workspace& ws) {
@@ -723,7 +723,7 @@ TEST_CASE("attention_scores: the SSE2, AVX2 and AVX-512 kernels give identical b
     const bool prefers = detail::score_plain_prefers_avx2();
     for (int cap = 0; cap <= supported; ++cap)
       for (bool prefer : {false, true}) {  // (the AVX-512F plain copy also where the AVX2 one is preferred)
-        const kvtest::isa_limit limit(cap);
+        const host_isa_limit_guard limit(kvtest::isa_level(cap));
         detail::score_plain_prefers_avx2() = prefer;
         outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
         run_ok([&](workspace& ws) {

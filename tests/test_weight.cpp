@@ -116,7 +116,7 @@ void check_norm_kernels(std::uint64_t seed) {
       CAPTURE(isa);
       CAPTURE(n);
       CAPTURE(d);
-      const kvtest::isa_limit limit(isa);
+      const host_isa_limit_guard limit(kvtest::isa_level(isa));
       std::vector<float> got(static_cast<std::size_t>(n), -1.0f);
       detail::value_l1_norms(v.data(), rs, es, n, d, got.data());
       // the first row whose bits differ; a row with two different NaNs gives a NaN whose payload

@@ -38,6 +38,20 @@ inline host_isa host_isa_limit() noexcept {
   return static_cast<host_isa>(detail::host_isa_limit_ref().load(std::memory_order_relaxed));
 }
 
+/// Sets the limit for a scope and puts the previous one back at its end (also when the scope is left by
+/// an exception): for tests and benchmarks that compare copies. The limit is process-wide, so guards on
+/// different threads at once see each other's limits.
+class host_isa_limit_guard {
+ public:
+  explicit host_isa_limit_guard(host_isa limit) noexcept : previous_(host_isa_limit()) { set_host_isa_limit(limit); }
+  ~host_isa_limit_guard() { set_host_isa_limit(previous_); }
+  host_isa_limit_guard(const host_isa_limit_guard&) = delete;
+  host_isa_limit_guard& operator=(const host_isa_limit_guard&) = delete;
+
+ private:
+  host_isa previous_;
+};
+
 /// "baseline", "avx2" or "avx512" ("unknown" for a value outside the enum).
 constexpr const char* host_isa_name(host_isa i) noexcept {
   constexpr const char* names[] = {"baseline", "avx2", "avx512"};

@@ -8,12 +8,17 @@ with changed options is one command.
      "stories": {"train": 3000, "val": 200, "test": 400,     # pool sizes (optional; default the full pools)
                  "sha256": {"train": "...", ...}},           # checked by `make` when the pools are full
      "phases": [{"from": 0, "set": {"steps": 1500, "recall-steps": 500}, "note": "..."},
-                {"from": 450, "set": {"steps": 4000, "plain": 0.1}}, ...]}
+                {"from": 450, "set": {"steps": 4000, "plain": 0.1}}, ...,
+                {"from": 31450, "set": {...}, "grow": {"layers": 6}}],   # optional: more layers from here
+     "end": 33050}                                                      # optional: stop before the last steps
 
 A phase's `set` changes the options of the phase before it (the first phase's, the train defaults);
 the options are train's, spelled as on the command line without the dashes. Phase k covers the steps
 `from_k` .. `from_{k+1} - 1` (step s is the update that takes the weights from s to s + 1 steps); the
-run ends at the last phase's `steps`.
+run ends at `end` when given (a run stopped by hand: the lr still follows the last phase's `steps`),
+otherwise at the last phase's `steps`. A phase with `grow` starts from the model before it grown to
+that many layers (tb_model.grow: the added layers identity blocks) with a fresh AdamW state, as
+stopping there and starting `train --init RUN/model.bin --init-grow --init-step FROM --layers N` does.
 """
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ PHASE_OPTIONS = {"steps": int, "batch_tokens": int, "lr": float, "warmup": int, 
 
 RUN_OPTIONS = {"seed": int, "threads": int, "dim": int, "hidden": int, "layers": int, "heads": int,
                "kv_heads": int, "seq_len": int}
-"""train options fixed for the whole run: the initial weights, the model's shape, the bits (the
-thread count changes the float sums)"""
+"""train options fixed for the whole run: the initial weights, the model's shape (but a phase's `grow`
+adds layers), the bits (the thread count changes the float sums)"""
 
 BITS = ("seed", "threads", "steps", "batch_tokens", "lr", "warmup", "plain", "answer_weight", "answer_tokens",
         "recall_steps", "recall_mix", "max_length", "min_length", "long_weight", "short_keys", "fact_format",
@@ -50,8 +55,9 @@ class Schedule:
     """A loaded, checked schedule: `phases` [(from, argparse.Namespace of that phase's train options)]."""
 
     def __init__(self, path: str, doc: dict, phases: List[Tuple[int, argparse.Namespace]], set_options: set,
-                 defaults: argparse.Namespace):
+                 defaults: argparse.Namespace, grows: set, end):
         self.path, self.doc, self.phases, self.set_options, self.defaults = path, doc, phases, set_options, defaults
+        self.grows, self.end = grows, end  # the indices of the phases that grow the model; the run's end or None
 
     def index(self, step: int) -> int:
         """The phase that runs step `step` (the update from `step` to `step + 1` done steps)."""
@@ -65,7 +71,8 @@ class Schedule:
 
     @property
     def steps(self) -> int:
-        return self.phases[-1][1].steps
+        """The step the run ends at."""
+        return self.end if self.end is not None else self.phases[-1][1].steps
 
     def stories(self) -> Dict[str, int]:
         """Pool sizes per split (None: the full pool)."""
@@ -138,9 +145,9 @@ def load(path: str, defaults: argparse.Namespace) -> Schedule:
         raise ValueError(f"schedule {path}: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("phases"), list) or not doc["phases"]:
         raise ValueError(f"schedule {path}: needs a non-empty list \"phases\"")
-    unknown = set(doc) - {"about", "run", "stories", "phases"}
+    unknown = set(doc) - {"about", "run", "stories", "phases", "end"}
     if unknown:
-        raise ValueError(f"schedule {path}: unknown entries {sorted(unknown)} (about, run, stories, phases)")
+        raise ValueError(f"schedule {path}: unknown entries {sorted(unknown)} (about, run, stories, phases, end)")
     stories = doc.get("stories", {})
     if not isinstance(stories, dict) or set(stories) - set(SPLIT_NAMES) - {"sha256"} or any(
             not isinstance(stories[k], int) or isinstance(stories[k], bool) or stories[k] < 1
@@ -151,11 +158,12 @@ def load(path: str, defaults: argparse.Namespace) -> Schedule:
     set_options = set(run)
     for k, v in run.items():
         setattr(a, k, v)
-    phases, raw = [], doc["phases"]
+    phases, raw, grows = [], doc["phases"], set()
     for i, ph in enumerate(raw):
         where = f"schedule {path}: phase {i}"
-        if not isinstance(ph, dict) or set(ph) - {"from", "set", "note"} or "from" not in ph:
-            raise ValueError(f"{where}: a phase is {{\"from\": step, \"set\": {{options}}, \"note\": text}}")
+        if not isinstance(ph, dict) or set(ph) - {"from", "set", "grow", "note"} or "from" not in ph:
+            raise ValueError(f"{where}: a phase is {{\"from\": step, \"set\": {{options}}, \"grow\": "
+                             f"{{\"layers\": n}} (optional), \"note\": text}}")
         start = ph["from"]
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise ValueError(f"{where}: \"from\" must be a step >= 0, got {start!r}")
@@ -168,11 +176,24 @@ def load(path: str, defaults: argparse.Namespace) -> Schedule:
         a = copy.deepcopy(a)
         for k, v in changes.items():
             setattr(a, k, v)
+        if "grow" in ph:
+            g = ph["grow"]
+            if not isinstance(g, dict) or set(g) != {"layers"} or not isinstance(g["layers"], int) \
+                    or isinstance(g["layers"], bool) or g["layers"] <= a.layers or i == 0:
+                raise ValueError(f"{where}: \"grow\" is {{\"layers\": n}} with n more than the {a.layers} layers "
+                                 f"before it, in a phase after the first, got {g!r}")
+            a.layers = g["layers"]
+            grows.add(i)
         phases.append((start, a))
+    end = doc.get("end")
+    if end is not None and (not isinstance(end, int) or isinstance(end, bool) or not phases[-1][0] < end
+                            <= phases[-1][1].steps):
+        raise ValueError(f"schedule {path}: \"end\" must be a step after the last phase's start {phases[-1][0]} "
+                         f"and at most its steps {phases[-1][1].steps}, got {end!r}")
     for i, (start, a) in enumerate(phases):
         check_phase(f"schedule {path}: phase {i} (from {start})", a, start,
                      phases[i + 1][0] if i + 1 < len(phases) else None)
-    return Schedule(path, doc, phases, set_options, copy.deepcopy(defaults))
+    return Schedule(path, doc, phases, set_options, copy.deepcopy(defaults), grows, end)
 
 
 def mismatch(ckpt_args: dict, step: int, sched: Schedule) -> List[str]:

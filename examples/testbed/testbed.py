@@ -341,11 +341,17 @@ def cmd_train(args):
 
     stop_at = stop_time(args.stop_at)
     torch.manual_seed(args.seed)
-    model = tb_model.Model(model_config(args), seed=args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    ck = torch.load(ckpt_path) if os.path.exists(ckpt_path) else None
+    # (a checkpoint has the layers of the phase that ran its last step: a phase's grow happens at its first step)
+    shape = sched.args(ck["step"] - 1) if ck and sched and ck["step"] > 0 else args
+    model = tb_model.Model(model_config(shape), seed=args.seed)
+
+    def new_adamw(m):
+        return torch.optim.AdamW(m.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    opt = new_adamw(model)
     step = 0
-    if os.path.exists(ckpt_path):
-        ck = torch.load(ckpt_path)
+    if ck:
         if ck["config"] != vars(model.cfg):
             raise SystemExit(f"{ckpt_path} holds a model of {ck['config']}, not {vars(model.cfg)}")
         step = ck["step"]
@@ -369,19 +375,21 @@ def cmd_train(args):
         log(f"schedule {args.schedule}: {len(sched.phases)} phases to step {sched.steps}; at step {step} phase {phase} "
             f"(from {sched.phases[phase][0]}): {sched.command(phase, sched.defaults)}")
     log(f"model: {vars(model.cfg)}, {model.n_params()} parameters; val set {len(val_set_of(args))} examples")
-    def checkpoint():
+    def checkpoint():  # (the options of the phase that ran the last step, also when a stop falls on a phase's start)
+        ran = sched.args(step - 1) if sched and step > 0 else args
         save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                     "config": vars(model.cfg), "args": vars(args)}, ckpt_path)
+                     "config": vars(model.cfg), "args": vars(ran)}, ckpt_path)
         export_atomic(model, args.run_dir)
 
     t0, tokens, acc = time.time(), 0, []
     start_step = step
+    end = sched.steps if sched else args.steps  # (a schedule's `end` can come before the last phase's steps)
     while True:
         if sched and sched.index(step) != phase:  # the next phase: as a resume with its options
             phase = sched.index(step)
             args = sched.phases[phase][1]
             log(f"schedule: phase {phase} from step {step}: {sched.command(phase, sched.defaults)}")
-        if step >= args.steps:
+        if step >= end:
             break
         at_step = args.stop_step is not None and step >= args.stop_step
         if at_step or stop_at is not None and time.time() >= stop_at:
@@ -389,6 +397,11 @@ def cmd_train(args):
             why = f"--stop-step {args.stop_step}" if at_step else f"the wall-clock stop {args.stop_at} UTC"
             log(f"stopped at step {step}: {why} (rerun the command to resume)")
             return "stopped"
+        if model.cfg.n_layers != args.layers:  # a phase's grow (tb_schedule): as train --init --init-grow there
+            model = tb_model.grow(model, model_config(args), args.seed)
+            opt = new_adamw(model)
+            log(f"schedule: the model grown to {args.layers} layers at step {step} (a fresh AdamW state): "
+                f"{model.n_params()} parameters")
         for g in opt.param_groups:
             g["lr"] = lr_at(args, step)
         batch = step_batch(train, args, step)
@@ -410,7 +423,7 @@ def cmd_train(args):
                 f"answer {sum(a[1] for a in acc) / n:.4f} code-digit acc {hits / total:.3f} "
                 f"len<= {max(allowed_lengths(args, step - 1))} {tokens / dt:.0f} tok/s")
             t0, tokens, acc = time.time(), 0, []
-        if step % args.ckpt_every == 0 or step == args.steps:
+        if step % args.ckpt_every == 0 or step == args.steps or step == end:
             checkpoint()
         if step % args.eval_every == 0 or step == args.steps or step == start_step + 1 == 1:
             te = time.time()
@@ -755,8 +768,10 @@ def cmd_schedule(args):
     defaults = train_defaults("RUN")
     sched = load_schedule(args.schedule, defaults)
     for i, (start, a) in enumerate(sched.phases):
-        end = sched.phases[i + 1][0] if i + 1 < len(sched.phases) else a.steps
-        print(f"phase {i}: steps {start}..{end - 1}: train {sched.command(i, defaults)}")
+        end = sched.phases[i + 1][0] if i + 1 < len(sched.phases) else sched.steps
+        grow = f" --init RUN/model.bin --init-grow --init-step {start}" if i in sched.grows else ""
+        print(f"phase {i}: steps {start}..{end - 1}: train {sched.command(i, defaults)}{grow}"
+              + (f" --stop-step {end}" if end < a.steps else ""))
     bad = 0
     for path in args.check:
         ck = torch.load(path)

@@ -3,6 +3,8 @@ its splits are disjoint, examples encode exactly as run.c's encoder, the llama2.
 and the C++ runner's logits and greedy ids on an exported checkpoint equal the PyTorch model's."""
 import argparse
 import collections
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -659,6 +661,43 @@ def test_schedule_equals_the_hand_resumes_and_resumes_mid_phase(tmp_path):
         train_runs([common + ["--run-dir", str(tmp_path / "x"), "--schedule", str(sched), "--steps", "7"]])
 
 
+def test_schedule_grow_and_end_equal_the_hand_run(tmp_path):
+    """A phase's grow is train --init RUN/model.bin --init-grow --init-step FROM there, and `end` is a
+    --stop-step: the same weights and AdamW state, straight or stopped and resumed at and after the grow."""
+    stories = tiny_pools(tmp_path)
+    first = {"from": 0, "set": {"steps": 6, "recall-steps": 2, "max-length": 256, "batch-tokens": 512, "warmup": 2}}
+    sched = tmp_path / "schedule.json"
+    shape = {"dim": 32, "hidden": 48, "layers": 2, "heads": 4, "kv-heads": 2, "seq-len": 512}  # TINY
+    sched.write_text(json.dumps({"run": dict(shape, seed=3), "end": 6, "phases": [
+        first, {"from": 3, "set": {"steps": 8, "lr": 3e-3}, "grow": {"layers": 3}}]}))
+    common = ["train", "--stories-dir", str(stories), "--log-every", "1", "--ckpt-every", "1000", "--eval-every",
+              "1000", "--eval-per-cell", "1", "--seed", "3"] + TINY
+    opts = ["--recall-steps", "2", "--max-length", "256", "--batch-tokens", "512", "--warmup", "2"]
+    hand = tmp_path / "hand"
+    grown = [x if x != "2" or common[i - 1] != "--layers" else "3" for i, x in enumerate(common)]
+    train_runs([common + ["--run-dir", str(tmp_path / "small"), "--steps", "6", "--stop-step", "3"] + opts,
+                grown + ["--run-dir", str(hand), "--init", str(tmp_path / "small" / "model.bin"), "--init-grow",
+                         "--init-step", "3", "--steps", "8", "--lr", "3e-3", "--stop-step", "6"] + opts])
+    common = common[:-len(TINY) - 2]  # (the seed and the shape are the schedule's)
+    train_runs([common + ["--run-dir", str(tmp_path / "sched"), "--schedule", str(sched)]])
+    train_runs([common + ["--run-dir", str(tmp_path / "mid"), "--schedule", str(sched), "--stop-step", str(s)]
+                for s in (3, 4)] + [common + ["--run-dir", str(tmp_path / "mid"), "--schedule", str(sched)]])
+    a, b = assert_same_state(hand / "ckpt.pt", tmp_path / "sched" / "ckpt.pt")
+    assert a["step"] == 6 and b["config"]["n_layers"] == 3 and b["args"]["layers"] == 3
+    assert_same_state(tmp_path / "sched" / "ckpt.pt", tmp_path / "mid" / "ckpt.pt")
+    log = (tmp_path / "mid" / "train.log").read_text()
+    assert "stopped at step 3" in log and log.count("the model grown to 3 layers at step 3") == 1
+    assert "stopped at step 4" in log and log.rstrip().endswith("done")
+    lr = lambda text: [line.split(" lr ")[1].split()[0] for line in text.splitlines() if " lr " in line]
+    assert lr((tmp_path / "small" / "train.log").read_text()) + lr((hand / "train.log").read_text()) == \
+        lr((tmp_path / "sched" / "train.log").read_text())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        testbed.main(["schedule", "--schedule", str(sched)])
+    assert "phase 1: steps 3..5: train" in printed.getvalue() and "--layers 3" in printed.getvalue()
+    assert "--init RUN/model.bin --init-grow --init-step 3 --stop-step 6" in printed.getvalue()
+
+
 @pytest.mark.parametrize("phases,message", [
     ([{"from": 1, "set": {"steps": 4}}], "starts at step 0"),
     ([{"from": 0, "set": {"steps": 4}}, {"from": 0, "set": {"steps": 5}}], "not after the previous"),
@@ -671,6 +710,9 @@ def test_schedule_equals_the_hand_resumes_and_resumes_mid_phase(tmp_path):
     ([{"from": 0, "set": {"steps": 4, "answer-tokens": "key"}}], "answer-tokens must be one of code, all"),
     ([{"from": 0, "set": {"steps": 4, "min-length": -1}}], "min-length must be >= 0"),
     ([], "non-empty list"),
+    ([{"from": 0, "set": {"steps": 4}, "grow": {"layers": 9}}], "in a phase after the first"),
+    ([{"from": 0, "set": {"steps": 4}}, {"from": 2, "grow": {"layers": 2}}], "more than the 4 layers"),
+    ([{"from": 0, "set": {"steps": 4}}, {"from": 2, "grow": {"layers": 6, "dim": 8}}], "is {\"layers\": n}"),
 ])
 def test_schedule_errors(tmp_path, phases, message):
     path = tmp_path / "s.json"
@@ -679,12 +721,20 @@ def test_schedule_errors(tmp_path, phases, message):
         testbed.tb_schedule.load(str(path), testbed.train_defaults("R"))
 
 
+@pytest.mark.parametrize("end", [2, 5, "4", True])
+def test_schedule_end_errors(tmp_path, end):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"end": end, "phases": [{"from": 0, "set": {"steps": 4}}, {"from": 2}]}))
+    with pytest.raises(ValueError, match="\"end\" must be a step after the last phase's start 2 and at most its steps 4"):
+        testbed.tb_schedule.load(str(path), testbed.train_defaults("R"))
+
+
 def test_the_committed_schedule_is_the_runs_hand_resumes():
     """examples/testbed/schedule.json replays the run's RESUME.txt commands (docs/testbed.md, "Reproduce")."""
     sched = testbed.tb_schedule.load(os.path.join(SOURCE_DIR, "examples", "testbed", "schedule.json"),
                                      testbed.train_defaults("R"))
     assert [p for p, _ in sched.phases] == [0, 450, 4000, 7247, 8400, 14000, 15300, 20000, 23050, 24600, 26450,
-                                           27450]
+                                           27450, 31450]
     got = [(a.steps, a.recall_steps, a.recall_mix, a.plain, a.max_length, a.answer_weight, a.eval_every)
            for _, a in sched.phases]
     assert got == [(1500, 500, 0.25, 0.2, 0, 1.0, 100), (4000, 4000, 0.25, 0.1, 512, 1.0, 100),
@@ -692,15 +742,20 @@ def test_the_committed_schedule_is_the_runs_hand_resumes():
                    (14000, 8400, 0.25, 0.1, 0, 1.0, 250), (22000, 8400, 0.25, 0.1, 0, 3.0, 250),
                    (22000, 8400, 1.0, 0.1, 256, 1.0, 100000), (30000, 20000, 0.5, 0.1, 0, 1.0, 500),
                    (30000, 20000, 0.25, 0.1, 0, 1.0, 500), (30000, 20000, 0.25, 0.1, 0, 1.0, 500),
-                   (27450, 20000, 0.25, 0.1, 0, 1.0, 500), (31450, 20000, 0.25, 0.1, 0, 1.0, 500)]
+                   (27450, 20000, 0.25, 0.1, 0, 1.0, 500), (31450, 20000, 0.25, 0.1, 0, 1.0, 500),
+                   (34450, 20000, 0.25, 0.1, 0, 1.0, 500)]
     assert all(a.min_length == 0 for _, a in sched.phases)
     assert [(a.short_keys, a.fact_format, a.lr) for _, a in sched.phases[6:]] == [(1.0, "adjacent", 2e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
                                                                                   (1.0, "adjacent", 1e-3),
-                                                                                  (1.0, "adjacent", 1e-3)]
-    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"] * 3
+                                                                                  (1.0, "adjacent", 1e-3),
+                                                                                  (1.0, "adjacent", 2e-3)]
+    assert [a.answer_tokens for _, a in sched.phases] == ["code"] * 9 + ["all"] * 4
+    # round thirteen: the grow to 6 layers at 31450 with the longest length 3 times as often, stopped at 33050
+    assert [(a.layers, a.long_weight) for _, a in sched.phases] == [(4, 1.0)] * 12 + [(6, 3.0)]
+    assert sched.grows == {12} and sched.steps == 33050
     assert all(a.seed == 1 and a.threads == 1 and a.batch_tokens == 4096 for _, a in sched.phases)
     assert all(a.short_keys == 0 and a.fact_format == "is" and a.lr == 2e-3 for _, a in sched.phases[:6])
     # a checkpoint written at a phase's end carries that phase's options

@@ -17,6 +17,7 @@ holds a space after its first byte (merges never cross a chunk boundary; `check_
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -44,6 +45,15 @@ FACT_FORMATS = ("is", "adjacent")
 4721.", the code's first digit 10 tokens after the key; "adjacent" (docs/testbed.md "Round eight: the key
 next to the code"): "The note said blue door 4721." answered "blue door 4721.", the key's last piece, then
 the space token, then the first digit, in the fact and in the answer (the question is the same)."""
+
+
+def sha256_of(path: str) -> str:
+    """The file's sha256 (hex), read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def fact_text(key: str, code: str, fact_format: str = "is") -> str:

@@ -20,6 +20,7 @@ examples, the whole curve and the full cache's accuracy resampled together, 200 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import math
 import os
@@ -129,6 +130,47 @@ def run_one(opts, ex: Example, config):
     return out
 
 
+class ResultStore:
+    """`report --results F`: every kvevict-run call's result as a JSON line, so that a rerun with the same
+    file runs only the calls it lacks (a report cut short resumes; a larger --per-cell, other budgets or
+    another window reuse what matches). A call is keyed by what decides its result: the checkpoint's and
+    (LookaheadKV) the module's sha256, the configuration, the window (not for the full cache) and the
+    example's prompt and answer ids. Each line also names the kvevict-run binary (sha256): results made
+    by another binary are used only after a sample of them, rerun with this one, gave the same results."""
+
+    CHECKED = 8
+    """how many of another binary's results are rerun before any of them is used"""
+
+    def __init__(self, path, opts):
+        self.path, self.window = path, opts.window
+        self.runner, self.model = tb_data.sha256_of(opts.kvevict_run), tb_data.sha256_of(opts.checkpoint)
+        self.module = tb_data.sha256_of(opts.lookahead_module) if opts.lookahead_module else ""
+        self.held = {}  # key -> (runner sha256, result)
+        text = open(path).read() if os.path.exists(path) else ""
+        lines = text.splitlines()
+        for n, line in enumerate(lines):
+            try:
+                row = json.loads(line)
+                self.held[row["key"]] = (row["runner"], row["result"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                if n + 1 < len(lines) or text.endswith("\n"):  # (only the last line may be cut short by a kill)
+                    raise SystemExit(f"report: --results {path}: line {n + 1} is not a result line") from None
+        self.file = open(path, "a")
+        if text and not text.endswith("\n"):
+            self.file.write("\n")
+
+    def key(self, ex, config):
+        recipe, driver, budget = config
+        ids = hashlib.sha256(json.dumps([ex.prompt, ex.answer]).encode()).hexdigest()
+        return json.dumps([self.model, self.module if recipe == "lookaheadkv" else "", recipe, driver, budget,
+                           0 if recipe == "full" else self.window, ids])
+
+    def add(self, key, result):
+        self.held[key] = (self.runner, result)
+        self.file.write(json.dumps({"key": key, "runner": self.runner, "result": result}) + "\n")
+        self.file.flush()
+
+
 def mean_se(x):
     x = np.asarray(x, dtype=float)
     if x.size == 0:
@@ -194,11 +236,31 @@ def run_report(opts, examples, log=print):
     work = [(i, c) for c in cfgs for i in range(len(examples))]
     results = {}
     t0, done, last = time.time(), 0, 0.0
+    store = ResultStore(opts.results, opts) if getattr(opts, "results", "") else None
+    if store:
+        keys = {w: store.key(examples[w[0]], w[1]) for w in work}
+        held = [w for w in work if keys[w] in store.held]
+        other = [w for w in held if store.held[keys[w]][0] != store.runner]
+        for w in other[::max(1, len(other) // store.CHECKED)][:store.CHECKED]:
+            now = run_one(opts, examples[w[0]], w[1])
+            if now != store.held[keys[w]][1]:
+                raise SystemExit(f"report: --results {opts.results}: another kvevict-run's result for example "
+                                 f"{w[0]} {w[1]} is {store.held[keys[w]][1]}, this one's {now}: remove the file "
+                                 "(or name another) to run the calls again")
+            store.add(keys[w], now)
+        for w in held:
+            results[w] = store.held[keys[w]][1]
+        log(f"report: {len(held)} of {len(work)} calls from --results {opts.results}"
+            + (f" ({len(other)} by another kvevict-run: {min(len(other), store.CHECKED)} rerun, the same)" if other else ""))
+        work = [w for w in work if w not in results]
+    calls = len(work)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
         futures = {pool.submit(run_one, opts, examples[i], c): (i, c) for i, c in work}
         try:
             for fut in concurrent.futures.as_completed(futures):
                 results[futures[fut]] = fut.result()
+                if store:
+                    store.add(keys[futures[fut]], results[futures[fut]])
                 done += 1
                 now = time.time() - t0
                 if done == len(work) or now - last >= opts.progress_every:
@@ -254,7 +316,7 @@ def run_report(opts, examples, log=print):
             "budgets": list(opts.budgets), "window": opts.window, "fraction_of_full": opts.fraction,
             "examples": [{"kind": e.kind, "length": e.length, "needles": e.needles, "prompt_tokens": len(e.prompt),
                           "answer_tokens": len(e.answer), "depth": e.depth} for e in examples],
-            "rows": rows, "critical": crit, "skipped": skipped, "seconds": time.time() - t0}
+            "rows": rows, "critical": crit, "skipped": skipped, "seconds": time.time() - t0, "calls_run": calls}
 
 
 # the seed papers' claims as (A, B, source): A keeps retrieval at least as well as B at equal budgets

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib.util
 import io
 import json
@@ -784,14 +783,6 @@ def cmd_schedule(args):
         raise SystemExit(1)
 
 
-def sha256_of(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def cmd_make(args):
     """From nothing to the shipped model, each step skipped when its output is there (rerun to resume):
     the story pools (kvevict-run), `train --schedule`, the llama2.c export with the training log, the
@@ -821,8 +812,8 @@ def cmd_make(args):
         if have < want:
             log(f"make: stories {split}: {have} -> {want} (kvevict-run)")
             tb_data.generate_stories(args.kvevict_run, split, path, limit=want, log=log)
-        if split in sums and want == tb_data.SPLITS[split][2] and sha256_of(path) != sums[split]:
-            raise SystemExit(f"make: {path} has sha256 {sha256_of(path)}, the schedule's pool {sums[split]}")
+        if split in sums and want == tb_data.SPLITS[split][2] and tb_data.sha256_of(path) != sums[split]:
+            raise SystemExit(f"make: {path} has sha256 {tb_data.sha256_of(path)}, the schedule's pool {sums[split]}")
     targs = train_options(argparse.ArgumentParser()).parse_args(
         ["--run-dir", args.run_dir, "--schedule", args.schedule] + (["--stop-at", args.stop_at] if args.stop_at else []))
     targs.given = {"run_dir", "schedule"} | ({"stop_at"} if args.stop_at else set())
@@ -840,7 +831,7 @@ def cmd_make(args):
                       (os.path.join(args.run_dir, "eval.jsonl"), "eval.jsonl"), (args.schedule, "schedule.json")):
         with open(src, "rb") as f:
             write_atomic(os.path.join(args.out_dir, name), f.read())
-    log(f"make: {shipped}: step {ck['step']}, {model.n_params()} parameters, sha256 {sha256_of(shipped)}")
+    log(f"make: {shipped}: step {ck['step']}, {model.n_params()} parameters, sha256 {tb_data.sha256_of(shipped)}")
     lines = eval_lines(shipped, stories, "test", run_args.seed, args.per_cell, threads=run_args.threads,
                        fact_format=fact_format_of(run_args), keys=keys_of(run_args))
     write_atomic(os.path.join(args.out_dir, "eval_test.txt"), "".join(line + "\n" for line in lines))
@@ -1146,6 +1137,8 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=2, help="kvevict-run processes at a time")
     p.add_argument("--threads", type=int, default=1, help="threads of each kvevict-run")
     p.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    p.add_argument("--results", default="", help="a JSON-lines file of every call's result: a rerun with it runs only "
+                   "the calls it lacks (tb_report.ResultStore)")
     p = sub.add_parser("lookahead", help="train LookaheadKV for a testbed model (kvevict-lookahead on testbed prompts)")
     question_args(p)
     p.add_argument("--checkpoint", required=True)

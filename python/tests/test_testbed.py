@@ -570,6 +570,46 @@ def test_paper_pairs_are_paired_over_the_examples():
     assert "| snapkv | before | 0.000 ± 0.500 |" in md
 
 
+def test_report_results_file_resumes_and_checks_another_runners_results(tmp_path, tok):
+    """report --results: the second run makes no kvevict-run call and gives the same rows; a cut-short last
+    line is dropped, a bad line elsewhere refused; another binary's results are used once a sample rerun
+    agrees, and refused when one differs."""
+    run = built("KVEVICT_RUN")
+    import tb_report
+    _, path = exported_small_model(tmp_path)
+    gen = tb_data.Generator(tok, STORIES, "test", 1)
+    examples = [tb_report.Example(e, i) for i, e in
+                enumerate(tb_data.eval_set(gen, 1, lengths=(256,), kinds=("after", "before")))]
+    store = tmp_path / "results.jsonl"
+    opts = argparse.Namespace(kvevict_run=run, checkpoint=path, threads=1, window=8, lookahead_module="",
+                              recipes=["snapkv"], drivers=["postfill"], budgets=[16, 512], jobs=2,
+                              progress_every=1e9, fraction=0.9, bootstrap=5, split="test", per_cell=1,
+                              results=str(store))
+    first = tb_report.run_report(opts, examples, log=lambda _: None)
+    assert first["calls_run"] == 6 and len(store.read_text().splitlines()) == 6  # (full + 2 budgets) x 2 examples
+    again = tb_report.run_report(opts, examples, log=lambda _: None)
+    assert again["calls_run"] == 0 and again["rows"] == first["rows"]
+    wider = tb_report.run_report(argparse.Namespace(**dict(vars(opts), budgets=[16, 32, 512])), examples,
+                                 log=lambda _: None)
+    assert wider["calls_run"] == 2  # only the new budget's calls
+    lines = store.read_text().splitlines()
+    store.write_text("\n".join(lines) + "\n" + lines[0][:30])  # a line cut short by a kill
+    assert tb_report.run_report(opts, examples, log=lambda _: None)["calls_run"] == 0
+    store.write_text("\n".join(lines[:3] + ["{oops"] + lines[3:]) + "\n")
+    with pytest.raises(SystemExit, match="line 4 is not a result line"):
+        tb_report.run_report(opts, examples, log=lambda _: None)
+    other = [dict(json.loads(line), runner="another") for line in lines]
+    store.write_text("".join(json.dumps(r) + "\n" for r in other))
+    said = []
+    assert tb_report.run_report(opts, examples, log=said.append)["rows"] == first["rows"]
+    assert "6 of 6 calls from --results" in said[0] and "6 by another kvevict-run: 6 rerun, the same" in said[0]
+    for r in other:
+        r["result"]["em"] = 1 - r["result"].get("em", 0)
+    store.write_text("".join(json.dumps(r) + "\n" for r in other))
+    with pytest.raises(SystemExit, match="another kvevict-run's result for example"):
+        tb_report.run_report(opts, examples, log=lambda _: None)
+
+
 def test_lookahead_prompts_leave_room_for_the_response(tok):
     gen = tb_data.Generator(tok, STORIES, "train", 1)
     prompts = testbed.lookahead_prompts(gen, 30_000_000, 6, [256, 512], 24)

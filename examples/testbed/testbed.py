@@ -38,6 +38,7 @@ import tb_data  # noqa: E402
 import tb_model  # noqa: E402
 import tb_report  # noqa: E402
 import tb_schedule  # noqa: E402
+import tb_summary  # noqa: E402
 
 TOKENIZER = os.path.join(SOURCE, "models", "tok512.bin")
 
@@ -917,6 +918,17 @@ def cmd_report(args):
           file=sys.stderr)
 
 
+def cmd_summary(args):
+    """docs/report.md's testbed tables from the report runs' directories (tb_summary.py), on stdout."""
+    dirs = {run: getattr(args, run) for run in tb_summary.RUNS if getattr(args, run)}
+    if not dirs:
+        raise SystemExit("summary: name at least one report directory (--matrix, --query-agnostic, ...)")
+    try:
+        sys.stdout.write(tb_summary.markdown(tb_summary.load(dirs)))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
 def checkpoint_context(path, cmd):
     """The context length of the checkpoint a command runs (a clear error for a short or missing file)."""
     try:
@@ -1139,6 +1151,9 @@ def main(argv=None):
     p.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("--results", default="", help="a JSON-lines file of every call's result: a rerun with it runs only "
                    "the calls it lacks (tb_report.ResultStore)")
+    p = sub.add_parser("summary", help="docs/report.md's testbed tables from the report runs' JSON")
+    for run in tb_summary.RUNS:
+        p.add_argument("--" + run.replace("_", "-"), default="", help=f"the {run.replace('_', ' ')} run's directory")
     p = sub.add_parser("lookahead", help="train LookaheadKV for a testbed model (kvevict-lookahead on testbed prompts)")
     question_args(p)
     p.add_argument("--checkpoint", required=True)
@@ -1175,7 +1190,7 @@ def main(argv=None):
                                      log=log_to(None))
     else:
         {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "digits": cmd_digits, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
-         "report": cmd_report, "lookahead": cmd_lookahead, "schedule": cmd_schedule, "make": cmd_make,
+         "report": cmd_report, "summary": cmd_summary, "lookahead": cmd_lookahead, "schedule": cmd_schedule, "make": cmd_make,
          "bench": cmd_bench}[args.cmd](args)
 
 

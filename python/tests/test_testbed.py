@@ -610,6 +610,31 @@ def test_report_results_file_resumes_and_checks_another_runners_results(tmp_path
         tb_report.run_report(opts, examples, log=lambda _: None)
 
 
+def test_report_md_tables_are_the_committed_reports(tmp_path):
+    """docs/report.md's testbed tables (full cache, budget sweep, 2032 cell, the papers' pairs, larger budgets)
+    are `testbed.py summary` of the committed docs/testbed/report*/ JSON, row for row."""
+    d = os.path.join(SOURCE_DIR, "docs", "testbed")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        testbed.main(["summary", "--matrix", os.path.join(d, "report"), "--query-agnostic",
+                      os.path.join(d, "report-lookahead"), "--budgets", os.path.join(d, "report-budgets"),
+                      "--window8", os.path.join(d, "report-window8"), "--at-2048", os.path.join(d, "report-2048")])
+    doc = set(open(os.path.join(SOURCE_DIR, "docs", "report.md")).read().splitlines())
+    checked = 0
+    for section in ("\n" + printed.getvalue()).split("\n### ")[1:]:
+        title, *lines = section.splitlines()
+        if title.startswith(("Window 8", "Critical")):  # (the doc cites these in its text)
+            continue
+        for line in lines[3:]:  # (the data rows: after the blank line, the header and the rule)
+            assert line in doc, f"{title}: {line}"
+            checked += 1
+    assert checked == 2 + 21 + 6 + 18 + 6
+    with pytest.raises(SystemExit, match="summary: name at least one report directory"):
+        testbed.main(["summary"])
+    with pytest.raises(SystemExit, match="summary: matrix: .*testbed_report.json"):
+        testbed.main(["summary", "--matrix", str(tmp_path)])
+
+
 def test_lookahead_prompts_leave_room_for_the_response(tok):
     gen = tb_data.Generator(tok, STORIES, "train", 1)
     prompts = testbed.lookahead_prompts(gen, 30_000_000, 6, [256, 512], 24)

@@ -115,15 +115,20 @@ def test_host_isa_limit_changes_no_bit(gen):
     q, k = randn(gen, 8, 32, 64), randn(gen, 2, 700, 64)
     v = randn(gen, 2, 700, 64).to(torch.float16)
     outs = []
-    try:
-        for level in ("baseline", "avx2", "avx512"):
-            kvevict.set_host_isa_limit(level)
+    for level in ("baseline", "avx2", "avx512"):
+        with kvevict.host_isa_limit_guard(level):
             assert kvevict.host_isa_limit() == kvevict.HostIsa(level)
             assert int(kvevict.host_isa_active()) == min(int(supported), int(kvevict.HostIsa(level)))
-            s = kvevict.recipe_scores(kvevict.Recipe.vatp(), q.to(torch.float16), k.to(torch.float16), v)
-            outs.append(s)
-    finally:
-        kvevict.set_host_isa_limit("avx512")
+            outs.append(kvevict.recipe_scores(kvevict.Recipe.vatp(), q.to(torch.float16), k.to(torch.float16), v))
+        assert kvevict.host_isa_limit() == kvevict.HostIsa.avx512  # (restored)
+    with pytest.raises(ZeroDivisionError):  # restored when the block raises too
+        with kvevict.host_isa_limit_guard(kvevict.HostIsa.baseline):
+            1 / 0
+    assert kvevict.host_isa_limit() == kvevict.HostIsa.avx512
+    with pytest.raises(kvevict.Error, match="unknown HostIsa"):
+        with kvevict.host_isa_limit_guard("avx3"):
+            pass
+    assert kvevict.host_isa_limit() == kvevict.HostIsa.avx512
     for s in outs[1:]:
         assert torch.equal(s.view(torch.int32), outs[0].view(torch.int32))
 

@@ -146,7 +146,10 @@ class ResultStore:
         self.runner, self.model = tb_data.sha256_of(opts.kvevict_run), tb_data.sha256_of(opts.checkpoint)
         self.module = tb_data.sha256_of(opts.lookahead_module) if opts.lookahead_module else ""
         self.held = {}  # key -> (runner sha256, result)
-        text = open(path).read() if os.path.exists(path) else ""
+        text = ""
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read()
         lines = text.splitlines()
         for n, line in enumerate(lines):
             try:
@@ -155,9 +158,9 @@ class ResultStore:
             except (json.JSONDecodeError, KeyError, TypeError):
                 if n + 1 < len(lines) or text.endswith("\n"):  # (only the last line may be cut short by a kill)
                     raise SystemExit(f"report: --results {path}: line {n + 1} is not a result line") from None
-        self.file = open(path, "a")
         if text and not text.endswith("\n"):
-            self.file.write("\n")
+            with open(path, "a") as f:
+                f.write("\n")
 
     def key(self, ex, config):
         recipe, driver, budget = config
@@ -167,8 +170,8 @@ class ResultStore:
 
     def add(self, key, result):
         self.held[key] = (self.runner, result)
-        self.file.write(json.dumps({"key": key, "runner": self.runner, "result": result}) + "\n")
-        self.file.flush()
+        with open(self.path, "a") as f:  # (one line a write: a kill loses at most the line being written)
+            f.write(json.dumps({"key": key, "runner": self.runner, "result": result}) + "\n")
 
 
 def mean_se(x):

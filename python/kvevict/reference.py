@@ -207,7 +207,8 @@ class Tokenizer:
 
     @staticmethod
     def load(path: str, vocab_size: int) -> "Tokenizer":
-        raw = open(path, "rb").read()
+        with open(path, "rb") as f:
+            raw = f.read()
         off = 4
         vocab, scores = [], []
         for _ in range(vocab_size):

@@ -539,7 +539,8 @@ def test_report_scores_the_runner_and_writes_its_files(tmp_path, tok):
         testbed.main(["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories),
                       "--recipes", "lookaheadkv", "--out-dir", str(out)])
     short = out / "short.bin"
-    short.write_bytes(open(path, "rb").read(20))
+    with open(path, "rb") as f:
+        short.write_bytes(f.read(20))
     with pytest.raises(SystemExit, match="report: --checkpoint .*short.bin: 20 bytes, shorter than a checkpoint's"):
         testbed.main(["report", "--checkpoint", str(short), "--kvevict-run", run, "--stories-dir", str(stories),
                       "--out-dir", str(out)])
@@ -619,7 +620,8 @@ def test_report_md_tables_are_the_committed_reports(tmp_path):
         testbed.main(["summary", "--matrix", os.path.join(d, "report"), "--query-agnostic",
                       os.path.join(d, "report-lookahead"), "--budgets", os.path.join(d, "report-budgets"),
                       "--window8", os.path.join(d, "report-window8"), "--at-2048", os.path.join(d, "report-2048")])
-    doc = set(open(os.path.join(SOURCE_DIR, "docs", "report.md")).read().splitlines())
+    with open(os.path.join(SOURCE_DIR, "docs", "report.md")) as f:
+        doc = set(f.read().splitlines())
     checked = 0
     for section in ("\n" + printed.getvalue()).split("\n### ")[1:]:
         title, *lines = section.splitlines()

@@ -48,10 +48,10 @@ inline bool ranks_above(float a, float b) {
 }
 }  // namespace floats
 
-/// Seeded generator; every randomized test prints its seed through doctest's CAPTURE on failure.
 /// kvevict::host_isa_limit_guard for a level 0 (baseline), 1 (avx2), 2 (avx512): the tests loop over levels.
 inline kvevict::host_isa isa_level(int level) { return static_cast<kvevict::host_isa>(level); }
 
+/// Seeded generator; every randomized test prints its seed through doctest's CAPTURE on failure.
 inline std::mt19937_64 rng(std::uint64_t seed) { return std::mt19937_64(seed); }
 
 inline std::vector<float> random_floats(std::mt19937_64& g, std::size_t n, float lo = -1.f, float hi = 1.f) {

@@ -132,8 +132,8 @@ def run_one(opts, ex: Example, config):
 
 class ResultStore:
     """`report --results F`: every kvevict-run call's result as a JSON line, so that a rerun with the same
-    file runs only the calls it lacks (a report cut short resumes; a larger --per-cell, other budgets or
-    another window reuse what matches). A call is keyed by what decides its result: the checkpoint's and
+    file runs only the calls it lacks (a report cut short resumes; a run on the same examples with other
+    budgets, recipes, drivers or window reuses what matches). A call is keyed by what decides its result: the checkpoint's and
     (LookaheadKV) the module's sha256, the configuration, the window (not for the full cache) and the
     example's prompt and answer ids. Each line also names the kvevict-run binary (sha256): results made
     by another binary are used only after a sample of them, rerun with this one, gave the same results."""

@@ -174,6 +174,16 @@ class ResultStore:
             f.write(json.dumps({"key": key, "runner": self.runner, "result": result}) + "\n")
 
 
+def config_name(recipe: str, driver: str) -> str:
+    """"snapkv", "snapkv / chunked-naive": the tables' name of a curve (post-fill is the default driver)."""
+    return recipe + ("" if driver == "postfill" else " / " + driver)
+
+
+def rows_by_config(rows):
+    """{(recipe, driver, budget, kind): row} of a report's rows."""
+    return {(r["recipe"], r["driver"], r["budget"], r["kind"]): r for r in rows}
+
+
 def mean_se(x):
     x = np.asarray(x, dtype=float)
     if x.size == 0:
@@ -297,7 +307,7 @@ def run_report(opts, examples, log=print):
                                   for L in lengths},
                    "per_example": {"exact_match": [int(x) for x in em], "footprint": [float(x) for x in fp]}}
             rows.append(row)
-    by = {(r["recipe"], r["driver"], r["budget"], r["kind"]): r for r in rows}
+    by = rows_by_config(rows)
     for r in rows:
         ref = by.get(("snapkv", "postfill", r["budget"], r["kind"]))
         if r["recipe"] != "full" and ref is not None and ref is not r:
@@ -337,7 +347,7 @@ PAPER_PAIRS = ((("lookaheadkv", "postfill"), ("snapkv", "postfill"), "LookaheadK
 def paper_pairs(rep):
     """[(A, B, source, kind, budget, paired difference of exact match)] for the PAPER_PAIRS both of whose
     rows the report holds, from the per-example results."""
-    by = {(r["recipe"], r["driver"], r["budget"], r["kind"]): r for r in rep["rows"]}
+    by = rows_by_config(rep["rows"])
     out = []
     for a, b, src in PAPER_PAIRS:
         for kind in rep["kinds"]:
@@ -365,7 +375,7 @@ def markdown(rep):
         out.append(f"| {r['kind']} | " + " | ".join(cells) + f" | {r['exact_match']:.3f} ± {r['se']:.3f} | "
                    f"{r['code_digits']:.3f} |")
     m = max(1, sum(1 for r in rep["rows"] if "d_snapkv" in r))
-    by_config = {(r["recipe"], r["driver"], r["budget"], r["kind"]): r for r in rep["rows"]}
+    by_config = rows_by_config(rep["rows"])
     for kind in rep["kinds"]:
         out += ["", f"## Question {kind} the context: exact match (± se) [− SnapKV post-fill] / KV footprint", "",
                 f"`*` p < 0.05, `**` p < 0.05 / {m} (Bonferroni over the report's paired comparisons).", "",
@@ -385,10 +395,9 @@ def markdown(rep):
                 diff = r.get("d_snapkv")
                 ds = (f" [{diff['mean']:+.3f} ± {diff['se']:.3f}{stars(diff['p'], m)}]" if diff else " [ref]")
                 cells.append(f"{r['exact_match']:.3f} ± {r['se']:.3f}{ds} / {r['footprint']:.3f}")
-            out.append(f"| {rc}{'' if d == 'postfill' else ' / ' + d} | " + " | ".join(cells) + " |")
+            out.append(f"| {config_name(rc, d)} | " + " | ".join(cells) + " |")
     pairs = paper_pairs(rep)
     if pairs:
-        name = lambda x: x[0] + ("" if x[1] == "postfill" else " / " + x[1])  # noqa: E731
         out += ["", "## The seed papers' pairs: exact match of A − B, paired over the examples", "",
                 f"`*` p < 0.05, `**` p < 0.05 / {len(pairs)} (Bonferroni over this table); the paper whose ranking "
                 "(A at least as good as B) the row tests.", "",
@@ -396,7 +405,7 @@ def markdown(rep):
                 "| --- | --- | --- |" + " ---: |" * len(rep["budgets"])]
         rows = {}
         for a, b, src, kind, budget, d in pairs:
-            rows.setdefault((name(a) + " − " + name(b), src, kind), {})[budget] = d
+            rows.setdefault((config_name(*a) + " − " + config_name(*b), src, kind), {})[budget] = d
         for (ab, src, kind), ds in rows.items():
             out.append(f"| {ab} | {src} | {kind} | " + " | ".join(
                 f"{ds[b]['mean']:+.3f} ± {ds[b]['se']:.3f}{stars(ds[b]['p'], len(pairs))}" if b in ds else "—"
@@ -415,7 +424,7 @@ def markdown(rep):
             for b in rep["budgets"]:
                 r = by_config.get((rc, d, b, kind))
                 cells.append("—" if r is None else "{:.3f} ± {:.3f}".format(*r["per_length"][L]))
-            out.append(f"| {rc}{'' if d == 'postfill' else ' / ' + d} | {kind} | " + " | ".join(cells) + " |")
+            out.append(f"| {config_name(rc, d)} | {kind} | " + " | ".join(cells) + " |")
     out += ["", f"## Critical KV footprint at F = {rep['fraction_of_full']:.0%} of the full cache's exact match (%)", "",
             "Linear interpolation over the budget sweep (kvevict.critical_footprint); `< x`: the smallest footprint "
             "measured already meets it, `> x`: none does; ± a bootstrap standard error over the examples.", "",
@@ -457,7 +466,7 @@ def svg(rep):
             pts = sorted((r["budget"], r["footprint"], r["exact_match"], r["se"]) for r in rep["rows"]
                          if (r["recipe"], r["driver"], r["kind"]) == (rc, d, kind))
             color = plt.cm.tab20(sorted({n[0] for n in names}).index(rc) % 20)
-            label = rc + ("" if d == "postfill" else " / " + d)
+            label = config_name(rc, d)
             for ax, x in ((axes[ki][0], [p[0] for p in pts]), (axes[ki][1], [p[1] for p in pts])):
                 ax.errorbar(x, [p[2] for p in pts], yerr=[p[3] for p in pts], ls=styles[d], color=color, marker=".",
                             lw=1, capsize=2, label=label)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import tb_report
 
@@ -42,14 +42,6 @@ def load(dirs: Dict[str, str]) -> Dict[str, dict]:
     return out
 
 
-def _name(recipe: str, driver: str) -> str:
-    return recipe + ("" if driver == "postfill" else " / " + driver)
-
-
-def _by(rep: dict) -> Dict[Tuple[str, str, int, str], dict]:
-    return {(r["recipe"], r["driver"], r["budget"], r["kind"]): r for r in rep["rows"]}
-
-
 def _cell(r) -> str:
     return "—" if r is None else f"{r['exact_match']:.2f} ± {r['se']:.2f}"
 
@@ -65,32 +57,28 @@ def full_cache(rep: dict) -> List[str]:
     return out
 
 
-def budget_sweep(rep: dict, rows, tag: str = "", header: bool = True) -> List[str]:
-    """Exact match ± se per kind and budget for `rows` (recipe, driver) of one run, names suffixed by `tag`."""
-    by, out = _by(rep), []
+def budget_sweep(rep: dict, rows, tag: str = "", header: bool = True, footprints: bool = False) -> List[str]:
+    """Exact match ± se per kind and budget for `rows` (recipe, driver) of one run, names suffixed by `tag`;
+    with `footprints` a last column of each budget's mean footprint over both kinds' examples."""
+    by, out = tb_report.rows_by_config(rep["rows"]), []
+    budgets = rep["budgets"]
     if header:
+        fp = f" footprint at B = {budgets[0]} … {budgets[-1]} |" if footprints else ""
         out += ["| method / driver | " + " | ".join(
-            f"{k}: {b}" if i == 0 else str(b) for k in rep["kinds"] for i, b in enumerate(rep["budgets"])) + " |",
-                "| --- |" + " ---: |" * (len(rep["kinds"]) * len(rep["budgets"]))]
+            f"{k}: {b}" if i == 0 else str(b) for k in rep["kinds"] for i, b in enumerate(budgets)) + " |" + fp,
+                "| --- |" + " ---: |" * (len(rep["kinds"]) * len(budgets) + footprints)]
     for rc, d in rows:
-        cells = [by.get((rc, d, b, k)) for k in rep["kinds"] for b in rep["budgets"]]
-        if any(c is not None for c in cells):
-            out.append(f"| {_name(rc, d)}{tag} | " + " | ".join(_cell(c) for c in cells) + " |")
-    return out
-
-
-def larger_budgets(rep: dict) -> List[str]:
-    """The budget sweep of BUDGET_ROWS with the mean footprint of each budget (both kinds' examples)."""
-    by = _by(rep)
-    out = budget_sweep(rep, BUDGET_ROWS)
-    out[0] = out[0][:-1] + "| footprint at B = " + " … ".join(str(b) for b in (rep["budgets"][0], rep["budgets"][-1])) + " |"
-    out[1] += " ---: |"
-    for i, (rc, d) in enumerate(r for r in BUDGET_ROWS if any(k[:2] == r for k in by)):
-        fps = []
-        for b in rep["budgets"]:
-            rs = [by[(rc, d, b, k)] for k in rep["kinds"] if (rc, d, b, k) in by]
-            fps.append(sum(r["footprint"] * r["n"] for r in rs) / sum(r["n"] for r in rs))
-        out[2 + i] += " " + " / ".join(f"{f:.2f}" for f in fps) + " |"
+        cells = [by.get((rc, d, b, k)) for k in rep["kinds"] for b in budgets]
+        if not any(c is not None for c in cells):
+            continue
+        line = f"| {tb_report.config_name(rc, d)}{tag} | " + " | ".join(_cell(c) for c in cells) + " |"
+        if footprints:
+            means = []
+            for b in budgets:
+                rs = [by[(rc, d, b, k)] for k in rep["kinds"] if (rc, d, b, k) in by]
+                means.append(sum(r["footprint"] * r["n"] for r in rs) / sum(r["n"] for r in rs))
+            line += " " + " / ".join(f"{f:.2f}" for f in means) + " |"
+        out.append(line)
     return out
 
 
@@ -108,7 +96,7 @@ def pairs(reps: Dict[str, dict]) -> List[str]:
                 m = len(tb_report.paper_pairs(rep))
                 for kind in rep["kinds"]:
                     ds = {p[4]: p[5] for p in got if p[3] == kind}
-                    out.append(f"| {_name(*a)} − {_name(*b)} | {src} | {kind} | " + " | ".join(
+                    out.append(f"| {tb_report.config_name(*a)} − {tb_report.config_name(*b)} | {src} | {kind} | " + " | ".join(
                         f"{ds[x]['mean']:+.3f} ± {ds[x]['se']:.3f}{tb_report.stars(ds[x]['p'], m)}" for x in budgets) + " |")
                 break
     return out
@@ -135,7 +123,7 @@ def critical(reps: Dict[str, dict]) -> List[str]:
         rows.append((mean, key, by_kind, run))
     out = ["| method / driver | question after | question before | run |", "| --- | ---: | ---: | --- |"]
     for _, (rc, d), by_kind, run in sorted(rows, key=lambda x: x[0]):
-        out.append(f"| {_name(rc, d)} | {tb_report.fmt_critical(by_kind['after'])} | "
+        out.append(f"| {tb_report.config_name(rc, d)} | {tb_report.fmt_critical(by_kind['after'])} | "
                    f"{tb_report.fmt_critical(by_kind['before'])} | {run.replace('_', '-')} |")
     return out
 
@@ -156,6 +144,6 @@ def markdown(reps: Dict[str, dict]) -> str:
     if "matrix" in reps or "query_agnostic" in reps:
         out += ["", "### The seed papers' pairs (paired over the examples)", ""] + pairs(reps)
     if "budgets" in reps:
-        out += ["", "### Larger budgets", ""] + larger_budgets(reps["budgets"])
+        out += ["", "### Larger budgets", ""] + budget_sweep(reps["budgets"], BUDGET_ROWS, footprints=True)
     out += ["", "### Critical KV footprint (%)", ""] + critical(reps)
     return "\n".join(out) + "\n"

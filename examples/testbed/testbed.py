@@ -342,9 +342,12 @@ def cmd_train(args):
     stop_at = stop_time(args.stop_at)
     torch.manual_seed(args.seed)
     ck = torch.load(ckpt_path) if os.path.exists(ckpt_path) else None
+
+    def options_that_ran(done):  # the options of the phase that ran step done - 1 (phase 0's before any)
+        return sched.args(done - 1) if sched and done > 0 else sched.phases[0][1] if sched else args
+
     # (a checkpoint has the layers of the phase that ran its last step: a phase's grow happens at its first step)
-    shape = sched.args(ck["step"] - 1) if ck and sched and ck["step"] > 0 else args
-    model = tb_model.Model(model_config(shape), seed=args.seed)
+    model = tb_model.Model(model_config(options_that_ran(ck["step"] if ck else 0)), seed=args.seed)
 
     def new_adamw(m):
         return torch.optim.AdamW(m.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -375,10 +378,9 @@ def cmd_train(args):
         log(f"schedule {args.schedule}: {len(sched.phases)} phases to step {sched.steps}; at step {step} phase {phase} "
             f"(from {sched.phases[phase][0]}): {sched.command(phase, sched.defaults)}")
     log(f"model: {vars(model.cfg)}, {model.n_params()} parameters; val set {len(val_set_of(args))} examples")
-    def checkpoint():  # (the options of the phase that ran the last step, also when a stop falls on a phase's start)
-        ran = sched.args(step - 1) if sched and step > 0 else args
+    def checkpoint():  # (also when a stop falls on a phase's first step: the phase before it ran the last step)
         save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                     "config": vars(model.cfg), "args": vars(ran)}, ckpt_path)
+                     "config": vars(model.cfg), "args": vars(options_that_ran(step))}, ckpt_path)
         export_atomic(model, args.run_dir)
 
     t0, tokens, acc = time.time(), 0, []

@@ -1128,33 +1128,40 @@ def test_first_answer_token_is_classified(tok):
     assert "first_token" not in testbed.first_digit_errors(fake, exs, gen.digit_ids, batch_tokens=512)[0]
 
 
-def test_the_shipped_model_is_made_by_its_schedule():
-    """models/testbed: its schedule is the committed schedule up to the shipped step (the run continues from
-    there in later phases), and model.bin is that run's llama2.c checkpoint (the testbed's shape)."""
-    root = os.path.join(SOURCE_DIR, "models", "testbed")
+SHIPPED = [("", 6, 33050, 115712), ("4-layer", 4, 31450, 77824)]  # models/testbed/...: layers, last step, module size
+
+
+@pytest.mark.parametrize("sub,layers,steps,_", SHIPPED)
+def test_the_shipped_model_is_made_by_its_schedule(sub, layers, steps, _):
+    """models/testbed (and the 4-layer model it was grown from): its schedule is the committed schedule up to
+    its last step (the run continues from there in later phases), and model.bin is that run's llama2.c
+    checkpoint (the testbed's shape)."""
+    root = os.path.join(SOURCE_DIR, "models", "testbed", sub)
     defaults = testbed.train_defaults("R")
     shipped = testbed.tb_schedule.load(os.path.join(root, "schedule.json"), defaults)
     current = testbed.tb_schedule.load(os.path.join(SOURCE_DIR, "examples", "testbed", "schedule.json"), defaults)
     n = len(shipped.phases)
-    assert shipped.steps == 31450 and [(p, vars(a)) for p, a in shipped.phases] == [(p, vars(a)) for p, a in current.phases[:n]]
+    assert shipped.steps == steps and [(p, vars(a)) for p, a in shipped.phases] == [(p, vars(a)) for p, a in current.phases[:n]]
     assert all(p >= shipped.steps for p, _ in current.phases[n:])
     header = np.frombuffer(open(os.path.join(root, "model.bin"), "rb").read(28), dtype="<i4").tolist()
-    assert header == [128, 384, 4, 8, 2, 512, 2048]
+    assert header == [128, 384, layers, 8, 2, 512, 2048]
     assert os.path.getsize(os.path.join(root, "model.bin")) == 28 + 4 * tb_model.Model(tb_model.Config(*header)).n_params() \
         + 4 * 2 * 2048 * 8  # the weights, then the two legacy RoPE tables (seq_len x head_size / 2 floats each)
 
 
-def test_the_shipped_lookahead_module_is_for_the_shipped_model():
-    """models/testbed/lookahead-n16.bin: its header (docs/lookaheadkv.md) names the testbed's dimensions and
-    its size is exactly the header plus its parameters (16 tokens, LoRA rank 8 on all seven targets)."""
-    data = open(os.path.join(SOURCE_DIR, "models", "testbed", "lookahead-n16.bin"), "rb").read()
+@pytest.mark.parametrize("sub,layers,_,params", SHIPPED)
+def test_the_shipped_lookahead_module_is_for_the_shipped_model(sub, layers, _, params):
+    """models/testbed/lookahead-n16.bin (and the 4-layer model's): its header (docs/lookaheadkv.md) names the
+    testbed's dimensions and its size is exactly the header plus its parameters (16 tokens, LoRA rank 8 on all
+    seven targets)."""
+    data = open(os.path.join(SOURCE_DIR, "models", "testbed", sub, "lookahead-n16.bin"), "rb").read()
     assert data[:8] == b"KVLOOKAH"
     version, = np.frombuffer(data[8:12], dtype="<u4")
     dims = np.frombuffer(data[12:44], dtype="<i4").tolist()  # dim, layers, heads, kv heads, hidden, vocab, n, rank
     placement, = np.frombuffer(data[48:52], dtype="<u4")
-    assert version == 1 and dims == [128, 4, 8, 2, 384, 512, 16, 8] and placement == 127
-    dim, layers, heads, kv, hidden = 128, 4, 8, 2, 384
+    assert version == 1 and dims == [128, layers, 8, 2, 384, 512, 16, 8] and placement == 127
+    dim, heads, kv, hidden = 128, 8, 2, 384
     kv_dim = dim * kv // heads
     shapes = [(dim, dim), (dim, kv_dim), (dim, kv_dim), (dim, dim), (dim, hidden), (hidden, dim), (dim, hidden)]
     count = 16 * dim + layers * sum(8 * (i + o) for i, o in shapes)
-    assert len(data) == 52 + 4 * count and count == 77824
+    assert len(data) == 52 + 4 * count and count == params

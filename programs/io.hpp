@@ -20,7 +20,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +40,7 @@ inline constexpr std::uint64_t npy_bytes = std::uint64_t(16) << 30;       ///< a
 inline constexpr std::uint64_t model_bytes = std::uint64_t(16) << 30;     ///< a llama2.c checkpoint
 inline constexpr std::uint64_t tokenizer_bytes = std::uint64_t(64) << 20; ///< a llama2.c tokenizer
 inline constexpr std::uint64_t module_bytes = std::uint64_t(4) << 30;     ///< a LookaheadKV module
+inline constexpr std::uint64_t token_lines_bytes = std::uint64_t(1) << 30; ///< a file of token-id lines (prompts)
 }  // namespace limit
 
 namespace detail {
@@ -146,6 +149,41 @@ inline status read_file(const std::string& path, const char* what, std::uint64_t
   KVEVICT_TRY(in.read_exact(out.data(), out.size()));
   if (std::fgetc(in.get()) != EOF)
     return status::error(errc::io_error, "%s: '%s' grew while it was read", what, path.c_str());
+  return {};
+}
+
+/// A file of token-id sequences (kvevict-lookahead's and kvevict-headgates' --prompts): one sequence a
+/// line, token ids as decimal integers separated by spaces, blank lines skipped. Errors name the file
+/// and the line; `what` names the option for read_file's messages. The ids' range is the caller's check.
+inline status read_token_lines(const std::string& path, const char* what, std::vector<std::vector<int>>& out) {
+  std::vector<unsigned char> bytes;
+  KVEVICT_TRY(read_file(path, what, limit::token_lines_bytes, bytes));
+  out.clear();
+  std::istringstream lines(std::string(bytes.begin(), bytes.end()));
+  std::string line;
+  for (long long n = 1; std::getline(lines, line); ++n) {
+    std::vector<int> ids;
+    std::istringstream words(line);
+    std::string w;
+    while (words >> w) {
+      long long v = 0;
+      std::size_t used = 0;
+      bool ok = !w.empty() && w.size() <= 9;
+      if (ok) {
+        try {
+          v = std::stoll(w, &used);
+        } catch (const std::exception&) {
+          ok = false;
+        }
+      }
+      if (!ok || used != w.size() || v < 0)
+        return status::error(errc::invalid_argument, "%s:%lld: \"%s\" is not a token id (a non-negative integer)",
+                             path.c_str(), n, w.c_str());
+      ids.push_back(static_cast<int>(v));
+    }
+    if (!ids.empty()) out.push_back(std::move(ids));
+  }
+  if (out.empty()) return status::error(errc::invalid_argument, "%s: no prompts", path.c_str());
   return {};
 }
 

@@ -39,6 +39,8 @@ struct common_options {
   std::string model = kvevict::program::shipped_model("stories260K.bin");
   int threads = 0;
   index_t texts = 64;
+  std::string prompts;   ///< given prompts instead of model-generated texts
+  index_t response = 8;  ///< with prompts: greedy response tokens (the distillation's labelled rows)
   kvrun::gate_train_options train;
 };
 
@@ -59,13 +61,25 @@ status load(const common_options& c, kvrun::model& m, kvrun::gated_lm<float>& lm
   KVEVICT_TRY(kvrun::model::load_file(c.model, m));
   lm.from(m);
   const auto t0 = std::chrono::steady_clock::now();
-  KVEVICT_TRY(kvrun::make_gate_samples(m, c.texts, c.threads, samples));
+  if (!c.prompts.empty()) {
+    std::vector<std::vector<int>> prompts;
+    KVEVICT_TRY(kvevict::io::read_token_lines(c.prompts, "--prompts", prompts));
+    if (auto st = kvrun::check_prompts(m.cfg(), prompts, c.response); !st.ok())
+      return status::error(st.code(), "%s: %s", c.prompts.c_str(), st.message());
+    KVEVICT_TRY(kvrun::gate_samples_from_prompts(m, prompts, c.response, c.threads, samples));
+  } else {
+    KVEVICT_TRY(kvrun::make_gate_samples(m, c.texts, c.threads, samples));
+  }
   std::size_t tokens = 0;
   for (const auto& s : samples) tokens += s.tokens.size();
-  std::fprintf(stderr, "%lld training texts (seeds %llu..%llu, %zu tokens) generated in %.1f s\n",
-               static_cast<long long>(c.texts), static_cast<unsigned long long>(kvrun::train_seed_base),
-               static_cast<unsigned long long>(kvrun::train_seed_base + static_cast<std::uint64_t>(c.texts) - 1), tokens,
-               seconds_since(t0));
+  if (!c.prompts.empty())
+    std::fprintf(stderr, "%zu training texts (%s with %lld greedy tokens each, %zu tokens) made in %.1f s\n", samples.size(),
+                 c.prompts.c_str(), static_cast<long long>(c.response), tokens, seconds_since(t0));
+  else
+    std::fprintf(stderr, "%lld training texts (seeds %llu..%llu, %zu tokens) generated in %.1f s\n",
+                 static_cast<long long>(c.texts), static_cast<unsigned long long>(kvrun::train_seed_base),
+                 static_cast<unsigned long long>(kvrun::train_seed_base + static_cast<std::uint64_t>(c.texts) - 1), tokens,
+                 seconds_since(t0));
   return {};
 }
 
@@ -230,7 +244,14 @@ int run(int argc, char** argv) {
   using kvevict::program::integer;
   app.add_option("--model", c.model, "llama2.c checkpoint")->capture_default_str();
   app.add_option("--threads", c.threads, "OpenMP threads (0 = OMP_NUM_THREADS or all cores)")->check(integer<int>())->capture_default_str();
-  app.add_option("--texts", c.texts, "training texts (model-generated, training seeds 1..N)")->check(integer<index_t>())->capture_default_str();
+  auto* texts = app.add_option("--texts", c.texts, "training texts (model-generated, training seeds 1..N)")
+                    ->check(integer<index_t>())->capture_default_str();
+  app.add_option("--prompts", c.prompts,
+                 "training prompts instead of model-generated texts: token ids (BOS first), one prompt a line; each text is "
+                 "the prompt and its greedy --response")
+      ->excludes(texts);
+  app.add_option("--response", c.response, "with --prompts: greedy tokens after each prompt (the distillation's rows)")
+      ->check(integer<index_t>())->capture_default_str();
   app.add_option("--steps", c.train.steps, "optimizer steps")->check(integer<index_t>())->capture_default_str();
   app.add_option("--batch", c.train.batch, "texts per step")->check(integer<index_t>())->capture_default_str();
   app.add_option("--seed", c.train.seed, "seed of the sample order, the initialisation and the gate samples")
@@ -274,6 +295,7 @@ int run(int argc, char** argv) {
   if (const int code = kvevict::program::parse_or_exit(app, argc, argv, "kvevict-headgates"); code >= 0) return code;
   if (c.threads < 0) return fail("--threads must be >= 0, got " + std::to_string(c.threads));
   if (c.texts < 1) return fail("--texts must be >= 1, got " + std::to_string(c.texts));
+  if (c.response < 1) return fail("--response must be >= 1, got " + std::to_string(c.response));
   if (c.train.steps < 1) return fail("--steps must be >= 1, got " + std::to_string(c.train.steps));
   if (c.train.batch < 1) return fail("--batch must be >= 1, got " + std::to_string(c.train.batch));
   if (c.train.log_every < 1) return fail("--log-every must be >= 1, got " + std::to_string(c.train.log_every));
@@ -281,15 +303,18 @@ int run(int argc, char** argv) {
     return fail("--sink must be >= 0 and --recent >= 1, got " + std::to_string(c.train.window.sink) + " and " +
                 std::to_string(c.train.window.recent));
   c.train.threads = c.threads;
+  std::vector<kvevict::io::named_path> inputs{{"--model", c.model}};
+  if (!c.prompts.empty()) inputs.push_back({"--prompts", c.prompts});
   if (*prulong) {
     for (double s : sparsities)
       if (!(s >= 0 && s <= 1)) return fail("--sparsities: " + std::to_string(s) + " is outside [0, 1]");
     if (sparsities.empty()) return fail("--sparsities: give at least one sparsity");
     std::error_code ec;
     if (!std::filesystem::is_directory(out_dir, ec)) return fail("--out-dir: '" + out_dir + "' is not a directory");
+    if (auto st = kvevict::io::check_paths(inputs, {}); !st.ok()) return fail(st);
     return cmd_prulong(c, sparsities, out_dir, pp, plot);
   }
-  if (auto st = kvevict::io::check_paths({{"--model", c.model}}, {{"--out", duo_out}}); !st.ok()) return fail(st);
+  if (auto st = kvevict::io::check_paths(inputs, {{"--out", duo_out}}); !st.ok()) return fail(st);
   return cmd_duo(c, duo_out, dp);
 }
 

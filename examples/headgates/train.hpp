@@ -10,13 +10,14 @@
 //     gated and the full model (on the labelled rows) + reg * mean alpha (L1: alpha >= 0);
 //     head types by thresholding alpha (or its top k for a sparsity).
 // Data: model-generated texts of the training seeds (lookaheadkv/data.hpp), disjoint from the
-// report's test prompts. Per-sample gradients are summed in sample order, so a seed gives the same
-// gates whatever the thread count.
+// report's test prompts, or given prompts with the model's greedy responses. Per-sample gradients
+// are summed in sample order, so a seed gives the same gates whatever the thread count.
 #pragma once
 
 #include <headgates/gated.hpp>
 #include <lookaheadkv/data.hpp>
 #include <lookaheadkv/module.hpp>
+#include <lookaheadkv/train.hpp>
 #include <runner/workers.hpp>
 
 #include <kvevict/train/prulong.hpp>
@@ -35,11 +36,8 @@ struct gate_sample {
   std::vector<float> full_hidden;  ///< DuoAttention: the full model's final hidden states [n][dim]
 };
 
-/// The training texts: pairs of seeds [train_seed_base, + count), prompt then greedy response.
-inline status make_gate_samples(const model& m, index_t count, int threads, std::vector<gate_sample>& out) {
-  std::vector<text_pair> pairs;
-  KVEVICT_TRY(make_pairs(m, pair_options{}, train_seed_base, train_seed_base + static_cast<std::uint64_t>(count), pairs,
-                         threads));
+/// Training texts from pairs: prompt then response, the response the distillation's labelled rows.
+inline void gate_samples_of(const std::vector<text_pair>& pairs, std::vector<gate_sample>& out) {
   out.clear();
   for (const text_pair& p : pairs) {
     gate_sample s;
@@ -48,6 +46,24 @@ inline status make_gate_samples(const model& m, index_t count, int threads, std:
     s.response_from = static_cast<index_t>(p.prompt.size());
     out.push_back(std::move(s));
   }
+}
+
+/// The training texts: pairs of seeds [train_seed_base, + count), prompt then greedy response.
+inline status make_gate_samples(const model& m, index_t count, int threads, std::vector<gate_sample>& out) {
+  std::vector<text_pair> pairs;
+  KVEVICT_TRY(make_pairs(m, pair_options{}, train_seed_base, train_seed_base + static_cast<std::uint64_t>(count), pairs,
+                         threads));
+  gate_samples_of(pairs, out);
+  return {};
+}
+
+/// The training texts from given prompts (`kvevict-headgates --prompts`: the testbed's retrieval
+/// questions, DuoAttention's passkey setting): each prompt then its greedy `response` tokens.
+inline status gate_samples_from_prompts(const model& m, const std::vector<std::vector<int>>& prompts, index_t response,
+                                        int threads, std::vector<gate_sample>& out) {
+  std::vector<text_pair> pairs;
+  KVEVICT_TRY(pairs_from_prompts(m, prompts, response, pairs, threads));
+  gate_samples_of(pairs, out);
   return {};
 }
 

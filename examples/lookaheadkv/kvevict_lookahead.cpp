@@ -140,40 +140,6 @@ status make_samples(const kvrun::model& m, const common_options& c, std::uint64_
                                       [&](index_t d, index_t total) { progress_line(label.c_str(), d, total, t); });
 }
 
-// A --prompts file: one prompt a line, token ids as decimal integers separated by spaces (blank lines
-// skipped). Errors name the file and the line.
-status read_prompts(const std::string& path, std::vector<std::vector<int>>& out) {
-  std::vector<unsigned char> bytes;
-  KVEVICT_TRY(kvevict::io::read_file(path, "--prompts", std::uint64_t(1) << 30, bytes));
-  out.clear();
-  std::istringstream lines(std::string(bytes.begin(), bytes.end()));
-  std::string line;
-  for (long long n = 1; std::getline(lines, line); ++n) {
-    std::vector<int> ids;
-    std::istringstream words(line);
-    std::string w;
-    while (words >> w) {
-      long long v = 0;
-      std::size_t used = 0;
-      bool ok = !w.empty() && w.size() <= 9;
-      if (ok) {
-        try {
-          v = std::stoll(w, &used);
-        } catch (const std::exception&) {
-          ok = false;
-        }
-      }
-      if (!ok || used != w.size() || v < 0)
-        return status::error(kvevict::errc::invalid_argument, "%s:%lld: \"%s\" is not a token id (a non-negative integer)",
-                             path.c_str(), n, w.c_str());
-      ids.push_back(static_cast<int>(v));
-    }
-    if (!ids.empty()) out.push_back(std::move(ids));
-  }
-  if (out.empty()) return status::error(kvevict::errc::invalid_argument, "%s: no prompts", path.c_str());
-  return {};
-}
-
 // The training and validation samples: from --prompts / --val-prompts when given, else model-generated
 // pairs of the training and validation seed ranges.
 status training_data(const kvrun::model& m, const common_options& c, const train_cli& t,
@@ -186,7 +152,7 @@ status training_data(const kvrun::model& m, const common_options& c, const train
   std::vector<std::vector<int>> prompts[2];
   const std::string* paths[2] = {&t.prompts, &t.val_prompts};
   for (int i = 0; i < 2; ++i) {
-    KVEVICT_TRY(read_prompts(*paths[i], prompts[i]));
+    KVEVICT_TRY(kvevict::io::read_token_lines(*paths[i], "--prompts", prompts[i]));
     if (auto st = kvrun::check_prompts(m.cfg(), prompts[i], c.response); !st.ok())
       return status::error(st.code(), "%s: %s", paths[i]->c_str(), st.message());
   }

@@ -523,6 +523,26 @@ inline status check_prompts(const config& c, const std::vector<std::vector<int>>
   return {};
 }
 
+namespace detail {
+/// Pair `seed`: the prompt and the next `response` tokens decoded greedily with the full cache after a
+/// block prefill of it; cp (when given) is the cache at the end of the prompt.
+inline status pair_from_prompt(runner_worker& w, const config& c, const std::vector<int>& prompt, std::uint64_t seed,
+                               index_t response, text_pair& p, cache_checkpoint* cp) {
+  p.seed = seed;
+  p.prompt = prompt;
+  p.response.clear();
+  w.cache.clear();
+  KVEVICT_TRY(w.run.forward(w.cache, tokens(p.prompt), logits_mode::last));
+  if (cp != nullptr) *cp = w.cache.save();
+  while (static_cast<index_t>(p.response.size()) < response) {
+    const int t = sampler::argmax(w.run.logits(0), c.vocab_size);
+    p.response.push_back(t);
+    if (static_cast<index_t>(p.response.size()) < response) KVEVICT_TRY(w.run.decode(w.cache, t));
+  }
+  return {};
+}
+}  // namespace detail
+
 /// Samples from given prompts instead of model-generated ones (the testbed's retrieval prompts,
 /// docs/testbed.md): pair k is prompt k as X (seed k), Y = the next `response` tokens decoded greedily
 /// with the full cache after a block prefill of X, and its sample (the prompt KV rolled back to the
@@ -530,25 +550,30 @@ inline status check_prompts(const config& c, const std::vector<std::vector<int>>
 inline status samples_from_prompts(const model& m, const std::vector<std::vector<int>>& prompts, index_t response,
                                    std::vector<text_pair>& pairs_out, std::vector<lookahead_sample>& samples_out,
                                    int threads = 0, const std::function<void(index_t, index_t)>& progress = {}) {
-  const config& c = m.cfg();
-  KVEVICT_TRY(check_prompts(c, prompts, response));
+  KVEVICT_TRY(check_prompts(m.cfg(), prompts, response));
   return detail::samples_of(
       m, static_cast<index_t>(prompts.size()), threads, progress,
-      [&](runner_worker& w, index_t i, text_pair& p, cache_checkpoint& cp) -> status {
-        p.seed = static_cast<std::uint64_t>(i);
-        p.prompt = prompts[static_cast<std::size_t>(i)];
-        p.response.clear();
-        w.cache.clear();
-        KVEVICT_TRY(w.run.forward(w.cache, tokens(p.prompt), logits_mode::last));
-        cp = w.cache.save();
-        while (static_cast<index_t>(p.response.size()) < response) {
-          const int t = sampler::argmax(w.run.logits(0), c.vocab_size);
-          p.response.push_back(t);
-          if (static_cast<index_t>(p.response.size()) < response) KVEVICT_TRY(w.run.decode(w.cache, t));
-        }
-        return {};
+      [&](runner_worker& w, index_t i, text_pair& p, cache_checkpoint& cp) {
+        return detail::pair_from_prompt(w, m.cfg(), prompts[static_cast<std::size_t>(i)], static_cast<std::uint64_t>(i),
+                                        response, p, &cp);
       },
       pairs_out, samples_out);
+}
+
+/// The pairs of samples_from_prompts without LookaheadKV's samples (kvevict-headgates --prompts):
+/// pair k is prompt k (seed k) and its greedy response. Errors: check_prompts', then the runner's.
+inline status pairs_from_prompts(const model& m, const std::vector<std::vector<int>>& prompts, index_t response,
+                                 std::vector<text_pair>& out, int threads = 0) {
+  KVEVICT_TRY(check_prompts(m.cfg(), prompts, response));
+  std::vector<text_pair> pairs(prompts.size());
+  std::vector<runner_worker> workers(static_cast<std::size_t>(thread_count(threads)));
+  for (runner_worker& w : workers) KVEVICT_TRY(w.init(m));
+  KVEVICT_TRY(for_each_item(workers, static_cast<index_t>(prompts.size()), [&](runner_worker& w, index_t i) {
+    const auto k = static_cast<std::size_t>(i);
+    return detail::pair_from_prompt(w, m.cfg(), prompts[k], static_cast<std::uint64_t>(i), response, pairs[k], nullptr);
+  }));
+  out = std::move(pairs);
+  return {};
 }
 
 /// prepare_sample for many pairs on `threads` OpenMP threads (0: all), one runner each.

@@ -41,9 +41,15 @@ import tb_data
 RECIPES = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "knorm", "vatp", "adakv", "cake", "lava", "laq",
            "laq++", "speckv", "lookaheadkv", "oracle")
 DRIVERS = ("postfill", "layerwise", "chunked-naive", "chunked-patched", "decode")
+HEAD_TYPES = ("duo",)
+"""recipes whose head types come from a trained mask (`--head-mask`, kvevict-headgates): their sweep is over
+the sparsity (% streaming heads, the mask's top heads retrieval: `kvevict-run --head-sparsity`), not the budget;
+post-fill, and chunked where the streaming heads stream during the prefill (naive = patched: nothing is scored)"""
 
 
 def default_matrix(recipe: str, driver: str) -> bool:
+    if recipe in HEAD_TYPES:
+        return driver in ("postfill", "chunked-naive")
     if driver == "postfill":
         return True
     if driver == "layerwise":
@@ -106,6 +112,9 @@ def run_one(opts, ex: Example, config):
         cmd += ["--recipe", recipe, "--driver", driver, "--budget", str(budget), "--window", str(opts.window), "--stats"]
         if recipe == "lookaheadkv":
             cmd += ["--lookahead-module", opts.lookahead_module]
+        if recipe in HEAD_TYPES:  # (the budget only has to cover the streaming heads' 4 sinks + 12 recent tokens)
+            cmd[cmd.index("--budget") + 1] = "16"
+            cmd += ["--head-mask", opts.head_mask, "--head-sparsity", str(budget / 100)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit status {p.returncode}"}
@@ -134,7 +143,7 @@ class ResultStore:
     """`report --results F`: every kvevict-run call's result as a JSON line, so that a rerun with the same
     file runs only the calls it lacks (a report cut short resumes; a run on the same examples with other
     budgets, recipes, drivers or window reuses what matches). A call is keyed by what decides its result: the checkpoint's and
-    (LookaheadKV) the module's sha256, the configuration, the window (not for the full cache) and the
+    (LookaheadKV) the module's or (head types) the mask's sha256, the configuration, the window (not for the full cache) and the
     example's prompt and answer ids. Each line also names the kvevict-run binary (sha256): results made
     by another binary are used only after a sample of them, rerun with this one, gave the same results."""
 
@@ -145,6 +154,7 @@ class ResultStore:
         self.path, self.window = path, opts.window
         self.runner, self.model = tb_data.sha256_of(opts.kvevict_run), tb_data.sha256_of(opts.checkpoint)
         self.module = tb_data.sha256_of(opts.lookahead_module) if opts.lookahead_module else ""
+        self.mask = tb_data.sha256_of(opts.head_mask) if getattr(opts, "head_mask", "") else ""
         self.held = {}  # key -> (runner sha256, result)
         text = ""
         if os.path.exists(path):
@@ -165,8 +175,9 @@ class ResultStore:
     def key(self, ex, config):
         recipe, driver, budget = config
         ids = hashlib.sha256(json.dumps([ex.prompt, ex.answer]).encode()).hexdigest()
-        return json.dumps([self.model, self.module if recipe == "lookaheadkv" else "", recipe, driver, budget,
-                           0 if recipe == "full" else self.window, ids])
+        module = self.module if recipe == "lookaheadkv" else self.mask if recipe in HEAD_TYPES else ""
+        return json.dumps([self.model, module, recipe, driver, budget,
+                           0 if recipe == "full" or recipe in HEAD_TYPES else self.window, ids])
 
     def add(self, key, result):
         self.held[key] = (self.runner, result)
@@ -327,6 +338,7 @@ def run_report(opts, examples, log=print):
     return {"what": "testbed retrieval report (examples/testbed/tb_report.py)", "model": opts.checkpoint,
             "split": opts.split, "per_cell": opts.per_cell, "lengths": lengths, "kinds": kinds,
             "budgets": list(opts.budgets), "window": opts.window, "fraction_of_full": opts.fraction,
+            "head_mask": getattr(opts, "head_mask", "") if any(r in HEAD_TYPES for r in opts.recipes) else "",
             "examples": [{"kind": e.kind, "length": e.length, "needles": e.needles, "prompt_tokens": len(e.prompt),
                           "answer_tokens": len(e.answer), "depth": e.depth} for e in examples],
             "rows": rows, "critical": crit, "skipped": skipped, "seconds": time.time() - t0, "calls_run": calls}
@@ -359,13 +371,23 @@ def paper_pairs(rep):
     return out
 
 
+def sweep(rep):
+    """(column label of a sweep point, the sweep's description): budgets (tokens per KV head), or for a
+    head-type run (HEAD_TYPES) sparsities (% streaming heads)."""
+    if rep.get("head_mask"):
+        return (lambda b: f"S = {b} %"), (f"sparsities {rep['budgets']} (% streaming heads; the top heads of "
+                                          f"{os.path.basename(rep['head_mask'])} retrieval heads)")
+    return (lambda b: f"B = {b}"), f"budgets {rep['budgets']} (tokens per KV head)"
+
+
 def markdown(rep):
     """Tables: the full cache per kind and length; per kind, exact match (± se) [paired difference to
     SnapKV post-fill] / mean footprint at every budget; the seed papers' pairs; exact match at the longest
     length (when there are several); the critical footprints."""
+    col, swept = sweep(rep)
     out = [f"# Testbed retrieval report: {os.path.basename(rep['model'])}", "",
            f"{rep['split']} split, {rep['per_cell']} examples per (kind, length), lengths {rep['lengths']}, "
-           f"budgets {rep['budgets']} (tokens per KV head), window {rep['window']}; exact match of the answer's "
+           f"{swept}, window {rep['window']}; exact match of the answer's "
            "tokens, greedy, with the standard error over the examples.", ""]
     full = [r for r in rep["rows"] if r["recipe"] == "full"]
     out += ["## Full cache", "", "| kind | " + " | ".join(f"{L}" for L in rep["lengths"]) + " | all | code digits |",
@@ -379,7 +401,7 @@ def markdown(rep):
     for kind in rep["kinds"]:
         out += ["", f"## Question {kind} the context: exact match (± se) [− SnapKV post-fill] / KV footprint", "",
                 f"`*` p < 0.05, `**` p < 0.05 / {m} (Bonferroni over the report's paired comparisons).", "",
-                "| method / driver | " + " | ".join(f"B = {b}" for b in rep["budgets"]) + " |",
+                "| method / driver | " + " | ".join(col(b) for b in rep["budgets"]) + " |",
                 "| --- |" + " ---: |" * len(rep["budgets"])]
         names = []
         for r in rep["rows"]:
@@ -401,7 +423,7 @@ def markdown(rep):
         out += ["", "## The seed papers' pairs: exact match of A − B, paired over the examples", "",
                 f"`*` p < 0.05, `**` p < 0.05 / {len(pairs)} (Bonferroni over this table); the paper whose ranking "
                 "(A at least as good as B) the row tests.", "",
-                "| A − B | paper | question | " + " | ".join(f"B = {b}" for b in rep["budgets"]) + " |",
+                "| A − B | paper | question | " + " | ".join(col(b) for b in rep["budgets"]) + " |",
                 "| --- | --- | --- |" + " ---: |" * len(rep["budgets"])]
         rows = {}
         for a, b, src, kind, budget, d in pairs:
@@ -413,7 +435,7 @@ def markdown(rep):
     if len(rep["lengths"]) > 1:  # the long contexts the methods are meant for, apart from the mean over lengths
         L = str(max(rep["lengths"]))
         out += ["", f"## Exact match at {L} tokens (± se)", "",
-                "| method / driver | question | " + " | ".join(f"B = {b}" for b in rep["budgets"]) + " |",
+                "| method / driver | question | " + " | ".join(col(b) for b in rep["budgets"]) + " |",
                 "| --- | --- |" + " ---: |" * len(rep["budgets"])]
         names = []
         for r in rep["rows"]:
@@ -442,7 +464,7 @@ def markdown(rep):
                    + f" | {100 * lo:.1f} – {100 * hi:.1f} |")
     if rep["skipped"]:
         out += ["", "## Configurations the runner refused", ""]
-        out += [f"- {s['recipe']} / {s['driver']} / B = {s['budget']}: {s['error']}" for s in rep["skipped"]]
+        out += [f"- {s['recipe']} / {s['driver']} / {col(s['budget'])}: {s['error']}" for s in rep["skipped"]]
     return "\n".join(out) + "\n"
 
 
@@ -478,8 +500,11 @@ def svg(rep):
                            label=f"F = {rep['fraction_of_full']:.0%} of full")
             ax.set_ylim(-0.02, 1.02)
             ax.set_ylabel(f"exact match, question {kind}")
-        axes[ki][0].set_xscale("log", base=2)
-        axes[ki][0].set_xlabel("KV budget (tokens per KV head)")
+        if rep.get("head_mask"):
+            axes[ki][0].set_xlabel("sparsity (% streaming heads)")
+        else:
+            axes[ki][0].set_xscale("log", base=2)
+            axes[ki][0].set_xlabel("KV budget (tokens per KV head)")
         axes[ki][1].set_xlabel("KV footprint (fraction of the full cache's)")
     handles, labels = axes[0][1].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))

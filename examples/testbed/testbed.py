@@ -878,9 +878,19 @@ def cmd_report(args):
         r for r in tb_report.RECIPES if r != "lookaheadkv" or args.lookahead_module]
     args.drivers = csv_list(args.drivers) if args.drivers else list(tb_report.DRIVERS)
     args.budgets = csv_list(args.budgets, int)
+    known = tb_report.RECIPES + ("duo-heuristic",) + tb_report.HEAD_TYPES
     for r in args.recipes:
-        if r not in tb_report.RECIPES + ("duo-heuristic",):
-            raise SystemExit(f"report: --recipes: unknown or unsupported recipe {r!r} (one of {', '.join(tb_report.RECIPES)}, duo-heuristic)")
+        if r not in known:
+            raise SystemExit(f"report: --recipes: unknown or unsupported recipe {r!r} (one of {', '.join(known)})")
+    heads = [r for r in args.recipes if r in tb_report.HEAD_TYPES]
+    if heads:
+        if not (args.head_mask and os.path.isfile(args.head_mask)):
+            raise SystemExit(f"report: {heads[0]} needs --head-mask, a mask trained for this model (testbed.py headgates)")
+        if len(heads) != len(args.recipes):
+            raise SystemExit(f"report: {heads[0]} sweeps the sparsity (--budgets in %), the other recipes the budget: "
+                             "give it a run of its own")
+        if any(not 0 < b < 100 for b in args.budgets):
+            raise SystemExit(f"report: {heads[0]}: --budgets are sparsities in %, each in (0, 100), got {args.budgets}")
     for d in args.drivers:
         if d not in tb_report.DRIVERS:
             raise SystemExit(f"report: --drivers: unknown driver {d!r} (one of {', '.join(tb_report.DRIVERS)})")
@@ -982,6 +992,35 @@ def cmd_lookahead(args):
            "--lr", str(args.lr), "--seed", str(args.seed), "--log-every", str(args.log_every),
            "--validate-every", str(args.validate_every)] + args.extra
     print("lookahead: " + " ".join(cmd[:1] + [c if len(c) < 200 else "..." for c in cmd[1:]]), flush=True)
+    raise SystemExit(subprocess.run(cmd).returncode)
+
+
+def cmd_headgates(args):
+    """DuoAttention's gates for a testbed model with the existing trainer (kvevict-headgates duo, docs/prulong.md):
+    DuoAttention's passkey setting, retrieval prompts of the train split (example indices 32,000,000 ..,
+    apart from the LookaheadKV prompts) with the model's greedy answers as the distilled rows."""
+    for what, path in (("--checkpoint", args.checkpoint), ("--kvevict-headgates", args.kvevict_headgates)):
+        if not os.path.isfile(path):
+            raise SystemExit(f"headgates: {what} {path} is not a file")
+    seq_len = checkpoint_context(args.checkpoint, "headgates")
+    lengths = csv_list(args.lengths, int)
+    if not lengths or any(L > seq_len or L - args.response < 128 for L in lengths):
+        raise SystemExit(f"headgates: --lengths {lengths}: each at most the context {seq_len} and >= 128 + --response")
+    if args.prompts < 1 or args.response < 1:
+        raise SystemExit("headgates: --prompts and --response must be >= 1")
+    work = args.work_dir or os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(work):
+        raise SystemExit(f"headgates: {work} is not a directory")
+    gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, "train.jsonl")), "train",
+                            args.seed)
+    prompts = os.path.join(work, "headgates_prompts.txt")
+    write_atomic(prompts, "".join(" ".join(map(str, ids)) + "\n" for ids in lookahead_prompts(
+        gen, 32_000_000, args.prompts, lengths, args.response, args.keys, args.fact_format)))
+    print(f"headgates: {args.prompts} train prompts (lengths {lengths}) in {prompts}", flush=True)
+    cmd = [args.kvevict_headgates, "--model", args.checkpoint, "--threads", str(args.threads), "--prompts", prompts,
+           "--response", str(args.response), "--steps", str(args.steps), "--batch", str(args.batch), "--seed",
+           str(args.seed), "--log-every", str(args.log_every), "duo", "--out", args.out] + args.extra
+    print("headgates: " + " ".join(cmd), flush=True)
     raise SystemExit(subprocess.run(cmd).returncode)
 
 
@@ -1146,6 +1185,8 @@ def main(argv=None):
     p.add_argument("--recipes", default="", help="comma-separated (default: every recipe of tb_report.RECIPES)")
     p.add_argument("--drivers", default="", help="comma-separated (default: all; the runner report's matrix)")
     p.add_argument("--lookahead-module", default="", help="lookaheadkv's module for this model (else left out)")
+    p.add_argument("--head-mask", default="", help="duo's head mask for this model (testbed.py headgates); a run with "
+                                                   "duo takes --budgets as sparsities in %% (streaming heads)")
     p.add_argument("--fraction", type=float, default=0.9, help="F of the critical footprint")
     p.add_argument("--bootstrap", type=int, default=200)
     p.add_argument("--jobs", type=int, default=2, help="kvevict-run processes at a time")
@@ -1176,6 +1217,23 @@ def main(argv=None):
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--validate-every", type=int, default=200)
     p.add_argument("extra", nargs="*", help="further kvevict-lookahead train options (after --)")
+    p = sub.add_parser("headgates", help="train DuoAttention's gates for a testbed model (kvevict-headgates duo on "
+                                         "testbed prompts)")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--kvevict-headgates", required=True)
+    p.add_argument("--stories-dir", required=True)
+    p.add_argument("--out", required=True, help="the alpha TSV file")
+    p.add_argument("--work-dir", default="", help="where the prompt file goes (default: --out's directory)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--lengths", default="256,512,1024", help="comma-separated (the trainer's cost grows with the square)")
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--response", type=int, default=8, help="greedy tokens after the prompt (the answer: ~7)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--log-every", type=int, default=10)
+    question_args(p)
+    p.add_argument("extra", nargs="*", help="further kvevict-headgates duo options (after --)")
     p = sub.add_parser("bench", help="training tokens/s per length")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-tokens", type=int, default=4096)
@@ -1192,7 +1250,7 @@ def main(argv=None):
                                      log=log_to(None))
     else:
         {"train": cmd_train, "eval": cmd_eval, "probe": cmd_probe, "digits": cmd_digits, "synth": cmd_synth, "plot": cmd_plot, "dump": cmd_dump, "export": cmd_export, "parity": cmd_parity,
-         "report": cmd_report, "summary": cmd_summary, "lookahead": cmd_lookahead, "schedule": cmd_schedule, "make": cmd_make,
+         "report": cmd_report, "summary": cmd_summary, "lookahead": cmd_lookahead, "headgates": cmd_headgates, "schedule": cmd_schedule, "make": cmd_make,
          "bench": cmd_bench}[args.cmd](args)
 
 

@@ -546,6 +546,44 @@ def test_report_scores_the_runner_and_writes_its_files(tmp_path, tok):
                       "--out-dir", str(out)])
 
 
+def test_report_head_type_rows_sweep_the_sparsity(tmp_path, tok):
+    """duo with a head mask: its sweep is over the sparsity (kvevict-run --head-sparsity S/100 with the mask), the
+    chunked driver streams during the prefill (the footprint falls with S; post-fill it stays near 1), results are
+    keyed by the mask's sha256, the tables say S; the command refuses a missing mask, mixed sweeps, bad S."""
+    run = built("KVEVICT_RUN")
+    import tb_report
+    m, path = exported_small_model(tmp_path)
+    mask = tmp_path / "duo.tsv"
+    mask.write_text("0.9\t0.2\n0.7\t0.4\n")  # 2 layers x 2 KV heads, DuoAttention's alpha
+    gen = tb_data.Generator(tok, STORIES, "test", 1)
+    examples = [tb_report.Example(e, i) for i, e in enumerate(tb_data.eval_set(gen, 1, lengths=(256,), kinds=("after",)))]
+    opts = argparse.Namespace(kvevict_run=run, checkpoint=path, threads=1, window=8, lookahead_module="",
+                              head_mask=str(mask), recipes=["duo"], drivers=["postfill", "chunked-naive", "decode"],
+                              budgets=[25, 75], jobs=2, progress_every=1e9, fraction=0.9, bootstrap=5, split="test",
+                              per_cell=1, results=str(tmp_path / "results.jsonl"))
+    rep = tb_report.run_report(opts, examples, log=lambda _: None)
+    rows = {(r["recipe"], r["driver"], r["budget"]): r for r in rep["rows"]}
+    assert set(rows) == {("full", "postfill", 0)} | {("duo", d, s) for d in ("postfill", "chunked-naive") for s in (25, 75)}
+    assert rep["head_mask"] == str(mask) and not rep["skipped"]
+    chunked = [rows[("duo", "chunked-naive", s)]["footprint"] for s in (25, 75)]
+    assert chunked[1] < chunked[0] < rows[("duo", "postfill", 25)]["footprint"]  # 1 / 3 streaming heads, then fewer
+    assert rows[("duo", "postfill", 75)]["footprint"] > 0.9  # post-fill: the whole prompt is held while it is read
+    md = tb_report.markdown(rep)
+    assert "| method / driver | S = 25 % | S = 75 % |" in md and "sparsities [25, 75] (% streaming heads" in md
+    store = tb_report.ResultStore(opts.results, opts)
+    key = json.loads(store.key(examples[0], ("duo", "chunked-naive", 75)))
+    assert key[1] == tb_data.sha256_of(str(mask)) and key[5] == 0 and store.key(examples[0], ("duo", "chunked-naive", 75)) in store.held
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    (stories / "test.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    common = ["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories), "--out-dir", str(tmp_path)]
+    for extra, message in ((["--recipes", "duo"], "duo needs --head-mask"),
+                           (["--recipes", "duo,snapkv", "--head-mask", str(mask)], "give it a run of its own"),
+                           (["--recipes", "duo", "--head-mask", str(mask), "--budgets", "25,100"], "each in \\(0, 100\\)")):
+        with pytest.raises(SystemExit, match=message):
+            testbed.main(common + extra)
+
+
 def test_paper_pairs_are_paired_over_the_examples():
     """The seed papers' pairs: A - B of exact match per example (mean, standard error, p), only where the
     report holds both rows; the markdown's table lists them with the Bonferroni count of that table."""
@@ -647,6 +685,32 @@ def test_lookahead_prompts_leave_room_for_the_response(tok):
         text = tok.decode(ids[1:])
         assert text.rstrip().endswith("Answer:") and text.lstrip().startswith("Question:") == (j % 2 == 1)
     assert prompts == testbed.lookahead_prompts(gen, 30_000_000, 6, [256, 512], 24)  # a function of the seed
+
+
+def test_headgates_writes_retrieval_prompts_and_runs_the_duo_trainer(tmp_path, tok):
+    """testbed.py headgates: the train split's retrieval prompts (lookahead_prompts from example 32,000,000) in
+    WORK/headgates_prompts.txt, then kvevict-headgates duo on them (a stand-in program records its arguments)."""
+    m, path = exported_small_model(tmp_path)
+    stories = tmp_path / "stories"
+    stories.mkdir()
+    (stories / "train.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
+    fake = tmp_path / "kvevict-headgates"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args.txt\n")
+    fake.chmod(0o755)
+    out = tmp_path / "duo.tsv"
+    with pytest.raises(SystemExit) as done:
+        testbed.main(["headgates", "--checkpoint", path, "--kvevict-headgates", str(fake), "--stories-dir", str(stories),
+                      "--out", str(out), "--prompts", "4", "--lengths", "256,512", "--response", "8", "--steps", "3"])
+    assert done.value.code == 0
+    lines = (tmp_path / "headgates_prompts.txt").read_text().splitlines()
+    gen = tb_data.Generator(tok, STORIES, "train", 1)
+    assert [[int(x) for x in line.split()] for line in lines] == testbed.lookahead_prompts(gen, 32_000_000, 4, [256, 512], 8)
+    args = (tmp_path / "args.txt").read_text().split()
+    assert args[args.index("--prompts") + 1] == str(tmp_path / "headgates_prompts.txt") and args[-3:] == ["duo", "--out", str(out)]
+    assert args[args.index("--response") + 1] == "8" and args[args.index("--steps") + 1] == "3"
+    with pytest.raises(SystemExit, match="--lengths \\[4096\\]"):
+        testbed.main(["headgates", "--checkpoint", path, "--kvevict-headgates", str(fake), "--stories-dir", str(stories),
+                      "--out", str(out), "--lengths", "4096"])
 
 
 TINY = ["--dim", "32", "--hidden", "48", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "512"]

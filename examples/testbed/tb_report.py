@@ -396,12 +396,14 @@ def markdown(rep):
         cells = [f"{m:.3f} ± {s:.3f}" for m, s in (r["per_length"][str(L)] for L in rep["lengths"])]
         out.append(f"| {r['kind']} | " + " | ".join(cells) + f" | {r['exact_match']:.3f} ± {r['se']:.3f} | "
                    f"{r['code_digits']:.3f} |")
-    m = max(1, sum(1 for r in rep["rows"] if "d_snapkv" in r))
+    m = sum(1 for r in rep["rows"] if "d_snapkv" in r)
     by_config = rows_by_config(rep["rows"])
     for kind in rep["kinds"]:
-        out += ["", f"## Question {kind} the context: exact match (± se) [− SnapKV post-fill] / KV footprint", "",
-                f"`*` p < 0.05, `**` p < 0.05 / {m} (Bonferroni over the report's paired comparisons).", "",
-                "| method / driver | " + " | ".join(col(b) for b in rep["budgets"]) + " |",
+        out += ["", f"## Question {kind} the context: exact match (± se){' [− SnapKV post-fill]' if m else ''} / KV "
+                "footprint", ""]
+        if m:
+            out += [f"`*` p < 0.05, `**` p < 0.05 / {m} (Bonferroni over the report's paired comparisons).", ""]
+        out += ["| method / driver | " + " | ".join(col(b) for b in rep["budgets"]) + " |",
                 "| --- |" + " ---: |" * len(rep["budgets"])]
         names = []
         for r in rep["rows"]:
@@ -415,7 +417,8 @@ def markdown(rep):
                     cells.append("—")
                     continue
                 diff = r.get("d_snapkv")
-                ds = (f" [{diff['mean']:+.3f} ± {diff['se']:.3f}{stars(diff['p'], m)}]" if diff else " [ref]")
+                ds = (f" [{diff['mean']:+.3f} ± {diff['se']:.3f}{stars(diff['p'], m)}]" if diff
+                      else " [ref]" if (rc, d) == ("snapkv", "postfill") else "")
                 cells.append(f"{r['exact_match']:.3f} ± {r['se']:.3f}{ds} / {r['footprint']:.3f}")
             out.append(f"| {config_name(rc, d)} | " + " | ".join(cells) + " |")
     pairs = paper_pairs(rep)

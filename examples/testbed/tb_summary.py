@@ -1,9 +1,9 @@
-"""docs/report.md's testbed tables from the five report runs' JSON (`testbed.py summary`).
+"""docs/report.md's testbed tables from the report runs' JSON (`testbed.py summary`).
 
 Each run (tb_report.run_report) writes its own tables; docs/report.md combines them: the full cache and
 the budget sweep of the matrix with the query-agnostic run's rows (marked †, lengths 256-1024), the
 query-agnostic methods at 2032 tokens, the seed papers' pairs from the run that holds both rows, the
-larger budgets with their footprints, and every critical footprint. The rows and their order are the
+larger budgets and the head-type run (sparsities) with their footprints, and every critical footprint. The rows and their order are the
 ones docs/report.md discusses (MATRIX_ROWS and the others below); a row a run does not hold is left out.
 """
 from __future__ import annotations
@@ -26,7 +26,9 @@ QUERY_AGNOSTIC_ROWS = (("snapkv", "postfill"), ("speckv", "postfill"), ("laq", "
 BUDGET_ROWS = (("snapkv", "postfill"), ("snapkv", "chunked-naive"), ("snapkv", "chunked-patched"),
                ("lava", "postfill"), ("lava", "chunked-naive"), ("lava", "chunked-patched"))
 """the larger-budget table's rows"""
-RUNS = ("matrix", "query_agnostic", "budgets", "window8", "at_2048")
+HEAD_TYPE_ROWS = (("duo", "postfill"), ("duo", "chunked-naive"))
+"""the head-type run's rows (its sweep is over the sparsity: % streaming heads)"""
+RUNS = ("matrix", "query_agnostic", "budgets", "window8", "at_2048", "head_types")
 
 
 def load(dirs: Dict[str, str]) -> Dict[str, dict]:
@@ -63,7 +65,8 @@ def budget_sweep(rep: dict, rows, tag: str = "", header: bool = True, footprints
     by, out = tb_report.rows_by_config(rep["rows"]), []
     budgets = rep["budgets"]
     if header:
-        fp = f" footprint at B = {budgets[0]} … {budgets[-1]} |" if footprints else ""
+        axis = "S" if rep.get("head_mask") else "B"
+        fp = f" footprint at {axis} = {budgets[0]} … {budgets[-1]} |" if footprints else ""
         out += ["| method / driver | " + " | ".join(
             f"{k}: {b}" if i == 0 else str(b) for k in rep["kinds"] for i, b in enumerate(budgets)) + " |" + fp,
                 "| --- |" + " ---: |" * (len(rep["kinds"]) * len(budgets) + footprints)]
@@ -145,5 +148,8 @@ def markdown(reps: Dict[str, dict]) -> str:
         out += ["", "### The seed papers' pairs (paired over the examples)", ""] + pairs(reps)
     if "budgets" in reps:
         out += ["", "### Larger budgets", ""] + budget_sweep(reps["budgets"], BUDGET_ROWS, footprints=True)
+    if "head_types" in reps:
+        out += ["", "### Head types (columns: sparsity, % streaming heads)", ""]
+        out += budget_sweep(reps["head_types"], HEAD_TYPE_ROWS, footprints=True)
     out += ["", "### Critical KV footprint (%)", ""] + critical(reps)
     return "\n".join(out) + "\n"

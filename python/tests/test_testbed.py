@@ -556,14 +556,16 @@ def test_report_head_type_rows_sweep_the_sparsity(tmp_path, tok):
     mask = tmp_path / "duo.tsv"
     mask.write_text("0.9\t0.2\n0.7\t0.4\n")  # 2 layers x 2 KV heads, DuoAttention's alpha
     gen = tb_data.Generator(tok, STORIES, "test", 1)
-    examples = [tb_report.Example(e, i) for i, e in enumerate(tb_data.eval_set(gen, 1, lengths=(256,), kinds=("after",)))]
+    examples = [tb_report.Example(e, i)
+                for i, e in enumerate(tb_data.eval_set(gen, 1, lengths=(256,), kinds=("after",)))]
     opts = argparse.Namespace(kvevict_run=run, checkpoint=path, threads=1, window=8, lookahead_module="",
                               head_mask=str(mask), recipes=["duo"], drivers=["postfill", "chunked-naive", "decode"],
                               budgets=[25, 75], jobs=2, progress_every=1e9, fraction=0.9, bootstrap=5, split="test",
                               per_cell=1, results=str(tmp_path / "results.jsonl"))
     rep = tb_report.run_report(opts, examples, log=lambda _: None)
     rows = {(r["recipe"], r["driver"], r["budget"]): r for r in rep["rows"]}
-    assert set(rows) == {("full", "postfill", 0)} | {("duo", d, s) for d in ("postfill", "chunked-naive") for s in (25, 75)}
+    duo = {("duo", d, s) for d in ("postfill", "chunked-naive") for s in (25, 75)}
+    assert set(rows) == {("full", "postfill", 0)} | duo
     assert rep["head_mask"] == str(mask) and not rep["skipped"]
     chunked = [rows[("duo", "chunked-naive", s)]["footprint"] for s in (25, 75)]
     assert chunked[1] < chunked[0] < rows[("duo", "postfill", 25)]["footprint"]  # 1 / 3 streaming heads, then fewer
@@ -571,15 +573,17 @@ def test_report_head_type_rows_sweep_the_sparsity(tmp_path, tok):
     md = tb_report.markdown(rep)
     assert "| method / driver | S = 25 % | S = 75 % |" in md and "sparsities [25, 75] (% streaming heads" in md
     store = tb_report.ResultStore(opts.results, opts)
-    key = json.loads(store.key(examples[0], ("duo", "chunked-naive", 75)))
-    assert key[1] == tb_data.sha256_of(str(mask)) and key[5] == 0 and store.key(examples[0], ("duo", "chunked-naive", 75)) in store.held
+    key = store.key(examples[0], ("duo", "chunked-naive", 75))
+    assert json.loads(key)[1] == tb_data.sha256_of(str(mask)) and json.loads(key)[5] == 0 and key in store.held
     stories = tmp_path / "stories"
     stories.mkdir()
     (stories / "test.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
-    common = ["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories), "--out-dir", str(tmp_path)]
+    common = ["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories),
+              "--out-dir", str(tmp_path)]
     for extra, message in ((["--recipes", "duo"], "duo needs --head-mask"),
                            (["--recipes", "duo,snapkv", "--head-mask", str(mask)], "give it a run of its own"),
-                           (["--recipes", "duo", "--head-mask", str(mask), "--budgets", "25,100"], "each in \\(0, 100\\)")):
+                           (["--recipes", "duo", "--head-mask", str(mask), "--budgets", "25,100"],
+                            "each in \\(0, 100\\)")):
         with pytest.raises(SystemExit, match=message):
             testbed.main(common + extra)
 
@@ -650,14 +654,15 @@ def test_report_results_file_resumes_and_checks_another_runners_results(tmp_path
 
 
 def test_report_md_tables_are_the_committed_reports(tmp_path):
-    """docs/report.md's testbed tables (full cache, budget sweep, 2032 cell, the papers' pairs, larger budgets)
-    are `testbed.py summary` of the committed docs/testbed/report*/ JSON, row for row."""
+    """docs/report.md's testbed tables (full cache, budget sweep, 2032 cell, the papers' pairs, larger budgets, head
+    types) are `testbed.py summary` of the committed docs/testbed/report*/ JSON, row for row."""
     d = os.path.join(SOURCE_DIR, "docs", "testbed")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         testbed.main(["summary", "--matrix", os.path.join(d, "report"), "--query-agnostic",
                       os.path.join(d, "report-lookahead"), "--budgets", os.path.join(d, "report-budgets"),
-                      "--window8", os.path.join(d, "report-window8"), "--at-2048", os.path.join(d, "report-2048")])
+                      "--window8", os.path.join(d, "report-window8"), "--at-2048", os.path.join(d, "report-2048"),
+                      "--head-types", os.path.join(d, "report-duo")])
     with open(os.path.join(SOURCE_DIR, "docs", "report.md")) as f:
         doc = set(f.read().splitlines())
     checked = 0
@@ -668,7 +673,7 @@ def test_report_md_tables_are_the_committed_reports(tmp_path):
         for line in lines[3:]:  # (the data rows: after the blank line, the header and the rule)
             assert line in doc, f"{title}: {line}"
             checked += 1
-    assert checked == 2 + 21 + 6 + 18 + 6
+    assert checked == 2 + 21 + 6 + 18 + 6 + 2
     with pytest.raises(SystemExit, match="summary: name at least one report directory"):
         testbed.main(["summary"])
     with pytest.raises(SystemExit, match="summary: matrix: .*testbed_report.json"):
@@ -698,19 +703,21 @@ def test_headgates_writes_retrieval_prompts_and_runs_the_duo_trainer(tmp_path, t
     fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args.txt\n")
     fake.chmod(0o755)
     out = tmp_path / "duo.tsv"
+    common = ["headgates", "--checkpoint", path, "--kvevict-headgates", str(fake), "--stories-dir", str(stories),
+              "--out", str(out)]
     with pytest.raises(SystemExit) as done:
-        testbed.main(["headgates", "--checkpoint", path, "--kvevict-headgates", str(fake), "--stories-dir", str(stories),
-                      "--out", str(out), "--prompts", "4", "--lengths", "256,512", "--response", "8", "--steps", "3"])
+        testbed.main(common + ["--prompts", "4", "--lengths", "256,512", "--response", "8", "--steps", "3"])
     assert done.value.code == 0
     lines = (tmp_path / "headgates_prompts.txt").read_text().splitlines()
     gen = tb_data.Generator(tok, STORIES, "train", 1)
-    assert [[int(x) for x in line.split()] for line in lines] == testbed.lookahead_prompts(gen, 32_000_000, 4, [256, 512], 8)
+    expected = testbed.lookahead_prompts(gen, 32_000_000, 4, [256, 512], 8)
+    assert [[int(x) for x in line.split()] for line in lines] == expected
     args = (tmp_path / "args.txt").read_text().split()
-    assert args[args.index("--prompts") + 1] == str(tmp_path / "headgates_prompts.txt") and args[-3:] == ["duo", "--out", str(out)]
+    assert args[args.index("--prompts") + 1] == str(tmp_path / "headgates_prompts.txt")
+    assert args[-3:] == ["duo", "--out", str(out)]
     assert args[args.index("--response") + 1] == "8" and args[args.index("--steps") + 1] == "3"
     with pytest.raises(SystemExit, match="--lengths \\[4096\\]"):
-        testbed.main(["headgates", "--checkpoint", path, "--kvevict-headgates", str(fake), "--stories-dir", str(stories),
-                      "--out", str(out), "--lengths", "4096"])
+        testbed.main(common + ["--lengths", "4096"])
 
 
 TINY = ["--dim", "32", "--hidden", "48", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "512"]

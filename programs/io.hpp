@@ -1,6 +1,6 @@
-// programs/io.hpp: how kvevict's programs (the `kvevict` tool, kvevict-run, kvevict-lookahead)
-// read inputs and write outputs. Not part of the library (which does no file I/O); the rules are
-// docs/conventions.md, "Programs: inputs, outputs, errors".
+// programs/io.hpp: how kvevict's programs (the `kvevict` tool, kvevict-run, kvevict-lookahead,
+// kvevict-headgates) read inputs and write outputs. Not part of the library (which does no file I/O);
+// the rules are docs/conventions.md, "Programs: inputs, outputs, errors".
 //
 //   io::input_file in;                                   // regular files only, size known first
 //   KVEVICT_TRY(io::input_file::open(path, "checkpoint", io::limit::model_bytes, in));

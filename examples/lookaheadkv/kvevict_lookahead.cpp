@@ -152,7 +152,7 @@ status training_data(const kvrun::model& m, const common_options& c, const train
   std::vector<std::vector<int>> prompts[2];
   const std::string* paths[2] = {&t.prompts, &t.val_prompts};
   for (int i = 0; i < 2; ++i) {
-    KVEVICT_TRY(kvevict::io::read_token_lines(*paths[i], "--prompts", prompts[i]));
+    KVEVICT_TRY(kvevict::io::read_token_lines(*paths[i], i == 0 ? "--prompts" : "--val-prompts", prompts[i]));
     if (auto st = kvrun::check_prompts(m.cfg(), prompts[i], c.response); !st.ok())
       return status::error(st.code(), "%s: %s", paths[i]->c_str(), st.message());
   }

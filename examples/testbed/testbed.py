@@ -1094,6 +1094,17 @@ def question_args(p):
                    help="the key table of the questions: words (colour object) or short (one token a key)")
 
 
+def trainer_args(p, program, out_help):
+    """The options of the commands that run a C++ trainer on testbed prompts (lookahead, headgates)."""
+    question_args(p)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--" + program, required=True)
+    p.add_argument("--stories-dir", required=True)
+    p.add_argument("--out", required=True, help=out_help)
+    p.add_argument("--work-dir", default="", help="where the prompt files go (default: --out's directory)")
+    p.add_argument("--seed", type=int, default=1)
+
+
 def model_args(p):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=384)
@@ -1198,13 +1209,7 @@ def main(argv=None):
     for run in tb_summary.RUNS:
         p.add_argument("--" + run.replace("_", "-"), default="", help=f"the {run.replace('_', ' ')} run's directory")
     p = sub.add_parser("lookahead", help="train LookaheadKV for a testbed model (kvevict-lookahead on testbed prompts)")
-    question_args(p)
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--kvevict-lookahead", required=True)
-    p.add_argument("--stories-dir", required=True)
-    p.add_argument("--out", required=True, help="the module file")
-    p.add_argument("--work-dir", default="", help="where the prompt files go (default: --out's directory)")
-    p.add_argument("--seed", type=int, default=1)
+    trainer_args(p, "kvevict-lookahead", "the module file")
     p.add_argument("--lengths", default="", help="comma-separated (default: every length up to the context)")
     p.add_argument("--train-prompts", type=int, default=512)
     p.add_argument("--val-prompts", type=int, default=32)
@@ -1219,12 +1224,7 @@ def main(argv=None):
     p.add_argument("extra", nargs="*", help="further kvevict-lookahead train options (after --)")
     p = sub.add_parser("headgates", help="train DuoAttention's gates for a testbed model (kvevict-headgates duo on "
                                          "testbed prompts)")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--kvevict-headgates", required=True)
-    p.add_argument("--stories-dir", required=True)
-    p.add_argument("--out", required=True, help="the alpha TSV file")
-    p.add_argument("--work-dir", default="", help="where the prompt file goes (default: --out's directory)")
-    p.add_argument("--seed", type=int, default=1)
+    trainer_args(p, "kvevict-headgates", "the alpha TSV file")
     p.add_argument("--lengths", default="256,512,1024", help="comma-separated (the trainer's cost grows with the square)")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--response", type=int, default=8, help="greedy tokens after the prompt (the answer: ~7)")
@@ -1232,7 +1232,6 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
-    question_args(p)
     p.add_argument("extra", nargs="*", help="further kvevict-headgates duo options (after --)")
     p = sub.add_parser("bench", help="training tokens/s per length")
     p.add_argument("--threads", type=int, default=1)

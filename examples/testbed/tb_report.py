@@ -41,10 +41,16 @@ import tb_data
 RECIPES = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "knorm", "vatp", "adakv", "cake", "lava", "laq",
            "laq++", "speckv", "lookaheadkv", "oracle")
 DRIVERS = ("postfill", "layerwise", "chunked-naive", "chunked-patched", "decode")
-HEAD_TYPES = ("duo",)
+HEAD_TYPES = ("duo", "prulong")
 """recipes whose head types come from a trained mask (`--head-mask`, kvevict-headgates): their sweep is over
 the sparsity (% streaming heads, the mask's top heads retrieval: `kvevict-run --head-sparsity`), not the budget;
-post-fill, and chunked where the streaming heads stream during the prefill (naive = patched: nothing is scored)"""
+post-fill, and chunked where the streaming heads stream during the prefill (naive = patched: nothing is scored).
+A mask path with `{S}` names one mask per sparsity (PruLong's, trained at each target), S the percentage."""
+
+
+def mask_path(pattern: str, sparsity: int) -> str:
+    """The head mask of a head-type configuration: `pattern` with {S} replaced by the sparsity in %."""
+    return pattern.replace("{S}", str(sparsity))
 
 
 def default_matrix(recipe: str, driver: str) -> bool:
@@ -114,7 +120,7 @@ def run_one(opts, ex: Example, config):
             cmd += ["--lookahead-module", opts.lookahead_module]
         if recipe in HEAD_TYPES:  # (the budget only has to cover the streaming heads' 4 sinks + 12 recent tokens)
             cmd[cmd.index("--budget") + 1] = "16"
-            cmd += ["--head-mask", opts.head_mask, "--head-sparsity", str(budget / 100)]
+            cmd += ["--head-mask", mask_path(opts.head_mask, budget), "--head-sparsity", str(budget / 100)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit status {p.returncode}"}
@@ -154,7 +160,8 @@ class ResultStore:
         self.path, self.window = path, opts.window
         self.runner, self.model = tb_data.sha256_of(opts.kvevict_run), tb_data.sha256_of(opts.checkpoint)
         self.module = tb_data.sha256_of(opts.lookahead_module) if opts.lookahead_module else ""
-        self.mask = tb_data.sha256_of(opts.head_mask) if getattr(opts, "head_mask", "") else ""
+        self.masks = {}  # sparsity -> the sha256 of its head mask
+        self.head_mask = getattr(opts, "head_mask", "")
         self.held = {}  # key -> (runner sha256, result)
         text = ""
         if os.path.exists(path):
@@ -175,7 +182,11 @@ class ResultStore:
     def key(self, ex, config):
         recipe, driver, budget = config
         ids = hashlib.sha256(json.dumps([ex.prompt, ex.answer]).encode()).hexdigest()
-        module = self.module if recipe == "lookaheadkv" else self.mask if recipe in HEAD_TYPES else ""
+        module = self.module if recipe == "lookaheadkv" else ""
+        if recipe in HEAD_TYPES:
+            if budget not in self.masks:
+                self.masks[budget] = tb_data.sha256_of(mask_path(self.head_mask, budget))
+            module = self.masks[budget]
         return json.dumps([self.model, module, recipe, driver, budget,
                            0 if recipe == "full" or recipe in HEAD_TYPES else self.window, ids])
 

@@ -884,13 +884,17 @@ def cmd_report(args):
             raise SystemExit(f"report: --recipes: unknown or unsupported recipe {r!r} (one of {', '.join(known)})")
     heads = [r for r in args.recipes if r in tb_report.HEAD_TYPES]
     if heads:
-        if not (args.head_mask and os.path.isfile(args.head_mask)):
+        if not args.head_mask:
             raise SystemExit(f"report: {heads[0]} needs --head-mask, a mask trained for this model (testbed.py headgates)")
-        if len(heads) != len(args.recipes):
-            raise SystemExit(f"report: {heads[0]} sweeps the sparsity (--budgets in %), the other recipes the budget: "
+        if len(heads) != len(args.recipes) or len(heads) > 1:
+            raise SystemExit(f"report: {heads[0]} sweeps the sparsity (--budgets in %) with its own --head-mask: "
                              "give it a run of its own")
         if any(not 0 < b < 100 for b in args.budgets):
             raise SystemExit(f"report: {heads[0]}: --budgets are sparsities in %, each in (0, 100), got {args.budgets}")
+        for b in args.budgets:
+            if not os.path.isfile(tb_report.mask_path(args.head_mask, b)):
+                raise SystemExit(f"report: --head-mask {args.head_mask}: no file at S = {b} ({{S}} in the path: "
+                                 "one mask a sparsity)")
     for d in args.drivers:
         if d not in tb_report.DRIVERS:
             raise SystemExit(f"report: --drivers: unknown driver {d!r} (one of {', '.join(tb_report.DRIVERS)})")
@@ -1196,8 +1200,8 @@ def main(argv=None):
     p.add_argument("--recipes", default="", help="comma-separated (default: every recipe of tb_report.RECIPES)")
     p.add_argument("--drivers", default="", help="comma-separated (default: all; the runner report's matrix)")
     p.add_argument("--lookahead-module", default="", help="lookaheadkv's module for this model (else left out)")
-    p.add_argument("--head-mask", default="", help="duo's head mask for this model (testbed.py headgates); a run with "
-                                                   "duo takes --budgets as sparsities in %% (streaming heads)")
+    p.add_argument("--head-mask", default="", help="duo's or prulong's head mask for this model ({S} in the path: one "
+                                                   "a sparsity); a run with them takes --budgets as sparsities in %%")
     p.add_argument("--fraction", type=float, default=0.9, help="F of the critical footprint")
     p.add_argument("--bootstrap", type=int, default=200)
     p.add_argument("--jobs", type=int, default=2, help="kvevict-run processes at a time")

@@ -549,7 +549,8 @@ def test_report_scores_the_runner_and_writes_its_files(tmp_path, tok):
 def test_report_head_type_rows_sweep_the_sparsity(tmp_path, tok):
     """duo with a head mask: its sweep is over the sparsity (kvevict-run --head-sparsity S/100 with the mask), the
     chunked driver streams during the prefill (the footprint falls with S; post-fill it stays near 1), results are
-    keyed by the mask's sha256, the tables say S; the command refuses a missing mask, mixed sweeps, bad S."""
+    keyed by the mask's sha256, the tables say S; prulong with one mask per sparsity ({S} in the path); the command
+    refuses a missing mask, mixed sweeps, bad S."""
     run = built("KVEVICT_RUN")
     import tb_report
     m, path = exported_small_model(tmp_path)
@@ -575,12 +576,26 @@ def test_report_head_type_rows_sweep_the_sparsity(tmp_path, tok):
     store = tb_report.ResultStore(opts.results, opts)
     key = store.key(examples[0], ("duo", "chunked-naive", 75))
     assert json.loads(key)[1] == tb_data.sha256_of(str(mask)) and json.loads(key)[5] == 0 and key in store.held
+    # prulong: one mask per sparsity ({S} in the path), each call keyed by its own mask
+    for S, text in ((25, "1\t0\n1\t1\n"), (75, "1\t0\n0\t0\n")):
+        (tmp_path / f"p-s{S}.tsv").write_text(text)
+    opts.recipes, opts.drivers, opts.head_mask = ["prulong"], ["chunked-naive"], str(tmp_path / "p-s{S}.tsv")
+    rep = tb_report.run_report(opts, examples, log=lambda _: None)
+    fp = {r["budget"]: r["footprint"] for r in rep["rows"] if r["recipe"] == "prulong"}
+    assert set(fp) == {25, 75} and fp[75] < fp[25] and not rep["skipped"]
+    store = tb_report.ResultStore(opts.results, opts)
+    for S in (25, 75):
+        key = store.key(examples[0], ("prulong", "chunked-naive", S))
+        assert json.loads(key)[1] == tb_data.sha256_of(str(tmp_path / f"p-s{S}.tsv")) and key in store.held
     stories = tmp_path / "stories"
     stories.mkdir()
     (stories / "test.jsonl").write_text("".join(json.dumps(s) + "\n" for s in STORIES))
     common = ["report", "--checkpoint", path, "--kvevict-run", run, "--stories-dir", str(stories),
               "--out-dir", str(tmp_path)]
     for extra, message in ((["--recipes", "duo"], "duo needs --head-mask"),
+                           (["--recipes", "prulong", "--head-mask", str(tmp_path / "p-s{S}.tsv"), "--budgets", "25,50"],
+                            "no file at S = 50"),
+                           (["--recipes", "duo,prulong", "--head-mask", str(mask)], "give it a run of its own"),
                            (["--recipes", "duo,snapkv", "--head-mask", str(mask)], "give it a run of its own"),
                            (["--recipes", "duo", "--head-mask", str(mask), "--budgets", "25,100"],
                             "each in \\(0, 100\\)")):

@@ -26,9 +26,9 @@ QUERY_AGNOSTIC_ROWS = (("snapkv", "postfill"), ("speckv", "postfill"), ("laq", "
 BUDGET_ROWS = (("snapkv", "postfill"), ("snapkv", "chunked-naive"), ("snapkv", "chunked-patched"),
                ("lava", "postfill"), ("lava", "chunked-naive"), ("lava", "chunked-patched"))
 """the larger-budget table's rows"""
-HEAD_TYPE_ROWS = (("duo", "postfill"), ("duo", "chunked-naive"))
-"""the head-type run's rows (its sweep is over the sparsity: % streaming heads)"""
-RUNS = ("matrix", "query_agnostic", "budgets", "window8", "at_2048", "head_types")
+HEAD_TYPE_ROWS = (("duo", "postfill"), ("duo", "chunked-naive"), ("prulong", "postfill"), ("prulong", "chunked-naive"))
+"""the head-type runs' rows (DuoAttention's run, then PruLong's: sweeps over the sparsity, % streaming heads)"""
+RUNS = ("matrix", "query_agnostic", "budgets", "window8", "at_2048", "head_types", "prulong")
 
 
 def load(dirs: Dict[str, str]) -> Dict[str, dict]:
@@ -148,8 +148,10 @@ def markdown(reps: Dict[str, dict]) -> str:
         out += ["", "### The seed papers' pairs (paired over the examples)", ""] + pairs(reps)
     if "budgets" in reps:
         out += ["", "### Larger budgets", ""] + budget_sweep(reps["budgets"], BUDGET_ROWS, footprints=True)
-    if "head_types" in reps:
+    heads = [reps[r] for r in ("head_types", "prulong") if r in reps]
+    if heads:
         out += ["", "### Head types (columns: sparsity, % streaming heads)", ""]
-        out += budget_sweep(reps["head_types"], HEAD_TYPE_ROWS, footprints=True)
+        for i, rep in enumerate(heads):  # (a table a run: their sparsities may differ)
+            out += ([""] if i else []) + budget_sweep(rep, HEAD_TYPE_ROWS, footprints=True)
     out += ["", "### Critical KV footprint (%)", ""] + critical(reps)
     return "\n".join(out) + "\n"

@@ -677,7 +677,7 @@ def test_report_md_tables_are_the_committed_reports(tmp_path):
         testbed.main(["summary", "--matrix", os.path.join(d, "report"), "--query-agnostic",
                       os.path.join(d, "report-lookahead"), "--budgets", os.path.join(d, "report-budgets"),
                       "--window8", os.path.join(d, "report-window8"), "--at-2048", os.path.join(d, "report-2048"),
-                      "--head-types", os.path.join(d, "report-duo")])
+                      "--head-types", os.path.join(d, "report-duo"), "--prulong", os.path.join(d, "report-prulong")])
     with open(os.path.join(SOURCE_DIR, "docs", "report.md")) as f:
         doc = set(f.read().splitlines())
     checked = 0
@@ -689,7 +689,7 @@ def test_report_md_tables_are_the_committed_reports(tmp_path):
             if line:
                 assert line in doc, f"{title}: {line}"
                 checked += 1
-    assert checked == 2 + 21 + 6 + 18 + 6 + 2
+    assert checked == 2 + 21 + 6 + 18 + 6 + 2 + 4  # (the head types: Duo's rows, PruLong's table)
     with pytest.raises(SystemExit, match="summary: name at least one report directory"):
         testbed.main(["summary"])
     with pytest.raises(SystemExit, match="summary: matrix: .*testbed_report.json"):

@@ -115,11 +115,14 @@ def run_one(opts, ex: Example, config):
     cmd = [opts.kvevict_run, "--model", opts.checkpoint, "--prompt", ex.text, "--ids", "--steps", str(P + A - 1),
            "--threads", str(opts.threads)]
     if recipe != "full":
-        cmd += ["--recipe", recipe, "--driver", driver, "--budget", str(budget), "--window", str(opts.window), "--stats"]
+        # (a head-type configuration's budget is its sparsity in %; the runner's budget then only has to cover the
+        # streaming heads' 4 sinks + 12 recent tokens)
+        runner_budget = 16 if recipe in HEAD_TYPES else budget
+        cmd += ["--recipe", recipe, "--driver", driver, "--budget", str(runner_budget), "--window", str(opts.window),
+                "--stats"]
         if recipe == "lookaheadkv":
             cmd += ["--lookahead-module", opts.lookahead_module]
-        if recipe in HEAD_TYPES:  # (the budget only has to cover the streaming heads' 4 sinks + 12 recent tokens)
-            cmd[cmd.index("--budget") + 1] = "16"
+        if recipe in HEAD_TYPES:
             cmd += ["--head-mask", mask_path(opts.head_mask, budget), "--head-sparsity", str(budget / 100)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:

@@ -965,30 +965,43 @@ def lookahead_prompts(gen, first, count, lengths, response, keys="words", fact_f
     return out
 
 
+def trainer_inputs(args, cmd, option, trainer):
+    """lookahead's and headgates' checks before any work: the checkpoint and the trainer are files, --lengths
+    (default: every length up to the context) fit the context with room for --response, the prompt files'
+    directory (--work-dir, else --out's) exists. Returns (lengths, that directory)."""
+    for what, path in (("--checkpoint", args.checkpoint), (option, trainer)):
+        if not os.path.isfile(path):
+            raise SystemExit(f"{cmd}: {what} {path} is not a file")
+    seq_len = checkpoint_context(args.checkpoint, cmd)
+    lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
+    if not lengths or any(L > seq_len or L - args.response < 128 for L in lengths):
+        raise SystemExit(f"{cmd}: --lengths {lengths}: each at most the context {seq_len} and >= 128 + --response")
+    work = args.work_dir or os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(work):
+        raise SystemExit(f"{cmd}: {work} is not a directory")
+    return lengths, work
+
+
+def write_prompts(path, args, split, first, count, lengths):
+    """`count` retrieval prompts of a split (lookahead_prompts from example `first`) as a token-id file, one
+    prompt a line (the trainers' --prompts format), written atomically."""
+    gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{split}.jsonl")), split,
+                            args.seed)
+    write_atomic(path, "".join(" ".join(map(str, ids)) + "\n" for ids in lookahead_prompts(
+        gen, first, count, lengths, args.response, args.keys, args.fact_format)))
+
+
 def cmd_lookahead(args):
     """LookaheadKV for a testbed model with the existing trainer (kvevict-lookahead train, docs/lookaheadkv.md):
     training prompts from the train split (example indices 30,000,000 ..), validation prompts from the val
     split (31,000,000 ..), written as token-id files next to --out; the responses are the model's greedy ones."""
-    for what, path in (("--checkpoint", args.checkpoint), ("--kvevict-lookahead", args.kvevict_lookahead)):
-        if not os.path.isfile(path):
-            raise SystemExit(f"lookahead: {what} {path} is not a file")
-    seq_len = checkpoint_context(args.checkpoint, "lookahead")
-    lengths = csv_list(args.lengths, int) if args.lengths else [L for L in tb_data.LENGTHS if L <= seq_len]
-    if not lengths or any(L > seq_len or L - args.response < 128 for L in lengths):
-        raise SystemExit(f"lookahead: --lengths {lengths}: each at most the context {seq_len} and >= 128 + --response")
     if args.train_prompts < 1 or args.val_prompts < 1 or args.response < 2:
         raise SystemExit("lookahead: --train-prompts and --val-prompts must be >= 1, --response >= 2")
-    work = args.work_dir or os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(work):
-        raise SystemExit(f"lookahead: {work} is not a directory")
+    lengths, work = trainer_inputs(args, "lookahead", "--kvevict-lookahead", args.kvevict_lookahead)
     files = {}
     for split, first, count in (("train", 30_000_000, args.train_prompts), ("val", 31_000_000, args.val_prompts)):
-        gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, f"{split}.jsonl")),
-                                split, args.seed)
         files[split] = os.path.join(work, f"lookahead_{split}_prompts.txt")
-        text = "".join(" ".join(map(str, ids)) + "\n" for ids in lookahead_prompts(gen, first, count, lengths, args.response,
-                                                                                args.keys, args.fact_format))
-        write_atomic(files[split], text)
+        write_prompts(files[split], args, split, first, count, lengths)
         print(f"lookahead: {count} {split} prompts (lengths {lengths}) in {files[split]}", flush=True)
     cmd = [args.kvevict_lookahead, "--model", args.checkpoint, "--threads", str(args.threads), "--response",
            str(args.response), "train", "--out", args.out, "--prompts", files["train"], "--val-prompts", files["val"],
@@ -1003,23 +1016,11 @@ def cmd_headgates(args):
     """DuoAttention's gates for a testbed model with the existing trainer (kvevict-headgates duo, docs/prulong.md):
     DuoAttention's passkey setting, retrieval prompts of the train split (example indices 32,000,000 ..,
     apart from the LookaheadKV prompts) with the model's greedy answers as the distilled rows."""
-    for what, path in (("--checkpoint", args.checkpoint), ("--kvevict-headgates", args.kvevict_headgates)):
-        if not os.path.isfile(path):
-            raise SystemExit(f"headgates: {what} {path} is not a file")
-    seq_len = checkpoint_context(args.checkpoint, "headgates")
-    lengths = csv_list(args.lengths, int)
-    if not lengths or any(L > seq_len or L - args.response < 128 for L in lengths):
-        raise SystemExit(f"headgates: --lengths {lengths}: each at most the context {seq_len} and >= 128 + --response")
     if args.prompts < 1 or args.response < 1:
         raise SystemExit("headgates: --prompts and --response must be >= 1")
-    work = args.work_dir or os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(work):
-        raise SystemExit(f"headgates: {work} is not a directory")
-    gen = tb_data.Generator(tokenizer(), tb_data.load_stories(os.path.join(args.stories_dir, "train.jsonl")), "train",
-                            args.seed)
+    lengths, work = trainer_inputs(args, "headgates", "--kvevict-headgates", args.kvevict_headgates)
     prompts = os.path.join(work, "headgates_prompts.txt")
-    write_atomic(prompts, "".join(" ".join(map(str, ids)) + "\n" for ids in lookahead_prompts(
-        gen, 32_000_000, args.prompts, lengths, args.response, args.keys, args.fact_format)))
+    write_prompts(prompts, args, "train", 32_000_000, args.prompts, lengths)
     print(f"headgates: {args.prompts} train prompts (lengths {lengths}) in {prompts}", flush=True)
     cmd = [args.kvevict_headgates, "--model", args.checkpoint, "--threads", str(args.threads), "--prompts", prompts,
            "--response", str(args.response), "--steps", str(args.steps), "--batch", str(args.batch), "--seed",

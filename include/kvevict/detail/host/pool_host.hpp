@@ -170,31 +170,60 @@ KVEVICT_POOL_INLINE bool max_chunk_bits(const float* x, float* y, index_t c0, in
 }
 
 #  if KVEVICT_HOST_X86_DISPATCH
-/// max_chunk_bits for AVX-512F, 16 outputs from two loads: inputs [i - r, i - r + 16) and the next
-/// K - 1 (a masked load: nothing past them is touched), the K windows' shifted vectors made in
-/// registers (valignd) instead of K unaligned loads, half of which split a cache line. Same bits.
+/// One doubling level of max_chunk_bits_avx512 on w[0..N]: vectors of the maxima of windows of
+/// width S become those of width 2S (each vector's max with itself shifted by S lanes, the next
+/// vector's first lanes shifted in; the last vector's upper lanes get zeros and are never read).
+template <int S, int N>
+__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void max_bits_double(__m512i* w) noexcept {
+  constexpr __mmask16 all = 0xFFFF;
+  for (int j = 0; j < N; ++j)
+    w[j] = _mm512_maskz_max_epu32(all, w[j], _mm512_maskz_alignr_epi32(all, w[j + 1], w[j], S));
+  w[N] = _mm512_maskz_max_epu32(all, w[N], _mm512_maskz_alignr_epi32(all, _mm512_setzero_si512(), w[N], S));
+}
+
+/// max_chunk_bits for AVX-512F: 64 outputs from five loads (four, and a masked one of the next K - 1
+/// inputs: nothing past them is touched), the windows of width a (the largest power of two <= K)
+/// built by doubling in registers (valignd), each output the max of two overlapping ones: for K = 7,
+/// 6 shifts and maxima per 16 outputs become 3.5 (and 1.25 loads, not 2). The rest 16 outputs at
+/// a time with the K - 1 shifts. Same bits: the unsigned max is associative and commutative.
 /// (The masked forms with a full mask avoid GCC 12's false -Wmaybe-uninitialized in the plain ones.)
 template <int K>
 __attribute__((target("avx512f,avx2"))) inline bool max_chunk_bits_avx512(const float* x, float* y, index_t c0,
                                                                            index_t nc) noexcept {
   constexpr int r = K / 2;
+  static_assert(K >= 3 && K <= 9, "the small kernels only");
+  constexpr int a = K >= 8 ? 8 : K >= 4 ? 4 : 2;  // the largest power of two <= K
   constexpr __mmask16 rest = static_cast<__mmask16>((1u << (K - 1)) - 1u), all = 0xFFFF;
   __m512i seen = _mm512_setzero_si512();
   index_t i = c0;
   const index_t hi = c0 + nc;
+  constexpr int N = 4;
+  for (; i + 16 * N <= hi; i += 16 * N) {
+    __m512i w[N + 1];
+    for (int j = 0; j < N; ++j) w[j] = _mm512_loadu_si512(x + i - r + 16 * j);
+    w[N] = _mm512_maskz_loadu_epi32(rest, x + i - r + 16 * N);
+    max_bits_double<1, N>(w);
+    if constexpr (a >= 4) max_bits_double<2, N>(w);
+    if constexpr (a >= 8) max_bits_double<4, N>(w);
+    for (int j = 0; j < N; ++j) {
+      __m512i m = w[j];
+      if constexpr (K > a) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, w[j + 1], w[j], K - a));
+      seen = _mm512_maskz_max_epu32(all, seen, m);
+      _mm512_storeu_si512(y + (i - c0) + 16 * j, m);
+    }
+  }
   for (; i + 16 <= hi; i += 16) {
-    const __m512i a = _mm512_loadu_si512(x + i - r), b = _mm512_maskz_loadu_epi32(rest, x + i - r + 16);
-    __m512i m = a;
+    const __m512i a0 = _mm512_loadu_si512(x + i - r), b = _mm512_maskz_loadu_epi32(rest, x + i - r + 16);
+    __m512i m = a0;
     // (valignd takes its shift as an immediate: one line per shift, the ones past K - 1 compiled out)
-    if constexpr (K > 1) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 1));
-    if constexpr (K > 2) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 2));
-    if constexpr (K > 3) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 3));
-    if constexpr (K > 4) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 4));
-    if constexpr (K > 5) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 5));
-    if constexpr (K > 6) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 6));
-    if constexpr (K > 7) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 7));
-    if constexpr (K > 8) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 8));
-    static_assert(K <= 9, "the small kernels only");
+    if constexpr (K > 1) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 1));
+    if constexpr (K > 2) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 2));
+    if constexpr (K > 3) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 3));
+    if constexpr (K > 4) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 4));
+    if constexpr (K > 5) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 5));
+    if constexpr (K > 6) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 6));
+    if constexpr (K > 7) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 7));
+    if constexpr (K > 8) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 8));
     seen = _mm512_maskz_max_epu32(all, seen, m);
     _mm512_storeu_si512(y + (i - c0), m);
   }

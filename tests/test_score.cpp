@@ -721,17 +721,21 @@ TEST_CASE("attention_scores: the SSE2, AVX2 and AVX-512 kernels give identical b
     opt.fused_multiply_add = fused;
     std::vector<std::vector<float>> outs;
     const bool prefers = detail::score_plain_prefers_avx2();
+    const index_t stream_min = detail::score_stream_min_bytes();
     for (int cap = 0; cap <= supported; ++cap)
-      for (bool prefer : {false, true}) {  // (the AVX-512F plain copy also where the AVX2 one is preferred)
-        const host_isa_limit_guard limit(kvtest::isa_level(cap));
-        detail::score_plain_prefers_avx2() = prefer;
-        outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
-        run_ok([&](workspace& ws) {
-          return attention_scores(trial % 2 ? par : par_t{1}, ws, q.view, s.prefix, s.window,
-                                  value_of(make_matrix_view(outs.back().data(), hq, p + w)), opt);
-        });
-      }
+      for (bool prefer : {false, true})  // (the AVX-512F plain copy also where the AVX2 one is preferred)
+        for (bool stream : {false, true}) {  // the logits buffer in place, or through the panel buffer
+          const host_isa_limit_guard limit(kvtest::isa_level(cap));
+          detail::score_plain_prefers_avx2() = prefer;
+          detail::score_stream_min_bytes() = stream ? 0 : stream_min;
+          outs.emplace_back(static_cast<std::size_t>(hq * (p + w)));
+          run_ok([&](workspace& ws) {
+            return attention_scores(trial % 2 ? par : par_t{1}, ws, q.view, s.prefix, s.window,
+                                    value_of(make_matrix_view(outs.back().data(), hq, p + w)), opt);
+          });
+        }
     detail::score_plain_prefers_avx2() = prefers;
+    detail::score_stream_min_bytes() = stream_min;
     for (std::size_t i = 1; i < outs.size(); ++i)
       REQUIRE(std::memcmp(outs[0].data(), outs[i].data(), outs[0].size() * sizeof(float)) == 0);
   }
@@ -752,4 +756,13 @@ TEST_CASE("attention_scores: a workspace at any base alignment gives bit-identic
     return kvtest::bytes_of(out);
   };
   CHECK(run(seq) == run(par_t{3}));
+  // the logits buffer filled through the panel buffer (non-temporal stores after a scalar prologue
+  // up to 64-byte alignment): the same bits at every base alignment
+  const index_t stream_min = detail::score_stream_min_bytes();
+  const auto in_place = run(seq);
+  detail::score_stream_min_bytes() = 0;
+  const auto streamed = run(seq), streamed_par = run(par_t{3});
+  detail::score_stream_min_bytes() = stream_min;
+  CHECK(streamed == in_place);
+  CHECK(streamed_par == in_place);
 }

@@ -52,8 +52,9 @@ struct score_plan {
   index_t heads_per_task = 1, tasks_per_kv = 1, tasks = 0;
   index_t rows = 0;  ///< rows of the block buffer (<= score_rows, a multiple of every profile's mr)
   index_t ld = 0;    ///< logits buffer row stride
+  index_t pld = 0;   ///< panel buffer row stride, 0 = none (the logits buffer is written in place)
   index_t nchunks = 0;  ///< softmax-statistics chunks per row
-  index_t q_floats = 0, k_floats = 0, buf_floats = 0, cmax_floats = 0, acc_floats = 0;
+  index_t q_floats = 0, k_floats = 0, buf_floats = 0, pbuf_floats = 0, cmax_floats = 0, acc_floats = 0;
   index_t slot_floats = 0;
   bool welford = false;
 };
@@ -88,12 +89,17 @@ inline status make_score_plan(const char* fn, const score_shape& sh, int threads
   pl.k_floats = a16(t);
   ok = ok && checked_mul(pl.rows, pl.ld, t);
   pl.buf_floats = a16(t);
+  if (ok && t > score_stream_min_bytes().load(std::memory_order_relaxed) / static_cast<index_t>(sizeof(float))) {
+    pl.pld = round_up(score_chunk + score_max_nr, 16);
+    ok = checked_mul(pl.rows, pl.pld, t);
+    pl.pbuf_floats = a16(t);
+  }
   ok = ok && checked_mul(pl.rows, pl.nchunks, t);
   pl.cmax_floats = a16(t);
   ok = ok && checked_mul(pl.heads_per_task, sh.out_cols, t) && checked_mul(t, pl.welford ? 2 : 1, t);
   pl.acc_floats = a16(t);
   ok = ok && checked_add(pl.q_floats, pl.k_floats, t) && checked_add(t, pl.buf_floats, t) &&
-       checked_add(t, pl.cmax_floats, t) && checked_add(t, pl.acc_floats, t);
+       checked_add(t, pl.pbuf_floats, t) && checked_add(t, pl.cmax_floats, t) && checked_add(t, pl.acc_floats, t);
   pl.slot_floats = t;
   ok = ok && checked_mul(t, pl.threads, t) && checked_mul(t, static_cast<index_t>(sizeof(float)), t);
   if (!ok) return status::error(errc::size_overflow, "%s: the scratch size overflows a 64-bit index", fn);
@@ -167,7 +173,8 @@ void attention_scores_run(Backend be, const score_shape& sh, const score_plan& p
     float* const qpack = scratch + static_cast<index_t>(slot) * pl.slot_floats;
     float* const kpack = qpack + pl.q_floats;
     float* const buf = kpack + pl.k_floats;
-    float* const cmax = buf + pl.buf_floats;
+    float* const pbuf = pl.pld > 0 ? buf + pl.buf_floats : nullptr;
+    float* const cmax = buf + pl.buf_floats + pl.pbuf_floats;
     float* const acc = cmax + pl.cmax_floats;
     const index_t g = task / pl.tasks_per_kv, sub = task % pl.tasks_per_kv;
     const index_t first = sub * pl.heads_per_task;
@@ -186,8 +193,8 @@ void attention_scores_run(Backend be, const score_shape& sh, const score_plan& p
       index_t vis[score_rows];
       softmax_stats st[score_rows];
       for (index_t r = 0; r < nrows; ++r) vis[r] = sh.has_block ? p + (row0 + r) % w + 1 : p;
-      score_block_softmax_dispatch(isa, opt.fused_multiply_add, buf, pl.ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p,
-                                   cols, sh.scale, vis, cmax, pl.nchunks, st);
+      score_block_softmax_dispatch(isa, opt.fused_multiply_add, buf, pl.ld, pbuf, pl.pld, qpack, kpack, tmp, q, head0, w,
+                                   row0, nrows, prefix, block, g, p, cols, sh.scale, vis, cmax, pl.nchunks, st);
       for (index_t r = 0; r < nrows; ++r) {
         const index_t flat = row0 + r, hh = flat / w, i = flat % w;
         const float* row = buf + r * pl.ld;
@@ -255,8 +262,9 @@ KVEVICT_SCORE_ABI_END
 /// [H_q][P] or [H_q][P + w]; out overlapping an input; bad options (unknown enum, scale or gamma
 /// negative or not finite); workspace smaller than queried or not float-aligned; sizes overflowing.
 ///
-/// Workspace: per thread, a [min(128, heads x w) rows][P + w + 32] fp32 logits buffer, packed query
-/// and key tiles and the per-head column accumulators (x2 for mean_plus_variance): linear in P and
+/// Workspace: per thread, a [min(128, heads x w) rows][P + w + 32] fp32 logits buffer (and a
+/// [rows][1056] panel buffer when that exceeds 8 MiB), packed query and key tiles and the per-head
+/// column accumulators (x2 for mean_plus_variance): linear in P and
 /// bounded independently of w. seq and par return identical bits for any thread count, and so do
 /// the SSE2/AVX2/AVX-512 kernels chosen at run time (docs/score.md).
 template <class Backend, class Q, class K>

@@ -351,42 +351,99 @@ KVEVICT_ALWAYS_INLINE softmax_stats score_chunk_exp(float* KVEVICT_RESTRICT s, i
   return {m, sum};
 }
 
-/// One panel of a block: the logits of columns [c0, c0 + n) for every row (buf[r][j]; padding rows
-/// and the columns up to the next multiple of P::nr hold finite junk never read), then, while the
-/// panel is in cache, each row's chunk c: max, e^(x - max) in place, sum, merged into st[r].
-/// vis[r] = columns row r sees; cmax[r * nchunks + c] receives the chunk's max.
+/// dst[0..n) = src[0..n) with non-temporal stores after a scalar prologue up to 64-byte alignment (x86;
+/// elsewhere a plain copy): a long row's logits buffer is read again only after every panel, so
+/// caching its lines would read each from memory before overwriting it and evict the panel's working
+/// set. One copy per profile (the vector width).
+#if KVEVICT_HOST_X86_DISPATCH
+inline std::uintptr_t score_misalign64(const float* p) { return reinterpret_cast<std::uintptr_t>(p) & 63; }
+__attribute__((target("sse2"))) inline void score_stream_row_base(float* KVEVICT_RESTRICT dst,
+                                                                  const float* KVEVICT_RESTRICT src, index_t n) {
+  index_t j = 0;
+  for (; j < n && score_misalign64(dst + j) != 0; ++j) dst[j] = src[j];
+  for (; j + 4 <= n; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
+  for (; j < n; ++j) dst[j] = src[j];
+}
+__attribute__((target("avx2"))) inline void score_stream_row_avx2(float* KVEVICT_RESTRICT dst,
+                                                                  const float* KVEVICT_RESTRICT src, index_t n) {
+  index_t j = 0;
+  for (; j < n && score_misalign64(dst + j) != 0; ++j) dst[j] = src[j];
+  for (; j + 8 <= n; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
+  for (; j < n; ++j) dst[j] = src[j];
+}
+__attribute__((target("avx512f"))) inline void score_stream_row_avx512(float* KVEVICT_RESTRICT dst,
+                                                                       const float* KVEVICT_RESTRICT src, index_t n) {
+  index_t j = 0;
+  for (; j < n && score_misalign64(dst + j) != 0; ++j) dst[j] = src[j];
+  for (; j + 16 <= n; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
+  for (; j < n; ++j) dst[j] = src[j];
+}
+#else
+inline void score_stream_row_base(float* KVEVICT_RESTRICT dst, const float* KVEVICT_RESTRICT src, index_t n) {
+  for (index_t j = 0; j < n; ++j) dst[j] = src[j];
+}
+#endif
+
+/// Orders the non-temporal stores of score_stream_row_* before the reads of the final pass.
+inline void score_stream_fence() {
+#if KVEVICT_HOST_X86_DISPATCH
+  _mm_sfence();
+#endif
+}
+
+/// One panel of a block: the logits of columns [c0, c0 + n) for every row, then, while the panel is
+/// in cache, each row's chunk c: max, e^(x - max) in place, sum, merged into st[r]; the result is in
+/// buf[r][c0 + j] (padding rows and the columns up to the next multiple of P::nr hold finite junk
+/// never read). pbuf null: computed in buf. Otherwise computed in the panel buffer pbuf[r][j] (row
+/// stride pld, in cache) and each row's visible part streamed into buf (score_stream_row): the same
+/// values. vis[r] = columns row r sees; cmax[r * nchunks + c] receives the chunk's max.
 template <class P, bool Fused, class KS>
-KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t ld, const float* KVEVICT_RESTRICT qpack,
+KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT_RESTRICT pbuf,
+                                            index_t pld, const float* KVEVICT_RESTRICT qpack,
                                             index_t nrows, float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp,
                                             const KS& prefix, const KS& block, index_t g,
                                             index_t p, index_t c0, index_t n, index_t d, float scale, const index_t* vis,
                                             float* KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats* st) {
   const index_t rows_pad = round_up(nrows, P::mr);
+  // the logits of column c0 + j of row r are at w[r * wld + wc + j]
+  float* const w = pbuf != nullptr ? pbuf : buf;
+  const index_t wld = pbuf != nullptr ? pld : ld, wc = pbuf != nullptr ? 0 : c0;
   for (index_t j0 = c0; j0 < c0 + n; j0 += P::key_tile) {
     const index_t nb = c0 + n - j0 < P::key_tile ? c0 + n - j0 : P::key_tile;
     score_pack_keys<P>(kpack, tmp, prefix, block, g, p, j0, nb, d);
     const index_t nb_pad = round_up(nb, P::nr);
     for (index_t r0 = 0; r0 < rows_pad; r0 += P::mr)
       for (index_t cc = 0; cc < nb_pad; cc += P::nr)
-        score_microkernel<P, Fused>(qpack + r0 * d * P::qrep, kpack + cc * d, d, scale, buf + r0 * ld + j0 + cc, ld);
+        score_microkernel<P, Fused>(qpack + r0 * d * P::qrep, kpack + cc * d, d, scale,
+                                    w + r0 * wld + wc + (j0 - c0) + cc, wld);
   }
   const index_t c = c0 / score_chunk;
   for (index_t r = 0; r < nrows; ++r) {
     if (vis[r] <= c0) continue;
     const index_t m = vis[r] - c0 < n ? vis[r] - c0 : n;
-    const softmax_stats cs = score_chunk_exp(buf + r * ld + c0, m);
+    float* const row = w + r * wld + wc;
+    const softmax_stats cs = score_chunk_exp(row, m);
     cmax[r * nchunks + c] = cs.max;
     st[r] = softmax_merge(st[r], cs);
+    if (pbuf == nullptr) continue;
+#if KVEVICT_HOST_X86_DISPATCH
+    if constexpr (std::is_same_v<P, score_profile_avx512>) score_stream_row_avx512(buf + r * ld + c0, row, m);
+    else if constexpr (std::is_same_v<P, score_profile_avx2>) score_stream_row_avx2(buf + r * ld + c0, row, m);
+    else score_stream_row_base(buf + r * ld + c0, row, m);
+#else
+    score_stream_row_base(buf + r * ld + c0, row, m);
+#endif
   }
 }
 
 // One compiled function per profile (the target attribute cannot depend on a template argument).
 #define KVEVICT_SCORE_PANEL_ARGS                                                                              \
-  float *KVEVICT_RESTRICT buf, index_t ld, const float *KVEVICT_RESTRICT qpack, index_t nrows,                 \
+  float *KVEVICT_RESTRICT buf, index_t ld, float *KVEVICT_RESTRICT pbuf, index_t pld,                          \
+      const float *KVEVICT_RESTRICT qpack, index_t nrows,                                                       \
       float *KVEVICT_RESTRICT kpack, float *KVEVICT_RESTRICT tmp, const KS&prefix,              \
       const KS&block, index_t g, index_t p, index_t c0, index_t n, index_t d, float scale,      \
       const index_t *vis, float *KVEVICT_RESTRICT cmax, index_t nchunks, softmax_stats *st
-#define KVEVICT_SCORE_PANEL_CALL buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st
+#define KVEVICT_SCORE_PANEL_CALL buf, ld, pbuf, pld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st
 
 template <bool Fused, class KS>
 KVEVICT_NO_CONTRACT void score_panel_sse2(KVEVICT_SCORE_PANEL_ARGS) {
@@ -437,10 +494,21 @@ inline std::atomic<bool>& score_plain_prefers_avx2() noexcept {
   return yes;
 }
 
+/// Logits buffers (per thread: [rows][P + w + 32] floats) of more bytes than this are filled through a
+/// panel buffer with non-temporal stores (score_panel_body): 8 MiB, about where a long row's buffer
+/// stops living in the caches between its panels and the final pass (docs/PERFORMANCE.md, "Issue 18,
+/// round sixteen"). Same bits either way; tests set it to 0 to run that path on small shapes. Not API.
+inline std::atomic<index_t>& score_stream_min_bytes() noexcept {
+  static std::atomic<index_t> bytes{index_t{8} << 20};
+  return bytes;
+}
+
 /// The softmax of a block of rows, panel by panel (panels of score_chunk columns, see
-/// score_panel_body), with the block's queries packed for profile P.
+/// score_panel_body: through the panel buffer pbuf when not null), with the block's queries packed
+/// for profile P.
 template <class P, bool Fused, class Q, class KS>
-void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT_RESTRICT qpack,
+void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT_RESTRICT pbuf, index_t pld,
+                         float* KVEVICT_RESTRICT qpack,
                          float* KVEVICT_RESTRICT kpack, float* KVEVICT_RESTRICT tmp, const kv_view<const Q>& q,
                          index_t head0, index_t w, index_t row0, index_t nrows, const KS& prefix,
                          const KS& block, index_t g, index_t p, index_t cols, float scale,
@@ -448,41 +516,37 @@ void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT
   const index_t d = q.extent(2);
   score_pack_queries<P>(qpack, tmp, q, head0, w, row0, nrows);
   for (index_t r = 0; r < nrows; ++r) st[r] = softmax_empty();
+#define KVEVICT_SCORE_PANEL_PASS \
+  (buf, ld, pbuf, pld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st)
   for (index_t c0 = 0; c0 < cols; c0 += score_chunk) {
     const index_t n = cols - c0 < score_chunk ? cols - c0 : score_chunk;
     if constexpr (std::is_same_v<P, score_profile_sse2>) {
-      score_panel_sse2<Fused, KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
-                                 nchunks, st);
+      score_panel_sse2<Fused, KS> KVEVICT_SCORE_PANEL_PASS;
 #if KVEVICT_HOST_X86_DISPATCH
     } else if constexpr (std::is_same_v<P, score_profile_avx2>) {
-      if constexpr (Fused)
-        score_panel_avx2_fma<KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
-                                nchunks, st);
-      else
-        score_panel_avx2<KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks,
-                            st);
+      if constexpr (Fused) score_panel_avx2_fma<KS> KVEVICT_SCORE_PANEL_PASS;
+      else score_panel_avx2<KS> KVEVICT_SCORE_PANEL_PASS;
     } else {
-      if constexpr (Fused)
-        score_panel_avx512_fma<KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
-                                  nchunks, st);
-      else
-        score_panel_avx512<KS>(buf, ld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax,
-                              nchunks, st);
+      if constexpr (Fused) score_panel_avx512_fma<KS> KVEVICT_SCORE_PANEL_PASS;
+      else score_panel_avx512<KS> KVEVICT_SCORE_PANEL_PASS;
 #endif
     }
   }
+#undef KVEVICT_SCORE_PANEL_PASS
+  if (pbuf != nullptr) score_stream_fence();
 }
 
 /// score_block_softmax with the active profile. Fused logits on the AVX2 profile need FMA; without
 /// it they run on the SSE2 profile (software fmaf: same bits, slower).
 template <class Q, class KS>
-void score_block_softmax_dispatch(host_isa isa, bool fused, float* buf, index_t ld, float* qpack, float* kpack,
+void score_block_softmax_dispatch(host_isa isa, bool fused, float* buf, index_t ld, float* pbuf, index_t pld,
+                                  float* qpack, float* kpack,
                                   float* tmp, const kv_view<const Q>& q, index_t head0, index_t w, index_t row0,
                                   index_t nrows, const KS& prefix, const KS& block,
                                   index_t g, index_t p, index_t cols, float scale, const index_t* vis, float* cmax,
                                   index_t nchunks, softmax_stats* st) {
 #define KVEVICT_SCORE_BLOCK_CALL                                                                                 \
-  (buf, ld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p, cols, scale, vis, cmax, nchunks, st)
+  (buf, ld, pbuf, pld, qpack, kpack, tmp, q, head0, w, row0, nrows, prefix, block, g, p, cols, scale, vis, cmax, nchunks, st)
 #if KVEVICT_HOST_X86_DISPATCH
   // The product of two fp16 values is exact in fp32 (11 + 11 significant bits; |product| within
   // [2^-48, 2^32], far inside fp32's normal range), so rounding q*k and then the sum gives the same

@@ -113,7 +113,10 @@ struct post_weights {
   const float* norms = nullptr;  // per_token: the row's norms computed up front (position-indexed), or none
 };
 
-constexpr index_t post_chunk = 1024;
+/// Positions per chunk of the chunked paths: a multiple of 80 (the k = 5 average pooling kernel's
+/// 16 blocks: chunks of 1024 left 6% of their outputs to the slower phase kernel, and fused CAKE
+/// 6% behind its chain) and of 16 (vectors); 4 rows of it stay in L1.
+constexpr index_t post_chunk = 1040;
 /// Finishes the positions [c0, c0 + n) (n <= post_chunk) of a contiguous output row, o pointing at
 /// position c0: the GQA mean's division when div_g > 0, the weight, the protection of a row whose
 /// sinks end at sink_end and whose recent window begins at recent_begin (post_finish, AVX2 when the

@@ -313,13 +313,99 @@ __attribute__((target("avx2"))) void interior_avx2(bool is_max, const float* x, 
   if (is_max) max_interior<K, max_chunk_bits<K, vu8>>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
+/// The permutations of avg5_blocks_avx512: element t of the 16 blocks of 5 in 80 consecutive floats
+/// (in_idx[t], source s = 5 l + t of lane l: from the pair 0-1 of the five vectors, the pair 2-3 where
+/// in_b, vector 4 where in_c; the index's low bits serve all three), and back: output vector m lane q
+/// (o = 16 m + q) is lane o / 5 of phase o % 5's vector (out_idx[m], the pair 0-1 or 2-3 picked by
+/// the odd phases' bit 4; pair 2-3 where out_23, phase 4 where out_4).
+struct avg5_permutations {
+  alignas(64) std::int32_t in_idx[5][16] = {};
+  alignas(64) std::int32_t out_idx[5][16] = {};
+  std::uint16_t in_b[5] = {}, in_c[5] = {}, out_23[5] = {}, out_4[5] = {};
+};
+constexpr avg5_permutations make_avg5_permutations() {
+  avg5_permutations t;
+  for (int v = 0; v < 5; ++v)
+    for (int l = 0; l < 16; ++l) {
+      const int s = 5 * l + v, o = 16 * v + l, j = o % 5;
+      t.in_idx[v][l] = s;
+      if (s >= 32 && s < 64) t.in_b[v] = static_cast<std::uint16_t>(t.in_b[v] | 1u << l);
+      if (s >= 64) t.in_c[v] = static_cast<std::uint16_t>(t.in_c[v] | 1u << l);
+      t.out_idx[v][l] = o / 5 + (j % 2 == 1 ? 16 : 0);
+      if (j == 2 || j == 3) t.out_23[v] = static_cast<std::uint16_t>(t.out_23[v] | 1u << l);
+      if (j == 4) t.out_4[v] = static_cast<std::uint16_t>(t.out_4[v] | 1u << l);
+    }
+  return t;
+}
+inline constexpr avg5_permutations avg5_perm = make_avg5_permutations();
+
+/// Picks lanes of the five vectors v by an avg5_permutations index and masks.
+__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE __m512 avg5_pick(const __m512* v, const std::int32_t* idx,
+                                                                             std::uint16_t m23, std::uint16_t m4) noexcept {
+  constexpr __mmask16 all = 0xFFFF;
+  const __m512i i = _mm512_load_si512(idx);
+  const __m512 a = _mm512_maskz_permutex2var_ps(all, v[0], i, v[1]), b = _mm512_maskz_permutex2var_ps(all, v[2], i, v[3]);
+  return _mm512_mask_blend_ps(m4, _mm512_mask_blend_ps(m23, a, b), _mm512_maskz_permutexvar_ps(all, i, v[4]));
+}
+
+/// Lanes 1..15 of p, then next.
+__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE __m512 avg5_shift_in(__m512 p, float next) noexcept {
+  constexpr __mmask16 all = 0xFFFF;
+  return _mm512_castsi512_ps(
+      _mm512_maskz_alignr_epi32(all, _mm512_castps_si512(_mm512_set1_ps(next)), _mm512_castps_si512(p), 1));
+}
+
+/// Average pooling with k = 5 (AVX-512F) of the outputs from i (a multiple of 5: a block start of
+/// pool.hpp's two passes) by 80 (16 blocks): the five elements of the 16 blocks gathered into five
+/// vectors, each block's suffix sums (right to left) and prefix sums (left to right) computed lane
+/// by lane, output 5 l + j = suffix j of block l + prefix j - 1 of block l + 1 (the next group's
+/// first block's prefixes by scalar adds), divided by div, and scattered back: the two-pass
+/// algorithm's operations, so its bits, with about 14 vector operations per 16 outputs instead of
+/// the phase kernel's 37. Output i at y[0]; returns the first output not written (hi - i < 80 left).
+/// Windows must lie inside the row up to output hi - 1 (they read x[i - 2, hi + 2)).
+__attribute__((target("avx512f,avx2"))) inline index_t avg5_blocks_avx512(const float* x, float* y, index_t i,
+                                                                          index_t hi, float div) noexcept {
+  const __m512 dv = _mm512_set1_ps(div);
+  const index_t first = i;
+  for (; i + 80 <= hi; i += 80) {
+    const float* p = x + i - 2;
+    __m512 v[5], e[5];
+    for (int m = 0; m < 5; ++m) v[m] = _mm512_loadu_ps(p + 16 * m);
+    for (int t = 0; t < 5; ++t) e[t] = avg5_pick(v, avg5_perm.in_idx[t], avg5_perm.in_b[t], avg5_perm.in_c[t]);
+    // suffixes s_j = e_j + (e_{j+1} + ...), prefixes p_j = ((e_0 + e_1) + ...) + e_j, as pool.hpp adds
+    const __m512 s3 = _mm512_add_ps(e[3], e[4]), s2 = _mm512_add_ps(e[2], s3), s1 = _mm512_add_ps(e[1], s2);
+    const __m512 s0 = _mm512_add_ps(e[0], s1);
+    const __m512 p1 = _mm512_add_ps(e[0], e[1]), p2 = _mm512_add_ps(p1, e[2]), p3 = _mm512_add_ps(p2, e[3]);
+    const float q0 = p[80], q1 = q0 + p[81], q2 = q1 + p[82], q3 = q2 + p[83];  // the next block's prefixes
+    __m512 o[5];
+    o[0] = _mm512_div_ps(s0, dv);
+    o[1] = _mm512_div_ps(_mm512_add_ps(s1, avg5_shift_in(e[0], q0)), dv);
+    o[2] = _mm512_div_ps(_mm512_add_ps(s2, avg5_shift_in(p1, q1)), dv);
+    o[3] = _mm512_div_ps(_mm512_add_ps(s3, avg5_shift_in(p2, q2)), dv);
+    o[4] = _mm512_div_ps(_mm512_add_ps(e[4], avg5_shift_in(p3, q3)), dv);
+    for (int m = 0; m < 5; ++m)
+      _mm512_storeu_ps(y + (i - first) + 16 * m,
+                       avg5_pick(o, avg5_perm.out_idx[m], avg5_perm.out_23[m], avg5_perm.out_4[m]));
+  }
+  return i;
+}
+
 /// 16 lanes for max pooling (the raw-bits path) and for avg (16 outputs per division and per
-/// evaluation of the K phase expressions: the same operations per lane as the 8-lane copies).
+/// evaluation of the K phase expressions: the same operations per lane as the 8-lane copies; k = 5
+/// by blocks, avg5_blocks_avx512).
 template <int K>
 __attribute__((target("avx512f,avx2"))) void interior_avx512(bool is_max, const float* x, float* y, index_t lo,
                                                               index_t hi, float div) noexcept {
-  if (is_max) max_interior<K, max_chunk_bits_avx512<K>>(x, y, lo, hi);
-  else avg_interior<K, vf16, vi16>(x, y, lo, hi, div);
+  if (is_max) return max_interior<K, max_chunk_bits_avx512<K>>(x, y, lo, hi);
+  if constexpr (K == 5) {
+    const index_t b = (lo + 4) / 5 * 5;  // the first block start
+    if (b + 80 <= hi) {
+      avg_interior<K, vf16, vi16>(x, y, lo, b, div);
+      const index_t e = avg5_blocks_avx512(x, y + (b - lo), b, hi, div);
+      return avg_interior<K, vf16, vi16>(x, y + (e - lo), e, hi, div);
+    }
+  }
+  avg_interior<K, vf16, vi16>(x, y, lo, hi, div);
 }
 #  endif
 /// The same operations on every copy: the ISA changes the speed, never the bits.

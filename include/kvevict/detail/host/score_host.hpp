@@ -10,6 +10,8 @@
 // panel is in cache each row's chunk max, e^(x - chunk max) and chunk sum are computed and merged
 // (softmax_merge) into the row's statistics. A last pass per row scales each chunk by
 // e^(m_c - M) / L and adds it, row by row in query order, to the task's per-head accumulators.
+// A logits buffer of more than score_stream_min_bytes is not written by the panels directly: each
+// panel is computed in a small panel buffer and copied out with non-temporal stores.
 //
 // Determinism: every logit is one sequential fp32 dot product over d (vectorised across keys, never
 // across d) followed by one multiplication by the scale; row statistics use explicit lanes and
@@ -355,28 +357,34 @@ KVEVICT_ALWAYS_INLINE softmax_stats score_chunk_exp(float* KVEVICT_RESTRICT s, i
 /// elsewhere a plain copy): a long row's logits buffer is read again only after every panel, so
 /// caching its lines would read each from memory before overwriting it and evict the panel's working
 /// set. One copy per profile (the vector width).
+template <index_t Lanes, class Stream>
+KVEVICT_ALWAYS_INLINE void score_stream_row_body(float* KVEVICT_RESTRICT dst, const float* KVEVICT_RESTRICT src,
+                                                 index_t n) {
+  index_t j = 0;
+  for (; j < n && (reinterpret_cast<std::uintptr_t>(dst + j) & 63) != 0; ++j) dst[j] = src[j];
+  for (; j + Lanes <= n; j += Lanes) Stream::copy(dst + j, src + j);
+  for (; j < n; ++j) dst[j] = src[j];
+}
 #if KVEVICT_HOST_X86_DISPATCH
-inline std::uintptr_t score_misalign64(const float* p) { return reinterpret_cast<std::uintptr_t>(p) & 63; }
-__attribute__((target("sse2"))) inline void score_stream_row_base(float* KVEVICT_RESTRICT dst,
-                                                                  const float* KVEVICT_RESTRICT src, index_t n) {
-  index_t j = 0;
-  for (; j < n && score_misalign64(dst + j) != 0; ++j) dst[j] = src[j];
-  for (; j + 4 <= n; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
-  for (; j < n; ++j) dst[j] = src[j];
+struct score_stream_sse2 {
+  __attribute__((target("sse2"))) static void copy(float* d, const float* s) { _mm_stream_ps(d, _mm_loadu_ps(s)); }
+};
+struct score_stream_avx {
+  __attribute__((target("avx"))) static void copy(float* d, const float* s) { _mm256_stream_ps(d, _mm256_loadu_ps(s)); }
+};
+struct score_stream_avx512 {
+  __attribute__((target("avx512f"))) static void copy(float* d, const float* s) {
+    _mm512_stream_ps(d, _mm512_loadu_ps(s));
+  }
+};
+__attribute__((target("sse2"))) inline void score_stream_row_base(float* dst, const float* src, index_t n) {
+  score_stream_row_body<4, score_stream_sse2>(dst, src, n);
 }
-__attribute__((target("avx2"))) inline void score_stream_row_avx2(float* KVEVICT_RESTRICT dst,
-                                                                  const float* KVEVICT_RESTRICT src, index_t n) {
-  index_t j = 0;
-  for (; j < n && score_misalign64(dst + j) != 0; ++j) dst[j] = src[j];
-  for (; j + 8 <= n; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
-  for (; j < n; ++j) dst[j] = src[j];
+__attribute__((target("avx2"))) inline void score_stream_row_avx2(float* dst, const float* src, index_t n) {
+  score_stream_row_body<8, score_stream_avx>(dst, src, n);
 }
-__attribute__((target("avx512f"))) inline void score_stream_row_avx512(float* KVEVICT_RESTRICT dst,
-                                                                       const float* KVEVICT_RESTRICT src, index_t n) {
-  index_t j = 0;
-  for (; j < n && score_misalign64(dst + j) != 0; ++j) dst[j] = src[j];
-  for (; j + 16 <= n; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
-  for (; j < n; ++j) dst[j] = src[j];
+__attribute__((target("avx512f"))) inline void score_stream_row_avx512(float* dst, const float* src, index_t n) {
+  score_stream_row_body<16, score_stream_avx512>(dst, src, n);
 }
 #else
 inline void score_stream_row_base(float* KVEVICT_RESTRICT dst, const float* KVEVICT_RESTRICT src, index_t n) {
@@ -395,7 +403,7 @@ inline void score_stream_fence() {
 /// in cache, each row's chunk c: max, e^(x - max) in place, sum, merged into st[r]; the result is in
 /// buf[r][c0 + j] (padding rows and the columns up to the next multiple of P::nr hold finite junk
 /// never read). pbuf null: computed in buf. Otherwise computed in the panel buffer pbuf[r][j] (row
-/// stride pld, in cache) and each row's visible part streamed into buf (score_stream_row): the same
+/// stride pld, in cache) and each row's visible part streamed into buf (score_stream_row_*): the same
 /// values. vis[r] = columns row r sees; cmax[r * nchunks + c] receives the chunk's max.
 template <class P, bool Fused, class KS>
 KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT_RESTRICT pbuf,
@@ -437,6 +445,7 @@ KVEVICT_ALWAYS_INLINE void score_panel_body(float* KVEVICT_RESTRICT buf, index_t
 }
 
 // One compiled function per profile (the target attribute cannot depend on a template argument).
+// KVEVICT_SCORE_PANEL_CALL also serves score_block_softmax, whose variables have the same names.
 #define KVEVICT_SCORE_PANEL_ARGS                                                                              \
   float *KVEVICT_RESTRICT buf, index_t ld, float *KVEVICT_RESTRICT pbuf, index_t pld,                          \
       const float *KVEVICT_RESTRICT qpack, index_t nrows,                                                       \
@@ -470,7 +479,6 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) KVEVICT_NO_CONTRACT void score_
 }
 #endif
 #undef KVEVICT_SCORE_PANEL_ARGS
-#undef KVEVICT_SCORE_PANEL_CALL
 
 /// Whether the CPU has FMA (the fused AVX2 kernel needs it; AVX-512F includes it).
 inline bool score_cpu_has_fma() {
@@ -516,23 +524,21 @@ void score_block_softmax(float* KVEVICT_RESTRICT buf, index_t ld, float* KVEVICT
   const index_t d = q.extent(2);
   score_pack_queries<P>(qpack, tmp, q, head0, w, row0, nrows);
   for (index_t r = 0; r < nrows; ++r) st[r] = softmax_empty();
-#define KVEVICT_SCORE_PANEL_PASS \
-  (buf, ld, pbuf, pld, qpack, nrows, kpack, tmp, prefix, block, g, p, c0, n, d, scale, vis, cmax, nchunks, st)
   for (index_t c0 = 0; c0 < cols; c0 += score_chunk) {
     const index_t n = cols - c0 < score_chunk ? cols - c0 : score_chunk;
     if constexpr (std::is_same_v<P, score_profile_sse2>) {
-      score_panel_sse2<Fused, KS> KVEVICT_SCORE_PANEL_PASS;
+      score_panel_sse2<Fused, KS>(KVEVICT_SCORE_PANEL_CALL);
 #if KVEVICT_HOST_X86_DISPATCH
     } else if constexpr (std::is_same_v<P, score_profile_avx2>) {
-      if constexpr (Fused) score_panel_avx2_fma<KS> KVEVICT_SCORE_PANEL_PASS;
-      else score_panel_avx2<KS> KVEVICT_SCORE_PANEL_PASS;
+      if constexpr (Fused) score_panel_avx2_fma<KS>(KVEVICT_SCORE_PANEL_CALL);
+      else score_panel_avx2<KS>(KVEVICT_SCORE_PANEL_CALL);
     } else {
-      if constexpr (Fused) score_panel_avx512_fma<KS> KVEVICT_SCORE_PANEL_PASS;
-      else score_panel_avx512<KS> KVEVICT_SCORE_PANEL_PASS;
+      if constexpr (Fused) score_panel_avx512_fma<KS>(KVEVICT_SCORE_PANEL_CALL);
+      else score_panel_avx512<KS>(KVEVICT_SCORE_PANEL_CALL);
 #endif
     }
   }
-#undef KVEVICT_SCORE_PANEL_PASS
+#undef KVEVICT_SCORE_PANEL_CALL
   if (pbuf != nullptr) score_stream_fence();
 }
 

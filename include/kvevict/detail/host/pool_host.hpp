@@ -1,7 +1,7 @@
 // Host fast path of pooling for the small kernels the recipes use (k = 3, 5, 7, 9), contiguous
 // rows: a direct sliding window, 8 outputs at a time (16 in the AVX-512 copy; GCC / clang
-// vector extensions, and intrinsics for the AVX-512 max on raw bits, which builds a window's shifted
-// inputs in registers; baseline, AVX2 and AVX-512F copies chosen at run time), with the
+// vector extensions, and intrinsics for the AVX-512 max on raw bits, which builds the windows in
+// registers by doubling; baseline, AVX2 and AVX-512F copies chosen at run time), with the
 // bits of the O(T) algorithm in pool.hpp:
 //   max  the total-order max of the window's keys (associative and commutative on keys: any order
 //        gives the same bits); chunks of 512 outputs whose inputs are all +0, positive or +inf (the
@@ -14,6 +14,7 @@
 //                  + (((a_{k-j} + a_{k-j+1}) + ...) + a_{k-1})             (prefix of the next)
 //        Each of the k expressions is evaluated for the 8 lanes and the lane's own phase selected,
 //        so the result is that of pool.hpp's code bit for bit (tests/test_pool.cpp compares them).
+//        The AVX-512F copy runs k = 5 by whole blocks instead (avg5_blocks_avx512): the same sums.
 // The r outputs at each end of a row (windows reaching outside it) use pool.hpp's row code.
 // Only for GCC / clang host code (not nvcc's front end); elsewhere pool.hpp's code runs alone.
 #pragma once

@@ -402,4 +402,58 @@ TEST_CASE("pool1d: every ISA copy of the small-kernel path equals the two-pass a
     }
   }
 }
+
+TEST_CASE("pool1d: the max pooling of a group's rows summed in registers equals pooling each row and summing") {
+  // detail::pool_fast_max_sum (the AVX-512F copy; elsewhere it declines) against the two-pass max
+  // pooling of each row and the fp32 sum in row order (gqa_reduce's), on interior ranges of every
+  // length (the 64- and 16-output loops and the one-by-one end); scores with zeros, ties, subnormals
+  // and +inf, and on every third trial one negative, -0, NaN or -inf: then it must decline.
+  const float bad[] = {-1.5f, -0.f, qnan, -inf};
+  auto g = kvtest::rng(1824);
+  for (int trial = 0; trial < 150; ++trial) {
+    const index_t rows = kvtest::uniform_int(g, 1, 6), n = kvtest::uniform_int(g, 40, 700);
+    const index_t kernel = 2 * kvtest::uniform_int(g, 1, 4) + 1, r = kernel / 2, stride = n + kvtest::uniform_int(g, 0, 5);
+    CAPTURE(trial);
+    CAPTURE(rows);
+    CAPTURE(n);
+    CAPTURE(kernel);
+    std::vector<float> x(static_cast<std::size_t>(rows * stride));
+    for (auto& v : x) {
+      switch (kvtest::uniform_int(g, 0, 9)) {
+        case 0: v = 0.f; break;
+        case 1: v = std::numeric_limits<float>::denorm_min() * static_cast<float>(kvtest::uniform_int(g, 1, 3)); break;
+        case 2: v = trial % 2 ? inf : std::numeric_limits<float>::max() / 8.f; break;
+        case 3: v = static_cast<float>(kvtest::uniform_int(g, 0, 3)); break;
+        default: v = kvtest::random_floats(g, 1, 0.f, 1.f)[0];
+      }
+    }
+    const index_t lo = kvtest::uniform_int(g, r, n - r - 1), hi = kvtest::uniform_int(g, lo + 1, n - r);
+    const bool spoiled = trial % 3 == 2;
+    if (spoiled) {  // inside some window of the range
+      const index_t j = kvtest::uniform_int(g, 0, rows - 1), p = kvtest::uniform_int(g, lo - r, hi - 1 + r);
+      x[static_cast<std::size_t>(j * stride + p)] = bad[trial % 4];
+    }
+    std::vector<float> pooled(static_cast<std::size_t>(n)), ref(static_cast<std::size_t>(hi - lo));
+    for (index_t j = 0; j < rows; ++j) {
+      detail::pool_row_impl<detail::pool_max_traits>(avg_divisor::kernel, x.data() + j * stride, 1, pooled.data(), 1, n, kernel);
+      for (index_t i = lo; i < hi; ++i) {
+        float& o = ref[static_cast<std::size_t>(i - lo)];
+        o = j == 0 ? pooled[static_cast<std::size_t>(i)] : o + pooled[static_cast<std::size_t>(i)];
+      }
+    }
+    std::vector<float> y(static_cast<std::size_t>(hi - lo), sentinel);
+    const bool done = detail::pool_fast_max_sum(x.data(), stride, rows, y.data(), kernel, lo, hi);
+#  if KVEVICT_HOST_X86_DISPATCH
+    const bool runs = detail::isa_x86::host_isa_runs(host_isa::avx512);
+#  else
+    const bool runs = false;
+#  endif
+    REQUIRE(done == (runs && !spoiled));
+    if (done)
+      for (index_t i = lo; i < hi; ++i) {
+        CAPTURE(i);
+        REQUIRE(bits(y[static_cast<std::size_t>(i - lo)]) == bits(ref[static_cast<std::size_t>(i - lo)]));
+      }
+  }
+}
 #endif

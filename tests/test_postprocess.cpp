@@ -409,6 +409,51 @@ TEST_CASE("postprocess_scores: long rows on the chunked small-kernel path (pool 
   }
 }
 
+TEST_CASE("postprocess_scores: max pooling summed over the group in registers (SnapKV's chunks) equals the chain") {
+  // Pool first with max and a GQA mean or sum on non-negative scores takes detail::pool_fast_max_sum
+  // for whole interior chunks where the AVX-512F copy runs (elsewhere the row-by-row path): scores
+  // with zeros, ties, subnormals, FLT_MAX and +inf; groups of 2..12 heads; on every third trial one
+  // negative, -0, NaN or -inf in the rows, whose chunk falls back to the row-by-row path.
+  auto g = kvtest::rng(1823);
+  const float bad[] = {-0.25f, -0.f, qnan, -inf};
+  for (int trial = 0; trial < 36; ++trial) {
+    CAPTURE(trial);
+    case_data<float> c = random_case<float>(g, 1);
+    c.g = kvtest::uniform_int(g, 2, 12);
+    c.T = kvtest::uniform_int(g, 1000, 3200);
+    c.tv = c.T;
+    c.d = 0;
+    c.values.assign(1, 0.f);
+    c.in.resize(static_cast<std::size_t>(c.hkv * c.g * c.T));
+    for (auto& v : c.in) {
+      switch (kvtest::uniform_int(g, 0, 15)) {
+        case 0: v = 0.f; break;
+        case 1: v = std::numeric_limits<float>::denorm_min() * static_cast<float>(kvtest::uniform_int(g, 1, 5)); break;
+        case 2: v = trial % 2 ? inf : std::numeric_limits<float>::max() / 4.f; break;
+        case 3: case 4: v = static_cast<float>(kvtest::uniform_int(g, 0, 3)) * 0.25f; break;  // ties
+        default: v = kvtest::random_floats(g, 1, 0.f, 1.f)[0];
+      }
+    }
+    if (trial % 3 == 2) c.in[static_cast<std::size_t>(kvtest::uniform_int(g, 0, static_cast<index_t>(c.in.size()) - 1))] = bad[trial % 4];
+    c.use_row_lengths = trial % 2 == 1;
+    c.row_lengths.clear();
+    for (index_t h = 0; h < c.hkv; ++h) c.row_lengths.push_back(static_cast<std::int32_t>(kvtest::uniform_int(g, 0, c.T)));
+    c.opt.gqa = trial % 2 ? gqa_op::sum : gqa_op::mean;
+    c.opt.order = gqa_order::pool_first;
+    c.opt.pool = pool_kind::max;
+    c.opt.kernel = 2 * kvtest::uniform_int(g, 1, 4) + 1;
+    c.opt.weight_values = false;
+    c.opt.n_sink = kvtest::uniform_int(g, 0, 4);
+    c.opt.n_recent = kvtest::uniform_int(g, 0, 40);
+    c.opt.unpooled_tail = trial % 4 == 3 ? kvtest::uniform_int(g, 1, 1500) : 0;
+    CAPTURE(c.T);
+    CAPTURE(c.g);
+    CAPTURE(c.opt.kernel);
+    CAPTURE(c.opt.unpooled_tail);
+    require_fused_equals_chain(c);
+  }
+}
+
 template <class V>
 void compare_long_weighted(std::uint64_t seed, int trials) {
   // Long rows of every recipe shape with weighting (VATP: pool first, per-token; LAVa: GQA max

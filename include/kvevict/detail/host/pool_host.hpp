@@ -182,6 +182,45 @@ __attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void max_bits_double
   w[N] = _mm512_maskz_max_epu32(all, w[N], _mm512_maskz_alignr_epi32(all, _mm512_setzero_si512(), w[N], S));
 }
 
+/// The window maxima on the raw bits of the 64 outputs whose windows start at p (inputs p[0, 64 + K - 1)):
+/// four vectors and a masked load of the next K - 1 inputs, the windows of width a (the largest power
+/// of two <= K) built by doubling, each output the max of two overlapping ones.
+constexpr int max_bits_vectors = 4;
+template <int K>
+__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void max_bits_windows64(const float* p, __m512i* m) noexcept {
+  constexpr int N = max_bits_vectors, a = K >= 8 ? 8 : K >= 4 ? 4 : 2;
+  constexpr __mmask16 rest = static_cast<__mmask16>((1u << (K - 1)) - 1u), all = 0xFFFF;
+  __m512i w[N + 1];
+  for (int j = 0; j < N; ++j) w[j] = _mm512_loadu_si512(p + 16 * j);
+  w[N] = _mm512_maskz_loadu_epi32(rest, p + 16 * N);
+  max_bits_double<1, N>(w);
+  if constexpr (a >= 4) max_bits_double<2, N>(w);
+  if constexpr (a >= 8) max_bits_double<4, N>(w);
+  for (int j = 0; j < N; ++j) {
+    m[j] = w[j];
+    if constexpr (K > a) m[j] = _mm512_maskz_max_epu32(all, w[j], _mm512_maskz_alignr_epi32(all, w[j + 1], w[j], K - a));
+  }
+}
+
+/// The window maxima on the raw bits of the 16 outputs whose windows start at p: two loads (the
+/// second masked to the K - 1 inputs after the first 16) and the K - 1 shifted vectors (valignd).
+template <int K>
+__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE __m512i max_bits_windows16(const float* p) noexcept {
+  constexpr __mmask16 rest = static_cast<__mmask16>((1u << (K - 1)) - 1u), all = 0xFFFF;
+  const __m512i a = _mm512_loadu_si512(p), b = _mm512_maskz_loadu_epi32(rest, p + 16);
+  __m512i m = a;
+  // (valignd takes its shift as an immediate: one line per shift, the ones past K - 1 compiled out)
+  if constexpr (K > 1) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 1));
+  if constexpr (K > 2) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 2));
+  if constexpr (K > 3) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 3));
+  if constexpr (K > 4) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 4));
+  if constexpr (K > 5) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 5));
+  if constexpr (K > 6) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 6));
+  if constexpr (K > 7) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 7));
+  if constexpr (K > 8) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 8));
+  return m;
+}
+
 /// max_chunk_bits for AVX-512F: 64 outputs from five loads (four, and a masked one of the next K - 1
 /// inputs: nothing past them is touched), the windows of width a (the largest power of two <= K)
 /// built by doubling in registers (valignd), each output the max of two overlapping ones: for K = 7,
@@ -193,38 +232,20 @@ __attribute__((target("avx512f,avx2"))) inline bool max_chunk_bits_avx512(const 
                                                                            index_t nc) noexcept {
   constexpr int r = K / 2;
   static_assert(K >= 3 && K <= 9, "the small kernels only");
-  constexpr int a = K >= 8 ? 8 : K >= 4 ? 4 : 2;  // the largest power of two <= K
-  constexpr __mmask16 rest = static_cast<__mmask16>((1u << (K - 1)) - 1u), all = 0xFFFF;
+  constexpr __mmask16 all = 0xFFFF;
   __m512i seen = _mm512_setzero_si512();
   index_t i = c0;
   const index_t hi = c0 + nc;
-  constexpr int N = 4;
-  for (; i + 16 * N <= hi; i += 16 * N) {
-    __m512i w[N + 1];
-    for (int j = 0; j < N; ++j) w[j] = _mm512_loadu_si512(x + i - r + 16 * j);
-    w[N] = _mm512_maskz_loadu_epi32(rest, x + i - r + 16 * N);
-    max_bits_double<1, N>(w);
-    if constexpr (a >= 4) max_bits_double<2, N>(w);
-    if constexpr (a >= 8) max_bits_double<4, N>(w);
-    for (int j = 0; j < N; ++j) {
-      __m512i m = w[j];
-      if constexpr (K > a) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, w[j + 1], w[j], K - a));
-      seen = _mm512_maskz_max_epu32(all, seen, m);
-      _mm512_storeu_si512(y + (i - c0) + 16 * j, m);
+  for (; i + 16 * max_bits_vectors <= hi; i += 16 * max_bits_vectors) {
+    __m512i m[max_bits_vectors];
+    max_bits_windows64<K>(x + i - r, m);
+    for (int j = 0; j < max_bits_vectors; ++j) {
+      seen = _mm512_maskz_max_epu32(all, seen, m[j]);
+      _mm512_storeu_si512(y + (i - c0) + 16 * j, m[j]);
     }
   }
   for (; i + 16 <= hi; i += 16) {
-    const __m512i a0 = _mm512_loadu_si512(x + i - r), b = _mm512_maskz_loadu_epi32(rest, x + i - r + 16);
-    __m512i m = a0;
-    // (valignd takes its shift as an immediate: one line per shift, the ones past K - 1 compiled out)
-    if constexpr (K > 1) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 1));
-    if constexpr (K > 2) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 2));
-    if constexpr (K > 3) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 3));
-    if constexpr (K > 4) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 4));
-    if constexpr (K > 5) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 5));
-    if constexpr (K > 6) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 6));
-    if constexpr (K > 7) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 7));
-    if constexpr (K > 8) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a0, 8));
+    const __m512i m = max_bits_windows16<K>(x + i - r);
     seen = _mm512_maskz_max_epu32(all, seen, m);
     _mm512_storeu_si512(y + (i - c0), m);
   }
@@ -233,6 +254,71 @@ __attribute__((target("avx512f,avx2"))) inline bool max_chunk_bits_avx512(const 
   std::uint32_t top = 0;
   for (std::uint32_t u : lanes) top = u > top ? u : top;
   return max_bits_tail<K>(x, y, c0, i, hi, top);
+}
+
+/// Max pooling on the raw bits of g rows (row j at x + j * stride) summed over the rows, outputs
+/// [c0, c0 + nc) (all windows inside the rows): y[i - c0] = ((m_0(i) + m_1(i)) + ...) + m_{g-1}(i)
+/// in fp32, each m_j(i) max_chunk_bits' value and the sum gqa_reduce's (rows in order), so the bits
+/// of pooling each row and summing the pooled rows; the pooled rows never leave the registers.
+/// Returns false if some input is negative or a NaN: the values written are then wrong and the
+/// caller pools and sums the rows the usual way.
+template <int K>
+__attribute__((target("avx512f,avx2"))) inline bool max_sum_bits_avx512(const float* x, index_t stride, index_t g,
+                                                                         float* y, index_t c0, index_t nc) noexcept {
+  constexpr int r = K / 2, N = max_bits_vectors;
+  constexpr __mmask16 all = 0xFFFF;
+  __m512i seen = _mm512_setzero_si512();
+  index_t i = c0;
+  const index_t hi = c0 + nc;
+  for (; i + 16 * N <= hi; i += 16 * N) {
+    __m512i m[N];
+    __m512 acc[N];
+    max_bits_windows64<K>(x + i - r, m);
+    for (int v = 0; v < N; ++v) {
+      seen = _mm512_maskz_max_epu32(all, seen, m[v]);
+      acc[v] = _mm512_castsi512_ps(m[v]);
+    }
+    for (index_t j = 1; j < g; ++j) {
+      max_bits_windows64<K>(x + j * stride + i - r, m);
+      for (int v = 0; v < N; ++v) {
+        seen = _mm512_maskz_max_epu32(all, seen, m[v]);
+        acc[v] = _mm512_add_ps(acc[v], _mm512_castsi512_ps(m[v]));
+      }
+    }
+    for (int v = 0; v < N; ++v) _mm512_storeu_ps(y + (i - c0) + 16 * v, acc[v]);
+  }
+  for (; i + 16 <= hi; i += 16) {
+    __m512i m = max_bits_windows16<K>(x + i - r);
+    seen = _mm512_maskz_max_epu32(all, seen, m);
+    __m512 acc = _mm512_castsi512_ps(m);
+    for (index_t j = 1; j < g; ++j) {
+      m = max_bits_windows16<K>(x + j * stride + i - r);
+      seen = _mm512_maskz_max_epu32(all, seen, m);
+      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(m));
+    }
+    _mm512_storeu_ps(y + (i - c0), acc);
+  }
+  alignas(64) std::uint32_t lanes[16];
+  _mm512_store_si512(lanes, seen);
+  std::uint32_t top = 0;
+  for (std::uint32_t u : lanes) top = u > top ? u : top;
+  for (; i < hi; ++i) {
+    float sum = 0.f;
+    for (index_t j = 0; j < g; ++j) {
+      std::uint32_t m = 0;
+      for (int t = 0; t < K; ++t) {
+        std::uint32_t u;
+        std::memcpy(&u, x + j * stride + i - r + t, sizeof u);
+        m = u > m ? u : m;
+      }
+      top = m > top ? m : top;
+      float f;
+      std::memcpy(&f, &m, sizeof f);
+      sum = j == 0 ? f : sum + f;
+    }
+    y[i - c0] = sum;
+  }
+  return top <= plus_inf_bits;
 }
 #  endif
 
@@ -433,6 +519,28 @@ inline bool pool_fast_applies(index_t sx, index_t sy, index_t n, index_t kernel)
   return sx == 1 && sy == 1 && kernel >= 3 && kernel <= 9 && n >= 4 * kernel;
 #else
   (void)sx, (void)sy, (void)n, (void)kernel;
+  return false;
+#endif
+}
+
+/// The max pooling (kernel 3..9) of g contiguous rows (row j at x + j * stride) summed over the rows
+/// in row order, outputs [lo, hi) all in the rows' interior, output i into y[i - lo]: the bits of
+/// pooling each row (pool_row) and summing the pooled rows as gqa_reduce does. Only where the
+/// AVX-512F copy runs and no input is negative or a NaN (max_sum_bits_avx512); returns whether it
+/// wrote the outputs (if not, y holds junk and the caller pools and sums the usual way).
+inline bool pool_fast_max_sum(const float* x, index_t stride, index_t g, float* y, index_t kernel, index_t lo,
+                              index_t hi) noexcept {
+#if defined(KVEVICT_POOL_FAST_PATH) && KVEVICT_HOST_X86_DISPATCH
+  if (lo >= hi || !host_isa_runs(host_isa::avx512)) return false;
+  switch (kernel) {
+    case 3: return pool_fast::max_sum_bits_avx512<3>(x, stride, g, y, lo, hi - lo);
+    case 5: return pool_fast::max_sum_bits_avx512<5>(x, stride, g, y, lo, hi - lo);
+    case 7: return pool_fast::max_sum_bits_avx512<7>(x, stride, g, y, lo, hi - lo);
+    case 9: return pool_fast::max_sum_bits_avx512<9>(x, stride, g, y, lo, hi - lo);
+    default: return false;
+  }
+#else
+  (void)x, (void)stride, (void)g, (void)y, (void)kernel, (void)lo, (void)hi;
   return false;
 #endif
 }

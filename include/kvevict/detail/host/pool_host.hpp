@@ -120,19 +120,25 @@ KVEVICT_POOL_INLINE void max_chunk_keys(const float* x, float* y, index_t c0, in
 /// is the total score order, so their unsigned maximum is the total-order maximum, bit for bit.
 constexpr std::uint32_t plus_inf_bits = 0x7f800000u;
 
+/// The unsigned maximum of the raw bits of the K inputs from p (one window, one at a time).
+template <int K>
+KVEVICT_POOL_INLINE std::uint32_t window_max_bits(const float* p) noexcept {
+  std::uint32_t m = 0;
+  for (int t = 0; t < K; ++t) {
+    std::uint32_t u;
+    std::memcpy(&u, p + t, sizeof u);
+    m = u > m ? u : m;
+  }
+  return m;
+}
+
 /// The scalar end of max_chunk_bits: outputs [i, hi) of the chunk from c0, one at a time; returns
 /// whether every window maximum, and `top` (the vector part's largest), is at most plus_inf_bits.
 template <int K>
 KVEVICT_POOL_INLINE bool max_bits_tail(const float* x, float* y, index_t c0, index_t i, index_t hi,
                                        std::uint32_t top) noexcept {
-  constexpr int r = K / 2;
   for (; i < hi; ++i) {
-    std::uint32_t m = 0;
-    for (int t = 0; t < K; ++t) {
-      std::uint32_t u;
-      std::memcpy(&u, x + i - r + t, sizeof u);
-      m = u > m ? u : m;
-    }
+    const std::uint32_t m = window_max_bits<K>(x + i - K / 2);
     top = m > top ? m : top;
     std::memcpy(y + (i - c0), &m, sizeof m);
   }
@@ -182,13 +188,14 @@ __attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void max_bits_double
   w[N] = _mm512_maskz_max_epu32(all, w[N], _mm512_maskz_alignr_epi32(all, _mm512_setzero_si512(), w[N], S));
 }
 
-/// The window maxima on the raw bits of the 64 outputs whose windows start at p (inputs p[0, 64 + K - 1)):
-/// four vectors and a masked load of the next K - 1 inputs, the windows of width a (the largest power
-/// of two <= K) built by doubling, each output the max of two overlapping ones.
-constexpr int max_bits_vectors = 4;
-template <int K>
-__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void max_bits_windows64(const float* p, __m512i* m) noexcept {
-  constexpr int N = max_bits_vectors, a = K >= 8 ? 8 : K >= 4 ? 4 : 2;
+/// The window maxima on the raw bits of the 16 N outputs whose windows start at p (inputs
+/// p[0, 16 N + K - 1)): N vectors and a masked load of the next K - 1 inputs (nothing past them is
+/// touched), the windows of width a (the largest power of two <= K) built by doubling in registers
+/// (valignd), each output the max of two overlapping ones: for K = 7 and N = 4, 3.5 shifts and maxima
+/// per 16 outputs instead of K - 1 = 6.
+template <int K, int N>
+__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void max_bits_windows(const float* p, __m512i* m) noexcept {
+  constexpr int a = K >= 8 ? 8 : K >= 4 ? 4 : 2;
   constexpr __mmask16 rest = static_cast<__mmask16>((1u << (K - 1)) - 1u), all = 0xFFFF;
   __m512i w[N + 1];
   for (int j = 0; j < N; ++j) w[j] = _mm512_loadu_si512(p + 16 * j);
@@ -202,102 +209,46 @@ __attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void max_bits_window
   }
 }
 
-/// The window maxima on the raw bits of the 16 outputs whose windows start at p: two loads (the
-/// second masked to the K - 1 inputs after the first 16) and the K - 1 shifted vectors (valignd).
-template <int K>
-__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE __m512i max_bits_windows16(const float* p) noexcept {
-  constexpr __mmask16 rest = static_cast<__mmask16>((1u << (K - 1)) - 1u), all = 0xFFFF;
-  const __m512i a = _mm512_loadu_si512(p), b = _mm512_maskz_loadu_epi32(rest, p + 16);
-  __m512i m = a;
-  // (valignd takes its shift as an immediate: one line per shift, the ones past K - 1 compiled out)
-  if constexpr (K > 1) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 1));
-  if constexpr (K > 2) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 2));
-  if constexpr (K > 3) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 3));
-  if constexpr (K > 4) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 4));
-  if constexpr (K > 5) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 5));
-  if constexpr (K > 6) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 6));
-  if constexpr (K > 7) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 7));
-  if constexpr (K > 8) m = _mm512_maskz_max_epu32(all, m, _mm512_maskz_alignr_epi32(all, b, a, 8));
-  return m;
-}
-
-/// max_chunk_bits for AVX-512F: 64 outputs from five loads (four, and a masked one of the next K - 1
-/// inputs: nothing past them is touched), the windows of width a (the largest power of two <= K)
-/// built by doubling in registers (valignd), each output the max of two overlapping ones: for K = 7,
-/// 6 shifts and maxima per 16 outputs become 3.5 (and 1.25 loads, not 2). The rest 16 outputs at
-/// a time with the K - 1 shifts. Same bits: the unsigned max is associative and commutative.
-/// (The masked forms with a full mask avoid GCC 12's false -Wmaybe-uninitialized in the plain ones.)
-template <int K>
-__attribute__((target("avx512f,avx2"))) inline bool max_chunk_bits_avx512(const float* x, float* y, index_t c0,
-                                                                           index_t nc) noexcept {
-  constexpr int r = K / 2;
-  static_assert(K >= 3 && K <= 9, "the small kernels only");
+/// Outputs [i, i + 16 N) of max_sum_bits_avx512 (see there), N vectors at a time.
+template <int K, int N>
+__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void max_sum_bits_step(const float* x, index_t stride,
+                                                                                    index_t g, float* y, index_t i,
+                                                                                    __m512i& seen) noexcept {
   constexpr __mmask16 all = 0xFFFF;
-  __m512i seen = _mm512_setzero_si512();
-  index_t i = c0;
-  const index_t hi = c0 + nc;
-  for (; i + 16 * max_bits_vectors <= hi; i += 16 * max_bits_vectors) {
-    __m512i m[max_bits_vectors];
-    max_bits_windows64<K>(x + i - r, m);
-    for (int j = 0; j < max_bits_vectors; ++j) {
-      seen = _mm512_maskz_max_epu32(all, seen, m[j]);
-      _mm512_storeu_si512(y + (i - c0) + 16 * j, m[j]);
+  __m512i m[N];
+  __m512 acc[N];
+  max_bits_windows<K, N>(x + i - K / 2, m);
+  for (int v = 0; v < N; ++v) {
+    seen = _mm512_maskz_max_epu32(all, seen, m[v]);
+    acc[v] = _mm512_castsi512_ps(m[v]);
+  }
+  for (index_t j = 1; j < g; ++j) {
+    max_bits_windows<K, N>(x + j * stride + i - K / 2, m);
+    for (int v = 0; v < N; ++v) {
+      seen = _mm512_maskz_max_epu32(all, seen, m[v]);
+      acc[v] = _mm512_add_ps(acc[v], _mm512_castsi512_ps(m[v]));
     }
   }
-  for (; i + 16 <= hi; i += 16) {
-    const __m512i m = max_bits_windows16<K>(x + i - r);
-    seen = _mm512_maskz_max_epu32(all, seen, m);
-    _mm512_storeu_si512(y + (i - c0), m);
-  }
-  alignas(64) std::uint32_t lanes[16];
-  _mm512_store_si512(lanes, seen);
-  std::uint32_t top = 0;
-  for (std::uint32_t u : lanes) top = u > top ? u : top;
-  return max_bits_tail<K>(x, y, c0, i, hi, top);
+  for (int v = 0; v < N; ++v) _mm512_storeu_ps(y + 16 * v, acc[v]);
 }
 
 /// Max pooling on the raw bits of g rows (row j at x + j * stride) summed over the rows, outputs
 /// [c0, c0 + nc) (all windows inside the rows): y[i - c0] = ((m_0(i) + m_1(i)) + ...) + m_{g-1}(i)
 /// in fp32, each m_j(i) max_chunk_bits' value and the sum gqa_reduce's (rows in order), so the bits
-/// of pooling each row and summing the pooled rows; the pooled rows never leave the registers.
-/// Returns false if some input is negative or a NaN: the values written are then wrong and the
-/// caller pools and sums the rows the usual way.
+/// of pooling each row and summing the pooled rows; the pooled rows never leave the registers. With
+/// g = 1 it is max_chunk_bits (the window maxima, stored as they are). 64 outputs at a time, then 16,
+/// then one by one. Returns false if some input is negative or a NaN: the values written are then
+/// wrong and the caller recomputes them another way.
+/// (The masked forms with a full mask avoid GCC 12's false -Wmaybe-uninitialized in the plain ones.)
 template <int K>
 __attribute__((target("avx512f,avx2"))) inline bool max_sum_bits_avx512(const float* x, index_t stride, index_t g,
                                                                          float* y, index_t c0, index_t nc) noexcept {
-  constexpr int r = K / 2, N = max_bits_vectors;
-  constexpr __mmask16 all = 0xFFFF;
+  static_assert(K >= 3 && K <= 9, "the small kernels only");
   __m512i seen = _mm512_setzero_si512();
   index_t i = c0;
   const index_t hi = c0 + nc;
-  for (; i + 16 * N <= hi; i += 16 * N) {
-    __m512i m[N];
-    __m512 acc[N];
-    max_bits_windows64<K>(x + i - r, m);
-    for (int v = 0; v < N; ++v) {
-      seen = _mm512_maskz_max_epu32(all, seen, m[v]);
-      acc[v] = _mm512_castsi512_ps(m[v]);
-    }
-    for (index_t j = 1; j < g; ++j) {
-      max_bits_windows64<K>(x + j * stride + i - r, m);
-      for (int v = 0; v < N; ++v) {
-        seen = _mm512_maskz_max_epu32(all, seen, m[v]);
-        acc[v] = _mm512_add_ps(acc[v], _mm512_castsi512_ps(m[v]));
-      }
-    }
-    for (int v = 0; v < N; ++v) _mm512_storeu_ps(y + (i - c0) + 16 * v, acc[v]);
-  }
-  for (; i + 16 <= hi; i += 16) {
-    __m512i m = max_bits_windows16<K>(x + i - r);
-    seen = _mm512_maskz_max_epu32(all, seen, m);
-    __m512 acc = _mm512_castsi512_ps(m);
-    for (index_t j = 1; j < g; ++j) {
-      m = max_bits_windows16<K>(x + j * stride + i - r);
-      seen = _mm512_maskz_max_epu32(all, seen, m);
-      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(m));
-    }
-    _mm512_storeu_ps(y + (i - c0), acc);
-  }
+  for (; i + 64 <= hi; i += 64) max_sum_bits_step<K, 4>(x, stride, g, y + (i - c0), i, seen);
+  for (; i + 16 <= hi; i += 16) max_sum_bits_step<K, 1>(x, stride, g, y + (i - c0), i, seen);
   alignas(64) std::uint32_t lanes[16];
   _mm512_store_si512(lanes, seen);
   std::uint32_t top = 0;
@@ -305,12 +256,7 @@ __attribute__((target("avx512f,avx2"))) inline bool max_sum_bits_avx512(const fl
   for (; i < hi; ++i) {
     float sum = 0.f;
     for (index_t j = 0; j < g; ++j) {
-      std::uint32_t m = 0;
-      for (int t = 0; t < K; ++t) {
-        std::uint32_t u;
-        std::memcpy(&u, x + j * stride + i - r + t, sizeof u);
-        m = u > m ? u : m;
-      }
+      const std::uint32_t m = window_max_bits<K>(x + j * stride + i - K / 2);
       top = m > top ? m : top;
       float f;
       std::memcpy(&f, &m, sizeof f);
@@ -319,6 +265,13 @@ __attribute__((target("avx512f,avx2"))) inline bool max_sum_bits_avx512(const fl
     y[i - c0] = sum;
   }
   return top <= plus_inf_bits;
+}
+
+/// max_chunk_bits for AVX-512F: max_sum_bits_avx512 of one row.
+template <int K>
+__attribute__((target("avx512f,avx2"))) inline bool max_chunk_bits_avx512(const float* x, float* y, index_t c0,
+                                                                           index_t nc) noexcept {
+  return max_sum_bits_avx512<K>(x, 0, 1, y, c0, nc);
 }
 #  endif
 

@@ -8,8 +8,8 @@
 // elements are widened (|to_float|, exact and branch-free, so the loop vectorises) into a block
 // [64 elements][16 rows] on the stack and the lanes add the block column by column. Three copies
 // on x86-64 (SSE2, AVX2, AVX-512F, chosen at run time), all the same operations; contiguous fp16 and
-// bf16 rows take value_l1_norms16_avx2 at both wider levels (8 rows a vector, transposed as 16-bit
-// words), the rows it leaves (n mod 8) the level's own copy.
+// bf16 rows take value_l1_norms16_avx2 at both wider levels (8 rows a vector, two vectors at a time,
+// transposed as 16-bit words), the rows it leaves (n mod 8) the level's own copy.
 #pragma once
 
 #include <kvevict/detail/base/softmax.hpp>
@@ -38,6 +38,8 @@ KVEVICT_ALWAYS_INLINE std::uint32_t abs_float_bits(float16 v) noexcept {
 /// Rows per block (one lane each) and elements per stage; callers ask for up to norm_block rows at
 /// a time (a stack array of norms).
 constexpr index_t norm_rows = 16, norm_cols = 64, norm_block = 64;
+/// How far ahead value_l1_norms16_avx2 prefetches (rows: two of its 16-row blocks).
+constexpr index_t norm_prefetch_rows = 32;
 
 /// norms[r] = value_l1_norm(base + r rs, d, es) for r < n.
 template <class VE>
@@ -81,26 +83,57 @@ __attribute__((target("avx2"))) KVEVICT_NO_CONTRACT inline void value_l1_norms_a
   value_l1_norms_body(base, rs, es, n, d, norms);
 }
 
-/// |widen(h_k)| of 8 packed 16-bit values (fp16 by F16C, bf16 by a shift): abs_float_bits's bits,
-/// NaN payloads aside (F16C quiets a signalling NaN; sums keep only NaN-ness anyway).
+/// widen(h_k) of 8 packed 16-bit values (fp16 by F16C, bf16 by a shift), exact (F16C quiets a
+/// signalling NaN; sums keep only NaN-ness anyway).
 template <class VE>
-__attribute__((target("avx2,f16c"))) KVEVICT_ALWAYS_INLINE __m256 abs_widen8(__m128i h) noexcept {
-  const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  if constexpr (std::is_same_v<VE, float16>) return _mm256_and_ps(_mm256_cvtph_ps(h), mag);
-  return _mm256_and_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)), mag);
+__attribute__((target("avx2,f16c"))) KVEVICT_ALWAYS_INLINE __m256 widen8(__m128i h) noexcept {
+  if constexpr (std::is_same_v<VE, float16>) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/// The copy for contiguous 16-bit rows (fp16, bf16) on AVX2 and AVX-512F CPUs, 8 rows at a time
-/// (lane l = row l). Each 16-element piece of the 8 rows (8 loads of 32 bytes) is transposed as
-/// 16-bit words before any widening (three unpack stages, 24 shuffles for 128 elements: half the
-/// bytes of widening first and transposing fp32), which leaves c_k = [the rows' element k | their
-/// element k + 8]; each lane then adds |v_k| for k = 0..15 in order, so each row is still one
-/// sequential sum (value_l1_norm's bits); the last d % 16 elements are added row by row after.
-/// Why 8 rows (one chain of sums) and not 16 or 32 (more chains): on the Zen 4 class machine of
-/// docs/PERFORMANCE.md, with the values in DRAM (32K tokens), pieces of 16 or 32 rows at a time took
-/// 1.7x and 3.2x the time of 8 (reads spread over more rows at once stream worse there; a plain
-/// read of 16 rows at a time took 1.6x that of 8), against 20% faster for 16 with the values in
-/// L3 (4K); software prefetch only slowed it. Returns the rows done (a multiple of 8).
+/// acc += |v_k| of 8 contiguous 16-bit rows p + i rs (lane i = row i) for the 16 elements k at p, in
+/// order. The 8 loads of 32 bytes are masked to their magnitudes (the sign bit cleared: the widened
+/// value is then |to_float|) and transposed as 16-bit words before any widening (three unpack
+/// stages, 24 shuffles for 128 elements: half the bytes of widening first and transposing fp32),
+/// which leaves c_k = [the rows' element k | their element k + 8].
+template <class VE>
+__attribute__((target("avx2,f16c"))) KVEVICT_ALWAYS_INLINE __m256 l1_add16x8(__m256 acc, const VE* p,
+                                                                             index_t rs) noexcept {
+  constexpr index_t rows = 8;
+  const __m256i mag = _mm256_set1_epi16(0x7fff);
+  __m256i x[rows], a[rows], b[rows], c[rows];
+  for (index_t i = 0; i < rows; ++i)
+    x[i] = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * rs)), mag);
+  // a[2i], a[2i + 1]: rows 2i and 2i + 1 interleaved, elements 0-3 | 8-11 and 4-7 | 12-15
+  for (index_t i = 0; i < rows / 2; ++i) {
+    a[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+    a[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
+  }
+  // b[j] (rows 0-3) and b[4 + j] (rows 4-7): elements 2j, 2j + 1 | 2j + 8, 2j + 9
+  for (index_t h = 0; h < 2; ++h) {
+    const __m256i* in = a + 4 * h;
+    b[4 * h] = _mm256_unpacklo_epi32(in[0], in[2]);
+    b[4 * h + 1] = _mm256_unpackhi_epi32(in[0], in[2]);
+    b[4 * h + 2] = _mm256_unpacklo_epi32(in[1], in[3]);
+    b[4 * h + 3] = _mm256_unpackhi_epi32(in[1], in[3]);
+  }
+  for (index_t j = 0; j < 4; ++j) {
+    c[2 * j] = _mm256_unpacklo_epi64(b[j], b[4 + j]);
+    c[2 * j + 1] = _mm256_unpackhi_epi64(b[j], b[4 + j]);
+  }
+  for (index_t k = 0; k < rows; ++k) acc = _mm256_add_ps(acc, widen8<VE>(_mm256_castsi256_si128(c[k])));
+  for (index_t k = 0; k < rows; ++k) acc = _mm256_add_ps(acc, widen8<VE>(_mm256_extracti128_si256(c[k], 1)));
+  return acc;
+}
+
+/// The copy for contiguous 16-bit rows (fp16, bf16) on AVX2 and AVX-512F CPUs: 8 rows a vector (lane
+/// l = row l, each lane adding |v_k| for k = 0, 1, ... in order: each row is still one sequential sum,
+/// value_l1_norm's bits), two vectors (16 contiguous rows, two independent chains of adds) at a time,
+/// then one of 8; the last d % 16 elements are added row by row after. Why (docs/PERFORMANCE.md,
+/// "Issue 18, round seventeen"): one chain waits on the adds' latency when the values are in L3 (4K
+/// tokens); reading 16 rows at a time streams badly from DRAM (32K tokens) unless the rows two blocks
+/// ahead are prefetched, in address order; four chains (32 rows at a time) streamed 2.6x slower still.
+/// Returns the rows done (a multiple of 8).
 template <class VE>
 __attribute__((target("avx2,f16c"))) KVEVICT_NO_CONTRACT inline index_t value_l1_norms16_avx2(
     const VE* base, index_t rs, index_t n, index_t d, float* norms) noexcept {
@@ -108,37 +141,28 @@ __attribute__((target("avx2,f16c"))) KVEVICT_NO_CONTRACT inline index_t value_l1
   constexpr index_t rows = 8;
   const index_t d16 = d - d % 16;
   index_t r0 = 0;
-  for (; r0 + rows <= n; r0 += rows) {
-    __m256 acc = _mm256_setzero_ps();
+  // software prefetch of the 16 rows two blocks ahead, 512 bytes a step in address order: the whole
+  // block when rs = d (with longer strides, the first 512 bytes x steps of it); also past n (the next
+  // call's rows; a prefetch never faults, integer addresses)
+  for (; r0 + 2 * rows <= n; r0 += 2 * rows) {
+    const auto ahead = reinterpret_cast<std::uintptr_t>(base) +
+                       static_cast<std::uintptr_t>((r0 + norm_prefetch_rows) * rs) * sizeof(VE);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (index_t t0 = 0; t0 < d16; t0 += 16) {
-      const VE* p = base + r0 * rs + t0;
-      __m256i x[rows], a[rows], b[rows], c[rows];
-      for (index_t i = 0; i < rows; ++i) x[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * rs));
-      // a[2i], a[2i + 1]: rows 2i and 2i + 1 interleaved, elements 0-3 | 8-11 and 4-7 | 12-15
-      for (index_t i = 0; i < rows / 2; ++i) {
-        a[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
-        a[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
-      }
-      // b[j] (rows 0-3) and b[4 + j] (rows 4-7): elements 2j, 2j + 1 | 2j + 8, 2j + 9
-      for (index_t h = 0; h < 2; ++h) {
-        const __m256i* in = a + 4 * h;
-        b[4 * h] = _mm256_unpacklo_epi32(in[0], in[2]);
-        b[4 * h + 1] = _mm256_unpackhi_epi32(in[0], in[2]);
-        b[4 * h + 2] = _mm256_unpacklo_epi32(in[1], in[3]);
-        b[4 * h + 3] = _mm256_unpackhi_epi32(in[1], in[3]);
-      }
-      for (index_t j = 0; j < 4; ++j) {
-        c[2 * j] = _mm256_unpacklo_epi64(b[j], b[4 + j]);
-        c[2 * j + 1] = _mm256_unpackhi_epi64(b[j], b[4 + j]);
-      }
-      for (index_t k = 0; k < rows; ++k) acc = _mm256_add_ps(acc, abs_widen8<VE>(_mm256_castsi256_si128(c[k])));
-      for (index_t k = 0; k < rows; ++k) acc = _mm256_add_ps(acc, abs_widen8<VE>(_mm256_extracti128_si256(c[k], 1)));
+      for (index_t q = 0; q < 8; ++q)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + static_cast<std::uintptr_t>(t0 * 32 + q * 64)), _MM_HINT_T0);
+      for (index_t g = 0; g < 2; ++g) acc[g] = l1_add16x8(acc[g], base + (r0 + g * rows) * rs + t0, rs);
     }
-    _mm256_storeu_ps(norms + r0, acc);
-    if (d16 < d)
-      for (index_t l = r0; l < r0 + rows; ++l)
-        norms[l] = value_l1_accumulate(norms[l], base + l * rs + d16, d - d16, 1);
+    for (index_t g = 0; g < 2; ++g) _mm256_storeu_ps(norms + r0 + g * rows, acc[g]);
   }
+  if (r0 + rows <= n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (index_t t0 = 0; t0 < d16; t0 += 16) acc = l1_add16x8(acc, base + r0 * rs + t0, rs);
+    _mm256_storeu_ps(norms + r0, acc);
+    r0 += rows;
+  }
+  if (d16 < d)
+    for (index_t l = 0; l < r0; ++l) norms[l] = value_l1_accumulate(norms[l], base + l * rs + d16, d - d16, 1);
   return r0;
 }
 

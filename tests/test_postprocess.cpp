@@ -571,6 +571,42 @@ TEST_CASE("post_combine / post_finish: the baseline and AVX2 copies equal the pe
   }
 }
 
+TEST_CASE("post_finish: the GQA mean of a power-of-two group multiplies by 1 / g, the division's bits for every "
+          "kind of float") {
+  // every subnormal (where the quotient is rounded: ties to even included), then a stride over all
+  // other patterns (normals, the largest, infinities, NaNs of both signs), through each copy's
+  // finish with g = 1, 2, 4, ..., 64 against the per-element division gqa_finish
+  std::vector<float> in;
+  for (std::uint32_t b = 0; b < (1u << 23); b += 3) in.push_back(detail::bits_float(b));
+  for (std::uint64_t b = 1u << 23; b < (1ull << 32); b += 4093) in.push_back(detail::bits_float(static_cast<std::uint32_t>(b)));
+  for (std::uint32_t b : {0x7f7fffffu, 0x7f800000u, 0x7fc00000u, 0x7fa00001u, 0x80000001u, 0xff7fffffu, 0xff800000u})
+    in.push_back(detail::bits_float(b));
+  std::vector<void (*)(float*, index_t, index_t, index_t, index_t, index_t, const float*, float)> copies = {
+      detail::post_finish_base};
+#if KVEVICT_HOST_X86_DISPATCH
+  if (host_isa_supported() >= host_isa::avx2) copies.push_back(detail::post_finish_avx2);
+#endif
+  const index_t n = static_cast<index_t>(in.size());
+  std::vector<float> want(in.size()), got(in.size());
+  for (index_t g = 1; g <= 64; g *= 2) {
+    CAPTURE(g);
+    for (index_t i = 0; i < n; ++i) {
+      const float v = detail::gqa_finish(gqa_op::mean, in[static_cast<std::size_t>(i)], g);
+      want[static_cast<std::size_t>(i)] = v == inf ? std::numeric_limits<float>::max() : v;  // protect_value
+    }
+    for (const auto& finish : copies) {
+      got = in;
+      finish(got.data(), n, 0, 0, n, g, nullptr, 1.0f);
+      index_t bad = 0;
+      for (index_t i = 0; i < n; ++i)
+        if (bits(got[static_cast<std::size_t>(i)]) != bits(want[static_cast<std::size_t>(i)]) &&
+            !(std::isnan(got[static_cast<std::size_t>(i)]) && std::isnan(want[static_cast<std::size_t>(i)])))
+          ++bad;
+      CHECK(bad == 0);
+    }
+  }
+}
+
 TEST_CASE("postprocess_scores: staged norms and key norms equal the host's row functions") {
   auto g = kvtest::rng(51);
   for (int trial = 0; trial < 200; ++trial) {

@@ -33,6 +33,39 @@ KVEVICT_POST_INLINE void post_combine_body(bool is_max, float* o, const float* x
   }
 }
 
+/// The GQA mean's division v / g, and v * (1 / g) for g a power of two: the same bits (v / 2^k and
+/// v * 2^-k are the same exact real, rounded once; NaNs come out quieted alike), without the divider.
+struct post_div_by {
+  float g;
+  KVEVICT_POST_INLINE float operator()(float v) const noexcept { return v / g; }
+};
+struct post_mul_by {
+  float inv;
+  KVEVICT_POST_INLINE float operator()(float v) const noexcept { return v * inv; }
+};
+
+/// post_finish_body's positions [s, r) with the GQA mean's division `div`.
+template <class Div>
+KVEVICT_POST_INLINE void post_finish_mean(float* o, index_t s, index_t e, index_t r, Div div, const float* w,
+                                          float factor) noexcept {
+  const float inf = bits_float(0x7f800000u), top = bits_float(0x7f7fffffu);
+  if (w != nullptr) {
+    for (index_t p = s; p < e; ++p) {
+      const float v = div(o[p]) * w[p];
+      o[p] = v == inf ? top : v;
+    }
+  } else {
+    for (index_t p = s; p < e; ++p) {
+      const float v = div(o[p]) * factor;
+      o[p] = v == inf ? top : v;
+    }
+  }
+  for (index_t p = e; p < r; ++p) {
+    const float v = div(o[p]);
+    o[p] = v == inf ? top : v;
+  }
+}
+
 /// The finish of a chunk of n positions, in chunk coordinates: [0, s) and [r, n) are the sinks and
 /// the recent window (+inf whatever the score); each p in [s, r) becomes
 ///   v = o[p] / div_g (when div_g > 0: the GQA mean's gqa_finish), then v * w[p] (per-token weights,
@@ -42,23 +75,10 @@ KVEVICT_POST_INLINE void post_finish_body(float* o, index_t n, index_t s, index_
                                           const float* w, float factor) noexcept {
   const float inf = bits_float(0x7f800000u), top = bits_float(0x7f7fffffu);
   for (index_t p = 0; p < s; ++p) o[p] = inf;
-  if (div_g > 0) {
-    const float gf = static_cast<float>(div_g);
-    if (w != nullptr) {
-      for (index_t p = s; p < e; ++p) {
-        const float v = (o[p] / gf) * w[p];
-        o[p] = v == inf ? top : v;
-      }
-    } else {
-      for (index_t p = s; p < e; ++p) {
-        const float v = (o[p] / gf) * factor;
-        o[p] = v == inf ? top : v;
-      }
-    }
-    for (index_t p = e; p < r; ++p) {
-      const float v = o[p] / gf;
-      o[p] = v == inf ? top : v;
-    }
+  if (div_g > 0 && (div_g & (div_g - 1)) == 0) {
+    post_finish_mean(o, s, e, r, post_mul_by{1.0f / static_cast<float>(div_g)}, w, factor);
+  } else if (div_g > 0) {
+    post_finish_mean(o, s, e, r, post_div_by{static_cast<float>(div_g)}, w, factor);
   } else {
     if (w != nullptr) {
       for (index_t p = s; p < e; ++p) {

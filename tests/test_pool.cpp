@@ -404,7 +404,7 @@ TEST_CASE("pool1d: every ISA copy of the small-kernel path equals the two-pass a
 }
 
 TEST_CASE("pool1d: the max pooling of a group's rows summed in registers equals pooling each row and summing") {
-  // detail::pool_fast_max_sum (the AVX-512F copy; elsewhere it declines) against the two-pass max
+  // detail::pool_fast_group_sum with max (the AVX-512F copy; elsewhere it declines) against the two-pass max
   // pooling of each row and the fp32 sum in row order (gqa_reduce's), on interior ranges of every
   // length (the 64- and 16-output loops and the one-by-one end); scores with zeros, ties, subnormals
   // and +inf, and on every third trial one negative, -0, NaN or -inf: then it must decline.
@@ -442,7 +442,7 @@ TEST_CASE("pool1d: the max pooling of a group's rows summed in registers equals 
       }
     }
     std::vector<float> y(static_cast<std::size_t>(hi - lo), sentinel);
-    const bool done = detail::pool_fast_max_sum(x.data(), stride, rows, y.data(), kernel, lo, hi);
+    const bool done = detail::pool_fast_group_sum(true, x.data(), stride, rows, y.data(), kernel, lo, hi);
 #  if KVEVICT_HOST_X86_DISPATCH
     const bool runs = detail::isa_x86::host_isa_runs(host_isa::avx512);
 #  else
@@ -453,6 +453,71 @@ TEST_CASE("pool1d: the max pooling of a group's rows summed in registers equals 
       for (index_t i = lo; i < hi; ++i) {
         CAPTURE(i);
         REQUIRE(bits(y[static_cast<std::size_t>(i - lo)]) == bits(ref[static_cast<std::size_t>(i - lo)]));
+      }
+  }
+}
+
+TEST_CASE("pool1d: the average pooling (k = 5) of a group's rows summed in registers equals pooling each row and "
+          "summing") {
+  // detail::pool_fast_group_sum with avg (the AVX-512F copy, k = 5, ranges of whole 80-output groups from
+  // a block start; elsewhere it declines) against the two-pass average pooling of each row and the fp32
+  // sum in row order (gqa_reduce's); scores of any sign with zeros, -0, subnormals, huge values, +-inf
+  // and NaN (no input makes it decline); every fourth trial a range it must decline (not a block start,
+  // not whole groups, or another kernel).
+  auto g = kvtest::rng(1825);
+  for (int trial = 0; trial < 120; ++trial) {
+    const index_t rows = kvtest::uniform_int(g, 1, 6), n = kvtest::uniform_int(g, 100, 1400);
+    const index_t stride = n + kvtest::uniform_int(g, 0, 5);
+    const bool aligned = trial % 4 != 3;
+    const index_t kernel = aligned || trial % 8 == 3 ? 5 : 2 * kvtest::uniform_int(g, 1, 4) + 1, r = kernel / 2;
+    std::vector<float> x(static_cast<std::size_t>(rows * stride));
+    for (auto& v : x) {
+      switch (kvtest::uniform_int(g, 0, 19)) {
+        case 0: v = 0.f; break;
+        case 1: v = -0.f; break;
+        case 2: v = std::numeric_limits<float>::denorm_min() * static_cast<float>(kvtest::uniform_int(g, -3, 3)); break;
+        case 3: v = std::numeric_limits<float>::max() / static_cast<float>(kvtest::uniform_int(g, 1, 3)); break;
+        case 4: v = trial % 5 == 0 ? -inf : trial % 5 == 1 ? inf : trial % 5 == 2 ? qnan : 1.f; break;
+        default: v = kvtest::random_floats(g, 1, -2.f, 2.f)[0];
+      }
+    }
+    // a block start in the interior and whole groups of 80 (or, to decline, a range that is not)
+    index_t lo = (kvtest::uniform_int(g, r, n / 2) + 4) / 5 * 5;
+    const index_t groups = (n - r - lo) / 80;
+    if (groups < 1) continue;
+    index_t hi = lo + 80 * kvtest::uniform_int(g, 1, groups);
+    if (!aligned && kernel == 5) {
+      if (trial % 16 == 3) ++lo;
+      else hi -= kvtest::uniform_int(g, 1, 79);
+    }
+    CAPTURE(trial);
+    CAPTURE(rows);
+    CAPTURE(n);
+    CAPTURE(kernel);
+    CAPTURE(lo);
+    CAPTURE(hi);
+    std::vector<float> pooled(static_cast<std::size_t>(n)), ref(static_cast<std::size_t>(hi - lo));
+    for (index_t j = 0; j < rows; ++j) {
+      detail::pool_row_impl<detail::pool_sum_traits>(avg_divisor::kernel, x.data() + j * stride, 1, pooled.data(), 1, n,
+                                                     kernel);
+      for (index_t i = lo; i < hi; ++i) {
+        float& o = ref[static_cast<std::size_t>(i - lo)];
+        o = j == 0 ? pooled[static_cast<std::size_t>(i)] : o + pooled[static_cast<std::size_t>(i)];
+      }
+    }
+    std::vector<float> y(static_cast<std::size_t>(hi - lo), sentinel);
+    const bool done = detail::pool_fast_group_sum(false, x.data(), stride, rows, y.data(), kernel, lo, hi);
+#  if KVEVICT_HOST_X86_DISPATCH
+    const bool runs = detail::isa_x86::host_isa_runs(host_isa::avx512);
+#  else
+    const bool runs = false;
+#  endif
+    REQUIRE(done == (runs && aligned));
+    if (done)
+      for (index_t i = lo; i < hi; ++i) {
+        CAPTURE(i);
+        const float a = y[static_cast<std::size_t>(i - lo)], b = ref[static_cast<std::size_t>(i - lo)];
+        REQUIRE(((std::isnan(a) && std::isnan(b)) || bits(a) == bits(b)));
       }
   }
 }

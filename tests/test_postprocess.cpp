@@ -410,7 +410,7 @@ TEST_CASE("postprocess_scores: long rows on the chunked small-kernel path (pool 
 }
 
 TEST_CASE("postprocess_scores: max pooling summed over the group in registers (SnapKV's chunks) equals the chain") {
-  // Pool first with max and a GQA mean or sum on non-negative scores takes detail::pool_fast_max_sum
+  // Pool first with max and a GQA mean or sum on non-negative scores takes detail::pool_fast_group_sum
   // for whole interior chunks where the AVX-512F copy runs (elsewhere the row-by-row path): scores
   // with zeros, ties, subnormals, FLT_MAX and +inf; groups of 2..12 heads; on every third trial one
   // negative, -0, NaN or -inf in the rows, whose chunk falls back to the row-by-row path.
@@ -442,6 +442,51 @@ TEST_CASE("postprocess_scores: max pooling summed over the group in registers (S
     c.opt.order = gqa_order::pool_first;
     c.opt.pool = pool_kind::max;
     c.opt.kernel = 2 * kvtest::uniform_int(g, 1, 4) + 1;
+    c.opt.weight_values = false;
+    c.opt.n_sink = kvtest::uniform_int(g, 0, 4);
+    c.opt.n_recent = kvtest::uniform_int(g, 0, 40);
+    c.opt.unpooled_tail = trial % 4 == 3 ? kvtest::uniform_int(g, 1, 1500) : 0;
+    CAPTURE(c.T);
+    CAPTURE(c.g);
+    CAPTURE(c.opt.kernel);
+    CAPTURE(c.opt.unpooled_tail);
+    require_fused_equals_chain(c);
+  }
+}
+
+TEST_CASE("postprocess_scores: average pooling (k = 5) summed over the group in registers (CAKE's chunks) equals the "
+          "chain") {
+  // Pool first with avg, k = 5, and a GQA mean or sum takes detail::pool_fast_group_sum for whole
+  // interior chunks where the AVX-512F copy runs (post_chunk is a multiple of 80): scores of any sign
+  // with -0, subnormals, huge values, +-inf and NaN; both divisors; groups of 2..12 heads; rows long
+  // enough for one to three interior chunks; some trials with other kernels (the row-by-row path).
+  auto g = kvtest::rng(1826);
+  for (int trial = 0; trial < 30; ++trial) {
+    CAPTURE(trial);
+    case_data<float> c = random_case<float>(g, 1);
+    c.g = kvtest::uniform_int(g, 2, 12);
+    c.T = kvtest::uniform_int(g, 2100, 4400);
+    c.tv = c.T;
+    c.d = 0;
+    c.values.assign(1, 0.f);
+    c.in.resize(static_cast<std::size_t>(c.hkv * c.g * c.T));
+    for (auto& v : c.in) {
+      switch (kvtest::uniform_int(g, 0, 40)) {
+        case 0: v = -0.f; break;
+        case 1: v = std::numeric_limits<float>::denorm_min() * static_cast<float>(kvtest::uniform_int(g, -5, 5)); break;
+        case 2: v = std::numeric_limits<float>::max() / (trial % 2 ? 2.f : -3.f); break;
+        case 3: v = trial % 3 == 0 ? qnan : trial % 3 == 1 ? -inf : inf; break;
+        default: v = kvtest::random_floats(g, 1, -1.f, 1.f)[0];
+      }
+    }
+    c.use_row_lengths = trial % 2 == 1;
+    c.row_lengths.clear();
+    for (index_t h = 0; h < c.hkv; ++h) c.row_lengths.push_back(static_cast<std::int32_t>(kvtest::uniform_int(g, 0, c.T)));
+    c.opt.gqa = trial % 2 ? gqa_op::sum : gqa_op::mean;
+    c.opt.order = gqa_order::pool_first;
+    c.opt.pool = pool_kind::avg;
+    c.opt.divisor = trial % 3 == 0 ? avg_divisor::valid : avg_divisor::kernel;
+    c.opt.kernel = trial % 5 == 4 ? 2 * kvtest::uniform_int(g, 1, 4) + 1 : 5;
     c.opt.weight_values = false;
     c.opt.n_sink = kvtest::uniform_int(g, 0, 4);
     c.opt.n_recent = kvtest::uniform_int(g, 0, 40);

@@ -163,9 +163,9 @@ inline void post_chunked_contiguous(const postprocess_options& opt, const float*
   for (index_t c0 = 0; c0 < L; c0 += post_chunk) {
     const index_t c1 = L - c0 < post_chunk ? L : c0 + post_chunk, m = c1 - c0;
     const index_t pe = P < c0 ? c0 : P < c1 ? P : c1;  // [c0, pe) pooled, [pe, c1) copied
-    // max pooling of a whole interior chunk summed over the group in registers (the same bits)
-    if (is_max && combine == gqa_op::sum && g > 1 && c0 >= opt.kernel / 2 && pe == c1 && c1 <= P - opt.kernel / 2 &&
-        pool_fast_max_sum(first, is0, g, o + c0, opt.kernel, c0, c1)) {
+    // the pooling of a whole interior chunk summed over the group in registers (the same bits)
+    if (combine == gqa_op::sum && g > 1 && c0 >= opt.kernel / 2 && pe == c1 && c1 <= P - opt.kernel / 2 &&
+        pool_fast_group_sum(is_max, first, is0, g, o + c0, opt.kernel, c0, c1)) {
       post_finish_chunk(o + c0, c0, m, div_g, sink_end, recent_begin, wt, wbuf);
       continue;
     }

@@ -14,7 +14,7 @@
 //                  + (((a_{k-j} + a_{k-j+1}) + ...) + a_{k-1})             (prefix of the next)
 //        Each of the k expressions is evaluated for the 8 lanes and the lane's own phase selected,
 //        so the result is that of pool.hpp's code bit for bit (tests/test_pool.cpp compares them).
-//        The AVX-512F copy runs k = 5 by whole blocks instead (avg5_blocks_avx512): the same sums.
+//        The AVX-512F copy runs k = 5 by whole blocks instead (avg5_sum_blocks_avx512): the same sums.
 // The r outputs at each end of a row (windows reaching outside it) use pool.hpp's row code.
 // Only for GCC / clang host code (not nvcc's front end); elsewhere pool.hpp's code runs alone.
 #pragma once
@@ -353,7 +353,7 @@ __attribute__((target("avx2"))) void interior_avx2(bool is_max, const float* x, 
   if (is_max) max_interior<K, max_chunk_bits<K, vu8>>(x, y, lo, hi);
   else avg_interior<K>(x, y, lo, hi, div);
 }
-/// The permutations of avg5_blocks_avx512: element t of the 16 blocks of 5 in 80 consecutive floats
+/// The permutations of avg5_phases and avg5_store: element t of the 16 blocks of 5 in 80 consecutive floats
 /// (in_idx[t], source s = 5 l + t of lane l: from the pair 0-1 of the five vectors, the pair 2-3 where
 /// in_b, vector 4 where in_c; the index's low bits serve all three), and back: output vector m lane q
 /// (o = 16 m + q) is lane o / 5 of phase o % 5's vector (out_idx[m], the pair 0-1 or 2-3 picked by
@@ -395,44 +395,62 @@ __attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE __m512 avg5_shift_in
       _mm512_maskz_alignr_epi32(all, _mm512_castps_si512(_mm512_set1_ps(next)), _mm512_castps_si512(p), 1));
 }
 
-/// Average pooling with k = 5 (AVX-512F) of the outputs from i (a multiple of 5: a block start of
-/// pool.hpp's two passes) by 80 (16 blocks): the five elements of the 16 blocks gathered into five
-/// vectors, each block's suffix sums (right to left) and prefix sums (left to right) computed lane
-/// by lane, output 5 l + j = suffix j of block l + prefix j - 1 of block l + 1 (the next group's
-/// first block's prefixes by scalar adds), divided by div, and scattered back: the two-pass
-/// algorithm's operations, so its bits, with about 14 vector operations per 16 outputs instead of
-/// the phase kernel's 37. Output i at y[0]; returns the first output not written (hi - i < 80 left).
-/// Windows must lie inside the row up to output hi - 1 (they read x[i - 2, hi + 2)).
-__attribute__((target("avx512f,avx2"))) inline index_t avg5_blocks_avx512(const float* x, float* y, index_t i,
-                                                                          index_t hi, float div) noexcept {
+/// The outputs [i, i + 80) of average pooling with k = 5 (AVX-512F) for i a multiple of 5 (a block
+/// start of pool.hpp's two passes), p = x + i - 2, in block layout: o[j] lane l = output i + 5 l + j.
+/// The five elements of the 16 blocks gathered into five vectors, each block's suffix sums (right to
+/// left) and prefix sums (left to right) computed lane by lane, output 5 l + j = suffix j of block l
+/// + prefix j - 1 of block l + 1 (the next group's first block's prefixes by scalar adds), divided by
+/// dv: the two-pass algorithm's operations, so its bits.
+__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void avg5_phases(const float* p, __m512 dv,
+                                                                             __m512* o) noexcept {
+  __m512 v[5], e[5];
+  for (int m = 0; m < 5; ++m) v[m] = _mm512_loadu_ps(p + 16 * m);
+  for (int t = 0; t < 5; ++t) e[t] = avg5_pick(v, avg5_perm.in_idx[t], avg5_perm.in_b[t], avg5_perm.in_c[t]);
+  // suffixes s_j = e_j + (e_{j+1} + ...), prefixes p_j = ((e_0 + e_1) + ...) + e_j, as pool.hpp adds
+  const __m512 s3 = _mm512_add_ps(e[3], e[4]), s2 = _mm512_add_ps(e[2], s3), s1 = _mm512_add_ps(e[1], s2);
+  const __m512 s0 = _mm512_add_ps(e[0], s1);
+  const __m512 p1 = _mm512_add_ps(e[0], e[1]), p2 = _mm512_add_ps(p1, e[2]), p3 = _mm512_add_ps(p2, e[3]);
+  const float q0 = p[80], q1 = q0 + p[81], q2 = q1 + p[82], q3 = q2 + p[83];  // the next block's prefixes
+  o[0] = _mm512_div_ps(s0, dv);
+  o[1] = _mm512_div_ps(_mm512_add_ps(s1, avg5_shift_in(e[0], q0)), dv);
+  o[2] = _mm512_div_ps(_mm512_add_ps(s2, avg5_shift_in(p1, q1)), dv);
+  o[3] = _mm512_div_ps(_mm512_add_ps(s3, avg5_shift_in(p2, q2)), dv);
+  o[4] = _mm512_div_ps(_mm512_add_ps(e[4], avg5_shift_in(p3, q3)), dv);
+}
+
+/// Stores 80 outputs in block layout (avg5_phases) to y in output order.
+__attribute__((target("avx512f,avx2"))) KVEVICT_POOL_INLINE void avg5_store(float* y, const __m512* o) noexcept {
+  for (int m = 0; m < 5; ++m)
+    _mm512_storeu_ps(y + 16 * m, avg5_pick(o, avg5_perm.out_idx[m], avg5_perm.out_23[m], avg5_perm.out_4[m]));
+}
+
+/// Average pooling with k = 5 (AVX-512F) of g rows (row j at x + j * stride) summed over the rows in
+/// row order, the outputs from i (a multiple of 5) by 80 (16 blocks: avg5_phases, about 14 vector
+/// operations per 16 outputs of a row instead of the phase kernel's 37): y[o - i] = ((a_0(o) +
+/// a_1(o)) + ...) + a_{g-1}(o), each a_j(o) the row's pooled value and the sum gqa_reduce's, kept in
+/// block layout until the group's sum is stored (one permutation back per group, not per row). With
+/// g = 1 it is the pooling of one row. Returns the first output not written (hi - i < 80 left).
+/// Windows must lie inside the rows up to output hi - 1 (they read x[i - 2, hi + 2)).
+__attribute__((target("avx512f,avx2"))) inline index_t avg5_sum_blocks_avx512(const float* x, index_t stride,
+                                                                              index_t g, float* y, index_t i,
+                                                                              index_t hi, float div) noexcept {
   const __m512 dv = _mm512_set1_ps(div);
   const index_t first = i;
   for (; i + 80 <= hi; i += 80) {
-    const float* p = x + i - 2;
-    __m512 v[5], e[5];
-    for (int m = 0; m < 5; ++m) v[m] = _mm512_loadu_ps(p + 16 * m);
-    for (int t = 0; t < 5; ++t) e[t] = avg5_pick(v, avg5_perm.in_idx[t], avg5_perm.in_b[t], avg5_perm.in_c[t]);
-    // suffixes s_j = e_j + (e_{j+1} + ...), prefixes p_j = ((e_0 + e_1) + ...) + e_j, as pool.hpp adds
-    const __m512 s3 = _mm512_add_ps(e[3], e[4]), s2 = _mm512_add_ps(e[2], s3), s1 = _mm512_add_ps(e[1], s2);
-    const __m512 s0 = _mm512_add_ps(e[0], s1);
-    const __m512 p1 = _mm512_add_ps(e[0], e[1]), p2 = _mm512_add_ps(p1, e[2]), p3 = _mm512_add_ps(p2, e[3]);
-    const float q0 = p[80], q1 = q0 + p[81], q2 = q1 + p[82], q3 = q2 + p[83];  // the next block's prefixes
-    __m512 o[5];
-    o[0] = _mm512_div_ps(s0, dv);
-    o[1] = _mm512_div_ps(_mm512_add_ps(s1, avg5_shift_in(e[0], q0)), dv);
-    o[2] = _mm512_div_ps(_mm512_add_ps(s2, avg5_shift_in(p1, q1)), dv);
-    o[3] = _mm512_div_ps(_mm512_add_ps(s3, avg5_shift_in(p2, q2)), dv);
-    o[4] = _mm512_div_ps(_mm512_add_ps(e[4], avg5_shift_in(p3, q3)), dv);
-    for (int m = 0; m < 5; ++m)
-      _mm512_storeu_ps(y + (i - first) + 16 * m,
-                       avg5_pick(o, avg5_perm.out_idx[m], avg5_perm.out_23[m], avg5_perm.out_4[m]));
+    __m512 acc[5], o[5];
+    avg5_phases(x + i - 2, dv, acc);
+    for (index_t j = 1; j < g; ++j) {
+      avg5_phases(x + j * stride + i - 2, dv, o);
+      for (int m = 0; m < 5; ++m) acc[m] = _mm512_add_ps(acc[m], o[m]);
+    }
+    avg5_store(y + (i - first), acc);
   }
   return i;
 }
 
 /// 16 lanes for max pooling (the raw-bits path) and for avg (16 outputs per division and per
 /// evaluation of the K phase expressions: the same operations per lane as the 8-lane copies; k = 5
-/// by blocks, avg5_blocks_avx512).
+/// by blocks, avg5_sum_blocks_avx512 of one row).
 template <int K>
 __attribute__((target("avx512f,avx2"))) void interior_avx512(bool is_max, const float* x, float* y, index_t lo,
                                                               index_t hi, float div) noexcept {
@@ -441,7 +459,7 @@ __attribute__((target("avx512f,avx2"))) void interior_avx512(bool is_max, const 
     const index_t b = (lo + 4) / 5 * 5;  // the first block start
     if (b + 80 <= hi) {
       avg_interior<K, vf16, vi16>(x, y, lo, b, div);
-      const index_t e = avg5_blocks_avx512(x, y + (b - lo), b, hi, div);
+      const index_t e = avg5_sum_blocks_avx512(x, 0, 1, y + (b - lo), b, hi, div);
       return avg_interior<K, vf16, vi16>(x, y + (e - lo), e, hi, div);
     }
   }
@@ -476,15 +494,21 @@ inline bool pool_fast_applies(index_t sx, index_t sy, index_t n, index_t kernel)
 #endif
 }
 
-/// The max pooling (kernel 3..9) of g contiguous rows (row j at x + j * stride) summed over the rows
-/// in row order, outputs [lo, hi) all in the rows' interior, output i into y[i - lo]: the bits of
-/// pooling each row (pool_row) and summing the pooled rows as gqa_reduce does. Only where the
-/// AVX-512F copy runs and no input is negative or a NaN (max_sum_bits_avx512); returns whether it
-/// wrote the outputs (if not, y holds junk and the caller pools and sums the usual way).
-inline bool pool_fast_max_sum(const float* x, index_t stride, index_t g, float* y, index_t kernel, index_t lo,
-                              index_t hi) noexcept {
+/// The pooling of g contiguous rows (row j at x + j * stride) summed over the rows in row order,
+/// outputs [lo, hi) all in the rows' interior, output i into y[i - lo]: the bits of pooling each row
+/// (pool_row) and summing the pooled rows as gqa_reduce does, the pooled rows never leaving the
+/// registers. Only where the AVX-512F copy runs, and
+///   max (kernel 3..9): when no input is negative or a NaN (max_sum_bits_avx512);
+///   avg (kernel 5): when lo is a multiple of 5 (a block start) and hi - lo of 80 (avg5_sum_blocks_avx512);
+/// returns whether it wrote the outputs (if not, y holds junk and the caller pools and sums the
+/// usual way).
+inline bool pool_fast_group_sum(bool is_max, const float* x, index_t stride, index_t g, float* y, index_t kernel,
+                                index_t lo, index_t hi) noexcept {
 #if defined(KVEVICT_POOL_FAST_PATH) && KVEVICT_HOST_X86_DISPATCH
   if (lo >= hi || !host_isa_runs(host_isa::avx512)) return false;
+  if (!is_max)
+    return kernel == 5 && lo % 5 == 0 && (hi - lo) % 80 == 0 &&
+           pool_fast::avg5_sum_blocks_avx512(x, stride, g, y, lo, hi, 5.0f) == hi;
   switch (kernel) {
     case 3: return pool_fast::max_sum_bits_avx512<3>(x, stride, g, y, lo, hi - lo);
     case 5: return pool_fast::max_sum_bits_avx512<5>(x, stride, g, y, lo, hi - lo);
@@ -493,7 +517,7 @@ inline bool pool_fast_max_sum(const float* x, index_t stride, index_t g, float* 
     default: return false;
   }
 #else
-  (void)x, (void)stride, (void)g, (void)y, (void)kernel, (void)lo, (void)hi;
+  (void)is_max, (void)x, (void)stride, (void)g, (void)y, (void)kernel, (void)lo, (void)hi;
   return false;
 #endif
 }

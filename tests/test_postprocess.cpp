@@ -409,43 +409,34 @@ TEST_CASE("postprocess_scores: long rows on the chunked small-kernel path (pool 
   }
 }
 
-TEST_CASE("postprocess_scores: max pooling summed over the group in registers (SnapKV's chunks) equals the chain") {
-  // Pool first with max and a GQA mean or sum on non-negative scores takes detail::pool_fast_group_sum
-  // for whole interior chunks where the AVX-512F copy runs (elsewhere the row-by-row path): scores
-  // with zeros, ties, subnormals, FLT_MAX and +inf; groups of 2..12 heads; on every third trial one
-  // negative, -0, NaN or -inf in the rows, whose chunk falls back to the row-by-row path.
-  auto g = kvtest::rng(1823);
-  const float bad[] = {-0.25f, -0.f, qnan, -inf};
-  for (int trial = 0; trial < 36; ++trial) {
+namespace {
+// The cases of the two register-summed pooling tests below: pool first without weighting, a GQA mean
+// or sum over groups of 2..12 heads, rows of t_lo..t_hi positions with lengths, sinks, recent windows
+// and on every fourth trial an unpooled tail; score(g, trial) draws each score, set(g, trial, c) the
+// pooling (and may spoil a score).
+template <class Score, class Set>
+void check_group_sum_chunks(std::uint64_t seed, int trials, index_t t_lo, index_t t_hi, Score score, Set set) {
+  auto g = kvtest::rng(seed);
+  for (int trial = 0; trial < trials; ++trial) {
     CAPTURE(trial);
     case_data<float> c = random_case<float>(g, 1);
     c.g = kvtest::uniform_int(g, 2, 12);
-    c.T = kvtest::uniform_int(g, 1000, 3200);
+    c.T = kvtest::uniform_int(g, t_lo, t_hi);
     c.tv = c.T;
     c.d = 0;
     c.values.assign(1, 0.f);
     c.in.resize(static_cast<std::size_t>(c.hkv * c.g * c.T));
-    for (auto& v : c.in) {
-      switch (kvtest::uniform_int(g, 0, 15)) {
-        case 0: v = 0.f; break;
-        case 1: v = std::numeric_limits<float>::denorm_min() * static_cast<float>(kvtest::uniform_int(g, 1, 5)); break;
-        case 2: v = trial % 2 ? inf : std::numeric_limits<float>::max() / 4.f; break;
-        case 3: case 4: v = static_cast<float>(kvtest::uniform_int(g, 0, 3)) * 0.25f; break;  // ties
-        default: v = kvtest::random_floats(g, 1, 0.f, 1.f)[0];
-      }
-    }
-    if (trial % 3 == 2) c.in[static_cast<std::size_t>(kvtest::uniform_int(g, 0, static_cast<index_t>(c.in.size()) - 1))] = bad[trial % 4];
+    for (auto& v : c.in) v = score(g, trial);
     c.use_row_lengths = trial % 2 == 1;
     c.row_lengths.clear();
     for (index_t h = 0; h < c.hkv; ++h) c.row_lengths.push_back(static_cast<std::int32_t>(kvtest::uniform_int(g, 0, c.T)));
     c.opt.gqa = trial % 2 ? gqa_op::sum : gqa_op::mean;
     c.opt.order = gqa_order::pool_first;
-    c.opt.pool = pool_kind::max;
-    c.opt.kernel = 2 * kvtest::uniform_int(g, 1, 4) + 1;
     c.opt.weight_values = false;
     c.opt.n_sink = kvtest::uniform_int(g, 0, 4);
     c.opt.n_recent = kvtest::uniform_int(g, 0, 40);
     c.opt.unpooled_tail = trial % 4 == 3 ? kvtest::uniform_int(g, 1, 1500) : 0;
+    set(g, trial, c);
     CAPTURE(c.T);
     CAPTURE(c.g);
     CAPTURE(c.opt.kernel);
@@ -453,50 +444,50 @@ TEST_CASE("postprocess_scores: max pooling summed over the group in registers (S
     require_fused_equals_chain(c);
   }
 }
+}  // namespace
+
+TEST_CASE("postprocess_scores: max pooling summed over the group in registers (SnapKV's chunks) equals the chain") {
+  // Pool first with max and a GQA mean or sum on non-negative scores takes detail::pool_fast_group_sum
+  // for whole interior chunks where the AVX-512F copy runs (elsewhere the row-by-row path): scores
+  // with zeros, ties, subnormals, FLT_MAX and +inf; on every third trial one negative, -0, NaN or -inf
+  // in the rows, whose chunk falls back to the row-by-row path.
+  const auto score = [](auto& g, int trial) {
+    switch (kvtest::uniform_int(g, 0, 15)) {
+      case 0: return 0.f;
+      case 1: return std::numeric_limits<float>::denorm_min() * static_cast<float>(kvtest::uniform_int(g, 1, 5));
+      case 2: return trial % 2 ? inf : std::numeric_limits<float>::max() / 4.f;
+      case 3: case 4: return static_cast<float>(kvtest::uniform_int(g, 0, 3)) * 0.25f;  // ties
+      default: return kvtest::random_floats(g, 1, 0.f, 1.f)[0];
+    }
+  };
+  check_group_sum_chunks(1823, 36, 1000, 3200, score, [](auto& g, int trial, case_data<float>& c) {
+    const float bad[] = {-0.25f, -0.f, qnan, -inf};
+    if (trial % 3 == 2) c.in[static_cast<std::size_t>(kvtest::uniform_int(g, 0, static_cast<index_t>(c.in.size()) - 1))] = bad[trial % 4];
+    c.opt.pool = pool_kind::max;
+    c.opt.kernel = 2 * kvtest::uniform_int(g, 1, 4) + 1;
+  });
+}
 
 TEST_CASE("postprocess_scores: average pooling (k = 5) summed over the group in registers (CAKE's chunks) equals the "
           "chain") {
   // Pool first with avg, k = 5, and a GQA mean or sum takes detail::pool_fast_group_sum for whole
   // interior chunks where the AVX-512F copy runs (post_chunk is a multiple of 80): scores of any sign
-  // with -0, subnormals, huge values, +-inf and NaN; both divisors; groups of 2..12 heads; rows long
-  // enough for one to three interior chunks; some trials with other kernels (the row-by-row path).
-  auto g = kvtest::rng(1826);
-  for (int trial = 0; trial < 30; ++trial) {
-    CAPTURE(trial);
-    case_data<float> c = random_case<float>(g, 1);
-    c.g = kvtest::uniform_int(g, 2, 12);
-    c.T = kvtest::uniform_int(g, 2100, 4400);
-    c.tv = c.T;
-    c.d = 0;
-    c.values.assign(1, 0.f);
-    c.in.resize(static_cast<std::size_t>(c.hkv * c.g * c.T));
-    for (auto& v : c.in) {
-      switch (kvtest::uniform_int(g, 0, 40)) {
-        case 0: v = -0.f; break;
-        case 1: v = std::numeric_limits<float>::denorm_min() * static_cast<float>(kvtest::uniform_int(g, -5, 5)); break;
-        case 2: v = std::numeric_limits<float>::max() / (trial % 2 ? 2.f : -3.f); break;
-        case 3: v = trial % 3 == 0 ? qnan : trial % 3 == 1 ? -inf : inf; break;
-        default: v = kvtest::random_floats(g, 1, -1.f, 1.f)[0];
-      }
+  // with -0, subnormals, huge values, +-inf and NaN; both divisors; rows long enough for one to three
+  // interior chunks; some trials with other kernels (the row-by-row path).
+  const auto score = [](auto& g, int trial) {
+    switch (kvtest::uniform_int(g, 0, 40)) {
+      case 0: return -0.f;
+      case 1: return std::numeric_limits<float>::denorm_min() * static_cast<float>(kvtest::uniform_int(g, -5, 5));
+      case 2: return std::numeric_limits<float>::max() / (trial % 2 ? 2.f : -3.f);
+      case 3: return trial % 3 == 0 ? qnan : trial % 3 == 1 ? -inf : inf;
+      default: return kvtest::random_floats(g, 1, -1.f, 1.f)[0];
     }
-    c.use_row_lengths = trial % 2 == 1;
-    c.row_lengths.clear();
-    for (index_t h = 0; h < c.hkv; ++h) c.row_lengths.push_back(static_cast<std::int32_t>(kvtest::uniform_int(g, 0, c.T)));
-    c.opt.gqa = trial % 2 ? gqa_op::sum : gqa_op::mean;
-    c.opt.order = gqa_order::pool_first;
+  };
+  check_group_sum_chunks(1826, 30, 2100, 4400, score, [](auto& g, int trial, case_data<float>& c) {
     c.opt.pool = pool_kind::avg;
     c.opt.divisor = trial % 3 == 0 ? avg_divisor::valid : avg_divisor::kernel;
     c.opt.kernel = trial % 5 == 4 ? 2 * kvtest::uniform_int(g, 1, 4) + 1 : 5;
-    c.opt.weight_values = false;
-    c.opt.n_sink = kvtest::uniform_int(g, 0, 4);
-    c.opt.n_recent = kvtest::uniform_int(g, 0, 40);
-    c.opt.unpooled_tail = trial % 4 == 3 ? kvtest::uniform_int(g, 1, 1500) : 0;
-    CAPTURE(c.T);
-    CAPTURE(c.g);
-    CAPTURE(c.opt.kernel);
-    CAPTURE(c.opt.unpooled_tail);
-    require_fused_equals_chain(c);
-  }
+  });
 }
 
 template <class V>

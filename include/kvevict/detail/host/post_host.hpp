@@ -34,7 +34,8 @@ KVEVICT_POST_INLINE void post_combine_body(bool is_max, float* o, const float* x
 }
 
 /// The GQA mean's division v / g, and v * (1 / g) for g a power of two: the same bits (v / 2^k and
-/// v * 2^-k are the same exact real, rounded once; NaNs come out quieted alike), without the divider.
+/// v * 2^-k are the same exact real, rounded once; NaNs come out quieted alike), without the divider;
+/// post_keep when there is no mean (div_g = 0).
 struct post_div_by {
   float g;
   KVEVICT_POST_INLINE float operator()(float v) const noexcept { return v / g; }
@@ -43,11 +44,14 @@ struct post_mul_by {
   float inv;
   KVEVICT_POST_INLINE float operator()(float v) const noexcept { return v * inv; }
 };
+struct post_keep {
+  KVEVICT_POST_INLINE float operator()(float v) const noexcept { return v; }
+};
 
-/// post_finish_body's positions [s, r) with the GQA mean's division `div`.
+/// post_finish_body's positions [s, r), the GQA mean's division being `div`.
 template <class Div>
-KVEVICT_POST_INLINE void post_finish_mean(float* o, index_t s, index_t e, index_t r, Div div, const float* w,
-                                          float factor) noexcept {
+KVEVICT_POST_INLINE void post_finish_range(float* o, index_t s, index_t e, index_t r, Div div, const float* w,
+                                           float factor) noexcept {
   const float inf = bits_float(0x7f800000u), top = bits_float(0x7f7fffffu);
   if (w != nullptr) {
     for (index_t p = s; p < e; ++p) {
@@ -73,26 +77,14 @@ KVEVICT_POST_INLINE void post_finish_mean(float* o, index_t s, index_t e, index_
 /// Requires 0 <= s <= e <= r <= n. The operations of postprocess_finish per element, so its bits.
 KVEVICT_POST_INLINE void post_finish_body(float* o, index_t n, index_t s, index_t e, index_t r, index_t div_g,
                                           const float* w, float factor) noexcept {
-  const float inf = bits_float(0x7f800000u), top = bits_float(0x7f7fffffu);
+  const float inf = bits_float(0x7f800000u);
   for (index_t p = 0; p < s; ++p) o[p] = inf;
-  if (div_g > 0 && (div_g & (div_g - 1)) == 0) {
-    post_finish_mean(o, s, e, r, post_mul_by{1.0f / static_cast<float>(div_g)}, w, factor);
-  } else if (div_g > 0) {
-    post_finish_mean(o, s, e, r, post_div_by{static_cast<float>(div_g)}, w, factor);
-  } else {
-    if (w != nullptr) {
-      for (index_t p = s; p < e; ++p) {
-        const float v = o[p] * w[p];
-        o[p] = v == inf ? top : v;
-      }
-    } else {
-      for (index_t p = s; p < e; ++p) {
-        const float v = o[p] * factor;
-        o[p] = v == inf ? top : v;
-      }
-    }
-    for (index_t p = e; p < r; ++p) o[p] = o[p] == inf ? top : o[p];
-  }
+  if (div_g > 0 && (div_g & (div_g - 1)) == 0)
+    post_finish_range(o, s, e, r, post_mul_by{1.0f / static_cast<float>(div_g)}, w, factor);
+  else if (div_g > 0)
+    post_finish_range(o, s, e, r, post_div_by{static_cast<float>(div_g)}, w, factor);
+  else
+    post_finish_range(o, s, e, r, post_keep{}, w, factor);
   for (index_t p = r; p < n; ++p) o[p] = inf;
 }
 
